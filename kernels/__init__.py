@@ -1,0 +1,7 @@
+"""Triton kernels of nnkloss (importable as ``nnkloss.kernels``).
+
+Plain tensors in, plain tensors out: no autograd, banks or training here.
+"""
+from .neighbour_kernel import centre_grad, neighbour_kernel_fwd
+
+__all__ = ["neighbour_kernel_fwd", "centre_grad"]

@@ -1,0 +1,229 @@
+"""CentreBank: the device-resident Gaussian kernel centres, their labels, weights and lists."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .checks import is_integer_dtype, require_float, require_int
+
+__all__ = ["CentreBank"]
+
+
+def _validate_neighbours(neighbours: Tensor, n: int, name: str = "neighbours") -> Tensor:
+    require_int(name, neighbours, 2)
+    if neighbours.shape[0] != n:
+        raise ValueError(f"{name} must have one row per centre ({n}), got {neighbours.shape[0]}")
+    if neighbours.numel():
+        lo, hi = int(neighbours.min()), int(neighbours.max())
+        if hi >= n:
+            raise IndexError(f"{name} holds index {hi} but the bank has only {n} centres")
+        if lo < -1:
+            raise IndexError(f"{name} holds index {lo}; the only negative index allowed is -1")
+    return neighbours
+
+
+def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
+    require_float("weights", weights, 1)
+    if weights.shape[0] != n:
+        raise ValueError(f"weights has length {weights.shape[0]} but the bank has {n} centres")
+    w = weights.detach()
+    if not torch.isfinite(w).all() or (w < 0).any():
+        raise ValueError("weights must be finite and non-negative")
+    if positive and (w <= 0).any():
+        raise ValueError("learnable weights must start strictly positive (they are stored as "
+                         "log-weights, which keeps them positive while training)")
+    return weights
+
+
+class CentreBank(nn.Module):
+    """Kernel centres of a training set, one row per example (or per class centroid).
+
+    Buffers (all move with ``.to(device)`` and are saved by ``state_dict()``):
+        centres: (N, D) fp32/bf16/fp16.
+        labels: (N,) int64.
+        neighbours: (N, K) int64, -1 = padding; (N, 0) until lists are set.
+    Parameter:
+        log_weights: (N,) fp32; ``weights = exp(log_weights)`` is always non-negative. It
+            requires grad only with ``learn_weights=True`` (the paper learns weights for
+            classification and keeps them at 1 for metric learning).
+
+    Writes go through :meth:`update_`, which validates everything first and then swaps the new
+    tensors in together, so readers never see a half-written bank.
+    """
+
+    def __init__(self, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None,
+                 neighbours: Optional[Tensor] = None, learn_weights: bool = False):
+        super().__init__()
+        require_float("centres", centres, 2, (torch.float16, torch.bfloat16, torch.float32))
+        require_int("labels", labels, 1)
+        n = centres.shape[0]
+        if labels.shape[0] != n:
+            raise ValueError(f"labels has length {labels.shape[0]} but there are {n} centres")
+        if labels.device != centres.device:
+            raise ValueError(f"labels are on {labels.device} but centres on {centres.device}")
+        if not torch.isfinite(centres).all():
+            raise ValueError("centres contain NaN or inf")
+        self.register_buffer("centres", centres.detach())
+        self.register_buffer("labels", labels.detach().long())
+        if neighbours is None:
+            neighbours = torch.empty(n, 0, dtype=torch.long, device=centres.device)
+        else:
+            _validate_neighbours(neighbours, n)
+        self.register_buffer("neighbours", neighbours.detach().long())
+        if weights is None:
+            log_w = torch.zeros(n, dtype=torch.float32, device=centres.device)
+        else:
+            _validate_weights(weights, n, positive=learn_weights)
+            log_w = torch.log(weights.detach().float())
+        self.log_weights = nn.Parameter(log_w, requires_grad=learn_weights)
+        self._uniform_weights = weights is None
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def num_centres(self) -> int:
+        return self.centres.shape[0]
+
+    def __len__(self) -> int:
+        return self.num_centres
+
+    @property
+    def dim(self) -> int:
+        return self.centres.shape[1]
+
+    @property
+    def k(self) -> int:
+        """Length of each neighbour list (0 before any lists are set)."""
+        return self.neighbours.shape[1]
+
+    @property
+    def has_neighbours(self) -> bool:
+        return self.neighbours.shape[1] > 0
+
+    @property
+    def learn_weights(self) -> bool:
+        return self.log_weights.requires_grad
+
+    @learn_weights.setter
+    def learn_weights(self, value: bool) -> None:
+        if value:
+            if torch.isinf(self.log_weights.detach()).any():
+                raise ValueError("cannot learn weights while some are exactly zero")
+            self._uniform_weights = False
+        self.log_weights.requires_grad_(bool(value))
+
+    @property
+    def weights(self) -> Tensor:
+        """(N,) non-negative weights (differentiable when learned)."""
+        return self.log_weights.exp()
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.labels.max()) + 1 if self.num_centres else 0
+
+    def weights_for_loss(self) -> Optional[Tensor]:
+        """None when all weights are fixed at one (the kernel then skips the weight gather)."""
+        if self._uniform_weights and not self.learn_weights:
+            return None
+        return self.weights
+
+    # ---------------------------------------------------------------- writing
+    @torch.no_grad()
+    def update_(self, centres: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                neighbours: Optional[Tensor] = None, weights: Optional[Tensor] = None
+                ) -> "CentreBank":
+        """Validate the new tensors, then swap them all in at once (nothing changes on error).
+
+        Shapes may change (a bank can grow), as long as centres, labels, weights and lists end
+        up consistent. A change of N without new lists clears the lists. Tensors are moved to
+        the bank's device and dtype.
+        """
+        dev = self.centres.device
+        new_c = self.centres if centres is None else centres.detach().to(dev, self.centres.dtype)
+        n = new_c.shape[0]
+        if centres is not None:
+            require_float("centres", new_c, 2)
+            if new_c.shape[1] != self.dim and self.num_centres:
+                raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
+            if not torch.isfinite(new_c).all():
+                raise ValueError("centres contain NaN or inf")
+        new_l = self.labels if labels is None else labels.detach().to(dev)
+        if labels is not None:
+            require_int("labels", new_l, 1)
+        if new_l.shape[0] != n:
+            raise ValueError(f"labels has length {new_l.shape[0]} but there are {n} centres")
+        if neighbours is not None:
+            new_nb = _validate_neighbours(neighbours.detach().to(dev).long(), n)
+        elif self.neighbours.shape[0] == n:
+            new_nb = self.neighbours
+        else:
+            new_nb = torch.empty(n, 0, dtype=torch.long, device=dev)
+        if weights is not None:
+            _validate_weights(weights, n, positive=self.learn_weights)
+            new_lw = torch.log(weights.detach().to(dev).float())
+        elif self.log_weights.shape[0] == n:
+            new_lw = None
+        else:
+            grow = n - self.log_weights.shape[0]
+            if grow < 0:
+                raise ValueError("the bank shrank: pass weights for the new set of centres")
+            new_lw = torch.cat([self.log_weights.detach(),
+                                torch.zeros(grow, device=dev, dtype=torch.float32)])
+        # Everything is valid: swap in together.
+        self.centres = new_c
+        self.labels = new_l.long()
+        self.neighbours = new_nb
+        if new_lw is not None:
+            if new_lw.shape == self.log_weights.shape:
+                self.log_weights.data.copy_(new_lw)  # keeps optimiser references valid
+            else:  # the bank grew: a new parameter (rebuild the optimiser if it is learned)
+                self.log_weights = nn.Parameter(new_lw, requires_grad=self.learn_weights)
+            if weights is not None:
+                self._uniform_weights = False
+        return self
+
+    def set_neighbours(self, neighbours: Tensor) -> "CentreBank":
+        """Replace the (N, K) neighbour lists (validated, -1 = padding)."""
+        return self.update_(neighbours=neighbours)
+
+    def neighbours_for(self, idx: Tensor, exclude_self: bool = True) -> Tensor:
+        """(B, K) lists of the bank rows ``idx``, with each row's own index replaced by -1."""
+        if not self.has_neighbours:
+            raise RuntimeError("the bank has no neighbour lists yet: build them first "
+                               "(rebuild_neighbours / set_neighbours / a Refresher)")
+        require_int("idx", idx, 1)
+        if idx.device.type == "cpu" and idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.num_centres:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"idx holds {bad} but the bank has rows 0..{self.num_centres - 1}")
+        idx = idx.to(self.neighbours.device)
+        nb = self.neighbours[idx]
+        if exclude_self:
+            nb = nb.masked_fill(nb == idx[:, None], -1)
+        return nb
+
+    # ---------------------------------------------------------------- state
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Banks change size (growth, other K): take the saved shapes instead of refusing them.
+        for name in ("centres", "labels", "neighbours"):
+            key = prefix + name
+            if key in state_dict:
+                src = state_dict[key]
+                cur = getattr(self, name)
+                if src.shape != cur.shape:
+                    setattr(self, name, torch.empty(src.shape, dtype=cur.dtype, device=cur.device))
+        key = prefix + "log_weights"
+        if key in state_dict and state_dict[key].shape != self.log_weights.shape:
+            self.log_weights = nn.Parameter(torch.empty_like(state_dict[key], device=self.log_weights.device),
+                                            requires_grad=self.learn_weights)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if key in state_dict:
+            self._uniform_weights = bool((self.log_weights.detach() == 0).all())
+
+    def extra_repr(self) -> str:
+        return (f"num_centres={self.num_centres}, dim={self.dim}, k={self.k}, "
+                f"dtype={self.centres.dtype}, learn_weights={self.learn_weights}")

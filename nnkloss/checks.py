@@ -1,0 +1,158 @@
+"""Input validation for the loss: clear errors that name the argument, never garbage.
+
+Shape, dtype and device checks cost nothing and always run. Value checks (index range,
+negative weights, sigma <= 0, non-finite embeddings) read tensor contents; on a GPU that is one
+host synchronisation, so they can be switched off for hot loops with
+``nnkloss.value_checks(False)`` (the ``NeighbourKernelLoss`` module does its own cheap checks
+and validates its bank when the bank is written). They are skipped under ``torch.compile``.
+"""
+from __future__ import annotations
+
+import contextlib
+import numbers
+
+import torch
+
+_VALUE_CHECKS = True
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "triton", "torch")
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Globally enable or disable the data-dependent checks of the functional op."""
+    global _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+
+
+def value_checks_enabled() -> bool:
+    return _VALUE_CHECKS
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Context manager form of :func:`set_value_checks`."""
+    global _VALUE_CHECKS
+    old = _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS = old
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def require_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def require_int(name, t, ndim):
+    require_tensor(name, t)
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if not is_integer_dtype(t.dtype):
+        raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
+
+
+def require_float(name, t, ndim, dtypes=FLOAT_DTYPES):
+    require_tensor(name, t)
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def check_sigma(sigma, device):
+    """Return sigma as a 0-dim tensor on ``device``; raise if it is not a positive finite scalar."""
+    if isinstance(sigma, torch.Tensor):
+        if sigma.numel() != 1 or sigma.dim() > 1:
+            raise ValueError(f"sigma must be a float or a 0-dim tensor, got shape {tuple(sigma.shape)}")
+        if not sigma.dtype.is_floating_point:
+            raise TypeError(f"sigma must be a floating-point tensor, got {sigma.dtype}")
+        if sigma.device != device:
+            raise ValueError(f"sigma is on {sigma.device} but emb is on {device}")
+        return sigma.reshape(())
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        raise TypeError(f"sigma must be a float or a 0-dim tensor, got {type(sigma).__name__}")
+    sigma = float(sigma)
+    if not (sigma > 0 and sigma < float("inf")):
+        raise ValueError(f"sigma must be positive and finite, got {sigma}")
+    return torch.tensor(sigma, dtype=torch.float32, device=device)
+
+
+def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend):
+    """Shape/dtype/device checks (free: no tensor contents are read)."""
+    require_float("emb", emb, 2)
+    require_int("labels", labels, 1)
+    require_float("centres", centres, 2)
+    require_int("centre_labels", centre_labels, 1)
+    require_int("neighbours", neighbours, 2)
+    B, D = emb.shape
+    N = centres.shape[0]
+    if labels.shape[0] != B:
+        raise ValueError(f"labels has length {labels.shape[0]} but emb has {B} rows")
+    if centres.shape[1] != D:
+        raise ValueError(f"centres have dimension {centres.shape[1]} but emb has dimension {D}")
+    if centre_labels.shape[0] != N:
+        raise ValueError(f"centre_labels has length {centre_labels.shape[0]} but there are {N} centres")
+    if neighbours.shape[0] != B:
+        raise ValueError(f"neighbours has {neighbours.shape[0]} rows but emb has {B}")
+    if neighbours.shape[1] < 1:
+        raise ValueError("neighbours must have at least one column (K >= 1)")
+    if neighbours.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"neighbours must be int32 or int64, got {neighbours.dtype}")
+    if D < 1:
+        raise ValueError("emb must have at least one column (D >= 1)")
+    if weights is not None:
+        require_float("weights", weights, 1)
+        if weights.shape[0] != N:
+            raise ValueError(f"weights has length {weights.shape[0]} but there are {N} centres")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    named = [("labels", labels), ("centres", centres), ("centre_labels", centre_labels),
+             ("neighbours", neighbours)] + ([("weights", weights)] if weights is not None else [])
+    for name, t in named:
+        if t.device != emb.device:
+            raise ValueError(f"{name} is on {t.device} but emb is on {emb.device}; "
+                             "move all inputs to one device")
+
+
+def check_values(emb, centres, neighbours, weights, sigma):
+    """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling."""
+    if not _VALUE_CHECKS or _compiling():
+        return
+    N = centres.shape[0]
+    flags = [
+        (neighbours.max() >= N) if neighbours.numel() else neighbours.new_zeros((), dtype=torch.bool),
+        (neighbours.min() < -1) if neighbours.numel() else neighbours.new_zeros((), dtype=torch.bool),
+        ~torch.isfinite(emb.detach()).all(),
+        ~(sigma.detach() > 0) | ~torch.isfinite(sigma.detach()),
+    ]
+    if weights is not None:
+        wd = weights.detach()
+        flags.append((wd < 0).any() | ~torch.isfinite(wd).all())
+    bad = torch.stack([f.reshape(()) for f in flags]).tolist()
+    if bad[0]:
+        raise IndexError(f"neighbours holds index {int(neighbours.max())} but there are only "
+                         f"{N} centres (valid: 0..{N - 1}, or -1 for padding)")
+    if bad[1]:
+        raise IndexError(f"neighbours holds index {int(neighbours.min())}; the only negative "
+                         "index allowed is -1 (padding)")
+    if bad[2]:
+        raise ValueError("emb contains NaN or inf")
+    if bad[3]:
+        raise ValueError(f"sigma must be positive and finite, got {float(sigma)}")
+    if len(bad) > 4 and bad[4]:
+        raise ValueError("weights must be finite and non-negative (a zero weight removes a centre)")

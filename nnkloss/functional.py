@@ -1,0 +1,227 @@
+"""The functional neighbour-kernel loss: custom ops, autograd, backend choice, reduction.
+
+``nnkloss::nk_forward`` and ``nnkloss::nk_centre_grad`` are registered with
+``torch.library.custom_op`` so that ``torch.compile`` treats them as opaque calls (no graph
+break). The forward (Triton kernel on CUDA, chunked PyTorch elsewhere) returns everything the
+backward needs; the backward is B x K / B x D elementwise work plus, only when centres require
+grad, a scatter into an (N, D) gradient.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import torch_path
+from .checks import check_inputs, check_sigma, check_values
+
+__all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOutput",
+           "resolve_backend"]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # triton absent or broken: the torch path still works
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend and refuse combinations that cannot run."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if backend == "triton":
+        if not _triton_importable():
+            raise RuntimeError("backend='triton' needs the triton package; install it or use "
+                               "backend='torch'")
+        if device.type == "cpu" and not _interpreting():
+            raise RuntimeError("backend='triton' on CPU tensors runs only under Triton's "
+                               "interpreter: set TRITON_INTERPRET=1 before importing nnkloss")
+        if device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"backend='triton' does not support device {device}")
+    return backend
+
+
+def _kernels():
+    from . import kernels  # imported lazily: triton is only needed on this path
+    return kernels
+
+
+def _impl_module(backend: str):
+    return _kernels() if backend == "triton" else torch_path
+
+
+@torch.library.custom_op("nnkloss::nk_forward", mutates_args=())
+def _nk_forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
+                neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor,
+                backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        return _kernels().neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours,
+                                               weights, sigma)
+    return torch_path.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma)
+
+
+@_nk_forward.register_fake
+def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend):
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    cdt = torch_path.compute_dtype(emb)
+    row = emb.new_empty(B, dtype=cdt)
+    return (row, emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt),
+            emb.new_empty(B, D, dtype=cdt), emb.new_empty(B, K, dtype=cdt))
+
+
+@torch.library.custom_op("nnkloss::nk_centre_grad", mutates_args=())
+def _nk_centre_grad(emb: Tensor, centres: Tensor, neighbours: Tensor, coef: Tensor,
+                    backend: str) -> Tensor:
+    return _impl_module(backend).centre_grad(emb, centres, neighbours, coef.contiguous())
+
+
+@_nk_centre_grad.register_fake
+def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
+    return emb.new_empty(centres.shape[0], emb.shape[1], dtype=torch_path.compute_dtype(emb))
+
+
+def _setup_context(ctx, inputs, output):
+    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend = inputs
+    _, lse_all, lse_pos, grad_x, dist = output
+    ctx.save_for_backward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                          lse_all, lse_pos, grad_x, dist)
+    ctx.backend = backend
+
+
+def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
+    (emb, labels, centres, centre_labels, neighbours, weights, sigma,
+     lse_all, lse_pos, grad_x, dist) = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_emb, need_c, need_w, need_s = need[0], need[2], need[5], need[6]
+    cdt = grad_x.dtype
+    has_pos = torch.isfinite(lse_pos)
+    # Rows without a same-class neighbour carry no gradient, whatever flows in.
+    g = torch.where(has_pos, g_loss.to(cdt), torch.zeros((), dtype=cdt, device=g_loss.device))
+    grad_emb = (g[:, None] * grad_x).to(emb.dtype) if need_emb else None
+    grad_c = grad_w = grad_s = None
+    if need_c or need_w or need_s:
+        s = sigma.to(cdt)
+        logits, same = torch_path._masked_logits(neighbours, centre_labels, weights, labels,
+                                                 dist, s)
+        la = torch.where(torch.isfinite(lse_all), lse_all, 0.0)[:, None]
+        lp = torch.where(has_pos, lse_pos, 0.0)[:, None]
+        p_all = torch.exp(logits - la)
+        p_pos = torch.exp(logits.masked_fill(~same, float("-inf")) - lp)
+        dl = (p_all - p_pos) * g[:, None]  # dLoss/dlogit_j, times upstream
+        if need_s:
+            grad_s = ((dl * torch.where(torch.isfinite(logits), dist, 0.0)).sum() / s ** 3)
+            grad_s = grad_s.to(sigma.dtype).reshape(sigma.shape)
+        if need_c:
+            # dl_j/dc_j = (x - c_j) / sigma^2, so dL/dc_j = (p_j - p^R_j)(x - c_j) / sigma^2.
+            # (DESIGN.md section 1 has this with the opposite sign; gradcheck settles it.)
+            coef = dl / (s * s)
+            grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef, ctx.backend)
+            grad_c = grad_c.to(centres.dtype)
+        if need_w:
+            # dL/dw_j = (p_j - p^R_j) / w_j, written without the division so that it stays
+            # finite (and correct) for zero weights too.
+            nonpad = neighbours >= 0
+            safe = neighbours.clamp_min(0).long()
+            base = (-dist * (0.5 / (s * s))).masked_fill(~nonpad, float("-inf"))
+            same_np = nonpad & (centre_labels[safe] == labels[:, None])
+            q = torch.exp(base - la) - torch.exp(base.masked_fill(~same_np, float("-inf")) - lp)
+            q = q * g[:, None]
+            grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
+            grad_w.index_add_(0, safe.reshape(-1), q.reshape(-1))
+            grad_w = grad_w.to(weights.dtype)
+    return grad_emb, None, grad_c, None, None, grad_w, grad_s, None
+
+
+torch.library.register_autograd("nnkloss::nk_forward", _backward, setup_context=_setup_context)
+
+
+class LossOutput(NamedTuple):
+    """Result of :func:`neighbour_kernel_loss_with_stats`.
+
+    loss: the reduced loss (0-dim, or (B,) for reduction="none").
+    per_row: (B,) loss of each row, 0 for rows without a same-class neighbour.
+    valid: (B,) bool, True where the row had a same-class neighbour (counted in the mean).
+    """
+    loss: Tensor
+    per_row: Tensor
+    valid: Tensor
+
+    @property
+    def num_valid(self) -> Tensor:
+        """Number of rows counted in the mean (a 0-dim tensor: reading it syncs on GPU)."""
+        return self.valid.sum()
+
+
+def _reduce(per_row: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    if reduction == "sum":
+        return total
+    return total / valid.sum().clamp_min(1).to(total.dtype)
+
+
+def loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sigma: Tensor,
+                   reduction: str = "mean", backend: str = "auto") -> LossOutput:
+    """The op without validation; ``sigma`` must already be a 0-dim tensor on emb's device."""
+    backend = resolve_backend(backend, emb.device)
+    per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(
+        emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
+        neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend)
+    valid = torch.isfinite(lse_pos)
+    return LossOutput(_reduce(per_row, valid, reduction), per_row, valid)
+
+
+def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,
+                                     weights=None, sigma=1.0, reduction="mean",
+                                     backend="auto") -> LossOutput:
+    """Like :func:`neighbour_kernel_loss`, but also returns the per-row losses and which rows
+    had a same-class neighbour (``.valid``, ``.num_valid``)."""
+    check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend)
+    sigma_t = check_sigma(sigma, emb.device)
+    check_values(emb, centres, neighbours, weights, sigma_t)
+    return loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sigma_t,
+                          reduction, backend)
+
+
+def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weights=None,
+                          sigma=1.0, reduction="mean", backend="auto") -> Tensor:
+    """Nearest-neighbour Gaussian kernel loss (Meyer et al., ICIP 2018, Eq. 3).
+
+    For each row b: ``-log( sum_{j in N_b, y_j = labels[b]} w_j k(x_b, c_j) / sum_{j in N_b} w_j
+    k(x_b, c_j) )`` with ``k(x, c) = exp(-||x - c||^2 / (2 sigma^2))``, computed with
+    log-sum-exp so that it stays finite however far the embeddings are from their centres.
+
+    Args:
+        emb: (B, D) fp16/bf16/fp32/fp64 embeddings.
+        labels: (B,) integer class labels.
+        centres: (N, D) fp16/bf16/fp32/fp64 kernel centres.
+        centre_labels: (N,) integer labels of the centres.
+        neighbours: (B, K) int32/int64 indices into ``centres``; -1 = padding. Duplicates count
+            as many times as they appear.
+        weights: (N,) non-negative per-centre weights, or None for all ones. A zero weight
+            removes that centre.
+        sigma: kernel width, a positive float or a 0-dim tensor (may require grad).
+        reduction: "mean" (over rows that have a same-class neighbour), "sum" or "none" ((B,)).
+        backend: "auto" (Triton for CUDA tensors, torch otherwise), "triton" (also CPU tensors
+            under TRITON_INTERPRET=1), or "torch".
+
+    Rows whose list holds no same-class centre contribute zero loss and zero gradient and are
+    left out of the mean; :func:`neighbour_kernel_loss_with_stats` returns which rows those are.
+    Gradients flow to ``emb`` and to ``centres``, ``weights`` and ``sigma`` when they require
+    grad. Math is fp32 (fp64 for fp64 ``emb``) whatever the input dtypes; the loss is returned
+    in that dtype.
+    """
+    return neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,
+                                            weights, sigma, reduction, backend).loss

@@ -1,0 +1,260 @@
+"""nnkloss.knn: both backends against brute force, self-exclusion, edge cases, errors, recall."""
+import math
+import types
+import warnings
+
+import pytest
+import torch
+
+import nnkloss.knn as K
+from nnkloss.knn import knn, recall_against_exact
+
+HAVE_FAISS = K.faiss_available()
+BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,
+                                                                        reason="faiss missing"))]
+
+
+def brute(queries, base, k, exclude_self=False):
+    """Reference k smallest squared distances, one query row at a time (fp64, no Q x N matrix)."""
+    q64, b64 = queries.double(), base.double()
+    out = []
+    for i in range(q64.shape[0]):
+        d = (b64 - q64[i]).pow(2).sum(1)
+        if exclude_self:
+            d[i] = math.inf
+        out.append(d.sort().values[:k])
+    return torch.stack(out) if out else torch.empty(0, k, dtype=torch.float64)
+
+
+def check_result(queries, base, k, dist, idx, exclude_self=False, rtol=1e-4, atol=1e-4):
+    q = queries.shape[0]
+    assert dist.shape == (q, k) and idx.shape == (q, k)
+    assert dist.dtype == torch.float32 and idx.dtype == torch.int64
+    if q == 0:
+        return
+    ref = brute(queries, base, k, exclude_self)
+    # Distances, not indices, are compared so that ties may resolve either way ...
+    torch.testing.assert_close(dist.double(), ref, rtol=rtol, atol=atol)
+    assert (dist[:, 1:] >= dist[:, :-1]).all(), "distances must ascend"
+    # ... and the indices must be distinct, in range and give exactly those distances.
+    assert ((idx >= 0) & (idx < base.shape[0])).all()
+    s = idx.sort(1).values
+    assert (s[:, 1:] != s[:, :-1]).all(), "a row repeats an index"
+    true_d = (base.double()[idx] - queries.double()[:, None, :]).pow(2).sum(-1)
+    torch.testing.assert_close(dist.double(), true_d, rtol=rtol, atol=atol)
+    if exclude_self:
+        assert (idx != torch.arange(q)[:, None]).all(), "a row returned itself"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("exclude_self", [False, True])
+def test_matches_brute_force(backend, exclude_self):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(300, 24, generator=g)
+    queries = base if exclude_self else torch.randn(77, 24, generator=g)
+    k = 10
+    # A tiny tile budget forces many query and base tiles: exercises the running merge.
+    dist, idx = knn(queries, base, k, backend=backend, exclude_self=exclude_self, tile_bytes=40_000)
+    check_result(queries, base, k, dist, idx, exclude_self)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_tiles_and_auto(backend):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(257, 8, generator=g)
+    queries = torch.randn(31, 8, generator=g)
+    for b in (backend, "auto"):
+        dist, idx = knn(queries, base, 7, backend=b)
+        check_result(queries, base, 7, dist, idx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("exclude_self,k", [(False, 1), (True, 1), (True, 49), (False, 50)])
+def test_extreme_k(backend, exclude_self, k):
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(50, 5, generator=g)
+    queries = base if exclude_self else torch.randn(9, 5, generator=g)
+    dist, idx = knn(queries, base, k, backend=backend, exclude_self=exclude_self, tile_bytes=3000)
+    check_result(queries, base, k, dist, idx, exclude_self)
+    if k == base.shape[0] - int(exclude_self):  # every candidate is returned exactly once
+        all_rows = torch.arange(base.shape[0]).expand(queries.shape[0], -1)
+        if exclude_self:
+            all_rows = all_rows[all_rows != torch.arange(50)[:, None]].view(50, 49)
+        assert torch.equal(idx.sort(1).values, all_rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_query(backend):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(100, 12, generator=g)
+    queries = torch.randn(1, 12, generator=g)
+    dist, idx = knn(queries, base, 5, backend=backend, tile_bytes=2000)
+    check_result(queries, base, 5, dist, idx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicate_points(backend):
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(40, 6, generator=g).repeat(3, 1)  # every point three times
+    dist, idx = knn(base, base, 4, backend=backend, exclude_self=True, tile_bytes=2000)
+    check_result(base, base, 4, dist, idx, exclude_self=True)
+    # The two twins come first, at distance 0, and they are not the row itself.
+    assert (dist[:, :2] <= 1e-4).all()
+    n0 = 40
+    assert ((idx[:, :2] % n0) == (torch.arange(120) % n0)[:, None]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_low_precision_inputs_give_fp32_distances(dtype):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(90, 16, generator=g).to(dtype)
+    queries = torch.randn(13, 16, generator=g).to(dtype)
+    dist, idx = knn(queries, base, 6, backend="torch", tile_bytes=5000)
+    # Exact on the (rounded) input values: they are upcast before any arithmetic.
+    check_result(queries.float(), base.float(), 6, dist, idx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_queries(backend):
+    base = torch.randn(10, 3)
+    dist, idx = knn(torch.empty(0, 3), base, 4, backend=backend)
+    assert dist.shape == (0, 4) and idx.shape == (0, 4)
+    assert dist.dtype == torch.float32 and idx.dtype == torch.int64
+
+
+def test_tile_sizes_respect_budget():
+    for q, n, d, k, budget in [(10**6, 10**6, 128, 100, 256 * 2**20),
+                               (10**5, 10**6, 2048, 100, 256 * 2**20),
+                               (500, 300, 24, 10, 40_000)]:
+        tq, tb = K._tile_sizes(q, n, d, k, budget)
+        assert 1 <= tq <= q and 1 <= tb <= n
+        if tq > 1:  # a one-row tile is the floor; otherwise the working set fits
+            assert tq * tb * 8 + tq * d * 4 + tb * d * 4 <= budget
+        assert tq * tb < q * n  # never the whole Q x N matrix for these shapes
+
+
+# ----------------------------------------------------------------------------- errors
+def test_k_too_large_names_k():
+    base = torch.randn(10, 3)
+    with pytest.raises(ValueError, match=r"k=11"):
+        knn(torch.randn(2, 3), base, 11, backend="torch")
+    with pytest.raises(ValueError, match=r"k=10.*exclude_self"):
+        knn(base, base, 10, backend="torch", exclude_self=True)
+    with pytest.raises(ValueError, match=r"k must be >= 1"):
+        knn(base, base, 0, backend="torch")
+    with pytest.raises(TypeError, match=r"k must be an int"):
+        knn(base, base, True, backend="torch")
+    with pytest.raises(ValueError, match=r"k=3"):  # checked even when there are no queries
+        knn(torch.empty(0, 3), base[:2], 3, backend="torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs(backend):
+    base = torch.randn(10, 3)
+    with pytest.raises(ValueError, match="base is empty"):
+        knn(torch.randn(2, 3), torch.empty(0, 3), 1, backend=backend)
+    bad = base.clone()
+    bad[4, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"queries contains NaN or inf \(first bad row: 4\)"):
+        knn(bad, base, 2, backend=backend)
+    bad[4, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"base contains NaN or inf \(first bad row: 4\)"):
+        knn(torch.randn(2, 3), bad, 2, backend=backend)
+    with pytest.raises(ValueError, match="dimension"):
+        knn(torch.randn(2, 4), base, 2, backend=backend)
+    with pytest.raises(ValueError, match="exclude_self"):
+        knn(torch.randn(2, 3), base, 1, backend=backend, exclude_self=True)
+    with pytest.raises(TypeError, match="queries"):
+        knn(torch.randint(0, 3, (2, 3)), base, 1, backend=backend)
+    with pytest.raises(ValueError, match="queries must be 2-D"):
+        knn(torch.randn(3), base, 1, backend=backend)
+
+
+def test_bad_options():
+    base = torch.randn(10, 3)
+    with pytest.raises(ValueError, match="backend"):
+        knn(base, base, 1, backend="annoy")
+    with pytest.raises(ValueError, match="approximate"):
+        knn(base, base, 1, approximate="lsh")
+    with pytest.raises(ValueError, match="backend must be 'auto' or 'faiss'"):
+        knn(base, base, 1, backend="torch", approximate="ivf")
+
+
+def test_missing_faiss(monkeypatch):
+    monkeypatch.setattr(K, "_faiss_module", lambda: None)
+    base = torch.randn(10, 3)
+    with pytest.raises(ImportError, match="pip install faiss-cpu"):
+        knn(base, base, 2, backend="faiss")
+    with pytest.raises(ImportError, match="faiss"):
+        knn(base, base, 2, approximate="hnsw")
+    # "auto" quietly uses the torch backend.
+    dist, idx = knn(base, base, 2, backend="auto")
+    check_result(base, base, 2, dist, idx)
+
+
+def test_gpu_probe_failure_warns_once_and_falls_back(monkeypatch):
+    """A faiss GPU build that cannot run on the device (e.g. no sm_90 code) -> one warning."""
+    class BrokenIndex:
+        def __init__(self, *a):
+            pass
+
+        def add(self, x):
+            pass
+
+        def search(self, x, k):
+            raise RuntimeError("CUDA error 209 no kernel image is available for execution\n"
+                               "on the device")
+
+    fake = types.SimpleNamespace(StandardGpuResources=lambda: object(), get_num_gpus=lambda: 1,
+                                 GpuIndexFlatConfig=lambda: types.SimpleNamespace(device=0),
+                                 GpuIndexFlatL2=BrokenIndex)
+    monkeypatch.setattr(K, "_faiss_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    K.faiss_gpu_usable.cache_clear()
+    K._gpu_resources.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"faiss GPU index unusable on cuda:0 .*no kernel"):
+            assert K.faiss_gpu_usable(0) is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert K.faiss_gpu_usable(0) is False  # cached: no second probe, no second warning
+        assert K._resolve_backend("auto", torch.device("cuda", 0)) == "torch"
+    finally:
+        K.faiss_gpu_usable.cache_clear()
+        K._gpu_resources.cache_clear()
+
+
+# ----------------------------------------------------------------------------- approximate
+def clustered(n, d, classes, seed):
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(classes, d, generator=g) * 10
+    return means[torch.arange(n) % classes] + torch.randn(n, d, generator=g)
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_approximate_search_and_recall(kind):
+    base = clustered(3000, 16, 20, seed=6)
+    rec = recall_against_exact(base, base, 10, approximate=kind, sample=200, exclude_self=True)
+    assert 0.0 <= rec <= 1.0
+    assert rec > 0.9
+    dist, idx = knn(base, base, 10, approximate=kind, exclude_self=True)
+    assert dist.shape == (3000, 10) and idx.dtype == torch.int64
+    assert (idx != torch.arange(3000)[:, None]).all()
+    found = idx >= 0
+    assert found.float().mean() > 0.95
+    assert torch.isinf(dist[~found]).all()
+    # Returned distances are true distances of the returned rows.
+    q = torch.arange(0, 3000, 97)
+    d_true = (base[idx[q].clamp_min(0)] - base[q, None]).pow(2).sum(-1)
+    assert torch.allclose(dist[q][found[q]], d_true[found[q]], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+def test_recall_is_low_when_the_index_is_starved():
+    base = torch.randn(2000, 32, generator=torch.Generator().manual_seed(7))
+    low = recall_against_exact(base, base, 20, approximate="ivf", sample=100, nlist=50, nprobe=1)
+    high = recall_against_exact(base, base, 20, approximate="ivf", sample=100, nlist=50, nprobe=50)
+    assert 0.0 <= low < high and high == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="sample"):
+        recall_against_exact(base, base, 5, sample=0)

@@ -16,8 +16,9 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "faiss": ["faiss-cpu"],
-        "vision": ["torchvision"],
+        "vision": ["torchvision", "scipy", "Pillow"],
         "demo": ["scikit-learn", "matplotlib"],
-        "test": ["pytest", "triton>=3.0", "scikit-learn", "matplotlib", "faiss-cpu"],
+        "test": ["pytest", "triton>=3.0", "scikit-learn", "matplotlib", "faiss-cpu", "scipy",
+                 "torchvision", "Pillow"],
     },
 )

@@ -1,0 +1,538 @@
+"""Image datasets in their official on-disk layouts, for the papers' experiments.
+
+Every dataset here is a :class:`torch.utils.data.Dataset` whose items are
+``(image, label, idx)``:
+
+    image: whatever ``transform`` makes of an RGB ``PIL.Image`` (the PIL image itself if
+        ``transform`` is None), e.g. a (3, H, W) float32 tensor;
+    label: int in ``0 .. num_classes - 1``;
+    idx: int, the item's position in the dataset. It is the item's row in a
+        :class:`nnkloss.CentreBank` built over this dataset.
+
+Images are read with PIL on access (nothing is cached or downloaded). Index files are read and
+checked when the dataset is built; a missing or malformed file raises
+:class:`FileNotFoundError` / :class:`DatasetFormatError` naming the file (and line).
+
+Protocols (the ``protocol`` argument):
+
+* ``"metric"``: the metric-learning set-up of Song et al. (2016) used in the papers: the first
+  half of the classes (sorted by their official id) form ``split="train"``, the second half
+  ``split="test"``, all images of those classes.
+* ``"classification"``: the same classes for training and testing. ``split`` is one of
+  ``"train"``, ``"val"``, ``"trainval"`` (= train + val) and ``"test"``. Where a dataset has no
+  official validation set, a seeded, per-class stratified fraction of the official training
+  set is held out (the papers: 20% on CUB, 30% on Cars196; 50/20/30 of everything on Leafsnap
+  field).
+
+Labels are remapped to ``0 .. C-1`` over the classes of the protocol's split family (all
+classes for classification, so train/val/test share one mapping; each half for metric
+learning), in the order of the official class ids.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = [
+    "DatasetFormatError",
+    "ImageListDataset",
+    "CUB200",
+    "Cars196",
+    "Flowers102",
+    "Leafsnap",
+    "stratified_split",
+    "as_tensor_labels",
+    "DATASETS",
+]
+
+PROTOCOLS = ("metric", "classification")
+METRIC_SPLITS = ("train", "test")
+CLASSIFICATION_SPLITS = ("train", "val", "trainval", "test")
+
+
+class DatasetFormatError(ValueError):
+    """An index/annotation file exists but does not have the expected content."""
+
+
+def _require_file(path: str, what: str) -> str:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    return path
+
+
+def _require_dir(path: str, what: str) -> str:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    return path
+
+
+def _check_split(protocol: str, split: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    allowed = METRIC_SPLITS if protocol == "metric" else CLASSIFICATION_SPLITS
+    if split not in allowed:
+        raise ValueError(f"split must be one of {allowed} for protocol={protocol!r}, got {split!r}")
+
+
+def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: int
+                     ) -> List[np.ndarray]:
+    """Split item positions into parts with the given fractions, class by class.
+
+    Args:
+        labels: (N,) class of each item (any hashable ints).
+        fractions: part sizes, summing to 1 (e.g. (0.8, 0.2)).
+        seed: the split depends only on ``seed`` and ``labels``.
+    Returns:
+        one sorted int64 array of positions per part. Within each class the part boundaries
+        are ``round(cumulative fraction * n_class)`` (so the overall fractions hold up to
+        rounding), and the first part always gets at least one item of every class (a class
+        absent from training could never be predicted).
+    """
+    fr = np.asarray(fractions, dtype=np.float64)
+    if fr.ndim != 1 or (fr < 0).any() or abs(fr.sum() - 1.0) > 1e-6:
+        raise ValueError(f"fractions must be non-negative and sum to 1, got {list(fractions)}")
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    parts: List[List[np.ndarray]] = [[] for _ in fr]
+    cum = np.cumsum(fr)
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        members = members[rng.permutation(len(members))]
+        n = len(members)
+        bounds = np.round(cum * n).astype(int)
+        bounds[-1] = n
+        bounds[0] = max(bounds[0], min(1, n))  # never leave a class out of the first part
+        bounds = np.maximum.accumulate(bounds)
+        start = 0
+        for p, end in enumerate(bounds):
+            parts[p].append(members[start:end])
+            start = end
+    return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64)
+            for p in parts]
+
+
+def _remap(raw: Sequence, universe: Sequence) -> Tuple[np.ndarray, List]:
+    """Labels as 0..C-1 in the order of ``universe`` (sorted official ids/names)."""
+    order = list(universe)
+    lut = {c: i for i, c in enumerate(order)}
+    return np.array([lut[c] for c in raw], dtype=np.int64), order
+
+
+def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable]) -> List[tuple]:
+    """Whitespace-separated lines with exactly ``ncols`` fields, converted with ``types``."""
+    _require_file(path, what)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            fields = line.split()
+            if len(fields) != ncols:
+                raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
+                                         f"{len(fields)}: {line.strip()[:80]!r}")
+            try:
+                rows.append(tuple(t(v) for t, v in zip(types, fields)))
+            except ValueError as e:
+                raise DatasetFormatError(f"{path}, line {lineno}: {e}") from None
+    if not rows:
+        raise DatasetFormatError(f"{path} is empty")
+    return rows
+
+
+def _loadmat(path: str, what: str, keys: Sequence[str]) -> dict:
+    _require_file(path, what)
+    try:
+        import scipy.io
+    except ImportError as e:  # pragma: no cover - scipy is in the "vision" extra
+        raise ImportError(f"reading {path} needs scipy (pip install scipy)") from e
+    try:
+        mat = scipy.io.loadmat(path, squeeze_me=True, struct_as_record=True)
+    except Exception as e:  # scipy raises several types for corrupt files
+        raise DatasetFormatError(f"{path} is not a readable MATLAB file: {e}") from None
+    missing = [k for k in keys if k not in mat]
+    if missing:
+        raise DatasetFormatError(f"{path} has no variable(s) {missing}; found "
+                                 f"{sorted(k for k in mat if not k.startswith('__'))}")
+    return mat
+
+
+def _int_vector(mat: dict, key: str, path: str) -> np.ndarray:
+    v = np.atleast_1d(np.asarray(mat[key]))
+    if v.dtype == object or v.ndim != 1 or not np.issubdtype(v.dtype, np.number):
+        raise DatasetFormatError(f"{path}: variable {key!r} must be a numeric vector, "
+                                 f"got shape {v.shape} dtype {v.dtype}")
+    return v.astype(np.int64)
+
+
+class ImageListDataset(Dataset):
+    """A list of image files with labels (and optional crop boxes), read with PIL on access.
+
+    Args:
+        paths: image file paths.
+        labels: (N,) int labels in 0..num_classes-1.
+        num_classes: C (a split may not contain every class).
+        transform: applied to the RGB ``PIL.Image`` (after the box crop).
+        boxes: optional (N, 4) float boxes ``(left, upper, right, lower)`` in pixels (PIL's
+            crop convention); the image is cropped to its box, clipped to the image, before
+            ``transform``.
+        class_names: optional names of the C classes.
+    Attributes:
+        paths, labels (int64 numpy array), targets (list of int, torchvision style),
+        num_classes, class_names.
+    """
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int], num_classes: int,
+                 transform: Optional[Callable] = None, boxes: Optional[np.ndarray] = None,
+                 class_names: Optional[Sequence[str]] = None):
+        self.paths = list(paths)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        if len(self.paths) != len(self.labels):
+            raise ValueError(f"{len(self.paths)} paths but {len(self.labels)} labels")
+        if boxes is not None:
+            boxes = np.asarray(boxes, dtype=np.float64)
+            if boxes.shape != (len(self.paths), 4):
+                raise ValueError(f"boxes must have shape ({len(self.paths)}, 4), got {boxes.shape}")
+        self.boxes = boxes
+        self.num_classes = int(num_classes)
+        self.class_names = list(class_names) if class_names is not None else None
+        self.transform = transform
+
+    @property
+    def targets(self) -> List[int]:
+        return self.labels.tolist()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def load_image(self, i: int):
+        """The RGB PIL image of item ``i``, box-cropped if boxes were given."""
+        from PIL import Image
+
+        path = self.paths[i]
+        try:
+            with Image.open(path) as im:
+                img = im.convert("RGB")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"image not found: {path}") from None
+        except OSError as e:
+            raise DatasetFormatError(f"cannot read image {path}: {e}") from None
+        if self.boxes is not None:
+            left, upper, right, lower = self.boxes[i]
+            w, h = img.size
+            left, upper = max(0, int(round(left))), max(0, int(round(upper)))
+            right, lower = min(w, int(round(right))), min(h, int(round(lower)))
+            if right > left and lower > upper:  # a degenerate box keeps the whole image
+                img = img.crop((left, upper, right, lower))
+        return img
+
+    def __getitem__(self, i: int):
+        if i < 0:
+            i += len(self)
+        img = self.load_image(i)
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, int(self.labels[i]), i
+
+    def subset(self, positions: Sequence[int]) -> "ImageListDataset":
+        """A new dataset of the given items (indices restart at 0), same classes/transform."""
+        pos = np.asarray(positions, dtype=np.int64)
+        return ImageListDataset([self.paths[p] for p in pos], self.labels[pos], self.num_classes,
+                                self.transform, None if self.boxes is None else self.boxes[pos],
+                                self.class_names)
+
+    def check_files(self) -> None:
+        """Raise FileNotFoundError naming the first missing image (and how many are missing)."""
+        missing = [p for p in self.paths if not os.path.isfile(p)]
+        if missing:
+            raise FileNotFoundError(f"image not found: {missing[0]} ({len(missing)} of "
+                                    f"{len(self.paths)} images missing)")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(items={len(self)}, classes={self.num_classes}, "
+                f"box_crop={self.boxes is not None})")
+
+
+def _select(protocol: str, split: str, cls: np.ndarray, is_train: Optional[np.ndarray],
+            class_order: Sequence, val_fraction: float, seed: int,
+            is_val: Optional[np.ndarray] = None) -> Tuple[np.ndarray, List]:
+    """Positions of the chosen split and the class universe its labels are mapped over.
+
+    ``cls``: official class of every item; ``is_train``: official train flag (classification);
+    ``is_val``: official validation flag if the dataset has one (then val_fraction is unused).
+    """
+    if protocol == "metric":
+        half = len(class_order) // 2
+        universe = list(class_order[:half]) if split == "train" else list(class_order[half:])
+        chosen = set(universe)
+        return np.flatnonzero([c in chosen for c in cls]), universe
+    universe = list(class_order)
+    if split == "test":
+        return np.flatnonzero(~is_train & (True if is_val is None else ~is_val)), universe
+    if is_val is not None:
+        train_pos, val_pos = np.flatnonzero(is_train), np.flatnonzero(is_val)
+    else:
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        official = np.flatnonzero(is_train)
+        tr, va = stratified_split(cls[official], (1.0 - val_fraction, val_fraction), seed)
+        train_pos, val_pos = official[tr], official[va]
+    pos = {"train": train_pos, "val": val_pos,
+           "trainval": np.union1d(train_pos, val_pos)}[split]
+    return np.sort(pos), universe
+
+
+class CUB200(ImageListDataset):
+    """Caltech-UCSD Birds-200-2011 (11,788 images, 200 species).
+
+    Args:
+        root: the ``CUB_200_2011`` folder (holding images.txt, image_class_labels.txt,
+            train_test_split.txt, bounding_boxes.txt and images/), or its parent.
+        split: see the module docstring.
+        protocol: "metric" (classes 1-100 train / 101-200 test) or "classification" (the
+            official train/test split, with ``val_fraction`` of train held out as "val").
+        transform: torchvision-style transform of the PIL image.
+        bbox_crop: crop each image to its bounding box (the papers do for classification only).
+        val_fraction: held-out part of the official training set (the papers: 0.2).
+        seed: seed of the validation split.
+        check_files: stat every image at construction (fails early on a partial copy).
+    """
+
+    def __init__(self, root: str, split: str = "train", protocol: str = "metric",
+                 transform: Optional[Callable] = None, bbox_crop: bool = False,
+                 val_fraction: float = 0.2, seed: int = 0, check_files: bool = True):
+        _check_split(protocol, split)
+        if os.path.isdir(os.path.join(root, "CUB_200_2011")):
+            root = os.path.join(root, "CUB_200_2011")
+        _require_dir(root, "CUB_200_2011 folder")
+        self.root = root
+        images = _read_table(os.path.join(root, "images.txt"), 2, "CUB images.txt", (int, str))
+        cls_rows = _read_table(os.path.join(root, "image_class_labels.txt"), 2,
+                               "CUB image_class_labels.txt", (int, int))
+        split_rows = _read_table(os.path.join(root, "train_test_split.txt"), 2,
+                                 "CUB train_test_split.txt", (int, int))
+        ids = [i for i, _ in images]
+        path_of = dict(images)
+        cls_of = self._by_id(cls_rows, ids, os.path.join(root, "image_class_labels.txt"))
+        train_of = self._by_id(split_rows, ids, os.path.join(root, "train_test_split.txt"))
+        box_of = None
+        if bbox_crop:
+            box_file = os.path.join(root, "bounding_boxes.txt")
+            boxes = _read_table(box_file, 5, "CUB bounding_boxes.txt",
+                                (int, float, float, float, float))
+            box_of = self._by_id([(r[0], r[1:]) for r in boxes], ids, box_file)
+        cls = np.array([cls_of[i] for i in ids])
+        is_train = np.array([train_of[i] == 1 for i in ids])
+        class_order = sorted(set(cls.tolist()))
+        names = self._class_names(root, class_order)
+        pos, universe = _select(protocol, split, cls, is_train, class_order, val_fraction, seed)
+        labels, _ = _remap(cls[pos], universe)
+        paths = [os.path.join(root, "images", path_of[ids[p]]) for p in pos]
+        bxs = None
+        if box_of is not None:
+            # CUB boxes are (x, y, width, height) in pixels.
+            bxs = np.array([[x, y, x + w, y + h] for x, y, w, h in (box_of[ids[p]] for p in pos)],
+                           dtype=np.float64).reshape(-1, 4)
+        super().__init__(paths, labels, len(universe), transform, bxs,
+                         [names.get(c, str(c)) for c in universe])
+        self.protocol, self.split = protocol, split
+        if check_files:
+            self.check_files()
+
+    @staticmethod
+    def _by_id(rows, ids, path) -> Dict:
+        table = dict(rows)
+        missing = [i for i in ids if i not in table]
+        if missing:
+            raise DatasetFormatError(f"{path} has no entry for image id {missing[0]} "
+                                     f"({len(missing)} ids missing)")
+        return table
+
+    @staticmethod
+    def _class_names(root: str, class_order) -> Dict[int, str]:
+        path = os.path.join(root, "classes.txt")
+        if not os.path.isfile(path):  # optional: only used for names
+            return {}
+        return {c: n for c, n in _read_table(path, 2, "CUB classes.txt", (int, str))}
+
+
+class Cars196(ImageListDataset):
+    """Stanford Cars196 (16,185 images, 196 models), the all-in-one ``cars_annos.mat`` layout.
+
+    Args:
+        root: folder holding ``car_ims/`` and ``cars_annos.mat`` (fields relative_im_path,
+            bbox_x1, bbox_y1, bbox_x2, bbox_y2, class, test).
+        split, protocol, transform, bbox_crop, seed, check_files: as for :class:`CUB200`
+            ("metric": classes 1-98 train / 99-196 test).
+        val_fraction: held-out part of the official training set (the papers: 0.3).
+    """
+
+    FIELDS = ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2", "class", "test")
+
+    def __init__(self, root: str, split: str = "train", protocol: str = "metric",
+                 transform: Optional[Callable] = None, bbox_crop: bool = False,
+                 val_fraction: float = 0.3, seed: int = 0, check_files: bool = True):
+        _check_split(protocol, split)
+        _require_dir(root, "Cars196 root folder")
+        self.root = root
+        mat_path = os.path.join(root, "cars_annos.mat")
+        mat = _loadmat(mat_path, "Cars196 annotation file cars_annos.mat", ["annotations"])
+        ann = np.atleast_1d(mat["annotations"])
+        names = ann.dtype.names or ()
+        missing = [f for f in self.FIELDS if f not in names]
+        if missing:
+            raise DatasetFormatError(f"{mat_path}: 'annotations' lacks field(s) {missing}; "
+                                     f"found {list(names)}")
+        rel = [str(np.asarray(p).reshape(-1)[0]) if np.asarray(p).size else ""
+               for p in ann["relative_im_path"]]
+        if any(not p for p in rel):
+            raise DatasetFormatError(f"{mat_path}: empty relative_im_path entries")
+        try:
+            col = {f: np.array([np.asarray(v).reshape(-1)[0] for v in ann[f]], dtype=np.float64)
+                   for f in self.FIELDS[1:]}
+        except (IndexError, ValueError, TypeError) as e:
+            raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
+        cls = col["class"].astype(np.int64)
+        is_train = col["test"] == 0
+        class_order = sorted(set(cls.tolist()))
+        class_names = None
+        if "class_names" in mat:
+            cn = np.atleast_1d(mat["class_names"])
+            if len(cn) >= max(class_order):
+                class_names = [str(cn[c - 1]) for c in class_order]
+        pos, universe = _select(protocol, split, cls, is_train, class_order, val_fraction, seed)
+        labels, _ = _remap(cls[pos], universe)
+        paths = [os.path.join(root, rel[p]) for p in pos]
+        bxs = None
+        if bbox_crop:
+            # 1-based inclusive MATLAB pixel coordinates -> PIL's (left, upper, right, lower).
+            bxs = np.stack([col["bbox_x1"][pos] - 1, col["bbox_y1"][pos] - 1,
+                            col["bbox_x2"][pos], col["bbox_y2"][pos]], axis=1)
+        names_u = None
+        if class_names is not None:
+            names_u = [class_names[class_order.index(c)] for c in universe]
+        super().__init__(paths, labels, len(universe), transform, bxs, names_u)
+        self.protocol, self.split = protocol, split
+        if check_files:
+            self.check_files()
+
+
+class Flowers102(ImageListDataset):
+    """Oxford 102 Flowers (8,189 images) with its official train/val/test split.
+
+    Args:
+        root: folder holding ``jpg/image_XXXXX.jpg``, ``imagelabels.mat`` (``labels``, 1..102)
+            and ``setid.mat`` (``trnid``, ``valid``, ``tstid``: 1-based image numbers).
+        split: "train", "val", "trainval" or "test" (classification only; "metric" splits the
+            102 classes 51/51 like the other datasets).
+        protocol, transform, check_files: as for :class:`CUB200`.
+    """
+
+    def __init__(self, root: str, split: str = "train", protocol: str = "classification",
+                 transform: Optional[Callable] = None, check_files: bool = True):
+        _check_split(protocol, split)
+        _require_dir(root, "Flowers102 root folder")
+        self.root = root
+        lab_path = os.path.join(root, "imagelabels.mat")
+        set_path = os.path.join(root, "setid.mat")
+        labels_all = _int_vector(_loadmat(lab_path, "Flowers102 imagelabels.mat", ["labels"]),
+                                 "labels", lab_path)
+        sets = _loadmat(set_path, "Flowers102 setid.mat", ["trnid", "valid", "tstid"])
+        ids = {k: _int_vector(sets, k, set_path) for k in ("trnid", "valid", "tstid")}
+        n = len(labels_all)
+        for k, v in ids.items():
+            if len(v) and (v.min() < 1 or v.max() > n):
+                raise DatasetFormatError(f"{set_path}: {k} holds image number "
+                                         f"{v.min() if v.min() < 1 else v.max()} but "
+                                         f"{lab_path} labels only {n} images")
+        class_order = sorted(set(labels_all.tolist()))
+        if protocol == "metric":
+            pos, universe = _select(protocol, split, labels_all, None, class_order, 0.0, 0)
+        else:
+            universe = class_order
+            pos = {"train": ids["trnid"] - 1, "val": ids["valid"] - 1, "test": ids["tstid"] - 1,
+                   "trainval": np.concatenate([ids["trnid"], ids["valid"]]) - 1}[split]
+            pos = np.sort(pos)
+        labels, _ = _remap(labels_all[pos], universe)
+        paths = [os.path.join(root, "jpg", f"image_{p + 1:05d}.jpg") for p in pos]
+        super().__init__(paths, labels, len(universe), transform, None,
+                         [str(c) for c in universe])
+        self.protocol, self.split = protocol, split
+        if check_files:
+            self.check_files()
+
+
+class Leafsnap(ImageListDataset):
+    """Leafsnap (field images only by default: 185 species photographed outdoors).
+
+    Args:
+        root: the ``leafsnap-dataset`` folder holding ``leafsnap-dataset-images.txt`` (tab
+            separated with a header: file_id, image_path, segmented_path, species, source)
+            and the image tree its ``image_path`` column points into (relative to ``root``).
+        split: "train", "val", "trainval" or "test" (classification; a seeded per-species
+            50/20/30 split, as in the papers) or "train"/"test" (metric, species halves in
+            sorted name order).
+        source: which images to use ("field", "lab", or "all").
+        protocol, transform, seed, check_files: as for :class:`CUB200`.
+        fractions: train/val/test fractions of the classification split.
+    """
+
+    INDEX = "leafsnap-dataset-images.txt"
+    COLUMNS = ("file_id", "image_path", "segmented_path", "species", "source")
+
+    def __init__(self, root: str, split: str = "train", protocol: str = "classification",
+                 transform: Optional[Callable] = None, source: str = "field", seed: int = 0,
+                 fractions: Tuple[float, float, float] = (0.5, 0.2, 0.3),
+                 check_files: bool = True):
+        _check_split(protocol, split)
+        if source not in ("field", "lab", "all"):
+            raise ValueError(f"source must be 'field', 'lab' or 'all', got {source!r}")
+        _require_dir(root, "Leafsnap root folder")
+        self.root = root
+        index = _require_file(os.path.join(root, self.INDEX), "Leafsnap index file")
+        rows = []
+        with open(index, encoding="utf-8", newline="") as f:
+            reader = csv.reader(f, delimiter="\t")
+            header = next(reader, None)
+            if header is None or [h.strip() for h in header] != list(self.COLUMNS):
+                raise DatasetFormatError(f"{index}, line 1: expected the tab-separated header "
+                                         f"{list(self.COLUMNS)}, got {header}")
+            for lineno, r in enumerate(reader, 2):
+                if not r or not any(x.strip() for x in r):
+                    continue
+                if len(r) != len(self.COLUMNS):
+                    raise DatasetFormatError(f"{index}, line {lineno}: expected "
+                                             f"{len(self.COLUMNS)} tab-separated fields, got "
+                                             f"{len(r)}")
+                rows.append([x.strip() for x in r])
+        rows = [r for r in rows if source == "all" or r[4] == source]
+        if not rows:
+            raise DatasetFormatError(f"{index} lists no images with source == {source!r}")
+        species = np.array([r[3] for r in rows])
+        class_order = sorted(set(species.tolist()))
+        if protocol == "metric":
+            pos, universe = _select(protocol, split, species, None, class_order, 0.0, 0)
+        else:
+            universe = class_order
+            tr, va, te = stratified_split(species, fractions, seed)
+            pos = {"train": tr, "val": va, "test": te,
+                   "trainval": np.union1d(tr, va)}[split]
+        labels, _ = _remap(species[pos], universe)
+        paths = [os.path.join(root, rows[p][1]) for p in pos]
+        super().__init__(paths, labels, len(universe), transform, None, universe)
+        self.protocol, self.split, self.source = protocol, split, source
+        if check_files:
+            self.check_files()
+
+
+#: name -> class, for command-line scripts.
+DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": Leafsnap}
+
+
+def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
+    """(N,) int64 tensor of a dataset's labels (the CentreBank's ``labels``)."""
+    return torch.from_numpy(ds.labels.copy())

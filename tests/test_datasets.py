@@ -1,0 +1,206 @@
+"""Dataset loaders on tiny trees fabricated in the official layouts."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from fabricate import make_cars, make_cub, make_flowers, make_leafsnap
+from nnkloss.datasets import (CUB200, Cars196, DatasetFormatError, Flowers102, Leafsnap,
+                              stratified_split)
+
+
+def to_tensor(img):
+    return torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
+
+
+def _check_items(ds, n_classes):
+    assert len(ds) > 0
+    for i in range(len(ds)):
+        img, label, idx = ds[i]
+        assert idx == i
+        assert 0 <= label < n_classes
+        assert isinstance(label, int)
+    assert set(ds.labels.tolist()) <= set(range(n_classes))
+    assert ds.num_classes == n_classes
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return {
+        "cub": make_cub(str(root / "cub")),
+        "cars": make_cars(str(root / "cars")),
+        "flowers": make_flowers(str(root / "flowers")),
+        "leafsnap": make_leafsnap(str(root / "leafsnap")),
+        "root": root,
+    }
+
+
+def test_cub_metric_split(trees):
+    tr = CUB200(trees["cub"], "train", protocol="metric", transform=to_tensor)
+    te = CUB200(os.path.dirname(trees["cub"]), "test", protocol="metric")  # parent also works
+    assert len(tr) == 10 and len(te) == 10  # classes 1-2 / 3-4, 5 images each
+    _check_items(tr, 2)
+    img, label, idx = tr[0]
+    assert img.shape == (3, 30, 40) and img.dtype == torch.float32
+    assert tr.class_names[0] == "001.Bird_1" and te.class_names[0] == "003.Bird_3"
+    assert te.labels.tolist() == [0] * 5 + [1] * 5
+    assert set(tr.paths).isdisjoint(te.paths)
+
+
+def test_cub_classification_split_and_boxes(trees):
+    kw = dict(protocol="classification", val_fraction=0.34, seed=3)
+    tr = CUB200(trees["cub"], "train", **kw)
+    va = CUB200(trees["cub"], "val", **kw)
+    tv = CUB200(trees["cub"], "trainval", **kw)
+    te = CUB200(trees["cub"], "test", **kw)
+    assert len(tv) == 12 and len(te) == 8 and len(tr) + len(va) == 12
+    assert len(va) == 4  # round(0.34 * 3) = 1 per class
+    assert set(tr.paths).isdisjoint(va.paths) and set(tv.paths).isdisjoint(te.paths)
+    _check_items(te, 4)
+    assert tr.num_classes == te.num_classes == 4
+    # Seeded: same split twice, a different one for another seed (almost surely).
+    assert CUB200(trees["cub"], "val", **kw).paths == va.paths
+    other = [CUB200(trees["cub"], "val", protocol="classification", val_fraction=0.34,
+                    seed=s).paths for s in range(6)]
+    assert len({tuple(p) for p in other}) > 1
+    boxed = CUB200(trees["cub"], "test", protocol="classification", bbox_crop=True)
+    assert boxed.load_image(0).size == (20, 15)  # box x=2 y=3 w=20 h=15 on a 40x30 image
+    assert te.load_image(0).size == (40, 30)
+
+
+def test_cars(trees):
+    tr = Cars196(trees["cars"], "train", protocol="metric")
+    te = Cars196(trees["cars"], "test", protocol="metric", transform=to_tensor)
+    assert len(tr) == 10 and len(te) == 10
+    _check_items(te, 2)
+    assert tr.class_names == ["Car model 1", "Car model 2"]
+    kw = dict(protocol="classification", val_fraction=0.3, seed=0)
+    ctr, cva, cte = (Cars196(trees["cars"], s, **kw) for s in ("train", "val", "test"))
+    assert len(cte) == 8 and len(ctr) + len(cva) == 12 and len(cva) == 4
+    _check_items(ctr, 4)
+    boxed = Cars196(trees["cars"], "test", protocol="classification", bbox_crop=True)
+    assert boxed.load_image(0).size == (28, 22)  # x1=3..x2=30, y1=4..y2=25, 1-based inclusive
+
+
+def test_flowers(trees):
+    parts = {s: Flowers102(trees["flowers"], s) for s in ("train", "val", "trainval", "test")}
+    assert [len(parts[s]) for s in ("train", "val", "trainval", "test")] == [6, 6, 12, 6]
+    _check_items(parts["test"], 3)
+    assert parts["train"].paths[0].endswith(os.path.join("jpg", "image_00001.jpg"))
+    assert parts["val"].labels.tolist() == [0, 0, 1, 1, 2, 2]
+    m = Flowers102(trees["flowers"], "test", protocol="metric")
+    assert m.num_classes == 2 and len(m) == 12  # classes 2 and 3 of 3
+
+
+def test_leafsnap_field_split(trees):
+    parts = {s: Leafsnap(trees["leafsnap"], s, seed=1) for s in ("train", "val", "test",
+                                                                   "trainval")}
+    assert [len(parts[s]) for s in ("train", "val", "test")] == [15, 6, 9]  # 5/2/3 per species
+    assert all("/field/" in p for s in parts for p in parts[s].paths)
+    assert parts["train"].class_names == ["Acer species1", "Acer species2", "Acer species3"]
+    _check_items(parts["val"], 3)
+    allp = parts["train"].paths + parts["val"].paths + parts["test"].paths
+    assert len(set(allp)) == 30
+    assert sorted(parts["trainval"].paths) == sorted(parts["train"].paths + parts["val"].paths)
+    assert len(Leafsnap(trees["leafsnap"], "train", source="all")) > 15
+
+
+def test_stratified_split_fractions():
+    labels = np.repeat(np.arange(5), 20)
+    a, b, c = stratified_split(labels, (0.5, 0.2, 0.3), seed=0)
+    assert (len(a), len(b), len(c)) == (50, 20, 30)
+    assert len(np.intersect1d(a, b)) == 0 and len(np.union1d(np.union1d(a, b), c)) == 100
+    for part in (a, b, c):
+        assert set(labels[part]) == set(range(5))
+    with pytest.raises(ValueError, match="sum to 1"):
+        stratified_split(labels, (0.5, 0.2), seed=0)
+
+
+def test_loader_yields_batches(trees):
+    ds = CUB200(trees["cub"], "train", transform=to_tensor)
+    x, y, idx = next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
+    assert x.shape == (4, 3, 30, 40) and y.dtype == torch.int64 and idx.tolist() == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------ errors name the file
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_files_are_named(trees, tmp_path):
+    cub = _copy(trees["cub"], str(tmp_path / "CUB_200_2011"))
+    os.remove(os.path.join(cub, "train_test_split.txt"))
+    with pytest.raises(FileNotFoundError, match="train_test_split.txt"):
+        CUB200(cub, "train")
+    with pytest.raises(FileNotFoundError, match="cars_annos.mat"):
+        Cars196(str(tmp_path), "train")
+    fl = _copy(trees["flowers"], str(tmp_path / "fl"))
+    os.remove(os.path.join(fl, "setid.mat"))
+    with pytest.raises(FileNotFoundError, match="setid.mat"):
+        Flowers102(fl, "train")
+    with pytest.raises(FileNotFoundError, match="leafsnap-dataset-images.txt"):
+        Leafsnap(str(tmp_path), "train")
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        Cars196(str(tmp_path / "no_such_dir"))
+
+
+def test_missing_image_is_named(trees, tmp_path):
+    cars = _copy(trees["cars"], str(tmp_path / "cars"))
+    os.remove(os.path.join(cars, "car_ims", "000002.jpg"))
+    with pytest.raises(FileNotFoundError, match="000002.jpg"):
+        Cars196(cars, "train")
+    ds = Cars196(cars, "train", check_files=False)  # deferred: fails on access instead
+    with pytest.raises(FileNotFoundError, match="000002.jpg"):
+        ds[1]
+
+
+def test_malformed_files_are_named(trees, tmp_path):
+    cub = _copy(trees["cub"], str(tmp_path / "CUB_200_2011"))
+    with open(os.path.join(cub, "image_class_labels.txt"), "a") as f:
+        f.write("21 3 extra\n")
+    with pytest.raises(DatasetFormatError, match=r"image_class_labels.txt, line 21"):
+        CUB200(cub, "train")
+    with open(os.path.join(cub, "image_class_labels.txt"), "w") as f:
+        f.write("1 one\n")
+    with pytest.raises(DatasetFormatError, match="image_class_labels.txt"):
+        CUB200(cub, "train")
+
+    import scipy.io
+    cars = _copy(trees["cars"], str(tmp_path / "cars"))
+    scipy.io.savemat(os.path.join(cars, "cars_annos.mat"), {"something_else": np.zeros(3)})
+    with pytest.raises(DatasetFormatError, match="cars_annos.mat.*annotations"):
+        Cars196(cars, "train")
+    with open(os.path.join(cars, "cars_annos.mat"), "w") as f:
+        f.write("not a mat file")
+    with pytest.raises(DatasetFormatError, match="cars_annos.mat"):
+        Cars196(cars, "train")
+
+    fl = _copy(trees["flowers"], str(tmp_path / "fl"))
+    scipy.io.savemat(os.path.join(fl, "setid.mat"), {"trnid": np.array([1, 99]),
+                                                     "valid": np.array([2]),
+                                                     "tstid": np.array([3])})
+    with pytest.raises(DatasetFormatError, match="setid.mat.*99"):
+        Flowers102(fl, "train")
+
+    leaf = _copy(trees["leafsnap"], str(tmp_path / "leaf"))
+    index = os.path.join(leaf, "leafsnap-dataset-images.txt")
+    lines = open(index).read().splitlines()
+    with open(index, "w") as f:
+        f.write("\n".join(lines[:3] + ["7\tonly-two-fields"] + lines[3:]) + "\n")
+    with pytest.raises(DatasetFormatError, match=r"leafsnap-dataset-images.txt, line 4"):
+        Leafsnap(leaf, "train")
+    with open(index, "w") as f:
+        f.write("\n".join(lines[1:]) + "\n")  # header missing
+    with pytest.raises(DatasetFormatError, match=r"leafsnap-dataset-images.txt, line 1"):
+        Leafsnap(leaf, "train")
+
+
+def test_bad_split_arguments(trees):
+    with pytest.raises(ValueError, match="split"):
+        CUB200(trees["cub"], "val", protocol="metric")
+    with pytest.raises(ValueError, match="protocol"):
+        CUB200(trees["cub"], "train", protocol="zero-shot")

@@ -79,19 +79,21 @@ def _nk_fwd_kernel(
         kk = k0 + offs_k
         kmask = kk < K
         idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
-        valid = kmask & (idx >= 0)
-        safe = tl.where(valid, idx, 0)
-        clab = tl.load(clab_ptr + safe, mask=valid, other=0)
+        nonpad = kmask & (idx >= 0)
+        safe = tl.where(nonpad, idx, 0)
+        clab = tl.load(clab_ptr + safe, mask=nonpad, other=0)
         if HAS_W:
-            w = tl.load(w_ptr + safe, mask=valid, other=0.0).to(COMPUTE)
-            valid = valid & (w > 0)
+            w = tl.load(w_ptr + safe, mask=nonpad, other=0.0).to(COMPUTE)
+            valid = nonpad & (w > 0)
             logw = tl.log(tl.where(valid, w, 1.0))
         else:
+            valid = nonpad
             logw = tl.zeros([BLOCK_K], dtype=COMPUTE)
+        # Distances of zero-weight entries are still computed: the weight gradient needs them.
         if SINGLE_PASS:
             c = tl.load(cen_ptr + safe[:, None] * stride_cn + offs_d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
-            diff = tl.where(valid[:, None], c - x[None, :], 0.0)
+                        mask=nonpad[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+            diff = tl.where(nonpad[:, None], c - x[None, :], 0.0)
             dist = tl.sum(diff * diff, axis=1)
         else:
             dist = tl.zeros([BLOCK_K], dtype=COMPUTE)
@@ -100,8 +102,8 @@ def _nk_fwd_kernel(
                 dm = dd < D
                 xc = tl.load(emb_ptr + row * stride_eb + dd, mask=dm, other=0.0).to(COMPUTE)
                 cc = tl.load(cen_ptr + safe[:, None] * stride_cn + dd[None, :],
-                             mask=valid[:, None] & dm[None, :], other=0.0).to(COMPUTE)
-                df = tl.where(valid[:, None], cc - xc[None, :], 0.0)
+                             mask=nonpad[:, None] & dm[None, :], other=0.0).to(COMPUTE)
+                df = tl.where(nonpad[:, None], cc - xc[None, :], 0.0)
                 dist += tl.sum(df * df, axis=1)
         tl.store(dist_ptr + row * stride_db + kk, dist, mask=kmask)
 
@@ -153,9 +155,9 @@ def _nk_fwd_kernel(
                     logw = tl.zeros([BLOCK_K], dtype=COMPUTE)
                 dist = tl.load(dist_ptr + row * stride_db + kk, mask=kmask, other=0.0)
                 logit = logw - dist * half_inv_s2
-                p_all = tl.where(valid & (s_all > 0), tl.exp(logit - lse_all_safe), 0.0)
-                p_pos = tl.where(valid & has_pos & (clab == label),
-                                 tl.exp(logit - lse_pos_safe), 0.0)
+                # Any valid entry implies s_all > 0; rows without positives are zeroed by coef.
+                p_all = tl.where(valid, tl.exp(logit - lse_all_safe), 0.0)
+                p_pos = tl.where(valid & (clab == label), tl.exp(logit - lse_pos_safe), 0.0)
                 coef = tl.where(has_pos, (p_all - p_pos) * inv_s2, 0.0)
                 cc = tl.load(cen_ptr + safe[:, None] * stride_cn + dd[None, :],
                              mask=valid[:, None] & dm[None, :], other=0.0).to(COMPUTE)
@@ -223,7 +225,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     Returns:
         loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b, dist (B, K); all in
         the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no same-class neighbour
-        have loss 0, lse_pos -inf and grad_x 0.
+        have loss 0, lse_pos -inf and grad_x 0. ``dist`` holds squared distances of every
+        non-padding entry (zero-weight ones too) and 0 for padding.
     """
     B, D = emb.shape
     K = neighbours.shape[1]

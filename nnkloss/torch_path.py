@@ -52,7 +52,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma):
         nbr = neighbours[lo:hi]
         x = emb[lo:hi].to(cdt)
         diff = centres[nbr.clamp_min(0).long()].to(cdt) - x[:, None, :]  # (rows, K, D), bounded
-        d = (diff * diff).sum(-1)
+        d = (diff * diff).sum(-1).masked_fill(nbr < 0, 0.0)  # padding: 0, as the kernel
         logits, same = _masked_logits(nbr, centre_labels, weights, labels[lo:hi], d, sigma)
         la = torch.logsumexp(logits, dim=1)
         lp = torch.logsumexp(logits.masked_fill(~same, float("-inf")), dim=1)

@@ -1,0 +1,310 @@
+"""The functional op (both backends) against the fp64 reference: values and every gradient."""
+import pytest
+import torch
+
+import nnkloss
+from nnkloss import torch_path
+from reference import reference_loss, reference_loss_rows
+
+BACKENDS = ["torch", "triton"]
+
+
+def make_case(B, N, D, K, C=3, seed=0, pad=0.0, weights=True, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(B, D, generator=g, dtype=torch.float64) * spread
+    centres = torch.randn(N, D, generator=g, dtype=torch.float64) * spread
+    labels = torch.randint(0, C, (B,), generator=g)
+    centre_labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    if pad:
+        nb = nb.masked_fill(torch.rand(B, K, generator=g) < pad, -1)
+    w = (torch.rand(N, generator=g, dtype=torch.float64) + 0.25) if weights else None
+    return emb, labels, centres, centre_labels, nb, w
+
+
+def tolerances(emb_dtype, bank_dtype):
+    if emb_dtype == torch.float64 and bank_dtype == torch.float64:
+        return dict(rtol=1e-8, atol=1e-10)
+    return dict(rtol=2e-4, atol=2e-5)
+
+
+def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", grads=True):
+    emb = emb.detach().clone().requires_grad_(True)
+    centres = centres.detach().clone().requires_grad_(grads)
+    w = None if w is None else w.detach().clone().requires_grad_(grads)
+    s = torch.tensor(sigma, dtype=torch.float64 if emb.dtype == torch.float64 else torch.float32,
+                     requires_grad=grads)
+    out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, s,
+                                                   reduction=reduction, backend=backend)
+    loss = out.loss if reduction != "none" else (out.loss * torch.linspace(0.5, 1.5, len(out.loss),
+                                                                           dtype=out.loss.dtype)).sum()
+    named = {"emb": emb}
+    if grads:
+        named.update(centres=centres, sigma=s)
+        if w is not None:
+            named["weights"] = w
+    gr = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+    return out, dict(zip(named, gr))
+
+
+def run_ref(emb, labels, centres, cl, nb, w, sigma, reduction="mean"):
+    emb = emb.detach().double().requires_grad_(True)
+    centres = centres.detach().double().requires_grad_(True)
+    w = None if w is None else w.detach().double().requires_grad_(True)
+    s = torch.tensor(sigma, dtype=torch.float64, requires_grad=True)
+    loss = reference_loss(emb, labels, centres, cl, nb, w, s, reduction=reduction)
+    rows, valid = reference_loss_rows(emb.detach(), labels, centres.detach(), cl, nb,
+                                      None if w is None else w.detach(), s.detach())
+    if reduction == "none":
+        loss = (loss * torch.linspace(0.5, 1.5, len(loss), dtype=loss.dtype)).sum()
+    inputs = [emb, centres, s] + ([w] if w is not None else [])
+    gr = torch.autograd.grad(loss, inputs, allow_unused=True)
+    names = ["emb", "centres", "sigma", "weights"]
+    return rows, valid, {n: (torch.zeros_like(i) if g is None else g)
+                         for n, g, i in zip(names, gr, inputs)}
+
+
+def compare(case, backend, emb_dtype=torch.float32, bank_dtype=torch.float32, sigma=1.3,
+            reduction="mean"):
+    emb, labels, centres, cl, nb, w = case
+    emb_c = emb.to(emb_dtype)
+    cen_c = centres.to(bank_dtype)
+    # The reference sees exactly the values the op sees (bank rounded to its dtype).
+    rows_ref, valid_ref, g_ref = run_ref(emb_c, labels, cen_c, cl, nb, w, sigma, reduction)
+    out, g = run_op(backend, emb_c, labels, cen_c, cl, nb, w, sigma, reduction)
+    tol = tolerances(emb_dtype, bank_dtype)
+    assert torch.equal(out.valid, valid_ref)
+    torch.testing.assert_close(out.per_row.double(), rows_ref, **tol)
+    assert torch.isfinite(out.per_row).all()
+    for name, ref in g_ref.items():
+        got = g[name].double()
+        assert torch.isfinite(got).all(), name
+        low = {"centres": bank_dtype, "emb": emb_dtype}.get(name)
+        if low in (torch.bfloat16, torch.float16):
+            # The gradient is returned in the input's dtype: compare at that dtype's precision.
+            torch.testing.assert_close(got, ref.to(low).double(), rtol=1.6e-2, atol=1e-3)
+        else:
+            scale = max(1.0, float(ref.abs().max()))
+            torch.testing.assert_close(got, ref, rtol=tol["rtol"], atol=tol["atol"] * scale,
+                                       msg=lambda m: f"{name}: {m}")
+    return out
+
+
+SHAPES = [
+    # (B, N, D, K)
+    (1, 1, 1, 1),        # smallest everything
+    (4, 9, 1, 1),        # D = 1, K = 1
+    (6, 40, 70, 5),      # D = 70 (not a power of two), K not a power of two
+    (5, 25, 3, 13),      # K = 13
+    (3, 7, 8, 33),       # K > N: many duplicates, K crosses several tiles
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference_fp64(backend, shape):
+    case = make_case(*shape, pad=0.2)
+    compare(case, backend, emb_dtype=torch.float64, bank_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES[1:4])
+def test_matches_reference_low_precision(backend, bank_dtype, shape):
+    case = make_case(*shape, pad=0.1, seed=1)
+    compare(case, backend, emb_dtype=torch.float32, bank_dtype=bank_dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_embeddings(backend):
+    case = make_case(6, 30, 12, 7, seed=2)
+    compare(case, backend, emb_dtype=torch.bfloat16, bank_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions(backend, reduction):
+    case = make_case(7, 20, 5, 6, seed=3, pad=0.3)
+    compare(case, backend, emb_dtype=torch.float64, bank_dtype=torch.float64, reduction=reduction)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_all_padding_and_no_positive_rows(backend):
+    emb, labels, centres, cl, nb, w = make_case(6, 12, 4, 5, seed=4)
+    nb[0] = -1                      # all padding
+    cl[:] = 0
+    labels[1] = 2                   # no centre of class 2 anywhere: no positive
+    labels[2:] = 0
+    nb[3, 2:] = -1                  # partly padded
+    out = compare((emb, labels, centres, cl, nb, w), backend, torch.float64, torch.float64)
+    assert out.valid.tolist() == [False, False, True, True, True, True]
+    assert out.num_valid.item() == 4
+    assert out.per_row[0].item() == 0.0 and out.per_row[1].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_positive_anywhere_gives_zero_and_zero_grad(backend):
+    emb, labels, centres, cl, nb, w = make_case(3, 8, 4, 4, seed=5)
+    cl[:] = 1
+    labels[:] = 0
+    emb.requires_grad_(True)
+    loss = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(emb.grad) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicates_count_as_many_times_as_they_appear(backend):
+    emb, labels, centres, cl, _, w = make_case(2, 6, 3, 1, seed=6)
+    nb = torch.tensor([[0, 1, 1, 1], [2, 2, 3, -1]])
+    compare((emb, labels, centres, cl, nb, w), backend, torch.float64, torch.float64)
+    # Explicit check: row 0 with entry 1 three times equals weighting centre 1 by 3.
+    w3 = torch.ones(6, dtype=torch.float64)
+    w3[1] = 3.0
+    b = nnkloss.neighbour_kernel_loss(emb[:1], labels[:1], centres, cl, torch.tensor([[0, 1]]),
+                                      w3, backend=backend)
+    a = nnkloss.neighbour_kernel_loss(emb[:1], labels[:1], centres, cl, nb[:1], backend=backend)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [1e2, 1e4])
+def test_huge_distances_stay_finite(backend, offset):
+    """Positives far beyond the point where exp() underflows: still finite and exact."""
+    emb, labels, centres, cl, nb, w = make_case(4, 10, 6, 6, seed=7)
+    labels[:] = 0
+    cl[:] = 1
+    cl[0] = 0
+    centres[0] += offset            # the only positive is very far away
+    nb[:, 0] = 0
+    out = compare((emb, labels, centres, cl, nb, w), backend, torch.float64, torch.float64)
+    assert (out.per_row > 0.4 * offset ** 2 * 0.5).all()  # ~ d / (2 sigma^2), sigma = 1.3
+    # fp32 distances of ~offset^2 cannot be compared tightly; they must still be finite.
+    out32, g32 = run_op(backend, emb.float(), labels, centres.float(), cl, nb, w.float(), 1.3)
+    assert torch.isfinite(out32.per_row).all() and out32.valid.all()
+    assert all(torch.isfinite(t).all() for t in g32.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_far_query_from_everything(backend):
+    emb, labels, centres, cl, nb, w = make_case(3, 10, 5, 6, seed=8)
+    emb = emb + 1e3
+    compare((emb, labels, centres, cl, nb, w), backend, torch.float64, torch.float64)
+    # In fp32, distances ~5e6 carry an absolute rounding error ~0.5, so only finiteness and a
+    # loose agreement can be asked of them.
+    out, g = run_op(backend, emb.float(), labels, centres.float(), cl, nb, w.float(), 1.3)
+    assert torch.isfinite(out.per_row).all()
+    assert all(torch.isfinite(t).all() for t in g.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_weight_removes_centre(backend):
+    emb, labels, centres, cl, nb, w = make_case(5, 12, 4, 6, seed=9, C=2)
+    # Pick a centre whose removal leaves every row's validity unchanged, so that the loss is
+    # differentiable in w_j at 0 (the finite difference below needs that).
+    for j in nb[0].tolist():
+        removed = nb.masked_fill(nb == j, -1)
+        if torch.equal(reference_loss_rows(emb, labels, centres, cl, removed, w)[1],
+                       reference_loss_rows(emb, labels, centres, cl, nb, w)[1]):
+            break
+    else:
+        raise AssertionError("test data has no suitable centre")
+    w[j] = 0.0
+    # Same loss as replacing that entry by padding everywhere.
+    nb2 = nb.masked_fill(nb == j, -1)
+    out, g = run_op(backend, emb, labels, centres, cl, nb, w, 1.3)
+    _, _, g_ref = run_ref(emb, labels, centres, cl, nb2, w, 1.3)
+    b = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb2, w, 1.3, backend=backend)
+    torch.testing.assert_close(out.loss, b)
+    for name in ("emb", "centres", "sigma"):
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-8, atol=1e-10)
+    others = torch.arange(12) != j
+    torch.testing.assert_close(g["weights"][others], g_ref["weights"][others], rtol=1e-8,
+                               atol=1e-10)
+    # At w_j = 0 the op gives the one-sided derivative, so a learned weight can come back.
+    eps = 1e-7
+    w_eps = w.clone()
+    w_eps[j] = eps
+    fd = (reference_loss(emb, labels, centres, cl, nb, w_eps, 1.3)
+          - reference_loss(emb, labels, centres, cl, nb, w, 1.3)) / eps
+    torch.testing.assert_close(g["weights"][j], fd, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_neighbours_and_labels(backend):
+    emb, labels, centres, cl, nb, w = make_case(5, 12, 4, 6, seed=10)
+    a = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w, backend=backend)
+    b = nnkloss.neighbour_kernel_loss(emb, labels.int(), centres, cl.int(), nb.int(), w,
+                                      backend=backend)
+    torch.testing.assert_close(a, b)
+
+
+def test_sigma_float_and_tensor_agree():
+    emb, labels, centres, cl, nb, w = make_case(5, 12, 4, 6, seed=11)
+    a = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w, sigma=0.7)
+    b = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w,
+                                      sigma=torch.tensor(0.7, dtype=torch.float64))
+    torch.testing.assert_close(a, b)
+
+
+def test_gradcheck_reference():
+    emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=12, pad=0.2)
+    s = torch.tensor(1.1, dtype=torch.float64)
+    args = [t.requires_grad_(True) for t in (emb, centres, w, s)]
+    assert torch.autograd.gradcheck(
+        lambda e, c, ww, ss: reference_loss(e, labels, c, cl, nb, ww, ss), args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_op(backend):
+    emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=13, pad=0.2)
+    s = torch.tensor(0.9, dtype=torch.float64)
+    args = [t.requires_grad_(True) for t in (emb, centres, w, s)]
+    assert torch.autograd.gradcheck(
+        lambda e, c, ww, ss: nnkloss.neighbour_kernel_loss(e, labels, c, cl, nb, ww, ss,
+                                                           backend=backend), args)
+
+
+def test_torch_path_chunks_agree(monkeypatch):
+    """Forcing many small chunks changes nothing (the (rows, K, D) temporary is bounded)."""
+    case = make_case(9, 20, 6, 5, seed=14, pad=0.2)
+    full = compare(case, "torch", torch.float64, torch.float64)
+    monkeypatch.setattr(torch_path, "CHUNK_ELEMS", 31)
+    assert torch_path._rows_per_chunk(5, 6) == 1
+    chunked = compare(case, "torch", torch.float64, torch.float64)
+    torch.testing.assert_close(full.per_row, chunked.per_row)
+
+
+def test_kernel_two_phase_path_matches_single_pass():
+    """Wide-D path (distances first, then chunked weighted sums) on a small D by lowering the
+    register block limit."""
+    from nnkloss import kernels
+    emb, labels, centres, cl, nb, w = make_case(5, 30, 70, 9, seed=15, pad=0.2)
+    emb, centres = emb.float(), centres.float()
+    s = torch.tensor(1.2)
+    one = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s)
+    two = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s, max_block_d=16)
+    ref = torch_path.forward(emb, labels, centres, cl, nb, w.float(), s)
+    for a, b, r in zip(one, two, ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_centre_grad_matches_torch():
+    from nnkloss import kernels
+    emb, labels, centres, cl, nb, w = make_case(6, 15, 37, 7, seed=16, pad=0.3)
+    coef = torch.randn(6, 7, dtype=torch.float64)
+    a = kernels.centre_grad(emb, centres, nb, coef)
+    b = torch_path.centre_grad(emb, centres, nb, coef)
+    torch.testing.assert_close(a, b)
+
+
+def test_empty_batch():
+    _, _, centres, cl, _, _ = make_case(1, 5, 3, 2)
+    emb = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
+    out = nnkloss.neighbour_kernel_loss_with_stats(
+        emb, torch.zeros(0, dtype=torch.long), centres, cl, torch.zeros(0, 2, dtype=torch.long))
+    assert out.loss.item() == 0.0 and out.per_row.shape == (0,)
+    out.loss.backward()
+    assert emb.grad.shape == (0, 3)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .checks import is_integer_dtype, require_float, require_int
+from .checks import compiling, require_float, require_int
 
 __all__ = ["CentreBank"]
 
@@ -187,13 +187,36 @@ class CentreBank(nn.Module):
         """Replace the (N, K) neighbour lists (validated, -1 = padding)."""
         return self.update_(neighbours=neighbours)
 
+    def rebuild_neighbours(self, k: int, backend: str = "auto", ensure_positive: bool = False,
+                           **knn_options):
+        """Recompute the (N, k) lists from the current centres (own row excluded) and set them.
+
+        Args:
+            k: list length, 1 <= k <= N - 1 (ValueError naming k otherwise).
+            backend: "auto", "torch" or "faiss" (see :func:`nnkloss.knn.knn`); ``knn_options``
+                go to it too (``approximate="ivf"``, ``tile_bytes=``, ...).
+            ensure_positive: a row whose list holds no centre of its own label gets its nearest
+                same-label centre (other than itself) in place of its last entry, when one
+                exists (per-class searches; no N x N matrix).
+
+        Returns:
+            The :class:`nnkloss.knn.NeighbourLists` that was installed: indices (N, k),
+            squared distances (N, k), has_positive (N,), num_patched, search seconds, backend.
+        """
+        from .knn import neighbour_lists  # only needed here: keeps bank import-light
+        lists = neighbour_lists(self.centres, self.labels, k, backend=backend,
+                                ensure_positive=ensure_positive, **knn_options)
+        self.update_(neighbours=lists.indices)
+        return lists
+
     def neighbours_for(self, idx: Tensor, exclude_self: bool = True) -> Tensor:
         """(B, K) lists of the bank rows ``idx``, with each row's own index replaced by -1."""
         if not self.has_neighbours:
             raise RuntimeError("the bank has no neighbour lists yet: build them first "
                                "(rebuild_neighbours / set_neighbours / a Refresher)")
         require_int("idx", idx, 1)
-        if idx.device.type == "cpu" and idx.numel():
+        # Checked for CPU idx only (free); CUDA idx would cost a host sync per step.
+        if idx.device.type == "cpu" and idx.numel() and not compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.num_centres:
                 bad = lo if lo < 0 else hi
@@ -203,6 +226,23 @@ class CentreBank(nn.Module):
         if exclude_self:
             nb = nb.masked_fill(nb == idx[:, None], -1)
         return nb
+
+    # ---------------------------------------------------------------- centroid banks
+    @classmethod
+    def from_class_means(cls, emb, labels, per_class: int = 1, seed: int = 0) -> "CentreBank":
+        """A bank of class centroids (NCM for ``per_class=1``, NCMC above; see
+        :func:`nnkloss.centroids.class_centroids`). emb (N, D) float, labels (N,) int >= 0,
+        tensors or numpy arrays; the bank lives on emb's device, without neighbour lists."""
+        from .centroids import class_centroids
+        centres, centre_labels = class_centroids(emb, labels, per_class=per_class, seed=seed)
+        return cls(centres, centre_labels)
+
+    def add(self, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None
+            ) -> "CentreBank":
+        """Append centres (M, D) with labels (M,) and optional weights (M,) in place, without
+        retraining (see :func:`nnkloss.centroids.add_centres`). Returns the bank."""
+        from .centroids import add_centres
+        return add_centres(self, centres, labels, weights)
 
     # ---------------------------------------------------------------- state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

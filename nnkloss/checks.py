@@ -42,7 +42,8 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = old
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """True while torch.compile traces (data-dependent checks must be skipped then)."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 
@@ -131,7 +132,7 @@ def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduc
 
 def check_values(emb, centres, neighbours, weights, sigma):
     """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling."""
-    if not _VALUE_CHECKS or _compiling():
+    if not _VALUE_CHECKS or compiling():
         return
     N = centres.shape[0]
     flags = [

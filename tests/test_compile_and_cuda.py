@@ -1,0 +1,106 @@
+"""torch.compile without graph breaks, and the kernel on a real GPU when there is one."""
+import pytest
+import torch
+
+import nnkloss
+from test_loss_op import SHAPES, compare, make_case
+
+
+class Head(torch.nn.Module):
+    def __init__(self, bank):
+        super().__init__()
+        self.net = torch.nn.Linear(5, 4)
+        self.loss = nnkloss.NeighbourKernelLoss(bank, sigma=1.2, learn_sigma=True)
+
+    def forward(self, x, labels, idx):
+        return self.loss(self.net(x), labels, idx)
+
+
+def _bank():
+    g = torch.Generator().manual_seed(0)
+    return nnkloss.CentreBank(torch.randn(20, 4, generator=g),
+                              torch.randint(0, 3, (20,), generator=g),
+                              neighbours=torch.randint(-1, 20, (20, 6), generator=g))
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_no_graph_break(compile_backend):
+    torch._dynamo.reset()
+    model = Head(_bank())
+    x = torch.randn(8, 5)
+    idx = torch.arange(8, dtype=torch.long)
+    labels = model.loss.bank.labels[idx]
+    eager = model(x, labels, idx)
+    eager.backward()
+    g_eager = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+    out = compiled(x, labels, idx)
+    out.backward()
+    g_comp = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    torch.testing.assert_close(out, eager)
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_functional_op_compiles_fullgraph():
+    torch._dynamo.reset()
+    emb, labels, centres, cl, nb, w = make_case(6, 12, 4, 5, seed=1)
+    emb.requires_grad_(True)
+
+    def f(e):
+        return nnkloss.neighbour_kernel_loss(e, labels, centres, cl, nb, w, sigma=0.8)
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(emb)
+    torch.testing.assert_close(out, f(emb))
+
+
+def test_opcheck():
+    """torch.library's own consistency checks of the registered op (schema, fake, autograd)."""
+    emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=2)
+    args = (emb.float().requires_grad_(True), labels, centres.float().requires_grad_(True), cl,
+            nb, w.float().requires_grad_(True), torch.tensor(1.1, requires_grad=True), "torch")
+    torch.library.opcheck(torch.ops.nnkloss.nk_forward.default, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", SHAPES + [(64, 5000, 512, 100), (33, 300, 2048, 37),
+                                            (16, 200, 5000, 9)])
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_reference(shape, bank_dtype, monkeypatch):
+    case = [t.cuda() if isinstance(t, torch.Tensor) else t
+            for t in make_case(*shape, pad=0.1, seed=5)]
+    import reference
+    # The reference is a Python loop: run it on CPU copies.
+    orig = reference.reference_loss_rows
+
+    def on_cpu(*a, **k):
+        a = [t.cpu() if isinstance(t, torch.Tensor) else t for t in a]
+        rows, valid = orig(*a, **{n: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                  for n, v in k.items()})
+        return rows.cuda(), valid.cuda()
+    if shape[0] * shape[3] > 2000:
+        pytest.skip("reference loop too slow for this shape; covered by test_cuda_vs_torch_path")
+    monkeypatch.setattr("test_loss_op.reference_loss_rows", on_cpu)
+    compare(case, "triton", torch.float32, bank_dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(64, 5000, 512, 100), (33, 300, 2048, 37), (16, 200, 5000, 9),
+                                   (256, 20000, 128, 256)])
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_vs_torch_path(shape, bank_dtype):
+    """Large shapes: Triton on CUDA against the fp64 torch path on the same device."""
+    emb, labels, centres, cl, nb, w = [t.cuda() if isinstance(t, torch.Tensor) else t
+                                       for t in make_case(*shape, pad=0.1, seed=6)]
+    cen = centres.to(bank_dtype)
+    outs = {}
+    for be, e, c in [("triton", emb.float(), cen), ("torch", emb.double(), cen.double())]:
+        e = e.clone().requires_grad_(True)
+        ww = w.clone().float().requires_grad_(True)
+        s = torch.tensor(1.3, device="cuda", requires_grad=True)
+        loss = nnkloss.neighbour_kernel_loss(e, labels, c, cl, nb, ww, s, backend=be)
+        loss.backward()
+        outs[be] = [loss.double(), e.grad.double(), ww.grad.double(), s.grad.double()]
+    for a, b in zip(outs["triton"], outs["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -1,0 +1,159 @@
+"""CentreBank and NeighbourKernelLoss: self-exclusion, state_dict, learnable parameters."""
+import pytest
+import torch
+
+import nnkloss
+from reference import reference_loss
+
+
+def make_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g)
+    labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.randint(0, N, (N, K), generator=g)
+    nb[:, 0] = torch.arange(N)  # every list holds its own row: must be excluded
+    return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)
+
+
+def test_self_exclusion_matches_functional_with_padding():
+    bank = make_bank()
+    idx = torch.tensor([3, 7, 7, 0, 29])
+    emb = torch.randn(5, 6)
+    labels = bank.labels[idx]
+    loss = nnkloss.NeighbourKernelLoss(bank, sigma=1.5)(emb, labels, idx)
+    nb = bank.neighbours[idx].clone()
+    nb[nb == idx[:, None]] = -1
+    ref = reference_loss(emb, labels, bank.centres, bank.labels, nb, sigma=1.5)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    # Without exclusion the result differs (each row's own centre is its own class).
+    kept = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, exclude_self=False)(emb, labels, idx)
+    assert not torch.allclose(kept, loss)
+
+
+def test_exclusion_also_when_self_appears_twice():
+    bank = make_bank(N=10, K=4)
+    bank.set_neighbours(torch.stack([torch.tensor([i, i, (i + 1) % 10, (i + 2) % 10])
+                                     for i in range(10)]))
+    idx = torch.tensor([4])
+    assert bank.neighbours_for(idx).tolist() == [[-1, -1, 5, 6]]
+
+
+def test_last_stats_count_rows_without_positive():
+    bank = make_bank(N=12, C=12, K=3)  # every centre its own class: almost no positives
+    idx = torch.arange(12)
+    fn = nnkloss.NeighbourKernelLoss(bank)
+    fn(torch.randn(12, 6), bank.labels, idx)
+    assert fn.last_stats.valid.shape == (12,)
+    assert int(fn.last_num_valid) == int(fn.last_stats.valid.sum())
+    assert int(fn.last_num_valid) < 12
+
+
+def test_state_dict_round_trip_including_size_changes():
+    bank = make_bank(learn_weights=True)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
+    with torch.no_grad():
+        bank.log_weights.add_(torch.randn(30) * 0.1)
+    sd = fn.state_dict()
+    other = nnkloss.NeighbourKernelLoss(make_bank(N=12, D=6, K=2, seed=3, learn_weights=True),
+                                        sigma=1.0, learn_sigma=True)
+    other.load_state_dict(sd)
+    for k, v in sd.items():
+        assert torch.equal(other.state_dict()[k], v), k
+    emb = torch.randn(4, 6)
+    idx = torch.tensor([1, 2, 3, 4])
+    torch.testing.assert_close(fn(emb, bank.labels[idx], idx),
+                               other(emb, other.bank.labels[idx], idx))
+
+
+def test_to_moves_everything():
+    fn = nnkloss.NeighbourKernelLoss(make_bank(), sigma=1.0).to(torch.float64)
+    # Buffers of integer dtype stay integer; floating buffers follow .to(dtype).
+    assert fn.bank.labels.dtype == torch.int64
+    assert fn.bank.neighbours.dtype == torch.int64
+    assert fn.bank.centres.dtype == torch.float64
+
+
+def test_learnable_weights_stay_positive_and_learn_sigma():
+    bank = make_bank(N=20, K=6)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=True, learn_weights=True)
+    params = list(fn.parameters())
+    assert any(p is bank.log_weights for p in params) and any(p is fn.log_sigma for p in params)
+    opt = torch.optim.SGD(params, lr=2.0)  # large steps: a raw weight could go negative
+    idx = torch.arange(20)
+    emb = bank.centres + 0.3 * torch.randn(20, 6)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = fn(emb, bank.labels, idx)
+        loss.backward()
+        assert bank.log_weights.grad is not None and fn.log_sigma.grad is not None
+        opt.step()
+    assert (bank.weights > 0).all() and torch.isfinite(bank.weights).all() and fn.sigma > 0
+    assert torch.isfinite(fn(emb, bank.labels, idx))
+
+
+def test_fixed_weights_get_no_grad_and_skip_weight_gather():
+    bank = make_bank()
+    assert bank.weights_for_loss() is None
+    fn = nnkloss.NeighbourKernelLoss(bank)
+    fn(torch.randn(3, 6, requires_grad=True), bank.labels[:3], torch.arange(3)).backward()
+    assert bank.log_weights.grad is None
+
+
+def test_update_is_all_or_nothing():
+    bank = make_bank(N=10, K=3)
+    before = {k: v.clone() for k, v in bank.state_dict().items()}
+    bad_nb = torch.full((10, 3), 10)  # index out of range
+    with pytest.raises(IndexError, match="neighbours"):
+        bank.update_(centres=torch.zeros(10, 6), neighbours=bad_nb)
+    for k, v in bank.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_bank_growth_keeps_weights_and_clears_stale_lists():
+    bank = make_bank(N=10, K=3)
+    bank.update_(centres=torch.randn(12, 6), labels=torch.zeros(12, dtype=torch.long))
+    assert bank.num_centres == 12 and bank.weights.shape == (12,) and not bank.has_neighbours
+
+
+def test_no_neighbour_lists_is_a_clear_error():
+    bank = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no neighbour lists"):
+        nnkloss.NeighbourKernelLoss(bank)(torch.randn(2, 3), torch.zeros(2, dtype=torch.long),
+                                          torch.tensor([0, 1]))
+
+
+def test_idx_out_of_range_names_idx():
+    bank = make_bank(N=10)
+    with pytest.raises(IndexError, match="idx"):
+        nnkloss.NeighbourKernelLoss(bank)(torch.randn(2, 6), torch.zeros(2, dtype=torch.long),
+                                          torch.tensor([0, 10]))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4)), TypeError, "labels"),
+    (dict(centres=torch.randn(4), labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
+    (dict(centres=torch.full((4, 3), float("nan")), labels=torch.zeros(4, dtype=torch.long)),
+     ValueError, "NaN"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          weights=-torch.ones(4)), ValueError, "weights"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          weights=torch.zeros(4), learn_weights=True), ValueError, "positive"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          neighbours=torch.tensor([[0], [1], [2], [4]])), IndexError, "neighbours"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          neighbours=torch.zeros(4, 2)), TypeError, "neighbours"),
+])
+def test_bank_bad_input(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        nnkloss.CentreBank(**kwargs)
+
+
+def test_module_bad_arguments():
+    bank = make_bank()
+    with pytest.raises(ValueError, match="sigma"):
+        nnkloss.NeighbourKernelLoss(bank, sigma=0.0)
+    with pytest.raises(ValueError, match="reduction"):
+        nnkloss.NeighbourKernelLoss(bank, reduction="avg")
+    with pytest.raises(TypeError, match="bank"):
+        nnkloss.NeighbourKernelLoss(torch.randn(3, 3))

@@ -47,6 +47,7 @@ __all__ = [
     "Leafsnap",
     "stratified_split",
     "as_tensor_labels",
+    "IndexedTensorDataset",
     "DATASETS",
 ]
 
@@ -536,3 +537,25 @@ DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": L
 def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
     """(N,) int64 tensor of a dataset's labels (the CentreBank's ``labels``)."""
     return torch.from_numpy(ds.labels.copy())
+
+
+class IndexedTensorDataset(Dataset):
+    """In-memory ``(x[i], y[i], i)`` items (the same triple as the image datasets).
+
+    Args:
+        inputs: (N, ...) tensor of inputs.
+        labels: (N,) integer labels in 0..C-1.
+    """
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor):
+        if len(inputs) != len(labels):
+            raise ValueError(f"inputs has {len(inputs)} rows but labels has {len(labels)}")
+        self.inputs = inputs
+        self.labels = torch.as_tensor(labels).long()
+        self.num_classes = int(self.labels.max()) + 1 if len(self.labels) else 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.inputs[i], self.labels[i], i

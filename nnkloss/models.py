@@ -1,0 +1,206 @@
+"""Embedding networks for the papers' experiments and the digits demo, plus a softmax head.
+
+Every network here maps a batch of images to embeddings: ``forward(x) -> (B, D)`` float32. The
+embedding is what the :class:`nnkloss.CentreBank` stores and what the kernel loss and the
+metrics see. Dropout on the embedding is active in ``train()`` mode only, so the centres a
+Refresher computes (in ``eval()`` mode) have no dropout, as in the papers.
+
+The ImageNet-scale architectures come from torchvision with ``weights=None``; pretrained weights
+are read from a local file (``pretrained=PATH``), never downloaded.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "DigitsNet",
+    "EmbeddingNet",
+    "SoftmaxHead",
+    "build_embedding_net",
+    "load_state_dict_file",
+    "ARCHITECTURES",
+    "MIN_IMAGE_SIZE",
+]
+
+#: Smallest square input each architecture accepts (AlexNet's stride-4 stem and three
+#: stride-2 max-pools need it; the others end in adaptive pooling).
+MIN_IMAGE_SIZE = {"googlenet": 16, "alexnet": 63, "vgg16": 32, "resnet50": 16}
+ARCHITECTURES = tuple(MIN_IMAGE_SIZE)
+
+
+class DigitsNet(nn.Module):
+    """A small CNN for 8x8 greyscale digits (scikit-learn's ``load_digits``).
+
+    Args:
+        dim: embedding size D.
+        width: channels of the first conv layer (the second has twice as many).
+        dropout: dropout on the hidden layer and on the embedding (training only).
+    ``forward(x)``: x (B, 1, 8, 8) or (B, 64) float32 in roughly [0, 1] -> (B, D) float32.
+    """
+
+    def __init__(self, dim: int = 64, width: int = 32, dropout: float = 0.2):
+        super().__init__()
+        self.dim = dim
+        self.features = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+            nn.Flatten(),
+            nn.Linear(2 * width * 16, 256), nn.ReLU(inplace=True), nn.Dropout(dropout),
+            nn.Linear(256, dim),  # the embedding: no ReLU, as for FC7 in the papers
+        )
+        self.embed_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2:
+            x = x.view(-1, 1, 8, 8)
+        return self.embed_dropout(self.features(x))
+
+
+class EmbeddingNet(nn.Module):
+    """A backbone producing (B, F) features, an optional final FC to ``dim``, then dropout.
+
+    Args:
+        backbone: module mapping images (B, 3, H, W) to (B, F).
+        feature_dim: F.
+        dim: size of an extra final fully connected layer (the metric-learning set-up: "a final
+            FC of --dim"); None uses the backbone's features as the embedding (FC7 / pooling).
+        dropout: dropout on the embedding (training only).
+        relu: apply a ReLU to the embedding (the softmax baselines keep the standard ReLU
+            after FC7; the kernel loss uses FC7 without it).
+    """
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, dim: Optional[int] = None,
+                 dropout: float = 0.0, relu: bool = False):
+        super().__init__()
+        self.backbone = backbone
+        self.fc = nn.Linear(feature_dim, dim) if dim is not None else None
+        self.relu = relu
+        self.dropout = nn.Dropout(dropout)
+        self.dim = dim if dim is not None else feature_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.backbone(x)
+        if self.fc is not None:
+            h = self.fc(h)
+        if self.relu:
+            h = F.relu(h)
+        return self.dropout(h)
+
+
+class SoftmaxHead(nn.Module):
+    """Linear classifier + cross-entropy, with the kernel loss's call signature.
+
+    ``forward(emb, labels, idx=None)`` -> 0-dim mean cross-entropy (``idx`` is ignored, so the
+    training loop can treat both losses alike). ``logits(emb)`` -> (B, C);
+    ``predict(emb)`` -> (B,) int64.
+    """
+
+    def __init__(self, dim: int, num_classes: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, num_classes)
+
+    def logits(self, emb: Tensor) -> Tensor:
+        return self.fc(emb.float())
+
+    def forward(self, emb: Tensor, labels: Tensor, idx: Optional[Tensor] = None) -> Tensor:
+        return F.cross_entropy(self.logits(emb), labels.to(emb.device))
+
+    @torch.no_grad()
+    def predict(self, emb: Tensor) -> Tensor:
+        return self.logits(emb).argmax(1)
+
+
+def load_state_dict_file(path: str) -> dict:
+    """Read a state dict saved with ``torch.save`` (raw, or under "state_dict"/"model")."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"pretrained weights file not found: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read pretrained weights {path}: {e}") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors")
+    # Checkpoints saved from DataParallel prefix every key with "module.".
+    if obj and all(k.startswith("module.") for k in obj):
+        obj = {k[len("module."):]: v for k, v in obj.items()}
+    return obj
+
+
+def _load_into(model: nn.Module, path: str, drop_prefixes: Sequence[str]) -> None:
+    """Load ``path`` into ``model``; the layers being replaced (``drop_prefixes``) may differ or
+    be absent, everything else must match exactly."""
+    sd = {k: v for k, v in load_state_dict_file(path).items()
+          if not any(k.startswith(p) for p in drop_prefixes)}
+    own = {k: v for k, v in model.state_dict().items()
+           if not any(k.startswith(p) for p in drop_prefixes)}
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    mismatched = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    if missing or unexpected or mismatched:
+        def _few(keys):
+            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+        parts = [f"missing keys: {_few(missing)}" if missing else "",
+                 f"unexpected keys: {_few(unexpected)}" if unexpected else "",
+                 f"shape mismatch: {_few(mismatched)}" if mismatched else ""]
+        raise ValueError(f"pretrained weights {path} do not fit {type(model).__name__}: "
+                         + "; ".join(p for p in parts if p))
+    model.load_state_dict(sd, strict=False)
+
+
+def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0.5,
+                        pretrained: Optional[str] = None, relu: bool = False,
+                        transform_input: Optional[bool] = None) -> EmbeddingNet:
+    """A torchvision architecture as an embedding network.
+
+    Args:
+        arch: "googlenet" (1024-d pooled features), "alexnet" / "vgg16" (FC7, 4096-d, taken
+            before its ReLU) or "resnet50" (2048-d final pooling).
+        dim: add a final FC to this size (the metric-learning set-up); None keeps the features.
+        dropout: dropout on the embedding (training only).
+        pretrained: path of a local torchvision-format state dict (e.g. ImageNet weights) for
+            the full torchvision model; its final classifier layer is ignored.
+        relu: ReLU on the embedding (standard softmax baselines keep FC7's ReLU).
+        transform_input: GoogLeNet only: torchvision's input re-normalisation, which its ported
+            ImageNet weights expect. Default: on iff ``pretrained`` is given.
+    Returns:
+        an :class:`EmbeddingNet` whose ``dim`` attribute is the embedding size.
+    """
+    try:
+        from torchvision import models
+    except ImportError as e:  # pragma: no cover - torchvision is in the "vision" extra
+        raise ImportError("the image architectures need torchvision (pip install torchvision)") from e
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    if arch == "googlenet":
+        if transform_input is None:
+            transform_input = pretrained is not None
+        net = models.googlenet(weights=None, aux_logits=False, init_weights=True,
+                               transform_input=transform_input)
+        if pretrained:
+            _load_into(net, pretrained, ("fc.", "aux1.", "aux2."))
+        net.fc = nn.Identity()
+        feat = 1024
+    elif arch in ("alexnet", "vgg16"):
+        net = getattr(models, arch)(weights=None)
+        if pretrained:
+            _load_into(net, pretrained, ("classifier.6.",))
+        # AlexNet: Dropout, FC6, ReLU, Dropout, FC7 | VGG16: FC6, ReLU, Dropout, FC7.
+        keep = 5 if arch == "alexnet" else 4
+        net.classifier = nn.Sequential(*list(net.classifier.children())[:keep])
+        feat = 4096
+    else:  # resnet50
+        net = models.resnet50(weights=None)
+        if pretrained:
+            _load_into(net, pretrained, ("fc.",))
+        net.fc = nn.Identity()
+        feat = 2048
+    return EmbeddingNet(net, feat, dim, dropout, relu)

@@ -7,6 +7,9 @@ from .bank import CentreBank
 from .checks import set_value_checks, value_checks
 from .functional import LossOutput, neighbour_kernel_loss, neighbour_kernel_loss_with_stats
 from .loss import NeighbourKernelLoss
+from . import knn  # callable: nnkloss.knn(q, b, k) == nnkloss.knn.knn(q, b, k)
+from .refresh import Refresher, RefreshSchedule, RefreshStats
+from .checkpoint import load_bank, save_bank
 
 __version__ = "0.1.0"
 
@@ -18,4 +21,10 @@ __all__ = [
     "neighbour_kernel_loss_with_stats",
     "set_value_checks",
     "value_checks",
+    "knn",
+    "Refresher",
+    "RefreshSchedule",
+    "RefreshStats",
+    "save_bank",
+    "load_bank",
 ]

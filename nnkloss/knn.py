@@ -16,16 +16,20 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
+import time
+import types
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .checks import FLOAT_DTYPES, require_float
+from .checks import FLOAT_DTYPES, require_float, require_int
 
-__all__ = ["knn", "recall_against_exact", "faiss_available", "faiss_gpu_usable",
-           "KNN_BACKENDS", "APPROXIMATE"]
+__all__ = ["knn", "recall_against_exact", "neighbour_lists", "NeighbourLists",
+           "faiss_available", "faiss_gpu_usable", "KNN_BACKENDS", "APPROXIMATE"]
 
 KNN_BACKENDS = ("auto", "torch", "faiss")
 APPROXIMATE = (None, "ivf", "hnsw")
@@ -457,3 +461,109 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     # Same fp32 expansion on both sides; a small relative slack absorbs rounding differences.
     hit = (a_i >= 0) & (a_d <= kth * (1 + 1e-5) + 1e-6)
     return float(hit.sum(1).clamp_max(k).float().mean() / k)
+
+
+# ============================================================================ neighbour lists
+@dataclass
+class NeighbourLists:
+    """Neighbour lists of a set of centres, as built by :func:`neighbour_lists`.
+
+    indices: (N, k) int64 rows of the centres, own row excluded, nearest first (-1 = padding,
+        only from approximate search).
+    distances: (N, k) fp32 squared distances matching ``indices`` (inf for padding).
+    has_positive: (N,) bool, the list holds a centre with the row's own label.
+    num_patched: rows whose last entry was replaced by their nearest same-label centre.
+    seconds: wall time of the search (CUDA work synchronised before the clock is read).
+    backend: the backend used ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
+    """
+    indices: Tensor
+    distances: Tensor
+    has_positive: Tensor
+    num_patched: int
+    seconds: float
+    backend: str
+
+
+def _has_same_label(indices: Tensor, labels: Tensor) -> Tensor:
+    valid = indices >= 0
+    nb_labels = labels[indices.clamp_min(0)]
+    return ((nb_labels == labels.unsqueeze(1)) & valid).any(dim=1)
+
+
+def _sync(device: torch.device) -> None:
+    # The calling thread's stream only: a background refresh must not wait for training.
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
+                    ensure_positive: bool = False, **knn_options) -> NeighbourLists:
+    """The k nearest other centres of every centre (self excluded), optionally with a positive.
+
+    Args:
+        centres: (N, D) float tensor; labels: (N,) int tensor on the same device.
+        k: list length, 1 <= k <= N - 1.
+        backend, knn_options: as in :func:`knn` (``approximate=``, ``tile_bytes=``, ...).
+        ensure_positive: a row whose k neighbours hold no centre of its own label gets its
+            nearest same-label centre (other than itself) in place of its last entry, when one
+            exists. Found by one search per class that has such rows, among that class's
+            members only (never an N x N matrix). Without a positive, the loss of that row is
+            undefined (see DESIGN.md 1), so this keeps every row trainable.
+    """
+    require_float("centres", centres, 2, FLOAT_DTYPES)
+    require_int("labels", labels, 1)
+    if labels.shape[0] != centres.shape[0]:
+        raise ValueError(f"labels has length {labels.shape[0]} but there are "
+                         f"{centres.shape[0]} centres")
+    labels = labels.to(centres.device).long()
+    approximate = knn_options.get("approximate")
+    used = (f"faiss-{approximate}" if approximate is not None
+            else _resolve_backend(backend, centres.device))
+    _sync(centres.device)
+    t0 = time.perf_counter()
+    dist, idx = knn(centres, centres, k, backend=backend, exclude_self=True, **knn_options)
+    has_pos = _has_same_label(idx, labels)
+    num_patched = 0
+    if ensure_positive:
+        missing = (~has_pos).nonzero().flatten()
+        if missing.numel():
+            exact = {kk: v for kk, v in knn_options.items() if kk == "tile_bytes"}
+            for cls in labels[missing].unique().tolist():
+                rows = missing[labels[missing] == cls]
+                members = (labels == cls).nonzero().flatten()
+                if members.numel() < 2:  # the only centre of its class: nothing to add
+                    continue
+                # Two nearest members: at most one is the row itself (duplicates aside, where a
+                # twin at distance 0 is as good), so the first non-self one is the answer.
+                m_d, m_i = knn(centres[rows], centres[members], 2,
+                               backend=backend if approximate is None else "auto", **exact)
+                m_i = members[m_i]
+                first_is_self = m_i[:, 0] == rows
+                pick_i = torch.where(first_is_self, m_i[:, 1], m_i[:, 0])
+                pick_d = torch.where(first_is_self, m_d[:, 1], m_d[:, 0])
+                idx[rows, -1] = pick_i
+                dist[rows, -1] = pick_d
+                has_pos[rows] = True
+                num_patched += int(rows.numel())
+            # Approximate search may leave padding before the patched last slot: keep rows sorted.
+            if approximate is not None:
+                dist, order = dist.sort(dim=1, stable=True)
+                idx = idx.gather(1, order)
+    _sync(centres.device)
+    return NeighbourLists(idx, dist, has_pos, num_patched, time.perf_counter() - t0, used)
+
+
+# ============================================================================ callable module
+class _CallableModule(types.ModuleType):
+    """``nnkloss.knn`` is both this module and the search function.
+
+    The package exports ``knn``; binding the function to ``nnkloss.knn`` would shadow this
+    module, breaking ``nnkloss.knn.knn(...)`` and ``import nnkloss.knn as m``. Making the module
+    callable keeps all three spellings working.
+    """
+
+    def __call__(self, queries, base, k, *args, **kwargs):
+        return knn(queries, base, k, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

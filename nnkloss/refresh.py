@@ -1,0 +1,453 @@
+"""Periodic centre refresh: re-embed the training set, rebuild the lists, swap the bank at once.
+
+The paper (Meyer et al. 2018, Sec. 2.3) keeps the kernel centres fixed between refreshes and
+recomputes centres and nearest-neighbour lists every "update interval" (1-10 epochs), with the
+stored centres computed without dropout. :class:`Refresher` does one such refresh, synchronously
+or in a background thread; :class:`RefreshSchedule` says when.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import numbers
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .bank import CentreBank
+from .checks import require_int
+from .knn import NeighbourLists, neighbour_lists
+
+__all__ = ["Refresher", "RefreshSchedule", "RefreshStats"]
+
+
+# ============================================================================ stats
+@dataclass
+class RefreshStats:
+    """What one refresh did and how the new embedding space looks (paper Fig. 4b/4c).
+
+    embed_seconds / search_seconds: wall time of embedding the set and of the kNN search.
+    num_rows, k: bank size and list length.
+    mean_sq_distance: mean squared distance from each centre to its k listed neighbours.
+    mean_kernel: mean of exp(-d / (2 sigma^2)) over the same pairs; None without a sigma.
+    sigma: the sigma used for ``mean_kernel`` (None if none was given).
+    positive_share: share of rows whose list holds a centre of the row's own label.
+    num_patched: rows given a same-label entry by ``ensure_positive``.
+    overlap: mean over rows of |new list & old list| / (entries in the new list); None when the
+        bank had no lists of the same N before (how much the lists moved since last time).
+    backend: the search backend that ran.
+    asynchronous: computed by :meth:`Refresher.refresh_async`.
+    """
+    embed_seconds: float
+    search_seconds: float
+    num_rows: int
+    k: int
+    mean_sq_distance: float
+    mean_kernel: Optional[float]
+    sigma: Optional[float]
+    positive_share: float
+    num_patched: int
+    overlap: Optional[float]
+    backend: str
+    asynchronous: bool = False
+
+
+def _list_overlap(new: Tensor, old: Tensor) -> float:
+    """Mean per-row fraction of the new list's entries that the old list also holds.
+
+    Row-wise membership by a batched searchsorted into the sorted old lists: (N, K) work,
+    never an N x N (or N x K x K) tensor. -1 padding never counts as shared.
+    """
+    old_sorted = old.to(new.device).sort(dim=1).values.contiguous()
+    pos = torch.searchsorted(old_sorted, new.contiguous()).clamp_max(old_sorted.shape[1] - 1)
+    shared = (old_sorted.gather(1, pos) == new) & (new >= 0)
+    valid = (new >= 0).sum(1).clamp_min(1)
+    return float((shared.sum(1).float() / valid).mean())
+
+
+def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], sigma,
+                asynchronous: bool) -> RefreshStats:
+    d = lists.distances
+    finite = torch.isfinite(d)
+    n_pairs = finite.sum().clamp_min(1)
+    d0 = d.masked_fill(~finite, 0.0)
+    mean_d = float(d0.sum() / n_pairs)
+    mean_kernel = None
+    if sigma is not None:
+        kern = torch.exp(-d0 / (2.0 * sigma * sigma)).masked_fill(~finite, 0.0)
+        mean_kernel = float(kern.sum() / n_pairs)
+    overlap = None
+    if old is not None and old.shape[0] == d.shape[0] and old.shape[1] > 0:
+        overlap = _list_overlap(lists.indices, old)
+    return RefreshStats(embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel,
+                        sigma, float(lists.has_positive.float().mean()), lists.num_patched,
+                        overlap, lists.backend, asynchronous)
+
+
+def _check_sigma(sigma) -> Optional[float]:
+    if sigma is None:
+        return None
+    value = float(sigma.detach()) if isinstance(sigma, Tensor) else sigma
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"sigma must be a float, a 0-dim tensor or None, got {type(sigma).__name__}")
+    value = float(value)
+    if not (0.0 < value < math.inf):
+        raise ValueError(f"sigma must be positive and finite, got {value}")
+    return value
+
+
+# ============================================================================ schedule
+class RefreshSchedule:
+    """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
+
+    Two ways to use it from any training loop:
+
+    * stateless -- ``should_refresh(epoch=e)`` / ``should_refresh(step=s)`` with the number of
+      epochs / optimiser steps completed so far (1 after the first one). True when a given count
+      is a positive multiple of its interval; either interval firing is enough.
+    * stateful -- call ``step()`` after every optimiser step and ``epoch_end()`` after every
+      epoch; each returns True when a refresh is due at that point. ``state_dict()`` /
+      ``load_state_dict()`` carry the counters across a checkpoint.
+
+    Plain integer arithmetic: no tensors, no host synchronisation, fine in the step loop.
+    The paper's update interval is 1-10 epochs (10 in its experiments).
+    """
+
+    def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
+        for name, v in (("every_epochs", every_epochs), ("every_steps", every_steps)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                  or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if every_epochs is None and every_steps is None:
+            raise ValueError("give every_epochs and/or every_steps (a schedule that never fires "
+                             "would leave the centres stale forever)")
+        self.every_epochs = None if every_epochs is None else int(every_epochs)
+        self.every_steps = None if every_steps is None else int(every_steps)
+        self.epoch = 0  # epochs completed (counted by epoch_end)
+        self.global_step = 0  # steps completed (counted by step)
+
+    def should_refresh(self, epoch: Optional[int] = None, step: Optional[int] = None) -> bool:
+        """True when ``epoch`` (epochs completed) or ``step`` (steps completed) hits its interval."""
+        due = False
+        if epoch is not None and self.every_epochs is not None:
+            due |= epoch > 0 and epoch % self.every_epochs == 0
+        if step is not None and self.every_steps is not None:
+            due |= step > 0 and step % self.every_steps == 0
+        return due
+
+    def step(self) -> bool:
+        """Count one completed optimiser step; True if a step-based refresh is due now."""
+        self.global_step += 1
+        return self.should_refresh(step=self.global_step)
+
+    def epoch_end(self) -> bool:
+        """Count one completed epoch; True if an epoch-based refresh is due now."""
+        self.epoch += 1
+        return self.should_refresh(epoch=self.epoch)
+
+    def state_dict(self) -> dict:
+        return {"every_epochs": self.every_epochs, "every_steps": self.every_steps,
+                "epoch": self.epoch, "global_step": self.global_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.global_step = int(state["global_step"])
+
+    def __repr__(self) -> str:
+        return (f"RefreshSchedule(every_epochs={self.every_epochs}, every_steps={self.every_steps}"
+                f", epoch={self.epoch}, global_step={self.global_step})")
+
+
+# ============================================================================ refresher
+def _module_device(model: nn.Module, fallback: torch.device) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return fallback
+
+
+class _Result:
+    """A refresh computed but not yet swapped in."""
+
+    def __init__(self, centres, labels, lists, stats, stream):
+        self.centres, self.labels, self.lists, self.stats = centres, labels, lists, stats
+        self.stream = stream
+
+
+class Refresher:
+    """Re-embeds the whole training set and rebuilds the bank's neighbour lists.
+
+    Args:
+        bank: the :class:`CentreBank` to refresh; one row per training example.
+        model: the embedding network, ``model(inputs) -> (B, D)``.
+        loader: iterable of ``(inputs, labels, idx)``: idx (B,) int are the bank rows of the
+            batch. Every row 0..N-1 must be yielded at least once (order free, e.g. shuffled);
+            a row yielded twice keeps its last embedding. Use a loader without augmentation.
+        k: neighbour-list length (<= N - 1).
+        backend: kNN backend ("auto", "torch", "faiss"); ``knn_options`` (e.g.
+            ``{"approximate": "ivf"}``) go to :func:`nnkloss.knn.knn`.
+        ensure_positive: give rows without a same-label neighbour their nearest same-label
+            centre (see :func:`nnkloss.knn.neighbour_lists`).
+        device: where the model runs (default: the device of its first parameter/buffer, else
+            the bank's). Inputs are moved there; embeddings are stored on the bank's device in
+            the bank's dtype.
+        progress: show a tqdm bar while embedding.
+        async_mode: :meth:`request` starts :meth:`refresh_async` instead of :meth:`refresh`,
+            and the model snapshot it needs is allocated now rather than at the first call.
+        sigma: kernel width for the ``mean_kernel`` statistic (optional; also per call).
+
+    Synchronous use: ``stats = refresher.refresh()``. The model runs in eval mode (no dropout:
+    the paper's stored centres have none) under ``torch.no_grad()``; every module's previous
+    train/eval flag is restored afterwards, also on error. Embeddings go into a NEW (N, D)
+    tensor, the lists are built from it, and only then ``bank.update_(centres=, labels=,
+    neighbours=)`` swaps all three in at once: training never sees a half-written bank, and a
+    refresh that fails (loader error, rows never yielded, NaN embeddings) leaves the old bank
+    untouched.
+
+    Asynchronous use: ``refresher.refresh_async()`` then, from the training loop,
+    ``stats = refresher.poll()`` (None until ready; swaps and returns the stats when done) or
+    ``refresher.wait()``. The background thread embeds with a SNAPSHOT of the model's weights
+    taken at the call (so the optimiser may keep updating the live model) and, on CUDA, runs on
+    a side stream.
+
+    * Costs: a second copy of the model (parameters and buffers) kept for snapshots; a second
+      (N, D) centres buffer (plus the (N, k) lists) alive until the swap; the background
+      embedding and search contend with training for the GPU (or CPU cores and the GIL), so
+      steps run slower meanwhile; the new centres are as stale as the snapshot, i.e. a refresh
+      interval's worth of steps older at swap time than a synchronous refresh would give.
+    * Saves: training does not stall for the refresh (embedding N examples plus an N x k
+      search, minutes on large sets).
+
+    The loader must not be iterated by the training loop at the same time from the same
+    iterator (separate ``iter(loader)`` calls are fine).
+    """
+
+    def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
+                 backend: str = "auto", ensure_positive: bool = False,
+                 device: Optional[torch.device] = None, progress: bool = True,
+                 async_mode: bool = False, sigma=None, knn_options: Optional[dict] = None):
+        if not isinstance(bank, CentreBank):
+            raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if k > bank.num_centres - 1:
+            raise ValueError(f"k={k} is larger than the number of other centres "
+                             f"({bank.num_centres - 1}) in the bank")
+        self.bank = bank
+        self.model = model
+        self.loader = loader
+        self.k = int(k)
+        self.backend = backend
+        self.ensure_positive = bool(ensure_positive)
+        self.device = torch.device(device) if device is not None else None
+        self.progress = bool(progress)
+        self.async_mode = bool(async_mode)
+        self.sigma = _check_sigma(sigma)
+        self.knn_options = dict(knn_options or {})
+        self.last_stats: Optional[RefreshStats] = None
+        self._snapshot: Optional[nn.Module] = None
+        self._thread: Optional[threading.Thread] = None
+        self._result: Optional[_Result] = None
+        self._error: Optional[BaseException] = None
+        if self.async_mode:
+            self._snapshot = self._make_snapshot()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def in_flight(self) -> bool:
+        """A background refresh has been started and not yet swapped in (or failed)."""
+        return self._thread is not None
+
+    def request(self, sigma=None) -> Optional[RefreshStats]:
+        """Refresh the configured way: synchronously (returns stats) or, with
+        ``async_mode=True``, start a background refresh (returns None; see :meth:`poll`)."""
+        if self.async_mode:
+            self.refresh_async(sigma)
+            return None
+        return self.refresh(sigma)
+
+    def refresh(self, sigma=None) -> RefreshStats:
+        """Embed the set, rebuild the lists and swap them into the bank; return the stats."""
+        if self.in_flight:
+            raise RuntimeError("a background refresh is in flight: call wait() (or poll()) first")
+        sig = self._sigma(sigma)
+        result = self._compute(self.model, self._device(), sig, stream=None, asynchronous=False)
+        return self._swap(result)
+
+    def refresh_async(self, sigma=None) -> None:
+        """Start computing the next bank in a background thread (snapshot of the weights now)."""
+        if self.in_flight:
+            raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
+        sig = self._sigma(sigma)
+        if self._snapshot is None:
+            self._snapshot = self._make_snapshot()
+        snap = self._snapshot
+        device = self._device()
+        # Copy the live weights on the caller's (training) stream: ordered after the steps
+        # already queued and before any later optimiser update, so the snapshot is consistent.
+        with torch.no_grad():
+            snap.load_state_dict(self.model.state_dict())
+        stream = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._worker, args=(snap, device, sig, stream),
+                                        name="nnkloss-refresh", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> Optional[RefreshStats]:
+        """Swap in a finished background refresh and return its stats; None if not finished
+        (or none started). Re-raises the background error, leaving the bank untouched."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self._finish()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[RefreshStats]:
+        """Block until the background refresh finishes, swap it in and return its stats.
+        None if none was started, or if ``timeout`` seconds passed first."""
+        if self._thread is None:
+            return None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return None
+        return self._finish()
+
+    # ------------------------------------------------------------------ internals
+    def _sigma(self, sigma) -> Optional[float]:
+        return self.sigma if sigma is None else _check_sigma(sigma)
+
+    def _device(self) -> torch.device:
+        if self.device is not None:
+            return self.device
+        return _module_device(self.model, self.bank.centres.device)
+
+    def _make_snapshot(self) -> nn.Module:
+        snap = copy.deepcopy(self.model)
+        snap.eval()
+        for p in snap.parameters():
+            p.requires_grad_(False)
+        return snap
+
+    def _worker(self, snap, device, sigma, stream) -> None:
+        try:
+            self._result = self._compute(snap, device, sigma, stream, asynchronous=True)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread in poll()
+            self._error = exc
+
+    def _finish(self) -> RefreshStats:
+        self._thread.join()
+        self._thread = None
+        error, result = self._error, self._result
+        self._error = self._result = None
+        if error is not None:
+            raise RuntimeError("background refresh failed; the bank was left unchanged") from error
+        return self._swap(result)
+
+    def _compute(self, model: nn.Module, device: torch.device, sigma, stream,
+                 asynchronous: bool) -> _Result:
+        bank = self.bank
+        n, d = bank.num_centres, bank.dim
+        old_lists = bank.neighbours if bank.has_neighbours else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            t0 = time.perf_counter()
+            centres, labels = self._embed(model, device, n, d)
+            if centres.device.type == "cuda":  # this thread's stream only, not training's
+                torch.cuda.current_stream(centres.device).synchronize()
+            embed_s = time.perf_counter() - t0
+            lists = neighbour_lists(centres, labels, self.k, backend=self.backend,
+                                    ensure_positive=self.ensure_positive, **self.knn_options)
+            stats = _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
+        return _Result(centres, labels, lists, stats, stream)
+
+    def _embed(self, model: nn.Module, device: torch.device, n: int, d: int):
+        bank = self.bank
+        dev, dtype = bank.centres.device, bank.centres.dtype
+        centres = torch.empty(n, d, dtype=dtype, device=dev)
+        labels = torch.empty(n, dtype=torch.long, device=dev)
+        written = torch.zeros(n, dtype=torch.bool, device=dev)
+        out_of_range = torch.zeros((), dtype=torch.bool, device=dev)
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            with torch.no_grad():
+                for batch in self._progress(self.loader):
+                    if not isinstance(batch, (tuple, list)) or len(batch) != 3:
+                        raise ValueError("loader must yield (inputs, labels, idx) triples")
+                    inputs, y, idx = batch
+                    require_int("idx", idx, 1)
+                    require_int("labels", y, 1)
+                    if idx.device.type == "cpu":
+                        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                            raise IndexError(f"loader yielded idx outside the bank's rows "
+                                             f"0..{n - 1} (min {int(idx.min())}, max "
+                                             f"{int(idx.max())})")
+                    else:  # no per-batch sync for device idx: flag now, raise after the loop
+                        idx = idx.to(dev)
+                        out_of_range |= ((idx < 0) | (idx >= n)).any()
+                        idx = idx.clamp(0, n - 1)
+                    emb = model(_to_device(inputs, device))
+                    if not isinstance(emb, Tensor) or emb.shape != (idx.shape[0], d):
+                        shape = tuple(emb.shape) if isinstance(emb, Tensor) else type(emb)
+                        raise ValueError(f"model output has shape {shape}; expected "
+                                         f"({idx.shape[0]}, {d}) for this batch and bank")
+                    idx = idx.to(dev)
+                    centres[idx] = emb.detach().to(dev, dtype)
+                    labels[idx] = y.to(dev).long()
+                    written[idx] = True
+        finally:
+            for m, was_training in modes:
+                m.training = was_training
+        if bool(out_of_range):
+            raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}")
+        missing = n - int(written.sum())
+        if missing:
+            first = (~written).nonzero()[:5].flatten().tolist()
+            raise ValueError(f"the loader never yielded {missing} of the bank's {n} rows "
+                             f"(first missing idx: {first}); the bank was left unchanged")
+        if not bool(torch.isfinite(centres).all()):
+            bad = int((~torch.isfinite(centres)).any(1).sum())
+            raise ValueError(f"the model produced NaN/inf embeddings for {bad} rows")
+        return centres, labels
+
+    def _progress(self, loader):
+        if not self.progress:
+            return loader
+        from tqdm.auto import tqdm
+        total = len(loader) if hasattr(loader, "__len__") else None
+        return tqdm(loader, total=total, desc="refresh: embedding", leave=False)
+
+    def _swap(self, result: _Result) -> RefreshStats:
+        bank = self.bank
+        if result.centres.shape[0] != bank.num_centres:
+            raise RuntimeError(f"the bank changed size during the refresh ({result.centres.shape[0]}"
+                               f" -> {bank.num_centres} rows); the new bank was discarded")
+        if result.stream is not None:
+            main = torch.cuda.current_stream(result.centres.device)
+            main.wait_stream(result.stream)
+            # Made on the side stream, used and freed on this one: tell the caching allocator.
+            for t in (result.centres, result.labels, result.lists.indices):
+                t.record_stream(main)
+        bank.update_(centres=result.centres, labels=result.labels,
+                     neighbours=result.lists.indices)
+        self.last_stats = result.stats
+        return result.stats
+
+
+def _to_device(inputs, device: torch.device):
+    if isinstance(inputs, Tensor):
+        return inputs.to(device, non_blocking=True)
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_to_device(x, device) for x in inputs)
+    if isinstance(inputs, dict):
+        return {key: _to_device(v, device) for key, v in inputs.items()}
+    return inputs

@@ -1,0 +1,111 @@
+"""save_bank / load_bank: round trip, resuming gives the same loss, atomic writes."""
+import os
+
+import pytest
+import torch
+
+import nnkloss
+import nnkloss.checkpoint as ckpt
+from nnkloss import CentreBank, RefreshSchedule, load_bank, save_bank
+
+
+def make_bank(learn_weights=True, seed=0, n=60, d=8, k=6):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(n, d, generator=g)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    weights = torch.rand(n, generator=g) + 0.5 if learn_weights else None
+    bank = CentreBank(centres, labels, weights=weights, learn_weights=learn_weights)
+    bank.rebuild_neighbours(k, backend="torch", ensure_positive=True)
+    return bank
+
+
+def batch_loss(bank, sigma=1.3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(bank.num_centres, generator=g)[:16]
+    emb = bank.centres[idx] + 0.1 * torch.randn(16, bank.dim, generator=g)
+    return nnkloss.NeighbourKernelLoss(bank, sigma=sigma)(emb, bank.labels[idx], idx)
+
+
+@pytest.mark.parametrize("learn_weights", [True, False])
+def test_round_trip_and_same_loss(tmp_path, learn_weights):
+    bank = make_bank(learn_weights)
+    with torch.no_grad():
+        before = batch_loss(bank)
+    sched = RefreshSchedule(every_epochs=5)
+    sched.epoch_end()
+    path = tmp_path / "bank.pt"
+    save_bank(bank, path, step=123, extra={"sigma": 1.3, "schedule": sched.state_dict(),
+                                           "note": "epoch 1", "t": torch.arange(3)})
+    loaded, step, extra = load_bank(path)
+    assert step == 123 and extra["sigma"] == 1.3 and extra["note"] == "epoch 1"
+    assert torch.equal(extra["t"], torch.arange(3))
+    for name in ("centres", "labels", "neighbours", "log_weights"):
+        assert torch.equal(getattr(loaded, name), getattr(bank, name)), name
+    assert loaded.learn_weights == learn_weights
+    assert (loaded.weights_for_loss() is None) == (not learn_weights)
+    with torch.no_grad():
+        after = batch_loss(loaded)
+    assert torch.equal(after, before)
+    resumed = RefreshSchedule(every_epochs=5)
+    resumed.load_state_dict(extra["schedule"])
+    assert resumed.epoch == 1
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+
+def test_map_location_and_dtype(tmp_path):
+    bank = CentreBank(torch.randn(10, 4).to(torch.bfloat16), torch.arange(10) % 2)
+    bank.rebuild_neighbours(3, backend="torch")
+    save_bank(bank, tmp_path / "b.pt")
+    loaded, step, extra = load_bank(tmp_path / "b.pt", map_location="cpu")
+    assert loaded.centres.dtype == torch.bfloat16 and step == 0 and extra is None
+    assert torch.equal(loaded.centres, bank.centres)
+
+
+def test_failed_write_leaves_old_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "bank.pt"
+    old_bank = make_bank(seed=0)
+    save_bank(old_bank, path, step=1)
+    old_bytes = path.read_bytes()
+
+    real_save = torch.save
+
+    def half_then_fail(obj, f, *a, **kw):
+        real_save(obj, f, *a, **kw)
+        f.truncate(100)  # a torn write ...
+        raise OSError("No space left on device")  # ... then the error
+
+    monkeypatch.setattr(ckpt.torch, "save", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_bank(make_bank(seed=5), path, step=2)
+    monkeypatch.undo()
+    assert path.read_bytes() == old_bytes
+    assert sorted(os.listdir(tmp_path)) == ["bank.pt"]  # no temp file left behind
+    loaded, step, _ = load_bank(path)
+    assert step == 1 and torch.equal(loaded.centres, old_bank.centres)
+
+
+def test_bad_arguments(tmp_path):
+    bank = make_bank()
+    with pytest.raises(TypeError, match=r"extra\['f'\] is a function"):
+        save_bank(bank, tmp_path / "x.pt", extra={"f": lambda: 0})
+    with pytest.raises(TypeError, match="extra must be a dict"):
+        save_bank(bank, tmp_path / "x.pt", extra=[1])
+    with pytest.raises(ValueError, match="step"):
+        save_bank(bank, tmp_path / "x.pt", step=-1)
+    with pytest.raises(TypeError, match="bank"):
+        save_bank(torch.zeros(3), tmp_path / "x.pt")
+    assert not os.listdir(tmp_path)
+    torch.save({"something": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not an nnkloss CentreBank checkpoint"):
+        load_bank(tmp_path / "other.pt")
+
+
+class Evil:
+    pass
+
+
+def test_load_is_weights_only(tmp_path):
+    """A file holding an arbitrary pickled object is refused (no code runs at load)."""
+    torch.save({"format": "nnkloss.CentreBank", "obj": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
+        load_bank(tmp_path / "evil.pt")

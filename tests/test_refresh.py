@@ -1,0 +1,386 @@
+"""Centre refresh: rebuild_neighbours, Refresher (sync and async), RefreshSchedule."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import nnkloss
+from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
+from nnkloss.knn import faiss_available, knn, neighbour_lists
+
+N, D_IN, D = 96, 6, 4
+BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(),
+                                                                        reason="faiss missing"))]
+
+
+class Triples(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, D))
+
+
+def make_data(seed=1, n=N):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return x, y
+
+
+def make_loader(x, y, shuffle=True, batch_size=16):
+    return DataLoader(Triples(x, y), batch_size=batch_size, shuffle=shuffle,
+                      generator=torch.Generator().manual_seed(3))
+
+
+def make_bank(n=N, d=D):
+    # Placeholder centres and labels: the refresh must overwrite every row.
+    return CentreBank(torch.zeros(n, d), torch.zeros(n, dtype=torch.long))
+
+
+def eval_embeddings(model, x):
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    model.train(was)
+    return out
+
+
+def bank_state(bank):
+    return (bank.centres.clone(), bank.labels.clone(), bank.neighbours.clone())
+
+
+def assert_bank_equal(bank, state):
+    c, l, nb = state
+    assert torch.equal(bank.centres, c) and torch.equal(bank.labels, l)
+    assert torch.equal(bank.neighbours, nb)
+
+
+# ============================================================================ rebuild_neighbours
+def brute_lists(centres, k):
+    rows = []
+    for i in range(centres.shape[0]):
+        d = (centres.double() - centres[i].double()).pow(2).sum(1)
+        d[i] = float("inf")
+        rows.append(d.sort().values[:k])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rebuild_neighbours_matches_brute_force(backend):
+    g = torch.Generator().manual_seed(0)
+    bank = CentreBank(torch.randn(80, 5, generator=g), torch.randint(0, 4, (80,), generator=g))
+    lists = bank.rebuild_neighbours(7, backend=backend)
+    assert bank.neighbours.shape == (80, 7) and torch.equal(bank.neighbours, lists.indices)
+    assert (lists.indices != torch.arange(80)[:, None]).all()
+    torch.testing.assert_close(lists.distances.double(), brute_lists(bank.centres, 7),
+                               rtol=1e-4, atol=1e-4)
+    same = bank.labels[lists.indices] == bank.labels[:, None]
+    assert torch.equal(lists.has_positive, same.any(1))
+    assert lists.num_patched == 0 and lists.seconds >= 0 and lists.backend == backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rebuild_neighbours_ensure_positive(backend):
+    g = torch.Generator().manual_seed(1)
+    n, k = 120, 3
+    centres = torch.randn(n, 4, generator=g)
+    labels = torch.randint(0, 12, (n,), generator=g)  # geometry ignores labels: few positives
+    labels[7] = 99  # a class of one: nothing can be patched in
+    bank = CentreBank(centres, labels)
+    plain = neighbour_lists(centres, labels, k, backend=backend)
+    lists = bank.rebuild_neighbours(k, backend=backend, ensure_positive=True)
+    lacking = ~plain.has_positive
+    assert lacking.sum() > 10  # the test data does exercise the patching
+    assert lists.num_patched == int(lacking.sum()) - 1
+    assert not bool(lists.has_positive[7]) and torch.equal(lists.indices[7], plain.indices[7])
+    assert lists.has_positive.sum() == n - 1
+    # Rows that had a positive are untouched; the others keep their first k-1 entries and end
+    # with their nearest same-label centre (brute force, one row at a time).
+    assert torch.equal(lists.indices[~lacking], plain.indices[~lacking])
+    assert torch.equal(lists.indices[:, :-1], plain.indices[:, :-1])
+    for i in lacking.nonzero().flatten().tolist():
+        if i == 7:
+            continue
+        j = int(lists.indices[i, -1])
+        assert j != i and labels[j] == labels[i]
+        same = (labels == labels[i]).nonzero().flatten()
+        same = same[same != i]
+        d_same = (centres[same] - centres[i]).pow(2).sum(1)
+        assert float(lists.distances[i, -1]) == pytest.approx(float(d_same.min()), rel=1e-4,
+                                                               abs=1e-5)
+    assert (lists.distances[:, 1:] >= lists.distances[:, :-1]).all()
+    assert torch.equal(bank.neighbours, lists.indices)
+
+
+def test_rebuild_neighbours_errors_leave_lists():
+    bank = CentreBank(torch.randn(5, 2), torch.arange(5))
+    bank.rebuild_neighbours(2, backend="torch")
+    before = bank.neighbours.clone()
+    with pytest.raises(ValueError, match="k=5"):
+        bank.rebuild_neighbours(5, backend="torch")
+    assert torch.equal(bank.neighbours, before)
+
+
+# ============================================================================ Refresher (sync)
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
+    x, y = make_data()
+    model = make_model()
+    model.train()
+    bank = CentreBank(torch.zeros(N, D, dtype=bank_dtype), torch.zeros(N, dtype=torch.long))
+    ref = Refresher(bank, model, make_loader(x, y), k=8, backend="torch", progress=False)
+    stats = ref.refresh(sigma=2.0)
+    assert model.training and all(m.training for m in model.modules())
+    expected = eval_embeddings(model, x).to(bank_dtype)
+    assert torch.equal(bank.centres, expected)  # dropout off, each row at its own idx
+    assert torch.equal(bank.labels, y)
+    lists = neighbour_lists(bank.centres, bank.labels, 8, backend="torch")
+    assert torch.equal(bank.neighbours, lists.indices)
+    assert isinstance(stats, RefreshStats) and ref.last_stats is stats
+    assert stats.num_rows == N and stats.k == 8 and stats.overlap is None
+    assert stats.embed_seconds >= 0 and stats.search_seconds >= 0
+    assert stats.mean_sq_distance == pytest.approx(float(lists.distances.mean()), rel=1e-5)
+    kern = torch.exp(-lists.distances / (2 * 2.0 ** 2)).mean()
+    assert stats.mean_kernel == pytest.approx(float(kern), rel=1e-5) and stats.sigma == 2.0
+    assert stats.positive_share == pytest.approx(float(lists.has_positive.float().mean()))
+    assert stats.backend == "torch" and not stats.asynchronous
+    # Same model again: identical lists, full overlap.
+    again = ref.refresh()
+    assert again.overlap == pytest.approx(1.0) and again.mean_kernel is None
+
+
+def test_refresh_restores_mixed_modes_and_eval_mode():
+    x, y = make_data()
+    model = make_model()
+    model.train()
+    model[2].eval()  # e.g. a frozen submodule
+    ref = Refresher(make_bank(), model, make_loader(x, y), k=4, backend="torch", progress=False)
+    ref.refresh()
+    assert model.training and model[0].training and not model[2].training
+    model.eval()
+    ref.refresh()
+    assert not any(m.training for m in model.modules())
+
+
+def test_refresh_overlap_and_positive_stats():
+    x, y = make_data()
+    model = make_model()
+    bank = make_bank()
+    ref = Refresher(bank, model, make_loader(x, y), k=6, backend="torch", progress=False,
+                    ensure_positive=True, sigma=1.5)
+    ref.refresh()
+    old = bank.neighbours.clone()
+    with torch.no_grad():
+        model[0].weight.add_(0.3 * torch.randn_like(model[0].weight))
+    stats = ref.refresh()
+    assert stats.positive_share == 1.0 and stats.sigma == 1.5
+    new = bank.neighbours
+    shared = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 6 for a, b in zip(new, old)])
+    assert stats.overlap == pytest.approx(float(shared.mean()), abs=1e-6)
+    assert 0.0 < stats.overlap < 1.0
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def failing_loader(x, y, fail_after):
+    for b, (xb, yb, ib) in enumerate(make_loader(x, y)):
+        if b == fail_after:
+            raise Boom("disk on fire")
+        yield xb, yb, ib
+
+
+def test_failed_refresh_leaves_bank_and_mode_intact():
+    x, y = make_data()
+    model = make_model()
+    model.train()
+    bank = make_bank()
+    Refresher(bank, model, make_loader(x, y), k=5, backend="torch", progress=False).refresh()
+    state = bank_state(bank)
+    ref = Refresher(bank, make_model(seed=9), failing_loader(x, y, fail_after=3), k=5,
+                    backend="torch", progress=False)
+    ref.model.train()
+    with pytest.raises(Boom):
+        ref.refresh()
+    assert_bank_equal(bank, state)
+    assert ref.model.training
+
+
+def test_missing_rows_named():
+    x, y = make_data()
+    bank = make_bank()
+    state = bank_state(bank)
+    sub = [(xb, yb, ib) for xb, yb, ib in make_loader(x, y, shuffle=False)]
+    keep_idx = sub[0][2][:6]
+    sub[0] = (sub[0][0][:6], sub[0][1][:6], keep_idx)  # drop 10 rows of the first batch
+    ref = Refresher(bank, make_model(), sub, k=5, backend="torch", progress=False)
+    with pytest.raises(ValueError, match=r"never yielded 10 of the bank's 96 rows"):
+        ref.refresh()
+    assert_bank_equal(bank, state)
+
+
+def test_bad_loader_and_model_outputs():
+    x, y = make_data()
+    bank = make_bank()
+    state = bank_state(bank)
+    bad_idx = [(x[:4], y[:4], torch.tensor([0, 1, 2, N]))]
+    with pytest.raises(IndexError, match="outside the bank's rows"):
+        Refresher(bank, make_model(), bad_idx, k=3, backend="torch", progress=False).refresh()
+    with pytest.raises(ValueError, match=r"model output has shape \(16, 4\); expected"):
+        Refresher(CentreBank(torch.zeros(N, 3), torch.zeros(N, dtype=torch.long)), make_model(),
+                  make_loader(x, y), k=3, backend="torch", progress=False).refresh()
+
+    class NaNModel(nn.Module):
+        def forward(self, inp):
+            return torch.full((inp.shape[0], D), float("nan"))
+
+    with pytest.raises(ValueError, match="NaN/inf embeddings for 96 rows"):
+        Refresher(bank, NaNModel(), make_loader(x, y), k=3, backend="torch",
+                  progress=False).refresh()
+    with pytest.raises(ValueError, match="triples"):
+        Refresher(bank, make_model(), [(x, y)], k=3, progress=False).refresh()
+    assert_bank_equal(bank, state)
+    with pytest.raises(ValueError, match="k=96"):
+        Refresher(bank, make_model(), make_loader(x, y), k=96)
+    with pytest.raises(ValueError, match="sigma"):
+        Refresher(bank, make_model(), make_loader(x, y), k=3, sigma=-1.0)
+
+
+def test_refresh_with_progress_bar_and_approximate(capsys):
+    if not faiss_available():
+        pytest.skip("faiss missing")
+    x, y = make_data()
+    bank = make_bank()
+    ref = Refresher(bank, make_model(), make_loader(x, y), k=5, progress=True,
+                    knn_options={"approximate": "hnsw"})
+    stats = ref.refresh()
+    assert stats.backend == "faiss-hnsw" and bank.neighbours.shape == (N, 5)
+
+
+# ============================================================================ Refresher (async)
+def test_async_matches_sync_and_uses_a_snapshot():
+    x, y = make_data()
+    model = make_model()
+    model.train()
+    sync_bank, async_bank = make_bank(), make_bank()
+    Refresher(sync_bank, model, make_loader(x, y), k=6, backend="torch",
+              progress=False).refresh()
+    ref = Refresher(async_bank, model, make_loader(x, y), k=6, backend="torch", progress=False,
+                    async_mode=True)
+    assert ref.request() is None and ref.in_flight
+    # Training goes on: the live model changes while the background refresh runs.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    stats = ref.wait()
+    assert isinstance(stats, RefreshStats) and stats.asynchronous and not ref.in_flight
+    assert torch.equal(async_bank.centres, sync_bank.centres)
+    assert torch.equal(async_bank.labels, sync_bank.labels)
+    assert torch.equal(async_bank.neighbours, sync_bank.neighbours)
+    assert model.training  # the live model's mode is never touched in async mode
+    assert ref.poll() is None and ref.wait() is None  # nothing in flight any more
+
+
+def test_async_poll_before_and_after_completion():
+    x, y = make_data()
+    gate = threading.Event()
+
+    def gated_loader():
+        gate.wait(timeout=30)
+        yield from make_loader(x, y)
+
+    bank = make_bank()
+    ref = Refresher(bank, make_model(), gated_loader(), k=4, backend="torch", progress=False)
+    ref.refresh_async(sigma=1.0)
+    assert ref.poll() is None and ref.wait(timeout=0.01) is None
+    with pytest.raises(RuntimeError, match="in flight"):
+        ref.refresh()
+    with pytest.raises(RuntimeError, match="in flight"):
+        ref.refresh_async()
+    assert torch.equal(bank.centres, torch.zeros(N, D))  # nothing swapped in yet
+    gate.set()
+    ref._thread.join(timeout=30)
+    stats = ref.poll()
+    assert stats is not None and stats.mean_kernel is not None
+    assert not torch.equal(bank.centres, torch.zeros(N, D))
+
+
+def test_async_failure_leaves_bank_intact():
+    x, y = make_data()
+    bank = make_bank()
+    state = bank_state(bank)
+    ref = Refresher(bank, make_model(), failing_loader(x, y, fail_after=2), k=4,
+                    backend="torch", progress=False)
+    ref.refresh_async()
+    with pytest.raises(RuntimeError, match="background refresh failed") as info:
+        ref.wait()
+    assert isinstance(info.value.__cause__, Boom)
+    assert_bank_equal(bank, state) and not ref.in_flight
+
+
+def test_module_exports():
+    for name in ("knn", "Refresher", "RefreshSchedule", "RefreshStats", "save_bank", "load_bank"):
+        assert name in nnkloss.__all__ and hasattr(nnkloss, name)
+    a = torch.randn(10, 3)
+    assert torch.equal(nnkloss.knn(a, a, 2, backend="torch")[1],
+                       nnkloss.knn.knn(a, a, 2, backend="torch")[1])
+    assert torch.equal(knn(a, a, 2, backend="torch")[1], nnkloss.knn(a, a, 2, backend="torch")[1])
+
+
+# ============================================================================ schedule
+def test_schedule_epochs_and_steps():
+    s = RefreshSchedule(every_epochs=3)
+    assert [s.epoch_end() for _ in range(7)] == [False, False, True, False, False, True, False]
+    assert not any(s.step() for _ in range(50))  # no step interval: steps never fire
+    s = RefreshSchedule(every_steps=4)
+    assert [s.step() for _ in range(9)] == [False] * 3 + [True] + [False] * 3 + [True, False]
+    s = RefreshSchedule(every_epochs=2, every_steps=5)
+    assert s.should_refresh(epoch=2) and s.should_refresh(step=10)
+    assert not s.should_refresh(epoch=3, step=7) and s.should_refresh(epoch=3, step=15)
+    assert not s.should_refresh(epoch=0, step=0) and not s.should_refresh()
+
+
+def test_schedule_state_and_errors():
+    s = RefreshSchedule(every_epochs=2, every_steps=3)
+    for _ in range(5):
+        s.step()
+    s.epoch_end()
+    t = RefreshSchedule(every_epochs=2, every_steps=3)
+    t.load_state_dict(s.state_dict())
+    assert (t.epoch, t.global_step) == (1, 5)
+    assert t.step() and t.epoch_end()  # step 6 and epoch 2
+    with pytest.raises(ValueError, match="every_epochs"):
+        RefreshSchedule(every_epochs=0)
+    with pytest.raises(ValueError, match="every_steps"):
+        RefreshSchedule(every_steps=2.5)
+    with pytest.raises(ValueError, match="every_epochs and/or every_steps"):
+        RefreshSchedule()
+
+
+def test_schedule_drives_a_training_loop():
+    x, y = make_data()
+    model = make_model()
+    bank = make_bank()
+    ref = Refresher(bank, model, make_loader(x, y, shuffle=False), k=4, backend="torch",
+                    progress=False)
+    ref.refresh()
+    sched = RefreshSchedule(every_epochs=2)
+    refreshed = []
+    for epoch in range(4):
+        if sched.epoch_end():
+            refreshed.append(epoch)
+            ref.refresh()
+    assert refreshed == [1, 3]

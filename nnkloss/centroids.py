@@ -1,0 +1,216 @@
+"""Centroid banks: class means (NCM), k-means centroids per class (NCMC), growing a bank.
+
+Mensink et al. (2013) classify with one mean per class (NCM) or a few k-means centroids per
+class (NCMC); new classes are added at near-zero cost by computing their means. With such a
+bank, Eq. 3 of Meyer et al. with ``K`` = all centres and ``1/(2 sigma^2) = 1/2`` is exactly the
+NCM / NCMC posterior, so the loss and :class:`~nnkloss.NeighbourKernelClassifier` run on these
+banks unchanged. :meth:`CentreBank.from_class_means` and :meth:`CentreBank.add` are thin wrappers
+around :func:`class_centroids` and :func:`add_centres`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .checks import require_float, require_int
+
+__all__ = ["kmeans", "class_centroids", "add_centres"]
+
+_BANK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _as_tensor(name: str, x, device=None) -> Tensor:
+    """Torch tensor from a tensor or numpy array (numpy arrays land on ``device`` or CPU)."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+    return x if device is None else x.to(device)
+
+
+def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
+    """(N,) squared distances of the rows of ``x`` (N, D) to one point ``c`` (D,).
+
+    Direct differences rather than the matmul expansion: exact for duplicates (distance 0),
+    which k-means++ relies on to never pick the same point twice.
+    """
+    d = x - c
+    return (d * d).sum(1)
+
+
+def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: float = 1e-7,
+           backend: str = "auto") -> Tuple[Tensor, Tensor]:
+    """Lloyd's k-means with greedy k-means++ seeding (as scikit-learn seeds it).
+
+    Args:
+        x: (N, D) floating-point points (any device; math in fp32, fp64 for fp64 input).
+        n_clusters: number of clusters, 1 <= n_clusters <= number of distinct rows of ``x``.
+        iters: maximum Lloyd iterations.
+        seed: seed of the k-means++ sampling (results are deterministic for a given seed).
+        tol: stop when the relative decrease of the inertia falls below this.
+        backend: neighbour-search backend for the assignment step (see :func:`nnkloss.knn`).
+
+    Returns:
+        centroids (n_clusters, D) in the compute dtype, assignment (N,) int64.
+    """
+    from .knn import knn  # lazily: the search backends pull in faiss when available
+
+    require_float("x", x, 2)
+    if isinstance(n_clusters, bool) or not isinstance(n_clusters, int) or n_clusters < 1:
+        raise ValueError(f"n_clusters must be a positive int, got {n_clusters!r}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"iters must be a non-negative int, got {iters!r}")
+    n = x.shape[0]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(cdt)
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or inf")
+    n_distinct = torch.unique(x, dim=0).shape[0] if n else 0
+    if n_clusters > n_distinct:
+        raise ValueError(f"n_clusters={n_clusters} but x has only {n_distinct} distinct rows")
+    gen = torch.Generator().manual_seed(int(seed))
+
+    # Greedy k-means++: sample a few candidates with probability proportional to D^2 and keep
+    # the one that lowers the potential most (more robust than plain k-means++).
+    n_local = 2 + int(math.log(n_clusters))
+    first = int(torch.randint(n, (1,), generator=gen))
+    cents = [x[first]]
+    closest = _sq_dist_to(x, x[first])
+    for _ in range(1, n_clusters):
+        p = closest.double().cpu()
+        cand = torch.multinomial(p / p.sum(), n_local, replacement=True, generator=gen)
+        best_pot, best_d, best_i = None, None, None
+        for i in cand.tolist():
+            d = torch.minimum(closest, _sq_dist_to(x, x[i]))
+            pot = float(d.sum())
+            if best_pot is None or pot < best_pot:
+                best_pot, best_d, best_i = pot, d, i
+        cents.append(x[best_i])
+        closest = best_d
+    cents = torch.stack(cents)
+
+    prev = float("inf")
+    for _ in range(iters):
+        d, a = knn(x, cents, 1, backend=backend)
+        assign = a[:, 0]
+        inertia = float(d.sum())
+        sums = torch.zeros_like(cents).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=n_clusters)
+        empty = counts == 0
+        if empty.any():
+            # Re-seed empty clusters at the points farthest from their centroid, which are
+            # distinct from every other centroid.
+            far = torch.argsort(d[:, 0], descending=True)[: int(empty.sum())]
+            sums[empty] = x[far]
+            counts = counts.masked_fill(empty, 1)
+        cents = sums / counts[:, None].to(cdt)
+        if prev - inertia <= tol * max(prev, 1e-30) and not empty.any():
+            break
+        prev = inertia
+    _, a = knn(x, cents, 1, backend=backend)
+    return cents, a[:, 0]
+
+
+def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int = 50,
+                    backend: str = "auto") -> Tuple[Tensor, Tensor]:
+    """Centres for an NCM / NCMC bank: the class means, or k-means centroids in each class.
+
+    Args:
+        emb: (N, D) floating-point embeddings (tensor or numpy array).
+        labels: (N,) integer class labels, >= 0 (tensor or numpy array).
+        per_class: centroids per class. 1 gives the exact class means (accumulated in fp64).
+            Above 1, k-means runs inside each class; a class with fewer distinct examples than
+            ``per_class`` gets one centroid per distinct example.
+        seed: k-means++ seed.
+        iters: maximum Lloyd iterations per class.
+        backend: search backend of the k-means assignment step.
+
+    Returns:
+        centres (M, D) in emb's dtype (fp32 for fp64 input, the bank's widest dtype), on emb's
+        device; centre_labels (M,) int64, sorted by class. Only classes present in ``labels``
+        get centres.
+    """
+    emb = _as_tensor("emb", emb)
+    labels = _as_tensor("labels", labels, emb.device)
+    require_float("emb", emb, 2)
+    require_int("labels", labels, 1)
+    if labels.shape[0] != emb.shape[0]:
+        raise ValueError(f"labels has length {labels.shape[0]} but emb has {emb.shape[0]} rows")
+    if emb.shape[0] == 0:
+        raise ValueError("emb is empty: no class to compute centroids for")
+    if isinstance(per_class, bool) or not isinstance(per_class, int) or per_class < 1:
+        raise ValueError(f"per_class must be a positive int, got {per_class!r}")
+    if not torch.isfinite(emb).all():
+        raise ValueError("emb contains NaN or inf")
+    labels = labels.long()
+    if int(labels.min()) < 0:
+        raise ValueError(f"labels must be >= 0, got {int(labels.min())}")
+    out_dtype = emb.dtype if emb.dtype in _BANK_DTYPES else torch.float32
+    classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+
+    if per_class == 1:
+        sums = torch.zeros(classes.shape[0], emb.shape[1], dtype=torch.float64, device=emb.device)
+        sums.index_add_(0, inverse, emb.double())
+        means = sums / counts[:, None].double()
+        return means.to(out_dtype), classes
+
+    order = torch.argsort(inverse, stable=True)  # rows grouped by class, one sort for all
+    starts = torch.cumsum(counts, 0) - counts
+    cdt = torch.float64 if emb.dtype == torch.float64 else torch.float32
+    centres, centre_labels = [], []
+    for ci, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):
+        pts = emb[order[s:s + c]].to(cdt)
+        distinct = torch.unique(pts, dim=0)
+        if distinct.shape[0] <= per_class:
+            cents = distinct
+        else:
+            cents, _ = kmeans(pts, per_class, iters=iters, seed=seed + ci, backend=backend)
+        centres.append(cents)
+        centre_labels.append(classes[ci].expand(cents.shape[0]))
+    return torch.cat(centres).to(out_dtype), torch.cat(centre_labels)
+
+
+def add_centres(bank, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None):
+    """Append centres to a :class:`~nnkloss.CentreBank` in place (no retraining).
+
+    Args:
+        bank: the CentreBank to grow.
+        centres: (M, D) floating-point centres (cast to the bank's dtype and device).
+        labels: (M,) integer labels; new classes simply take new label values.
+        weights: (M,) non-negative weights of the new centres, or None for weight 1.
+
+    The new rows get all -1 (padding) neighbour lists when the bank has lists, so existing
+    rows' lists are untouched; rebuild the lists to make the new centres reachable from old
+    rows' lists. The classifier searches the bank itself, so it sees new centres at once.
+    Growth goes through ``bank.update_`` (validated, swapped in atomically); with learned
+    weights that creates a new ``log_weights`` parameter, so rebuild the optimiser.
+    """
+    require_float("centres", centres, 2)
+    require_int("labels", labels, 1)
+    m = centres.shape[0]
+    if labels.shape[0] != m:
+        raise ValueError(f"labels has length {labels.shape[0]} but there are {m} new centres")
+    if bank.num_centres and centres.shape[1] != bank.dim:
+        raise ValueError(f"centres have dimension {centres.shape[1]}, the bank has {bank.dim}")
+    dev = bank.centres.device
+    labels = labels.to(dev).long()
+    if m and int(labels.min()) < 0:
+        raise ValueError(f"labels must be >= 0, got {int(labels.min())}")
+    new_w = None
+    if weights is not None:
+        require_float("weights", weights, 1)
+        if weights.shape[0] != m:
+            raise ValueError(f"weights has length {weights.shape[0]} but there are {m} new "
+                             "centres")
+        new_w = torch.cat([bank.weights.detach(), weights.detach().to(dev, torch.float32)])
+    new_nb = None
+    if bank.has_neighbours:
+        pad = torch.full((m, bank.k), -1, dtype=torch.long, device=dev)
+        new_nb = torch.cat([bank.neighbours, pad])
+    new_c = torch.cat([bank.centres, centres.detach().to(dev, bank.centres.dtype)])
+    return bank.update_(centres=new_c, labels=torch.cat([bank.labels, labels]),
+                        neighbours=new_nb, weights=new_w)

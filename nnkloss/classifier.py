@@ -1,0 +1,207 @@
+"""NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference, or the CCKNN rule (CCML Eq. 14).
+
+``rule="nngk"``: the k nearest centres of a query x (searched with :func:`nnkloss.knn`, no
+self-exclusion: queries are outside the bank) vote with their Gaussian kernel values,
+
+    Pr(class Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} w_j exp(-d_j / (2 sigma^2))
+
+``rule="ccknn"``: class-conditional k-NN (Eq. 14 of the CCML paper): each class C contributes
+its *own* k nearest centres, and the predicted class is ``argmin_C sum_{j<=k} ||x - NN^C_j(x)||^2``.
+
+Both are computed with a max shift (log-sum-exp), so queries far from every centre give a proper
+distribution, never NaN. The search only selects neighbours: the distances entering the kernel
+are recomputed from the centres, relative to each query's nearest centre (the shift cancels in
+the normalisation) and in a form that keeps their differences precise however far the query is.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .bank import CentreBank
+from .checks import check_sigma, require_float
+from .knn import KNN_BACKENDS, knn
+
+__all__ = ["NeighbourKernelClassifier", "RULES"]
+
+RULES = ("nngk", "ccknn")
+
+# Largest gathered (rows, k, D) block when recomputing distances: 2**22 elements (16 MiB fp32).
+_GATHER_ELEMS = 1 << 22
+
+
+def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
+                      cdt: torch.dtype) -> Tensor:
+    """(Q, k) ``||x_q - c_j||^2 - ||x_q - c_r||^2`` for j = idx[q, :], r = ref[q], in ``cdt``.
+
+    Written as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``: for a query far from every centre the two
+    squared distances are huge and nearly equal, and subtracting them loses everything that
+    decides the vote (at |x| = 1e4, fp32 distances are ~1e8 with a spacing of 8); the product
+    form keeps their difference to full relative precision. Chunked over rows so that the
+    gathered block stays below ``_GATHER_ELEMS`` elements.
+    """
+    q, k = idx.shape
+    d = x.shape[1]
+    out = torch.empty(q, k, dtype=cdt, device=x.device)
+    step = max(1, _GATHER_ELEMS // max(1, (k + 1) * d))
+    for lo in range(0, q, step):
+        c = centres[idx[lo:lo + step]].to(cdt)              # (rows, k, D)
+        r = centres[ref[lo:lo + step]].to(cdt)[:, None, :]  # (rows, 1, D)
+        two_x = 2.0 * x[lo:lo + step, None, :].to(cdt)
+        out[lo:lo + step] = ((c - r) * (c + r - two_x)).sum(-1)
+    return out
+
+
+class NeighbourKernelClassifier(nn.Module):
+    """Classify embeddings with a :class:`CentreBank` (training features, class means, ...).
+
+    Args:
+        bank: the CentreBank (a submodule; its weights are used as they are at call time, so a
+            bank grown with :meth:`CentreBank.add` is used at once).
+        k: neighbours per query. Clamped to the number of usable centres, so ``k >= N`` means
+            "all centres" (with a class-mean bank and ``1/(2 sigma^2) = 1/2`` that is the NCM
+            classifier of Mensink et al.). For ``rule="ccknn"`` it is the number of neighbours
+            taken from *each* class.
+        sigma: kernel width (> 0).
+        backend: neighbour-search backend, "auto", "torch" or "faiss" (see :func:`nnkloss.knn`).
+        batch_size: query rows per search call (bounds the search and gather temporaries).
+        rule: "nngk" (Eq. 3, default) or "ccknn" (CCML Eq. 14).
+
+    Centres with weight 0 do not exist for the classifier (they are left out of the search, so
+    the k neighbours are k centres that count). ``rule="ccknn"`` does not use the weights
+    otherwise: Eq. 14 has none.
+
+    Methods take emb (B, D) float (tensor or numpy array; moved to the bank's device) and run
+    without autograd. Probabilities are fp32 (fp64 for fp64 emb); C = ``bank.num_classes``
+    (max label + 1); labels absent from the bank get probability 0.
+    """
+
+    def __init__(self, bank: CentreBank, k: int, sigma: float, backend: str = "auto",
+                 batch_size: int = 8192, rule: str = "nngk"):
+        super().__init__()
+        if not isinstance(bank, CentreBank):
+            raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if isinstance(sigma, torch.Tensor):
+            sigma = float(sigma.detach())
+        check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, NaN, non-numbers
+        if backend not in KNN_BACKENDS:
+            raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) \
+                or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.bank = bank
+        self.k = int(k)
+        self.sigma = float(sigma)
+        self.backend = backend
+        self.batch_size = int(batch_size)
+        self.rule = rule
+
+    # ---------------------------------------------------------------- public
+    @torch.no_grad()
+    def predict_proba(self, emb) -> Tensor:
+        """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1."""
+        x = self._check_emb(emb)
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        log_p = self._log_scores_ccknn(x, cdt) if self.rule == "ccknn" \
+            else self._log_scores_nngk(x, cdt)
+        # Normalise with a max shift: rows whose every kernel value underflows stay finite.
+        return torch.softmax(log_p, dim=1)
+
+    @torch.no_grad()
+    def predict(self, emb) -> Tensor:
+        """(B,) int64 predicted class of each row of ``emb`` (B, D)."""
+        return self.predict_proba(emb).argmax(dim=1)
+
+    def forward(self, emb) -> Tensor:
+        return self.predict_proba(emb)
+
+    # ---------------------------------------------------------------- internals
+    def _check_emb(self, emb) -> Tensor:
+        if isinstance(emb, np.ndarray):
+            emb = torch.from_numpy(np.ascontiguousarray(emb))
+        require_float("emb", emb, 2)
+        bank = self.bank
+        if bank.num_centres == 0:
+            raise RuntimeError("the bank is empty: add centres before classifying")
+        if emb.shape[1] != bank.dim:
+            raise ValueError(f"emb has dimension {emb.shape[1]} but the bank's centres have "
+                             f"dimension {bank.dim}")
+        emb = emb.detach().to(bank.centres.device)
+        if emb.numel() and not bool(torch.isfinite(emb).all()):
+            raise ValueError("emb contains NaN or inf")
+        return emb
+
+    def _usable(self):
+        """(centres, labels, log_weights) of the centres with weight > 0."""
+        bank = self.bank
+        log_w = bank.log_weights.detach()
+        keep = torch.isfinite(log_w)  # log(0) = -inf: a removed centre
+        if bool(keep.all()):
+            return bank.centres, bank.labels, log_w
+        if not bool(keep.any()):
+            raise RuntimeError("every centre of the bank has weight 0: nothing to classify with")
+        return bank.centres[keep], bank.labels[keep], log_w[keep]
+
+    def _log_scores_nngk(self, x: Tensor, cdt) -> Tensor:
+        """(B, C) log of the unnormalised Eq. 3 class sums."""
+        centres, labels, log_w = self._usable()
+        num_classes = self.bank.num_classes
+        k = min(self.k, centres.shape[0])
+        inv = 0.5 / (self.sigma * self.sigma)
+        out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
+        for lo in range(0, x.shape[0], self.batch_size):
+            xb = x[lo:lo + self.batch_size]
+            _, idx = knn(xb, centres, k, backend=self.backend)
+            # Distances relative to the nearest centre: the shift cancels in the ratio.
+            rel = _sq_dist_minus_ref(xb, centres, idx, idx[:, 0], cdt)
+            logits = log_w[idx].to(cdt) - rel * inv
+            m = logits.max(dim=1, keepdim=True).values  # finite: every weight here is > 0
+            sums = torch.zeros(xb.shape[0], num_classes, dtype=cdt, device=x.device)
+            sums.scatter_add_(1, labels[idx], torch.exp(logits - m))
+            out[lo:lo + self.batch_size] = torch.log(sums) + m  # log 0 = -inf for absent classes
+        return out
+
+    def _log_scores_ccknn(self, x: Tensor, cdt) -> Tensor:
+        """(B, C) class scores ``-(1/k) sum_{j<=k} ||x - NN^C_j(x)||^2 / (2 sigma^2)`` (up to a
+        per-row constant, which the softmax removes).
+
+        Eq. 14 picks the class with the smallest sum of its k nearest squared distances; the
+        soft version (CCML Eq. 10) normalises ``exp(-(1/k) sum ...)``, so softmax of these
+        scores is Eq. 10 with distances scaled by ``1/(2 sigma^2)`` (``sigma = 1/sqrt 2`` gives
+        Eq. 10 exactly) and its argmax is Eq. 14. A class with n_C < k centres uses the mean
+        over all n_C of them, which equals ``sum / k`` whenever n_C >= k.
+        """
+        centres, labels, _ = self._usable()
+        num_classes = self.bank.num_classes
+        inv = 0.5 / (self.sigma * self.sigma)
+        out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
+        classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+        order = torch.argsort(inverse, stable=True)  # centre rows grouped by class
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        # One reference centre per query (its nearest), shared by all classes: scores are mean
+        # distances minus the reference distance, which cancels in the softmax and keeps far
+        # queries precise (see _sq_dist_minus_ref).
+        ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1, backend=self.backend)[1]
+                         for lo in range(0, x.shape[0], self.batch_size)])[:, 0]
+        for c, s, n in zip(classes.tolist(), starts, counts.tolist()):
+            members = order[s:s + n]
+            base = centres[members]
+            kc = min(self.k, n)
+            for lo in range(0, x.shape[0], self.batch_size):
+                xb = x[lo:lo + self.batch_size]
+                _, idx = knn(xb, base, kc, backend=self.backend)
+                rel = _sq_dist_minus_ref(xb, centres, members[idx], ref[lo:lo + self.batch_size],
+                                         cdt)
+                out[lo:lo + self.batch_size, c] = -rel.mean(dim=1) * inv
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"k={self.k}, sigma={self.sigma:.4g}, rule={self.rule!r}, "
+                f"backend={self.backend!r}, batch_size={self.batch_size}")

@@ -1,0 +1,171 @@
+"""Centroid banks (NCM / NCMC), k-means, and growing a bank with CentreBank.add."""
+import numpy as np
+import pytest
+import torch
+
+from nnkloss import CentreBank, NeighbourKernelClassifier, neighbour_kernel_loss
+from nnkloss.centroids import class_centroids, kmeans
+
+
+def blobs(per_class=(30, 20, 25), d=4, seed=0, spread=10.0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.cat([torch.full((n,), c) for c, n in enumerate(per_class)]).long()
+    means = torch.randn(len(per_class), d, generator=g) * spread
+    return means[labels] + torch.randn(labels.shape[0], d, generator=g), labels
+
+
+def test_class_means_exact():
+    emb, labels = blobs()
+    labels = torch.where(labels == 2, torch.tensor(7), labels)  # label gap: 0, 1, 7
+    perm = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(1))
+    emb, labels = emb[perm], labels[perm]
+    bank = CentreBank.from_class_means(emb, labels)
+    assert bank.labels.tolist() == [0, 1, 7]
+    assert bank.centres.dtype == torch.float32 and not bank.has_neighbours
+    for row, c in enumerate([0, 1, 7]):
+        expect = emb[labels == c].double().mean(0).float()
+        assert torch.equal(bank.centres[row], expect)
+    assert bank.num_classes == 8
+
+
+def test_class_means_dtypes_and_numpy():
+    emb, labels = blobs()
+    b64 = CentreBank.from_class_means(emb.double(), labels)  # fp64 in: fp32 bank
+    assert b64.centres.dtype == torch.float32
+    bnp = CentreBank.from_class_means(emb.numpy(), labels.numpy())
+    torch.testing.assert_close(bnp.centres, b64.centres)
+    bh = CentreBank.from_class_means(emb.half(), labels)
+    assert bh.centres.dtype == torch.float16
+
+
+def test_per_class_centroid_counts():
+    emb, labels = blobs(per_class=(30, 2, 1, 5))
+    emb[labels == 3] = emb[labels == 3][:2].repeat(3, 1)[:5]  # class 3: 5 rows, 2 distinct
+    centres, centre_labels = class_centroids(emb, labels, per_class=3, seed=0)
+    assert centre_labels.tolist() == [0, 0, 0, 1, 1, 2, 3, 3]
+    assert centres.shape == (8, 4)
+    # Classes no larger than per_class keep their distinct examples as centroids.
+    assert torch.equal(centres[5], emb[labels == 2][0])
+    got = {tuple(r) for r in centres[6:].tolist()}
+    assert got == {tuple(r) for r in emb[labels == 3].tolist()}
+    bank = CentreBank.from_class_means(emb, labels, per_class=3)
+    assert torch.equal(bank.labels, centre_labels)
+
+
+def test_per_class_centroids_find_sub_clusters():
+    # Each class is two far-apart blobs: two centroids per class land on the blob means.
+    g = torch.Generator().manual_seed(2)
+    sub = torch.tensor([[0.0, 0.0], [50.0, 0.0], [0.0, 50.0], [50.0, 50.0]])
+    which = torch.arange(4).repeat_interleave(40)
+    emb = sub[which] + torch.randn(160, 2, generator=g)
+    labels = which // 2
+    centres, centre_labels = class_centroids(emb, labels, per_class=2, seed=0)
+    assert centre_labels.tolist() == [0, 0, 1, 1]
+    for c in range(2):
+        got = sorted(centres[centre_labels == c].tolist())
+        expect = sorted(emb[which == s].mean(0).tolist() for s in (2 * c, 2 * c + 1))
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expect))
+
+
+def test_kmeans_deterministic_and_validated():
+    emb, _ = blobs()
+    c1, a1 = kmeans(emb, 3, seed=5)
+    c2, a2 = kmeans(emb, 3, seed=5)
+    assert torch.equal(c1, c2) and torch.equal(a1, a2)
+    assert a1.shape == (75,) and a1.dtype == torch.int64 and set(a1.tolist()) == {0, 1, 2}
+    with pytest.raises(ValueError, match="n_clusters"):
+        kmeans(torch.zeros(5, 2), 2)  # one distinct row
+    with pytest.raises(ValueError, match="n_clusters"):
+        kmeans(emb, 0)
+
+
+def test_class_centroids_validation():
+    emb, labels = blobs()
+    with pytest.raises(ValueError, match="per_class"):
+        class_centroids(emb, labels, per_class=0)
+    with pytest.raises(ValueError, match="labels"):
+        class_centroids(emb, labels[:3])
+    with pytest.raises(ValueError, match="labels"):
+        class_centroids(emb, labels - 1)
+    with pytest.raises(TypeError, match="emb"):
+        class_centroids([[0.0]], torch.tensor([0]))
+    with pytest.raises(ValueError, match="NaN"):
+        class_centroids(torch.full((3, 2), float("nan")), torch.tensor([0, 0, 1]))
+
+
+def test_added_class_is_predicted_at_its_centre():
+    emb, labels = blobs()
+    bank = CentreBank.from_class_means(emb, labels)
+    clf = NeighbourKernelClassifier(bank, k=10, sigma=1.0)
+    new_centre = torch.full((1, 4), 40.0)
+    out = bank.add(new_centre, torch.tensor([3]))
+    assert out is bank and bank.num_centres == 4 and bank.num_classes == 4
+    assert clf.predict(new_centre).item() == 3
+    torch.testing.assert_close(bank.weights.detach(), torch.ones(4))
+    # Existing classes are unchanged by the addition.
+    means = torch.stack([emb[labels == c].mean(0) for c in range(3)])
+    assert clf.predict(means).tolist() == [0, 1, 2]
+
+
+def test_add_pads_lists_and_appends_weights():
+    centres = torch.randn(4, 3)
+    bank = CentreBank(centres, torch.tensor([0, 0, 1, 1]),
+                      neighbours=torch.tensor([[1, 2], [0, 3], [3, 0], [2, 1]]),
+                      weights=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    bank.add(torch.randn(2, 3, dtype=torch.float64), torch.tensor([2, 2]),
+             weights=torch.tensor([0.5, 0.25]))
+    assert bank.neighbours.tolist()[4:] == [[-1, -1], [-1, -1]]
+    assert bank.neighbours.tolist()[:4] == [[1, 2], [0, 3], [3, 0], [2, 1]]
+    torch.testing.assert_close(bank.weights.detach(), torch.tensor([1.0, 2.0, 3.0, 4.0, 0.5, 0.25]))
+    assert bank.centres.dtype == torch.float32 and torch.equal(bank.centres[:4], centres)
+    # Default weights for added centres are one; lists stay empty for a bank without lists.
+    plain = CentreBank(centres, torch.tensor([0, 0, 1, 1]))
+    plain.add(torch.randn(1, 3), torch.tensor([5]))
+    assert not plain.has_neighbours and plain.weights_for_loss() is None
+
+
+def test_add_validation_leaves_bank_unchanged():
+    bank = CentreBank(torch.randn(3, 2), torch.tensor([0, 1, 2]))
+    before = bank.centres.clone()
+    with pytest.raises(ValueError, match="dimension"):
+        bank.add(torch.randn(1, 5), torch.tensor([0]))
+    with pytest.raises(ValueError, match="labels"):
+        bank.add(torch.randn(2, 2), torch.tensor([0]))
+    with pytest.raises(ValueError, match="labels"):
+        bank.add(torch.randn(1, 2), torch.tensor([-3]))
+    with pytest.raises(ValueError, match="weights"):
+        bank.add(torch.randn(1, 2), torch.tensor([0]), weights=torch.tensor([-1.0]))
+    with pytest.raises(ValueError, match="weights"):
+        bank.add(torch.randn(1, 2), torch.tensor([0]), weights=torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match="NaN"):
+        bank.add(torch.full((1, 2), float("nan")), torch.tensor([0]))
+    assert torch.equal(bank.centres, before) and bank.num_centres == 3
+
+
+def test_loss_on_class_mean_bank_is_ncm_log_loss():
+    # Eq. 3 with bank = class means, lists = all centres, 1/(2 sigma^2) = 1/2: the NCM
+    # log-loss of Mensink et al., -log softmax_c(-||x - mu_c||^2 / 2)[y].
+    emb, labels = blobs(spread=1.0)
+    bank = CentreBank.from_class_means(emb, labels, per_class=1)
+    x = emb[:10].clone().requires_grad_(True)
+    nb = torch.arange(bank.num_centres).expand(10, -1)
+    loss = neighbour_kernel_loss(x, labels[:10], bank.centres, bank.labels, nb, sigma=1.0,
+                                 reduction="none", backend="torch")
+    d = torch.cdist(x.detach().double(), bank.centres.double()) ** 2
+    ref = -torch.log_softmax(-d / 2, 1).gather(1, labels[:10, None])[:, 0]
+    torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-5)
+    loss.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_loss_and_classifier_on_ncmc_bank_with_added_class():
+    emb, labels = blobs()
+    bank = CentreBank.from_class_means(np.asarray(emb), np.asarray(labels), per_class=2)
+    bank.add(torch.full((1, 4), 40.0), torch.tensor([3]))
+    n = bank.num_centres
+    nb = torch.arange(n).expand(5, -1)
+    loss = neighbour_kernel_loss(emb[:5], labels[:5], bank.centres, bank.labels, nb,
+                                 sigma=2.0, backend="torch")
+    assert torch.isfinite(loss)
+    pred = NeighbourKernelClassifier(bank, k=n, sigma=2.0).predict(emb)
+    assert (pred == labels).double().mean() > 0.95

@@ -10,6 +10,7 @@ from .loss import NeighbourKernelLoss
 from . import knn  # callable: nnkloss.knn(q, b, k) == nnkloss.knn.knn(q, b, k)
 from .refresh import Refresher, RefreshSchedule, RefreshStats
 from .checkpoint import load_bank, save_bank
+from . import metrics
 from .classifier import NeighbourKernelClassifier
 
 __version__ = "0.1.0"
@@ -29,4 +30,5 @@ __all__ = [
     "save_bank",
     "load_bank",
     "NeighbourKernelClassifier",
+    "metrics",
 ]

@@ -11,6 +11,7 @@ from . import knn  # callable: nnkloss.knn(q, b, k) == nnkloss.knn.knn(q, b, k)
 from .refresh import Refresher, RefreshSchedule, RefreshStats
 from .checkpoint import load_bank, save_bank
 from . import metrics
+from .ccml import ClassConditionalLoss, class_conditional_loss
 from .classifier import NeighbourKernelClassifier
 
 __version__ = "0.1.0"
@@ -30,5 +31,7 @@ __all__ = [
     "save_bank",
     "load_bank",
     "NeighbourKernelClassifier",
+    "ClassConditionalLoss",
+    "class_conditional_loss",
     "metrics",
 ]

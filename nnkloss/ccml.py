@@ -1,0 +1,238 @@
+"""Class-conditional training objective (CCML, Eq. 15 with Eq. 11), on the gathered neighbour lists.
+
+For a row x with label R and neighbour list N (the same lists as the Eq. 3 loss), let
+
+    m_pos = mean of ||x - c_j||^2 over the k nearest entries of N with y_j = R
+    m_neg = mean of ||x - c_j||^2 over the k nearest entries of N with y_j != R
+    p     = exp(-s m_pos) / (exp(-s m_pos) + exp(-s m_neg)) = sigmoid(s (m_neg - m_pos))
+
+with ``s = 1/(2 sigma^2)`` (the default ``sigma = 1/sqrt(2)`` gives s = 1, Eq. 15 as printed).
+The paper maximises the expected accuracy ``sum_i p_i`` (Eq. 11 with Eq. 15 in place of
+Eq. 10): ``objective="accuracy"`` minimises ``1 - p``. ``objective="nll"`` minimises
+``-log p = softplus(s (m_pos - m_neg))``, the form of the Eq. 3 loss.
+
+Rows with fewer than k same-class (other-class) entries use the mean over those they have; a
+row with none on either side has no defined p: it gets loss 0 and no gradient, and is left out
+of the mean (the same policy as the Eq. 3 loss). Padding (-1) and centres of weight 0 are not
+entries. The nearest-entry selection is piecewise constant (no gradient through the choice, as
+in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
+
+Memory: distances are computed ``rows_per_chunk`` rows at a time (a (rows, K, D) block, as in
+:mod:`nnkloss.torch_path`), and autograd keeps only (B, D) mean centres and (B, k) indices:
+no (B, K, D) tensor is built.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .bank import CentreBank
+from .checks import check_inputs, check_sigma, check_values
+from .torch_path import _rows_per_chunk, compute_dtype
+
+__all__ = ["class_conditional_loss", "class_conditional_loss_rows", "ClassConditionalLoss",
+           "OBJECTIVES"]
+
+OBJECTIVES = ("accuracy", "nll")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@torch.no_grad()
+def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
+            ) -> Tuple[Tensor, Tensor]:
+    """(B, k) indices of the k nearest same-class and other-class list entries (-1 = none)."""
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    kk = min(k, K)
+    cdt = compute_dtype(emb)
+    pos = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
+    neg = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
+    step = _rows_per_chunk(K, D)
+    for lo in range(0, B, step):
+        nbr = neighbours[lo:lo + step].long()
+        safe = nbr.clamp_min(0)
+        diff = centres[safe].to(cdt) - emb[lo:lo + step, None, :].to(cdt)  # (rows, K, D)
+        d = (diff * diff).sum(-1)
+        valid = nbr >= 0
+        if weights is not None:
+            valid = valid & (weights[safe] > 0)
+        same = centre_labels[safe] == labels[lo:lo + step, None]
+        for out, mask in ((pos, valid & same), (neg, valid & ~same)):
+            dm = d.masked_fill(~mask, math.inf)
+            top_d, top_j = dm.topk(kk, dim=1, largest=False)
+            chosen = nbr.gather(1, top_j)
+            out[lo:lo + step, :kk] = chosen.masked_fill(torch.isinf(top_d), -1)
+    return pos, neg
+
+
+class _MeanSqDist(torch.autograd.Function):
+    """m_b = mean over valid j of ||x_b - c_{sel[b, j]}||^2 (0 where a row has no valid entry).
+
+    The backward needs only the (B, D) means of the selected centres:
+    dm_b/dx_b = 2 (x_b - cbar_b) and dm_b/dc_j = -2 (x_b - c_j) / n_b for each selected j.
+    """
+
+    @staticmethod
+    def forward(ctx, emb, centres, sel):
+        B, D = emb.shape
+        k = sel.shape[1]
+        cdt = compute_dtype(emb)
+        valid = sel >= 0
+        count = valid.sum(1)
+        inv_n = 1.0 / count.clamp_min(1).to(cdt)
+        m = torch.empty(B, dtype=cdt, device=emb.device)
+        cbar = torch.empty(B, D, dtype=cdt, device=emb.device)
+        step = _rows_per_chunk(k, D)
+        for lo in range(0, B, step):
+            s = sel[lo:lo + step]
+            v = valid[lo:lo + step].to(cdt)
+            c = centres[s.clamp_min(0)].to(cdt)  # (rows, k, D), k <= K
+            diff = c - emb[lo:lo + step, None, :].to(cdt)
+            m[lo:lo + step] = ((diff * diff).sum(-1) * v).sum(1) * inv_n[lo:lo + step]
+            cbar[lo:lo + step] = torch.einsum("rk,rkd->rd", v, c) * inv_n[lo:lo + step, None]
+        ctx.save_for_backward(emb, centres, sel, cbar, inv_n, count)
+        return m
+
+    @staticmethod
+    def backward(ctx, g):
+        emb, centres, sel, cbar, inv_n, count = ctx.saved_tensors
+        cdt = cbar.dtype
+        g = torch.where(count > 0, g.to(cdt), torch.zeros((), dtype=cdt, device=g.device))
+        x = emb.to(cdt)
+        grad_emb = grad_c = None
+        if ctx.needs_input_grad[0]:
+            grad_emb = (2.0 * g[:, None] * (x - cbar)).to(emb.dtype)
+        if ctx.needs_input_grad[1]:
+            B, D = emb.shape
+            k = sel.shape[1]
+            grad = torch.zeros(centres.shape[0], D, dtype=cdt, device=centres.device)
+            coef = -2.0 * g * inv_n
+            step = _rows_per_chunk(k, D)
+            for lo in range(0, B, step):
+                s = sel[lo:lo + step]
+                safe = s.clamp_min(0)
+                w = coef[lo:lo + step, None] * (s >= 0)
+                contrib = w[:, :, None] * (x[lo:lo + step, None, :] - centres[safe].to(cdt))
+                grad.index_add_(0, safe.reshape(-1), contrib.reshape(-1, D))
+            grad_c = grad.to(centres.dtype)
+        return grad_emb, grad_c, None
+
+
+def _check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    return int(k)
+
+
+def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours, k: int = 5,
+                                sigma=math.sqrt(0.5), weights: Optional[Tensor] = None,
+                                objective: str = "accuracy") -> Tuple[Tensor, Tensor]:
+    """Per-row CCML loss and validity: ``(loss (B,), valid (B,) bool)``; see
+    :func:`class_conditional_loss` for the arguments. Invalid rows have loss 0."""
+    check_inputs(emb, labels, centres, centre_labels, neighbours, weights, "none", "torch")
+    k = _check_k(k)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    sigma_t = check_sigma(sigma, emb.device)
+    check_values(emb, centres, neighbours, weights, sigma_t)
+    pos, neg = _select(emb, labels, centres, centre_labels, neighbours, weights, k)
+    valid = (pos[:, 0] >= 0) & (neg[:, 0] >= 0)
+    m_pos = _MeanSqDist.apply(emb, centres, pos)
+    m_neg = _MeanSqDist.apply(emb, centres, neg)
+    cdt = m_pos.dtype
+    s = 0.5 / sigma_t.to(cdt) ** 2
+    z = s * (m_pos - m_neg)  # -log p = softplus(z), 1 - p = sigmoid(z)
+    rows = torch.sigmoid(z) if objective == "accuracy" else nn.functional.softplus(z)
+    # where() gives invalid rows an exact zero gradient too.
+    return torch.where(valid, rows, torch.zeros((), dtype=cdt, device=rows.device)), valid
+
+
+def class_conditional_loss(emb, labels, centres, centre_labels, neighbours, k: int = 5,
+                           sigma=math.sqrt(0.5), weights: Optional[Tensor] = None,
+                           objective: str = "accuracy", reduction: str = "mean") -> Tensor:
+    """Class-conditional metric learning loss (CCML, Eq. 15) on precomputed neighbour lists.
+
+    Args:
+        emb: (B, D) float embeddings (math in fp32, fp64 for fp64 emb).
+        labels: (B,) integer labels.
+        centres: (N, D) float centres (may require grad).
+        centre_labels: (N,) integer labels of the centres.
+        neighbours: (B, K) int32/int64 indices into centres, -1 = padding (the lists of the
+            Eq. 3 loss; with a bank, exclude each example's own centre first).
+        k: same-class and other-class entries averaged per row (Eq. 15's k).
+        sigma: the distances are scaled by ``1/(2 sigma^2)``; the default makes that 1.
+        weights: optional (N,) non-negative weights; only their zeros matter (a zero weight
+            removes a centre; Eq. 15 has no weights otherwise).
+        objective: "accuracy" (1 - p, the paper's expected accuracy) or "nll" (-log p).
+        reduction: "mean" (over rows that have both same- and other-class entries), "sum" or
+            "none" ((B,), 0 for rows without both).
+
+    Returns:
+        The loss in the compute dtype (0-dim, or (B,) for "none").
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    rows, valid = class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
+                                              k, sigma, weights, objective)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    return total / valid.sum().clamp_min(1).to(total.dtype)
+
+
+class ClassConditionalLoss(nn.Module):
+    """CCML loss on a :class:`CentreBank`: ``loss = ClassConditionalLoss(bank, k)(emb, labels, idx)``.
+
+    Args:
+        bank: the CentreBank whose neighbour lists and centres are used.
+        k: entries per side (see :func:`class_conditional_loss`).
+        sigma, objective, reduction: as in :func:`class_conditional_loss`.
+        exclude_self: drop each example's own centre from its list.
+
+    ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
+    batch. ``last_valid`` holds the (B,) bool mask of rows counted in the last call.
+    """
+
+    def __init__(self, bank: CentreBank, k: int = 5, sigma: float = math.sqrt(0.5),
+                 objective: str = "accuracy", reduction: str = "mean",
+                 exclude_self: bool = True):
+        super().__init__()
+        if not isinstance(bank, CentreBank):
+            raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        check_sigma(sigma, torch.device("cpu"))
+        self.bank = bank
+        self.k = _check_k(k)
+        self.sigma = float(sigma)
+        self.objective = objective
+        self.reduction = reduction
+        self.exclude_self = exclude_self
+        self.last_valid: Optional[Tensor] = None
+
+    def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
+        bank = self.bank
+        nb = bank.neighbours_for(idx, self.exclude_self)
+        labels = labels.to(emb.device)
+        rows, valid = class_conditional_loss_rows(emb, labels, bank.centres, bank.labels, nb,
+                                                  self.k, self.sigma, bank.weights_for_loss(),
+                                                  self.objective)
+        self.last_valid = valid
+        if self.reduction == "none":
+            return rows
+        total = rows.sum()
+        if self.reduction == "sum":
+            return total
+        return total / valid.sum().clamp_min(1).to(total.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"k={self.k}, sigma={self.sigma:.4g}, objective={self.objective!r}, "
+                f"reduction={self.reduction!r}, exclude_self={self.exclude_self}")

@@ -1,0 +1,178 @@
+"""Class-conditional loss (CCML Eq. 15) against a plain per-row reference, values and gradients."""
+import math
+
+import pytest
+import torch
+
+import nnkloss
+from nnkloss import CentreBank, ClassConditionalLoss, class_conditional_loss
+from nnkloss import torch_path
+
+
+def reference_rows(emb, labels, centres, centre_labels, neighbours, k, sigma, weights=None,
+                   objective="accuracy"):
+    """Row by row from Eq. 15: plain autograd-friendly fp64 expressions."""
+    rows, valid = [], []
+    s = 1.0 / (2 * sigma ** 2)
+    for b in range(emb.shape[0]):
+        pos, neg = [], []
+        for j in neighbours[b].tolist():
+            if j < 0 or (weights is not None and float(weights[j]) == 0):
+                continue
+            d = ((emb[b] - centres[j]) ** 2).sum()
+            (pos if int(centre_labels[j]) == int(labels[b]) else neg).append(d)
+        if not pos or not neg:
+            rows.append(emb.new_zeros(()) + 0 * emb[b].sum())
+            valid.append(False)
+            continue
+        pos = sorted(pos, key=lambda t: float(t.detach()))[:k]
+        neg = sorted(neg, key=lambda t: float(t.detach()))[:k]
+        m_pos = torch.stack(pos).mean()
+        m_neg = torch.stack(neg).mean()
+        p = torch.exp(-s * m_pos) / (torch.exp(-s * m_pos) + torch.exp(-s * m_neg))
+        rows.append(1 - p if objective == "accuracy" else -torch.log(p))
+        valid.append(True)
+    return torch.stack(rows), torch.tensor(valid)
+
+
+def problem(B=12, N=30, D=5, K=10, C=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(B, D, generator=g, dtype=dtype)
+    centres = torch.randn(N, D, generator=g, dtype=dtype)
+    labels = torch.randint(0, C, (B,), generator=g)
+    centre_labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(B)])
+    nb[0, :3] = -1  # padding
+    return emb, labels, centres, centre_labels, nb
+
+
+@pytest.mark.parametrize("objective", ["accuracy", "nll"])
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_matches_reference_values_and_grads(objective, k):
+    emb, labels, centres, centre_labels, nb = problem()
+    sigma = 0.9
+    e1, c1 = emb.clone().requires_grad_(True), centres.clone().requires_grad_(True)
+    out = class_conditional_loss(e1, labels, c1, centre_labels, nb, k=k, sigma=sigma,
+                                 objective=objective, reduction="none")
+    e2, c2 = emb.clone().requires_grad_(True), centres.clone().requires_grad_(True)
+    ref, valid = reference_rows(e2, labels, c2, centre_labels, nb, k, sigma,
+                                objective=objective)
+    torch.testing.assert_close(out, ref)
+    w = torch.randn(emb.shape[0], dtype=torch.float64)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(e1.grad, e2.grad)
+    torch.testing.assert_close(c1.grad, c2.grad)
+    mean = class_conditional_loss(emb, labels, centres, centre_labels, nb, k=k, sigma=sigma,
+                                  objective=objective)
+    torch.testing.assert_close(mean, ref.sum() / valid.sum())
+
+
+def test_gradcheck_fp64():
+    emb, labels, centres, centre_labels, nb = problem(B=6, N=15, D=3, K=8, seed=1)
+    e = emb.clone().requires_grad_(True)
+    c = centres.clone().requires_grad_(True)
+    for objective in ("accuracy", "nll"):
+        assert torch.autograd.gradcheck(
+            lambda e_, c_: class_conditional_loss(e_, labels, c_, centre_labels, nb, k=2,
+                                                  sigma=1.1, objective=objective,
+                                                  reduction="none"),
+            (e, c), eps=1e-6, atol=1e-6)
+
+
+def test_default_sigma_is_eq15_as_printed():
+    emb, labels, centres, centre_labels, nb = problem(seed=2)
+    out = class_conditional_loss(emb, labels, centres, centre_labels, nb, k=2, reduction="none")
+    ref, _ = reference_rows(emb, labels, centres, centre_labels, nb, 2, math.sqrt(0.5))
+    torch.testing.assert_close(out, ref)
+
+
+def test_rows_without_both_sides_are_left_out():
+    centres = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    centre_labels = torch.tensor([0, 0, 1])
+    emb = torch.tensor([[0.1, 0.1], [0.2, 0.0], [0.3, 0.3]], dtype=torch.float64,
+                       requires_grad=True)
+    labels = torch.tensor([0, 0, 0])
+    nb = torch.tensor([[0, 2, -1], [0, 1, -1], [-1, -1, -1]])  # row 1: no other class, row 2: empty
+    rows = class_conditional_loss(emb, labels, centres, centre_labels, nb, reduction="none")
+    assert rows[1] == 0 and rows[2] == 0 and rows[0] > 0
+    mean = class_conditional_loss(emb, labels, centres, centre_labels, nb)
+    torch.testing.assert_close(mean, rows[0])
+    mean.backward()
+    assert torch.all(emb.grad[1:] == 0) and torch.isfinite(emb.grad).all()
+    # All rows invalid: a zero loss, not NaN.
+    z = class_conditional_loss(emb, labels, centres, centre_labels, nb[1:2].expand(3, -1))
+    assert z == 0
+
+
+def test_zero_weights_remove_centres():
+    emb, labels, centres, centre_labels, nb = problem(seed=3)
+    weights = torch.rand(centres.shape[0], dtype=torch.float64) + 0.5
+    weights[::4] = 0
+    out = class_conditional_loss(emb, labels, centres, centre_labels, nb, k=3, weights=weights,
+                                 reduction="none")
+    ref, _ = reference_rows(emb, labels, centres, centre_labels, nb, 3, math.sqrt(0.5),
+                            weights=weights)
+    torch.testing.assert_close(out, ref)
+
+
+def test_chunked_over_rows(monkeypatch):
+    emb, labels, centres, centre_labels, nb = problem(B=40, seed=4)
+    e1 = emb.clone().requires_grad_(True)
+    full = class_conditional_loss(e1, labels, centres, centre_labels, nb, k=3, reduction="none")
+    full.sum().backward()
+    monkeypatch.setattr(torch_path, "CHUNK_ELEMS", 60)  # ~1 row per chunk
+    e2 = emb.clone().requires_grad_(True)
+    c2 = centres.clone().requires_grad_(True)
+    chunked = class_conditional_loss(e2, labels, c2, centre_labels, nb, k=3, reduction="none")
+    chunked.sum().backward()
+    torch.testing.assert_close(chunked, full)
+    torch.testing.assert_close(e2.grad, e1.grad)
+    ref, _ = reference_rows(emb, labels, centres, centre_labels, nb, 3, math.sqrt(0.5))
+    torch.testing.assert_close(chunked, ref)
+
+
+def test_fp32_and_bf16_centres():
+    emb, labels, centres, centre_labels, nb = problem(seed=5, dtype=torch.float32)
+    out = class_conditional_loss(emb, labels, centres.bfloat16(), centre_labels, nb, k=2,
+                                 reduction="none")
+    assert out.dtype == torch.float32
+    ref, _ = reference_rows(emb.double(), labels, centres.bfloat16().double(), centre_labels,
+                            nb, 2, math.sqrt(0.5))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_module_on_bank_matches_functional():
+    emb, labels, centres, centre_labels, nb = problem(B=30, N=30, K=8, seed=6,
+                                                      dtype=torch.float32)
+    bank = CentreBank(centres, centre_labels, neighbours=nb)
+    idx = torch.tensor([3, 7, 11, 0])
+    x = emb[:4].clone().requires_grad_(True)
+    y = centre_labels[idx]
+    mod = ClassConditionalLoss(bank, k=2, sigma=1.0, objective="nll")
+    loss = mod(x, y, idx)
+    expect = class_conditional_loss(x, y, bank.centres, bank.labels,
+                                    bank.neighbours_for(idx, exclude_self=True), k=2,
+                                    sigma=1.0, objective="nll")
+    torch.testing.assert_close(loss, expect)
+    loss.backward()
+    assert x.grad is not None and mod.last_valid.shape == (4,)
+    assert isinstance(mod, torch.nn.Module) and nnkloss.ClassConditionalLoss is ClassConditionalLoss
+
+
+def test_validation_errors():
+    emb, labels, centres, centre_labels, nb = problem()
+    with pytest.raises(ValueError, match="k must"):
+        class_conditional_loss(emb, labels, centres, centre_labels, nb, k=0)
+    with pytest.raises(ValueError, match="objective"):
+        class_conditional_loss(emb, labels, centres, centre_labels, nb, objective="hinge")
+    with pytest.raises(ValueError, match="reduction"):
+        class_conditional_loss(emb, labels, centres, centre_labels, nb, reduction="max")
+    with pytest.raises(ValueError, match="sigma"):
+        class_conditional_loss(emb, labels, centres, centre_labels, nb, sigma=0.0)
+    with pytest.raises(IndexError, match="neighbours"):
+        class_conditional_loss(emb, labels, centres, centre_labels, nb + 100)
+    with pytest.raises(ValueError, match="labels"):
+        class_conditional_loss(emb, labels[:3], centres, centre_labels, nb)
+    with pytest.raises(TypeError, match="bank"):
+        ClassConditionalLoss(centres)

@@ -11,6 +11,7 @@ from . import knn  # callable: nnkloss.knn(q, b, k) == nnkloss.knn.knn(q, b, k)
 from .refresh import Refresher, RefreshSchedule, RefreshStats
 from .checkpoint import load_bank, save_bank
 from . import metrics
+from . import plots
 from .ccml import ClassConditionalLoss, class_conditional_loss
 from .classifier import NeighbourKernelClassifier
 
@@ -34,4 +35,5 @@ __all__ = [
     "ClassConditionalLoss",
     "class_conditional_loss",
     "metrics",
+    "plots",
 ]

@@ -1,0 +1,162 @@
+"""One-call PNG plots: a 2-D embedding map coloured by class, and Recall@K curves.
+
+matplotlib (Agg backend, no display needed) and scikit-learn are imported when a plot is made,
+so importing nnkloss does not pull them in.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["plot_embedding", "plot_recall_curve", "METHODS"]
+
+METHODS = ("tsne", "pca")
+
+
+def _pyplot():
+    import matplotlib
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")  # headless; a session that already uses pyplot keeps its backend
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _to_numpy(name: str, x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
+        return x.numpy()
+    if isinstance(x, np.ndarray):
+        return x
+    raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+
+
+def _check_path(path) -> str:
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"path {path!r}: directory {parent!r} does not exist")
+    return path
+
+
+def _project(x: np.ndarray, method: str, seed: int, perplexity: float) -> np.ndarray:
+    """(N, 2) coordinates of the (N, D) points."""
+    if x.shape[1] <= 2:
+        return np.pad(x, ((0, 0), (0, 2 - x.shape[1])))  # already (at most) 2-D: plot as is
+    if method == "pca":
+        from sklearn.decomposition import PCA
+        return PCA(n_components=2, random_state=seed).fit_transform(x)
+    from sklearn.manifold import TSNE
+    # perplexity must stay below the number of points.
+    perp = min(float(perplexity), max(1.0, (x.shape[0] - 1) / 3.0))
+    return TSNE(n_components=2, perplexity=perp, init="pca", random_state=seed).fit_transform(x)
+
+
+def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional[int] = 5000,
+                   seed: int = 0, perplexity: float = 30.0, title: Optional[str] = None,
+                   point_size: float = 6.0) -> str:
+    """Project embeddings to 2-D and save a scatter plot coloured by class as a PNG.
+
+    Args:
+        emb: (N, D) float embeddings (tensor or numpy array).
+        labels: (N,) integer labels (colours).
+        path: output PNG path (its directory must exist).
+        method: "tsne" (sklearn TSNE) or "pca" (faster fallback, deterministic).
+        max_points: plot a random subset of this many points (t-SNE is O(N^2) in time);
+            None plots all.
+        seed: subset and projection seed.
+        perplexity: t-SNE perplexity (clamped below N/3 for small N).
+        title: figure title (default: the method name).
+        point_size: marker size.
+
+    Returns:
+        ``path``.
+    """
+    x = _to_numpy("emb", emb)
+    y = _to_numpy("labels", labels)
+    if x.ndim != 2 or x.shape[0] < 2 or x.shape[1] < 1:
+        raise ValueError(f"emb must be (N, D) with N >= 2, got shape {x.shape}")
+    if y.ndim != 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(f"labels must be (N,) = ({x.shape[0]},), got shape {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise TypeError(f"labels must have an integer dtype, got {y.dtype}")
+    if not np.isfinite(x).all():
+        raise ValueError("emb contains NaN or inf")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if max_points is not None and (isinstance(max_points, bool) or int(max_points) < 2):
+        raise ValueError(f"max_points must be an int >= 2 or None, got {max_points!r}")
+    path = _check_path(path)
+    if max_points is not None and x.shape[0] > max_points:
+        keep = np.sort(np.random.default_rng(seed).choice(x.shape[0], int(max_points),
+                                                          replace=False))
+        x, y = x[keep], y[keep]
+    xy = _project(x.astype(np.float64), method, seed, perplexity)
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 7))
+    classes = np.unique(y)
+    # A qualitative map for few classes; a continuous one cycles less visibly for many.
+    cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20" if len(classes) <= 20
+                        else "gist_ncar")
+    colours = np.searchsorted(classes, y) / max(1, len(classes) - 1) \
+        if len(classes) > 20 else np.searchsorted(classes, y)
+    ax.scatter(xy[:, 0], xy[:, 1], c=cmap(colours), s=point_size, linewidths=0)
+    ax.set_title(title if title is not None else f"{method.upper()} of {x.shape[0]} embeddings, "
+                 f"{len(classes)} classes")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
+                      title: str = "Recall@K", log_x: bool = True) -> str:
+    """Save Recall@K curves of one or more named methods as a PNG.
+
+    Args:
+        results: {method name: {K: recall in [0, 1]}}, e.g. ``{"nngk": recall_at_k(...)}``.
+        path: output PNG path (its directory must exist).
+        title: figure title.
+        log_x: K on a log2 axis (the usual 1, 2, 4, 8, ... spacing).
+
+    Returns:
+        ``path``.
+    """
+    if not isinstance(results, Mapping) or not results:
+        raise ValueError("results must be a non-empty {name: {k: recall}} mapping")
+    curves: Dict[str, tuple] = {}
+    for name, rec in results.items():
+        if not isinstance(rec, Mapping) or not rec:
+            raise ValueError(f"results[{name!r}] must be a non-empty {{k: recall}} mapping")
+        ks = sorted(rec)
+        if any(isinstance(k, bool) or int(k) != k or k < 1 for k in ks):
+            raise ValueError(f"results[{name!r}] keys must be positive ints, got {ks}")
+        curves[str(name)] = (ks, [float(rec[k]) for k in ks])
+    path = _check_path(path)
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name, (ks, vals) in curves.items():
+        ax.plot(ks, [100.0 * v for v in vals], marker="o", label=name)
+    if log_x:
+        ax.set_xscale("log", base=2)
+    all_ks = sorted({k for ks, _ in curves.values() for k in ks})
+    ax.set_xticks(all_ks)
+    ax.set_xticklabels([str(k) for k in all_ks])
+    ax.set_xlabel("K")
+    ax.set_ylabel("Recall@K (%)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -121,6 +121,27 @@ def _mask_self(dist: Tensor, self_ids: Tensor, b0: int) -> None:
     dist.scatter_(1, cols, torch.where(inside.unsqueeze(1), torch.full_like(cur, math.inf), cur))
 
 
+def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
+    """Rows [x, ||x||^2, 1] (queries) or [-2x, 1, ||x||^2] (base), fp32, zero-padded to width.
+
+    The product of a query tile and a base tile then IS ||q||^2 - 2 q.b + ||b||^2: one GEMM per
+    tile pair and no further passes over the (tq, tb) distance tile.
+    """
+    x = x.float()
+    out = x.new_zeros(x.shape[0], width)
+    d = x.shape[1]
+    sq = x.pow(2).sum(1)
+    if query_side:
+        out[:, :d] = x
+        out[:, d] = sq
+        out[:, d + 1] = 1.0
+    else:
+        out[:, :d] = x * -2.0
+        out[:, d] = 1.0
+        out[:, d + 1] = sq
+    return out
+
+
 def _knn_torch(queries: Tensor, base: Tensor, k: int, self_ids: Optional[Tensor],
                tile_bytes: Optional[int]) -> Tuple[Tensor, Tensor]:
     q, d = queries.shape
@@ -130,25 +151,24 @@ def _knn_torch(queries: Tensor, base: Tensor, k: int, self_ids: Optional[Tensor]
     out_i = torch.empty(q, k, dtype=torch.long, device=dev)
     if q == 0:
         return out_d, out_i
-    tq, tb = _tile_sizes(q, n, d, k, _tile_budget(dev, tile_bytes))
-    # Squared norms of every base row once (N floats), computed per tile to keep the upcast
-    # copy of a bf16/fp16 base bounded by the tile size.
-    base_sq = torch.cat([base[b0:b0 + tb].float().pow(2).sum(1) for b0 in range(0, n, tb)])
+    tq, tb = _tile_sizes(q, n, d + 8, k, _tile_budget(dev, tile_bytes))
+    width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
+    # One distance buffer reused for every full tile: re-allocating ~100 MB per tile costs
+    # page faults on the CPU and allocator churn on CUDA.
+    buf = torch.empty(tq, tb, dtype=torch.float32, device=dev)
     for q0 in range(0, q, tq):
-        qt = queries[q0:q0 + tq].float()
-        rows = qt.shape[0]
-        q_sq = qt.pow(2).sum(1, keepdim=True)
+        qa = _augment(queries[q0:q0 + tq], width, query_side=True)
+        rows = qa.shape[0]
         sid = None if self_ids is None else self_ids[q0:q0 + rows]
         best_d = best_i = None
         for b0 in range(0, n, tb):
-            bt = base[b0:b0 + tb].float()
-            # ||q||^2 - 2 q.b + ||b||^2 in one addmm, fp32 accumulate, clamped: cancellation can
-            # make the distance between (near-)identical rows slightly negative.
-            dist = torch.addmm(base_sq[b0:b0 + bt.shape[0]].unsqueeze(0), qt, bt.t(), alpha=-2.0)
-            dist.add_(q_sq).clamp_min_(0.0)
+            ba = _augment(base[b0:b0 + tb], width, query_side=False)
+            cols = ba.shape[0]
+            dist = buf if (rows, cols) == (tq, tb) else torch.empty(rows, cols, device=dev)
+            torch.mm(qa, ba.t(), out=dist)
             if sid is not None:
                 _mask_self(dist, sid, b0)
-            kk = min(k, dist.shape[1])
+            kk = min(k, cols)
             td, ti = dist.topk(kk, dim=1, largest=False, sorted=False)
             ti += b0
             if best_d is None:
@@ -161,9 +181,9 @@ def _knn_torch(queries: Tensor, base: Tensor, k: int, self_ids: Optional[Tensor]
                 m = min(k, cd.shape[1])
                 best_d, pos = cd.topk(m, dim=1, largest=False, sorted=False)
                 best_i = ci.gather(1, pos)
-        # Tiles narrower than k leave fewer than k columns only if the whole base is; _check_k
-        # rules that out, so here best_* have exactly k columns.
-        best_d, order = best_d.sort(dim=1)
+        # _check_k guarantees k candidates, so best_* have exactly k columns here. Clamp only
+        # the k survivors: cancellation can make (near-)duplicate distances slightly negative.
+        best_d, order = best_d.clamp_min(0.0).sort(dim=1)
         out_d[q0:q0 + rows] = best_d
         out_i[q0:q0 + rows] = best_i.gather(1, order)
     return out_d, out_i

@@ -1,0 +1,179 @@
+"""Neighbour-list build time: kNN of all N centres against themselves (exclude_self), per backend.
+
+This is the search half of a centre refresh (``CentreBank.rebuild_neighbours``): an exact
+N x N-pair search done in tiles, O(N^2 D) work.
+
+    python benchmarks/bench_refresh.py                                # full grid, 120 s guard
+    python benchmarks/bench_refresh.py --N 10000 --D 128 512 --backends torch
+    python benchmarks/bench_refresh.py --max-seconds 30 --backends torch faiss faiss-ivf
+
+Grid: N in {1e4, 1e5, 1e6} x D in {128, 512, 2048}, k = 100, backends "torch" and "faiss"
+(exact; the ones installed), optionally "faiss-ivf" / "faiss-hnsw" (approximate, default
+parameters). Before each shape the time is predicted from a small calibration run of the same
+backend and D, scaled by N^2 (by N log N for HNSW); shapes predicted to exceed
+``--max-seconds``, or whose data would not fit in memory, are skipped and reported, not run.
+
+Appends one row per measured shape to ``benchmarks/results/refresh_<device>.csv`` with columns
+``op,backend,N,D,k,seconds,device,commit,date`` (device: the CUDA device name or the CPU model
+from /proc/cpuinfo; commit: ``git rev-parse --short HEAD``; date: UTC ISO 8601).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from nnkloss.knn import faiss_available, faiss_gpu_usable, knn  # noqa: E402
+
+COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date"]
+APPROX = {"faiss-ivf": "ivf", "faiss-hnsw": "hnsw"}
+CALIBRATION_N = 4096
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def label(backend: str, device: torch.device) -> str:
+    """The backend as it actually runs: faiss says whether its index is on the GPU or CPU."""
+    if backend == "torch":
+        return "torch"
+    gpu = device.type == "cuda" and faiss_gpu_usable(device.index or 0)
+    if backend == "faiss-hnsw":
+        gpu = False
+    return f"{backend}-{'gpu' if gpu else 'cpu'}"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_graph(x: torch.Tensor, k: int, backend: str) -> float:
+    sync(x.device)
+    t0 = time.perf_counter()
+    if backend in APPROX:
+        knn(x, x, k, exclude_self=True, approximate=APPROX[backend])
+    else:
+        knn(x, x, k, backend=backend, exclude_self=True)
+    sync(x.device)
+    return time.perf_counter() - t0
+
+
+def data(n: int, d: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(n, d, generator=g).to(device)
+
+
+def predict(calib_s: float, backend: str, n: int) -> float:
+    ratio = n / CALIBRATION_N
+    if backend == "faiss-hnsw":
+        return calib_s * ratio * max(1.0, math.log(n) / math.log(CALIBRATION_N))
+    return calib_s * ratio * ratio
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--N", type=float, nargs="+", default=[1e4, 1e5, 1e6])
+    ap.add_argument("--D", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--k", type=int, default=100)
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="torch, faiss, faiss-ivf, faiss-hnsw (default: torch + faiss if present)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-seconds", type=float, default=120.0,
+                    help="skip shapes predicted to take longer than this (per backend)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    backends = args.backends or (["torch", "faiss"] if faiss_available() else ["torch"])
+    for b in backends:
+        if b not in ("torch", "faiss", *APPROX):
+            ap.error(f"unknown backend {b!r}")
+        if b != "torch" and not faiss_available():
+            ap.error(f"backend {b!r} needs faiss, which is not installed")
+    name = device_name(device)
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, f"refresh_{slug}.csv")
+    commit = git_commit()
+    new_file = not os.path.exists(csv_path)
+    print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
+    print(f"writing {csv_path}")
+
+    with open(csv_path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new_file:
+            writer.writeheader()
+        for d in args.D:
+            for backend in backends:
+                calib = build_graph(data(CALIBRATION_N, d, device, seed=1), args.k, backend)
+                for n in sorted(int(v) for v in args.N):
+                    tag = f"{label(backend, device):>15} N={n:>8} D={d:>5} k={args.k}"
+                    need = n * d * 4 * (3 if backend != "torch" else 2)  # data + index copies
+                    if need > 0.6 * available_bytes(device):
+                        print(f"{tag}: skipped (needs ~{need / 2**30:.1f} GiB)")
+                        continue
+                    guess = predict(calib, backend, n)
+                    if guess > args.max_seconds:
+                        print(f"{tag}: skipped (predicted {guess:.0f} s > --max-seconds "
+                              f"{args.max_seconds:g})")
+                        continue
+                    x = data(n, d, device)
+                    seconds = build_graph(x, args.k, backend)
+                    del x
+                    writer.writerow({
+                        "op": "knn_graph", "backend": label(backend, device), "N": n, "D": d,
+                        "k": args.k, "seconds": f"{seconds:.4f}", "device": name,
+                        "commit": commit,
+                        "date": datetime.datetime.now(datetime.timezone.utc)
+                                        .isoformat(timespec="seconds"),
+                    })
+                    f.flush()
+                    print(f"{tag}: {seconds:8.2f} s (predicted {guess:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,7 @@ from .loss import NeighbourKernelLoss
 from . import knn  # callable: nnkloss.knn(q, b, k) == nnkloss.knn.knn(q, b, k)
 from .refresh import Refresher, RefreshSchedule, RefreshStats
 from .checkpoint import load_bank, save_bank
+from . import distributed  # torch.distributed: init_from_env, sync_loss_parameters, ...
 from . import metrics
 from . import plots
 from .ccml import ClassConditionalLoss, class_conditional_loss

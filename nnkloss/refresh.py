@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from .bank import CentreBank
 from .checks import require_int
 from .knn import NeighbourLists, neighbour_lists
+from . import distributed as _dist
 
 __all__ = ["Refresher", "RefreshSchedule", "RefreshStats"]
 
@@ -286,6 +287,7 @@ class Refresher:
         """Start computing the next bank in a background thread (snapshot of the weights now)."""
         if self.in_flight:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
+        _dist.check_async_refresh()  # torch.distributed: refused (see nnkloss.distributed)
         sig = self._sigma(sigma)
         if self._snapshot is None:
             self._snapshot = self._make_snapshot()
@@ -357,6 +359,10 @@ class Refresher:
         bank = self.bank
         n, d = bank.num_centres, bank.dim
         old_lists = bank.neighbours if bank.has_neighbours else None
+        distributed = _dist.is_distributed()
+        if distributed:  # every rank embeds with rank 0's buffers (BatchNorm statistics, ...)
+            _dist.broadcast_buffers(model)
+        search = _dist.neighbour_lists if distributed else neighbour_lists
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
@@ -364,8 +370,8 @@ class Refresher:
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
-            lists = neighbour_lists(centres, labels, self.k, backend=self.backend,
-                                    ensure_positive=self.ensure_positive, **self.knn_options)
+            lists = search(centres, labels, self.k, backend=self.backend,
+                           ensure_positive=self.ensure_positive, **self.knn_options)
             stats = _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
         return _Result(centres, labels, lists, stats, stream)
 
@@ -409,6 +415,8 @@ class Refresher:
                 m.training = was_training
         if bool(out_of_range):
             raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}")
+        if _dist.is_distributed():  # this rank's share only: exchange rows, check collectively
+            return _dist.gather_bank_rows(centres, labels, written)
         missing = n - int(written.sum())
         if missing:
             first = (~written).nonzero()[:5].flatten().tolist()
@@ -420,7 +428,7 @@ class Refresher:
         return centres, labels
 
     def _progress(self, loader):
-        if not self.progress:
+        if not self.progress or not _dist.is_main_process():
             return loader
         from tqdm.auto import tqdm
         total = len(loader) if hasattr(loader, "__len__") else None

@@ -64,8 +64,8 @@ def _neighbours_excluding_self(emb: Tensor, rows: Tensor, k: int, backend: str) 
     return idx.gather(1, order)[:, :k]
 
 
-def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), backend: str = "auto",
-                ) -> Dict[int, float]:
+def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8),
+                backend: str = "auto") -> Dict[int, float]:
     """Recall@K: the share of queries with at least one same-class item among their K nearest.
 
     Args:

@@ -9,8 +9,9 @@ N x N-pair search done in tiles, O(N^2 D) work.
 
 Grid: N in {1e4, 1e5, 1e6} x D in {128, 512, 2048}, k = 100, backends "torch" and "faiss"
 (exact; the ones installed), optionally "faiss-ivf" / "faiss-hnsw" (approximate, default
-parameters). Before each shape the time is predicted from a small calibration run of the same
-backend and D, scaled by N^2 (by N log N for HNSW); shapes predicted to exceed
+parameters). Before each shape the time is predicted from the largest shape already measured
+for that backend and D (at first a 4096-row calibration run), scaled by N^2 (by N log N for
+HNSW); shapes predicted to exceed
 ``--max-seconds``, or whose data would not fit in memory, are skipped and reported, not run.
 
 Appends one row per measured shape to ``benchmarks/results/refresh_<device>.csv`` with columns
@@ -79,7 +80,8 @@ def label(backend: str, device: torch.device) -> str:
     """The backend as it actually runs: faiss says whether its index is on the GPU or CPU."""
     if backend == "torch":
         return "torch"
-    gpu = device.type == "cuda" and faiss_gpu_usable(device.index or 0)
+    gpu = device.type == "cuda" and faiss_gpu_usable(
+        torch.cuda.current_device() if device.index is None else device.index)
     if backend == "faiss-hnsw":
         gpu = False
     return f"{backend}-{'gpu' if gpu else 'cpu'}"
@@ -106,11 +108,13 @@ def data(n: int, d: int, device: torch.device, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, d, generator=g).to(device)
 
 
-def predict(calib_s: float, backend: str, n: int) -> float:
-    ratio = n / CALIBRATION_N
+def predict(known: tuple, backend: str, n: int) -> float:
+    """Scale the largest run so far (n0, seconds) of this backend and D up to n rows."""
+    n0, s0 = known
+    ratio = n / n0
     if backend == "faiss-hnsw":
-        return calib_s * ratio * max(1.0, math.log(n) / math.log(CALIBRATION_N))
-    return calib_s * ratio * ratio
+        return s0 * ratio * max(1.0, math.log(n) / math.log(n0))
+    return s0 * ratio * ratio
 
 
 def main(argv=None) -> int:
@@ -149,13 +153,16 @@ def main(argv=None) -> int:
         for d in args.D:
             for backend in backends:
                 calib = build_graph(data(CALIBRATION_N, d, device, seed=1), args.k, backend)
+                # Small runs carry fixed overheads, so later guesses scale from the largest
+                # shape measured so far (conservative: per-pair cost falls with N).
+                known = (CALIBRATION_N, calib)
                 for n in sorted(int(v) for v in args.N):
                     tag = f"{label(backend, device):>15} N={n:>8} D={d:>5} k={args.k}"
                     need = n * d * 4 * (3 if backend != "torch" else 2)  # data + index copies
                     if need > 0.6 * available_bytes(device):
                         print(f"{tag}: skipped (needs ~{need / 2**30:.1f} GiB)")
                         continue
-                    guess = predict(calib, backend, n)
+                    guess = predict(known, backend, n)
                     if guess > args.max_seconds:
                         print(f"{tag}: skipped (predicted {guess:.0f} s > --max-seconds "
                               f"{args.max_seconds:g})")
@@ -163,6 +170,7 @@ def main(argv=None) -> int:
                     x = data(n, d, device)
                     seconds = build_graph(x, args.k, backend)
                     del x
+                    known = (n, seconds)
                     writer.writerow({
                         "op": "knn_graph", "backend": label(backend, device), "N": n, "D": d,
                         "k": args.k, "seconds": f"{seconds:.4f}", "device": name,

@@ -253,13 +253,22 @@ def _to_numpy_f32(t: Tensor):
     return t.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
-def _use_faiss_gpu(device: torch.device) -> bool:
-    return device.type == "cuda" and faiss_gpu_usable(device.index or 0)
+# faiss GPU indexes select at most this many neighbours per query (GPU_MAX_SELECTION_K).
+_FAISS_GPU_MAX_K = 2048
 
 
-def _build_flat(faiss, d: int, device: torch.device):
-    if _use_faiss_gpu(device):
-        idx = device.index or 0
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _use_faiss_gpu(device: torch.device, k: int = 1) -> bool:
+    return (device.type == "cuda" and k <= _FAISS_GPU_MAX_K
+            and faiss_gpu_usable(_cuda_index(device)))
+
+
+def _build_flat(faiss, d: int, device: torch.device, k: int):
+    if _use_faiss_gpu(device, k):
+        idx = _cuda_index(device)
         cfg = faiss.GpuIndexFlatConfig()
         cfg.device = idx
         return faiss.GpuIndexFlatL2(_gpu_resources(idx), d, cfg)
@@ -316,7 +325,8 @@ def _knn_faiss(queries: Tensor, base: Tensor, k: int, self_ids: Optional[Tensor]
         dev = queries.device
         return (torch.empty(0, k, dtype=torch.float32, device=dev),
                 torch.empty(0, k, dtype=torch.long, device=dev))
-    index = _build_flat(faiss, base.shape[1], base.device)
+    # k + 1 results are searched when the row itself must be dropped.
+    index = _build_flat(faiss, base.shape[1], base.device, k + int(self_ids is not None))
     _add_in_chunks(index, base)
     return _faiss_search(index, queries, k, self_ids)
 
@@ -348,8 +358,8 @@ def _build_approximate(faiss, base: Tensor, kind: str, nlist: Optional[int],
         _add_in_chunks(index, base)
         # Default probes: enough lists for high recall at moderate cost (~1/8 of the lists, >= 8).
         index.nprobe = min(nlist, max(8, nlist // 8)) if nprobe is None else int(nprobe)
-        if _use_faiss_gpu(base.device):
-            dev = base.device.index or 0
+        if _use_faiss_gpu(base.device, k + 1) and index.nprobe <= _FAISS_GPU_MAX_K:
+            dev = _cuda_index(base.device)
             index = faiss.index_cpu_to_gpu(_gpu_resources(dev), dev, index)
         return index
     # HNSW: CPU only in faiss.
@@ -361,7 +371,7 @@ def _build_approximate(faiss, base: Tensor, kind: str, nlist: Optional[int],
 
 
 # ============================================================================ public API
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device, k: int = 1) -> str:
     if backend not in KNN_BACKENDS:
         raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
     if backend != "auto":
@@ -370,7 +380,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         return "torch"
     if device.type == "cuda":
         # A CPU faiss index would cost two PCIe copies and lose to the torch backend on the GPU.
-        return "faiss" if _use_faiss_gpu(device) else "torch"
+        return "faiss" if _use_faiss_gpu(device, k) else "torch"
     return "faiss"
 
 
@@ -435,10 +445,14 @@ def knn(queries: Tensor, base: Tensor, k: int, backend: str = "auto", exclude_se
         index = _build_approximate(faiss, base, approximate, nlist, nprobe, hnsw_m,
                                    ef_construction, ef_search, k, train_size, seed)
         return _faiss_search(index, queries, k, self_ids)
-    backend = _resolve_backend(backend, queries.device)
+    backend = _resolve_backend(backend, queries.device, k + int(exclude_self))
     if backend == "faiss":
         return _knn_faiss(queries, base, k, self_ids)
     return _knn_torch(queries, base, k, self_ids, tile_bytes)
+
+
+_RECALL_PARAMS = {"nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search", "train_size",
+                  "tile_bytes"}
 
 
 def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str = "ivf",
@@ -450,14 +464,19 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     ``min(sample, Q)`` random query rows with it and with exact search, and returns the mean
     over sampled rows of (approximate neighbours found that are as close as the exact k-th
     neighbour) / k -- a float in [0, 1]. Counting by distance rather than by index means
-    ties (duplicate points) are not penalised. ``params`` go to :func:`knn` (nlist, nprobe,
-    hnsw_m, ef_search, ...). With ``exclude_self`` the queries are the base rows and each
+    ties (duplicate points) are not penalised. ``params`` are :func:`knn`'s index parameters
+    (nlist, nprobe, train_size, hnsw_m, ef_construction, ef_search; tile_bytes for the exact
+    torch search); ``seed`` picks the sample and seeds the IVF training. With ``exclude_self`` the queries are the base rows and each
     sampled row excludes its own index, as in :func:`knn`.
     """
     if approximate not in ("ivf", "hnsw"):
         raise ValueError(f"approximate must be 'ivf' or 'hnsw', got {approximate!r}")
     if isinstance(sample, bool) or not isinstance(sample, numbers.Integral) or sample < 1:
         raise ValueError(f"sample must be a positive int, got {sample!r}")
+    unknown = set(params) - _RECALL_PARAMS
+    if unknown:
+        raise TypeError(f"recall_against_exact got unknown parameters {sorted(unknown)}; "
+                        f"accepted: {sorted(_RECALL_PARAMS)}")
     k = _validate(queries, base, k, exclude_self)
     faiss = _require_faiss()
     q = queries.shape[0]
@@ -470,9 +489,9 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     index = _build_approximate(faiss, base, approximate, params.get("nlist"),
                                params.get("nprobe"), params.get("hnsw_m", 32),
                                params.get("ef_construction", 64), params.get("ef_search"), k,
-                               params.get("train_size"), params.get("seed", seed))
+                               params.get("train_size"), seed)
     a_d, a_i = _faiss_search(index, sub, k, self_ids)
-    exact = _resolve_backend(exact_backend, queries.device)
+    exact = _resolve_backend(exact_backend, queries.device, k + int(exclude_self))
     if exact == "faiss":
         e_d, _ = _knn_faiss(sub, base, k, self_ids)
     else:
@@ -538,7 +557,7 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     labels = labels.to(centres.device).long()
     approximate = knn_options.get("approximate")
     used = (f"faiss-{approximate}" if approximate is not None
-            else _resolve_backend(backend, centres.device))
+            else _resolve_backend(backend, centres.device, k + 1))
     _sync(centres.device)
     t0 = time.perf_counter()
     dist, idx = knn(centres, centres, k, backend=backend, exclude_self=True, **knn_options)

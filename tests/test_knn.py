@@ -258,3 +258,23 @@ def test_recall_is_low_when_the_index_is_starved():
     assert 0.0 <= low < high and high == pytest.approx(1.0)
     with pytest.raises(ValueError, match="sample"):
         recall_against_exact(base, base, 5, sample=0)
+
+
+def test_auto_backend_choice(monkeypatch):
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(K, "faiss_available", lambda: True)
+    monkeypatch.setattr(K, "faiss_gpu_usable", lambda index=0: True)
+    assert K._resolve_backend("auto", torch.device("cpu")) == "faiss"
+    assert K._resolve_backend("auto", cuda0, k=101) == "faiss"
+    # faiss GPU indexes select at most 2048 neighbours: larger k stays on the torch backend.
+    assert K._resolve_backend("auto", cuda0, k=K._FAISS_GPU_MAX_K + 1) == "torch"
+    monkeypatch.setattr(K, "faiss_gpu_usable", lambda index=0: False)
+    assert K._resolve_backend("auto", cuda0, k=10) == "torch"
+    assert K._resolve_backend("torch", torch.device("cpu")) == "torch"
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+def test_recall_rejects_unknown_parameters():
+    base = torch.randn(100, 4)
+    with pytest.raises(TypeError, match="nprob"):
+        recall_against_exact(base, base, 3, approximate="ivf", nprob=4)

@@ -437,7 +437,8 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     w, me = world_size(group), rank(group)
     comm = _comm_device(group, dev)
     approximate = knn_options.get("approximate")
-    used = f"faiss-{approximate}" if approximate is not None else _backend_name(backend, dev)
+    used = (f"faiss-{approximate}" if approximate is not None
+            else _backend_name(backend, dev, k + 1))
 
     _sync(dev)
     t0 = time.perf_counter()
@@ -471,9 +472,9 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     return NeighbourLists(out_i, out_d, out_p, int(total), time.perf_counter() - t0, used)
 
 
-def _backend_name(backend: str, device: torch.device) -> str:
-    from .knn import _resolve_backend  # the name knn reports for "auto" on this device
-    return _resolve_backend(backend, device)
+def _backend_name(backend: str, device: torch.device, k: int) -> str:
+    from .knn import _resolve_backend  # what knn resolves "auto" to for this device and k
+    return _resolve_backend(backend, device, k)
 
 
 # ============================================================================ training

@@ -540,22 +540,28 @@ def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
 
 
 class IndexedTensorDataset(Dataset):
-    """In-memory ``(x[i], y[i], i)`` items (the same triple as the image datasets).
+    """In-memory ``(transform(x[i]), y[i], i)`` items (the same triple as the image datasets).
 
     Args:
         inputs: (N, ...) tensor of inputs.
         labels: (N,) integer labels in 0..C-1.
+        transform: optional function of one input tensor (e.g. a random shift).
     """
 
-    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor):
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 transform: Optional[Callable] = None):
         if len(inputs) != len(labels):
             raise ValueError(f"inputs has {len(inputs)} rows but labels has {len(labels)}")
         self.inputs = inputs
         self.labels = torch.as_tensor(labels).long()
         self.num_classes = int(self.labels.max()) + 1 if len(self.labels) else 0
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
-        return self.inputs[i], self.labels[i], i
+        x = self.inputs[i]
+        if self.transform is not None:
+            x = self.transform(x)
+        return x, self.labels[i], i

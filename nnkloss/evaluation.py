@@ -1,0 +1,96 @@
+"""Evaluation helpers shared by the reproduction scripts.
+
+* :func:`extract_embeddings`: embed a whole dataset (eval mode, no dropout), rows ordered by idx.
+* :func:`retrieval_metrics`: the metric-learning numbers of the papers' Tables 1-2
+  (Recall@1/2/4/8 and NMI) on embeddings of held-out classes.
+* :func:`kernel_accuracy` / :func:`softmax_accuracy`: classification accuracy with the
+  nearest-neighbour Gaussian kernel classifier (Eq. 3 over a bank of training embeddings) or a
+  softmax head.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .bank import CentreBank
+from .classifier import NeighbourKernelClassifier
+from .metrics import accuracy, nmi, recall_at_k
+
+__all__ = ["extract_embeddings", "retrieval_metrics", "kernel_accuracy", "softmax_accuracy",
+           "RECALL_KS"]
+
+RECALL_KS = (1, 2, 4, 8)
+
+
+@torch.no_grad()
+def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: bool = False,
+                       progress: bool = False, desc: str = "embed") -> Tuple[Tensor, Tensor]:
+    """Embed every item of a loader yielding ``(inputs, labels, idx)`` with ``model.eval()``.
+
+    Returns:
+        emb: (N, D) float32 on CPU; row ``i`` is the item with ``idx == i`` (rows are placed
+            by idx, so the loader's order does not matter); N = number of items.
+        labels: (N,) int64 on CPU.
+    The model's train/eval mode is restored afterwards. ``amp`` (CUDA only) runs the network
+    under float16 autocast.
+    """
+    from tqdm.auto import tqdm
+
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    use_amp = bool(amp) and device.type == "cuda"
+    embs, labs, idxs = [], [], []
+    try:
+        for x, y, idx in tqdm(loader, desc=desc, disable=not progress, leave=False):
+            with torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
+                e = model(x.to(device, non_blocking=True))
+            embs.append(e.float().cpu())
+            labs.append(torch.as_tensor(y).long().cpu())
+            idxs.append(torch.as_tensor(idx).long().cpu())
+    finally:
+        model.train(was_training)
+    if not embs:
+        raise ValueError("the loader yielded no batches")
+    emb, lab, idx = torch.cat(embs), torch.cat(labs), torch.cat(idxs)
+    n = len(idx)
+    if int(idx.min()) < 0 or int(idx.max()) != n - 1 or len(torch.unique(idx)) != n:
+        raise ValueError(f"the loader's idx values must be 0..N-1, each once (got {n} items, "
+                         f"idx range {int(idx.min())}..{int(idx.max())})")
+    out_e = torch.empty(n, emb.shape[1], dtype=torch.float32)
+    out_l = torch.empty(n, dtype=torch.int64)
+    out_e[idx], out_l[idx] = emb, lab
+    return out_e, out_l
+
+
+def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, backend: str = "auto",
+                      seed: int = 0) -> Dict[str, float]:
+    """``{"recall@1": .., "recall@2": .., "recall@4": .., "recall@8": .., "nmi": ..}`` (all in
+    [0, 1]) of embeddings emb (N, D) with labels (N,), as in the papers' Tables 1-2."""
+    rec = recall_at_k(emb, labels, ks, backend=backend)
+    out = {f"recall@{k}": float(v) for k, v in rec.items()}
+    out["nmi"] = float(nmi(emb, labels, seed=seed))
+    return out
+
+
+def kernel_accuracy(train_emb: Tensor, train_labels: Tensor, emb: Tensor, labels: Tensor,
+                    k: int, sigma: float, weights: Tensor = None, backend: str = "auto"
+                    ) -> float:
+    """Accuracy of Eq. 3 (:class:`NeighbourKernelClassifier`): the k nearest training
+    embeddings (N, D) of each query (B, D) vote with their (weighted) Gaussian kernel values."""
+    bank = CentreBank(train_emb.float(), train_labels.long(),
+                      weights=None if weights is None else weights.detach().float().cpu())
+    clf = NeighbourKernelClassifier(bank, k=min(int(k), len(train_labels)), sigma=float(sigma),
+                                    backend=backend)
+    return accuracy(clf.predict(emb.float()), labels)
+
+
+@torch.no_grad()
+def softmax_accuracy(head: nn.Module, emb: Tensor, labels: Tensor) -> float:
+    """Accuracy of a softmax head (``head.predict(emb) -> (B,)``) on embeddings (B, D)."""
+    dev = next(head.parameters()).device
+    return accuracy(head.predict(emb.to(dev)).cpu(), labels)

@@ -1,0 +1,465 @@
+"""Training-loop helpers shared by the reproduction scripts: :class:`Trainer` and :func:`fit`.
+
+One loop serves the kernel loss and the softmax baseline, because both criteria are called the
+same way, ``criterion(emb, labels, idx) -> 0-dim loss``:
+
+* :class:`nnkloss.NeighbourKernelLoss` over a :class:`nnkloss.CentreBank` of the training set,
+  kept current by a Refresher (:mod:`nnkloss.refresh`): the bank is built before the first
+  step and rebuilt every refresh interval (the papers' "update interval");
+* :class:`nnkloss.models.SoftmaxHead` (linear layer + cross-entropy).
+
+The loader yields ``(inputs, labels, idx)`` with ``idx`` the bank rows of the batch (the
+datasets in :mod:`nnkloss.datasets` do).
+
+Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
+
+* ``log.csv`` and ``log.json``: one row per epoch (loss, learning rate, sigma, timings,
+  refresh statistics, and whatever ``eval_fn`` returns);
+* ``checkpoint.pt``: model, criterion (with the bank: centres, labels, neighbour lists,
+  weights, sigma), optimiser, AMP scaler, epoch, step, RNG states and the log so far.
+
+``fit(..., resume=True)`` continues from ``checkpoint.pt``: same parameters, same bank, same
+optimiser state, the log continued where the checkpoint left it. Every epoch reseeds the RNGs
+from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same whether or not the
+run was interrupted before it (leave the DataLoader's ``generator`` unset for this: it then
+draws from torch's global RNG).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import random
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .loss import NeighbourKernelLoss
+
+__all__ = ["Trainer", "fit", "seed_everything", "atomic_write", "CHECKPOINT_NAME"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+LOG_CSV = "log.csv"
+LOG_JSON = "log.json"
+_FORMAT = "nnkloss.trainer/1"
+#: "adam" adds weight decay to the gradient (L2), which Adam then rescales: when the loss
+#: gradient is tiny (e.g. sigma much larger than the embedding distances) the decay alone is
+#: normalised to full-size steps and shrinks the network. "adamw" decays decoupled from it.
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+# ---------------------------------------------------------------------------- utilities
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and all CUDA devices) global RNGs."""
+    seed = int(seed) % (2 ** 32)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new file, never half."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _json_safe(v):
+    if isinstance(v, Tensor):
+        v = v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
+                  sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
+    """Network (+ softmax head) parameters decay; sigma and the bank weights get their own
+    learning rates and no weight decay (decay would pull log-sigma and log-weights to 0)."""
+    net, sig, wts = [], [], []
+    seen = set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            net.append(p)
+    for name, p in criterion.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name.endswith("log_sigma"):
+            sig.append(p)
+        elif name.endswith("log_weights"):
+            wts.append(p)
+        else:
+            net.append(p)
+    groups = [{"params": net, "lr": lr, "weight_decay": weight_decay, "name": "network"}]
+    if sig:
+        groups.append({"params": sig, "lr": lr if sigma_lr is None else sigma_lr,
+                       "weight_decay": 0.0, "name": "sigma"})
+    if wts:
+        groups.append({"params": wts, "lr": lr if weights_lr is None else weights_lr,
+                       "weight_decay": 0.0, "name": "weights"})
+    return groups
+
+
+def _stats_dict(stats) -> Dict[str, Any]:
+    """Numeric fields of whatever a Refresher's ``refresh()`` returns, for the log."""
+    if stats is None:
+        return {}
+    if hasattr(stats, "_asdict"):
+        stats = stats._asdict()
+    elif not isinstance(stats, dict) and hasattr(stats, "__dict__"):
+        stats = vars(stats)
+    if not isinstance(stats, dict):
+        return {}
+    out = {}
+    for k, v in stats.items():
+        v = _json_safe(v)
+        if isinstance(v, (int, float, bool)) and not isinstance(v, list):
+            out[f"refresh_{k}"] = v
+    return out
+
+
+# ---------------------------------------------------------------------------- trainer
+class Trainer:
+    """Epochs over a loader with a kernel-loss or softmax criterion, logs and checkpoints.
+
+    Args:
+        model: maps a batch of inputs to (B, D) embeddings.
+        criterion: ``criterion(emb, labels, idx) -> 0-dim loss`` (NeighbourKernelLoss,
+            SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights) are trained
+            too.
+        train_loader: yields ``(inputs, labels, idx)``.
+        device: where the model and criterion live ("cpu", "cuda", ...).
+        optimizer: "sgd" (momentum ``momentum``), "adam" or "adamw" (decoupled decay).
+        lr, weight_decay: for the network (and softmax head).
+        sigma_lr, weights_lr: learning rates of a learned sigma / learned bank weights
+            (default: ``lr``); no weight decay on them.
+        refresher: object with ``refresh()`` that re-embeds the training set into the bank and
+            rebuilds the neighbour lists (:class:`nnkloss.refresh.Refresher`). Required for
+            a NeighbourKernelLoss; it runs before the first step and then per ``schedule``.
+            With ``async_mode=True`` the scheduled refreshes run in the background and are
+            swapped in at the first step after they finish; one still in flight is waited for
+            before a checkpoint (so checkpoint less often than you refresh to keep the gain).
+        schedule: object with ``every_epochs`` and/or ``every_steps`` attributes
+            (:class:`nnkloss.refresh.RefreshSchedule`); default: every 10 epochs (the papers).
+        amp: mixed precision (float16 autocast + GradScaler); used only on CUDA devices.
+        out_dir: where logs and checkpoints go (None: no files).
+        seed: base seed; epoch e runs with RNGs seeded from (seed, e).
+        progress: tqdm progress bars.
+        eval_fn: ``eval_fn(model, criterion, epoch) -> dict`` of metrics, called in eval mode
+            under no_grad every ``eval_every`` epochs and after the last; logged with the epoch.
+        checkpoint_every: epochs between checkpoints (the last epoch always gets one).
+        log_every: steps between progress-bar updates (each reads the running loss: one sync).
+        grad_clip: clip the gradient norm of all trained parameters to this (None: off).
+    """
+
+    def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
+                 device="cpu", optimizer: str = "sgd", lr: float = 1e-5,
+                 weight_decay: float = 2e-4, momentum: float = 0.9,
+                 sigma_lr: Optional[float] = None, weights_lr: Optional[float] = None,
+                 refresher=None, schedule=None, amp: bool = False,
+                 out_dir: Optional[str] = None, seed: int = 0, progress: bool = True,
+                 eval_fn: Optional[Callable[[nn.Module, nn.Module, int], Dict[str, float]]] = None,
+                 eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
+                 grad_clip: Optional[float] = None, desc: str = "train"):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        for name, v in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
+                        ("log_every", log_every)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.criterion = criterion.to(self.device)
+        self.loader = train_loader
+        self.is_kernel = isinstance(criterion, NeighbourKernelLoss)
+        if self.is_kernel and refresher is None:
+            raise ValueError("a NeighbourKernelLoss needs a refresher to build and update its "
+                             "bank (nnkloss.refresh.Refresher)")
+        self.refresher = refresher
+        if schedule is None:
+            every_epochs, every_steps = 10, None
+        else:
+            every_epochs = getattr(schedule, "every_epochs", None)
+            every_steps = getattr(schedule, "every_steps", None)
+        self.every_epochs, self.every_steps = every_epochs, every_steps
+        groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
+        if optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
+        elif optimizer == "adam":
+            self.optimizer = torch.optim.Adam(groups, lr=lr)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=lr)
+        self.use_amp = bool(amp) and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
+        self.out_dir = out_dir
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+        self.seed = int(seed)
+        self.progress = progress
+        self.eval_fn = eval_fn
+        self.eval_every = int(eval_every)
+        self.checkpoint_every = int(checkpoint_every)
+        self.log_every = int(log_every)
+        self.grad_clip = grad_clip
+        self.desc = desc
+        self.epoch = 0          # epochs completed
+        self.step = 0           # optimiser steps taken
+        self.history: List[Dict[str, Any]] = []
+        self._bank_ready = False
+        self._refresh_log: Dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ paths & state
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        return os.path.join(self.out_dir, CHECKPOINT_NAME) if self.out_dir else None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "epoch": self.epoch,
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "criterion": self.criterion.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": _rng_state(),
+            "history": self.history,
+            "bank_ready": self._bank_ready,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"not a Trainer checkpoint (format {state.get('format')!r})")
+        self.model.load_state_dict(state["model"])
+        self.criterion.load_state_dict(state["criterion"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.history = list(state["history"])
+        self._bank_ready = bool(state.get("bank_ready", False))
+        _set_rng_state(state["rng"])
+
+    def save_checkpoint(self, path: Optional[str] = None) -> str:
+        """Write the full training state atomically; returns the path."""
+        path = path or self.checkpoint_path
+        if path is None:
+            raise ValueError("no path given and the Trainer has no out_dir")
+        buf = io.BytesIO()
+        torch.save(self.state_dict(), buf)
+        atomic_write(path, buf.getvalue())
+        return path
+
+    def load_checkpoint(self, path: Optional[str] = None) -> None:
+        path = path or self.checkpoint_path
+        if path is None or not os.path.isfile(path):
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        try:
+            # Our own file: it holds RNG states and the log (Python objects), not only tensors.
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except Exception as e:
+            raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+        if "rng" in state:  # RNG states must stay CPU ByteTensors whatever map_location did
+            rng = state["rng"]
+            rng["torch"] = rng["torch"].cpu()
+            if "cuda" in rng:
+                rng["cuda"] = [s.cpu() for s in rng["cuda"]]
+        self.load_state_dict(state)
+
+    def write_logs(self) -> None:
+        """(Re)write log.json and log.csv from ``history`` (atomically)."""
+        if not self.out_dir:
+            return
+        rows = [{k: _json_safe(v) for k, v in r.items()} for r in self.history]
+        atomic_write(os.path.join(self.out_dir, LOG_JSON),
+                     json.dumps(rows, indent=1).encode("utf-8"))
+        cols: List[str] = []
+        for r in rows:
+            cols += [k for k in r if k not in cols]
+        sio = io.StringIO()
+        w = csv.DictWriter(sio, fieldnames=cols, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write(os.path.join(self.out_dir, LOG_CSV), sio.getvalue().encode("utf-8"))
+
+    # ------------------------------------------------------------------ refresh
+    @property
+    def _async(self) -> bool:
+        return bool(getattr(self.refresher, "async_mode", False))
+
+    def refresh(self, wait: bool = True) -> Dict[str, Any]:
+        """Re-embed the training set into the bank and rebuild the neighbour lists.
+
+        With an asynchronous refresher and ``wait=False`` this only starts the background
+        refresh (returns {}); the training loop swaps it in when it is ready (``poll()``)."""
+        sigma = float(self.criterion.sigma.detach())
+        if self._async and not wait:
+            if not self.refresher.in_flight:
+                self.refresher.refresh_async(sigma)
+            return {}
+        was_training = self.model.training
+        t0 = time.perf_counter()
+        try:
+            if self._async and self.refresher.in_flight:
+                self.refresher.wait()  # finish the one in flight first, then a fresh one
+            stats = self.refresher.refresh(sigma)
+        finally:
+            self.model.train(was_training)
+        self._bank_ready = True
+        out = _stats_dict(stats)
+        out["refresh_time_s"] = time.perf_counter() - t0
+        return out
+
+    def _finish_async(self) -> Dict[str, Any]:
+        """Swap in a background refresh still in flight (before checkpoints and at the end)."""
+        if self.is_kernel and self._async and self.refresher.in_flight:
+            return _stats_dict(self.refresher.wait())
+        return {}
+
+    # ------------------------------------------------------------------ loop
+    def _train_epoch(self, epoch: int, total_epochs: int) -> Dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        self.model.train()
+        self.criterion.train()
+        dev = self.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        valid_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        rows = 0
+        n_batches = 0
+        refreshes: Dict[str, Any] = {}
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        bar = tqdm(self.loader, desc=f"{self.desc} {epoch}/{total_epochs}",
+                   disable=not self.progress, leave=False)
+        for x, y, idx in bar:
+            x = x.to(dev, non_blocking=True)
+            y = torch.as_tensor(y).to(dev, non_blocking=True)
+            idx = torch.as_tensor(idx).to(dev, non_blocking=True)
+            with torch.autocast("cuda", dtype=torch.float16, enabled=self.use_amp):
+                emb = self.model(x)
+            # The loss runs in fp32 outside autocast: its log-sum-exp and the squared
+            # distances are where half precision would hurt.
+            loss = self.criterion(emb.float(), y, idx)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
+            if self.grad_clip is not None:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.step += 1
+            n_batches += 1
+            rows += len(y)
+            loss_sum += loss.detach().double()
+            if self.is_kernel and self.criterion.last_num_valid is not None:
+                valid_sum += self.criterion.last_num_valid.double()
+            if self.progress and n_batches % self.log_every == 0:
+                bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}")
+            if self.is_kernel:
+                if self._async and self.refresher.in_flight:
+                    done = self.refresher.poll()  # a thread liveness check: no sync
+                    if done is not None:
+                        refreshes = _stats_dict(done)
+                if self.every_steps and self.step % self.every_steps == 0:
+                    refreshes = self.refresh(wait=False) or refreshes
+                    self.model.train()
+        bar.close()
+        if n_batches == 0:
+            raise ValueError("the training loader yielded no batches")
+        row: Dict[str, Any] = {"epoch": epoch, "step": self.step,
+                               "loss": float(loss_sum) / n_batches,
+                               "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.is_kernel:
+            row["valid_frac"] = float(valid_sum) / max(rows, 1)
+            row["sigma"] = float(self.criterion.sigma.detach())
+        row.update(refreshes)
+        return row
+
+    def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:
+        """Train until ``epochs`` epochs are complete; returns the log (one dict per epoch).
+
+        With ``resume`` and an existing ``out_dir/checkpoint.pt``, training continues from it
+        (a run that already reached ``epochs`` does nothing more).
+        """
+        if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
+            self.load_checkpoint()
+        if self.is_kernel and not self._bank_ready:
+            # The initial bank: centres from the untrained model, before the first step.
+            seed_everything(self.seed)
+            self._refresh_log = self.refresh()
+        self.model.train()
+        for epoch in range(self.epoch + 1, int(epochs) + 1):
+            seed_everything(self.seed * 1_000_003 + epoch)
+            t0 = time.perf_counter()
+            row = self._train_epoch(epoch, int(epochs))
+            if self._refresh_log:  # the initial bank build, logged with the first epoch
+                for k, v in self._refresh_log.items():
+                    row.setdefault(k, v)
+                self._refresh_log = {}
+            row["time_s"] = time.perf_counter() - t0
+            last = epoch == int(epochs)
+            if self.eval_fn is not None and (epoch % self.eval_every == 0 or last):
+                self.model.eval()
+                self.criterion.eval()
+                with torch.no_grad():
+                    metrics = self.eval_fn(self.model, self.criterion, epoch) or {}
+                self.model.train()
+                self.criterion.train()
+                row.update({k: _json_safe(v) for k, v in metrics.items()})
+            self.epoch = epoch
+            # Refresh at the end of every interval (not after the last epoch: nothing would
+            # use it), before the checkpoint, so that a resumed run starts from this bank.
+            if (self.is_kernel and self.every_epochs and epoch % self.every_epochs == 0
+                    and not last):
+                row.update(self.refresh(wait=False))
+            if last or (self.out_dir and epoch % self.checkpoint_every == 0):
+                row.update(self._finish_async())  # checkpoints hold a settled bank
+            self.history.append(row)
+            self.write_logs()
+            if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
+                self.save_checkpoint()
+        return self.history
+
+
+def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,
+        resume: bool = True, **kwargs) -> Trainer:
+    """Build a :class:`Trainer` (``kwargs`` are its options), train ``epochs`` epochs, and
+    return it (``.history`` holds the log)."""
+    trainer = Trainer(model, criterion, train_loader, **kwargs)
+    trainer.fit(epochs, resume=resume)
+    return trainer

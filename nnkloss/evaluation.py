@@ -16,10 +16,11 @@ from torch import Tensor, nn
 
 from .bank import CentreBank
 from .classifier import NeighbourKernelClassifier
+from .loss import NeighbourKernelLoss
 from .metrics import accuracy, nmi, recall_at_k
 
 __all__ = ["extract_embeddings", "retrieval_metrics", "kernel_accuracy", "softmax_accuracy",
-           "RECALL_KS"]
+           "classification_metrics", "RECALL_KS"]
 
 RECALL_KS = (1, 2, 4, 8)
 
@@ -94,3 +95,36 @@ def softmax_accuracy(head: nn.Module, emb: Tensor, labels: Tensor) -> float:
     """Accuracy of a softmax head (``head.predict(emb) -> (B,)``) on embeddings (B, D)."""
     dev = next(head.parameters()).device
     return accuracy(head.predict(emb.to(dev)).cpu(), labels)
+
+
+@torch.no_grad()
+def classification_metrics(model: nn.Module, criterion: nn.Module, train_loader: Iterable,
+                           loader: Iterable, k: int = 100, device=None, amp: bool = False,
+                           progress: bool = False) -> Dict[str, float]:
+    """``{"accuracy": .., "loss": ..}`` of a trained model on ``loader``'s items.
+
+    For a :class:`NeighbourKernelLoss` criterion the classifier is Eq. 3 over a bank of the
+    current training embeddings (``train_loader``: the training set without augmentation),
+    with the criterion's sigma and the learned per-centre weights, ``k`` neighbours per query.
+    For a softmax head, its logits. ``loss`` is the mean negative log-probability of the true
+    class (probabilities floored at 1e-12), the quantity the papers select hyper-parameters on.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    emb, labels = extract_embeddings(model, loader, device, amp, progress, desc="embed eval")
+    if isinstance(criterion, NeighbourKernelLoss):
+        tr_emb, tr_lab = extract_embeddings(model, train_loader, device, amp, progress,
+                                            desc="embed train")
+        bank = CentreBank(tr_emb.to(device), tr_lab.to(device),
+                          weights=criterion.bank.weights.detach().float().to(device))
+        clf = NeighbourKernelClassifier(bank, k=min(int(k), len(tr_lab)),
+                                        sigma=float(criterion.sigma.detach()))
+        proba = clf.predict_proba(emb.to(device)).cpu()
+        if proba.shape[1] < int(labels.max()) + 1:  # classes absent from the training set
+            proba = torch.nn.functional.pad(proba, (0, int(labels.max()) + 1 - proba.shape[1]))
+    else:
+        head_dev = next(criterion.parameters()).device
+        proba = torch.softmax(criterion.logits(emb.to(head_dev)), dim=1).cpu()
+    p_true = proba.gather(1, labels[:, None]).squeeze(1).clamp_min(1e-12)
+    return {"accuracy": accuracy(proba.argmax(1), labels), "loss": float(-p_true.log().mean())}

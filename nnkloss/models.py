@@ -39,11 +39,15 @@ class DigitsNet(nn.Module):
     Args:
         dim: embedding size D.
         width: channels of the first conv layer (the second has twice as many).
-        dropout: dropout on the hidden layer and on the embedding (training only).
+        dropout: dropout on the hidden layer (training only).
+        embed_dropout: dropout on the embedding itself (training only; default 0: dropping
+            coordinates of an embedding moves it by about its norm, far more than the
+            neighbour distances a small sigma resolves).
     ``forward(x)``: x (B, 1, 8, 8) or (B, 64) float32 in roughly [0, 1] -> (B, D) float32.
     """
 
-    def __init__(self, dim: int = 64, width: int = 32, dropout: float = 0.2):
+    def __init__(self, dim: int = 64, width: int = 32, dropout: float = 0.2,
+                 embed_dropout: float = 0.0):
         super().__init__()
         self.dim = dim
         self.features = nn.Sequential(
@@ -54,7 +58,7 @@ class DigitsNet(nn.Module):
             nn.Linear(2 * width * 16, 256), nn.ReLU(inplace=True), nn.Dropout(dropout),
             nn.Linear(256, dim),  # the embedding: no ReLU, as for FC7 in the papers
         )
-        self.embed_dropout = nn.Dropout(dropout)
+        self.embed_dropout = nn.Dropout(embed_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:

@@ -242,6 +242,7 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []
         self._bank_ready = False
         self._refresh_log: Dict[str, Any] = {}
+        self._bar = None
 
     # ------------------------------------------------------------------ paths & state
     @property
@@ -353,8 +354,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _train_epoch(self, epoch: int, total_epochs: int) -> Dict[str, Any]:
-        from tqdm.auto import tqdm
-
         self.model.train()
         self.criterion.train()
         dev = self.device
@@ -364,9 +363,10 @@ class Trainer:
         n_batches = 0
         refreshes: Dict[str, Any] = {}
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        bar = tqdm(self.loader, desc=f"{self.desc} {epoch}/{total_epochs}",
-                   disable=not self.progress, leave=False)
-        for x, y, idx in bar:
+        bar = self._bar
+        if bar is not None:
+            bar.set_description(f"{self.desc} epoch {epoch}/{total_epochs}")
+        for x, y, idx in self.loader:
             x = x.to(dev, non_blocking=True)
             y = torch.as_tensor(y).to(dev, non_blocking=True)
             idx = torch.as_tensor(idx).to(dev, non_blocking=True)
@@ -388,8 +388,10 @@ class Trainer:
             loss_sum += loss.detach().double()
             if self.is_kernel and self.criterion.last_num_valid is not None:
                 valid_sum += self.criterion.last_num_valid.double()
-            if self.progress and n_batches % self.log_every == 0:
-                bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}")
+            if bar is not None:
+                bar.update(1)
+                if n_batches % self.log_every == 0:
+                    bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
             if self.is_kernel:
                 if self._async and self.refresher.in_flight:
                     done = self.refresher.poll()  # a thread liveness check: no sync
@@ -398,7 +400,6 @@ class Trainer:
                 if self.every_steps and self.step % self.every_steps == 0:
                     refreshes = self.refresh(wait=False) or refreshes
                     self.model.train()
-        bar.close()
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
         row: Dict[str, Any] = {"epoch": epoch, "step": self.step,
@@ -423,6 +424,22 @@ class Trainer:
             seed_everything(self.seed)
             self._refresh_log = self.refresh()
         self.model.train()
+        self._bar = None
+        if self.progress and self.epoch < int(epochs):
+            from tqdm.auto import tqdm
+            per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
+            total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
+            # One bar for the whole run (not one per epoch): readable in logs and notebooks.
+            self._bar = tqdm(total=total, desc=self.desc, unit="step")
+        try:
+            self._run_epochs(int(epochs))
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+        return self.history
+
+    def _run_epochs(self, epochs: int) -> None:
         for epoch in range(self.epoch + 1, int(epochs) + 1):
             seed_everything(self.seed * 1_000_003 + epoch)
             t0 = time.perf_counter()
@@ -453,7 +470,8 @@ class Trainer:
             self.write_logs()
             if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
                 self.save_checkpoint()
-        return self.history
+            if self._bar is not None:
+                self._bar.set_postfix(loss=f"{row['loss']:.4f}")
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

@@ -1,0 +1,105 @@
+"""Set-up shared by the reproduction scripts: devices, image transforms, loaders, and the
+kernel-loss / softmax training pieces wired together.
+
+The papers' image pipeline: resize to 256x256, random 224x224 crop and horizontal flip for
+training; the same resize and a centre crop for evaluation. ``image_size`` scales it
+(resize = image_size * 256 / 224), so tiny test runs use the same code path.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .bank import CentreBank
+from .loss import NeighbourKernelLoss
+from .models import SoftmaxHead
+from .refresh import Refresher
+
+__all__ = ["resolve_device", "image_transforms", "make_loader", "kernel_criterion",
+           "softmax_criterion", "IMAGENET_MEAN", "IMAGENET_STD"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def resolve_device(name: Optional[str] = None) -> torch.device:
+    """``None``/"auto": CUDA when available, else CPU. Otherwise the named device, checked."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def image_transforms(image_size: int = 224, train: bool = True):
+    """torchvision transform: PIL image -> (3, image_size, image_size) float32, normalised.
+
+    train: resize to a square of ``round(image_size * 256 / 224)``, random crop, random
+    horizontal flip. eval: the same resize, centre crop.
+    """
+    from torchvision import transforms as T
+
+    if image_size < 8:
+        raise ValueError(f"image_size must be >= 8, got {image_size}")
+    resize = int(round(image_size * 256 / 224))
+    ops = [T.Resize((resize, resize))]
+    if train:
+        ops += [T.RandomCrop(image_size), T.RandomHorizontalFlip()]
+    else:
+        ops += [T.CenterCrop(image_size)]
+    ops += [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return T.Compose(ops)
+
+
+def make_loader(ds: Dataset, batch_size: int, shuffle: bool, workers: int = 0,
+                device: Optional[torch.device] = None, drop_last: bool = False) -> DataLoader:
+    """A DataLoader with pinned memory on CUDA and persistent workers when ``workers > 0``.
+
+    No ``generator`` is set, so shuffling follows torch's global RNG, which the Trainer
+    reseeds per epoch (repeatable runs and exact resume).
+    """
+    pin = device is not None and torch.device(device).type == "cuda"
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
+                      pin_memory=pin, drop_last=drop_last, persistent_workers=workers > 0)
+
+
+def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.Tensor, dim: int,
+                     sigma: float, k: int, device, learn_weights: bool = False,
+                     learn_sigma: bool = False, ensure_positive: bool = False,
+                     backend: str = "auto", progress: bool = True,
+                     async_mode: bool = False) -> Tuple[NeighbourKernelLoss, Refresher]:
+    """The kernel loss over a bank of the training set, and the Refresher that fills it.
+
+    Args:
+        model: the embedding network (the Refresher embeds with it in eval mode).
+        ordered_loader: the training set WITHOUT augmentation, yielding (x, label, idx).
+        labels: (N,) int64 labels of the training set (bank row i = dataset item i).
+        dim: embedding size D.
+        sigma, learn_weights, learn_sigma: as in :class:`NeighbourKernelLoss`.
+        k: neighbour-list length; clamped to N - 1 (tiny sets).
+        device: where the bank lives (the model's device).
+        ensure_positive, backend, progress, async_mode: passed to the :class:`Refresher`.
+    Returns:
+        (criterion, refresher). The bank starts as zeros: the Trainer refreshes it before the
+        first step.
+    """
+    device = torch.device(device)
+    n = len(labels)
+    if n < 2:
+        raise ValueError(f"the training set has {n} items; the kernel loss needs at least 2")
+    bank = CentreBank(torch.zeros(n, dim, device=device), torch.as_tensor(labels).long().to(device))
+    criterion = NeighbourKernelLoss(bank, sigma=sigma, learn_sigma=learn_sigma,
+                                    learn_weights=learn_weights)
+    refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1), backend=backend,
+                          ensure_positive=ensure_positive, device=device, progress=progress,
+                          async_mode=async_mode, sigma=sigma)
+    return criterion, refresher
+
+
+def softmax_criterion(dim: int, num_classes: int) -> SoftmaxHead:
+    """A linear classifier + cross-entropy on the embedding (the baseline)."""
+    return SoftmaxHead(dim, num_classes)

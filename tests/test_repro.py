@@ -1,0 +1,163 @@
+"""The reproduction scripts end to end, in-process through their main(argv), on tiny inputs."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from fabricate import make_cars, make_cub, make_flowers, make_leafsnap
+
+REPRO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repro")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"repro_{name}", os.path.join(REPRO, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+METRIC_KEYS = {"recall@1", "recall@2", "recall@4", "recall@8", "nmi"}
+
+
+def _fraction(v):
+    return isinstance(v, float) and 0.0 <= v <= 1.0
+
+
+def test_digits_quick(tmp_path):
+    digits = load_script("digits")
+    out = tmp_path / "digits"
+    results = digits.main(["--out", str(out), "--quick", "--no-progress"])
+    on_disk = json.load(open(out / "results.json"))
+    assert on_disk == results
+    assert set(on_disk) == {"metric_learning", "classification"}
+    assert set(on_disk["metric_learning"]) == {"nngk", "softmax"}
+    for loss in ("nngk", "softmax"):
+        assert set(on_disk["metric_learning"][loss]) == METRIC_KEYS
+        assert all(_fraction(v) for v in on_disk["metric_learning"][loss].values())
+        assert set(on_disk["classification"][loss]) == {"accuracy"}
+        assert _fraction(on_disk["classification"][loss]["accuracy"])
+    for png in ("embedding_nngk.png", "embedding_softmax.png", "recall.png",
+                "training_curves.png"):
+        with open(out / png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+    assert "R@1" in open(out / "results.md").read()
+    # The kernel runs went through the Refresher: bank refreshes are in their logs.
+    log = json.load(open(out / "metric_nngk" / "log.json"))
+    assert "refresh_time_s" in log[0] and log[0]["valid_frac"] > 0.5
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repro_data")
+    return {"cub": make_cub(str(root / "cub"), n_classes=4, per_class=6),
+            "cars": make_cars(str(root / "cars"), n_classes=4, per_class=6),
+            "flowers": make_flowers(str(root / "flowers")),
+            "leafsnap": make_leafsnap(str(root / "leafsnap"), per_class=6)}
+
+
+TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--workers", "0",
+        "--update-interval", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize("dataset", ["cub", "cars"])
+def test_metric_learning_one_epoch(trees, tmp_path, dataset):
+    ml = load_script("metric_learning")
+    out = tmp_path / "ml"
+    argv = ["--dataset", dataset, "--data-root", trees[dataset], "--out", str(out),
+            "--dim", "16", "--image-size", "32", "--embedding-plot", "pca"] + TINY
+    results = ml.main(argv)
+    on_disk = json.load(open(out / "results.json"))
+    assert on_disk == json.loads(json.dumps(results))
+    (run,) = on_disk["runs"]
+    assert run["dim"] == 16 and run["epochs"] == 1
+    assert all(_fraction(run[k]) for k in METRIC_KEYS)
+    assert run["k"] == 11  # K=100 clamped to the 12 training images - 1
+    assert run["sigma"] == 10.0
+    assert run["train_images"] == 12 and run["test_images"] == 12
+    table = open(out / "results.md").read()
+    assert "Ours (this run)" in table and "Ours (paper)" in table
+    for f in ("recall.png", "dim16/embedding.png", "dim16/training_curves.png",
+              "dim16/log.csv", "dim16/checkpoint.pt"):
+        assert os.path.isfile(out / f), f
+    if dataset == "cub":
+        # Rerunning resumes from the checkpoint: no new epoch, same numbers.
+        again = ml.main(argv)
+        assert again["runs"][0]["recall@1"] == pytest.approx(run["recall@1"])
+        assert len(json.load(open(out / "dim16" / "log.json"))) == 1
+
+
+def test_metric_learning_sigma_default():
+    ml = load_script("metric_learning")
+    assert [ml.default_sigma(d) for d in (64, 128, 256, 512, 1024)] == [10, 15, 20, 25, 30]
+    assert ml.parse_args(["--dataset", "cars", "--data-root", "x", "--out", "y"]).epochs == 50
+    assert ml.parse_args(["--dataset", "cub", "--data-root", "x", "--out", "y"]).epochs == 30
+
+
+def test_classification_cub_resnet50_both_losses(trees, tmp_path):
+    cl = load_script("classification")
+    out = tmp_path / "cls"
+    results = cl.main(["--dataset", "cub", "--data-root", trees["cub"], "--out", str(out),
+                       "--arch", "resnet50", "--image-size", "32"] + TINY)
+    on_disk = json.load(open(out / "results.json"))
+    assert on_disk["bbox_crop"] is True and on_disk["num_classes"] == 4
+    assert on_disk["sizes"] == {"train": 12 - 4, "val": 4, "test": 12}  # 20% of 3 per class
+    for loss in ("nngk", "softmax"):
+        r = on_disk["runs"][loss]
+        assert _fraction(r["val_accuracy"]) and _fraction(r["test_accuracy"])
+        assert r["val_loss"] >= 0
+    assert on_disk["runs"]["nngk"]["learned_weights"] is True
+    assert on_disk["paper"] == {"softmax": pytest.approx(0.7805), "nngk": pytest.approx(0.7898)}
+    assert results["runs"]["nngk"]["sigma"] == pytest.approx(100 / 2 ** 0.5)
+    assert "Test acc" in open(out / "results.md").read()
+    assert os.path.isfile(out / "nngk" / "training_curves.png")
+
+
+@pytest.mark.parametrize("dataset", ["flowers", "leafsnap"])
+def test_classification_alexnet_other_datasets(trees, tmp_path, dataset):
+    cl = load_script("classification")
+    out = tmp_path / dataset
+    results = cl.main(["--dataset", dataset, "--data-root", trees[dataset], "--out", str(out),
+                       "--arch", "alexnet", "--image-size", "64", "--loss", "nngk"] + TINY)
+    assert set(results["runs"]) == {"nngk"}
+    assert results["num_classes"] == 3
+    assert _fraction(results["runs"]["nngk"]["test_accuracy"])
+
+
+def test_classification_rejects_too_small_images(trees, tmp_path):
+    cl = load_script("classification")
+    with pytest.raises(SystemExit):
+        cl.parse_args(["--dataset", "cub", "--data-root", trees["cub"], "--out", str(tmp_path),
+                       "--arch", "alexnet", "--image-size", "32"])
+
+
+# ------------------------------------------------------------------ models
+def test_models_accept_small_inputs_and_output_dims():
+    from nnkloss.models import DigitsNet, build_embedding_net
+
+    net = DigitsNet(dim=8).eval()
+    assert net(torch.rand(3, 64)).shape == (3, 8)
+    for arch, size, dim in (("googlenet", 32, 16), ("resnet50", 32, 2048)):
+        m = build_embedding_net(arch, dim=16 if arch == "googlenet" else None).eval()
+        with torch.no_grad():
+            assert m(torch.randn(2, 3, size, size)).shape == (2, dim)
+
+
+def test_pretrained_weights_from_a_local_file(tmp_path):
+    from torchvision import models
+
+    from nnkloss.models import build_embedding_net
+
+    src = models.googlenet(weights=None, aux_logits=True, init_weights=True)  # torchvision layout
+    path = tmp_path / "googlenet.pth"
+    torch.save(src.state_dict(), path)
+    net = build_embedding_net("googlenet", dim=8, pretrained=str(path))
+    assert torch.equal(net.backbone.conv1.conv.weight, src.conv1.conv.weight)
+    assert net.backbone.transform_input  # what torchvision's ImageNet weights expect
+    with pytest.raises(FileNotFoundError, match="missing.pth"):
+        build_embedding_net("googlenet", dim=8, pretrained=str(tmp_path / "missing.pth"))
+    bad = tmp_path / "resnet_for_googlenet.pth"
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, bad)
+    with pytest.raises(ValueError, match="resnet_for_googlenet.pth.*missing keys"):
+        build_embedding_net("googlenet", dim=8, pretrained=str(bad))

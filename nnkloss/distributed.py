@@ -10,13 +10,15 @@ Process group:
     :func:`barrier`, :func:`shutdown`.
 
 Data:
+    :func:`shard_loader` (the same DataLoader over this rank's DistributedSampler share),
     :func:`distributed_sampler` (a DistributedSampler, or None in a single process),
     :func:`set_sampler_epoch`, :func:`per_rank_batch_size`.
 
 Training (the embedding network in DistributedDataParallel, the loss module NOT wrapped):
     :func:`wrap_model`; :func:`global_mean` (loss semantics, below); :func:`sync_loss_parameters`
     (average the gradients of sigma and the bank weights after ``backward()``, before the
-    optimiser step); :func:`broadcast_buffers`.
+    optimiser step); :func:`broadcast_buffers`; :func:`sum_over_ranks` / :func:`mean_over_ranks`
+    (totals for logs).
 
 Refresh (called by :class:`nnkloss.refresh.Refresher` when a group is initialised):
     :func:`gather_bank_rows` (every rank embedded its share; exchange the rows so that every
@@ -64,8 +66,9 @@ from .knn import NeighbourLists, knn
 __all__ = [
     "init_from_env", "is_distributed", "rank", "world_size", "local_rank", "is_main_process",
     "local_device", "barrier", "shutdown",
-    "distributed_sampler", "set_sampler_epoch", "per_rank_batch_size",
+    "distributed_sampler", "shard_loader", "set_sampler_epoch", "per_rank_batch_size",
     "wrap_model", "global_mean", "sync_loss_parameters", "broadcast_buffers",
+    "sum_over_ranks", "mean_over_ranks",
     "gather_bank_rows", "neighbour_lists", "check_async_refresh",
 ]
 
@@ -173,6 +176,43 @@ def distributed_sampler(dataset, shuffle: bool, seed: int = 0, drop_last: bool =
     from torch.utils.data import DistributedSampler
     return DistributedSampler(dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle,
                               seed=seed, drop_last=drop_last)
+
+
+def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = True,
+                 seed: int = 0):
+    """The same DataLoader, but over this rank's DistributedSampler share (single process:
+    ``loader`` itself, untouched).
+
+    Args:
+        loader: a :class:`~torch.utils.data.DataLoader` built with ``batch_size`` (not a
+            ``batch_sampler``); its dataset, workers, collate_fn, pin_memory, drop_last, ...
+            are kept.
+        shuffle: shuffle the share every epoch (default: whether ``loader`` shuffled, i.e. has
+            a RandomSampler). Call :func:`set_sampler_epoch` every epoch (the Trainer does).
+        split_batch: divide ``batch_size`` by the world size so that one step still consumes
+            ``batch_size`` rows in all (training); False keeps it per rank (embedding passes).
+        seed: the DistributedSampler's shuffle seed (the same on every rank).
+    """
+    if not is_distributed():
+        return loader
+    from torch.utils.data import DataLoader, RandomSampler
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"shard_loader needs a torch DataLoader, got {type(loader).__name__}")
+    if loader.batch_size is None:
+        raise ValueError("shard_loader needs a DataLoader built with batch_size, not with a "
+                         "batch_sampler: give that one a DistributedSampler yourself")
+    if shuffle is None:
+        shuffle = isinstance(loader.sampler, RandomSampler)
+    batch = per_rank_batch_size(loader.batch_size) if split_batch else loader.batch_size
+    options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                   pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                   timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                   multiprocessing_context=loader.multiprocessing_context,
+                   persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    sampler = distributed_sampler(loader.dataset, shuffle=shuffle, seed=seed)
+    return DataLoader(loader.dataset, batch_size=batch, sampler=sampler, **options)
 
 
 def set_sampler_epoch(loader, epoch: int) -> None:
@@ -564,6 +604,28 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
                 p.grad = g.to(p.device, p.dtype).clone()
         else:
             p.grad.copy_(g)
+
+
+@torch.no_grad()
+def sum_over_ranks(value):
+    """The sum of ``value`` (a number or a tensor) over all ranks, the same type back (the
+    value itself in a single process). For logs: one all-reduce; a host sync for numbers."""
+    if not is_distributed():
+        return value
+    if isinstance(value, Tensor):
+        t = value.detach().to(_comm_device(None, value.device), copy=True)
+        dist.all_reduce(t)
+        return t.to(value.device)
+    t = torch.tensor(value, dtype=torch.float64, device=_comm_device(None, local_device()))
+    dist.all_reduce(t)
+    return type(value)(t.item())
+
+
+def mean_over_ranks(value):
+    """The mean of ``value`` (a number or a tensor) over all ranks (itself in one process)."""
+    if not is_distributed():
+        return value
+    return sum_over_ranks(value) / world_size()
 
 
 @torch.no_grad()

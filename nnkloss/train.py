@@ -23,6 +23,11 @@ optimiser state, the log continued where the checkpoint left it. Every epoch res
 from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same whether or not the
 run was interrupted before it (leave the DataLoader's ``generator`` unset for this: it then
 draws from torch's global RNG).
+
+Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
+per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
+network is wrapped in DDP, each step follows the mean over the global batch, sigma and the bank
+weights are averaged across ranks, the log shows the whole job and only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from .loss import NeighbourKernelLoss
+from . import distributed as _dist
 
 __all__ = ["Trainer", "fit", "seed_everything", "atomic_write", "CHECKPOINT_NAME"]
 
@@ -205,6 +211,9 @@ class Trainer:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.criterion = criterion.to(self.device)
+        # torch.distributed (torchrun): DDP around the network only, the criterion's parameters
+        # are averaged by sync_loss_parameters (see nnkloss.distributed). Else self.model.
+        self.net = _dist.wrap_model(self.model, self.device)
         self.loader = train_loader
         self.is_kernel = isinstance(criterion, NeighbourKernelLoss)
         if self.is_kernel and refresher is None:
@@ -303,8 +312,8 @@ class Trainer:
         self.load_state_dict(state)
 
     def write_logs(self) -> None:
-        """(Re)write log.json and log.csv from ``history`` (atomically)."""
-        if not self.out_dir:
+        """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""
+        if not self.out_dir or not _dist.is_main_process():
             return
         rows = [{k: _json_safe(v) for k, v in r.items()} for r in self.history]
         atomic_write(os.path.join(self.out_dir, LOG_JSON),
@@ -371,12 +380,16 @@ class Trainer:
             y = torch.as_tensor(y).to(dev, non_blocking=True)
             idx = torch.as_tensor(idx).to(dev, non_blocking=True)
             with torch.autocast("cuda", dtype=torch.float16, enabled=self.use_amp):
-                emb = self.model(x)
+                emb = self.net(x)
             # The loss runs in fp32 outside autocast: its log-sum-exp and the squared
             # distances are where half precision would hurt.
             loss = self.criterion(emb.float(), y, idx)
+            # Under DDP: gradients of the mean over the global batch (no-op in one process).
+            loss = _dist.global_mean(loss, self.criterion.last_num_valid if self.is_kernel
+                                     else len(y))
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
+            _dist.sync_loss_parameters(self.criterion)
             if self.grad_clip is not None:
                 self.scaler.unscale_(self.optimizer)
                 torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
@@ -402,6 +415,9 @@ class Trainer:
                     self.model.train()
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
+        # The log shows the whole job: global_mean's per-rank values average to the global loss.
+        loss_sum, valid_sum = _dist.mean_over_ranks(loss_sum), _dist.sum_over_ranks(valid_sum)
+        rows = _dist.sum_over_ranks(rows)
         row: Dict[str, Any] = {"epoch": epoch, "step": self.step,
                                "loss": float(loss_sum) / n_batches,
                                "lr": self.optimizer.param_groups[0]["lr"]}
@@ -425,7 +441,7 @@ class Trainer:
             self._refresh_log = self.refresh()
         self.model.train()
         self._bar = None
-        if self.progress and self.epoch < int(epochs):
+        if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
             from tqdm.auto import tqdm
             per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
             total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
@@ -442,6 +458,7 @@ class Trainer:
     def _run_epochs(self, epochs: int) -> None:
         for epoch in range(self.epoch + 1, int(epochs) + 1):
             seed_everything(self.seed * 1_000_003 + epoch)
+            _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))
             if self._refresh_log:  # the initial bank build, logged with the first epoch
@@ -468,7 +485,8 @@ class Trainer:
                 row.update(self._finish_async())  # checkpoints hold a settled bank
             self.history.append(row)
             self.write_logs()
-            if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
+            if (self.out_dir and (epoch % self.checkpoint_every == 0 or last)
+                    and _dist.is_main_process()):  # every rank holds the same state
                 self.save_checkpoint()
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")

@@ -129,6 +129,31 @@ def train(x, y, rows_of_step):
     return {"losses": losses, "counts": counts, "params": params}
 
 
+def run_trainer(x, y, out_dir):
+    """Two epochs of the Trainer (refresh before the first and after each epoch); the loaders
+    are sharded under torch.distributed. 36 rows, global batch 12: unshuffled shards of 6 rows
+    per rank make the same global batches as one process, with no sampler padding."""
+    from nnkloss.train import Trainer
+    ds = Triples(x[:36], y[:36])
+    model = make_model(dropout=False)
+    bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long))
+    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True, learn_weights=True)
+    ordered = nkd.shard_loader(DataLoader(ds, batch_size=10), split_batch=False)
+    refresher = Refresher(bank, model, ordered, K, backend="torch", progress=False)
+    train_loader = nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH))
+    trainer = Trainer(model, crit, train_loader, optimizer="sgd", lr=0.2, weight_decay=1e-3,
+                      refresher=refresher, schedule=nnkloss.RefreshSchedule(every_epochs=1),
+                      out_dir=out_dir, progress=False, seed=3)
+    history = trainer.fit(2, resume=False)
+    params = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    params["log_sigma"] = crit.log_sigma.detach().clone()
+    params["log_weights"] = bank.log_weights.detach().clone()
+    params["centres"] = bank.centres.clone()
+    params["neighbours"] = bank.neighbours.clone()
+    return {"history": [{k: r[k] for k in ("loss", "valid_frac", "sigma")} for r in history],
+            "params": params, "files": sorted(os.listdir(out_dir))}
+
+
 # ---------------------------------------------------------------------------- the children
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
@@ -140,6 +165,7 @@ def _worker(rank, port, out_dir):
     for name, kw, loader in refresh_cases(ds, single=True):
         results["refresh_single"][name] = refresh(loader, **kw)
     results["train_single"] = train(x, y, lambda b: b)
+    results["trainer_single"] = run_trainer(x, y, os.path.join(out_dir, f"single{rank}"))
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -178,6 +204,7 @@ def _worker(rank, port, out_dir):
         results["async_error"] = str(exc)
 
     results["train_dist"] = train(x, y, lambda b: b[rank::WORLD])
+    results["trainer_dist"] = run_trainer(x, y, os.path.join(out_dir, f"dist{rank}"))
     nkd.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     nkd.shutdown()
@@ -275,6 +302,21 @@ def test_ddp_steps_match_one_process_with_the_global_batch(results):
     _same(results[0]["train_dist"]["params"], results[1]["train_dist"]["params"])
 
 
+def test_trainer_under_ddp_matches_one_process(results):
+    single = results[0]["trainer_single"]
+    for r in results:
+        multi = r["trainer_dist"]
+        for a, b in zip(multi["history"], single["history"]):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+        for key, v in single["params"].items():
+            torch.testing.assert_close(multi["params"][key], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+    # Only rank 0 writes logs and checkpoints.
+    assert {"checkpoint.pt", "log.csv", "log.json"} <= set(results[0]["trainer_dist"]["files"])
+    assert results[1]["trainer_dist"]["files"] == []
+    assert results[1]["trainer_single"]["files"] == results[0]["trainer_single"]["files"]
+
+
 def test_single_process_helpers_are_no_ops():
     assert not nkd.is_distributed() and nkd.rank() == 0 and nkd.world_size() == 1
     assert nkd.is_main_process() and nkd.distributed_sampler([1, 2, 3], shuffle=True) is None
@@ -282,6 +324,9 @@ def test_single_process_helpers_are_no_ops():
     assert nkd.wrap_model(model) is model
     loss = torch.tensor(2.5)
     assert nkd.global_mean(loss, 3) is loss
+    assert nkd.sum_over_ranks(4) == 4 and nkd.mean_over_ranks(loss) is loss
+    loader = DataLoader(list(range(6)), batch_size=4)
+    assert nkd.shard_loader(loader) is loader
     nkd.sync_loss_parameters(model)
     nkd.broadcast_buffers(model)
     nkd.check_async_refresh()

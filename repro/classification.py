@@ -23,6 +23,9 @@ validation loss and accuracy next to the test accuracy for that purpose.
 Outputs: ``OUT/<loss>/`` (log, checkpoint, training curves; rerunning resumes unless
 --restart), ``OUT/results.json`` ({"dataset", "arch", "runs": {loss: {"val_accuracy",
 "val_loss", "test_accuracy", ...}}, "paper": ...}; fractions in [0, 1]) and ``OUT/results.md``.
+Several GPUs: ``torchrun --nproc-per-node G repro/classification.py ...`` (one process per GPU;
+``--batch-size`` stays the global batch and must be a multiple of G; only rank 0 writes files;
+see :mod:`nnkloss.distributed`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from nnkloss import distributed as nkd
 from nnkloss.datasets import CUB200, Cars196, Flowers102, Leafsnap, as_tensor_labels
 from nnkloss.evaluation import classification_metrics
 from nnkloss.experiment import (image_transforms, kernel_criterion, make_loader,
@@ -145,13 +149,16 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
     bs_eval = max(args.batch_size, 64)
     train_loader = make_loader(train, args.batch_size, True, args.workers, device,
                                drop_last=len(train) > args.batch_size)
+    train_loader = nkd.shard_loader(train_loader, seed=args.seed)  # torchrun: this rank's share
     ordered = make_loader(splits["train_eval"], bs_eval, False, args.workers, device)
     val_loader = make_loader(splits["val"], bs_eval, False, args.workers, device)
     test_loader = make_loader(splits["test"], bs_eval, False, args.workers, device)
     sigma = args.sigma if args.sigma is not None else default_sigma(args.arch)
     if kernel:
+        # The refresh embeds this rank's share; evaluation keeps the full ``ordered``.
         criterion, refresher = kernel_criterion(
-            model, ordered, as_tensor_labels(train), dim, sigma, args.k, device,
+            model, nkd.shard_loader(ordered, split_batch=False), as_tensor_labels(train), dim,
+            sigma, args.k, device,
             learn_weights=not args.fixed_weights, progress=progress)
         extra = dict(refresher=refresher, weights_lr=args.weights_lr, lr=args.lr,
                      schedule=RefreshSchedule(every_epochs=args.update_interval))
@@ -179,8 +186,10 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
                                      device=device, amp=args.amp, progress=progress)
     test = classification_metrics(model, criterion, ordered, test_loader, k=args.k,
                                   device=device, amp=args.amp, progress=progress)
-    plot_training_curves({loss: history}, os.path.join(run_dir, "training_curves.png"),
-                         keys=("loss", "val_accuracy"), title=f"{args.dataset} {args.arch} {loss}")
+    if nkd.is_main_process():
+        plot_training_curves({loss: history}, os.path.join(run_dir, "training_curves.png"),
+                             keys=("loss", "val_accuracy"),
+                             title=f"{args.dataset} {args.arch} {loss}")
     entry = {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
              "test_accuracy": test["accuracy"], "test_loss": test["loss"],
              "epochs": args.epochs, "lr": extra["lr"], "train_seconds": time.perf_counter() - t0}
@@ -191,8 +200,10 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     device = resolve_device(args.device)
+    # Under torchrun: one process per GPU ("cuda" is then this rank's GPU); gloo for CPU runs.
+    nkd.init_from_env(backend="gloo" if device.type == "cpu" else None)
+    os.makedirs(args.out, exist_ok=True)
     splits = load_splits(args)
     runs = {loss: run_one(args, loss, device, splits) for loss in args.loss}
     paper = PAPER.get((args.dataset, args.arch))
@@ -203,6 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                "num_classes": splits["train"].num_classes, "runs": runs,
                "paper": None if paper is None else {"softmax": paper[0] / 100,
                                                     "nngk": paper[1] / 100}}
+    if not nkd.is_main_process():  # every rank has the same results; rank 0 writes them
+        return results
     write_json(os.path.join(args.out, "results.json"), results)
     rows = [[loss, percent(r["val_accuracy"]), f"{r['val_loss']:.4f}",
              percent(r["test_accuracy"]),
@@ -218,3 +231,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    nkd.shutdown()

@@ -26,6 +26,10 @@ checkpoint.
     {"metric_learning": {"nngk": {"recall@1", "recall@2", "recall@4", "recall@8", "nmi"},
                          "softmax": {... same keys}},
      "classification": {"nngk": {"accuracy"}, "softmax": {"accuracy"}}}
+
+Several processes: ``torchrun --nproc-per-node 2 repro/digits.py --out OUT --quick`` (gloo on
+the CPU; with ``--device cuda``, NCCL and one GPU per process). ``--batch-size`` stays the
+global batch (a multiple of the process count); only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from nnkloss import distributed as nkd
 from nnkloss.datasets import IndexedTensorDataset, stratified_split
 from nnkloss.evaluation import (extract_embeddings, kernel_accuracy, retrieval_metrics,
                                 softmax_accuracy)
@@ -123,13 +128,15 @@ def train_run(name: str, loss: str, x: torch.Tensor, y: torch.Tensor, num_classe
     ds = IndexedTensorDataset(x, y)
     augmented = IndexedTensorDataset(x, y, transform=RandomShift(args.shift) if args.shift else None)
     train_loader = DataLoader(augmented, batch_size=args.batch_size, shuffle=True)
+    train_loader = nkd.shard_loader(train_loader, seed=args.seed)  # torchrun: this rank's share
     kw = dict(device=args.device, optimizer=args.optimizer, lr=args.lr,
               weight_decay=args.weight_decay,
               out_dir=os.path.join(args.out, name), seed=args.seed,
               progress=not args.no_progress, eval_fn=eval_fn, desc=name)
     if loss == "nngk":
         # The bank is refreshed from an unshuffled, unaugmented pass in eval mode (no dropout).
-        ordered = DataLoader(ds, batch_size=512, shuffle=False)
+        ordered = nkd.shard_loader(DataLoader(ds, batch_size=512, shuffle=False),
+                                   split_batch=False)
         criterion, refresher = kernel_criterion(
             model, ordered, y, args.dim, args.sigma, args.k, args.device,
             learn_weights=learn_weights, learn_sigma=args.learn_sigma, ensure_positive=True,
@@ -164,6 +171,8 @@ def _embed(model, x, y, args):
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
+    # Under torchrun: one process per device; gloo for CPU runs even where CUDA exists.
+    nkd.init_from_env(backend="gloo" if torch.device(args.device).type == "cpu" else None)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     x, y = load_digits_tensors()
@@ -213,6 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     histories["classification softmax"] = tr.history
 
     results = {"metric_learning": metric, "classification": classification}
+    if not nkd.is_main_process():  # every rank has the same results; rank 0 writes them
+        return results
     write_json(os.path.join(args.out, "results.json"), results)
 
     # ---------------------------------------------------------------- report
@@ -246,3 +257,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    nkd.shutdown()

@@ -18,6 +18,9 @@ One run per ``--dim``; each writes its log and checkpoint under ``OUT/dim<D>/`` 
 resumes from the checkpoint unless --restart). ``OUT/results.json`` holds, per run, the metrics
 (fractions in [0, 1]) and settings; ``OUT/results.md`` the table in the paper's format with the
 paper's own rows for comparison.
+Several GPUs: ``torchrun --nproc-per-node G repro/metric_learning.py ...`` (one process per GPU;
+``--batch-size`` stays the global batch and must be a multiple of G; only rank 0 writes files;
+see :mod:`nnkloss.distributed`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 
 from nnkloss.datasets import CUB200, Cars196, as_tensor_labels
 from nnkloss.evaluation import RECALL_KS, extract_embeddings, retrieval_metrics
+from nnkloss import distributed as nkd
 from nnkloss.experiment import image_transforms, kernel_criterion, make_loader, resolve_device
 from nnkloss.models import MIN_IMAGE_SIZE, build_embedding_net
 from nnkloss.plots import plot_embedding, plot_recall_curve
@@ -116,11 +120,13 @@ def run_one(args, dim: int, device: torch.device, train_ds, train_eval_ds, test_
     progress = not args.no_progress
     train_loader = make_loader(train_ds, args.batch_size, True, args.workers, device,
                                drop_last=len(train_ds) > args.batch_size)
+    train_loader = nkd.shard_loader(train_loader, seed=args.seed)  # torchrun: this rank's share
     ordered = make_loader(train_eval_ds, max(args.batch_size, 64), False, args.workers, device)
     test_loader = make_loader(test_ds, max(args.batch_size, 64), False, args.workers, device)
     model.to(device)
     criterion, refresher = kernel_criterion(
-        model, ordered, as_tensor_labels(train_ds), dim, sigma, args.k, device,
+        model, nkd.shard_loader(ordered, split_batch=False), as_tensor_labels(train_ds), dim,
+        sigma, args.k, device,
         ensure_positive=args.ensure_positive, progress=progress)
 
     latest = {}  # the last test embeddings, for the picture
@@ -146,12 +152,13 @@ def run_one(args, dim: int, device: torch.device, train_ds, train_eval_ds, test_
     else:  # the run was already complete: evaluate the restored model
         metrics = {k[len("test_"):]: v for k, v in evaluate(model, criterion, args.epochs).items()}
     emb, labels = latest["emb"], latest["labels"]
-    if args.embedding_plot != "none":
+    if args.embedding_plot != "none" and nkd.is_main_process():
         plot_embedding(emb, labels, os.path.join(run_dir, "embedding.png"),
                        method=args.embedding_plot, seed=args.seed,
                        title=f"{NAMES[args.dataset]} test classes, {dim}-d")
-    plot_training_curves({f"dim {dim}": history}, os.path.join(run_dir, "training_curves.png"),
-                         keys=("loss", "test_recall@1"), title=f"{args.dataset}, {dim}-d")
+    if nkd.is_main_process():
+        plot_training_curves({f"dim {dim}": history}, os.path.join(run_dir, "training_curves.png"),
+                             keys=("loss", "test_recall@1"), title=f"{args.dataset}, {dim}-d")
     return {"dim": dim, **metrics, "sigma": sigma, "k": refresher.k, "epochs": args.epochs,
             "train_images": len(train_ds), "test_images": len(test_ds),
             "train_seconds": time.perf_counter() - t0}
@@ -168,8 +175,10 @@ def paper_table(dataset: str, runs: List[Dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     device = resolve_device(args.device)
+    # Under torchrun: one process per GPU ("cuda" is then this rank's GPU); gloo for CPU runs.
+    nkd.init_from_env(backend="gloo" if device.type == "cpu" else None)
+    os.makedirs(args.out, exist_ok=True)
     cls = DATASETS[args.dataset]
     train_tf = image_transforms(args.image_size, train=True)
     eval_tf = image_transforms(args.image_size, train=False)
@@ -184,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                "model": "googlenet", "pretrained": args.pretrained, "device": str(device),
                "runs": runs, "paper": {str(d): dict(zip(KEYS, (v / 100 for v in vals)))
                                        for d, vals in PAPER[args.dataset].items()}}
+    if not nkd.is_main_process():  # every rank has the same results; rank 0 writes them
+        return results
     write_json(os.path.join(args.out, "results.json"), results)
     table = paper_table(args.dataset, runs)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
@@ -197,3 +208,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    nkd.shutdown()

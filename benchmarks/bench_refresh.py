@@ -35,7 +35,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from nnkloss.knn import faiss_available, faiss_gpu_usable, knn  # noqa: E402
+from nnkloss.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
 
 COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date"]
 APPROX = {"faiss-ivf": "ivf", "faiss-hnsw": "hnsw"}

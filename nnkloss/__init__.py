@@ -7,7 +7,8 @@ from .bank import CentreBank
 from .checks import set_value_checks, value_checks
 from .functional import LossOutput, neighbour_kernel_loss, neighbour_kernel_loss_with_stats
 from .loss import NeighbourKernelLoss
-from . import knn  # callable: nnkloss.knn(q, b, k) == nnkloss.knn.knn(q, b, k)
+from . import search  # neighbour search: knn, neighbour_lists, recall_against_exact
+from .search import knn
 from .refresh import Refresher, RefreshSchedule, RefreshStats
 from .checkpoint import load_bank, save_bank
 from . import distributed  # torch.distributed: init_from_env, sync_loss_parameters, ...
@@ -27,6 +28,7 @@ __all__ = [
     "set_value_checks",
     "value_checks",
     "knn",
+    "search",
     "Refresher",
     "RefreshSchedule",
     "RefreshStats",

@@ -193,17 +193,17 @@ class CentreBank(nn.Module):
 
         Args:
             k: list length, 1 <= k <= N - 1 (ValueError naming k otherwise).
-            backend: "auto", "torch" or "faiss" (see :func:`nnkloss.knn.knn`); ``knn_options``
+            backend: "auto", "torch" or "faiss" (see :func:`nnkloss.search.knn`); ``knn_options``
                 go to it too (``approximate="ivf"``, ``tile_bytes=``, ...).
             ensure_positive: a row whose list holds no centre of its own label gets its nearest
                 same-label centre (other than itself) in place of its last entry, when one
                 exists (per-class searches; no N x N matrix).
 
         Returns:
-            The :class:`nnkloss.knn.NeighbourLists` that was installed: indices (N, k),
+            The :class:`nnkloss.search.NeighbourLists` that was installed: indices (N, k),
             squared distances (N, k), has_positive (N,), num_patched, search seconds, backend.
         """
-        from .knn import neighbour_lists  # only needed here: keeps bank import-light
+        from .search import neighbour_lists  # only needed here: keeps bank import-light
         lists = neighbour_lists(self.centres, self.labels, k, backend=backend,
                                 ensure_positive=ensure_positive, **knn_options)
         self.update_(neighbours=lists.indices)

@@ -57,7 +57,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
     Returns:
         centroids (n_clusters, D) in the compute dtype, assignment (N,) int64.
     """
-    from .knn import knn  # lazily: the search backends pull in faiss when available
+    from .search import knn  # lazily: the search backends pull in faiss when available
 
     require_float("x", x, 2)
     if isinstance(n_clusters, bool) or not isinstance(n_clusters, int) or n_clusters < 1:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .bank import CentreBank
 from .checks import check_sigma, require_float
-from .knn import KNN_BACKENDS, knn
+from .search import KNN_BACKENDS, knn
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
 

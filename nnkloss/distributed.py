@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import FLOAT_DTYPES, require_float, require_int
-from .knn import NeighbourLists, knn
+from .search import NeighbourLists, knn
 
 __all__ = [
     "init_from_env", "is_distributed", "rank", "world_size", "local_rank", "is_main_process",
@@ -398,7 +398,7 @@ def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backe
     """The k nearest other centres of rows start..stop-1, against the full bank.
 
     Searches k + 1 and removes each row's own index (or, where more than k exact duplicates
-    crowd it out, the farthest entry) -- how :func:`nnkloss.knn.knn`'s faiss backends exclude
+    crowd it out, the farthest entry) -- how :func:`nnkloss.search.knn`'s faiss backends exclude
     self. Only exact ties can order differently from a one-process ``exclude_self`` search.
     """
     n = centres.shape[0]
@@ -414,7 +414,7 @@ def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backe
 
 def _patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
                      ids: Tensor, has_pos: Tensor, backend: str, knn_options: dict) -> int:
-    """:func:`nnkloss.knn.neighbour_lists`'s ``ensure_positive`` for one slice of rows (in place):
+    """:func:`nnkloss.search.neighbour_lists`'s ``ensure_positive`` for one slice of rows (in place):
     a row without a same-label entry gets its nearest same-label centre (other than itself) in
     its last slot, found among that class's members only. Returns the number of rows patched."""
     approximate = knn_options.get("approximate")
@@ -451,18 +451,18 @@ def _sync(device: torch.device) -> None:
 def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
                     ensure_positive: bool = False, group=None,
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
-    """:func:`nnkloss.knn.neighbour_lists` with the queries split across ranks.
+    """:func:`nnkloss.search.neighbour_lists` with the queries split across ranks.
 
     Every rank must pass the same (N, D) ``centres`` and (N,) ``labels`` (as
     :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
-    against the full bank with :func:`nnkloss.knn.knn` (``backend``, ``knn_options`` as there;
+    against the full bank with :func:`nnkloss.search.knn` (``backend``, ``knn_options`` as there;
     an approximate index is built over the full bank on every rank, with the same seed), then
     the (N, k) indices and distances, ``has_positive`` and ``num_patched`` are gathered, so
-    every rank returns the same :class:`~nnkloss.knn.NeighbourLists`. ``seconds`` covers the
-    search and the exchange. In a single process this is :func:`nnkloss.knn.neighbour_lists`.
+    every rank returns the same :class:`~nnkloss.search.NeighbourLists`. ``seconds`` covers the
+    search and the exchange. In a single process this is :func:`nnkloss.search.neighbour_lists`.
     """
     if not is_distributed(group):
-        from .knn import neighbour_lists as single
+        from .search import neighbour_lists as single
         return single(centres, labels, k, backend=backend, ensure_positive=ensure_positive,
                       **knn_options)
     require_float("centres", centres, 2, FLOAT_DTYPES)
@@ -513,7 +513,7 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
 
 
 def _backend_name(backend: str, device: torch.device, k: int) -> str:
-    from .knn import _resolve_backend  # what knn resolves "auto" to for this device and k
+    from .search import _resolve_backend  # what knn resolves "auto" to for this device and k
     return _resolve_backend(backend, device, k)
 
 

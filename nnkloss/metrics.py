@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .checks import require_float, require_int
-from .knn import KNN_BACKENDS, knn
+from .search import KNN_BACKENDS, knn
 
 __all__ = ["recall_at_k", "nmi", "accuracy", "map_at_r"]
 

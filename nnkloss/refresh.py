@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .bank import CentreBank
 from .checks import require_int
-from .knn import NeighbourLists, neighbour_lists
+from .search import NeighbourLists, neighbour_lists
 from . import distributed as _dist
 
 __all__ = ["Refresher", "RefreshSchedule", "RefreshStats"]
@@ -192,9 +192,9 @@ class Refresher:
             a row yielded twice keeps its last embedding. Use a loader without augmentation.
         k: neighbour-list length (<= N - 1).
         backend: kNN backend ("auto", "torch", "faiss"); ``knn_options`` (e.g.
-            ``{"approximate": "ivf"}``) go to :func:`nnkloss.knn.knn`.
+            ``{"approximate": "ivf"}``) go to :func:`nnkloss.search.knn`.
         ensure_positive: give rows without a same-label neighbour their nearest same-label
-            centre (see :func:`nnkloss.knn.neighbour_lists`).
+            centre (see :func:`nnkloss.search.neighbour_lists`).
         device: where the model runs (default: the device of its first parameter/buffer, else
             the bank's). Inputs are moved there; embeddings are stored on the bank's device in
             the bank's dtype.

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelLoss, Refresher
 from nnkloss import distributed as nkd
-from nnkloss.knn import faiss_available
+from nnkloss.search import faiss_available
 
 WORLD = 2
 N = 37  # odd: DistributedSampler pads rank 1 with a repeat of row 0
@@ -271,7 +271,7 @@ def test_rows_written_twice_take_the_lowest_rank(results):
     for r in results:
         assert torch.equal(r["gathered"]["centres"], expected)
         assert torch.equal(r["gathered"]["labels"], y)
-        single = nnkloss.knn.neighbour_lists(x, y, K, backend="torch").indices
+        single = nnkloss.search.neighbour_lists(x, y, K, backend="torch").indices
         assert torch.equal(r["lists_small_rounds"], single)
 
 

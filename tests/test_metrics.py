@@ -5,7 +5,7 @@ import torch
 
 import nnkloss
 from nnkloss import metrics
-from nnkloss.knn import faiss_available
+from nnkloss.search import faiss_available
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])
 

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import nnkloss
 from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
-from nnkloss.knn import faiss_available, knn, neighbour_lists
+from nnkloss.search import faiss_available, knn, neighbour_lists
 
 N, D_IN, D = 96, 6, 4
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(),
@@ -336,7 +336,7 @@ def test_module_exports():
         assert name in nnkloss.__all__ and hasattr(nnkloss, name)
     a = torch.randn(10, 3)
     assert torch.equal(nnkloss.knn(a, a, 2, backend="torch")[1],
-                       nnkloss.knn.knn(a, a, 2, backend="torch")[1])
+                       nnkloss.search.knn(a, a, 2, backend="torch")[1])
     assert torch.equal(knn(a, a, 2, backend="torch")[1], nnkloss.knn(a, a, 2, backend="torch")[1])
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import sys
 import time
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -590,19 +588,3 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
                 idx = idx.gather(1, order)
     _sync(centres.device)
     return NeighbourLists(idx, dist, has_pos, num_patched, time.perf_counter() - t0, used)
-
-
-# ============================================================================ callable module
-class _CallableModule(types.ModuleType):
-    """``nnkloss.knn`` is both this module and the search function.
-
-    The package exports ``knn``; binding the function to ``nnkloss.knn`` would shadow this
-    module, breaking ``nnkloss.knn.knn(...)`` and ``import nnkloss.knn as m``. Making the module
-    callable keeps all three spellings working.
-    """
-
-    def __call__(self, queries, base, k, *args, **kwargs):
-        return knn(queries, base, k, *args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

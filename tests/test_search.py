@@ -1,4 +1,4 @@
-"""nnkloss.knn: both backends against brute force, self-exclusion, edge cases, errors, recall."""
+"""nnkloss.search (nnkloss.knn): both backends against brute force, self-exclusion, edge cases, errors, recall."""
 import math
 import types
 import warnings
@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-import nnkloss.knn as K
-from nnkloss.knn import knn, recall_against_exact
+import nnkloss.search as K
+from nnkloss.search import knn, recall_against_exact
 
 HAVE_FAISS = K.faiss_available()
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,

@@ -18,7 +18,6 @@ import csv
 import itertools
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -26,8 +25,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import nnkloss  # noqa: E402
+from common import device_name, git_commit  # noqa: E402
 
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit"]
@@ -64,27 +65,6 @@ def bytes_needed(B, K, D, bank_dtype, idx_dtype, mode):
     if mode == "fwd_bwd":
         total += B * D * 4  # the embedding gradient written
     return total
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 def make_inputs(B, K, D, N, dtype, device, seed=0):

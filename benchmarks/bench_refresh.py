@@ -26,7 +26,6 @@ import datetime
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -34,33 +33,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 from nnkloss.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
+from common import device_name, git_commit  # noqa: E402
 
 COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date"]
 APPROX = {"faiss-ivf": "ivf", "faiss-hnsw": "hnsw"}
 CALIBRATION_N = 4096
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 def available_bytes(device: torch.device) -> int:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import FLOAT_DTYPES, require_float, require_int
-from .search import NeighbourLists, knn
+from .search import NeighbourLists, _sync, knn, patch_positives
 
 __all__ = [
     "init_from_env", "is_distributed", "rank", "world_size", "local_rank", "is_main_process",
@@ -412,41 +412,6 @@ def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backe
     return dist_[:, :k].contiguous(), ids.gather(1, order)[:, :k].contiguous()
 
 
-def _patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
-                     ids: Tensor, has_pos: Tensor, backend: str, knn_options: dict) -> int:
-    """:func:`nnkloss.search.neighbour_lists`'s ``ensure_positive`` for one slice of rows (in place):
-    a row without a same-label entry gets its nearest same-label centre (other than itself) in
-    its last slot, found among that class's members only. Returns the number of rows patched."""
-    approximate = knn_options.get("approximate")
-    exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
-    missing = (~has_pos).nonzero().flatten()
-    patched = 0
-    for cls in labels[missing + rows_offset].unique().tolist():
-        local = missing[labels[missing + rows_offset] == cls]
-        rows = local + rows_offset
-        members = (labels == cls).nonzero().flatten()
-        if members.numel() < 2:  # the only centre of its class: nothing to add
-            continue
-        m_d, m_i = knn(centres[rows], centres[members], 2,
-                       backend=backend if approximate is None else "auto", **exact)
-        m_i = members[m_i]
-        first_is_self = m_i[:, 0] == rows
-        ids[local, -1] = torch.where(first_is_self, m_i[:, 1], m_i[:, 0])
-        dist_[local, -1] = torch.where(first_is_self, m_d[:, 1], m_d[:, 0])
-        has_pos[local] = True
-        patched += int(local.numel())
-    if patched and approximate is not None:  # padding may precede the patched last slot
-        sorted_d, order = dist_.sort(dim=1, stable=True)
-        dist_.copy_(sorted_d)
-        ids.copy_(ids.gather(1, order))
-    return patched
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 @torch.no_grad()
 def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
                     ensure_positive: bool = False, group=None,
@@ -488,7 +453,7 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     has_pos = ((nb_labels == labels[start:stop].unsqueeze(1)) & (ids >= 0)).any(1)
     patched = 0
     if ensure_positive and not bool(has_pos.all()):
-        patched = _patch_positives(centres, labels, start, dist_, ids, has_pos, backend,
+        patched = patch_positives(centres, labels, start, dist_, ids, has_pos, backend,
                                    knn_options)
 
     slices = [_query_slice(n, r, w) for r in range(w)]

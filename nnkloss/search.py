@@ -533,6 +533,39 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
+                    ids: Tensor, has_pos: Tensor, backend: str, knn_options: dict) -> int:
+    """``ensure_positive`` of :func:`neighbour_lists`, in place, for the slice of query rows that
+    starts at bank row ``rows_offset`` (``dist_``, ``ids``, ``has_pos`` hold that slice): a row
+    without a same-label entry gets its nearest same-label centre (other than itself) in its
+    last slot, found among that class's members only. Returns the number of rows patched."""
+    approximate = knn_options.get("approximate")
+    exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
+    missing = (~has_pos).nonzero().flatten()
+    patched = 0
+    for cls in labels[missing + rows_offset].unique().tolist():
+        local = missing[labels[missing + rows_offset] == cls]
+        rows = local + rows_offset
+        members = (labels == cls).nonzero().flatten()
+        if members.numel() < 2:  # the only centre of its class: nothing to add
+            continue
+        # Two nearest members: at most one is the row itself (duplicates aside, where a twin
+        # at distance 0 is as good), so the first non-self one is the answer.
+        m_d, m_i = knn(centres[rows], centres[members], 2,
+                       backend=backend if approximate is None else "auto", **exact)
+        m_i = members[m_i]
+        first_is_self = m_i[:, 0] == rows
+        ids[local, -1] = torch.where(first_is_self, m_i[:, 1], m_i[:, 0])
+        dist_[local, -1] = torch.where(first_is_self, m_d[:, 1], m_d[:, 0])
+        has_pos[local] = True
+        patched += int(local.numel())
+    if patched and approximate is not None:  # padding may precede the patched last slot
+        sorted_d, order = dist_.sort(dim=1, stable=True)
+        dist_.copy_(sorted_d)
+        ids.copy_(ids.gather(1, order))
+    return patched
+
+
 def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
                     ensure_positive: bool = False, **knn_options) -> NeighbourLists:
     """The k nearest other centres of every centre (self excluded), optionally with a positive.
@@ -562,29 +595,7 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     has_pos = _has_same_label(idx, labels)
     num_patched = 0
     if ensure_positive:
-        missing = (~has_pos).nonzero().flatten()
-        if missing.numel():
-            exact = {kk: v for kk, v in knn_options.items() if kk == "tile_bytes"}
-            for cls in labels[missing].unique().tolist():
-                rows = missing[labels[missing] == cls]
-                members = (labels == cls).nonzero().flatten()
-                if members.numel() < 2:  # the only centre of its class: nothing to add
-                    continue
-                # Two nearest members: at most one is the row itself (duplicates aside, where a
-                # twin at distance 0 is as good), so the first non-self one is the answer.
-                m_d, m_i = knn(centres[rows], centres[members], 2,
-                               backend=backend if approximate is None else "auto", **exact)
-                m_i = members[m_i]
-                first_is_self = m_i[:, 0] == rows
-                pick_i = torch.where(first_is_self, m_i[:, 1], m_i[:, 0])
-                pick_d = torch.where(first_is_self, m_d[:, 1], m_d[:, 0])
-                idx[rows, -1] = pick_i
-                dist[rows, -1] = pick_d
-                has_pos[rows] = True
-                num_patched += int(rows.numel())
-            # Approximate search may leave padding before the patched last slot: keep rows sorted.
-            if approximate is not None:
-                dist, order = dist.sort(dim=1, stable=True)
-                idx = idx.gather(1, order)
+        num_patched = patch_positives(centres, labels, 0, dist, idx, has_pos, backend,
+                                      knn_options)
     _sync(centres.device)
     return NeighbourLists(idx, dist, has_pos, num_patched, time.perf_counter() - t0, used)

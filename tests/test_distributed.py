@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from nnkloss.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelLoss, Refresher
 from nnkloss import distributed as nkd
@@ -26,17 +27,6 @@ N = 37  # odd: DistributedSampler pads rank 1 with a repeat of row 0
 D_IN, D, CLASSES, K = 6, 4, 12, 3  # many classes, short lists: ensure_positive has work to do
 DEADLINE_S = 120.0
 STEPS, GLOBAL_BATCH = 3, 12
-
-
-class Triples(Dataset):
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return self.x.shape[0]
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i], i
 
 
 def make_data():
@@ -134,7 +124,7 @@ def run_trainer(x, y, out_dir):
     are sharded under torch.distributed. 36 rows, global batch 12: unshuffled shards of 6 rows
     per rank make the same global batches as one process, with no sampler padding."""
     from nnkloss.train import Trainer
-    ds = Triples(x[:36], y[:36])
+    ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)
     bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long))
     crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True, learn_weights=True)
@@ -158,7 +148,7 @@ def run_trainer(x, y, out_dir):
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
     x, y = make_data()
-    ds = Triples(x, y)
+    ds = IndexedTensorDataset(x, y)
     results = {"refresh_single": {}, "refresh_dist": {}}
     # References first, before any process group exists: plain single-process code paths.
     assert not nkd.is_distributed() and nkd.rank() == 0 and nkd.world_size() == 1

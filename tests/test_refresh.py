@@ -4,8 +4,9 @@ import threading
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from nnkloss.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
 from nnkloss.search import faiss_available, knn, neighbour_lists
@@ -13,17 +14,6 @@ from nnkloss.search import faiss_available, knn, neighbour_lists
 N, D_IN, D = 96, 6, 4
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(),
                                                                         reason="faiss missing"))]
-
-
-class Triples(Dataset):
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return self.x.shape[0]
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i], i
 
 
 def make_model(seed=0):
@@ -39,7 +29,7 @@ def make_data(seed=1, n=N):
 
 
 def make_loader(x, y, shuffle=True, batch_size=16):
-    return DataLoader(Triples(x, y), batch_size=batch_size, shuffle=shuffle,
+    return DataLoader(IndexedTensorDataset(x, y), batch_size=batch_size, shuffle=shuffle,
                       generator=torch.Generator().manual_seed(3))
 
 

@@ -107,6 +107,13 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
     colours = np.searchsorted(classes, y) / max(1, len(classes) - 1) \
         if len(classes) > 20 else np.searchsorted(classes, y)
     ax.scatter(xy[:, 0], xy[:, 1], c=cmap(colours), s=point_size, linewidths=0)
+    if len(classes) <= 20:  # beyond that a legend hides the picture
+        from matplotlib.lines import Line2D
+        handles = [Line2D([], [], marker="o", linestyle="", markersize=5,
+                          color=cmap(i),
+                          label=str(c)) for i, c in enumerate(classes)]
+        ax.legend(handles=handles, title="class", loc="best", fontsize=8, markerscale=1.2,
+                  ncol=1 if len(classes) <= 10 else 2)
     ax.set_title(title if title is not None else f"{method.upper()} of {x.shape[0]} embeddings, "
                  f"{len(classes)} classes")
     ax.set_xticks([])

@@ -157,3 +157,21 @@ def test_module_bad_arguments():
         nnkloss.NeighbourKernelLoss(bank, reduction="avg")
     with pytest.raises(TypeError, match="bank"):
         nnkloss.NeighbourKernelLoss(torch.randn(3, 3))
+
+
+def test_module_backends_agree_with_learned_parameters():
+    """The module on the Triton kernel (interpreter on CPU) equals the torch path, gradients
+    of the network output, sigma and the learned weights included."""
+    results = {}
+    for backend in ("torch", "triton"):
+        bank = make_bank(N=25, K=7, learn_weights=True, seed=4)
+        with torch.no_grad():
+            bank.log_weights.copy_(torch.linspace(-0.5, 0.5, 25))
+        fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.9, learn_sigma=True, backend=backend)
+        idx = torch.tensor([0, 5, 5, 12, 24, 3])
+        emb = (bank.centres[idx] + 0.2).requires_grad_(True)
+        loss = fn(emb, bank.labels[idx], idx)
+        loss.backward()
+        results[backend] = [loss, emb.grad, fn.log_sigma.grad, bank.log_weights.grad]
+    for a, b in zip(results["torch"], results["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -308,3 +308,20 @@ def test_empty_batch():
     assert out.loss.item() == 0.0 and out.per_row.shape == (0,)
     out.loss.backward()
     assert emb.grad.shape == (0, 3)
+
+
+@pytest.mark.parametrize("B, N, D, K", [(4, 500, 512, 100), (3, 300, 2048, 37),
+                                        (2, 200, 5000, 9), (3, 100, 4096, 8)])
+def test_kernel_at_production_block_sizes(B, N, D, K):
+    """The block shapes a GPU uses for wide D (single pass up to 4096, two-phase beyond),
+    against the torch path, with a bf16 bank."""
+    from nnkloss import kernels
+    emb, labels, centres, cl, nb, w = make_case(B, N, D, K, seed=17, pad=0.1)
+    emb, cen, w = emb.float(), centres.to(torch.bfloat16), w.float()
+    s = torch.tensor(float(D) ** 0.5)
+    got = kernels.neighbour_kernel_fwd(emb, labels, cen, cl, nb, w, s)
+    ref = torch_path.forward(emb, labels, cen, cl, nb, w, s)
+    for name, a, r in zip(["loss", "lse_all", "lse_pos", "grad_x", "dist"], got, ref):
+        fin = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(a), fin), name
+        torch.testing.assert_close(a[fin], r[fin], rtol=1e-5, atol=1e-5, msg=name)

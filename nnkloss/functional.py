@@ -9,7 +9,10 @@ grad, a scatter into an (N, D) gradient.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import os
+import sys
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -52,8 +55,31 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _kernels():
-    from . import kernels  # imported lazily: triton is only needed on this path
-    return kernels
+    # Imported lazily: triton is only needed on this path.
+    try:
+        return importlib.import_module("nnkloss.kernels")
+    except ModuleNotFoundError as exc:
+        if exc.name != "nnkloss.kernels":
+            raise
+        return _source_tree_kernels()
+
+
+def _source_tree_kernels():
+    """Running from a source checkout that was not pip-installed (PYTHONPATH=.): kernels/ sits
+    beside nnkloss/ and is mapped to nnkloss.kernels the way setup.py's package_dir does."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    init = os.path.join(root, "__init__.py")
+    if not os.path.exists(init):
+        raise ModuleNotFoundError("nnkloss.kernels is missing: reinstall nnkloss "
+                                  "(pip install -e .)", name="nnkloss.kernels")
+    spec = importlib.util.spec_from_file_location("nnkloss.kernels", init,
+                                                  submodule_search_locations=[root])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nnkloss.kernels"] = module
+    spec.loader.exec_module(module)
+    import nnkloss
+    nnkloss.kernels = module
+    return module
 
 
 def _impl_module(backend: str):

@@ -14,13 +14,31 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors, which "
+                            "needs TRITON_INTERPRET=1 (set here when there is no GPU)")
     config.addinivalue_line("markers", "slow: longer end-to-end tests")
 
 
+def _uses_cpu_triton(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    on_cpu_triton = callspec is not None and callspec.params.get("backend") == "triton"
+    return on_cpu_triton or item.get_closest_marker("interpreter") is not None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers added here
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if _uses_cpu_triton(item):
+            item.add_marker(pytest.mark.interpreter)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
+        # On a GPU machine the kernels are compiled for CUDA (the cuda tests); the CPU-tensor
+        # runs of the same checks need the interpreter: TRITON_INTERPRET=1 pytest -m interpreter
+        skip = pytest.mark.skip(reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+        for item in items:
+            if _uses_cpu_triton(item):
+                item.add_marker(skip)

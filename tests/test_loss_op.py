@@ -276,6 +276,7 @@ def test_torch_path_chunks_agree(monkeypatch):
     torch.testing.assert_close(full.per_row, chunked.per_row)
 
 
+@pytest.mark.interpreter
 def test_kernel_two_phase_path_matches_single_pass():
     """Wide-D path (distances first, then chunked weighted sums) on a small D by lowering the
     register block limit."""
@@ -291,6 +292,7 @@ def test_kernel_two_phase_path_matches_single_pass():
         torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_kernel_centre_grad_matches_torch():
     from nnkloss import kernels
     emb, labels, centres, cl, nb, w = make_case(6, 15, 37, 7, seed=16, pad=0.3)
@@ -310,6 +312,7 @@ def test_empty_batch():
     assert emb.grad.shape == (0, 3)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("B, N, D, K", [(4, 500, 512, 100), (3, 300, 2048, 37),
                                         (2, 200, 5000, 9), (3, 100, 4096, 8)])
 def test_kernel_at_production_block_sizes(B, N, D, K):

@@ -159,6 +159,7 @@ def test_module_bad_arguments():
         nnkloss.NeighbourKernelLoss(torch.randn(3, 3))
 
 
+@pytest.mark.interpreter
 def test_module_backends_agree_with_learned_parameters():
     """The module on the Triton kernel (interpreter on CPU) equals the torch path, gradients
     of the network output, sigma and the learned weights included."""

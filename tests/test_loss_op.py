@@ -33,7 +33,7 @@ def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", gr
     centres = centres.detach().clone().requires_grad_(grads)
     w = None if w is None else w.detach().clone().requires_grad_(grads)
     s = torch.tensor(sigma, dtype=torch.float64 if emb.dtype == torch.float64 else torch.float32,
-                     requires_grad=grads)
+                     device=emb.device, requires_grad=grads)
     out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, s,
                                                    reduction=reduction, backend=backend)
     loss = out.loss if reduction != "none" else (out.loss * torch.linspace(0.5, 1.5, len(out.loss),
@@ -48,6 +48,16 @@ def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", gr
 
 
 def run_ref(emb, labels, centres, cl, nb, w, sigma, reduction="mean"):
+    """The fp64 reference and its gradients, computed on CPU, returned on emb's device."""
+    device = emb.device
+    labels, cl, nb = labels.cpu(), cl.cpu(), nb.cpu()
+    emb, centres = emb.cpu(), centres.cpu()
+    w = None if w is None else w.cpu()
+    rows, valid, grads = _run_ref_cpu(emb, labels, centres, cl, nb, w, sigma, reduction)
+    return rows.to(device), valid.to(device), {n: g.to(device) for n, g in grads.items()}
+
+
+def _run_ref_cpu(emb, labels, centres, cl, nb, w, sigma, reduction):
     emb = emb.detach().double().requires_grad_(True)
     centres = centres.detach().double().requires_grad_(True)
     w = None if w is None else w.detach().double().requires_grad_(True)

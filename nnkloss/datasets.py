@@ -426,7 +426,7 @@ class Flowers102(ImageListDataset):
     """Oxford 102 Flowers (8,189 images) with its official train/val/test split.
 
     Args:
-        root: folder holding ``jpg/image_XXXXX.jpg``, ``imagelabels.mat`` (``labels``, 1..102)
+        root: folder holding ``jpg/image_NNNNN.jpg`` (five digits), ``imagelabels.mat`` (``labels``, 1..102)
             and ``setid.mat`` (``trnid``, ``valid``, ``tstid``: 1-based image numbers).
         split: "train", "val", "trainval" or "test" (classification only; "metric" splits the
             102 classes 51/51 like the other datasets).

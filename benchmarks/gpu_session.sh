@@ -20,6 +20,9 @@ TRITON_INTERPRET=1 python3 -m pytest -q tests -m interpreter -p no:cacheprovider
 # 2. Loss benchmark (fused / eager / compile), with the copy-bandwidth ceiling.
 timeout 420 python3 benchmarks/bench_loss.py --copy-bandwidth --out "$out" 2>&1 \
     | tee "$out/bench_loss.log" | tail -20
-# 3. Refresh benchmark on the GPU (torch backend; faiss only if carried).
+# 3. Launch-configuration sweep of the fused forward at the largest shapes.
+timeout 300 python3 benchmarks/tune_loss.py --B 4096 --K 100 256 --D 512 2048 --out "$out" 2>&1 \
+    | tee "$out/tune_loss.log" | tail -10
+# 4. Refresh benchmark on the GPU (torch backend; faiss only if carried).
 timeout 300 python3 benchmarks/bench_refresh.py --device cuda --out "$out" 2>&1 \
     | tee "$out/bench_refresh.log" | tail -12

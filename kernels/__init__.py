@@ -2,6 +2,6 @@
 
 Plain tensors in, plain tensors out: no autograd, banks or training here.
 """
-from .neighbour_kernel import centre_grad, neighbour_kernel_fwd
+from .neighbour_kernel import FwdConfig, centre_grad, default_config, neighbour_kernel_fwd
 
-__all__ = ["neighbour_kernel_fwd", "centre_grad"]
+__all__ = ["neighbour_kernel_fwd", "centre_grad", "FwdConfig", "default_config"]

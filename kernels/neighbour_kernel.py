@@ -18,6 +18,9 @@ gradient).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -201,17 +204,35 @@ def _tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _blocks(K: int, D: int, max_block_d: int):
+@dataclass(frozen=True)
+class FwdConfig:
+    """Launch configuration of the forward kernel.
+
+    block_k: neighbours per tile (power of two); block_d: columns per tile (power of two; the
+    single-pass path when it covers D); num_warps / num_stages: as for any Triton launch.
+    """
+    block_k: int
+    block_d: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def single_pass(self, D: int) -> bool:
+        return self.block_d >= D
+
+
+def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D) -> FwdConfig:
+    """Heuristic choice (not yet tuned on a GPU): the whole row in registers up to
+    ``max_block_d`` columns, about TILE_ELEMS elements per centre tile."""
     block_d_full = triton.next_power_of_2(max(D, 1))
-    single = block_d_full <= max_block_d
-    block_d = block_d_full if single else max_block_d
+    block_d = block_d_full if block_d_full <= max_block_d else max_block_d
     block_k = max(1, min(triton.next_power_of_2(max(K, 1)), TILE_ELEMS // block_d, 64))
     num_warps = 4 if block_k * block_d <= 2048 else 8
-    return block_k, block_d, single, num_warps
+    return FwdConfig(block_k, block_d, num_warps)
 
 
 def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                         max_block_d: int = MAX_SINGLE_PASS_BLOCK_D):
+                         max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
+                         config: Optional[FwdConfig] = None):
     """Launch the fused forward.
 
     Args:
@@ -221,6 +242,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         neighbours: (B, K) int32/int64, ``-1`` = padding, unit column stride.
         weights: (N,) float or None (all ones). sigma: 0-dim float tensor on the same device.
         max_block_d: widest D block kept in registers (tests lower it to reach the two-phase path).
+        config: explicit launch configuration (benchmarks/tune_loss.py sweeps these); default
+            :func:`default_config`.
 
     Returns:
         loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b, dist (B, K); all in
@@ -239,7 +262,11 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     dist = torch.empty(B, K, device=dev, dtype=cdt)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
-    block_k, block_d, single, num_warps = _blocks(K, D, max_block_d)
+    cfg = config if config is not None else default_config(K, D, max_block_d)
+    for name in ("block_k", "block_d"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {v}")
     w = weights if weights is not None else centres  # dummy pointer when HAS_W is False
     _nk_fwd_kernel[(B,)](
         emb, labels, centres, centre_labels, neighbours, w, sigma,
@@ -247,7 +274,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         K, D,
         emb.stride(0), centres.stride(0), neighbours.stride(0), grad_x.stride(0), dist.stride(0),
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
-        BLOCK_K=block_k, BLOCK_D=block_d, SINGLE_PASS=single, num_warps=num_warps,
+        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=cfg.single_pass(D),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return loss, lse_all, lse_pos, grad_x, dist
 

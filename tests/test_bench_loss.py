@@ -3,6 +3,7 @@ import csv
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -33,3 +34,16 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     assert len(rows) == 2 * 2 * 2  # dtypes x modes x providers
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
+
+
+@pytest.mark.interpreter
+def test_tuner_smoke_run_checks_every_config(tmp_path):
+    import tune_loss
+    path, summary = tune_loss.main(["--device", "cpu", "--B", "2", "--K", "5", "--D", "8",
+                                    "--N", "30", "--dtype", "fp32", "--max-configs", "4",
+                                    "--out", str(tmp_path)])
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0].keys()) == tune_loss.COLUMNS
+    assert len(rows) == 4 and all(r["ok"] == "1" for r in rows)
+    assert len(summary) == 1 and summary[0][5] > 0

@@ -338,3 +338,26 @@ def test_kernel_at_production_block_sizes(B, N, D, K):
         fin = torch.isfinite(r)
         assert torch.equal(torch.isfinite(a), fin), name
         torch.testing.assert_close(a[fin], r[fin], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_k, block_d", [(1, 128), (4, 64), (16, 128), (64, 16), (2, 1)])
+def test_every_launch_config_computes_the_same(block_k, block_d):
+    """Any configuration a tuner may pick is exact: single pass (block_d >= D) or two-phase."""
+    from nnkloss import kernels
+    emb, labels, centres, cl, nb, w = make_case(4, 40, 70, 23, seed=18, pad=0.2)
+    emb, centres, w = emb.float(), centres.float(), w.float()
+    s = torch.tensor(1.7)
+    cfg = kernels.FwdConfig(block_k, block_d, num_warps=2)
+    got = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s, config=cfg)
+    ref = torch_path.forward(emb, labels, centres, cl, nb, w, s)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_launch_config():
+    from nnkloss import kernels
+    emb, labels, centres, cl, nb, w = make_case(2, 5, 3, 2)
+    with pytest.raises(ValueError, match="block_k"):
+        kernels.neighbour_kernel_fwd(emb.float(), labels, centres.float(), cl, nb, None,
+                                     torch.tensor(1.0), config=kernels.FwdConfig(3, 4))

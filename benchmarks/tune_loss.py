@@ -1,0 +1,107 @@
+"""Sweep launch configurations of the fused forward kernel and report the best per shape.
+
+    python benchmarks/tune_loss.py                         # default shapes, current CUDA device
+    python benchmarks/tune_loss.py --B 4096 --K 100 --D 512 --dtype bf16
+    TRITON_INTERPRET=1 python benchmarks/tune_loss.py --device cpu --B 2 --K 5 --D 8 --N 50
+
+Every configuration's outputs are checked against the default configuration's before its time
+counts (a wrong fast config is reported as ok=0 and never chosen). Rows go to
+``benchmarks/results/tune_<device>.csv`` with columns ``B,K,D,dtype,block_k,block_d,num_warps,
+num_stages,ms,gbps,ok,default_ms,device,commit``; the last lines printed are the best
+configuration per shape against the default heuristic (kernels.default_config).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import re
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_loss import DTYPES, bytes_needed, make_inputs, time_ms  # noqa: E402
+from common import device_name, git_commit  # noqa: E402
+from nnkloss.functional import _kernels  # noqa: E402
+
+COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
+           "ok", "default_ms", "device", "commit"]
+
+
+def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384):
+    """Power-of-two tiles: the whole row (single pass) when it fits, else D chunks (two-phase)."""
+    full = 1 << max(0, (D - 1).bit_length())
+    block_ds = sorted({bd for bd in (full, 256, 512, 1024, 2048) if bd <= full and bd <= 8192})
+    block_ks = [bk for bk in (1, 2, 4, 8, 16, 32, 64) if bk <= max(1, 1 << (K - 1).bit_length())]
+    for bd, bk, nw, ns in itertools.product(block_ds, block_ks, warps, stages):
+        if bk * bd <= max_tile:
+            yield FwdConfig(bk, bd, nw, ns)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--K", type=int, nargs="+", default=[32, 100, 256])
+    ap.add_argument("--D", type=int, nargs="+", default=[64, 512, 2048])
+    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    ap.add_argument("--N", type=int, default=1_000_000)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=50, help="do_bench rep time in ms (CUDA)")
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2])
+    ap.add_argument("--max-configs", type=int, default=0, help="try at most this many (0: all)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    kernels = _kernels()
+    device = torch.device(args.device)
+    name, commit = device_name(device), git_commit()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "tune_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".csv")
+    new = not os.path.exists(path)
+    summary = []
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(COLUMNS)
+        for dt, B, K, D in itertools.product(args.dtype, args.B, args.K, args.D):
+            emb, labels, centres, cl, nb, wts, sigma = make_inputs(B, K, D, args.N, DTYPES[dt],
+                                                                   device)
+            run = lambda cfg=None: kernels.neighbour_kernel_fwd(  # noqa: E731
+                emb, labels, centres, cl, nb, wts, sigma, config=cfg)
+            ref = run()
+            default_ms = time_ms(run, device, args.reps)
+            nbytes = bytes_needed(B, K, D, DTYPES[dt], nb.dtype, "fwd")
+            best = (default_ms, kernels.default_config(K, D))
+            configs = list(candidate_configs(K, D, kernels.FwdConfig, args.warps, args.stages))
+            if args.max_configs:
+                configs = configs[:args.max_configs]
+            for cfg in configs:
+                try:
+                    out = run(cfg)
+                    ok = all(torch.allclose(a, r, rtol=1e-4, atol=1e-4, equal_nan=True)
+                             for a, r in zip(out, ref))
+                    ms = time_ms(lambda: run(cfg), device, args.reps) if ok else float("nan")
+                except Exception as exc:  # a config the compiler rejects (registers, smem)
+                    print(f"config {cfg} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    ok, ms = False, float("nan")
+                w.writerow([B, K, D, dt, cfg.block_k, cfg.block_d, cfg.num_warps,
+                            cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}", int(ok),
+                            f"{default_ms:.4g}", name, commit])
+                if ok and ms < best[0]:
+                    best = (ms, cfg)
+            f.flush()
+            summary.append((B, K, D, dt, default_ms, best[0], best[1]))
+    print(f"device {name} @ {commit}; rows in {path}")
+    for B, K, D, dt, d_ms, b_ms, cfg in summary:
+        print(f"B={B} K={K} D={D} {dt}: default {d_ms:.4g} ms -> best {b_ms:.4g} ms "
+              f"({d_ms / b_ms:.2f}x) with {cfg}")
+    return path, summary
+
+
+if __name__ == "__main__":
+    main()

@@ -31,14 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from .bank import CentreBank
-from .checks import check_inputs, check_sigma, check_values
+from .checks import REDUCTIONS, check_inputs, check_sigma, check_values
+from .functional import reduce_rows
 from .torch_path import _rows_per_chunk, compute_dtype
 
 __all__ = ["class_conditional_loss", "class_conditional_loss_rows", "ClassConditionalLoss",
            "OBJECTIVES"]
 
 OBJECTIVES = ("accuracy", "nll")
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 @torch.no_grad()
@@ -174,16 +174,11 @@ def class_conditional_loss(emb, labels, centres, centre_labels, neighbours, k: i
     Returns:
         The loss in the compute dtype (0-dim, or (B,) for "none").
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     rows, valid = class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
                                               k, sigma, weights, objective)
-    if reduction == "none":
-        return rows
-    total = rows.sum()
-    if reduction == "sum":
-        return total
-    return total / valid.sum().clamp_min(1).to(total.dtype)
+    return reduce_rows(rows, valid, reduction)
 
 
 class ClassConditionalLoss(nn.Module):
@@ -207,8 +202,8 @@ class ClassConditionalLoss(nn.Module):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         check_sigma(sigma, torch.device("cpu"))
         self.bank = bank
         self.k = _check_k(k)

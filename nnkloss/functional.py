@@ -189,7 +189,9 @@ class LossOutput(NamedTuple):
         return self.valid.sum()
 
 
-def _reduce(per_row: Tensor, valid: Tensor, reduction: str) -> Tensor:
+def reduce_rows(per_row: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    """The losses' reduction: "none" (per_row), "sum", or "mean" over the ``valid`` rows
+    (0 when none is valid). Shared by every loss of the package."""
     if reduction == "none":
         return per_row
     total = per_row.sum()
@@ -206,7 +208,7 @@ def loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sig
         emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
         neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend)
     valid = torch.isfinite(lse_pos)
-    return LossOutput(_reduce(per_row, valid, reduction), per_row, valid)
+    return LossOutput(reduce_rows(per_row, valid, reduction), per_row, valid)
 
 
 def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,

@@ -66,7 +66,7 @@ class NeighbourKernelLoss(nn.Module):
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         bank = self.bank
         nb = bank.neighbours_for(idx, self.exclude_self)
-        labels = labels.to(emb.device) if labels.device != emb.device else labels
+        labels = labels.to(emb.device)  # a no-op when already there
         weights = bank.weights_for_loss()
         check_inputs(emb, labels, bank.centres, bank.labels, nb, weights, self.reduction,
                      self.backend)

@@ -37,6 +37,22 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     return weights
 
 
+def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
+                          name: str = "log_weights") -> Tensor:
+    """What :func:`_validate_weights` checks, on log-weights (checkpoints store those):
+    weights = exp(log_w) finite and non-negative, strictly positive when learned."""
+    require_float(name, log_w, 1)
+    if log_w.shape[0] != n:
+        raise ValueError(f"{name} has length {log_w.shape[0]} but the bank has {n} centres")
+    lw = log_w.detach()
+    if torch.isnan(lw).any() or (lw == float("inf")).any():
+        raise ValueError(f"{name} contain NaN or +inf: weights must be finite and non-negative")
+    if learned and (lw == float("-inf")).any():
+        raise ValueError(f"{name} hold zero weights (-inf), but learned weights must be "
+                         "strictly positive")
+    return log_w
+
+
 class CentreBank(nn.Module):
     """Kernel centres of a training set, one row per example (or per class centroid).
 
@@ -256,6 +272,9 @@ class CentreBank(nn.Module):
                 if src.shape != cur.shape:
                     setattr(self, name, torch.empty(src.shape, dtype=cur.dtype, device=cur.device))
         key = prefix + "log_weights"
+        if key in state_dict:
+            _validate_log_weights(state_dict[key], state_dict[key].shape[0],
+                                  learned=self.learn_weights, name=key)
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
             self.log_weights = nn.Parameter(torch.empty_like(state_dict[key], device=self.log_weights.device),
                                             requires_grad=self.learn_weights)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from .bank import CentreBank
 from .checks import REDUCTIONS, check_inputs, check_sigma, check_values
 from .functional import reduce_rows
-from .torch_path import _rows_per_chunk, compute_dtype
+from .torch_path import compute_dtype, rows_per_chunk
 
 __all__ = ["class_conditional_loss", "class_conditional_loss_rows", "ClassConditionalLoss",
            "OBJECTIVES"]
@@ -51,7 +51,7 @@ def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
     cdt = compute_dtype(emb)
     pos = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
     neg = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
-    step = _rows_per_chunk(K, D)
+    step = rows_per_chunk(K, D)
     for lo in range(0, B, step):
         nbr = neighbours[lo:lo + step].long()
         safe = nbr.clamp_min(0)
@@ -86,7 +86,7 @@ class _MeanSqDist(torch.autograd.Function):
         inv_n = 1.0 / count.clamp_min(1).to(cdt)
         m = torch.empty(B, dtype=cdt, device=emb.device)
         cbar = torch.empty(B, D, dtype=cdt, device=emb.device)
-        step = _rows_per_chunk(k, D)
+        step = rows_per_chunk(k, D)
         for lo in range(0, B, step):
             s = sel[lo:lo + step]
             v = valid[lo:lo + step].to(cdt)
@@ -111,7 +111,7 @@ class _MeanSqDist(torch.autograd.Function):
             k = sel.shape[1]
             grad = torch.zeros(centres.shape[0], D, dtype=cdt, device=centres.device)
             coef = -2.0 * g * inv_n
-            step = _rows_per_chunk(k, D)
+            step = rows_per_chunk(k, D)
             for lo in range(0, B, step):
                 s = sel[lo:lo + step]
                 safe = s.clamp_min(0)

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .bank import CentreBank
+from .bank import CentreBank, _validate_log_weights
 
 __all__ = ["save_bank", "load_bank"]
 
@@ -123,10 +123,14 @@ def load_bank(path, map_location=None) -> Tuple[CentreBank, int, Optional[dict]]
         raise ValueError(f"checkpoint version {state['version']} is newer than this nnkloss "
                          f"reads ({_VERSION}); upgrade nnkloss")
     bank = CentreBank(state["centres"], state["labels"], neighbours=state["neighbours"])
-    log_w = state["log_weights"].to(bank.centres.device, torch.float32)
-    if log_w.shape != (bank.num_centres,):
-        raise ValueError(f"checkpoint log_weights have shape {tuple(log_w.shape)}, expected "
-                         f"({bank.num_centres},)")
+    log_w = state["log_weights"]
+    if not isinstance(log_w, torch.Tensor):
+        raise ValueError("checkpoint log_weights is not a tensor")
+    # The same rules as CentreBank.update_ applies to weights (a NaN weight would act as 0,
+    # +inf would give an infinite loss).
+    _validate_log_weights(log_w, bank.num_centres, learned=bool(state["learn_weights"]),
+                          name="checkpoint log_weights")
+    log_w = log_w.to(bank.centres.device, torch.float32)
     # Restored as log-weights (exactly as saved), not via weights=exp(.) which would round.
     bank.log_weights.data.copy_(log_w)
     bank._uniform_weights = bool(state["uniform_weights"])

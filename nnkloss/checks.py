@@ -130,21 +130,43 @@ def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduc
                              "move all inputs to one device")
 
 
+def _gathered_rows_finite(centres, neighbours):
+    """0-dim bool: every centre row that ``neighbours`` gathers is finite. Reads only those
+    rows (O(B*K*D)), in chunks of bounded size, never the whole (N, D) bank."""
+    N, D = centres.shape
+    flat = neighbours.reshape(-1)
+    ok = torch.ones((), dtype=torch.bool, device=centres.device)
+    if N == 0 or flat.numel() == 0:
+        return ok
+    step = max(1, (1 << 22) // max(1, D))
+    for lo in range(0, flat.numel(), step):
+        idx = flat[lo:lo + step]
+        rows = centres.detach()[idx.clamp(0, N - 1).long()]
+        ok = ok & (torch.isfinite(rows).all(dim=1) | (idx < 0)).all()
+    return ok
+
+
 def check_values(emb, centres, neighbours, weights, sigma):
-    """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling."""
+    """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling.
+
+    Non-finite values are refused here, naming the argument (centres: only the gathered rows
+    are read). With the checks off they propagate instead: the rows they touch get a NaN loss.
+    """
     if not _VALUE_CHECKS or compiling():
         return
     N = centres.shape[0]
+    no = neighbours.new_zeros((), dtype=torch.bool)
     flags = [
-        (neighbours.max() >= N) if neighbours.numel() else neighbours.new_zeros((), dtype=torch.bool),
-        (neighbours.min() < -1) if neighbours.numel() else neighbours.new_zeros((), dtype=torch.bool),
+        (neighbours.max() >= N) if neighbours.numel() else no,
+        (neighbours.min() < -1) if neighbours.numel() else no,
         ~torch.isfinite(emb.detach()).all(),
         ~(sigma.detach() > 0) | ~torch.isfinite(sigma.detach()),
+        ~_gathered_rows_finite(centres, neighbours),
     ]
     if weights is not None:
         wd = weights.detach()
         flags.append((wd < 0).any() | ~torch.isfinite(wd).all())
-    bad = torch.stack([f.reshape(()) for f in flags]).tolist()
+    bad = torch.stack([f.reshape(()).to(emb.device) for f in flags]).tolist()
     if bad[0]:
         raise IndexError(f"neighbours holds index {int(neighbours.max())} but there are only "
                          f"{N} centres (valid: 0..{N - 1}, or -1 for padding)")
@@ -155,5 +177,7 @@ def check_values(emb, centres, neighbours, weights, sigma):
         raise ValueError("emb contains NaN or inf")
     if bad[3]:
         raise ValueError(f"sigma must be positive and finite, got {float(sigma)}")
-    if len(bad) > 4 and bad[4]:
+    if bad[4]:
+        raise ValueError("centres contain NaN or inf in rows that neighbours gathers")
+    if len(bad) > 5 and bad[5]:
         raise ValueError("weights must be finite and non-negative (a zero weight removes a centre)")

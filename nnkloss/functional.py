@@ -89,17 +89,19 @@ def _impl_module(backend: str):
 @torch.library.custom_op("nnkloss::nk_forward", mutates_args=())
 def _nk_forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
                 neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor,
-                backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                backend: str, store_dist: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     if backend == "triton":
         return _kernels().neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours,
-                                               weights, sigma)
-    return torch_path.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma)
+                                               weights, sigma, store_dist=store_dist)
+    return torch_path.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                              store_dist=store_dist)
 
 
 @_nk_forward.register_fake
-def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend):
+def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend,
+                     store_dist):
     B, D = emb.shape
-    K = neighbours.shape[1]
+    K = neighbours.shape[1] if store_dist else 0
     cdt = torch_path.compute_dtype(emb)
     row = emb.new_empty(B, dtype=cdt)
     return (row, emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt),
@@ -118,55 +120,72 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend = inputs
-    _, lse_all, lse_pos, grad_x, dist = output
+    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, _ = inputs
+    _, _, lse_pos, grad_x, dist = output
     ctx.save_for_backward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                          lse_all, lse_pos, grad_x, dist)
+                          lse_pos, grad_x, dist)
     ctx.backend = backend
 
 
 def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
     (emb, labels, centres, centre_labels, neighbours, weights, sigma,
-     lse_all, lse_pos, grad_x, dist) = ctx.saved_tensors
+     lse_pos, grad_x, u) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_emb, need_c, need_w, need_s = need[0], need[2], need[5], need[6]
     cdt = grad_x.dtype
-    has_pos = torch.isfinite(lse_pos)
-    # Rows without a same-class neighbour carry no gradient, whatever flows in.
-    g = torch.where(has_pos, g_loss.to(cdt), torch.zeros((), dtype=cdt, device=g_loss.device))
-    grad_emb = (g[:, None] * grad_x).to(emb.dtype) if need_emb else None
+    # Rows without a same-class neighbour carry no gradient, whatever flows in; non-finite
+    # rows (lse_pos NaN) are counted and pass their NaN on.
+    counted = lse_pos != float("-inf")
+    g = torch.where(counted, g_loss.to(cdt), torch.zeros((), dtype=cdt, device=g_loss.device))
+    # A row that receives no gradient passes none on, NaN or not (0 * NaN would be NaN): a
+    # caller may select the finite rows of reduction="none" and train on them.
+    takes = (g != 0)[:, None]
+    grad_emb = torch.where(takes, g[:, None] * grad_x, 0.0).to(emb.dtype) if need_emb else None
     grad_c = grad_w = grad_s = None
     if need_c or need_w or need_s:
-        s = sigma.to(cdt)
-        logits, same = torch_path._masked_logits(neighbours, centre_labels, weights, labels,
-                                                 dist, s)
-        la = torch.where(torch.isfinite(lse_all), lse_all, 0.0)[:, None]
-        lp = torch.where(has_pos, lse_pos, 0.0)[:, None]
-        p_all = torch.exp(logits - la)
-        p_pos = torch.exp(logits.masked_fill(~same, float("-inf")) - lp)
-        dl = (p_all - p_pos) * g[:, None]  # dLoss/dlogit_j, times upstream
+        # u = ||(c - x) / sigma||^2 was saved by the forward (store_dist=True); the exact
+        # probabilities are recomputed from it by the same code the torch forward uses.
+        inv_sigma = 1.0 / sigma.to(cdt)
+        t = torch_path.row_terms(neighbours, u, labels, centre_labels, weights)
+        bad = torch.isnan(lse_pos)[:, None] & takes
+        dl = torch.where(takes, (t.all.p - t.pos.p) * g[:, None], 0.0)  # dLoss/dlogit_j * g
+        dl = torch.where(bad, float("nan"), dl)
         if need_s:
-            grad_s = ((dl * torch.where(torch.isfinite(logits), dist, 0.0)).sum() / s ** 3)
-            grad_s = grad_s.to(sigma.dtype).reshape(sigma.shape)
+            # dlogit_j/dsigma = u_j / sigma. sum_j dl_j = 0 in every row, so u_j may be shifted
+            # by a per-row reference (the largest logit's) before the sum: huge terms no longer
+            # cancel.
+            ref = u.gather(1, t.logits.masked_fill(~t.valid, float("-inf")).argmax(1, keepdim=True))
+            shifted = torch.where(t.valid, u - ref, torch.zeros_like(u))
+            grad_s = ((dl * shifted).sum() * inv_sigma).to(sigma.dtype).reshape(sigma.shape)
         if need_c:
-            # dl_j/dc_j = (x - c_j) / sigma^2, so dL/dc_j = (p_j - p^R_j)(x - c_j) / sigma^2.
+            # dlogit_j/dc_j = (x - c_j) / sigma^2, so dL/dc_j = (p_j - p^R_j)(x - c_j) / sigma^2.
             # (DESIGN.md section 1 has this with the opposite sign; gradcheck settles it.)
-            coef = dl / (s * s)
+            coef = dl * (inv_sigma * inv_sigma)
             grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef, ctx.backend)
             grad_c = grad_c.to(centres.dtype)
         if need_w:
-            # dL/dw_j = (p_j - p^R_j) / w_j, written without the division so that it stays
-            # finite (and correct) for zero weights too.
-            nonpad = neighbours >= 0
+            # dL/dw_j = (p_j - p^R_j) / w_j. For a zero weight (a removed centre) it is the
+            # one-sided derivative exp(-u_j/2 - m) / s per sum, finite; for the others p / w is
+            # exact even where log w is below the logits' resolution.
+            nonpad = t.nonpad
             safe = neighbours.clamp_min(0).long()
-            base = (-dist * (0.5 / (s * s))).masked_fill(~nonpad, float("-inf"))
-            same_np = nonpad & (centre_labels[safe] == labels[:, None])
-            q = torch.exp(base - la) - torch.exp(base.masked_fill(~same_np, float("-inf")) - lp)
-            q = q * g[:, None]
+            w = weights[safe].to(cdt) if weights.shape[0] else torch.ones_like(u)
+            zero = nonpad & (w == 0)
+            same_np = nonpad & (centre_labels[safe] == labels[:, None]) \
+                if centre_labels.shape[0] else torch.zeros_like(nonpad)
+            base = u * -0.5
+
+            def per_weight(sm, mask):
+                at_zero = torch.exp(base - sm.m) / torch.where(sm.s > 0, sm.s, 1.0)
+                q = torch.where(zero, at_zero, sm.p / torch.where(zero, 1.0, w))
+                return torch.where(mask, q, 0.0)
+
+            q = per_weight(t.all, nonpad) - per_weight(t.pos, same_np)
+            q = torch.where(bad, float("nan"), torch.where(takes, q * g[:, None], 0.0))
             grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
-            grad_w.index_add_(0, safe.reshape(-1), q.reshape(-1))
+            grad_w.index_add_(0, safe.reshape(-1), torch.where(nonpad, q, 0.0).reshape(-1))
             grad_w = grad_w.to(weights.dtype)
-    return grad_emb, None, grad_c, None, None, grad_w, grad_s, None
+    return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None
 
 
 torch.library.register_autograd("nnkloss::nk_forward", _backward, setup_context=_setup_context)
@@ -176,8 +195,10 @@ class LossOutput(NamedTuple):
     """Result of :func:`neighbour_kernel_loss_with_stats`.
 
     loss: the reduced loss (0-dim, or (B,) for reduction="none").
-    per_row: (B,) loss of each row, 0 for rows without a same-class neighbour.
-    valid: (B,) bool, True where the row had a same-class neighbour (counted in the mean).
+    per_row: (B,) loss of each row, 0 for rows without a same-class neighbour, NaN for rows
+        touched by a non-finite value.
+    valid: (B,) bool, True where the row is counted in the mean: it had a same-class neighbour,
+        or it is non-finite (its NaN reaches the mean instead of leaving it silently).
     """
     loss: Tensor
     per_row: Tensor
@@ -187,6 +208,17 @@ class LossOutput(NamedTuple):
     def num_valid(self) -> Tensor:
         """Number of rows counted in the mean (a 0-dim tensor: reading it syncs on GPU)."""
         return self.valid.sum()
+
+    @property
+    def nonfinite(self) -> Tensor:
+        """(B,) bool: rows whose loss is NaN/inf (a non-finite embedding, centre or weight, or
+        distances beyond the compute dtype's range)."""
+        return ~torch.isfinite(self.per_row)
+
+    @property
+    def num_nonfinite(self) -> Tensor:
+        """Number of non-finite rows (a 0-dim tensor: reading it syncs on GPU)."""
+        return self.nonfinite.sum()
 
 
 def reduce_rows(per_row: Tensor, valid: Tensor, reduction: str) -> Tensor:
@@ -204,10 +236,16 @@ def loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sig
                    reduction: str = "mean", backend: str = "auto") -> LossOutput:
     """The op without validation; ``sigma`` must already be a 0-dim tensor on emb's device."""
     backend = resolve_backend(backend, emb.device)
+    # The (B, K) distances are stored only when a weight, sigma or centre gradient needs them.
+    store_dist = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (centres, weights, sigma))
     per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(
         emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
-        neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend)
-    valid = torch.isfinite(lse_pos)
+        neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend,
+        store_dist)
+    # Counted rows: those with a same-class neighbour, and non-finite rows (lse_pos NaN), whose
+    # NaN must reach the mean rather than leave it.
+    valid = lse_pos != float("-inf")
     return LossOutput(reduce_rows(per_row, valid, reduction), per_row, valid)
 
 

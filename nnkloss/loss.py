@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from .bank import CentreBank
-from .checks import BACKENDS, REDUCTIONS, check_inputs, check_sigma
+from .checks import BACKENDS, REDUCTIONS, check_inputs, check_sigma, require_float, require_int
 from .functional import LossOutput, loss_unchecked
 
 __all__ = ["NeighbourKernelLoss"]
@@ -29,8 +29,10 @@ class NeighbourKernelLoss(nn.Module):
 
     ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
     batch examples. After each call ``last_stats`` holds the :class:`LossOutput` (per-row
-    losses, which rows had a same-class neighbour); ``last_num_valid`` is their count as a
-    0-dim tensor. No host synchronisation happens in ``forward`` for CUDA ``idx``.
+    losses, which rows are counted, ``num_nonfinite``); ``last_num_valid`` is the count of
+    counted rows as a 0-dim tensor. A NaN/inf embedding (or a distance beyond fp32) makes its
+    row's loss NaN and so the mean NaN: a diverging run shows. No host synchronisation happens
+    in ``forward`` for CUDA ``idx``.
     """
 
     def __init__(self, bank: CentreBank, sigma: float = 1.0, learn_sigma: bool = False,
@@ -65,6 +67,12 @@ class NeighbourKernelLoss(nn.Module):
 
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         bank = self.bank
+        require_float("emb", emb, 2)
+        require_int("labels", labels, 1)
+        require_int("idx", idx, 1)
+        for name, t in (("labels", labels), ("idx", idx)):
+            if t.shape[0] != emb.shape[0]:
+                raise ValueError(f"{name} has length {t.shape[0]} but emb has {emb.shape[0]} rows")
         nb = bank.neighbours_for(idx, self.exclude_self)
         labels = labels.to(emb.device)  # a no-op when already there
         weights = bank.weights_for_loss()

@@ -1,73 +1,136 @@
-"""The eager PyTorch implementation of the fused op, chunked over rows.
+"""The plain PyTorch implementation of the fused op, chunked over rows: the reference path.
 
 It returns exactly what the Triton kernel returns (see ``nnkloss.kernels.neighbour_kernel``),
 so one autograd definition serves both. Gathered centres are processed ``rows_per_chunk`` rows at
 a time, so the largest temporary is (rows_per_chunk, K, D), never (B, K, D).
+
+Numerics (DESIGN.md section 1, "numerical rules"):
+- distances are scaled before they are squared, ``u_j = ||(c_j - x) / sigma||^2``, so they
+  overflow only where the logit itself does;
+- probabilities are normalised by the computed sums (``e_j / sum e``), never formed as
+  ``exp(l_j - lse)``, which loses eps * |lse| and stops them summing to one;
+- a row touched by a non-finite value (NaN/inf in its embedding, a gathered centre or a
+  log-weight, or a distance that overflows) gets a NaN loss, NaN lse's and a NaN gradient; it is
+  never turned into a row "without a positive".
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+from torch import Tensor
 
 # Upper bound on elements of one gathered (rows, K, D) chunk: 2**22 fp32 = 16 MiB.
 CHUNK_ELEMS = 1 << 22
 
 
-def _rows_per_chunk(K: int, D: int) -> int:
+def rows_per_chunk(K: int, D: int) -> int:
+    """Rows of a (rows, K, D) gather that fit in CHUNK_ELEMS elements (at least one)."""
     return max(1, CHUNK_ELEMS // max(1, K * D))
 
 
-def compute_dtype(emb: torch.Tensor) -> torch.dtype:
+def compute_dtype(emb: Tensor) -> torch.dtype:
     """fp64 in, fp64 math; every other dtype accumulates in fp32."""
     return torch.float64 if emb.dtype == torch.float64 else torch.float32
 
 
-def _masked_logits(nbr, centre_labels, weights, labels, dist, sigma):
-    """Logits of the valid entries (-inf elsewhere) and the same-class mask."""
-    valid = nbr >= 0
+class RowSoftmax(NamedTuple):
+    """Exact per-row softmax pieces of the logits over a mask: max, sum of exp, probabilities."""
+    m: Tensor      # (B, 1) row max, 0 where the row is empty
+    s: Tensor      # (B, 1) sum of exp(logit - m), 0 where the row is empty
+    p: Tensor      # (B, K) e / s, 0 outside the mask and in empty rows
+    lse: Tensor    # (B,) log-sum-exp, -inf where the row is empty
+
+
+def row_softmax(logits: Tensor, mask: Tensor) -> RowSoftmax:
+    masked = logits.masked_fill(~mask, float("-inf"))
+    m = masked.amax(dim=1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(masked - m)
+    s = e.sum(dim=1, keepdim=True)
+    nonempty = s > 0
+    p = e / torch.where(nonempty, s, torch.ones_like(s))
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, s, torch.ones_like(s))),
+                      torch.full_like(s, float("-inf")))
+    return RowSoftmax(m, s, p, lse.squeeze(1))
+
+
+class RowTerms(NamedTuple):
+    """Per-entry terms of the loss for a block of rows (see :func:`row_terms`)."""
+    nonpad: Tensor   # (B, K) entry is not padding
+    valid: Tensor    # (B, K) non-padding with non-zero weight
+    same: Tensor     # (B, K) valid and of the row's class
+    logits: Tensor   # (B, K) log w - u / 2 (meaningful where valid)
+    bad: Tensor      # (B,) row touched by a non-finite value
+    all: RowSoftmax
+    pos: RowSoftmax
+
+
+def _gather_source(t: Optional[Tensor], fill) -> Optional[Tensor]:
+    """Indexable copy of a per-centre tensor: an empty bank gathers one dummy row instead."""
+    if t is None or t.shape[0]:
+        return t
+    return torch.full((1,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+
+
+def row_terms(nbr: Tensor, u: Tensor, labels: Tensor, centre_labels: Tensor,
+              weights: Optional[Tensor]) -> RowTerms:
+    """Masks, logits and exact softmaxes of rows with lists ``nbr`` and scaled distances ``u``.
+
+    Used by the forward and, from the saved distances, by the backward: both see the same
+    probabilities.
+    """
+    nonpad = nbr >= 0
     safe = nbr.clamp_min(0).long()
-    logits = -dist * (0.5 / (sigma * sigma))
+    logits = u * -0.5
+    bad = (nonpad & ~torch.isfinite(u)).any(dim=1)
+    valid = nonpad
     if weights is not None:
-        w = weights[safe].to(dist.dtype)
-        valid = valid & (w > 0)
-        logits = logits + torch.log(torch.where(valid, w, torch.ones_like(w)))
-    logits = logits.masked_fill(~valid, float("-inf"))
-    same = valid & (centre_labels[safe] == labels[:, None])
-    return logits, same
+        w = _gather_source(weights, 1.0)[safe].to(u.dtype)
+        valid = nonpad & (w != 0)
+        logw = torch.log(torch.where(valid, w, torch.ones_like(w)))
+        bad = bad | (valid & ~torch.isfinite(logw)).any(dim=1)
+        logits = logits + logw
+    same = valid & (_gather_source(centre_labels, 0)[safe] == labels[:, None])
+    return RowTerms(nonpad, valid, same, logits, bad, row_softmax(logits, valid),
+                    row_softmax(logits, same))
 
 
-def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True):
     """Same contract as :func:`nnkloss.kernels.neighbour_kernel_fwd`."""
     B, D = emb.shape
     K = neighbours.shape[1]
     cdt = compute_dtype(emb)
-    sigma = sigma.to(cdt)
+    inv_sigma = 1.0 / sigma.to(cdt)
     loss = emb.new_empty(B, dtype=cdt)
     lse_all = emb.new_empty(B, dtype=cdt)
     lse_pos = emb.new_empty(B, dtype=cdt)
     grad_x = emb.new_empty(B, D, dtype=cdt)
-    dist = emb.new_empty(B, K, dtype=cdt)
-    step = _rows_per_chunk(K, D)
+    dist = emb.new_empty(B, K if store_dist else 0, dtype=cdt)
+    src = _gather_source(centres, 0.0)
+    step = rows_per_chunk(K, D)
     for lo in range(0, B, step):
         hi = min(B, lo + step)
         nbr = neighbours[lo:hi]
         x = emb[lo:hi].to(cdt)
-        diff = centres[nbr.clamp_min(0).long()].to(cdt) - x[:, None, :]  # (rows, K, D), bounded
-        d = (diff * diff).sum(-1).masked_fill(nbr < 0, 0.0)  # padding: 0, as the kernel
-        logits, same = _masked_logits(nbr, centre_labels, weights, labels[lo:hi], d, sigma)
-        la = torch.logsumexp(logits, dim=1)
-        lp = torch.logsumexp(logits.masked_fill(~same, float("-inf")), dim=1)
-        has_pos = torch.isfinite(lp)
-        # exp(-inf - finite) = 0; rows without a positive get zero coefficients.
-        p_all = torch.exp(logits - torch.where(torch.isfinite(la), la, 0.0)[:, None])
-        # Mask before exp: a close negative minus S_R can overflow, and inf * 0 is nan.
-        p_pos = torch.exp(logits.masked_fill(~same, float("-inf"))
-                          - torch.where(has_pos, lp, 0.0)[:, None])
-        coef = (p_all - p_pos) * has_pos[:, None] / (sigma * sigma)
-        grad_x[lo:hi] = torch.einsum("rk,rkd->rd", coef, diff)
-        dist[lo:hi] = d
-        lse_all[lo:hi] = la
-        lse_pos[lo:hi] = lp
-        loss[lo:hi] = torch.where(has_pos, la - lp, torch.zeros_like(la))
+        # 1. Gather and scale before squaring: z = (c - x) / sigma, u = ||z||^2.
+        z = (src[nbr.clamp_min(0).long()].to(cdt) - x[:, None, :]) * inv_sigma  # bounded chunk
+        u = (z * z).sum(-1).masked_fill(nbr < 0, 0.0)
+        # 2. Exact probabilities of both sums.
+        t = row_terms(nbr, u, labels[lo:hi], centre_labels, weights)
+        has_pos = t.pos.s.squeeze(1) > 0
+        # 3. dL/dx = (1/sigma^2) sum (p - p^R)(c - x) = (1/sigma) sum (p - p^R) z.
+        coef = (t.all.p - t.pos.p) * (has_pos[:, None] * inv_sigma)
+        gx = torch.einsum("rk,rkd->rd", coef, z)
+        row_loss = torch.where(has_pos, t.all.lse - t.pos.lse, torch.zeros_like(t.all.lse))
+        # 4. Non-finite rows: NaN everywhere, never "no positive".
+        nan = torch.full_like(row_loss, float("nan"))
+        loss[lo:hi] = torch.where(t.bad, nan, row_loss)
+        lse_all[lo:hi] = torch.where(t.bad, nan, t.all.lse)
+        lse_pos[lo:hi] = torch.where(t.bad, nan, t.pos.lse)
+        grad_x[lo:hi] = torch.where(t.bad[:, None], float("nan"), gx)
+        if store_dist:
+            dist[lo:hi] = u
     return loss, lse_all, lse_pos, grad_x, dist
 
 
@@ -77,12 +140,16 @@ def centre_grad(emb, centres, neighbours, coef):
     K = neighbours.shape[1]
     cdt = compute_dtype(emb)
     grad = emb.new_zeros(centres.shape[0], D, dtype=cdt)
-    step = _rows_per_chunk(K, D)
+    if centres.shape[0] == 0:
+        return grad
+    step = rows_per_chunk(K, D)
     for lo in range(0, B, step):
         hi = min(B, lo + step)
         nbr = neighbours[lo:hi]
-        c = coef[lo:hi].to(cdt) * (nbr >= 0)
+        c = coef[lo:hi].to(cdt).masked_fill(nbr < 0, 0.0)
         safe = nbr.clamp_min(0).long()
         contrib = c[:, :, None] * (emb[lo:hi].to(cdt)[:, None, :] - centres[safe].to(cdt))
+        # Entries with coef 0 contribute nothing, even where the difference is not finite.
+        contrib = torch.where((c != 0)[:, :, None], contrib, 0.0)
         grad.index_add_(0, safe.reshape(-1), contrib.reshape(-1, D))
     return grad

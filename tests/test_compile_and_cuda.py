@@ -55,11 +55,13 @@ def test_functional_op_compiles_fullgraph():
     torch.testing.assert_close(out, f(emb))
 
 
-def test_opcheck():
+@pytest.mark.parametrize("store_dist", [True, False])
+def test_opcheck(store_dist):
     """torch.library's own consistency checks of the registered op (schema, fake, autograd)."""
     emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=2)
-    args = (emb.float().requires_grad_(True), labels, centres.float().requires_grad_(True), cl,
-            nb, w.float().requires_grad_(True), torch.tensor(1.1, requires_grad=True), "torch")
+    args = (emb.float().requires_grad_(True), labels, centres.float().requires_grad_(store_dist),
+            cl, nb, w.float().requires_grad_(store_dist),
+            torch.tensor(1.1, requires_grad=store_dist), "torch", store_dist)
     torch.library.opcheck(torch.ops.nnkloss.nk_forward.default, args)
 
 

@@ -281,7 +281,7 @@ def test_torch_path_chunks_agree(monkeypatch):
     case = make_case(9, 20, 6, 5, seed=14, pad=0.2)
     full = compare(case, "torch", torch.float64, torch.float64)
     monkeypatch.setattr(torch_path, "CHUNK_ELEMS", 31)
-    assert torch_path._rows_per_chunk(5, 6) == 1
+    assert torch_path.rows_per_chunk(5, 6) == 1
     chunked = compare(case, "torch", torch.float64, torch.float64)
     torch.testing.assert_close(full.per_row, chunked.per_row)
 

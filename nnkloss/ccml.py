@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .bank import CentreBank
-from .checks import REDUCTIONS, check_inputs, check_sigma, check_values
+from .checks import REDUCTIONS, check_batch, check_inputs, check_sigma, check_values
 from .functional import reduce_rows
 from .torch_path import compute_dtype, rows_per_chunk
 
@@ -215,6 +215,7 @@ class ClassConditionalLoss(nn.Module):
 
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         bank = self.bank
+        check_batch(emb, labels, idx)
         nb = bank.neighbours_for(idx, self.exclude_self)
         labels = labels.to(emb.device)
         rows, valid = class_conditional_loss_rows(emb, labels, bank.centres, bank.labels, nb,

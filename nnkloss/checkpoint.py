@@ -86,6 +86,8 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
     }
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"path {path!r}: directory {directory!r} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                dir=directory)
     try:
@@ -116,7 +118,14 @@ def load_bank(path, map_location=None) -> Tuple[CentreBank, int, Optional[dict]]
     ``map_location`` as in ``torch.load`` (None: the CPU, where :func:`save_bank` put the
     tensors; e.g. "cuda" to load straight onto the GPU).
     """
-    state = torch.load(os.fspath(path), map_location=map_location, weights_only=True)
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path {path!r} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # truncated, foreign or corrupt file
+        raise ValueError(f"path {path!r} is not a readable nnkloss CentreBank checkpoint "
+                         f"({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise ValueError(f"{os.fspath(path)!r} is not an nnkloss CentreBank checkpoint")
     if state.get("version", 0) > _VERSION:

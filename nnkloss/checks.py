@@ -73,6 +73,16 @@ def require_float(name, t, ndim, dtypes=FLOAT_DTYPES):
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
+def check_batch(emb, labels, idx):
+    """The batch of a loss over a bank: emb (B, D) float, labels (B,) int, idx (B,) int rows."""
+    require_float("emb", emb, 2)
+    require_int("labels", labels, 1)
+    require_int("idx", idx, 1)
+    for name, t in (("labels", labels), ("idx", idx)):
+        if t.shape[0] != emb.shape[0]:
+            raise ValueError(f"{name} has length {t.shape[0]} but emb has {emb.shape[0]} rows")
+
+
 def check_sigma(sigma, device):
     """Return sigma as a 0-dim tensor on ``device``; raise if it is not a positive finite scalar."""
     if isinstance(sigma, torch.Tensor):

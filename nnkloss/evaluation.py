@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import warnings
+
 from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
@@ -71,10 +73,20 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
 def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, backend: str = "auto",
                       seed: int = 0) -> Dict[str, float]:
     """``{"recall@1": .., "recall@2": .., "recall@4": .., "recall@8": .., "nmi": ..}`` (all in
-    [0, 1]) of embeddings emb (N, D) with labels (N,), as in the papers' Tables 1-2."""
-    rec = recall_at_k(emb, labels, ks, backend=backend)
-    out = {f"recall@{k}": float(v) for k, v in rec.items()}
-    out["nmi"] = float(nmi(emb, labels, seed=seed))
+    [0, 1]) of embeddings emb (N, D) with labels (N,), as in the papers' Tables 1-2.
+
+    An evaluation set too small for some K (Recall@K needs K <= N - 1) never loses a finished
+    run: those entries are None, with a warning naming the Ks skipped (NMI is None below 2 items).
+    """
+    n = len(labels)
+    usable = [k for k in ks if k <= n - 1]
+    skipped = [k for k in ks if k > n - 1]
+    if skipped:
+        warnings.warn(f"the evaluation set has {n} items: Recall@K for K = {skipped} skipped "
+                      f"(K must be <= N - 1); reported as None", stacklevel=2)
+    rec = recall_at_k(emb, labels, usable, backend=backend) if usable else {}
+    out = {f"recall@{k}": (float(rec[k]) if k in rec else None) for k in ks}
+    out["nmi"] = float(nmi(emb, labels, seed=seed)) if n >= 2 else None
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from .bank import CentreBank
-from .checks import BACKENDS, REDUCTIONS, check_inputs, check_sigma, require_float, require_int
+from .checks import BACKENDS, REDUCTIONS, check_batch, check_inputs, check_sigma
 from .functional import LossOutput, loss_unchecked
 
 __all__ = ["NeighbourKernelLoss"]
@@ -67,12 +67,7 @@ class NeighbourKernelLoss(nn.Module):
 
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         bank = self.bank
-        require_float("emb", emb, 2)
-        require_int("labels", labels, 1)
-        require_int("idx", idx, 1)
-        for name, t in (("labels", labels), ("idx", idx)):
-            if t.shape[0] != emb.shape[0]:
-                raise ValueError(f"{name} has length {t.shape[0]} but emb has {emb.shape[0]} rows")
+        check_batch(emb, labels, idx)
         nb = bank.neighbours_for(idx, self.exclude_self)
         labels = labels.to(emb.device)  # a no-op when already there
         weights = bank.weights_for_loss()

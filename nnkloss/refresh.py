@@ -242,6 +242,9 @@ class Refresher:
         if k > bank.num_centres - 1:
             raise ValueError(f"k={k} is larger than the number of other centres "
                              f"({bank.num_centres - 1}) in the bank")
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"loader must be an iterable of (inputs, labels, idx), got "
+                            f"{type(loader).__name__}")
         self.bank = bank
         self.model = model
         self.loader = loader

@@ -200,7 +200,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(table)
     print(table)
-    plot_recall_curve({f"{r['dim']}-d": {k: r[f"recall@{k}"] for k in RECALL_KS} for r in runs},
+    # Ks the evaluation set was too small for are None: drawn without them.
+    plot_recall_curve({f"{r['dim']}-d": {k: r[f"recall@{k}"] for k in RECALL_KS
+                                         if r[f"recall@{k}"] is not None} for r in runs},
                       os.path.join(args.out, "recall.png"),
                       title=f"Recall@K, {NAMES[args.dataset]} test classes")
     return results

@@ -161,3 +161,22 @@ def test_pretrained_weights_from_a_local_file(tmp_path):
     torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, bad)
     with pytest.raises(ValueError, match="resnet_for_googlenet.pth.*missing keys"):
         build_embedding_net("googlenet", dim=8, pretrained=str(bad))
+
+
+def test_metric_learning_small_test_split_keeps_the_run(tmp_path):
+    """A test split of 2 classes x 3 images (N = 6 < 8 + 1): Recall@8 cannot exist. The script
+    must report the Ks that do, say which were skipped, and still write its results."""
+    root = make_cub(str(tmp_path / "cub"), n_classes=4, per_class=3)
+    ml = load_script("metric_learning")
+    out = tmp_path / "ml"
+    argv = ["--dataset", "cub", "--data-root", root, "--out", str(out), "--dim", "8",
+            "--image-size", "32", "--embedding-plot", "none"] + TINY
+    with pytest.warns(UserWarning, match=r"Recall@K for K = \[8\] skipped"):
+        results = ml.main(argv)
+    (run,) = json.load(open(out / "results.json"))["runs"]
+    assert run == json.loads(json.dumps(results["runs"][0]))
+    assert run["test_images"] == 6
+    assert run["recall@8"] is None
+    assert all(_fraction(run[f"recall@{k}"]) for k in (1, 2, 4)) and _fraction(run["nmi"])
+    assert "| -" in open(out / "results.md").read().replace("  ", " ")
+    assert os.path.isfile(out / "recall.png")

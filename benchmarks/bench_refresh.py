@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from nnkloss.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
+from nnkloss.bank.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
 from common import device_name, git_commit  # noqa: E402
 
 COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date"]

@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 
 from bench_loss import DTYPES, bytes_needed, make_inputs, time_ms  # noqa: E402
 from common import device_name, git_commit  # noqa: E402
-from nnkloss.functional import _kernels  # noqa: E402
+from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
            "ok", "default_ms", "device", "commit"]

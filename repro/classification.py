@@ -25,7 +25,7 @@ Outputs: ``OUT/<loss>/`` (log, checkpoint, training curves; rerunning resumes un
 "val_loss", "test_accuracy", ...}}, "paper": ...}; fractions in [0, 1]) and ``OUT/results.md``.
 Several GPUs: ``torchrun --nproc-per-node G repro/classification.py ...`` (one process per GPU;
 ``--batch-size`` stays the global batch and must be a multiple of G; only rank 0 writes files;
-see :mod:`nnkloss.distributed`).
+see :mod:`nnkloss.bank.distributed`).
 """
 from __future__ import annotations
 
@@ -39,14 +39,15 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from nnkloss import distributed as nkd
-from nnkloss.datasets import CUB200, Cars196, Flowers102, Leafsnap, as_tensor_labels
-from nnkloss.evaluation import classification_metrics
-from nnkloss.experiment import (image_transforms, kernel_criterion, make_loader,
-                                resolve_device, softmax_criterion)
-from nnkloss.models import MIN_IMAGE_SIZE, build_embedding_net
-from nnkloss.refresh import RefreshSchedule
-from nnkloss.reporting import markdown_table, percent, plot_training_curves, write_json
-from nnkloss.train import Trainer, seed_everything
+from nnkloss.experiment.datasets import CUB200, Cars196, Flowers102, Leafsnap, as_tensor_labels
+from nnkloss.experiment.evaluate import classification_metrics
+from nnkloss.experiment.setup import (image_transforms, kernel_criterion, make_loader,
+                                start_run, softmax_criterion)
+from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
+from nnkloss.bank.refresh import RefreshSchedule
+from nnkloss.experiment.plots import plot_training_curves
+from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
+from nnkloss.experiment.train import Trainer, seed_everything
 
 DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": Leafsnap}
 NAMES = {"cub": "Birds200 (CUB-200-2011)", "cars": "Stanford Cars196",
@@ -200,10 +201,7 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    # Under torchrun: one process per GPU ("cuda" is then this rank's GPU); gloo for CPU runs.
-    nkd.init_from_env(backend="gloo" if device.type == "cpu" else None)
-    os.makedirs(args.out, exist_ok=True)
+    device = start_run(args.device, args.out)
     splits = load_splits(args)
     runs = {loss: run_one(args, loss, device, splits) for loss in args.loss}
     paper = PAPER.get((args.dataset, args.arch))
@@ -223,9 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             for loss, r in runs.items()]
     table = markdown_table(["Loss", "Val acc", "Val loss", "Test acc", "Paper test acc"], rows,
                            title=f"{NAMES[args.dataset]}, {args.arch}: test set accuracy")
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(table)
-    print(table)
+    write_table(os.path.join(args.out, "results.md"), table)
     return results
 
 

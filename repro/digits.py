@@ -4,7 +4,7 @@
     python repro/digits.py --out /tmp/d --quick          # seconds (smoke test)
 
 No download: ``sklearn.datasets.load_digits`` ships with scikit-learn (1,797 images, 8x8).
-Two experiments with the same network (:class:`nnkloss.models.DigitsNet`, a small CNN with
+Two experiments with the same network (:class:`nnkloss.experiment.models.DigitsNet`, a small CNN with
 dropout), optimiser and budget for both losses:
 
 * metric learning on held-out classes: train on digits 0-4, embed digits 5-9, report
@@ -44,16 +44,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from nnkloss import distributed as nkd
-from nnkloss.datasets import IndexedTensorDataset, stratified_split
-from nnkloss.evaluation import (extract_embeddings, kernel_accuracy, retrieval_metrics,
+from nnkloss.experiment.datasets import IndexedTensorDataset, stratified_split
+from nnkloss.experiment.evaluate import (extract_embeddings, kernel_accuracy, retrieval_metrics,
                                 softmax_accuracy)
-from nnkloss.metrics import recall_at_k
-from nnkloss.experiment import kernel_criterion, softmax_criterion
-from nnkloss.models import DigitsNet
-from nnkloss.plots import plot_embedding, plot_recall_curve
-from nnkloss.refresh import RefreshSchedule
-from nnkloss.reporting import markdown_table, percent, plot_training_curves, write_json
-from nnkloss.train import Trainer, seed_everything
+from nnkloss.evaluation.metrics import recall_at_k
+from nnkloss.experiment.setup import kernel_criterion, softmax_criterion, start_run
+from nnkloss.experiment.models import DigitsNet
+from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
+from nnkloss.bank.refresh import RefreshSchedule
+from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
+from nnkloss.experiment.train import Trainer, seed_everything
 
 METRIC_KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi")
 
@@ -171,9 +171,7 @@ def _embed(model, x, y, args):
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
-    # Under torchrun: one process per device; gloo for CPU runs even where CUDA exists.
-    nkd.init_from_env(backend="gloo" if torch.device(args.device).type == "cpu" else None)
-    os.makedirs(args.out, exist_ok=True)
+    start_run(args.device, args.out)  # torchrun: one process per device, gloo for CPU runs
     t_start = time.perf_counter()
     x, y = load_digits_tensors()
 
@@ -237,9 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         title="Classification, all ten digits (70/30 split)")
     elapsed = time.perf_counter() - t_start
     table += f"\n{args.epochs} epochs per run, total time {elapsed:.0f} s on {args.device}.\n"
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(table)
-    print(table)
+    write_table(os.path.join(args.out, "results.md"), table)
 
     method = "pca" if args.quick else "tsne"
     for loss, emb in test_emb.items():

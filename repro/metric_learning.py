@@ -20,7 +20,7 @@ resumes from the checkpoint unless --restart). ``OUT/results.json`` holds, per r
 paper's own rows for comparison.
 Several GPUs: ``torchrun --nproc-per-node G repro/metric_learning.py ...`` (one process per GPU;
 ``--batch-size`` stays the global batch and must be a multiple of G; only rank 0 writes files;
-see :mod:`nnkloss.distributed`).
+see :mod:`nnkloss.bank.distributed`).
 """
 from __future__ import annotations
 
@@ -33,15 +33,15 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from nnkloss.datasets import CUB200, Cars196, as_tensor_labels
-from nnkloss.evaluation import RECALL_KS, extract_embeddings, retrieval_metrics
+from nnkloss.experiment.datasets import CUB200, Cars196, as_tensor_labels
+from nnkloss.experiment.evaluate import RECALL_KS, extract_embeddings, retrieval_metrics
 from nnkloss import distributed as nkd
-from nnkloss.experiment import image_transforms, kernel_criterion, make_loader, resolve_device
-from nnkloss.models import MIN_IMAGE_SIZE, build_embedding_net
-from nnkloss.plots import plot_embedding, plot_recall_curve
-from nnkloss.refresh import RefreshSchedule
-from nnkloss.reporting import markdown_table, percent, plot_training_curves, write_json
-from nnkloss.train import Trainer, seed_everything
+from nnkloss.experiment.setup import image_transforms, kernel_criterion, make_loader, start_run
+from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
+from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
+from nnkloss.bank.refresh import RefreshSchedule
+from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
+from nnkloss.experiment.train import Trainer, seed_everything
 
 DATASETS = {"cub": CUB200, "cars": Cars196}
 DEFAULT_EPOCHS = {"cars": 50, "cub": 30}
@@ -175,10 +175,7 @@ def paper_table(dataset: str, runs: List[Dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    # Under torchrun: one process per GPU ("cuda" is then this rank's GPU); gloo for CPU runs.
-    nkd.init_from_env(backend="gloo" if device.type == "cpu" else None)
-    os.makedirs(args.out, exist_ok=True)
+    device = start_run(args.device, args.out)
     cls = DATASETS[args.dataset]
     train_tf = image_transforms(args.image_size, train=True)
     eval_tf = image_transforms(args.image_size, train=False)
@@ -197,9 +194,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         return results
     write_json(os.path.join(args.out, "results.json"), results)
     table = paper_table(args.dataset, runs)
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(table)
-    print(table)
+    write_table(os.path.join(args.out, "results.md"), table)
     # Ks the evaluation set was too small for are None: drawn without them.
     plot_recall_curve({f"{r['dim']}-d": {k: r[f"recall@{k}"] for k in RECALL_KS
                                          if r[f"recall@{k}"] is not None} for r in runs},

@@ -1,6 +1,5 @@
 """A bad-input table for every public entry point (issue 10): each case raises an error that
 names the argument at fault, or returns the documented result."""
-import os
 
 import pytest
 import torch
@@ -45,7 +44,7 @@ def other_cases(tmp_path):
     bank, emb, lab, idx = setup()
     clf = nnkloss.NeighbourKernelClassifier(bank, k=3, sigma=1.0)
     model = nn.Linear(3, 3)
-    m = nnkloss.metrics
+    m = nnkloss.evaluation.metrics
     nan = torch.full((4, 3), float("nan"))
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"junk")

@@ -6,7 +6,7 @@ import torch
 
 import nnkloss
 from nnkloss import CentreBank, ClassConditionalLoss, class_conditional_loss
-from nnkloss import torch_path
+from nnkloss.ops import reference as torch_path
 
 
 def reference_rows(emb, labels, centres, centre_labels, neighbours, k, sigma, weights=None,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nnkloss import CentreBank, NeighbourKernelClassifier, neighbour_kernel_loss
-from nnkloss.centroids import class_centroids, kmeans
+from nnkloss.bank.centroids import class_centroids, kmeans
 
 
 def blobs(per_class=(30, 20, 25), d=4, seed=0, spread=10.0):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import nnkloss
-import nnkloss.checkpoint as ckpt
+import nnkloss.bank.checkpoint as ckpt
 from nnkloss import CentreBank, RefreshSchedule, load_bank, save_bank
 
 

@@ -7,7 +7,7 @@ import torch
 
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelClassifier
-from nnkloss.search import faiss_available
+from nnkloss.bank.search import faiss_available
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import nnkloss
-from test_loss_op import SHAPES, compare, make_case
+from cases import SHAPES, compare, make_case
 
 
 class Head(torch.nn.Module):

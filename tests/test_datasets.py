@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fabricate import make_cars, make_cub, make_flowers, make_leafsnap
-from nnkloss.datasets import (CUB200, Cars196, DatasetFormatError, Flowers102, Leafsnap,
+from nnkloss.experiment.datasets import (CUB200, Cars196, DatasetFormatError, Flowers102, Leafsnap,
                               stratified_split)
 
 

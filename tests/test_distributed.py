@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader
 
-from nnkloss.datasets import IndexedTensorDataset
+from nnkloss.experiment.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelLoss, Refresher
 from nnkloss import distributed as nkd
-from nnkloss.search import faiss_available
+from nnkloss.bank.search import faiss_available
 
 WORLD = 2
 N = 37  # odd: DistributedSampler pads rank 1 with a repeat of row 0
@@ -123,7 +123,7 @@ def run_trainer(x, y, out_dir):
     """Two epochs of the Trainer (refresh before the first and after each epoch); the loaders
     are sharded under torch.distributed. 36 rows, global batch 12: unshuffled shards of 6 rows
     per rank make the same global batches as one process, with no sampler padding."""
-    from nnkloss.train import Trainer
+    from nnkloss.experiment.train import Trainer
     ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)
     bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long))
@@ -261,7 +261,7 @@ def test_rows_written_twice_take_the_lowest_rank(results):
     for r in results:
         assert torch.equal(r["gathered"]["centres"], expected)
         assert torch.equal(r["gathered"]["labels"], y)
-        single = nnkloss.search.neighbour_lists(x, y, K, backend="torch").indices
+        single = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices
         assert torch.equal(r["lists_small_rounds"], single)
 
 

@@ -3,112 +3,9 @@ import pytest
 import torch
 
 import nnkloss
-from nnkloss import torch_path
+from nnkloss.ops import reference as torch_path
+from cases import BACKENDS, SHAPES, compare, make_case, run_op, run_ref
 from reference import reference_loss, reference_loss_rows
-
-BACKENDS = ["torch", "triton"]
-
-
-def make_case(B, N, D, K, C=3, seed=0, pad=0.0, weights=True, spread=1.0):
-    g = torch.Generator().manual_seed(seed)
-    emb = torch.randn(B, D, generator=g, dtype=torch.float64) * spread
-    centres = torch.randn(N, D, generator=g, dtype=torch.float64) * spread
-    labels = torch.randint(0, C, (B,), generator=g)
-    centre_labels = torch.randint(0, C, (N,), generator=g)
-    nb = torch.randint(0, N, (B, K), generator=g)
-    if pad:
-        nb = nb.masked_fill(torch.rand(B, K, generator=g) < pad, -1)
-    w = (torch.rand(N, generator=g, dtype=torch.float64) + 0.25) if weights else None
-    return emb, labels, centres, centre_labels, nb, w
-
-
-def tolerances(emb_dtype, bank_dtype):
-    if emb_dtype == torch.float64 and bank_dtype == torch.float64:
-        return dict(rtol=1e-8, atol=1e-10)
-    return dict(rtol=2e-4, atol=2e-5)
-
-
-def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", grads=True):
-    emb = emb.detach().clone().requires_grad_(True)
-    centres = centres.detach().clone().requires_grad_(grads)
-    w = None if w is None else w.detach().clone().requires_grad_(grads)
-    s = torch.tensor(sigma, dtype=torch.float64 if emb.dtype == torch.float64 else torch.float32,
-                     device=emb.device, requires_grad=grads)
-    out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, s,
-                                                   reduction=reduction, backend=backend)
-    loss = out.loss if reduction != "none" else (out.loss * torch.linspace(0.5, 1.5, len(out.loss),
-                                                                           dtype=out.loss.dtype)).sum()
-    named = {"emb": emb}
-    if grads:
-        named.update(centres=centres, sigma=s)
-        if w is not None:
-            named["weights"] = w
-    gr = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
-    return out, dict(zip(named, gr))
-
-
-def run_ref(emb, labels, centres, cl, nb, w, sigma, reduction="mean"):
-    """The fp64 reference and its gradients, computed on CPU, returned on emb's device."""
-    device = emb.device
-    labels, cl, nb = labels.cpu(), cl.cpu(), nb.cpu()
-    emb, centres = emb.cpu(), centres.cpu()
-    w = None if w is None else w.cpu()
-    rows, valid, grads = _run_ref_cpu(emb, labels, centres, cl, nb, w, sigma, reduction)
-    return rows.to(device), valid.to(device), {n: g.to(device) for n, g in grads.items()}
-
-
-def _run_ref_cpu(emb, labels, centres, cl, nb, w, sigma, reduction):
-    emb = emb.detach().double().requires_grad_(True)
-    centres = centres.detach().double().requires_grad_(True)
-    w = None if w is None else w.detach().double().requires_grad_(True)
-    s = torch.tensor(sigma, dtype=torch.float64, requires_grad=True)
-    loss = reference_loss(emb, labels, centres, cl, nb, w, s, reduction=reduction)
-    rows, valid = reference_loss_rows(emb.detach(), labels, centres.detach(), cl, nb,
-                                      None if w is None else w.detach(), s.detach())
-    if reduction == "none":
-        loss = (loss * torch.linspace(0.5, 1.5, len(loss), dtype=loss.dtype)).sum()
-    inputs = [emb, centres, s] + ([w] if w is not None else [])
-    gr = torch.autograd.grad(loss, inputs, allow_unused=True)
-    names = ["emb", "centres", "sigma", "weights"]
-    return rows, valid, {n: (torch.zeros_like(i) if g is None else g)
-                         for n, g, i in zip(names, gr, inputs)}
-
-
-def compare(case, backend, emb_dtype=torch.float32, bank_dtype=torch.float32, sigma=1.3,
-            reduction="mean"):
-    emb, labels, centres, cl, nb, w = case
-    emb_c = emb.to(emb_dtype)
-    cen_c = centres.to(bank_dtype)
-    # The reference sees exactly the values the op sees (bank rounded to its dtype).
-    rows_ref, valid_ref, g_ref = run_ref(emb_c, labels, cen_c, cl, nb, w, sigma, reduction)
-    out, g = run_op(backend, emb_c, labels, cen_c, cl, nb, w, sigma, reduction)
-    tol = tolerances(emb_dtype, bank_dtype)
-    assert torch.equal(out.valid, valid_ref)
-    torch.testing.assert_close(out.per_row.double(), rows_ref, **tol)
-    assert torch.isfinite(out.per_row).all()
-    for name, ref in g_ref.items():
-        got = g[name].double()
-        assert torch.isfinite(got).all(), name
-        low = {"centres": bank_dtype, "emb": emb_dtype}.get(name)
-        if low in (torch.bfloat16, torch.float16):
-            # The gradient is returned in the input's dtype: compare at that dtype's precision.
-            torch.testing.assert_close(got, ref.to(low).double(), rtol=1.6e-2, atol=1e-3)
-        else:
-            scale = max(1.0, float(ref.abs().max()))
-            torch.testing.assert_close(got, ref, rtol=tol["rtol"], atol=tol["atol"] * scale,
-                                       msg=lambda m: f"{name}: {m}")
-    return out
-
-
-SHAPES = [
-    # (B, N, D, K)
-    (1, 1, 1, 1),        # smallest everything
-    (4, 9, 1, 1),        # D = 1, K = 1
-    (6, 40, 70, 5),      # D = 70 (not a power of two), K not a power of two
-    (5, 25, 3, 13),      # K = 13
-    (3, 7, 8, 33),       # K > N: many duplicates, K crosses several tiles
-]
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -290,7 +187,7 @@ def test_torch_path_chunks_agree(monkeypatch):
 def test_kernel_two_phase_path_matches_single_pass():
     """Wide-D path (distances first, then chunked weighted sums) on a small D by lowering the
     register block limit."""
-    from nnkloss import kernels
+    kernels = nnkloss.ops.backends.kernels()
     emb, labels, centres, cl, nb, w = make_case(5, 30, 70, 9, seed=15, pad=0.2)
     emb, centres = emb.float(), centres.float()
     s = torch.tensor(1.2)
@@ -304,7 +201,7 @@ def test_kernel_two_phase_path_matches_single_pass():
 
 @pytest.mark.interpreter
 def test_kernel_centre_grad_matches_torch():
-    from nnkloss import kernels
+    kernels = nnkloss.ops.backends.kernels()
     emb, labels, centres, cl, nb, w = make_case(6, 15, 37, 7, seed=16, pad=0.3)
     coef = torch.randn(6, 7, dtype=torch.float64)
     a = kernels.centre_grad(emb, centres, nb, coef)
@@ -328,7 +225,7 @@ def test_empty_batch():
 def test_kernel_at_production_block_sizes(B, N, D, K):
     """The block shapes a GPU uses for wide D (single pass up to 4096, two-phase beyond),
     against the torch path, with a bf16 bank."""
-    from nnkloss import kernels
+    kernels = nnkloss.ops.backends.kernels()
     emb, labels, centres, cl, nb, w = make_case(B, N, D, K, seed=17, pad=0.1)
     emb, cen, w = emb.float(), centres.to(torch.bfloat16), w.float()
     s = torch.tensor(float(D) ** 0.5)
@@ -344,7 +241,7 @@ def test_kernel_at_production_block_sizes(B, N, D, K):
 @pytest.mark.parametrize("block_k, block_d", [(1, 128), (4, 64), (16, 128), (64, 16), (2, 1)])
 def test_every_launch_config_computes_the_same(block_k, block_d):
     """Any configuration a tuner may pick is exact: single pass (block_d >= D) or two-phase."""
-    from nnkloss import kernels
+    kernels = nnkloss.ops.backends.kernels()
     emb, labels, centres, cl, nb, w = make_case(4, 40, 70, 23, seed=18, pad=0.2)
     emb, centres, w = emb.float(), centres.float(), w.float()
     s = torch.tensor(1.7)
@@ -356,7 +253,7 @@ def test_every_launch_config_computes_the_same(block_k, block_d):
 
 
 def test_bad_launch_config():
-    from nnkloss import kernels
+    kernels = nnkloss.ops.backends.kernels()
     emb, labels, centres, cl, nb, w = make_case(2, 5, 3, 2)
     with pytest.raises(ValueError, match="block_k"):
         kernels.neighbour_kernel_fwd(emb.float(), labels, centres.float(), cl, nb, None,

@@ -5,7 +5,7 @@ import torch
 
 import nnkloss
 from nnkloss import metrics
-from nnkloss.search import faiss_available
+from nnkloss.bank.search import faiss_available
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])
 
@@ -143,4 +143,4 @@ def test_validation_errors():
 
 
 def test_exported():
-    assert nnkloss.metrics is metrics
+    assert nnkloss.evaluation.metrics is metrics

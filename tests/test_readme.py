@@ -5,7 +5,7 @@ import re
 import torch
 from torch.utils.data import DataLoader
 
-from nnkloss.datasets import IndexedTensorDataset
+from nnkloss.experiment.datasets import IndexedTensorDataset
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 

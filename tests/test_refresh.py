@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from nnkloss.datasets import IndexedTensorDataset
+from nnkloss.experiment.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
-from nnkloss.search import faiss_available, knn, neighbour_lists
+from nnkloss.bank.search import faiss_available, knn, neighbour_lists
 
 N, D_IN, D = 96, 6, 4
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(),
@@ -326,7 +326,7 @@ def test_module_exports():
         assert name in nnkloss.__all__ and hasattr(nnkloss, name)
     a = torch.randn(10, 3)
     assert torch.equal(nnkloss.knn(a, a, 2, backend="torch")[1],
-                       nnkloss.search.knn(a, a, 2, backend="torch")[1])
+                       nnkloss.bank.search.knn(a, a, 2, backend="torch")[1])
     assert torch.equal(knn(a, a, 2, backend="torch")[1], nnkloss.knn(a, a, 2, backend="torch")[1])
 
 

@@ -134,7 +134,7 @@ def test_classification_rejects_too_small_images(trees, tmp_path):
 
 # ------------------------------------------------------------------ models
 def test_models_accept_small_inputs_and_output_dims():
-    from nnkloss.models import DigitsNet, build_embedding_net
+    from nnkloss.experiment.models import DigitsNet, build_embedding_net
 
     net = DigitsNet(dim=8).eval()
     assert net(torch.rand(3, 64)).shape == (3, 8)
@@ -147,7 +147,7 @@ def test_models_accept_small_inputs_and_output_dims():
 def test_pretrained_weights_from_a_local_file(tmp_path):
     from torchvision import models
 
-    from nnkloss.models import build_embedding_net
+    from nnkloss.experiment.models import build_embedding_net
 
     src = models.googlenet(weights=None, aux_logits=True, init_weights=True)  # torchvision layout
     path = tmp_path / "googlenet.pth"

@@ -1,4 +1,4 @@
-"""nnkloss.search (nnkloss.knn): both backends against brute force, self-exclusion, edge cases, errors, recall."""
+"""nnkloss.bank.search (nnkloss.knn): both backends against brute force, self-exclusion, edge cases, errors, recall."""
 import math
 import types
 import warnings
@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-import nnkloss.search as K
-from nnkloss.search import knn, recall_against_exact
+import nnkloss.bank.search as K
+from nnkloss.bank.search import knn, recall_against_exact
 
 HAVE_FAISS = K.faiss_available()
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,
@@ -218,7 +218,7 @@ def test_gpu_probe_failure_warns_once_and_falls_back(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert K.faiss_gpu_usable(0) is False  # cached: no second probe, no second warning
-        assert K._resolve_backend("auto", torch.device("cuda", 0)) == "torch"
+        assert K.resolve_knn_backend("auto", torch.device("cuda", 0)) == "torch"
     finally:
         K.faiss_gpu_usable.cache_clear()
         K._gpu_resources.cache_clear()
@@ -264,13 +264,13 @@ def test_auto_backend_choice(monkeypatch):
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(K, "faiss_available", lambda: True)
     monkeypatch.setattr(K, "faiss_gpu_usable", lambda index=0: True)
-    assert K._resolve_backend("auto", torch.device("cpu")) == "faiss"
-    assert K._resolve_backend("auto", cuda0, k=101) == "faiss"
+    assert K.resolve_knn_backend("auto", torch.device("cpu")) == "faiss"
+    assert K.resolve_knn_backend("auto", cuda0, k=101) == "faiss"
     # faiss GPU indexes select at most 2048 neighbours: larger k stays on the torch backend.
-    assert K._resolve_backend("auto", cuda0, k=K._FAISS_GPU_MAX_K + 1) == "torch"
+    assert K.resolve_knn_backend("auto", cuda0, k=K._FAISS_GPU_MAX_K + 1) == "torch"
     monkeypatch.setattr(K, "faiss_gpu_usable", lambda index=0: False)
-    assert K._resolve_backend("auto", cuda0, k=10) == "torch"
-    assert K._resolve_backend("torch", torch.device("cpu")) == "torch"
+    assert K.resolve_knn_backend("auto", cuda0, k=10) == "torch"
+    assert K.resolve_knn_backend("torch", torch.device("cpu")) == "torch"
 
 
 @pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")

@@ -8,11 +8,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from nnkloss import CentreBank, NeighbourKernelLoss
-from nnkloss.datasets import IndexedTensorDataset
-from nnkloss.evaluation import extract_embeddings
-from nnkloss.models import SoftmaxHead
-from nnkloss.refresh import Refresher, RefreshSchedule
-from nnkloss.train import Trainer, fit
+from nnkloss.experiment.datasets import IndexedTensorDataset
+from nnkloss.experiment.evaluate import extract_embeddings
+from nnkloss.experiment.models import SoftmaxHead
+from nnkloss.bank.refresh import Refresher, RefreshSchedule
+from nnkloss.experiment.train import Trainer, fit
 
 
 def blobs(n_per=24, classes=4, dim=8, seed=0):
@@ -172,3 +172,39 @@ def test_async_refresher_swaps_in_during_training():
     assert not refresher.in_flight  # settled at the end
     assert any(r.get("refresh_asynchronous") for r in h)
     assert h[-1]["loss"] < h[0]["loss"]
+
+
+def test_trainer_drives_refreshes_through_its_schedule(tmp_path):
+    """The RefreshSchedule the Trainer ships is the one it uses: its counters advance with the
+    loop, refreshes happen exactly when it fires, and its state is in the checkpoint."""
+    x, y = blobs(n_per=8)
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, schedule = kernel_setup(model, ds, k=6, every_epochs=2, every_steps=3)
+    fired = []
+    real_refresh = refresher.refresh
+    refresher.refresh = lambda sigma=None: fired.append(schedule.global_step) or real_refresh(sigma)
+    loader = DataLoader(ds, batch_size=16, shuffle=False)  # 2 steps per epoch
+    tr = Trainer(model, loss, loader, lr=1e-3, refresher=refresher, schedule=schedule,
+                 out_dir=str(tmp_path), progress=False)
+    tr.fit(4)
+    assert tr.schedule is schedule
+    assert (schedule.epoch, schedule.global_step) == (4, 8)
+    # Initial build (step 0); steps 3 and 6; end of epoch 2 (step 4); none after the last.
+    assert fired == [0, 3, 4, 6]
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["schedule"] == schedule.state_dict()
+    fresh = RefreshSchedule(every_epochs=2, every_steps=3)
+    tr2 = Trainer(model, loss, loader, lr=1e-3, refresher=refresher, schedule=fresh,
+                  out_dir=str(tmp_path), progress=False)
+    tr2.load_checkpoint()
+    assert (fresh.epoch, fresh.global_step) == (4, 8)
+
+
+def test_trainer_refuses_a_schedule_it_cannot_drive():
+    x, y = blobs(n_per=4)
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, _ = kernel_setup(model, ds, k=3)
+    with pytest.raises(TypeError, match="schedule must be a nnkloss.RefreshSchedule"):
+        Trainer(model, loss, DataLoader(ds), refresher=refresher, schedule=object())

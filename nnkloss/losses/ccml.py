@@ -18,22 +18,24 @@ entries. The nearest-entry selection is piecewise constant (no gradient through 
 in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
 
 Memory: distances are computed ``rows_per_chunk`` rows at a time (a (rows, K, D) block, as in
-:mod:`nnkloss.torch_path`), and autograd keeps only (B, D) mean centres and (B, k) indices:
+:mod:`nnkloss.ops.reference`), and autograd keeps only (B, D) mean centres and (B, k) indices:
 no (B, K, D) tensor is built.
 """
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .bank import CentreBank
-from .checks import REDUCTIONS, check_batch, check_inputs, check_sigma, check_values
-from .functional import reduce_rows
-from .torch_path import compute_dtype, rows_per_chunk
+from ..bank.centre_bank import CentreBank
+from ..ops.backends import resolve_backend
+from ..ops.neighbour_kernel import reduce_rows
+from ..ops.reference import compute_dtype, rows_per_chunk
+from ..validation import (REDUCTIONS, check_inputs, check_sigma, check_values,
+                          require_positive_int)
+from .base import BankLoss
 
 __all__ = ["class_conditional_loss", "class_conditional_loss_rows", "ClassConditionalLoss",
            "OBJECTIVES"]
@@ -107,25 +109,12 @@ class _MeanSqDist(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_emb = (2.0 * g[:, None] * (x - cbar)).to(emb.dtype)
         if ctx.needs_input_grad[1]:
-            B, D = emb.shape
-            k = sel.shape[1]
-            grad = torch.zeros(centres.shape[0], D, dtype=cdt, device=centres.device)
-            coef = -2.0 * g * inv_n
-            step = rows_per_chunk(k, D)
-            for lo in range(0, B, step):
-                s = sel[lo:lo + step]
-                safe = s.clamp_min(0)
-                w = coef[lo:lo + step, None] * (s >= 0)
-                contrib = w[:, :, None] * (x[lo:lo + step, None, :] - centres[safe].to(cdt))
-                grad.index_add_(0, safe.reshape(-1), contrib.reshape(-1, D))
-            grad_c = grad.to(centres.dtype)
+            # dm_b/dc_j = -2 (x_b - c_j) / n_b: the scatter every bank loss shares.
+            coef = (-2.0 * g * inv_n)[:, None].expand(sel.shape).contiguous()
+            backend = resolve_backend("auto", emb.device)
+            grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, sel, coef, backend)
+            grad_c = grad_c.to(centres.dtype)
         return grad_emb, grad_c, None
-
-
-def _check_k(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    return int(k)
 
 
 def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours, k: int = 5,
@@ -134,7 +123,7 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
     """Per-row CCML loss and validity: ``(loss (B,), valid (B,) bool)``; see
     :func:`class_conditional_loss` for the arguments. Invalid rows have loss 0."""
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, "none", "torch")
-    k = _check_k(k)
+    k = require_positive_int("k", k)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     sigma_t = check_sigma(sigma, emb.device)
@@ -181,7 +170,7 @@ def class_conditional_loss(emb, labels, centres, centre_labels, neighbours, k: i
     return reduce_rows(rows, valid, reduction)
 
 
-class ClassConditionalLoss(nn.Module):
+class ClassConditionalLoss(BankLoss):
     """CCML loss on a :class:`CentreBank`: ``loss = ClassConditionalLoss(bank, k)(emb, labels, idx)``.
 
     Args:
@@ -191,43 +180,32 @@ class ClassConditionalLoss(nn.Module):
         exclude_self: drop each example's own centre from its list.
 
     ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
-    batch. ``last_valid`` holds the (B,) bool mask of rows counted in the last call.
+    batch. ``last_stats`` (:class:`nnkloss.LossOutput`) holds the rows of the last call and
+    which were counted (``last_valid`` is that mask).
     """
 
     def __init__(self, bank: CentreBank, k: int = 5, sigma: float = math.sqrt(0.5),
                  objective: str = "accuracy", reduction: str = "mean",
                  exclude_self: bool = True):
-        super().__init__()
-        if not isinstance(bank, CentreBank):
-            raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
+        super().__init__(bank, reduction, exclude_self)
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         check_sigma(sigma, torch.device("cpu"))
-        self.bank = bank
-        self.k = _check_k(k)
+        self.k = require_positive_int("k", k)
         self.sigma = float(sigma)
         self.objective = objective
-        self.reduction = reduction
-        self.exclude_self = exclude_self
-        self.last_valid: Optional[Tensor] = None
 
-    def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
-        bank = self.bank
-        check_batch(emb, labels, idx)
-        nb = bank.neighbours_for(idx, self.exclude_self)
-        labels = labels.to(emb.device)
-        rows, valid = class_conditional_loss_rows(emb, labels, bank.centres, bank.labels, nb,
-                                                  self.k, self.sigma, bank.weights_for_loss(),
-                                                  self.objective)
-        self.last_valid = valid
-        if self.reduction == "none":
-            return rows
-        total = rows.sum()
-        if self.reduction == "sum":
-            return total
-        return total / valid.sum().clamp_min(1).to(total.dtype)
+    def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
+        return class_conditional_loss_rows(emb, labels, self.bank.centres, self.bank.labels,
+                                           neighbours, self.k, self.sigma,
+                                           self.bank.weights_for_loss(), self.objective)
+
+    @property
+    def last_valid(self) -> Optional[Tensor]:
+        return None if self.last_stats is None else self.last_stats.valid
+
+    def kernel_sigma(self) -> float:
+        return self.sigma
 
     def extra_repr(self) -> str:
         return (f"k={self.k}, sigma={self.sigma:.4g}, objective={self.objective!r}, "

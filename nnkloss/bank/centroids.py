@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import require_float, require_int
+from ..validation import require_float, require_labelled, require_positive_int
 
 __all__ = ["kmeans", "class_centroids", "add_centres"]
 
@@ -60,8 +60,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
     from .search import knn  # lazily: the search backends pull in faiss when available
 
     require_float("x", x, 2)
-    if isinstance(n_clusters, bool) or not isinstance(n_clusters, int) or n_clusters < 1:
-        raise ValueError(f"n_clusters must be a positive int, got {n_clusters!r}")
+    n_clusters = require_positive_int("n_clusters", n_clusters)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"iters must be a non-negative int, got {iters!r}")
     n = x.shape[0]
@@ -136,14 +135,10 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
     """
     emb = _as_tensor("emb", emb)
     labels = _as_tensor("labels", labels, emb.device)
-    require_float("emb", emb, 2)
-    require_int("labels", labels, 1)
-    if labels.shape[0] != emb.shape[0]:
-        raise ValueError(f"labels has length {labels.shape[0]} but emb has {emb.shape[0]} rows")
+    require_labelled("emb", emb, "labels", labels)
     if emb.shape[0] == 0:
         raise ValueError("emb is empty: no class to compute centroids for")
-    if isinstance(per_class, bool) or not isinstance(per_class, int) or per_class < 1:
-        raise ValueError(f"per_class must be a positive int, got {per_class!r}")
+    per_class = require_positive_int("per_class", per_class)
     if not torch.isfinite(emb).all():
         raise ValueError("emb contains NaN or inf")
     labels = labels.long()
@@ -189,11 +184,7 @@ def add_centres(bank, centres: Tensor, labels: Tensor, weights: Optional[Tensor]
     Growth goes through ``bank.update_`` (validated, swapped in atomically); with learned
     weights that creates a new ``log_weights`` parameter, so rebuild the optimiser.
     """
-    require_float("centres", centres, 2)
-    require_int("labels", labels, 1)
-    m = centres.shape[0]
-    if labels.shape[0] != m:
-        raise ValueError(f"labels has length {labels.shape[0]} but there are {m} new centres")
+    m = require_labelled("centres", centres, "labels", labels)
     if bank.num_centres and centres.shape[1] != bank.dim:
         raise ValueError(f"centres have dimension {centres.shape[1]}, the bank has {bank.dim}")
     dev = bank.centres.device

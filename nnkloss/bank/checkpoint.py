@@ -2,20 +2,19 @@
 
 A checkpoint holds the centres, labels, log-weights (and whether they are learned), the
 neighbour lists and a step counter, plus an optional ``extra`` dict (sigma, a schedule's
-``state_dict()``, ...). It is written to a temporary file in the target's directory, flushed
-and fsync'ed, then renamed over the target with ``os.replace``: a crash or error mid-write
-leaves the previous checkpoint intact, never a truncated one.
+``state_dict()``, ...). It is written with :func:`nnkloss.atomic.atomic_write`: a crash or error
+mid-write leaves the previous checkpoint intact, never a truncated one.
 """
 from __future__ import annotations
 
 import numbers
 import os
-import tempfile
 from typing import Any, Optional, Tuple
 
 import torch
 
-from .bank import CentreBank, _validate_log_weights
+from ..atomic import atomic_write
+from .centre_bank import CentreBank, _validate_log_weights
 
 __all__ = ["save_bank", "load_bank"]
 
@@ -39,20 +38,6 @@ def _check_extra(value: Any, where: str = "extra") -> None:
         return
     raise TypeError(f"{where} is a {type(value).__name__}; checkpoints hold only tensors, "
                     "numbers, strings, None and lists/tuples/dicts of them")
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable. Not possible on every platform/filesystem: best effort.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:
@@ -84,31 +69,7 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
         "step": int(step),
         "extra": extra,
     }
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"path {path!r}: directory {directory!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=directory)
-    try:
-        # mkstemp makes the file 0600; keep the target's mode (or a usual 0644) instead.
-        try:
-            mode = os.stat(path).st_mode & 0o777
-        except FileNotFoundError:
-            mode = 0o644
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
+    atomic_write(path, lambda f: torch.save(payload, f))
 
 
 def load_bank(path, map_location=None) -> Tuple[CentreBank, int, Optional[dict]]:

@@ -15,15 +15,14 @@ the normalisation) and in a form that keeps their differences precise however fa
 """
 from __future__ import annotations
 
-import numbers
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .bank import CentreBank
-from .checks import check_sigma, require_float
-from .search import KNN_BACKENDS, knn
+from ..bank.centre_bank import CentreBank
+from ..validation import check_sigma, require_float, require_positive_int
+from ..bank.search import KNN_BACKENDS, knn
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
 
@@ -84,16 +83,13 @@ class NeighbourKernelClassifier(nn.Module):
         super().__init__()
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+        k = require_positive_int("k", k)
         if isinstance(sigma, torch.Tensor):
             sigma = float(sigma.detach())
         check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, NaN, non-numbers
         if backend not in KNN_BACKENDS:
             raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) \
-                or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = require_positive_int("batch_size", batch_size)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.bank = bank

@@ -1,100 +1,35 @@
-"""The functional neighbour-kernel loss: custom ops, autograd, backend choice, reduction.
+"""The neighbour-kernel op: its registration, host backward, and functional entry points.
 
-``nnkloss::nk_forward`` and ``nnkloss::nk_centre_grad`` are registered with
-``torch.library.custom_op`` so that ``torch.compile`` treats them as opaque calls (no graph
-break). The forward (Triton kernel on CUDA, chunked PyTorch elsewhere) returns everything the
-backward needs; the backward is B x K / B x D elementwise work plus, only when centres require
-grad, a scatter into an (N, D) gradient.
+In the order of a reading: the two custom ops (``nnkloss::nk_forward``,
+``nnkloss::nk_centre_grad``, registered with ``torch.library.custom_op`` so that
+``torch.compile`` treats them as opaque calls, no graph break), dispatched to a backend of
+:mod:`nnkloss.ops.backends` (Triton kernels of ``kernels/``, or the plain PyTorch path of
+:mod:`nnkloss.ops.reference`); the one autograd definition that serves every backend (B x K /
+B x D elementwise work from the forward's saved outputs, plus, only when centres require grad,
+the centre-gradient scatter, itself an op that other losses call too); then the functional API
+and its reduction.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
-import sys
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import torch_path
-from .checks import check_inputs, check_sigma, check_values
+from . import reference
+from .backends import implementation, resolve_backend
+from ..validation import check_inputs, check_sigma, check_values
 
 __all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOutput",
-           "resolve_backend"]
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # triton absent or broken: the torch path still works
-        return False
-    return True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map "auto" to a concrete backend and refuse combinations that cannot run."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
-    if backend == "triton":
-        if not _triton_importable():
-            raise RuntimeError("backend='triton' needs the triton package; install it or use "
-                               "backend='torch'")
-        if device.type == "cpu" and not _interpreting():
-            raise RuntimeError("backend='triton' on CPU tensors runs only under Triton's "
-                               "interpreter: set TRITON_INTERPRET=1 before importing nnkloss")
-        if device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"backend='triton' does not support device {device}")
-    return backend
-
-
-def _kernels():
-    # Imported lazily: triton is only needed on this path.
-    try:
-        return importlib.import_module("nnkloss.kernels")
-    except ModuleNotFoundError as exc:
-        if exc.name != "nnkloss.kernels":
-            raise
-        return _source_tree_kernels()
-
-
-def _source_tree_kernels():
-    """Running from a source checkout that was not pip-installed (PYTHONPATH=.): kernels/ sits
-    beside nnkloss/ and is mapped to nnkloss.kernels the way setup.py's package_dir does."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-    init = os.path.join(root, "__init__.py")
-    if not os.path.exists(init):
-        raise ModuleNotFoundError("nnkloss.kernels is missing: reinstall nnkloss "
-                                  "(pip install -e .)", name="nnkloss.kernels")
-    spec = importlib.util.spec_from_file_location("nnkloss.kernels", init,
-                                                  submodule_search_locations=[root])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nnkloss.kernels"] = module
-    spec.loader.exec_module(module)
-    import nnkloss
-    nnkloss.kernels = module
-    return module
-
-
-def _impl_module(backend: str):
-    return _kernels() if backend == "triton" else torch_path
+           "loss_rows_unchecked", "reduce_rows"]
 
 
 @torch.library.custom_op("nnkloss::nk_forward", mutates_args=())
 def _nk_forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
                 neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor,
                 backend: str, store_dist: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if backend == "triton":
-        return _kernels().neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours,
-                                               weights, sigma, store_dist=store_dist)
-    return torch_path.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                              store_dist=store_dist)
+    return implementation(backend).forward(emb, labels, centres, centre_labels, neighbours,
+                                           weights, sigma, store_dist=store_dist)
 
 
 @_nk_forward.register_fake
@@ -102,7 +37,7 @@ def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, s
                      store_dist):
     B, D = emb.shape
     K = neighbours.shape[1] if store_dist else 0
-    cdt = torch_path.compute_dtype(emb)
+    cdt = reference.compute_dtype(emb)
     row = emb.new_empty(B, dtype=cdt)
     return (row, emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt),
             emb.new_empty(B, D, dtype=cdt), emb.new_empty(B, K, dtype=cdt))
@@ -111,12 +46,12 @@ def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, s
 @torch.library.custom_op("nnkloss::nk_centre_grad", mutates_args=())
 def _nk_centre_grad(emb: Tensor, centres: Tensor, neighbours: Tensor, coef: Tensor,
                     backend: str) -> Tensor:
-    return _impl_module(backend).centre_grad(emb, centres, neighbours, coef.contiguous())
+    return implementation(backend).centre_grad(emb, centres, neighbours, coef.contiguous())
 
 
 @_nk_centre_grad.register_fake
 def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
-    return emb.new_empty(centres.shape[0], emb.shape[1], dtype=torch_path.compute_dtype(emb))
+    return emb.new_empty(centres.shape[0], emb.shape[1], dtype=reference.compute_dtype(emb))
 
 
 def _setup_context(ctx, inputs, output):
@@ -146,7 +81,7 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
         # u = ||(c - x) / sigma||^2 was saved by the forward (store_dist=True); the exact
         # probabilities are recomputed from it by the same code the torch forward uses.
         inv_sigma = 1.0 / sigma.to(cdt)
-        t = torch_path.row_terms(neighbours, u, labels, centre_labels, weights)
+        t = reference.row_terms(neighbours, u, labels, centre_labels, weights)
         bad = torch.isnan(lse_pos)[:, None] & takes
         dl = torch.where(takes, (t.all.p - t.pos.p) * g[:, None], 0.0)  # dLoss/dlogit_j * g
         dl = torch.where(bad, float("nan"), dl)
@@ -232,9 +167,11 @@ def reduce_rows(per_row: Tensor, valid: Tensor, reduction: str) -> Tensor:
     return total / valid.sum().clamp_min(1).to(total.dtype)
 
 
-def loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sigma: Tensor,
-                   reduction: str = "mean", backend: str = "auto") -> LossOutput:
-    """The op without validation; ``sigma`` must already be a 0-dim tensor on emb's device."""
+def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights,
+                        sigma: Tensor, backend: str = "auto") -> Tuple[Tensor, Tensor]:
+    """The op without validation: ``(per_row (B,), valid (B,) bool)``. ``sigma`` must already
+    be a 0-dim tensor on emb's device. Counted (``valid``) rows are those with a same-class
+    neighbour, and non-finite rows (lse_pos NaN), whose NaN must reach the mean."""
     backend = resolve_backend(backend, emb.device)
     # The (B, K) distances are stored only when a weight, sigma or centre gradient needs them.
     store_dist = torch.is_grad_enabled() and any(
@@ -243,10 +180,7 @@ def loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sig
         emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
         neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend,
         store_dist)
-    # Counted rows: those with a same-class neighbour, and non-finite rows (lse_pos NaN), whose
-    # NaN must reach the mean rather than leave it.
-    valid = lse_pos != float("-inf")
-    return LossOutput(reduce_rows(per_row, valid, reduction), per_row, valid)
+    return per_row, lse_pos != float("-inf")
 
 
 def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,
@@ -257,8 +191,9 @@ def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighb
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend)
     sigma_t = check_sigma(sigma, emb.device)
     check_values(emb, centres, neighbours, weights, sigma_t)
-    return loss_unchecked(emb, labels, centres, centre_labels, neighbours, weights, sigma_t,
-                          reduction, backend)
+    per_row, valid = loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours,
+                                         weights, sigma_t, backend)
+    return LossOutput(reduce_rows(per_row, valid, reduction), per_row, valid)
 
 
 def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weights=None,

@@ -5,14 +5,15 @@ so importing nnkloss does not pull them in.
 """
 from __future__ import annotations
 
-import os
 import sys
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["plot_embedding", "plot_recall_curve", "METHODS"]
+from ..validation import require_parent_dir
+
+__all__ = ["plot_embedding", "plot_recall_curve", "plot_training_curves", "METHODS"]
 
 METHODS = ("tsne", "pca")
 
@@ -36,11 +37,10 @@ def _to_numpy(name: str, x) -> np.ndarray:
     raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
 
 
-def _check_path(path) -> str:
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"path {path!r}: directory {parent!r} does not exist")
+def _save(plt, fig, path: str, dpi: int = 120) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
     return path
 
 
@@ -91,7 +91,7 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if max_points is not None and (isinstance(max_points, bool) or int(max_points) < 2):
         raise ValueError(f"max_points must be an int >= 2 or None, got {max_points!r}")
-    path = _check_path(path)
+    path = require_parent_dir("path", path)
     if max_points is not None and x.shape[0] > max_points:
         keep = np.sort(np.random.default_rng(seed).choice(x.shape[0], int(max_points),
                                                           replace=False))
@@ -118,10 +118,7 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
                  f"{len(classes)} classes")
     ax.set_xticks([])
     ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
@@ -147,7 +144,7 @@ def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
         if any(isinstance(k, bool) or int(k) != k or k < 1 for k in ks):
             raise ValueError(f"results[{name!r}] keys must be positive ints, got {ks}")
         curves[str(name)] = (ks, [float(rec[k]) for k in ks])
-    path = _check_path(path)
+    path = require_parent_dir("path", path)
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -163,7 +160,33 @@ def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
+
+
+def plot_training_curves(histories: Mapping[str, List[Mapping]], path: str,
+                         keys: Sequence[str] = ("loss",), title: str = "Training") -> str:
+    """One panel per key (e.g. "loss", "recall@1"), one line per run, against the epoch.
+
+    Args:
+        histories: {run name: Trainer.history (list of per-epoch dicts with "epoch")}.
+        path: PNG path (its directory must exist).
+        keys: which logged values to plot; runs lacking a key are skipped in that panel.
+    Returns:
+        ``path``.
+    """
+    if not histories:
+        raise ValueError("histories is empty")
+    path = require_parent_dir("path", path)
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, hist in histories.items():
+            pts = [(r["epoch"], r[key]) for r in hist if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=name)
+        ax.set_xlabel("epoch")
+        ax.set_title(key)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(plt, fig, path, dpi=110)

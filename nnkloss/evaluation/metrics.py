@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import require_float, require_int
-from .search import KNN_BACKENDS, knn
+from ..validation import require_int, require_labelled
+from ..bank.search import KNN_BACKENDS, knn
 
 __all__ = ["recall_at_k", "nmi", "accuracy", "map_at_r"]
 
@@ -35,10 +35,7 @@ def _as_tensor(name: str, x) -> Tensor:
 def _embeddings_and_labels(emb, labels) -> Tuple[Tensor, Tensor]:
     emb = _as_tensor("emb", emb)
     labels = _as_tensor("labels", labels)
-    require_float("emb", emb, 2)
-    require_int("labels", labels, 1)
-    if labels.shape[0] != emb.shape[0]:
-        raise ValueError(f"labels has length {labels.shape[0]} but emb has {emb.shape[0]} rows")
+    require_labelled("emb", emb, "labels", labels)
     if emb.shape[0] < 2:
         raise ValueError(f"emb needs at least 2 rows (each query is searched against the "
                          f"others), got {emb.shape[0]}")
@@ -158,7 +155,7 @@ def nmi(emb, labels, seed: int = 0, kmeans: str = "sklearn") -> float:
         labels: (N,) integer labels.
         seed: k-means seed (deterministic for a given seed).
         kmeans: "sklearn" (``sklearn.cluster.KMeans``, CPU, the usual protocol) or "torch"
-            (:func:`nnkloss.centroids.kmeans`, on emb's device: faster for large N on a GPU).
+            (:func:`nnkloss.bank.centroids.kmeans`, on emb's device: faster for large N on a GPU).
     """
     from sklearn.metrics import normalized_mutual_info_score
 
@@ -175,7 +172,7 @@ def nmi(emb, labels, seed: int = 0, kmeans: str = "sklearn") -> float:
         clusters = KMeans(n_clusters=n_classes, n_init=1, random_state=seed).fit_predict(
             x.numpy())
     else:
-        from .centroids import kmeans as torch_kmeans
+        from ..bank.centroids import kmeans as torch_kmeans
 
         _, assign = torch_kmeans(emb, n_classes, seed=seed)
         clusters = assign.cpu().numpy()

@@ -19,8 +19,8 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from .bank import CentreBank
-from .checks import require_int
+from .centre_bank import CentreBank
+from ..validation import require_int, require_positive_int
 from .search import NeighbourLists, neighbour_lists
 from . import distributed as _dist
 
@@ -121,9 +121,8 @@ class RefreshSchedule:
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
         for name, v in (("every_epochs", every_epochs), ("every_steps", every_steps)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
-                                  or v < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+            if v is not None:
+                require_positive_int(name, v)
         if every_epochs is None and every_steps is None:
             raise ValueError("give every_epochs and/or every_steps (a schedule that never fires "
                              "would leave the centres stale forever)")
@@ -192,9 +191,9 @@ class Refresher:
             a row yielded twice keeps its last embedding. Use a loader without augmentation.
         k: neighbour-list length (<= N - 1).
         backend: kNN backend ("auto", "torch", "faiss"); ``knn_options`` (e.g.
-            ``{"approximate": "ivf"}``) go to :func:`nnkloss.search.knn`.
+            ``{"approximate": "ivf"}``) go to :func:`nnkloss.bank.search.knn`.
         ensure_positive: give rows without a same-label neighbour their nearest same-label
-            centre (see :func:`nnkloss.search.neighbour_lists`).
+            centre (see :func:`nnkloss.bank.search.neighbour_lists`).
         device: where the model runs (default: the device of its first parameter/buffer, else
             the bank's). Inputs are moved there; embeddings are stored on the bank's device in
             the bank's dtype.
@@ -237,8 +236,7 @@ class Refresher:
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+        k = require_positive_int("k", k)
         if k > bank.num_centres - 1:
             raise ValueError(f"k={k} is larger than the number of other centres "
                              f"({bank.num_centres - 1}) in the bank")
@@ -290,7 +288,7 @@ class Refresher:
         """Start computing the next bank in a background thread (snapshot of the weights now)."""
         if self.in_flight:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
-        _dist.check_async_refresh()  # torch.distributed: refused (see nnkloss.distributed)
+        _dist.check_async_refresh()  # torch.distributed: refused (see nnkloss.bank.distributed)
         sig = self._sigma(sigma)
         if self._snapshot is None:
             self._snapshot = self._make_snapshot()

@@ -1,4 +1,4 @@
-"""Input validation for the loss: clear errors that name the argument, never garbage.
+"""Argument checks of the whole package: clear errors that name the argument, never garbage.
 
 Shape, dtype and device checks cost nothing and always run. Value checks (index range,
 negative weights, sigma <= 0, non-finite embeddings) read tensor contents; on a GPU that is one
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 
 import torch
 
@@ -71,6 +72,32 @@ def require_float(name, t, ndim, dtypes=FLOAT_DTYPES):
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def require_labelled(name, t, labels_name, labels, dtypes=FLOAT_DTYPES) -> int:
+    """``t`` (n, D) float with ``labels`` (n,) integer, one label per row; returns n."""
+    require_float(name, t, 2, dtypes)
+    require_int(labels_name, labels, 1)
+    n = t.shape[0]
+    if labels.shape[0] != n:
+        raise ValueError(f"{labels_name} has length {labels.shape[0]} but {name} has {n} rows")
+    return n
+
+
+def require_parent_dir(name, path) -> str:
+    """``path`` as a str whose directory exists, or FileNotFoundError naming ``name``."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{name} {path!r}: directory {directory!r} does not exist")
+    return path
+
+
+def require_positive_int(name, v) -> int:
+    """``v`` as an int, or ValueError naming ``name`` (bools and non-integers refused)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
 
 
 def check_batch(emb, labels, idx):

@@ -20,7 +20,7 @@ Training (the embedding network in DistributedDataParallel, the loss module NOT 
     optimiser step); :func:`broadcast_buffers`; :func:`sum_over_ranks` / :func:`mean_over_ranks`
     (totals for logs).
 
-Refresh (called by :class:`nnkloss.refresh.Refresher` when a group is initialised):
+Refresh (called by :class:`nnkloss.bank.refresh.Refresher` when a group is initialised):
     :func:`gather_bank_rows` (every rank embedded its share; exchange the rows so that every
     rank holds the same complete bank) and :func:`neighbour_lists` (each rank searches its slice
     of the query rows against the full bank; the lists are gathered).
@@ -60,8 +60,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .checks import FLOAT_DTYPES, require_float, require_int
-from .search import NeighbourLists, _sync, knn, patch_positives
+from ..validation import FLOAT_DTYPES, require_float, require_int, require_labelled
+from .search import (NeighbourLists, drop_self, knn, patch_positives, resolve_knn_backend,
+                     synchronize)
 
 __all__ = [
     "init_from_env", "is_distributed", "rank", "world_size", "local_rank", "is_main_process",
@@ -398,43 +399,33 @@ def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backe
     """The k nearest other centres of rows start..stop-1, against the full bank.
 
     Searches k + 1 and removes each row's own index (or, where more than k exact duplicates
-    crowd it out, the farthest entry) -- how :func:`nnkloss.search.knn`'s faiss backends exclude
+    crowd it out, the farthest entry) -- how :func:`nnkloss.bank.search.knn`'s faiss backends exclude
     self. Only exact ties can order differently from a one-process ``exclude_self`` search.
     """
     n = centres.shape[0]
     dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), backend=backend, **knn_options)
-    self_ids = torch.arange(start, stop, device=ids.device)
-    is_self = ids == self_ids.unsqueeze(1)
-    dist_ = dist_.masked_fill(is_self, math.inf)
-    ids = ids.masked_fill(is_self, -1)
-    # Stable: equal distances keep the search's order; self and missing (inf) move to the end.
-    dist_, order = dist_.sort(dim=1, stable=True)
-    return dist_[:, :k].contiguous(), ids.gather(1, order)[:, :k].contiguous()
+    return drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
 
 
 @torch.no_grad()
 def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
                     ensure_positive: bool = False, group=None,
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
-    """:func:`nnkloss.search.neighbour_lists` with the queries split across ranks.
+    """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
 
     Every rank must pass the same (N, D) ``centres`` and (N,) ``labels`` (as
     :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
-    against the full bank with :func:`nnkloss.search.knn` (``backend``, ``knn_options`` as there;
+    against the full bank with :func:`nnkloss.bank.search.knn` (``backend``, ``knn_options`` as there;
     an approximate index is built over the full bank on every rank, with the same seed), then
     the (N, k) indices and distances, ``has_positive`` and ``num_patched`` are gathered, so
-    every rank returns the same :class:`~nnkloss.search.NeighbourLists`. ``seconds`` covers the
-    search and the exchange. In a single process this is :func:`nnkloss.search.neighbour_lists`.
+    every rank returns the same :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers the
+    search and the exchange. In a single process this is :func:`nnkloss.bank.search.neighbour_lists`.
     """
     if not is_distributed(group):
         from .search import neighbour_lists as single
         return single(centres, labels, k, backend=backend, ensure_positive=ensure_positive,
                       **knn_options)
-    require_float("centres", centres, 2, FLOAT_DTYPES)
-    require_int("labels", labels, 1)
-    n = centres.shape[0]
-    if labels.shape[0] != n:
-        raise ValueError(f"labels has length {labels.shape[0]} but there are {n} centres")
+    n = require_labelled("centres", centres, "labels", labels)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
         raise ValueError(f"k must be an int in [1, N - 1 = {n - 1}], got {k!r}")
     labels = labels.to(centres.device).long()
@@ -445,7 +436,7 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     used = (f"faiss-{approximate}" if approximate is not None
             else _backend_name(backend, dev, k + 1))
 
-    _sync(dev)
+    synchronize(dev)
     t0 = time.perf_counter()
     start, stop = _query_slice(n, me, w)
     dist_, ids = _search_excluding_self(centres, start, stop, k, backend, knn_options)
@@ -473,13 +464,12 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     _all_gather_rows(has_pos.to(torch.uint8), counts, placer(out_p), group, comm, chunk_bytes)
     total = torch.tensor([patched], dtype=torch.long, device=comm)
     dist.all_reduce(total, group=group)
-    _sync(dev)
+    synchronize(dev)
     return NeighbourLists(out_i, out_d, out_p, int(total), time.perf_counter() - t0, used)
 
 
 def _backend_name(backend: str, device: torch.device, k: int) -> str:
-    from .search import _resolve_backend  # what knn resolves "auto" to for this device and k
-    return _resolve_backend(backend, device, k)
+    return resolve_knn_backend(backend, device, k)  # what knn resolves "auto" to
 
 
 # ============================================================================ training

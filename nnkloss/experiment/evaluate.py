@@ -16,10 +16,10 @@ from typing import Dict, Iterable, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .bank import CentreBank
-from .classifier import NeighbourKernelClassifier
-from .loss import NeighbourKernelLoss
-from .metrics import accuracy, nmi, recall_at_k
+from ..bank.centre_bank import CentreBank
+from ..evaluation.classifier import NeighbourKernelClassifier
+from ..losses.neighbour_kernel import NeighbourKernelLoss
+from ..evaluation.metrics import accuracy, nmi, recall_at_k
 
 __all__ = ["extract_embeddings", "retrieval_metrics", "kernel_accuracy", "softmax_accuracy",
            "classification_metrics", "RECALL_KS"]

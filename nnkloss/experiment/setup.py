@@ -13,10 +13,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .bank import CentreBank
-from .loss import NeighbourKernelLoss
+import os
+
+from ..bank import distributed as nkd
+from ..bank.centre_bank import CentreBank
+from ..losses.neighbour_kernel import NeighbourKernelLoss
 from .models import SoftmaxHead
-from .refresh import Refresher
+from ..bank.refresh import Refresher
 
 __all__ = ["resolve_device", "image_transforms", "make_loader", "kernel_criterion",
            "softmax_criterion", "IMAGENET_MEAN", "IMAGENET_STD"]
@@ -33,6 +36,16 @@ def resolve_device(name: Optional[str] = None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
     return dev
+
+
+def start_run(device_name: Optional[str], out_dir: str) -> torch.device:
+    """What every reproduction script does first: resolve the device, join the
+    ``torch.distributed`` job when run under torchrun (one process per GPU, "cuda" is then this
+    rank's GPU; gloo for CPU runs), and create the output directory."""
+    device = resolve_device(device_name)
+    nkd.init_from_env(backend="gloo" if device.type == "cpu" else None)
+    os.makedirs(out_dir, exist_ok=True)
+    return device
 
 
 def image_transforms(image_size: int = 224, train: bool = True):

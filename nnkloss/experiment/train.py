@@ -4,12 +4,12 @@ One loop serves the kernel loss and the softmax baseline, because both criteria 
 same way, ``criterion(emb, labels, idx) -> 0-dim loss``:
 
 * :class:`nnkloss.NeighbourKernelLoss` over a :class:`nnkloss.CentreBank` of the training set,
-  kept current by a Refresher (:mod:`nnkloss.refresh`): the bank is built before the first
+  kept current by a Refresher (:mod:`nnkloss.bank.refresh`): the bank is built before the first
   step and rebuilt every refresh interval (the papers' "update interval");
-* :class:`nnkloss.models.SoftmaxHead` (linear layer + cross-entropy).
+* :class:`nnkloss.experiment.models.SoftmaxHead` (linear layer + cross-entropy).
 
 The loader yields ``(inputs, labels, idx)`` with ``idx`` the bank rows of the batch (the
-datasets in :mod:`nnkloss.datasets` do).
+datasets in :mod:`nnkloss.experiment.datasets` do).
 
 Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
 
@@ -24,8 +24,8 @@ from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same whe
 run was interrupted before it (leave the DataLoader's ``generator`` unset for this: it then
 draws from torch's global RNG).
 
-Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
-per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
+Under torchrun (after :func:`nnkloss.bank.distributed.init_from_env`) the same loop runs one process
+per GPU: give it loaders over each rank's share (:func:`nnkloss.bank.distributed.shard_loader`); the
 network is wrapped in DDP, each step follows the mean over the global batch, sigma and the bank
 weights are averaged across ranks, the log shows the whole job and only rank 0 writes files.
 """
@@ -44,10 +44,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .loss import NeighbourKernelLoss
-from . import distributed as _dist
+from ..atomic import atomic_write
+from ..bank.refresh import RefreshSchedule
+from ..losses.base import BankLoss
+from ..bank import distributed as _dist
 
-__all__ = ["Trainer", "fit", "seed_everything", "atomic_write", "CHECKPOINT_NAME"]
+__all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_CSV = "log.csv"
@@ -82,21 +84,6 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old or the new file, never half."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _json_safe(v):
@@ -163,9 +150,11 @@ class Trainer:
 
     Args:
         model: maps a batch of inputs to (B, D) embeddings.
-        criterion: ``criterion(emb, labels, idx) -> 0-dim loss`` (NeighbourKernelLoss,
-            SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights) are trained
-            too.
+        criterion: ``criterion(emb, labels, idx) -> 0-dim loss``: a bank loss
+            (:class:`nnkloss.losses.BankLoss`: NeighbourKernelLoss, ClassConditionalLoss, whose
+            ``last_num_valid``, ``kernel_sigma()`` and ``log_values()`` the loop uses) or any
+            other module (SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights)
+            are trained too.
         train_loader: yields ``(inputs, labels, idx)``.
         device: where the model and criterion live ("cpu", "cuda", ...).
         optimizer: "sgd" (momentum ``momentum``), "adam" or "adamw" (decoupled decay).
@@ -173,13 +162,14 @@ class Trainer:
         sigma_lr, weights_lr: learning rates of a learned sigma / learned bank weights
             (default: ``lr``); no weight decay on them.
         refresher: object with ``refresh()`` that re-embeds the training set into the bank and
-            rebuilds the neighbour lists (:class:`nnkloss.refresh.Refresher`). Required for
+            rebuilds the neighbour lists (:class:`nnkloss.bank.refresh.Refresher`). Required for
             a NeighbourKernelLoss; it runs before the first step and then per ``schedule``.
             With ``async_mode=True`` the scheduled refreshes run in the background and are
             swapped in at the first step after they finish; one still in flight is waited for
             before a checkpoint (so checkpoint less often than you refresh to keep the gain).
-        schedule: object with ``every_epochs`` and/or ``every_steps`` attributes
-            (:class:`nnkloss.refresh.RefreshSchedule`); default: every 10 epochs (the papers).
+        schedule: the :class:`nnkloss.RefreshSchedule` that drives the refreshes (its
+            ``step()`` after each optimiser step, ``epoch_end()`` after each epoch; its state is
+            saved in checkpoints); default: every 10 epochs (the papers).
         amp: mixed precision (float16 autocast + GradScaler); used only on CUDA devices.
         out_dir: where logs and checkpoints go (None: no files).
         seed: base seed; epoch e runs with RNGs seeded from (seed, e).
@@ -212,20 +202,20 @@ class Trainer:
         self.model = model.to(self.device)
         self.criterion = criterion.to(self.device)
         # torch.distributed (torchrun): DDP around the network only, the criterion's parameters
-        # are averaged by sync_loss_parameters (see nnkloss.distributed). Else self.model.
+        # are averaged by sync_loss_parameters (see nnkloss.bank.distributed). Else self.model.
         self.net = _dist.wrap_model(self.model, self.device)
         self.loader = train_loader
-        self.is_kernel = isinstance(criterion, NeighbourKernelLoss)
-        if self.is_kernel and refresher is None:
-            raise ValueError("a NeighbourKernelLoss needs a refresher to build and update its "
-                             "bank (nnkloss.refresh.Refresher)")
+        if isinstance(criterion, BankLoss) and refresher is None:
+            raise ValueError(f"a {type(criterion).__name__} needs a refresher to build and "
+                             "update its bank (nnkloss.Refresher)")
+        # No refresher (a softmax head): nothing to refresh, whatever the schedule says.
         self.refresher = refresher
         if schedule is None:
-            every_epochs, every_steps = 10, None
-        else:
-            every_epochs = getattr(schedule, "every_epochs", None)
-            every_steps = getattr(schedule, "every_steps", None)
-        self.every_epochs, self.every_steps = every_epochs, every_steps
+            schedule = RefreshSchedule(every_epochs=10)  # the papers' update interval
+        elif not isinstance(schedule, RefreshSchedule):
+            raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
+                            f"{type(schedule).__name__}")
+        self.schedule = schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
@@ -270,6 +260,7 @@ class Trainer:
             "rng": _rng_state(),
             "history": self.history,
             "bank_ready": self._bank_ready,
+            "schedule": self.schedule.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -283,6 +274,9 @@ class Trainer:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.history = list(state["history"])
         self._bank_ready = bool(state.get("bank_ready", False))
+        # The schedule's counters (older checkpoints: the trainer's own).
+        self.schedule.load_state_dict(state.get("schedule", {"epoch": self.epoch,
+                                                             "global_step": self.step}))
         _set_rng_state(state["rng"])
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
@@ -290,10 +284,8 @@ class Trainer:
         path = path or self.checkpoint_path
         if path is None:
             raise ValueError("no path given and the Trainer has no out_dir")
-        buf = io.BytesIO()
-        torch.save(self.state_dict(), buf)
-        atomic_write(path, buf.getvalue())
-        return path
+        state = self.state_dict()
+        return atomic_write(path, lambda f: torch.save(state, f))
 
     def load_checkpoint(self, path: Optional[str] = None) -> None:
         path = path or self.checkpoint_path
@@ -337,7 +329,7 @@ class Trainer:
 
         With an asynchronous refresher and ``wait=False`` this only starts the background
         refresh (returns {}); the training loop swaps it in when it is ready (``poll()``)."""
-        sigma = float(self.criterion.sigma.detach())
+        sigma = self.criterion.kernel_sigma()
         if self._async and not wait:
             if not self.refresher.in_flight:
                 self.refresher.refresh_async(sigma)
@@ -357,7 +349,7 @@ class Trainer:
 
     def _finish_async(self) -> Dict[str, Any]:
         """Swap in a background refresh still in flight (before checkpoints and at the end)."""
-        if self.is_kernel and self._async and self.refresher.in_flight:
+        if self.refresher is not None and self._async and self.refresher.in_flight:
             return _stats_dict(self.refresher.wait())
         return {}
 
@@ -385,8 +377,8 @@ class Trainer:
             # distances are where half precision would hurt.
             loss = self.criterion(emb.float(), y, idx)
             # Under DDP: gradients of the mean over the global batch (no-op in one process).
-            loss = _dist.global_mean(loss, self.criterion.last_num_valid if self.is_kernel
-                                     else len(y))
+            counted = getattr(self.criterion, "last_num_valid", None)
+            loss = _dist.global_mean(loss, len(y) if counted is None else counted)
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
             _dist.sync_loss_parameters(self.criterion)
@@ -399,20 +391,19 @@ class Trainer:
             n_batches += 1
             rows += len(y)
             loss_sum += loss.detach().double()
-            if self.is_kernel and self.criterion.last_num_valid is not None:
-                valid_sum += self.criterion.last_num_valid.double()
+            if counted is not None:
+                valid_sum += counted.double()
             if bar is not None:
                 bar.update(1)
                 if n_batches % self.log_every == 0:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
-            if self.is_kernel:
-                if self._async and self.refresher.in_flight:
-                    done = self.refresher.poll()  # a thread liveness check: no sync
-                    if done is not None:
-                        refreshes = _stats_dict(done)
-                if self.every_steps and self.step % self.every_steps == 0:
-                    refreshes = self.refresh(wait=False) or refreshes
-                    self.model.train()
+            if self.refresher is not None and self._async and self.refresher.in_flight:
+                done = self.refresher.poll()  # a thread liveness check: no sync
+                if done is not None:
+                    refreshes = _stats_dict(done)
+            if self.schedule.step() and self.refresher is not None:
+                refreshes = self.refresh(wait=False) or refreshes
+                self.model.train()
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
         # The log shows the whole job: global_mean's per-rank values average to the global loss.
@@ -421,9 +412,9 @@ class Trainer:
         row: Dict[str, Any] = {"epoch": epoch, "step": self.step,
                                "loss": float(loss_sum) / n_batches,
                                "lr": self.optimizer.param_groups[0]["lr"]}
-        if self.is_kernel:
+        if counted is not None:
             row["valid_frac"] = float(valid_sum) / max(rows, 1)
-            row["sigma"] = float(self.criterion.sigma.detach())
+        row.update(getattr(self.criterion, "log_values", dict)())
         row.update(refreshes)
         return row
 
@@ -435,7 +426,7 @@ class Trainer:
         """
         if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
             self.load_checkpoint()
-        if self.is_kernel and not self._bank_ready:
+        if self.refresher is not None and not self._bank_ready:
             # The initial bank: centres from the untrained model, before the first step.
             seed_everything(self.seed)
             self._refresh_log = self.refresh()
@@ -478,8 +469,7 @@ class Trainer:
             self.epoch = epoch
             # Refresh at the end of every interval (not after the last epoch: nothing would
             # use it), before the checkpoint, so that a resumed run starts from this bank.
-            if (self.is_kernel and self.every_epochs and epoch % self.every_epochs == 0
-                    and not last):
+            if self.schedule.epoch_end() and not last and self.refresher is not None:
                 row.update(self.refresh(wait=False))
             if last or (self.out_dir and epoch % self.checkpoint_every == 0):
                 row.update(self._finish_async())  # checkpoints hold a settled bank

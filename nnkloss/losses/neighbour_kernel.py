@@ -1,19 +1,21 @@
-"""NeighbourKernelLoss: the nn.Module wrapper around the functional op and a CentreBank."""
+"""NeighbourKernelLoss: the nearest-neighbour Gaussian kernel loss (Eq. 3) over a CentreBank."""
 from __future__ import annotations
 
 import math
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .bank import CentreBank
-from .checks import BACKENDS, REDUCTIONS, check_batch, check_inputs, check_sigma
-from .functional import LossOutput, loss_unchecked
+from ..bank.centre_bank import CentreBank
+from ..ops.neighbour_kernel import loss_rows_unchecked
+from ..validation import BACKENDS, check_inputs, check_sigma
+from .base import BankLoss
 
 __all__ = ["NeighbourKernelLoss"]
 
 
-class NeighbourKernelLoss(nn.Module):
+class NeighbourKernelLoss(BankLoss):
     """Drop-in loss: ``loss = NeighbourKernelLoss(bank)(emb, labels, idx)``.
 
     Args:
@@ -36,49 +38,38 @@ class NeighbourKernelLoss(nn.Module):
     """
 
     def __init__(self, bank: CentreBank, sigma: float = 1.0, learn_sigma: bool = False,
-                 learn_weights=None, reduction: str = "mean", backend: str = "auto",
-                 exclude_self: bool = True):
-        super().__init__()
-        if not isinstance(bank, CentreBank):
-            raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+                 learn_weights: Optional[bool] = None, reduction: str = "mean",
+                 backend: str = "auto", exclude_self: bool = True):
+        super().__init__(bank, reduction, exclude_self)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, nan
-        self.bank = bank
         log_sigma = torch.tensor(math.log(float(sigma)), dtype=torch.float32,
                                  device=bank.centres.device)
         self.log_sigma = nn.Parameter(log_sigma, requires_grad=learn_sigma)
         if learn_weights is not None:
             bank.learn_weights = bool(learn_weights)
-        self.reduction = reduction
         self.backend = backend
-        self.exclude_self = exclude_self
-        self.last_stats: LossOutput | None = None
 
     @property
     def sigma(self) -> Tensor:
         return self.log_sigma.exp()
 
-    @property
-    def last_num_valid(self):
-        return None if self.last_stats is None else self.last_stats.num_valid
-
-    def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
+    def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
         bank = self.bank
-        check_batch(emb, labels, idx)
-        nb = bank.neighbours_for(idx, self.exclude_self)
-        labels = labels.to(emb.device)  # a no-op when already there
         weights = bank.weights_for_loss()
-        check_inputs(emb, labels, bank.centres, bank.labels, nb, weights, self.reduction,
-                     self.backend)
+        check_inputs(emb, labels, bank.centres, bank.labels, neighbours, weights,
+                     self.reduction, self.backend)
         # Bank contents were validated when written and sigma is exp(.) > 0, so no value
         # checks (and no host sync) here.
-        out = loss_unchecked(emb, labels, bank.centres, bank.labels, nb, weights,
-                             self.sigma.reshape(()), self.reduction, self.backend)
-        self.last_stats = LossOutput(out.loss.detach(), out.per_row.detach(), out.valid)
-        return out.loss
+        return loss_rows_unchecked(emb, labels, bank.centres, bank.labels, neighbours, weights,
+                                   self.sigma.reshape(()), self.backend)
+
+    def kernel_sigma(self) -> float:
+        return float(self.sigma.detach())
+
+    def log_values(self) -> Dict[str, float]:
+        return {"sigma": self.kernel_sigma()}
 
     def extra_repr(self) -> str:
         return (f"sigma={float(self.sigma):.4g}, learn_sigma={self.log_sigma.requires_grad}, "

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .checks import compiling, require_float, require_int
+from ..validation import compiling, require_float, require_int, require_labelled
 
 __all__ = ["CentreBank"]
 
@@ -72,11 +72,8 @@ class CentreBank(nn.Module):
     def __init__(self, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None,
                  neighbours: Optional[Tensor] = None, learn_weights: bool = False):
         super().__init__()
-        require_float("centres", centres, 2, (torch.float16, torch.bfloat16, torch.float32))
-        require_int("labels", labels, 1)
-        n = centres.shape[0]
-        if labels.shape[0] != n:
-            raise ValueError(f"labels has length {labels.shape[0]} but there are {n} centres")
+        n = require_labelled("centres", centres, "labels", labels,
+                             (torch.float16, torch.bfloat16, torch.float32))
         if labels.device != centres.device:
             raise ValueError(f"labels are on {labels.device} but centres on {centres.device}")
         if not torch.isfinite(centres).all():
@@ -209,14 +206,14 @@ class CentreBank(nn.Module):
 
         Args:
             k: list length, 1 <= k <= N - 1 (ValueError naming k otherwise).
-            backend: "auto", "torch" or "faiss" (see :func:`nnkloss.search.knn`); ``knn_options``
+            backend: "auto", "torch" or "faiss" (see :func:`nnkloss.bank.search.knn`); ``knn_options``
                 go to it too (``approximate="ivf"``, ``tile_bytes=``, ...).
             ensure_positive: a row whose list holds no centre of its own label gets its nearest
                 same-label centre (other than itself) in place of its last entry, when one
                 exists (per-class searches; no N x N matrix).
 
         Returns:
-            The :class:`nnkloss.search.NeighbourLists` that was installed: indices (N, k),
+            The :class:`nnkloss.bank.search.NeighbourLists` that was installed: indices (N, k),
             squared distances (N, k), has_positive (N,), num_patched, search seconds, backend.
         """
         from .search import neighbour_lists  # only needed here: keeps bank import-light
@@ -247,7 +244,7 @@ class CentreBank(nn.Module):
     @classmethod
     def from_class_means(cls, emb, labels, per_class: int = 1, seed: int = 0) -> "CentreBank":
         """A bank of class centroids (NCM for ``per_class=1``, NCMC above; see
-        :func:`nnkloss.centroids.class_centroids`). emb (N, D) float, labels (N,) int >= 0,
+        :func:`nnkloss.bank.centroids.class_centroids`). emb (N, D) float, labels (N,) int >= 0,
         tensors or numpy arrays; the bank lives on emb's device, without neighbour lists."""
         from .centroids import class_centroids
         centres, centre_labels = class_centroids(emb, labels, per_class=per_class, seed=seed)
@@ -256,7 +253,7 @@ class CentreBank(nn.Module):
     def add(self, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None
             ) -> "CentreBank":
         """Append centres (M, D) with labels (M,) and optional weights (M,) in place, without
-        retraining (see :func:`nnkloss.centroids.add_centres`). Returns the bank."""
+        retraining (see :func:`nnkloss.bank.centroids.add_centres`). Returns the bank."""
         from .centroids import add_centres
         return add_centres(self, centres, labels, weights)
 

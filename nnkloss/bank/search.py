@@ -24,7 +24,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .checks import FLOAT_DTYPES, require_float, require_int
+from ..validation import (FLOAT_DTYPES, require_float, require_labelled,
+                          require_positive_int)
 
 __all__ = ["knn", "recall_against_exact", "neighbour_lists", "NeighbourLists",
            "faiss_available", "faiss_gpu_usable", "KNN_BACKENDS", "APPROXIMATE"]
@@ -295,8 +296,9 @@ def _search_index(index, queries: Tensor, k: int, chunk_rows: int = 1 << 16
     return out_d, out_i
 
 
-def _drop_self(dist: Tensor, ids: Tensor, self_ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """From k+1 results per row, drop the row's own index (or, if absent, the farthest one)."""
+def drop_self(dist: Tensor, ids: Tensor, self_ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """From k+1 results per row, drop the row's own index (or, if absent, the farthest one).
+    The one self-exclusion of the package (faiss searches and the sharded search use it)."""
     is_self = ids == self_ids.unsqueeze(1)
     dist = dist.masked_fill(is_self, math.inf)
     ids = ids.masked_fill(is_self, -1)
@@ -312,7 +314,7 @@ def _faiss_search(index, queries: Tensor, k: int, self_ids: Optional[Tensor]
     else:
         kk = min(k + 1, index.ntotal)
         dist, ids = _search_index(index, queries, kk)
-        dist, ids = _drop_self(dist, ids, self_ids.cpu(), k)
+        dist, ids = drop_self(dist, ids, self_ids.cpu(), k)
     return dist.to(queries.device), ids.to(queries.device)
 
 
@@ -369,7 +371,7 @@ def _build_approximate(faiss, base: Tensor, kind: str, nlist: Optional[int],
 
 
 # ============================================================================ public API
-def _resolve_backend(backend: str, device: torch.device, k: int = 1) -> str:
+def resolve_knn_backend(backend: str, device: torch.device, k: int = 1) -> str:
     if backend not in KNN_BACKENDS:
         raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
     if backend != "auto":
@@ -443,7 +445,7 @@ def knn(queries: Tensor, base: Tensor, k: int, backend: str = "auto", exclude_se
         index = _build_approximate(faiss, base, approximate, nlist, nprobe, hnsw_m,
                                    ef_construction, ef_search, k, train_size, seed)
         return _faiss_search(index, queries, k, self_ids)
-    backend = _resolve_backend(backend, queries.device, k + int(exclude_self))
+    backend = resolve_knn_backend(backend, queries.device, k + int(exclude_self))
     if backend == "faiss":
         return _knn_faiss(queries, base, k, self_ids)
     return _knn_torch(queries, base, k, self_ids, tile_bytes)
@@ -469,8 +471,7 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     """
     if approximate not in ("ivf", "hnsw"):
         raise ValueError(f"approximate must be 'ivf' or 'hnsw', got {approximate!r}")
-    if isinstance(sample, bool) or not isinstance(sample, numbers.Integral) or sample < 1:
-        raise ValueError(f"sample must be a positive int, got {sample!r}")
+    sample = require_positive_int("sample", sample)
     unknown = set(params) - _RECALL_PARAMS
     if unknown:
         raise TypeError(f"recall_against_exact got unknown parameters {sorted(unknown)}; "
@@ -489,7 +490,7 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
                                params.get("ef_construction", 64), params.get("ef_search"), k,
                                params.get("train_size"), seed)
     a_d, a_i = _faiss_search(index, sub, k, self_ids)
-    exact = _resolve_backend(exact_backend, queries.device, k + int(exclude_self))
+    exact = resolve_knn_backend(exact_backend, queries.device, k + int(exclude_self))
     if exact == "faiss":
         e_d, _ = _knn_faiss(sub, base, k, self_ids)
     else:
@@ -527,7 +528,7 @@ def _has_same_label(indices: Tensor, labels: Tensor) -> Tensor:
     return ((nb_labels == labels.unsqueeze(1)) & valid).any(dim=1)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     # The calling thread's stream only: a background refresh must not wait for training.
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -580,16 +581,12 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
             members only (never an N x N matrix). Without a positive, the loss of that row is
             undefined (see DESIGN.md 1), so this keeps every row trainable.
     """
-    require_float("centres", centres, 2, FLOAT_DTYPES)
-    require_int("labels", labels, 1)
-    if labels.shape[0] != centres.shape[0]:
-        raise ValueError(f"labels has length {labels.shape[0]} but there are "
-                         f"{centres.shape[0]} centres")
+    require_labelled("centres", centres, "labels", labels)
     labels = labels.to(centres.device).long()
     approximate = knn_options.get("approximate")
     used = (f"faiss-{approximate}" if approximate is not None
-            else _resolve_backend(backend, centres.device, k + 1))
-    _sync(centres.device)
+            else resolve_knn_backend(backend, centres.device, k + 1))
+    synchronize(centres.device)
     t0 = time.perf_counter()
     dist, idx = knn(centres, centres, k, backend=backend, exclude_self=True, **knn_options)
     has_pos = _has_same_label(idx, labels)
@@ -597,5 +594,5 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     if ensure_positive:
         num_patched = patch_positives(centres, labels, 0, dist, idx, has_pos, backend,
                                       knn_options)
-    _sync(centres.device)
+    synchronize(centres.device)
     return NeighbourLists(idx, dist, has_pos, num_patched, time.perf_counter() - t0, used)

@@ -1,0 +1,16 @@
+"""The experiment kit behind ``repro/``: data sets in their official layouts, embedding
+networks, the :class:`Trainer`, evaluation of a run, plots and result tables.
+
+The library (``nnkloss.ops``, ``.losses``, ``.bank``, ``.evaluation``) never imports this
+subpackage; it builds on them.
+
+- :mod:`.datasets`: CUB-200-2011, Cars196, Flowers102, Leafsnap loaders (local paths only);
+- :mod:`.models`: embedding networks (torchvision backbones, DigitsNet) and a softmax head;
+- :mod:`.train`: :class:`Trainer` / :func:`fit` (refresh schedule, AMP, logs, checkpoints);
+- :mod:`.setup`: the shared set-up of the reproduction scripts (loaders, criteria);
+- :mod:`.evaluate`: embeddings of a loader, retrieval and classification metrics of a run;
+- :mod:`.plots`, :mod:`.reporting`: pictures, results.json and markdown tables.
+"""
+from .train import Trainer, fit, seed_everything
+
+__all__ = ["Trainer", "fit", "seed_everything"]

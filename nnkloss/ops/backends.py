@@ -1,0 +1,94 @@
+"""Where the op runs: backend names, their choice for a device, and their implementations.
+
+Every backend implements the same two functions with the same contract
+(``forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist)`` and
+``centre_grad(emb, centres, neighbours, coef)``, see :mod:`nnkloss.ops.reference`):
+
+- ``"triton"``: the fused kernels of ``kernels/`` (installed as ``nnkloss.kernels``); CUDA
+  tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``);
+- ``"torch"``: the plain chunked PyTorch path (:mod:`nnkloss.ops.reference`), any device.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from . import reference
+
+from ..validation import BACKENDS
+
+__all__ = ["BACKENDS", "resolve_backend", "implementation"]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # triton absent or broken: the torch path still works
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend and refuse combinations that cannot run."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if backend == "triton":
+        if not _triton_importable():
+            raise RuntimeError("backend='triton' needs the triton package; install it or use "
+                               "backend='torch'")
+        if device.type == "cpu" and not _interpreting():
+            raise RuntimeError("backend='triton' on CPU tensors runs only under Triton's "
+                               "interpreter: set TRITON_INTERPRET=1 before importing nnkloss")
+        if device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"backend='triton' does not support device {device}")
+    return backend
+
+
+def kernels():
+    """The ``nnkloss.kernels`` package (imported lazily: triton is only needed there)."""
+    try:
+        return importlib.import_module("nnkloss.kernels")
+    except ModuleNotFoundError as exc:
+        if exc.name != "nnkloss.kernels":
+            raise
+        return _source_tree_kernels()
+
+
+def _source_tree_kernels():
+    """Running from a source checkout that was not pip-installed (PYTHONPATH=.): kernels/ sits
+    beside nnkloss/ and is mapped to nnkloss.kernels the way setup.py's package_dir does."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.join(os.path.dirname(os.path.dirname(here)), "kernels")
+    init = os.path.join(root, "__init__.py")
+    if not os.path.exists(init):
+        raise ModuleNotFoundError("nnkloss.kernels is missing: reinstall nnkloss "
+                                  "(pip install -e .)", name="nnkloss.kernels")
+    spec = importlib.util.spec_from_file_location("nnkloss.kernels", init,
+                                                  submodule_search_locations=[root])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nnkloss.kernels"] = module
+    spec.loader.exec_module(module)
+    import nnkloss
+    nnkloss.kernels = module
+    return module
+
+
+def implementation(backend: str):
+    """The ``forward`` / ``centre_grad`` pair of a concrete backend name."""
+    if backend == "triton":
+        k = kernels()
+        return SimpleNamespace(forward=k.neighbour_kernel_fwd, centre_grad=k.centre_grad)
+    if backend == "torch":
+        return reference
+    raise ValueError(f"backend must be one of {BACKENDS[1:]} here, got {backend!r}")

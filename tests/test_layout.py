@@ -1,0 +1,60 @@
+"""The architecture as users meet it: a light import, the public names, the bank-loss contract."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nnkloss
+
+
+def test_import_is_light_and_the_core_never_imports_the_experiment_kit():
+    code = ("import sys, nnkloss, nnkloss.ops, nnkloss.losses, nnkloss.bank, nnkloss.evaluation\n"
+            "bad = [m for m in sys.modules if m.startswith('nnkloss.experiment')\n"
+            "       or m.split('.')[0] in ('matplotlib', 'torchvision', 'sklearn', 'faiss', 'triton')]\n"
+            "assert not bad, bad\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_earlier_module_paths_keep_working():
+    from nnkloss.metrics import recall_at_k
+    from nnkloss.search import knn
+    from nnkloss.distributed import init_from_env
+    assert recall_at_k is nnkloss.evaluation.metrics.recall_at_k
+    assert knn is nnkloss.bank.search.knn and nnkloss.knn is knn
+    assert init_from_env is nnkloss.bank.distributed.init_from_env
+    assert nnkloss.plots.plot_embedding is nnkloss.experiment.plots.plot_embedding
+    assert nnkloss.train.Trainer is nnkloss.experiment.Trainer
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        nnkloss.nope
+
+
+class HalfDistance(nnkloss.BankLoss):
+    """A bank loss is only its maths: the template checks, gathers lists and reduces."""
+
+    def rows(self, emb, labels, neighbours):
+        c = self.bank.centres[neighbours.clamp_min(0)]
+        d = ((c - emb[:, None]) ** 2).sum(-1).masked_fill(neighbours < 0, 0.0)
+        return 0.5 * d.sum(1), (neighbours >= 0).any(1)
+
+
+def test_bank_loss_template():
+    g = torch.Generator().manual_seed(0)
+    bank = nnkloss.CentreBank(torch.randn(6, 3, generator=g), torch.arange(6) % 2,
+                              neighbours=torch.tensor([[1, 2], [0, 2], [0, 1], [4, 5], [3, 5],
+                                                       [3, 4]]))
+    emb = torch.randn(3, 3, generator=g, requires_grad=True)
+    idx = torch.tensor([0, 3, 5])
+    loss_fn = HalfDistance(bank)
+    loss = loss_fn(emb, torch.tensor([0, 1, 1]), idx)
+    expected = sum(0.5 * ((bank.centres[bank.neighbours[i]] - emb[r]) ** 2).sum()
+                   for r, i in enumerate(idx.tolist())) / 3
+    torch.testing.assert_close(loss, expected)
+    assert int(loss_fn.last_num_valid) == 3
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
+        loss_fn(emb, [0, 1, 1], idx)
+    with pytest.raises(TypeError, match="Can't instantiate abstract class"):
+        nnkloss.BankLoss(bank)
+    assert isinstance(nnkloss.NeighbourKernelLoss(bank), nnkloss.BankLoss)
+    assert isinstance(nnkloss.ClassConditionalLoss(bank), nnkloss.BankLoss)

@@ -34,8 +34,8 @@ import triton.language as tl
 # Largest power-of-two D held in registers for the single-pass path; larger D uses the
 # two-phase path (distances first, then the weighted sums chunk by chunk over D).
 MAX_SINGLE_PASS_BLOCK_D = 4096
-# Elements of one [BLOCK_K, BLOCK_D] centre tile kept in registers (see default_config).
-TILE_ELEMS = 8192
+# Bytes of the gathered centre tile each thread holds (see default_config).
+BYTES_PER_THREAD = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,30 +341,52 @@ class FwdConfig:
         return self.block_d >= D
 
 
-def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D) -> FwdConfig:
-    """Launch rule derived from the static build report (benchmarks/kernel_report.py, CSVs in
-    benchmarks/results/static_sm_90.csv / static_sm_80.csv; figures for fp32 centres, Triton
-    3.8.0):
+def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
+                   elem_size: int = 4) -> FwdConfig:
+    """Launch rule derived from the static build report (``python benchmarks/kernel_report.py``;
+    benchmarks/results/static_sm_90.csv and static_sm_80.csv, Triton 3.8.0, "sweep" rows).
 
-    * Tile of about TILE_ELEMS = 8192 elements (BLOCK_K * BLOCK_D), whole row in registers up to
-      D = 4096. With 8 warps that is 32 fp32 elements (128 bytes: eight 128-bit loads) in
-      flight per thread per tile; the report shows no spills for every D in {1..4096} x K
-      in {1..256}, 64-128 registers/thread, i.e. 2-4 blocks = 16-32 resident warps per SM and
-      32-64 KB of gathered centre bytes in flight per SM on sm_80 and sm_90.
-      A 16384-element tile (tried in the report as block_k doubled) needs > 168 registers/thread
-      at 8 warps: 1 block = 8 warps/SM, below the 16-warp floor the build gate asserts.
-    * num_warps 8 for tiles > 2048 elements, else 4 (a 2048-element tile spreads 16 elements
-      over 128 threads: four 128-bit loads per thread).
-    * rows: when a row's whole list is smaller than one tile (K * D <= 1024 elements, e.g.
-      K = 32, D = 32) one program handles 4 rows in turn, which amortises the per-program
-      set-up (sigma, label, output stores) that otherwise dominates such tiny rows. (Not yet
-      measured on a GPU: benchmarks/tune_loss.py sweeps it.)
+    Rule: the whole row in registers up to D = 4096 (block_d = next power of two of D); each
+    thread holds BYTES_PER_THREAD = 64 bytes of the gathered centre tile (four 128-bit loads:
+    16 fp32 / 32 bf16 or fp16 / 8 fp64 elements); num_warps 4 up to block_d 1024, 8 at 2048,
+    16 at 4096 (so that block_k >= 2 for fp32); block_k = the rest of the tile (at most the
+    next power of two of K); rows of fewer elements than one 4-warp tile take fewer warps
+    (down to 1) and 4 rows per program when one warp's tile holds the whole list.
+
+    Why (figures for sm_90; sm_80 within one block): registers hold the tile, so bytes in
+    flight per SM (resident blocks x tile bytes) saturate near 64-80 KB whatever the split,
+    and what the split decides is how many warps stay resident. No configuration spills.
+
+      K=100 D=512 fp32   4x512 w4 (this rule):  56 regs, 36 warps/SM, 72 KB in flight
+                         16x512 w8 (old rule): 109 regs, 16 warps/SM, 64 KB
+                         32x512 w8:            181 regs,  8 warps/SM (below the 16 floor)
+      K=100 D=1000 fp32  2x1024 w4 (rule):      64 regs, 32 warps, 64 KB; old 8x1024 w8:
+                         111 regs, 16 warps, 64 KB; 16x1024 w4: 255 regs, 8 warps
+      K=100 D=4096 fp32  2x4096 w16 (rule):     64 regs, 32 warps, 64 KB; old 2x4096 w8:
+                         125 regs, 16 warps, 64 KB; 1x4096 w8: 109 regs, 16 warps, 32 KB
+      K=100 D=512 bf16   8x512 w4 (rule):      116 regs, 16 warps, 32 KB; 4x512 w4 (16 el.
+                         per thread): 80 regs, 24 warps, 24 KB; 32x512 w4: 8 warps
+      K=256 D=2048 bf16  4x2048 w8 (rule):     102 regs, 16 warps, 32 KB (2x2048 w4 and
+                         8x2048 w16 the same 32 KB); 8x2048 w8: 164 regs, 8 warps
+      K=32 D=16 fp32     32x16 w1 (rule):       64 regs, 32 warps (32 blocks/SM), 64 KB;
+                         w4: 48 regs, 40 warps, 20 KB
+
+    For 2-byte banks 64 bytes per thread costs the 16-warp floor's worth of registers but
+    gives 32 KB in flight against 24 KB at 32 bytes per thread. Rows per program do not change
+    the static figures (the rows are processed in turn by the same tile); they only divide the
+    number of programs for tiny lists. Not yet measured on a GPU: benchmarks/tune_loss.py
+    sweeps the alternatives against this default.
     """
     block_d_full = triton.next_power_of_2(max(D, 1))
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d
-    block_k = max(1, min(triton.next_power_of_2(max(K, 1)), TILE_ELEMS // block_d, 64))
-    num_warps = 4 if block_k * block_d <= 2048 else 8
-    rows = 4 if K * D <= 1024 else 1
+    per_thread = max(1, BYTES_PER_THREAD // elem_size)
+    num_warps = 4 if block_d <= 1024 else (8 if block_d <= 2048 else 16)
+    kp2 = triton.next_power_of_2(max(K, 1))
+    # Small lists: no more warps than the tile needs at per_thread elements per thread.
+    while num_warps > 1 and kp2 * block_d < per_thread * 32 * num_warps:
+        num_warps //= 2
+    block_k = max(1, min(kp2, per_thread * 32 * num_warps // block_d))
+    rows = 4 if K * D <= per_thread * 32 else 1
     return FwdConfig(block_k, block_d, num_warps, 2, rows)
 
 
@@ -413,7 +435,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     lse_pos = torch.empty(B, device=dev, dtype=cdt)
     grad_x = torch.empty(B, D, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
-    cfg = config if config is not None else default_config(K, D, max_block_d)
+    cfg = config if config is not None else default_config(K, D, max_block_d,
+                                                           centres.element_size())
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist

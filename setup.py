@@ -16,6 +16,12 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "faiss": ["faiss-cpu"],
+        # GPU neighbour search with Hopper (sm_90) code. faiss-gpu-cuvs 1.15.1 carries
+        # sm_75..sm_90 and needs the CUDA 13 runtime: it pairs with the CUDA 13 torch that
+        # `pip install torch` gives. For a CUDA 12 build of torch use the gpu-cu12 extra
+        # (faiss-gpu 1.15.1: sm_70..sm_90, CUDA 12 runtime). Not faiss-gpu-cu12: no sm_90 code.
+        "gpu": ["triton>=3.0", "faiss-gpu-cuvs>=1.15.1; python_version >= '3.11'"],
+        "gpu-cu12": ["triton>=3.0", "faiss-gpu>=1.15.1"],
         "vision": ["torchvision", "scipy", "Pillow"],
         "demo": ["scikit-learn", "matplotlib"],
         "test": ["pytest", "triton>=3.0", "scikit-learn", "matplotlib", "faiss-cpu", "scipy",

@@ -1,20 +1,26 @@
 """Fused nearest-neighbour Gaussian kernel loss: Triton kernels and their launchers.
 
 This module knows nothing of banks, training or autograd: it takes plain tensors and returns
-plain tensors. The maths (per query row ``b`` with label ``R`` and neighbour list ``N_b``)::
+plain tensors, following the forward contract (CONTRACT.md). Per query row ``b`` (x = emb[b],
+label ``R``, neighbour list ``N_b``)::
 
-    d_j   = ||x_b - c_j||^2
-    l_j   = log w_j - d_j / (2 sigma^2)
+    z_j   = (c_j - x) / sigma                 scaled BEFORE squaring (no fp32 overflow of d_j)
+    u_j   = ||z_j||^2                         (= ||x - c_j||^2 / sigma^2; this is ``dist``)
+    l_j   = log w_j - u_j / 2                 (valid entries: not padding, w_j != 0)
     S     = logsumexp_{j in N_b} l_j          S_R = logsumexp_{j in N_b, y_j = R} l_j
     loss  = S - S_R
-    dL/dx = (1/sigma^2) * (sum_j p_j (c_j - x) - sum_j p^R_j (c_j - x))
+    dL/dx = (1/sigma) * sum_j (p_j - p^R_j) z_j      p = e / s_all, p^R = e^R / s_pos
 
 The forward kernel streams the K neighbours of a row in tiles of ``[BLOCK_K, D]`` and keeps two
 online-softmax accumulators (all neighbours / same-class neighbours), each with its own running
 max so that neither sum underflows when positives are much farther than negatives. Every gathered
-centre row is read once from memory. Its outputs are everything the backward pass needs, so the
-backward is only B x K / B x D elementwise work (plus :func:`centre_grad` when centres need a
-gradient).
+centre row is read once from memory (twice on the two-phase path for D wider than the register
+tile). A row with a non-finite u_j (NaN/inf in x or a gathered centre, fp32 overflow) or a
+non-finite log-weight comes out NaN everywhere (a separate "bad" count, not NaN propagation
+through max, which the hardware does not guarantee); it never looks like "no positive".
+
+Launch configurations: :func:`default_config`, derived from the static build report
+(``benchmarks/kernel_report.py``, figures in its docstring and in ``benchmarks/results``).
 """
 from __future__ import annotations
 
@@ -28,14 +34,78 @@ import triton.language as tl
 # Largest power-of-two D held in registers for the single-pass path; larger D uses the
 # two-phase path (distances first, then the weighted sums chunk by chunk over D).
 MAX_SINGLE_PASS_BLOCK_D = 4096
-# Elements of one [BLOCK_K, BLOCK_D] centre tile kept in registers.
-TILE_ELEMS = 8192
+# Bytes of the gathered centre tile each thread holds (see default_config).
+BYTES_PER_THREAD = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers (inlined by Triton)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _aligned_row_offsets(idx, stride, ROW_ALIGN: tl.constexpr):
+    """idx * stride, written so that the compiler knows the result is a multiple of ROW_ALIGN.
+
+    The launcher has checked that ``stride`` (and the base pointer, in bytes) are multiples of
+    ROW_ALIGN elements; ``(stride // A) * A`` equals ``stride`` then, and Triton's alignment
+    analysis turns a product by the constant A into "divisible by A", which is what lets it emit
+    128-bit (or 64-bit) gathers for rows whose width is not a multiple of 16 elements.
+    """
+    return idx * (stride // ROW_ALIGN) * ROW_ALIGN
 
 
 @triton.jit
-def _online_update(m, s, logits, new_max_candidate):
+def _gather_rows(ptr, idx, row_mask, stride, dd, dmask, ROW_ALIGN: tl.constexpr,
+                 COMPUTE: tl.constexpr):
+    """Load the [BLOCK_K, BLOCK_D] tile ptr[idx[k], dd[d]] (0 where masked), as COMPUTE."""
+    rows = _aligned_row_offsets(idx, stride, ROW_ALIGN)
+    tile = tl.load(ptr + rows[:, None] + dd[None, :],
+                   mask=row_mask[:, None] & dmask[None, :], other=0.0)
+    return tile.to(COMPUTE)
+
+
+@triton.jit
+def _gather_scaled_diff(cen_ptr, idx, nonpad, stride_cn, x, inv_sigma, dd, dmask,
+                        ROW_ALIGN: tl.constexpr, COMPUTE: tl.constexpr):
+    """z = (c_idx - x) * (1/sigma) on one [BLOCK_K, BLOCK_D] tile (0 for padding), and
+    u = sum_d z^2 of that tile: the difference is scaled before it is squared."""
+    c = _gather_rows(cen_ptr, idx, nonpad, stride_cn, dd, dmask, ROW_ALIGN, COMPUTE)
+    z = tl.where(nonpad[:, None], (c - x[None, :]) * inv_sigma, 0.0)
+    return z, tl.sum(z * z, axis=1)
+
+
+@triton.jit
+def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label,
+                    HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
+    """Indices, padding/valid/same-class masks and log-weights of one tile of the list."""
+    kmask = kk < K
+    idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
+    nonpad = kmask & (idx >= 0)
+    safe = tl.where(nonpad, idx, 0)
+    clab = tl.load(clab_ptr + safe, mask=nonpad, other=0)
+    if HAS_W:
+        w = tl.load(w_ptr + safe, mask=nonpad, other=0.0).to(COMPUTE)
+        valid = nonpad & (w != 0)
+        # log of a NaN/negative weight is NaN, of inf is inf: counted as bad by the caller.
+        logw = tl.log(tl.where(valid, w, 1.0))
+    else:
+        valid = nonpad
+        logw = tl.zeros_like(kk).to(COMPUTE)
+    same = valid & (clab == label)
+    return kmask, nonpad, safe, valid, same, logw
+
+
+@triton.jit
+def _count_bad(nonpad, valid, u, logw):
+    """Entries that make the row non-finite (contract item 6). |v| < inf is False for NaN."""
+    bad = (nonpad & ~(tl.abs(u) < float("inf"))) | (valid & ~(tl.abs(logw) < float("inf")))
+    return tl.sum(bad.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _online_update(m, s, logits):
     """One online-logsumexp step: returns (new max, rescale factor, exp weights, new sum)."""
-    m_new = tl.maximum(m, new_max_candidate)
+    m_new = tl.maximum(m, tl.max(logits, axis=0))
     # While nothing valid has been seen m_new is -inf; shift by 0 instead so that
     # exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -50,124 +120,145 @@ def _lse(m, s):
     return tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), float("-inf"))
 
 
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
 @triton.jit
 def _nk_fwd_kernel(
     emb_ptr, lab_ptr, cen_ptr, clab_ptr, nbr_ptr, w_ptr, sigma_ptr,
     loss_ptr, lse_all_ptr, lse_pos_ptr, gx_ptr, dist_ptr,
-    K, D,
+    B, K, D,
     stride_eb, stride_cn, stride_nb, stride_gb, stride_db,
     HAS_W: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    STORE_DIST: tl.constexpr, ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """ROWS query rows per program (grid = cdiv(B, ROWS)).
+
+    Memory traffic per row (the figure the kernel is measured against):
+        reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
+                + D * sizeof(emb) + sizeof(label)
+                (+ K * D * sizeof(bank) again on the two-phase path, D > BLOCK_D)
+        writes  D * 4 (grad_x) + 3 * 4 (loss, lse_all, lse_pos)
+                + K * 4 (dist) only when STORE_DIST (always on the two-phase path: scratch)
+    """
+    # Step 0: per-program constants. Rows past B repeat row B-1 (identical values stored twice),
+    # so no row mask is needed anywhere below.
     sigma = tl.load(sigma_ptr).to(COMPUTE)
-    inv_s2 = 1.0 / (sigma * sigma)
-    half_inv_s2 = 0.5 * inv_s2
-    label = tl.load(lab_ptr + row)
+    inv_sigma = 1.0 / sigma
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
+    # D as a multiple of ROW_ALIGN / EMB_ALIGN (checked by the launcher) so that the column
+    # masks are constant over whole vectors of centre / embedding elements.
+    Dc = (D // ROW_ALIGN) * ROW_ALIGN
+    De = (D // EMB_ALIGN) * EMB_ALIGN
+    for r in range(ROWS):
+        row = tl.minimum(tl.program_id(0).to(tl.int64) * ROWS + r, B - 1)
+        label = tl.load(lab_ptr + row)
+        erow = _aligned_row_offsets(row, stride_eb, EMB_ALIGN)
 
-    zero = tl.sum(tl.zeros([BLOCK_K], dtype=COMPUTE), axis=0)
-    m_all = zero + float("-inf")
-    s_all = zero
-    m_pos = zero + float("-inf")
-    s_pos = zero
-    acc_all = tl.zeros([BLOCK_D], dtype=COMPUTE)
-    acc_pos = tl.zeros([BLOCK_D], dtype=COMPUTE)
-    if SINGLE_PASS:
-        dmask = offs_d < D
-        x = tl.load(emb_ptr + row * stride_eb + offs_d, mask=dmask, other=0.0).to(COMPUTE)
-
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < K
-        idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
-        nonpad = kmask & (idx >= 0)
-        safe = tl.where(nonpad, idx, 0)
-        clab = tl.load(clab_ptr + safe, mask=nonpad, other=0)
-        if HAS_W:
-            w = tl.load(w_ptr + safe, mask=nonpad, other=0.0).to(COMPUTE)
-            valid = nonpad & (w > 0)
-            logw = tl.log(tl.where(valid, w, 1.0))
-        else:
-            valid = nonpad
-            logw = tl.zeros([BLOCK_K], dtype=COMPUTE)
-        # Distances of zero-weight entries are still computed: the weight gradient needs them.
+        zero = tl.sum(tl.zeros([BLOCK_K], dtype=COMPUTE), axis=0)
+        m_all = zero + float("-inf")
+        s_all = zero
+        m_pos = zero + float("-inf")
+        s_pos = zero
+        n_bad = tl.sum(tl.zeros([BLOCK_K], dtype=tl.int32), axis=0)
+        acc_all = tl.zeros([BLOCK_D], dtype=COMPUTE)
+        acc_pos = tl.zeros([BLOCK_D], dtype=COMPUTE)
         if SINGLE_PASS:
-            c = tl.load(cen_ptr + safe[:, None] * stride_cn + offs_d[None, :],
-                        mask=nonpad[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
-            diff = tl.where(nonpad[:, None], c - x[None, :], 0.0)
-            dist = tl.sum(diff * diff, axis=1)
+            dmask = offs_d < Dc
+            x = tl.load(emb_ptr + erow + offs_d, mask=offs_d < De, other=0.0).to(COMPUTE)
+
+        # Step 1: stream the list in [BLOCK_K, D] tiles: gather, scaled distances, online
+        # logsumexp of all / same-class logits (and, single pass, the weighted sums of z).
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            kmask, nonpad, safe, valid, same, logw = _neighbour_meta(
+                nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label, HAS_W, COMPUTE)
+            # Distances of zero-weight entries are computed too: the weight gradient needs them.
+            if SINGLE_PASS:
+                z, u = _gather_scaled_diff(cen_ptr, safe, nonpad, stride_cn, x, inv_sigma,
+                                           offs_d, dmask, ROW_ALIGN, COMPUTE)
+            else:
+                u = tl.zeros([BLOCK_K], dtype=COMPUTE)
+                for d0 in range(0, D, BLOCK_D):
+                    dd = d0 + offs_d
+                    dm = dd < Dc
+                    xc = tl.load(emb_ptr + erow + dd, mask=dd < De, other=0.0).to(COMPUTE)
+                    zc, uc = _gather_scaled_diff(cen_ptr, safe, nonpad, stride_cn, xc, inv_sigma,
+                                                 dd, dm, ROW_ALIGN, COMPUTE)
+                    u += uc
+            if STORE_DIST:
+                tl.store(dist_ptr + row * stride_db + kk, u, mask=kmask)
+            # Step 2: non-finite entries are counted, then neutralised so that the arithmetic
+            # below stays finite; the row's outputs are overwritten with NaN at the end.
+            n_bad += _count_bad(nonpad, valid, u, logw)
+            fin = (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
+            ok = valid & fin
+            logit = tl.where(ok, logw - 0.5 * tl.where(ok, u, 0.0), float("-inf"))
+            logit_pos = tl.where(same, logit, float("-inf"))
+            m_all, alpha_all, p_all, s_all = _online_update(m_all, s_all, logit)
+            m_pos, alpha_pos, p_pos, s_pos = _online_update(m_pos, s_pos, logit_pos)
+            if SINGLE_PASS:
+                z = tl.where(ok[:, None], z, 0.0)
+                acc_all = acc_all * alpha_all + tl.sum(p_all[:, None] * z, axis=0)
+                acc_pos = acc_pos * alpha_pos + tl.sum(p_pos[:, None] * z, axis=0)
+
+        # Step 3: row scalars. Rows without a same-class entry: loss 0, lse_pos -inf, grad 0.
+        is_bad = n_bad > 0
+        has_pos = s_pos > 0
+        lse_all = _lse(m_all, s_all)
+        lse_pos = _lse(m_pos, s_pos)
+        loss = tl.where(has_pos, lse_all - lse_pos, 0.0)
+        tl.store(lse_all_ptr + row, tl.where(is_bad, float("nan"), lse_all))
+        tl.store(lse_pos_ptr + row, tl.where(is_bad, float("nan"), lse_pos))
+        tl.store(loss_ptr + row, tl.where(is_bad, float("nan"), loss))
+        # Probabilities are normalised by the computed sums (never exp(l - lse)).
+        scale_all = tl.where(has_pos, inv_sigma / tl.where(s_all > 0, s_all, 1.0), 0.0)
+        scale_pos = tl.where(has_pos, inv_sigma / tl.where(has_pos, s_pos, 1.0), 0.0)
+        grow = row * stride_gb
+
+        # Step 4: grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j.
+        if SINGLE_PASS:
+            gx = acc_all * scale_all - acc_pos * scale_pos
+            tl.store(gx_ptr + grow + offs_d, tl.where(is_bad, float("nan"), gx),
+                     mask=offs_d < D)
         else:
-            dist = tl.zeros([BLOCK_K], dtype=COMPUTE)
+            # Two-phase path for wide D: the final maxima and sums are known now, so the
+            # weighted sums need no rescaling. u is re-read from dist (written above by this
+            # program, scratch when the caller did not ask for it); make it visible first.
+            tl.debug_barrier()
+            m_all_s = tl.where(m_all == float("-inf"), 0.0, m_all)
+            m_pos_s = tl.where(m_pos == float("-inf"), 0.0, m_pos)
+            inv_s_all = 1.0 / tl.where(s_all > 0, s_all, 1.0)
+            inv_s_pos = 1.0 / tl.where(has_pos, s_pos, 1.0)
             for d0 in range(0, D, BLOCK_D):
                 dd = d0 + offs_d
-                dm = dd < D
-                xc = tl.load(emb_ptr + row * stride_eb + dd, mask=dm, other=0.0).to(COMPUTE)
-                cc = tl.load(cen_ptr + safe[:, None] * stride_cn + dd[None, :],
-                             mask=nonpad[:, None] & dm[None, :], other=0.0).to(COMPUTE)
-                df = tl.where(nonpad[:, None], cc - xc[None, :], 0.0)
-                dist += tl.sum(df * df, axis=1)
-        tl.store(dist_ptr + row * stride_db + kk, dist, mask=kmask)
+                dm = dd < Dc
+                xc = tl.load(emb_ptr + erow + dd, mask=dd < De, other=0.0).to(COMPUTE)
+                g = tl.zeros([BLOCK_D], dtype=COMPUTE)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + offs_k
+                    kmask, nonpad, safe, valid, same, logw = _neighbour_meta(
+                        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label, HAS_W, COMPUTE)
+                    u = tl.load(dist_ptr + row * stride_db + kk, mask=kmask, other=0.0)
+                    ok = valid & (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
+                    logit = logw - 0.5 * tl.where(ok, u, 0.0)
+                    p_all = tl.where(ok, tl.exp(logit - m_all_s) * inv_s_all, 0.0)
+                    p_pos = tl.where(ok & same, tl.exp(logit - m_pos_s) * inv_s_pos, 0.0)
+                    coef = tl.where(has_pos, p_all - p_pos, 0.0)
+                    zc, uc = _gather_scaled_diff(cen_ptr, safe, ok, stride_cn, xc, inv_sigma,
+                                                 dd, dm, ROW_ALIGN, COMPUTE)
+                    g += tl.sum(coef[:, None] * zc, axis=0)
+                g = g * inv_sigma
+                tl.store(gx_ptr + grow + dd, tl.where(is_bad, float("nan"), g), mask=dd < D)
 
-        logit = tl.where(valid, logw - dist * half_inv_s2, float("-inf"))
-        logit_pos = tl.where(valid & (clab == label), logit, float("-inf"))
-        m_all, alpha_all, p_all, s_all = _online_update(m_all, s_all, logit, tl.max(logit, axis=0))
-        m_pos, alpha_pos, p_pos, s_pos = _online_update(m_pos, s_pos, logit_pos,
-                                                        tl.max(logit_pos, axis=0))
-        if SINGLE_PASS:
-            acc_all = acc_all * alpha_all + tl.sum(p_all[:, None] * diff, axis=0)
-            acc_pos = acc_pos * alpha_pos + tl.sum(p_pos[:, None] * diff, axis=0)
 
-    lse_all = _lse(m_all, s_all)
-    lse_pos = _lse(m_pos, s_pos)
-    has_pos = s_pos > 0
-    tl.store(lse_all_ptr + row, lse_all)
-    tl.store(lse_pos_ptr + row, lse_pos)
-    tl.store(loss_ptr + row, tl.where(has_pos, lse_all - lse_pos, 0.0))
-
-    # Rows with no same-class neighbour get zero gradient: scale both means by 0.
-    scale_all = tl.where(has_pos, inv_s2 / tl.where(s_all > 0, s_all, 1.0), 0.0)
-    scale_pos = tl.where(has_pos, inv_s2 / tl.where(has_pos, s_pos, 1.0), 0.0)
-    if SINGLE_PASS:
-        gx = acc_all * scale_all - acc_pos * scale_pos
-        tl.store(gx_ptr + row * stride_gb + offs_d, gx, mask=dmask)
-    else:
-        # Two-phase path for wide D: the exact probabilities are known now, so the weighted
-        # centre sums need no rescaling. Make this program's distance stores visible first.
-        tl.debug_barrier()
-        lse_all_safe = tl.where(s_all > 0, lse_all, 0.0)
-        lse_pos_safe = tl.where(has_pos, lse_pos, 0.0)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + offs_d
-            dm = dd < D
-            xc = tl.load(emb_ptr + row * stride_eb + dd, mask=dm, other=0.0).to(COMPUTE)
-            g = tl.zeros([BLOCK_D], dtype=COMPUTE)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                kmask = kk < K
-                idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
-                valid = kmask & (idx >= 0)
-                safe = tl.where(valid, idx, 0)
-                clab = tl.load(clab_ptr + safe, mask=valid, other=0)
-                if HAS_W:
-                    w = tl.load(w_ptr + safe, mask=valid, other=0.0).to(COMPUTE)
-                    valid = valid & (w > 0)
-                    logw = tl.log(tl.where(valid, w, 1.0))
-                else:
-                    logw = tl.zeros([BLOCK_K], dtype=COMPUTE)
-                dist = tl.load(dist_ptr + row * stride_db + kk, mask=kmask, other=0.0)
-                logit = logw - dist * half_inv_s2
-                # Any valid entry implies s_all > 0; rows without positives are zeroed by coef.
-                p_all = tl.where(valid, tl.exp(logit - lse_all_safe), 0.0)
-                p_pos = tl.where(valid & (clab == label), tl.exp(logit - lse_pos_safe), 0.0)
-                coef = tl.where(has_pos, (p_all - p_pos) * inv_s2, 0.0)
-                cc = tl.load(cen_ptr + safe[:, None] * stride_cn + dd[None, :],
-                             mask=valid[:, None] & dm[None, :], other=0.0).to(COMPUTE)
-                df = tl.where(valid[:, None], cc - xc[None, :], 0.0)
-                g += tl.sum(coef[:, None] * df, axis=0)
-            tl.store(gx_ptr + row * stride_gb + dd, g, mask=dm)
-
+# ----------------------------------------------------------------------------------------------
+# Centre gradient (scatter)
+# ----------------------------------------------------------------------------------------------
 
 @triton.jit
 def _nk_centre_grad_kernel(
@@ -175,14 +266,24 @@ def _nk_centre_grad_kernel(
     K, D,
     stride_eb, stride_cn, stride_nb, stride_fb, stride_gn,
     COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
 ):
-    """grad_centres[j] += coef[b, k] * (x_b - c_j) for every (b, k) with neighbours[b, k] = j."""
+    """grad_centres[j] += coef[b, k] * (x_b - c_j) for every (b, k) with neighbours[b, k] = j.
+
+    Program (b, d-block). Memory traffic per row: reads K * (D * sizeof(bank) + sizeof(nbr) + 4)
+    + D * sizeof(emb); atomic read-modify-writes K * D * sizeof(compute) (entries with coef 0
+    are skipped).
+    """
+    # Step 0: the row's embedding block.
     row = tl.program_id(0).to(tl.int64)
     dblock = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
     dd = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
-    dm = dd < D
-    x = tl.load(emb_ptr + row * stride_eb + dd, mask=dm, other=0.0).to(COMPUTE)
+    dm = dd < (D // ROW_ALIGN) * ROW_ALIGN
+    erow = _aligned_row_offsets(row, stride_eb, EMB_ALIGN)
+    x = tl.load(emb_ptr + erow + dd, mask=dd < (D // EMB_ALIGN) * EMB_ALIGN,
+                other=0.0).to(COMPUTE)
+    # Step 1: gather each tile of centres, scatter coef * (x - c).
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
@@ -190,11 +291,15 @@ def _nk_centre_grad_kernel(
         coef = tl.load(coef_ptr + row * stride_fb + kk, mask=kmask, other=0.0).to(COMPUTE)
         valid = kmask & (idx >= 0) & (coef != 0)
         safe = tl.where(valid, idx, 0)
-        m2 = valid[:, None] & dm[None, :]
-        c = tl.load(cen_ptr + safe[:, None] * stride_cn + dd[None, :], mask=m2, other=0.0)
-        contrib = coef[:, None] * (x[None, :] - c.to(COMPUTE))
-        tl.atomic_add(gcen_ptr + safe[:, None] * stride_gn + dd[None, :], contrib, mask=m2)
+        c = _gather_rows(cen_ptr, safe, valid, stride_cn, dd, dm, ROW_ALIGN, COMPUTE)
+        contrib = coef[:, None] * (x[None, :] - c)
+        tl.atomic_add(gcen_ptr + safe[:, None] * stride_gn + dd[None, :], contrib,
+                      mask=valid[:, None] & dm[None, :])
 
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
 
 def _compute_dtype(emb: torch.Tensor) -> torch.dtype:
     return torch.float64 if emb.dtype == torch.float64 else torch.float32
@@ -204,88 +309,179 @@ def _tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def row_align(D: int, t: torch.Tensor) -> int:
+    """Largest alignment A (elements, a power of two, at most 16 bytes' worth) such that D, the
+    row stride of ``t`` and its base address (in bytes, A * element size) are multiples of it:
+    what the kernel may promise the compiler about every row start of ``t``. 1 = no promise
+    (the fallback build, scalar loads for odd D)."""
+    a = max(1, 16 // t.element_size())
+    while a > 1:
+        if (D % a == 0 and (t.stride(0) % a == 0 or t.shape[0] <= 1)
+                and t.data_ptr() % (a * t.element_size()) == 0):
+            return a
+        a //= 2
+    return 1
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """Launch configuration of the forward kernel.
 
     block_k: neighbours per tile (power of two); block_d: columns per tile (power of two; the
-    single-pass path when it covers D); num_warps / num_stages: as for any Triton launch.
+    single-pass path when it covers D); num_warps / num_stages: as for any Triton launch;
+    rows: query rows per program (for rows too small to fill a tile).
     """
     block_k: int
     block_d: int
     num_warps: int = 4
     num_stages: int = 2
+    rows: int = 1
 
     def single_pass(self, D: int) -> bool:
         return self.block_d >= D
 
 
-def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D) -> FwdConfig:
-    """Heuristic choice (not yet tuned on a GPU): the whole row in registers up to
-    ``max_block_d`` columns, about TILE_ELEMS elements per centre tile."""
+def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
+                   elem_size: int = 4) -> FwdConfig:
+    """Launch rule derived from the static build report (``python benchmarks/kernel_report.py``;
+    benchmarks/results/static_sm_90.csv and static_sm_80.csv, Triton 3.8.0, "sweep" rows).
+
+    Rule: the whole row in registers up to D = 4096 (block_d = next power of two of D); each
+    thread holds BYTES_PER_THREAD = 64 bytes of the gathered centre tile (four 128-bit loads:
+    16 fp32 / 32 bf16 or fp16 / 8 fp64 elements); num_warps 4 up to block_d 1024, 8 at 2048,
+    16 at 4096 (so that block_k >= 2 for fp32); block_k = the rest of the tile (at most the
+    next power of two of K); rows of fewer elements than one 4-warp tile take fewer warps
+    (down to 1) and 4 rows per program when one warp's tile holds the whole list.
+
+    Why (figures for sm_90; sm_80 within one block): registers hold the tile, so bytes in
+    flight per SM (resident blocks x tile bytes) saturate near 64-80 KB whatever the split,
+    and what the split decides is how many warps stay resident. No configuration spills.
+
+      K=100 D=512 fp32   4x512 w4 (this rule):  56 regs, 36 warps/SM, 72 KB in flight
+                         16x512 w8 (old rule): 109 regs, 16 warps/SM, 64 KB
+                         32x512 w8:            181 regs,  8 warps/SM (below the 16 floor)
+      K=100 D=1000 fp32  2x1024 w4 (rule):      64 regs, 32 warps, 64 KB; old 8x1024 w8:
+                         111 regs, 16 warps, 64 KB; 16x1024 w4: 255 regs, 8 warps
+      K=100 D=4096 fp32  2x4096 w16 (rule):     64 regs, 32 warps, 64 KB; old 2x4096 w8:
+                         125 regs, 16 warps, 64 KB; 1x4096 w8: 109 regs, 16 warps, 32 KB
+      K=100 D=512 bf16   8x512 w4 (rule):      116 regs, 16 warps, 32 KB; 4x512 w4 (16 el.
+                         per thread): 80 regs, 24 warps, 24 KB; 32x512 w4: 8 warps
+      K=256 D=2048 bf16  4x2048 w8 (rule):     102 regs, 16 warps, 32 KB (2x2048 w4 and
+                         8x2048 w16 the same 32 KB); 8x2048 w8: 164 regs, 8 warps
+      K=32 D=16 fp32     32x16 w1 (rule):       64 regs, 32 warps (32 blocks/SM), 64 KB;
+                         w4: 48 regs, 40 warps, 20 KB
+
+    For 2-byte banks 64 bytes per thread costs the 16-warp floor's worth of registers but
+    gives 32 KB in flight against 24 KB at 32 bytes per thread. Rows per program do not change
+    the static figures (the rows are processed in turn by the same tile); they only divide the
+    number of programs for tiny lists. Not yet measured on a GPU: benchmarks/tune_loss.py
+    sweeps the alternatives against this default.
+    """
     block_d_full = triton.next_power_of_2(max(D, 1))
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d
-    block_k = max(1, min(triton.next_power_of_2(max(K, 1)), TILE_ELEMS // block_d, 64))
-    num_warps = 4 if block_k * block_d <= 2048 else 8
-    return FwdConfig(block_k, block_d, num_warps)
+    per_thread = max(1, BYTES_PER_THREAD // elem_size)
+    num_warps = 4 if block_d <= 1024 else (8 if block_d <= 2048 else 16)
+    kp2 = triton.next_power_of_2(max(K, 1))
+    # Small lists: no more warps than the tile needs at per_thread elements per thread.
+    while num_warps > 1 and kp2 * block_d < per_thread * 32 * num_warps:
+        num_warps //= 2
+    block_k = max(1, min(kp2, per_thread * 32 * num_warps // block_d))
+    rows = 4 if K * D <= per_thread * 32 else 1
+    return FwdConfig(block_k, block_d, num_warps, 2, rows)
+
+
+def _check_config(cfg: FwdConfig):
+    for name in ("block_k", "block_d", "rows"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {v}")
 
 
 def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                          max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
-                         config: Optional[FwdConfig] = None):
-    """Launch the fused forward.
+                         config: Optional[FwdConfig] = None, store_dist: bool = True):
+    """Launch the fused forward (CONTRACT.md).
 
     Args:
         emb: (B, D) fp16/bf16/fp32/fp64, row stride arbitrary, unit column stride.
-        labels: (B,) integer. centres: (N, D) fp16/bf16/fp32/fp64, unit column stride.
-        centre_labels: (N,) integer, same dtype as ``labels``.
+        labels: (B,) int32/int64. centres: (N, D) fp16/bf16/fp32/fp64, unit column stride.
+        centre_labels: (N,) int32/int64 (may differ from ``labels``' dtype).
         neighbours: (B, K) int32/int64, ``-1`` = padding, unit column stride.
         weights: (N,) float or None (all ones). sigma: 0-dim float tensor on the same device.
         max_block_d: widest D block kept in registers (tests lower it to reach the two-phase path).
         config: explicit launch configuration (benchmarks/tune_loss.py sweeps these); default
             :func:`default_config`.
+        store_dist: write the (B, K) scaled distances (only the autograd backward for weights,
+            sigma or centres needs them); False returns an empty (B, 0) tensor. The two-phase
+            path (D wider than the register tile) re-reads u in its second phase, so there the
+            kernel always writes it, into a scratch buffer when store_dist is False: K * 4
+            bytes written and read per row against >= 2 * K * 4096 * sizeof(bank) bytes of
+            centre reads, under 0.1%, and simpler than recomputing K distances.
 
     Returns:
-        loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b, dist (B, K); all in
-        the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no same-class neighbour
-        have loss 0, lse_pos -inf and grad_x 0. ``dist`` holds squared distances of every
-        non-padding entry (zero-weight ones too) and 0 for padding.
+        loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b, dist (B, K) or
+        (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no
+        same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite rows are NaN.
+        ``dist`` holds u_j = ||c_j - x||^2 / sigma^2 of every non-padding entry (zero-weight
+        ones too) and 0 for padding.
     """
     B, D = emb.shape
     K = neighbours.shape[1]
+    N = centres.shape[0]
     cdt = _compute_dtype(emb)
     dev = emb.device
     loss = torch.empty(B, device=dev, dtype=cdt)
     lse_all = torch.empty(B, device=dev, dtype=cdt)
     lse_pos = torch.empty(B, device=dev, dtype=cdt)
     grad_x = torch.empty(B, D, device=dev, dtype=cdt)
-    dist = torch.empty(B, K, device=dev, dtype=cdt)
+    dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
+    cfg = config if config is not None else default_config(K, D, max_block_d,
+                                                           centres.element_size())
+    _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
-    cfg = config if config is not None else default_config(K, D, max_block_d)
-    for name in ("block_k", "block_d"):
-        v = getattr(cfg, name)
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"config.{name} must be a power of two, got {v}")
+    if N == 0 or K == 0:
+        # Every entry is padding: no neighbour, no positive; nothing to read.
+        loss.zero_()
+        lse_all.fill_(float("-inf"))
+        lse_pos.fill_(float("-inf"))
+        grad_x.zero_()
+        dist.zero_()
+        return loss, lse_all, lse_pos, grad_x, dist
+    single = cfg.single_pass(D)
+    write_dist = store_dist or not single
+    dbuf = dist if store_dist else (torch.empty(B, K, device=dev, dtype=cdt) if write_dist
+                                    else dist)
     w = weights if weights is not None else centres  # dummy pointer when HAS_W is False
-    _nk_fwd_kernel[(B,)](
+    _nk_fwd_kernel[(triton.cdiv(B, cfg.rows),)](
         emb, labels, centres, centre_labels, neighbours, w, sigma,
-        loss, lse_all, lse_pos, grad_x, dist,
-        K, D,
-        emb.stride(0), centres.stride(0), neighbours.stride(0), grad_x.stride(0), dist.stride(0),
+        loss, lse_all, lse_pos, grad_x, dbuf,
+        B, K, D,
+        emb.stride(0), centres.stride(0), neighbours.stride(0), grad_x.stride(0),
+        dbuf.stride(0) if write_dist else 0,
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
-        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=cfg.single_pass(D),
+        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=single,
+        STORE_DIST=write_dist, ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
+        ROWS=cfg.rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return loss, lse_all, lse_pos, grad_x, dist
+
+
+def centre_grad_config(K: int, D: int):
+    """(block_k, block_d) of the centre-gradient scatter: D blocks of up to 256 columns (a grid
+    dimension, so wide rows spread over programs), about 4096 elements per tile."""
+    block_d = min(triton.next_power_of_2(max(D, 1)), 256)
+    block_k = max(1, min(triton.next_power_of_2(max(K, 1)), 4096 // block_d, 64))
+    return block_k, block_d
 
 
 def centre_grad(emb, centres, neighbours, coef):
     """Scatter ``coef[b, k] * (emb[b] - centres[neighbours[b, k]])`` into an (N, D) gradient.
 
     Args:
-        emb: (B, D) float; centres: (N, D) float; neighbours: (B, K) int, -1 = padding;
-        coef: (B, K) float, contiguous (zero entries are skipped).
+        emb: (B, D) float; centres: (N, D) float; neighbours: (B, K) int32/int64, -1 = padding;
+        coef: (B, K) float, contiguous (zero entries are skipped; already holds 1/sigma^2).
 
     Returns:
         (N, D) gradient in the compute dtype (fp64 for fp64 ``emb``, else fp32).
@@ -295,15 +491,15 @@ def centre_grad(emb, centres, neighbours, coef):
     K = neighbours.shape[1]
     cdt = _compute_dtype(emb)
     grad = torch.zeros(N, D, device=emb.device, dtype=cdt)
-    if B == 0 or N == 0:
+    if B == 0 or N == 0 or K == 0:
         return grad
-    block_d = min(triton.next_power_of_2(max(D, 1)), 256)
-    block_k = max(1, min(triton.next_power_of_2(K), 4096 // block_d, 64))
+    block_k, block_d = centre_grad_config(K, D)
     grid = (B, triton.cdiv(D, block_d))
     _nk_centre_grad_kernel[grid](
         emb, centres, neighbours, coef, grad,
         K, D,
         emb.stride(0), centres.stride(0), neighbours.stride(0), coef.stride(0), grad.stride(0),
         COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, BLOCK_D=block_d,
+        ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
     )
     return grad

@@ -1,0 +1,379 @@
+"""Compile the package's Triton kernels for CUDA targets without a GPU, and inspect the binaries.
+
+Shared by the build gate (tests/test_build_gate.py) and the static report
+(benchmarks/kernel_report.py). Nothing here runs a kernel.
+
+How: Triton decides between its interpreter and the compiler when ``@triton.jit`` decorates a
+function (``TRITON_INTERPRET`` read at decoration), and the test process has it set. So the
+builds run in a child process (``python static_build.py --child``) with TRITON_INTERPRET=0, a
+stand-in active driver whose ``get_current_target()`` is ``GPUTarget("cuda", arch, 32)`` (the
+"device" it reports is the arch number, so every target gets its own ``device_caches`` entry),
+and ``JITFunction.run`` forced to ``warmup=True`` (compile, never launch). The real launchers
+are called on CPU tensors; each launch's compiled kernel (cubin) is inspected with
+``cuobjdump -res-usage`` and ``nvdisasm`` from Triton's own NVIDIA tool directory.
+
+Each build is identified by Triton's kernel hash (the specialisation actually compiled), so
+cases that map to the same binary are reported once (``duplicate_of``).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Per-SM limits (CUDA occupancy calculator): registers, threads, blocks, shared memory (KiB,
+# usable per SM; 1 KiB per block is reserved by the driver on sm_80+).
+LIMITS = {
+    80: dict(regs=65536, threads=2048, blocks=32, smem_kib=164, warps=64),
+    90: dict(regs=65536, threads=2048, blocks=32, smem_kib=228, warps=64),
+    100: dict(regs=65536, threads=2048, blocks=32, smem_kib=228, warps=64),
+}
+REG_ALLOC_UNIT = 256       # registers are allocated per warp in units of 256
+RESERVED_SMEM_PER_BLOCK = 1024
+MIN_RESIDENT_WARPS = 16    # the gate's floor
+
+DTYPE_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One launcher call: kernel 'fwd' (neighbour_kernel_fwd) or 'centre_grad'."""
+    kernel: str
+    K: int
+    D: int
+    bank: str = "fp32"
+    emb: str = "fp32"
+    weights: bool = True
+    idx: str = "int64"
+    store_dist: bool = True
+    B: int = 8
+    # Explicit (block_k, block_d, num_warps, rows) of the forward; () = default_config.
+    cfg: tuple = ()
+
+    @property
+    def name(self) -> str:
+        if self.kernel == "centre_grad":
+            return f"centre_grad-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{self.idx}"
+        tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
+        return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
+                f"-{self.idx}-{'dist' if self.store_dist else 'nodist'}{tail}")
+
+
+def _covering_set() -> List[Build]:
+    """Every value of every axis appears at least once (not the full product): D drives the
+    list, the other axes cycle with co-prime-ish periods; then the cases the gate needs in
+    particular (D not a multiple of 16 for every bank dtype: the aligned-row builds)."""
+    Ks = [1, 32, 100, 256]
+    Ds = [1, 64, 300, 512, 1000, 2048, 4096, 5000]
+    banks = ["fp32", "bf16", "fp16"]
+    embs = ["fp32", "bf16"]
+    idxs = ["int32", "int64"]
+    out = []
+    for i, D in enumerate(Ds):
+        out.append(Build("fwd", Ks[i % 4], D, banks[i % 3], embs[(i // 2) % 2],
+                         weights=i % 2 == 0, idx=idxs[(i // 4) % 2] if i % 3 else idxs[i % 2],
+                         store_dist=(i // 3) % 2 == 0))
+    for bank in banks:  # row stride a 16-byte multiple although D is not a multiple of 16
+        out.append(Build("fwd", 100, 1000, bank, "fp32", True, "int32", False))
+    out.append(Build("fwd", 32, 300, "bf16", "bf16", True, "int32", False))  # 8-byte rows
+    out.append(Build("fwd", 100, 999, "fp32", "fp32", True, "int32", False))  # fallback build
+    out.append(Build("fwd", 100, 5000, "fp32", "fp32", True, "int32", False))  # two-phase scratch
+    out.append(Build("fwd", 256, 512, "bf16", "fp32", True, "int32", False))  # production-like
+    for D, bank in [(64, "fp32"), (1000, "bf16"), (5000, "fp32")]:
+        out.append(Build("centre_grad", 32, D, bank, "fp32", idx="int32"))
+    seen, uniq = set(), []
+    for b in out:
+        if b not in seen:
+            seen.add(b)
+            uniq.append(b)
+    return uniq
+
+
+BUILDS: List[Build] = _covering_set()
+
+
+def sweep_builds() -> List[Build]:
+    """Launch configurations around the default for a few production shapes (the report's
+    evidence for default_config): single-pass tiles of 1024..16384 elements x 4/8/16 warps,
+    plus rows per program for a tiny row."""
+    out = []
+    for K, D, bank in [(100, 512, "fp32"), (100, 512, "bf16"), (100, 1000, "fp32"),
+                       (256, 2048, "bf16"), (100, 4096, "fp32")]:
+        bd = 1 << max(0, (D - 1).bit_length())
+        for tile in (1024, 2048, 4096, 8192, 16384):
+            bk = tile // bd
+            if bk < 1:
+                continue
+            for nw in (4, 8, 16):
+                out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False,
+                                 cfg=(bk, bd, nw, 1)))
+    for rows in (1, 2, 4, 8):
+        for nw in (1, 2, 4):
+            out.append(Build("fwd", 32, 16, "fp32", "fp32", True, "int32", False,
+                             cfg=(32, 16, nw, rows)))
+    return out
+
+
+def find_build(name: str) -> Build:
+    for b in itertools.chain(BUILDS, sweep_builds()):
+        if b.name == name:
+            return b
+    raise KeyError(name)
+
+
+def tool_dir() -> Optional[str]:
+    """Triton's bundled NVIDIA tools (cuobjdump, nvdisasm, ptxas), None when absent."""
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("triton")
+    except Exception:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    d = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin")
+    ok = all(os.path.exists(os.path.join(d, t)) for t in ("cuobjdump", "nvdisasm", "ptxas"))
+    return d if ok else None
+
+
+def occupancy(arch: int, regs: int, smem_bytes: int, num_warps: int) -> Dict[str, int]:
+    """Resident blocks and warps per SM from registers/thread, shared memory and warps."""
+    lim = LIMITS[arch]
+    warp_regs = -(-max(regs, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = (lim["regs"] // warp_regs) // num_warps
+    by_threads = lim["threads"] // (32 * num_warps)
+    smem = smem_bytes + RESERVED_SMEM_PER_BLOCK
+    by_smem = (lim["smem_kib"] * 1024) // smem
+    blocks = min(by_regs, by_threads, lim["blocks"], by_smem)
+    limiter = min(("regs", by_regs), ("threads", by_threads), ("blocks", lim["blocks"]),
+                  ("smem", by_smem), key=lambda t: t[1])[0]
+    return dict(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limiter=limiter)
+
+
+def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True) -> int:
+    """Bytes one query row must move (the model of NOTES_i11.md): gathered centre rows, the
+    list entry, the centre label (int64 today; int32 after the bank switch), the weight, the
+    embedding and label read; grad_x, loss and two lse's written; dist only when stored. The
+    two-phase path (D > register tile) reads the centres and metadata twice and always writes
+    and re-reads dist (scratch)."""
+    e, x, i = DTYPE_SIZES[b.bank], DTYPE_SIZES[b.emb], DTYPE_SIZES[b.idx]
+    clab = 8  # centre labels as stored by the bank today
+    meta = i + clab + (4 if b.weights else 0)
+    if b.kernel == "centre_grad":
+        return b.K * (b.D * e + i + 4 + b.D * 4 * 2) + b.D * x
+    reads = b.K * (b.D * e + meta) + b.D * x + 8
+    writes = b.D * 4 + 3 * 4
+    if single_pass:
+        writes += b.K * 4 if b.store_dist else 0
+    else:
+        reads += b.K * (b.D * e + meta) + b.D * x + b.K * 4
+        writes += b.K * 4
+    return reads + writes
+
+
+def _inspect(cubin: bytes, tools: str, workdir: str, tag: str) -> Dict:
+    path = os.path.join(workdir, re.sub(r"[^A-Za-z0-9_.-]", "_", tag) + ".cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path],
+                         capture_output=True, text=True, check=True).stdout
+    fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path],
+                          capture_output=True, text=True, check=True).stdout
+    loads = re.findall(r"\bLDG\.E((?:\.\w+)*)", sass)
+    widths = {"128": 0, "64": 0, "32": 0, "16": 0, "8": 0}
+    for suffix in loads:
+        parts = suffix.split(".")
+        if "128" in parts:
+            widths["128"] += 1
+        elif "64" in parts:
+            widths["64"] += 1
+        elif "U16" in parts or "S16" in parts:
+            widths["16"] += 1
+        elif "U8" in parts or "S8" in parts:
+            widths["8"] += 1
+        else:
+            widths["32"] += 1
+    return dict(regs=int(fields.get("REG", 0)), stack=int(fields.get("STACK", 0)),
+                static_smem=int(fields.get("SHARED", 0)), local=int(fields.get("LOCAL", 0)),
+                spill_stores=len(re.findall(r"\bSTL\b", sass)),
+                ldg=widths, sass_lines=sass.count("\n"))
+
+
+# ------------------------------------------------------------------------------------------
+# Child process: the actual compiles
+# ------------------------------------------------------------------------------------------
+
+def _child(archs: List[int], names: List[str]) -> Dict:
+    import importlib.util
+    import tempfile
+
+    import torch
+    import triton
+    from triton.backends import DriverBase
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    assert not triton.knobs.runtime.interpret, "the child must run with TRITON_INTERPRET=0"
+
+    class StandInDriver(DriverBase):
+        """Active driver for a GPU that is not there: a target, a device id, a stream."""
+
+        def __init__(self, arch):
+            self.arch = arch
+
+        @classmethod
+        def is_active(cls):
+            return False
+
+        def get_current_target(self):
+            return GPUTarget("cuda", self.arch, 32)
+
+        def get_current_device(self):
+            return self.arch  # one device_caches entry per target
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def get_benchmarker(self):
+            raise RuntimeError("no benchmarking without a GPU")
+
+        def map_python_to_cpp_type(self, ty):  # only used by launchers, never reached here
+            raise NotImplementedError(ty)
+
+    compiled = []
+    orig_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self, k))
+        return k
+
+    JITFunction.run = compile_only
+    spec = importlib.util.spec_from_file_location("_nk_static", os.path.join(HERE,
+                                                                             "neighbour_kernel.py"))
+    nk = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = nk
+    spec.loader.exec_module(nk)
+    tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "int32": torch.int32, "int64": torch.int64}
+    tools = tool_dir()
+    out = {"triton": triton.__version__, "archs": {}, "tools": tools}
+    workdir = tempfile.mkdtemp(prefix="nk_static_")
+    for arch in archs:
+        triton.runtime.driver.set_active(StandInDriver(arch))
+        rows, seen = {}, {}
+        t_arch = time.time()
+        for name in names:
+            b = find_build(name)
+            g = torch.Generator().manual_seed(0)
+            N = 4
+            emb = torch.randn(b.B, b.D, generator=g).to(tdtypes[b.emb])
+            cen = torch.randn(N, b.D, generator=g).to(tdtypes[b.bank])
+            nb = torch.randint(0, N, (b.B, b.K), generator=g).to(tdtypes[b.idx])
+            compiled.clear()
+            t0 = time.time()
+            entry = dict(build=asdict(b))
+            try:
+                if b.kernel == "fwd":
+                    lab = torch.zeros(b.B, dtype=tdtypes[b.idx])
+                    cl = torch.zeros(N, dtype=torch.int64)
+                    w = torch.ones(N) if b.weights else None
+                    cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg
+                           else nk.default_config(b.K, b.D, elem_size=cen.element_size()))
+                    nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
+                                            config=cfg, store_dist=b.store_dist)
+                    entry.update(config=asdict(cfg), single_pass=cfg.single_pass(b.D),
+                                 tile_elems=cfg.block_k * cfg.block_d)
+                    entry["bytes_per_row"] = bytes_per_row(b, cfg.block_d, cfg.single_pass(b.D))
+                else:
+                    coef = torch.randn(b.B, b.K, generator=g)
+                    nk.centre_grad(emb, cen, nb, coef)
+                    bk, bd = nk.centre_grad_config(b.K, b.D)
+                    entry.update(config=dict(block_k=bk, block_d=bd, num_warps=4, num_stages=3,
+                                             rows=1), single_pass=True, tile_elems=bk * bd)
+                    entry["bytes_per_row"] = bytes_per_row(b)
+                entry["row_align"] = nk.row_align(b.D, cen)
+                (fn, k), = compiled
+                entry["compile_s"] = round(time.time() - t0, 2)
+                entry["hash"] = k.hash
+                entry["duplicate_of"] = seen.get(k.hash)
+                seen.setdefault(k.hash, name)
+                md = k.metadata
+                entry.update(kernel_name=md.name, num_warps=md.num_warps,
+                             num_stages=md.num_stages, dyn_smem=md.shared, ok=True)
+                if tools:
+                    entry.update(_inspect(k.asm["cubin"], tools, workdir, f"{arch}-{name}"))
+                    smem = entry["dyn_smem"] + entry["static_smem"]
+                    entry.update(occupancy(arch, entry["regs"], smem, md.num_warps))
+                    tile_bytes = entry["tile_elems"] * DTYPE_SIZES[b.bank]
+                    entry["bytes_in_flight_per_sm"] = entry["blocks_per_sm"] * tile_bytes
+            except Exception as exc:  # reported, and asserted on by the gate
+                entry.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+            rows[name] = entry
+        out["archs"][str(arch)] = dict(builds=rows, seconds=round(time.time() - t_arch, 1))
+    return out
+
+
+def arch_support(arch: int) -> Optional[str]:
+    """None if this Triton can target sm_<arch> here, else the reason."""
+    if tool_dir() is None:
+        return "Triton's NVIDIA tools (cuobjdump/nvdisasm/ptxas) are not installed"
+    if arch not in LIMITS:
+        return f"no occupancy limits recorded for sm_{arch}"
+    if arch >= 100 and not os.path.exists(os.path.join(tool_dir(), "ptxas-blackwell")):
+        return f"this Triton has no ptxas for sm_{arch}"
+    return None
+
+
+def compile_builds(archs, names=None, timeout=600, cache_dir=None) -> Dict:
+    """Run the child once for all targets; returns its JSON (see _child). ``cache_dir`` gives
+    the child its own TRITON_CACHE_DIR (a cold build when the directory is new)."""
+    names = list(names) if names is not None else [b.name for b in BUILDS]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    if cache_dir:
+        env["TRITON_CACHE_DIR"] = cache_dir
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", "--archs",
+         *map(str, archs), "--names", *names],
+        capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"static build child failed:\n{proc.stderr[-4000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall_s"] = round(time.time() - t0, 1)
+    return out
+
+
+def all_archs():
+    return [a for a in (80, 90, 100)]
+
+
+def _main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--archs", type=int, nargs="+", default=[90])
+    ap.add_argument("--names", nargs="+", default=[b.name for b in BUILDS])
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.archs, args.names)))
+    else:
+        print(json.dumps(compile_builds(args.archs, args.names), indent=1))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,232 @@
+"""The Triton launchers against the forward contract (CONTRACT.md), computed here in fp64.
+
+Interpreter runs on CPU tensors and tiny shapes: scaled distances, loss, logsumexps and grad_x;
+int32/int64 lists and labels (of different dtypes); store_dist on/off; several K tiles, the
+two-phase (wide D) path and several rows per program; the non-finite rule (NaN/inf in an
+embedding, a gathered centre or a weight; fp32 overflow); an empty bank.
+"""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interpreter
+
+
+def _kernels():
+    from nnkloss.functional import _kernels as load
+    return load()
+
+
+def contract_forward(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+    """Plain fp64 loops written from CONTRACT.md (items 1-7)."""
+    emb, centres = emb.double(), centres.double()
+    s = float(sigma)
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    loss = torch.zeros(B, dtype=torch.float64)
+    lse_all = torch.full((B,), -math.inf, dtype=torch.float64)
+    lse_pos = torch.full((B,), -math.inf, dtype=torch.float64)
+    gx = torch.zeros(B, D, dtype=torch.float64)
+    u = torch.zeros(B, K, dtype=torch.float64)
+    for b in range(B):
+        x = emb[b]
+        bad = False
+        logits, same, zs = [], [], []
+        for k in range(K):
+            j = int(neighbours[b, k])
+            if j < 0:
+                continue
+            z = (centres[j] - x) * (1.0 / s)
+            u[b, k] = (z * z).sum()
+            w = 1.0 if weights is None else float(weights[j])
+            if not math.isfinite(float(u[b, k])):
+                bad = True
+            if w == 0:
+                continue
+            lw = math.log(w) if w > 0 else math.nan
+            if not math.isfinite(lw):
+                bad = True
+                continue
+            logits.append(lw - float(u[b, k]) / 2)
+            same.append(int(centre_labels[j]) == int(labels[b]))
+            zs.append(z)
+        if bad:
+            loss[b] = lse_all[b] = lse_pos[b] = math.nan
+            gx[b] = math.nan
+            continue
+        if not logits:
+            continue
+        lg = torch.tensor(logits, dtype=torch.float64)
+        sm = torch.tensor(same)
+        e = torch.exp(lg - lg.max())
+        lse_all[b] = lg.max() + torch.log(e.sum())
+        if not sm.any():
+            continue
+        lp = lg.masked_fill(~sm, -math.inf)
+        ep = torch.exp(lp - lp.max())
+        lse_pos[b] = lp.max() + torch.log(ep.sum())
+        loss[b] = lse_all[b] - lse_pos[b]
+        coef = e / e.sum() - ep / ep.sum()
+        gx[b] = (coef[:, None] * torch.stack(zs)).sum(0) / s
+    return loss, lse_all, lse_pos, gx, u
+
+
+def make(B=6, N=30, D=12, K=9, seed=0, pad=0.25, zero_w=0.15, idx_dtype=torch.int64,
+         lab_dtype=torch.int64, clab_dtype=torch.int32, emb_dtype=torch.float32,
+         bank_dtype=torch.float32, n_classes=3):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g).to(bank_dtype)
+    cl = torch.randint(0, n_classes, (N,), generator=g)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    nb[torch.rand(B, K, generator=g) < pad] = -1
+    labels = torch.randint(0, n_classes, (B,), generator=g)
+    labels[-1] = n_classes + 5  # a row with no positive
+    emb = (0.7 * torch.randn(B, D, generator=g)).to(emb_dtype)
+    w = torch.rand(N, generator=g) + 0.5
+    w[torch.rand(N, generator=g) < zero_w] = 0.0
+    return (emb, labels.to(lab_dtype), centres, cl.to(clab_dtype), nb.to(idx_dtype), w,
+            torch.tensor(1.3))
+
+
+def check(got, ref, store_dist=True, tol=2e-5):
+    names = ["loss", "lse_all", "lse_pos", "grad_x", "dist"]
+    for name, a, r in zip(names, got, ref):
+        if name == "dist" and not store_dist:
+            assert a.shape == (r.shape[0], 0), name
+            continue
+        torch.testing.assert_close(a.double(), r, rtol=tol, atol=tol, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("idx_dtype, lab_dtype, clab_dtype", [
+    (torch.int32, torch.int32, torch.int64), (torch.int64, torch.int64, torch.int32),
+    (torch.int32, torch.int64, torch.int64)])
+@pytest.mark.parametrize("store_dist", [True, False])
+def test_matches_contract_int_dtypes(idx_dtype, lab_dtype, clab_dtype, store_dist):
+    args = make(idx_dtype=idx_dtype, lab_dtype=lab_dtype, clab_dtype=clab_dtype, seed=1)
+    got = _kernels().neighbour_kernel_fwd(*args, store_dist=store_dist)
+    check(got, contract_forward(*args), store_dist)
+
+
+@pytest.mark.parametrize("cfg", [dict(block_k=2, block_d=16), dict(block_k=4, block_d=4),
+                                 dict(block_k=2, block_d=16, rows=4),
+                                 dict(block_k=8, block_d=8, rows=2)])
+@pytest.mark.parametrize("store_dist", [True, False])
+def test_tiles_two_phase_and_rows(cfg, store_dist):
+    """Several K tiles (block_k 2), two-phase path (block_d < D) with and without a stored
+    dist (scratch), several rows per program with B not a multiple of rows."""
+    k = _kernels()
+    args = make(B=7, D=12, K=9, seed=2, idx_dtype=torch.int32)
+    got = k.neighbour_kernel_fwd(*args, config=k.FwdConfig(num_warps=1, **cfg),
+                                 store_dist=store_dist)
+    check(got, contract_forward(*args), store_dist)
+
+
+def test_max_block_d_two_phase_and_low_precision_bank():
+    args = make(B=4, D=20, K=6, seed=3, bank_dtype=torch.bfloat16, emb_dtype=torch.bfloat16)
+    got = _kernels().neighbour_kernel_fwd(*args, max_block_d=8, store_dist=False)
+    check(got, contract_forward(*args), store_dist=False)
+
+
+def test_fp64_is_tight():
+    args = make(B=4, D=7, K=5, seed=4, emb_dtype=torch.float64, bank_dtype=torch.float64)
+    got = _kernels().neighbour_kernel_fwd(*args, config=_kernels().FwdConfig(2, 8, 1))
+    assert got[0].dtype == torch.float64
+    check(got, contract_forward(*args), tol=1e-12)
+
+
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf])
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_non_finite_embedding_and_centre(bad_value, two_phase):
+    """A NaN/inf in one embedding makes only that row NaN; one in a gathered centre makes the
+    rows that gather it NaN (never loss 0 / "no positive"); other rows are untouched."""
+    k = _kernels()
+    emb, labels, centres, cl, nb, w, s = make(B=6, N=30, D=10, K=8, seed=5, pad=0.1)
+    emb[1, 3] = bad_value
+    j = int(nb[4][nb[4] >= 0][0])
+    centres[j, 2] = bad_value
+    args = (emb, labels, centres, cl, nb, w, s)
+    cfg = k.FwdConfig(2, 4, 1) if two_phase else None
+    got = k.neighbour_kernel_fwd(*args, config=cfg)
+    ref = contract_forward(*args)
+    rows_with_j = (nb == j).any(1)
+    for r in range(6):
+        expect_nan = r == 1 or bool(rows_with_j[r])
+        for t in got[:4]:
+            assert bool(torch.isnan(t[r]).all()) == expect_nan, (r, t[r])
+    check(got, ref)
+
+
+@pytest.mark.parametrize("w_bad", [math.nan, -1.0, math.inf])
+def test_non_finite_weight(w_bad):
+    emb, labels, centres, cl, nb, w, s = make(seed=6, pad=0.0, zero_w=0.0)
+    w[int(nb[2, 0])] = w_bad
+    got = _kernels().neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s)
+    assert torch.isnan(got[0][2]) and torch.isnan(got[3][2]).all()
+    check(got, contract_forward(emb, labels, centres, cl, nb, w, s))
+
+
+def test_overflow_scaled_before_squaring():
+    """|x| ~ 1e20: sigma 1 overflows u (row NaN); sigma 1e10 stays finite and matches."""
+    k = _kernels()
+    emb, labels, centres, cl, nb, w, _ = make(B=3, D=6, K=5, seed=7, pad=0.0, zero_w=0.0)
+    emb = emb * 1e20
+    for sigma, finite in ((1.0, False), (1e10, True)):
+        s = torch.tensor(sigma)
+        got = k.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s)
+        ref = contract_forward(emb, labels, centres, cl, nb, w, s)
+        assert bool(torch.isfinite(got[0]).all()) == finite
+        if not finite:
+            assert torch.isnan(got[0]).all() and torch.isinf(got[4]).all()
+            continue
+        torch.testing.assert_close(got[4].double(), ref[4], rtol=1e-5, atol=0)
+        for i in (1, 2):
+            fin = torch.isfinite(ref[i])
+            assert torch.equal(torch.isfinite(got[i]), fin)
+            torch.testing.assert_close(got[i][fin].double(), ref[i][fin], rtol=1e-5, atol=0)
+        scale = ref[1].abs().clamp_min(1) * 1e-5
+        assert ((got[0].double() - ref[0]).abs() <= scale).all()
+        assert torch.isfinite(got[3]).all()
+
+
+def test_empty_bank_and_all_padding():
+    k = _kernels()
+    emb = torch.randn(3, 5)
+    out = k.neighbour_kernel_fwd(emb, torch.zeros(3, dtype=torch.int32),
+                                 torch.empty(0, 5), torch.empty(0, dtype=torch.int64),
+                                 torch.full((3, 4), -1, dtype=torch.int32), None,
+                                 torch.tensor(1.0))
+    assert (out[0] == 0).all() and (out[2] == -math.inf).all() and (out[3] == 0).all()
+    assert (out[4] == 0).all() and out[4].shape == (3, 4)
+    # A non-empty bank with an all-padding row: same outputs, even for a NaN embedding.
+    args = list(make(B=3, seed=8))
+    args[0][1] = math.nan
+    args[4][1] = -1
+    got = k.neighbour_kernel_fwd(*args)
+    assert got[0][1] == 0 and got[2][1] == -math.inf and (got[3][1] == 0).all()
+    check(got, contract_forward(*args))
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_centre_grad(idx_dtype):
+    emb, labels, centres, cl, nb, w, s = make(B=5, N=12, D=9, K=6, seed=9)
+    nb = nb.to(idx_dtype)
+    coef = torch.randn(5, 6)
+    coef[0, 0] = 0.0
+    got = _kernels().centre_grad(emb, centres, nb, coef)
+    ref = torch.zeros(12, 9, dtype=torch.float64)
+    for b in range(5):
+        for kk in range(6):
+            j = int(nb[b, kk])
+            if j >= 0:
+                ref[j] += float(coef[b, kk]) * (emb[b].double() - centres[j].double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_row_align():
+    k = _kernels()
+    assert k.neighbour_kernel.row_align(1000, torch.empty(3, 1000)) == 4
+    assert k.neighbour_kernel.row_align(300, torch.empty(3, 300, dtype=torch.bfloat16)) == 4
+    assert k.neighbour_kernel.row_align(1000, torch.empty(3, 1000, dtype=torch.bfloat16)) == 8
+    assert k.neighbour_kernel.row_align(7, torch.empty(3, 7)) == 1
+    assert k.neighbour_kernel.row_align(8, torch.empty(3, 9)[:, 1:]) == 1  # odd base address

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from common import git_commit  # noqa: E402
-from nnkloss.functional import _kernels  # noqa: E402
+from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 _kernels()
 from nnkloss.kernels import static_build  # noqa: E402

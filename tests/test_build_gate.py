@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from nnkloss.functional import _kernels
+from nnkloss.ops.backends import kernels as _kernels
 
 _kernels()
 from nnkloss.kernels import static_build as sb  # noqa: E402

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.interpreter
 
 
 def _kernels():
-    from nnkloss.functional import _kernels as load
+    from nnkloss.ops.backends import kernels as load
     return load()
 
 

@@ -67,10 +67,20 @@ def test_state_dict_round_trip_including_size_changes():
 
 def test_to_moves_everything():
     fn = nnkloss.NeighbourKernelLoss(make_bank(), sigma=1.0).to(torch.float64)
-    # Buffers of integer dtype stay integer; floating buffers follow .to(dtype).
-    assert fn.bank.labels.dtype == torch.int64
-    assert fn.bank.neighbours.dtype == torch.int64
+    # Buffers of integer dtype stay integer (int32: 4 bytes per neighbour index and label);
+    # floating buffers follow .to(dtype).
+    assert fn.bank.labels.dtype == torch.int32
+    assert fn.bank.neighbours.dtype == torch.int32
     assert fn.bank.centres.dtype == torch.float64
+
+
+def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
+    bank = make_bank()
+    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    bank.update_(labels=bank.labels.long(), neighbours=bank.neighbours.long())
+    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    big = nnkloss.CentreBank(torch.zeros(2, 3), torch.tensor([0, 2 ** 40]))
+    assert big.labels.dtype == torch.int64 and int(big.labels[1]) == 2 ** 40
 
 
 def test_learnable_weights_stay_positive_and_learn_sigma():

@@ -37,6 +37,18 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     return weights
 
 
+def _index_dtype(n: int) -> torch.dtype:
+    """Indices into n rows (and -1): int32 while they fit."""
+    return torch.int32 if n < 2 ** 31 else torch.int64
+
+
+def _compact_labels(labels: Tensor) -> Tensor:
+    """int32 labels unless a class id does not fit (checked on the values: one read)."""
+    if labels.numel() and (int(labels.max()) >= 2 ** 31 or int(labels.min()) < -2 ** 31):
+        return labels.long()
+    return labels.to(torch.int32)
+
+
 def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
                           name: str = "log_weights") -> Tensor:
     """What :func:`_validate_weights` checks, on log-weights (checkpoints store those):
@@ -58,8 +70,10 @@ class CentreBank(nn.Module):
 
     Buffers (all move with ``.to(device)`` and are saved by ``state_dict()``):
         centres: (N, D) fp32/bf16/fp16.
-        labels: (N,) int64.
-        neighbours: (N, K) int64, -1 = padding; (N, 0) until lists are set.
+        labels: (N,) int32 (int64 for class ids beyond int32).
+        neighbours: (N, K) int32 (int64 from N = 2**31 on), -1 = padding; (N, 0) until lists
+            are set. Four bytes per index and per label instead of eight: the loss reads both
+            for every neighbour of every row.
     Parameter:
         log_weights: (N,) fp32; ``weights = exp(log_weights)`` is always non-negative. It
             requires grad only with ``learn_weights=True`` (the paper learns weights for
@@ -79,12 +93,12 @@ class CentreBank(nn.Module):
         if not torch.isfinite(centres).all():
             raise ValueError("centres contain NaN or inf")
         self.register_buffer("centres", centres.detach())
-        self.register_buffer("labels", labels.detach().long())
+        self.register_buffer("labels", _compact_labels(labels.detach()))
         if neighbours is None:
-            neighbours = torch.empty(n, 0, dtype=torch.long, device=centres.device)
+            neighbours = torch.empty(n, 0, dtype=_index_dtype(n), device=centres.device)
         else:
             _validate_neighbours(neighbours, n)
-        self.register_buffer("neighbours", neighbours.detach().long())
+        self.register_buffer("neighbours", neighbours.detach().to(_index_dtype(n)))
         if weights is None:
             log_w = torch.zeros(n, dtype=torch.float32, device=centres.device)
         else:
@@ -167,11 +181,11 @@ class CentreBank(nn.Module):
         if new_l.shape[0] != n:
             raise ValueError(f"labels has length {new_l.shape[0]} but there are {n} centres")
         if neighbours is not None:
-            new_nb = _validate_neighbours(neighbours.detach().to(dev).long(), n)
+            new_nb = _validate_neighbours(neighbours.detach().to(dev, _index_dtype(n)), n)
         elif self.neighbours.shape[0] == n:
             new_nb = self.neighbours
         else:
-            new_nb = torch.empty(n, 0, dtype=torch.long, device=dev)
+            new_nb = torch.empty(n, 0, dtype=_index_dtype(n), device=dev)
         if weights is not None:
             _validate_weights(weights, n, positive=self.learn_weights)
             new_lw = torch.log(weights.detach().to(dev).float())
@@ -185,7 +199,7 @@ class CentreBank(nn.Module):
                                 torch.zeros(grow, device=dev, dtype=torch.float32)])
         # Everything is valid: swap in together.
         self.centres = new_c
-        self.labels = new_l.long()
+        self.labels = _compact_labels(new_l)
         self.neighbours = new_nb
         if new_lw is not None:
             if new_lw.shape == self.log_weights.shape:

@@ -10,7 +10,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["nnkloss", "nnkloss.kernels"],
+    packages=["nnkloss", "nnkloss.ops", "nnkloss.bank", "nnkloss.losses", "nnkloss.evaluation",
+              "nnkloss.experiment", "nnkloss.kernels"],
     package_dir={"nnkloss": "nnkloss", "nnkloss.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy", "tqdm", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
@@ -24,7 +25,7 @@ setup(
         "gpu-cu12": ["triton>=3.0", "faiss-gpu>=1.15.1"],
         "vision": ["torchvision", "scipy", "Pillow"],
         "demo": ["scikit-learn", "matplotlib"],
-        "test": ["pytest", "triton>=3.0", "scikit-learn", "matplotlib", "faiss-cpu", "scipy",
-                 "torchvision", "Pillow"],
+        "test": ["pytest", "hypothesis", "triton>=3.0", "scikit-learn", "matplotlib",
+                 "faiss-cpu", "scipy", "torchvision", "Pillow"],
     },
 )

@@ -58,3 +58,17 @@ def test_bank_loss_template():
         nnkloss.BankLoss(bank)
     assert isinstance(nnkloss.NeighbourKernelLoss(bank), nnkloss.BankLoss)
     assert isinstance(nnkloss.ClassConditionalLoss(bank), nnkloss.BankLoss)
+
+
+def test_setup_py_ships_every_subpackage():
+    """A regular (non-editable) install must carry every package of the tree."""
+    import ast
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = ast.parse(open(os.path.join(root, "setup.py")).read())
+    listed = next(ast.literal_eval(k.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) for k in node.keywords if k.arg == "packages")
+    on_disk = {"nnkloss." + os.path.relpath(d, os.path.join(root, "nnkloss")).replace(os.sep, ".")
+               for d, _, files in os.walk(os.path.join(root, "nnkloss")) if "__init__.py" in files}
+    on_disk = {p.replace("nnkloss..", "nnkloss") for p in on_disk} | {"nnkloss.kernels"}
+    assert set(listed) == on_disk

@@ -1,7 +1,7 @@
 """Fused nearest-neighbour Gaussian kernel loss: Triton kernels and their launchers.
 
 This module knows nothing of banks, training or autograd: it takes plain tensors and returns
-plain tensors, following the forward contract (CONTRACT.md). Per query row ``b`` (x = emb[b],
+plain tensors, following the forward contract (nnkloss/ops/CONTRACT.md). Per query row ``b`` (x = emb[b],
 label ``R``, neighbour list ``N_b``)::
 
     z_j   = (c_j - x) / sigma                 scaled BEFORE squaring (no fp32 overflow of d_j)
@@ -400,7 +400,7 @@ def _check_config(cfg: FwdConfig):
 def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                          max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                          config: Optional[FwdConfig] = None, store_dist: bool = True):
-    """Launch the fused forward (CONTRACT.md).
+    """Launch the fused forward (nnkloss/ops/CONTRACT.md).
 
     Args:
         emb: (B, D) fp16/bf16/fp32/fp64, row stride arbitrary, unit column stride.

@@ -1,4 +1,4 @@
-"""The Triton launchers against the forward contract (CONTRACT.md), computed here in fp64.
+"""The Triton launchers against the forward contract (nnkloss/ops/CONTRACT.md), computed here in fp64.
 
 Interpreter runs on CPU tensors and tiny shapes: scaled distances, loss, logsumexps and grad_x;
 int32/int64 lists and labels (of different dtypes); store_dist on/off; several K tiles, the
@@ -19,7 +19,7 @@ def _kernels():
 
 
 def contract_forward(emb, labels, centres, centre_labels, neighbours, weights, sigma):
-    """Plain fp64 loops written from CONTRACT.md (items 1-7)."""
+    """Plain fp64 loops written from nnkloss/ops/CONTRACT.md (items 1-7)."""
     emb, centres = emb.double(), centres.double()
     s = float(sigma)
     B, D = emb.shape

@@ -6,7 +6,8 @@
 - :mod:`.reference`: the plain chunked PyTorch implementation, the reference the others are
   tested against.
 
-Nothing here knows of banks, refreshes or training.
+Every backend follows one forward contract, ``nnkloss/ops/CONTRACT.md``. Nothing here knows
+of banks, refreshes or training.
 """
 from .backends import resolve_backend
 from .neighbour_kernel import (LossOutput, loss_rows_unchecked, neighbour_kernel_loss,

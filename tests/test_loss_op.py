@@ -44,7 +44,7 @@ def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", gr
         if w is not None:
             named["weights"] = w
     gr = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
-    return out, dict(zip(named, gr))
+    return out, dict(zip(named, gr, strict=True))
 
 
 def run_ref(emb, labels, centres, cl, nb, w, sigma, reduction="mean"):
@@ -71,7 +71,7 @@ def _run_ref_cpu(emb, labels, centres, cl, nb, w, sigma, reduction):
     gr = torch.autograd.grad(loss, inputs, allow_unused=True)
     names = ["emb", "centres", "sigma", "weights"]
     return rows, valid, {n: (torch.zeros_like(i) if g is None else g)
-                         for n, g, i in zip(names, gr, inputs)}
+                         for n, g, i in zip(names[:len(inputs)], gr, inputs, strict=True)}
 
 
 def compare(case, backend, emb_dtype=torch.float32, bank_dtype=torch.float32, sigma=1.3,
@@ -297,7 +297,7 @@ def test_kernel_two_phase_path_matches_single_pass():
     one = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s)
     two = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s, max_block_d=16)
     ref = torch_path.forward(emb, labels, centres, cl, nb, w.float(), s)
-    for a, b, r in zip(one, two, ref):
+    for a, b, r in zip(one, two, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
 
@@ -334,7 +334,7 @@ def test_kernel_at_production_block_sizes(B, N, D, K):
     s = torch.tensor(float(D) ** 0.5)
     got = kernels.neighbour_kernel_fwd(emb, labels, cen, cl, nb, w, s)
     ref = torch_path.forward(emb, labels, cen, cl, nb, w, s)
-    for name, a, r in zip(["loss", "lse_all", "lse_pos", "grad_x", "dist"], got, ref):
+    for name, a, r in zip(["loss", "lse_all", "lse_pos", "grad_x", "dist"], got, ref, strict=True):
         fin = torch.isfinite(r)
         assert torch.equal(torch.isfinite(a), fin), name
         torch.testing.assert_close(a[fin], r[fin], rtol=1e-5, atol=1e-5, msg=name)
@@ -351,7 +351,7 @@ def test_every_launch_config_computes_the_same(block_k, block_d):
     cfg = kernels.FwdConfig(block_k, block_d, num_warps=2)
     got = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s, config=cfg)
     ref = torch_path.forward(emb, labels, centres, cl, nb, w, s)
-    for a, r in zip(got, ref):
+    for a, r in zip(got, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 

@@ -195,3 +195,100 @@ def test_growing_a_learned_bank_with_given_weights_keeps_the_parameter():
     assert bank.log_weights is param and bank.log_weights.requires_grad
     torch.testing.assert_close(bank.weights.detach()[10:], torch.tensor([2.0, 0.5]))
     torch.testing.assert_close(bank.weights.detach()[:10], torch.ones(10))
+
+
+# ---------------------------------------------------------------- mutation survivors (bank.py)
+# Each test below kills mutants that survived the trial run recorded in tests/MUTATION.md.
+@pytest.mark.parametrize("kwargs, exc, match", [
+    # README: bad input raises an exception that names the argument (and the numbers).
+    (dict(neighbours=torch.zeros(5, 2, dtype=torch.long)), ValueError,
+     r"neighbours must have one row per centre \(4\), got 5"),
+    (dict(neighbours=torch.tensor([[1], [0], [-2], [2]])), IndexError,
+     r"neighbours holds index -2; the only negative index allowed is -1"),
+    (dict(neighbours=torch.tensor([[1], [0], [4], [2]])), IndexError,
+     r"neighbours holds index 4 but the bank has only 4 centres"),
+    (dict(weights=torch.ones(3)), ValueError, r"weights has length 3 but the bank has 4 centres"),
+    (dict(weights=torch.ones(4, dtype=torch.long)), TypeError, r"^weights must"),
+    (dict(weights=torch.tensor([1.0, -1.0, 1.0, 1.0])), ValueError,
+     r"^weights must be finite and non-negative$"),
+    (dict(weights=torch.tensor([1.0, 0.0, 1.0, 1.0]), learn_weights=True), ValueError,
+     r"^learnable weights must start strictly positive \(they are stored as log-weights"),
+])
+def test_bank_errors_name_the_argument(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        nnkloss.CentreBank(torch.zeros(4, 2), torch.tensor([0, 0, 1, 1]), **kwargs)
+
+
+def test_bank_constructor_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"^centres must have dtype"):
+        nnkloss.CentreBank(torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"^labels must"):
+        nnkloss.CentreBank(torch.zeros(4, 2), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"^centres contain NaN or inf$"):
+        nnkloss.CentreBank(torch.full((4, 2), float("inf")), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^labels are on meta but centres on cpu$"):
+        nnkloss.CentreBank(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long, device="meta"))
+
+
+def test_neighbours_for_errors_and_empty_idx():
+    bank = make_bank(N=10, K=3)
+    with pytest.raises(IndexError, match=r"^idx holds -1 but the bank has rows 0\.\.9$"):
+        bank.neighbours_for(torch.tensor([0, -1, 12]))
+    with pytest.raises(IndexError, match=r"^idx holds 10 but the bank has rows 0\.\.9$"):
+        bank.neighbours_for(torch.tensor([0, 10]))
+    with pytest.raises(IndexError, match=r"^idx holds 12 but"):
+        bank.neighbours_for(torch.tensor([0, 12]))  # lowest index 0: the highest is the bad one
+    with pytest.raises(TypeError, match=r"^idx must"):
+        bank.neighbours_for(torch.tensor([0.0]))
+    out = bank.neighbours_for(torch.empty(0, dtype=torch.long))
+    assert out.shape == (0, 3) and out.dtype == torch.long
+    plain = nnkloss.CentreBank(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"^the bank has no neighbour lists yet: build them "
+                                           r"first \(rebuild_neighbours / set_neighbours / "
+                                           r"a Refresher\)$"):
+        plain.neighbours_for(torch.tensor([0]))
+
+
+def test_rebuild_neighbours_passes_its_options_on():
+    # Class 0 has two points far apart (rows 6 and 7), each surrounded by class 1: with k = 2
+    # neither lists the other unless ensure_positive patches it in.
+    centres = torch.tensor([[0.0], [0.1], [0.2], [5.0], [5.1], [5.2], [10.0], [0.05]])
+    labels = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0])
+    bank = nnkloss.CentreBank(centres, labels)
+    lists = bank.rebuild_neighbours(k=2, backend="torch")  # default: no patching
+    assert lists.num_patched == 0 and lists.backend == "torch"
+    assert 7 not in bank.neighbours[6].tolist() and 6 not in bank.neighbours[7].tolist()
+    lists = bank.rebuild_neighbours(k=2, backend="torch", ensure_positive=True)
+    assert lists.num_patched == 2
+    assert 7 in bank.neighbours[6].tolist() and 6 in bank.neighbours[7].tolist()
+    with pytest.raises(ValueError, match="approximate"):
+        bank.rebuild_neighbours(k=2, backend="torch", approximate="no-such-index")
+
+
+def test_from_class_means_uses_its_seed():
+    from nnkloss.centroids import class_centroids
+    g = torch.Generator().manual_seed(11)
+    emb = torch.randn(60, 3, generator=g)
+    labels = torch.arange(60) % 2
+    for seed in (0, 3):
+        c, l = class_centroids(emb, labels, per_class=3, seed=seed)
+        bank = nnkloss.CentreBank.from_class_means(emb, labels, per_class=3, seed=seed)
+        assert torch.equal(bank.centres, c) and torch.equal(bank.labels, l)
+    default = nnkloss.CentreBank.from_class_means(emb, labels, per_class=3)
+    assert torch.equal(default.centres, class_centroids(emb, labels, per_class=3, seed=0)[0])
+    assert not torch.equal(class_centroids(emb, labels, per_class=3, seed=0)[0],
+                           class_centroids(emb, labels, per_class=3, seed=3)[0])
+
+
+def test_bank_load_state_dict_strictness():
+    bank = make_bank(N=8, K=2)
+    sd = bank.state_dict()
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        make_bank(N=8, K=2).load_state_dict({**sd, "bogus": torch.zeros(1)})
+    partial = {k: v for k, v in sd.items() if k != "log_weights"}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        make_bank(N=8, K=2).load_state_dict(partial)
+    other = make_bank(N=8, K=2, weights=nonuniform(8))
+    other.load_state_dict(partial, strict=False)  # weights kept, nothing else breaks
+    torch.testing.assert_close(other.weights_for_loss(), nonuniform(8))
+    assert torch.equal(other.centres, bank.centres)

@@ -13,6 +13,7 @@ import torch
 
 import nnkloss
 from reference import reference_loss, reference_loss_rows
+from test_loss_op import make_case  # random case, fp64, weights in [0.25, 1.25)
 
 pytestmark = pytest.mark.interpreter
 
@@ -47,16 +48,12 @@ def force_blocks(monkeypatch):
 def far_first_case(B, N, D, K, C=3, seed=0, spread=1.0, pad=0.1):
     """Each row's list sorted from the farthest centre to the nearest, so that the running
     maxima grow from tile to tile and every tile must rescale both sums."""
-    g = torch.Generator().manual_seed(seed)
-    emb = torch.randn(B, D, generator=g, dtype=torch.float64) * spread
-    centres = torch.randn(N, D, generator=g, dtype=torch.float64) * spread
-    labels = torch.randint(0, C, (B,), generator=g)
-    centre_labels = torch.randint(0, C, (N,), generator=g)
-    nb = torch.randint(0, N, (B, K), generator=g)
+    emb, labels, centres, centre_labels, nb, w = make_case(B, N, D, K, C, seed=seed,
+                                                           spread=spread)
     d = ((emb[:, None, :] - centres[nb]) ** 2).sum(-1)
     nb = nb.gather(1, d.argsort(1, descending=True))
+    g = torch.Generator().manual_seed(seed + 1000)
     nb = nb.masked_fill(torch.rand(B, K, generator=g) < pad, -1)
-    w = torch.rand(N, generator=g, dtype=torch.float64) + 0.25
     return emb, labels, centres, centre_labels, nb, w
 
 

@@ -68,7 +68,8 @@ def no_host_reads(allowed_callers=("neighbours_for",)):
 
         def wrapper(self, *a, **k):
             caller = sys._getframe(1).f_code.co_name
-            if caller not in allowed_callers:
+            # "in", not "==": mutmut renames functions (...neighbours_for__mutmut_orig).
+            if not any(ok in caller for ok in allowed_callers):
                 calls.append((name, caller))
                 raise AssertionError(f"host read Tensor.{name} from {caller}()")
             return orig(self, *a, **k)

@@ -6,34 +6,20 @@ the functional op runs with small forced blocks (``default_config`` patched, bec
 takes no config) and every output and gradient (emb, centres, weights, sigma) is compared with
 tests/reference.py, not with the torch path.
 """
-import importlib
-
 import pytest
 import torch
 
 import nnkloss
+from kernels_module import kernels
 from reference import reference_loss, reference_loss_rows
 from test_loss_op import make_case  # random case, fp64, weights in [0.25, 1.25)
 
 pytestmark = pytest.mark.interpreter
 
 
-def kernels_module():
-    """nnkloss.kernels.neighbour_kernel, also from a checkout that was not pip-installed."""
-    try:
-        return importlib.import_module("nnkloss.kernels.neighbour_kernel")
-    except ModuleNotFoundError:
-        # A source checkout maps kernels/ to nnkloss.kernels on first use of the Triton path.
-        x = torch.zeros(1, 1)
-        nnkloss.neighbour_kernel_loss(x, torch.zeros(1, dtype=torch.long), x,
-                                      torch.zeros(1, dtype=torch.long),
-                                      torch.zeros(1, 1, dtype=torch.long), backend="triton")
-        return importlib.import_module("nnkloss.kernels.neighbour_kernel")
-
-
 @pytest.fixture
 def force_blocks(monkeypatch):
-    nk = kernels_module()
+    nk = kernels("neighbour_kernel")
     seen = []
 
     def force(block_k, block_d):
@@ -122,6 +108,6 @@ def test_far_positives_several_k_tiles(force_blocks):
 
 def test_default_config_is_one_tile_up_to_64():
     """Why these tests force the blocks: the default puts K <= 64 in one tile."""
-    nk = kernels_module()
+    nk = kernels("neighbour_kernel")
     assert nk.default_config(64, 20).block_k >= 64
     assert nk.default_config(100, 20).block_k < 100

@@ -4,6 +4,7 @@ import torch
 
 import nnkloss
 from nnkloss import torch_path
+import kernels_module
 from reference import reference_loss, reference_loss_rows
 
 BACKENDS = ["torch", "triton"]
@@ -290,7 +291,7 @@ def test_torch_path_chunks_agree(monkeypatch):
 def test_kernel_two_phase_path_matches_single_pass():
     """Wide-D path (distances first, then chunked weighted sums) on a small D by lowering the
     register block limit."""
-    from nnkloss import kernels
+    kernels = kernels_module.kernels()
     emb, labels, centres, cl, nb, w = make_case(5, 30, 70, 9, seed=15, pad=0.2)
     emb, centres = emb.float(), centres.float()
     s = torch.tensor(1.2)
@@ -304,7 +305,7 @@ def test_kernel_two_phase_path_matches_single_pass():
 
 @pytest.mark.interpreter
 def test_kernel_centre_grad_matches_torch():
-    from nnkloss import kernels
+    kernels = kernels_module.kernels()
     emb, labels, centres, cl, nb, w = make_case(6, 15, 37, 7, seed=16, pad=0.3)
     coef = torch.randn(6, 7, dtype=torch.float64)
     a = kernels.centre_grad(emb, centres, nb, coef)
@@ -328,7 +329,7 @@ def test_empty_batch():
 def test_kernel_at_production_block_sizes(B, N, D, K):
     """The block shapes a GPU uses for wide D (single pass up to 4096, two-phase beyond),
     against the torch path, with a bf16 bank."""
-    from nnkloss import kernels
+    kernels = kernels_module.kernels()
     emb, labels, centres, cl, nb, w = make_case(B, N, D, K, seed=17, pad=0.1)
     emb, cen, w = emb.float(), centres.to(torch.bfloat16), w.float()
     s = torch.tensor(float(D) ** 0.5)
@@ -344,7 +345,7 @@ def test_kernel_at_production_block_sizes(B, N, D, K):
 @pytest.mark.parametrize("block_k, block_d", [(1, 128), (4, 64), (16, 128), (64, 16), (2, 1)])
 def test_every_launch_config_computes_the_same(block_k, block_d):
     """Any configuration a tuner may pick is exact: single pass (block_d >= D) or two-phase."""
-    from nnkloss import kernels
+    kernels = kernels_module.kernels()
     emb, labels, centres, cl, nb, w = make_case(4, 40, 70, 23, seed=18, pad=0.2)
     emb, centres, w = emb.float(), centres.float(), w.float()
     s = torch.tensor(1.7)
@@ -356,7 +357,7 @@ def test_every_launch_config_computes_the_same(block_k, block_d):
 
 
 def test_bad_launch_config():
-    from nnkloss import kernels
+    kernels = kernels_module.kernels()
     emb, labels, centres, cl, nb, w = make_case(2, 5, 3, 2)
     with pytest.raises(ValueError, match="block_k"):
         kernels.neighbour_kernel_fwd(emb.float(), labels, centres.float(), cl, nb, None,

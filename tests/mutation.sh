@@ -3,7 +3,7 @@
 #
 #   bash tests/mutation.sh                 # the core: bank refresh checkpoint loss functional torch_path
 #   bash tests/mutation.sh bank            # one module
-#   WORK=/tmp/mut bash tests/mutation.sh refresh
+#   WORK=/tmp/mut bash tests/mutation.sh refresh   # MAX_CHILDREN=2 for two workers
 #
 # The working tree (nnkloss/, kernels/, tests/) is copied to a scratch directory ($WORK,
 # default a fresh mktemp -d), a setup.cfg [mutmut] section is written there naming the
@@ -78,5 +78,5 @@ echo "mutating: ${MODULES[*]}"
 echo "tests: $tests"
 cd "$WORK"
 export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-nice -n 10 python -m mutmut run --max-children 1
+nice -n 10 python -m mutmut run --max-children "${MAX_CHILDREN:-1}"
 python -m mutmut results || true

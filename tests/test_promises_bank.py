@@ -264,6 +264,8 @@ def test_rebuild_neighbours_passes_its_options_on():
     assert 7 in bank.neighbours[6].tolist() and 6 in bank.neighbours[7].tolist()
     with pytest.raises(ValueError, match="approximate"):
         bank.rebuild_neighbours(k=2, backend="torch", approximate="no-such-index")
+    lists = bank.rebuild_neighbours(k=2)  # the default backend ("auto") works
+    assert lists.backend in ("torch", "faiss") and bank.k == 2
 
 
 def test_from_class_means_uses_its_seed():

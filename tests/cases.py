@@ -43,7 +43,7 @@ def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", gr
         if w is not None:
             named["weights"] = w
     gr = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
-    return out, dict(zip(named, gr))
+    return out, dict(zip(named, gr, strict=True))
 
 
 def run_ref(emb, labels, centres, cl, nb, w, sigma, reduction="mean"):
@@ -70,7 +70,7 @@ def _run_ref_cpu(emb, labels, centres, cl, nb, w, sigma, reduction):
     gr = torch.autograd.grad(loss, inputs, allow_unused=True)
     names = ["emb", "centres", "sigma", "weights"]
     return rows, valid, {n: (torch.zeros_like(i) if g is None else g)
-                         for n, g, i in zip(names, gr, inputs)}
+                         for n, g, i in zip(names[:len(inputs)], gr, inputs, strict=True)}
 
 
 def compare(case, backend, emb_dtype=torch.float32, bank_dtype=torch.float32, sigma=1.3,

@@ -33,7 +33,7 @@ def reference_loss_rows(emb, labels, centres, centre_labels, neighbours, weights
             d = ((emb[b] - centres[j]) ** 2).sum()
             log_terms.append(torch.log(torch.as_tensor(w, dtype=torch.float64)) - d / (2 * sigma ** 2))
             positive.append(int(centre_labels[j]) == int(labels[b]))
-        pos = [t for t, p in zip(log_terms, positive) if p]
+        pos = [t for t, p in zip(log_terms, positive, strict=True) if p]
         if not pos:
             rows.append(emb.new_zeros(()) + 0.0 * emb[b].sum())
             valid.append(False)

@@ -10,7 +10,6 @@ aligned. A target this Triton cannot build, or missing NVIDIA tools, is a clean 
 Duration on a 2-core CPU (measured): 76 s cold for three targets (empty Triton cache), 43 s
 warm (Triton cache filled; the cubins are still inspected every run).
 """
-import os
 import time
 
 import pytest

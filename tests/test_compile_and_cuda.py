@@ -39,7 +39,7 @@ def test_compile_fullgraph_no_graph_break(compile_backend):
     out.backward()
     g_comp = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     torch.testing.assert_close(out, eager)
-    for a, b in zip(g_comp, g_eager):
+    for a, b in zip(g_comp, g_eager, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -84,7 +84,7 @@ def triton_vs_torch_path(device, shape, bank_dtype):
         loss = nnkloss.neighbour_kernel_loss(e, labels, c, cl, nb, ww, s, backend=be)
         loss.backward()
         outs[be] = [loss.double(), e.grad.double(), ww.grad.double(), s.grad.double()]
-    for a, b in zip(outs["triton"], outs["torch"]):
+    for a, b in zip(outs["triton"], outs["torch"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 

@@ -288,7 +288,7 @@ def test_ddp_steps_match_one_process_with_the_global_batch(results):
     # The per-rank valid counts differ, so the plain mean of per-rank means would NOT match.
     c0, c1 = results[0]["train_dist"]["counts"], results[1]["train_dist"]["counts"]
     assert c0 != c1
-    assert [a + b for a, b in zip(c0, c1)] == single["counts"]
+    assert [a + b for a, b in zip(c0, c1, strict=True)] == single["counts"]
     _same(results[0]["train_dist"]["params"], results[1]["train_dist"]["params"])
 
 
@@ -296,7 +296,7 @@ def test_trainer_under_ddp_matches_one_process(results):
     single = results[0]["trainer_single"]
     for r in results:
         multi = r["trainer_dist"]
-        for a, b in zip(multi["history"], single["history"]):
+        for a, b in zip(multi["history"], single["history"], strict=True):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
         for key, v in single["params"].items():
             torch.testing.assert_close(multi["params"][key], v, rtol=1e-5, atol=1e-6,
@@ -307,7 +307,9 @@ def test_trainer_under_ddp_matches_one_process(results):
     assert results[1]["trainer_single"]["files"] == results[0]["trainer_single"]["files"]
 
 
-def test_single_process_helpers_are_no_ops():
+def test_single_process_helpers_are_no_ops(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
     assert not nkd.is_distributed() and nkd.rank() == 0 and nkd.world_size() == 1
     assert nkd.is_main_process() and nkd.distributed_sampler([1, 2, 3], shuffle=True) is None
     model = nn.Linear(2, 2)
@@ -317,11 +319,16 @@ def test_single_process_helpers_are_no_ops():
     assert nkd.sum_over_ranks(4) == 4 and nkd.mean_over_ranks(loss) is loss
     loader = DataLoader(list(range(6)), batch_size=4)
     assert nkd.shard_loader(loader) is loader
+    model(torch.ones(1, 2)).sum().backward()
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
     nkd.sync_loss_parameters(model)
     nkd.broadcast_buffers(model)
+    for n, p in model.named_parameters():  # nothing averaged or overwritten
+        assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
     nkd.check_async_refresh()
     assert nkd.per_rank_batch_size(12) == 12
-    assert nkd.init_from_env() is False or nkd.is_distributed()
+    assert nkd.init_from_env() is False  # no torchrun environment: stays single-process
+    assert not nkd.is_distributed()
 
 
 def test_init_from_env_refuses_a_partial_environment(monkeypatch):

@@ -194,7 +194,7 @@ def test_kernel_two_phase_path_matches_single_pass():
     one = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s)
     two = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s, max_block_d=16)
     ref = torch_path.forward(emb, labels, centres, cl, nb, w.float(), s)
-    for a, b, r in zip(one, two, ref):
+    for a, b, r in zip(one, two, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
 
@@ -231,7 +231,7 @@ def test_kernel_at_production_block_sizes(B, N, D, K):
     s = torch.tensor(float(D) ** 0.5)
     got = kernels.neighbour_kernel_fwd(emb, labels, cen, cl, nb, w, s)
     ref = torch_path.forward(emb, labels, cen, cl, nb, w, s)
-    for name, a, r in zip(["loss", "lse_all", "lse_pos", "grad_x", "dist"], got, ref):
+    for name, a, r in zip(["loss", "lse_all", "lse_pos", "grad_x", "dist"], got, ref, strict=True):
         fin = torch.isfinite(r)
         assert torch.equal(torch.isfinite(a), fin), name
         torch.testing.assert_close(a[fin], r[fin], rtol=1e-5, atol=1e-5, msg=name)
@@ -248,7 +248,7 @@ def test_every_launch_config_computes_the_same(block_k, block_d):
     cfg = kernels.FwdConfig(block_k, block_d, num_warps=2)
     got = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s, config=cfg)
     ref = torch_path.forward(emb, labels, centres, cl, nb, w, s)
-    for a, r in zip(got, ref):
+    for a, r in zip(got, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 

@@ -177,7 +177,7 @@ def test_refresh_overlap_and_positive_stats():
     stats = ref.refresh()
     assert stats.positive_share == 1.0 and stats.sigma == 1.5
     new = bank.neighbours
-    shared = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 6 for a, b in zip(new, old)])
+    shared = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 6 for a, b in zip(new, old, strict=True)])
     assert stats.overlap == pytest.approx(float(shared.mean()), abs=1e-6)
     assert 0.0 < stats.overlap < 1.0
 
@@ -324,10 +324,15 @@ def test_async_failure_leaves_bank_intact():
 def test_module_exports():
     for name in ("knn", "Refresher", "RefreshSchedule", "RefreshStats", "save_bank", "load_bank"):
         assert name in nnkloss.__all__ and hasattr(nnkloss, name)
-    a = torch.randn(10, 3)
-    assert torch.equal(nnkloss.knn(a, a, 2, backend="torch")[1],
-                       nnkloss.bank.search.knn(a, a, 2, backend="torch")[1])
-    assert torch.equal(knn(a, a, 2, backend="torch")[1], nnkloss.knn(a, a, 2, backend="torch")[1])
+    assert nnkloss.knn is nnkloss.search.knn
+    assert nnkloss.Refresher is Refresher and nnkloss.RefreshSchedule is RefreshSchedule
+    # The exported knn is the exact search: same neighbours as a full distance matrix.
+    a = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    dist, idx = nnkloss.knn(a, a, 2, backend="torch")
+    full = torch.cdist(a.double(), a.double()) ** 2
+    want = full.topk(2, dim=1, largest=False)
+    assert torch.equal(idx, want.indices)
+    torch.testing.assert_close(dist.double(), want.values, rtol=1e-5, atol=1e-5)
 
 
 # ============================================================================ schedule

@@ -131,7 +131,7 @@ def test_resume_continues_log_and_state(tmp_path):
         assert [r[key] for r in log4[:3]] == [r[key] for r in log3]  # not overwritten
     assert len(open(tmp_path / "b" / "log.csv").read().splitlines()) == 5
     for (name, p), q in zip(straight.model.state_dict().items(),
-                            resumed.model.state_dict().values()):
+                            resumed.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     sb, rb = straight.criterion.bank, resumed.criterion.bank
     assert torch.equal(sb.centres, rb.centres) and torch.equal(sb.neighbours, rb.neighbours)

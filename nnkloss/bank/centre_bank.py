@@ -204,8 +204,12 @@ class CentreBank(nn.Module):
         if new_lw is not None:
             if new_lw.shape == self.log_weights.shape:
                 self.log_weights.data.copy_(new_lw)  # keeps optimiser references valid
-            else:  # the bank grew: a new parameter (rebuild the optimiser if it is learned)
-                self.log_weights = nn.Parameter(new_lw, requires_grad=self.learn_weights)
+            else:  # the bank grew (or shrank): resize the SAME parameter, so an optimiser
+                # that holds it keeps training every weight, old and new (a new Parameter
+                # would silently drop out of it). Per-parameter optimiser state of the old
+                # size (momentum, Adam moments) no longer fits: the Trainer pads it.
+                self.log_weights.data = new_lw
+                self.log_weights.grad = None
             if weights is not None:
                 self._uniform_weights = False
         return self
@@ -287,8 +291,10 @@ class CentreBank(nn.Module):
             _validate_log_weights(state_dict[key], state_dict[key].shape[0],
                                   learned=self.learn_weights, name=key)
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
-            self.log_weights = nn.Parameter(torch.empty_like(state_dict[key], device=self.log_weights.device),
-                                            requires_grad=self.learn_weights)
+            # Same Parameter object, resized: optimisers holding it stay valid.
+            self.log_weights.data = torch.empty_like(state_dict[key],
+                                                     device=self.log_weights.device)
+            self.log_weights.grad = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if key in state_dict:

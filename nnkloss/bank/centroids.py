@@ -181,8 +181,10 @@ def add_centres(bank, centres: Tensor, labels: Tensor, weights: Optional[Tensor]
     The new rows get all -1 (padding) neighbour lists when the bank has lists, so existing
     rows' lists are untouched; rebuild the lists to make the new centres reachable from old
     rows' lists. The classifier searches the bank itself, so it sees new centres at once.
-    Growth goes through ``bank.update_`` (validated, swapped in atomically); with learned
-    weights that creates a new ``log_weights`` parameter, so rebuild the optimiser.
+    Growth goes through ``bank.update_`` (validated, swapped in atomically); learned weights
+    stay the same ``log_weights`` parameter, resized, so an optimiser holding it keeps training
+    it (its per-parameter state of the old size, e.g. momentum, must be reset or padded: the
+    Trainer pads it with zeros).
     """
     m = require_labelled("centres", centres, "labels", labels)
     if bank.num_centres and centres.shape[1] != bank.dim:

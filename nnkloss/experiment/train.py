@@ -240,6 +240,9 @@ class Trainer:
         self.step = 0           # optimiser steps taken
         self.history: List[Dict[str, Any]] = []
         self._bank_ready = False
+        # The last epoch of a fit() skips its scheduled refresh (nothing would use it); a
+        # later fit() that continues from there must do it first, as an uninterrupted run did.
+        self._refresh_due = False
         self._refresh_log: Dict[str, Any] = {}
         self._bar = None
 
@@ -261,6 +264,7 @@ class Trainer:
             "history": self.history,
             "bank_ready": self._bank_ready,
             "schedule": self.schedule.state_dict(),
+            "refresh_due": self._refresh_due,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -277,6 +281,7 @@ class Trainer:
         # The schedule's counters (older checkpoints: the trainer's own).
         self.schedule.load_state_dict(state.get("schedule", {"epoch": self.epoch,
                                                              "global_step": self.step}))
+        self._refresh_due = bool(state.get("refresh_due", False))
         _set_rng_state(state["rng"])
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
@@ -354,7 +359,25 @@ class Trainer:
         return {}
 
     # ------------------------------------------------------------------ loop
+    def _fit_optimizer_state(self) -> None:
+        """A bank grown (or shrunk) between epochs resizes its learned ``log_weights`` in place
+        (same Parameter, still in the optimiser); resize the optimiser's per-parameter state of
+        the old shape to match: kept rows keep theirs, new rows start at zero."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if not state:
+                    continue
+                for key, v in list(state.items()):
+                    if (isinstance(v, Tensor) and v.dim() == p.dim() and v.dim() > 0
+                            and v.shape != p.shape):
+                        fitted = torch.zeros_like(p, dtype=v.dtype)
+                        common = tuple(slice(0, min(a, b)) for a, b in zip(v.shape, p.shape))
+                        fitted[common] = v[common]
+                        state[key] = fitted
+
     def _train_epoch(self, epoch: int, total_epochs: int) -> Dict[str, Any]:
+        self._fit_optimizer_state()
         self.model.train()
         self.criterion.train()
         dev = self.device
@@ -430,6 +453,10 @@ class Trainer:
             # The initial bank: centres from the untrained model, before the first step.
             seed_everything(self.seed)
             self._refresh_log = self.refresh()
+        elif self.refresher is not None and self._refresh_due and self.epoch < int(epochs):
+            self._refresh_log = self.refresh()  # skipped after the epoch we resume from
+        if self.epoch < int(epochs):
+            self._refresh_due = False
         self.model.train()
         self._bar = None
         if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
@@ -469,8 +496,10 @@ class Trainer:
             self.epoch = epoch
             # Refresh at the end of every interval (not after the last epoch: nothing would
             # use it), before the checkpoint, so that a resumed run starts from this bank.
-            if self.schedule.epoch_end() and not last and self.refresher is not None:
+            due = self.schedule.epoch_end() and self.refresher is not None
+            if due and not last:
                 row.update(self.refresh(wait=False))
+            self._refresh_due = due and last
             if last or (self.out_dir and epoch % self.checkpoint_every == 0):
                 row.update(self._finish_async())  # checkpoints hold a settled bank
             self.history.append(row)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Mutation testing of the core with mutmut 3 (not part of CI: CPU-heavy, tens of minutes).
+#
+#   bash tests/mutation.sh                 # the core: bank refresh checkpoint losses op reference
+#   bash tests/mutation.sh bank            # one module
+#   WORK=/tmp/mut bash tests/mutation.sh refresh   # MAX_CHILDREN=2 for two workers
+#
+# The working tree (nnkloss/, kernels/, tests/) is copied to a scratch directory ($WORK,
+# default a fresh mktemp -d), a setup.cfg [mutmut] section is written there naming the
+# modules to mutate and the test files that cover them, and mutmut runs there with one
+# worker under `nice -n 10` (the checkout itself gets no mutants/ folder). Results:
+# `cd $WORK && python -m mutmut results` (survivors), `python -m mutmut show NAME` (a diff).
+#
+# kernels/neighbour_kernel.py is NOT mutated: under TRITON_INTERPRET=1 every mutant would
+# re-run the interpreted kernel tests (minutes each), and mutmut's trampolines cannot wrap
+# @triton.jit functions anyway. The kernel is covered by planted bugs instead
+# (tests/MUTATION.md) and by tests/test_kernel_tiles.py.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODULES=("$@")
+if [ ${#MODULES[@]} -eq 0 ]; then
+    MODULES=(bank refresh checkpoint losses op reference)
+fi
+
+# Module -> the test files that exercise it (keep these fast: every mutant re-runs the
+# covering tests among them; interpreter-heavy files are left out on purpose).
+tests_for() {
+    case "$1" in
+        bank)       echo "tests/test_module.py tests/test_centroids.py tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py" ;;
+        refresh)    echo "tests/test_refresh.py tests/test_promises_refresh.py" ;;
+        checkpoint) echo "tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py" ;;
+        losses)     echo "tests/test_module.py tests/test_promises_bank.py tests/test_errors.py tests/test_ccml.py tests/test_layout.py tests/test_bad_input.py tests/test_numerics.py" ;;
+        op)         echo "tests/test_loss_op.py tests/test_errors.py tests/test_module.py tests/test_numerics.py tests/test_compile_and_cuda.py" ;;
+        reference)  echo "tests/test_loss_op.py tests/test_module.py tests/test_numerics.py" ;;
+        *) echo "unknown module $1" >&2; exit 2 ;;
+    esac
+}
+
+# Module -> its files under nnkloss/.
+files_for() {
+    case "$1" in
+        bank)       echo "bank/centre_bank.py" ;;
+        refresh)    echo "bank/refresh.py" ;;
+        checkpoint) echo "bank/checkpoint.py atomic.py" ;;
+        losses)     echo "losses/base.py losses/neighbour_kernel.py" ;;
+        op)         echo "ops/neighbour_kernel.py ops/backends.py" ;;
+        reference)  echo "ops/reference.py" ;;
+    esac
+}
+
+WORK="${WORK:-$(mktemp -d /tmp/nnkloss-mutation.XXXXXX)}"
+mkdir -p "$WORK"
+rm -rf "$WORK/nnkloss" "$WORK/kernels" "$WORK/tests" "$WORK/mutants"
+cp -r "$ROOT/nnkloss" "$ROOT/kernels" "$ROOT/tests" "$WORK/"
+find "$WORK" -name __pycache__ -prune -exec rm -rf {} +
+
+only=""
+tests=""
+for m in "${MODULES[@]}"; do
+    for f in $(files_for "$m"); do only+="    nnkloss/$f"$'\n'; done
+    for t in $(tests_for "$m"); do
+        [ -f "$WORK/$t" ] || continue
+        case " $tests " in *" $t "*) ;; *) tests+="$t " ;; esac
+    done
+done
+test_lines=""
+for t in $tests; do test_lines+="    $t"$'\n'; done
+
+cat > "$WORK/setup.cfg" <<EOF
+[mutmut]
+source_paths =
+    nnkloss/
+only_mutate =
+${only}also_copy =
+    kernels/
+pytest_add_cli_args =
+    -q
+    -p
+    no:cacheprovider
+    -m
+    not slow and not interpreter
+pytest_add_cli_args_test_selection =
+${test_lines}process_isolation = forkserver
+use_git_change_detection = false
+EOF
+
+echo "mutation work dir: $WORK"
+echo "mutating: ${MODULES[*]}"
+echo "tests: $tests"
+cd "$WORK"
+export TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+nice -n 10 python -m mutmut run --max-children "${MAX_CHILDREN:-1}"
+python -m mutmut results || true

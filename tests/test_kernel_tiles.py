@@ -1,0 +1,113 @@
+"""The Triton forward with several K tiles (K > BLOCK_K), against the fp64 reference.
+
+With the default launch config a list of K <= 64 is one tile, so the online log-sum-exp
+rescaling between tiles is exercised only when K is larger or the block is forced small. Here
+the functional op runs with small forced blocks (``default_config`` patched, because the op
+takes no config) and every output and gradient (emb, centres, weights, sigma) is compared with
+tests/reference.py, not with the torch path.
+"""
+import pytest
+import torch
+
+import nnkloss
+from nnkloss.ops.backends import kernels
+from reference import reference_loss, reference_loss_rows
+from cases import make_case  # random case, fp64, weights in [0.25, 1.25)
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture
+def force_blocks(monkeypatch):
+    nk = kernels().neighbour_kernel
+    seen = []
+
+    def force(block_k, block_d):
+        def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4):
+            seen.append((K, D))
+            return nk.FwdConfig(block_k, block_d, num_warps=2)
+        monkeypatch.setattr(nk, "default_config", cfg)
+        return seen
+    return force
+
+
+def far_first_case(B, N, D, K, C=3, seed=0, spread=1.0, pad=0.1):
+    """Each row's list sorted from the farthest centre to the nearest, so that the running
+    maxima grow from tile to tile and every tile must rescale both sums."""
+    emb, labels, centres, centre_labels, nb, w = make_case(B, N, D, K, C, seed=seed,
+                                                           spread=spread)
+    d = ((emb[:, None, :] - centres[nb]) ** 2).sum(-1)
+    nb = nb.gather(1, d.argsort(1, descending=True))
+    g = torch.Generator().manual_seed(seed + 1000)
+    nb = nb.masked_fill(torch.rand(B, K, generator=g) < pad, -1)
+    return emb, labels, centres, centre_labels, nb, w
+
+
+def grads_of(fn, emb, centres, w, sigma, dtype):
+    emb = emb.detach().to(dtype).requires_grad_(True)
+    centres = centres.detach().to(dtype).requires_grad_(True)
+    w = w.detach().to(dtype).requires_grad_(True)
+    s = torch.tensor(sigma, dtype=dtype, requires_grad=True)
+    rows = fn(emb, centres, w, s)
+    loss = (rows * torch.linspace(0.5, 1.5, len(rows), dtype=rows.dtype)).sum()
+    names = ("emb", "centres", "weights", "sigma")
+    got = torch.autograd.grad(loss, [emb, centres, w, s])
+    assert len(got) == len(names)
+    return rows.detach(), dict(zip(names, got, strict=True))
+
+
+def check_against_reference(case, sigma, dtype):
+    emb, labels, centres, cl, nb, w = case
+
+    def op(e, c, ww, s):
+        return nnkloss.neighbour_kernel_loss(e, labels, c, cl, nb, ww, s, reduction="none",
+                                             backend="triton")
+
+    def ref(e, c, ww, s):
+        return reference_loss(e, labels, c, cl, nb, ww, s, reduction="none")
+
+    rows, g = grads_of(op, emb, centres, w, sigma, dtype)
+    rows_ref, g_ref = grads_of(ref, emb, centres, w, sigma, torch.float64)
+    _, valid = reference_loss_rows(emb, labels, centres, cl, nb, w, sigma)
+    assert valid.any()  # some rows carry a loss and a gradient
+    tol = (dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5))
+    torch.testing.assert_close(rows.double(), rows_ref, **tol)
+    assert set(g) == set(g_ref)
+    for name in g_ref:
+        scale = max(1.0, float(g_ref[name].abs().max()))
+        torch.testing.assert_close(g[name].double(), g_ref[name], rtol=tol["rtol"],
+                                   atol=tol["atol"] * scale, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("block_k, K", [(4, 37), (8, 100), (16, 65)])
+def test_single_pass_several_k_tiles(force_blocks, block_k, K, dtype):
+    seen = force_blocks(block_k, 32)  # D = 20 fits one column block: single-pass path
+    case = far_first_case(5, 60, 20, K, seed=block_k)
+    check_against_reference(case, sigma=1.7, dtype=dtype)
+    assert seen and all(k == K for k, _ in seen)  # the forced config was used
+    assert K > block_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_phase_several_k_tiles(force_blocks, dtype):
+    force_blocks(8, 8)  # D = 20 > block_d: two-phase path, 5 K tiles
+    case = far_first_case(4, 50, 20, 40, seed=3)
+    check_against_reference(case, sigma=2.1, dtype=dtype)
+
+
+def test_far_positives_several_k_tiles(force_blocks):
+    """Positives far behind the negatives (separate running maxima) across tiles."""
+    force_blocks(4, 32)
+    emb, labels, centres, cl, nb, w = far_first_case(4, 40, 6, 23, seed=5, spread=3.0, pad=0.0)
+    labels = torch.zeros_like(labels)
+    cl = torch.ones_like(cl)
+    cl[nb[:, 0]] = 0  # the farthest entry of each list is a positive, most others are not
+    check_against_reference((emb, labels, centres, cl, nb, w), sigma=1.0, dtype=torch.float64)
+
+
+def test_default_config_is_one_tile_up_to_64():
+    """Why these tests force the blocks: the default puts K <= 64 in one tile."""
+    nk = kernels().neighbour_kernel
+    assert nk.default_config(64, 20).block_k >= 64
+    assert nk.default_config(100, 20).block_k < 100

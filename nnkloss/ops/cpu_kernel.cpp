@@ -1,0 +1,340 @@
+// Compiled CPU path of the neighbour-kernel loss (see /CONTRACT.md: the forward contract).
+//
+// No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
+// compiler (c++ -O3 -march=native -fopenmp -shared -fPIC), loads it with ctypes and passes
+// tensor data pointers. Every array is contiguous.
+//
+// Types: C is the compute type (float, or double for fp64 embeddings), T the bank element
+// type (float, double, bf16 or fp16 stored as uint16_t bits). Integer arrays (neighbours,
+// centre labels) are int32 or int64, chosen at run time by a flag. Labels are int64 and emb is
+// already in the compute type (the Python wrapper converts those small inputs).
+//
+// Forward, per row b (OpenMP over rows): pass 1 gathers the K centre rows once and computes the
+// scaled squared distances u_j = sum_d ((c_j[d] - x[d]) * (1/sigma))^2 and the logits; the max,
+// the two sums and the log-sum-exps follow from those K numbers; pass 2 re-reads the K rows
+// (now hot in L2) and accumulates grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with
+// p_j = e_j / s_all, p^R_j = e^R_j / s_pos (normalised by the computed sums), skipping entries
+// whose coefficient is zero. The only temporaries are two K-vectors per thread.
+//
+// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads split the D
+// columns (blocks of 16 elements, a cache line of fp32), so no two threads write the same
+// element and every element is accumulated in the same (b, k) order whatever the thread
+// count: the result is deterministic.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+struct fp16 { uint16_t bits; };
+
+inline float bits_to_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// IEEE half -> float without relying on compiler support for _Float16 (exact for every input,
+// subnormals, inf and NaN included). Branch-free enough to vectorise.
+inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    // normal: rebias the exponent (15 -> 127); inf/nan: exponent all ones
+    uint32_t normal = ((exp + 112u) << 23) | (man << 13);
+    uint32_t infnan = 0x7f800000u | (man << 13);
+    // subnormal: man * 2^-24, exactly representable in float
+    float sub = (float)man * 5.9604644775390625e-08f;
+    uint32_t subbits;
+    std::memcpy(&subbits, &sub, sizeof subbits);
+    uint32_t r = exp == 0 ? subbits : (exp == 31 ? infnan : normal);
+    return bits_to_float(r | sign);
+}
+
+template <typename C> inline C load(const float* p, int64_t i) { return (C)p[i]; }
+template <typename C> inline C load(const double* p, int64_t i) { return (C)p[i]; }
+template <typename C> inline C load(const bf16* p, int64_t i) {
+    return (C)bits_to_float((uint32_t)p[i].bits << 16);
+}
+#if defined(__FLT16_MAX__) && !defined(NNK_NO_FLOAT16)
+template <typename C> inline C load(const fp16* p, int64_t i) {
+    _Float16 h;
+    std::memcpy(&h, &p[i].bits, sizeof h);
+    return (C)(float)h;
+}
+#else
+template <typename C> inline C load(const fp16* p, int64_t i) {
+    return (C)half_to_float(p[i].bits);
+}
+#endif
+
+inline int64_t load_index(const void* p, int is64, int64_t i) {
+    return is64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
+}
+
+// weights: wtype 0 = none (all ones), 1 = fp32, 2 = fp64; converted to C before the log, as
+// the torch path does (weights[idx].to(compute dtype)).
+template <typename C>
+inline C load_weight(const void* w, int wtype, int64_t j) {
+    if (wtype == 1) return (C)((const float*)w)[j];
+    return (C)((const double*)w)[j];
+}
+
+template <typename C, typename T>
+inline C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
+    C acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) {
+        C z = (load<C>(c, d) - x[d]) * inv_s;
+        acc += z * z;
+    }
+    return acc;
+}
+
+template <typename C, typename T>
+inline void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restrict x, C a,
+                      int64_t D) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) g[d] += a * (load<C>(c, d) - x[d]);
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t D) {
+    const char* b = (const char*)p;
+    int64_t bytes = D * (int64_t)sizeof(T);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(b + o, 0, 3);
+}
+
+template <typename C, typename T>
+void forward_impl(const C* emb, const int64_t* labels, const T* centres, const void* clabels,
+                  int cl64, const void* nbrs, int nb64, const void* weights, int wtype,
+                  C sigma, int64_t B, int64_t K, int64_t D, int64_t N, int store_dist,
+                  C* loss, C* lse_all, C* lse_pos, C* grad_x, C* dist, int nthreads) {
+    const C inv_s = (C)1 / sigma;
+    const C inv_s2 = inv_s * inv_s;
+    const C ninf = -std::numeric_limits<C>::infinity();
+    const C nan = std::numeric_limits<C>::quiet_NaN();
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<C> logit(K), coef(K);
+        std::vector<unsigned char> same(K);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t b = 0; b < B; ++b) {
+            const C* x = emb + b * D;
+            const int64_t R = labels[b];
+            bool nonfinite = false;
+            int64_t first = -1;  // first entry of the row that is not padding
+            // pass 1: distances and logits, reading each gathered centre row once
+            for (int64_t k = 0; k < K; ++k) {
+                int64_t j = load_index(nbrs, nb64, b * K + k);
+                if (k + 2 < K) {
+                    int64_t jn = load_index(nbrs, nb64, b * K + k + 2);
+                    if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+                }
+                C u = 0;
+                logit[k] = ninf;
+                same[k] = 0;
+                if (j >= 0) {
+                    if (j >= N) {  // out of range (the op's checks refuse it): poison the row
+                        nonfinite = true;
+                        u = nan;
+                    } else {
+                        if (first < 0) first = k;
+                        u = scaled_sqdist<C, T>(centres + j * D, x, inv_s, D);
+                        if (!std::isfinite(u)) nonfinite = true;
+                        C lw = 0;
+                        bool valid = true;
+                        if (wtype) {
+                            C w = load_weight<C>(weights, wtype, j);
+                            valid = w != (C)0;
+                            if (valid) {
+                                lw = std::log(w);
+                                if (!std::isfinite(lw)) nonfinite = true;
+                            }
+                        }
+                        if (valid) {
+                            logit[k] = lw - u * (C)0.5;
+                            same[k] = load_index(clabels, cl64, j) == R;
+                        }
+                    }
+                }
+                if (store_dist) dist[b * K + k] = u;
+            }
+            C* g = grad_x + b * D;
+            if (nonfinite) {
+                loss[b] = lse_all[b] = lse_pos[b] = nan;
+                for (int64_t d = 0; d < D; ++d) g[d] = nan;
+                continue;
+            }
+            C m_all = ninf, m_pos = ninf;
+            for (int64_t k = 0; k < K; ++k) {
+                if (logit[k] > m_all) m_all = logit[k];
+                if (same[k] && logit[k] > m_pos) m_pos = logit[k];
+            }
+            for (int64_t d = 0; d < D; ++d) g[d] = 0;
+            if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0)
+                loss[b] = 0;
+                lse_all[b] = lse_pos[b] = ninf;
+                continue;
+            }
+            C s_all = 0, s_pos = 0;
+            for (int64_t k = 0; k < K; ++k) {
+                if (logit[k] == ninf) continue;
+                s_all += std::exp(logit[k] - m_all);
+                if (same[k]) s_pos += std::exp(logit[k] - m_pos);
+            }
+            const C la = m_all + std::log(s_all);
+            lse_all[b] = la;
+            if (m_pos == ninf) {  // no same-class entry: zero loss and gradient
+                loss[b] = 0;
+                lse_pos[b] = ninf;
+                continue;
+            }
+            const C lp = m_pos + std::log(s_pos);
+            lse_pos[b] = lp;
+            loss[b] = la - lp;
+            // pass 2: grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x)
+            for (int64_t k = 0; k < K; ++k) {
+                C c = 0;
+                if (logit[k] != ninf) {
+                    C p = std::exp(logit[k] - m_all) / s_all;
+                    C pr = same[k] ? std::exp(logit[k] - m_pos) / s_pos : (C)0;
+                    c = (p - pr) * inv_s2;
+                }
+                coef[k] = c;
+            }
+            for (int64_t k = 0; k < K; ++k) {
+                if (coef[k] == (C)0) continue;
+                int64_t j = load_index(nbrs, nb64, b * K + k);
+                axpy_diff<C, T>(g, centres + j * D, x, coef[k], D);
+            }
+        }
+    }
+}
+
+template <typename C, typename T>
+void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64,
+                      const C* coef, int64_t B, int64_t K, int64_t D, int64_t N, C* grad,
+                      int nthreads) {
+    const int64_t BLK = 16;
+    const int64_t nblk = (D + BLK - 1) / BLK;
+    int nt = nthreads;
+    if ((int64_t)nt > nblk) nt = (int)nblk;
+    if (nt < 1) nt = 1;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = 0, T_ = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T_ = omp_get_num_threads();
+#endif
+        const int64_t d0 = std::min(D, (nblk * t / T_) * BLK);
+        const int64_t d1 = std::min(D, (nblk * (t + 1) / T_) * BLK);
+        if (d1 > d0) {
+            for (int64_t b = 0; b < B; ++b) {
+                const C* x = emb + b * D;
+                for (int64_t k = 0; k < K; ++k) {
+                    const C a = coef[b * K + k];
+                    if (a == (C)0) continue;
+                    const int64_t j = load_index(nbrs, nb64, b * K + k);
+                    if (j < 0 || j >= N) continue;
+                    C* __restrict g = grad + j * D;
+                    const T* __restrict c = centres + j * D;
+#pragma omp simd
+                    for (int64_t d = d0; d < d1; ++d) g[d] += a * (x[d] - load<C>(c, d));
+                }
+            }
+        }
+    }
+}
+
+// Bank element type codes (the Python side uses the same): 0 fp32, 1 fp64, 2 bf16, 3 fp16.
+template <typename C>
+int forward_dispatch(int btype, const void* emb, const int64_t* labels, const void* centres,
+                     const void* clabels, int cl64, const void* nbrs, int nb64,
+                     const void* weights, int wtype, double sigma, int64_t B, int64_t K,
+                     int64_t D, int64_t N, int store_dist, void* loss, void* lse_all,
+                     void* lse_pos, void* grad_x, void* dist, int nthreads) {
+#define NNK_FWD(T)                                                                          \
+    forward_impl<C, T>((const C*)emb, labels, (const T*)centres, clabels, cl64, nbrs, nb64, \
+                       weights, wtype, (C)sigma, B, K, D, N, store_dist, (C*)loss,          \
+                       (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist, nthreads)
+    switch (btype) {
+        case 0: NNK_FWD(float); return 0;
+        case 1: NNK_FWD(double); return 0;
+        case 2: NNK_FWD(bf16); return 0;
+        case 3: NNK_FWD(fp16); return 0;
+    }
+#undef NNK_FWD
+    return 1;
+}
+
+template <typename C>
+int centre_grad_dispatch(int btype, const void* emb, const void* centres, const void* nbrs,
+                         int nb64, const void* coef, int64_t B, int64_t K, int64_t D, int64_t N,
+                         void* grad, int nthreads) {
+#define NNK_CG(T)                                                                        \
+    centre_grad_impl<C, T>((const C*)emb, (const T*)centres, nbrs, nb64, (const C*)coef, \
+                           B, K, D, N, (C*)grad, nthreads)
+    switch (btype) {
+        case 0: NNK_CG(float); return 0;
+        case 1: NNK_CG(double); return 0;
+        case 2: NNK_CG(bf16); return 0;
+        case 3: NNK_CG(fp16); return 0;
+    }
+#undef NNK_CG
+    return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int nnk_abi_version() { return 1; }
+
+int nnk_has_openmp() {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// ctype: 0 fp32 compute, 1 fp64 compute. Returns 0 on success, 1 on an unknown type code.
+int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,
+                const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
+                const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,
+                int64_t N, int store_dist, void* loss, void* lse_all, void* lse_pos,
+                void* grad_x, void* dist, int nthreads) {
+    if (ctype == 0)
+        return forward_dispatch<float>(btype, emb, labels, centres, clabels, cl64, nbrs, nb64,
+                                       weights, wtype, sigma, B, K, D, N, store_dist, loss,
+                                       lse_all, lse_pos, grad_x, dist, nthreads);
+    if (ctype == 1)
+        return forward_dispatch<double>(btype, emb, labels, centres, clabels, cl64, nbrs, nb64,
+                                        weights, wtype, sigma, B, K, D, N, store_dist, loss,
+                                        lse_all, lse_pos, grad_x, dist, nthreads);
+    return 1;
+}
+
+int nnk_centre_grad(int ctype, int btype, const void* emb, const void* centres,
+                    const void* nbrs, int nb64, const void* coef, int64_t B, int64_t K,
+                    int64_t D, int64_t N, void* grad, int nthreads) {
+    if (ctype == 0)
+        return centre_grad_dispatch<float>(btype, emb, centres, nbrs, nb64, coef, B, K, D, N,
+                                           grad, nthreads);
+    if (ctype == 1)
+        return centre_grad_dispatch<double>(btype, emb, centres, nbrs, nb64, coef, B, K, D, N,
+                                            grad, nthreads);
+    return 1;
+}
+
+}  // extern "C"

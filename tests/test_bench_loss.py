@@ -1,4 +1,6 @@
-"""The loss benchmark's eager provider is right, and a CPU smoke run writes the CSV and plot."""
+"""The loss benchmark's eager provider is right, a CPU smoke run writes the CSV and plot (in
+process and with every measurement in a fresh process), and the shared helpers work."""
+import argparse
 import csv
 import os
 import sys
@@ -25,7 +27,7 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     try:
         path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N",
                                 "40", "--dtype", "fp32", "bf16", "--providers", "fused", "eager",
-                                "--out", str(tmp_path)])
+                                "--no-isolate", "--out", str(tmp_path)])
     finally:
         nnkloss.set_value_checks(True)
     with open(path) as f:
@@ -34,6 +36,42 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     assert len(rows) == 2 * 2 * 2  # dtypes x modes x providers
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
+
+
+def test_isolated_run_measures_time_and_peak_memory(tmp_path):
+    path = bench_loss.main(["--device", "cpu", "--B", "16", "--K", "8", "--D", "32", "--N",
+                            "100", "--dtype", "bf16", "--providers", "fused", "torch",
+                            "--modes", "fwd_bwd", "--out", str(tmp_path)])
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["provider"] for r in rows] == ["fused", "torch"]
+    for r in rows:
+        assert float(r["ms"]) > 0 and float(r["peak_mem_mb"]) >= 0
+        assert r["commit"] and r["device"]
+
+
+def test_cpu_default_grid_is_the_issue_shapes():
+    none = argparse.Namespace(B=None, K=None, D=None, N=None, dtype=None)
+    assert bench_loss.shapes(none, torch.device("cpu")) == bench_loss.CPU_GRID
+    assert len(bench_loss.shapes(none, torch.device("cuda"))) == 2 * 27
+    some = argparse.Namespace(B=[4], K=[3], D=[5], N=40, dtype=None)
+    assert bench_loss.shapes(some, torch.device("cpu")) == [(4, 3, 5, 40, "fp32"),
+                                                            (4, 3, 5, 40, "bf16")]
+
+
+def test_peak_rss_sees_an_allocation_and_csv_header_is_written_once(tmp_path):
+    import common
+    rss = common.PeakRss().start()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del block
+    assert 60 < rss.peak_mb() < 200
+    path = str(tmp_path / "x.csv")
+    for i in range(2):
+        with common.ResultsCsv(path, ["a", "b"]) as out:
+            out.write([i, "x"], echo=False)
+            out.write({"a": i, "b": "y"}, echo=False)
+    with open(path) as f:
+        assert f.read().splitlines() == ["a,b", "0,x", "0,y", "1,x", "1,y"]
 
 
 @pytest.mark.interpreter

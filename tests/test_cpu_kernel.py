@@ -214,7 +214,7 @@ def test_store_dist_off():
 
 
 def test_threads_give_identical_results():
-    inputs = make(B=200, K=40, D=70, N=300, seed=7)
+    inputs = make(B=200, K=40, D=70, N=300, seed=7)  # above PARALLEL_MIN_ELEMS
     coef = torch.randn(200, 40)
     coef[coef.abs() < 0.3] = 0
     old = torch.get_num_threads()

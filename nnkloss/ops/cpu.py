@@ -215,6 +215,15 @@ def _torch_forward(emb, labels, centres, centre_labels, neighbours, weights, sig
     return out
 
 
+# Below this many gathered elements (B*K*D) one thread does the work: waking a second one costs
+# more, and on a busy machine the end-of-region barrier can wait a whole time slice for it.
+PARALLEL_MIN_ELEMS = 1 << 16
+
+
+def _threads(work: int) -> int:
+    return 1 if work < PARALLEL_MIN_ELEMS else max(1, torch.get_num_threads())
+
+
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
@@ -254,7 +263,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
                          int(nb.dtype == torch.int64), _ptr(w), wtype, s, B, K, D, N,
                          int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(),
                          lse_pos.data_ptr(), grad_x.data_ptr(),
-                         dist.data_ptr() if store_dist else None, torch.get_num_threads())
+                         dist.data_ptr() if store_dist else None, _threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")
     return loss, lse_all, lse_pos, grad_x, dist
@@ -280,7 +289,7 @@ def centre_grad(emb, centres, neighbours, coef):
     rc = lib.nnk_centre_grad(int(cdt == torch.float64), _BANK_TYPES[centres.dtype],
                              x.data_ptr(), centres.data_ptr(), nb.data_ptr(),
                              int(nb.dtype == torch.int64), c.data_ptr(), B, K, D, N,
-                             grad.data_ptr(), torch.get_num_threads())
+                             grad.data_ptr(), _threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_centre_grad failed (code {rc})")
     return grad

@@ -279,7 +279,7 @@ def test_build_is_atomic_when_processes_race(tmp_path):
 
     def build():
         try:
-            paths.append(cpu._compile(cxx, cpu.FLAGS + cpu.OPENMP_FLAGS, str(tmp_path)))
+            paths.append(cpu._compile(cxx, cpu.FLAGS + cpu.THREAD_FLAGS, str(tmp_path)))
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 

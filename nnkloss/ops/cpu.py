@@ -4,7 +4,8 @@
 Triton launcher and the plain torch path. The source (``cpu_kernel.cpp``, no torch headers) is
 compiled once per machine with the system compiler::
 
-    c++ -O3 -march=native -fopenmp -shared -fPIC cpu_kernel.cpp -o <cache>/nnk_cpu_<hash>.so
+    c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread -fopenmp-simd cpu_kernel.cpp \
+        -o <cache>/nnk_cpu_<hash>.so
 
 into a per-user cache directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else
 ``~/.cache/nnkloss``), keyed by a hash of the source, the compiler's version, the flags and the
@@ -39,15 +40,15 @@ __all__ = ["available", "forward", "centre_grad", "loss", "build_info", "library
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
-OPENMP_FLAGS = ["-fopenmp"]
-NO_OPENMP_FLAGS = ["-fopenmp-simd"]  # the simd pragmas still vectorise; one thread
+THREAD_FLAGS = ["-pthread", "-fopenmp-simd"]  # std::threads; OpenMP pragmas are simd hints only
+PLAIN_FLAGS = ["-pthread"]  # a compiler without -fopenmp-simd: the loops still auto-vectorise
 
 _BANK_TYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _INDEX_TYPES = {torch.int32: 0, torch.int64: 1}
 
 _lock = threading.Lock()
 _state = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
-          "openmp": None, "warned": False}
+          "warned": False}
 
 
 def _compiler() -> Optional[str]:
@@ -119,7 +120,6 @@ def _declare(lib):
     lib.nnk_forward.restype = I
     lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
     lib.nnk_centre_grad.restype = I
-    lib.nnk_has_openmp.restype = I
     return lib
 
 
@@ -137,7 +137,7 @@ def _build_and_load():
         os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     errors = []
-    for extra in (OPENMP_FLAGS, NO_OPENMP_FLAGS):
+    for extra in (THREAD_FLAGS, PLAIN_FLAGS):
         try:
             path = _compile(cxx, FLAGS + extra, out_dir)
             lib = _declare(ctypes.CDLL(path))
@@ -146,8 +146,7 @@ def _build_and_load():
             errors.append(str(exc))
     else:
         raise RuntimeError("; ".join(errors))
-    _state.update(path=path, compile_s=time.perf_counter() - t0,
-                  openmp=bool(lib.nnk_has_openmp()))
+    _state.update(path=path, compile_s=time.perf_counter() - t0)
     return lib
 
 
@@ -174,9 +173,9 @@ def available() -> bool:
 
 
 def build_info() -> dict:
-    """Library path, build/load seconds of this process's first call, OpenMP, error."""
+    """Library path, build/load seconds of this process's first call, error."""
     _lib()
-    return {k: _state[k] for k in ("path", "compile_s", "openmp", "error")}
+    return {k: _state[k] for k in ("path", "compile_s", "error")}
 
 
 def library_path() -> Optional[str]:
@@ -186,7 +185,7 @@ def library_path() -> Optional[str]:
 def _reset_for_tests():
     with _lock:
         _state.update(lib=None, tried=False, error=None, path=None, compile_s=None,
-                      openmp=None, warned=False)
+                      warned=False)
 
 
 def _cdt(emb):
@@ -215,8 +214,8 @@ def _torch_forward(emb, labels, centres, centre_labels, neighbours, weights, sig
     return out
 
 
-# Below this many gathered elements (B*K*D) one thread does the work: waking a second one costs
-# more, and on a busy machine the end-of-region barrier can wait a whole time slice for it.
+# Below this many gathered elements (B*K*D) one thread does the work: starting a helper thread
+# (tens of microseconds) would cost more than it saves.
 PARALLEL_MIN_ELEMS = 1 << 16
 
 

@@ -1,34 +1,40 @@
 // Compiled CPU path of the neighbour-kernel loss (see /CONTRACT.md: the forward contract).
 //
 // No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
-// compiler (c++ -O3 -march=native -fopenmp -shared -fPIC), loads it with ctypes and passes
-// tensor data pointers. Every array is contiguous.
+// compiler (c++ -O3 -march=native -pthread -fopenmp-simd -shared -fPIC; the OpenMP pragmas are
+// only `simd` hints, threads are std::threads), loads it with ctypes and passes tensor data
+// pointers. Every array is contiguous.
 //
 // Types: C is the compute type (float, or double for fp64 embeddings), T the bank element
 // type (float, double, bf16 or fp16 stored as uint16_t bits). Integer arrays (neighbours,
 // centre labels) are int32 or int64, chosen at run time by a flag. Labels are int64 and emb is
 // already in the compute type (the Python wrapper converts those small inputs).
 //
-// Forward, per row b (OpenMP over rows): pass 1 gathers the K centre rows once and computes the
+// Forward, per row b (rows shared out among threads, run_items): pass 1 gathers the K centre rows once and computes the
 // scaled squared distances u_j = sum_d ((c_j[d] - x[d]) * (1/sigma))^2 and the logits; the max,
 // the two sums and the log-sum-exps follow from those K numbers; pass 2 re-reads the K rows
 // (now hot in L2) and accumulates grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with
 // p_j = e_j / s_all, p^R_j = e^R_j / s_pos (normalised by the computed sums), skipping entries
 // whose coefficient is zero. The only temporaries are two K-vectors per thread.
 //
-// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads split the D
+// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out the D
 // columns (blocks of 16 elements, a cache line of fp32), so no two threads write the same
 // element and every element is accumulated in the same (b, k) order whatever the thread
 // count: the result is deterministic.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
+
+// How many neighbours ahead pass 1 prefetches the gathered centre row (0: off).
+#ifndef NNK_PREFETCH
+#define NNK_PREFETCH 4
 #endif
 
 namespace {
@@ -113,147 +119,197 @@ inline void prefetch_row(const T* p, int64_t D) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(b + o, 0, 3);
 }
 
+// Runs work(i) for every i in [0, n) on up to `nthreads` threads: the calling thread and
+// nthreads - 1 helper threads claim items from a shared counter, and the call returns once every
+// item is done. Unlike an OpenMP team, whose closing barrier waits for every thread, the caller
+// never waits for a helper that has not claimed an item: on a busy machine (more runnable
+// threads than cores) a helper that is scheduled late finds nothing left and exits, instead of
+// stalling the call for a whole time slice. Each thread works on its own copy of `work` (its
+// scratch buffers), and everything a late helper touches is kept alive by a shared_ptr.
+struct Progress {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+};
+
+template <typename Work>
+void run_items(int64_t n, int nthreads, const Work& work) {
+    if (n <= 0) return;
+    if ((int64_t)nthreads > n) nthreads = (int)n;
+    auto progress = std::make_shared<Progress>();
+    auto loop = [progress, n, w = work]() mutable {
+        int64_t i;
+        while ((i = progress->next.fetch_add(1, std::memory_order_relaxed)) < n) {
+            w(i);
+            progress->done.fetch_add(1, std::memory_order_release);
+        }
+    };
+    for (int t = 1; t < nthreads; ++t) {
+        try {
+            std::thread(loop).detach();
+        } catch (...) {  // no more threads: the caller does the rest
+            break;
+        }
+    }
+    loop();
+    while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// One row of the forward (see the top of the file); a copy per thread (own scratch).
+template <typename C, typename T>
+struct ForwardRow {
+    const C* emb;
+    const int64_t* labels;
+    const T* centres;
+    const void* clabels;
+    int cl64;
+    const void* nbrs;
+    int nb64;
+    const void* weights;
+    int wtype;
+    C sigma;
+    int64_t K, D, N;
+    int store_dist;
+    C *loss, *lse_all, *lse_pos, *grad_x, *dist;
+    std::vector<C> logit, coef;
+    std::vector<unsigned char> same;
+
+    void operator()(int64_t b) {
+        const C inv_s = (C)1 / sigma;
+        const C inv_s2 = inv_s * inv_s;
+        const C ninf = -std::numeric_limits<C>::infinity();
+        const C nan = std::numeric_limits<C>::quiet_NaN();
+        if ((int64_t)logit.size() < K) {
+            logit.resize(K);
+            coef.resize(K);
+            same.resize(K);
+        }
+        const C* x = emb + b * D;
+        const int64_t R = labels[b];
+        bool nonfinite = false;
+        // pass 1: distances and logits, reading each gathered centre row once
+        for (int64_t k = 0; k < K; ++k) {
+            int64_t j = load_index(nbrs, nb64, b * K + k);
+            if (NNK_PREFETCH > 0 && k + NNK_PREFETCH < K) {
+                int64_t jn = load_index(nbrs, nb64, b * K + k + NNK_PREFETCH);
+                if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+            }
+            C u = 0;
+            logit[k] = ninf;
+            same[k] = 0;
+            if (j >= 0) {
+                if (j >= N) {  // out of range (the op's checks refuse it): poison the row
+                    nonfinite = true;
+                    u = nan;
+                } else {
+                    u = scaled_sqdist<C, T>(centres + j * D, x, inv_s, D);
+                    if (!std::isfinite(u)) nonfinite = true;
+                    C lw = 0;
+                    bool valid = true;
+                    if (wtype) {
+                        C w = load_weight<C>(weights, wtype, j);
+                        valid = w != (C)0;
+                        if (valid) {
+                            lw = std::log(w);
+                            if (!std::isfinite(lw)) nonfinite = true;
+                        }
+                    }
+                    if (valid) {
+                        logit[k] = lw - u * (C)0.5;
+                        same[k] = load_index(clabels, cl64, j) == R;
+                    }
+                }
+            }
+            if (store_dist) dist[b * K + k] = u;
+        }
+        C* g = grad_x + b * D;
+        if (nonfinite) {
+            loss[b] = lse_all[b] = lse_pos[b] = nan;
+            for (int64_t d = 0; d < D; ++d) g[d] = nan;
+            return;
+        }
+        C m_all = ninf, m_pos = ninf;
+        for (int64_t k = 0; k < K; ++k) {
+            if (logit[k] > m_all) m_all = logit[k];
+            if (same[k] && logit[k] > m_pos) m_pos = logit[k];
+        }
+        for (int64_t d = 0; d < D; ++d) g[d] = 0;
+        if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0)
+            loss[b] = 0;
+            lse_all[b] = lse_pos[b] = ninf;
+            return;
+        }
+        C s_all = 0, s_pos = 0;
+        for (int64_t k = 0; k < K; ++k) {
+            if (logit[k] == ninf) continue;
+            s_all += std::exp(logit[k] - m_all);
+            if (same[k]) s_pos += std::exp(logit[k] - m_pos);
+        }
+        const C la = m_all + std::log(s_all);
+        lse_all[b] = la;
+        if (m_pos == ninf) {  // no same-class entry: zero loss and gradient
+            loss[b] = 0;
+            lse_pos[b] = ninf;
+            return;
+        }
+        const C lp = m_pos + std::log(s_pos);
+        lse_pos[b] = lp;
+        loss[b] = la - lp;
+        // pass 2: grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x), rows hot in cache
+        for (int64_t k = 0; k < K; ++k) {
+            C c = 0;
+            if (logit[k] != ninf) {
+                C p = std::exp(logit[k] - m_all) / s_all;
+                C pr = same[k] ? std::exp(logit[k] - m_pos) / s_pos : (C)0;
+                c = (p - pr) * inv_s2;
+            }
+            coef[k] = c;
+        }
+        for (int64_t k = 0; k < K; ++k) {
+            if (coef[k] == (C)0) continue;
+            int64_t j = load_index(nbrs, nb64, b * K + k);
+            axpy_diff<C, T>(g, centres + j * D, x, coef[k], D);
+        }
+    }
+};
+
 template <typename C, typename T>
 void forward_impl(const C* emb, const int64_t* labels, const T* centres, const void* clabels,
                   int cl64, const void* nbrs, int nb64, const void* weights, int wtype,
                   C sigma, int64_t B, int64_t K, int64_t D, int64_t N, int store_dist,
                   C* loss, C* lse_all, C* lse_pos, C* grad_x, C* dist, int nthreads) {
-    const C inv_s = (C)1 / sigma;
-    const C inv_s2 = inv_s * inv_s;
-    const C ninf = -std::numeric_limits<C>::infinity();
-    const C nan = std::numeric_limits<C>::quiet_NaN();
-#pragma omp parallel num_threads(nthreads)
-    {
-        std::vector<C> logit(K), coef(K);
-        std::vector<unsigned char> same(K);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t b = 0; b < B; ++b) {
-            const C* x = emb + b * D;
-            const int64_t R = labels[b];
-            bool nonfinite = false;
-            int64_t first = -1;  // first entry of the row that is not padding
-            // pass 1: distances and logits, reading each gathered centre row once
-            for (int64_t k = 0; k < K; ++k) {
-                int64_t j = load_index(nbrs, nb64, b * K + k);
-                if (k + 2 < K) {
-                    int64_t jn = load_index(nbrs, nb64, b * K + k + 2);
-                    if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
-                }
-                C u = 0;
-                logit[k] = ninf;
-                same[k] = 0;
-                if (j >= 0) {
-                    if (j >= N) {  // out of range (the op's checks refuse it): poison the row
-                        nonfinite = true;
-                        u = nan;
-                    } else {
-                        if (first < 0) first = k;
-                        u = scaled_sqdist<C, T>(centres + j * D, x, inv_s, D);
-                        if (!std::isfinite(u)) nonfinite = true;
-                        C lw = 0;
-                        bool valid = true;
-                        if (wtype) {
-                            C w = load_weight<C>(weights, wtype, j);
-                            valid = w != (C)0;
-                            if (valid) {
-                                lw = std::log(w);
-                                if (!std::isfinite(lw)) nonfinite = true;
-                            }
-                        }
-                        if (valid) {
-                            logit[k] = lw - u * (C)0.5;
-                            same[k] = load_index(clabels, cl64, j) == R;
-                        }
-                    }
-                }
-                if (store_dist) dist[b * K + k] = u;
-            }
-            C* g = grad_x + b * D;
-            if (nonfinite) {
-                loss[b] = lse_all[b] = lse_pos[b] = nan;
-                for (int64_t d = 0; d < D; ++d) g[d] = nan;
-                continue;
-            }
-            C m_all = ninf, m_pos = ninf;
-            for (int64_t k = 0; k < K; ++k) {
-                if (logit[k] > m_all) m_all = logit[k];
-                if (same[k] && logit[k] > m_pos) m_pos = logit[k];
-            }
-            for (int64_t d = 0; d < D; ++d) g[d] = 0;
-            if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0)
-                loss[b] = 0;
-                lse_all[b] = lse_pos[b] = ninf;
-                continue;
-            }
-            C s_all = 0, s_pos = 0;
-            for (int64_t k = 0; k < K; ++k) {
-                if (logit[k] == ninf) continue;
-                s_all += std::exp(logit[k] - m_all);
-                if (same[k]) s_pos += std::exp(logit[k] - m_pos);
-            }
-            const C la = m_all + std::log(s_all);
-            lse_all[b] = la;
-            if (m_pos == ninf) {  // no same-class entry: zero loss and gradient
-                loss[b] = 0;
-                lse_pos[b] = ninf;
-                continue;
-            }
-            const C lp = m_pos + std::log(s_pos);
-            lse_pos[b] = lp;
-            loss[b] = la - lp;
-            // pass 2: grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x)
-            for (int64_t k = 0; k < K; ++k) {
-                C c = 0;
-                if (logit[k] != ninf) {
-                    C p = std::exp(logit[k] - m_all) / s_all;
-                    C pr = same[k] ? std::exp(logit[k] - m_pos) / s_pos : (C)0;
-                    c = (p - pr) * inv_s2;
-                }
-                coef[k] = c;
-            }
-            for (int64_t k = 0; k < K; ++k) {
-                if (coef[k] == (C)0) continue;
-                int64_t j = load_index(nbrs, nb64, b * K + k);
-                axpy_diff<C, T>(g, centres + j * D, x, coef[k], D);
-            }
-        }
-    }
+    ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
+                         sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
+                         {}, {}, {}};
+    run_items(B, nthreads, row);
 }
 
+// Centre gradient: a work item is a block of 16 columns (one cache line of fp32) for every
+// (b, k): no two threads write the same element, and each element is accumulated in (b, k)
+// order whatever the thread count, so the result is deterministic.
 template <typename C, typename T>
 void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64,
                       const C* coef, int64_t B, int64_t K, int64_t D, int64_t N, C* grad,
                       int nthreads) {
     const int64_t BLK = 16;
     const int64_t nblk = (D + BLK - 1) / BLK;
-    int nt = nthreads;
-    if ((int64_t)nt > nblk) nt = (int)nblk;
-    if (nt < 1) nt = 1;
-#pragma omp parallel num_threads(nt)
-    {
-        int t = 0, T_ = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        T_ = omp_get_num_threads();
-#endif
-        const int64_t d0 = std::min(D, (nblk * t / T_) * BLK);
-        const int64_t d1 = std::min(D, (nblk * (t + 1) / T_) * BLK);
-        if (d1 > d0) {
-            for (int64_t b = 0; b < B; ++b) {
-                const C* x = emb + b * D;
-                for (int64_t k = 0; k < K; ++k) {
-                    const C a = coef[b * K + k];
-                    if (a == (C)0) continue;
-                    const int64_t j = load_index(nbrs, nb64, b * K + k);
-                    if (j < 0 || j >= N) continue;
-                    C* __restrict g = grad + j * D;
-                    const T* __restrict c = centres + j * D;
+    auto block = [=](int64_t blk) {
+        const int64_t d0 = blk * BLK;
+        const int64_t d1 = std::min(D, d0 + BLK);
+        for (int64_t b = 0; b < B; ++b) {
+            const C* x = emb + b * D;
+            for (int64_t k = 0; k < K; ++k) {
+                const C a = coef[b * K + k];
+                if (a == (C)0) continue;
+                const int64_t j = load_index(nbrs, nb64, b * K + k);
+                if (j < 0 || j >= N) continue;
+                C* __restrict g = grad + j * D;
+                const T* __restrict c = centres + j * D;
 #pragma omp simd
-                    for (int64_t d = d0; d < d1; ++d) g[d] += a * (x[d] - load<C>(c, d));
-                }
+                for (int64_t d = d0; d < d1; ++d) g[d] += a * (x[d] - load<C>(c, d));
             }
         }
-    }
+    };
+    run_items(nblk, nthreads, block);
 }
 
 // Bank element type codes (the Python side uses the same): 0 fp32, 1 fp64, 2 bf16, 3 fp16.
@@ -300,13 +356,7 @@ extern "C" {
 
 int nnk_abi_version() { return 1; }
 
-int nnk_has_openmp() {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
+int nnk_threaded() { return 1; }
 
 // ctype: 0 fp32 compute, 1 fp64 compute. Returns 0 on success, 1 on an unknown type code.
 int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,

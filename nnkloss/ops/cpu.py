@@ -214,13 +214,13 @@ def _torch_forward(emb, labels, centres, centre_labels, neighbours, weights, sig
     return out
 
 
-# Below this many gathered elements (B*K*D) one thread does the work: starting a helper thread
-# (tens of microseconds) would cost more than it saves.
+# Each thread gets at least this many gathered elements (B*K*D) of work: a helper thread is
+# started per call (tens of microseconds), which smaller shares would not repay.
 PARALLEL_MIN_ELEMS = 1 << 16
 
 
 def _threads(work: int) -> int:
-    return 1 if work < PARALLEL_MIN_ELEMS else max(1, torch.get_num_threads())
+    return max(1, min(torch.get_num_threads(), work // PARALLEL_MIN_ELEMS))
 
 
 def _ptr(t):
@@ -325,9 +325,5 @@ def loss(emb, labels, centres, centre_labels, neighbours, weights=None, sigma=1.
         sigma = torch.tensor(float(sigma))
     per_row, valid = _EmbOnly.apply(emb, labels, centres, centre_labels, neighbours, weights,
                                     sigma)
-    if reduction == "none":
-        return per_row
-    total = per_row.sum()
-    if reduction == "sum":
-        return total
-    return total / valid.sum().clamp_min(1).to(total.dtype)
+    from ..functional import reduce_rows  # lazily: functional will import this module
+    return reduce_rows(per_row, valid, reduction)

@@ -85,3 +85,14 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
     assert list(rows[0].keys()) == tune_loss.COLUMNS
     assert len(rows) == 4 and all(r["ok"] == "1" for r in rows)
     assert len(summary) == 1 and summary[0][5] > 0
+
+
+def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):
+    import bench_refresh
+    assert bench_refresh.main(["--N", "500", "--D", "8", "--k", "5", "--backends", "torch",
+                               "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("refresh_*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0].keys()) == bench_refresh.COLUMNS
+    assert rows[0]["N"] == "500" and float(rows[0]["seconds"]) > 0 and rows[0]["date"]

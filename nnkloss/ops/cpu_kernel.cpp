@@ -10,12 +10,13 @@
 // centre labels) are int32 or int64, chosen at run time by a flag. Labels are int64 and emb is
 // already in the compute type (the Python wrapper converts those small inputs).
 //
-// Forward, per row b (rows shared out among threads, run_items): pass 1 gathers the K centre rows once and computes the
-// scaled squared distances u_j = sum_d ((c_j[d] - x[d]) * (1/sigma))^2 and the logits; the max,
-// the two sums and the log-sum-exps follow from those K numbers; pass 2 re-reads the K rows
-// (now hot in L2) and accumulates grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with
-// p_j = e_j / s_all, p^R_j = e^R_j / s_pos (normalised by the computed sums), skipping entries
-// whose coefficient is zero. The only temporaries are two K-vectors per thread.
+// Forward, per row b (rows shared out among threads by run_items): pass 1 gathers the K centre
+// rows once and computes the scaled squared distances u_j = sum_d ((c_j[d] - x[d]) / sigma)^2
+// (times 1/sigma, before squaring) and the logits; the max, the two sums and the log-sum-exps
+// follow from those K numbers; pass 2 re-reads the K rows (now hot in L2/L3) and accumulates
+// grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all, p^R_j = e^R_j / s_pos
+// (normalised by the computed sums), skipping entries whose coefficient is zero. The only
+// temporaries are three K-vectors per thread.
 //
 // Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out the D
 // columns (blocks of 16 elements, a cache line of fp32), so no two threads write the same
@@ -30,7 +31,6 @@
 #include <memory>
 #include <thread>
 #include <vector>
-
 
 // How many neighbours ahead pass 1 prefetches the gathered centre row (0: off).
 #ifndef NNK_PREFETCH

@@ -203,6 +203,31 @@ def plot(csv_path, png_path):
     plt.close(fig)
 
 
+def summary(csv_path, commit, mode="fwd_bwd"):
+    """Markdown table of one commit's rows: time and peak memory per provider, and the fused
+    op's speed-up over each other provider."""
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
+                and r["mode"] == mode and r["ms"] not in ("oom", "")]
+    by = {}
+    for r in rows:
+        by.setdefault((r["B"], r["K"], r["D"], r["dtype"]), {})[r["provider"]] = r
+    provs = [p for p in PROVIDERS if any(p in v for v in by.values())]
+    head = (["B, K, D, bank"] + [f"{p} ms" for p in provs]
+            + [f"fused vs {p}" for p in provs if p != "fused"] + [f"{p} MB" for p in provs])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (B, K, D, dt), v in by.items():
+        cells = [f"{B}, {K}, {D}, {dt}"]
+        cells += [v[p]["ms"] if p in v else "" for p in provs]
+        for p in provs:
+            if p != "fused":
+                ok = p in v and "fused" in v
+                cells.append(f"{float(v[p]['ms']) / float(v['fused']['ms']):.1f}x" if ok else "")
+        cells += [v[p]["peak_mem_mb"] if p in v else "" for p in provs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def shapes(args, device):
     """(B, K, D, N, dtype) to measure: the explicit grid, or CPU_GRID on CPU by default."""
     if device.type == "cpu" and not any([args.B, args.K, args.D, args.N, args.dtype]):
@@ -289,6 +314,7 @@ def main(argv=None):
                 print(f"    (N={N}, first call {res['first_ms']:.1f} ms)", flush=True)
             del inputs
     plot(csv_path, csv_path[:-4] + ".png")
+    print(summary(csv_path, commit, modes[-1]))
     return csv_path
 
 

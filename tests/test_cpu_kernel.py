@@ -13,7 +13,9 @@ import torch
 
 from nnkloss.ops import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: fallback only")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the fallback tests below check the notice
+    kernel = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: fallback only")
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INDEX = [torch.int32, torch.int64]
@@ -125,6 +127,7 @@ def make(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32
     return emb, labels, centres, centre_labels, nb.to(idx_dtype), w, torch.tensor(1.7)
 
 
+@kernel
 @pytest.mark.parametrize("emb_dtype", FLOATS)
 @pytest.mark.parametrize("bank_dtype", FLOATS)
 @pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int64),
@@ -137,6 +140,7 @@ def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtyp
     check(cpu.forward(*inputs), reference(*inputs), cdt)
 
 
+@kernel
 @pytest.mark.parametrize("weights", [False, True])
 @pytest.mark.parametrize("sigma,offset", [(0.05, 0.0), (1.0, 30.0), (40.0, 0.0), (1.0, 1e3)])
 def test_forward_scales(weights, sigma, offset):
@@ -146,6 +150,7 @@ def test_forward_scales(weights, sigma, offset):
     check(cpu.forward(*inputs), reference(*inputs), torch.float32)
 
 
+@kernel
 def test_k1_and_all_positive_rows():
     emb, labels, centres, cl, nb, w, s = make(B=6, K=1, N=10, weights=False, seed=4)
     check(cpu.forward(emb, labels, centres, cl, nb, w, s),
@@ -158,6 +163,7 @@ def test_k1_and_all_positive_rows():
     assert torch.equal(out[0], torch.zeros(6)) and torch.equal(out[3], torch.zeros(6, 13))
 
 
+@kernel
 def test_empty_bank_and_empty_batch():
     D = 5
     emb = torch.randn(4, D)
@@ -176,6 +182,7 @@ def test_empty_bank_and_empty_batch():
     assert grad.shape == (0, D)
 
 
+@kernel
 @pytest.mark.parametrize("bank_dtype", [torch.float32, torch.float16])
 def test_nonfinite_rows_are_nan_never_no_positive(bank_dtype):
     emb, labels, centres, cl, nb, w, s = make(B=8, K=5, D=6, N=12, bank_dtype=bank_dtype,
@@ -204,6 +211,7 @@ def test_nonfinite_rows_are_nan_never_no_positive(bank_dtype):
     check(out, reference(*inputs), torch.float32)
 
 
+@kernel
 def test_store_dist_off():
     inputs = make(seed=6)
     on = cpu.forward(*inputs)
@@ -213,6 +221,7 @@ def test_store_dist_off():
         assert torch.equal(a, b)
 
 
+@kernel
 def test_threads_give_identical_results():
     inputs = make(B=200, K=40, D=70, N=300, seed=7)  # above PARALLEL_MIN_ELEMS
     coef = torch.randn(200, 40)
@@ -231,6 +240,7 @@ def test_threads_give_identical_results():
     check(one[0], reference(*inputs), torch.float32)
 
 
+@kernel
 @pytest.mark.parametrize("emb_dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("bank_dtype", FLOATS)
 @pytest.mark.parametrize("idx_dtype", INDEX)
@@ -253,6 +263,7 @@ def test_centre_grad_matches_fp64(emb_dtype, bank_dtype, idx_dtype):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@kernel
 def test_loss_wrapper_gradient_matches_torch_path():
     emb, labels, centres, cl, nb, w, s = make(B=10, K=6, D=9, N=25, seed=9)
     import nnkloss
@@ -273,6 +284,7 @@ def test_unsupported_dtypes_fall_back():
     check(out, ref, torch.float32, dist_too=False)
 
 
+@kernel
 def test_build_is_atomic_when_processes_race(tmp_path):
     cxx = cpu._compiler()
     paths, errors = [], []
@@ -321,4 +333,10 @@ def test_missing_compiler_binary_is_reported(monkeypatch, fresh_state, tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert not cpu.available()
+
+
+def test_kernel_can_be_switched_off(monkeypatch, fresh_state):
+    monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
+    with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
         assert not cpu.available()

@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "forward", "centre_grad", "loss", "build_info", "library_path"]
+__all__ = ["available", "forward", "centre_grad", "scale_rows", "loss", "build_info",
+           "library_path"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
@@ -120,6 +121,8 @@ def _declare(lib):
     lib.nnk_forward.restype = I
     lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
     lib.nnk_centre_grad.restype = I
+    lib.nnk_scale_rows.argtypes = [I, P, P, I64, I64, P, I]
+    lib.nnk_scale_rows.restype = I
     return lib
 
 
@@ -294,6 +297,25 @@ def centre_grad(emb, centres, neighbours, coef):
     return grad
 
 
+def scale_rows(grad_x, g):
+    """``g[:, None] * grad_x`` (the backward's embedding gradient) on the kernel's threads.
+
+    torch's own elementwise ops run on its OpenMP pool, whose threads spin after each op; on a
+    busy machine that costs more than the multiply (and competes with the next forward)."""
+    lib = _lib()
+    g = g.to(grad_x.dtype).contiguous()
+    if (lib is None or grad_x.device.type != "cpu" or not grad_x.is_contiguous()
+            or grad_x.dtype not in (torch.float32, torch.float64)):
+        return g[:, None] * grad_x
+    B, D = grad_x.shape
+    out = torch.empty_like(grad_x)
+    rc = lib.nnk_scale_rows(int(grad_x.dtype == torch.float64), grad_x.data_ptr(),
+                            g.data_ptr(), B, D, out.data_ptr(), _threads(B * D))
+    if rc != 0:
+        raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
+    return out
+
+
 class _EmbOnly(torch.autograd.Function):
     """Per-row loss through the compiled forward, gradient to emb only (benchmark stand-in
     until the op dispatches here: the backward scales the saved grad_x by the upstream)."""
@@ -302,7 +324,7 @@ class _EmbOnly(torch.autograd.Function):
     def forward(ctx, emb, labels, centres, centre_labels, neighbours, weights, sigma):
         loss, _, lse_pos, grad_x, _ = forward(emb, labels, centres, centre_labels, neighbours,
                                               weights, sigma, store_dist=False)
-        has_pos = torch.isfinite(lse_pos)
+        has_pos = lse_pos != float("-inf")  # True for non-finite (NaN) rows: NaN reaches the mean
         ctx.save_for_backward(grad_x, has_pos)
         ctx.emb_dtype = emb.dtype
         ctx.mark_non_differentiable(has_pos)
@@ -312,7 +334,7 @@ class _EmbOnly(torch.autograd.Function):
     def backward(ctx, g_loss, _g_valid):
         grad_x, has_pos = ctx.saved_tensors
         g = torch.where(has_pos, g_loss.to(grad_x.dtype), 0.0)
-        return (g[:, None] * grad_x).to(ctx.emb_dtype), None, None, None, None, None, None
+        return scale_rows(grad_x, g).to(ctx.emb_dtype), None, None, None, None, None, None
 
 
 def loss(emb, labels, centres, centre_labels, neighbours, weights=None, sigma=1.0,

@@ -312,6 +312,20 @@ void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64
     run_items(nblk, nthreads, block);
 }
 
+// out[b, :] = g[b] * grad_x[b, :] (the backward's only (B, D) operation), rows shared out
+// like the forward's.
+template <typename C>
+void scale_rows_impl(const C* grad_x, const C* g, int64_t B, int64_t D, C* out, int nthreads) {
+    auto row = [=](int64_t b) {
+        const C a = g[b];
+        const C* __restrict src = grad_x + b * D;
+        C* __restrict dst = out + b * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = a * src[d];
+    };
+    run_items(B, nthreads, row);
+}
+
 // Bank element type codes (the Python side uses the same): 0 fp32, 1 fp64, 2 bf16, 3 fp16.
 template <typename C>
 int forward_dispatch(int btype, const void* emb, const int64_t* labels, const void* centres,
@@ -357,6 +371,19 @@ extern "C" {
 int nnk_abi_version() { return 1; }
 
 int nnk_threaded() { return 1; }
+
+int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int64_t D,
+                   void* out, int nthreads) {
+    if (ctype == 0)
+        scale_rows_impl<float>((const float*)grad_x, (const float*)g, B, D, (float*)out,
+                               nthreads);
+    else if (ctype == 1)
+        scale_rows_impl<double>((const double*)grad_x, (const double*)g, B, D, (double*)out,
+                                nthreads);
+    else
+        return 1;
+    return 0;
+}
 
 // ctype: 0 fp32 compute, 1 fp64 compute. Returns 0 on success, 1 on an unknown type code.
 int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,

@@ -276,6 +276,25 @@ def test_loss_wrapper_gradient_matches_torch_path():
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(x1.grad, x2.grad)
 
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scale_rows(dtype):
+    grad_x = torch.randn(300, 500, dtype=dtype)
+    g = torch.randn(300, dtype=dtype)
+    g[3] = 0
+    assert torch.equal(cpu.scale_rows(grad_x, g), g[:, None] * grad_x)
+
+
+@kernel
+def test_loss_wrapper_nan_row_reaches_the_mean():
+    emb, labels, centres, cl, nb, w, s = make(B=6, K=4, D=5, N=12, seed=12)
+    emb = emb.clone()
+    emb[4, 0] = float("nan")
+    x = emb.clone().requires_grad_(True)
+    loss = cpu.loss(x, labels, centres, cl, nb, w, s)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(x.grad[4]).all()
+
 
 def test_unsupported_dtypes_fall_back():
     emb, labels, centres, cl, nb, w, s = make(seed=10, weights=False)

@@ -326,41 +326,26 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t B, int64_t D, C* out, 
     run_items(B, nthreads, row);
 }
 
-// Bank element type codes (the Python side uses the same): 0 fp32, 1 fp64, 2 bf16, 3 fp16.
-template <typename C>
-int forward_dispatch(int btype, const void* emb, const int64_t* labels, const void* centres,
-                     const void* clabels, int cl64, const void* nbrs, int nb64,
-                     const void* weights, int wtype, double sigma, int64_t B, int64_t K,
-                     int64_t D, int64_t N, int store_dist, void* loss, void* lse_all,
-                     void* lse_pos, void* grad_x, void* dist, int nthreads) {
-#define NNK_FWD(T)                                                                          \
-    forward_impl<C, T>((const C*)emb, labels, (const T*)centres, clabels, cl64, nbrs, nb64, \
-                       weights, wtype, (C)sigma, B, K, D, N, store_dist, (C*)loss,          \
-                       (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist, nthreads)
-    switch (btype) {
-        case 0: NNK_FWD(float); return 0;
-        case 1: NNK_FWD(double); return 0;
-        case 2: NNK_FWD(bf16); return 0;
-        case 3: NNK_FWD(fp16); return 0;
+// Type codes (the Python side uses the same). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32,
+// 1 fp64, 2 bf16, 3 fp16. f is called with a value of the type; 1 is returned for an unknown
+// code, 0 otherwise.
+template <typename F>
+int with_compute_type(int ctype, F&& f) {
+    switch (ctype) {
+        case 0: f(float{}); return 0;
+        case 1: f(double{}); return 0;
     }
-#undef NNK_FWD
     return 1;
 }
 
-template <typename C>
-int centre_grad_dispatch(int btype, const void* emb, const void* centres, const void* nbrs,
-                         int nb64, const void* coef, int64_t B, int64_t K, int64_t D, int64_t N,
-                         void* grad, int nthreads) {
-#define NNK_CG(T)                                                                        \
-    centre_grad_impl<C, T>((const C*)emb, (const T*)centres, nbrs, nb64, (const C*)coef, \
-                           B, K, D, N, (C*)grad, nthreads)
+template <typename F>
+int with_bank_type(int btype, F&& f) {
     switch (btype) {
-        case 0: NNK_CG(float); return 0;
-        case 1: NNK_CG(double); return 0;
-        case 2: NNK_CG(bf16); return 0;
-        case 3: NNK_CG(fp16); return 0;
+        case 0: f(float{}); return 0;
+        case 1: f(double{}); return 0;
+        case 2: f(bf16{}); return 0;
+        case 3: f(fp16{}); return 0;
     }
-#undef NNK_CG
     return 1;
 }
 
@@ -372,46 +357,48 @@ int nnk_abi_version() { return 1; }
 
 int nnk_threaded() { return 1; }
 
-int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int64_t D,
-                   void* out, int nthreads) {
-    if (ctype == 0)
-        scale_rows_impl<float>((const float*)grad_x, (const float*)g, B, D, (float*)out,
-                               nthreads);
-    else if (ctype == 1)
-        scale_rows_impl<double>((const double*)grad_x, (const double*)g, B, D, (double*)out,
-                                nthreads);
-    else
-        return 1;
-    return 0;
-}
-
-// ctype: 0 fp32 compute, 1 fp64 compute. Returns 0 on success, 1 on an unknown type code.
+// Every entry point returns 0 on success, 1 on an unknown type code.
 int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,
                 const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
                 const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,
                 int64_t N, int store_dist, void* loss, void* lse_all, void* lse_pos,
                 void* grad_x, void* dist, int nthreads) {
-    if (ctype == 0)
-        return forward_dispatch<float>(btype, emb, labels, centres, clabels, cl64, nbrs, nb64,
-                                       weights, wtype, sigma, B, K, D, N, store_dist, loss,
-                                       lse_all, lse_pos, grad_x, dist, nthreads);
-    if (ctype == 1)
-        return forward_dispatch<double>(btype, emb, labels, centres, clabels, cl64, nbrs, nb64,
-                                        weights, wtype, sigma, B, K, D, N, store_dist, loss,
-                                        lse_all, lse_pos, grad_x, dist, nthreads);
-    return 1;
+    int rc = 0;
+    int known = with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        rc = with_bank_type(btype, [&](auto t) {
+            using T = decltype(t);
+            forward_impl<C, T>((const C*)emb, labels, (const T*)centres, clabels, cl64, nbrs,
+                               nb64, weights, wtype, (C)sigma, B, K, D, N, store_dist,
+                               (C*)loss, (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist,
+                               nthreads);
+        });
+    });
+    return known | rc;
 }
 
 int nnk_centre_grad(int ctype, int btype, const void* emb, const void* centres,
                     const void* nbrs, int nb64, const void* coef, int64_t B, int64_t K,
                     int64_t D, int64_t N, void* grad, int nthreads) {
-    if (ctype == 0)
-        return centre_grad_dispatch<float>(btype, emb, centres, nbrs, nb64, coef, B, K, D, N,
-                                           grad, nthreads);
-    if (ctype == 1)
-        return centre_grad_dispatch<double>(btype, emb, centres, nbrs, nb64, coef, B, K, D, N,
-                                            grad, nthreads);
-    return 1;
+    int rc = 0;
+    int known = with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        rc = with_bank_type(btype, [&](auto t) {
+            using T = decltype(t);
+            centre_grad_impl<C, T>((const C*)emb, (const T*)centres, nbrs, nb64,
+                                   (const C*)coef, B, K, D, N, (C*)grad, nthreads);
+        });
+    });
+    return known | rc;
+}
+
+// out[b, :] = g[b] * grad_x[b, :]
+int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int64_t D,
+                   void* out, int nthreads) {
+    return with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        scale_rows_impl<C>((const C*)grad_x, (const C*)g, B, D, (C*)out, nthreads);
+    });
 }
 
 }  // extern "C"

@@ -151,6 +151,24 @@ def test_forward_scales(weights, sigma, offset):
 
 
 @kernel
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+def test_wide_rows(bank_dtype):
+    # D beyond the kernel's 256-element fp16 conversion block, with a ragged tail
+    inputs = make(B=5, K=6, D=600, N=30, bank_dtype=bank_dtype, seed=13)
+    check(cpu.forward(*inputs), reference(*inputs), torch.float32)
+    emb, _, centres, _, nb, _, _ = inputs
+    coef = torch.randn(5, 6)
+    want = torch.zeros(30, 600, dtype=torch.float64)
+    for b in range(5):
+        for k in range(6):
+            if nb[b, k] >= 0:
+                want[nb[b, k]] += coef[b, k].double() * (emb[b].double()
+                                                         - centres[nb[b, k]].double())
+    torch.testing.assert_close(cpu.centre_grad(emb, centres, nb, coef).double(), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+@kernel
 def test_k1_and_all_positive_rows():
     emb, labels, centres, cl, nb, w, s = make(B=6, K=1, N=10, weights=False, seed=4)
     check(cpu.forward(emb, labels, centres, cl, nb, w, s),

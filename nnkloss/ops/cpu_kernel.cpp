@@ -18,10 +18,9 @@
 // (normalised by the computed sums), skipping entries whose coefficient is zero. The only
 // temporaries are three K-vectors per thread.
 //
-// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out the D
-// columns (blocks of 16 elements, a cache line of fp32), so no two threads write the same
-// element and every element is accumulated in the same (b, k) order whatever the thread
-// count: the result is deterministic.
+// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out ranges
+// of bank rows, so no two threads write the same row and every row is accumulated in the same
+// (b, k) order whatever the thread count: the result is deterministic.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,6 +30,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 // How many neighbours ahead pass 1 prefetches the gathered centre row (0: off).
 #ifndef NNK_PREFETCH
@@ -110,6 +113,42 @@ inline void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restric
                       int64_t D) {
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) g[d] += a * (load<C>(c, d) - x[d]);
+}
+
+// fp16 rows: compilers do not vectorise the scalar half -> float conversion, so a row is
+// converted a block at a time (F16C's vcvtph2ps where the CPU has it) and the float loops
+// above run on the block.
+constexpr int64_t HALF_BLOCK = 256;
+
+inline void half_block_to_float(const fp16* src, float* dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = load<float>(src, i);
+}
+
+template <typename C>
+inline C scaled_sqdist(const fp16* c, const C* __restrict x, C inv_s, int64_t D) {
+    float buf[HALF_BLOCK];
+    C acc = 0;
+    for (int64_t d0 = 0; d0 < D; d0 += HALF_BLOCK) {
+        const int64_t n = std::min(HALF_BLOCK, D - d0);
+        half_block_to_float(c + d0, buf, n);
+        acc += scaled_sqdist<C, float>(buf, x + d0, inv_s, n);
+    }
+    return acc;
+}
+
+template <typename C>
+inline void axpy_diff(C* __restrict g, const fp16* c, const C* __restrict x, C a, int64_t D) {
+    float buf[HALF_BLOCK];
+    for (int64_t d0 = 0; d0 < D; d0 += HALF_BLOCK) {
+        const int64_t n = std::min(HALF_BLOCK, D - d0);
+        half_block_to_float(c + d0, buf, n);
+        axpy_diff<C, float>(g + d0, buf, x + d0, a, n);
+    }
 }
 
 template <typename T>
@@ -201,7 +240,7 @@ struct ForwardRow {
                     nonfinite = true;
                     u = nan;
                 } else {
-                    u = scaled_sqdist<C, T>(centres + j * D, x, inv_s, D);
+                    u = scaled_sqdist(centres + j * D, x, inv_s, D);
                     if (!std::isfinite(u)) nonfinite = true;
                     C lw = 0;
                     bool valid = true;
@@ -267,7 +306,7 @@ struct ForwardRow {
         for (int64_t k = 0; k < K; ++k) {
             if (coef[k] == (C)0) continue;
             int64_t j = load_index(nbrs, nb64, b * K + k);
-            axpy_diff<C, T>(g, centres + j * D, x, coef[k], D);
+            axpy_diff(g, centres + j * D, x, coef[k], D);
         }
     }
 };
@@ -283,33 +322,27 @@ void forward_impl(const C* emb, const int64_t* labels, const T* centres, const v
     run_items(B, nthreads, row);
 }
 
-// Centre gradient: a work item is a block of 16 columns (one cache line of fp32) for every
-// (b, k): no two threads write the same element, and each element is accumulated in (b, k)
-// order whatever the thread count, so the result is deterministic.
+// Centre gradient: a work item is a range of bank rows; its thread scans every (b, k) and adds
+// the entries that fall in its range, whole rows at a time (contiguous, prefetch-friendly). No
+// two threads write the same row, and each row is accumulated in (b, k) order whatever the
+// thread count, so the result is deterministic. g += a (x - c) is computed as
+// g += (-a)(c - x), which is the same number.
 template <typename C, typename T>
 void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64,
                       const C* coef, int64_t B, int64_t K, int64_t D, int64_t N, C* grad,
                       int nthreads) {
-    const int64_t BLK = 16;
-    const int64_t nblk = (D + BLK - 1) / BLK;
-    auto block = [=](int64_t blk) {
-        const int64_t d0 = blk * BLK;
-        const int64_t d1 = std::min(D, d0 + BLK);
-        for (int64_t b = 0; b < B; ++b) {
-            const C* x = emb + b * D;
-            for (int64_t k = 0; k < K; ++k) {
-                const C a = coef[b * K + k];
-                if (a == (C)0) continue;
-                const int64_t j = load_index(nbrs, nb64, b * K + k);
-                if (j < 0 || j >= N) continue;
-                C* __restrict g = grad + j * D;
-                const T* __restrict c = centres + j * D;
-#pragma omp simd
-                for (int64_t d = d0; d < d1; ++d) g[d] += a * (x[d] - load<C>(c, d));
-            }
+    const int64_t ranges = std::min<int64_t>(N, 4 * (int64_t)std::max(1, nthreads));
+    auto range = [=](int64_t r) {
+        const int64_t lo = N * r / ranges, hi = N * (r + 1) / ranges;
+        for (int64_t i = 0; i < B * K; ++i) {
+            const C a = coef[i];
+            if (a == (C)0) continue;
+            const int64_t j = load_index(nbrs, nb64, i);
+            if (j < lo || j >= hi) continue;
+            axpy_diff(grad + j * D, centres + j * D, emb + (i / K) * D, -a, D);
         }
     };
-    run_items(nblk, nthreads, block);
+    run_items(ranges, nthreads, range);
 }
 
 // out[b, :] = g[b] * grad_x[b, :] (the backward's only (B, D) operation), rows shared out

@@ -13,6 +13,8 @@ setup(
     packages=["nnkloss", "nnkloss.ops", "nnkloss.bank", "nnkloss.losses", "nnkloss.evaluation",
               "nnkloss.experiment", "nnkloss.kernels"],
     package_dir={"nnkloss": "nnkloss", "nnkloss.kernels": "kernels"},
+    # the compiled CPU path builds this source on first use (nnkloss/ops/cpu.py)
+    package_data={"nnkloss.ops": ["cpu_kernel.cpp"]},
     install_requires=["torch>=2.4", "numpy", "tqdm", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
         "triton": ["triton>=3.0"],

@@ -1,6 +1,7 @@
-"""Microbenchmark of the neighbour-kernel loss: fused Triton op vs eager PyTorch vs torch.compile.
+"""Microbenchmark of the neighbour-kernel loss: fused op vs eager PyTorch vs torch.compile.
 
     python benchmarks/bench_loss.py                      # full grid on the current CUDA device
+    python benchmarks/bench_loss.py --device cpu         # the CPU grid (CPU_GRID), 2 threads
     python benchmarks/bench_loss.py --B 1024 --K 100 --D 512 --dtype bf16
     python benchmarks/bench_loss.py --device cpu --B 8 --K 4 --D 16 --N 100   # smoke run
 
@@ -10,29 +11,46 @@ Appends one row per (provider, mode, shape) to ``benchmarks/results/<device>.csv
 must read (DESIGN.md section 2): the gathered centres ``B*K*D*sizeof(bank)`` plus the index,
 label and weight traffic and the embeddings, whatever the provider actually moves, so the
 providers compare on one scale. A row that ran out of memory is written with ms = "oom".
+
+Providers: ``fused`` (the op as users call it: the Triton kernels on CUDA, the compiled CPU
+kernel ``nnkloss.ops.cpu`` on CPU tensors), ``eager`` (gather then logsumexp, as a user would write it),
+``compile`` (``torch.compile`` of eager), ``torch`` (the op's plain PyTorch path).
+
+On CUDA: ``triton.testing.do_bench`` median, peak = max_memory_allocated above the allocation
+before the measured call. On CPU every (provider, mode, shape) runs in a fresh process
+(``--isolate``, the default there) with ``--threads`` threads: the median of 7 calls after 2
+warm-ups (the first one compiles, for ``compile``), and ``peak_mem_mb`` = the peak RSS above
+the process's RSS after the inputs are set up and torch._dynamo is imported (torch imports it
+on the first call of any custom op, ~150 MB once per process), over the warm-ups and the timed
+calls (``common.PeakRss``: VmHWM reset through /proc/self/clear_refs).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import itertools
+import json
 import os
-import re
 import sys
 import time
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from common import (PeakRss, ResultsCsv, device_name, git_commit, results_path,  # noqa: E402
+                    run_isolated, time_ms, worker_reply)
+
+import torch  # noqa: E402
+
 import nnkloss  # noqa: E402
-from common import device_name, git_commit  # noqa: E402
 
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROVIDERS = ["fused", "eager", "compile", "torch"]
+# The CPU grid (issue 12): (B, K, D, N, bank dtype), sigma = sqrt(D) / 2.
+CPU_GRID = [(256, 100, 512, 20000, "fp32"), (1024, 32, 128, 50000, "fp32"),
+            (64, 256, 2048, 10000, "fp32"), (256, 100, 512, 20000, "bf16")]
 
 
 def eager_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
@@ -52,28 +70,39 @@ def eager_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
 
 
 def fused_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+    """The op as users call it: the Triton kernels on CUDA, the compiled kernel on CPU."""
     return nnkloss.neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours,
                                          weights, sigma)
 
 
+def torch_path_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+    return nnkloss.neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours,
+                                         weights, sigma, backend="torch")
+
+
 def bytes_needed(B, K, D, bank_dtype, idx_dtype, mode):
-    """Bytes the op must move: gathered centres + index/label/weight gathers + embeddings."""
+    """Bytes the op must move (the model of kernels/static_build.bytes_per_row): per row the K
+    gathered centre rows, list entries and centre labels (as a CentreBank stores them: the
+    lists' integer width), weights (fp32), the embedding and label; grad_x, the loss and two
+    log-sum-exps written. The (B, K) distances are not stored: the benchmarked gradient goes to
+    the embeddings only. fwd_bwd adds the backward's read of grad_x and write of d emb."""
     esize = torch.tensor([], dtype=bank_dtype).element_size()
     isize = torch.tensor([], dtype=idx_dtype).element_size()
-    per_entry = isize + 8 + 4  # index, centre label (int64), weight (fp32)
-    total = B * K * (D * esize + per_entry) + B * D * 4 + B * 8
+    per_entry = isize + isize + 4  # index, centre label, weight
+    total = B * (K * (D * esize + per_entry) + D * 4 + 8) + B * (D * 4 + 3 * 4)
     if mode == "fwd_bwd":
-        total += B * D * 4  # the embedding gradient written
+        total += B * D * 4 * 2
     return total
 
 
 def make_inputs(B, K, D, N, dtype, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     centres = torch.randn(N, D, generator=g).to(device=device, dtype=dtype)
-    centre_labels = torch.randint(0, 100, (N,), generator=g).to(device)
+    # Lists and centre labels as a CentreBank stores them: int32.
+    centre_labels = torch.randint(0, 100, (N,), generator=g, dtype=torch.int32).to(device)
     idx = torch.randint(0, N, (B,), generator=g).to(device)
     # Neighbours: random bank rows, with the query's own class guaranteed in the first entry.
-    nb = torch.randint(0, N, (B, K), generator=g).to(device)
+    nb = torch.randint(0, N, (B, K), generator=g, dtype=torch.int32).to(device)
     emb = (centres[idx].float() + 0.1 * torch.randn(B, D, generator=g).to(device))
     labels = centre_labels[idx]
     nb[:, 0] = idx
@@ -82,24 +111,19 @@ def make_inputs(B, K, D, N, dtype, device, seed=0):
     return emb, labels, centres, centre_labels, nb, weights, sigma
 
 
-def time_ms(fn, device, reps):
-    if device.type == "cuda":
-        from triton.testing import do_bench
-        return float(do_bench(fn, warmup=25, rep=reps, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def run_one(provider, mode, inputs, device, reps):
+    """(median ms, peak extra memory in MiB, first call ms) of one provider and mode."""
     emb, labels, centres, cl, nb, w, sigma = inputs
-    fn = {"fused": fused_loss, "eager": eager_loss}.get(provider)
+    # torch imports torch._dynamo (~150 MB RSS, once per process) on the first call of any
+    # torch.library custom op -- the op's -- and in torch.compile: imported before the memory
+    # baseline for every provider, so that peak_mem_mb is what the calls themselves need.
+    import torch._dynamo  # noqa: F401
+    fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss}.get(provider)
     if provider == "compile":
         fn = torch.compile(eager_loss, dynamic=False)
+    elif provider == "fused" and device.type == "cpu":
+        from nnkloss.ops import cpu
+        cpu.available()  # build / load the library before the memory baseline
     x = emb.detach().clone().requires_grad_(mode == "fwd_bwd")
 
     def step():
@@ -112,17 +136,36 @@ def run_one(provider, mode, inputs, device, reps):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        t0 = time.perf_counter()
         step()  # compile / autotune outside the measured region
         torch.cuda.synchronize()
+        first = (time.perf_counter() - t0) * 1e3
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    else:
-        step()
-        peak = float("nan")
-    return time_ms(step, device, reps), peak
+        return time_ms(step, device, reps), peak, first
+    rss = PeakRss().start()
+    t0 = time.perf_counter()
+    step()  # the first of the two warm-ups (compiles, for torch.compile)
+    first = (time.perf_counter() - t0) * 1e3
+    ms = time_ms(step, device, reps, warmup=1, iters=7)
+    return ms, rss.peak_mb(), first
+
+
+def worker(spec):
+    """One measurement in this (fresh) process; replies with a JSON line."""
+    torch.set_num_threads(spec["threads"])
+    nnkloss.set_value_checks(False)
+    device = torch.device(spec["device"])
+    inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
+                         device)
+    try:
+        ms, peak, first = run_one(spec["provider"], spec["mode"], inputs, device, spec["reps"])
+    except torch.OutOfMemoryError:
+        return worker_reply({"oom": True})
+    worker_reply({"ms": ms, "peak": peak, "first_ms": first, "idx_dtype": str(inputs[4].dtype)})
 
 
 def measure_copy_gbps(device, nbytes=2 ** 31):
@@ -167,61 +210,122 @@ def plot(csv_path, png_path):
     plt.close(fig)
 
 
+def summary(csv_path, commit, mode="fwd_bwd"):
+    """Markdown table of one commit's rows: time and peak memory per provider, and the fused
+    op's speed-up over each other provider."""
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
+                and r["mode"] == mode and r["ms"] not in ("oom", "")]
+    by = {}
+    for r in rows:
+        by.setdefault((r["B"], r["K"], r["D"], r["dtype"]), {})[r["provider"]] = r
+    provs = [p for p in PROVIDERS if any(p in v for v in by.values())]
+    head = (["B, K, D, bank"] + [f"{p} ms" for p in provs]
+            + [f"fused vs {p}" for p in provs if p != "fused"] + [f"{p} MB" for p in provs])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (B, K, D, dt), v in by.items():
+        cells = [f"{B}, {K}, {D}, {dt}"]
+        cells += [v[p]["ms"] if p in v else "" for p in provs]
+        for p in provs:
+            if p != "fused":
+                ok = p in v and "fused" in v
+                cells.append(f"{float(v[p]['ms']) / float(v['fused']['ms']):.1f}x" if ok else "")
+        cells += [v[p]["peak_mem_mb"] if p in v else "" for p in provs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def shapes(args, device):
+    """(B, K, D, N, dtype) to measure: the explicit grid, or CPU_GRID on CPU by default."""
+    if device.type == "cpu" and not any([args.B, args.K, args.D, args.N, args.dtype]):
+        return list(CPU_GRID)
+    return [(B, K, D, args.N or 1_000_000, dt) for dt, B, K, D in itertools.product(
+        args.dtype or ["fp32", "bf16"], args.B or [256, 1024, 4096], args.K or [32, 100, 256],
+        args.D or [64, 512, 2048])]
+
+
 def main(argv=None):
+    # The fused op validates values (one host sync) by default; a training loop turns that off.
+    with nnkloss.value_checks(False):
+        return _main(argv)
+
+
+def _main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--B", type=int, nargs="+", default=[256, 1024, 4096])
-    ap.add_argument("--K", type=int, nargs="+", default=[32, 100, 256])
-    ap.add_argument("--D", type=int, nargs="+", default=[64, 512, 2048])
-    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
-    ap.add_argument("--N", type=int, default=1_000_000, help="bank rows (default: >> L2)")
+    ap.add_argument("--B", type=int, nargs="+", help="default 256 1024 4096")
+    ap.add_argument("--K", type=int, nargs="+", help="default 32 100 256")
+    ap.add_argument("--D", type=int, nargs="+", help="default 64 512 2048")
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), help="default fp32 bf16")
+    ap.add_argument("--N", type=int, help="bank rows (default 1M: >> L2)")
     ap.add_argument("--providers", nargs="+", default=["fused", "eager", "compile"],
-                    choices=["fused", "eager", "compile"])
-    ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+                    choices=PROVIDERS)
+    ap.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"],
+                    help="default fwd fwd_bwd (fwd_bwd only for the CPU grid)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (CPU)")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="each measurement in a fresh process (default: on CPU)")
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep time in ms (CUDA)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--copy-bandwidth", action="store_true",
                     help="also measure device-to-device copy bandwidth (row op=copy)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
     device = torch.device(args.device)
+    grid = shapes(args, device)
+    default_grid = device.type == "cpu" and grid == CPU_GRID
+    modes = args.modes or (["fwd_bwd"] if default_grid else ["fwd", "fwd_bwd"])
+    isolate = device.type == "cpu" if args.isolate is None else args.isolate
     name = device_name(device)
     commit = git_commit()
-    os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    csv_path = os.path.join(args.out, f"{slug}.csv")
-    new = not os.path.exists(csv_path)
-    # The fused op validates values (one host sync) by default; a training loop turns that off.
-    nnkloss.set_value_checks(False)
-    with open(csv_path, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(COLUMNS)
+    csv_path = results_path(args.out, device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    print(f"device: {name} | commit {commit} | threads {torch.get_num_threads()} | "
+          f"{'a fresh process per measurement' if isolate else 'in process'}")
+    with ResultsCsv(csv_path, COLUMNS) as out:
         if args.copy_bandwidth:
             gbps = measure_copy_gbps(device)
-            w.writerow(["copy", "torch", "copy", 0, 0, 0, "fp32", "", f"{gbps:.1f}", "", name,
-                        commit])
-            print(f"device-to-device copy: {gbps:.1f} GB/s")
-        for dt, B, K, D in itertools.product(args.dtype, args.B, args.K, args.D):
-            try:
-                inputs = make_inputs(B, K, D, args.N, DTYPES[dt], device)
-            except torch.OutOfMemoryError:
-                print(f"skip B={B} K={K} D={D} {dt}: bank does not fit")
-                continue
-            for mode, prov in itertools.product(args.modes, args.providers):
+            out.write(["copy", "torch", "copy", 0, 0, 0, "fp32", "", f"{gbps:.1f}", "", name,
+                       commit])
+        for B, K, D, N, dt in grid:
+            inputs = None
+            if not isolate:
                 try:
-                    ms, peak = run_one(prov, mode, inputs, device, args.reps)
-                    gbps = bytes_needed(B, K, D, DTYPES[dt], inputs[4].dtype, mode) / ms / 1e6
-                    row = ["loss", prov, mode, B, K, D, dt, f"{ms:.4g}", f"{gbps:.4g}",
-                           f"{peak:.1f}", name, commit]
+                    inputs = make_inputs(B, K, D, N, DTYPES[dt], device)
                 except torch.OutOfMemoryError:
-                    row = ["loss", prov, mode, B, K, D, dt, "oom", "", "", name, commit]
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                w.writerow(row)
-                f.flush()
-                print(",".join(str(v) for v in row), flush=True)
+                    print(f"skip B={B} K={K} D={D} {dt}: bank does not fit")
+                    continue
+            for mode, prov in itertools.product(modes, args.providers):
+                if isolate:
+                    res = run_isolated(os.path.abspath(__file__), {
+                        "provider": prov, "mode": mode, "B": B, "K": K, "D": D, "N": N,
+                        "dtype": dt, "device": str(device), "threads": args.threads,
+                        "reps": args.reps})
+                    if "error" in res:
+                        raise RuntimeError(f"{prov} {mode} B={B} K={K} D={D}: {res['error']}")
+                    idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])
+                else:
+                    try:
+                        ms, peak, first = run_one(prov, mode, inputs, device, args.reps)
+                        res = {"ms": ms, "peak": peak, "first_ms": first}
+                    except torch.OutOfMemoryError:
+                        res = {"oom": True}
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    idx_dtype = inputs[4].dtype
+                if res.get("oom"):
+                    out.write(["loss", prov, mode, B, K, D, dt, "oom", "", "", name, commit])
+                    continue
+                gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype, mode) / res["ms"] / 1e6
+                out.write(["loss", prov, mode, B, K, D, dt, f"{res['ms']:.4g}", f"{gbps:.4g}",
+                           f"{res['peak']:.1f}", name, commit])
+                print(f"    (N={N}, first call {res['first_ms']:.1f} ms)", flush=True)
             del inputs
-    plot(csv_path, os.path.join(args.out, f"{slug}.png"))
+    plot(csv_path, csv_path[:-4] + ".png")
+    print(summary(csv_path, commit, modes[-1]))
     return csv_path
 
 

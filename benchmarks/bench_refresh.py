@@ -21,22 +21,19 @@ from /proc/cpuinfo; commit: ``git rev-parse --short HEAD``; date: UTC ISO 8601).
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import math
 import os
-import re
 import sys
 import time
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from common import ResultsCsv, device_name, git_commit, results_path, utc_now  # noqa: E402
+
+import torch  # noqa: E402
+
 from nnkloss.bank.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
-from common import device_name, git_commit  # noqa: E402
 
 COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date"]
 APPROX = {"faiss-ivf": "ivf", "faiss-hnsw": "hnsw"}
@@ -118,18 +115,12 @@ def main(argv=None) -> int:
         if b != "torch" and not faiss_available():
             ap.error(f"backend {b!r} needs faiss, which is not installed")
     name = device_name(device)
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    os.makedirs(args.out, exist_ok=True)
-    csv_path = os.path.join(args.out, f"refresh_{slug}.csv")
+    csv_path = results_path(args.out, device, prefix="refresh_")
     commit = git_commit()
-    new_file = not os.path.exists(csv_path)
     print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
     print(f"writing {csv_path}")
 
-    with open(csv_path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new_file:
-            writer.writeheader()
+    with ResultsCsv(csv_path, COLUMNS) as writer:
         for d in args.D:
             for backend in backends:
                 calib = build_graph(data(CALIBRATION_N, d, device, seed=1), args.k, backend)
@@ -151,14 +142,11 @@ def main(argv=None) -> int:
                     seconds = build_graph(x, args.k, backend)
                     del x
                     known = (n, seconds)
-                    writer.writerow({
+                    writer.write({
                         "op": "knn_graph", "backend": label(backend, device), "N": n, "D": d,
                         "k": args.k, "seconds": f"{seconds:.4f}", "device": name,
-                        "commit": commit,
-                        "date": datetime.datetime.now(datetime.timezone.utc)
-                                        .isoformat(timespec="seconds"),
-                    })
-                    f.flush()
+                        "commit": commit, "date": utc_now(),
+                    }, echo=False)
                     print(f"{tag}: {seconds:8.2f} s (predicted {guess:.1f} s)")
     return 0
 

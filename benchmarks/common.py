@@ -1,23 +1,50 @@
-"""What every benchmark writes beside its figures: the device measured and the commit."""
+"""What every benchmark shares: the import path, the device measured and the commit, timing,
+peak-memory measurement, running one measurement in a fresh process, and the results CSV.
+
+A benchmark script is then only its set-up (inputs, providers, grid) and a call to these.
+Importing this module puts the repository root on ``sys.path`` (the scripts run from a
+checkout that need not be pip-installed).
+"""
 from __future__ import annotations
 
+import csv
+import datetime
+import json
 import os
+import re
 import subprocess
-
-import torch
+import sys
+import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+__all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
+           "PeakRss", "run_isolated", "worker_reply", "ResultsCsv", "results_path"]
 
 
 def git_commit() -> str:
+    """Short hash of HEAD, with ``-dirty`` when tracked files differ from it."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                        stderr=subprocess.DEVNULL, text=True).strip()
     except Exception:
         return "unknown"
+    try:
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=HERE,
+                               stderr=subprocess.DEVNULL).returncode == 1
+    except Exception:
+        dirty = False
+    return head + ("-dirty" if dirty else "")
 
 
 def device_name(device: torch.device) -> str:
+    """The CUDA device's name, or the CPU model from /proc/cpuinfo."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -28,3 +55,131 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return "cpu"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def results_path(out_dir: str, device: torch.device, prefix: str = "", ext: str = ".csv") -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    return os.path.join(out_dir, f"{prefix}{slug(device_name(device))}{ext}")
+
+
+def time_ms(fn, device, reps=100, warmup=2, iters=7) -> float:
+    """Median milliseconds of ``fn()``: triton's do_bench for ``reps`` ms on CUDA; on CPU
+    ``warmup`` untimed calls, then the median of ``iters`` timed calls."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=25, rep=reps, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+class PeakRss:
+    """Peak resident memory of this process above the RSS at ``start()``, in MiB.
+
+    Method: ``start()`` writes 5 to /proc/self/clear_refs (resets the kernel's high-water mark
+    VmHWM to the current RSS) and records VmRSS; ``peak_mb()`` is VmHWM - that RSS. Where
+    clear_refs cannot be written, a thread samples VmRSS every millisecond instead (may miss
+    short peaks); ``method`` says which.
+    """
+
+    def __init__(self):
+        self.method = None
+        self._base = 0
+        self._max = 0
+        self._stop = None
+
+    def start(self):
+        self._base = _status_kb("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "VmHWM after clear_refs"
+        except OSError:
+            self.method = "VmRSS sampled every 1 ms"
+            self._max = self._base
+            self._stop = threading.Event()
+
+            def sample():
+                while not self._stop.is_set():
+                    self._max = max(self._max, _status_kb("VmRSS"))
+                    time.sleep(0.001)
+            threading.Thread(target=sample, daemon=True).start()
+        return self
+
+    def peak_mb(self) -> float:
+        if self._stop is None:
+            peak = _status_kb("VmHWM")
+        else:
+            peak = max(self._max, _status_kb("VmRSS"))
+            self._stop.set()
+        return (peak - self._base) / 1024
+
+
+def worker_reply(result: dict) -> None:
+    """What a worker process prints as its last stdout line (read by ``run_isolated``)."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_isolated(script: str, spec: dict, timeout: float = 1800) -> dict:
+    """Run ``python script --worker JSON(spec)`` in a fresh interpreter and return the dict
+    it passed to ``worker_reply`` (``{"error": ...}`` when it failed)."""
+    proc = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"worker exited {proc.returncode}: {tail}"}
+
+
+class ResultsCsv:
+    """Append-only CSV with a fixed header (written once, when the file is new); every row is
+    flushed as it is written so an interrupted run keeps what it measured."""
+
+    def __init__(self, path: str, columns):
+        self.path = path
+        self.columns = list(columns)
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self._f = open(path, "a", newline="")
+        self._w = csv.writer(self._f)
+        if new:
+            self._w.writerow(self.columns)
+
+    def write(self, row, echo=True):
+        if isinstance(row, dict):
+            row = [row.get(c, "") for c in self.columns]
+        assert len(row) == len(self.columns), (row, self.columns)
+        self._w.writerow(row)
+        self._f.flush()
+        if echo:
+            print(",".join(str(v) for v in row), flush=True)
+
+    def close(self):
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -158,13 +158,13 @@ def occupancy(arch: int, regs: int, smem_bytes: int, num_warps: int) -> Dict[str
 
 
 def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True) -> int:
-    """Bytes one query row must move (the model of NOTES_i11.md): gathered centre rows, the
-    list entry, the centre label (int64 today; int32 after the bank switch), the weight, the
+    """Bytes one query row must move : gathered centre rows, the
+    list entry, the centre label (stored by the bank with the lists' width), the weight, the
     embedding and label read; grad_x, loss and two lse's written; dist only when stored. The
     two-phase path (D > register tile) reads the centres and metadata twice and always writes
     and re-reads dist (scratch)."""
     e, x, i = DTYPE_SIZES[b.bank], DTYPE_SIZES[b.emb], DTYPE_SIZES[b.idx]
-    clab = 8  # centre labels as stored by the bank today
+    clab = i  # a CentreBank stores centre labels with its lists' width (int32 below 2**31)
     meta = i + clab + (4 if b.weights else 0)
     if b.kernel == "centre_grad":
         return b.K * (b.D * e + i + 4 + b.D * 4 * 2) + b.D * x

@@ -18,7 +18,7 @@ _VALUE_CHECKS = True
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REDUCTIONS = ("mean", "sum", "none")
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def set_value_checks(enabled: bool) -> None:

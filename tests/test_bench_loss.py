@@ -1,4 +1,6 @@
-"""The loss benchmark's eager provider is right, and a CPU smoke run writes the CSV and plot."""
+"""The loss benchmark's eager provider is right, a CPU smoke run writes the CSV and plot (in
+process and with every measurement in a fresh process), and the shared helpers work."""
+import argparse
 import csv
 import os
 import sys
@@ -22,18 +24,52 @@ def test_eager_provider_matches_fused_op():
 
 
 def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
-    try:
-        path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N",
-                                "40", "--dtype", "fp32", "bf16", "--providers", "fused", "eager",
-                                "--out", str(tmp_path)])
-    finally:
-        nnkloss.set_value_checks(True)
+    path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N",
+                            "40", "--dtype", "fp32", "bf16", "--providers", "fused", "eager",
+                            "--no-isolate", "--out", str(tmp_path)])
+    assert nnkloss.validation.value_checks_enabled(), "the benchmark leaves the setting as it was"
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == bench_loss.COLUMNS
     assert len(rows) == 2 * 2 * 2  # dtypes x modes x providers
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
+
+
+def test_isolated_run_measures_time_and_peak_memory(tmp_path):
+    path = bench_loss.main(["--device", "cpu", "--B", "16", "--K", "8", "--D", "32", "--N",
+                            "100", "--dtype", "bf16", "--providers", "fused", "torch",
+                            "--modes", "fwd_bwd", "--out", str(tmp_path)])
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["provider"] for r in rows] == ["fused", "torch"]
+    for r in rows:
+        assert float(r["ms"]) > 0 and float(r["peak_mem_mb"]) >= 0
+        assert r["commit"] and r["device"]
+
+
+def test_cpu_default_grid_is_the_issue_shapes():
+    none = argparse.Namespace(B=None, K=None, D=None, N=None, dtype=None)
+    assert bench_loss.shapes(none, torch.device("cpu")) == bench_loss.CPU_GRID
+    assert len(bench_loss.shapes(none, torch.device("cuda"))) == 2 * 27
+    some = argparse.Namespace(B=[4], K=[3], D=[5], N=40, dtype=None)
+    assert bench_loss.shapes(some, torch.device("cpu")) == [(4, 3, 5, 40, "fp32"),
+                                                            (4, 3, 5, 40, "bf16")]
+
+
+def test_peak_rss_sees_an_allocation_and_csv_header_is_written_once(tmp_path):
+    import common
+    rss = common.PeakRss().start()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del block
+    assert 60 < rss.peak_mb() < 200
+    path = str(tmp_path / "x.csv")
+    for i in range(2):
+        with common.ResultsCsv(path, ["a", "b"]) as out:
+            out.write([i, "x"], echo=False)
+            out.write({"a": i, "b": "y"}, echo=False)
+    with open(path) as f:
+        assert f.read().splitlines() == ["a,b", "0,x", "0,y", "1,x", "1,y"]
 
 
 @pytest.mark.interpreter
@@ -47,3 +83,14 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
     assert list(rows[0].keys()) == tune_loss.COLUMNS
     assert len(rows) == 4 and all(r["ok"] == "1" for r in rows)
     assert len(summary) == 1 and summary[0][5] > 0
+
+
+def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):
+    import bench_refresh
+    assert bench_refresh.main(["--N", "500", "--D", "8", "--k", "5", "--backends", "torch",
+                               "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("refresh_*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0].keys()) == bench_refresh.COLUMNS
+    assert rows[0]["N"] == "500" and float(rows[0]["seconds"]) > 0 and rows[0]["date"]

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from nnkloss.experiment.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
-from nnkloss.bank.search import faiss_available, knn, neighbour_lists
+from nnkloss.bank.search import faiss_available, neighbour_lists
 
 N, D_IN, D = 96, 6, 4
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(),

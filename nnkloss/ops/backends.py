@@ -6,7 +6,12 @@ Every backend implements the same two functions with the same contract
 
 - ``"triton"``: the fused kernels of ``kernels/`` (installed as ``nnkloss.kernels``); CUDA
   tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``);
+- ``"cpu"``: the compiled CPU kernel (:mod:`nnkloss.ops.cpu`, C++ built on first use); it
+  runs the plain path itself, after a one-line notice, where no compiler is found;
 - ``"torch"``: the plain chunked PyTorch path (:mod:`nnkloss.ops.reference`), any device.
+
+"auto" picks "triton" for CUDA tensors and "cpu" for CPU tensors. The choice is made from the
+device alone (nothing is built or probed here), so it is the same inside ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -42,7 +47,11 @@ def _interpreting() -> bool:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map "auto" to a concrete backend and refuse combinations that cannot run."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+        if device.type == "cuda" and _triton_importable():
+            return "triton"
+        return "cpu" if device.type == "cpu" else "torch"
+    if backend == "cpu" and device.type != "cpu":
+        raise RuntimeError(f"backend='cpu' needs CPU tensors, got {device}")
     if backend == "triton":
         if not _triton_importable():
             raise RuntimeError("backend='triton' needs the triton package; install it or use "
@@ -89,6 +98,9 @@ def implementation(backend: str):
     if backend == "triton":
         k = kernels()
         return SimpleNamespace(forward=k.neighbour_kernel_fwd, centre_grad=k.centre_grad)
+    if backend == "cpu":
+        from . import cpu
+        return cpu
     if backend == "torch":
         return reference
     raise ValueError(f"backend must be one of {BACKENDS[1:]} here, got {backend!r}")

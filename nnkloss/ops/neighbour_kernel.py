@@ -54,6 +54,18 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
     return emb.new_empty(centres.shape[0], emb.shape[1], dtype=reference.compute_dtype(emb))
 
 
+@torch.library.custom_op("nnkloss::nk_scale_rows", mutates_args=())
+def _nk_scale_rows(grad_x: Tensor, g: Tensor) -> Tensor:
+    """``g[:, None] * grad_x`` (0 where g == 0) by the compiled CPU kernel's threads."""
+    from . import cpu
+    return cpu.scale_rows(grad_x, g)
+
+
+@_nk_scale_rows.register_fake
+def _nk_scale_rows_fake(grad_x, g):
+    return torch.empty_like(grad_x)
+
+
 def _setup_context(ctx, inputs, output):
     emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, _ = inputs
     _, _, lse_pos, grad_x, dist = output
@@ -75,7 +87,12 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
     # A row that receives no gradient passes none on, NaN or not (0 * NaN would be NaN): a
     # caller may select the finite rows of reduction="none" and train on them.
     takes = (g != 0)[:, None]
-    grad_emb = torch.where(takes, g[:, None] * grad_x, 0.0).to(emb.dtype) if need_emb else None
+    grad_emb = None
+    if need_emb:
+        if ctx.backend == "cpu":  # on the kernel's threads (torch's pool spins after each op)
+            grad_emb = torch.ops.nnkloss.nk_scale_rows(grad_x, g).to(emb.dtype)
+        else:
+            grad_emb = torch.where(takes, g[:, None] * grad_x, 0.0).to(emb.dtype)
     grad_c = grad_w = grad_s = None
     if need_c or need_w or need_s:
         # u = ||(c - x) / sigma||^2 was saved by the forward (store_dist=True); the exact
@@ -215,8 +232,9 @@ def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weigh
             removes that centre.
         sigma: kernel width, a positive float or a 0-dim tensor (may require grad).
         reduction: "mean" (over rows that have a same-class neighbour), "sum" or "none" ((B,)).
-        backend: "auto" (Triton for CUDA tensors, torch otherwise), "triton" (also CPU tensors
-            under TRITON_INTERPRET=1), or "torch".
+        backend: "auto" (Triton for CUDA tensors, the compiled CPU kernel for CPU tensors),
+            "triton" (also CPU tensors under TRITON_INTERPRET=1), "cpu" or "torch" (the plain
+            PyTorch path, any device).
 
     Rows whose list holds no same-class centre contribute zero loss and zero gradient and are
     left out of the mean; :func:`neighbour_kernel_loss_with_stats` returns which rows those are.

@@ -1,0 +1,304 @@
+"""Compiled CPU path of the fused op: a small C++ file built on first use, loaded with ctypes.
+
+``forward`` and ``centre_grad`` follow the forward contract (nnkloss/ops/CONTRACT.md) exactly, like the
+Triton launcher and the plain torch path. The source (``cpu_kernel.cpp``, no torch headers) is
+compiled once per machine with the system compiler::
+
+    c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread -fopenmp-simd cpu_kernel.cpp \
+        -o <cache>/nnk_cpu_<hash>.so
+
+into a per-user cache directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else
+``~/.cache/nnkloss``), keyed by a hash of the source, the compiler's version, the flags and the
+CPU's feature flags, written to a temporary file and renamed into place (two processes that
+race both produce a complete library; the last rename wins). Without a compiler (or when the
+build fails, or ``NNKLOSS_CPU_KERNEL=0``) ``available()`` is False, a one-line warning is
+issued once, and ``forward`` / ``centre_grad`` run the plain torch path.
+
+Inputs the host converts cheaply are converted here (emb to the compute dtype, labels to
+int64, a half-precision weight vector to fp32); the bank (centres, centre_labels) is read as it
+is: fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and neighbours. Anything else
+(other dtypes, non-contiguous bank, non-CPU tensors) runs the plain torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from . import reference
+
+__all__ = ["available", "forward", "centre_grad", "scale_rows", "build_info", "library_path"]
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+THREAD_FLAGS = ["-pthread", "-fopenmp-simd"]  # std::threads; OpenMP pragmas are simd hints only
+PLAIN_FLAGS = ["-pthread"]  # a compiler without -fopenmp-simd: the loops still auto-vectorise
+
+_BANK_TYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_INDEX_TYPES = {torch.int32: 0, torch.int64: 1}
+
+_lock = threading.Lock()
+_state = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
+          "warned": False}
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("NNKLOSS_CXX"), os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name:
+            found = shutil.which(name)
+            if found:
+                return found
+    return None
+
+
+def cache_dir() -> str:
+    d = os.environ.get("NNKLOSS_CACHE_DIR")
+    if not d:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        d = os.path.join(base, "nnkloss")
+    return d
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_key(cxx: str, flags) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    for part in (cxx, version, " ".join(flags), _cpu_flags(), platform.machine()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:20]
+
+
+def _compile(cxx: str, flags, out_dir: str) -> str:
+    """Compile to a temporary file in ``out_dir`` and rename it to its keyed name."""
+    path = os.path.join(out_dir, f"nnk_cpu_{_cache_key(cxx, flags)}.so")
+    if os.path.exists(path):
+        return path
+    fd, tmp = tempfile.mkstemp(prefix=".nnk_cpu_", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *flags, SOURCE, "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(cxx)} failed: "
+                               + (proc.stderr.strip().splitlines() or ["?"])[-1])
+        os.replace(tmp, path)  # atomic: a racing process sees the old name or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _declare(lib):
+    P, I, I64, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+    lib.nnk_forward.argtypes = [I, I, P, P, P, P, I, P, I, P, I, D, I64, I64, I64, I64, I,
+                                P, P, P, P, P, I]
+    lib.nnk_forward.restype = I
+    lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
+    lib.nnk_centre_grad.restype = I
+    lib.nnk_scale_rows.argtypes = [I, P, P, I64, I64, P, I]
+    lib.nnk_scale_rows.restype = I
+    return lib
+
+
+def _build_and_load():
+    if os.environ.get("NNKLOSS_CPU_KERNEL", "1") == "0":
+        raise RuntimeError("disabled by NNKLOSS_CPU_KERNEL=0")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    out_dir = cache_dir()
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError:
+        out_dir = os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")
+        os.makedirs(out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    errors = []
+    for extra in (THREAD_FLAGS, PLAIN_FLAGS):
+        try:
+            path = _compile(cxx, FLAGS + extra, out_dir)
+            lib = _declare(ctypes.CDLL(path))
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+    else:
+        raise RuntimeError("; ".join(errors))
+    _state.update(path=path, compile_s=time.perf_counter() - t0)
+    return lib
+
+
+def _lib():
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _state["lib"] = _build_and_load()
+            except Exception as exc:  # any failure: the plain torch path runs instead
+                _state["error"] = str(exc)
+            _state["tried"] = True
+    if _state["lib"] is None and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(f"nnkloss: compiled CPU kernel unavailable ({_state['error']}); "
+                      "using the plain PyTorch path", RuntimeWarning, stacklevel=3)
+    return _state["lib"]
+
+
+def available() -> bool:
+    """True when the compiled CPU kernel is built and loaded (builds it on the first call)."""
+    return _lib() is not None
+
+
+def build_info() -> dict:
+    """Library path, build/load seconds of this process's first call, error."""
+    _lib()
+    return {k: _state[k] for k in ("path", "compile_s", "error")}
+
+
+def library_path() -> Optional[str]:
+    return build_info()["path"]
+
+
+def _reset_for_tests():
+    with _lock:
+        _state.update(lib=None, tried=False, error=None, path=None, compile_s=None,
+                      warned=False)
+
+
+def _cdt(emb):
+    return torch.float64 if emb.dtype == torch.float64 else torch.float32
+
+
+def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
+    tensors = [emb, centres, centre_labels, neighbours] + ([] if weights is None else [weights])
+    return (all(t.device.type == "cpu" for t in tensors)
+            and emb.dtype in _BANK_TYPES and centres.dtype in _BANK_TYPES
+            and centres.is_contiguous() and centre_labels.is_contiguous()
+            and centre_labels.dtype in _INDEX_TYPES and neighbours.dtype in _INDEX_TYPES
+            and (weights is None or weights.is_floating_point())
+            and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
+
+
+# Each thread gets at least this many gathered elements (B*K*D) of work: a helper thread is
+# started per call (tens of microseconds), which smaller shares would not repay.
+PARALLEL_MIN_ELEMS = 1 << 16
+
+
+def _threads(work: int) -> int:
+    return max(1, min(torch.get_num_threads(), work // PARALLEL_MIN_ELEMS))
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True):
+    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D) and dist
+    (B, K), or (B, 0) when ``store_dist`` is False; all in the compute dtype."""
+    lib = _lib()
+    if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
+        return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
+                                 sigma, store_dist=store_dist)
+    cdt = _cdt(emb)
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    N = centres.shape[0]
+    x = emb.detach().to(cdt).contiguous()
+    lab = labels.detach().to(torch.int64).contiguous()
+    nb = neighbours.detach().contiguous()
+    w, wtype = None, 0
+    if weights is not None:
+        w = weights.detach()
+        if w.dtype not in (torch.float32, torch.float64):
+            w = w.float()
+        w = w.contiguous()
+        wtype = 1 if w.dtype == torch.float32 else 2
+    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
+    loss = torch.empty(B, dtype=cdt)
+    lse_all = torch.empty(B, dtype=cdt)
+    lse_pos = torch.empty(B, dtype=cdt)
+    grad_x = torch.empty(B, D, dtype=cdt)
+    dist = torch.empty(B, K if store_dist else 0, dtype=cdt)
+    if B == 0:
+        return loss, lse_all, lse_pos, grad_x, dist
+    rc = lib.nnk_forward(int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(),
+                         lab.data_ptr(), centres.data_ptr(), centre_labels.data_ptr(),
+                         int(centre_labels.dtype == torch.int64), nb.data_ptr(),
+                         int(nb.dtype == torch.int64), _ptr(w), wtype, s, B, K, D, N,
+                         int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(),
+                         lse_pos.data_ptr(), grad_x.data_ptr(),
+                         dist.data_ptr() if store_dist else None, _threads(B * K * D))
+    if rc != 0:
+        raise RuntimeError(f"nnk_forward failed (code {rc})")
+    return loss, lse_all, lse_pos, grad_x, dist
+
+
+def centre_grad(emb, centres, neighbours, coef):
+    """(N, D) in the compute dtype: grad[j] += coef[b, k] * (emb[b] - centres[j]) for every
+    neighbours[b, k] = j >= 0 (coef already holds 1/sigma^2; zero entries are skipped)."""
+    lib = _lib()
+    if lib is None or not _supported(emb, centres, neighbours, neighbours, None):
+        return reference.centre_grad(emb, centres, neighbours, coef.contiguous())
+    cdt = _cdt(emb)
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    N = centres.shape[0]
+    grad = torch.zeros(N, D, dtype=cdt)
+    if B == 0 or K == 0 or N == 0:
+        return grad
+    x = emb.detach().to(cdt).contiguous()
+    c = coef.detach().to(cdt).contiguous()
+    nb = neighbours.detach().contiguous()
+    rc = lib.nnk_centre_grad(int(cdt == torch.float64), _BANK_TYPES[centres.dtype],
+                             x.data_ptr(), centres.data_ptr(), nb.data_ptr(),
+                             int(nb.dtype == torch.int64), c.data_ptr(), B, K, D, N,
+                             grad.data_ptr(), _threads(B * K * D))
+    if rc != 0:
+        raise RuntimeError(f"nnk_centre_grad failed (code {rc})")
+    return grad
+
+
+def scale_rows(grad_x, g):
+    """``g[:, None] * grad_x`` (the backward's embedding gradient) on the kernel's threads;
+    rows with ``g == 0`` get 0 whatever ``grad_x`` holds (NaN rows pass no gradient on).
+
+    torch's own elementwise ops run on its OpenMP pool, whose threads spin after each op; on a
+    busy machine that costs more than the multiply (and competes with the next forward)."""
+    lib = _lib()
+    g = g.to(grad_x.dtype).contiguous()
+    if (lib is None or grad_x.device.type != "cpu" or not grad_x.is_contiguous()
+            or grad_x.dtype not in (torch.float32, torch.float64)):
+        return torch.where((g != 0)[:, None], g[:, None] * grad_x, 0.0)
+    B, D = grad_x.shape
+    out = torch.empty_like(grad_x)
+    rc = lib.nnk_scale_rows(int(grad_x.dtype == torch.float64), grad_x.data_ptr(),
+                            g.data_ptr(), B, D, out.data_ptr(), _threads(B * D))
+    if rc != 0:
+        raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
+    return out

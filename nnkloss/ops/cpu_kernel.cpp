@@ -1,0 +1,441 @@
+// Compiled CPU path of the neighbour-kernel loss (see /CONTRACT.md: the forward contract).
+//
+// No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
+// compiler (c++ -O3 -march=native -pthread -fopenmp-simd -shared -fPIC; the OpenMP pragmas are
+// only `simd` hints, threads are std::threads), loads it with ctypes and passes tensor data
+// pointers. Every array is contiguous.
+//
+// Types: C is the compute type (float, or double for fp64 embeddings), T the bank element
+// type (float, double, bf16 or fp16 stored as uint16_t bits). Integer arrays (neighbours,
+// centre labels) are int32 or int64, chosen at run time by a flag. Labels are int64 and emb is
+// already in the compute type (the Python wrapper converts those small inputs).
+//
+// Forward, per row b (rows shared out among threads by run_items): pass 1 gathers the K centre
+// rows once and computes the scaled squared distances u_j = sum_d ((c_j[d] - x[d]) / sigma)^2
+// (times 1/sigma, before squaring) and the logits; the max, the two sums and the log-sum-exps
+// follow from those K numbers; pass 2 re-reads the K rows (now hot in L2/L3) and accumulates
+// grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all, p^R_j = e^R_j / s_pos
+// (normalised by the computed sums), skipping entries whose coefficient is zero. The only
+// temporaries are three K-vectors per thread.
+//
+// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out ranges
+// of bank rows, so no two threads write the same row and every row is accumulated in the same
+// (b, k) order whatever the thread count: the result is deterministic.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// How many neighbours ahead pass 1 prefetches the gathered centre row (0: off).
+#ifndef NNK_PREFETCH
+#define NNK_PREFETCH 4
+#endif
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+struct fp16 { uint16_t bits; };
+
+inline float bits_to_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// IEEE half -> float without relying on compiler support for _Float16 (exact for every input,
+// subnormals, inf and NaN included). Branch-free enough to vectorise.
+inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    // normal: rebias the exponent (15 -> 127); inf/nan: exponent all ones
+    uint32_t normal = ((exp + 112u) << 23) | (man << 13);
+    uint32_t infnan = 0x7f800000u | (man << 13);
+    // subnormal: man * 2^-24, exactly representable in float
+    float sub = (float)man * 5.9604644775390625e-08f;
+    uint32_t subbits;
+    std::memcpy(&subbits, &sub, sizeof subbits);
+    uint32_t r = exp == 0 ? subbits : (exp == 31 ? infnan : normal);
+    return bits_to_float(r | sign);
+}
+
+template <typename C> inline C load(const float* p, int64_t i) { return (C)p[i]; }
+template <typename C> inline C load(const double* p, int64_t i) { return (C)p[i]; }
+template <typename C> inline C load(const bf16* p, int64_t i) {
+    return (C)bits_to_float((uint32_t)p[i].bits << 16);
+}
+#if defined(__FLT16_MAX__) && !defined(NNK_NO_FLOAT16)
+template <typename C> inline C load(const fp16* p, int64_t i) {
+    _Float16 h;
+    std::memcpy(&h, &p[i].bits, sizeof h);
+    return (C)(float)h;
+}
+#else
+template <typename C> inline C load(const fp16* p, int64_t i) {
+    return (C)half_to_float(p[i].bits);
+}
+#endif
+
+inline int64_t load_index(const void* p, int is64, int64_t i) {
+    return is64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
+}
+
+// weights: wtype 0 = none (all ones), 1 = fp32, 2 = fp64; converted to C before the log, as
+// the torch path does (weights[idx].to(compute dtype)).
+template <typename C>
+inline C load_weight(const void* w, int wtype, int64_t j) {
+    if (wtype == 1) return (C)((const float*)w)[j];
+    return (C)((const double*)w)[j];
+}
+
+template <typename C, typename T>
+inline C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
+    C acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) {
+        C z = (load<C>(c, d) - x[d]) * inv_s;
+        acc += z * z;
+    }
+    return acc;
+}
+
+template <typename C, typename T>
+inline void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restrict x, C a,
+                      int64_t D) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) g[d] += a * (load<C>(c, d) - x[d]);
+}
+
+// fp16 rows: compilers do not vectorise the scalar half -> float conversion, so a row is
+// converted a block at a time (F16C's vcvtph2ps where the CPU has it) and the float loops
+// above run on the block.
+constexpr int64_t HALF_BLOCK = 256;
+
+inline void half_block_to_float(const fp16* src, float* dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = load<float>(src, i);
+}
+
+template <typename C>
+inline C scaled_sqdist(const fp16* c, const C* __restrict x, C inv_s, int64_t D) {
+    float buf[HALF_BLOCK];
+    C acc = 0;
+    for (int64_t d0 = 0; d0 < D; d0 += HALF_BLOCK) {
+        const int64_t n = std::min(HALF_BLOCK, D - d0);
+        half_block_to_float(c + d0, buf, n);
+        acc += scaled_sqdist<C, float>(buf, x + d0, inv_s, n);
+    }
+    return acc;
+}
+
+template <typename C>
+inline void axpy_diff(C* __restrict g, const fp16* c, const C* __restrict x, C a, int64_t D) {
+    float buf[HALF_BLOCK];
+    for (int64_t d0 = 0; d0 < D; d0 += HALF_BLOCK) {
+        const int64_t n = std::min(HALF_BLOCK, D - d0);
+        half_block_to_float(c + d0, buf, n);
+        axpy_diff<C, float>(g + d0, buf, x + d0, a, n);
+    }
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t D) {
+    const char* b = (const char*)p;
+    int64_t bytes = D * (int64_t)sizeof(T);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(b + o, 0, 3);
+}
+
+// Runs work(i) for every i in [0, n) on up to `nthreads` threads: the calling thread and
+// nthreads - 1 helper threads claim items from a shared counter, and the call returns once every
+// item is done. Unlike an OpenMP team, whose closing barrier waits for every thread, the caller
+// never waits for a helper that has not claimed an item: on a busy machine (more runnable
+// threads than cores) a helper that is scheduled late finds nothing left and exits, instead of
+// stalling the call for a whole time slice. Each thread works on its own copy of `work` (its
+// scratch buffers), and everything a late helper touches is kept alive by a shared_ptr.
+struct Progress {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+};
+
+template <typename Work>
+void run_items(int64_t n, int nthreads, const Work& work) {
+    if (n <= 0) return;
+    if ((int64_t)nthreads > n) nthreads = (int)n;
+    auto progress = std::make_shared<Progress>();
+    auto loop = [progress, n, w = work]() mutable {
+        int64_t i;
+        while ((i = progress->next.fetch_add(1, std::memory_order_relaxed)) < n) {
+            w(i);
+            progress->done.fetch_add(1, std::memory_order_release);
+        }
+    };
+    for (int t = 1; t < nthreads; ++t) {
+        try {
+            std::thread(loop).detach();
+        } catch (...) {  // no more threads: the caller does the rest
+            break;
+        }
+    }
+    loop();
+    while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// One row of the forward (see the top of the file); a copy per thread (own scratch).
+template <typename C, typename T>
+struct ForwardRow {
+    const C* emb;
+    const int64_t* labels;
+    const T* centres;
+    const void* clabels;
+    int cl64;
+    const void* nbrs;
+    int nb64;
+    const void* weights;
+    int wtype;
+    C sigma;
+    int64_t K, D, N;
+    int store_dist;
+    C *loss, *lse_all, *lse_pos, *grad_x, *dist;
+    std::vector<C> logit, coef;
+    std::vector<unsigned char> same;
+
+    void operator()(int64_t b) {
+        const C inv_s = (C)1 / sigma;
+        const C inv_s2 = inv_s * inv_s;
+        const C ninf = -std::numeric_limits<C>::infinity();
+        const C nan = std::numeric_limits<C>::quiet_NaN();
+        if ((int64_t)logit.size() < K) {
+            logit.resize(K);
+            coef.resize(K);
+            same.resize(K);
+        }
+        const C* x = emb + b * D;
+        const int64_t R = labels[b];
+        bool nonfinite = false;
+        // pass 1: distances and logits, reading each gathered centre row once
+        for (int64_t k = 0; k < K; ++k) {
+            int64_t j = load_index(nbrs, nb64, b * K + k);
+            if (NNK_PREFETCH > 0 && k + NNK_PREFETCH < K) {
+                int64_t jn = load_index(nbrs, nb64, b * K + k + NNK_PREFETCH);
+                if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+            }
+            C u = 0;
+            logit[k] = ninf;
+            same[k] = 0;
+            if (j >= 0) {
+                if (j >= N) {  // out of range (the op's checks refuse it): poison the row
+                    nonfinite = true;
+                    u = nan;
+                } else {
+                    u = scaled_sqdist(centres + j * D, x, inv_s, D);
+                    if (!std::isfinite(u)) nonfinite = true;
+                    C lw = 0;
+                    bool valid = true;
+                    if (wtype) {
+                        C w = load_weight<C>(weights, wtype, j);
+                        valid = w != (C)0;
+                        if (valid) {
+                            lw = std::log(w);
+                            if (!std::isfinite(lw)) nonfinite = true;
+                        }
+                    }
+                    if (valid) {
+                        logit[k] = lw - u * (C)0.5;
+                        same[k] = load_index(clabels, cl64, j) == R;
+                    }
+                }
+            }
+            if (store_dist) dist[b * K + k] = u;
+        }
+        C* g = grad_x + b * D;
+        if (nonfinite) {
+            loss[b] = lse_all[b] = lse_pos[b] = nan;
+            for (int64_t d = 0; d < D; ++d) g[d] = nan;
+            return;
+        }
+        C m_all = ninf, m_pos = ninf;
+        for (int64_t k = 0; k < K; ++k) {
+            if (logit[k] > m_all) m_all = logit[k];
+            if (same[k] && logit[k] > m_pos) m_pos = logit[k];
+        }
+        for (int64_t d = 0; d < D; ++d) g[d] = 0;
+        if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0)
+            loss[b] = 0;
+            lse_all[b] = lse_pos[b] = ninf;
+            return;
+        }
+        C s_all = 0, s_pos = 0;
+        for (int64_t k = 0; k < K; ++k) {
+            if (logit[k] == ninf) continue;
+            s_all += std::exp(logit[k] - m_all);
+            if (same[k]) s_pos += std::exp(logit[k] - m_pos);
+        }
+        const C la = m_all + std::log(s_all);
+        lse_all[b] = la;
+        if (m_pos == ninf) {  // no same-class entry: zero loss and gradient
+            loss[b] = 0;
+            lse_pos[b] = ninf;
+            return;
+        }
+        const C lp = m_pos + std::log(s_pos);
+        lse_pos[b] = lp;
+        loss[b] = la - lp;
+        // pass 2: grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x), rows hot in cache
+        for (int64_t k = 0; k < K; ++k) {
+            C c = 0;
+            if (logit[k] != ninf) {
+                C p = std::exp(logit[k] - m_all) / s_all;
+                C pr = same[k] ? std::exp(logit[k] - m_pos) / s_pos : (C)0;
+                c = (p - pr) * inv_s2;
+            }
+            coef[k] = c;
+        }
+        for (int64_t k = 0; k < K; ++k) {
+            if (coef[k] == (C)0) continue;
+            int64_t j = load_index(nbrs, nb64, b * K + k);
+            axpy_diff(g, centres + j * D, x, coef[k], D);
+        }
+    }
+};
+
+template <typename C, typename T>
+void forward_impl(const C* emb, const int64_t* labels, const T* centres, const void* clabels,
+                  int cl64, const void* nbrs, int nb64, const void* weights, int wtype,
+                  C sigma, int64_t B, int64_t K, int64_t D, int64_t N, int store_dist,
+                  C* loss, C* lse_all, C* lse_pos, C* grad_x, C* dist, int nthreads) {
+    ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
+                         sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
+                         {}, {}, {}};
+    run_items(B, nthreads, row);
+}
+
+// Centre gradient: a work item is a range of bank rows; its thread scans every (b, k) and adds
+// the entries that fall in its range, whole rows at a time (contiguous, prefetch-friendly). No
+// two threads write the same row, and each row is accumulated in (b, k) order whatever the
+// thread count, so the result is deterministic. g += a (x - c) is computed as
+// g += (-a)(c - x), which is the same number.
+template <typename C, typename T>
+void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64,
+                      const C* coef, int64_t B, int64_t K, int64_t D, int64_t N, C* grad,
+                      int nthreads) {
+    const int64_t ranges = std::min<int64_t>(N, 4 * (int64_t)std::max(1, nthreads));
+    auto range = [=](int64_t r) {
+        const int64_t lo = N * r / ranges, hi = N * (r + 1) / ranges;
+        for (int64_t i = 0; i < B * K; ++i) {
+            const C a = coef[i];
+            if (a == (C)0) continue;
+            const int64_t j = load_index(nbrs, nb64, i);
+            if (j < lo || j >= hi) continue;
+            axpy_diff(grad + j * D, centres + j * D, emb + (i / K) * D, -a, D);
+        }
+    };
+    run_items(ranges, nthreads, range);
+}
+
+// out[b, :] = g[b] * grad_x[b, :] (the backward's only (B, D) operation), rows shared out
+// like the forward's.
+template <typename C>
+void scale_rows_impl(const C* grad_x, const C* g, int64_t B, int64_t D, C* out, int nthreads) {
+    auto row = [=](int64_t b) {
+        const C a = g[b];
+        const C* __restrict src = grad_x + b * D;
+        C* __restrict dst = out + b * D;
+        if (a == C(0)) {  // a row that takes no gradient passes none on, NaN or not
+            for (int64_t d = 0; d < D; ++d) dst[d] = C(0);
+            return;
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = a * src[d];
+    };
+    run_items(B, nthreads, row);
+}
+
+// Type codes (the Python side uses the same). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32,
+// 1 fp64, 2 bf16, 3 fp16. f is called with a value of the type; 1 is returned for an unknown
+// code, 0 otherwise.
+template <typename F>
+int with_compute_type(int ctype, F&& f) {
+    switch (ctype) {
+        case 0: f(float{}); return 0;
+        case 1: f(double{}); return 0;
+    }
+    return 1;
+}
+
+template <typename F>
+int with_bank_type(int btype, F&& f) {
+    switch (btype) {
+        case 0: f(float{}); return 0;
+        case 1: f(double{}); return 0;
+        case 2: f(bf16{}); return 0;
+        case 3: f(fp16{}); return 0;
+    }
+    return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int nnk_abi_version() { return 1; }
+
+int nnk_threaded() { return 1; }
+
+// Every entry point returns 0 on success, 1 on an unknown type code.
+int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,
+                const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
+                const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,
+                int64_t N, int store_dist, void* loss, void* lse_all, void* lse_pos,
+                void* grad_x, void* dist, int nthreads) {
+    int rc = 0;
+    int known = with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        rc = with_bank_type(btype, [&](auto t) {
+            using T = decltype(t);
+            forward_impl<C, T>((const C*)emb, labels, (const T*)centres, clabels, cl64, nbrs,
+                               nb64, weights, wtype, (C)sigma, B, K, D, N, store_dist,
+                               (C*)loss, (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist,
+                               nthreads);
+        });
+    });
+    return known | rc;
+}
+
+int nnk_centre_grad(int ctype, int btype, const void* emb, const void* centres,
+                    const void* nbrs, int nb64, const void* coef, int64_t B, int64_t K,
+                    int64_t D, int64_t N, void* grad, int nthreads) {
+    int rc = 0;
+    int known = with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        rc = with_bank_type(btype, [&](auto t) {
+            using T = decltype(t);
+            centre_grad_impl<C, T>((const C*)emb, (const T*)centres, nbrs, nb64,
+                                   (const C*)coef, B, K, D, N, (C*)grad, nthreads);
+        });
+    });
+    return known | rc;
+}
+
+// out[b, :] = g[b] * grad_x[b, :]
+int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int64_t D,
+                   void* out, int nthreads) {
+    return with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        scale_rows_impl<C>((const C*)grad_x, (const C*)g, B, D, (C*)out, nthreads);
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,388 @@
+"""The compiled CPU kernel (nnkloss.ops.cpu) against an fp64 computation of nnkloss/ops/CONTRACT.md.
+
+The reference below is written from the contract, row by row, in fp64 from the values the
+kernel actually receives (emb converted to the compute dtype; bank values are exact in fp32).
+"""
+import math
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+from nnkloss.ops import cpu
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the fallback tests below check the notice
+    kernel = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: fallback only")
+
+FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+INDEX = [torch.int32, torch.int64]
+
+
+def reference(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+    """nnkloss/ops/CONTRACT.md in fp64, one row at a time. Returns the five outputs and a per-row scale of
+    the gradient's terms (sum_j (p_j + p^R_j) |c_j - x| / sigma^2) for tolerances."""
+    cdt = torch.float64 if emb.dtype == torch.float64 else torch.float32
+    x64 = emb.to(cdt).double()
+    c64 = centres.double()
+    s = float(sigma)
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    nan, ninf = float("nan"), float("-inf")
+    loss = torch.zeros(B, dtype=torch.float64)
+    lse_all = torch.zeros(B, dtype=torch.float64)
+    lse_pos = torch.zeros(B, dtype=torch.float64)
+    grad = torch.zeros(B, D, dtype=torch.float64)
+    dist = torch.zeros(B, K, dtype=torch.float64)
+    scale = torch.zeros(B, dtype=torch.float64)
+    for b in range(B):
+        x = x64[b]
+        logit = [ninf] * K
+        same = [False] * K
+        nonfinite = False
+        for k in range(K):
+            j = int(neighbours[b, k])
+            if j < 0:
+                continue
+            z = (c64[j] - x) * (1.0 / s)
+            u = float((z * z).sum())
+            if cdt == torch.float32 and abs(u) > torch.finfo(torch.float32).max:
+                u = math.inf                # the contract's fp32 overflow
+            dist[b, k] = u
+            if not math.isfinite(u):
+                nonfinite = True
+            w = 1.0 if weights is None else float(weights[j].to(cdt))
+            if w == 0:
+                continue
+            lw = math.log(w) if w > 0 and math.isfinite(w) else nan
+            if not math.isfinite(lw):
+                nonfinite = True
+            logit[k] = lw - u / 2
+            same[k] = int(centre_labels[j]) == int(labels[b])
+        if nonfinite:
+            loss[b] = lse_all[b] = lse_pos[b] = nan
+            grad[b] = nan
+            continue
+        valid = [k for k in range(K) if logit[k] != ninf]
+        pos = [k for k in valid if same[k]]
+        if not valid:
+            lse_all[b] = lse_pos[b] = ninf
+            continue
+        m = max(logit[k] for k in valid)
+        e = {k: math.exp(logit[k] - m) for k in valid}
+        s_all = sum(e.values())
+        lse_all[b] = m + math.log(s_all)
+        if not pos:
+            lse_pos[b] = ninf
+            continue
+        mp = max(logit[k] for k in pos)
+        er = {k: math.exp(logit[k] - mp) for k in pos}
+        s_pos = sum(er.values())
+        lse_pos[b] = mp + math.log(s_pos)
+        loss[b] = lse_all[b] - lse_pos[b]
+        for k in valid:
+            p = e[k] / s_all
+            pr = er[k] / s_pos if k in er else 0.0
+            diff = c64[int(neighbours[b, k])] - x
+            grad[b] += (p - pr) * diff / (s * s)
+            scale[b] += (p + pr) * float(diff.abs().max()) / (s * s)
+    return loss, lse_all, lse_pos, grad, dist, scale
+
+
+def check(out, ref, cdt, dist_too=True):
+    loss, lse_all, lse_pos, grad_x, dist = out
+    rl, ra, rp, rg, rd, scale = ref
+    assert all(t.dtype == cdt for t in out)
+    rtol = 1e-4 if cdt == torch.float32 else 1e-10
+    # loss = lse_all - lse_pos: rounding of u (relative eps of the compute dtype) cancels into
+    # it in absolute terms, whatever the implementation
+    big = ra[torch.isfinite(ra)].abs().max().item() if torch.isfinite(ra).any() else 0.0
+    atol = rtol + (1e-6 if cdt == torch.float32 else 1e-14) * big
+    for got, want in ((loss, rl), (lse_all, ra), (lse_pos, rp)):
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol, equal_nan=True)
+    atol = rtol * (scale.max().item() + 1e-30)
+    torch.testing.assert_close(grad_x.double(), rg, rtol=rtol, atol=atol, equal_nan=True)
+    if dist_too:
+        torch.testing.assert_close(dist.double(), rd, rtol=rtol, atol=0, equal_nan=True)
+
+
+def make(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32,
+         idx_dtype=torch.int64, cl_dtype=torch.int64, weights=True, seed=0, classes=3):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g).to(bank_dtype)
+    centre_labels = torch.randint(0, classes, (N,), generator=g).to(cl_dtype)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    nb[0, 1:] = -1                          # mostly padding
+    nb[1, :] = nb[1, 0]                     # duplicates
+    labels = torch.randint(0, classes, (B,), generator=g)
+    labels[2] = classes + 5                 # no positive
+    emb = (centres[nb[:, 0].clamp_min(0)].float()
+           + 0.5 * torch.randn(B, D, generator=g)).to(emb_dtype)
+    w = None
+    if weights:
+        w = torch.rand(N, generator=g) + 0.1
+        w[nb[3, 0]] = 0.0                   # a zero weight
+    return emb, labels, centres, centre_labels, nb.to(idx_dtype), w, torch.tensor(1.7)
+
+
+@kernel
+@pytest.mark.parametrize("emb_dtype", FLOATS)
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+@pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int64),
+                                                (torch.int64, torch.int32),
+                                                (torch.int64, torch.int64)])
+def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtype):
+    inputs = make(emb_dtype=emb_dtype, bank_dtype=bank_dtype, idx_dtype=idx_dtype,
+                  cl_dtype=cl_dtype)
+    cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
+    check(cpu.forward(*inputs), reference(*inputs), cdt)
+
+
+@kernel
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("sigma,offset", [(0.05, 0.0), (1.0, 30.0), (40.0, 0.0), (1.0, 1e3)])
+def test_forward_scales(weights, sigma, offset):
+    emb, labels, centres, cl, nb, w, _ = make(B=12, K=16, D=24, N=40, weights=weights, seed=3)
+    emb = emb + offset  # far from every centre: the log-sum-exps must stay exact
+    inputs = (emb, labels, centres, cl, nb, w, torch.tensor(sigma))
+    check(cpu.forward(*inputs), reference(*inputs), torch.float32)
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+def test_wide_rows(bank_dtype):
+    # D beyond the kernel's 256-element fp16 conversion block, with a ragged tail
+    inputs = make(B=5, K=6, D=600, N=30, bank_dtype=bank_dtype, seed=13)
+    check(cpu.forward(*inputs), reference(*inputs), torch.float32)
+    emb, _, centres, _, nb, _, _ = inputs
+    coef = torch.randn(5, 6)
+    want = torch.zeros(30, 600, dtype=torch.float64)
+    for b in range(5):
+        for k in range(6):
+            if nb[b, k] >= 0:
+                want[nb[b, k]] += coef[b, k].double() * (emb[b].double()
+                                                         - centres[nb[b, k]].double())
+    torch.testing.assert_close(cpu.centre_grad(emb, centres, nb, coef).double(), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+@kernel
+def test_k1_and_all_positive_rows():
+    emb, labels, centres, cl, nb, w, s = make(B=6, K=1, N=10, weights=False, seed=4)
+    check(cpu.forward(emb, labels, centres, cl, nb, w, s),
+          reference(emb, labels, centres, cl, nb, w, s), torch.float32)
+    # a single class: p = p^R, loss 0, gradient 0 exactly
+    cl1 = torch.zeros_like(cl)
+    lab1 = torch.zeros_like(labels)
+    nb8 = torch.randint(0, 10, (6, 8))
+    out = cpu.forward(emb, lab1, centres, cl1, nb8, None, s)
+    assert torch.equal(out[0], torch.zeros(6)) and torch.equal(out[3], torch.zeros(6, 13))
+
+
+@kernel
+def test_empty_bank_and_empty_batch():
+    D = 5
+    emb = torch.randn(4, D)
+    out = cpu.forward(emb, torch.zeros(4, dtype=torch.long), torch.empty(0, D),
+                      torch.empty(0, dtype=torch.long), torch.full((4, 3), -1), None,
+                      torch.tensor(1.0))
+    loss, la, lp, g, dist = out
+    assert torch.equal(loss, torch.zeros(4)) and torch.equal(g, torch.zeros(4, D))
+    assert (la == -math.inf).all() and (lp == -math.inf).all()
+    assert torch.equal(dist, torch.zeros(4, 3))
+    out = cpu.forward(torch.empty(0, D), torch.empty(0, dtype=torch.long), torch.randn(3, D),
+                      torch.zeros(3, dtype=torch.long), torch.empty(0, 2, dtype=torch.long),
+                      None, torch.tensor(1.0))
+    assert [tuple(t.shape) for t in out] == [(0,), (0,), (0,), (0, D), (0, 2)]
+    grad = cpu.centre_grad(emb, torch.empty(0, D), torch.full((4, 3), -1), torch.ones(4, 3))
+    assert grad.shape == (0, D)
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.float16])
+def test_nonfinite_rows_are_nan_never_no_positive(bank_dtype):
+    emb, labels, centres, cl, nb, w, s = make(B=8, K=5, D=6, N=12, bank_dtype=bank_dtype,
+                                              seed=5)
+    nb[:, :] = torch.arange(5)[None, :] + 1
+    nb[0, 2] = -1
+    emb = emb.clone()
+    emb[0, 1] = float("nan")                # NaN in x
+    centres = centres.clone()
+    centres[11, 0] = float("inf")           # inf in a gathered centre...
+    nb[1, 4] = 11
+    w = w.clone()
+    w[11] = 0.0                             # ...even behind a zero weight
+    emb[2] = 1e30                           # fp32 overflow of u (finite in fp64)
+    nb[3, 0] = 7
+    w[7] = float("nan")                     # a NaN weight
+    nb[4, 0] = 8
+    w[8] = -1.0                             # a negative weight
+    labels[5] = 99                          # a finite row without a positive, for contrast
+    inputs = (emb, labels, centres, cl, nb, w, torch.tensor(1.0))
+    out = cpu.forward(*inputs)
+    for b in range(5):
+        assert torch.isnan(out[0][b]) and torch.isnan(out[1][b]) and torch.isnan(out[2][b])
+        assert torch.isnan(out[3][b]).all()
+    assert out[0][5] == 0 and out[2][5] == -math.inf
+    check(out, reference(*inputs), torch.float32)
+
+
+@kernel
+def test_store_dist_off():
+    inputs = make(seed=6)
+    on = cpu.forward(*inputs)
+    off = cpu.forward(*inputs, store_dist=False)
+    assert off[4].shape == (9, 0)
+    for a, b in zip(on[:4], off[:4]):
+        assert torch.equal(a, b)
+
+
+@kernel
+def test_threads_give_identical_results():
+    inputs = make(B=200, K=40, D=70, N=300, seed=7)  # above PARALLEL_MIN_ELEMS
+    coef = torch.randn(200, 40)
+    coef[coef.abs() < 0.3] = 0
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.forward(*inputs), cpu.centre_grad(inputs[0], inputs[2], inputs[4], coef)
+        torch.set_num_threads(3)
+        many = cpu.forward(*inputs), cpu.centre_grad(inputs[0], inputs[2], inputs[4], coef)
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(one[0], many[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(one[1], many[1])
+    check(one[0], reference(*inputs), torch.float32)
+
+
+@kernel
+@pytest.mark.parametrize("emb_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+@pytest.mark.parametrize("idx_dtype", INDEX)
+def test_centre_grad_matches_fp64(emb_dtype, bank_dtype, idx_dtype):
+    emb, _, centres, _, nb, _, _ = make(B=11, K=6, D=37, N=15, emb_dtype=emb_dtype,
+                                        bank_dtype=bank_dtype, idx_dtype=idx_dtype, seed=8)
+    cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
+    coef = torch.randn(11, 6, dtype=cdt)
+    coef[0, 0] = 0
+    got = cpu.centre_grad(emb, centres, nb, coef)
+    assert got.dtype == cdt and got.shape == (15, 37)
+    want = torch.zeros(15, 37, dtype=torch.float64)
+    x = emb.to(cdt).double()
+    for b in range(11):
+        for k in range(6):
+            j = int(nb[b, k])
+            if j >= 0:
+                want[j] += coef[b, k].double() * (x[b] - centres[j].double())
+    tol = 1e-5 if cdt == torch.float32 else 1e-12
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@kernel
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_op_on_the_cpu_backend_matches_torch_path(backend):
+    """The op dispatches CPU tensors to the compiled kernel ("auto" too): value and every
+    gradient as the plain path's."""
+    emb, labels, centres, cl, nb, w, s = make(B=10, K=6, D=9, N=25, seed=9)
+    import nnkloss
+    grads = []
+    for be in (backend, "torch"):
+        x = emb.clone().requires_grad_(True)
+        c = centres.float().clone().requires_grad_(True)
+        ww = (torch.ones(centres.shape[0]) if w is None else w.float()).clone().requires_grad_(True)
+        ss = torch.tensor(float(s), requires_grad=True)
+        out = nnkloss.neighbour_kernel_loss(x, labels, c, cl, nb, ww, ss, backend=be)
+        grads.append([out] + list(torch.autograd.grad(out, [x, c, ww, ss])))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scale_rows(dtype):
+    grad_x = torch.randn(300, 500, dtype=dtype)
+    g = torch.randn(300, dtype=dtype)
+    g[3] = 0
+    grad_x[3, 0] = float("nan")  # a row that takes no gradient passes none on
+    assert torch.equal(cpu.scale_rows(grad_x, g), torch.where((g != 0)[:, None],
+                                                              g[:, None] * grad_x, 0.0))
+
+
+@kernel
+def test_op_nan_row_reaches_the_mean_on_the_cpu_backend():
+    emb, labels, centres, cl, nb, w, s = make(B=6, K=4, D=5, N=12, seed=12)
+    emb = emb.clone()
+    emb[4, 0] = float("nan")
+    x = emb.clone().requires_grad_(True)
+    import nnkloss
+    with nnkloss.value_checks(False):
+        loss = nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, w, s, backend="cpu")
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(x.grad[4]).all()
+
+
+def test_unsupported_dtypes_fall_back():
+    emb, labels, centres, cl, nb, w, s = make(seed=10, weights=False)
+    out = cpu.forward(emb, labels, centres, cl.to(torch.int16), nb, w, s)
+    ref = reference(emb, labels, centres, cl, nb, w, s)
+    check(out, ref, torch.float32, dist_too=False)
+
+
+@kernel
+def test_build_is_atomic_when_processes_race(tmp_path):
+    cxx = cpu._compiler()
+    paths, errors = [], []
+
+    def build():
+        try:
+            paths.append(cpu._compile(cxx, cpu.FLAGS + cpu.THREAD_FLAGS, str(tmp_path)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    assert os.listdir(tmp_path) == [os.path.basename(paths[0])]  # no temporary left behind
+
+
+@pytest.fixture
+def fresh_state():
+    cpu._reset_for_tests()
+    yield
+    cpu._reset_for_tests()
+
+
+def test_without_compiler_warns_once_and_runs_torch_path(monkeypatch, fresh_state):
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    inputs = make(seed=11)
+    with pytest.warns(RuntimeWarning, match="compiled CPU kernel unavailable"):
+        assert not cpu.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")     # the notice is given once
+        out = cpu.forward(*inputs)
+        grad = cpu.centre_grad(inputs[0], inputs[2], inputs[4], torch.ones(9, 7))
+    from nnkloss.ops import reference as torch_path
+    ref = torch_path.forward(*inputs)
+    for a, b in zip(out[:4], ref[:4]):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(grad, torch_path.centre_grad(inputs[0], inputs[2], inputs[4],
+                                                            torch.ones(9, 7)))
+
+
+def test_missing_compiler_binary_is_reported(monkeypatch, fresh_state, tmp_path):
+    monkeypatch.setenv("NNKLOSS_CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert not cpu.available()
+
+
+def test_kernel_can_be_switched_off(monkeypatch, fresh_state):
+    monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
+    with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
+        assert not cpu.available()

@@ -3,6 +3,7 @@
 - :mod:`.neighbour_kernel`: custom-op registration, the host backward, the functional API;
 - :mod:`.backends`: backend names and choice; the Triton kernels live in ``kernels/`` at the
   top of the repository (installed as ``nnkloss.kernels``);
+- :mod:`.cpu`: the compiled CPU kernel (``cpu_kernel.cpp``, built on first use);
 - :mod:`.reference`: the plain chunked PyTorch implementation, the reference the others are
   tested against.
 

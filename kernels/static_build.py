@@ -252,7 +252,7 @@ def _child(archs: List[int], names: List[str]) -> Dict:
             raise RuntimeError("no benchmarking without a GPU")
 
         def map_python_to_cpp_type(self, ty):  # only used by launchers, never reached here
-            raise NotImplementedError(ty)
+            raise RuntimeError(f"the stand-in driver launches nothing (asked to map {ty})")
 
     compiled = []
     orig_run = JITFunction.run

@@ -191,10 +191,6 @@ def _reset_for_tests():
                       warned=False)
 
 
-def _cdt(emb):
-    return torch.float64 if emb.dtype == torch.float64 else torch.float32
-
-
 def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
     tensors = [emb, centres, centre_labels, neighbours] + ([] if weights is None else [weights])
     return (all(t.device.type == "cpu" for t in tensors)
@@ -225,7 +221,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
         return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
                                  sigma, store_dist=store_dist)
-    cdt = _cdt(emb)
+    cdt = reference.compute_dtype(emb)
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
@@ -240,11 +236,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         w = w.contiguous()
         wtype = 1 if w.dtype == torch.float32 else 2
     s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
-    loss = torch.empty(B, dtype=cdt)
-    lse_all = torch.empty(B, dtype=cdt)
-    lse_pos = torch.empty(B, dtype=cdt)
-    grad_x = torch.empty(B, D, dtype=cdt)
-    dist = torch.empty(B, K if store_dist else 0, dtype=cdt)
+    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
     rc = lib.nnk_forward(int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(),
@@ -265,7 +257,7 @@ def centre_grad(emb, centres, neighbours, coef):
     lib = _lib()
     if lib is None or not _supported(emb, centres, neighbours, neighbours, None):
         return reference.centre_grad(emb, centres, neighbours, coef.contiguous())
-    cdt = _cdt(emb)
+    cdt = reference.compute_dtype(emb)
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]

@@ -35,12 +35,7 @@ def _nk_forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Ten
 @_nk_forward.register_fake
 def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend,
                      store_dist):
-    B, D = emb.shape
-    K = neighbours.shape[1] if store_dist else 0
-    cdt = reference.compute_dtype(emb)
-    row = emb.new_empty(B, dtype=cdt)
-    return (row, emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt),
-            emb.new_empty(B, D, dtype=cdt), emb.new_empty(B, K, dtype=cdt))
+    return reference.empty_outputs(emb, neighbours.shape[1], store_dist)
 
 
 @torch.library.custom_op("nnkloss::nk_centre_grad", mutates_args=())

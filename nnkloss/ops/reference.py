@@ -34,6 +34,15 @@ def compute_dtype(emb: Tensor) -> torch.dtype:
     return torch.float64 if emb.dtype == torch.float64 else torch.float32
 
 
+def empty_outputs(emb: Tensor, K: int, store_dist: bool):
+    """The forward's five outputs, uninitialised, in the compute dtype on emb's device:
+    loss, lse_all, lse_pos (B,), grad_x (B, D), dist (B, K), or (B, 0) without store_dist."""
+    B, D = emb.shape
+    cdt = compute_dtype(emb)
+    return (emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt),
+            emb.new_empty(B, D, dtype=cdt), emb.new_empty(B, K if store_dist else 0, dtype=cdt))
+
+
 class RowSoftmax(NamedTuple):
     """Exact per-row softmax pieces of the logits over a mask: max, sum of exp, probabilities."""
     m: Tensor      # (B, 1) row max, 0 where the row is empty
@@ -102,11 +111,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     K = neighbours.shape[1]
     cdt = compute_dtype(emb)
     inv_sigma = 1.0 / sigma.to(cdt)
-    loss = emb.new_empty(B, dtype=cdt)
-    lse_all = emb.new_empty(B, dtype=cdt)
-    lse_pos = emb.new_empty(B, dtype=cdt)
-    grad_x = emb.new_empty(B, D, dtype=cdt)
-    dist = emb.new_empty(B, K if store_dist else 0, dtype=cdt)
+    loss, lse_all, lse_pos, grad_x, dist = empty_outputs(emb, K, store_dist)
     src = _gather_source(centres, 0.0)
     step = rows_per_chunk(K, D)
     for lo in range(0, B, step):

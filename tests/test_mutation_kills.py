@@ -17,11 +17,24 @@ def test_empty_bank_with_trainable_centres():
     out = nnkloss.neighbour_kernel_loss_with_stats(
         emb, torch.tensor([0, 1, 0]), centres, torch.empty(0, dtype=torch.long),
         torch.full((3, 2), -1), None, sigma, backend="torch")
-    assert float(out.loss) == 0.0
+    assert float(out.loss.detach()) == 0.0
     ge, gc, gs = torch.autograd.grad(out.loss, [emb, centres, sigma])
     assert torch.equal(ge, torch.zeros(3, 4))
     assert gc.shape == (0, 4)
-    assert float(gs) == 0.0
+    assert float(gs.detach()) == 0.0
+
+
+def test_empty_bank_with_trainable_weights():
+    """Bug found by the test above: with weights that require grad, the backward scattered the
+    (all-padding) rows' zero gradients into an empty weight tensor at index 0: IndexError."""
+    emb = torch.randn(3, 4, requires_grad=True)
+    weights = torch.empty(0, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        emb, torch.tensor([0, 1, 0]), torch.empty(0, 4), torch.empty(0, dtype=torch.long),
+        torch.full((3, 2), -1), weights, backend="torch")
+    ge, gw = torch.autograd.grad(loss, [emb, weights])
+    assert torch.equal(ge, torch.zeros(3, 4))
+    assert gw.shape == (0,)
 
 
 def test_nonfinite_row_reaches_the_gradient_of_a_one_centre_bank():

@@ -27,12 +27,12 @@ fi
 # covering tests among them; interpreter-heavy files are left out on purpose).
 tests_for() {
     case "$1" in
-        bank)       echo "tests/test_module.py tests/test_centroids.py tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py" ;;
-        refresh)    echo "tests/test_refresh.py tests/test_promises_refresh.py" ;;
-        checkpoint) echo "tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py" ;;
-        losses)     echo "tests/test_module.py tests/test_promises_bank.py tests/test_errors.py tests/test_ccml.py tests/test_layout.py tests/test_bad_input.py tests/test_numerics.py" ;;
-        op)         echo "tests/test_loss_op.py tests/test_errors.py tests/test_module.py tests/test_numerics.py tests/test_compile_and_cuda.py" ;;
-        reference)  echo "tests/test_loss_op.py tests/test_module.py tests/test_numerics.py" ;;
+        bank)       echo "tests/test_module.py tests/test_centroids.py tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py tests/test_mutation_kills.py" ;;
+        refresh)    echo "tests/test_refresh.py tests/test_promises_refresh.py tests/test_mutation_kills.py" ;;
+        checkpoint) echo "tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py tests/test_mutation_kills.py" ;;
+        losses)     echo "tests/test_module.py tests/test_promises_bank.py tests/test_errors.py tests/test_ccml.py tests/test_layout.py tests/test_bad_input.py tests/test_numerics.py tests/test_mutation_kills.py" ;;
+        op)         echo "tests/test_loss_op.py tests/test_errors.py tests/test_module.py tests/test_numerics.py tests/test_compile_and_cuda.py tests/test_mutation_kills.py" ;;
+        reference)  echo "tests/test_loss_op.py tests/test_module.py tests/test_numerics.py tests/test_mutation_kills.py" ;;
         *) echo "unknown module $1" >&2; exit 2 ;;
     esac
 }
@@ -40,12 +40,12 @@ tests_for() {
 # Module -> its files under nnkloss/.
 files_for() {
     case "$1" in
-        bank)       echo "bank/centre_bank.py" ;;
-        refresh)    echo "bank/refresh.py" ;;
-        checkpoint) echo "bank/checkpoint.py atomic.py" ;;
-        losses)     echo "losses/base.py losses/neighbour_kernel.py" ;;
-        op)         echo "ops/neighbour_kernel.py ops/backends.py" ;;
-        reference)  echo "ops/reference.py" ;;
+        bank)       echo "bank/centre_bank.py tests/test_mutation_kills.py" ;;
+        refresh)    echo "bank/refresh.py tests/test_mutation_kills.py" ;;
+        checkpoint) echo "bank/checkpoint.py atomic.py tests/test_mutation_kills.py" ;;
+        losses)     echo "losses/base.py losses/neighbour_kernel.py tests/test_mutation_kills.py" ;;
+        op)         echo "ops/neighbour_kernel.py ops/backends.py tests/test_mutation_kills.py" ;;
+        reference)  echo "ops/reference.py tests/test_mutation_kills.py" ;;
     esac
 }
 

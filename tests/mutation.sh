@@ -5,7 +5,7 @@
 #   bash tests/mutation.sh bank            # one module
 #   WORK=/tmp/mut bash tests/mutation.sh refresh   # MAX_CHILDREN=2 for two workers
 #
-# The working tree (nnkloss/, kernels/, tests/) is copied to a scratch directory ($WORK,
+# The working tree (nnkloss/, kernels/, tests/, setup.py) is copied to a scratch directory ($WORK,
 # default a fresh mktemp -d), a setup.cfg [mutmut] section is written there naming the
 # modules to mutate and the test files that cover them, and mutmut runs there with one
 # worker under `nice -n 10` (the checkout itself gets no mutants/ folder). Results:
@@ -52,7 +52,7 @@ files_for() {
 WORK="${WORK:-$(mktemp -d /tmp/nnkloss-mutation.XXXXXX)}"
 mkdir -p "$WORK"
 rm -rf "$WORK/nnkloss" "$WORK/kernels" "$WORK/tests" "$WORK/mutants"
-cp -r "$ROOT/nnkloss" "$ROOT/kernels" "$ROOT/tests" "$WORK/"
+cp -r "$ROOT/nnkloss" "$ROOT/kernels" "$ROOT/tests" "$ROOT/setup.py" "$WORK/"  # test_layout reads setup.py
 find "$WORK" -name __pycache__ -prune -exec rm -rf {} +
 
 only=""
@@ -74,6 +74,7 @@ source_paths =
 only_mutate =
 ${only}also_copy =
     kernels/
+    setup.py
 pytest_add_cli_args =
     -q
     -p

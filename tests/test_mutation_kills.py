@@ -53,3 +53,57 @@ def test_nonfinite_row_reaches_the_gradient_of_a_one_centre_bank():
     # The finite row alone: loss 0 and a zero (not NaN) centre gradient.
     (gc0,) = torch.autograd.grad(out.per_row[0], [centres])
     assert torch.equal(gc0, torch.zeros(1, 2))
+
+
+# ----------------------------------------------------------------------- nnkloss.losses
+def _bank(N=12, D=3, K=4, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    bank = nnkloss.CentreBank(torch.randn(N, D, generator=g), torch.arange(N) % 3, **kw)
+    bank.rebuild_neighbours(K, backend="torch")
+    return bank
+
+
+def test_loss_reports_its_sigma_for_logs_and_refresh_stats():
+    """kernel_sigma / log_values / repr, which the Trainer reads (kills losses kernel_sigma 1,
+    log_values 1 and 2, extra_repr 1)."""
+    fn = nnkloss.NeighbourKernelLoss(_bank(), sigma=1.3, reduction="sum", backend="torch")
+    assert isinstance(fn.kernel_sigma(), float)
+    assert fn.kernel_sigma() == pytest.approx(1.3)
+    assert fn.log_values() == {"sigma": pytest.approx(1.3)}
+    text = repr(fn)
+    assert "sigma=1.3" in text and "learn_sigma=False" in text
+    assert "reduction='sum'" in text and "backend='torch'" in text and "exclude_self=True" in text
+
+
+def test_module_runs_on_the_backend_it_was_given(monkeypatch):
+    """backend="triton" reaches the op: on CPU tensors without Triton's interpreter it is refused
+    (not silently replaced by "auto" = torch). Kills losses rows 34."""
+    bank = _bank()
+    idx = torch.arange(5)
+    emb = bank.centres[idx] + 0.1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        nnkloss.NeighbourKernelLoss(bank, backend="triton")(emb, bank.labels[idx], idx)
+    assert torch.isfinite(nnkloss.NeighbourKernelLoss(bank, backend="torch")(emb, bank.labels[idx],
+                                                                             idx))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_module_applies_its_reduction(reduction):
+    """The module's reduction and its last_stats (kills losses BankLoss.forward 23: reduction
+    dropped -> "mean"; 28: last_stats.loss None)."""
+    bank = _bank()
+    idx = torch.arange(8)
+    emb = bank.centres[idx] + 0.3
+    rows = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction="none")(emb, bank.labels[idx], idx)
+    assert rows.shape == (8,)
+    valid = nnkloss.NeighbourKernelLoss(bank, sigma=0.7).last_stats  # nothing before a call
+    assert valid is None
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction=reduction)
+    got = fn(emb, bank.labels[idx], idx)
+    counted = fn.last_stats.valid
+    assert int(counted.sum()) >= 2 and float(rows.sum()) > 0
+    want = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / counted.sum()}[reduction]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fn.last_stats.loss, got.detach())
+    torch.testing.assert_close(fn.last_stats.per_row, rows)

@@ -107,3 +107,14 @@ def test_module_applies_its_reduction(reduction):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(fn.last_stats.loss, got.detach())
     torch.testing.assert_close(fn.last_stats.per_row, rows)
+
+
+def test_module_defaults_and_backend_error():
+    """Documented defaults (sigma 1.0, sigma fixed) and the error naming a bad backend (kills
+    losses NeighbourKernelLoss.__init__ 1, 2, 15)."""
+    fn = nnkloss.NeighbourKernelLoss(_bank())
+    assert fn.kernel_sigma() == 1.0
+    assert not fn.log_sigma.requires_grad
+    assert fn.reduction == "mean" and fn.backend == "auto" and fn.exclude_self
+    with pytest.raises(ValueError, match="backend must be one of .*'cuda'"):
+        nnkloss.NeighbourKernelLoss(_bank(), backend="cuda")

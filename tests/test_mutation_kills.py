@@ -118,3 +118,28 @@ def test_module_defaults_and_backend_error():
     assert fn.reduction == "mean" and fn.backend == "auto" and fn.exclude_self
     with pytest.raises(ValueError, match="backend must be one of .*'cuda'"):
         nnkloss.NeighbourKernelLoss(_bank(), backend="cuda")
+
+
+class _CountEntries(nnkloss.BankLoss):
+    """A minimal BankLoss subclass: each row's loss is the number of entries left in its list."""
+
+    def rows(self, emb, labels, neighbours):
+        per_row = (neighbours >= 0).sum(1).to(emb.dtype)
+        return per_row, torch.ones_like(per_row, dtype=torch.bool)
+
+
+def test_bank_loss_template_defaults_and_errors():
+    """BankLoss, the public base class: the own centre is excluded by default and the reduction
+    defaults to the mean; a bad bank is named with its type (kills losses BankLoss.__init__ 3,
+    6, 13)."""
+    bank = nnkloss.CentreBank(torch.randn(4, 2), torch.tensor([0, 0, 1, 1]),
+                              neighbours=torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]]))
+    fn = _CountEntries(bank)
+    assert fn.last_stats is None and fn.last_num_valid is None
+    loss = fn(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))
+    assert float(loss) == 1.0  # own entry dropped from both lists, mean of [1, 1]
+    assert int(fn.last_num_valid) == 2
+    keep = _CountEntries(bank, reduction="sum", exclude_self=False)
+    assert float(keep(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))) == 4.0
+    with pytest.raises(TypeError, match="bank must be a CentreBank, got Tensor"):
+        _CountEntries(torch.zeros(3))

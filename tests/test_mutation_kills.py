@@ -172,3 +172,27 @@ def test_atomic_write_stages_a_hidden_tmp_file_beside_the_target(tmp_path):
     assert seen[0].startswith(".a.pt.") and seen[0].endswith(".tmp"), seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
     assert (tmp_path / "a.pt").read_bytes() == b"new"
+
+
+def test_atomic_write_of_bytes_keeps_the_target_mode(tmp_path):
+    """bytes data, and an existing target's permissions kept (kills atomic.atomic_write 22, 24,
+    39)."""
+    import os
+    from nnkloss.atomic import atomic_write
+
+    target = tmp_path / "log.json"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o600)
+    assert atomic_write(target, b"{}\n") == os.fspath(target)
+    assert target.read_bytes() == b"{}\n"
+    assert os.stat(target).st_mode & 0o7777 == 0o600
+
+
+def test_save_bank_refuses_unloadable_values_inside_lists(tmp_path):
+    """extra is checked all the way down lists and tuples, and the error says where (kills
+    checkpoint._check_extra 5, 6, 7)."""
+    with pytest.raises(TypeError, match=r"^extra\['runs'\]\[1\]\[0\] is a function"):
+        nnkloss.save_bank(_bank(), tmp_path / "b.pt",
+                          extra={"runs": [1, (lambda: 0, 2)], "ok": (1.5, "x", None)})
+    nnkloss.save_bank(_bank(), tmp_path / "b.pt", extra={"ok": [1.5, ("x", None, True)]})
+    assert nnkloss.load_bank(tmp_path / "b.pt")[2] == {"ok": [1.5, ("x", None, True)]}

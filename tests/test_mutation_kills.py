@@ -196,3 +196,47 @@ def test_save_bank_refuses_unloadable_values_inside_lists(tmp_path):
                           extra={"runs": [1, (lambda: 0, 2)], "ok": (1.5, "x", None)})
     nnkloss.save_bank(_bank(), tmp_path / "b.pt", extra={"ok": [1.5, ("x", None, True)]})
     assert nnkloss.load_bank(tmp_path / "b.pt")[2] == {"ok": [1.5, ("x", None, True)]}
+
+
+def test_extra_errors_say_what_a_checkpoint_holds(tmp_path):
+    """kills checkpoint._check_extra 11, 12 (key error text) and 19-21 (the list of what a
+    checkpoint may hold)."""
+    with pytest.raises(TypeError, match=r"^extra\['d'\] has a key of type tuple; use str or int$"):
+        nnkloss.save_bank(_bank(), tmp_path / "b.pt", extra={"d": {(1, 2): 0}})
+    with pytest.raises(TypeError, match=r"is a set; checkpoints hold only tensors, numbers, "
+                                        r"strings, None and lists/tuples/dicts of them$"):
+        nnkloss.save_bank(_bank(), tmp_path / "b.pt", extra={"s": {1}})
+
+
+class _Evil:
+    pass
+
+
+def test_load_is_weights_only_whatever_torch_defaults_to(tmp_path, monkeypatch):
+    """weights_only=True is passed explicitly: still refused where torch's own default is
+    weights_only=False (torch < 2.6, which setup.py allows, or this variable). Kills
+    checkpoint.load_bank 9, 12."""
+    torch.save({"format": "nnkloss.CentreBank", "obj": _Evil()}, tmp_path / "evil.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
+        nnkloss.load_bank(tmp_path / "evil.pt")
+
+
+def test_load_bank_honours_map_location_and_refuses_newer_versions(tmp_path):
+    """map_location is handed to torch.load (a function is called per storage); a newer format
+    version is refused; a corrupt file's error names the underlying exception. Kills
+    checkpoint.load_bank 8, 11, 15, 24."""
+    path = tmp_path / "b.pt"
+    nnkloss.save_bank(_bank(), path)
+    seen = []
+    bank, step, _ = nnkloss.load_bank(path, map_location=lambda s, loc: seen.append(loc) or s)
+    assert seen and set(seen) == {"cpu"} and bank.num_centres == 12
+    state = torch.load(path, weights_only=True)
+    state["version"] = 2
+    torch.save(state, tmp_path / "new.pt")
+    with pytest.raises(ValueError, match="checkpoint version 2 is newer than this nnkloss reads"):
+        nnkloss.load_bank(tmp_path / "new.pt")
+    (tmp_path / "torn.pt").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"not a readable nnkloss CentreBank checkpoint "
+                                         r"\(RuntimeError: "):
+        nnkloss.load_bank(tmp_path / "torn.pt")

@@ -240,3 +240,21 @@ def test_load_bank_honours_map_location_and_refuses_newer_versions(tmp_path):
     with pytest.raises(ValueError, match=r"not a readable nnkloss CentreBank checkpoint "
                                          r"\(RuntimeError: "):
         nnkloss.load_bank(tmp_path / "torn.pt")
+
+
+def test_load_bank_reads_old_files_and_names_bad_log_weights(tmp_path):
+    """A file without a version (older writer) loads; a bad log_weights entry is named as the
+    checkpoint's. Kills checkpoint.load_bank 25, 27, 52-54, 62, 66."""
+    path = tmp_path / "b.pt"
+    nnkloss.save_bank(_bank(), path)
+    state = torch.load(path, weights_only=True)
+    old = dict(state)
+    del old["version"]
+    torch.save(old, tmp_path / "old.pt")
+    assert nnkloss.load_bank(tmp_path / "old.pt")[0].num_centres == 12
+    for value, match in (([0.0] * 12, r"^checkpoint log_weights is not a tensor$"),
+                         (torch.full((12,), float("nan")), r"^checkpoint log_weights contain NaN")):
+        bad = dict(state, log_weights=value)
+        torch.save(bad, tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match=match):
+            nnkloss.load_bank(tmp_path / "bad.pt")

@@ -258,3 +258,20 @@ def test_load_bank_reads_old_files_and_names_bad_log_weights(tmp_path):
         torch.save(bad, tmp_path / "bad.pt")
         with pytest.raises(ValueError, match=match):
             nnkloss.load_bank(tmp_path / "bad.pt")
+
+
+def test_save_bank_argument_errors_and_version_field(tmp_path):
+    """bool / float steps refused, wrong types named, the file records its format version (kills
+    checkpoint.save_bank 4, 6, 15, 20, 21)."""
+    bank, path = _bank(), tmp_path / "b.pt"
+    for step in (True, 1.5):
+        with pytest.raises(ValueError, match=rf"^step must be a non-negative int, got {step!r}$"):
+            nnkloss.save_bank(bank, path, step=step)
+    with pytest.raises(TypeError, match=r"^bank must be a CentreBank, got Tensor$"):
+        nnkloss.save_bank(torch.zeros(3), path)
+    with pytest.raises(TypeError, match=r"^extra must be a dict or None, got list$"):
+        nnkloss.save_bank(bank, path, extra=[1])
+    nnkloss.save_bank(bank, path, step=7)
+    state = torch.load(path, weights_only=True)
+    assert state["format"] == "nnkloss.CentreBank" and state["version"] == 1
+    assert nnkloss.load_bank(path)[1] == 7

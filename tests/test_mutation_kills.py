@@ -275,3 +275,21 @@ def test_save_bank_argument_errors_and_version_field(tmp_path):
     state = torch.load(path, weights_only=True)
     assert state["format"] == "nnkloss.CentreBank" and state["version"] == 1
     assert nnkloss.load_bank(path)[1] == 7
+
+
+# ----------------------------------------------------------------------- refresh
+@pytest.mark.parametrize("name", ["every_epochs", "every_steps"])
+def test_schedule_errors_name_the_interval(name):
+    """kills refresh RefreshSchedule.__init__ 1, 3."""
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got 0$"):
+        nnkloss.RefreshSchedule(**{name: 0})
+
+
+def test_schedule_state_dict_records_intervals_and_counters():
+    """The state saved in checkpoints names both intervals and both counters (kills refresh
+    RefreshSchedule.state_dict 1-4)."""
+    sched = nnkloss.RefreshSchedule(every_epochs=5, every_steps=3)
+    sched.step()
+    sched.epoch_end()
+    assert sched.state_dict() == {"every_epochs": 5, "every_steps": 3, "epoch": 1,
+                                  "global_step": 1}

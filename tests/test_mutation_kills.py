@@ -293,3 +293,25 @@ def test_schedule_state_dict_records_intervals_and_counters():
     sched.epoch_end()
     assert sched.state_dict() == {"every_epochs": 5, "every_steps": 3, "epoch": 1,
                                   "global_step": 1}
+
+
+def test_schedule_fires_at_the_first_count_and_on_either_interval():
+    """Interval 1 fires after the first epoch / step; either interval firing is enough, in
+    both orders (kills refresh RefreshSchedule.should_refresh 10, 17, 21)."""
+    every = nnkloss.RefreshSchedule(every_epochs=1, every_steps=1)
+    assert every.should_refresh(epoch=1) and every.should_refresh(step=1)
+    assert not every.should_refresh(epoch=0) and not every.should_refresh(step=0)
+    both = nnkloss.RefreshSchedule(every_epochs=5, every_steps=3)
+    assert both.should_refresh(epoch=5, step=1)
+    assert both.should_refresh(epoch=1, step=3)
+    assert not both.should_refresh(epoch=4, step=4)
+    assert nnkloss.RefreshSchedule(every_steps=1).step()
+    assert nnkloss.RefreshSchedule(every_epochs=1).epoch_end()
+
+
+def test_schedule_that_never_fires_is_refused_with_the_reason():
+    """kills refresh RefreshSchedule.__init__ 14, 16, 17 (the message)."""
+    with pytest.raises(ValueError, match=r"^give every_epochs and/or every_steps \(a schedule "
+                                         r"that never fires would leave the centres stale "
+                                         r"forever\)$"):
+        nnkloss.RefreshSchedule()

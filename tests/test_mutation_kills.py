@@ -315,3 +315,63 @@ def test_schedule_that_never_fires_is_refused_with_the_reason():
                                          r"that never fires would leave the centres stale "
                                          r"forever\)$"):
         nnkloss.RefreshSchedule()
+
+
+def _refresh_setup(n=24, d_in=5, d=3, gate=None):
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(n, d_in, generator=g), torch.arange(n) % 3
+    batches = [(x[i:i + 8], y[i:i + 8], torch.arange(i, min(n, i + 8))) for i in range(0, n, 8)]
+
+    class Loader:
+        def __iter__(self):
+            if gate is not None:
+                assert gate.wait(10)
+            return iter(batches)
+
+    torch.manual_seed(0)
+    bank = nnkloss.CentreBank(torch.zeros(n, d), torch.zeros(n, dtype=torch.long))
+    return bank, torch.nn.Linear(d_in, d), Loader()
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_request_passes_its_sigma_on(async_mode):
+    """request(sigma) is the sigma of that refresh's statistics, sync or async (kills refresh
+    Refresher.request 1, 2)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False,
+                            async_mode=async_mode)
+    stats = ref.request(sigma=2.0)
+    if async_mode:
+        assert stats is None
+        stats = ref.wait()
+    assert stats.sigma == 2.0 and stats.mean_kernel is not None and stats.asynchronous == async_mode
+
+
+def test_poll_and_wait_of_a_background_refresh():
+    """poll() is None with nothing started and swaps in a finished refresh; wait(timeout) returns
+    None while the refresh is still running; a second start is refused with the reason (kills
+    refresh Refresher.poll 2, wait 2, refresh_async 2)."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    bank, model, loader = _refresh_setup(gate=gate)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    assert ref.poll() is None and ref.wait() is None
+    ref.refresh_async()
+    with pytest.raises(RuntimeError, match=r"^a background refresh is already in flight: "
+                                           r"poll\(\)/wait\(\) first$"):
+        ref.refresh_async()
+    t0 = time.perf_counter()
+    assert ref.wait(timeout=0.05) is None and ref.in_flight
+    assert time.perf_counter() - t0 < 5
+    assert ref.poll() is None
+    gate.set()
+    stats = None
+    for _ in range(1000):
+        stats = ref.poll()
+        if stats is not None:
+            break
+        time.sleep(0.01)
+    assert stats is not None and stats.asynchronous and not ref.in_flight
+    assert bank.has_neighbours and bank.k == 4

@@ -349,8 +349,9 @@ def test_request_passes_its_sigma_on(async_mode):
 
 def test_poll_and_wait_of_a_background_refresh():
     """poll() is None with nothing started and swaps in a finished refresh; wait(timeout) returns
-    None while the refresh is still running; a second start is refused with the reason (kills
-    refresh Refresher.poll 2, wait 2, refresh_async 2)."""
+    None while the refresh is still running; a second start is refused with the reason; the
+    work runs in a daemon thread (kills refresh Refresher.poll 2, wait 2, refresh_async 2, 21,
+    22, 24, 25)."""
     import threading
     import time
 
@@ -358,7 +359,11 @@ def test_poll_and_wait_of_a_background_refresh():
     bank, model, loader = _refresh_setup(gate=gate)
     ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
     assert ref.poll() is None and ref.wait() is None
+    before = set(threading.enumerate())
     ref.refresh_async()
+    # A daemon thread: a refresh still running never keeps the interpreter from exiting.
+    started = set(threading.enumerate()) - before
+    assert started and all(t.daemon for t in started)
     with pytest.raises(RuntimeError, match=r"^a background refresh is already in flight: "
                                            r"poll\(\)/wait\(\) first$"):
         ref.refresh_async()

@@ -380,3 +380,43 @@ def test_poll_and_wait_of_a_background_refresh():
         time.sleep(0.01)
     assert stats is not None and stats.asynchronous and not ref.in_flight
     assert bank.has_neighbours and bank.k == 4
+
+
+def test_refresh_stats_with_one_neighbour():
+    """k = 1: a second refresh with the same model finds the same lists (overlap 1.0), and the
+    mean squared distance of a two-row bank is that one distance (kills refresh _list_overlap
+    30)."""
+    bank, model, loader = _refresh_setup(n=2)
+    ref = nnkloss.Refresher(bank, model, loader, k=1, backend="torch", progress=False)
+    first = ref.refresh()
+    assert first.overlap is None and first.asynchronous is False
+    again = ref.refresh()
+    assert again.overlap == 1.0
+    d = float(((bank.centres[0] - bank.centres[1]) ** 2).sum())
+    assert again.mean_sq_distance == pytest.approx(d, rel=1e-5)
+
+
+def test_refresh_errors_say_what_to_do():
+    """A sync refresh while one is in flight, and a failed background refresh (kills refresh
+    Refresher.refresh 2, _finish 6)."""
+    import threading
+
+    gate = threading.Event()
+    bank, model, loader = _refresh_setup(gate=gate)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    ref.refresh_async()
+    with pytest.raises(RuntimeError, match=r"^a background refresh is in flight: call wait\(\) "
+                                           r"\(or poll\(\)\) first$"):
+        ref.refresh()
+    gate.set()
+    ref.wait()
+
+    class Broken:
+        def __iter__(self):
+            raise OSError("disk gone")
+
+    failing = nnkloss.Refresher(bank, model, Broken(), k=4, backend="torch", progress=False)
+    failing.refresh_async()
+    with pytest.raises(RuntimeError, match=r"^background refresh failed; the bank was left "
+                                           r"unchanged$"):
+        failing.wait()

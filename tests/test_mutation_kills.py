@@ -385,13 +385,13 @@ def test_poll_and_wait_of_a_background_refresh():
 def test_refresh_stats_with_one_neighbour():
     """k = 1: a second refresh with the same model finds the same lists (overlap 1.0), and the
     mean squared distance of a two-row bank is that one distance (kills refresh _list_overlap
-    30)."""
+    30, _make_stats 44, 58)."""
     bank, model, loader = _refresh_setup(n=2)
     ref = nnkloss.Refresher(bank, model, loader, k=1, backend="torch", progress=False)
     first = ref.refresh()
     assert first.overlap is None and first.asynchronous is False
     again = ref.refresh()
-    assert again.overlap == 1.0
+    assert again.overlap == 1.0 and again.num_patched == 0
     d = float(((bank.centres[0] - bank.centres[1]) ** 2).sum())
     assert again.mean_sq_distance == pytest.approx(d, rel=1e-5)
 
@@ -420,3 +420,18 @@ def test_refresh_errors_say_what_to_do():
     with pytest.raises(RuntimeError, match=r"^background refresh failed; the bank was left "
                                            r"unchanged$"):
         failing.wait()
+
+
+def test_refresh_of_a_bank_grown_meanwhile_names_both_sizes():
+    """kills refresh Refresher._swap 5 (the message's row counts)."""
+    import threading
+
+    gate = threading.Event()
+    bank, model, loader = _refresh_setup(gate=gate)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    ref.refresh_async()
+    bank.add(torch.zeros(1, 3), torch.tensor([0]))
+    gate.set()
+    with pytest.raises(RuntimeError, match=r"^the bank changed size during the refresh \(24 -> 25 "
+                                           r"rows\); the new bank was discarded$"):
+        ref.wait()

@@ -435,3 +435,35 @@ def test_refresh_of_a_bank_grown_meanwhile_names_both_sizes():
     with pytest.raises(RuntimeError, match=r"^the bank changed size during the refresh \(24 -> 25 "
                                            r"rows\); the new bank was discarded$"):
         ref.wait()
+
+
+def test_refresher_sigma_checks():
+    """sigma: a float or a 0-dim tensor, positive and finite; bools, strings, 0 and inf refused
+    with the argument named (kills refresh _check_sigma 3, 5, 6, 8, 9, 14, 15)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False,
+                            sigma=torch.tensor(2.0))
+    assert ref.refresh().sigma == 2.0
+    assert ref.refresh(sigma=torch.tensor(0.5, requires_grad=True)).sigma == 0.5
+    for bad in (True, "1.0"):
+        with pytest.raises(TypeError, match=r"^sigma must be a float, a 0-dim tensor or None, "
+                                            rf"got {type(bad).__name__}$"):
+            ref.refresh(sigma=bad)
+    for bad in (0.0, float("inf")):
+        with pytest.raises(ValueError, match=rf"^sigma must be positive and finite, got {bad}$"):
+            ref.refresh(sigma=bad)
+
+
+def test_refresher_defaults_and_argument_errors(capsys):
+    """Synchronous by default, with a progress bar; wrong arguments named with their types
+    (kills refresh Refresher.__init__ 4, 5, 7, 8, 10, 11, 13)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch")
+    assert isinstance(ref.request(), nnkloss.RefreshStats)
+    assert "refresh: embedding" in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"^bank must be a CentreBank, got Tensor$"):
+        nnkloss.Refresher(torch.zeros(3), model, loader, k=4)
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got function$"):
+        nnkloss.Refresher(bank, lambda x: x, loader, k=4)
+    with pytest.raises(ValueError, match=r"^k must be a positive int, got 0$"):
+        nnkloss.Refresher(bank, model, loader, k=0)

@@ -467,3 +467,20 @@ def test_refresher_defaults_and_argument_errors(capsys):
         nnkloss.Refresher(bank, lambda x: x, loader, k=4)
     with pytest.raises(ValueError, match=r"^k must be a positive int, got 0$"):
         nnkloss.Refresher(bank, model, loader, k=0)
+
+
+def test_refresher_limits_and_device_argument():
+    """k = N - 1 is allowed, k = N is refused with the count of other centres; a non-iterable
+    loader is named; device= is accepted; no stats before the first refresh (kills refresh
+    Refresher.__init__ 19, 21, 23, 24, 32, 33, 45, 56)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=23, backend="torch", progress=False,
+                            device="cpu")
+    assert ref.last_stats is None
+    assert ref.refresh().k == 23 and ref.last_stats.k == 23
+    with pytest.raises(ValueError, match=r"^k=24 is larger than the number of other centres "
+                                         r"\(23\) in the bank$"):
+        nnkloss.Refresher(bank, model, loader, k=24)
+    with pytest.raises(TypeError, match=r"^loader must be an iterable of \(inputs, labels, idx\), "
+                                        r"got int$"):
+        nnkloss.Refresher(bank, model, 5, k=4)

@@ -484,3 +484,16 @@ def test_refresher_limits_and_device_argument():
     with pytest.raises(TypeError, match=r"^loader must be an iterable of \(inputs, labels, idx\), "
                                         r"got int$"):
         nnkloss.Refresher(bank, model, 5, k=4)
+
+
+def test_refresh_timings_are_durations():
+    """embed_seconds and search_seconds lie within the wall time of the call (kills refresh
+    Refresher._compute 31)."""
+    import time
+
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    t0 = time.perf_counter()
+    stats = ref.refresh()
+    wall = time.perf_counter() - t0
+    assert 0.0 <= stats.embed_seconds <= wall and 0.0 <= stats.search_seconds <= wall

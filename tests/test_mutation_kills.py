@@ -497,3 +497,19 @@ def test_refresh_timings_are_durations():
     stats = ref.refresh()
     wall = time.perf_counter() - t0
     assert 0.0 <= stats.embed_seconds <= wall and 0.0 <= stats.search_seconds <= wall
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    ("pairs", ValueError, r"^loader must yield \(inputs, labels, idx\) triples$"),
+    ("float idx", TypeError, r"^idx must have an integer dtype, got torch.float32$"),
+    ("float labels", TypeError, r"^labels must have an integer dtype, got torch.float32$"),
+])
+def test_refresh_names_what_the_loader_got_wrong(bad, exc, match):
+    """kills refresh Refresher._embed 40, 43, 49, 50, 52 (the argument named)."""
+    bank, model, _ = _refresh_setup(n=8)
+    x, y, idx = torch.randn(8, 5), torch.arange(8) % 3, torch.arange(8)
+    batch = {"pairs": (x, y), "float idx": (x, y, idx.float()),
+             "float labels": (x, y.float(), idx)}[bad]
+    ref = nnkloss.Refresher(bank, model, [batch], k=2, backend="torch", progress=False)
+    with pytest.raises(exc, match=match):
+        ref.refresh()

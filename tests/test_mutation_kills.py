@@ -513,3 +513,15 @@ def test_refresh_names_what_the_loader_got_wrong(bad, exc, match):
     ref = nnkloss.Refresher(bank, model, [batch], k=2, backend="torch", progress=False)
     with pytest.raises(exc, match=match):
         ref.refresh()
+
+
+def test_refresh_out_of_range_idx_reports_the_range_and_the_culprits():
+    """kills refresh Refresher._embed 61-63, 72, 73 (CPU idx: checked per batch, min and max
+    named)."""
+    bank, model, _ = _refresh_setup(n=8)
+    x, y = torch.randn(8, 5), torch.arange(8) % 3
+    ref = nnkloss.Refresher(bank, model, [(x, y, torch.arange(-1, 7))], k=2, backend="torch",
+                            progress=False)
+    with pytest.raises(IndexError, match=r"^loader yielded idx outside the bank's rows 0\.\.7 "
+                                         r"\(min -1, max 6\)$"):
+        ref.refresh()

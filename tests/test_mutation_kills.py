@@ -525,3 +525,17 @@ def test_refresh_out_of_range_idx_reports_the_range_and_the_culprits():
     with pytest.raises(IndexError, match=r"^loader yielded idx outside the bank's rows 0\.\.7 "
                                          r"\(min -1, max 6\)$"):
         ref.refresh()
+
+
+def test_refresh_names_a_model_output_that_is_not_a_tensor():
+    """kills refresh Refresher._embed 104, 106."""
+
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    bank, _, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, Pair(), loader, k=4, backend="torch", progress=False)
+    with pytest.raises(ValueError, match=r"^model output has shape <class 'tuple'>; expected "
+                                         r"\(8, 3\) for this batch and bank$"):
+        ref.refresh()

@@ -539,3 +539,15 @@ def test_refresh_names_a_model_output_that_is_not_a_tensor():
     with pytest.raises(ValueError, match=r"^model output has shape <class 'tuple'>; expected "
                                          r"\(8, 3\) for this batch and bank$"):
         ref.refresh()
+
+
+def test_refresh_names_the_rows_the_loader_never_yielded():
+    """kills refresh Refresher._embed 134-136 (the first five missing rows)."""
+    bank, model, _ = _refresh_setup(n=10)
+    x, y = torch.randn(3, 5), torch.arange(3)
+    ref = nnkloss.Refresher(bank, model, [(x, y, torch.tensor([0, 2, 9]))], k=2, backend="torch",
+                            progress=False)
+    with pytest.raises(ValueError, match=r"^the loader never yielded 7 of the bank's 10 rows "
+                                         r"\(first missing idx: \[1, 3, 4, 5, 6\]\); the bank was "
+                                         r"left unchanged$"):
+        ref.refresh()

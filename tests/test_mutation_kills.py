@@ -551,3 +551,17 @@ def test_refresh_names_the_rows_the_loader_never_yielded():
                                          r"\(first missing idx: \[1, 3, 4, 5, 6\]\); the bank was "
                                          r"left unchanged$"):
         ref.refresh()
+
+
+def test_refresh_progress_bar(capsys):
+    """progress=False prints nothing; the bar counts batches of a sized loader and copes with
+    an unsized one (kills refresh Refresher._progress 1-7)."""
+    bank, model, loader = _refresh_setup()
+    nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False).refresh()
+    assert capsys.readouterr().err == ""
+    batches = list(iter(loader))
+    nnkloss.Refresher(bank, model, batches, k=4, backend="torch").refresh()
+    assert "0/3" in capsys.readouterr().err
+    nnkloss.Refresher(bank, model, loader, k=4, backend="torch").refresh()  # no __len__
+    err = capsys.readouterr().err
+    assert "refresh: embedding" in err and "/3" not in err

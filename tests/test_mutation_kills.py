@@ -555,7 +555,7 @@ def test_refresh_names_the_rows_the_loader_never_yielded():
 
 def test_refresh_progress_bar(capsys):
     """progress=False prints nothing; the bar counts batches of a sized loader and copes with
-    an unsized one (kills refresh Refresher._progress 1-7)."""
+    an unsized one (kills refresh Refresher._progress 1, 2, 3, 6)."""
     bank, model, loader = _refresh_setup()
     nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False).refresh()
     assert capsys.readouterr().err == ""

@@ -565,3 +565,25 @@ def test_refresh_progress_bar(capsys):
     nnkloss.Refresher(bank, model, loader, k=4, backend="torch").refresh()  # no __len__
     err = capsys.readouterr().err
     assert "refresh: embedding" in err and "/3" not in err
+
+
+def test_refresh_passes_tuple_and_dict_inputs_to_the_model():
+    """Structured inputs reach the model intact (kills refresh _to_device 6-8, 10-12, 14)."""
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 3)
+
+        def forward(self, inputs):
+            a, b = (inputs["a"], inputs["b"]) if isinstance(inputs, dict) else inputs
+            return self.lin(a) + self.lin(b)
+
+    bank, _, _ = _refresh_setup(n=8)
+    x, y, idx = torch.randn(8, 5), torch.arange(8) % 3, torch.arange(8)
+    for inputs in ((x, 2 * x), [x, 2 * x], {"a": x, "b": 2 * x}):
+        model = Two()
+        nnkloss.Refresher(bank, model, [(inputs, y, idx)], k=2, backend="torch",
+                          progress=False).refresh()
+        with torch.no_grad():
+            torch.testing.assert_close(bank.centres, model(inputs))

@@ -5,7 +5,7 @@
 #   bash tests/mutation.sh bank            # one module
 #   WORK=/tmp/mut bash tests/mutation.sh refresh   # MAX_CHILDREN=2 for two workers
 #
-# The working tree (nnkloss/, kernels/, tests/) is copied to a scratch directory ($WORK,
+# The working tree (nnkloss/, kernels/, tests/, setup.py) is copied to a scratch directory ($WORK,
 # default a fresh mktemp -d), a setup.cfg [mutmut] section is written there naming the
 # modules to mutate and the test files that cover them, and mutmut runs there with one
 # worker under `nice -n 10` (the checkout itself gets no mutants/ folder). Results:
@@ -27,12 +27,12 @@ fi
 # covering tests among them; interpreter-heavy files are left out on purpose).
 tests_for() {
     case "$1" in
-        bank)       echo "tests/test_module.py tests/test_centroids.py tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py" ;;
-        refresh)    echo "tests/test_refresh.py tests/test_promises_refresh.py" ;;
-        checkpoint) echo "tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py" ;;
-        losses)     echo "tests/test_module.py tests/test_promises_bank.py tests/test_errors.py tests/test_ccml.py tests/test_layout.py tests/test_bad_input.py tests/test_numerics.py" ;;
-        op)         echo "tests/test_loss_op.py tests/test_errors.py tests/test_module.py tests/test_numerics.py tests/test_compile_and_cuda.py" ;;
-        reference)  echo "tests/test_loss_op.py tests/test_module.py tests/test_numerics.py" ;;
+        bank)       echo "tests/test_module.py tests/test_centroids.py tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py tests/test_mutation_kills.py" ;;
+        refresh)    echo "tests/test_refresh.py tests/test_promises_refresh.py tests/test_mutation_kills.py" ;;
+        checkpoint) echo "tests/test_checkpoint.py tests/test_promises_bank.py tests/test_bad_input.py tests/test_mutation_kills.py" ;;
+        losses)     echo "tests/test_module.py tests/test_promises_bank.py tests/test_errors.py tests/test_ccml.py tests/test_layout.py tests/test_bad_input.py tests/test_numerics.py tests/test_mutation_kills.py" ;;
+        op)         echo "tests/test_loss_op.py tests/test_errors.py tests/test_module.py tests/test_numerics.py tests/test_compile_and_cuda.py tests/test_mutation_kills.py" ;;
+        reference)  echo "tests/test_loss_op.py tests/test_module.py tests/test_numerics.py tests/test_mutation_kills.py" ;;
         *) echo "unknown module $1" >&2; exit 2 ;;
     esac
 }
@@ -40,19 +40,19 @@ tests_for() {
 # Module -> its files under nnkloss/.
 files_for() {
     case "$1" in
-        bank)       echo "bank/centre_bank.py" ;;
-        refresh)    echo "bank/refresh.py" ;;
-        checkpoint) echo "bank/checkpoint.py atomic.py" ;;
-        losses)     echo "losses/base.py losses/neighbour_kernel.py" ;;
-        op)         echo "ops/neighbour_kernel.py ops/backends.py" ;;
-        reference)  echo "ops/reference.py" ;;
+        bank)       echo "bank/centre_bank.py tests/test_mutation_kills.py" ;;
+        refresh)    echo "bank/refresh.py tests/test_mutation_kills.py" ;;
+        checkpoint) echo "bank/checkpoint.py atomic.py tests/test_mutation_kills.py" ;;
+        losses)     echo "losses/base.py losses/neighbour_kernel.py tests/test_mutation_kills.py" ;;
+        op)         echo "ops/neighbour_kernel.py ops/backends.py tests/test_mutation_kills.py" ;;
+        reference)  echo "ops/reference.py tests/test_mutation_kills.py" ;;
     esac
 }
 
 WORK="${WORK:-$(mktemp -d /tmp/nnkloss-mutation.XXXXXX)}"
 mkdir -p "$WORK"
 rm -rf "$WORK/nnkloss" "$WORK/kernels" "$WORK/tests" "$WORK/mutants"
-cp -r "$ROOT/nnkloss" "$ROOT/kernels" "$ROOT/tests" "$WORK/"
+cp -r "$ROOT/nnkloss" "$ROOT/kernels" "$ROOT/tests" "$ROOT/setup.py" "$WORK/"  # test_layout reads setup.py
 find "$WORK" -name __pycache__ -prune -exec rm -rf {} +
 
 only=""
@@ -74,6 +74,7 @@ source_paths =
 only_mutate =
 ${only}also_copy =
     kernels/
+    setup.py
 pytest_add_cli_args =
     -q
     -p

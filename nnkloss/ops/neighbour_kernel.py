@@ -130,7 +130,8 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             q = per_weight(t.all, nonpad) - per_weight(t.pos, same_np)
             q = torch.where(bad, float("nan"), torch.where(takes, q * g[:, None], 0.0))
             grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
-            grad_w.index_add_(0, safe.reshape(-1), torch.where(nonpad, q, 0.0).reshape(-1))
+            if weights.shape[0]:  # an empty bank (all lists padding): nothing to scatter into
+                grad_w.index_add_(0, safe.reshape(-1), torch.where(nonpad, q, 0.0).reshape(-1))
             grad_w = grad_w.to(weights.dtype)
     return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None
 

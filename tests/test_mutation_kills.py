@@ -587,3 +587,33 @@ def test_refresh_passes_tuple_and_dict_inputs_to_the_model():
                           progress=False).refresh()
         with torch.no_grad():
             torch.testing.assert_close(bank.centres, model(inputs))
+
+
+# --------------------------------------------------------------- bank (run of 2026-11-22)
+def test_bank_index_and_label_widths_at_the_int32_boundary():
+    """Kills centre_bank._index_dtype 2-6 and _compact_labels 4-13: int32 exactly while the
+    values fit, int64 from 2**31 (and below -2**31) on."""
+    from nnkloss.bank.centre_bank import _compact_labels, _index_dtype
+    assert _index_dtype(2 ** 31 - 1) == torch.int32 and _index_dtype(2 ** 31) == torch.int64
+    assert _compact_labels(torch.tensor([0, 2 ** 31 - 1])).dtype == torch.int32
+    assert _compact_labels(torch.tensor([0, 2 ** 31])).dtype == torch.int64
+    assert _compact_labels(torch.tensor([-2 ** 31, 5])).dtype == torch.int32
+    assert _compact_labels(torch.tensor([-2 ** 31 - 1, 5])).dtype == torch.int64
+    assert _compact_labels(torch.empty(0, dtype=torch.long)).dtype == torch.int32
+    assert torch.equal(_compact_labels(torch.tensor([3, 2 ** 40])), torch.tensor([3, 2 ** 40]))
+
+
+def test_log_weight_validation_names_what_is_wrong():
+    """Kills centre_bank._validate_log_weights 1-3, 12, 13, 20, 26, 28, 29: the default name,
+    the length message, the NaN / +inf and the learned -inf messages."""
+    from nnkloss.bank.centre_bank import _validate_log_weights
+    with pytest.raises(ValueError, match=r"^log_weights has length 2 but the bank has 3 centres$"):
+        _validate_log_weights(torch.zeros(2), 3, learned=False)
+    with pytest.raises(ValueError, match=r"^log_weights contain NaN or \+inf: weights must be "
+                                         r"finite and non-negative$"):
+        _validate_log_weights(torch.tensor([0.0, float("inf")]), 2, learned=False)
+    with pytest.raises(ValueError, match=r"^w hold zero weights \(-inf\), but learned weights "
+                                         r"must be strictly positive$"):
+        _validate_log_weights(torch.tensor([0.0, -float("inf")]), 2, learned=True, name="w")
+    ok = torch.tensor([0.0, -float("inf")])
+    assert _validate_log_weights(ok, 2, learned=False) is ok

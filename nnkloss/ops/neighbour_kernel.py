@@ -114,12 +114,8 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             # dL/dw_j = (p_j - p^R_j) / w_j. For a zero weight (a removed centre) it is the
             # one-sided derivative exp(-u_j/2 - m) / s per sum, finite; for the others p / w is
             # exact even where log w is below the logits' resolution.
-            nonpad = t.nonpad
-            safe = neighbours.clamp_min(0).long()
-            w = weights[safe].to(cdt) if weights.shape[0] else torch.ones_like(u)
+            nonpad, w = t.nonpad, t.w
             zero = nonpad & (w == 0)
-            same_np = nonpad & (centre_labels[safe] == labels[:, None]) \
-                if centre_labels.shape[0] else torch.zeros_like(nonpad)
             base = u * -0.5
 
             def per_weight(sm, mask):
@@ -127,11 +123,12 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
                 q = torch.where(zero, at_zero, sm.p / torch.where(zero, 1.0, w))
                 return torch.where(mask, q, 0.0)
 
-            q = per_weight(t.all, nonpad) - per_weight(t.pos, same_np)
+            q = per_weight(t.all, nonpad) - per_weight(t.pos, t.same_class)
             q = torch.where(bad, float("nan"), torch.where(takes, q * g[:, None], 0.0))
             grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
             if weights.shape[0]:  # an empty bank (all lists padding): nothing to scatter into
-                grad_w.index_add_(0, safe.reshape(-1), torch.where(nonpad, q, 0.0).reshape(-1))
+                grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1),
+                                  torch.where(nonpad, q, 0.0).reshape(-1))
             grad_w = grad_w.to(weights.dtype)
     return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None
 

@@ -69,6 +69,8 @@ class RowTerms(NamedTuple):
     nonpad: Tensor   # (B, K) entry is not padding
     valid: Tensor    # (B, K) non-padding with non-zero weight
     same: Tensor     # (B, K) valid and of the row's class
+    same_class: Tensor  # (B, K) non-padding and of the row's class (zero weights included)
+    w: Optional[Tensor]  # (B, K) gathered weights (None without weights)
     logits: Tensor   # (B, K) log w - u / 2 (meaningful where valid)
     bad: Tensor      # (B,) row touched by a non-finite value
     all: RowSoftmax
@@ -94,15 +96,17 @@ def row_terms(nbr: Tensor, u: Tensor, labels: Tensor, centre_labels: Tensor,
     logits = u * -0.5
     bad = (nonpad & ~torch.isfinite(u)).any(dim=1)
     valid = nonpad
+    w = None
     if weights is not None:
         w = _gather_source(weights, 1.0)[safe].to(u.dtype)
         valid = nonpad & (w != 0)
         logw = torch.log(torch.where(valid, w, torch.ones_like(w)))
         bad = bad | (valid & ~torch.isfinite(logw)).any(dim=1)
         logits = logits + logw
-    same = valid & (_gather_source(centre_labels, 0)[safe] == labels[:, None])
-    return RowTerms(nonpad, valid, same, logits, bad, row_softmax(logits, valid),
-                    row_softmax(logits, same))
+    same_class = nonpad & (_gather_source(centre_labels, 0)[safe] == labels[:, None])
+    same = valid & same_class
+    return RowTerms(nonpad, valid, same, same_class, w, logits, bad,
+                    row_softmax(logits, valid), row_softmax(logits, same))
 
 
 def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True):

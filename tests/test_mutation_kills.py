@@ -666,3 +666,60 @@ def test_load_state_dict_reports_a_bad_entry_as_a_load_error():
     with pytest.raises(RuntimeError, match=r'(?s)Error\(s\) in loading state_dict for CentreBank.*'
                                            r'"centres"'):
         bank.load_state_dict(sd)
+
+
+def test_functional_sigma_defaults_to_one():
+    """Kills ops.neighbour_kernel neighbour_kernel_loss 1 (default ``sigma=2.0``)."""
+    g = torch.Generator().manual_seed(5)
+    emb, centres = torch.randn(4, 3, generator=g), torch.randn(6, 3, generator=g)
+    args = (emb, torch.tensor([0, 1, 0, 1]), centres, torch.tensor([0, 1, 0, 1, 0, 1]),
+            torch.tensor([[0, 1, 2], [1, 2, 3], [3, 4, 5], [5, 0, 1]]))
+    torch.testing.assert_close(nnkloss.neighbour_kernel_loss(*args),
+                               nnkloss.neighbour_kernel_loss(*args, sigma=1.0), rtol=0, atol=0)
+    assert not torch.allclose(nnkloss.neighbour_kernel_loss(*args),
+                              nnkloss.neighbour_kernel_loss(*args, sigma=2.0))
+
+
+@pytest.mark.parametrize("value, ok", [("1", True), ("0", False), (None, False), ("", False)])
+def test_triton_on_cpu_follows_triton_interpret(monkeypatch, value, ok):
+    """Kills ops.backends _interpreting 3, 5, 6, 9 (variable name or value changed: the
+    interpreter's CPU runs were refused, or allowed without it). 2, 4, 7 (default value of the
+    lookup) are equivalent: an unset variable is "not 1" either way."""
+    from nnkloss.ops import backends
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    if ok:
+        assert backends.resolve_backend("triton", torch.device("cpu")) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            backends.resolve_backend("triton", torch.device("cpu"))
+
+
+def test_source_checkout_maps_kernels_dir_in_process(monkeypatch, tmp_path):
+    """In-process twin of test_errors.py::test_source_checkout_without_install_finds_the_kernels
+    (which starts a subprocess, so it cannot run under mutmut). Kills ops.backends
+    _source_tree_kernels 7 (``kernels`` looked up relative to the working directory), 38 (no
+    submodule search path: ``kernels/__init__`` cannot import its own modules), 47
+    (``nnkloss.kernels`` left unset) and 22-31 (the error for a checkout without kernels/)."""
+    import os
+    import sys
+    from nnkloss.ops import backends
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)  # kernels/ must be found beside nnkloss/, not in the cwd
+    for name in [m for m in sys.modules if m == "nnkloss.kernels" or m.startswith("nnkloss.kernels.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(nnkloss, "kernels", None, raising=False)
+    module = backends._source_tree_kernels()
+    assert os.path.samefile(module.__file__, os.path.join(root, "kernels", "__init__.py"))
+    assert sys.modules["nnkloss.kernels"] is module and nnkloss.kernels is module
+    assert callable(module.neighbour_kernel_fwd) and callable(module.centre_grad)
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if str(p).endswith(
+        os.path.join("kernels", "__init__.py")) else real_exists(p))
+    with pytest.raises(ModuleNotFoundError, match=r"^nnkloss\.kernels is missing: reinstall "
+                                                  r"nnkloss \(pip install -e \.\)$") as info:
+        backends._source_tree_kernels()
+    assert info.value.name == "nnkloss.kernels"

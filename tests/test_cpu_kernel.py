@@ -386,3 +386,121 @@ def test_kernel_can_be_switched_off(monkeypatch, fresh_state):
     monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
     with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
         assert not cpu.available()
+
+
+class _Recorder:
+    """Stands in for the loaded library and records which of its entry points ran (and with
+    what), so a test can tell the compiled path from the plain fallback that gives the same
+    numbers."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            self.calls.append((name, args))
+            return fn(*args)
+        return call
+
+    def names(self):
+        return [name for name, _ in self.calls]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    rec = _Recorder(cpu._lib())
+    monkeypatch.setattr(cpu, "_lib", lambda: rec)
+    return rec
+
+
+@kernel
+@pytest.mark.parametrize("emb_dtype,bank_dtype,idx_dtype", [
+    (torch.float32, torch.float32, torch.int64), (torch.float64, torch.bfloat16, torch.int32),
+    (torch.bfloat16, torch.float16, torch.int32)])
+def test_supported_inputs_run_the_compiled_kernel(recorded, emb_dtype, bank_dtype, idx_dtype):
+    """The fast path is what runs (its fallback gives the same numbers, so only this tells a
+    lost fast path from a working one): forward, centre_grad and scale_rows each call their
+    entry point once, with the documented thread count."""
+    emb, labels, centres, cl, nb, w, s = make(emb_dtype=emb_dtype, bank_dtype=bank_dtype,
+                                              idx_dtype=idx_dtype, cl_dtype=idx_dtype, seed=21)
+    B, K = nb.shape
+    D = emb.shape[1]
+    cpu.forward(emb, labels, centres, cl, nb, w, s)
+    cpu.centre_grad(emb, centres, nb, torch.ones(B, K))
+    cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
+    cpu.scale_rows(torch.randn(B, D, dtype=cdt), torch.randn(B, dtype=cdt))
+    assert recorded.names() == ["nnk_forward", "nnk_centre_grad", "nnk_scale_rows"]
+    for _, args in recorded.calls:
+        assert args[0] == int(cdt == torch.float64)          # compute-dtype flag
+    assert recorded.calls[0][1][-1] == cpu._threads(B * K * D)
+    assert recorded.calls[1][1][-1] == cpu._threads(B * K * D)
+    assert recorded.calls[2][1][-1] == cpu._threads(B * D)
+
+
+@kernel
+@pytest.mark.parametrize("case", ["centre_labels int16", "neighbours int16", "integer weights",
+                                  "strided centres", "strided centre_labels", "emb 1-D rows",
+                                  "dim mismatch", "emb int"])
+def test_unsupported_inputs_take_the_plain_path(recorded, case):
+    """Each condition of ``_supported`` on its own sends the call to the plain path (the
+    kernel would read such tensors wrongly), with the plain path's results."""
+    from nnkloss.ops import reference as torch_path
+    emb, labels, centres, cl, nb, w, s = make(seed=22)
+    if case == "centre_labels int16":
+        cl = cl.to(torch.int16)
+    elif case == "neighbours int16":
+        nb = nb.to(torch.int16)
+    elif case == "integer weights":
+        w = torch.ones(centres.shape[0], dtype=torch.int64)
+    elif case == "strided centres":
+        centres = torch.cat([centres, centres], 1)[:, ::2]
+    elif case == "strided centre_labels":
+        cl = torch.stack([cl, cl], 1)[:, 0]
+    elif case == "emb 1-D rows":
+        emb = emb[:, :1]
+        centres = centres[:, :1].contiguous()
+    elif case == "dim mismatch":
+        centres = torch.cat([centres, centres], 1)
+    elif case == "emb int":
+        emb = emb.round().to(torch.int32)
+    supported = cpu._supported(emb, centres, cl, nb, w)
+    assert supported == (case == "emb 1-D rows")   # D = 1 is fine; the rest is not
+    if case in ("dim mismatch", "emb int"):
+        return                                     # the plain path refuses those too
+    out = cpu.forward(emb, labels, centres, cl, nb, w, s)
+    ref = torch_path.forward(emb, labels, centres, cl, nb, w, s)
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    grad = cpu.centre_grad(emb, centres, nb, torch.ones(nb.shape))
+    torch.testing.assert_close(grad, torch_path.centre_grad(emb, centres, nb, torch.ones(nb.shape)))
+    # centre_grad reads no centre_labels and no weights: only the other cases stop it
+    grad_supported = case not in ("neighbours int16", "strided centres")
+    assert recorded.names() == (["nnk_forward"] if supported else []) + \
+        (["nnk_centre_grad"] if grad_supported else [])
+
+
+@kernel
+def test_scale_rows_falls_back_for_what_the_kernel_does_not_take(recorded):
+    grad_x, g = torch.randn(5, 4), torch.randn(5)
+    g[1] = 0
+    grad_x[1, 2] = float("nan")
+    for gx in (grad_x.bfloat16(), grad_x.t().contiguous().t(), grad_x.half()):
+        want = torch.where((g.to(gx.dtype) != 0)[:, None], g.to(gx.dtype)[:, None] * gx, 0.0)
+        assert torch.equal(cpu.scale_rows(gx, g), want)
+    assert recorded.names() == []
+    assert torch.equal(cpu.scale_rows(grad_x, g.double()),        # g cast to grad_x's dtype
+                       torch.where((g != 0)[:, None], g[:, None] * grad_x, 0.0))
+    assert recorded.names() == ["nnk_scale_rows"]
+
+
+def test_thread_count_rule(monkeypatch):
+    """One thread per PARALLEL_MIN_ELEMS gathered elements, at least one, at most torch's."""
+    m = cpu.PARALLEL_MIN_ELEMS
+    assert m == 1 << 16
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert [cpu._threads(w) for w in (0, 1, m - 1, m, 2 * m - 1, 3 * m, 8 * m, 100 * m)] == \
+        [1, 1, 1, 1, 1, 3, 8, 8]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu._threads(100 * m) == 1

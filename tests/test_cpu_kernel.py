@@ -504,3 +504,16 @@ def test_thread_count_rule(monkeypatch):
         [1, 1, 1, 1, 1, 3, 8, 8]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu._threads(100 * m) == 1
+
+
+def test_cache_dir_follows_the_documented_variables(monkeypatch, tmp_path):
+    """``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else ``~/.cache/nnkloss``."""
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cpu.cache_dir() == str(tmp_path / "mine")
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", "")            # empty = unset
+    assert cpu.cache_dir() == str(tmp_path / "xdg" / "nnkloss")
+    monkeypatch.delenv("NNKLOSS_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cpu.cache_dir() == str(tmp_path / "home" / ".cache" / "nnkloss")

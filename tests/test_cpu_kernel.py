@@ -378,13 +378,14 @@ def test_missing_compiler_binary_is_reported(monkeypatch, fresh_state, tmp_path)
     monkeypatch.setenv("NNKLOSS_CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
-    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(no C\+\+ compiler found \(set CXX\)\); "
+                                            r"using the plain PyTorch path"):
         assert not cpu.available()
 
 
 def test_kernel_can_be_switched_off(monkeypatch, fresh_state):
     monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
-    with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(disabled by NNKLOSS_CPU_KERNEL=0\)"):
         assert not cpu.available()
 
 
@@ -517,3 +518,82 @@ def test_cache_dir_follows_the_documented_variables(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cpu.cache_dir() == str(tmp_path / "home" / ".cache" / "nnkloss")
+
+
+def _check_library_works(tol=1e-5):
+    from nnkloss.ops import reference as torch_path
+    inputs = make(seed=23)
+    for a, b in zip(cpu.forward(*inputs), torch_path.forward(*inputs), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    emb, _, centres, _, nb, _, _ = inputs
+    coef = torch.rand(nb.shape)
+    torch.testing.assert_close(cpu.centre_grad(emb, centres, nb, coef),
+                               torch_path.centre_grad(emb, centres, nb, coef), rtol=tol, atol=tol)
+    gx, g = torch.randn(4, 3), torch.tensor([1.0, 0.0, -2.0, 0.5])
+    assert torch.equal(cpu.scale_rows(gx, g), g[:, None] * gx)
+
+
+@kernel
+def test_fresh_build_into_an_empty_cache(monkeypatch, fresh_state, tmp_path):
+    """The whole first-use path, not the library this process loaded long ago: the cache
+    directory is created, one keyed library lands in it, it is declared and loaded, and
+    build_info reports it (each of forward, centre_grad and scale_rows then runs on it)."""
+    import time
+    cache = tmp_path / "a" / "cache"                     # missing parents are created
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(cache))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # no fallback notice
+        assert cpu.available()
+    wall = time.perf_counter() - t0
+    info = cpu.build_info()
+    assert info["error"] is None
+    assert os.listdir(cache) == [os.path.basename(info["path"])]
+    assert os.path.dirname(info["path"]) == str(cache) and cpu.library_path() == info["path"]
+    assert os.path.basename(info["path"]).startswith("nnk_cpu_")
+    assert 0 < info["compile_s"] <= wall
+    _check_library_works()
+    assert cpu.available()                              # a second call reuses the library
+
+
+@kernel
+def test_build_falls_back_to_plain_flags_then_to_a_temp_dir(monkeypatch, fresh_state, tmp_path):
+    """A compiler that refuses -fopenmp-simd gets the plain flags; an unusable cache directory
+    gives way to <tmp>/nnkloss-<uid>. (``_compile`` is replaced by a stand-in that hands back
+    the library already built, so no second compile is needed.)"""
+    built = cpu.library_path()
+    cpu._reset_for_tests()                              # forget it: the next call builds
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(blocker / "cache"))   # cannot be created
+    monkeypatch.setattr(cpu.tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.makedirs(tmp_path / "tmp")
+    calls = []
+
+    def fake_compile(cxx, flags, out_dir):
+        calls.append((cxx, flags, out_dir))
+        if "-fopenmp-simd" in flags:
+            raise RuntimeError("c++ failed: unknown flag -fopenmp-simd")
+        return built
+    monkeypatch.setattr(cpu, "_compile", fake_compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu.available()
+    out_dir = str(tmp_path / "tmp" / f"nnkloss-{os.getuid()}")
+    assert calls == [(cpu._compiler(), cpu.FLAGS + cpu.THREAD_FLAGS, out_dir),
+                     (cpu._compiler(), cpu.FLAGS + cpu.PLAIN_FLAGS, out_dir)]
+    assert os.path.isdir(out_dir) and cpu.build_info()["path"] == built
+    _check_library_works()
+
+
+def test_build_failure_reports_every_attempt(monkeypatch, fresh_state, tmp_path):
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(tmp_path))
+
+    def failing(cxx, flags, out_dir):
+        raise RuntimeError(f"refused {flags[-1]}")
+    monkeypatch.setattr(cpu, "_compile", failing)
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(refused -fopenmp-simd; refused "
+                                            r"-pthread\); using the plain PyTorch path"):
+        assert not cpu.available()
+    assert cpu.build_info() == {"path": None, "compile_s": None,
+                                "error": "refused -fopenmp-simd; refused -pthread"}

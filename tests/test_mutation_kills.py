@@ -604,8 +604,9 @@ def test_bank_index_and_label_widths_at_the_int32_boundary():
 
 
 def test_log_weight_validation_names_what_is_wrong():
-    """Kills centre_bank._validate_log_weights 1-3, 12, 13, 20, 26, 28, 29: the default name,
-    the length message, the NaN / +inf and the learned -inf messages."""
+    """Kills centre_bank._validate_log_weights 1-3, 12, 13, 28, 29: the default name, the
+    length message, the NaN / +inf and the learned -inf messages. (20 and 26, ``float("INF")``
+    for ``float("inf")``, are equivalent: Python parses both.)"""
     from nnkloss.bank.centre_bank import _validate_log_weights
     with pytest.raises(ValueError, match=r"^log_weights has length 2 but the bank has 3 centres$"):
         _validate_log_weights(torch.zeros(2), 3, learned=False)
@@ -617,6 +618,11 @@ def test_log_weight_validation_names_what_is_wrong():
         _validate_log_weights(torch.tensor([0.0, -float("inf")]), 2, learned=True, name="w")
     ok = torch.tensor([0.0, -float("inf")])
     assert _validate_log_weights(ok, 2, learned=False) is ok
+    # 3 (found by the re-run): the shape / dtype checks name the argument too
+    with pytest.raises(ValueError, match=r"^log_weights must be 1-D, got shape \(3, 1\)$"):
+        _validate_log_weights(torch.zeros(3, 1), 3, learned=False)
+    with pytest.raises(TypeError, match=r"^log_weights must have dtype in .*got torch.int64$"):
+        _validate_log_weights(torch.zeros(3, dtype=torch.int64), 3, learned=False)
 
 
 def test_bank_log_weights_are_fp32_whatever_the_default_dtype():

@@ -729,3 +729,41 @@ def test_source_checkout_maps_kernels_dir_in_process(monkeypatch, tmp_path):
                                                   r"nnkloss \(pip install -e \.\)$") as info:
         backends._source_tree_kernels()
     assert info.value.name == "nnkloss.kernels"
+
+
+def test_reference_forward_stores_distances_by_default():
+    """Kills ops.reference forward 1 (``store_dist=False`` as the default: the contract's
+    default is to return the (B, K) scaled distances)."""
+    from nnkloss.ops import reference
+    g = torch.Generator().manual_seed(8)
+    emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    args = (emb, torch.tensor([0, 1, 0]), centres, torch.tensor([0, 1, 0, 1, 1]),
+            torch.tensor([[0, 1], [2, 3], [4, -1]]), None, torch.tensor(1.5))
+    dist = reference.forward(*args)[4]
+    assert dist.shape == (3, 2)
+    torch.testing.assert_close(dist, reference.forward(*args, store_dist=True)[4])
+    torch.testing.assert_close(dist[0, 0], ((centres[0] - emb[0]) / 1.5).pow(2).sum())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fp64_embeddings_take_an_fp32_sigma_exactly(backend):
+    """Kills ops.reference forward 10 (``1 / sigma`` taken in sigma's fp32 instead of the fp64
+    compute dtype): fp64 results must carry no fp32 rounding. A float sigma becomes an fp32
+    tensor (validation.check_sigma), so this is the everyday fp64 case."""
+    g = torch.Generator().manual_seed(9)
+    emb = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    centres = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    # bank dtype must be one the op accepts with fp64 embeddings: fp32 centres, exact in fp64
+    centres = centres.float()
+    labels, cl = torch.tensor([0, 1, 0, 1, 2]), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    nb = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 3, 5], [2, 4, 6]])
+    sigma32 = torch.tensor(0.3)                          # 0.30000001192092896
+    out = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, sigma=sigma32,
+                                        reduction="none", backend=backend)
+    s = float(sigma32)
+    rows = []
+    for b in range(5):
+        u = ((centres[nb[b]].double() - emb[b]) / s).pow(2).sum(-1)
+        pos = cl[nb[b]] == labels[b]
+        rows.append(torch.logsumexp(-u / 2, 0) - torch.logsumexp((-u / 2)[pos], 0))
+    torch.testing.assert_close(out, torch.stack(rows), rtol=1e-13, atol=1e-13)

@@ -587,6 +587,7 @@ def test_build_falls_back_to_plain_flags_then_to_a_temp_dir(monkeypatch, fresh_s
 
 
 def test_build_failure_reports_every_attempt(monkeypatch, fresh_state, tmp_path):
+    real_compile = cpu._compile
     monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(tmp_path))
 
     def failing(cxx, flags, out_dir):
@@ -597,3 +598,105 @@ def test_build_failure_reports_every_attempt(monkeypatch, fresh_state, tmp_path)
         assert not cpu.available()
     assert cpu.build_info() == {"path": None, "compile_s": None,
                                 "error": "refused -fopenmp-simd; refused -pthread"}
+    if cpu._compiler() is not None:
+        # a reset forgets the failure: the next call builds (from the cache) and says so
+        monkeypatch.setattr(cpu, "_compile", real_compile)
+        monkeypatch.delenv("NNKLOSS_CACHE_DIR")
+        cpu._reset_for_tests()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu.available()
+        info = cpu.build_info()
+        assert info["error"] is None and os.path.exists(info["path"]) and info["compile_s"] > 0
+
+
+def _fake_compiler(path, log=None, version="fakecxx 1.0", stderr=(), write=None):
+    """An executable standing in for c++: answers --version, logs its arguments one per line,
+    prints ``stderr`` lines and fails, or writes ``write`` to its -o file and succeeds."""
+    lines = ["#!/bin/sh",
+             f'if [ "$1" = "--version" ]; then echo "{version}"; exit 0; fi']
+    if log:
+        lines.append(f'for a in "$@"; do echo "$a"; done > "{log}"')
+    if write is not None:
+        lines += ['out=""; prev=""',
+                  'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done',
+                  f'printf "{write}" > "$out"', "exit 0"]
+    else:
+        lines += [f'echo "{s}" >&2' for s in stderr] + ["exit 1"]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_compiler_lookup_order(monkeypatch, tmp_path):
+    """``$NNKLOSS_CXX``, then ``$CXX``, then c++, g++, clang++ on the PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("mine", "theirs", "c++", "g++", "clang++"):
+        _fake_compiler(bin_dir / name)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("NNKLOSS_CXX", "mine")
+    monkeypatch.setenv("CXX", "theirs")
+    assert cpu._compiler() == str(bin_dir / "mine")
+    monkeypatch.delenv("NNKLOSS_CXX")
+    assert cpu._compiler() == str(bin_dir / "theirs")
+    monkeypatch.delenv("CXX")
+    for name in ("c++", "g++", "clang++"):
+        assert cpu._compiler() == str(bin_dir / name)
+        (bin_dir / name).unlink()
+    assert cpu._compiler() is None
+
+
+def test_cpu_flags_are_the_feature_list():
+    """The CPU's feature list keys the cache (-march=native code must not be loaded on another
+    CPU): the flags of /proc/cpuinfo on Linux, without the field name."""
+    flags = cpu._cpu_flags()
+    assert ":" not in flags and flags == flags.strip()
+    if os.path.exists("/proc/cpuinfo") and cpu.platform.machine() == "x86_64":
+        assert "sse2" in flags.split()             # every x86-64 CPU has it
+
+
+def test_cache_key_follows_compiler_version_and_flags(tmp_path):
+    a = _fake_compiler(tmp_path / "a", version="fakecxx 1.0")
+    key = cpu._cache_key(a, cpu.FLAGS)
+    assert len(key) == 20 and int(key, 16) >= 0
+    assert cpu._cache_key(a, cpu.FLAGS) == key                     # deterministic
+    assert cpu._cache_key(a, cpu.FLAGS + ["-g"]) != key            # flags
+    _fake_compiler(tmp_path / "a", version="fakecxx 2.0")
+    assert cpu._cache_key(a, cpu.FLAGS) != key                     # compiler version
+    missing = cpu._cache_key(str(tmp_path / "none"), cpu.FLAGS)    # no --version: still a key
+    assert len(missing) == 20
+
+
+def test_compile_stages_a_hidden_file_and_reports_the_last_error_line(tmp_path):
+    """The compiler writes to a hidden ``.nnk_cpu_*.so`` beside the target, renamed into place
+    on success and removed on failure; a failure names the compiler and its last stderr line."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    log = tmp_path / "args"
+    bad = _fake_compiler(tmp_path / "fakecxx", log=log,
+                         stderr=["note: a", "note: b", "error: boom"])
+    with pytest.raises(RuntimeError, match=r"^fakecxx failed: error: boom$"):
+        cpu._compile(bad, cpu.FLAGS, str(out_dir))
+    args = log.read_text().splitlines()
+    assert args[:len(cpu.FLAGS)] == cpu.FLAGS and args[-3:-1] == [cpu.SOURCE, "-o"]
+    staged = args[-1]
+    assert os.path.dirname(staged) == str(out_dir)
+    assert os.path.basename(staged).startswith(".nnk_cpu_") and staged.endswith(".so")
+    assert os.listdir(out_dir) == []                               # staging file removed
+
+    silent = _fake_compiler(tmp_path / "quiet", stderr=[])
+    with pytest.raises(RuntimeError, match=r"^quiet failed: \?$"):
+        cpu._compile(silent, cpu.FLAGS, str(out_dir))
+
+    good = _fake_compiler(tmp_path / "good", write="ELF")
+    path = cpu._compile(good, cpu.FLAGS, str(out_dir))
+    assert path == str(out_dir / f"nnk_cpu_{cpu._cache_key(good, cpu.FLAGS)}.so")
+    assert os.listdir(out_dir) == [os.path.basename(path)]
+    with open(path) as f:
+        assert f.read() == "ELF"
+    with open(path, "w") as f:
+        f.write("OLD")
+    assert cpu._compile(good, cpu.FLAGS, str(out_dir)) == path     # cached: not rebuilt
+    with open(path) as f:
+        assert f.read() == "OLD"

@@ -767,3 +767,46 @@ def test_fp64_embeddings_take_an_fp32_sigma_exactly(backend):
         pos = cl[nb[b]] == labels[b]
         rows.append(torch.logsumexp(-u / 2, 0) - torch.logsumexp((-u / 2)[pos], 0))
     torch.testing.assert_close(out, torch.stack(rows), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_contract_no_positive_row_and_padding_distances(backend):
+    """CONTRACT.md 5 and 7, read directly from the forward (the op's backward masks rows whose
+    upstream gradient is 0, so a NaN there never reached a test through the op). Kills
+    ops.reference row_softmax 37 (an empty softmax's 0/0 made grad_x NaN for a row without a
+    positive) and forward 62 (padding distances stored as 1)."""
+    from nnkloss.ops import backends
+    impl = backends.implementation(backend)
+    g = torch.Generator().manual_seed(10)
+    emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    loss, lse_all, lse_pos, grad_x, dist = impl.forward(
+        emb, torch.tensor([0, 1, 7]), centres, torch.tensor([0, 1, 0, 1, 1]),
+        torch.tensor([[0, 1], [2, 3], [4, -1]]), None, torch.tensor(1.3))
+    assert loss[2] == 0 and lse_pos[2] == -float("inf") and torch.isfinite(lse_all[2])
+    assert torch.equal(grad_x[2], torch.zeros(4))
+    assert dist[2, 1] == 0 and dist[2, 0] > 0
+
+
+def test_reference_path_gathers_in_bounded_chunks(monkeypatch):
+    """The plain path never builds the whole (B, K, D) gather: rows go through in chunks of
+    rows_per_chunk(K, D). Kills ops.reference forward 34 (step dropped: overlapping one-row
+    steps) and 36 (each chunk running to the end of the batch)."""
+    from nnkloss.ops import reference
+    monkeypatch.setattr(reference, "CHUNK_ELEMS", 2 * 3 * 4)     # two rows of K=3, D=4
+    sizes = []
+    real = reference.row_terms
+
+    def spy(nbr, *args):
+        sizes.append(nbr.shape[0])
+        return real(nbr, *args)
+    monkeypatch.setattr(reference, "row_terms", spy)
+    g = torch.Generator().manual_seed(11)
+    emb, centres = torch.randn(5, 4, generator=g), torch.randn(6, 4, generator=g)
+    nb = torch.randint(0, 6, (5, 3), generator=g)
+    labels, cl = torch.tensor([0, 1, 0, 1, 0]), torch.tensor([0, 1, 0, 1, 0, 1])
+    out = reference.forward(emb, labels, centres, cl, nb, None, torch.tensor(1.0))
+    assert sizes == [2, 2, 1]
+    monkeypatch.setattr(reference, "CHUNK_ELEMS", 1 << 22)
+    for a, b in zip(out, reference.forward(emb, labels, centres, cl, nb, None,
+                                           torch.tensor(1.0)), strict=True):
+        torch.testing.assert_close(a, b)

@@ -7,6 +7,7 @@ and shifts the sigma-gradient distances by the row minimum, so it stays exact wh
 ``exp(l - lse)`` would not, even in fp64 (at scale 1e8 and sigma 1e-3 logits reach 1e22).
 Then: non-finite inputs, overflow, the empty bank, and property-based agreement.
 """
+import decimal
 import math
 
 import pytest
@@ -59,8 +60,15 @@ def reference(emb, labels, centres, cl, nb, w, sigma):
             zi = torch.tensor(zs)
             uz = ((x[b] - c[zi]) ** 2).sum(1) / (s * s)
             zpos = torch.tensor([int(cl[j]) == int(labels[b]) for j in zs], dtype=torch.float64)
-            gw.index_add_(0, zi, torch.exp(-uz / 2 - torch.logsumexp(logit, 0))
-                          - zpos * torch.exp(-uz / 2 - torch.logsumexp(logit[same], 0)))
+            # in decimal arithmetic: each term may exceed fp64's range while their difference
+            # does not (a far same-class centre: both sums hold the same entries, difference 0)
+            la, lp = float(torch.logsumexp(logit, 0)), float(torch.logsumexp(logit[same], 0))
+            with decimal.localcontext(decimal.Context(prec=60)):
+                gw.index_add_(0, zi, torch.tensor([
+                    float(decimal.Decimal(-v / 2 - la).exp()
+                          - int(zp) * decimal.Decimal(-v / 2 - lp).exp())
+                    for v, zp in zip(uz.tolist(), zpos.tolist(), strict=True)],
+                    dtype=torch.float64))
         am = p + pr
         mx[b] = (am[:, None] * (c[idx] - x[b]).abs()).sum(0) / (s * s)
         mc.index_add_(0, idx, am[:, None] * (x[b] - c[idx]).abs() / (s * s))
@@ -329,3 +337,23 @@ def test_empty_bank(backend):
     assert float(out.loss) == 0.0
     out.loss.backward()
     assert torch.equal(emb.grad, torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_far_zero_weight_same_class_centre_has_a_finite_weight_gradient(backend):
+    """Found by the property test above: a zero-weight centre of the row's class, far closer
+    than the row's only valid entry (u 104 against 1579), has one-sided derivative terms
+    exp(-u_j/2 - lse) of ~e^738 in both sums: each overflows fp64, their difference is exactly 0
+    (both sums hold the same entries). It came out NaN; it must be the finite true value."""
+    emb = torch.tensor([[4.2558], [-1.7509], [8.4405], [-10.7873]], dtype=torch.float64)
+    labels = torch.tensor([1, 1, 0, 1])
+    centres = torch.tensor([[9.3698], [-6.9181], [-2.6526], [-2.1565], [-11.4288], [0.3498],
+                            [3.3368]], dtype=torch.float64)
+    cl = torch.tensor([0, 0, 1, 1, 0, 1, 0])
+    nb = torch.tensor([[4, 3, 0], [2, 1, 2], [6, 3, 4], [5, 2, 0]])
+    w = torch.tensor([0.4553, 0.7219, 0.5818, 0.0, 0.5073, 0.0, 0.0], dtype=torch.float64)
+    rows, ref = reference(emb, labels, centres, cl, nb, w, 0.5)
+    out, got = run(backend, emb, labels, centres, cl, nb, w, 0.5, torch.float64)
+    assert ref["weights"][6] == 0 and got["weights"][6] == 0
+    assert torch.isfinite(got["weights"]).all()
+    torch.testing.assert_close(got["weights"], ref["weights"], rtol=1e-9, atol=0)

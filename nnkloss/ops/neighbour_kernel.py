@@ -111,19 +111,21 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef, ctx.backend)
             grad_c = grad_c.to(centres.dtype)
         if need_w:
-            # dL/dw_j = (p_j - p^R_j) / w_j. For a zero weight (a removed centre) it is the
-            # one-sided derivative exp(-u_j/2 - m) / s per sum, finite; for the others p / w is
-            # exact even where log w is below the logits' resolution.
+            # dL/dw_j = (p_j - p^R_j) / w_j: exact even where log w is below the logits'
+            # resolution. For a zero weight (a removed centre) it is the one-sided derivative
+            # exp(-u_j/2 - lse_all) - [same class] exp(-u_j/2 - lse_pos). For a far same-class
+            # centre both terms can overflow where their difference does not (it is 0 when the
+            # two sums hold the same entries), so that difference is taken in one piece:
+            # -exp(-u_j/2 - lse_pos + log(1 - exp(lse_pos - lse_all))), lse_pos <= lse_all.
             nonpad, w = t.nonpad, t.w
             zero = nonpad & (w == 0)
             base = u * -0.5
-
-            def per_weight(sm, mask):
-                at_zero = torch.exp(base - sm.m) / torch.where(sm.s > 0, sm.s, 1.0)
-                q = torch.where(zero, at_zero, sm.p / torch.where(zero, 1.0, w))
-                return torch.where(mask, q, 0.0)
-
-            q = per_weight(t.all, nonpad) - per_weight(t.pos, t.same_class)
+            la, lp = t.all.lse[:, None], t.pos.lse[:, None]
+            at_zero = torch.where(t.same_class,
+                                  -torch.exp(base - lp + torch.log(-torch.expm1(lp - la))),
+                                  torch.exp(base - la))
+            q = torch.where(zero, at_zero, (t.all.p - t.pos.p) / torch.where(zero, 1.0, w))
+            q = torch.where(nonpad, q, 0.0)
             q = torch.where(bad, float("nan"), torch.where(takes, q * g[:, None], 0.0))
             grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
             if weights.shape[0]:  # an empty bank (all lists padding): nothing to scatter into

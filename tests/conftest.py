@@ -42,3 +42,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if _uses_cpu_triton(item):
                 item.add_marker(skip)
+
+
+# tests/mutation.sh runs with --hypothesis-profile=mutation: the same generated examples for
+# every mutant and no example database. With the database, an example that fails the
+# unmutated code too (a latent bug found by chance mid-run) is replayed for every later mutant
+# and counted as killing it.
+try:
+    from hypothesis import settings as _hyp_settings
+    _hyp_settings.register_profile("mutation", derandomize=True, database=None)
+except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
+    pass

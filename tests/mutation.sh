@@ -85,6 +85,7 @@ pytest_add_cli_args =
     no:cacheprovider
     -m
     not slow and not interpreter
+    --hypothesis-profile=mutation
     --deselect
     tests/test_errors.py::test_source_checkout_without_install_finds_the_kernels
     --deselect

@@ -372,6 +372,9 @@ def test_without_compiler_warns_once_and_runs_torch_path(monkeypatch, fresh_stat
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(grad, torch_path.centre_grad(inputs[0], inputs[2], inputs[4],
                                                             torch.ones(9, 7)))
+    gx, g = torch.randn(4, 3), torch.tensor([1.0, 0.0, -2.0, 0.5])
+    gx[1, 0] = float("nan")
+    assert torch.equal(cpu.scale_rows(gx, g), torch.where((g != 0)[:, None], g[:, None] * gx, 0.0))
 
 
 def test_missing_compiler_binary_is_reported(monkeypatch, fresh_state, tmp_path):

@@ -810,3 +810,82 @@ def test_reference_path_gathers_in_bounded_chunks(monkeypatch):
     for a, b in zip(out, reference.forward(emb, labels, centres, cl, nb, None,
                                            torch.tensor(1.0)), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_resolve_backend_table(monkeypatch):
+    """Every row of backends.resolve_backend, with its exact errors. Kills ops.backends
+    resolve_backend 4-11, 14-18, 20-22, 26, 31-35, 42-47, 51-53 (on a CPU-only machine "auto"
+    on CPU under the interpreter gave the same numbers through Triton, so only the choice
+    itself tells them apart)."""
+    from nnkloss.ops import backends
+    cpu_dev, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backends, "_triton_importable", lambda: True)
+    assert backends.resolve_backend("auto", cpu_dev) == "cpu"
+    assert backends.resolve_backend("auto", cuda) == "triton"
+    assert backends.resolve_backend("auto", meta) == "torch"
+    for name in ("cpu", "torch", "triton"):
+        assert backends.resolve_backend(name, cpu_dev) == name
+    assert backends.resolve_backend("triton", cuda) == "triton"
+    assert backends.resolve_backend("torch", cuda) == "torch"
+    assert backends.resolve_backend("torch", meta) == "torch"
+    with pytest.raises(RuntimeError, match=r"^backend='cpu' needs CPU tensors, got cuda$"):
+        backends.resolve_backend("cpu", cuda)
+    with pytest.raises(RuntimeError, match=r"^backend='triton' does not support device meta$"):
+        backends.resolve_backend("triton", meta)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"^backend='triton' on CPU tensors runs only under "
+                                           r"Triton's interpreter: set TRITON_INTERPRET=1 "
+                                           r"before importing nnkloss$"):
+        backends.resolve_backend("triton", cpu_dev)
+    monkeypatch.setattr(backends, "_triton_importable", lambda: False)
+    assert backends.resolve_backend("auto", cuda) == "torch"
+    with pytest.raises(RuntimeError, match=r"^backend='triton' needs the triton package; "
+                                           r"install it or use backend='torch'$"):
+        backends.resolve_backend("triton", cuda)
+
+
+def test_distances_are_stored_only_when_a_gradient_needs_them(monkeypatch):
+    """The (B, K) distances are kept for the backward only when centres, weights or sigma take
+    a gradient (memory: B*K per step for nothing otherwise). Kills ops.neighbour_kernel
+    loss_rows_unchecked 9 and 11 (stored always / whenever grad mode is on), and 1, 2 (its
+    default backend misspelt)."""
+    from nnkloss.ops import neighbour_kernel as nk, reference
+    seen = []
+    real = reference.forward
+
+    def spy(*args, store_dist=True):
+        seen.append(store_dist)
+        return real(*args, store_dist=store_dist)
+    monkeypatch.setattr(reference, "forward", spy)
+    g = torch.Generator().manual_seed(12)
+    emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    w, s = torch.rand(5, generator=g) + 0.5, torch.tensor(1.2)
+    args = (torch.tensor([0, 1, 0]), None, torch.tensor([0, 1, 0, 1, 1]),
+            torch.tensor([[0, 1], [2, 3], [4, 1]]))
+
+    def run(e, c, ww, ss):
+        labels, _, cl, nb = args
+        return nk.loss_rows_unchecked(e, labels, c, cl, nb, ww, ss, backend="torch")
+    run(emb.requires_grad_(True), centres, w, s)
+    run(emb, centres.clone().requires_grad_(True), w, s)
+    run(emb, centres, w.clone().requires_grad_(True), s)
+    run(emb, centres, None, s.clone().requires_grad_(True))
+    with torch.no_grad():
+        run(emb, centres.clone().requires_grad_(True), w, s)
+    assert seen == [False, True, True, True, False]
+    labels, _, cl, nb = args
+    rows, valid = nk.loss_rows_unchecked(emb.detach(), labels, centres, cl, nb, None, s)
+    torch.testing.assert_close(rows, run(emb.detach(), centres, None, s)[0])
+
+
+def test_stats_op_sigma_defaults_to_one():
+    """Kills ops.neighbour_kernel neighbour_kernel_loss_with_stats 1 (default ``sigma=2.0``)."""
+    g = torch.Generator().manual_seed(13)
+    args = (torch.randn(4, 3, generator=g), torch.tensor([0, 1, 0, 1]),
+            torch.randn(6, 3, generator=g), torch.tensor([0, 1, 0, 1, 0, 1]),
+            torch.tensor([[0, 1, 2], [1, 2, 3], [3, 4, 5], [5, 0, 1]]))
+    a = nnkloss.neighbour_kernel_loss_with_stats(*args).loss
+    torch.testing.assert_close(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=1.0).loss,
+                               rtol=0, atol=0)
+    assert not torch.allclose(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=2.0).loss)

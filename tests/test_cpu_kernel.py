@@ -477,6 +477,9 @@ def test_unsupported_inputs_take_the_plain_path(recorded, case):
     ref = torch_path.forward(emb, labels, centres, cl, nb, w, s)
     for a, b in zip(out, ref, strict=True):
         torch.testing.assert_close(a, b, equal_nan=True)
+    if not supported:                              # the fallback passes store_dist on
+        assert cpu.forward(emb, labels, centres, cl, nb, w, s, store_dist=False)[4].shape == \
+            (emb.shape[0], 0)
     grad = cpu.centre_grad(emb, centres, nb, torch.ones(nb.shape))
     torch.testing.assert_close(grad, torch_path.centre_grad(emb, centres, nb, torch.ones(nb.shape)))
     # centre_grad reads no centre_labels and no weights: only the other cases stop it
@@ -703,3 +706,57 @@ def test_compile_stages_a_hidden_file_and_reports_the_last_error_line(tmp_path):
     assert cpu._compile(good, cpu.FLAGS, str(out_dir)) == path     # cached: not rebuilt
     with open(path) as f:
         assert f.read() == "OLD"
+
+
+@kernel
+@pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_weight_dtypes_and_a_float_sigma(w_dtype):
+    """Half-precision weights are widened to fp32, fp64 ones read as fp64; a Python float sigma
+    works like a 0-dim tensor."""
+    from nnkloss.ops import reference as torch_path
+    emb, labels, centres, cl, nb, w, s = make(seed=24)
+    w = w.to(w_dtype)
+    out = cpu.forward(emb, labels, centres, cl, nb, w, float(s))
+    for a, b in zip(out, torch_path.forward(emb, labels, centres, cl, nb, w, s), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@kernel
+def test_centre_grad_edge_sizes_and_coef_dtype():
+    """K = 1 lists, a one-centre bank and an fp64 coef with fp32 embeddings all go through the
+    kernel with the plain path's results."""
+    from nnkloss.ops import reference as torch_path
+    g = torch.Generator().manual_seed(25)
+    for B, K, N in ((4, 1, 6), (4, 3, 1)):
+        emb, centres = torch.randn(B, 5, generator=g), torch.randn(N, 5, generator=g)
+        nb = torch.randint(0, N, (B, K), generator=g)
+        coef = torch.rand(B, K, generator=g, dtype=torch.float64)
+        got = cpu.centre_grad(emb, centres, nb, coef)
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, torch_path.centre_grad(emb, centres, nb, coef))
+
+
+@kernel
+def test_thread_count_reaches_the_kernel(recorded, monkeypatch):
+    """B*K*D (B*D for scale_rows) sets the thread count passed to each entry point."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    emb, labels, centres, cl, nb, w, s = make(B=64, K=32, D=64, N=50, seed=26)
+    cpu.forward(emb, labels, centres, cl, nb, w, s)
+    cpu.centre_grad(emb, centres, nb, torch.ones(64, 32))
+    cpu.scale_rows(torch.randn(1024, 256), torch.randn(1024))
+    assert [args[-1] for _, args in recorded.calls] == [2, 2, 4]
+
+
+def test_kernel_error_codes_are_raised(monkeypatch):
+    """A non-zero return code from an entry point is an error naming it and the code."""
+    from types import SimpleNamespace
+    fail = SimpleNamespace(nnk_forward=lambda *a: 3, nnk_centre_grad=lambda *a: 4,
+                           nnk_scale_rows=lambda *a: 5)
+    monkeypatch.setattr(cpu, "_lib", lambda: fail)
+    emb, labels, centres, cl, nb, w, s = make(seed=27)
+    with pytest.raises(RuntimeError, match=r"^nnk_forward failed \(code 3\)$"):
+        cpu.forward(emb, labels, centres, cl, nb, w, s)
+    with pytest.raises(RuntimeError, match=r"^nnk_centre_grad failed \(code 4\)$"):
+        cpu.centre_grad(emb, centres, nb, torch.ones(nb.shape))
+    with pytest.raises(RuntimeError, match=r"^nnk_scale_rows failed \(code 5\)$"):
+        cpu.scale_rows(torch.randn(3, 2), torch.ones(3))

@@ -889,3 +889,23 @@ def test_stats_op_sigma_defaults_to_one():
     torch.testing.assert_close(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=1.0).loss,
                                rtol=0, atol=0)
     assert not torch.allclose(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=2.0).loss)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("emb_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_forward_outputs_are_in_the_compute_dtype(backend, emb_dtype):
+    """CONTRACT.md: all five outputs in the compute dtype (fp32 for half embeddings), dist
+    (B, 0) without store_dist. Kills ops.reference empty_outputs 9, 11, 13, 15 (lse buffers in
+    the embedding's half dtype) and 29, 30 (dist (B, K) or (B, 1) without store_dist)."""
+    from nnkloss.ops import backends
+    impl = backends.implementation(backend)
+    g = torch.Generator().manual_seed(14)
+    emb = torch.randn(3, 4, generator=g).to(emb_dtype)
+    centres = torch.randn(5, 4, generator=g)
+    args = (emb, torch.tensor([0, 1, 0]), centres, torch.tensor([0, 1, 0, 1, 1]),
+            torch.tensor([[0, 1], [2, 3], [4, 1]]), None, torch.tensor(1.1))
+    cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
+    for store, k in ((True, 2), (False, 0)):
+        out = impl.forward(*args, store_dist=store)
+        assert [t.dtype for t in out] == [cdt] * 5
+        assert [tuple(t.shape) for t in out] == [(3,), (3,), (3,), (3, 4), (3, k)]

@@ -545,7 +545,8 @@ def test_fresh_build_into_an_empty_cache(monkeypatch, fresh_state, tmp_path):
     directory is created, one keyed library lands in it, it is declared and loaded, and
     build_info reports it (each of forward, centre_grad and scale_rows then runs on it)."""
     import time
-    cache = tmp_path / "a" / "cache"                     # missing parents are created
+    cache = tmp_path / "a" / "cache"
+    cache.mkdir(parents=True)                           # an existing, empty cache directory
     monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(cache))
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -573,7 +574,8 @@ def test_build_falls_back_to_plain_flags_then_to_a_temp_dir(monkeypatch, fresh_s
     blocker.write_text("")
     monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(blocker / "cache"))   # cannot be created
     monkeypatch.setattr(cpu.tempfile, "tempdir", str(tmp_path / "tmp"))
-    os.makedirs(tmp_path / "tmp")
+    out_dir = str(tmp_path / "tmp" / f"nnkloss-{os.getuid()}")
+    os.makedirs(out_dir)                                # left by an earlier process
     calls = []
 
     def fake_compile(cxx, flags, out_dir):
@@ -585,7 +587,6 @@ def test_build_falls_back_to_plain_flags_then_to_a_temp_dir(monkeypatch, fresh_s
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu.available()
-    out_dir = str(tmp_path / "tmp" / f"nnkloss-{os.getuid()}")
     assert calls == [(cpu._compiler(), cpu.FLAGS + cpu.THREAD_FLAGS, out_dir),
                      (cpu._compiler(), cpu.FLAGS + cpu.PLAIN_FLAGS, out_dir)]
     assert os.path.isdir(out_dir) and cpu.build_info()["path"] == built

@@ -909,3 +909,47 @@ def test_forward_outputs_are_in_the_compute_dtype(backend, emb_dtype):
         out = impl.forward(*args, store_dist=store)
         assert [t.dtype for t in out] == [cdt] * 5
         assert [tuple(t.shape) for t in out] == [(3,), (3,), (3,), (3, 4), (3, k)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_backward_scales_rows_on_the_kernel_threads_only_for_the_cpu_backend(monkeypatch,
+                                                                              backend):
+    """Kills ops.neighbour_kernel _backward 32-34 (g * grad_x sent through nk_scale_rows for
+    the wrong backends or for none: same numbers, other threads)."""
+    from nnkloss.ops import cpu
+    calls = []
+    real = cpu.scale_rows
+
+    def spy(grad_x, g):
+        calls.append(grad_x.shape)
+        return real(grad_x, g)
+    monkeypatch.setattr(cpu, "scale_rows", spy)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 4, generator=g, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        x, torch.tensor([0, 1, 0]), torch.randn(5, 4, generator=g), torch.tensor([0, 1, 0, 1, 1]),
+        torch.tensor([[0, 1], [2, 3], [4, 1]]), backend=backend)
+    loss.backward()
+    assert calls == ([(3, 4)] if backend == "cpu" else [])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_half_precision_sigma_is_widened_before_use(backend):
+    """A 0-dim fp16 sigma tensor is taken at its exact value in the compute dtype, in the
+    forward and in the backward. Kills ops.neighbour_kernel _backward 57 (1 / sigma taken in
+    fp16 for the centre gradient)."""
+    g = torch.Generator().manual_seed(16)
+    emb = torch.randn(4, 5, generator=g)
+    centres = torch.randn(7, 5, generator=g)
+    args = (torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 0, 1, 0, 1, 0]),
+            torch.tensor([[0, 1, 2], [3, 4, 5], [6, 0, 1], [2, 3, 4]]))
+    s16 = torch.tensor(0.3, dtype=torch.float16)
+    res = []
+    for s in (s16, torch.tensor(float(s16))):
+        c = centres.clone().requires_grad_(True)
+        loss = nnkloss.neighbour_kernel_loss(emb, args[0], c, args[1], args[2], sigma=s,
+                                             backend=backend)
+        loss.backward()
+        res.append((loss, c.grad))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=1e-6, atol=1e-7)

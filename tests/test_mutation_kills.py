@@ -953,3 +953,40 @@ def test_half_precision_sigma_is_widened_before_use(backend):
         res.append((loss, c.grad))
     torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(res[0][1], res[1][1], rtol=1e-6, atol=1e-7)
+
+
+def test_implementation_table():
+    """Kills ops.backends implementation 1-8, 15, 16 (the Triton branch is otherwise exercised
+    only by the interpreter tests, which the mutation runs leave out)."""
+    from nnkloss.ops import backends, cpu, reference
+    k = backends.kernels()
+    tri = backends.implementation("triton")
+    assert tri.forward is k.neighbour_kernel_fwd and tri.centre_grad is k.centre_grad
+    assert backends.implementation("cpu") is cpu
+    assert backends.implementation("torch") is reference
+    with pytest.raises(ValueError, match=r"^backend must be one of .*'triton'.*'cpu'.*'torch'.* "
+                                         r"here, got 'auto'$"):
+        backends.implementation("auto")
+
+
+def test_cpu_library_is_built_once_per_process(monkeypatch):
+    """Kills ops.cpu _lib 15-18 (the "tried" flag not set: every call rebuilt and reloaded
+    the library)."""
+    import warnings
+    from nnkloss.ops import cpu
+    builds = []
+    real = cpu._build_and_load
+
+    def counting():
+        builds.append(1)
+        return real()
+    monkeypatch.setattr(cpu, "_build_and_load", counting)
+    cpu._reset_for_tests()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")            # no compiler: the notice is not the point
+            first = cpu.available()
+            assert [cpu.available() for _ in range(3)] == [first] * 3
+    finally:
+        cpu._reset_for_tests()
+    assert builds == [1]

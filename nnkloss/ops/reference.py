@@ -44,9 +44,8 @@ def empty_outputs(emb: Tensor, K: int, store_dist: bool):
 
 
 class RowSoftmax(NamedTuple):
-    """Exact per-row softmax pieces of the logits over a mask: max, sum of exp, probabilities."""
-    m: Tensor      # (B, 1) row max, 0 where the row is empty
-    s: Tensor      # (B, 1) sum of exp(logit - m), 0 where the row is empty
+    """Exact per-row softmax pieces of the logits over a mask: sum of exp, probabilities, lse."""
+    s: Tensor      # (B, 1) sum of exp(logit - row max), 0 where the row is empty
     p: Tensor      # (B, K) e / s, 0 outside the mask and in empty rows
     lse: Tensor    # (B,) log-sum-exp, -inf where the row is empty
 
@@ -61,14 +60,13 @@ def row_softmax(logits: Tensor, mask: Tensor) -> RowSoftmax:
     p = e / torch.where(nonempty, s, torch.ones_like(s))
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, s, torch.ones_like(s))),
                       torch.full_like(s, float("-inf")))
-    return RowSoftmax(m, s, p, lse.squeeze(1))
+    return RowSoftmax(s, p, lse.squeeze(1))
 
 
 class RowTerms(NamedTuple):
     """Per-entry terms of the loss for a block of rows (see :func:`row_terms`)."""
     nonpad: Tensor   # (B, K) entry is not padding
     valid: Tensor    # (B, K) non-padding with non-zero weight
-    same: Tensor     # (B, K) valid and of the row's class
     same_class: Tensor  # (B, K) non-padding and of the row's class (zero weights included)
     w: Optional[Tensor]  # (B, K) gathered weights (None without weights)
     logits: Tensor   # (B, K) log w - u / 2 (meaningful where valid)
@@ -105,7 +103,7 @@ def row_terms(nbr: Tensor, u: Tensor, labels: Tensor, centre_labels: Tensor,
         logits = logits + logw
     same_class = nonpad & (_gather_source(centre_labels, 0)[safe] == labels[:, None])
     same = valid & same_class
-    return RowTerms(nonpad, valid, same, same_class, w, logits, bad,
+    return RowTerms(nonpad, valid, same_class, w, logits, bad,
                     row_softmax(logits, valid), row_softmax(logits, same))
 
 

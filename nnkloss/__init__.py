@@ -8,22 +8,22 @@ The package, by layer (each imports only the ones above it):
 - ``nnkloss.ops``: the op -- custom-op registration, host backward, functional API, backends
   (the Triton kernels are ``kernels/`` at the repository's top, installed as
   ``nnkloss.kernels``; the plain PyTorch reference is ``nnkloss.ops.reference``);
+- ``nnkloss.distributed``: the ``torch.distributed`` runtime (process group, sharded loaders,
+  DDP helpers), a no-op in a single process;
 - ``nnkloss.bank``: :class:`CentreBank`, neighbour search, refresh, checkpoints, centroids,
-  ``torch.distributed`` support;
+  the bank's exchange under ``torch.distributed``;
 - ``nnkloss.losses``: losses over a bank (:class:`BankLoss` and its subclasses);
 - ``nnkloss.evaluation``: the kernel classifier and retrieval metrics;
 - ``nnkloss.experiment``: the kit of the reproduction scripts (data sets, models, Trainer,
   plots, reporting), imported only on demand.
 """
 import importlib
-import sys
 
-from .bank import distributed, search  # modules: nnkloss.search.knn, nnkloss.distributed.*
+from . import distributed
 from .bank.centre_bank import CentreBank
 from .bank.checkpoint import load_bank, save_bank
 from .bank.refresh import Refresher, RefreshSchedule, RefreshStats
 from .bank.search import knn
-from .evaluation import metrics
 from .evaluation.classifier import NeighbourKernelClassifier
 from .losses import BankLoss, ClassConditionalLoss, NeighbourKernelLoss, class_conditional_loss
 from .ops import LossOutput, neighbour_kernel_loss, neighbour_kernel_loss_with_stats
@@ -31,18 +31,12 @@ from .validation import set_value_checks, value_checks
 
 __version__ = "0.1.0"
 
-# The module paths of earlier releases keep working: ``from nnkloss.evaluation.metrics import ...``.
-for _name, _module in (("search", search), ("metrics", metrics), ("distributed", distributed)):
-    sys.modules[f"{__name__}.{_name}"] = _module
-
-# Imported on first use, so that ``import nnkloss`` stays light: nnkloss.experiment.plots, nnkloss.experiment.train.
-_LAZY = {"plots": "nnkloss.experiment.plots", "train": "nnkloss.experiment.train",
-         "experiment": "nnkloss.experiment"}
-
 
 def __getattr__(name):
-    if name in _LAZY:
-        module = importlib.import_module(_LAZY[name])
+    # The experiment kit (matplotlib, torchvision, ...) is imported on first use, so that
+    # ``import nnkloss`` stays light.
+    if name == "experiment":
+        module = importlib.import_module("nnkloss.experiment")
         globals()[name] = module
         return module
     raise AttributeError(f"module 'nnkloss' has no attribute {name!r}")
@@ -58,7 +52,6 @@ __all__ = [
     "set_value_checks",
     "value_checks",
     "knn",
-    "search",
     "Refresher",
     "RefreshSchedule",
     "RefreshStats",
@@ -67,7 +60,5 @@ __all__ = [
     "NeighbourKernelClassifier",
     "ClassConditionalLoss",
     "class_conditional_loss",
-    "metrics",
-    "plots",
     "distributed",
 ]

@@ -25,7 +25,7 @@ Outputs: ``OUT/<loss>/`` (log, checkpoint, training curves; rerunning resumes un
 "val_loss", "test_accuracy", ...}}, "paper": ...}; fractions in [0, 1]) and ``OUT/results.md``.
 Several GPUs: ``torchrun --nproc-per-node G repro/classification.py ...`` (one process per GPU;
 ``--batch-size`` stays the global batch and must be a multiple of G; only rank 0 writes files;
-see :mod:`nnkloss.bank.distributed`).
+see :mod:`nnkloss.distributed`).
 """
 from __future__ import annotations
 

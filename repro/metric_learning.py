@@ -20,7 +20,7 @@ resumes from the checkpoint unless --restart). ``OUT/results.json`` holds, per r
 paper's own rows for comparison.
 Several GPUs: ``torchrun --nproc-per-node G repro/metric_learning.py ...`` (one process per GPU;
 ``--batch-size`` stays the global batch and must be a multiple of G; only rank 0 writes files;
-see :mod:`nnkloss.bank.distributed`).
+see :mod:`nnkloss.distributed`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""torch.distributed: refresh split over two gloo processes, and DDP training steps.
+"""nnkloss.distributed and nnkloss.bank.exchange: refresh split over two gloo processes, and DDP
+training steps.
 
 One spawn of two CPU processes (gloo on 127.0.0.1) runs every scenario; each child computes the
 single-process references BEFORE joining the process group (so they run the same numerics on
@@ -20,6 +21,7 @@ from nnkloss.experiment.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelLoss, Refresher
 from nnkloss import distributed as nkd
+from nnkloss.bank import exchange
 from nnkloss.bank.search import faiss_available
 
 WORLD = 2
@@ -171,9 +173,9 @@ def _worker(rank, port, out_dir):
     written = (rows % WORLD == rank) | (rows < 3)
     centres = torch.full((N, D), float(rank + 1)).masked_fill(~written[:, None], float("nan"))
     labels = y.clone().masked_fill(~written, -5)
-    nkd.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
+    exchange.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
     results["gathered"] = {"centres": centres, "labels": labels}
-    lists = nkd.neighbour_lists(x, y, K, backend="torch", chunk_bytes=5 * K * 8)
+    lists = exchange.neighbour_lists(x, y, K, backend="torch", chunk_bytes=5 * K * 8)
     results["lists_small_rounds"] = lists.indices
 
     # Rows that no rank embeds: a clear error on every rank, the bank untouched.
@@ -325,7 +327,10 @@ def test_single_process_helpers_are_no_ops(monkeypatch):
     nkd.broadcast_buffers(model)
     for n, p in model.named_parameters():  # nothing averaged or overwritten
         assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
-    nkd.check_async_refresh()
+    exchange.check_async_refresh()
+    x, y = make_data()  # one process: the exchange's list search is the single-process one
+    assert torch.equal(exchange.neighbour_lists(x, y, K, backend="torch").indices,
+                       nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices)
     assert nkd.per_rank_batch_size(12) == 12
     assert nkd.init_from_env() is False  # no torchrun environment: stays single-process
     assert not nkd.is_distributed()

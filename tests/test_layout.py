@@ -10,24 +10,31 @@ import nnkloss
 
 def test_import_is_light_and_the_core_never_imports_the_experiment_kit():
     code = ("import sys, nnkloss, nnkloss.ops, nnkloss.losses, nnkloss.bank, nnkloss.evaluation\n"
+            "import nnkloss.distributed, nnkloss.bank.exchange\n"
             "bad = [m for m in sys.modules if m.startswith('nnkloss.experiment')\n"
-            "       or m.split('.')[0] in ('matplotlib', 'torchvision', 'sklearn', 'faiss', 'triton')]\n"
+            "       or m.split('.')[0] in\n"
+            "       ('matplotlib', 'torchvision', 'sklearn', 'faiss', 'triton')]\n"
             "assert not bad, bad\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 
 
-def test_earlier_module_paths_keep_working():
-    from nnkloss.metrics import recall_at_k
-    from nnkloss.search import knn
-    from nnkloss.distributed import init_from_env
-    assert recall_at_k is nnkloss.evaluation.metrics.recall_at_k
-    assert knn is nnkloss.bank.search.knn and nnkloss.knn is knn
-    assert init_from_env is nnkloss.bank.distributed.init_from_env
-    assert nnkloss.plots.plot_embedding is nnkloss.experiment.plots.plot_embedding
-    assert nnkloss.train.Trainer is nnkloss.experiment.Trainer
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        nnkloss.nope
+def test_every_module_has_one_path():
+    """No aliases: a module is reached only where its file is."""
+    import importlib
+    import os
+    root = os.path.dirname(os.path.abspath(nnkloss.__file__))
+    for name in ("nnkloss.metrics", "nnkloss.search", "nnkloss.plots", "nnkloss.train",
+                 "nnkloss.bank.distributed"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(name)
+    for name in ("metrics", "search", "plots", "train", "nope"):
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(nnkloss, name)
+    assert nnkloss.distributed.__file__ == os.path.join(root, "distributed.py")
+    assert nnkloss.bank.exchange.__file__ == os.path.join(root, "bank", "exchange.py")
+    assert nnkloss.knn is nnkloss.bank.search.knn
+    assert nnkloss.experiment.Trainer is importlib.import_module("nnkloss.experiment.train").Trainer
 
 
 class HalfDistance(nnkloss.BankLoss):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import nnkloss
-from nnkloss import metrics
+from nnkloss.evaluation import metrics
 from nnkloss.bank.search import faiss_available
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import nnkloss
-from nnkloss import plots
+from nnkloss.experiment import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nnkloss import metrics
+from nnkloss.evaluation import metrics
 
 
 def brute_bounds(emb, labels, rank_metric):

@@ -324,7 +324,7 @@ def test_async_failure_leaves_bank_intact():
 def test_module_exports():
     for name in ("knn", "Refresher", "RefreshSchedule", "RefreshStats", "save_bank", "load_bank"):
         assert name in nnkloss.__all__ and hasattr(nnkloss, name)
-    assert nnkloss.knn is nnkloss.search.knn
+    assert nnkloss.knn is nnkloss.bank.search.knn
     assert nnkloss.Refresher is Refresher and nnkloss.RefreshSchedule is RefreshSchedule
     # The exported knn is the exact search: same neighbours as a full distance matrix.
     a = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))

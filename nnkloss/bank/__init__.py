@@ -5,7 +5,7 @@
 - :mod:`.refresh`: :class:`Refresher` (re-embed, rebuild lists, swap) and its schedule;
 - :mod:`.checkpoint`: atomic, validated bank files;
 - :mod:`.centroids`: class-mean / k-means banks and growing a bank;
-- :mod:`.distributed`: the same under ``torch.distributed`` (sharded refresh, DDP helpers).
+- :mod:`.exchange`: the refresh under ``torch.distributed`` (row exchange, sharded list search).
 """
 from .centre_bank import CentreBank
 from .checkpoint import load_bank, save_bank

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from .centre_bank import CentreBank
 from ..validation import require_int, require_positive_int
 from .search import NeighbourLists, neighbour_lists
-from . import distributed as _dist
+from .. import distributed as _dist
+from . import exchange
 
 __all__ = ["Refresher", "RefreshSchedule", "RefreshStats"]
 
@@ -288,7 +289,7 @@ class Refresher:
         """Start computing the next bank in a background thread (snapshot of the weights now)."""
         if self.in_flight:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
-        _dist.check_async_refresh()  # torch.distributed: refused (see nnkloss.bank.distributed)
+        exchange.check_async_refresh()  # torch.distributed: refused (see nnkloss.bank.exchange)
         sig = self._sigma(sigma)
         if self._snapshot is None:
             self._snapshot = self._make_snapshot()
@@ -363,7 +364,7 @@ class Refresher:
         distributed = _dist.is_distributed()
         if distributed:  # every rank embeds with rank 0's buffers (BatchNorm statistics, ...)
             _dist.broadcast_buffers(model)
-        search = _dist.neighbour_lists if distributed else neighbour_lists
+        search = exchange.neighbour_lists if distributed else neighbour_lists
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
@@ -417,7 +418,7 @@ class Refresher:
         if bool(out_of_range):
             raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}")
         if _dist.is_distributed():  # this rank's share only: exchange rows, check collectively
-            return _dist.gather_bank_rows(centres, labels, written)
+            return exchange.gather_bank_rows(centres, labels, written)
         missing = n - int(written.sum())
         if missing:
             first = (~written).nonzero()[:5].flatten().tolist()

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import os
 
-from ..bank import distributed as nkd
+from .. import distributed as nkd
 from ..bank.centre_bank import CentreBank
 from ..losses.neighbour_kernel import NeighbourKernelLoss
 from .models import SoftmaxHead

@@ -24,8 +24,8 @@ from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same whe
 run was interrupted before it (leave the DataLoader's ``generator`` unset for this: it then
 draws from torch's global RNG).
 
-Under torchrun (after :func:`nnkloss.bank.distributed.init_from_env`) the same loop runs one process
-per GPU: give it loaders over each rank's share (:func:`nnkloss.bank.distributed.shard_loader`); the
+Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
+per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
 network is wrapped in DDP, each step follows the mean over the global batch, sigma and the bank
 weights are averaged across ranks, the log shows the whole job and only rank 0 writes files.
 """
@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from ..atomic import atomic_write
 from ..bank.refresh import RefreshSchedule
 from ..losses.base import BankLoss
-from ..bank import distributed as _dist
+from .. import distributed as _dist
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
@@ -202,7 +202,7 @@ class Trainer:
         self.model = model.to(self.device)
         self.criterion = criterion.to(self.device)
         # torch.distributed (torchrun): DDP around the network only, the criterion's parameters
-        # are averaged by sync_loss_parameters (see nnkloss.bank.distributed). Else self.model.
+        # are averaged by sync_loss_parameters (see nnkloss.distributed). Else self.model.
         self.net = _dist.wrap_model(self.model, self.device)
         self.loader = train_loader
         if isinstance(criterion, BankLoss) and refresher is None:

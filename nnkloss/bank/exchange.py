@@ -1,0 +1,268 @@
+"""The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
+
+Called by :class:`nnkloss.bank.refresh.Refresher` when a process group is initialised (the
+process group itself, loaders and DDP helpers are :mod:`nnkloss.distributed`). In a single
+process :func:`neighbour_lists` is :func:`nnkloss.bank.search.neighbour_lists`.
+
+- :func:`gather_bank_rows`: every rank embedded its share of the training set; exchange the
+  rows so that every rank holds the same complete bank, byte for byte.
+- :func:`neighbour_lists`: each rank searches its slice of the query rows against the full bank
+  with the single-process search (:mod:`nnkloss.bank.search`); the lists are gathered.
+- :func:`check_async_refresh`: a background refresh is refused under ``torch.distributed``.
+
+Failure mode to know: the exchange is collective. If one rank raises before reaching it (a
+loader error, a bad idx), the other ranks wait in it until the process group's timeout
+(``nnkloss.distributed.init_from_env(timeout_s=...)``). Errors detected during the exchange
+itself (rows nobody embedded, NaN embeddings, conflicting labels, different bank shapes) are
+raised on every rank.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..distributed import comm_device, is_distributed, rank, world_size
+from ..validation import FLOAT_DTYPES, require_float, require_int, require_labelled
+from .search import (NeighbourLists, drop_self, knn, neighbour_lists as single_process_lists,
+                     patch_positives, resolve_knn_backend, synchronize)
+
+__all__ = ["gather_bank_rows", "neighbour_lists", "check_async_refresh", "GATHER_CHUNK_BYTES"]
+
+# Bound on the per-rank send buffer of one all_gather round (the receive side is world_size
+# times this): the exchange of an (N, D) bank never needs a second (N, D) buffer.
+GATHER_CHUNK_BYTES = 64 * 2**20
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+# ============================================================================ communication
+def _all_gather_same(t: Tensor, group) -> List[Tensor]:
+    """all_gather of a tensor that has the same shape on every rank."""
+    out = [torch.empty_like(t) for _ in range(world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _all_gather_rows(local: Tensor, counts: Sequence[int],
+                     place: Callable[[int, int, Tensor], None], group, comm: torch.device,
+                     chunk_bytes: int = GATHER_CHUNK_BYTES) -> None:
+    """Gather a variable number of rows from every rank, in rounds of bounded size.
+
+    ``local``: (counts[rank], *row_shape), the same row shape and dtype on every rank.
+    ``counts``: rows per rank, known to every rank (the loop must be identical everywhere).
+    Each round pads this rank's next rows to the round's length, all_gathers, and calls
+    ``place(r, first, rows)`` with rank r's rows ``first .. first + len(rows)`` (valid rows
+    only, on ``comm``).
+    """
+    w = len(counts)
+    most = max(counts) if counts else 0
+    if most == 0:
+        return
+    row_shape = tuple(local.shape[1:])
+    row_bytes = max(1, math.prod(row_shape) * local.element_size())
+    chunk = max(1, min(most, chunk_bytes // row_bytes))
+    for c0 in range(0, most, chunk):
+        m = min(chunk, most - c0)
+        send = torch.zeros((m,) + row_shape, dtype=local.dtype, device=comm)
+        mine = local[c0:c0 + m]
+        send[:mine.shape[0]] = mine.to(comm)
+        bufs = [torch.empty_like(send) for _ in range(w)]
+        dist.all_gather(bufs, send, group=group)
+        for r in range(w):
+            got = min(m, max(0, counts[r] - c0))
+            if got:
+                place(r, c0, bufs[r][:got])
+
+
+# ============================================================================ bank rows
+def check_async_refresh() -> None:
+    """Refuse a background refresh under torch.distributed.
+
+    Its collectives would run on a side thread concurrently with DDP's gradient all-reduces
+    (collectives must be issued in the same order on every rank), and each rank would swap the
+    new bank in at whatever step its own thread finished, so ranks would train on different
+    banks. Use synchronous ``refresh()``: its cost is split across the ranks.
+    """
+    if is_distributed():
+        raise RuntimeError("asynchronous refresh is not supported under torch.distributed "
+                           "(ranks would swap banks at different steps, and its collectives "
+                           "would race DDP's); use Refresher(..., async_mode=False)")
+
+
+@torch.no_grad()
+def gather_bank_rows(centres: Tensor, labels: Tensor, written: Tensor, group=None,
+                     chunk_bytes: int = GATHER_CHUNK_BYTES) -> Tuple[Tensor, Tensor]:
+    """Complete a bank from every rank's share: afterwards all ranks hold identical tensors.
+
+    Args:
+        centres: (N, D) float, this rank's embeddings in the rows it wrote (others: anything).
+        labels: (N,) int64, likewise.
+        written: (N,) bool, the rows this rank wrote (its DistributedSampler share; a row that
+            its loader yielded twice holds the embedding written last, as in one process).
+        group: process group (default: the world).
+        chunk_bytes: per-rank send size of one all_gather round (bounds extra memory).
+
+    Returns:
+        ``(centres, labels)``: the same tensors, filled in place with every rank's rows.
+
+    Rows written by several ranks (DistributedSampler repeats indices to give every rank the
+    same count; a loader without a sampler repeats all of them) are taken from the LOWEST
+    rank that wrote them: a rule every rank evaluates on the same gathered indices, so every
+    rank ends with the same bytes even where two ranks' embeddings of a row differ in the last
+    bits (different batch compositions). Only the owning rank sends a row's values.
+
+    Raises (on every rank, the bank's previous contents untouched by the caller):
+        ValueError: no rank wrote some rows; NaN/inf embeddings; two ranks gave one row
+            different labels; the ranks' banks differ in N, D or dtype.
+    """
+    require_float("centres", centres, 2, FLOAT_DTYPES)
+    require_int("labels", labels, 1)
+    n, d = centres.shape
+    dev = centres.device
+    w, me = world_size(group), rank(group)
+    comm = comm_device(group, dev)
+    local_idx = written.to(dev).nonzero().flatten()  # ascending: a deterministic order
+    local_rows = centres[local_idx]
+    bad_rows = int((~torch.isfinite(local_rows)).any(1).sum()) if local_rows.numel() else 0
+
+    # 1. Shapes, counts and NaN counts of every rank (one small fixed-size all_gather).
+    header = torch.tensor([n, d, _DTYPE_CODES.get(centres.dtype, -1), local_idx.numel(), bad_rows],
+                          dtype=torch.long, device=comm)
+    headers = torch.stack(_all_gather_same(header, group)).tolist()
+    if any(h[:3] != headers[0][:3] for h in headers):
+        shapes = [f"rank {r}: N={h[0]}, D={h[1]}, dtype code {h[2]}" for r, h in enumerate(headers)]
+        raise ValueError("the ranks' banks differ in size or dtype (" + "; ".join(shapes) + ")")
+    nonfinite = [h[4] for h in headers]
+    if sum(nonfinite):
+        raise ValueError(f"the model produced NaN/inf embeddings for {sum(nonfinite)} rows "
+                         f"(per rank: {nonfinite}); the bank was left unchanged")
+    counts = [h[3] for h in headers]
+
+    # 2. Every rank's (idx, label) pairs, then the owner of each row: the lowest rank with it.
+    pairs = torch.stack([local_idx, labels[local_idx].long()], 1)
+    got: List[Optional[Tensor]] = [None] * w
+
+    def keep_pairs(r: int, first: int, rows: Tensor) -> None:
+        rows = rows.to(dev)
+        got[r] = rows if got[r] is None else torch.cat([got[r], rows])
+
+    _all_gather_rows(pairs, counts, keep_pairs, group, comm, chunk_bytes)
+    empty = torch.empty(0, 2, dtype=torch.long, device=dev)
+    got = [empty if g is None else g for g in got]
+    if any(int(g[:, 0].min()) < 0 or int(g[:, 0].max()) >= n for g in got if g.numel()):
+        raise ValueError(f"a rank wrote rows outside the bank's 0..{n - 1}")
+    owner = torch.full((n,), w, dtype=torch.long, device=dev)
+    new_labels = torch.empty(n, dtype=torch.long, device=dev)
+    for r in reversed(range(w)):  # lower ranks overwrite higher ones: the lowest rank wins
+        owner[got[r][:, 0]] = r
+        new_labels[got[r][:, 0]] = got[r][:, 1]
+    missing = int((owner == w).sum())
+    if missing:
+        first = (owner == w).nonzero()[:5].flatten().tolist()
+        raise ValueError(f"no rank's loader yielded {missing} of the bank's {n} rows (first "
+                         f"missing idx: {first}); give the refresh loader a DistributedSampler "
+                         f"over the whole training set; the bank was left unchanged")
+    for r in range(w):
+        clash = new_labels[got[r][:, 0]] != got[r][:, 1]
+        if bool(clash.any()):
+            i = int(got[r][clash.nonzero()[0, 0], 0])
+            raise ValueError(f"row {i} has label {int(new_labels[i])} on rank "
+                             f"{int(owner[i])} but {int(got[r][clash, 1][0])} on rank {r}; the "
+                             f"ranks' datasets differ")
+
+    # 3. The centre rows, each sent by its owner only, in the owner's ascending idx order.
+    owned = [g[:, 0][owner[g[:, 0]] == r] for r, g in enumerate(got)]
+    mine = local_rows[owner[local_idx] == me]
+
+    def place_rows(r: int, first: int, rows: Tensor) -> None:
+        centres[owned[r][first:first + rows.shape[0]]] = rows.to(dev)
+
+    _all_gather_rows(mine, [o.numel() for o in owned], place_rows, group, comm, chunk_bytes)
+    labels.copy_(new_labels)
+    return centres, labels
+
+
+# ============================================================================ neighbour lists
+def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
+    """Rows [start, stop) of the N queries that rank r searches (sizes differ by at most 1)."""
+    return r * n // w, (r + 1) * n // w
+
+
+def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backend: str,
+                           knn_options: dict) -> Tuple[Tensor, Tensor]:
+    """The k nearest other centres of rows start..stop-1, against the full bank.
+
+    Searches k + 1 and removes each row's own index (or, where more than k exact duplicates
+    crowd it out, the farthest entry) -- how :func:`nnkloss.bank.search.knn`'s faiss backends
+    exclude self. Only exact ties can order differently from a one-process ``exclude_self`` search.
+    """
+    n = centres.shape[0]
+    dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), backend=backend, **knn_options)
+    return drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
+
+
+@torch.no_grad()
+def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
+                    ensure_positive: bool = False, group=None,
+                    chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
+    """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
+
+    Every rank must pass the same (N, D) ``centres`` and (N,) ``labels`` (as
+    :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
+    against the full bank with :func:`nnkloss.bank.search.knn` (``backend``, ``knn_options`` as
+    there; an approximate index is built over the full bank on every rank, with the same seed),
+    then the (N, k) indices and distances, ``has_positive`` and ``num_patched`` are gathered, so
+    every rank returns the same :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers
+    the search and the exchange. In a single process this is
+    :func:`nnkloss.bank.search.neighbour_lists` itself.
+    """
+    if not is_distributed(group):
+        return single_process_lists(centres, labels, k, backend=backend,
+                                    ensure_positive=ensure_positive, **knn_options)
+    n = require_labelled("centres", centres, "labels", labels)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
+        raise ValueError(f"k must be an int in [1, N - 1 = {n - 1}], got {k!r}")
+    labels = labels.to(centres.device).long()
+    dev = centres.device
+    w, me = world_size(group), rank(group)
+    comm = comm_device(group, dev)
+    approximate = knn_options.get("approximate")
+    used = (f"faiss-{approximate}" if approximate is not None
+            else resolve_knn_backend(backend, dev, k + 1))  # what knn resolves "auto" to
+
+    synchronize(dev)
+    t0 = time.perf_counter()
+    start, stop = _query_slice(n, me, w)
+    dist_, ids = _search_excluding_self(centres, start, stop, k, backend, knn_options)
+    nb_labels = labels[ids.clamp_min(0)]
+    has_pos = ((nb_labels == labels[start:stop].unsqueeze(1)) & (ids >= 0)).any(1)
+    patched = 0
+    if ensure_positive and not bool(has_pos.all()):
+        patched = patch_positives(centres, labels, start, dist_, ids, has_pos, backend,
+                                   knn_options)
+
+    slices = [_query_slice(n, r, w) for r in range(w)]
+    counts = [b - a for a, b in slices]
+    out_i = torch.empty(n, k, dtype=torch.long, device=dev)
+    out_d = torch.empty(n, k, dtype=torch.float32, device=dev)
+    out_p = torch.empty(n, dtype=torch.bool, device=dev)
+
+    def placer(out: Tensor) -> Callable[[int, int, Tensor], None]:
+        def place(r: int, first: int, rows: Tensor) -> None:
+            a = slices[r][0] + first
+            out[a:a + rows.shape[0]] = rows.to(dev, out.dtype)
+        return place
+
+    _all_gather_rows(ids, counts, placer(out_i), group, comm, chunk_bytes)
+    _all_gather_rows(dist_.float(), counts, placer(out_d), group, comm, chunk_bytes)
+    _all_gather_rows(has_pos.to(torch.uint8), counts, placer(out_p), group, comm, chunk_bytes)
+    total = torch.tensor([patched], dtype=torch.long, device=comm)
+    dist.all_reduce(total, group=group)
+    synchronize(dev)
+    return NeighbourLists(out_i, out_d, out_p, int(total), time.perf_counter() - t0, used)

@@ -1,7 +1,8 @@
 """The compiled CPU kernel (nnkloss.ops.cpu) against an fp64 computation of nnkloss/ops/CONTRACT.md.
 
-The reference below is written from the contract, row by row, in fp64 from the values the
-kernel actually receives (emb converted to the compute dtype; bank values are exact in fp32).
+The reference is the tests' fp64 one (tests/reference.py ``forward``), row by row from the
+values the kernel actually receives (emb converted to the compute dtype; bank values are exact
+in fp32).
 """
 import math
 import os
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from nnkloss.ops import cpu
+from reference import forward as reference
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the fallback tests below check the notice
@@ -19,76 +21,6 @@ with warnings.catch_warnings():
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INDEX = [torch.int32, torch.int64]
-
-
-def reference(emb, labels, centres, centre_labels, neighbours, weights, sigma):
-    """nnkloss/ops/CONTRACT.md in fp64, one row at a time. Returns the five outputs and a per-row scale of
-    the gradient's terms (sum_j (p_j + p^R_j) |c_j - x| / sigma^2) for tolerances."""
-    cdt = torch.float64 if emb.dtype == torch.float64 else torch.float32
-    x64 = emb.to(cdt).double()
-    c64 = centres.double()
-    s = float(sigma)
-    B, D = emb.shape
-    K = neighbours.shape[1]
-    nan, ninf = float("nan"), float("-inf")
-    loss = torch.zeros(B, dtype=torch.float64)
-    lse_all = torch.zeros(B, dtype=torch.float64)
-    lse_pos = torch.zeros(B, dtype=torch.float64)
-    grad = torch.zeros(B, D, dtype=torch.float64)
-    dist = torch.zeros(B, K, dtype=torch.float64)
-    scale = torch.zeros(B, dtype=torch.float64)
-    for b in range(B):
-        x = x64[b]
-        logit = [ninf] * K
-        same = [False] * K
-        nonfinite = False
-        for k in range(K):
-            j = int(neighbours[b, k])
-            if j < 0:
-                continue
-            z = (c64[j] - x) * (1.0 / s)
-            u = float((z * z).sum())
-            if cdt == torch.float32 and abs(u) > torch.finfo(torch.float32).max:
-                u = math.inf                # the contract's fp32 overflow
-            dist[b, k] = u
-            if not math.isfinite(u):
-                nonfinite = True
-            w = 1.0 if weights is None else float(weights[j].to(cdt))
-            if w == 0:
-                continue
-            lw = math.log(w) if w > 0 and math.isfinite(w) else nan
-            if not math.isfinite(lw):
-                nonfinite = True
-            logit[k] = lw - u / 2
-            same[k] = int(centre_labels[j]) == int(labels[b])
-        if nonfinite:
-            loss[b] = lse_all[b] = lse_pos[b] = nan
-            grad[b] = nan
-            continue
-        valid = [k for k in range(K) if logit[k] != ninf]
-        pos = [k for k in valid if same[k]]
-        if not valid:
-            lse_all[b] = lse_pos[b] = ninf
-            continue
-        m = max(logit[k] for k in valid)
-        e = {k: math.exp(logit[k] - m) for k in valid}
-        s_all = sum(e.values())
-        lse_all[b] = m + math.log(s_all)
-        if not pos:
-            lse_pos[b] = ninf
-            continue
-        mp = max(logit[k] for k in pos)
-        er = {k: math.exp(logit[k] - mp) for k in pos}
-        s_pos = sum(er.values())
-        lse_pos[b] = mp + math.log(s_pos)
-        loss[b] = lse_all[b] - lse_pos[b]
-        for k in valid:
-            p = e[k] / s_all
-            pr = er[k] / s_pos if k in er else 0.0
-            diff = c64[int(neighbours[b, k])] - x
-            grad[b] += (p - pr) * diff / (s * s)
-            scale[b] += (p + pr) * float(diff.abs().max()) / (s * s)
-    return loss, lse_all, lse_pos, grad, dist, scale
 
 
 def check(out, ref, cdt, dist_too=True):

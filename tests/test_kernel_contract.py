@@ -1,14 +1,17 @@
-"""The Triton launchers against the forward contract (nnkloss/ops/CONTRACT.md), computed here in fp64.
+"""The Triton launchers against the forward contract (nnkloss/ops/CONTRACT.md), fp64 reference.
 
 Interpreter runs on CPU tensors and tiny shapes: scaled distances, loss, logsumexps and grad_x;
 int32/int64 lists and labels (of different dtypes); store_dist on/off; several K tiles, the
 two-phase (wide D) path and several rows per program; the non-finite rule (NaN/inf in an
-embedding, a gathered centre or a weight; fp32 overflow); an empty bank.
+embedding, a gathered centre or a weight; fp32 overflow); an empty bank. The reference is the
+tests' fp64 one (tests/reference.py ``forward``).
 """
 import math
 
 import pytest
 import torch
+
+from reference import forward as contract_forward
 
 pytestmark = pytest.mark.interpreter
 
@@ -16,60 +19,6 @@ pytestmark = pytest.mark.interpreter
 def _kernels():
     from nnkloss.ops.backends import kernels as load
     return load()
-
-
-def contract_forward(emb, labels, centres, centre_labels, neighbours, weights, sigma):
-    """Plain fp64 loops written from nnkloss/ops/CONTRACT.md (items 1-7)."""
-    emb, centres = emb.double(), centres.double()
-    s = float(sigma)
-    B, D = emb.shape
-    K = neighbours.shape[1]
-    loss = torch.zeros(B, dtype=torch.float64)
-    lse_all = torch.full((B,), -math.inf, dtype=torch.float64)
-    lse_pos = torch.full((B,), -math.inf, dtype=torch.float64)
-    gx = torch.zeros(B, D, dtype=torch.float64)
-    u = torch.zeros(B, K, dtype=torch.float64)
-    for b in range(B):
-        x = emb[b]
-        bad = False
-        logits, same, zs = [], [], []
-        for k in range(K):
-            j = int(neighbours[b, k])
-            if j < 0:
-                continue
-            z = (centres[j] - x) * (1.0 / s)
-            u[b, k] = (z * z).sum()
-            w = 1.0 if weights is None else float(weights[j])
-            if not math.isfinite(float(u[b, k])):
-                bad = True
-            if w == 0:
-                continue
-            lw = math.log(w) if w > 0 else math.nan
-            if not math.isfinite(lw):
-                bad = True
-                continue
-            logits.append(lw - float(u[b, k]) / 2)
-            same.append(int(centre_labels[j]) == int(labels[b]))
-            zs.append(z)
-        if bad:
-            loss[b] = lse_all[b] = lse_pos[b] = math.nan
-            gx[b] = math.nan
-            continue
-        if not logits:
-            continue
-        lg = torch.tensor(logits, dtype=torch.float64)
-        sm = torch.tensor(same)
-        e = torch.exp(lg - lg.max())
-        lse_all[b] = lg.max() + torch.log(e.sum())
-        if not sm.any():
-            continue
-        lp = lg.masked_fill(~sm, -math.inf)
-        ep = torch.exp(lp - lp.max())
-        lse_pos[b] = lp.max() + torch.log(ep.sum())
-        loss[b] = lse_all[b] - lse_pos[b]
-        coef = e / e.sum() - ep / ep.sum()
-        gx[b] = (coef[:, None] * torch.stack(zs)).sum(0) / s
-    return loss, lse_all, lse_pos, gx, u
 
 
 def make(B=6, N=30, D=12, K=9, seed=0, pad=0.25, zero_w=0.15, idx_dtype=torch.int64,

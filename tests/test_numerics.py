@@ -1,13 +1,13 @@
 """Exact at every scale, never silent (issue 10).
 
-The op (every backend: plain torch, compiled CPU, Triton) against an independent float64 reference written here from the maths
-(DESIGN.md section 1), over distance scales 1e0..1e8 and sigma 1e-3..1e3: loss and all four
-gradients. The reference forms probabilities as a softmax (max-shifted, normalised by the sum)
-and shifts the sigma-gradient distances by the row minimum, so it stays exact where
-``exp(l - lse)`` would not, even in fp64 (at scale 1e8 and sigma 1e-3 logits reach 1e22).
+The op (every backend: plain torch, compiled CPU, Triton) against the tests' independent
+float64 reference (tests/reference.py, the closed forms of docs/MATHS.md section 3), over
+distance scales 1e0..1e8 and sigma 1e-3..1e3: loss and all four gradients. The reference forms
+probabilities as a softmax (max-shifted, normalised by the sum) and shifts the sigma-gradient
+distances by the row minimum, so it stays exact where ``exp(l - lse)`` would not, even in fp64
+(at scale 1e8 and sigma 1e-3 logits reach 1e22).
 Then: non-finite inputs, overflow, the empty bank, and property-based agreement.
 """
-import decimal
 import math
 
 import pytest
@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import nnkloss
+import reference as fp64
 
 BACKENDS = ["torch", "cpu", "triton"]
 SCALES = [1e0, 1e2, 1e4, 1e6, 1e8]
@@ -24,59 +25,11 @@ LAYOUTS = ["mixed", "far_emb", "far_pos"]
 
 # ----------------------------------------------------------------------- the reference
 def reference(emb, labels, centres, cl, nb, w, sigma):
-    """fp64 loss rows and the four gradients of their sum, written from the formulas."""
-    x, c = emb.double(), centres.double()
-    w = torch.ones(c.shape[0], dtype=torch.float64) if w is None else w.double()
-    s = float(sigma)
-    B, D = x.shape
-    rows = torch.zeros(B, dtype=torch.float64)
-    gx = torch.zeros_like(x)
-    gc = torch.zeros_like(c)
-    gw = torch.zeros_like(w)
-    gs = 0.0
-    # Magnitudes: the same sums with |p| + |p^R| in place of p - p^R. A gradient that cancels to
-    # ~0 is checked against these (cancellation error is eps * magnitude at best).
-    mx, mc, mw, ms = torch.zeros_like(x), torch.zeros_like(c), torch.zeros_like(w), 0.0
-    for b in range(B):
-        js = [j for j in nb[b].tolist() if j >= 0 and w[j] > 0]
-        if not any(int(cl[j]) == int(labels[b]) for j in js):
-            continue
-        idx = torch.tensor(js)
-        u = ((x[b] - c[idx]) ** 2).sum(1) / (s * s)
-        logit = torch.log(w[idx]) - u / 2
-        same = torch.tensor([int(cl[j]) == int(labels[b]) for j in js])
-        p = torch.softmax(logit, 0)
-        pr = torch.zeros_like(p)
-        pr[same] = torch.softmax(logit[same], 0)
-        rows[b] = torch.logsumexp(logit, 0) - torch.logsumexp(logit[same], 0)
-        dl = p - pr
-        gx[b] = (dl[:, None] * (c[idx] - x[b])).sum(0) / (s * s)
-        gc.index_add_(0, idx, dl[:, None] * (x[b] - c[idx]) / (s * s))
-        gw.index_add_(0, idx, dl / w[idx])
-        gs += float((dl * (u - u.min())).sum()) / s
-        # A zero weight: the one-sided derivative exp(-u_j/2) / (sum_i w_i exp(-u_i/2)), per sum.
-        zs = [j for j in nb[b].tolist() if j >= 0 and w[j] == 0]
-        if zs:
-            zi = torch.tensor(zs)
-            uz = ((x[b] - c[zi]) ** 2).sum(1) / (s * s)
-            zpos = torch.tensor([int(cl[j]) == int(labels[b]) for j in zs], dtype=torch.float64)
-            # in decimal arithmetic: each term may exceed fp64's range while their difference
-            # does not (a far same-class centre: both sums hold the same entries, difference 0)
-            la, lp = float(torch.logsumexp(logit, 0)), float(torch.logsumexp(logit[same], 0))
-            with decimal.localcontext(decimal.Context(prec=60)):
-                gw.index_add_(0, zi, torch.tensor([
-                    float(decimal.Decimal(-v / 2 - la).exp()
-                          - int(zp) * decimal.Decimal(-v / 2 - lp).exp())
-                    for v, zp in zip(uz.tolist(), zpos.tolist(), strict=True)],
-                    dtype=torch.float64))
-        am = p + pr
-        mx[b] = (am[:, None] * (c[idx] - x[b]).abs()).sum(0) / (s * s)
-        mc.index_add_(0, idx, am[:, None] * (x[b] - c[idx]).abs() / (s * s))
-        mw.index_add_(0, idx, am / w[idx])
-        ms += float((am * (u - u.min())).sum()) / s
-    grads = {"emb": gx, "centres": gc, "weights": gw, "sigma": torch.tensor(gs, dtype=torch.float64)}
-    reference.magnitudes = {"emb": mx, "centres": mc, "weights": mw, "sigma": torch.tensor(ms, dtype=torch.float64)}
-    return rows, grads
+    """fp64 loss rows and the four gradients of their sum (tests/reference.py, closed forms);
+    the magnitudes of their terms are left in ``reference.magnitudes``."""
+    out = fp64.gradients(emb, labels, centres, cl, nb, w, sigma)
+    reference.magnitudes = out.magnitudes
+    return out.rows, out.grads
 
 
 def run(backend, emb, labels, centres, cl, nb, w, sigma, dtype):

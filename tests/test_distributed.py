@@ -1,80 +1,24 @@
-"""nnkloss.distributed and nnkloss.bank.exchange: refresh split over two gloo processes, and DDP
-training steps.
+"""nnkloss.distributed: DDP training steps over two gloo processes (tests/two_processes.py), and
+the helpers' single-process behaviour.
 
-One spawn of two CPU processes (gloo on 127.0.0.1) runs every scenario; each child computes the
-single-process references BEFORE joining the process group (so they run the same numerics on
-the same thread count), then the distributed versions, and writes tensors to tmp_path. The
-tests below compare the files. A deadline kills the children, so a hang fails fast instead of
-stalling CI.
+With global_mean and sync_loss_parameters, two ranks that each take half of a global batch
+must take the steps that one process takes with the whole batch, learned sigma and bank
+weights included; the Trainer under DDP must match its single-process run.
 """
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader
 
-from nnkloss.experiment.datasets import IndexedTensorDataset
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelLoss, Refresher
 from nnkloss import distributed as nkd
-from nnkloss.bank import exchange
-from nnkloss.bank.search import faiss_available
+from nnkloss.experiment.datasets import IndexedTensorDataset
+from two_processes import CLASSES, D, K, N, WORLD, finish, join, make_data, make_model, run
 
-WORLD = 2
-N = 37  # odd: DistributedSampler pads rank 1 with a repeat of row 0
-D_IN, D, CLASSES, K = 6, 4, 12, 3  # many classes, short lists: ensure_positive has work to do
-DEADLINE_S = 120.0
 STEPS, GLOBAL_BATCH = 3, 12
-
-
-def make_data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(N, D_IN, generator=g), torch.randint(0, CLASSES, (N,), generator=g)
-
-
-def make_model(dropout=True):
-    torch.manual_seed(0)
-    layers = [nn.Linear(D_IN, 16), nn.ReLU()]
-    if dropout:  # the Refresher embeds in eval mode: dropout must not reach the bank
-        layers.append(nn.Dropout(0.5))
-    return nn.Sequential(*layers, nn.Linear(16, D))
-
-
-def empty_bank(dtype=torch.float32):
-    return CentreBank(torch.zeros(N, D, dtype=dtype), torch.zeros(N, dtype=torch.long))
-
-
-def refresh(loader, dtype=torch.float32, backend="torch", ensure_positive=True):
-    bank = empty_bank(dtype)
-    stats = Refresher(bank, make_model(), loader, K, backend=backend,
-                      ensure_positive=ensure_positive, progress=False).refresh()
-    return {"centres": bank.centres.clone(), "labels": bank.labels.clone(),
-            "neighbours": bank.neighbours.clone(), "num_patched": stats.num_patched,
-            "positive_share": stats.positive_share,
-            "mean_sq_distance": stats.mean_sq_distance}
-
-
-def refresh_cases(ds, single: bool):
-    """(name, kwargs, loader) of every refresh scenario; one loader over all rows if single."""
-    cases = []
-    for name, shuffle, batch, dtype, backend in [
-            ("fp32", False, 5, torch.float32, "torch"),
-            ("shuffled", True, 4, torch.float32, "torch"),
-            ("bf16", False, 5, torch.bfloat16, "torch"),
-            ("faiss", False, 5, torch.float32, "faiss")]:
-        if backend == "faiss" and not faiss_available():
-            continue
-        if single:
-            loader = DataLoader(ds, batch_size=8)
-        else:
-            sampler = nkd.distributed_sampler(ds, shuffle=shuffle, seed=5)
-            loader = DataLoader(ds, batch_size=batch, sampler=sampler)
-        cases.append((name, dict(dtype=dtype, backend=backend), loader))
-    return cases
 
 
 # ---------------------------------------------------------------------------- training
@@ -147,80 +91,22 @@ def run_trainer(x, y, out_dir):
 
 
 # ---------------------------------------------------------------------------- the children
-def _worker(rank, port, out_dir):
+def worker(rank, port, out_dir):
     torch.set_num_threads(1)
     x, y = make_data()
-    ds = IndexedTensorDataset(x, y)
-    results = {"refresh_single": {}, "refresh_dist": {}}
     # References first, before any process group exists: plain single-process code paths.
     assert not nkd.is_distributed() and nkd.rank() == 0 and nkd.world_size() == 1
-    for name, kw, loader in refresh_cases(ds, single=True):
-        results["refresh_single"][name] = refresh(loader, **kw)
-    results["train_single"] = train(x, y, lambda b: b)
-    results["trainer_single"] = run_trainer(x, y, os.path.join(out_dir, f"single{rank}"))
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    assert nkd.init_from_env(timeout_s=60)
-    assert nkd.is_distributed() and nkd.rank() == rank and nkd.world_size() == WORLD
-    assert nkd.is_main_process() == (rank == 0)
-    for name, kw, loader in refresh_cases(ds, single=False):
-        results["refresh_dist"][name] = refresh(loader, **kw)
-
-    # Rows written by both ranks with different values: the lowest rank's win everywhere;
-    # tiny rounds (3 rows per all_gather) exercise the chunked exchange.
-    rows = torch.arange(N)
-    written = (rows % WORLD == rank) | (rows < 3)
-    centres = torch.full((N, D), float(rank + 1)).masked_fill(~written[:, None], float("nan"))
-    labels = y.clone().masked_fill(~written, -5)
-    exchange.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
-    results["gathered"] = {"centres": centres, "labels": labels}
-    lists = exchange.neighbour_lists(x, y, K, backend="torch", chunk_bytes=5 * K * 8)
-    results["lists_small_rounds"] = lists.indices
-
-    # Rows that no rank embeds: a clear error on every rank, the bank untouched.
-    sub = torch.utils.data.Subset(ds, list(range(N - 3)))
-    loader = DataLoader(sub, batch_size=5, sampler=nkd.distributed_sampler(sub, shuffle=False))
-    bank = empty_bank()
-    bank.centres.fill_(7.0)
-    try:
-        Refresher(bank, make_model(), loader, K, backend="torch", progress=False).refresh()
-        results["missing_error"] = None
-    except ValueError as exc:
-        results["missing_error"] = str(exc)
-    results["missing_untouched"] = bool((bank.centres == 7.0).all())
-    try:
-        Refresher(empty_bank(), make_model(), loader, K, progress=False).refresh_async()
-        results["async_error"] = None
-    except RuntimeError as exc:
-        results["async_error"] = str(exc)
-
+    results = {"train_single": train(x, y, lambda b: b),
+               "trainer_single": run_trainer(x, y, os.path.join(out_dir, f"single{rank}"))}
+    join(rank, port)
     results["train_dist"] = train(x, y, lambda b: b[rank::WORLD])
     results["trainer_dist"] = run_trainer(x, y, os.path.join(out_dir, f"dist{rank}"))
-    nkd.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    nkd.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    finish(results, rank, out_dir)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dist"))
-    ctx = mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1.0):  # re-raises a child's exception with its traceback
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"distributed workers did not finish within {DEADLINE_S} s")
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
-            for r in range(WORLD)]
+    return run(worker, str(tmp_path_factory.mktemp("dist")))
 
 
 def _same(a, b):
@@ -233,52 +119,6 @@ def _same(a, b):
 
 
 # ---------------------------------------------------------------------------- tests
-def test_refreshed_bank_identical_on_every_rank(results):
-    r0, r1 = results[0]["refresh_dist"], results[1]["refresh_dist"]
-    assert r0.keys() == r1.keys() and "fp32" in r0
-    for name in r0:
-        _same(r0[name], r1[name])
-
-
-def test_distributed_refresh_equals_single_process(results):
-    single, multi = results[0]["refresh_single"], results[0]["refresh_dist"]
-    assert single.keys() == multi.keys()
-    for name in single:
-        s, m = single[name], multi[name]
-        # Rows embedded in other batch compositions may differ in the last bits.
-        tol = dict(rtol=1e-2, atol=1e-2) if s["centres"].dtype == torch.bfloat16 else {}
-        torch.testing.assert_close(m["centres"], s["centres"], **tol)
-        assert m["centres"].dtype == s["centres"].dtype
-        assert torch.equal(m["labels"], s["labels"]), name
-        assert torch.equal(m["neighbours"], s["neighbours"]), name
-        assert m["num_patched"] == s["num_patched"] > 0, name
-        assert m["positive_share"] == s["positive_share"], name
-    assert torch.equal(single["fp32"]["labels"], make_data()[1])
-
-
-def test_rows_written_twice_take_the_lowest_rank(results):
-    owner = torch.where(torch.arange(N) < 3, 0, torch.arange(N) % WORLD)
-    expected = (owner + 1).float()[:, None].expand(N, D)
-    x, y = make_data()
-    for r in results:
-        assert torch.equal(r["gathered"]["centres"], expected)
-        assert torch.equal(r["gathered"]["labels"], y)
-        single = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices
-        assert torch.equal(r["lists_small_rounds"], single)
-
-
-def test_rows_nobody_embedded_raise_on_every_rank(results):
-    for r in results:
-        assert r["missing_error"] is not None and "no rank's loader yielded 3" in r["missing_error"]
-        assert "[34, 35, 36]" in r["missing_error"]
-        assert r["missing_untouched"]
-
-
-def test_async_refresh_refused(results):
-    for r in results:
-        assert r["async_error"] is not None and "async_mode=False" in r["async_error"]
-
-
 def test_ddp_steps_match_one_process_with_the_global_batch(results):
     single = results[0]["train_single"]
     for r in results:
@@ -327,10 +167,6 @@ def test_single_process_helpers_are_no_ops(monkeypatch):
     nkd.broadcast_buffers(model)
     for n, p in model.named_parameters():  # nothing averaged or overwritten
         assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
-    exchange.check_async_refresh()
-    x, y = make_data()  # one process: the exchange's list search is the single-process one
-    assert torch.equal(exchange.neighbour_lists(x, y, K, backend="torch").indices,
-                       nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices)
     assert nkd.per_rank_batch_size(12) == 12
     assert nkd.init_from_env() is False  # no torchrun environment: stays single-process
     assert not nkd.is_distributed()

@@ -1,0 +1,168 @@
+"""nnkloss.bank.exchange: the refresh split over two gloo processes (tests/two_processes.py).
+
+Every rank must end a refresh with the same bank as every other rank and as one process with
+the whole training set: rows embedded by several ranks are taken from the lowest, the sharded
+list search gives the single-process lists, and errors are raised on every rank.
+"""
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import nnkloss
+from nnkloss import CentreBank, Refresher
+from nnkloss import distributed as nkd
+from nnkloss.bank import exchange
+from nnkloss.bank.search import faiss_available
+from nnkloss.experiment.datasets import IndexedTensorDataset
+from two_processes import D, K, N, WORLD, finish, join, make_data, make_model, run
+
+
+def empty_bank(dtype=torch.float32):
+    return CentreBank(torch.zeros(N, D, dtype=dtype), torch.zeros(N, dtype=torch.long))
+
+
+def refresh(loader, dtype=torch.float32, backend="torch", ensure_positive=True):
+    bank = empty_bank(dtype)
+    stats = Refresher(bank, make_model(), loader, K, backend=backend,
+                      ensure_positive=ensure_positive, progress=False).refresh()
+    return {"centres": bank.centres.clone(), "labels": bank.labels.clone(),
+            "neighbours": bank.neighbours.clone(), "num_patched": stats.num_patched,
+            "positive_share": stats.positive_share,
+            "mean_sq_distance": stats.mean_sq_distance}
+
+
+def refresh_cases(ds, single: bool):
+    """(name, kwargs, loader) of every refresh scenario; one loader over all rows if single."""
+    cases = []
+    for name, shuffle, batch, dtype, backend in [
+            ("fp32", False, 5, torch.float32, "torch"),
+            ("shuffled", True, 4, torch.float32, "torch"),
+            ("bf16", False, 5, torch.bfloat16, "torch"),
+            ("faiss", False, 5, torch.float32, "faiss")]:
+        if backend == "faiss" and not faiss_available():
+            continue
+        if single:
+            loader = DataLoader(ds, batch_size=8)
+        else:
+            sampler = nkd.distributed_sampler(ds, shuffle=shuffle, seed=5)
+            loader = DataLoader(ds, batch_size=batch, sampler=sampler)
+        cases.append((name, dict(dtype=dtype, backend=backend), loader))
+    return cases
+
+
+# ---------------------------------------------------------------------------- the children
+def worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    x, y = make_data()
+    ds = IndexedTensorDataset(x, y)
+    results = {"refresh_single": {}, "refresh_dist": {}}
+    # References first, before any process group exists: plain single-process code paths.
+    assert not nkd.is_distributed()
+    for name, kw, loader in refresh_cases(ds, single=True):
+        results["refresh_single"][name] = refresh(loader, **kw)
+
+    join(rank, port)
+    for name, kw, loader in refresh_cases(ds, single=False):
+        results["refresh_dist"][name] = refresh(loader, **kw)
+
+    # Rows written by both ranks with different values: the lowest rank's win everywhere;
+    # tiny rounds (3 rows per all_gather) exercise the chunked exchange.
+    rows = torch.arange(N)
+    written = (rows % WORLD == rank) | (rows < 3)
+    centres = torch.full((N, D), float(rank + 1)).masked_fill(~written[:, None], float("nan"))
+    labels = y.clone().masked_fill(~written, -5)
+    exchange.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
+    results["gathered"] = {"centres": centres, "labels": labels}
+    lists = exchange.neighbour_lists(x, y, K, backend="torch", chunk_bytes=5 * K * 8)
+    results["lists_small_rounds"] = lists.indices
+
+    # Rows that no rank embeds: a clear error on every rank, the bank untouched.
+    sub = torch.utils.data.Subset(ds, list(range(N - 3)))
+    loader = DataLoader(sub, batch_size=5, sampler=nkd.distributed_sampler(sub, shuffle=False))
+    bank = empty_bank()
+    bank.centres.fill_(7.0)
+    try:
+        Refresher(bank, make_model(), loader, K, backend="torch", progress=False).refresh()
+        results["missing_error"] = None
+    except ValueError as exc:
+        results["missing_error"] = str(exc)
+    results["missing_untouched"] = bool((bank.centres == 7.0).all())
+    try:
+        Refresher(empty_bank(), make_model(), loader, K, progress=False).refresh_async()
+        results["async_error"] = None
+    except RuntimeError as exc:
+        results["async_error"] = str(exc)
+    finish(results, rank, out_dir)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run(worker, str(tmp_path_factory.mktemp("exchange")))
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+# ---------------------------------------------------------------------------- tests
+def test_refreshed_bank_identical_on_every_rank(results):
+    r0, r1 = results[0]["refresh_dist"], results[1]["refresh_dist"]
+    assert r0.keys() == r1.keys() and "fp32" in r0
+    for name in r0:
+        _same(r0[name], r1[name])
+
+
+def test_distributed_refresh_equals_single_process(results):
+    single, multi = results[0]["refresh_single"], results[0]["refresh_dist"]
+    assert single.keys() == multi.keys()
+    for name in single:
+        s, m = single[name], multi[name]
+        # Rows embedded in other batch compositions may differ in the last bits.
+        tol = dict(rtol=1e-2, atol=1e-2) if s["centres"].dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(m["centres"], s["centres"], **tol)
+        assert m["centres"].dtype == s["centres"].dtype
+        assert torch.equal(m["labels"], s["labels"]), name
+        assert torch.equal(m["neighbours"], s["neighbours"]), name
+        assert m["num_patched"] == s["num_patched"] > 0, name
+        assert m["positive_share"] == s["positive_share"], name
+    assert torch.equal(single["fp32"]["labels"], make_data()[1])
+
+
+def test_rows_written_twice_take_the_lowest_rank(results):
+    owner = torch.where(torch.arange(N) < 3, 0, torch.arange(N) % WORLD)
+    expected = (owner + 1).float()[:, None].expand(N, D)
+    x, y = make_data()
+    for r in results:
+        assert torch.equal(r["gathered"]["centres"], expected)
+        assert torch.equal(r["gathered"]["labels"], y)
+        single = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices
+        assert torch.equal(r["lists_small_rounds"], single)
+
+
+def test_rows_nobody_embedded_raise_on_every_rank(results):
+    for r in results:
+        assert r["missing_error"] is not None and "no rank's loader yielded 3" in r["missing_error"]
+        assert "[34, 35, 36]" in r["missing_error"]
+        assert r["missing_untouched"]
+
+
+def test_async_refresh_refused(results):
+    for r in results:
+        assert r["async_error"] is not None and "async_mode=False" in r["async_error"]
+
+
+def test_single_process_is_the_single_process_search():
+    """Without a process group the list search is the plain one and async refresh is allowed."""
+    assert not nkd.is_distributed()
+    x, y = make_data()
+    for ensure_positive in (False, True):
+        got = exchange.neighbour_lists(x, y, K, backend="torch", ensure_positive=ensure_positive)
+        want = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch",
+                                                   ensure_positive=ensure_positive)
+        assert torch.equal(got.indices, want.indices) and got.num_patched == want.num_patched
+    exchange.check_async_refresh()

@@ -305,6 +305,10 @@ class CentreBank(nn.Module):
         # checked as the bank holds it). A bad bank is refused naming the field.
         names = ("centres", "labels", "neighbours", "log_weights")
         given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
+        if not all(isinstance(t, Tensor) for t in given.values()):
+            # Not a tensor: PyTorch's own load error (raised by load_state_dict) names it.
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                                 missing_keys, unexpected_keys, error_msgs)
         validate_bank_tensors(given["centres"], given["labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
         # Banks change size (growth, other K): take the saved shapes instead of refusing them.

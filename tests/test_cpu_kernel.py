@@ -792,7 +792,8 @@ def _copy_compiler(path, lib, log=None):
 
 
 def _key_path(cache, cxx, flags=None):
-    return os.path.join(str(cache), f"nnk_cpu_{cpu._cache_key(cxx, flags or cpu.FLAGS + cpu.THREAD_FLAGS)}.so")
+    key = cpu._cache_key(cxx, flags or cpu.FLAGS + cpu.THREAD_FLAGS)
+    return os.path.join(str(cache), f"nnk_cpu_{key}.so")
 
 
 def _record(path):

@@ -21,10 +21,10 @@ Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
 
 ``fit(..., resume=True)`` continues from ``checkpoint.pt``: same parameters, same bank, same
 optimiser state, the log continued where the checkpoint left it. A checkpoint of other data
-(another N, other labels, another embedding size) is refused, naming what differs. Every epoch reseeds the RNGs
-from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same whether or not the
-run was interrupted before it (leave the DataLoader's ``generator`` unset for this: it then
-draws from torch's global RNG).
+(another N, other labels, another embedding size) is refused, naming what differs. Every epoch
+reseeds the RNGs from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same
+whether or not the run was interrupted before it (leave the DataLoader's ``generator`` unset
+for this: it then draws from torch's global RNG).
 
 Under torchrun (after :func:`nnkloss.bank.distributed.init_from_env`) the same loop runs one process
 per GPU: give it loaders over each rank's share (:func:`nnkloss.bank.distributed.shard_loader`); the

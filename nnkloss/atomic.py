@@ -2,17 +2,21 @@
 
 The data goes to a temporary file in the target's directory, is flushed and fsync'ed, then
 renamed over the target with ``os.replace``; the directory is fsync'ed so that the rename itself
-survives a crash. A failure at any point leaves the previous file intact and no temporary file.
+survives a crash. A failure at any point leaves the previous file intact and no temporary file;
+a process killed mid-write (kill -9, power loss) leaves its temporary file, which
+:func:`remove_stale_temps` removes.
 """
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
-from typing import Callable, IO, Union
+import time
+from typing import Callable, IO, List, Union
 
 from .validation import require_parent_dir
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "remove_stale_temps"]
 
 
 def _fsync_dir(directory: str) -> None:
@@ -39,7 +43,7 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
     """
     path = require_parent_dir(name, path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp",
                                dir=directory)
     try:
         # mkstemp makes the file 0600; keep the target's mode (or a usual 0644) instead.
@@ -64,3 +68,39 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
         raise
     _fsync_dir(directory)
     return path
+
+
+def _temp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}."
+
+
+def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
+    """Remove the temporary files that interrupted :func:`atomic_write` calls for ``path`` left
+    behind (``.<name>.<random>.tmp`` beside it): regular files of this user last modified more
+    than ``older_than_s`` seconds ago (0: all; use a margin when another process may be writing
+    the same target right now). Returns the paths removed."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _temp_prefix(path)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for name in names:
+        middle = name[len(prefix):-len(".tmp")]
+        # mkstemp's 8 random characters: never another target's temporary (".<name>.bak.x.tmp")
+        if not (name.startswith(prefix) and name.endswith(".tmp") and len(middle) == 8
+                and all(c.isalnum() or c == "_" for c in middle)):
+            continue
+        tmp = os.path.join(directory, name)
+        try:
+            st = os.lstat(tmp)  # never follows a link
+            if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+                    and now - st.st_mtime >= older_than_s):
+                os.unlink(tmp)
+                removed.append(tmp)
+        except FileNotFoundError:  # removed meanwhile (a writer finishing)
+            pass
+    return removed

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import nnkloss
+from nnkloss.checksum import load_checked, save_checked
 
 
 def setup():
@@ -103,15 +104,15 @@ def test_load_bank_refuses_nonfinite_log_weights(tmp_path):
     path = tmp_path / "bank.pt"
     for bad, learned in [(float("nan"), False), (float("inf"), False), (-float("inf"), True)]:
         nnkloss.save_bank(bank, path)
-        state = torch.load(path, weights_only=True)
+        state = load_checked(path)
         state["log_weights"][3] = bad
         state["learn_weights"] = learned
-        torch.save(state, path)
+        save_checked(state, path)
         with pytest.raises(ValueError, match="log_weights"):
             nnkloss.load_bank(path)
     # A zero weight (-inf) of a fixed-weight bank is legal, as in CentreBank.update_.
     state["learn_weights"] = False
-    torch.save(state, path)
+    save_checked(state, path)
     loaded, _, _ = nnkloss.load_bank(path)
     assert float(loaded.weights[3]) == 0.0
 
@@ -132,3 +133,68 @@ def test_classifier_k_beyond_the_bank_uses_every_centre():
     a = nnkloss.NeighbourKernelClassifier(bank, k=100, sigma=1.0).predict_proba(emb)
     b = nnkloss.NeighbourKernelClassifier(bank, k=10, sigma=1.0).predict_proba(emb)
     torch.testing.assert_close(a, b)
+
+
+def _bank20():
+    g = torch.Generator().manual_seed(4)
+    bank = nnkloss.CentreBank(torch.randn(20, 3, generator=g), torch.arange(20) % 3)
+    bank.rebuild_neighbours(4, backend="torch")
+    return bank
+
+
+def _bad_bank_states():
+    """(what, field, change to a state of a 20-row bank) of issue 18, finding 4."""
+    def nb_at(v):
+        return lambda s: s["neighbours"].__setitem__((2, 1), v)
+
+    def centre_at(v):
+        return lambda s: s["centres"].__setitem__((5, 0), v)
+    return [
+        ("index 99 with N = 20", "neighbours", nb_at(99), IndexError, "index 99"),
+        ("index -5", "neighbours", nb_at(-5), IndexError, "index -5"),
+        ("NaN centre", "centres", centre_at(float("nan")), ValueError, "NaN or inf"),
+        ("inf centre", "centres", centre_at(float("inf")), ValueError, "NaN or inf"),
+        ("25 labels for 20 centres", "labels",
+         lambda s: s.__setitem__("labels", torch.arange(25, dtype=torch.int32) % 3),
+         ValueError, "labels has length 25"),
+        ("lists for 10 of 20 rows", "neighbours",
+         lambda s: s.__setitem__("neighbours", s["neighbours"][:10].clone()),
+         ValueError, "one row per centre"),
+        ("float labels", "labels", lambda s: s.__setitem__("labels", s["labels"].float()),
+         TypeError, "integer"),
+        ("1-D centres", "centres", lambda s: s.__setitem__("centres", s["centres"][:, 0].clone()),
+         ValueError, "2-D"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_load_state_dict_validates_the_whole_bank(case):
+    """CentreBank.load_state_dict (directly, or through a loss) refuses what update_ refuses,
+    naming the field, and leaves the bank unchanged."""
+    what, field, change, exc, match = _bad_bank_states()[case]
+    bank = _bank20()
+    before = {k: v.clone() for k, v in bank.state_dict().items()}
+    state = {k: v.clone() for k, v in bank.state_dict().items()}
+    change(state)
+    with pytest.raises(exc, match=match) as info:
+        bank.load_state_dict(state)
+    assert str(info.value).startswith(field), str(info.value)
+    for k, v in bank.state_dict().items():
+        assert torch.equal(v, before[k]), (what, k)
+    loss_fn = nnkloss.NeighbourKernelLoss(_bank20())
+    prefixed = {f"bank.{k}": v for k, v in state.items()}
+    prefixed["log_sigma"] = loss_fn.log_sigma.detach().clone()
+    with pytest.raises(exc, match=f"bank.{field}"):
+        loss_fn.load_state_dict(prefixed)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_load_bank_validates_the_whole_bank(case, tmp_path):
+    what, field, change, exc, match = _bad_bank_states()[case]
+    path = tmp_path / "bank.pt"
+    nnkloss.save_bank(_bank20(), path)
+    state = load_checked(path)
+    change(state)
+    save_checked(state, path)                   # a well-formed file holding a bad bank
+    with pytest.raises(exc, match=f"checkpoint {field}"):
+        nnkloss.load_bank(path)

@@ -105,7 +105,49 @@ class Evil:
 
 
 def test_load_is_weights_only(tmp_path):
-    """A file holding an arbitrary pickled object is refused (no code runs at load)."""
-    torch.save({"format": "nnkloss.CentreBank", "obj": Evil()}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
+    """A file holding an arbitrary pickled object is refused (no code runs at load), even with
+    a valid checksum (anyone who can write the file can compute one)."""
+    from nnkloss.checksum import save_checked
+    save_checked({"format": "nnkloss.CentreBank", "obj": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="[Ww]eights only|weights_only|Unsupported"):
         load_bank(tmp_path / "evil.pt")
+    torch.save({"format": "nnkloss.CentreBank", "obj": Evil()}, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="[Ww]eights only|weights_only|Unsupported"):
+        load_bank(tmp_path / "old.pt", allow_unchecked=True)
+
+
+def test_a_flipped_bit_anywhere_is_refused_naming_the_file(tmp_path):
+    """The payload's sha256 is checked before anything is unpickled: one flipped bit, in the
+    header or the payload (torch does not check its zip CRCs), is an error naming the file."""
+    path = tmp_path / "bank.pt"
+    save_bank(make_bank(), path, step=3)
+    good = path.read_bytes()
+    g = torch.Generator().manual_seed(0)
+    positions = [0, 20, 40, len(good) // 2, len(good) - 1]
+    positions += torch.randint(0, len(good), (40,), generator=g).tolist()
+    for pos in positions:
+        bad = bytearray(good)
+        bad[pos] ^= 1 << int(torch.randint(0, 8, (), generator=g))
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=f"{path}"):
+            load_bank(path)
+    for cut in (10, 80, len(good) // 3, len(good) - 1):
+        path.write_bytes(good[:cut])
+        want = "no checksum" if cut < 15 else "does not match its sha256"
+        with pytest.raises(ValueError, match=want):
+            load_bank(path)
+    path.write_bytes(good)
+    assert load_bank(path)[1] == 3
+
+
+def test_file_without_checksum_is_read_only_when_asked(tmp_path):
+    """A checkpoint written before checksums: refused by default, read (weights-only and
+    validated) with allow_unchecked=True."""
+    bank = make_bank()
+    from nnkloss.checksum import load_checked
+    save_bank(bank, tmp_path / "new.pt", step=4)
+    torch.save(load_checked(tmp_path / "new.pt"), tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="no checksum.*allow_unchecked=True"):
+        load_bank(tmp_path / "old.pt")
+    loaded, step, _ = load_bank(tmp_path / "old.pt", allow_unchecked=True)
+    assert step == 4 and torch.equal(loaded.centres, bank.centres)

@@ -279,7 +279,9 @@ def test_build_is_atomic_when_processes_race(tmp_path):
     for t in threads:
         t.join()
     assert not errors and len(set(paths)) == 1
-    assert os.listdir(tmp_path) == [os.path.basename(paths[0])]  # no temporary left behind
+    name = os.path.basename(paths[0])                   # no temporary left behind
+    assert sorted(os.listdir(tmp_path)) == [name, name + ".sha256"]
+    os.close(cpu._open_verified(paths[0]))              # the library matches its record
 
 
 @pytest.fixture
@@ -487,7 +489,8 @@ def test_fresh_build_into_an_empty_cache(monkeypatch, fresh_state, tmp_path):
     wall = time.perf_counter() - t0
     info = cpu.build_info()
     assert info["error"] is None
-    assert os.listdir(cache) == [os.path.basename(info["path"])]
+    name = os.path.basename(info["path"])
+    assert sorted(os.listdir(cache)) == [name, name + ".sha256"]   # the library and its record
     assert os.path.dirname(info["path"]) == str(cache) and cpu.library_path() == info["path"]
     assert os.path.basename(info["path"]).startswith("nnk_cpu_")
     assert 0 < info["compile_s"] <= wall
@@ -631,14 +634,23 @@ def test_compile_stages_a_hidden_file_and_reports_the_last_error_line(tmp_path):
     good = _fake_compiler(tmp_path / "good", write="ELF")
     path = cpu._compile(good, cpu.FLAGS, str(out_dir))
     assert path == str(out_dir / f"nnk_cpu_{cpu._cache_key(good, cpu.FLAGS)}.so")
-    assert os.listdir(out_dir) == [os.path.basename(path)]
+    name = os.path.basename(path)
+    assert sorted(os.listdir(out_dir)) == [name, name + ".sha256"]
     with open(path) as f:
         assert f.read() == "ELF"
+    assert os.stat(path).st_mode & 0o777 == 0o755
+    record = open(path + ".sha256").read()
+    assert record == __import__("hashlib").sha256(b"ELF").hexdigest() + "\n"
+    inode = os.stat(path).st_ino
+    assert cpu._compile(good, cpu.FLAGS, str(out_dir)) == path     # verified: reused
+    assert os.stat(path).st_ino == inode                           # (a rebuild renames anew)
+    # A library changed after its build (here: rewritten) no longer matches its record: it is
+    # rebuilt, never reused (before issue 18 this test asserted the opposite).
     with open(path, "w") as f:
         f.write("OLD")
-    assert cpu._compile(good, cpu.FLAGS, str(out_dir)) == path     # cached: not rebuilt
+    assert cpu._compile(good, cpu.FLAGS, str(out_dir)) == path
     with open(path) as f:
-        assert f.read() == "OLD"
+        assert f.read() == "ELF"
 
 
 @kernel
@@ -693,3 +705,250 @@ def test_kernel_error_codes_are_raised(monkeypatch):
         cpu.centre_grad(emb, centres, nb, torch.ones(nb.shape))
     with pytest.raises(RuntimeError, match=r"^nnk_scale_rows failed \(code 5\)$"):
         cpu.scale_rows(torch.randn(3, 2), torch.ones(3))
+
+
+# ---------------------------------------------------------------- nothing loaded unchecked
+# (issue 18). A stand-in compiler that copies a given library to its -o file makes a "build"
+# instant, so these tests can build as often as they need, in fresh processes too.
+
+def _copy_compiler(path, lib, log=None):
+    lines = ["#!/bin/sh", 'if [ "$1" = "--version" ]; then echo "copycxx 1.0"; exit 0; fi']
+    if log:
+        lines.append(f'echo built >> "{log}"')
+    lines += ['out=""; prev=""',
+              'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done',
+              f'cp "{lib}" "$out"']
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def _key_path(cache, cxx, flags=None):
+    key = cpu._cache_key(cxx, flags or cpu.FLAGS + cpu.THREAD_FLAGS)
+    return os.path.join(str(cache), f"nnk_cpu_{key}.so")
+
+
+def _record(path):
+    import hashlib
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(path + ".sha256", "w") as f:
+        f.write(digest + "\n")
+
+
+def _in_fresh_process(code, env_extra, timeout=240):
+    """Run ``code`` in a new interpreter (a SIGBUS or a foreign constructor there shows as a
+    failed test, not a dead pytest)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=root)
+
+
+def _compile_c(tmp_path, name, source):
+    c = tmp_path / f"{name}.c"
+    c.write_text(source)
+    out = tmp_path / f"{name}.so"
+    import subprocess
+    subprocess.run([cpu._compiler(), "-shared", "-fPIC", "-x", "c", str(c), "-o", str(out)],
+                   check=True, capture_output=True)
+    return str(out)
+
+
+_REPORT = ("import warnings, json\n"
+           "warnings.simplefilter('ignore')\n"
+           "from nnkloss.ops import cpu\n"
+           "print(json.dumps([cpu.available(), cpu.build_info()]))\n")
+
+
+@kernel
+def test_truncated_library_is_rebuilt_never_loaded(tmp_path):
+    """Cut to 25/50/75 % (what a power loss before the rename could leave, with or without its
+    record), the cached library is rebuilt; before issue 18 ctypes mapped it and the process
+    died of SIGBUS."""
+    real = cpu.library_path()
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    cxx = _copy_compiler(tmp_path / "copycxx", real)
+    target = _key_path(cache, cxx)
+    data = open(real, "rb").read()
+    code = ("import warnings, json, os\n"
+            "warnings.simplefilter('ignore')\n"
+            "from nnkloss.ops import cpu\n"
+            "out = []\n"
+            f"target, data = {target!r}, open({real!r}, 'rb').read()\n"
+            "for frac, keep_record in ((0.25, True), (0.5, False), (0.75, True)):\n"
+            "    cpu._reset_for_tests()\n"
+            # a new file: cutting the one the last trial loaded would hit its live mapping
+            "    os.unlink(target)\n"
+            "    with open(target, 'wb') as f:\n"
+            "        f.write(data[:int(len(data) * frac)])\n"
+            "    if not keep_record and os.path.exists(target + '.sha256'):\n"
+            "        os.unlink(target + '.sha256')\n"
+            "    out.append([cpu.available(), open(target, 'rb').read() == data])\n"
+            "print(json.dumps(out))\n")
+    with open(target, "wb") as f:
+        f.write(data)
+    _record(target)                                   # the record of the complete library
+    proc = _in_fresh_process(code, {"NNKLOSS_CACHE_DIR": str(cache), "NNKLOSS_CXX": cxx})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    import json
+    assert json.loads(proc.stdout.splitlines()[-1]) == [[True, True]] * 3
+
+
+@kernel
+def test_planted_library_in_a_shared_cache_never_runs(tmp_path):
+    """A world-writable cache directory (or one owned by someone else) is not used: a library
+    planted there under the computable key, with a matching record, never runs its
+    constructor; the kernel is built in the private fallback directory instead."""
+    real = cpu.library_path()
+    marker = tmp_path / "pwned"
+    evil = _compile_c(tmp_path, "evil", "#include <stdio.h>\n"
+                      "__attribute__((constructor)) static void run(void) {\n"
+                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    cxx = _copy_compiler(tmp_path / "copycxx", real)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)                               # like a shared /tmp directory
+    planted = _key_path(shared, cxx)
+    import shutil
+    shutil.copy(evil, planted)
+    _record(planted)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _in_fresh_process(_REPORT, {"NNKLOSS_CACHE_DIR": str(shared), "NNKLOSS_CXX": cxx,
+                                       "TMPDIR": str(tmp)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not marker.exists()
+    import json
+    ok, info = json.loads(proc.stdout.splitlines()[-1])
+    assert ok and os.path.dirname(info["path"]) == str(tmp / f"nnkloss-{os.getuid()}")
+
+
+@kernel
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file owned by another user needs root")
+def test_foreign_library_or_directory_is_refused(tmp_path):
+    """A library (or its record) owned by another user is rebuilt, even in our own private
+    directory; a cache directory owned by another user is not used at all."""
+    real = cpu.library_path()
+    marker = tmp_path / "pwned"
+    evil = _compile_c(tmp_path, "evil", "#include <stdio.h>\n"
+                      "__attribute__((constructor)) static void run(void) {\n"
+                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    cxx = _copy_compiler(tmp_path / "copycxx", real)
+    import shutil
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    planted = _key_path(cache, cxx)
+    shutil.copy(evil, planted)
+    _record(planted)
+    os.chown(planted, 65534, 65534)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    shutil.copy(evil, _key_path(theirs, cxx))
+    _record(_key_path(theirs, cxx))
+    os.chown(theirs, 65534, 65534)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    import json
+    for d, where in ((cache, cache), (theirs, tmp / f"nnkloss-{os.getuid()}")):
+        proc = _in_fresh_process(_REPORT, {"NNKLOSS_CACHE_DIR": str(d), "NNKLOSS_CXX": cxx,
+                                           "TMPDIR": str(tmp)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ok, info = json.loads(proc.stdout.splitlines()[-1])
+        assert ok and os.path.dirname(info["path"]) == str(where)
+        assert not marker.exists()
+    assert os.stat(planted).st_uid == os.geteuid()            # replaced by our own build
+    assert open(planted, "rb").read() == open(real, "rb").read()
+
+
+@kernel
+def test_writable_library_is_rebuilt(monkeypatch, fresh_state, tmp_path):
+    """A library of ours that group or others may write to is not trusted: rebuilt."""
+    real = cpu.library_path()
+    log = tmp_path / "log"
+    cxx = _copy_compiler(tmp_path / "copycxx", real, log=log)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    target = _key_path(cache, cxx)
+    import shutil
+    shutil.copy(real, target)
+    _record(target)
+    os.chmod(target, 0o777)
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(cache))
+    monkeypatch.setenv("NNKLOSS_CXX", cxx)
+    cpu._reset_for_tests()                              # forget the library found above
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu.available()
+    assert log.read_text().splitlines() == ["built"]
+    assert os.stat(target).st_mode & 0o777 == 0o755
+    _check_library_works()
+
+
+def test_no_private_cache_directory_runs_the_plain_path(monkeypatch, fresh_state, tmp_path):
+    """Neither the configured directory nor <tmp>/nnkloss-<uid> private: a one-line warning
+    naming both and why, then the plain path (nothing built, nothing loaded)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(shared))
+    monkeypatch.setattr(cpu.tempfile, "tempdir", str(tmp_path / "tmp"))
+    fallback = tmp_path / "tmp" / f"nnkloss-{os.getuid()}"
+    fallback.mkdir(parents=True)
+    fallback.chmod(0o775)
+    monkeypatch.setattr(cpu, "_compile", lambda *a: pytest.fail("must not build"))
+    with pytest.warns(RuntimeWarning, match=r"no private cache directory \(.*shared is writable "
+                                            r"by group or others \(mode 0o777\); .*nnkloss-\d+ is "
+                                            r"writable by group or others"):
+        assert not cpu.available()
+    inputs = make(seed=11)
+    from nnkloss.ops import reference as torch_path
+    for a, b in zip(cpu.forward(*inputs)[:4], torch_path.forward(*inputs)[:4]):
+        torch.testing.assert_close(a, b)
+
+
+def test_missing_cache_directory_is_created_private(tmp_path):
+    d = tmp_path / "a" / "b"
+    assert cpu._private_dir(str(d)) == str(d)
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError):
+        cpu._private_dir(str(tmp_path / "file"))
+
+
+@kernel
+def test_library_without_the_kernel_symbols_falls_back(monkeypatch, fresh_state, tmp_path):
+    """A library that loads but lacks an entry point: each flag set is tried, and the failure
+    is the one-line warning, not an AttributeError (which used to skip the second attempt)."""
+    empty = _compile_c(tmp_path, "empty", "int nothing_here(void) { return 0; }\n")
+    cxx = _copy_compiler(tmp_path / "copycxx", empty)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(cache))
+    monkeypatch.setenv("NNKLOSS_CXX", cxx)
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(.*nnk_forward.*; .*nnk_forward.*\); "
+                                            r"using the plain PyTorch path"):
+        assert not cpu.available()
+
+
+def test_library_is_fsynced_before_the_rename(monkeypatch, tmp_path):
+    """The bytes reach the disk before the name: fsync of the staged file, then os.replace."""
+    good = _fake_compiler(tmp_path / "good", write="ELF")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", str(a)))
+        return real_replace(a, b)
+    monkeypatch.setattr(cpu.os, "fsync", fsync)
+    monkeypatch.setattr(cpu.os, "replace", replace)
+    cpu._compile(good, cpu.FLAGS, str(tmp_path))
+    staged = [e for e in events if e[1].endswith(".so") and "/.nnk_cpu_" in e[1]]
+    assert staged[0][0] == "fsync" and staged[1] == ("replace", staged[0][1])

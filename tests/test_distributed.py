@@ -25,8 +25,10 @@ STEPS, GLOBAL_BATCH = 3, 12
 def fixed_bank():
     """A bank whose lists leave some rows without a positive: per-rank valid counts differ."""
     g = torch.Generator().manual_seed(2)
-    bank = CentreBank(torch.randn(N, D, generator=g), torch.randint(0, CLASSES, (N,), generator=g),
-                      weights=torch.rand(N, generator=g) + 0.5)
+    centres = torch.randn(N, D, generator=g)
+    torch.randint(0, CLASSES, (N,), generator=g)  # (drawn as before: the same weights follow)
+    # The data's own labels: the loss refuses a batch whose labels disagree with the bank's.
+    bank = CentreBank(centres, make_data()[1], weights=torch.rand(N, generator=g) + 0.5)
     bank.rebuild_neighbours(K, backend="torch")
     return bank
 

@@ -192,3 +192,61 @@ def test_module_backends_agree_with_learned_parameters():
         results[backend] = [loss, emb.grad, fn.log_sigma.grad, bank.log_weights.grad]
     for a, b in zip(results["torch"], results["triton"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- misaligned idx (issue 18)
+def _aligned_batch(bank, B=8, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(bank.num_centres, generator=g)[:B]
+    emb = bank.centres[idx] + 0.1 * torch.randn(B, bank.dim, generator=g)
+    return emb, bank.labels[idx].long(), idx
+
+
+@pytest.mark.parametrize("cls", ["nngk", "ccml"])
+def test_misaligned_idx_raises_naming_idx_and_labels(cls):
+    """labels that disagree with bank.labels[idx] (a loader whose idx is off by one): before
+    issue 18 a plausible loss came back; with value checks on it is an error."""
+    bank = make_bank(N=30, C=3)
+    fn = (nnkloss.NeighbourKernelLoss(bank, sigma=1.0) if cls == "nngk"
+          else nnkloss.ClassConditionalLoss(bank, k=2, sigma=1.0))
+    emb, labels, idx = _aligned_batch(bank)
+    shifted = (idx + 1) % bank.num_centres                  # off by one
+    assert bool((bank.labels[shifted] != labels).any())
+    with pytest.raises(ValueError, match=r"labels disagree with the bank's labels at idx .*"
+                                         r"idx\[\d+\] = \d+, whose bank label is \d+, but "
+                                         r"labels\[\d+\] = \d+"):
+        fn(emb, labels, shifted)
+    fn(emb, labels, idx)                                    # aligned: fine
+    assert int(fn.last_stats.num_mismatched) == 0 and int(fn.last_num_mismatched) == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_misaligned_rows_are_dropped_and_counted_without_checks(reduction):
+    """With value checks off (no host sync) disagreeing rows are dropped: zero loss and zero
+    gradient, out of the mean, counted in last_stats.num_mismatched (a 0-dim tensor); the
+    other rows give exactly what they give alone."""
+    bank = make_bank(N=30, C=3)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, reduction=reduction)
+    emb, labels, idx = _aligned_batch(bank, B=10)
+    bad = labels.clone()
+    bad[[1, 4, 7]] = (labels[[1, 4, 7]] + 1) % 3
+    keep = torch.ones(10, dtype=torch.bool)
+    keep[[1, 4, 7]] = False
+    x = emb.clone().requires_grad_()
+    with nnkloss.value_checks(False):
+        out = fn(x, bad, idx)
+    stats = fn.last_stats
+    assert stats.num_mismatched.dim() == 0 and int(stats.num_mismatched) == 3
+    loss, per_row, valid = stats                            # still the 3-tuple
+    assert not valid[~keep].any() and torch.equal(per_row[~keep], torch.zeros(3))
+    out.sum().backward()
+    assert torch.equal(x.grad[~keep], torch.zeros(3, bank.dim))
+    x2 = emb[keep].clone().requires_grad_()
+    alone = fn(x2, labels[keep], idx[keep])
+    alone.sum().backward()
+    if reduction == "none":
+        torch.testing.assert_close(out[keep], alone)
+    else:
+        torch.testing.assert_close(out, alone)
+    torch.testing.assert_close(x.grad[keep], x2.grad)
+    assert int(fn.last_num_mismatched) == 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import nnkloss
+from nnkloss.checksum import load_checked, save_checked
 
 
 # ----------------------------------------------------------------------- nnkloss.ops.reference
@@ -216,7 +217,7 @@ def test_load_is_weights_only_whatever_torch_defaults_to(tmp_path, monkeypatch):
     """weights_only=True is passed explicitly: still refused where torch's own default is
     weights_only=False (torch < 2.6, which setup.py allows, or this variable). Kills
     checkpoint.load_bank 9, 12."""
-    torch.save({"format": "nnkloss.CentreBank", "obj": _Evil()}, tmp_path / "evil.pt")
+    save_checked({"format": "nnkloss.CentreBank", "obj": _Evil()}, tmp_path / "evil.pt")
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
         nnkloss.load_bank(tmp_path / "evil.pt")
@@ -231,14 +232,20 @@ def test_load_bank_honours_map_location_and_refuses_newer_versions(tmp_path):
     seen = []
     bank, step, _ = nnkloss.load_bank(path, map_location=lambda s, loc: seen.append(loc) or s)
     assert seen and set(seen) == {"cpu"} and bank.num_centres == 12
-    state = torch.load(path, weights_only=True)
+    state = load_checked(path)
     state["version"] = 2
-    torch.save(state, tmp_path / "new.pt")
+    save_checked(state, tmp_path / "new.pt")
     with pytest.raises(ValueError, match="checkpoint version 2 is newer than this nnkloss reads"):
         nnkloss.load_bank(tmp_path / "new.pt")
-    (tmp_path / "torn.pt").write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"not a readable nnkloss CentreBank checkpoint "
-                                         r"\(RuntimeError: "):
+    # Since issue 18 a torn file fails its checksum; junk behind a valid checksum still gets
+    # torch's own error, named.
+    import hashlib
+    from nnkloss.checksum import MAGIC
+    junk = b"PK not a zip at all"
+    (tmp_path / "torn.pt").write_bytes(MAGIC + hashlib.sha256(junk).hexdigest().encode() + b"\n"
+                                       + junk)
+    with pytest.raises(ValueError, match=r"CentreBank checkpoint\) cannot be read safely "
+                                         r"\(UnpicklingError: Weights only load failed"):
         nnkloss.load_bank(tmp_path / "torn.pt")
 
 
@@ -247,16 +254,18 @@ def test_load_bank_reads_old_files_and_names_bad_log_weights(tmp_path):
     checkpoint's. Kills checkpoint.load_bank 25, 27, 52-54, 62, 66."""
     path = tmp_path / "b.pt"
     nnkloss.save_bank(_bank(), path)
-    state = torch.load(path, weights_only=True)
+    state = load_checked(path)
     old = dict(state)
     del old["version"]
-    torch.save(old, tmp_path / "old.pt")
+    save_checked(old, tmp_path / "old.pt")
     assert nnkloss.load_bank(tmp_path / "old.pt")[0].num_centres == 12
-    for value, match in (([0.0] * 12, r"^checkpoint log_weights is not a tensor$"),
-                         (torch.full((12,), float("nan")), r"^checkpoint log_weights contain NaN")):
+    for value, exc, match in (([0.0] * 12, TypeError,
+                               r"^checkpoint log_weights must be a tensor, got list$"),
+                              (torch.full((12,), float("nan")), ValueError,
+                               r"^checkpoint log_weights contain NaN")):
         bad = dict(state, log_weights=value)
-        torch.save(bad, tmp_path / "bad.pt")
-        with pytest.raises(ValueError, match=match):
+        save_checked(bad, tmp_path / "bad.pt")
+        with pytest.raises(exc, match=match):
             nnkloss.load_bank(tmp_path / "bad.pt")
 
 
@@ -272,7 +281,7 @@ def test_save_bank_argument_errors_and_version_field(tmp_path):
     with pytest.raises(TypeError, match=r"^extra must be a dict or None, got list$"):
         nnkloss.save_bank(bank, path, extra=[1])
     nnkloss.save_bank(bank, path, step=7)
-    state = torch.load(path, weights_only=True)
+    state = load_checked(path)
     assert state["format"] == "nnkloss.CentreBank" and state["version"] == 1
     assert nnkloss.load_bank(path)[1] == 7
 

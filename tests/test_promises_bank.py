@@ -91,7 +91,8 @@ def forward_backward_without_sync(device, backend, guard):
     emb = torch.randn(7, 8, generator=g).to(device).requires_grad_(True)
     idx = torch.randint(0, 40, (7,), generator=g).to(device)
     labels = bank.labels[idx].clone()
-    with guard():
+    # Value checks off: since issue 18 they compare labels with bank.labels[idx] (one read).
+    with guard(), nnkloss.value_checks(False):
         loss = fn(emb, labels, idx)
         loss.backward()
         fn.last_num_valid  # noqa: B018 - a 0-dim tensor, not read

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from nnkloss import CentreBank, NeighbourKernelLoss
+from nnkloss.experiment.checkpoint import load as load_checkpoint_file
 from nnkloss.experiment.datasets import IndexedTensorDataset
 from nnkloss.bank.refresh import Refresher, RefreshSchedule
 from nnkloss.experiment.train import Trainer
@@ -123,7 +124,7 @@ def test_amp_on_cuda_runs_the_loss_in_fp32(tmp_path):
     h = tr.fit(3)
     assert set(dtypes) == {torch.float32}
     assert h[-1]["loss"] < h[0]["loss"]
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    state = load_checkpoint_file(tmp_path / "checkpoint.pt")
     assert state["scaler"] and state["scaler"]["scale"] > 0
 
 
@@ -178,7 +179,7 @@ def test_checkpoint_every(tmp_path):
     tr.save_checkpoint = spy
     tr.fit(5)
     assert saved == [2, 4, 5]  # every 2 epochs, and the last one
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    state = load_checkpoint_file(tmp_path / "checkpoint.pt")
     assert state["epoch"] == 5
     assert len(json.load(open(tmp_path / "log.json"))) == 5
 

@@ -12,6 +12,7 @@ from nnkloss.experiment.datasets import IndexedTensorDataset
 from nnkloss.experiment.evaluate import extract_embeddings
 from nnkloss.experiment.models import SoftmaxHead
 from nnkloss.bank.refresh import Refresher, RefreshSchedule
+from nnkloss.experiment import checkpoint as ckpt
 from nnkloss.experiment.train import Trainer, fit
 
 
@@ -192,7 +193,7 @@ def test_trainer_drives_refreshes_through_its_schedule(tmp_path):
     assert (schedule.epoch, schedule.global_step) == (4, 8)
     # Initial build (step 0); steps 3 and 6; end of epoch 2 (step 4); none after the last.
     assert fired == [0, 3, 4, 6]
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    state = ckpt.load(tmp_path / "checkpoint.pt")
     assert state["schedule"] == schedule.state_dict()
     fresh = RefreshSchedule(every_epochs=2, every_steps=3)
     tr2 = Trainer(model, loss, loader, lr=1e-3, refresher=refresher, schedule=fresh,
@@ -208,3 +209,129 @@ def test_trainer_refuses_a_schedule_it_cannot_drive():
     loss, refresher, _ = kernel_setup(model, ds, k=3)
     with pytest.raises(TypeError, match="schedule must be a nnkloss.RefreshSchedule"):
         Trainer(model, loss, DataLoader(ds), refresher=refresher, schedule=object())
+
+
+# ---------------------------------------------------------------- resume checks (issue 18)
+class _RunsCode:
+    """Unpickling this runs a command (what a crafted checkpoint.pt did before issue 18)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_resume_runs_no_code_from_the_checkpoint(tmp_path):
+    """A checkpoint.pt holding a pickled callable is refused, with or without a valid
+    checksum (anyone who can write the file can compute one); the command never runs."""
+    from nnkloss.checksum import save_checked
+    tr = _run(tmp_path, 1)
+    marker = tmp_path / "pwned"
+    state = tr.state_dict()
+    state["history"] = [_RunsCode(marker)]
+    for write in (lambda: save_checked(state, tmp_path / "checkpoint.pt"),
+                  lambda: torch.save(state, tmp_path / "checkpoint.pt")):
+        write()
+        with pytest.raises(ValueError, match="checkpoint.pt"):
+            _run(tmp_path, 2)
+        assert not marker.exists()
+
+
+def test_checkpoint_loads_weights_only():
+    """Everything the Trainer saves (RNG states included) is what the default weights-only
+    unpickler reads, with no allow-list; the RNG states restore exactly."""
+    import io
+    import random
+    import numpy as np
+    x, y = blobs(n_per=4)
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, schedule = kernel_setup(model, ds, k=3)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=8), optimizer="adam", lr=1e-3,
+                 refresher=refresher, schedule=schedule, progress=False)
+    tr.fit(1)
+    np.random.randn()                       # a cached Gaussian in NumPy's state too
+    random.gauss(0.0, 1.0)
+    buf = io.BytesIO()
+    torch.save(tr.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+
+    def draws():
+        return (random.random(), random.gauss(0.0, 1.0), float(np.random.randn()),
+                float(torch.rand(())))
+    first = draws()
+    ckpt.set_rng_state(state["rng"])
+    assert draws() == first
+    assert state["data"]["num_centres"] == 16 and state["data"]["embedding_dim"] == 6
+
+
+def _data_run(out_dir, n_per=24, dim=6, permute=False, epochs=1):
+    x, y = blobs(n_per=n_per, seed=2)
+    if permute:
+        y = y.flip(0)
+    ds = IndexedTensorDataset(x, y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, dim))
+    bank = CentreBank(torch.zeros(len(ds), dim), ds.labels.clone())
+    loss = NeighbourKernelLoss(bank, sigma=1.0)
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=6, backend="torch",
+                          progress=False)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), lr=1e-3, refresher=refresher,
+                 out_dir=str(out_dir), progress=False)
+    tr.fit(epochs)
+    return tr
+
+
+def test_resume_on_other_data_is_refused_naming_what_differs(tmp_path):
+    """A checkpoint of 96 training rows resumed on 80 (before issue 18 that trained on, with
+    the old bank), on other labels, or with another embedding size: an error naming it,
+    before anything is loaded."""
+    _data_run(tmp_path, epochs=1)
+    saved = open(tmp_path / "checkpoint.pt", "rb").read()
+    for kwargs, match in (({"n_per": 20}, r"N \(training examples, bank rows\): 96 in the "
+                                          r"checkpoint, 80 now"),
+                          ({"permute": True}, "labels"),
+                          ({"dim": 5}, "embedding size: 6 in the checkpoint, 5 now")):
+        with pytest.raises(ValueError, match=match) as info:
+            _data_run(tmp_path, epochs=2, **kwargs)
+        assert "checkpoint.pt" in str(info.value)
+        assert open(tmp_path / "checkpoint.pt", "rb").read() == saved  # nothing trained
+    assert _data_run(tmp_path, epochs=2).epoch == 2                     # the same data resumes
+
+
+def test_flipped_bit_in_a_trainer_checkpoint_is_refused(tmp_path):
+    """torch does not check its zip CRCs: before issue 18 a flipped bit in a tensor loaded
+    silently. Now any flipped bit is an error naming the file."""
+    _run(tmp_path, 1)
+    path = tmp_path / "checkpoint.pt"
+    good = path.read_bytes()
+    g = torch.Generator().manual_seed(1)
+    positions = torch.randint(100, len(good), (12,), generator=g).tolist()
+    positions += [len(good) - 30, 5]
+    for pos in positions:
+        bad = bytearray(good)
+        bad[pos] ^= 0x10
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match="checkpoint.pt"):
+            _run(tmp_path, 2)
+    path.write_bytes(good)
+    assert _run(tmp_path, 2).epoch == 2
+
+
+def test_stale_temporary_files_of_a_killed_write_are_removed(tmp_path):
+    """A write killed mid-way (kill -9) leaves ``.checkpoint.pt.<random>.tmp``; the next
+    resume removes it (others' files and other targets' temporaries stay)."""
+    _run(tmp_path, 1)
+    stale = tmp_path / ".checkpoint.pt.k9x_ab12.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    keep = [tmp_path / ".checkpoint.pt.bak.abcdefgh.tmp", tmp_path / "notes.tmp"]
+    for k in keep:
+        k.write_bytes(b"x")
+    tr = _run(tmp_path, 1)             # resume only (nothing left to train): still cleans
+    assert tr.epoch == 1 and not stale.exists()
+    assert all(k.exists() for k in keep)
+    stale.write_bytes(b"half a checkpoint")
+    tr.save_checkpoint()
+    assert not stale.exists()

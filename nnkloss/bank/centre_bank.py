@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..validation import compiling, require_float, require_int, require_labelled
 
-__all__ = ["CentreBank"]
+__all__ = ["CentreBank", "validate_bank_tensors"]
 
 
 def _validate_neighbours(neighbours: Tensor, n: int, name: str = "neighbours") -> Tensor:
@@ -63,6 +63,28 @@ def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
         raise ValueError(f"{name} hold zero weights (-inf), but learned weights must be "
                          "strictly positive")
     return log_w
+
+
+def validate_bank_tensors(centres: Tensor, labels: Tensor, neighbours: Tensor,
+                          log_weights: Tensor, learned: bool, prefix: str = "") -> None:
+    """What :meth:`CentreBank.update_` checks, for a whole bank read from disk (a state dict or
+    a checkpoint): centres (N, D) float and finite, labels (N,) integer, lists
+    (N, K) integer in -1..N-1, log-weights (N,) float (see :func:`_validate_log_weights`).
+    Raises an error that names the field (``prefix`` + name, e.g. ``bank.neighbours``)."""
+    for name, t in (("centres", centres), ("labels", labels), ("neighbours", neighbours),
+                    ("log_weights", log_weights)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{prefix}{name} must be a tensor, got {type(t).__name__}")
+    require_float(prefix + "centres", centres, 2)
+    n = centres.shape[0]
+    if centres.numel() and not torch.isfinite(centres).all():
+        raise ValueError(f"{prefix}centres contain NaN or inf")
+    require_int(prefix + "labels", labels, 1)
+    if labels.shape[0] != n:
+        raise ValueError(f"{prefix}labels has length {labels.shape[0]} but there are {n} "
+                         "centres")
+    _validate_neighbours(neighbours, n, prefix + "neighbours")
+    _validate_log_weights(log_weights, n, learned, prefix + "log_weights")
 
 
 class CentreBank(nn.Module):
@@ -278,6 +300,17 @@ class CentreBank(nn.Module):
     # ---------------------------------------------------------------- state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        # The whole bank is validated before anything changes, as update_ would: shapes, index
+        # ranges, label count, finite centres, log-weights (a field the state dict lacks is
+        # checked as the bank holds it). A bad bank is refused naming the field.
+        names = ("centres", "labels", "neighbours", "log_weights")
+        given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
+        if not all(isinstance(t, Tensor) for t in given.values()):
+            # Not a tensor: PyTorch's own load error (raised by load_state_dict) names it.
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                                 missing_keys, unexpected_keys, error_msgs)
+        validate_bank_tensors(given["centres"], given["labels"], given["neighbours"],
+                              given["log_weights"], learned=self.learn_weights, prefix=prefix)
         # Banks change size (growth, other K): take the saved shapes instead of refusing them.
         for name in ("centres", "labels", "neighbours"):
             key = prefix + name
@@ -287,9 +320,6 @@ class CentreBank(nn.Module):
                 if src.shape != cur.shape:
                     setattr(self, name, torch.empty(src.shape, dtype=cur.dtype, device=cur.device))
         key = prefix + "log_weights"
-        if key in state_dict:
-            _validate_log_weights(state_dict[key], state_dict[key].shape[0],
-                                  learned=self.learn_weights, name=key)
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
             # Same Parameter object, resized: optimisers holding it stay valid.
             self.log_weights.data = torch.empty_like(state_dict[key],

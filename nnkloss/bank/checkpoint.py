@@ -1,9 +1,12 @@
-"""Saving and loading a CentreBank: atomic writes, safe (weights-only) loads.
+"""Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
 
 A checkpoint holds the centres, labels, log-weights (and whether they are learned), the
 neighbour lists and a step counter, plus an optional ``extra`` dict (sigma, a schedule's
-``state_dict()``, ...). It is written with :func:`nnkloss.atomic.atomic_write`: a crash or error
-mid-write leaves the previous checkpoint intact, never a truncated one.
+``state_dict()``, ...). It is written with :func:`nnkloss.atomic.atomic_write` behind a sha256
+of its payload (:mod:`nnkloss.checksum`): a crash or error mid-write leaves the previous
+checkpoint intact, and a damaged file is refused on load. The bank read back is validated as
+:meth:`CentreBank.update_` validates writes (shapes, index ranges, label count, finite centres,
+weights) before it is built.
 """
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..atomic import atomic_write
-from .centre_bank import CentreBank, _validate_log_weights
+from ..checksum import UncheckedFileError, load_checked, save_checked
+from .centre_bank import CentreBank, validate_bank_tensors
 
 __all__ = ["save_bank", "load_bank"]
 
@@ -69,40 +72,50 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
         "step": int(step),
         "extra": extra,
     }
-    atomic_write(path, lambda f: torch.save(payload, f))
+    save_checked(payload, path)
 
 
-def load_bank(path, map_location=None) -> Tuple[CentreBank, int, Optional[dict]]:
+def load_bank(path, map_location=None, allow_unchecked: bool = False
+              ) -> Tuple[CentreBank, int, Optional[dict]]:
     """Read a checkpoint written by :func:`save_bank`: returns ``(bank, step, extra)``.
 
-    Uses ``torch.load(weights_only=True)``: no arbitrary code runs from the file.
-    ``map_location`` as in ``torch.load`` (None: the CPU, where :func:`save_bank` put the
-    tensors; e.g. "cuda" to load straight onto the GPU).
+    The payload's sha256 is verified first (a damaged file is a ValueError naming it), then it
+    is read with ``torch.load(weights_only=True)`` (no code runs from the file), and the bank is
+    validated like :meth:`CentreBank.update_` (an error naming the field, e.g.
+    ``checkpoint neighbours``). ``map_location`` as in ``torch.load`` (None: the CPU, where
+    :func:`save_bank` put the tensors; e.g. "cuda" to load straight onto the GPU).
+    ``allow_unchecked=True`` also reads files written before checkpoints had a checksum
+    (weights-only and validated, but damage to them cannot be detected).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"path {path!r} does not exist")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated, foreign or corrupt file
-        raise ValueError(f"path {path!r} is not a readable nnkloss CentreBank checkpoint "
-                         f"({type(exc).__name__}: {exc})") from exc
+        state = load_checked(path, map_location, what="CentreBank checkpoint",
+                             allow_unchecked=allow_unchecked)
+    except UncheckedFileError as exc:
+        raise ValueError(f"{exc}. It is not an nnkloss CentreBank checkpoint of this version; "
+                         "pass allow_unchecked=True to read one written before checksums"
+                         ) from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} is not an nnkloss CentreBank checkpoint")
+        raise ValueError(f"{path!r} is not an nnkloss CentreBank checkpoint")
     if state.get("version", 0) > _VERSION:
         raise ValueError(f"checkpoint version {state['version']} is newer than this nnkloss "
                          f"reads ({_VERSION}); upgrade nnkloss")
+    missing = [k for k in ("centres", "labels", "neighbours", "log_weights", "learn_weights",
+                           "uniform_weights", "step") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}")
+    # The same rules as CentreBank.update_ (a NaN weight would act as 0, +inf would give an
+    # infinite loss, an index >= N would gather another row or fail far from here).
+    validate_bank_tensors(state["centres"], state["labels"], state["neighbours"],
+                          state["log_weights"], learned=bool(state["learn_weights"]),
+                          prefix="checkpoint ")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
     bank = CentreBank(state["centres"], state["labels"], neighbours=state["neighbours"])
-    log_w = state["log_weights"]
-    if not isinstance(log_w, torch.Tensor):
-        raise ValueError("checkpoint log_weights is not a tensor")
-    # The same rules as CentreBank.update_ applies to weights (a NaN weight would act as 0,
-    # +inf would give an infinite loss).
-    _validate_log_weights(log_w, bank.num_centres, learned=bool(state["learn_weights"]),
-                          name="checkpoint log_weights")
-    log_w = log_w.to(bank.centres.device, torch.float32)
+    log_w = state["log_weights"].to(bank.centres.device, torch.float32)
     # Restored as log-weights (exactly as saved), not via weights=exp(.) which would round.
     bank.log_weights.data.copy_(log_w)
     bank._uniform_weights = bool(state["uniform_weights"])
     bank.log_weights.requires_grad_(bool(state["learn_weights"]))
-    return bank, int(state["step"]), state["extra"]
+    return bank, int(step), state.get("extra")

@@ -16,13 +16,15 @@ Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
 * ``log.csv`` and ``log.json``: one row per epoch (loss, learning rate, sigma, timings,
   refresh statistics, and whatever ``eval_fn`` returns);
 * ``checkpoint.pt``: model, criterion (with the bank: centres, labels, neighbour lists,
-  weights, sigma), optimiser, AMP scaler, epoch, step, RNG states and the log so far.
+  weights, sigma), optimiser, AMP scaler, epoch, step, RNG states, the log so far and a record
+  of the training data; checksummed and read weights-only (:mod:`nnkloss.experiment.checkpoint`).
 
 ``fit(..., resume=True)`` continues from ``checkpoint.pt``: same parameters, same bank, same
-optimiser state, the log continued where the checkpoint left it. Every epoch reseeds the RNGs
-from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same whether or not the
-run was interrupted before it (leave the DataLoader's ``generator`` unset for this: it then
-draws from torch's global RNG).
+optimiser state, the log continued where the checkpoint left it. A checkpoint of other data
+(another N, other labels, another embedding size) is refused, naming what differs. Every epoch
+reseeds the RNGs from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same
+whether or not the run was interrupted before it (leave the DataLoader's ``generator`` unset
+for this: it then draws from torch's global RNG).
 
 Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
 per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
@@ -45,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from ..atomic import atomic_write
+from . import checkpoint as _ckpt
 from ..bank.refresh import RefreshSchedule
 from ..losses.base import BankLoss
 from .. import distributed as _dist
@@ -54,7 +57,6 @@ __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_CSV = "log.csv"
 LOG_JSON = "log.json"
-_FORMAT = "nnkloss.trainer/1"
 #: "adam" adds weight decay to the gradient (L2), which Adam then rescales: when the loss
 #: gradient is tiny (e.g. sigma much larger than the embedding distances) the decay alone is
 #: normalised to full-size steps and shrinks the network. "adamw" decays decoupled from it.
@@ -68,22 +70,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def _rng_state() -> Dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _json_safe(v):
@@ -245,6 +231,8 @@ class Trainer:
         self._refresh_due = False
         self._refresh_log: Dict[str, Any] = {}
         self._bar = None
+        # The training data as given (before any refresh): a checkpoint must match it.
+        self._data = _ckpt.data_fingerprint(self.criterion)
 
     # ------------------------------------------------------------------ paths & state
     @property
@@ -252,61 +240,62 @@ class Trainer:
         return os.path.join(self.out_dir, CHECKPOINT_NAME) if self.out_dir else None
 
     def state_dict(self) -> Dict[str, Any]:
+        """The full training state, in the form a weights-only load reads back."""
         return {
-            "format": _FORMAT,
+            "format": _ckpt.FORMAT,
+            "data": dict(self._data),
             "epoch": self.epoch,
             "step": self.step,
             "model": self.model.state_dict(),
             "criterion": self.criterion.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": _rng_state(),
+            "rng": _ckpt.rng_state(),
             "history": self.history,
             "bank_ready": self._bank_ready,
             "schedule": self.schedule.state_dict(),
             "refresh_due": self._refresh_due,
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("format") != _FORMAT:
-            raise ValueError(f"not a Trainer checkpoint (format {state.get('format')!r})")
-        self.model.load_state_dict(state["model"])
-        self.criterion.load_state_dict(state["criterion"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: Dict[str, Any], where: str = "checkpoint") -> None:
+        """Restore :meth:`state_dict`. The data record is checked first (N, labels, embedding
+        size; ValueError naming what differs), then the criterion (its bank validated as
+        ``CentreBank.update_`` validates), the model and the optimiser."""
+        if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
+            fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a Trainer checkpoint of format {_ckpt.FORMAT!r} "
+                             f"(format {fmt!r})")
+        _ckpt.check_data(state.get("data"), self._data, where)
+        for name, target in (("criterion", self.criterion), ("model", self.model),
+                             ("optimizer", self.optimizer)):
+            try:
+                target.load_state_dict(state[name])
+            except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
+                raise type(exc)(f"{where}, {name}: {exc}") from exc
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.history = list(state["history"])
         self._bank_ready = bool(state.get("bank_ready", False))
-        # The schedule's counters (older checkpoints: the trainer's own).
-        self.schedule.load_state_dict(state.get("schedule", {"epoch": self.epoch,
-                                                             "global_step": self.step}))
+        self.schedule.load_state_dict(state["schedule"])
         self._refresh_due = bool(state.get("refresh_due", False))
-        _set_rng_state(state["rng"])
+        _ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
-        """Write the full training state atomically; returns the path."""
+        """Write the full training state atomically, with its checksum; returns the path."""
         path = path or self.checkpoint_path
         if path is None:
             raise ValueError("no path given and the Trainer has no out_dir")
-        state = self.state_dict()
-        return atomic_write(path, lambda f: torch.save(state, f))
+        return _ckpt.save(path, self.state_dict())
 
     def load_checkpoint(self, path: Optional[str] = None) -> None:
+        """Resume from ``path`` (default ``out_dir/checkpoint.pt``): checksum, weights-only
+        load, data check (see :mod:`nnkloss.experiment.checkpoint`)."""
         path = path or self.checkpoint_path
         if path is None or not os.path.isfile(path):
             raise FileNotFoundError(f"checkpoint not found: {path}")
-        try:
-            # Our own file: it holds RNG states and the log (Python objects), not only tensors.
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as e:
-            raise ValueError(f"cannot read checkpoint {path}: {e}") from None
-        if "rng" in state:  # RNG states must stay CPU ByteTensors whatever map_location did
-            rng = state["rng"]
-            rng["torch"] = rng["torch"].cpu()
-            if "cuda" in rng:
-                rng["cuda"] = [s.cpu() for s in rng["cuda"]]
-        self.load_state_dict(state)
+        self.load_state_dict(_ckpt.load(path, map_location=self.device),
+                             where=f"checkpoint {path!r}")
 
     def write_logs(self) -> None:
         """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""

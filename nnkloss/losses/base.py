@@ -7,20 +7,44 @@ only its maths: :meth:`BankLoss.rows`.
 
 What a training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank`` (to refresh),
 ``last_stats`` / ``last_num_valid`` (rows counted in the last mean, a 0-dim tensor: no sync),
+``last_num_mismatched`` (rows whose ``labels`` disagree with the bank's, a 0-dim tensor),
 :meth:`kernel_sigma` (for the refresh statistics) and :meth:`log_values` (per-epoch log).
+
+Misaligned batches: ``idx`` must give each example's own bank row, so ``labels`` must equal
+``bank.labels[idx]``. With value checks on (``nnkloss.value_checks``, the default) a
+disagreement raises, naming ``idx`` and ``labels`` (one host sync on GPU). With them off (hot
+loops) or under ``torch.compile``, such rows are **dropped**: zero loss, zero gradient, left out
+of the mean, and counted in ``last_stats.num_mismatched`` without a sync. Dropped rather than
+used, because a row's list and its own-centre exclusion come from the bank row ``idx`` names:
+for a misaligned row they belong to another example, so its loss would train on the wrong
+centres.
 """
 from __future__ import annotations
 
 import abc
 from typing import Dict, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
 from ..ops.neighbour_kernel import LossOutput, reduce_rows
-from ..validation import REDUCTIONS, check_batch
+from ..validation import REDUCTIONS, check_batch, compiling, value_checks_enabled
 
-__all__ = ["BankLoss"]
+__all__ = ["BankLoss", "BankLossStats"]
+
+
+class BankLossStats(LossOutput):
+    """The :class:`LossOutput` of a bank loss's last call (still the 3-tuple ``(loss, per_row,
+    valid)``), plus ``num_mismatched``: the number of rows whose ``labels`` disagreed with
+    ``bank.labels[idx]`` and were dropped (0-dim int64 tensor on emb's device; reading it syncs
+    on GPU)."""
+
+    def __new__(cls, loss: Tensor, per_row: Tensor, valid: Tensor,
+                num_mismatched: Optional[Tensor] = None):
+        self = super().__new__(cls, loss, per_row, valid)
+        self.num_mismatched = num_mismatched
+        return self
 
 
 class BankLoss(nn.Module, abc.ABC):
@@ -32,7 +56,9 @@ class BankLoss(nn.Module, abc.ABC):
         exclude_self: drop each example's own centre from its list (the papers' rule).
 
     ``forward(emb, labels, idx)``: emb (B, D) float, labels (B,) int, idx (B,) int bank rows of
-    the batch examples. Subclasses implement :meth:`rows`.
+    the batch examples; ``labels`` must equal ``bank.labels[idx]`` (checked with value checks
+    on; otherwise disagreeing rows are dropped and counted in ``last_stats.num_mismatched``).
+    Subclasses implement :meth:`rows`.
     """
 
     def __init__(self, bank: CentreBank, reduction: str = "mean", exclude_self: bool = True):
@@ -44,7 +70,7 @@ class BankLoss(nn.Module, abc.ABC):
         self.bank = bank
         self.reduction = reduction
         self.exclude_self = bool(exclude_self)
-        self.last_stats: Optional[LossOutput] = None
+        self.last_stats: Optional[BankLossStats] = None
 
     @abc.abstractmethod
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
@@ -54,10 +80,40 @@ class BankLoss(nn.Module, abc.ABC):
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         check_batch(emb, labels, idx)
         neighbours = self.bank.neighbours_for(idx, self.exclude_self)
-        per_row, counted = self.rows(emb, labels.to(emb.device), neighbours)
+        labels = labels.to(emb.device)
+        mismatched = self._mismatched(labels, idx)
+        per_row, counted = self.rows(emb, labels, neighbours)
+        # Misaligned rows are dropped (see the module docstring); a no-op when there are none.
+        per_row = torch.where(mismatched, per_row.new_zeros(()), per_row)
+        counted = counted & ~mismatched
         loss = reduce_rows(per_row, counted, self.reduction)
-        self.last_stats = LossOutput(loss.detach(), per_row.detach(), counted)
+        self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted,
+                                        mismatched.sum())
         return loss
+
+    def _mismatched(self, labels: Tensor, idx: Tensor) -> Tensor:
+        """(B,) bool on labels' device: rows whose label is not their bank row's. Raises with
+        value checks on (one host sync on GPU; idx is in range: neighbours_for checked it on the
+        CPU, and a CUDA gather with a bad index fails by itself)."""
+        bank_labels = self.bank.labels
+        own = bank_labels[idx.to(bank_labels.device)].to(labels.device)
+        mismatched = own != labels
+        if value_checks_enabled() and not compiling() and bool(mismatched.any()):
+            rows = mismatched.nonzero().flatten()
+            i = int(rows[0])
+            raise ValueError(
+                f"labels disagree with the bank's labels at idx in {rows.numel()} of "
+                f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose bank label "
+                f"is {int(own[i])}, but labels[{i}] = {int(labels[i])}): idx must give each "
+                "example's own bank row (a loader whose idx is misaligned trains on the wrong "
+                "centres)")
+        return mismatched
+
+    @property
+    def last_num_mismatched(self) -> Optional[Tensor]:
+        """Rows dropped in the last call because their labels disagreed with the bank's (0-dim
+        tensor, no sync), None before the first call."""
+        return None if self.last_stats is None else self.last_stats.num_mismatched
 
     @property
     def last_num_valid(self) -> Optional[Tensor]:

@@ -33,8 +33,10 @@ class NeighbourKernelLoss(BankLoss):
     batch examples. After each call ``last_stats`` holds the :class:`LossOutput` (per-row
     losses, which rows are counted, ``num_nonfinite``); ``last_num_valid`` is the count of
     counted rows as a 0-dim tensor. A NaN/inf embedding (or a distance beyond fp32) makes its
-    row's loss NaN and so the mean NaN: a diverging run shows. No host synchronisation happens
-    in ``forward`` for CUDA ``idx``.
+    row's loss NaN and so the mean NaN: a diverging run shows. ``labels`` must equal
+    ``bank.labels[idx]`` (see :class:`BankLoss`): checked with value checks on (one host sync
+    for CUDA tensors); with ``nnkloss.value_checks(False)`` no host synchronisation happens in
+    ``forward`` and disagreeing rows are dropped and counted.
     """
 
     def __init__(self, bank: CentreBank, sigma: float = 1.0, learn_sigma: bool = False,

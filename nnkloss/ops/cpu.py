@@ -8,11 +8,21 @@ compiled once per machine with the system compiler::
         -o <cache>/nnk_cpu_<hash>.so
 
 into a per-user cache directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else
-``~/.cache/nnkloss``), keyed by a hash of the source, the compiler's version, the flags and the
-CPU's feature flags, written to a temporary file and renamed into place (two processes that
-race both produce a complete library; the last rename wins). Without a compiler (or when the
-build fails, or ``NNKLOSS_CPU_KERNEL=0``) ``available()`` is False, a one-line warning is
-issued once, and ``forward`` / ``centre_grad`` run the plain torch path.
+``~/.cache/nnkloss``; if that is unusable, ``<tmp>/nnkloss-<uid>``), keyed by a hash of the
+source, the compiler's version, the flags and the CPU's feature flags, written to a temporary
+file, fsync'ed and renamed into place (two processes that race both produce a complete library;
+the last rename wins), its sha256 then recorded beside it (``<library>.sha256``, written the
+same way).
+
+Nothing found on disk is loaded unchecked. A cache directory is used only if it is owned by
+this user and not writable by group or others (a missing one is created with mode 0700). A
+library is loaded only if it is a regular file owned by this user, not writable by group or
+others, and its bytes match the recorded sha256; the check and the load use the same open file
+(``/proc/self/fd``), so the file cannot be swapped in between. A truncated, corrupt, foreign or
+unrecorded library is rebuilt, never loaded. Any failure (no compiler, a failed build, no
+private cache directory, a library that does not load or lacks a symbol, or
+``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: a one-line warning is issued once, and
+``forward`` / ``centre_grad`` run the plain torch path.
 
 Inputs the host converts cheaply are converted here (emb to the compute dtype, labels to
 int64, a half-precision weight vector to fp32); the bank (centres, centre_labels) is read as it
@@ -26,6 +36,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -35,6 +46,7 @@ from typing import Optional
 
 import torch
 
+from ..atomic import atomic_write
 from . import reference
 
 __all__ = ["available", "forward", "centre_grad", "scale_rows", "build_info", "library_path"]
@@ -94,11 +106,113 @@ def _cache_key(cxx: str, flags) -> str:
     return h.hexdigest()[:20]
 
 
+class _Untrusted(Exception):
+    """A cached library (or its recorded checksum) that must not be loaded: rebuild it."""
+
+
+def _fallback_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")
+
+
+def _private_dir(d: str) -> str:
+    """``d`` if this user owns it and neither group nor others can write to it (created with mode
+    0700 when missing); otherwise OSError saying why. Another user who can write to the
+    directory could plant a library there (the cache key is computable by anyone)."""
+    try:
+        os.makedirs(d, mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.stat(d)  # follows a symlink: what matters is the directory the files land in
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{d} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{d} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise PermissionError(f"{d} is writable by group or others "
+                              f"(mode {oct(st.st_mode & 0o777)})")
+    return d
+
+
+def _usable_cache_dir() -> str:
+    """The configured cache directory, else ``<tmp>/nnkloss-<uid>``, whichever is private first;
+    RuntimeError naming both and why when neither is (the plain path runs then)."""
+    reasons = []
+    for d in (cache_dir(), _fallback_dir()):
+        try:
+            return _private_dir(d)
+        except OSError as exc:
+            reasons.append(str(exc) if not exc.filename else f"{d}: {exc.strerror}")
+    raise RuntimeError("no private cache directory (" + "; ".join(reasons) + ")")
+
+
+def _check_owned_file(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise _Untrusted(f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise _Untrusted(f"{path} is owned by uid {st.st_uid}, not by this user")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{path} is writable by group or others")
+
+
+def _sha256_of(f) -> str:
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _recorded_sha256(path: str) -> str:
+    """The sha256 written beside ``path`` at build time (the record passes the owner checks)."""
+    record = path + ".sha256"
+    try:
+        fd = os.open(record, _OPEN_FLAGS)
+    except OSError as exc:
+        raise _Untrusted(f"{record}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_owned_file(os.fstat(f.fileno()), record)
+        text = f.read(100).decode("ascii", "replace").strip()
+    if len(text) != 64 or text.strip("0123456789abcdef"):
+        raise _Untrusted(f"{record} does not hold a sha256")
+    return text
+
+
+def _open_verified(path: str) -> int:
+    """A file descriptor open on ``path`` once its owner, mode and sha256 have been checked on
+    that same descriptor (what gets loaded is what was checked); _Untrusted otherwise.
+    Reading, unlike mapping, a truncated file cannot raise SIGBUS."""
+    expected = _recorded_sha256(path)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise _Untrusted(f"{path}: {exc.strerror}") from None
+    try:
+        _check_owned_file(os.fstat(fd), path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(0)
+            digest = _sha256_of(f)
+        if digest != expected:
+            raise _Untrusted(f"{path} does not match the sha256 recorded when it was built "
+                             "(truncated or modified)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _compile(cxx: str, flags, out_dir: str) -> str:
-    """Compile to a temporary file in ``out_dir`` and rename it to its keyed name."""
+    """Compile to a temporary file in ``out_dir``, fsync it, rename it to its keyed name and
+    record its sha256 beside it. A library already there is reused only if it verifies
+    (:func:`_open_verified`); a missing, truncated, modified or foreign one is rebuilt."""
     path = os.path.join(out_dir, f"nnk_cpu_{_cache_key(cxx, flags)}.so")
-    if os.path.exists(path):
+    try:
+        os.close(_open_verified(path))
         return path
+    except _Untrusted:
+        pass  # build it afresh; the rename below replaces whatever is there
     fd, tmp = tempfile.mkstemp(prefix=".nnk_cpu_", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
@@ -107,11 +221,35 @@ def _compile(cxx: str, flags, out_dir: str) -> str:
         if proc.returncode != 0:
             raise RuntimeError(f"{os.path.basename(cxx)} failed: "
                                + (proc.stderr.strip().splitlines() or ["?"])[-1])
+        os.chmod(tmp, 0o755)  # whatever the umask: group/other-writable would be refused
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the bytes reach the disk before the name does
+            digest = _sha256_of(f)
         os.replace(tmp, path)  # atomic: a racing process sees the old name or the whole file
+        # Recorded after the rename: a reader that finds the new library with an older record
+        # (a racing build) refuses it and rebuilds; it never loads unrecorded bytes.
+        atomic_write(path + ".sha256", digest.encode("ascii") + b"\n")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+# Descriptors of loaded libraries stay open: dlopen knows a library by the name it was given
+# (/proc/self/fd/<n>) and must never meet that name again for another file.
+_loaded_fds = []
+
+
+def _load(path: str):
+    """Load the verified library at ``path`` through the descriptor that was checked."""
+    fd = _open_verified(path)
+    target = f"/proc/self/fd/{fd}"
+    if os.path.exists(target):
+        _loaded_fds.append(fd)
+    else:  # no /proc: by name (the private directory keeps others from swapping the file)
+        os.close(fd)
+        target = path
+    return _declare(ctypes.CDLL(target))
 
 
 def _declare(lib):
@@ -132,21 +270,18 @@ def _build_and_load():
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    out_dir = cache_dir()
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError:
-        out_dir = os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")
-        os.makedirs(out_dir, exist_ok=True)
+    out_dir = _usable_cache_dir()
     t0 = time.perf_counter()
     errors = []
     for extra in (THREAD_FLAGS, PLAIN_FLAGS):
         try:
             path = _compile(cxx, FLAGS + extra, out_dir)
-            lib = _declare(ctypes.CDLL(path))
+            lib = _load(path)
             break
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        except (OSError, RuntimeError, subprocess.SubprocessError, _Untrusted) as exc:
             errors.append(str(exc))
+        except AttributeError as exc:  # a library without one of the kernel's symbols
+            errors.append(f"{path}: {exc}")
     else:
         raise RuntimeError("; ".join(errors))
     _state.update(path=path, compile_s=time.perf_counter() - t0)

@@ -1,0 +1,127 @@
+"""The Trainer's checkpoint file: its format, checksum, weights-only load, the check of a
+resumed run against its data, and the removal of temporary files of interrupted writes.
+
+``checkpoint.pt`` is a :mod:`nnkloss.checksum` file (sha256 of the payload, verified before the
+payload is read with ``torch.load(weights_only=True)``): no code runs from it, and a damaged file
+is an error naming it. Everything in it is what the weights-only unpickler reads: tensors,
+numbers, strings, None, lists / tuples / dicts of them. The RNG states are stored in that form
+(:func:`rng_state`). The ``data`` record (:func:`data_fingerprint`) describes the training set
+the run was started on (its bank's N, embedding size and a sha256 of its labels); a resume on
+other data is refused, naming what differs.
+
+Format 1 (nnkloss before issue 18) pickled the RNG states and was read with
+``weights_only=False``; such files are refused, not read.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..atomic import remove_stale_temps
+from ..bank.centre_bank import CentreBank
+from ..checksum import UncheckedFileError, load_checked, save_checked
+
+__all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
+           "check_data"]
+
+FORMAT = "nnkloss.trainer/2"
+
+
+# ---------------------------------------------------------------------------- RNG states
+def rng_state() -> Dict[str, Any]:
+    """Python's, NumPy's and torch's (CPU, all CUDA devices) global RNG states as tensors,
+    numbers and strings (what a weights-only load reads back)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": int(version),
+                        "state": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss},
+             "numpy": {"bit_generator": str(name),
+                       "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (tensors may be on any device)."""
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()),
+                     py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["bit_generator"],
+                         npy["keys"].cpu().numpy().astype(np.uint32),
+                         int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+# ---------------------------------------------------------------------------- the data
+def data_fingerprint(criterion: nn.Module) -> Dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint: for a loss over a
+    bank, its number of rows (training examples), its embedding size and a sha256 of its labels
+    (in row order, as the bank was given to the Trainer); {} for other criteria, whose size
+    checks are those of ``load_state_dict``."""
+    bank = getattr(criterion, "bank", None)
+    if not isinstance(bank, CentreBank):
+        return {}
+    labels = bank.labels.detach().to("cpu", torch.int64).contiguous()
+    return {"num_centres": int(bank.num_centres), "embedding_dim": int(bank.dim),
+            "labels_sha256": hashlib.sha256(labels.numpy().tobytes()).hexdigest()}
+
+
+def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -> None:
+    """ValueError naming every difference between the checkpoint's ``data`` record and this
+    run's (:func:`data_fingerprint`); nothing is loaded from a checkpoint that fails."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where} has no data record (N, labels, embedding size)")
+    problems = []
+    if saved.get("num_centres") != current.get("num_centres"):
+        problems.append(f"N (training examples, bank rows): {saved.get('num_centres')} in the "
+                        f"checkpoint, {current.get('num_centres')} now")
+    if saved.get("embedding_dim") != current.get("embedding_dim"):
+        problems.append(f"embedding size: {saved.get('embedding_dim')} in the checkpoint, "
+                        f"{current.get('embedding_dim')} now")
+    if saved.get("labels_sha256") != current.get("labels_sha256"):
+        problems.append("labels: the training labels (in bank-row order) differ from those the "
+                        "checkpoint was trained on")
+    if problems:
+        raise ValueError(f"{where} does not belong to this training data: "
+                         + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------- the file
+def save(path, state: Dict[str, Any]) -> str:
+    """Write the Trainer ``state`` atomically with its checksum; temporary files that earlier
+    interrupted writes of ``path`` left are removed first. Returns the path."""
+    remove_stale_temps(path)
+    return save_checked(state, path)
+
+
+def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
+    """Read a Trainer checkpoint: checksum verified, weights-only load, format checked. Temporary
+    files of interrupted writes of ``path`` are removed (a resumed run is the only writer of its
+    out_dir: the one that was interrupted is gone). Errors name the file."""
+    path = os.fspath(path)
+    remove_stale_temps(path)
+    try:
+        state = load_checked(path, map_location, what="Trainer checkpoint")
+    except UncheckedFileError as exc:
+        raise ValueError(f"{exc}. Trainer checkpoints of format 1 (before checksums) pickled "
+                         "Python objects and cannot be read safely: start the run again"
+                         ) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"checkpoint {path!r} is not a Trainer checkpoint of format "
+                         f"{FORMAT!r} (found {fmt!r})")
+    return state

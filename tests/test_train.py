@@ -399,3 +399,22 @@ def test_bank_options_need_a_bank_loss_and_a_refresher_that_rebuilds_lists():
     with pytest.raises(TypeError, match="rebuild_lists"):
         Trainer(mlp(), loss, DataLoader(ds), refresher=RefreshOnly(), lists_every_steps=2,
                 progress=False)
+
+
+@pytest.mark.cuda
+def test_fresh_centres_under_amp_write_the_fp32_embeddings_the_loss_saw():
+    tr, _ = moving_setup(fresh_centres=0.0, amp=True, device="cuda")
+    assert tr.use_amp
+    seen = []
+    forward = tr.criterion.forward
+
+    def spy_forward(emb, labels, idx):
+        seen.append((emb.detach().clone(), idx.clone()))
+        return forward(emb, labels, idx)
+
+    tr.criterion.forward = spy_forward
+    tr.fit(1)
+    bank = tr.criterion.bank
+    assert all(e.dtype == torch.float32 for e, _ in seen) and len(seen) == 6
+    for emb, idx in seen:  # unshuffled: every row written once, in its own step
+        assert torch.equal(bank.centres[idx], emb)

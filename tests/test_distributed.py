@@ -19,6 +19,7 @@ from nnkloss.experiment.datasets import IndexedTensorDataset
 from two_processes import CLASSES, D, K, N, WORLD, finish, join, make_data, make_model, run
 
 STEPS, GLOBAL_BATCH = 3, 12
+FRESH = dict(fresh_centres=0.5, lists_every_steps=2)  # the bank written and re-listed by steps
 
 
 # ---------------------------------------------------------------------------- training
@@ -67,10 +68,11 @@ def train(x, y, rows_of_step):
     return {"losses": losses, "counts": counts, "params": params}
 
 
-def run_trainer(x, y, out_dir):
+def run_trainer(x, y, out_dir, **options):
     """Two epochs of the Trainer (refresh before the first and after each epoch); the loaders
     are sharded under torch.distributed. 36 rows, global batch 12: unshuffled shards of 6 rows
-    per rank make the same global batches as one process, with no sampler padding."""
+    per rank make the same global batches as one process, with no sampler padding.
+    ``options``: more Trainer options (fresh_centres, lists_every_steps, ...)."""
     from nnkloss.experiment.train import Trainer
     ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)
@@ -81,7 +83,7 @@ def run_trainer(x, y, out_dir):
     train_loader = nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH))
     trainer = Trainer(model, crit, train_loader, optimizer="sgd", lr=0.2, weight_decay=1e-3,
                       refresher=refresher, schedule=nnkloss.RefreshSchedule(every_epochs=1),
-                      out_dir=out_dir, progress=False, seed=3)
+                      out_dir=out_dir, progress=False, seed=3, **options)
     history = trainer.fit(2, resume=False)
     params = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     params["log_sigma"] = crit.log_sigma.detach().clone()
@@ -99,10 +101,20 @@ def worker(rank, port, out_dir):
     # References first, before any process group exists: plain single-process code paths.
     assert not nkd.is_distributed() and nkd.rank() == 0 and nkd.world_size() == 1
     results = {"train_single": train(x, y, lambda b: b),
-               "trainer_single": run_trainer(x, y, os.path.join(out_dir, f"single{rank}"))}
+               "trainer_single": run_trainer(x, y, os.path.join(out_dir, f"single{rank}")),
+               "fresh_single": run_trainer(x, y, os.path.join(out_dir, f"fresh_single{rank}"),
+                                           **FRESH)}
     join(rank, port)
     results["train_dist"] = train(x, y, lambda b: b[rank::WORLD])
     results["trainer_dist"] = run_trainer(x, y, os.path.join(out_dir, f"dist{rank}"))
+    results["fresh_dist"] = run_trainer(x, y, os.path.join(out_dir, f"fresh_dist{rank}"), **FRESH)
+    # Batches of different sizes per rank (5 rows on rank 0, 2 on rank 1), rows shared by
+    # both ranks with different embeddings: every rank writes every row, the higher rank last.
+    bank = CentreBank(torch.zeros(N, D), torch.zeros(N, dtype=torch.long))
+    idx = torch.tensor([0, 1, 2, 3, 4]) if rank == 0 else torch.tensor([3, 9])
+    from nnkloss.experiment.train import _write_fresh_centres
+    _write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
+    results["uneven_write"] = bank.centres.clone()
     finish(results, rank, out_dir)
 
 
@@ -149,6 +161,29 @@ def test_trainer_under_ddp_matches_one_process(results):
     assert {"checkpoint.pt", "log.csv", "log.json"} <= set(results[0]["trainer_dist"]["files"])
     assert results[1]["trainer_dist"]["files"] == []
     assert results[1]["trainer_single"]["files"] == results[0]["trainer_single"]["files"]
+
+
+def test_fresh_centres_under_ddp_keep_banks_identical_and_match_one_process(results):
+    single = results[0]["fresh_single"]
+    plain = results[0]["trainer_single"]
+    # The options did something: the bank differs from the run without them.
+    assert not torch.equal(single["params"]["centres"], plain["params"]["centres"])
+    for r in results:
+        multi = r["fresh_dist"]
+        for a, b in zip(multi["history"], single["history"], strict=True):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+        for key, v in single["params"].items():  # lists rebuilt from the written bank too
+            torch.testing.assert_close(multi["params"][key], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+    _same(results[0]["fresh_dist"]["params"], results[1]["fresh_dist"]["params"])
+
+
+def test_fresh_centres_gather_uneven_batches_in_rank_order(results):
+    expected = torch.zeros(N, D)
+    expected[[0, 1, 2, 4]] = 1.0
+    expected[[3, 9]] = 2.0  # row 3 is in both ranks' batches: the higher rank wins
+    for r in results:
+        assert torch.equal(r["uneven_write"], expected)
 
 
 def test_single_process_helpers_are_no_ops(monkeypatch):

@@ -32,7 +32,8 @@ from ..validation import FLOAT_DTYPES, require_float, require_int, require_label
 from .search import (NeighbourLists, drop_self, knn, neighbour_lists as single_process_lists,
                      patch_positives, resolve_knn_backend, synchronize)
 
-__all__ = ["gather_bank_rows", "neighbour_lists", "check_async_refresh", "GATHER_CHUNK_BYTES"]
+__all__ = ["gather_bank_rows", "gather_batch_rows", "neighbour_lists", "check_async_refresh",
+           "GATHER_CHUNK_BYTES"]
 
 # Bound on the per-rank send buffer of one all_gather round (the receive side is world_size
 # times this): the exchange of an (N, D) bank never needs a second (N, D) buffer.
@@ -81,6 +82,28 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
 
 
 # ============================================================================ bank rows
+def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Tensor]:
+    """Every rank's batch rows ``(idx (B_r,), emb (B_r, D))``, concatenated in rank order, on
+    every rank (the fresh-centre writes of the Trainer: every rank's bank gets the same rows)."""
+    comm = comm_device(group, emb.device)
+    size = torch.tensor([idx.shape[0]], dtype=torch.int64, device=comm)
+    counts = [int(c) for c in _all_gather_same(size, group)]  # NCCL: one host sync
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    all_idx = torch.empty(offsets[-1], dtype=torch.int64, device=emb.device)
+    all_emb = torch.empty(offsets[-1], emb.shape[1], dtype=emb.dtype, device=emb.device)
+
+    def placer(out: Tensor):
+        def place(r: int, first: int, rows: Tensor) -> None:
+            out[offsets[r] + first: offsets[r] + first + rows.shape[0]] = rows.to(out.device)
+        return place
+
+    _all_gather_rows(idx.long(), counts, placer(all_idx), group, comm)
+    _all_gather_rows(emb.contiguous(), counts, placer(all_emb), group, comm)
+    return all_idx, all_emb
+
+
 def check_async_refresh() -> None:
     """Refuse a background refresh under torch.distributed.
 

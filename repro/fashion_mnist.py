@@ -144,6 +144,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="rebuild the lists from the bank every this many steps (no re-embedding)")
     p.add_argument("--nngk-warm-start-steps", type=int, default=0,
                    help="first full refresh after this many steps")
+    p.add_argument("--tag", default=None,
+                   help="name this NNGK variant: its runs are kept as nngk-TAG beside the "
+                        "others (ablations in one --out folder)")
     p.add_argument("--classify-k", type=int, default=None,
                    help="neighbours of the kernel classifier (default: --nngk-k)")
     p.add_argument("--device", default="cpu")
@@ -182,7 +185,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not 0 < args.val_fraction < 1:
         p.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     args.methods = list(dict.fromkeys(args.methods))
+    if args.tag is not None and (not args.tag or not all(c.isalnum() or c in "._" for c in
+                                                         args.tag)):
+        p.error(f"--tag must be letters, digits, '.' or '_', got {args.tag!r}")
     return args
+
+
+def run_name(method: str, args) -> str:
+    """The name a method's runs are kept and reported under (NNGK variants: nngk-TAG)."""
+    return f"nngk-{args.tag}" if method == "nngk" and args.tag else method
 
 
 # ---------------------------------------------------------------------------- data
@@ -601,11 +612,33 @@ def _mean_std(values: List[float]):
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
+def _stored_runs(out_dir: str) -> List[Dict]:
+    recs = []
+    root = os.path.join(out_dir, "runs")
+    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, d, "result.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("config"), dict):
+                recs.append(rec)
+    return recs
+
+
+def _order(name: str):
+    """Report order: the METHODS order, NNGK variants beside nngk."""
+    base = "nngk" if name.startswith("nngk") else name
+    return (METHODS.index(base) if base in METHODS else len(METHODS), name)
+
+
 def summarise(runs: Dict[str, Dict], methods: Sequence[str], keys: Sequence[str]) -> Dict:
-    """{method: {"seeds": [...], key: {"mean", "std"}, "train_time_s": {...}}} over seeds."""
+    """{name: {"seeds": [...], key: {"mean", "std"}, "train_time_s": {...}}} over seeds."""
     out = {}
     for m in methods:
-        rs = [r for r in runs.values() if r["method"] == m]
+        rs = [r for r in runs.values() if r.get("name", r["method"]) == m]
         if not rs:
             continue
         s = {"seeds": sorted(r["seed"] for r in rs)}
@@ -720,9 +753,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     bar = tqdm(todo, desc="fashion-mnist runs", disable=args.no_progress, unit="run")
     skipped = 0
     for method, seed in bar:
-        bar.set_postfix(run=f"{method} s{seed}")
+        name = run_name(method, args)
+        bar.set_postfix(run=f"{name} s{seed}")
         cfg = method_config(method, args, data)
-        run_dir = os.path.join(args.out, "runs", f"{method}-s{seed}")
+        run_dir = os.path.join(args.out, "runs", f"{name}-s{seed}")
         rec_path = os.path.join(run_dir, "result.json")
         rec = _same_config(rec_path, cfg)
         if rec is not None:
@@ -738,10 +772,27 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             rec = train_and_evaluate(method, seed, data, args, cfg, run_dir)
             rec["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             rec["commit"] = _git_commit()
+            rec["name"] = name
             write_json(rec_path, json.loads(json.dumps(rec, default=float)))
-        runs[f"{method}/s{seed}"] = rec
+        rec["name"] = name
+        runs[f"{name}/s{seed}"] = rec
     bar.close()
-    summary = summarise(runs, args.methods, keys)
+    # Runs of other invocations into this folder with the same shared set-up (e.g. NNGK
+    # variants under --tag, or other methods) are reported beside these.
+    shared = common_config(args, data)
+    names = [run_name(m, args) for m in args.methods]
+    for rec in _stored_runs(args.out):
+        nm = rec.get("name", rec["method"])
+        key = f"{nm}/s{rec['seed']}"
+        if key not in runs and all(rec["config"].get(k) == v for k, v in
+                                   json.loads(json.dumps(shared)).items()
+                                   if k in rec["config"]):
+            runs[key] = rec
+            if nm not in names:
+                names.append(nm)
+    own = len(args.methods)
+    names = names[:own] + sorted(names[own:], key=_order)
+    summary = summarise(runs, names, keys)
     results = {
         "format": RUN_FORMAT,
         "protocol": args.protocol,

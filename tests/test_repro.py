@@ -243,6 +243,17 @@ def test_fashion_mnist_retrieval_quick_and_resume(idx_tree, tmp_path):
     assert third["runs_skipped_as_done"] == (len(methods) - 1) * 2
     assert third["runs"]["nngk/s0"]["config"]["nngk"]["sigma"] == "0.5"
     assert third["runs"]["contrastive/s1"] == on_disk["runs"]["contrastive/s1"]
+    # a tagged NNGK variant is kept beside the others and reported with them
+    tagged = fm.main(["--data-root", idx_tree, "--out", str(out), "--quick", "--methods",
+                      "nngk", "--seeds", "0", "1", "--tag", "k3"] + FM_TINY
+                     + ["--nngk-k", "3"])
+    assert tagged["runs_skipped_as_done"] == 0
+    assert tagged["runs"]["nngk-k3/s1"]["config"]["nngk"]["k"] == 3
+    assert tagged["runs"]["nngk/s1"]["config"]["nngk"]["k"] == 5
+    assert list(tagged["summary"])[:2] == ["nngk-k3", "nngk"]
+    assert set(tagged["summary"]) == {"nngk-k3"} | set(methods)
+    assert "nngk-k3" in open(out / "results.md").read()
+    assert os.path.isdir(out / "runs" / "nngk-k3-s0")
 
 
 def test_fashion_mnist_interrupted_run_resumes_from_its_checkpoint(idx_tree, tmp_path):
@@ -301,6 +312,6 @@ def test_fashion_mnist_bad_arguments(idx_tree, tmp_path):
     base = ["--data-root", idx_tree, "--out", str(tmp_path)]
     for extra in (["--curve"], ["--train-classes", "0", "0"], ["--train-classes", "10"],
                   ["--epochs", "0"], ["--nngk-sigma", "-1"], ["--methods", "siamese"],
-                  ["--eval-on", "val", "--val-classes", "5"]):
+                  ["--eval-on", "val", "--val-classes", "5"], ["--tag", "a/b"], ["--tag", ""]):
         with pytest.raises(SystemExit):
             fm.parse_args(base + extra)

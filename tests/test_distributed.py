@@ -27,6 +27,7 @@ N = 37  # odd: DistributedSampler pads rank 1 with a repeat of row 0
 D_IN, D, CLASSES, K = 6, 4, 12, 3  # many classes, short lists: ensure_positive has work to do
 DEADLINE_S = 120.0
 STEPS, GLOBAL_BATCH = 3, 12
+FRESH = dict(fresh_centres=0.5, lists_every_steps=2)  # the bank written and re-listed by steps
 
 
 def make_data():
@@ -119,10 +120,11 @@ def train(x, y, rows_of_step):
     return {"losses": losses, "counts": counts, "params": params}
 
 
-def run_trainer(x, y, out_dir):
+def run_trainer(x, y, out_dir, **options):
     """Two epochs of the Trainer (refresh before the first and after each epoch); the loaders
     are sharded under torch.distributed. 36 rows, global batch 12: unshuffled shards of 6 rows
-    per rank make the same global batches as one process, with no sampler padding."""
+    per rank make the same global batches as one process, with no sampler padding.
+    ``options``: more Trainer options (fresh_centres, lists_every_steps, ...)."""
     from nnkloss.experiment.train import Trainer
     ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)
@@ -133,7 +135,7 @@ def run_trainer(x, y, out_dir):
     train_loader = nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH))
     trainer = Trainer(model, crit, train_loader, optimizer="sgd", lr=0.2, weight_decay=1e-3,
                       refresher=refresher, schedule=nnkloss.RefreshSchedule(every_epochs=1),
-                      out_dir=out_dir, progress=False, seed=3)
+                      out_dir=out_dir, progress=False, seed=3, **options)
     history = trainer.fit(2, resume=False)
     params = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     params["log_sigma"] = crit.log_sigma.detach().clone()
@@ -156,6 +158,8 @@ def _worker(rank, port, out_dir):
         results["refresh_single"][name] = refresh(loader, **kw)
     results["train_single"] = train(x, y, lambda b: b)
     results["trainer_single"] = run_trainer(x, y, os.path.join(out_dir, f"single{rank}"))
+    results["fresh_single"] = run_trainer(x, y, os.path.join(out_dir, f"fresh_single{rank}"),
+                                          **FRESH)
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -195,6 +199,14 @@ def _worker(rank, port, out_dir):
 
     results["train_dist"] = train(x, y, lambda b: b[rank::WORLD])
     results["trainer_dist"] = run_trainer(x, y, os.path.join(out_dir, f"dist{rank}"))
+    results["fresh_dist"] = run_trainer(x, y, os.path.join(out_dir, f"fresh_dist{rank}"), **FRESH)
+    # Batches of different sizes per rank (5 rows on rank 0, 2 on rank 1), rows shared by
+    # both ranks with different embeddings: every rank writes every row, the higher rank last.
+    bank = empty_bank()
+    idx = torch.tensor([0, 1, 2, 3, 4]) if rank == 0 else torch.tensor([3, 9])
+    from nnkloss.experiment.train import _write_fresh_centres
+    _write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
+    results["uneven_write"] = bank.centres.clone()
     nkd.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     nkd.shutdown()
@@ -305,6 +317,29 @@ def test_trainer_under_ddp_matches_one_process(results):
     assert {"checkpoint.pt", "log.csv", "log.json"} <= set(results[0]["trainer_dist"]["files"])
     assert results[1]["trainer_dist"]["files"] == []
     assert results[1]["trainer_single"]["files"] == results[0]["trainer_single"]["files"]
+
+
+def test_fresh_centres_under_ddp_keep_banks_identical_and_match_one_process(results):
+    single = results[0]["fresh_single"]
+    plain = results[0]["trainer_single"]
+    # The options did something: the bank differs from the run without them.
+    assert not torch.equal(single["params"]["centres"], plain["params"]["centres"])
+    for r in results:
+        multi = r["fresh_dist"]
+        for a, b in zip(multi["history"], single["history"], strict=True):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+        for key, v in single["params"].items():  # lists rebuilt from the written bank too
+            torch.testing.assert_close(multi["params"][key], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+    _same(results[0]["fresh_dist"]["params"], results[1]["fresh_dist"]["params"])
+
+
+def test_fresh_centres_gather_uneven_batches_in_rank_order(results):
+    expected = torch.zeros(N, D)
+    expected[[0, 1, 2, 4]] = 1.0
+    expected[[3, 9]] = 2.0  # row 3 is in both ranks' batches: the higher rank wins
+    for r in results:
+        assert torch.equal(r["uneven_write"], expected)
 
 
 def test_single_process_helpers_are_no_ops(monkeypatch):

@@ -192,3 +192,75 @@ def test_module_backends_agree_with_learned_parameters():
         results[backend] = [loss, emb.grad, fn.log_sigma.grad, bank.log_weights.grad]
     for a, b in zip(results["torch"], results["triton"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- fresh centres
+def test_write_centres_overwrites_rows_in_place_and_keeps_the_rest():
+    bank = make_bank()
+    before = bank.centres.clone()
+    buf = bank.centres
+    idx = torch.tensor([4, 0, 17])
+    emb = torch.randn(3, 6, requires_grad=True)
+    assert bank.write_centres_(idx, emb) is bank
+    assert bank.centres is buf  # in place: the same buffer
+    assert torch.equal(bank.centres[idx], emb.detach())
+    rest = torch.ones(30, dtype=torch.bool)
+    rest[idx] = False
+    assert torch.equal(bank.centres[rest], before[rest])
+    assert not bank.centres.requires_grad
+
+
+def test_write_centres_momentum_blends_in_fp32_and_casts_to_the_bank_dtype():
+    src = make_bank()
+    bank = nnkloss.CentreBank(src.centres.half(), src.labels)
+    old = bank.centres.float().clone()
+    idx = torch.tensor([2, 9])
+    emb = torch.randn(2, 6)
+    bank.write_centres_(idx, emb, momentum=0.75)
+    expected = (0.75 * old[idx] + 0.25 * emb).half()
+    assert bank.centres.dtype == torch.float16
+    assert torch.equal(bank.centres[idx], expected)
+
+
+def test_write_centres_duplicates_take_the_last_occurrence():
+    bank = make_bank()
+    old = bank.centres.clone()
+    idx = torch.tensor([5, 3, 5, 8, 3, 5])
+    emb = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 6).clone()
+    bank.write_centres_(idx, emb)
+    assert bank.centres[5].tolist() == [5.0] * 6
+    assert bank.centres[3].tolist() == [4.0] * 6
+    assert bank.centres[8].tolist() == [3.0] * 6
+    bank.update_(centres=old.clone())  # the bank keeps (and writes into) what it is given
+    bank.write_centres_(idx, emb, momentum=0.5)  # blended with the old row, once
+    torch.testing.assert_close(bank.centres[5], 0.5 * old[5] + 2.5)
+    torch.testing.assert_close(bank.centres[3], 0.5 * old[3] + 2.0)
+
+
+def test_write_centres_empty_batch_is_a_no_op():
+    bank = make_bank()
+    before = bank.centres.clone()
+    bank.write_centres_(torch.zeros(0, dtype=torch.long), torch.zeros(0, 6))
+    assert torch.equal(bank.centres, before)
+
+
+@pytest.mark.parametrize("idx, emb, kw, exc, match", [
+    (torch.tensor([1.0]), torch.randn(1, 6), {}, TypeError, "idx"),
+    (torch.tensor([[1]]), torch.randn(1, 6), {}, ValueError, "idx"),
+    (torch.tensor([1]), torch.randn(1, 5), {}, ValueError, "emb"),
+    (torch.tensor([1, 2]), torch.randn(1, 6), {}, ValueError, "emb"),
+    (torch.tensor([1]), torch.ones(1, 6, dtype=torch.long), {}, TypeError, "emb"),
+    (torch.tensor([1]), torch.randn(1, 6, device="meta"), {}, ValueError, "emb is on meta"),
+    (torch.tensor([30]), torch.randn(1, 6), {}, IndexError, "idx holds 30"),
+    (torch.tensor([-1]), torch.randn(1, 6), {}, IndexError, "idx holds -1"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": 1.0}, ValueError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": -0.1}, ValueError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": True}, TypeError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": "0.5"}, TypeError, "momentum"),
+])
+def test_write_centres_bad_input_leaves_the_bank(idx, emb, kw, exc, match):
+    bank = make_bank()
+    before = bank.centres.clone()
+    with pytest.raises(exc, match=match):
+        bank.write_centres_(idx, emb, **kw)
+    assert torch.equal(bank.centres, before)

@@ -455,12 +455,12 @@ def test_refresher_sigma_checks():
 
 
 def test_refresher_defaults_and_argument_errors(capsys):
-    """Synchronous by default, with a progress bar; wrong arguments named with their types
-    (kills refresh Refresher.__init__ 4, 5, 7, 8, 10, 11, 13)."""
+    """Synchronous and quiet (no progress bar) by default; wrong arguments named with their
+    types (kills refresh Refresher.__init__ 4, 5, 7, 8, 10, 11, 13)."""
     bank, model, loader = _refresh_setup()
     ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch")
     assert isinstance(ref.request(), nnkloss.RefreshStats)
-    assert "refresh: embedding" in capsys.readouterr().err
+    assert "refresh: embedding" not in capsys.readouterr().err
     with pytest.raises(TypeError, match=r"^bank must be a CentreBank, got Tensor$"):
         nnkloss.Refresher(torch.zeros(3), model, loader, k=4)
     with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got function$"):
@@ -560,9 +560,10 @@ def test_refresh_progress_bar(capsys):
     nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False).refresh()
     assert capsys.readouterr().err == ""
     batches = list(iter(loader))
-    nnkloss.Refresher(bank, model, batches, k=4, backend="torch").refresh()
+    nnkloss.Refresher(bank, model, batches, k=4, backend="torch", progress=True).refresh()
     assert "0/3" in capsys.readouterr().err
-    nnkloss.Refresher(bank, model, loader, k=4, backend="torch").refresh()  # no __len__
+    nnkloss.Refresher(bank, model, loader, k=4, backend="torch",
+                      progress=True).refresh()  # no __len__
     err = capsys.readouterr().err
     assert "refresh: embedding" in err and "/3" not in err
 

@@ -379,3 +379,109 @@ def test_schedule_drives_a_training_loop():
             refreshed.append(epoch)
             ref.refresh()
     assert refreshed == [1, 3]
+
+
+# ============================================================================ current sigma
+def test_stats_read_the_loss_current_sigma_not_a_frozen_copy():
+    """kernel_criterion hands the loss to its Refresher: a learned sigma that moved is the one
+    the statistics use (a float copy taken at construction reported the initial sigma)."""
+    from nnkloss.experiment.setup import kernel_criterion
+    x, y = make_data()
+    model = make_model()
+    loss, ref = kernel_criterion(model, make_loader(x, y, shuffle=False), y, D, sigma=2.0, k=6,
+                                 device="cpu", learn_sigma=True, backend="torch")
+    assert ref.refresh().sigma == pytest.approx(2.0)
+    with torch.no_grad():
+        loss.log_sigma.fill_(0.0)  # sigma 1, as training might have moved it
+    stats = ref.refresh()
+    assert stats.sigma == pytest.approx(1.0) and ref.sigma == pytest.approx(1.0)
+    # mean_kernel follows the same sigma
+    assert stats.mean_kernel == pytest.approx(
+        float(torch.exp(-bank_sq_dist(loss.bank) / 2.0).mean()), rel=1e-5)
+    assert ref.refresh(sigma=3.0).sigma == 3.0  # a call's sigma still wins
+
+
+def bank_sq_dist(bank):
+    c = bank.centres.double()
+    nb = bank.neighbours.long()
+    return (c[:, None, :] - c[nb]).pow(2).sum(-1)
+
+
+@pytest.mark.parametrize("source", ["loss", "callable", "tensor"])
+def test_refresher_sigma_sources_are_read_at_each_refresh(source):
+    x, y = make_data()
+    bank = make_bank()
+    loss = nnkloss.NeighbourKernelLoss(bank, sigma=0.5, learn_sigma=True)
+    box = {"sigma": 0.5}
+    t = torch.tensor(0.5)
+    sigma = {"loss": loss, "callable": lambda: box["sigma"], "tensor": t}[source]
+    ref = Refresher(bank, make_model(), make_loader(x, y), k=4, backend="torch", sigma=sigma)
+    assert ref.refresh().sigma == pytest.approx(0.5)
+    with torch.no_grad():
+        loss.log_sigma.fill_(float(torch.tensor(4.0).log()))
+    box["sigma"] = 4.0
+    t.fill_(4.0)
+    assert ref.refresh().sigma == pytest.approx(4.0)
+    box["sigma"] = -1.0
+    t.fill_(-1.0)
+    if source != "loss":  # a source that went bad is refused when read
+        with pytest.raises(ValueError, match="sigma"):
+            ref.refresh()
+
+
+def test_refresher_bad_sigma_sources():
+    x, y = make_data()
+    with pytest.raises(ValueError, match="sigma"):
+        Refresher(make_bank(), make_model(), make_loader(x, y), k=4, sigma=torch.ones(2))
+    with pytest.raises(ValueError, match="sigma"):
+        Refresher(make_bank(), make_model(), make_loader(x, y), k=4, sigma=torch.tensor(0.0))
+    with pytest.raises(TypeError, match="sigma"):
+        Refresher(make_bank(), make_model(), make_loader(x, y), k=4, sigma="1.0")
+
+
+# ============================================================================ quiet by default
+def test_refresher_is_quiet_by_default(capsys):
+    x, y = make_data()
+    ref = Refresher(make_bank(), make_model(), make_loader(x, y), k=4, backend="torch")
+    assert ref.progress is False
+    ref.refresh()
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+    ref.progress = True  # asked for: a bar on stderr
+    ref.refresh()
+    assert "refresh: embedding" in capsys.readouterr().err
+
+
+# ============================================================================ lists from the bank
+class NoForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, D)
+
+    def forward(self, x):
+        raise AssertionError("rebuild_lists must not embed anything")
+
+
+def test_rebuild_lists_uses_current_centres_without_embedding():
+    x, y = make_data()
+    g = torch.Generator().manual_seed(5)
+    bank = CentreBank(torch.randn(N, D, generator=g), y.clone())
+    ref = Refresher(bank, NoForward(), make_loader(x, y), k=3, backend="torch",
+                    ensure_positive=True, sigma=0.7)
+    first = ref.rebuild_lists()
+    expected = neighbour_lists(bank.centres, bank.labels, 3, backend="torch",
+                               ensure_positive=True)
+    assert torch.equal(bank.neighbours, expected.indices.to(bank.neighbours.dtype))
+    assert first.overlap is None and first.embed_seconds == 0.0 and first.num_patched > 0
+    assert first.positive_share == 1.0 and first.sigma == 0.7 and first.k == 3
+    old = bank.neighbours.clone()
+    bank.write_centres_(torch.arange(0, N, 2), torch.randn(N // 2, D, generator=g))
+    second = ref.rebuild_lists(sigma=2.0)
+    expected = neighbour_lists(bank.centres, bank.labels, 3, backend="torch",
+                               ensure_positive=True)
+    assert torch.equal(bank.neighbours, expected.indices.to(bank.neighbours.dtype))
+    shared = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 3
+                           for a, b in zip(bank.neighbours, old, strict=True)])
+    assert second.overlap == pytest.approx(float(shared.mean()), abs=1e-6)
+    assert 0.0 < second.overlap < 1.0 and second.sigma == 2.0
+    assert torch.equal(bank.labels, y.to(bank.labels.dtype))  # centres and labels untouched

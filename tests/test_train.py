@@ -13,6 +13,7 @@ from nnkloss.experiment.evaluate import extract_embeddings
 from nnkloss.experiment.models import SoftmaxHead
 from nnkloss.bank.refresh import Refresher, RefreshSchedule
 from nnkloss.experiment.train import Trainer, fit
+from nnkloss.bank.search import neighbour_lists
 
 
 def blobs(n_per=24, classes=4, dim=8, seed=0):
@@ -208,3 +209,212 @@ def test_trainer_refuses_a_schedule_it_cannot_drive():
     loss, refresher, _ = kernel_setup(model, ds, k=3)
     with pytest.raises(TypeError, match="schedule must be a nnkloss.RefreshSchedule"):
         Trainer(model, loss, DataLoader(ds), refresher=refresher, schedule=object())
+
+
+# ---------------------------------------------------------------- a bank on a moving network
+def spy(obj, name, log, trainer_box):
+    """Record ``trainer.step`` at every call of ``obj.name``."""
+    real = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        log.append(trainer_box[0].step if trainer_box else 0)
+        return real(*a, **k)
+
+    setattr(obj, name, wrapped)
+
+
+def moving_setup(seed=0, every_epochs=100, every_steps=None, k=6, ensure_positive=True, **kw):
+    """96 rows, unshuffled batches of 16: 6 steps per epoch in a known order."""
+    x, y = blobs(seed=seed)
+    ds = IndexedTensorDataset(x, y)
+    model = mlp(seed=seed)
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
+    loss = NeighbourKernelLoss(bank, sigma=1.0)
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=k, backend="torch",
+                          ensure_positive=ensure_positive)
+    kw.setdefault("optimizer", "adam")
+    kw.setdefault("lr", 3e-3)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16, shuffle=False), refresher=refresher,
+                 schedule=RefreshSchedule(every_epochs=every_epochs, every_steps=every_steps),
+                 progress=False, **kw)
+    return tr, refresher
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_fresh_centres_write_each_step_embeddings(momentum):
+    tr, refresher = moving_setup(fresh_centres=momentum)
+    bank = tr.criterion.bank
+    outputs = []  # the train-mode forwards (dropout on), in step order
+    tr.model.register_forward_hook(
+        lambda m, i, out: outputs.append(out.detach().clone()) if m.training else None)
+    initial = {}
+    real = refresher.refresh
+
+    def first(sigma=None):
+        stats = real(sigma)
+        initial.setdefault("centres", bank.centres.clone())
+        initial.setdefault("neighbours", bank.neighbours.clone())
+        return stats
+
+    refresher.refresh = first
+    tr.fit(2)
+    assert len(outputs) == 12
+    expected = initial["centres"].clone()
+    for step, out in enumerate(outputs):
+        rows = torch.arange(16) + 16 * (step % 6)
+        expected[rows] = momentum * expected[rows] + (1 - momentum) * out
+    torch.testing.assert_close(bank.centres, expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(bank.centres, initial["centres"])
+    assert torch.equal(bank.neighbours, initial["neighbours"])  # lists only by option
+
+
+def test_lists_every_steps_rebuild_from_the_bank_alone():
+    tr, refresher = moving_setup(fresh_centres=0.0, lists_every_steps=4)
+    refreshes, rebuilds = [], []
+    box = [tr]
+    spy(refresher, "refresh", refreshes, box)
+    spy(refresher, "rebuild_lists", rebuilds, box)
+    h = tr.fit(2)
+    assert refreshes == [0] and rebuilds == [4, 8, 12]  # no re-embedding pass after step 0
+    assert [r["lists_rebuilds"] for r in h] == [1, 2]
+    for r in h:
+        assert r["lists_time_s"] > 0 and 0.0 <= r["lists_overlap"] <= 1.0
+        assert r["lists_positive_share"] == 1.0 and 0 < r["lists_mean_kernel"] <= 1
+    bank = tr.criterion.bank  # the last rebuild (step 12) saw the last write
+    expected = neighbour_lists(bank.centres, bank.labels, 6, backend="torch",
+                               ensure_positive=True).indices
+    assert torch.equal(bank.neighbours, expected.to(bank.neighbours.dtype))
+
+
+def test_lists_every_steps_skip_steps_a_full_refresh_covers():
+    tr, refresher = moving_setup(every_steps=4, lists_every_steps=2)
+    refreshes, rebuilds = [], []
+    spy(refresher, "refresh", refreshes, [tr])
+    spy(refresher, "rebuild_lists", rebuilds, [tr])
+    tr.fit(2)
+    assert refreshes == [0, 4, 8, 12] and rebuilds == [2, 6, 10]
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_warm_start_refreshes_after_the_given_steps(async_mode):
+    tr, refresher = moving_setup(warm_start_steps=3)
+    if async_mode:
+        refresher.async_mode = True
+    syncs, starts = [], []
+    spy(refresher, "refresh", syncs, [tr])
+    spy(refresher, "refresh_async", starts, [tr])
+    h = tr.fit(2)
+    if async_mode:
+        assert syncs == [0] and starts == [3]
+        assert h[0]["refresh_asynchronous"] is True
+    else:
+        assert syncs == [0, 3] and starts == []
+    assert "refresh_time_s" in h[0] and "refresh_time_s" not in h[1]
+
+
+def test_warm_start_steps_zero_changes_nothing():
+    a, _ = moving_setup()
+    b, _ = moving_setup(warm_start_steps=0)
+    a.fit(1)
+    b.fit(1)
+    assert torch.equal(a.criterion.bank.centres, b.criterion.bank.centres)
+
+
+def _run_moving(out_dir, epochs, model_seed=None, **options):
+    tr, _ = moving_setup(seed=4, out_dir=str(out_dir), **options)
+    if model_seed is not None:  # a new process: different initial state, all from the file
+        torch.manual_seed(model_seed)
+        for p in tr.model.parameters():
+            nn.init.normal_(p)
+    tr.fit(epochs)
+    return tr
+
+
+@pytest.mark.parametrize("options", [
+    dict(fresh_centres=0.5, lists_every_steps=5, warm_start_steps=4),
+    dict(fresh_centres=0.0, lists_every_steps=6, warm_start_steps=14, every_epochs=2),
+])
+def test_resume_with_bank_options_equals_straight_run(tmp_path, options):
+    straight = _run_moving(tmp_path / "a", 3, **options)
+    _run_moving(tmp_path / "b", 2, **options)
+    resumed = _run_moving(tmp_path / "b", 3, model_seed=77, **options)
+    assert resumed.step == straight.step == 18
+    for part in ("model", "criterion"):
+        sa = getattr(straight, part).state_dict()
+        sb = getattr(resumed, part).state_dict()
+        assert sa.keys() == sb.keys()
+        for name in sa:
+            assert torch.equal(sa[name], sb[name]), (part, name)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
+    assert resumed.history[-1].get("lists_rebuilds") == straight.history[-1]["lists_rebuilds"]
+
+
+def test_sigma_lr_drives_a_learned_sigma():
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    moved = {}
+    for sigma_lr in (0.0, 0.1, 0.2):
+        model = mlp()
+        bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
+        loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
+        refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch")
+        tr = Trainer(model, loss, DataLoader(ds, batch_size=len(ds)), optimizer="sgd",
+                     momentum=0.0, lr=0.01, sigma_lr=sigma_lr, weight_decay=0.0,
+                     refresher=refresher, progress=False)
+        start = float(loss.log_sigma.detach())
+        tr.fit(1)  # one SGD step: log_sigma moves by -sigma_lr * grad
+        moved[sigma_lr] = float(loss.log_sigma.detach()) - start
+        assert tr.history[-1]["sigma"] == pytest.approx(loss.kernel_sigma())
+    assert moved[0.0] == 0.0 and moved[0.1] != 0.0
+    assert moved[0.2] == pytest.approx(2 * moved[0.1], rel=2e-3)  # fp32 log_sigma: ulp 6e-8
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(fresh_centres=1.0), ValueError, "fresh_centres"),
+    (dict(fresh_centres=-0.5), ValueError, "fresh_centres"),
+    (dict(fresh_centres=True), TypeError, "fresh_centres"),
+    (dict(fresh_centres="0.9"), TypeError, "fresh_centres"),
+    (dict(lists_every_steps=0), ValueError, "lists_every_steps"),
+    (dict(lists_every_steps=2.5), ValueError, "lists_every_steps"),
+    (dict(warm_start_steps=-1), ValueError, "warm_start_steps"),
+    (dict(warm_start_steps=1.5), ValueError, "warm_start_steps"),
+])
+def test_bank_options_bad_values(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        moving_setup(**kw)
+
+
+def test_bank_options_need_a_bank_loss_and_a_refresher_that_rebuilds_lists():
+    x, y = blobs(n_per=4)
+    ds = IndexedTensorDataset(x, y)
+    for kw in (dict(fresh_centres=0.0), dict(lists_every_steps=3), dict(warm_start_steps=2)):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} need a criterion with a bank"):
+            Trainer(mlp(), SoftmaxHead(6, 4), DataLoader(ds), progress=False, **kw)
+    loss, _, _ = kernel_setup(mlp(), ds, k=3)
+
+    class RefreshOnly:
+        def refresh(self, sigma=None):
+            return None
+
+    with pytest.raises(TypeError, match="rebuild_lists"):
+        Trainer(mlp(), loss, DataLoader(ds), refresher=RefreshOnly(), lists_every_steps=2,
+                progress=False)
+
+
+@pytest.mark.cuda
+def test_fresh_centres_under_amp_write_the_fp32_embeddings_the_loss_saw():
+    tr, _ = moving_setup(fresh_centres=0.0, amp=True, device="cuda")
+    assert tr.use_amp
+    seen = []
+    forward = tr.criterion.forward
+
+    def spy_forward(emb, labels, idx):
+        seen.append((emb.detach().clone(), idx.clone()))
+        return forward(emb, labels, idx)
+
+    tr.criterion.forward = spy_forward
+    tr.fit(1)
+    bank = tr.criterion.bank
+    assert all(e.dtype == torch.float32 for e, _ in seen) and len(seen) == 6
+    for emb, idx in seen:  # unshuffled: every row written once, in its own step
+        assert torch.equal(bank.centres[idx], emb)

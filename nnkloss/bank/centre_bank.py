@@ -1,6 +1,7 @@
 """CentreBank: the device-resident Gaussian kernel centres, their labels, weights and lists."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -239,6 +240,64 @@ class CentreBank(nn.Module):
                                 ensure_positive=ensure_positive, **knn_options)
         self.update_(neighbours=lists.indices)
         return lists
+
+    @torch.no_grad()
+    def write_centres_(self, idx: Tensor, emb: Tensor, momentum: float = 0.0) -> "CentreBank":
+        """Overwrite the centres of rows ``idx`` in place with fresh embeddings (no re-embedding
+        pass): ``centres[idx] = momentum * centres[idx] + (1 - momentum) * emb``.
+
+        Args:
+            idx: (B,) int bank rows, on any device (moved to the bank's).
+            emb: (B, D) float embeddings of those rows, on the bank's device; detached and
+                cast to the bank's dtype (the blend is computed in fp32 first).
+            momentum: in [0, 1): the share of the old centre kept (0: plain overwrite).
+
+        A row that appears several times in ``idx`` is written once, from its LAST occurrence
+        (the rule a Refresher's loader follows too); the result does not depend on the
+        device's scatter order. Labels, lists and weights are left as they are. No host
+        synchronisation: ``idx`` is range-checked only when it is on the CPU (as in
+        :meth:`neighbours_for`) and the values of ``emb`` are not checked, so a non-finite
+        embedding lands in the bank and shows in the loss of every row that lists it.
+        In place: a centres tensor given to the constructor or :meth:`update_` is kept, not
+        copied, so its owner sees these writes. Returns the bank.
+        """
+        require_int("idx", idx, 1)
+        require_float("emb", emb, 2)
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+            raise TypeError(f"momentum must be a float in [0, 1), got {type(momentum).__name__}")
+        momentum = float(momentum)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if emb.shape != (idx.shape[0], self.dim):
+            raise ValueError(f"emb must have shape ({idx.shape[0]}, {self.dim}) (one row of the "
+                             f"bank's dimension per idx), got {tuple(emb.shape)}")
+        if emb.device != self.centres.device:
+            raise ValueError(f"emb is on {emb.device} but the bank's centres are on "
+                             f"{self.centres.device}")
+        if idx.device.type == "cpu" and idx.numel() and not compiling():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.num_centres:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"idx holds {bad} but the bank has rows 0..{self.num_centres - 1}")
+        if idx.numel() == 0:
+            return self
+        idx = idx.to(self.centres.device)
+        # Duplicates: every occurrence of a row writes the value of the row's last occurrence,
+        # so the scatter below writes identical values whatever order the device applies them
+        # in. A stable sort groups equal rows in their original order; within each group the
+        # last position wins (a reverse running minimum over the groups' end positions).
+        rows, order = torch.sort(idx, stable=True)
+        b = rows.shape[0]
+        pos = torch.arange(b, device=rows.device)
+        is_last = torch.ones(b, dtype=torch.bool, device=rows.device)
+        is_last[:-1] = rows[1:] != rows[:-1]
+        ends = torch.where(is_last, pos, torch.full_like(pos, b))
+        winner = ends.flip(0).cummin(0).values.flip(0)
+        new = emb.detach()[order[winner]].float()
+        if momentum:
+            new = self.centres[rows].float() * momentum + new * (1.0 - momentum)
+        self.centres.index_put_((rows,), new.to(self.centres.dtype))
+        return self
 
     def neighbours_for(self, idx: Tensor, exclude_self: bool = True) -> Tensor:
         """(B, K) lists of the bank rows ``idx``, with each row's own index replaced by -1."""

@@ -102,6 +102,32 @@ def _check_sigma(sigma) -> Optional[float]:
     return value
 
 
+def _sigma_source(sigma):
+    """What ``Refresher(sigma=...)`` keeps: None, a checked float, or something read again at
+    every refresh -- a loss with ``kernel_sigma()`` (its current, possibly learned, sigma), a
+    zero-argument callable, or a tensor (its value at refresh time)."""
+    if sigma is None:
+        return None
+    if hasattr(sigma, "kernel_sigma") and callable(sigma.kernel_sigma):
+        return sigma.kernel_sigma
+    if isinstance(sigma, Tensor):
+        if sigma.numel() != 1:
+            raise ValueError(f"sigma must be a 0-dim tensor, got shape {tuple(sigma.shape)}")
+        _check_sigma(sigma)  # bad values fail now, not at the first refresh
+        return sigma
+    if callable(sigma):
+        return sigma
+    return _check_sigma(sigma)
+
+
+def _read_sigma(source) -> Optional[float]:
+    if source is None or isinstance(source, float):
+        return source
+    if isinstance(source, Tensor):
+        return _check_sigma(source)
+    return _check_sigma(source())
+
+
 # ============================================================================ schedule
 class RefreshSchedule:
     """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
@@ -197,10 +223,15 @@ class Refresher:
         device: where the model runs (default: the device of its first parameter/buffer, else
             the bank's). Inputs are moved there; embeddings are stored on the bank's device in
             the bank's dtype.
-        progress: show a tqdm bar while embedding.
+        progress: show a tqdm bar while embedding (off by default: library calls are quiet;
+            scripts turn it on).
         async_mode: :meth:`request` starts :meth:`refresh_async` instead of :meth:`refresh`,
             and the model snapshot it needs is allocated now rather than at the first call.
-        sigma: kernel width for the ``mean_kernel`` statistic (optional; also per call).
+        sigma: kernel width for the ``mean_kernel`` statistic (optional; a ``sigma`` given
+            to a call wins). Give the loss itself (anything with ``kernel_sigma()``, e.g.
+            ``sigma=criterion``) or a zero-argument callable to have every refresh read the
+            loss's CURRENT sigma (a learned sigma moves); a 0-dim tensor is read at each
+            refresh too; a float is fixed.
 
     Synchronous use: ``stats = refresher.refresh()``. The model runs in eval mode (no dropout:
     the paper's stored centres have none) under ``torch.no_grad()``; every module's previous
@@ -230,7 +261,7 @@ class Refresher:
 
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
                  backend: str = "auto", ensure_positive: bool = False,
-                 device: Optional[torch.device] = None, progress: bool = True,
+                 device: Optional[torch.device] = None, progress: bool = False,
                  async_mode: bool = False, sigma=None, knn_options: Optional[dict] = None):
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
@@ -252,7 +283,7 @@ class Refresher:
         self.device = torch.device(device) if device is not None else None
         self.progress = bool(progress)
         self.async_mode = bool(async_mode)
-        self.sigma = _check_sigma(sigma)
+        self._sigma_source = _sigma_source(sigma)
         self.knn_options = dict(knn_options or {})
         self.last_stats: Optional[RefreshStats] = None
         self._snapshot: Optional[nn.Module] = None
@@ -283,6 +314,22 @@ class Refresher:
         sig = self._sigma(sigma)
         result = self._compute(self.model, self._device(), sig, stream=None, asynchronous=False)
         return self._swap(result)
+
+    def rebuild_lists(self, sigma=None) -> RefreshStats:
+        """Rebuild the neighbour lists from the bank's CURRENT centres, without re-embedding
+        (kNN-search cost only: for centres kept current by
+        :meth:`CentreBank.write_centres_`). Same k, search backend, ``ensure_positive`` and
+        knn options as :meth:`refresh`; the stats' ``embed_seconds`` is 0 and ``overlap``
+        compares with the lists replaced. A background refresh still in flight is not
+        touched: when it is swapped in, its lists (and centres) replace these.
+        Under torch.distributed every rank must call it at the same point (the search is
+        sharded), with identical banks."""
+        sig = self._sigma(sigma)
+        bank = self.bank
+        old_lists = bank.neighbours if bank.has_neighbours else None
+        lists, stats = self._build_lists(bank.centres, bank.labels, 0.0, old_lists, sig, False)
+        bank.update_(neighbours=lists.indices)
+        return stats
 
     def refresh_async(self, sigma=None) -> None:
         """Start computing the next bank in a background thread (snapshot of the weights now)."""
@@ -325,6 +372,12 @@ class Refresher:
         return self._finish()
 
     # ------------------------------------------------------------------ internals
+    @property
+    def sigma(self) -> Optional[float]:
+        """The sigma the statistics use when a call gives none: read now from what
+        ``sigma=`` was (a loss's current sigma, a callable, a tensor, a float or None)."""
+        return _read_sigma(self._sigma_source)
+
     def _sigma(self, sigma) -> Optional[float]:
         return self.sigma if sigma is None else _check_sigma(sigma)
 
@@ -363,7 +416,6 @@ class Refresher:
         distributed = _dist.is_distributed()
         if distributed:  # every rank embeds with rank 0's buffers (BatchNorm statistics, ...)
             _dist.broadcast_buffers(model)
-        search = _dist.neighbour_lists if distributed else neighbour_lists
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
@@ -371,10 +423,18 @@ class Refresher:
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
-            lists = search(centres, labels, self.k, backend=self.backend,
-                           ensure_positive=self.ensure_positive, **self.knn_options)
-            stats = _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
+            lists, stats = self._build_lists(centres, labels, embed_s, old_lists, sigma,
+                                             asynchronous)
         return _Result(centres, labels, lists, stats, stream)
+
+    def _build_lists(self, centres: Tensor, labels: Tensor, embed_s: float,
+                     old_lists: Optional[Tensor], sigma, asynchronous: bool):
+        """The (N, k) lists of ``centres`` with this refresher's k / search backend /
+        ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
+        search = _dist.neighbour_lists if _dist.is_distributed() else neighbour_lists
+        lists = search(centres, labels, self.k, backend=self.backend,
+                       ensure_positive=self.ensure_positive, **self.knn_options)
+        return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
 
     def _embed(self, model: nn.Module, device: torch.device, n: int, d: int):
         bank = self.bank

@@ -7,10 +7,12 @@ subpackage; it builds on them.
 - :mod:`.datasets`: CUB-200-2011, Cars196, Flowers102, Leafsnap loaders (local paths only);
 - :mod:`.models`: embedding networks (torchvision backbones, DigitsNet) and a softmax head;
 - :mod:`.train`: :class:`Trainer` / :func:`fit` (refresh schedule, AMP, logs, checkpoints);
+- :mod:`.tuning`: :func:`choose_sigma` (the kernel width by validation loss, before training);
 - :mod:`.setup`: the shared set-up of the reproduction scripts (loaders, criteria);
 - :mod:`.evaluate`: embeddings of a loader, retrieval and classification metrics of a run;
 - :mod:`.plots`, :mod:`.reporting`: pictures, results.json and markdown tables.
 """
 from .train import Trainer, fit, seed_everything
+from .tuning import choose_sigma
 
-__all__ = ["Trainer", "fit", "seed_everything"]
+__all__ = ["Trainer", "fit", "seed_everything", "choose_sigma"]

@@ -109,7 +109,7 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
                                     learn_weights=learn_weights)
     refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1), backend=backend,
                           ensure_positive=ensure_positive, device=device, progress=progress,
-                          async_mode=async_mode, sigma=sigma)
+                          async_mode=async_mode, sigma=criterion)  # its current sigma
     return criterion, refresher
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..atomic import atomic_write
+from ..validation import require_positive_int
 from ..bank.refresh import RefreshSchedule
 from ..losses.base import BankLoss
 from ..bank import distributed as _dist
@@ -179,6 +180,37 @@ class Trainer:
         checkpoint_every: epochs between checkpoints (the last epoch always gets one).
         log_every: steps between progress-bar updates (each reads the running loss: one sync).
         grad_clip: clip the gradient norm of all trained parameters to this (None: off).
+
+    Keeping a bank loss current on a network that moves fast (training from scratch), where
+    the centres of a periodic refresh go stale within an epoch:
+
+        fresh_centres: None (off) or a momentum in [0, 1): after each optimiser step, the
+            step's embeddings are written into the bank at their ``idx``
+            (:meth:`nnkloss.CentreBank.write_centres_`: ``momentum * old + (1 - momentum) *
+            new``; a row twice in a batch keeps its last occurrence). They are the embeddings
+            the loss saw in that step's forward: the network in train mode (dropout, batch
+            statistics) on the training loader's (augmented) inputs, before the step's update;
+            under AMP the fp32 copy of the autocast output that the loss ran on, cast to the
+            bank's dtype. Rows not in the batch keep their centres. Under torch.distributed
+            every rank all-gathers every rank's (idx, embeddings) and writes all of them in
+            rank order (rank 0's first, so a row in two ranks' batches ends with the higher
+            rank's embedding): the banks stay identical. Costs per step there: an all-gather of
+            the batch sizes (one host sync on NCCL) and of the B x D embeddings. A background
+            (async) refresh swapped in later replaces every centre, including rows written
+            since its snapshot, with its re-embedded (older) ones; a scheduled synchronous
+            refresh at the same step runs after the write and replaces it too.
+        lists_every_steps: None (off) or N: every N optimiser steps (counted over the whole
+            run, so a resumed run rebuilds at the same steps) the neighbour lists are rebuilt
+            from the bank's current centres with the refresher's k, search backend,
+            ensure_positive and knn options (:meth:`nnkloss.Refresher.rebuild_lists`), with no
+            re-embedding pass. Skipped at a step whose scheduled synchronous refresh rebuilds
+            them anyway. The epoch log gets ``lists_rebuilds``, ``lists_time_s`` (total wall
+            time), ``lists_overlap`` (mean share of list entries kept per rebuild),
+            ``lists_positive_share`` and ``lists_mean_kernel`` (last rebuild of the epoch).
+        warm_start_steps: 0 (off) or S: one extra full refresh after the S-th optimiser step
+            (besides the initial bank built before step 1 and the ``schedule``'s), so that
+            the network does not train for a whole interval against centres of its random
+            initialisation. Runs the refresher's way (in the background with ``async_mode``).
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -189,7 +221,9 @@ class Trainer:
                  out_dir: Optional[str] = None, seed: int = 0, progress: bool = True,
                  eval_fn: Optional[Callable[[nn.Module, nn.Module, int], Dict[str, float]]] = None,
                  eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
-                 grad_clip: Optional[float] = None, desc: str = "train"):
+                 grad_clip: Optional[float] = None, desc: str = "train",
+                 fresh_centres: Optional[float] = None, lists_every_steps: Optional[int] = None,
+                 warm_start_steps: int = 0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not lr > 0:
@@ -216,6 +250,8 @@ class Trainer:
             raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
                             f"{type(schedule).__name__}")
         self.schedule = schedule
+        self.fresh_centres, self.lists_every_steps, self.warm_start_steps = _check_bank_options(
+            criterion, refresher, fresh_centres, lists_every_steps, warm_start_steps)
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
@@ -386,6 +422,7 @@ class Trainer:
         rows = 0
         n_batches = 0
         refreshes: Dict[str, Any] = {}
+        lists_log: Dict[str, Any] = {}
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         bar = self._bar
         if bar is not None:
@@ -398,7 +435,8 @@ class Trainer:
                 emb = self.net(x)
             # The loss runs in fp32 outside autocast: its log-sum-exp and the squared
             # distances are where half precision would hurt.
-            loss = self.criterion(emb.float(), y, idx)
+            emb = emb.float()
+            loss = self.criterion(emb, y, idx)
             # Under DDP: gradients of the mean over the global batch (no-op in one process).
             counted = getattr(self.criterion, "last_num_valid", None)
             loss = _dist.global_mean(loss, len(y) if counted is None else counted)
@@ -411,6 +449,8 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
+            if self.fresh_centres is not None:
+                _write_fresh_centres(self.criterion.bank, idx, emb.detach(), self.fresh_centres)
             n_batches += 1
             rows += len(y)
             loss_sum += loss.detach().double()
@@ -424,7 +464,12 @@ class Trainer:
                 done = self.refresher.poll()  # a thread liveness check: no sync
                 if done is not None:
                     refreshes = _stats_dict(done)
-            if self.schedule.step() and self.refresher is not None:
+            due = self.schedule.step() or self.step == self.warm_start_steps
+            due = due and self.refresher is not None
+            if (self.lists_every_steps is not None and self.step % self.lists_every_steps == 0
+                    and not (due and not self._async)):  # a synchronous refresh does it now
+                lists_log = self._rebuild_lists(lists_log)
+            if due:
                 refreshes = self.refresh(wait=False) or refreshes
                 self.model.train()
         if n_batches == 0:
@@ -439,7 +484,21 @@ class Trainer:
             row["valid_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
         row.update(refreshes)
+        row.update(_lists_row(lists_log))
         return row
+
+    def _rebuild_lists(self, log: Dict[str, Any]) -> Dict[str, Any]:
+        """Lists from the bank's current centres (``lists_every_steps``); accumulates the
+        epoch's statistics in ``log``."""
+        t0 = time.perf_counter()
+        stats = self.refresher.rebuild_lists(self.criterion.kernel_sigma())
+        log["rebuilds"] = log.get("rebuilds", 0) + 1
+        log["time_s"] = log.get("time_s", 0.0) + time.perf_counter() - t0
+        if stats.overlap is not None:
+            log.setdefault("overlaps", []).append(stats.overlap)
+        log["positive_share"] = stats.positive_share
+        log["mean_kernel"] = stats.mean_kernel
+        return log
 
     def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:
         """Train until ``epochs`` epochs are complete; returns the log (one dict per epoch).
@@ -509,6 +568,78 @@ class Trainer:
                 self.save_checkpoint()
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
+
+
+def _check_bank_options(criterion, refresher, fresh_centres, lists_every_steps,
+                        warm_start_steps):
+    """Validate the Trainer's bank options; returns them normalised."""
+    if fresh_centres is not None:
+        if isinstance(fresh_centres, bool) or not isinstance(fresh_centres, (int, float, np.number)):
+            raise TypeError(f"fresh_centres must be None or a momentum in [0, 1), got "
+                            f"{type(fresh_centres).__name__}")
+        fresh_centres = float(fresh_centres)
+        if not 0.0 <= fresh_centres < 1.0:
+            raise ValueError(f"fresh_centres must be None or a momentum in [0, 1), got "
+                             f"{fresh_centres}")
+    if lists_every_steps is not None:
+        lists_every_steps = require_positive_int("lists_every_steps", lists_every_steps)
+    if (isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, (int, np.integer))
+            or warm_start_steps < 0):
+        raise ValueError(f"warm_start_steps must be an int >= 0, got {warm_start_steps!r}")
+    warm_start_steps = int(warm_start_steps)
+    wanted = [name for name, on in (("fresh_centres", fresh_centres is not None),
+                                    ("lists_every_steps", lists_every_steps is not None),
+                                    ("warm_start_steps", warm_start_steps > 0)) if on]
+    if wanted and not isinstance(criterion, BankLoss):
+        raise ValueError(f"{', '.join(wanted)} need a criterion with a bank (a "
+                         f"nnkloss.losses.BankLoss), got {type(criterion).__name__}")
+    if lists_every_steps is not None and not callable(getattr(refresher, "rebuild_lists", None)):
+        raise TypeError("lists_every_steps needs a refresher with rebuild_lists() "
+                        "(nnkloss.Refresher)")
+    return fresh_centres, lists_every_steps, warm_start_steps
+
+
+@torch.no_grad()
+def _write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None:
+    """``bank.write_centres_`` with this step's rows; under torch.distributed with every
+    rank's rows, gathered in rank order, so that every rank's bank gets the same writes."""
+    idx = idx.to(bank.centres.device)
+    emb = emb.to(bank.centres.device)
+    if _dist.is_distributed():
+        idx, emb = _gather_batch_rows(idx, emb)
+    bank.write_centres_(idx, emb, momentum)
+
+
+def _gather_batch_rows(idx: Tensor, emb: Tensor):
+    """Every rank's (idx (B_r,), emb (B_r, D)), concatenated in rank order, on every rank."""
+    comm = _dist._comm_device(None, emb.device)
+    size = torch.tensor([idx.shape[0]], dtype=torch.int64, device=comm)
+    counts = [int(c) for c in _dist._all_gather_same(size, None)]  # NCCL: one host sync
+    offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    all_idx = torch.empty(offsets[-1], dtype=torch.int64, device=emb.device)
+    all_emb = torch.empty(offsets[-1], emb.shape[1], dtype=emb.dtype, device=emb.device)
+
+    def placer(out: Tensor):
+        def place(r: int, first: int, rows: Tensor) -> None:
+            out[offsets[r] + first: offsets[r] + first + rows.shape[0]] = rows.to(out.device)
+        return place
+
+    _dist._all_gather_rows(idx.long(), counts, placer(all_idx), None, comm)
+    _dist._all_gather_rows(emb.contiguous(), counts, placer(all_emb), None, comm)
+    return all_idx, all_emb
+
+
+def _lists_row(log: Dict[str, Any]) -> Dict[str, Any]:
+    """The epoch log's ``lists_*`` columns from :meth:`Trainer._rebuild_lists`' statistics."""
+    if not log:
+        return {}
+    row = {"lists_rebuilds": log["rebuilds"], "lists_time_s": log["time_s"],
+           "lists_positive_share": log["positive_share"]}
+    if log.get("overlaps"):
+        row["lists_overlap"] = float(np.mean(log["overlaps"]))
+    if log.get("mean_kernel") is not None:
+        row["lists_mean_kernel"] = log["mean_kernel"]
+    return row
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

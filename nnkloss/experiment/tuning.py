@@ -1,0 +1,146 @@
+"""Choosing the kernel width sigma before training, by validation loss.
+
+The kernel loss of a row is ``-log(sum_same p_j)`` with ``p_j`` the softmax over its neighbour
+list of ``log w_j - ||x - c_j||^2 / (2 sigma^2)``. Sigma sets how many neighbours a row
+listens to: as sigma -> 0 only the nearest one counts (the loss is ~0 when it has the row's
+class and grows like ``d / (2 sigma^2)`` when it has not), as sigma -> inf every listed
+neighbour counts alike (the loss tends to ``-log`` of the weighted share of same-class
+entries). On fixed embeddings the mean loss over held-out rows is therefore smallest at a
+sigma between the two, matched to the scale of the embedding distances: that is the sigma
+:func:`choose_sigma` returns, a hyperparameter set before training (a learned sigma,
+``NeighbourKernelLoss(learn_sigma=True)``, is the alternative).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Dict, Iterable, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..losses.base import BankLoss
+
+__all__ = ["choose_sigma"]
+
+
+def _candidates(candidates) -> list:
+    if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
+        raise TypeError(f"candidates must be an iterable of positive floats, got "
+                        f"{type(candidates).__name__}")
+    out = []
+    for c in candidates:
+        if isinstance(c, Tensor) and c.numel() == 1:
+            c = c.item()
+        if isinstance(c, bool) or not isinstance(c, numbers.Real):
+            raise TypeError(f"candidates must hold positive floats, got {c!r}")
+        c = float(c)
+        if not 0.0 < c < math.inf:
+            raise ValueError(f"candidates must hold positive finite floats, got {c}")
+        out.append(c)
+    if not out:
+        raise ValueError("candidates is empty: give at least one sigma to try")
+    return out
+
+
+def _to_device(inputs, device):
+    if isinstance(inputs, Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_to_device(x, device) for x in inputs)
+    if isinstance(inputs, dict):
+        return {key: _to_device(v, device) for key, v in inputs.items()}
+    return inputs
+
+
+@torch.no_grad()
+def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candidates,
+                 device="cpu") -> Tuple[float, Dict[float, float]]:
+    """Pick the kernel width with the lowest mean kernel loss on validation data, no training.
+
+    Args:
+        model: the embedding network, ``model(inputs) -> (B, D)``; run once over ``loader`` in
+            eval mode under ``no_grad`` (every module's train/eval flag is restored after).
+        criterion: a kernel loss with a ``log_sigma`` parameter over a bank
+            (:class:`nnkloss.NeighbourKernelLoss`). Its bank must already hold the centres
+            and neighbour lists the loss should be judged against, with a row for every
+            ``idx`` the loader yields: typically a bank of the validation examples embedded
+            by the same model (a :class:`nnkloss.Refresher` over the validation loader), so
+            that, each row's own centre being excluded from its list, the loss measures how
+            well its neighbours predict its class -- as it will during training.
+        loader: yields ``(inputs, labels, idx)``: labels (B,) int, idx (B,) int bank rows.
+        candidates: the sigmas to try (positive finite floats; order breaks ties).
+        device: where ``inputs`` go for the model (the model must already be there); the
+            embeddings are then moved to the bank's device.
+
+    Returns:
+        ``(best_sigma, {sigma: mean_loss})``: the mean is over all counted rows of the whole
+        loader (rows with a same-class neighbour; a non-finite row counts and makes its mean
+        NaN), not a mean of batch means. A NaN mean is never chosen. The criterion's sigma is
+        restored afterwards (also on error), its bank is not changed.
+
+    Raises:
+        TypeError / ValueError naming the argument: a criterion without ``log_sigma`` or bank,
+        bad candidates, a loader that yields nothing or no row with a same-class neighbour,
+        or no candidate with a finite loss.
+    """
+    if not isinstance(criterion, BankLoss) or not isinstance(getattr(criterion, "log_sigma", None),
+                                                              Tensor):
+        raise TypeError(f"criterion must be a kernel loss with a log_sigma over a bank "
+                        f"(nnkloss.NeighbourKernelLoss), got {type(criterion).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"loader must be an iterable of (inputs, labels, idx), got "
+                        f"{type(loader).__name__}")
+    sigmas = _candidates(candidates)
+    device = torch.device(device)
+    bank_device = criterion.bank.centres.device
+
+    # Embed once: the embeddings do not depend on sigma.
+    batches = []
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        for batch in loader:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 3:
+                raise ValueError("loader must yield (inputs, labels, idx) triples")
+            inputs, labels, idx = batch
+            emb = model(_to_device(inputs, device))
+            batches.append((emb.detach().float().to(bank_device),
+                            torch.as_tensor(labels).to(bank_device),
+                            torch.as_tensor(idx).to(bank_device)))
+    finally:
+        for m, was_training in modes:
+            m.training = was_training
+    if not batches:
+        raise ValueError("loader yielded no batches")
+
+    log_sigma = criterion.log_sigma
+    saved = log_sigma.detach().clone()
+    saved_stats = criterion.last_stats
+    losses: Dict[float, float] = {}
+    try:
+        for sigma in sigmas:
+            log_sigma.copy_(torch.tensor(math.log(sigma), dtype=log_sigma.dtype))
+            total = torch.zeros((), dtype=torch.float64, device=bank_device)
+            counted = torch.zeros((), dtype=torch.int64, device=bank_device)
+            for emb, labels, idx in batches:
+                criterion(emb, labels, idx)
+                stats = criterion.last_stats
+                total += stats.per_row.double().masked_fill(~stats.valid, 0.0).sum()
+                counted += stats.valid.sum()
+            n = int(counted)
+            if n == 0:
+                raise ValueError("no validation row has a same-class neighbour in its list: "
+                                 "the loss is undefined for every sigma (check the bank's "
+                                 "lists, k and the loader's idx)")
+            losses[sigma] = float(total) / n
+    finally:
+        log_sigma.copy_(saved)
+        criterion.last_stats = saved_stats
+    finite = [s for s in sigmas if math.isfinite(losses[s])]
+    if not finite:
+        raise ValueError(f"no candidate sigma gives a finite validation loss: {losses}")
+    best = min(finite, key=lambda s: losses[s])  # min keeps the first of equal losses
+    return best, losses

@@ -588,8 +588,8 @@ def choose_sigma_for(model, criterion, refresher, data, args, device):
     held = torch.from_numpy(held)
     loader = DataLoader(_Rows(IndexedTensorDataset(tx, ty), held), batch_size=512)
     best, losses = choose_sigma(model, criterion, loader, list(args.nngk_sigma_grid), device)
-    criterion.log_sigma.data.fill_(math.log(float(best)))
-    refresher.sigma = float(best)
+    with torch.no_grad():  # the Refresher reads the loss's current sigma
+        criterion.log_sigma.fill_(math.log(float(best)))
     return float(best), {str(k): float(v) for k, v in losses.items()}
 
 

@@ -27,7 +27,9 @@ setup(
         "gpu-cu12": ["triton>=3.0", "faiss-gpu>=1.15.1"],
         "vision": ["torchvision", "scipy", "Pillow"],
         "demo": ["scikit-learn", "matplotlib"],
+        # repro/fashion_mnist.py's competitors (the library itself never imports it)
+        "bench": ["pytorch-metric-learning>=2.0", "scikit-learn", "matplotlib"],
         "test": ["pytest", "hypothesis", "triton>=3.0", "scikit-learn", "matplotlib",
-                 "faiss-cpu", "scipy", "torchvision", "Pillow"],
+                 "faiss-cpu", "scipy", "torchvision", "Pillow", "pytorch-metric-learning>=2.0"],
     },
 )

@@ -204,3 +204,156 @@ def test_bad_split_arguments(trees):
         CUB200(trees["cub"], "val", protocol="metric")
     with pytest.raises(ValueError, match="protocol"):
         CUB200(trees["cub"], "train", protocol="zero-shot")
+
+
+# ---------------------------------------------------------------------------- IDX / Fashion-MNIST
+from fabricate_idx import idx_bytes, make_idx_tree, write_idx  # noqa: E402
+from nnkloss.experiment.datasets import (KMNIST, MNIST, FashionMNIST, IDXDataset,  # noqa: E402
+                                         read_idx)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+@pytest.mark.parametrize("layout", ["flat", "torchvision"])
+def test_idx_layouts(tmp_path, gz, layout):
+    root = make_idx_tree(str(tmp_path), n_train=40, n_test=20, gz=gz, layout=layout)
+    tr = FashionMNIST(root, "train")
+    te = FashionMNIST(root, "test")
+    assert len(tr) == 40 and len(te) == 20
+    assert tr.num_classes == 10 and tr.classes == list(range(10))
+    x, y, i = tr[3]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32
+    assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0 and float(x.max()) == 1.0
+    assert i == 3 and int(y) == int(tr.labels[3])
+    # the pixels and labels are exactly the files' bytes
+    d = root if layout == "flat" else os.path.join(root, "FashionMNIST", "raw")
+    ext = ".gz" if gz else ""
+    raw = read_idx(os.path.join(d, "train-images-idx3-ubyte" + ext))
+    lab = read_idx(os.path.join(d, "train-labels-idx1-ubyte" + ext))
+    assert raw.shape == (40, 28, 28) and raw.dtype == np.uint8
+    assert torch.equal((tr.inputs[:, 0] * 255).round().to(torch.uint8), torch.from_numpy(raw))
+    assert tr.labels.tolist() == lab.astype(int).tolist()
+    assert tr.files[0].endswith("train-images-idx3-ubyte" + ext)
+
+
+def test_idx_torchvision_parent_and_raw_folder(tmp_path):
+    root = make_idx_tree(str(tmp_path), layout="torchvision", folder="MNIST")
+    assert len(MNIST(root)) == 60                                   # parent of MNIST/raw
+    assert len(MNIST(os.path.join(root, "MNIST"))) == 60            # MNIST/ (holds raw/)
+    assert len(MNIST(os.path.join(root, "MNIST", "raw"), "test")) == 30  # raw/ itself
+    root_k = make_idx_tree(str(tmp_path / "k"), layout="torchvision", folder="KMNIST")
+    assert len(KMNIST(root_k)) == 60
+    with pytest.raises(FileNotFoundError, match="Fashion-MNIST file .*FashionMNIST/raw"):
+        FashionMNIST(root_k)  # FashionMNIST/raw is not there
+
+
+def test_idx_prefers_raw_over_gz(tmp_path):
+    make_idx_tree(str(tmp_path), gz=True, n_train=20)
+    make_idx_tree(str(tmp_path), gz=False, n_train=30)
+    assert len(FashionMNIST(str(tmp_path))) == 30
+    assert FashionMNIST(str(tmp_path)).files[0].endswith("ubyte")
+
+
+def test_idx_class_selection_remaps_in_given_order(tmp_path):
+    root = make_idx_tree(str(tmp_path), n_train=100)
+    full = FashionMNIST(root)
+    sub = FashionMNIST(root, classes=[7, 5, 6])
+    assert sub.num_classes == 3 and sub.classes == [7, 5, 6]
+    assert len(sub) == 30
+    lut = {7: 0, 5: 1, 6: 2}
+    assert sub.labels.tolist() == [lut[c] for c in sub.official_labels.tolist()]
+    keep = [i for i, c in enumerate(full.labels.tolist()) if c in lut]
+    assert torch.equal(sub.inputs, full.inputs[keep])
+    assert [sub[j][2] for j in range(len(sub))] == list(range(len(sub)))
+    for bad in ([], [1, 1], [10], [-1]):
+        with pytest.raises(ValueError, match="classes"):
+            FashionMNIST(root, classes=bad)
+    with pytest.raises(ValueError, match="split"):
+        FashionMNIST(root, split="val")
+    with pytest.raises(ValueError, match="name"):
+        IDXDataset(root, name="cifar")
+
+
+def test_idx_transform_applied(tmp_path):
+    root = make_idx_tree(str(tmp_path))
+    ds = FashionMNIST(root, transform=lambda x: x * 0 + 2)
+    assert float(ds[0][0].mean()) == 2.0
+
+
+def test_read_idx_other_types(tmp_path):
+    a = np.arange(24, dtype=">i4").reshape(2, 3, 4) - 5
+    p = write_idx(str(tmp_path / "ints"), a, gz=False, code=0x0C)
+    got = read_idx(p)
+    assert got.dtype == np.dtype("int32") and np.array_equal(got, a)
+    f = np.linspace(-1, 1, 6).astype(">f8")
+    p = write_idx(str(tmp_path / "f8"), f, gz=True, code=0x0E)
+    assert np.array_equal(read_idx(p), f)
+
+
+def test_idx_missing_file_names_it_and_how_to_get_it(tmp_path):
+    root = make_idx_tree(str(tmp_path))
+    os.remove(os.path.join(root, "t10k-labels-idx1-ubyte.gz"))
+    assert len(FashionMNIST(root, "train")) == 60  # the train files are all there
+    with pytest.raises(FileNotFoundError) as e:
+        FashionMNIST(root, "test")
+    msg = str(e.value)
+    assert "t10k-labels-idx1-ubyte" in msg and "apt-get install dataset-fashion-mnist" in msg
+    assert "github.com/zalandoresearch/fashion-mnist" in msg
+    with pytest.raises(FileNotFoundError, match="MNIST folder not found.*yann.lecun"):
+        MNIST(str(tmp_path / "nowhere"))
+
+
+def _corrupt(root, name, data, gz=True):
+    path = os.path.join(root, name + (".gz" if gz else ""))
+    if gz:
+        import gzip
+        with gzip.open(path, "wb") as f:
+            f.write(data)
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+    return path
+
+
+IMG, LAB = "train-images-idx3-ubyte", "train-labels-idx1-ubyte"
+GOOD_IMG = idx_bytes(np.zeros((60, 28, 28), np.uint8))
+GOOD_LAB = idx_bytes((np.arange(60) % 10).astype(np.uint8))
+
+
+@pytest.mark.parametrize("gz", [True, False])
+@pytest.mark.parametrize("which, data, match", [
+    (IMG, b"\x00\x00", "too short for an IDX header"),
+    (IMG, b"\x00\x00\x08\x03\x00\x00", "too short for an IDX header of 3"),
+    (IMG, b"\x01" + GOOD_IMG[1:], "bad IDX magic number 0x01000803"),
+    (IMG, GOOD_IMG[:2] + b"\x07" + GOOD_IMG[3:], "bad IDX magic"),
+    (IMG, GOOD_IMG[:3] + b"\x00" + GOOD_IMG[4:], "0 dimensions"),
+    (IMG, GOOD_IMG[:-1], r"47040 bytes of data, the file holds 47039"),
+    (IMG, GOOD_IMG + b"\x00", "the file holds 47041"),
+    (IMG, idx_bytes(np.zeros((60, 784), np.uint8)), "3 dimensions"),
+    (IMG, idx_bytes(np.zeros((60, 28, 28), ">i4"), code=0x0C), "unsigned-byte images"),
+    (LAB, idx_bytes(np.zeros((60, 1), np.uint8)), "1 dimension"),
+    (LAB, idx_bytes(np.zeros(59, np.uint8)), "holds 59 labels but .* holds 60 images"),
+    (LAB, idx_bytes(np.r_[np.zeros(59), 10].astype(np.uint8)), "label 10 at item 59"),
+])
+def test_idx_corrupt_files(tmp_path, gz, which, data, match):
+    root = make_idx_tree(str(tmp_path), gz=gz)
+    path = _corrupt(root, which, data, gz)
+    with pytest.raises(DatasetFormatError, match=match) as e:
+        FashionMNIST(root, "train")
+    msg = str(e.value)
+    assert path in msg and "apt-get install dataset-fashion-mnist" in msg
+
+
+def test_idx_broken_gzip_stream(tmp_path):
+    root = make_idx_tree(str(tmp_path), gz=True)
+    path = os.path.join(root, IMG + ".gz")
+    with open(path, "rb") as f:
+        blob = f.read()
+    with open(path, "wb") as f:
+        f.write(blob[: len(blob) // 2])  # truncated download
+    with pytest.raises(DatasetFormatError, match="cannot read") as e:
+        FashionMNIST(root)
+    assert path in str(e.value)
+    with open(path, "wb") as f:
+        f.write(b"not gzip at all" * 10)
+    with pytest.raises(DatasetFormatError, match="cannot read"):
+        FashionMNIST(root)

@@ -180,3 +180,165 @@ def test_metric_learning_small_test_split_keeps_the_run(tmp_path):
     assert all(_fraction(run[f"recall@{k}"]) for k in (1, 2, 4)) and _fraction(run["nmi"])
     assert "| -" in open(out / "results.md").read().replace("  ", " ")
     assert os.path.isfile(out / "recall.png")
+
+
+# ---------------------------------------------------------------------------- Fashion-MNIST
+@pytest.fixture(scope="module")
+def idx_tree(tmp_path_factory):
+    from fabricate_idx import make_idx_tree
+    return make_idx_tree(str(tmp_path_factory.mktemp("fmnist")), n_train=200, n_test=100)
+
+
+FM_TINY = ["--epochs", "1", "--batch-size", "16", "--nngk-k", "5", "--no-progress",
+           "--dim", "8", "--width", "4", "--nmi-inits", "2"]
+FM_KEYS = {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi"}
+
+
+def test_fashion_mnist_retrieval_quick_and_resume(idx_tree, tmp_path):
+    fm = load_script("fashion_mnist")
+    out = tmp_path / "fm"
+    methods = ["nngk", "contrastive", "triplet", "proxyanchor", "softmax", "pixels"]
+    argv = ["--data-root", idx_tree, "--out", str(out), "--quick", "--methods", *methods,
+            "--seeds", "0", "1"] + FM_TINY
+    results = fm.main(argv)
+    on_disk = json.load(open(out / "results.json"))
+    assert on_disk == json.loads(json.dumps(results))
+    assert on_disk["protocol"] == "retrieval" and on_disk["runs_skipped_as_done"] == 0
+    assert set(on_disk["runs"]) == {f"{m}/s{s}" for m in methods for s in (0, 1)}
+    for key, run in on_disk["runs"].items():
+        assert set(run["metrics"]) >= FM_KEYS, key
+        assert all(_fraction(run["metrics"][k]) for k in FM_KEYS), key
+        cfg = run["config"]
+        assert cfg["train_classes"] == [0, 1, 2, 3, 4] and cfg["eval_classes"] == [5, 6, 7, 8, 9]
+        assert cfg["train_images"] == 100 and cfg["eval_images"] == 50
+        assert run["wall_s"] >= run["train_time_s"] >= 0.0 and len(run["load_start"]) == 3
+    # every trained method had the same set-up; each its own settings
+    runs = on_disk["runs"]
+    assert runs["triplet/s0"]["config"]["pml"]["miner_args"]["type_of_triplets"] == "semihard"
+    assert runs["proxyanchor/s0"]["config"]["loss_lr"] == 1e-2
+    assert runs["nngk/s0"]["config"]["nngk"]["k"] == 5
+    assert runs["nngk/s0"]["history"][0]["valid_frac"] > 0
+    for m in ("nngk", "contrastive", "softmax"):
+        c = dict(runs[f"{m}/s0"]["config"])
+        assert (c["lr"], c["batch_size"], c["epochs"]) == (1e-3, 16, 1)
+    # pixels need no seed: the same numbers for both (NMI's k-means aside)
+    assert runs["pixels/s0"]["metrics"]["recall@1"] == runs["pixels/s1"]["metrics"]["recall@1"]
+    summ = on_disk["summary"]["contrastive"]
+    vals = [runs[f"contrastive/s{s}"]["metrics"]["recall@1"] for s in (0, 1)]
+    assert summ["seeds"] == [0, 1]
+    assert summ["recall@1"]["mean"] == pytest.approx(sum(vals) / 2)
+    assert summ["recall@1"]["std"] == pytest.approx(abs(vals[0] - vals[1]) / 2 ** 0.5)
+    with open(out / "recall.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    rows = open(out / "summary.csv").read().splitlines()
+    assert rows[0].startswith("method,seeds,recall@1_mean") and len(rows) == 1 + len(methods)
+    assert "MAP@R" in open(out / "results.md").read()
+
+    # resumed: nothing re-run, same numbers
+    again = fm.main(argv)
+    assert again["runs_skipped_as_done"] == len(methods) * 2
+    assert again["runs"] == on_disk["runs"]
+    # a changed NNGK option re-runs only the NNGK runs
+    third = fm.main(argv + ["--nngk-sigma", "0.5"])
+    assert third["runs_skipped_as_done"] == (len(methods) - 1) * 2
+    assert third["runs"]["nngk/s0"]["config"]["nngk"]["sigma"] == "0.5"
+    assert third["runs"]["contrastive/s1"] == on_disk["runs"]["contrastive/s1"]
+    # a tagged NNGK variant is kept beside the others and reported with them
+    tagged = fm.main(["--data-root", idx_tree, "--out", str(out), "--quick", "--methods",
+                      "nngk", "--seeds", "0", "1", "--tag", "k3"] + FM_TINY
+                     + ["--nngk-k", "3"])
+    assert tagged["runs_skipped_as_done"] == 0
+    assert tagged["runs"]["nngk-k3/s1"]["config"]["nngk"]["k"] == 3
+    assert tagged["runs"]["nngk/s1"]["config"]["nngk"]["k"] == 5
+    assert list(tagged["summary"])[:2] == ["nngk-k3", "nngk"]
+    assert set(tagged["summary"]) == {"nngk-k3"} | set(methods)
+    assert "nngk-k3" in open(out / "results.md").read()
+    assert os.path.isdir(out / "runs" / "nngk-k3-s0")
+
+
+def test_fashion_mnist_interrupted_run_resumes_from_its_checkpoint(idx_tree, tmp_path):
+    fm = load_script("fashion_mnist")
+    out = tmp_path / "fm"
+    argv = ["--data-root", idx_tree, "--out", str(out), "--quick", "--methods", "softmax",
+            "--seeds", "0"] + FM_TINY
+    first = fm.main(argv)["runs"]["softmax/s0"]
+    os.remove(out / "runs" / "softmax-s0" / "result.json")  # as if killed after training
+    second = fm.main(argv)["runs"]["softmax/s0"]
+    assert second["metrics"] == first["metrics"]
+    assert second["history"] == first["history"]  # the checkpoint's log, not a new run
+
+
+def test_fashion_mnist_classification_quick(idx_tree, tmp_path):
+    fm = load_script("fashion_mnist")
+    out = tmp_path / "fc"
+    res = fm.main(["--data-root", idx_tree, "--out", str(out), "--quick", "--protocol",
+                   "classification", "--seeds", "0"] + FM_TINY)
+    assert set(res["runs"]) == {"nngk/s0", "softmax/s0", "pixels/s0"}
+    for run in res["runs"].values():
+        assert _fraction(run["metrics"]["accuracy"])
+        assert run["config"]["eval_classes"] == list(range(10))
+        assert run["config"]["eval_images"] == 100
+    # the fabricated classes are easy: 1-NN on pixels gets them all
+    assert res["runs"]["pixels/s0"]["metrics"]["accuracy"] > 0.9
+    with open(out / "accuracy.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fashion_mnist_validation_never_reads_the_test_images(idx_tree, tmp_path):
+    import shutil
+    fm = load_script("fashion_mnist")
+    data = tmp_path / "train_only"
+    shutil.copytree(idx_tree, data)
+    for f in os.listdir(data):
+        if f.startswith("t10k"):
+            os.remove(data / f)
+    for protocol, key in (("retrieval", "val_map@r"), ("classification", "val_accuracy")):
+        res = fm.main(["--data-root", str(data), "--out", str(tmp_path / protocol),
+                       "--protocol", protocol, "--eval-on", "val", "--curve", "--methods",
+                       "nngk", "softmax", "--seeds", "0"] + FM_TINY)
+        run = res["runs"]["nngk/s0"]
+        assert "validation" in run["config"]["eval_split"]
+        assert key in run["history"][-1]
+        assert all("t10k" not in p for p in res["data_files"])
+    ret = json.load(open(tmp_path / "retrieval" / "results.json"))
+    assert ret["config"]["train_classes"] == [0, 1, 2]
+    assert ret["config"]["eval_classes"] == [3, 4]
+    with pytest.raises(FileNotFoundError, match="t10k-images-idx3-ubyte"):
+        fm.main(["--data-root", str(data), "--out", str(tmp_path / "t"), "--quick"] + FM_TINY)
+
+
+def test_fashion_mnist_bad_arguments(idx_tree, tmp_path):
+    fm = load_script("fashion_mnist")
+    base = ["--data-root", idx_tree, "--out", str(tmp_path)]
+    for extra in (["--curve"], ["--train-classes", "0", "0"], ["--train-classes", "10"],
+                  ["--epochs", "0"], ["--nngk-sigma", "-1"], ["--methods", "siamese"],
+                  ["--eval-on", "val", "--val-classes", "5"], ["--tag", "a/b"], ["--tag", ""]):
+        with pytest.raises(SystemExit):
+            fm.parse_args(base + extra)
+
+
+def test_fashion_mnist_nngk_options_reach_the_trainer(idx_tree, tmp_path):
+    fm = load_script("fashion_mnist")
+    out = tmp_path / "opts"
+    res = fm.main(["--data-root", idx_tree, "--out", str(out), "--quick", "--methods", "nngk",
+                   "--seeds", "0", "--tag", "all", "--nngk-fresh-centres", "0.5",
+                   "--nngk-lists-every-steps", "2", "--nngk-warm-start-steps", "1",
+                   "--nngk-sigma", "auto", "--nngk-sigma-grid", "0.1", "0.5", "2.0",
+                   "--nngk-learn-sigma", "--nngk-sigma-lr", "0.01"] + FM_TINY)
+    run = res["runs"]["nngk-all/s0"]
+    opts = run["config"]["nngk"]
+    assert (opts["fresh_centres"], opts["lists_every_steps"], opts["warm_start_steps"]) == \
+        (0.5, 2, 1)
+    assert opts["sigma"] == "auto" and opts["sigma_grid"] == [0.1, 0.5, 2.0]
+    search = run["sigma_search"]
+    assert set(search["loss"]) == {"0.1", "0.5", "2.0"}
+    finite = {float(s): v for s, v in search["loss"].items() if v == v}
+    assert search["chosen"] == min(finite, key=finite.get)
+    hist = run["history"][0]
+    # 100 training images / batch 16 (drop_last) = 6 steps: lists rebuilt at steps 2, 4, 6
+    # (less any step whose full refresh rebuilt them anyway)
+    assert hist["lists_rebuilds"] >= 2
+    # sigma was learned: it moved from the chosen value
+    assert run["metrics"]["final_sigma"] != pytest.approx(float(search["chosen"]), rel=1e-6)
+    log = json.load(open(out / "runs" / "nngk-all-s0" / "log.json"))
+    assert log[0]["lists_rebuilds"] == hist["lists_rebuilds"]

@@ -565,3 +565,209 @@ class IndexedTensorDataset(Dataset):
         if self.transform is not None:
             x = self.transform(x)
         return x, self.labels[i], i
+
+
+# ---------------------------------------------------------------------------- IDX (MNIST family)
+#: IDX element types (the third byte of the magic number) -> big-endian numpy dtype.
+IDX_DTYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
+              0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+
+#: The four files of every MNIST-format data set (file stem, without ``.gz``), by split.
+IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+class _IDXInfo:
+    """How to get one MNIST-format data set (for error messages) and its torchvision folder."""
+
+    def __init__(self, name: str, folder: str, get: str):
+        self.name, self.folder, self.get = name, folder, get
+
+
+IDX_SETS = {
+    "fashion-mnist": _IDXInfo(
+        "Fashion-MNIST", "FashionMNIST",
+        "install it with `apt-get install dataset-fashion-mnist` (files in "
+        "/usr/share/datasets/fashion-mnist) or download the four official files from "
+        "https://github.com/zalandoresearch/fashion-mnist"),
+    "mnist": _IDXInfo(
+        "MNIST", "MNIST",
+        "download the four official files from http://yann.lecun.com/exdb/mnist/"),
+    "kmnist": _IDXInfo(
+        "KMNIST", "KMNIST",
+        "download the four official files from https://github.com/rois-codh/kmnist"),
+}
+
+
+def read_idx(path: str, hint: str = "") -> np.ndarray:
+    """Read one IDX file (gzipped if its name ends in ``.gz``) into a numpy array.
+
+    The header (magic ``0x00 0x00 TYPE NDIM``, then NDIM big-endian uint32 sizes) is checked
+    against the file: known element type, at least one dimension, and a payload of exactly
+    ``prod(sizes) * itemsize`` bytes. Any mismatch, or a gzip stream that cannot be read,
+    raises :class:`DatasetFormatError` naming ``path`` (plus ``hint``, e.g. how to get a good
+    copy). Returns an array of the sizes in the header, native byte order.
+    """
+    import gzip
+    import zlib
+
+    _require_file(path, "IDX file")
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except (OSError, EOFError, zlib.error) as e:
+        raise DatasetFormatError(f"{path}: cannot read ({e}){hint}") from None
+    if len(data) < 4:
+        raise DatasetFormatError(f"{path}: {len(data)} bytes, too short for an IDX header{hint}")
+    zero0, zero1, code, ndim = data[0], data[1], data[2], data[3]
+    if zero0 != 0 or zero1 != 0 or code not in IDX_DTYPES:
+        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{data[:4].hex()} (expected "
+                                 f"0x0000 then a type byte in "
+                                 f"{[hex(c) for c in IDX_DTYPES]} and the dimension count)"
+                                 f"{hint}")
+    if ndim < 1:
+        raise DatasetFormatError(f"{path}: IDX header gives {ndim} dimensions{hint}")
+    head = 4 + 4 * ndim
+    if len(data) < head:
+        raise DatasetFormatError(f"{path}: {len(data)} bytes, too short for an IDX header of "
+                                 f"{ndim} dimensions{hint}")
+    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    dtype = IDX_DTYPES[code]
+    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(data) - head != expected:
+        raise DatasetFormatError(f"{path}: header says {dims} items of {dtype.itemsize} byte(s) "
+                                 f"= {expected} bytes of data, the file holds {len(data) - head}"
+                                 f" (truncated or not this file){hint}")
+    arr = np.frombuffer(data, dtype=dtype, offset=head).reshape(dims)
+    return arr.astype(dtype.newbyteorder("="), copy=True)
+
+
+def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
+    """The path of IDX file ``stem`` (raw, else ``stem.gz``) under ``root``.
+
+    Looked for in ``root`` itself (a flat folder such as Debian's
+    /usr/share/datasets/fashion-mnist or torchvision's ``raw`` folder), then in
+    ``root/raw`` and ``root/<folder>/raw`` (torchvision's layout, ``root`` being what was given
+    to torchvision). Raises FileNotFoundError listing the places looked in.
+    """
+    dirs = [root, os.path.join(root, "raw"), os.path.join(root, folder, "raw")]
+    tried = []
+    for d in dirs:
+        for name in (stem, stem + ".gz"):
+            p = os.path.join(d, name)
+            tried.append(p)
+            if os.path.isfile(p):
+                return p
+    raise FileNotFoundError(f"{stem}[.gz] not found; looked for {', '.join(tried)}")
+
+
+class IDXDataset(IndexedTensorDataset):
+    """An MNIST-format data set (Fashion-MNIST, MNIST, KMNIST) read from its IDX files.
+
+    Items are ``(image, label, idx)``: image a (1, H, W) float32 tensor in [0, 1] (or what
+    ``transform`` makes of it), label an int64 0-dim tensor, idx the item's position.
+
+    Args:
+        root: a local folder holding the four official files, gzipped or not: flat (e.g.
+            /usr/share/datasets/fashion-mnist, from ``apt-get install dataset-fashion-mnist``)
+            or torchvision's layout (``root/FashionMNIST/raw/``). Nothing is downloaded.
+        split: "train" (the official 60,000 images) or "test" (the 10,000 "t10k" images).
+        classes: keep only these official classes (0..9), labelled 0..len(classes)-1 in the
+            order given; None keeps all ten with their official labels.
+        transform: applied to each (1, H, W) float32 image tensor (e.g. a random shift).
+        name: which data set ("fashion-mnist", "mnist", "kmnist"): its error messages and its
+            torchvision folder name.
+    Attributes:
+        inputs (N, 1, H, W) float32, labels (N,) int64, num_classes, classes (the official ids
+        kept, in label order), official_labels (N,) int64, files (the two paths read).
+    Missing files raise FileNotFoundError, malformed ones DatasetFormatError; both name the
+    file and say how to get the data set.
+    """
+
+    NUM_CLASSES = 10
+
+    def __init__(self, root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
+                 transform: Optional[Callable] = None, name: str = "fashion-mnist"):
+        if name not in IDX_SETS:
+            raise ValueError(f"name must be one of {tuple(IDX_SETS)}, got {name!r}")
+        if split not in IDX_FILES:
+            raise ValueError(f"split must be one of {tuple(IDX_FILES)}, got {split!r}")
+        info = IDX_SETS[name]
+        hint = f"; {info.get}"
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"{info.name} folder not found: {root}{hint}")
+        paths = []
+        for stem in IDX_FILES[split]:
+            try:
+                paths.append(find_idx_file(root, stem, info.folder))
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{info.name} file {e}{hint}") from None
+        img_path, lab_path = paths
+        images = read_idx(img_path, hint)
+        labels = read_idx(lab_path, hint)
+        if images.ndim != 3 or images.dtype != np.uint8:
+            raise DatasetFormatError(f"{img_path}: expected unsigned-byte images of 3 "
+                                     f"dimensions (N, H, W), got {images.dtype} of shape "
+                                     f"{images.shape}{hint}")
+        if labels.ndim != 1 or labels.dtype != np.uint8:
+            raise DatasetFormatError(f"{lab_path}: expected unsigned-byte labels of 1 "
+                                     f"dimension, got {labels.dtype} of shape {labels.shape}"
+                                     f"{hint}")
+        if len(labels) != len(images):
+            raise DatasetFormatError(f"{lab_path} holds {len(labels)} labels but {img_path} "
+                                     f"holds {len(images)} images{hint}")
+        if len(labels) and int(labels.max()) >= self.NUM_CLASSES:
+            bad = int(np.flatnonzero(labels >= self.NUM_CLASSES)[0])
+            raise DatasetFormatError(f"{lab_path}: label {int(labels[bad])} at item {bad} is "
+                                     f"outside 0..{self.NUM_CLASSES - 1}{hint}")
+        if classes is None:
+            keep = np.arange(len(labels))
+            order = list(range(self.NUM_CLASSES))
+        else:
+            order = [int(c) for c in classes]
+            if not order or len(set(order)) != len(order) or \
+                    any(not 0 <= c < self.NUM_CLASSES for c in order):
+                raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
+                                 f"got {list(classes)}")
+            keep = np.flatnonzero(np.isin(labels, order))
+        official = labels[keep].astype(np.int64)
+        lut = np.full(self.NUM_CLASSES, -1, dtype=np.int64)
+        lut[order] = np.arange(len(order))
+        x = torch.from_numpy(images[keep]).unsqueeze(1).float().div_(255.0)
+        super().__init__(x, torch.from_numpy(lut[official]), transform)
+        self.num_classes = len(order)
+        self.classes = order
+        self.official_labels = torch.from_numpy(official)
+        self.files = (img_path, lab_path)
+        self.split, self.name = split, name
+
+    def __repr__(self) -> str:
+        return (f"IDXDataset({getattr(self, 'name', '?')}, split={getattr(self, 'split', '?')}, "
+                f"items={len(self)}, classes={getattr(self, 'classes', '?')})")
+
+
+def FashionMNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
+                 transform: Optional[Callable] = None) -> IDXDataset:
+    """Fashion-MNIST (Xiao et al., 2017): 70,000 28x28 greyscale images of 10 clothing classes.
+    See :class:`IDXDataset`."""
+    return IDXDataset(root, split, classes, transform, name="fashion-mnist")
+
+
+def MNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
+          transform: Optional[Callable] = None) -> IDXDataset:
+    """MNIST handwritten digits, same format. See :class:`IDXDataset`."""
+    return IDXDataset(root, split, classes, transform, name="mnist")
+
+
+def KMNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
+           transform: Optional[Callable] = None) -> IDXDataset:
+    """Kuzushiji-MNIST, same format. See :class:`IDXDataset`."""
+    return IDXDataset(root, split, classes, transform, name="kmnist")
+
+
+__all__ += ["read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST", "KMNIST",
+            "IDX_SETS", "IDX_FILES"]

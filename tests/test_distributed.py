@@ -173,7 +173,7 @@ def _worker(rank, port, out_dir):
     labels = y.clone().masked_fill(~written, -5)
     nkd.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
     results["gathered"] = {"centres": centres, "labels": labels}
-    lists = nkd.neighbour_lists(x, y, K, backend="torch", chunk_bytes=5 * K * 8)
+    lists = nkd.neighbour_lists(x, y, K, search_backend="torch", chunk_bytes=5 * K * 8)
     results["lists_small_rounds"] = lists.indices
 
     # Rows that no rank embeds: a clear error on every rank, the bank untouched.
@@ -261,7 +261,7 @@ def test_rows_written_twice_take_the_lowest_rank(results):
     for r in results:
         assert torch.equal(r["gathered"]["centres"], expected)
         assert torch.equal(r["gathered"]["labels"], y)
-        single = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices
+        single = nnkloss.bank.search.neighbour_lists(x, y, K, search_backend="torch").indices
         assert torch.equal(r["lists_small_rounds"], single)
 
 

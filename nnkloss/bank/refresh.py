@@ -371,7 +371,7 @@ class Refresher:
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
-            lists = search(centres, labels, self.k, backend=self.backend,
+            lists = search(centres, labels, self.k, search_backend=self.backend,
                            ensure_positive=self.ensure_positive, **self.knn_options)
             stats = _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
         return _Result(centres, labels, lists, stats, stream)

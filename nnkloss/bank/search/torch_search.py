@@ -10,9 +10,10 @@ about as much again at k in the hundreds to thousands, so the default path avoid
 
 1. one GEMM gives a (rows, N) block of distances (rows chosen so the block fits the budget);
 2. a per-row threshold ``tau`` that is at least the k-th smallest distance: from a fixed random
-   sample of S columns of the block, the order statistic that lies above the k-th smallest
-   distance with probability ~1 - 3e-5 (mean + 4 standard deviations of its hypergeometric
-   count), or the exact k-th value when N is small;
+   sample of S = min(4096, N / 4) columns of the block (the base is searched in a fixed random
+   order, so the sample is the block's first S columns), the order statistic that lies above
+   the k-th smallest distance with probability ~1 - 3e-5 (mean + 4 standard deviations of its
+   hypergeometric count), or the exact k-th value when N is small (S < 256);
 3. one compare and one ``nonzero`` keep the entries ``<= tau`` (about k (1 + 4/sqrt(k S / N))
    per row); a row that keeps fewer than k (the 3e-5 event) gets its exact k-th value and the
    block is compared again, so the result never depends on the sample;
@@ -38,8 +39,10 @@ _CPU_TILE_BYTES = 256 * 2**20
 # On CUDA the budget is this share of the free memory, capped (bigger tiles stop paying off).
 _CUDA_FREE_SHARE = 0.25
 _CUDA_TILE_BYTES_MAX = 4 * 2**30
-# Columns sampled per query row for the threshold; the sample is used when N >= 4 S.
+# Columns sampled per query row for the threshold: min(SAMPLE_COLUMNS, N / 4), and no sample
+# (exact threshold) below MIN_SAMPLE_COLUMNS.
 SAMPLE_COLUMNS = 4096
+MIN_SAMPLE_COLUMNS = 256
 # Fewest query rows worth one (rows, N) block; below this the base is tiled too.
 _MIN_BLOCK_ROWS = 16
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -115,12 +118,14 @@ def _sample_rank(k: int, s: int, n: int) -> int:
 
 
 def _select(block: Tensor, tau: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Coordinates (row-major) of the entries of ``block`` (rows, n) at most ``tau`` (rows,),
-    the count per row and where each row's entries start."""
-    rows = block.shape[0]
-    r, c = (block <= tau.unsqueeze(1)).nonzero(as_tuple=True)  # row-major: r ascends
+    """Flat positions (ascending) of the entries of the contiguous ``block`` (rows, n) at most
+    ``tau`` (rows,), their rows, the count per row and where each row's entries start."""
+    rows, n = block.shape
+    # One flat index per kept entry: cheaper to produce and to gather with than (row, col).
+    flat = (block <= tau.unsqueeze(1)).view(-1).nonzero().squeeze(1)
+    r = torch.div(flat, n, rounding_mode="floor")
     bounds = torch.searchsorted(r, torch.arange(rows + 1, device=r.device))
-    return r, c, bounds[1:] - bounds[:-1], bounds[:-1]
+    return flat, r, bounds[1:] - bounds[:-1], bounds[:-1]
 
 
 def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
@@ -139,18 +144,20 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
         tau = block.topk(k, dim=1, largest=False, sorted=False).values.amax(dim=1)
     # Clamped distances tie at 0: every entry <= 0 must be kept when tau is below 0.
     tau = tau.clamp_min(0.0)
-    r, c, counts, offsets = _select(block, tau)
+    flat, r, counts, offsets = _select(block, tau)
     short = counts < k
     if bool(short.any()):  # the sample's threshold fell below the k-th value (rare)
         bad = short.nonzero().flatten()
         tau[bad] = block[bad].topk(k, dim=1, largest=False, sorted=False).values.amax(
             dim=1).clamp_min(0.0)
-        r, c, counts, offsets = _select(block, tau)
-    keys = _keys(block[r, c], c if ids is None else ids[c])
+        flat, r, counts, offsets = _select(block, tau)
+    c = flat - r * n
+    keys = _keys(block.view(-1).take(flat), c if ids is None else ids[c])
     width = int(counts.max())
-    pos = torch.arange(r.shape[0], device=block.device) - offsets[r]
+    # Entry j of the kept list sits at column j - offsets[row] of its row of the packed matrix.
+    dest = torch.arange(flat.shape[0], device=block.device).add_(r * width - offsets[r])
     packed = torch.full((rows, width), _INT64_MAX, dtype=torch.int64, device=block.device)
-    packed[r, pos] = keys
+    packed.view(-1)[dest] = keys
     top = packed.topk(k, dim=1, largest=False, sorted=True).values
     return _unkey(top)
 
@@ -169,12 +176,13 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         return
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
-    sample_k = _sample_rank(k, SAMPLE_COLUMNS, n)
+    s = min(SAMPLE_COLUMNS, n // 4)
+    sample_k = _sample_rank(k, s, n) if s > 0 else k
     # The sample pays off when it is a small part of the row and its rank a small part of it.
-    use_sample = n >= 4 * SAMPLE_COLUMNS and sample_k <= SAMPLE_COLUMNS // 2
+    use_sample = s >= MIN_SAMPLE_COLUMNS and sample_k <= s // 2
     # Per query row of a full block: fp32 distances, the bool mask, the sampled columns and
     # the kept entries (about 2 k int64 keys and their nonzero coordinates).
-    per_row = n * 5 + width * 4 + (SAMPLE_COLUMNS * 4 if use_sample else 0) + 64 * max(k, 1)
+    per_row = n * 5 + width * 4 + 64 * max(k, 1)
     tq = min(q, 4096, max(1, (budget - n * width * 4) // per_row))
     if tq >= min(q, _MIN_BLOCK_ROWS):
         ids = None
@@ -189,7 +197,7 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
             qa = _augment(queries[q0:q0 + tq], width, query_side=True)
             block = buf[:qa.shape[0]]
             torch.mm(qa, ba.t(), out=block)
-            dist, idx = _knn_block(block, k, SAMPLE_COLUMNS if use_sample else 0, sample_k, ids)
+            dist, idx = _knn_block(block, k, s if use_sample else 0, sample_k, ids)
             yield q0, dist, idx
         return
     yield from _iter_knn_tiled(queries, base, k, budget, width)

@@ -87,11 +87,13 @@ def test_far_away_queries_give_no_nan(search_backend):
     bank = CentreBank(centres, torch.tensor([0, 1, 2]), weights=torch.tensor([1.0, 3.0, 1.0]))
     x = torch.tensor([[0.0, -1e4], [0.0, 1e4]])
     for rule in ("nngk", "ccknn"):
-        clf = NeighbourKernelClassifier(bank, k=2, sigma=1.0, search_backend=search_backend, rule=rule)
+        clf = NeighbourKernelClassifier(bank, k=2, sigma=1.0, search_backend=search_backend,
+                                        rule=rule)
         p = clf.predict_proba(x)
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p.sum(1), torch.ones(2))
-    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0, search_backend=search_backend).predict_proba(x)
+    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0,
+                                  search_backend=search_backend).predict_proba(x)
     torch.testing.assert_close(p[0], torch.tensor([0.25, 0.75, 0.0]))
     # The second query's two nearest are centre 2 (much closer) and one of the others.
     assert p[1, 2] == 1.0
@@ -102,7 +104,8 @@ def test_far_away_queries_give_no_nan(search_backend):
     # Random far queries against the reference.
     bank = make_bank(weights=True)
     xf = torch.randn(12, 6, generator=torch.Generator().manual_seed(3)) * 300
-    p = NeighbourKernelClassifier(bank, k=9, sigma=2.0, search_backend=search_backend).predict_proba(xf)
+    p = NeighbourKernelClassifier(bank, k=9, sigma=2.0,
+                                  search_backend=search_backend).predict_proba(xf)
     ref = ref_nngk_proba(xf, bank.centres, bank.labels, bank.weights.detach(), 9, 2.0,
                          bank.num_classes)
     assert torch.isfinite(p).all()
@@ -160,7 +163,8 @@ def test_ccknn_matches_eq14(search_backend):
                         torch.full((2,), 4.0)]).long()  # class 3 absent, classes 2 and 4 < k
     bank = CentreBank(centres, labels)
     x = torch.randn(25, 4, generator=g)
-    clf = NeighbourKernelClassifier(bank, k=4, sigma=0.9, search_backend=search_backend, rule="ccknn",
+    clf = NeighbourKernelClassifier(bank, k=4, sigma=0.9, search_backend=search_backend,
+                                    rule="ccknn",
                                     batch_size=7)
     p = clf.predict_proba(x)
     ref_p, ref_pred = ref_ccknn(x, centres, labels, 4, 0.9, 5)

@@ -57,7 +57,8 @@ def test_matches_brute_force(backend, exclude_self):
     queries = base if exclude_self else torch.randn(77, 24, generator=g)
     k = 10
     # A tiny tile budget forces many query and base tiles: exercises the running merge.
-    dist, idx = knn(queries, base, k, search_backend=backend, exclude_self=exclude_self, tile_bytes=40_000)
+    dist, idx = knn(queries, base, k, search_backend=backend, exclude_self=exclude_self,
+                    tile_bytes=40_000)
     check_result(queries, base, k, dist, idx, exclude_self)
 
 
@@ -77,7 +78,8 @@ def test_extreme_k(backend, exclude_self, k):
     g = torch.Generator().manual_seed(2)
     base = torch.randn(50, 5, generator=g)
     queries = base if exclude_self else torch.randn(9, 5, generator=g)
-    dist, idx = knn(queries, base, k, search_backend=backend, exclude_self=exclude_self, tile_bytes=3000)
+    dist, idx = knn(queries, base, k, search_backend=backend, exclude_self=exclude_self,
+                    tile_bytes=3000)
     check_result(queries, base, k, dist, idx, exclude_self)
     if k == base.shape[0] - int(exclude_self):  # every candidate is returned exactly once
         all_rows = torch.arange(base.shape[0]).expand(queries.shape[0], -1)

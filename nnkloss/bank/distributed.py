@@ -415,7 +415,8 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str
 
     Every rank must pass the same (N, D) ``centres`` and (N,) ``labels`` (as
     :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
-    against the full bank with :func:`nnkloss.bank.search.knn` (``search_backend``, ``knn_options`` as there;
+    against the full bank with :func:`nnkloss.bank.search.knn` (``search_backend``,
+    ``knn_options`` as there;
     an approximate index is built over the full bank on every rank, with the same seed), then
     the (N, k) indices and distances, ``has_positive`` and ``num_patched`` are gathered, so
     every rank returns the same :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers the

@@ -34,6 +34,12 @@ def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto"
     consecutive blocks of query rows; arguments and results as in :func:`knn` (exact only).
     Memory: one block's working set (the tile budget), never the whole (Q, k) result."""
     k = validate(queries, base, k, exclude_self)
+    yield from _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
+
+
+def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
+                  exclude_self: bool, tile_bytes: Optional[int]
+                  ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     used = resolve_search_backend(search_backend, queries.device)
     kk = k + int(exclude_self)  # the own row is searched for, then dropped
     if queries.shape[0] == 0:
@@ -118,17 +124,12 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         if exclude_self:
             dist, idx = drop_self(dist, idx, torch.arange(queries.shape[0], device=dev), k)
         return dist, idx
+    k = validate(queries, base, k, exclude_self)
     q = queries.shape[0]
-    out_d = out_i = None
-    for q0, dist, idx in iter_knn(queries, base, k, search_backend, exclude_self,
-                                  tile_bytes=tile_bytes):
-        if out_d is None:
-            out_d = torch.empty(q, dist.shape[1], dtype=torch.float32, device=queries.device)
-            out_i = torch.empty(q, dist.shape[1], dtype=torch.long, device=queries.device)
+    out_d = torch.empty(q, k, dtype=torch.float32, device=queries.device)
+    out_i = torch.empty(q, k, dtype=torch.long, device=queries.device)
+    for q0, dist, idx in _iter_checked(queries, base, k, search_backend, exclude_self,
+                                       tile_bytes):
         out_d[q0:q0 + dist.shape[0]] = dist
         out_i[q0:q0 + idx.shape[0]] = idx
-    if out_d is None:  # no query rows: k was checked by iter_knn
-        kk = int(k)
-        out_d = torch.empty(0, kk, dtype=torch.float32, device=queries.device)
-        out_i = torch.empty(0, kk, dtype=torch.long, device=queries.device)
     return out_d, out_i

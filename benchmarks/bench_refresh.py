@@ -14,9 +14,16 @@ for that backend and D (at first a 4096-row calibration run), scaled by N^2 (by 
 HNSW); shapes predicted to exceed
 ``--max-seconds``, or whose data would not fit in memory, are skipped and reported, not run.
 
+The limit: the search is an N x N x D GEMM, so its floor is ``sgemm_seconds`` = 2 N^2 D flops at
+the fp32 GEMM rate of this machine, measured in the same run just before each shape (median of
+5 products of a (2048, D) by (D, 16384) matrix, the search's own block shape class).
+``x_sgemm`` = seconds / sgemm_seconds.
+
 Appends one row per measured shape to ``benchmarks/results/refresh_<device>.csv`` with columns
-``op,backend,N,D,k,seconds,device,commit,date`` (device: the CUDA device name or the CPU model
-from /proc/cpuinfo; commit: ``git rev-parse --short HEAD``; date: UTC ISO 8601).
+``op,backend,N,D,k,seconds,device,commit,date,sgemm_gflops,sgemm_seconds,x_sgemm,load``
+(device: the CUDA device name or the CPU model from /proc/cpuinfo; commit: ``git rev-parse
+--short HEAD``; date: UTC ISO 8601; load: the 1-minute load average before the run, from
+/proc/loadavg: the machine may be shared). Rows of earlier versions have the last four empty.
 """
 from __future__ import annotations
 
@@ -35,7 +42,8 @@ import torch  # noqa: E402
 
 from nnkloss.bank.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
 
-COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date"]
+COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date",
+           "sgemm_gflops", "sgemm_seconds", "x_sgemm", "load"]
 APPROX = {"faiss-ivf": "ivf", "faiss-hnsw": "hnsw"}
 CALIBRATION_N = 4096
 
@@ -75,9 +83,35 @@ def build_graph(x: torch.Tensor, k: int, backend: str) -> float:
     if backend in APPROX:
         knn(x, x, k, exclude_self=True, approximate=APPROX[backend])
     else:
-        knn(x, x, k, backend=backend, exclude_self=True)
+        knn(x, x, k, search_backend=backend, exclude_self=True)
     sync(x.device)
     return time.perf_counter() - t0
+
+
+def sgemm_gflops(d: int, device: torch.device, reps: int = 5) -> float:
+    """fp32 GEMM rate (GFLOP/s) of this machine now: median of ``reps`` (2048, d) x (d, 16384)
+    products."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    a = torch.randn(2048, d, generator=g).to(device)
+    b = torch.randn(16384, d, generator=g).to(device)
+    out = torch.empty(2048, 16384, device=device)
+    torch.mm(a, b.t(), out=out)  # warm-up
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b.t(), out=out)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * 2048 * 16384 * d / sorted(times)[reps // 2] / 1e9
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return ""
 
 
 def data(n: int, d: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -139,15 +173,22 @@ def main(argv=None) -> int:
                               f"{args.max_seconds:g})")
                         continue
                     x = data(n, d, device)
+                    load = loadavg()
+                    rate = sgemm_gflops(d, device)
+                    floor = 2.0 * n * n * d / rate / 1e9
                     seconds = build_graph(x, args.k, backend)
                     del x
                     known = (n, seconds)
                     writer.write({
                         "op": "knn_graph", "backend": label(backend, device), "N": n, "D": d,
                         "k": args.k, "seconds": f"{seconds:.4f}", "device": name,
-                        "commit": commit, "date": utc_now(),
+                        "commit": commit, "date": utc_now(), "sgemm_gflops": f"{rate:.1f}",
+                        "sgemm_seconds": f"{floor:.3f}", "x_sgemm": f"{seconds / floor:.2f}",
+                        "load": load,
                     }, echo=False)
-                    print(f"{tag}: {seconds:8.2f} s (predicted {guess:.1f} s)")
+                    print(f"{tag}: {seconds:8.2f} s (predicted {guess:.1f} s; sgemm bound "
+                          f"{floor:.2f} s at {rate:.0f} GFLOP/s: x{seconds / floor:.2f}; "
+                          f"load {load})")
     return 0
 
 

@@ -50,12 +50,13 @@ def make_bank(n=60, d=6, classes=5, seed=0, weights=False):
     return CentreBank(centres, labels, weights=w)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("search_backend", BACKENDS)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_nngk_matches_reference(backend, weighted):
+def test_nngk_matches_reference(search_backend, weighted):
     bank = make_bank(weights=weighted)
     x = torch.randn(40, 6, generator=torch.Generator().manual_seed(1)) * 2
-    clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, backend=backend, batch_size=16)
+    clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend=search_backend,
+                                    batch_size=16)
     p = clf.predict_proba(x)
     ref = ref_nngk_proba(x, bank.centres, bank.labels, bank.weights.detach(), 7, 1.3,
                          bank.num_classes)
@@ -69,7 +70,7 @@ def test_nngk_matches_reference(backend, weighted):
 def test_fp64_queries_and_numpy_input():
     bank = make_bank(weights=True)
     x = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    clf = NeighbourKernelClassifier(bank, k=5, sigma=0.8, backend="torch")
+    clf = NeighbourKernelClassifier(bank, k=5, sigma=0.8, search_backend="torch")
     p = clf.predict_proba(x)
     assert p.dtype == torch.float64
     ref = ref_nngk_proba(x, bank.centres, bank.labels, bank.weights.detach(), 5, 0.8,
@@ -78,30 +79,33 @@ def test_fp64_queries_and_numpy_input():
     torch.testing.assert_close(clf.predict_proba(x.numpy()), p)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_far_away_queries_give_no_nan(backend):
+@pytest.mark.parametrize("search_backend", BACKENDS)
+def test_far_away_queries_give_no_nan(search_backend):
     # Two centres equidistant from a far query: every kernel value underflows (d ~ 1e8), but
     # the weighted vote is still exactly w_0 : w_1.
     centres = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 5.0]])
     bank = CentreBank(centres, torch.tensor([0, 1, 2]), weights=torch.tensor([1.0, 3.0, 1.0]))
     x = torch.tensor([[0.0, -1e4], [0.0, 1e4]])
     for rule in ("nngk", "ccknn"):
-        clf = NeighbourKernelClassifier(bank, k=2, sigma=1.0, backend=backend, rule=rule)
+        clf = NeighbourKernelClassifier(bank, k=2, sigma=1.0, search_backend=search_backend,
+                                        rule=rule)
         p = clf.predict_proba(x)
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p.sum(1), torch.ones(2))
-    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0, backend=backend).predict_proba(x)
+    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0,
+                                  search_backend=search_backend).predict_proba(x)
     torch.testing.assert_close(p[0], torch.tensor([0.25, 0.75, 0.0]))
     # The second query's two nearest are centre 2 (much closer) and one of the others.
     assert p[1, 2] == 1.0
     # CCKNN (no weights in Eq. 14): classes 0 and 1 tie, class 2 is 1e5 further in sum.
-    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0, backend=backend,
+    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0, search_backend=search_backend,
                                   rule="ccknn").predict_proba(x[:1])
     torch.testing.assert_close(p[0], torch.tensor([0.5, 0.5, 0.0]))
     # Random far queries against the reference.
     bank = make_bank(weights=True)
     xf = torch.randn(12, 6, generator=torch.Generator().manual_seed(3)) * 300
-    p = NeighbourKernelClassifier(bank, k=9, sigma=2.0, backend=backend).predict_proba(xf)
+    p = NeighbourKernelClassifier(bank, k=9, sigma=2.0,
+                                  search_backend=search_backend).predict_proba(xf)
     ref = ref_nngk_proba(xf, bank.centres, bank.labels, bank.weights.detach(), 9, 2.0,
                          bank.num_classes)
     assert torch.isfinite(p).all()
@@ -111,7 +115,7 @@ def test_far_away_queries_give_no_nan(backend):
 def test_zero_weight_centre_is_not_a_neighbour():
     centres = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]])
     bank = CentreBank(centres, torch.tensor([0, 1, 2]), weights=torch.tensor([0.0, 1.0, 1.0]))
-    clf = NeighbourKernelClassifier(bank, k=1, sigma=1.0, backend="torch")
+    clf = NeighbourKernelClassifier(bank, k=1, sigma=1.0, search_backend="torch")
     # Centre 0 is nearest but has weight 0: the single neighbour is centre 1.
     assert clf.predict(torch.tensor([[0.0, 0.0]])).tolist() == [1]
     p = clf.predict_proba(torch.tensor([[0.0, 0.0]]))
@@ -121,7 +125,7 @@ def test_zero_weight_centre_is_not_a_neighbour():
 def test_k_larger_than_bank_means_all_centres():
     bank = make_bank(n=12)
     x = torch.randn(5, 6)
-    p = NeighbourKernelClassifier(bank, k=1000, sigma=1.5, backend="torch").predict_proba(x)
+    p = NeighbourKernelClassifier(bank, k=1000, sigma=1.5, search_backend="torch").predict_proba(x)
     ref = ref_nngk_proba(x, bank.centres, bank.labels, bank.weights.detach(), 12, 1.5,
                          bank.num_classes)
     torch.testing.assert_close(p.double(), ref, atol=1e-5, rtol=1e-4)
@@ -129,7 +133,7 @@ def test_k_larger_than_bank_means_all_centres():
 
 def test_absent_labels_get_zero_probability():
     bank = CentreBank(torch.tensor([[0.0], [2.0]]), torch.tensor([0, 3]))
-    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0, backend="torch").predict_proba(
+    p = NeighbourKernelClassifier(bank, k=2, sigma=1.0, search_backend="torch").predict_proba(
         torch.tensor([[1.5]]))
     assert p.shape == (1, 4)
     assert p[0, 1] == 0 and p[0, 2] == 0 and p[0, 3] > p[0, 0]
@@ -144,22 +148,23 @@ def test_ncm_special_case():
     emb = emb + labels[:, None].float() * 0.3  # some structure
     bank = CentreBank.from_class_means(emb, labels)
     x = torch.randn(50, 5, generator=g) + 0.8
-    clf = NeighbourKernelClassifier(bank, k=bank.num_classes, sigma=1.0, backend="torch")
+    clf = NeighbourKernelClassifier(bank, k=bank.num_classes, sigma=1.0, search_backend="torch")
     d = torch.cdist(x.double(), bank.centres.double()) ** 2
     assert torch.equal(clf.predict(x), d.argmin(1))
     torch.testing.assert_close(clf.predict_proba(x).double(), torch.softmax(-d / 2, 1),
                                atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ccknn_matches_eq14(backend):
+@pytest.mark.parametrize("search_backend", BACKENDS)
+def test_ccknn_matches_eq14(search_backend):
     g = torch.Generator().manual_seed(5)
     centres = torch.randn(40, 4, generator=g)
     labels = torch.cat([torch.zeros(15), torch.ones(20), torch.full((3,), 2.0),
                         torch.full((2,), 4.0)]).long()  # class 3 absent, classes 2 and 4 < k
     bank = CentreBank(centres, labels)
     x = torch.randn(25, 4, generator=g)
-    clf = NeighbourKernelClassifier(bank, k=4, sigma=0.9, backend=backend, rule="ccknn",
+    clf = NeighbourKernelClassifier(bank, k=4, sigma=0.9, search_backend=search_backend,
+                                    rule="ccknn",
                                     batch_size=7)
     p = clf.predict_proba(x)
     ref_p, ref_pred = ref_ccknn(x, centres, labels, 4, 0.9, 5)
@@ -175,14 +180,14 @@ def test_ccknn_eq14_is_sum_of_k_nearest_per_class():
     labels = torch.tensor([0, 0, 0, 1, 1, 1])
     bank = CentreBank(centres, labels)
     x = torch.tensor([[0.0]])
-    assert NeighbourKernelClassifier(bank, k=1, sigma=1.0, backend="torch").predict(x) == 0
-    assert NeighbourKernelClassifier(bank, k=3, sigma=1.0, backend="torch",
+    assert NeighbourKernelClassifier(bank, k=1, sigma=1.0, search_backend="torch").predict(x) == 0
+    assert NeighbourKernelClassifier(bank, k=3, sigma=1.0, search_backend="torch",
                                      rule="ccknn").predict(x) == 1
 
 
 def test_bank_growth_is_seen_at_once():
     bank = make_bank()
-    clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0, backend="torch")
+    clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0, search_backend="torch")
     far = torch.full((1, 6), 50.0)
     bank.add(far, torch.tensor([9]))
     assert clf.predict_proba(far).shape == (1, 10)
@@ -199,8 +204,8 @@ def test_validation_errors():
         NeighbourKernelClassifier(bank, k=1, sigma=-1.0)
     with pytest.raises(ValueError, match="rule"):
         NeighbourKernelClassifier(bank, k=1, sigma=1.0, rule="knn")
-    with pytest.raises(ValueError, match="backend"):
-        NeighbourKernelClassifier(bank, k=1, sigma=1.0, backend="annoy")
+    with pytest.raises(ValueError, match="search_backend"):
+        NeighbourKernelClassifier(bank, k=1, sigma=1.0, search_backend="annoy")
     with pytest.raises(ValueError, match="batch_size"):
         NeighbourKernelClassifier(bank, k=1, sigma=1.0, batch_size=0)
     clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0)
@@ -224,3 +229,34 @@ def test_is_a_module_and_exported():
     assert "bank.centres" in clf.state_dict()
     x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
     torch.testing.assert_close(clf(x), clf.predict_proba(torch.from_numpy(x)))
+
+
+def test_precomputed_neighbours_skip_the_search(monkeypatch):
+    """An evaluation that already searched passes its neighbours: same probabilities, no
+    second search."""
+    import nnkloss.evaluation.classifier as C
+
+    bank = make_bank(weights=True)
+    x = torch.randn(30, 6, generator=torch.Generator().manual_seed(3)) * 2
+    clf = NeighbourKernelClassifier(bank, k=6, sigma=1.1, batch_size=8)
+    expected = clf.predict_proba(x)
+    _, nb = nnkloss.knn(x, bank.centres, 9)  # deeper than k: the first k columns are used
+
+    def no_search(*a, **kw):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(C, "knn", no_search)
+    torch.testing.assert_close(clf.predict_proba(x, neighbours=nb), expected)
+    assert torch.equal(clf.predict(x, neighbours=nb.numpy()), expected.argmax(1))
+    with pytest.raises(ValueError, match="neighbours must have shape"):
+        clf.predict_proba(x, neighbours=nb[:, :3])
+    with pytest.raises(ValueError, match="neighbours must be bank rows"):
+        clf.predict_proba(x, neighbours=nb + 100)
+    with pytest.raises(TypeError, match="neighbours"):
+        clf.predict_proba(x, neighbours=nb.float())
+    ccknn = NeighbourKernelClassifier(bank, k=2, sigma=1.0, rule="ccknn")
+    with pytest.raises(ValueError, match="rule='nngk'"):
+        ccknn.predict_proba(x, neighbours=nb)
+    zero = CentreBank(bank.centres, bank.labels, weights=torch.zeros(bank.num_centres))
+    with pytest.raises(ValueError, match="weight 0"):
+        NeighbourKernelClassifier(zero, k=2, sigma=1.0).predict_proba(x, neighbours=nb)

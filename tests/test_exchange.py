@@ -73,7 +73,7 @@ def worker(rank, port, out_dir):
     labels = y.clone().masked_fill(~written, -5)
     exchange.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
     results["gathered"] = {"centres": centres, "labels": labels}
-    lists = exchange.neighbour_lists(x, y, K, backend="torch", chunk_bytes=5 * K * 8)
+    lists = exchange.neighbour_lists(x, y, K, search_backend="torch", chunk_bytes=5 * K * 8)
     results["lists_small_rounds"] = lists.indices
 
     # Rows that no rank embeds: a clear error on every rank, the bank untouched.
@@ -140,7 +140,7 @@ def test_rows_written_twice_take_the_lowest_rank(results):
     for r in results:
         assert torch.equal(r["gathered"]["centres"], expected)
         assert torch.equal(r["gathered"]["labels"], y)
-        single = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch").indices
+        single = nnkloss.bank.search.neighbour_lists(x, y, K, search_backend="torch").indices
         assert torch.equal(r["lists_small_rounds"], single)
 
 
@@ -161,8 +161,8 @@ def test_single_process_is_the_single_process_search():
     assert not nkd.is_distributed()
     x, y = make_data()
     for ensure_positive in (False, True):
-        got = exchange.neighbour_lists(x, y, K, backend="torch", ensure_positive=ensure_positive)
-        want = nnkloss.bank.search.neighbour_lists(x, y, K, backend="torch",
+        got = exchange.neighbour_lists(x, y, K, search_backend="torch", ensure_positive=ensure_positive)
+        want = nnkloss.bank.search.neighbour_lists(x, y, K, search_backend="torch",
                                                    ensure_positive=ensure_positive)
         assert torch.equal(got.indices, want.indices) and got.num_patched == want.num_patched
     exchange.check_async_refresh()

@@ -1,4 +1,5 @@
-"""Metrics against brute force with a full distance matrix (small data only)."""
+"""Metrics against brute force with a full distance matrix (small data only), one search for
+all of them, and equality with pytorch-metric-learning's AccuracyCalculator."""
 import numpy as np
 import pytest
 import torch
@@ -45,11 +46,11 @@ def brute_map_at_r(emb, labels):
     return float(np.mean(aps))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_recall_at_k_matches_brute_force(backend):
+@pytest.mark.parametrize("search_backend", BACKENDS)
+def test_recall_at_k_matches_brute_force(search_backend):
     emb, labels = data()
     ks = (1, 2, 4, 8, 16)
-    got = metrics.recall_at_k(emb, labels, ks, backend=backend)
+    got = metrics.recall_at_k(emb, labels, ks, search_backend=search_backend)
     ref = brute_recall(emb, labels, ks)
     assert list(got) == list(ks)
     for k in ks:
@@ -57,11 +58,11 @@ def test_recall_at_k_matches_brute_force(backend):
     assert all(got[a] <= got[b] for a, b in zip(ks, ks[1:]))
 
 
-def test_recall_chunked_and_numpy(monkeypatch):
+def test_recall_chunked_and_numpy():
     emb, labels = data(seed=1)
     full = metrics.recall_at_k(emb, labels, (1, 3, 5))
-    monkeypatch.setattr(metrics, "_RESULT_ELEMS", 40)  # chunks of ~6 query rows
-    chunked = metrics.recall_at_k(emb.numpy(), labels.numpy(), (1, 3, 5))
+    # A tiny search budget: many blocks of query rows, each reduced as it comes.
+    chunked = metrics.recall_at_k(emb.numpy(), labels.numpy(), (1, 3, 5), tile_bytes=4000)
     assert chunked == full
 
 
@@ -71,20 +72,19 @@ def test_recall_singletons_count_as_misses():
     assert metrics.recall_at_k(emb, labels, (1, 2)) == {1: 2 / 3, 2: 2 / 3}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_map_at_r_matches_brute_force(backend):
+@pytest.mark.parametrize("search_backend", BACKENDS)
+def test_map_at_r_matches_brute_force(search_backend):
     emb, labels = data(n=120, classes=9, seed=2)
     labels[0] = 50  # a singleton class: left out
-    got = metrics.map_at_r(emb, labels, backend=backend)
+    got = metrics.map_at_r(emb, labels, search_backend=search_backend)
     assert got == pytest.approx(brute_map_at_r(emb, labels), abs=1e-12)
 
 
-def test_map_at_r_chunked(monkeypatch):
+def test_map_at_r_chunked():
     emb, labels = data(n=100, classes=4, seed=3)
     labels[:40] = 0  # uneven class sizes: R from ~19 to 39
     full = metrics.map_at_r(emb, labels)
-    monkeypatch.setattr(metrics, "_RESULT_ELEMS", 64)
-    assert metrics.map_at_r(emb, labels) == pytest.approx(full, abs=1e-12)
+    assert metrics.map_at_r(emb, labels, tile_bytes=3000) == pytest.approx(full, abs=1e-12)
     assert full == pytest.approx(brute_map_at_r(emb, labels), abs=1e-12)
 
 
@@ -96,16 +96,16 @@ def test_map_at_r_hand_computed():
     assert metrics.map_at_r(emb, torch.tensor([0, 1, 0, 1, 0])) == pytest.approx(0.15)
 
 
-@pytest.mark.parametrize("kmeans", ["sklearn", "torch"])
-def test_nmi_separated_clusters_and_noise(kmeans):
+@pytest.mark.parametrize("kmeans_backend", ["sklearn", "torch"])
+def test_nmi_separated_clusters_and_noise(kmeans_backend):
     g = torch.Generator().manual_seed(4)
     labels = torch.arange(6).repeat_interleave(50)
     centres = torch.randn(6, 10, generator=g) * 20
     emb = centres[labels] + torch.randn(300, 10, generator=g)
-    assert metrics.nmi(emb, labels, kmeans=kmeans) > 0.99
+    assert metrics.nmi(emb, labels, kmeans_backend=kmeans_backend) > 0.99
     noise = torch.randint(0, 6, (300,), generator=g)
-    assert metrics.nmi(emb, noise, kmeans=kmeans) < 0.1
-    assert metrics.nmi(emb.numpy(), labels.numpy(), kmeans=kmeans) > 0.99
+    assert metrics.nmi(emb, noise, kmeans_backend=kmeans_backend) < 0.1
+    assert metrics.nmi(emb.numpy(), labels.numpy(), kmeans_backend=kmeans_backend) > 0.99
 
 
 def test_nmi_is_deterministic_for_a_seed():
@@ -132,15 +132,115 @@ def test_validation_errors():
         metrics.recall_at_k(emb, labels[:5])
     with pytest.raises(TypeError, match="emb"):
         metrics.recall_at_k(emb.long(), labels)
-    with pytest.raises(ValueError, match="backend"):
-        metrics.map_at_r(emb, labels, backend="annoy")
+    with pytest.raises(ValueError, match="search_backend"):
+        metrics.map_at_r(emb, labels, search_backend="annoy")
     with pytest.raises(ValueError, match="no class"):
         metrics.map_at_r(emb, torch.arange(20))
-    with pytest.raises(ValueError, match="kmeans"):
-        metrics.nmi(emb, labels, kmeans="faiss")
+    with pytest.raises(ValueError, match="kmeans_backend"):
+        metrics.nmi(emb, labels, kmeans_backend="faiss")
+    with pytest.raises(ValueError, match="n_init"):
+        metrics.nmi(emb, labels, n_init=0)
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        metrics.evaluate(emb, labels, (), map_at_r=False)
     with pytest.raises(ValueError, match="at least 2"):
         metrics.recall_at_k(emb[:1], labels[:1], (1,))
 
 
 def test_exported():
     assert nnkloss.evaluation.metrics is metrics
+
+
+# ----------------------------------------------------------------------------- one search
+def brute_r_precision(emb, labels):
+    rank = brute_ranking(emb)
+    out = []
+    for i in range(emb.shape[0]):
+        r = int((labels == labels[i]).sum()) - 1
+        if r:
+            out.append(float((labels[rank[i, :r]] == labels[i]).double().mean()))
+    return float(np.mean(out))
+
+
+def test_evaluate_searches_once_for_every_metric(monkeypatch):
+    emb, labels = data(n=130, classes=7, seed=6)
+    calls = []
+    real = metrics.iter_knn
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])  # k
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "iter_knn", counting)
+    got = metrics.evaluate(emb, labels, (1, 2, 4, 8))
+    r_max = int(torch.unique(labels, return_counts=True)[1].max()) - 1
+    assert calls == [max(8, r_max)]  # one search, as deep as the deepest metric
+    ref = brute_recall(emb, labels, (1, 2, 4, 8))
+    for k in (1, 2, 4, 8):
+        assert got[f"recall@{k}"] == pytest.approx(ref[k], abs=1e-12)
+    assert got["map@r"] == pytest.approx(brute_map_at_r(emb, labels), abs=1e-12)
+    assert got["r_precision"] == pytest.approx(brute_r_precision(emb, labels), abs=1e-12)
+    assert set(got) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision"}
+
+
+def test_progress_bar_only_when_asked(capsys):
+    emb, labels = data(n=60, seed=7)
+    metrics.evaluate(emb, labels, (1,))
+    assert capsys.readouterr().err == ""
+    metrics.evaluate(emb, labels, (1,), progress=True)
+    assert "evaluate" in capsys.readouterr().err
+
+
+def test_nmi_runs_n_init_kmeans(monkeypatch):
+    import sklearn.cluster
+    import nnkloss.bank.centroids as centroids
+
+    emb, labels = data(n=90, classes=3, seed=8)
+    seen = {}
+    real_km = sklearn.cluster.KMeans
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real_km(*args, **kwargs)
+
+    monkeypatch.setattr(sklearn.cluster, "KMeans", spy)
+    metrics.nmi(emb, labels)
+    assert seen["n_init"] == 10  # the default: one run varies by several NMI points
+    metrics.nmi(emb, labels, n_init=3)
+    assert seen["n_init"] == 3
+    seeds = []
+    real_torch = centroids.kmeans
+
+    def torch_spy(x, n, seed=0, **kw):
+        seeds.append(seed)
+        return real_torch(x, n, seed=seed, **kw)
+
+    monkeypatch.setattr(centroids, "kmeans", torch_spy)
+    metrics.nmi(emb, labels, seed=5, n_init=4, kmeans_backend="torch")
+    assert seeds == [5, 6, 7, 8]
+
+
+def tied_data(n=400, classes=6, seed=9):
+    """Small-integer embeddings: exact fp32 distances with many ties."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % classes
+    emb = (torch.randint(0, 3, (n, 4), generator=g) + labels[:, None] % 2).float()
+    return emb, labels
+
+
+@pytest.mark.parametrize("search_backend", BACKENDS)
+def test_equal_to_pytorch_metric_learning(search_backend):
+    """Bit-equal to AccuracyCalculator (faiss flat index, k="max_bin_count") when both see the
+    same distances: ranking by (distance, index), self-exclusion, MAP@R arithmetic."""
+    pml = pytest.importorskip("pytorch_metric_learning.utils.accuracy_calculator")
+    pytest.importorskip("faiss")
+    rounded = data(n=300, classes=10, seed=10)
+    rounded = (rounded[0].round(), rounded[1])  # integers: exact distances in both
+    for emb, labels in (tied_data(), rounded):
+        calc = pml.AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r",
+                                               "r_precision"), k="max_bin_count",
+                                      device=torch.device("cpu"))
+        ref = calc.get_accuracy(emb, labels)
+        got = metrics.evaluate(emb, labels, (1,), search_backend=search_backend)
+        assert got["recall@1"] == ref["precision_at_1"]  # no class of one: same denominators
+        assert got["map@r"] == ref["mean_average_precision_at_r"]
+        assert got["r_precision"] == ref["r_precision"]

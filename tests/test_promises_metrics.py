@@ -49,9 +49,9 @@ def test_exact_duplicates_are_neighbours():
     # Two classes, each a pair of identical points; a singleton class 2 close to class 0.
     emb = torch.tensor([[0.0, 0.0], [0.0, 0.0], [10.0, 0.0], [10.0, 0.0], [0.0, 1.0]])
     labels = torch.tensor([0, 0, 1, 1, 2])
-    got = metrics.recall_at_k(emb, labels, (1, 2), backend="torch")
+    got = metrics.recall_at_k(emb, labels, (1, 2), search_backend="torch")
     assert got == {1: pytest.approx(4 / 5), 2: pytest.approx(4 / 5)}
-    assert metrics.map_at_r(emb, labels, backend="torch") == pytest.approx(1.0)
+    assert metrics.map_at_r(emb, labels, search_backend="torch") == pytest.approx(1.0)
 
 
 def test_own_row_never_counts_among_ties():
@@ -59,7 +59,7 @@ def test_own_row_never_counts_among_ties():
     # of another class whatever the tie order; the own row (also at 0) must not count.
     emb = torch.cat([torch.zeros(4, 3), torch.arange(1, 5).float()[:, None] * 10 * torch.ones(1, 3)])
     labels = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
-    got = metrics.recall_at_k(emb, labels, (1, 2, 3), backend="torch")
+    got = metrics.recall_at_k(emb, labels, (1, 2, 3), search_backend="torch")
     # Queries 0-3: 3 other-class points at distance 0 first; their partner comes 4th.
     # Queries 4-7: the nearest is the origin group (ties of 4, one of them same-class) or a
     # neighbour on the diagonal: compare with the brute-force bounds instead.
@@ -67,7 +67,7 @@ def test_own_row_never_counts_among_ties():
         lo, hi = brute_bounds(emb, labels, recall_metric(k))
         assert lo - 1e-12 <= got[k] <= hi + 1e-12, (k, got[k], lo, hi)
         assert got[k] <= 0.5  # no origin query finds a same-class item within 3
-    m = metrics.map_at_r(emb, labels, backend="torch")
+    m = metrics.map_at_r(emb, labels, search_backend="torch")
     lo, hi = brute_bounds(emb, labels, ap_at_r)
     assert lo - 1e-12 <= m <= hi + 1e-12
 
@@ -82,15 +82,15 @@ def test_metrics_within_tie_breaking_bounds(case):
     labels = torch.tensor(labs)
     n = len(labs)
     ks = [k for k in (1, 2, 3, 5) if k <= n - 1]
-    got = metrics.recall_at_k(emb, labels, ks, backend="torch")
+    got = metrics.recall_at_k(emb, labels, ks, search_backend="torch")
     assert list(got) == ks
     for k in ks:
         lo, hi = brute_bounds(emb, labels, recall_metric(k))
         assert lo - 1e-12 <= got[k] <= hi + 1e-12, (k, got[k], lo, hi)
     if len(set(labs)) < n:  # some class has two members: MAP@R defined
-        m = metrics.map_at_r(emb, labels, backend="torch")
+        m = metrics.map_at_r(emb, labels, search_backend="torch")
         lo, hi = brute_bounds(emb, labels, ap_at_r)
         assert lo - 1e-12 <= m <= hi + 1e-12, (m, lo, hi)
     else:
         with pytest.raises(ValueError, match="MAP@R"):
-            metrics.map_at_r(emb, labels, backend="torch")
+            metrics.map_at_r(emb, labels, search_backend="torch")

@@ -89,7 +89,7 @@ def test_rebuild_neighbours_ensure_positive(backend):
     labels = torch.randint(0, 12, (n,), generator=g)  # geometry ignores labels: few positives
     labels[7] = 99  # a class of one: nothing can be patched in
     bank = CentreBank(centres, labels)
-    plain = neighbour_lists(centres, labels, k, backend=backend)
+    plain = neighbour_lists(centres, labels, k, search_backend=backend)
     lists = bank.rebuild_neighbours(k, backend=backend, ensure_positive=True)
     lacking = ~plain.has_positive
     assert lacking.sum() > 10  # the test data does exercise the patching
@@ -136,7 +136,7 @@ def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
     expected = eval_embeddings(model, x).to(bank_dtype)
     assert torch.equal(bank.centres, expected)  # dropout off, each row at its own idx
     assert torch.equal(bank.labels, y)
-    lists = neighbour_lists(bank.centres, bank.labels, 8, backend="torch")
+    lists = neighbour_lists(bank.centres, bank.labels, 8, search_backend="torch")
     assert torch.equal(bank.neighbours, lists.indices)
     assert isinstance(stats, RefreshStats) and ref.last_stats is stats
     assert stats.num_rows == N and stats.k == 8 and stats.overlap is None
@@ -328,7 +328,7 @@ def test_module_exports():
     assert nnkloss.Refresher is Refresher and nnkloss.RefreshSchedule is RefreshSchedule
     # The exported knn is the exact search: same neighbours as a full distance matrix.
     a = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
-    dist, idx = nnkloss.knn(a, a, 2, backend="torch")
+    dist, idx = nnkloss.knn(a, a, 2, search_backend="torch")
     full = torch.cdist(a.double(), a.double()) ** 2
     want = full.topk(2, dim=1, largest=False)
     assert torch.equal(idx, want.indices)
@@ -469,7 +469,7 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     ref = Refresher(bank, NoForward(), make_loader(x, y), k=3, backend="torch",
                     ensure_positive=True, sigma=0.7)
     first = ref.rebuild_lists()
-    expected = neighbour_lists(bank.centres, bank.labels, 3, backend="torch",
+    expected = neighbour_lists(bank.centres, bank.labels, 3, search_backend="torch",
                                ensure_positive=True)
     assert torch.equal(bank.neighbours, expected.indices.to(bank.neighbours.dtype))
     assert first.overlap is None and first.embed_seconds == 0.0 and first.num_patched > 0
@@ -477,7 +477,7 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     old = bank.neighbours.clone()
     bank.write_centres_(torch.arange(0, N, 2), torch.randn(N // 2, D, generator=g))
     second = ref.rebuild_lists(sigma=2.0)
-    expected = neighbour_lists(bank.centres, bank.labels, 3, backend="torch",
+    expected = neighbour_lists(bank.centres, bank.labels, 3, search_backend="torch",
                                ensure_positive=True)
     assert torch.equal(bank.neighbours, expected.indices.to(bank.neighbours.dtype))
     shared = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 3

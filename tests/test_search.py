@@ -1,4 +1,5 @@
-"""nnkloss.bank.search (nnkloss.knn): both backends against brute force, self-exclusion, edge cases, errors, recall."""
+"""nnkloss.bank.search (nnkloss.knn): both search backends against brute force, tie order,
+self-exclusion, the threshold selection, edge cases, errors, recall."""
 import math
 import types
 import warnings
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 import nnkloss.bank.search as K
-from nnkloss.bank.search import knn, recall_against_exact
+import nnkloss.bank.search.faiss_search as FS
+import nnkloss.bank.search.torch_search as TS
+from nnkloss.bank.search import drop_self, iter_knn, knn, recall_against_exact
 
 HAVE_FAISS = K.faiss_available()
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,
@@ -54,7 +57,8 @@ def test_matches_brute_force(backend, exclude_self):
     queries = base if exclude_self else torch.randn(77, 24, generator=g)
     k = 10
     # A tiny tile budget forces many query and base tiles: exercises the running merge.
-    dist, idx = knn(queries, base, k, backend=backend, exclude_self=exclude_self, tile_bytes=40_000)
+    dist, idx = knn(queries, base, k, search_backend=backend, exclude_self=exclude_self,
+                    tile_bytes=40_000)
     check_result(queries, base, k, dist, idx, exclude_self)
 
 
@@ -64,7 +68,7 @@ def test_default_tiles_and_auto(backend):
     base = torch.randn(257, 8, generator=g)
     queries = torch.randn(31, 8, generator=g)
     for b in (backend, "auto"):
-        dist, idx = knn(queries, base, 7, backend=b)
+        dist, idx = knn(queries, base, 7, search_backend=b)
         check_result(queries, base, 7, dist, idx)
 
 
@@ -74,7 +78,8 @@ def test_extreme_k(backend, exclude_self, k):
     g = torch.Generator().manual_seed(2)
     base = torch.randn(50, 5, generator=g)
     queries = base if exclude_self else torch.randn(9, 5, generator=g)
-    dist, idx = knn(queries, base, k, backend=backend, exclude_self=exclude_self, tile_bytes=3000)
+    dist, idx = knn(queries, base, k, search_backend=backend, exclude_self=exclude_self,
+                    tile_bytes=3000)
     check_result(queries, base, k, dist, idx, exclude_self)
     if k == base.shape[0] - int(exclude_self):  # every candidate is returned exactly once
         all_rows = torch.arange(base.shape[0]).expand(queries.shape[0], -1)
@@ -88,7 +93,7 @@ def test_single_query(backend):
     g = torch.Generator().manual_seed(3)
     base = torch.randn(100, 12, generator=g)
     queries = torch.randn(1, 12, generator=g)
-    dist, idx = knn(queries, base, 5, backend=backend, tile_bytes=2000)
+    dist, idx = knn(queries, base, 5, search_backend=backend, tile_bytes=2000)
     check_result(queries, base, 5, dist, idx)
 
 
@@ -96,7 +101,7 @@ def test_single_query(backend):
 def test_duplicate_points(backend):
     g = torch.Generator().manual_seed(4)
     base = torch.randn(40, 6, generator=g).repeat(3, 1)  # every point three times
-    dist, idx = knn(base, base, 4, backend=backend, exclude_self=True, tile_bytes=2000)
+    dist, idx = knn(base, base, 4, search_backend=backend, exclude_self=True, tile_bytes=2000)
     check_result(base, base, 4, dist, idx, exclude_self=True)
     # The two twins come first, at distance 0, and they are not the row itself.
     assert (dist[:, :2] <= 1e-4).all()
@@ -109,7 +114,7 @@ def test_low_precision_inputs_give_fp32_distances(dtype):
     g = torch.Generator().manual_seed(5)
     base = torch.randn(90, 16, generator=g).to(dtype)
     queries = torch.randn(13, 16, generator=g).to(dtype)
-    dist, idx = knn(queries, base, 6, backend="torch", tile_bytes=5000)
+    dist, idx = knn(queries, base, 6, search_backend="torch", tile_bytes=5000)
     # Exact on the (rounded) input values: they are upcast before any arithmetic.
     check_result(queries.float(), base.float(), 6, dist, idx)
 
@@ -117,7 +122,7 @@ def test_low_precision_inputs_give_fp32_distances(dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_queries(backend):
     base = torch.randn(10, 3)
-    dist, idx = knn(torch.empty(0, 3), base, 4, backend=backend)
+    dist, idx = knn(torch.empty(0, 3), base, 4, search_backend=backend)
     assert dist.shape == (0, 4) and idx.shape == (0, 4)
     assert dist.dtype == torch.float32 and idx.dtype == torch.int64
 
@@ -126,10 +131,10 @@ def test_tile_sizes_respect_budget():
     for q, n, d, k, budget in [(10**6, 10**6, 128, 100, 256 * 2**20),
                                (10**5, 10**6, 2048, 100, 256 * 2**20),
                                (500, 300, 24, 10, 40_000)]:
-        tq, tb = K._tile_sizes(q, n, d, k, budget)
+        tq, tb = TS.tile_sizes(q, n, d, k, budget)
         assert 1 <= tq <= q and 1 <= tb <= n
         if tq > 1:  # a one-row tile is the floor; otherwise the working set fits
-            assert tq * tb * 8 + tq * d * 4 + tb * d * 4 <= budget
+            assert tq * tb * 12 + tq * d * 4 + tb * d * 4 <= budget
         assert tq * tb < q * n  # never the whole Q x N matrix for these shapes
 
 
@@ -137,58 +142,58 @@ def test_tile_sizes_respect_budget():
 def test_k_too_large_names_k():
     base = torch.randn(10, 3)
     with pytest.raises(ValueError, match=r"k=11"):
-        knn(torch.randn(2, 3), base, 11, backend="torch")
+        knn(torch.randn(2, 3), base, 11, search_backend="torch")
     with pytest.raises(ValueError, match=r"k=10.*exclude_self"):
-        knn(base, base, 10, backend="torch", exclude_self=True)
+        knn(base, base, 10, search_backend="torch", exclude_self=True)
     with pytest.raises(ValueError, match=r"k must be >= 1"):
-        knn(base, base, 0, backend="torch")
+        knn(base, base, 0, search_backend="torch")
     with pytest.raises(TypeError, match=r"k must be an int"):
-        knn(base, base, True, backend="torch")
+        knn(base, base, True, search_backend="torch")
     with pytest.raises(ValueError, match=r"k=3"):  # checked even when there are no queries
-        knn(torch.empty(0, 3), base[:2], 3, backend="torch")
+        knn(torch.empty(0, 3), base[:2], 3, search_backend="torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_inputs(backend):
     base = torch.randn(10, 3)
     with pytest.raises(ValueError, match="base is empty"):
-        knn(torch.randn(2, 3), torch.empty(0, 3), 1, backend=backend)
+        knn(torch.randn(2, 3), torch.empty(0, 3), 1, search_backend=backend)
     bad = base.clone()
     bad[4, 1] = float("nan")
     with pytest.raises(ValueError, match=r"queries contains NaN or inf \(first bad row: 4\)"):
-        knn(bad, base, 2, backend=backend)
+        knn(bad, base, 2, search_backend=backend)
     bad[4, 1] = float("inf")
     with pytest.raises(ValueError, match=r"base contains NaN or inf \(first bad row: 4\)"):
-        knn(torch.randn(2, 3), bad, 2, backend=backend)
+        knn(torch.randn(2, 3), bad, 2, search_backend=backend)
     with pytest.raises(ValueError, match="dimension"):
-        knn(torch.randn(2, 4), base, 2, backend=backend)
+        knn(torch.randn(2, 4), base, 2, search_backend=backend)
     with pytest.raises(ValueError, match="exclude_self"):
-        knn(torch.randn(2, 3), base, 1, backend=backend, exclude_self=True)
+        knn(torch.randn(2, 3), base, 1, search_backend=backend, exclude_self=True)
     with pytest.raises(TypeError, match="queries"):
-        knn(torch.randint(0, 3, (2, 3)), base, 1, backend=backend)
+        knn(torch.randint(0, 3, (2, 3)), base, 1, search_backend=backend)
     with pytest.raises(ValueError, match="queries must be 2-D"):
-        knn(torch.randn(3), base, 1, backend=backend)
+        knn(torch.randn(3), base, 1, search_backend=backend)
 
 
 def test_bad_options():
     base = torch.randn(10, 3)
     with pytest.raises(ValueError, match="backend"):
-        knn(base, base, 1, backend="annoy")
+        knn(base, base, 1, search_backend="annoy")
     with pytest.raises(ValueError, match="approximate"):
         knn(base, base, 1, approximate="lsh")
-    with pytest.raises(ValueError, match="backend must be 'auto' or 'faiss'"):
-        knn(base, base, 1, backend="torch", approximate="ivf")
+    with pytest.raises(ValueError, match="search_backend must be 'auto' or 'faiss'"):
+        knn(base, base, 1, search_backend="torch", approximate="ivf")
 
 
 def test_missing_faiss(monkeypatch):
-    monkeypatch.setattr(K, "_faiss_module", lambda: None)
+    monkeypatch.setattr(FS, "_faiss_module", lambda: None)
     base = torch.randn(10, 3)
     with pytest.raises(ImportError, match="pip install faiss-cpu"):
-        knn(base, base, 2, backend="faiss")
+        knn(base, base, 2, search_backend="faiss")
     with pytest.raises(ImportError, match="faiss"):
         knn(base, base, 2, approximate="hnsw")
     # "auto" quietly uses the torch backend.
-    dist, idx = knn(base, base, 2, backend="auto")
+    dist, idx = knn(base, base, 2, search_backend="auto")
     check_result(base, base, 2, dist, idx)
 
 
@@ -208,20 +213,20 @@ def test_gpu_probe_failure_warns_once_and_falls_back(monkeypatch):
     fake = types.SimpleNamespace(StandardGpuResources=lambda: object(), get_num_gpus=lambda: 1,
                                  GpuIndexFlatConfig=lambda: types.SimpleNamespace(device=0),
                                  GpuIndexFlatL2=BrokenIndex)
-    monkeypatch.setattr(K, "_faiss_module", lambda: fake)
+    monkeypatch.setattr(FS, "_faiss_module", lambda: fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    K.faiss_gpu_usable.cache_clear()
-    K._gpu_resources.cache_clear()
+    FS.faiss_gpu_usable.cache_clear()
+    FS._gpu_resources.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match=r"faiss GPU index unusable on cuda:0 .*no kernel"):
-            assert K.faiss_gpu_usable(0) is False
+            assert FS.faiss_gpu_usable(0) is False
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert K.faiss_gpu_usable(0) is False  # cached: no second probe, no second warning
-        assert K.resolve_knn_backend("auto", torch.device("cuda", 0)) == "torch"
+            assert FS.faiss_gpu_usable(0) is False  # cached: no second probe, no second warning
+        assert not FS.use_faiss_gpu(torch.device("cuda", 0))
     finally:
-        K.faiss_gpu_usable.cache_clear()
-        K._gpu_resources.cache_clear()
+        FS.faiss_gpu_usable.cache_clear()
+        FS._gpu_resources.cache_clear()
 
 
 # ----------------------------------------------------------------------------- approximate
@@ -261,16 +266,114 @@ def test_recall_is_low_when_the_index_is_starved():
 
 
 def test_auto_backend_choice(monkeypatch):
-    cuda0 = torch.device("cuda", 0)
-    monkeypatch.setattr(K, "faiss_available", lambda: True)
-    monkeypatch.setattr(K, "faiss_gpu_usable", lambda index=0: True)
-    assert K.resolve_knn_backend("auto", torch.device("cpu")) == "faiss"
-    assert K.resolve_knn_backend("auto", cuda0, k=101) == "faiss"
-    # faiss GPU indexes select at most 2048 neighbours: larger k stays on the torch backend.
-    assert K.resolve_knn_backend("auto", cuda0, k=K._FAISS_GPU_MAX_K + 1) == "torch"
-    monkeypatch.setattr(K, "faiss_gpu_usable", lambda index=0: False)
-    assert K.resolve_knn_backend("auto", cuda0, k=10) == "torch"
-    assert K.resolve_knn_backend("torch", torch.device("cpu")) == "torch"
+    """"auto" is the torch search on every device, whatever faiss offers."""
+    monkeypatch.setattr(FS, "faiss_gpu_usable", lambda index=0: True)
+    for dev in (torch.device("cpu"), torch.device("cuda", 0)):
+        assert K.resolve_search_backend("auto", dev) == "torch"
+    assert K.resolve_search_backend("faiss", torch.device("cpu")) == "faiss"
+    with pytest.raises(ValueError, match="search_backend must be one of"):
+        K.resolve_search_backend("annoy", torch.device("cpu"))
+
+
+def lex_sorted(dist, idx):
+    """Every row ascends in (distance, index)."""
+    d0, d1, i0, i1 = dist[:, :-1], dist[:, 1:], idx[:, :-1], idx[:, 1:]
+    return bool(((d0 < d1) | ((d0 == d1) & (i0 < i1))).all())
+
+
+def tied(n=600, d=3, seed=8):
+    """Small-integer points: every distance is exact in fp32 and most are tied."""
+    return torch.randint(0, 3, (n, d), generator=torch.Generator().manual_seed(seed)).float()
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 6000])
+def test_ties_are_ordered_by_index(tile_bytes):
+    x = tied()
+    dist, idx = knn(x, x, 40, "torch", exclude_self=True, tile_bytes=tile_bytes)
+    assert lex_sorted(dist, idx)
+    # The same as sorting each row of the exact distances by (distance, index).
+    full = (x[:, None] - x[None]).pow(2).sum(-1)
+    full.fill_diagonal_(float("inf"))
+    ref = torch.stack([torch.tensor(sorted(range(600), key=lambda j: (float(full[i, j]), j))[:40])
+                       for i in range(0, 600, 37)])
+    assert torch.equal(idx[::37], ref)
+
+
+def test_auto_gives_the_same_neighbours_with_and_without_faiss(monkeypatch):
+    """Issue 20: the digits demo's numbers changed when faiss was installed, because "auto"
+    switched to faiss and the two searches broke distance ties differently."""
+    x = tied(seed=9)
+    with_faiss = knn(x, x, 25, exclude_self=True)
+    monkeypatch.setattr(FS, "_faiss_module", lambda: None)
+    without = knn(x, x, 25, exclude_self=True)
+    assert torch.equal(with_faiss[1], without[1]) and torch.equal(with_faiss[0], without[0])
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+def test_exact_backends_agree_on_ties():
+    """Exactly representable distances: torch and faiss return identical lists, ties included."""
+    x = tied(seed=10)
+    q = tied(n=50, seed=11)
+    for queries, excl in ((x, True), (q, False)):
+        a = knn(queries, x, 30, "torch", exclude_self=excl)
+        b = knn(queries, x, 30, "faiss", exclude_self=excl)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("exclude_self", [False, True])
+def test_sampled_threshold_path(monkeypatch, exclude_self):
+    """The threshold from a column sample gives the exact result."""
+    g = torch.Generator().manual_seed(12)
+    base = torch.randn(1500, 10, generator=g)
+    queries = base if exclude_self else torch.randn(90, 10, generator=g)
+    # The running merge of the tiled path (tiny budget) never samples.
+    exact = knn(queries, base, 30, "torch", exclude_self=exclude_self, tile_bytes=20_000)
+    monkeypatch.setattr(TS, "SAMPLE_COLUMNS", 128)
+    monkeypatch.setattr(TS, "MIN_SAMPLE_COLUMNS", 64)
+    calls = []
+    real = TS._knn_block
+    monkeypatch.setattr(TS, "_knn_block", lambda *a: calls.append(a[2]) or real(*a))
+    sampled = knn(queries, base, 30, "torch", exclude_self=exclude_self)
+    assert calls and set(calls) == {128}  # the threshold came from a 128-column sample
+    # Indices equal; distances up to the rounding of differently shaped GEMMs.
+    assert torch.equal(exact[1], sampled[1])
+    torch.testing.assert_close(exact[0], sampled[0])
+    check_result(queries, base, 30, *sampled, exclude_self=exclude_self)
+    # A sample rank far too low makes every row fall back to its exact threshold.
+    monkeypatch.setattr(TS, "_sample_rank", lambda k, s, n: 1)
+    fallback = knn(queries, base, 30, "torch", exclude_self=exclude_self)
+    assert torch.equal(exact[1], fallback[1])
+
+
+def test_sampled_path_with_ties(monkeypatch):
+    monkeypatch.setattr(TS, "MIN_SAMPLE_COLUMNS", 16)
+    x = tied(n=700, seed=13)
+    dist, idx = knn(x, x, 35, "torch", exclude_self=True)
+    monkeypatch.setattr(TS, "MIN_SAMPLE_COLUMNS", 10**9)  # exact threshold
+    assert torch.equal(idx, knn(x, x, 35, "torch", exclude_self=True)[1])
+    assert lex_sorted(dist, idx)
+
+
+@pytest.mark.parametrize("search_backend", BACKENDS)
+def test_iter_knn_blocks_cover_the_queries(search_backend):
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(400, 6, generator=g)
+    whole = knn(x, x, 7, search_backend, exclude_self=True)
+    seen = 0
+    for q0, dist, idx in iter_knn(x, x, 7, search_backend, exclude_self=True, tile_bytes=30_000):
+        assert q0 == seen
+        assert torch.equal(idx, whole[1][q0:q0 + idx.shape[0]])
+        seen += idx.shape[0]
+    assert seen == 400
+
+
+def test_drop_self():
+    dist = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    ids = torch.tensor([[5, 0, 7], [3, 4, 6], [9, 8, 2]])
+    d, i = drop_self(dist, ids, torch.tensor([0, 1, 2]), 2)
+    # Own row removed where present (order kept); otherwise the last entry goes.
+    assert i.tolist() == [[5, 7], [3, 4], [9, 8]]
+    assert d.tolist() == [[0.0, 2.0], [0.0, 0.0], [1.0, 2.0]]
 
 
 @pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")

@@ -409,7 +409,7 @@ def test_lists_every_steps_rebuild_from_the_bank_alone():
         assert r["lists_time_s"] > 0 and 0.0 <= r["lists_overlap"] <= 1.0
         assert r["lists_positive_share"] == 1.0 and 0 < r["lists_mean_kernel"] <= 1
     bank = tr.criterion.bank  # the last rebuild (step 12) saw the last write
-    expected = neighbour_lists(bank.centres, bank.labels, 6, backend="torch",
+    expected = neighbour_lists(bank.centres, bank.labels, 6, search_backend="torch",
                                ensure_positive=True).indices
     assert torch.equal(bank.neighbours, expected.to(bank.neighbours.dtype))
 

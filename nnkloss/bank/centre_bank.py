@@ -258,7 +258,7 @@ class CentreBank(nn.Module):
             squared distances (N, k), has_positive (N,), num_patched, search seconds, backend.
         """
         from .search import neighbour_lists  # only needed here: keeps bank import-light
-        lists = neighbour_lists(self.centres, self.labels, k, backend=backend,
+        lists = neighbour_lists(self.centres, self.labels, k, search_backend=backend,
                                 ensure_positive=ensure_positive, **knn_options)
         self.update_(neighbours=lists.indices)
         return lists

@@ -94,7 +94,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
 
     prev = float("inf")
     for _ in range(iters):
-        d, a = knn(x, cents, 1, backend=backend)
+        d, a = knn(x, cents, 1, search_backend=backend)
         assign = a[:, 0]
         inertia = float(d.sum())
         sums = torch.zeros_like(cents).index_add_(0, assign, x)
@@ -110,7 +110,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
         if prev - inertia <= tol * max(prev, 1e-30) and not empty.any():
             break
         prev = inertia
-    _, a = knn(x, cents, 1, backend=backend)
+    _, a = knn(x, cents, 1, search_backend=backend)
     return cents, a[:, 0]
 
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..distributed import comm_device, is_distributed, rank, world_size
 from ..validation import FLOAT_DTYPES, require_float, require_int, require_labelled
 from .search import (NeighbourLists, drop_self, knn, neighbour_lists as single_process_lists,
-                     patch_positives, resolve_knn_backend, synchronize)
+                     patch_positives, resolve_search_backend, synchronize)
 
 __all__ = ["gather_bank_rows", "gather_batch_rows", "neighbour_lists", "check_async_refresh",
            "GATHER_CHUNK_BYTES"]
@@ -217,7 +217,7 @@ def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
     return r * n // w, (r + 1) * n // w
 
 
-def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backend: str,
+def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, search_backend: str,
                            knn_options: dict) -> Tuple[Tensor, Tensor]:
     """The k nearest other centres of rows start..stop-1, against the full bank.
 
@@ -226,19 +226,20 @@ def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, backe
     exclude self. Only exact ties can order differently from a one-process ``exclude_self`` search.
     """
     n = centres.shape[0]
-    dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), backend=backend, **knn_options)
+    dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), search_backend,
+                      **knn_options)
     return drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
 
 
 @torch.no_grad()
-def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "auto",
+def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str = "auto",
                     ensure_positive: bool = False, group=None,
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
     """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
 
     Every rank must pass the same (N, D) ``centres`` and (N,) ``labels`` (as
     :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
-    against the full bank with :func:`nnkloss.bank.search.knn` (``backend``, ``knn_options`` as
+    against the full bank with :func:`nnkloss.bank.search.knn` (``search_backend``, ``knn_options`` as
     there; an approximate index is built over the full bank on every rank, with the same seed),
     then the (N, k) indices and distances, ``has_positive`` and ``num_patched`` are gathered, so
     every rank returns the same :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers
@@ -246,7 +247,7 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     :func:`nnkloss.bank.search.neighbour_lists` itself.
     """
     if not is_distributed(group):
-        return single_process_lists(centres, labels, k, backend=backend,
+        return single_process_lists(centres, labels, k, search_backend,
                                     ensure_positive=ensure_positive, **knn_options)
     n = require_labelled("centres", centres, "labels", labels)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
@@ -257,17 +258,17 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, backend: str = "aut
     comm = comm_device(group, dev)
     approximate = knn_options.get("approximate")
     used = (f"faiss-{approximate}" if approximate is not None
-            else resolve_knn_backend(backend, dev, k + 1))  # what knn resolves "auto" to
+            else resolve_search_backend(search_backend, dev))  # what knn resolves "auto" to
 
     synchronize(dev)
     t0 = time.perf_counter()
     start, stop = _query_slice(n, me, w)
-    dist_, ids = _search_excluding_self(centres, start, stop, k, backend, knn_options)
+    dist_, ids = _search_excluding_self(centres, start, stop, k, search_backend, knn_options)
     nb_labels = labels[ids.clamp_min(0)]
     has_pos = ((nb_labels == labels[start:stop].unsqueeze(1)) & (ids >= 0)).any(1)
     patched = 0
     if ensure_positive and not bool(has_pos.all()):
-        patched = patch_positives(centres, labels, start, dist_, ids, has_pos, backend,
+        patched = patch_positives(centres, labels, start, dist_, ids, has_pos, search_backend,
                                    knn_options)
 
     slices = [_query_slice(n, r, w) for r in range(w)]

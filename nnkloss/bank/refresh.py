@@ -433,7 +433,7 @@ class Refresher:
         """The (N, k) lists of ``centres`` with this refresher's k / search backend /
         ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
-        lists = search(centres, labels, self.k, backend=self.backend,
+        lists = search(centres, labels, self.k, search_backend=self.backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
         return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
 

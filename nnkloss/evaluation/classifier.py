@@ -15,14 +15,16 @@ the normalisation) and in a form that keeps their differences precise however fa
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
-from ..validation import check_sigma, require_float, require_positive_int
-from ..bank.search import KNN_BACKENDS, knn
+from ..validation import check_sigma, require_float, require_int, require_positive_int
+from ..bank.search import knn
+from ..bank.search.validation import check_search_backend
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
 
@@ -65,7 +67,7 @@ class NeighbourKernelClassifier(nn.Module):
             classifier of Mensink et al.). For ``rule="ccknn"`` it is the number of neighbours
             taken from *each* class.
         sigma: kernel width (> 0).
-        backend: neighbour-search backend, "auto", "torch" or "faiss" (see :func:`nnkloss.knn`).
+        search_backend: "auto", "torch" or "faiss" (see :func:`nnkloss.knn`).
         batch_size: query rows per search call (bounds the search and gather temporaries).
         rule: "nngk" (Eq. 3, default) or "ccknn" (CCML Eq. 14).
 
@@ -78,7 +80,7 @@ class NeighbourKernelClassifier(nn.Module):
     (max label + 1); labels absent from the bank get probability 0.
     """
 
-    def __init__(self, bank: CentreBank, k: int, sigma: float, backend: str = "auto",
+    def __init__(self, bank: CentreBank, k: int, sigma: float, search_backend: str = "auto",
                  batch_size: int = 8192, rule: str = "nngk"):
         super().__init__()
         if not isinstance(bank, CentreBank):
@@ -87,36 +89,48 @@ class NeighbourKernelClassifier(nn.Module):
         if isinstance(sigma, torch.Tensor):
             sigma = float(sigma.detach())
         check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, NaN, non-numbers
-        if backend not in KNN_BACKENDS:
-            raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
+        check_search_backend(search_backend)
         batch_size = require_positive_int("batch_size", batch_size)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.bank = bank
         self.k = int(k)
         self.sigma = float(sigma)
-        self.backend = backend
+        self.search_backend = search_backend
         self.batch_size = int(batch_size)
         self.rule = rule
 
     # ---------------------------------------------------------------- public
     @torch.no_grad()
-    def predict_proba(self, emb) -> Tensor:
-        """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1."""
+    def predict_proba(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
+        """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1.
+
+        ``neighbours``: optional (B, K) int64 bank rows of each query's nearest centres,
+        nearest first, K >= min(k, bank.num_centres), from a search already made (e.g.
+        ``nnkloss.knn(emb, bank.centres, k)``): the classifier then does not search again and
+        uses the first k columns. Centres of weight 0 among them contribute nothing. Only for
+        ``rule="nngk"`` (CCKNN searches each class separately).
+        """
         x = self._check_emb(emb)
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        log_p = self._log_scores_ccknn(x, cdt) if self.rule == "ccknn" \
-            else self._log_scores_nngk(x, cdt)
+        if neighbours is not None:
+            neighbours = self._check_neighbours(neighbours, x.shape[0])
+            log_p = self._log_scores_nngk(x, cdt, neighbours)
+        elif self.rule == "ccknn":
+            log_p = self._log_scores_ccknn(x, cdt)
+        else:
+            log_p = self._log_scores_nngk(x, cdt)
         # Normalise with a max shift: rows whose every kernel value underflows stay finite.
         return torch.softmax(log_p, dim=1)
 
     @torch.no_grad()
-    def predict(self, emb) -> Tensor:
-        """(B,) int64 predicted class of each row of ``emb`` (B, D)."""
-        return self.predict_proba(emb).argmax(dim=1)
+    def predict(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
+        """(B,) int64 predicted class of each row of ``emb`` (B, D); ``neighbours`` as in
+        :meth:`predict_proba`."""
+        return self.predict_proba(emb, neighbours).argmax(dim=1)
 
-    def forward(self, emb) -> Tensor:
-        return self.predict_proba(emb)
+    def forward(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
+        return self.predict_proba(emb, neighbours)
 
     # ---------------------------------------------------------------- internals
     def _check_emb(self, emb) -> Tensor:
@@ -134,6 +148,29 @@ class NeighbourKernelClassifier(nn.Module):
             raise ValueError("emb contains NaN or inf")
         return emb
 
+    def _check_neighbours(self, neighbours, b: int) -> Tensor:
+        if self.rule != "nngk":
+            raise ValueError(f"neighbours can only be given with rule='nngk' (rule={self.rule!r} "
+                             f"searches each class's centres separately)")
+        if isinstance(neighbours, np.ndarray):
+            neighbours = torch.from_numpy(np.ascontiguousarray(neighbours))
+        require_int("neighbours", neighbours, 2)
+        n = self.bank.num_centres
+        k = min(self.k, n)
+        if neighbours.shape[0] != b or neighbours.shape[1] < k:
+            raise ValueError(f"neighbours must have shape (B={b}, K >= {k}), got "
+                             f"{tuple(neighbours.shape)}")
+        neighbours = neighbours[:, :k].to(self.bank.centres.device).long()
+        if neighbours.numel() and (int(neighbours.min()) < 0 or int(neighbours.max()) >= n):
+            raise ValueError(f"neighbours must be bank rows in [0, {n}), got values in "
+                             f"[{int(neighbours.min())}, {int(neighbours.max())}]")
+        usable = torch.isfinite(self.bank.log_weights.detach())[neighbours].any(dim=1)
+        if not bool(usable.all()):
+            bad = int((~usable).nonzero()[0, 0])
+            raise ValueError(f"every neighbour of query row {bad} has weight 0: nothing to "
+                             f"classify it with")
+        return neighbours
+
     def _usable(self):
         """(centres, labels, log_weights) of the centres with weight > 0."""
         bank = self.bank
@@ -145,16 +182,23 @@ class NeighbourKernelClassifier(nn.Module):
             raise RuntimeError("every centre of the bank has weight 0: nothing to classify with")
         return bank.centres[keep], bank.labels[keep], log_w[keep]
 
-    def _log_scores_nngk(self, x: Tensor, cdt) -> Tensor:
-        """(B, C) log of the unnormalised Eq. 3 class sums."""
-        centres, labels, log_w = self._usable()
+    def _log_scores_nngk(self, x: Tensor, cdt, neighbours: Optional[Tensor] = None) -> Tensor:
+        """(B, C) log of the unnormalised Eq. 3 class sums (``neighbours``: checked bank rows)."""
+        if neighbours is None:
+            centres, labels, log_w = self._usable()
+        else:
+            bank = self.bank
+            centres, labels, log_w = bank.centres, bank.labels, bank.log_weights.detach()
         num_classes = self.bank.num_classes
         k = min(self.k, centres.shape[0])
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
         for lo in range(0, x.shape[0], self.batch_size):
             xb = x[lo:lo + self.batch_size]
-            _, idx = knn(xb, centres, k, backend=self.backend)
+            if neighbours is None:
+                _, idx = knn(xb, centres, k, search_backend=self.search_backend)
+            else:
+                idx = neighbours[lo:lo + self.batch_size]
             # Distances relative to the nearest centre: the shift cancels in the ratio.
             rel = _sq_dist_minus_ref(xb, centres, idx, idx[:, 0], cdt)
             logits = log_w[idx].to(cdt) - rel * inv
@@ -184,7 +228,8 @@ class NeighbourKernelClassifier(nn.Module):
         # One reference centre per query (its nearest), shared by all classes: scores are mean
         # distances minus the reference distance, which cancels in the softmax and keeps far
         # queries precise (see _sq_dist_minus_ref).
-        ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1, backend=self.backend)[1]
+        ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1,
+                             search_backend=self.search_backend)[1]
                          for lo in range(0, x.shape[0], self.batch_size)])[:, 0]
         for c, s, n in zip(classes.tolist(), starts, counts.tolist()):
             members = order[s:s + n]
@@ -192,7 +237,7 @@ class NeighbourKernelClassifier(nn.Module):
             kc = min(self.k, n)
             for lo in range(0, x.shape[0], self.batch_size):
                 xb = x[lo:lo + self.batch_size]
-                _, idx = knn(xb, base, kc, backend=self.backend)
+                _, idx = knn(xb, base, kc, search_backend=self.search_backend)
                 rel = _sq_dist_minus_ref(xb, centres, members[idx], ref[lo:lo + self.batch_size],
                                          cdt)
                 out[lo:lo + self.batch_size, c] = -rel.mean(dim=1) * inv
@@ -200,4 +245,4 @@ class NeighbourKernelClassifier(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"k={self.k}, sigma={self.sigma:.4g}, rule={self.rule!r}, "
-                f"backend={self.backend!r}, batch_size={self.batch_size}")
+                f"search_backend={self.search_backend!r}, batch_size={self.batch_size}")

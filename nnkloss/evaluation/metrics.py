@@ -1,27 +1,39 @@
-"""Evaluation metrics for embeddings: Recall@K, NMI, MAP@R, accuracy.
+"""Evaluation metrics for embeddings: Recall@K, MAP@R, R-precision, NMI, accuracy.
 
 Retrieval metrics follow the standard protocol: every embedding is a query against all the
-others (its own row excluded). Neighbours come from :func:`nnkloss.knn` in chunks of query rows,
-so memory grows with N x (neighbours needed), never N x N. Inputs may be torch tensors (any
-device; the search runs there) or numpy arrays (searched on the CPU).
+others, its own row excluded (by index: an exact duplicate of the query is a neighbour at
+distance 0). :func:`evaluate` searches once, for the largest number of neighbours any metric
+needs, and reduces each block of query rows as the search yields it, so memory stays bounded
+by the search's tile budget plus O(N) per-query results, never N x N or N x K.
+:func:`recall_at_k` and :func:`map_at_r` are :func:`evaluate` asked for one metric.
+
+Neighbours are ranked by (distance, index), as faiss's flat index (and so pytorch-metric-
+learning's AccuracyCalculator) ranks them; the values are those of AccuracyCalculator's
+``precision_at_1``, ``mean_average_precision_at_r`` and ``r_precision`` whenever both compute
+the same fp32 distances (always for ties of exactly representable distances; otherwise two
+neighbours whose distances differ by a rounding error may be ranked differently).
+
+Inputs may be torch tensors (any device; the search runs there) or numpy arrays (CPU).
 """
 from __future__ import annotations
 
-import math
 import numbers
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..validation import require_int, require_labelled
-from ..bank.search import KNN_BACKENDS, knn
+from ..bank.search import iter_knn
+from ..bank.search.validation import check_search_backend
+from ..validation import require_int, require_labelled, require_positive_int
 
-__all__ = ["recall_at_k", "nmi", "accuracy", "map_at_r"]
+__all__ = ["evaluate", "recall_at_k", "map_at_r", "nmi", "accuracy", "KMEANS_BACKENDS"]
 
-# Result entries (query rows x neighbours) per search call: 2**22 (32 MiB of int64 indices).
-_RESULT_ELEMS = 1 << 22
+KMEANS_BACKENDS = ("sklearn", "torch")
+# Default search budget of an evaluation on the CPU: larger blocks than a refresh's search
+# (evaluation runs alone, and fewer blocks mean fewer passes of small ops per query row).
+_EVAL_CPU_TILE_BYTES = 1 << 30
 
 
 def _as_tensor(name: str, x) -> Tensor:
@@ -42,140 +54,179 @@ def _embeddings_and_labels(emb, labels) -> Tuple[Tensor, Tensor]:
     return emb, labels.to(emb.device).long()
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in KNN_BACKENDS:
-        raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
+def _check_ks(ks, n: int) -> list:
+    ks = list(ks)
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
+            raise ValueError(f"every value of ks must be an int in 1..{n - 1} (N - 1), got {k!r}")
+    return [int(k) for k in ks]
 
 
-def _neighbours_excluding_self(emb: Tensor, rows: Tensor, k: int, backend: str) -> Tensor:
-    """(len(rows), k) int64 indices of the k nearest rows of ``emb`` to ``emb[rows]``, each
-    query's own row excluded (by index: exact duplicates of it still count as neighbours)."""
+def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = True,
+             search_backend: str = "auto", *, tile_bytes: Optional[int] = None,
+             progress: bool = False) -> Dict[str, float]:
+    """Recall@K for every K in ``ks`` and MAP@R / R-precision, from one exact search.
+
+    Args:
+        emb: (N, D) float embeddings (tensor or numpy array), N >= 2.
+        labels: (N,) integer labels.
+        ks: the K values of Recall@K, each in 1..N-1 (may be empty when ``map_at_r``).
+        map_at_r: also compute MAP@R and R-precision (needs a class with two members).
+        search_backend: "auto" (= "torch"), "torch" or "faiss" (see :func:`nnkloss.knn`).
+        tile_bytes: the search's working-memory budget per block (default: 1 GiB on the CPU,
+            :func:`nnkloss.knn`'s default on CUDA).
+        progress: show a progress bar over the query rows (tqdm).
+
+    Returns:
+        ``{"recall@K": .. for K in ks, "map@r": .., "r_precision": ..}`` (floats in [0, 1]).
+
+    Definitions, for a query with R other items of its class:
+
+    * Recall@K: 1 if a same-class item is among its K nearest, else 0; mean over all N queries
+      (a query alone in its class counts as a miss).
+    * MAP@R (Musgrave et al., "A Metric Learning Reality Check", 2020): over its R nearest,
+      the sum of the precisions at the ranks holding a same-class item, divided by R;
+      R-precision: the share of same-class items among its R nearest. Both are means over the
+      queries with R >= 1 (the others have no defined value).
+
+    One search for ``max(max(ks), largest R)`` neighbours feeds every metric. Memory: the
+    search's block (``tile_bytes``) and its bool mask (a quarter of it), an fp32 copy of the
+    embeddings with up to 8 extra columns, per-block (rows, K) temporaries and O(N) results:
+    about 1.6 GB above the inputs at N = 150,000, D = 128, K = 1,500 on the CPU.
+    """
+    emb, labels = _embeddings_and_labels(emb, labels)
+    check_search_backend(search_backend)
     n = emb.shape[0]
-    kk = min(k + 1, n)
-    dist, idx = knn(emb[rows], emb, kk, backend=backend)
-    is_self = idx == rows[:, None]
-    # Own row to the end; if it was not among the k+1 (a tie of duplicates at distance 0),
-    # the last one goes, so k neighbours other than the query remain either way.
-    dist = dist.masked_fill(is_self, math.inf)
-    order = torch.sort(dist, dim=1, stable=True).indices
-    return idx.gather(1, order)[:, :k]
+    ks = _check_ks(ks, n)
+    if not ks and not map_at_r:
+        raise ValueError("nothing to evaluate: ks is empty and map_at_r is False")
+    dev = emb.device
+    _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+    r = counts[inverse] - 1  # other items of each query's class
+    counted = r > 0
+    if map_at_r and not bool(counted.any()):
+        raise ValueError("no class has two or more members: MAP@R is undefined")
+    kmax = max(ks + ([int(r.max())] if map_at_r else []))
+    if tile_bytes is None and dev.type == "cpu":
+        tile_bytes = _EVAL_CPU_TILE_BYTES
+
+    first_hit = torch.empty(n, dtype=torch.long, device=dev)  # rank of the first same-class
+    ap = torch.zeros(n, dtype=torch.float64, device=dev)
+    r_prec = torch.zeros(n, dtype=torch.float64, device=dev)
+    ranks = torch.arange(1, kmax + 1, device=dev)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=n, desc="evaluate", unit="query", leave=False)
+    try:
+        for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
+                                   tile_bytes=tile_bytes):
+            rows = slice(q0, q0 + idx.shape[0])
+            same = labels[idx] == labels[rows, None]
+            hit = same.any(dim=1)
+            first_hit[rows] = torch.where(hit, same.to(torch.uint8).argmax(dim=1), kmax)
+            if map_at_r:
+                rr = r[rows]
+                # The same operations, in the same order, as AccuracyCalculator's
+                # mean_average_precision(at_r=True) and r_precision, so that equal
+                # neighbours give bit-equal per-query values.
+                relevant = ranks[None, :] <= rr[:, None]
+                correct = same & relevant
+                cumulative = torch.cumsum(correct, dim=1)
+                precision = (cumulative * correct).type(torch.float64) / ranks
+                ap[rows] = torch.sum(precision * relevant, dim=1) / rr
+                r_prec[rows] = torch.sum(correct, dim=1).type(torch.float64) / rr
+            if bar is not None:
+                bar.update(idx.shape[0])
+    finally:
+        if bar is not None:
+            bar.close()
+    out = {f"recall@{k}": float((first_hit < k).type(torch.float64).mean()) for k in ks}
+    if map_at_r:
+        out["map@r"] = float(torch.mean(ap[counted]))
+        out["r_precision"] = float(torch.mean(r_prec[counted]))
+    return out
 
 
 def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8),
-                backend: str = "auto") -> Dict[int, float]:
+                search_backend: str = "auto", **options) -> Dict[int, float]:
     """Recall@K: the share of queries with at least one same-class item among their K nearest.
 
     Args:
         emb: (N, D) float embeddings (tensor or numpy array), N >= 2.
         labels: (N,) integer labels.
         ks: the K values, each in 1..N-1.
-        backend: search backend ("auto", "torch", "faiss"; see :func:`nnkloss.knn`).
+        search_backend: "auto", "torch" or "faiss" (see :func:`nnkloss.knn`).
+        options: ``tile_bytes``, ``progress`` as in :func:`evaluate`.
 
     Returns:
         {K: recall in [0, 1]} in the order of ``ks``. Queries whose class has no other member
-        count as misses.
+        count as misses. One search (:func:`evaluate`); ask :func:`evaluate` for Recall@K and
+        MAP@R together rather than calling this and :func:`map_at_r`.
     """
-    emb, labels = _embeddings_and_labels(emb, labels)
-    _check_backend(backend)
     ks = list(ks)
-    n = emb.shape[0]
     if not ks:
         raise ValueError("ks is empty")
-    for k in ks:
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
-            raise ValueError(f"every value of ks must be an int in 1..{n - 1} (N - 1), got {k!r}")
-    kmax = max(ks)
-    # Rank of each query's first same-class neighbour (kmax when none within kmax).
-    first_hit = torch.empty(n, dtype=torch.long, device=emb.device)
-    step = max(1, _RESULT_ELEMS // (kmax + 1))
-    for lo in range(0, n, step):
-        rows = torch.arange(lo, min(n, lo + step), device=emb.device)
-        nb = _neighbours_excluding_self(emb, rows, kmax, backend)
-        hit = labels[nb] == labels[rows, None]
-        rank = torch.where(hit, torch.arange(kmax, device=emb.device), kmax)
-        first_hit[lo:lo + rows.shape[0]] = rank.min(dim=1).values
-    return {int(k): float((first_hit < k).double().mean()) for k in ks}
+    res = evaluate(emb, labels, ks, map_at_r=False, search_backend=search_backend, **options)
+    return {int(k): res[f"recall@{int(k)}"] for k in ks}
 
 
-def map_at_r(emb, labels, backend: str = "auto") -> float:
-    """MAP@R (Musgrave et al., "A Metric Learning Reality Check", 2020).
+def map_at_r(emb, labels, search_backend: str = "auto", **options) -> float:
+    """MAP@R (Musgrave et al., "A Metric Learning Reality Check", 2020), see :func:`evaluate`.
 
     For a query with R other same-class items, retrieve its R nearest neighbours (own row
     excluded) and average ``P(i)`` over ``i = 1..R``, where ``P(i)`` is the precision at rank i
-    if the i-th neighbour is same-class and 0 otherwise (i.e. the sum of precisions at the
-    correct ranks, divided by R). The result is the mean over queries. Queries alone in their
-    class (R = 0) have no defined MAP@R and are left out.
-
-    Args:
-        emb: (N, D) float embeddings (tensor or numpy array).
-        labels: (N,) integer labels.
-        backend: search backend.
-
-    Queries are processed in order of R so that each search asks for about as many
-    neighbours as its rows need; memory is bounded by ~2**22 result entries per call (or R_max
-    for one query, if larger). Raises ValueError when no class has two members.
+    if the i-th neighbour is same-class and 0 otherwise. The result is the mean over queries
+    with R >= 1. Raises ValueError when no class has two members.
     """
-    emb, labels = _embeddings_and_labels(emb, labels)
-    _check_backend(backend)
-    n = emb.shape[0]
-    _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
-    r = counts[inverse] - 1  # other items of each query's class
-    queries = torch.nonzero(r > 0).flatten()
-    if queries.numel() == 0:
-        raise ValueError("no class has two or more members: MAP@R is undefined")
-    queries = queries[torch.argsort(r[queries], stable=True)]
-    r_sorted = r[queries].cpu().numpy()
-    total = torch.zeros((), dtype=torch.float64, device=emb.device)
-    lo, m = 0, queries.shape[0]
-    while lo < m:
-        # Largest chunk whose (rows x its own max R) fits the budget; R grows along the order.
-        width = max(1, min(m - lo, _RESULT_ELEMS // int(r_sorted[lo] + 1)))
-        while width > 1 and width * int(r_sorted[lo + width - 1] + 1) > _RESULT_ELEMS:
-            width //= 2
-        rows = queries[lo:lo + width]
-        rr = r[rows]
-        kmax = min(int(r_sorted[lo + width - 1]), n - 1)
-        nb = _neighbours_excluding_self(emb, rows, kmax, backend)
-        ranks = torch.arange(1, kmax + 1, device=emb.device)
-        correct = (labels[nb] == labels[rows, None]) & (ranks[None, :] <= rr[:, None])
-        precision = correct.double().cumsum(dim=1) / ranks.double()
-        total += ((precision * correct).sum(dim=1) / rr.double()).sum()
-        lo += width
-    return float(total / m)
+    return evaluate(emb, labels, (), map_at_r=True, search_backend=search_backend,
+                    **options)["map@r"]
 
 
-def nmi(emb, labels, seed: int = 0, kmeans: str = "sklearn") -> float:
+def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "sklearn") -> float:
     """Normalised mutual information between k-means clusters and the labels.
 
-    k-means runs with as many clusters as there are distinct labels; NMI uses the arithmetic
+    k-means runs with as many clusters as there are distinct labels, ``n_init`` times from
+    different seeds; the clustering with the lowest inertia is scored. NMI uses the arithmetic
     mean of the two entropies (scikit-learn's default normalisation).
 
     Args:
         emb: (N, D) float embeddings (tensor or numpy array).
         labels: (N,) integer labels.
         seed: k-means seed (deterministic for a given seed).
-        kmeans: "sklearn" (``sklearn.cluster.KMeans``, CPU, the usual protocol) or "torch"
-            (:func:`nnkloss.bank.centroids.kmeans`, on emb's device: faster for large N on a GPU).
+        n_init: k-means runs (>= 1; default 10: a single run varies by several NMI points
+            from seed to seed).
+        kmeans_backend: "sklearn" (``sklearn.cluster.KMeans``, CPU, the usual protocol) or
+            "torch" (:func:`nnkloss.bank.centroids.kmeans`, on emb's device: faster for large
+            N on a GPU).
     """
     from sklearn.metrics import normalized_mutual_info_score
 
     emb, labels = _embeddings_and_labels(emb, labels)
-    if kmeans not in ("sklearn", "torch"):
-        raise ValueError(f"kmeans must be 'sklearn' or 'torch', got {kmeans!r}")
+    n_init = require_positive_int("n_init", n_init)
+    if kmeans_backend not in KMEANS_BACKENDS:
+        raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, "
+                         f"got {kmeans_backend!r}")
     if not bool(torch.isfinite(emb).all()):
         raise ValueError("emb contains NaN or inf")
     n_classes = int(torch.unique(labels).numel())
-    if kmeans == "sklearn":
+    if kmeans_backend == "sklearn":
         from sklearn.cluster import KMeans
 
         x = emb.to("cpu", torch.float64 if emb.dtype == torch.float64 else torch.float32)
-        clusters = KMeans(n_clusters=n_classes, n_init=1, random_state=seed).fit_predict(
+        clusters = KMeans(n_clusters=n_classes, n_init=n_init, random_state=seed).fit_predict(
             x.numpy())
     else:
         from ..bank.centroids import kmeans as torch_kmeans
 
-        _, assign = torch_kmeans(emb, n_classes, seed=seed)
-        clusters = assign.cpu().numpy()
+        x = emb.float()
+        best = None
+        for i in range(n_init):
+            cents, assign = torch_kmeans(x, n_classes, seed=seed + i)
+            inertia = float((x - cents[assign]).pow(2).sum())
+            if best is None or inertia < best[0]:
+                best = (inertia, assign)
+        clusters = best[1].cpu().numpy()
     return float(normalized_mutual_info_score(labels.cpu().numpy(), clusters,
                                               average_method="arithmetic"))
 

@@ -70,7 +70,7 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
     return out_e, out_l
 
 
-def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, backend: str = "auto",
+def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend: str = "auto",
                       seed: int = 0) -> Dict[str, float]:
     """``{"recall@1": .., "recall@2": .., "recall@4": .., "recall@8": .., "nmi": ..}`` (all in
     [0, 1]) of embeddings emb (N, D) with labels (N,), as in the papers' Tables 1-2.
@@ -84,21 +84,21 @@ def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, backend: str =
     if skipped:
         warnings.warn(f"the evaluation set has {n} items: Recall@K for K = {skipped} skipped "
                       f"(K must be <= N - 1); reported as None", stacklevel=2)
-    rec = recall_at_k(emb, labels, usable, backend=backend) if usable else {}
+    rec = recall_at_k(emb, labels, usable, search_backend=search_backend) if usable else {}
     out = {f"recall@{k}": (float(rec[k]) if k in rec else None) for k in ks}
     out["nmi"] = float(nmi(emb, labels, seed=seed)) if n >= 2 else None
     return out
 
 
 def kernel_accuracy(train_emb: Tensor, train_labels: Tensor, emb: Tensor, labels: Tensor,
-                    k: int, sigma: float, weights: Tensor = None, backend: str = "auto"
-                    ) -> float:
+                    k: int, sigma: float, weights: Tensor = None,
+                    search_backend: str = "auto") -> float:
     """Accuracy of Eq. 3 (:class:`NeighbourKernelClassifier`): the k nearest training
     embeddings (N, D) of each query (B, D) vote with their (weighted) Gaussian kernel values."""
     bank = CentreBank(train_emb.float(), train_labels.long(),
                       weights=None if weights is None else weights.detach().float().cpu())
     clf = NeighbourKernelClassifier(bank, k=min(int(k), len(train_labels)), sigma=float(sigma),
-                                    backend=backend)
+                                    search_backend=search_backend)
     return accuracy(clf.predict(emb.float()), labels)
 
 

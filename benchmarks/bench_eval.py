@@ -1,0 +1,156 @@
+"""Retrieval evaluation at scale: nnkloss.metrics.evaluate vs pytorch-metric-learning.
+
+Recall@1/2/4/8 and MAP@R (and R-precision) of N x D embeddings in C equal classes (R = N/C - 1),
+by nnkloss (one exact search, reduced block by block: the default torch search, and
+``search_backend="faiss"``, the flat index PML uses) and by pytorch-metric-learning's
+AccuracyCalculator (faiss flat index, ``k="max_bin_count"``; Recall@2/4/8 added as custom
+metrics on its neighbour labels, over all queries as nnkloss counts them). Each measurement runs
+in a fresh process: wall time of the call and peak resident memory (VmHWM of the process, and
+the part above the RSS before the call).
+
+    python benchmarks/bench_eval.py                       # N = 30,000 and 150,000, D 128, C 100
+    python benchmarks/bench_eval.py --N 30000 --providers nnkloss
+
+Appends one row per (N, provider) to ``benchmarks/results/eval_<device>.csv`` with the metric
+values, whether they equal PML's bit for bit (and the largest difference), the 1-minute load
+average before and after (``/proc/loadavg``: the machine is shared), device, commit and date.
+A provider that fails (e.g. out of memory) gets a row with its error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import (PeakRss, ResultsCsv, device_name, git_commit, results_path,  # noqa: E402
+                    run_isolated, utc_now, worker_reply)
+
+import torch  # noqa: E402
+
+KS = (1, 2, 4, 8)
+METRICS = [f"recall@{k}" for k in KS] + ["map@r", "r_precision"]
+COLUMNS = (["provider", "N", "D", "classes", "search_k", "seconds", "peak_rss_mb", "extra_mb"]
+           + METRICS + ["equal_to_pml", "max_abs_diff", "error", "load_before", "load_after",
+                        "threads", "device", "commit", "date"])
+
+
+def setup(n: int, d: int, classes: int, seed: int = 0):
+    """(N, D) fp32 embeddings and (N,) labels: C equal classes in shuffled order, each a
+    Gaussian around its own mean (means spread so that Recall@1 is neither 0 nor 1)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = (torch.arange(n) % classes)[torch.randperm(n, generator=g)]
+    means = torch.randn(classes, d, generator=g) * 0.35
+    emb = means[labels] + torch.randn(n, d, generator=g)
+    return emb.contiguous(), labels
+
+
+def loadavg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def run_nnkloss(emb, labels, search_backend="auto") -> dict:
+    from nnkloss import metrics
+    return metrics.evaluate(emb, labels, KS, search_backend=search_backend)
+
+
+def run_pml(emb, labels) -> dict:
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    def recall(k):
+        def calc(self, knn_labels, query_labels, **kwargs):
+            same = knn_labels[:, :k] == query_labels[:, None]
+            return float(same.any(dim=1).type(torch.float64).mean())
+        return calc
+
+    extra = {f"calculate_recall_at_{k}": recall(k) for k in KS[1:]}
+    extra["requires_knn"] = lambda self: (AccuracyCalculator.requires_knn(self)
+                                          + [f"recall_at_{k}" for k in KS[1:]])
+    calc_cls = type("RecallAccuracyCalculator", (AccuracyCalculator,), extra)
+    calc = calc_cls(include=("precision_at_1", "mean_average_precision_at_r", "r_precision")
+                    + tuple(f"recall_at_{k}" for k in KS[1:]), k="max_bin_count",
+                    device=torch.device("cpu"))
+    res = calc.get_accuracy(emb, labels)
+    out = {"recall@1": res["precision_at_1"], "map@r": res["mean_average_precision_at_r"],
+           "r_precision": res["r_precision"]}
+    out.update({f"recall@{k}": res[f"recall_at_{k}"] for k in KS[1:]})
+    return out
+
+
+def worker(spec: dict) -> None:
+    emb, labels = setup(spec["N"], spec["D"], spec["classes"])
+    meter = PeakRss().start()
+    t0 = time.perf_counter()
+    if spec["provider"] == "pml":
+        values = run_pml(emb, labels)
+    else:
+        values = run_nnkloss(emb, labels, "faiss" if spec["provider"] == "nnkloss-faiss"
+                             else "auto")
+    seconds = time.perf_counter() - t0
+    extra = meter.peak_mb()
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    worker_reply({"seconds": seconds, "extra_mb": extra, "peak_rss_mb": hwm / 1024,
+                  "values": values})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--N", type=int, nargs="+", default=[30000, 150000])
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--classes", type=int, default=100)
+    ap.add_argument("--providers", nargs="+", default=["nnkloss", "nnkloss-faiss", "pml"],
+                    choices=["nnkloss", "nnkloss-faiss", "pml"])
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+
+    device = torch.device("cpu")
+    name, commit = device_name(device), git_commit()
+    csv_path = results_path(args.out, device, prefix="eval_")
+    print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
+    print(f"writing {csv_path}")
+    with ResultsCsv(csv_path, COLUMNS) as writer:
+        for n in args.N:
+            results = {}
+            for provider in args.providers:
+                spec = {"provider": provider, "N": n, "D": args.D, "classes": args.classes}
+                before = loadavg()
+                try:
+                    res = run_isolated(os.path.abspath(__file__), spec, timeout=args.timeout)
+                except Exception as exc:  # noqa: BLE001 - a timeout is a result too
+                    res = {"error": f"{type(exc).__name__}: {exc}"}
+                res["load_before"], res["load_after"] = before, loadavg()
+                results[provider] = res
+            pml = results.get("pml", {}).get("values")
+            for provider, res in results.items():
+                values = res.get("values") or {}
+                row = {"provider": provider, "N": n, "D": args.D, "classes": args.classes,
+                       "search_k": n // args.classes - 1, "error": res.get("error", ""),
+                       "load_before": res["load_before"], "load_after": res["load_after"],
+                       "threads": torch.get_num_threads(), "device": name, "commit": commit,
+                       "date": utc_now()}
+                if values:
+                    row.update({"seconds": f"{res['seconds']:.2f}",
+                                "peak_rss_mb": f"{res['peak_rss_mb']:.0f}",
+                                "extra_mb": f"{res['extra_mb']:.0f}"})
+                    row.update({m: repr(values[m]) for m in METRICS})
+                    if pml and provider != "pml":
+                        diffs = [abs(values[m] - pml[m]) for m in METRICS]
+                        row["equal_to_pml"] = all(values[m] == pml[m] for m in METRICS)
+                        row["max_abs_diff"] = f"{max(diffs):.3g}"
+                writer.write(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

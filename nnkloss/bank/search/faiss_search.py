@@ -1,0 +1,184 @@
+"""FAISS indexes: exact ``IndexFlatL2`` (CPU, or GPU where faiss's GPU support works on the
+device) and the approximate ``IndexIVFFlat`` / ``IndexHNSWFlat``. faiss is optional: every
+function here imports it lazily and :func:`faiss_available` says whether it can.
+
+faiss orders equal distances by index (its heaps compare (distance, id)), as the torch search
+does. Results are fp32 squared L2 distances, clamped at 0, and int64 indices (-1 and inf for
+"not found", approximate indexes only).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["faiss_available", "faiss_gpu_usable", "require_faiss", "use_faiss_gpu",
+           "build_flat", "build_approximate", "search_index", "iter_search_index",
+           "FAISS_GPU_MAX_K"]
+
+# faiss GPU indexes select at most this many neighbours per query (GPU_MAX_SELECTION_K).
+FAISS_GPU_MAX_K = 2048
+
+
+@functools.lru_cache(maxsize=None)
+def _faiss_module():
+    try:
+        import faiss  # noqa: F401
+    except Exception:  # absent, or a broken binary: both mean "not usable"
+        return None
+    return faiss
+
+
+def faiss_available() -> bool:
+    """True when ``import faiss`` works."""
+    return _faiss_module() is not None
+
+
+def require_faiss():
+    faiss = _faiss_module()
+    if faiss is None:
+        raise ImportError("search_backend='faiss' (and approximate search) needs the faiss "
+                          "package: `pip install faiss-cpu` (or a faiss GPU build), or use "
+                          "search_backend='torch'")
+    return faiss
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_resources(device_index: int):
+    faiss = _faiss_module()
+    return faiss.StandardGpuResources()
+
+
+@functools.lru_cache(maxsize=None)
+def faiss_gpu_usable(device_index: int = 0) -> bool:
+    """True when faiss has GPU support that actually runs on CUDA device ``device_index``.
+
+    pip faiss GPU wheels ship no code for some architectures (no sm_90: H100/H200 fail at the
+    first search, not at import), so a tiny search is tried once per device and cached; on
+    failure a one-line warning is issued and callers fall back (faiss CPU index).
+    """
+    faiss = _faiss_module()
+    if faiss is None or not hasattr(faiss, "StandardGpuResources"):
+        return False
+    try:
+        if faiss.get_num_gpus() <= device_index or not torch.cuda.is_available():
+            return False
+        import numpy as np
+        cfg = faiss.GpuIndexFlatConfig()
+        cfg.device = device_index
+        index = faiss.GpuIndexFlatL2(_gpu_resources(device_index), 4, cfg)
+        x = np.arange(32, dtype="float32").reshape(8, 4)
+        index.add(x)
+        _, ids = index.search(x[:2], 1)
+        if ids[0, 0] != 0 or ids[1, 0] != 1:
+            raise RuntimeError(f"probe search returned {ids.ravel().tolist()}, expected [0, 1]")
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not use the GPU index"
+        msg = " ".join(str(exc).split())[:160]
+        warnings.warn(f"faiss GPU index unusable on cuda:{device_index} ({type(exc).__name__}: "
+                      f"{msg}); falling back", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def _to_numpy_f32(t: Tensor):
+    return t.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def use_faiss_gpu(device: torch.device, k: int = 1) -> bool:
+    """Whether a faiss index for ``device`` inputs runs on the GPU (else on the CPU)."""
+    return (device.type == "cuda" and k <= FAISS_GPU_MAX_K
+            and faiss_gpu_usable(_cuda_index(device)))
+
+
+def _add_in_chunks(index, base: Tensor, chunk_rows: int = 1 << 18) -> None:
+    # Chunks keep the fp32 host copy of a GPU/bf16 base bounded.
+    for b0 in range(0, base.shape[0], chunk_rows):
+        index.add(_to_numpy_f32(base[b0:b0 + chunk_rows]))
+
+
+def build_flat(base: Tensor, k: int):
+    """Exact ``IndexFlatL2`` holding ``base`` (GPU index when usable for k results)."""
+    faiss = require_faiss()
+    d = base.shape[1]
+    if use_faiss_gpu(base.device, k):
+        idx = _cuda_index(base.device)
+        cfg = faiss.GpuIndexFlatConfig()
+        cfg.device = idx
+        index = faiss.GpuIndexFlatL2(_gpu_resources(idx), d, cfg)
+    else:
+        index = faiss.IndexFlatL2(d)
+    _add_in_chunks(index, base)
+    return index
+
+
+def _default_nlist(n: int) -> int:
+    # The usual rule of thumb (~4 sqrt(N) lists), limited so that each list keeps >= 39 training
+    # points (faiss warns below that) and at least one list.
+    return int(max(1, min(4 * math.isqrt(max(n, 1)), n // 39)))
+
+
+def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Optional[int],
+                      hnsw_m: int, ef_construction: int, ef_search: Optional[int], k: int,
+                      train_size: Optional[int], seed: int):
+    """An ``IndexIVFFlat`` (kind "ivf") or ``IndexHNSWFlat`` (kind "hnsw") holding ``base``."""
+    faiss = require_faiss()
+    n, d = base.shape
+    if kind == "ivf":
+        nlist = _default_nlist(n) if nlist is None else int(nlist)
+        if not 1 <= nlist <= n:
+            raise ValueError(f"nlist must be in [1, N={n}], got {nlist}")
+        quantizer = faiss.IndexFlatL2(d)
+        index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_L2)
+        index.cp.seed = seed
+        train_n = min(n, 256 * nlist if train_size is None else int(train_size))
+        if train_n < nlist:
+            raise ValueError(f"train_size={train_n} is smaller than nlist={nlist}")
+        g = torch.Generator().manual_seed(seed)
+        sample = torch.randperm(n, generator=g)[:train_n].sort().values
+        index.train(_to_numpy_f32(base[sample.to(base.device)]))
+        _add_in_chunks(index, base)
+        # Default probes: enough lists for high recall at moderate cost (~1/8 of the lists, >= 8).
+        index.nprobe = min(nlist, max(8, nlist // 8)) if nprobe is None else int(nprobe)
+        if use_faiss_gpu(base.device, k + 1) and index.nprobe <= FAISS_GPU_MAX_K:
+            dev = _cuda_index(base.device)
+            index = faiss.index_cpu_to_gpu(_gpu_resources(dev), dev, index)
+        return index
+    # HNSW: CPU only in faiss.
+    index = faiss.IndexHNSWFlat(d, int(hnsw_m), faiss.METRIC_L2)
+    index.hnsw.efConstruction = int(ef_construction)
+    _add_in_chunks(index, base)
+    index.hnsw.efSearch = max(int(ef_search) if ef_search is not None else 64, 2 * k + 2)
+    return index
+
+
+def iter_search_index(index, queries: Tensor, k: int, chunk_rows: int = 1 << 14
+                      ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """Yield ``(row0, distances (rows, k), indices (rows, k))`` on the queries' device for
+    consecutive chunks of query rows (faiss's temporaries stay bounded by the chunk)."""
+    q = queries.shape[0]
+    for q0 in range(0, q, chunk_rows):
+        dd, ii = index.search(_to_numpy_f32(queries[q0:q0 + chunk_rows]), k)
+        dist, ids = torch.from_numpy(dd), torch.from_numpy(ii)
+        # faiss marks "not found" (approximate indexes only) by -1 with a huge distance.
+        dist.masked_fill_(ids < 0, math.inf)
+        dist.clamp_min_(0.0)  # the same clamp as the torch search: tiny negatives happen
+        yield q0, dist.to(queries.device), ids.to(queries.device)
+
+
+def search_index(index, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """(Q, k) fp32 distances and int64 indices from a faiss index, on the queries' device."""
+    q = queries.shape[0]
+    out_d = torch.empty(q, k, dtype=torch.float32, device=queries.device)
+    out_i = torch.empty(q, k, dtype=torch.long, device=queries.device)
+    for q0, dist, ids in iter_search_index(index, queries, k):
+        out_d[q0:q0 + dist.shape[0]] = dist
+        out_i[q0:q0 + ids.shape[0]] = ids
+    return out_d, out_i

@@ -1,0 +1,135 @@
+"""The public k-nearest-neighbour search: :func:`knn` (whole result) and :func:`iter_knn`
+(the same result block by block, for callers that reduce it as it comes, like the metrics)."""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .exclusion import drop_self
+from .faiss_search import (build_approximate, build_flat, iter_search_index, require_faiss,
+                           search_index)
+from .torch_search import iter_knn_torch
+from .validation import APPROXIMATE, check_search_backend, validate
+
+__all__ = ["knn", "iter_knn", "resolve_search_backend"]
+
+
+def resolve_search_backend(search_backend: str, device: torch.device) -> str:
+    """The exact implementation a ``search_backend`` runs: "auto" is always "torch".
+
+    "auto" must give the same neighbours whether or not faiss is installed, so it does not
+    depend on it: the torch search is as fast as faiss's flat index on the CPU (both are GEMM
+    bound) and runs on every device. faiss (CPU or GPU index) is used when asked for by name.
+    """
+    check_search_backend(search_backend)
+    return "torch" if search_backend == "auto" else search_backend
+
+
+def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
+             exclude_self: bool = False, *, tile_bytes: Optional[int] = None
+             ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """Exact search, yielded as ``(row0, distances (rows, k), indices (rows, k))`` for
+    consecutive blocks of query rows; arguments and results as in :func:`knn` (exact only).
+    Memory: one block's working set (the tile budget), never the whole (Q, k) result."""
+    k = validate(queries, base, k, exclude_self)
+    yield from _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
+
+
+def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
+                  exclude_self: bool, tile_bytes: Optional[int]
+                  ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    used = resolve_search_backend(search_backend, queries.device)
+    kk = k + int(exclude_self)  # the own row is searched for, then dropped
+    if queries.shape[0] == 0:
+        return
+    if used == "faiss":
+        blocks = iter_search_index(build_flat(base, kk), queries, kk)
+    else:
+        blocks = iter_knn_torch(queries, base, kk, tile_bytes)
+    for q0, dist, idx in blocks:
+        if exclude_self:
+            own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)
+            dist, idx = drop_self(dist, idx, own, k)
+        yield q0, dist, idx
+
+
+def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
+        exclude_self: bool = False, approximate: Optional[str] = None, *,
+        tile_bytes: Optional[int] = None, nlist: Optional[int] = None,
+        nprobe: Optional[int] = None, hnsw_m: int = 32, ef_construction: int = 64,
+        ef_search: Optional[int] = None, train_size: Optional[int] = None, seed: int = 0
+        ) -> Tuple[Tensor, Tensor]:
+    """The ``k`` nearest base rows of every query row, by squared Euclidean distance.
+
+    Args:
+        queries: (Q, D) float tensor (fp16/bf16/fp32/fp64; distances are computed in fp32).
+        base: (N, D) float tensor on the same device.
+        k: neighbours per query, ``1 <= k <= N`` (``<= N - 1`` with ``exclude_self``).
+        search_backend: "torch" (tiled GEMM + threshold selection, any device), "faiss"
+            (exact ``IndexFlatL2``; a GPU index for CUDA inputs when faiss's GPU support works
+            on that device, else the CPU index), or "auto" (= "torch", whether or not faiss is
+            installed, so that results never depend on it).
+        exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i.
+            Exact duplicates of row i are still returned (at distance 0).
+        approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
+            ``IndexHNSWFlat``, CPU). Needs faiss; ``search_backend`` must then be "auto" or
+            "faiss".
+        tile_bytes: torch search working-memory budget per block (default: 256 MiB on CPU, a
+            quarter of the free memory on CUDA, at most 4 GiB).
+        nlist, nprobe, train_size: IVF lists (default ~4 sqrt(N), >= 39 points per list),
+            lists probed per query (default max(8, nlist/8)), training sample (default
+            256 nlist) -- more probes: higher recall, slower.
+        hnsw_m, ef_construction, ef_search: HNSW graph degree (32), build beam (64), search
+            beam (default 64, raised to at least 2k + 2).
+        seed: seed of the IVF training sample and k-means.
+
+    Returns:
+        ``(distances, indices)``, both (Q, k) on the queries' device: fp32 squared L2 distances
+        in ascending order, equal distances ordered by index (both exact backends), and int64
+        row indices into ``base``. Approximate search may find fewer than k neighbours for a
+        query; the missing slots are index -1 at distance inf. With the "torch" backend and
+        CUDA inputs, matmuls follow PyTorch's TF32 setting (off by default); TF32 perturbs
+        distances by ~1e-3 relative and may reorder near ties.
+
+    Raises:
+        ValueError: k < 1 or k larger than the number of candidates (message names ``k``);
+            empty base; NaN/inf in ``queries`` or ``base`` (message names which); dimension or
+            device mismatch; exclude_self with Q != N; unknown search_backend/approximate.
+        TypeError: non-tensor or non-float inputs, non-int k.
+        ImportError: search_backend="faiss" or an approximate index without faiss installed.
+
+    Empty queries (Q = 0) give empty (0, k) results (after k has been checked against N).
+    Memory: the torch search never forms a Q x N matrix (blocks of the budget above); faiss
+    holds a copy of the base in its index (fp32, N x D x 4 bytes).
+    """
+    if approximate not in APPROXIMATE:
+        raise ValueError(f"approximate must be one of {APPROXIMATE}, got {approximate!r}")
+    check_search_backend(search_backend)
+    if approximate is not None:
+        k = validate(queries, base, k, exclude_self)
+        if search_backend not in ("auto", "faiss"):
+            raise ValueError(f"approximate={approximate!r} uses faiss indexes; search_backend "
+                             f"must be 'auto' or 'faiss', got {search_backend!r}")
+        require_faiss()
+        dev = queries.device
+        if queries.shape[0] == 0:
+            return (torch.empty(0, k, dtype=torch.float32, device=dev),
+                    torch.empty(0, k, dtype=torch.long, device=dev))
+        kk = min(k + int(exclude_self), base.shape[0])
+        index = build_approximate(base, approximate, nlist, nprobe, hnsw_m, ef_construction,
+                                  ef_search, k, train_size, seed)
+        dist, idx = search_index(index, queries, kk)
+        if exclude_self:
+            dist, idx = drop_self(dist, idx, torch.arange(queries.shape[0], device=dev), k)
+        return dist, idx
+    k = validate(queries, base, k, exclude_self)
+    q = queries.shape[0]
+    out_d = torch.empty(q, k, dtype=torch.float32, device=queries.device)
+    out_i = torch.empty(q, k, dtype=torch.long, device=queries.device)
+    for q0, dist, idx in _iter_checked(queries, base, k, search_backend, exclude_self,
+                                       tile_bytes):
+        out_d[q0:q0 + dist.shape[0]] = dist
+        out_i[q0:q0 + idx.shape[0]] = idx
+    return out_d, out_i

@@ -1,0 +1,113 @@
+"""Neighbour lists of a set of centres: the k nearest other centres of each, and optionally a
+guaranteed same-label entry (``ensure_positive``)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...validation import require_labelled
+from .exclusion import drop_self
+from .knn import knn, resolve_search_backend
+
+__all__ = ["NeighbourLists", "neighbour_lists", "patch_positives", "has_same_label",
+           "synchronize"]
+
+
+@dataclass
+class NeighbourLists:
+    """Neighbour lists of a set of centres, as built by :func:`neighbour_lists`.
+
+    indices: (N, k) int64 rows of the centres, own row excluded, nearest first (-1 = padding,
+        only from approximate search).
+    distances: (N, k) fp32 squared distances matching ``indices`` (inf for padding).
+    has_positive: (N,) bool, the list holds a centre with the row's own label.
+    num_patched: rows whose last entry was replaced by their nearest same-label centre.
+    seconds: wall time of the search (CUDA work synchronised before the clock is read).
+    backend: the search that ran ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
+    """
+    indices: Tensor
+    distances: Tensor
+    has_positive: Tensor
+    num_patched: int
+    seconds: float
+    backend: str
+
+
+def has_same_label(indices: Tensor, labels: Tensor) -> Tensor:
+    """(N,) bool: row i's list ``indices[i]`` (-1 = padding) holds a row with label labels[i]
+    (``indices`` may be a slice of rows; then ``labels`` must be indexed by the caller)."""
+    valid = indices >= 0
+    nb_labels = labels[indices.clamp_min(0)]
+    return ((nb_labels == labels.unsqueeze(1)) & valid).any(dim=1)
+
+
+def synchronize(device: torch.device) -> None:
+    # The calling thread's stream only: a background refresh must not wait for training.
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
+                    ids: Tensor, has_pos: Tensor, search_backend: str, knn_options: dict) -> int:
+    """``ensure_positive`` of :func:`neighbour_lists`, in place, for the slice of query rows that
+    starts at bank row ``rows_offset`` (``dist_``, ``ids``, ``has_pos`` hold that slice): a row
+    without a same-label entry gets its nearest same-label centre (other than itself) in its
+    last slot, found among that class's members only. Returns the number of rows patched."""
+    approximate = knn_options.get("approximate")
+    exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
+    missing = (~has_pos).nonzero().flatten()
+    patched = 0
+    for cls in labels[missing + rows_offset].unique().tolist():
+        local = missing[labels[missing + rows_offset] == cls]
+        rows = local + rows_offset
+        members = (labels == cls).nonzero().flatten()  # ascending
+        if members.numel() < 2:  # the only centre of its class: nothing to add
+            continue
+        # The two nearest members, the row itself included, then self-exclusion as everywhere.
+        m_d, m_i = knn(centres[rows], centres[members], 2,
+                       search_backend if approximate is None else "auto", **exact)
+        own = torch.searchsorted(members, rows)
+        m_d, m_i = drop_self(m_d, m_i, own, 1)
+        ids[local, -1] = members[m_i[:, 0]]
+        dist_[local, -1] = m_d[:, 0]
+        has_pos[local] = True
+        patched += int(local.numel())
+    if patched and approximate is not None:  # padding may precede the patched last slot
+        sorted_d, order = dist_.sort(dim=1, stable=True)
+        dist_.copy_(sorted_d)
+        ids.copy_(ids.gather(1, order))
+    return patched
+
+
+def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str = "auto",
+                    ensure_positive: bool = False, **knn_options) -> NeighbourLists:
+    """The k nearest other centres of every centre (self excluded), optionally with a positive.
+
+    Args:
+        centres: (N, D) float tensor; labels: (N,) int tensor on the same device.
+        k: list length, 1 <= k <= N - 1.
+        search_backend, knn_options: as in :func:`knn` (``approximate=``, ``tile_bytes=``, ...).
+        ensure_positive: a row whose k neighbours hold no centre of its own label gets its
+            nearest same-label centre (other than itself) in place of its last entry, when one
+            exists. Found by one search per class that has such rows, among that class's
+            members only (never an N x N matrix). Without a positive the loss of that row is
+            undefined (it has no same-class term), so this keeps every row trainable.
+    """
+    require_labelled("centres", centres, "labels", labels)
+    labels = labels.to(centres.device).long()
+    approximate = knn_options.get("approximate")
+    used = (f"faiss-{approximate}" if approximate is not None
+            else resolve_search_backend(search_backend, centres.device))
+    synchronize(centres.device)
+    t0 = time.perf_counter()
+    dist, idx = knn(centres, centres, k, search_backend, exclude_self=True, **knn_options)
+    has_pos = has_same_label(idx, labels)
+    num_patched = 0
+    if ensure_positive:
+        num_patched = patch_positives(centres, labels, 0, dist, idx, has_pos, search_backend,
+                                      knn_options)
+    synchronize(centres.device)
+    return NeighbourLists(idx, dist, has_pos, num_patched, time.perf_counter() - t0, used)

@@ -1,0 +1,62 @@
+"""How much an approximate index loses: its recall against exact search on sampled queries."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...validation import require_positive_int
+from .exclusion import drop_self
+from .faiss_search import build_approximate, require_faiss, search_index
+from .knn import knn
+from .validation import validate
+
+__all__ = ["recall_against_exact"]
+
+_RECALL_PARAMS = {"nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search", "train_size",
+                  "tile_bytes"}
+
+
+def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str = "ivf",
+                         sample: int = 1000, exclude_self: bool = False, seed: int = 0,
+                         exact_search_backend: str = "auto", **params) -> float:
+    """Recall@k of an approximate index against exact search, on a random sample of queries.
+
+    Builds the approximate index over all of ``base`` (as :func:`knn` would), searches
+    ``min(sample, Q)`` random query rows with it and with exact search, and returns the mean
+    over sampled rows of (approximate neighbours found that are as close as the exact k-th
+    neighbour) / k -- a float in [0, 1]. Counting by distance rather than by index means
+    ties (duplicate points) are not penalised. ``params`` are :func:`knn`'s index parameters
+    (nlist, nprobe, train_size, hnsw_m, ef_construction, ef_search; tile_bytes for the exact
+    torch search); ``seed`` picks the sample and seeds the IVF training. With
+    ``exclude_self`` the queries are the base rows and each sampled row excludes its own
+    index, as in :func:`knn`.
+    """
+    if approximate not in ("ivf", "hnsw"):
+        raise ValueError(f"approximate must be 'ivf' or 'hnsw', got {approximate!r}")
+    sample = require_positive_int("sample", sample)
+    unknown = set(params) - _RECALL_PARAMS
+    if unknown:
+        raise TypeError(f"recall_against_exact got unknown parameters {sorted(unknown)}; "
+                        f"accepted: {sorted(_RECALL_PARAMS)}")
+    k = validate(queries, base, k, exclude_self)
+    require_faiss()
+    q = queries.shape[0]
+    if q == 0:
+        raise ValueError("queries is empty: there is nothing to measure recall on")
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(q, generator=g)[:min(int(sample), q)].sort().values.to(queries.device)
+    sub = queries[rows]
+    kk = k + int(exclude_self)
+    index = build_approximate(base, approximate, params.get("nlist"), params.get("nprobe"),
+                              params.get("hnsw_m", 32), params.get("ef_construction", 64),
+                              params.get("ef_search"), k, params.get("train_size"), seed)
+    a_d, a_i = search_index(index, sub, min(kk, base.shape[0]))
+    # Exact: the sampled rows against the whole base, own row dropped the same way.
+    e_d, e_i = knn(sub, base, kk, exact_search_backend, tile_bytes=params.get("tile_bytes"))
+    if exclude_self:
+        a_d, a_i = drop_self(a_d, a_i, rows, k)
+        e_d, e_i = drop_self(e_d, e_i, rows, k)
+    kth = e_d[:, -1:].float()
+    # Same fp32 expansion on both sides; a small relative slack absorbs rounding differences.
+    hit = (a_i >= 0) & (a_d <= kth * (1 + 1e-5) + 1e-6)
+    return float(hit.sum(1).clamp_max(k).float().mean() / k)

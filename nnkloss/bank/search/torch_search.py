@@ -1,0 +1,245 @@
+"""Exact k-nearest-neighbour search with torch: tiled GEMMs and a threshold selection.
+
+Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, produced by one GEMM per tile of augmented
+rows, clamped at 0 (cancellation can make near-duplicates slightly negative). Neighbours come
+out in (distance, index) order: equal distances are ordered by base index, as faiss's flat
+index orders them, so both exact backends agree wherever they compute the same distances.
+
+Where the time goes: the GEMM is the floor (O(Q N D)). ``torch.topk`` over a wide tile costs
+about as much again at k in the hundreds to thousands, so the default path avoids it:
+
+1. one GEMM gives a (rows, N) block of distances (rows chosen so the block fits the budget);
+2. a per-row threshold ``tau`` that is at least the k-th smallest distance: from a fixed random
+   sample of S = min(4096, N / 4) columns of the block (the base is searched in a fixed random
+   order, so the sample is the block's first S columns), the order statistic that lies above
+   the k-th smallest distance with probability ~1 - 3e-5 (mean + 4 standard deviations of its
+   hypergeometric count), or the exact k-th value when N is small (S < 256);
+3. one compare and one ``nonzero`` keep the entries ``<= tau`` (about k (1 + 4/sqrt(k S / N))
+   per row); a row that keeps fewer than k (the 3e-5 event) gets its exact k-th value and the
+   block is compared again, so the result never depends on the sample;
+4. the kept entries, packed as int64 keys ``(float bits of the distance << 32) | index``,
+   are ordered by one top-k: unique keys, so ties are broken by index deterministically.
+
+Memory per block: the distance block, a bool mask of the same shape and the kept entries
+(a budget of 256 MiB on the CPU by default). When even 16 query rows of N columns exceed the
+budget (N in the millions), base tiles are merged with a running top-k over the same keys.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["knn_torch", "iter_knn_torch", "tile_budget", "tile_sizes"]
+
+# Working-memory budget on the CPU (distance block + mask + kept entries).
+_CPU_TILE_BYTES = 256 * 2**20
+# On CUDA the budget is this share of the free memory, capped (bigger tiles stop paying off).
+_CUDA_FREE_SHARE = 0.25
+_CUDA_TILE_BYTES_MAX = 4 * 2**30
+# Columns sampled per query row for the threshold: min(SAMPLE_COLUMNS, N / 4), and no sample
+# (exact threshold) below MIN_SAMPLE_COLUMNS.
+SAMPLE_COLUMNS = 4096
+MIN_SAMPLE_COLUMNS = 256
+# Fewest query rows worth one (rows, N) block; below this the base is tiled too.
+_MIN_BLOCK_ROWS = 16
+_INT64_MAX = torch.iinfo(torch.int64).max
+
+
+def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
+    if tile_bytes is not None:
+        return max(int(tile_bytes), 1)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(min(max(free * _CUDA_FREE_SHARE, 32 * 2**20), _CUDA_TILE_BYTES_MAX))
+    return _CPU_TILE_BYTES
+
+
+def tile_sizes(q: int, n: int, d: int, k: int, budget: int) -> Tuple[int, int]:
+    """(query rows, base rows) per tile so that the fp32 working set fits in ``budget`` bytes.
+
+    Per tile of the running-merge path: the (tq, tb) distance tile and its int64 keys (12 bytes
+    per entry), the fp32 operand tiles and the (tq, 2k) merge buffers.
+    """
+    tq = max(1, min(q, 4096))
+    while True:
+        rest = budget - tq * (d * 4 + 2 * k * 16)
+        tb = rest // (tq * 12 + d * 4) if rest > 0 else 0
+        # Base tiles narrower than k make every merge pay for a full (tq, 2k) top-k; shrink
+        # the query tile instead, down to one row.
+        if tb >= min(n, max(k, 1024)) or tq == 1:
+            break
+        tq = max(1, tq // 2)
+    return tq, int(max(1, min(n, tb)))
+
+
+def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
+    """Rows [x, ||x||^2, 1] (queries) or [-2x, 1, ||x||^2] (base), fp32, zero-padded to width.
+
+    The product of a query tile and a base tile then IS ||q||^2 - 2 q.b + ||b||^2: one GEMM per
+    tile pair and no further passes over the distance tile.
+    """
+    x = x.float()
+    out = x.new_zeros(x.shape[0], width)
+    d = x.shape[1]
+    sq = x.pow(2).sum(1)
+    if query_side:
+        out[:, :d] = x
+        out[:, d] = sq
+        out[:, d + 1] = 1.0
+    else:
+        out[:, :d] = x * -2.0
+        out[:, d] = 1.0
+        out[:, d + 1] = sq
+    return out
+
+
+def _keys(dist: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys ordered as (distance, index): the bits of a non-negative fp32 order as the
+    float does, and indices are < 2**31."""
+    # "+ 0.0" turns -0.0 (sign bit set: it would order first) into +0.0.
+    bits = dist.clamp_min(0.0).add_(0.0).view(torch.int32).long()
+    return bits.bitwise_left_shift_(32).bitwise_or_(ids)
+
+
+def _unkey(keys: Tensor) -> Tuple[Tensor, Tensor]:
+    return (keys >> 32).int().view(torch.float32), keys & 0xFFFFFFFF
+
+
+def _sample_rank(k: int, s: int, n: int) -> int:
+    """Rank in a random sample of s of the n columns whose value lies at or above the k-th
+    smallest of all n with probability ~1 - 3e-5 (the count of sampled columns below the k-th
+    is hypergeometric: mean k s / n, variance <= k s / n (1 - s / n))."""
+    p = min(1.0, s / n)
+    mean = k * p
+    return int(min(s, math.ceil(mean + 4.0 * math.sqrt(mean * (1.0 - p)) + 1.0)))
+
+
+def _select(block: Tensor, tau: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Flat positions (ascending) of the entries of the contiguous ``block`` (rows, n) at most
+    ``tau`` (rows,), their rows, the count per row and where each row's entries start."""
+    rows, n = block.shape
+    # One flat index per kept entry: cheaper to produce and to gather with than (row, col).
+    flat = (block <= tau.unsqueeze(1)).view(-1).nonzero().squeeze(1)
+    r = torch.div(flat, n, rounding_mode="floor")
+    bounds = torch.searchsorted(r, torch.arange(rows + 1, device=r.device))
+    return flat, r, bounds[1:] - bounds[:-1], bounds[:-1]
+
+
+def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
+               ids: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The k smallest of each row of a (rows, n) distance block, by (distance, index).
+
+    ``sample_columns``: when > 0, the block's columns are a random permutation of the base
+    (column j is base row ``ids[j]``), so its first ``sample_columns`` columns are a random
+    sample for the threshold; 0: exact threshold (``ids`` None: column j is base row j).
+    """
+    rows, n = block.shape
+    if sample_columns:
+        tau = block[:, :sample_columns].topk(sample_k, dim=1, largest=False,
+                                             sorted=False).values.amax(dim=1)
+    else:
+        tau = block.topk(k, dim=1, largest=False, sorted=False).values.amax(dim=1)
+    # Clamped distances tie at 0: every entry <= 0 must be kept when tau is below 0.
+    tau = tau.clamp_min(0.0)
+    flat, r, counts, offsets = _select(block, tau)
+    short = counts < k
+    if bool(short.any()):  # the sample's threshold fell below the k-th value (rare)
+        bad = short.nonzero().flatten()
+        tau[bad] = block[bad].topk(k, dim=1, largest=False, sorted=False).values.amax(
+            dim=1).clamp_min(0.0)
+        flat, r, counts, offsets = _select(block, tau)
+    c = flat - r * n
+    keys = _keys(block.view(-1).take(flat), c if ids is None else ids[c])
+    width = int(counts.max())
+    # Entry j of the kept list sits at column j - offsets[row] of its row of the packed matrix.
+    dest = torch.arange(flat.shape[0], device=block.device).add_(r * width - offsets[r])
+    packed = torch.full((rows, width), _INT64_MAX, dtype=torch.int64, device=block.device)
+    packed.view(-1)[dest] = keys
+    top = packed.topk(k, dim=1, largest=False, sorted=True).values
+    return _unkey(top)
+
+
+def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None
+                   ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
+    blocks of query rows: the k nearest base rows of each, by (distance, index).
+
+    Arguments are assumed validated (:func:`..validation.validate`); no self-exclusion here.
+    """
+    q, d = queries.shape
+    n = base.shape[0]
+    dev = queries.device
+    if q == 0:
+        return
+    budget = tile_budget(dev, tile_bytes)
+    width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
+    s = min(SAMPLE_COLUMNS, n // 4)
+    sample_k = _sample_rank(k, s, n) if s > 0 else k
+    # The sample pays off when it is a small part of the row and its rank a small part of it.
+    use_sample = s >= MIN_SAMPLE_COLUMNS and sample_k <= s // 2
+    # Per query row of a full block: fp32 distances, the bool mask, the sampled columns and
+    # the kept entries (about 2 k int64 keys and their nonzero coordinates).
+    per_row = n * 5 + width * 4 + 64 * max(k, 1)
+    tq = min(q, 4096, max(1, (budget - n * width * 4) // per_row))
+    if tq >= min(q, _MIN_BLOCK_ROWS):
+        ids = None
+        if use_sample:
+            # Base rows in a fixed random order: the block's first columns are then a random
+            # sample (whatever order the base has, e.g. sorted by class), read without a gather.
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randperm(n, generator=g).to(dev)
+        ba = _augment(base if ids is None else base[ids], width, query_side=False)
+        buf = torch.empty(tq, n, dtype=torch.float32, device=dev)
+        for q0 in range(0, q, tq):
+            qa = _augment(queries[q0:q0 + tq], width, query_side=True)
+            block = buf[:qa.shape[0]]
+            torch.mm(qa, ba.t(), out=block)
+            dist, idx = _knn_block(block, k, s if use_sample else 0, sample_k, ids)
+            yield q0, dist, idx
+        return
+    yield from _iter_knn_tiled(queries, base, k, budget, width)
+
+
+def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: int
+                    ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """Base tiled too (huge N or a tiny budget): a running top-k over (distance, index) keys.
+    Exact: every member of the global top-k is in the top-k of its own tile."""
+    q = queries.shape[0]
+    n = base.shape[0]
+    dev = queries.device
+    tq, tb = tile_sizes(q, n, width, k, budget)
+    buf = torch.empty(tq, tb, dtype=torch.float32, device=dev)
+    for q0 in range(0, q, tq):
+        qa = _augment(queries[q0:q0 + tq], width, query_side=True)
+        rows = qa.shape[0]
+        best = None
+        for b0 in range(0, n, tb):
+            ba = _augment(base[b0:b0 + tb], width, query_side=False)
+            cols = ba.shape[0]
+            dist = buf[:rows, :cols]
+            torch.mm(qa, ba.t(), out=dist)
+            ids = torch.arange(b0, b0 + cols, device=dev).expand(rows, cols)
+            keys = _keys(dist, ids)
+            top = keys.topk(min(k, cols), dim=1, largest=False, sorted=False).values
+            if best is not None:
+                top = torch.cat([best, top], dim=1)
+                top = top.topk(min(k, top.shape[1]), dim=1, largest=False, sorted=False).values
+            best = top
+        best = best.sort(dim=1).values
+        dist, idx = _unkey(best)
+        yield q0, dist, idx
+
+
+def knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None
+              ) -> Tuple[Tensor, Tensor]:
+    """(Q, k) fp32 distances and int64 indices of the k nearest base rows of every query."""
+    q = queries.shape[0]
+    out_d = torch.empty(q, k, dtype=torch.float32, device=queries.device)
+    out_i = torch.empty(q, k, dtype=torch.long, device=queries.device)
+    for q0, dist, idx in iter_knn_torch(queries, base, k, tile_bytes):
+        out_d[q0:q0 + dist.shape[0]] = dist
+        out_i[q0:q0 + idx.shape[0]] = idx
+    return out_d, out_i

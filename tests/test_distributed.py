@@ -112,8 +112,8 @@ def worker(rank, port, out_dir):
     # both ranks with different embeddings: every rank writes every row, the higher rank last.
     bank = CentreBank(torch.zeros(N, D), torch.zeros(N, dtype=torch.long))
     idx = torch.tensor([0, 1, 2, 3, 4]) if rank == 0 else torch.tensor([3, 9])
-    from nnkloss.experiment.train import _write_fresh_centres
-    _write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
+    from nnkloss.experiment.bank_upkeep import write_fresh_centres
+    write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
     results["uneven_write"] = bank.centres.clone()
     finish(results, rank, out_dir)
 

@@ -43,7 +43,9 @@ def train(x, y, rows_of_step):
     """STEPS SGD steps; ``rows_of_step(batch)`` picks this process's rows of a global batch.
     Returns the per-step loss as seen by the whole job, counts, and the final parameters."""
     model = make_model(dropout=False)
-    crit = NeighbourKernelLoss(fixed_bank(), sigma=0.8, learn_sigma=True, learn_weights=True)
+    bank = fixed_bank()
+    bank.learn_weights = True
+    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True)
     net = nkd.wrap_model(model)
     opt = torch.optim.SGD(list(model.parameters()) + list(crit.parameters()), lr=0.3,
                           momentum=0.9)
@@ -76,8 +78,8 @@ def run_trainer(x, y, out_dir, **options):
     from nnkloss.experiment.train import Trainer
     ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)
-    bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long))
-    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True, learn_weights=True)
+    bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long), learn_weights=True)
+    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True)
     ordered = nkd.shard_loader(DataLoader(ds, batch_size=10), split_batch=False)
     refresher = Refresher(bank, model, ordered, K, backend="torch", progress=False)
     train_loader = nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH))

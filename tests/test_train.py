@@ -87,8 +87,8 @@ def test_sigma_and_weight_groups():
     x, y = blobs()
     ds = IndexedTensorDataset(x, y)
     model = mlp()
-    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
-    loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True, learn_weights=True)
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone(), learn_weights=True)
+    loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
     refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
                           progress=False)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher, lr=0.01,
@@ -97,7 +97,7 @@ def test_sigma_and_weight_groups():
     assert groups["sigma"]["lr"] == 0.1 and groups["sigma"]["weight_decay"] == 0.0
     assert groups["weights"]["lr"] == 0.5 and groups["weights"]["params"][0] is bank.log_weights
     tr.fit(1)
-    assert float(loss.sigma.detach()) != 2.0
+    assert loss.kernel_sigma() != 2.0
     assert not torch.equal(bank.log_weights.detach(), torch.zeros(len(ds)))
 
 

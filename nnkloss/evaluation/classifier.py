@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
-from ..validation import check_sigma, require_float, require_positive_int
+from ..validation import require_float, require_positive_int, require_sigma
 from ..bank.search import KNN_BACKENDS, knn
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
@@ -84,9 +84,7 @@ class NeighbourKernelClassifier(nn.Module):
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
         k = require_positive_int("k", k)
-        if isinstance(sigma, torch.Tensor):
-            sigma = float(sigma.detach())
-        check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, NaN, non-numbers
+        sigma = require_sigma(sigma)  # raises on <= 0, inf, NaN, non-numbers
         if backend not in KNN_BACKENDS:
             raise ValueError(f"backend must be one of {KNN_BACKENDS}, got {backend!r}")
         batch_size = require_positive_int("batch_size", batch_size)

@@ -10,6 +10,11 @@ What a training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank``
 ``last_num_mismatched`` (rows whose ``labels`` disagree with the bank's, a 0-dim tensor),
 :meth:`kernel_sigma` (for the refresh statistics) and :meth:`log_values` (per-epoch log).
 
+Sigma, in every loss that has one: stored as the Parameter ``log_sigma`` (0-dim fp32; it
+requires grad only when sigma is learned, and exp keeps a learned sigma positive); read as a
+float with :meth:`kernel_sigma` (logs, refresh statistics: one host read) and as a 0-dim tensor
+with :meth:`sigma_tensor` (the maths: differentiable, no host read).
+
 Misaligned batches: ``idx`` must give each example's own bank row, so ``labels`` must equal
 ``bank.labels[idx]``. With value checks on (``nnkloss.value_checks``, the default) a
 disagreement raises, naming ``idx`` and ``labels`` (one host sync on GPU). With them off (hot
@@ -22,6 +27,7 @@ centres.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -29,7 +35,7 @@ from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
 from ..ops.neighbour_kernel import LossOutput, reduce_rows
-from ..validation import REDUCTIONS, check_batch, compiling, value_checks_enabled
+from ..validation import REDUCTIONS, check_batch, compiling, require_sigma, value_checks_enabled
 
 __all__ = ["BankLoss", "BankLossStats"]
 
@@ -71,6 +77,24 @@ class BankLoss(nn.Module, abc.ABC):
         self.reduction = reduction
         self.exclude_self = bool(exclude_self)
         self.last_stats: Optional[BankLossStats] = None
+
+    def _init_sigma(self, sigma, learn_sigma: bool) -> None:
+        """Store ``sigma`` (checked) as the Parameter ``log_sigma`` on the bank's device."""
+        sigma = require_sigma(sigma)
+        log_sigma = torch.tensor(math.log(sigma), dtype=torch.float32,
+                                 device=self.bank.centres.device)
+        self.log_sigma = nn.Parameter(log_sigma, requires_grad=bool(learn_sigma))
+
+    def sigma_tensor(self) -> Tensor:
+        """Sigma as a 0-dim tensor on the loss's device, differentiable when learned (no host
+        read: what the maths uses)."""
+        return self.log_sigma.exp()
+
+    def kernel_sigma(self) -> Optional[float]:
+        """Sigma as a float (one host read on GPU: for logs and refresh statistics, not the
+        training step); None for a loss without a sigma."""
+        log_sigma = getattr(self, "log_sigma", None)
+        return None if log_sigma is None else float(log_sigma.detach().exp())
 
     @abc.abstractmethod
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
@@ -120,10 +144,8 @@ class BankLoss(nn.Module, abc.ABC):
         """Rows counted in the last call's mean (0-dim tensor), None before the first call."""
         return None if self.last_stats is None else self.last_stats.num_valid
 
-    def kernel_sigma(self) -> Optional[float]:
-        """The kernel width the bank's refresh statistics use (None: not a kernel loss)."""
-        return None
-
     def log_values(self) -> Dict[str, float]:
-        """Scalars for a training log (read once per epoch: may sync)."""
-        return {}
+        """Scalars for a training log (read once per epoch: may sync); ``sigma`` for a loss
+        with one."""
+        sigma = self.kernel_sigma()
+        return {} if sigma is None else {"sigma": sigma}

@@ -203,3 +203,10 @@ def test_ccml_sigma_is_stored_and_read_as_the_kernel_loss_does():
                      lambda s: nnkloss.NeighbourKernelLoss(bank, sigma=s)):
             with pytest.raises(ValueError, match=r"^sigma must be positive and finite"):
                 make(bad)
+
+
+def test_ccml_declares_its_parameter_groups():
+    bank = CentreBank(torch.randn(8, 3), torch.arange(8) % 2, learn_weights=True)
+    loss = ClassConditionalLoss(bank, k=2, learn_sigma=True)
+    groups = loss.parameter_groups()
+    assert groups == {"sigma": [loss.log_sigma], "weights": [bank.log_weights], "other": []}

@@ -546,3 +546,75 @@ def test_fresh_centres_under_amp_write_the_fp32_embeddings_the_loss_saw():
     assert all(e.dtype == torch.float32 for e, _ in seen) and len(seen) == 6
     for emb, idx in seen:  # unshuffled: every row written once, in its own step
         assert torch.equal(bank.centres[idx], emb)
+
+
+def _group_ids(tr):
+    return {g["name"]: [id(p) for p in g["params"]] for g in tr.optimizer.param_groups}
+
+
+def test_optimiser_groups_come_from_the_loss_not_from_names():
+    """The Trainer asks the criterion's parameter_groups() which parameter is sigma / the
+    bank's weights: a subclass parameter whose *name* ends in log_weights is still "other"
+    (network group, weight decay), which matching by name got wrong."""
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+
+    class Scaled(NeighbourKernelLoss):
+        def __init__(self, bank, **kw):
+            super().__init__(bank, **kw)
+            self.scale_log_weights = nn.Parameter(torch.zeros(()))  # a name, not a role
+
+        def rows(self, emb, labels, neighbours):
+            return super().rows(emb * self.scale_log_weights.exp(), labels, neighbours)
+
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone(), learn_weights=True)
+    loss = Scaled(bank, sigma=1.0, learn_sigma=True)
+    declared = loss.parameter_groups()
+    assert declared["sigma"] == [loss.log_sigma] and declared["weights"] == [bank.log_weights]
+    assert declared["other"] == [loss.scale_log_weights]
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+                          progress=False)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                 optimizer="adamw", lr=1e-3, weight_decay=0.1, sigma_lr=0.5, weights_lr=0.25,
+                 progress=False)
+    ids = _group_ids(tr)
+    assert ids["sigma"] == [id(loss.log_sigma)] and ids["weights"] == [id(bank.log_weights)]
+    assert ids["network"] == [id(p) for p in model.parameters()] + [id(loss.scale_log_weights)]
+    by_name = {g["name"]: g for g in tr.optimizer.param_groups}
+    assert by_name["sigma"]["lr"] == 0.5 and by_name["weights"]["lr"] == 0.25
+    assert by_name["sigma"]["weight_decay"] == by_name["weights"]["weight_decay"] == 0.0
+    assert by_name["network"]["weight_decay"] == 0.1
+
+
+def test_optimiser_groups_of_fixed_sigma_softmax_and_plain_modules():
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, schedule = kernel_setup(model, ds)  # fixed sigma, fixed weights
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                 schedule=schedule, progress=False)
+    assert [g["name"] for g in tr.optimizer.param_groups] == ["network"]  # nothing else trains
+    head = SoftmaxHead(6, 4)
+    assert head.parameter_groups()["other"] == list(head.parameters())
+    plain = nn.Linear(6, 4)  # no parameter_groups(): every parameter is a network parameter
+    for crit in (head, plain):
+        tr = Trainer(model, crit, DataLoader(ds, batch_size=16), progress=False)
+        assert _group_ids(tr) == {"network": [id(p) for p in model.parameters()]
+                                  + [id(p) for p in crit.parameters()]}
+
+
+def test_optimiser_groups_refuse_a_loss_that_forgets_a_parameter():
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, schedule = kernel_setup(model, ds)
+    loss.extra = nn.Parameter(torch.ones(()))
+    loss.parameter_groups = lambda: {"sigma": [loss.log_sigma], "weights": [], "other": []}
+    with pytest.raises(ValueError, match=r"parameter_groups\(\) leaves out .*extra"):
+        Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                progress=False)
+    loss.parameter_groups = lambda: {"sigma": [loss.log_sigma], "temperature": [loss.extra]}
+    with pytest.raises(ValueError, match="unknown groups"):
+        Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                progress=False)

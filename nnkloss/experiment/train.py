@@ -69,23 +69,38 @@ def seed_everything(seed: int) -> None:
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
                   sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
     """Network (+ softmax head) parameters decay; sigma and the bank weights get their own
-    learning rates and no weight decay (decay would pull log-sigma and log-weights to 0)."""
-    net, sig, wts = [], [], []
+    learning rates and no weight decay (decay would pull log-sigma and log-weights to 0).
+
+    Which criterion parameter is which, the criterion says: its ``parameter_groups()``
+    (``{"sigma": [...], "weights": [...], "other": [...]}``, see
+    :meth:`nnkloss.losses.BankLoss.parameter_groups`); a criterion without one has only
+    "other" parameters, trained like the network. Only parameters that require grad are
+    trained; a parameter of both model and criterion is the network's."""
+    declared = getattr(criterion, "parameter_groups", None)
+    declared = declared() if callable(declared) else {"other": list(criterion.parameters())}
+    unknown = set(declared) - {"sigma", "weights", "other"}
+    if unknown:
+        raise ValueError(f"{type(criterion).__name__}.parameter_groups() returned unknown "
+                         f"groups {sorted(unknown)} (expected 'sigma', 'weights', 'other')")
+    covered = {id(p) for ps in declared.values() for p in ps}
+    missing = [n for n, p in criterion.named_parameters() if id(p) not in covered]
+    if missing:  # an untrained parameter would be a silent bug
+        raise ValueError(f"{type(criterion).__name__}.parameter_groups() leaves out "
+                         f"parameters {missing}")
     seen = set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            net.append(p)
-    for name, p in criterion.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if name.endswith("log_sigma"):
-            sig.append(p)
-        elif name.endswith("log_weights"):
-            wts.append(p)
-        else:
-            net.append(p)
+
+    def take(params) -> List[Tensor]:
+        out = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    net = take(model.parameters())
+    net += take(declared.get("other", ()))
+    sig = take(declared.get("sigma", ()))
+    wts = take(declared.get("weights", ()))
     groups = [{"params": net, "lr": lr, "weight_decay": weight_decay, "name": "network"}]
     if sig:
         groups.append({"params": sig, "lr": lr if sigma_lr is None else sigma_lr,
@@ -106,13 +121,15 @@ class Trainer:
             (:class:`nnkloss.losses.BankLoss`: NeighbourKernelLoss, ClassConditionalLoss, whose
             ``last_num_valid``, ``kernel_sigma()`` and ``log_values()`` the loop uses) or any
             other module (SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights)
-            are trained too.
+            are trained too, grouped by what its ``parameter_groups()`` declares
+            (:meth:`nnkloss.losses.BankLoss.parameter_groups`: "sigma", "weights", "other";
+            a module without one has only "other"), never by parameter name.
         train_loader: yields ``(inputs, labels, idx)``.
         device: where the model and criterion live ("cpu", "cuda", ...).
         optimizer: "sgd" (momentum ``momentum``), "adam" or "adamw" (decoupled decay).
-        lr, weight_decay: for the network (and softmax head).
-        sigma_lr, weights_lr: learning rates of a learned sigma / learned bank weights
-            (default: ``lr``); no weight decay on them.
+        lr, weight_decay: for the network and the criterion's "other" parameters.
+        sigma_lr, weights_lr: learning rates of the criterion's "sigma" / "weights" parameters
+            (a learned sigma, learned bank weights; default: ``lr``); no weight decay on them.
         refresher: object with ``refresh()`` that re-embeds the training set into the bank and
             rebuilds the neighbour lists (:class:`nnkloss.bank.refresh.Refresher`). Required for
             a NeighbourKernelLoss; it runs before the first step and then per ``schedule``.

@@ -8,7 +8,8 @@ only its maths: :meth:`BankLoss.rows`.
 What a training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank`` (to refresh),
 ``last_stats`` / ``last_num_valid`` (rows counted in the last mean, a 0-dim tensor: no sync),
 ``last_num_mismatched`` (rows whose ``labels`` disagree with the bank's, a 0-dim tensor),
-:meth:`kernel_sigma` (for the refresh statistics) and :meth:`log_values` (per-epoch log).
+:meth:`kernel_sigma` (for the refresh statistics), :meth:`log_values` (per-epoch log) and
+:meth:`parameter_groups` (which of its parameters are sigma, the bank's weights, or other).
 
 Sigma, in every loss that has one: stored as the Parameter ``log_sigma`` (0-dim fp32; it
 requires grad only when sigma is learned, and exp keeps a learned sigma positive); read as a
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -95,6 +96,19 @@ class BankLoss(nn.Module, abc.ABC):
         training step); None for a loss without a sigma."""
         log_sigma = getattr(self, "log_sigma", None)
         return None if log_sigma is None else float(log_sigma.detach().exp())
+
+    def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
+        """The loss's parameters by role, for an optimiser: ``"sigma"`` (``log_sigma``),
+        ``"weights"`` (the bank's ``log_weights``) and ``"other"`` (any other parameter of a
+        subclass). Every parameter is listed once, trained or not (pick those that require
+        grad); a trainer gives sigma and weights their own learning rates and no weight
+        decay (decay would pull the logs to 0, i.e. sigma and weights to 1)."""
+        sigma = [self.log_sigma] if isinstance(getattr(self, "log_sigma", None),
+                                               nn.Parameter) else []
+        weights = [self.bank.log_weights]
+        known = {id(p) for p in sigma + weights}
+        other = [p for p in self.parameters() if id(p) not in known]
+        return {"sigma": sigma, "weights": weights, "other": other}
 
     @abc.abstractmethod
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:

@@ -618,3 +618,78 @@ def test_optimiser_groups_refuse_a_loss_that_forgets_a_parameter():
     with pytest.raises(ValueError, match="unknown groups"):
         Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
                 progress=False)
+
+
+class _Recording(NeighbourKernelLoss):
+    """Records whether value checks were on at each call."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.checks = []
+
+    def forward(self, emb, labels, idx):
+        from nnkloss.validation import value_checks_enabled
+        self.checks.append(value_checks_enabled())
+        return super().forward(emb, labels, idx)
+
+
+def _recording_setup(ds, model):
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
+    loss = _Recording(bank, sigma=1.0)
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+                          progress=False)
+    return loss, refresher
+
+
+def test_value_checks_run_in_the_first_step_of_each_fit_only():
+    """The hot loop runs without value checks (no host sync for them) after each fit()'s
+    first step; a caller who switched them off keeps them off for that step too."""
+    import nnkloss
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher = _recording_setup(ds, model)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                 progress=False)
+    tr.fit(2)
+    assert loss.checks == [True] + [False] * 11  # 6 batches per epoch
+    tr.fit(3)
+    assert loss.checks[12:] == [True] + [False] * 5
+    from nnkloss.validation import value_checks_enabled
+    assert value_checks_enabled()  # the caller's setting is back
+    loss.checks.clear()
+    with nnkloss.value_checks(False):
+        tr.fit(4)
+    assert loss.checks == [False] * 6
+
+
+class _MisalignedAfter(torch.utils.data.Dataset):
+    """Items whose idx names another class's bank row (24 rows on) from item ``start``."""
+
+    def __init__(self, ds, start):
+        self.ds, self.start = ds, start
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        x, y, idx = self.ds[i]
+        return x, y, (idx + 24) % len(self.ds) if i >= self.start else idx
+
+
+def test_misaligned_rows_raise_in_the_first_step_or_at_the_epoch_end():
+    x, y = blobs()  # 4 classes of 24 consecutive rows: idx + 24 is always another class
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher = _recording_setup(ds, model)
+    bad_first = DataLoader(_MisalignedAfter(ds, 0), batch_size=16)
+    tr = Trainer(model, loss, bad_first, refresher=refresher, progress=False)
+    with pytest.raises(ValueError, match="idx"):
+        tr.fit(1)
+    assert tr.step == 0  # refused before the first optimiser step
+    loss, refresher = _recording_setup(ds, model)
+    bad_later = DataLoader(_MisalignedAfter(ds, 16), batch_size=16)  # aligned first batch
+    tr = Trainer(model, loss, bad_later, refresher=refresher, progress=False)
+    with pytest.raises(ValueError, match=r"epoch 1: .* in 80 training rows .*idx"):
+        tr.fit(1)
+    assert tr.step == 6 and tr.history == []  # the epoch ran (rows dropped), was not logged

@@ -46,6 +46,7 @@ from . import checkpoint as _ckpt
 from .bank_upkeep import BankUpkeep
 from .logs import json_safe, write_logs
 from ..losses.base import BankLoss
+from ..validation import value_checks, value_checks_enabled
 from .. import distributed as _dist
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
@@ -149,6 +150,16 @@ class Trainer:
         log_every: steps between progress-bar updates (each reads the running loss: one sync).
         grad_clip: clip the gradient norm of all trained parameters to this (None: off).
 
+    Value checks (:func:`nnkloss.value_checks`): the first step of every :meth:`fit` runs the
+    criterion with them as the caller set them (on by default: a loader whose ``idx`` does not
+    give each example's own bank row raises there, naming ``idx`` and ``labels``); every later
+    step runs with them off, so that the step does not synchronise with the host for them on a
+    GPU. Nothing is lost for the bank, which is validated whenever it is written (refresh,
+    ``update_``, checkpoint load). Rows whose labels disagree with the bank's in a later step are
+    dropped by the loss and counted without a sync (``last_num_mismatched``); the epoch's count
+    is read once at its end, and a non-zero count raises ValueError before the epoch is
+    logged or checkpointed.
+
     Keeping a bank loss current on a network that moves fast (training from scratch), where
     the centres of a periodic refresh go stale within an epoch:
 
@@ -238,6 +249,7 @@ class Trainer:
         self.step = 0           # optimiser steps taken
         self.history: List[Dict[str, Any]] = []
         self._bar = None
+        self._check_next_step = True
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
 
@@ -366,6 +378,8 @@ class Trainer:
         dev = self.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         valid_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        mismatched_sum = torch.zeros((), dtype=torch.int64, device=dev)
+        checks = value_checks_enabled()  # as the caller set them around fit()
         rows = 0
         n_batches = 0
         upkeep = self.upkeep
@@ -383,7 +397,14 @@ class Trainer:
             # The loss runs in fp32 outside autocast: its log-sum-exp and the squared
             # distances are where half precision would hurt.
             emb = emb.float()
-            loss = self.criterion(emb, y, idx)
+            # Value checks only in a fit()'s first step (see the class docstring): later steps
+            # do not sync for them; misaligned rows are dropped, counted, and raised below.
+            with value_checks(checks and self._check_next_step):
+                loss = self.criterion(emb, y, idx)
+            self._check_next_step = False
+            mismatched = getattr(self.criterion, "last_num_mismatched", None)
+            if mismatched is not None:
+                mismatched_sum += mismatched
             # Under DDP: gradients of the mean over the global batch (no-op in one process).
             counted = getattr(self.criterion, "last_num_valid", None)
             loss = _dist.global_mean(loss, len(y) if counted is None else counted)
@@ -409,6 +430,12 @@ class Trainer:
             upkeep.after_step(self.step, idx, emb)
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
+        mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
+        if mismatched_sum:
+            raise ValueError(
+                f"epoch {epoch}: labels disagreed with the bank's labels at idx in "
+                f"{mismatched_sum} training rows (dropped from the loss; no checkpoint written "
+                "for this epoch): idx must give each example's own bank row")
         # The log shows the whole job: global_mean's per-rank values average to the global loss.
         loss_sum, valid_sum = _dist.mean_over_ranks(loss_sum), _dist.sum_over_ranks(valid_sum)
         rows = _dist.sum_over_ranks(rows)
@@ -434,6 +461,7 @@ class Trainer:
             seed_everything(self.seed)
         self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
         self.model.train()
+        self._check_next_step = True  # each fit()'s first step runs with value checks
         self._bar = None
         if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
             from tqdm.auto import tqdm

@@ -157,12 +157,13 @@ def run_one(provider, mode, inputs, device, reps):
 def worker(spec):
     """One measurement in this (fresh) process; replies with a JSON line."""
     torch.set_num_threads(spec["threads"])
-    nnkloss.set_value_checks(False)
     device = torch.device(spec["device"])
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
     try:
-        ms, peak, first = run_one(spec["provider"], spec["mode"], inputs, device, spec["reps"])
+        with nnkloss.value_checks(False):
+            ms, peak, first = run_one(spec["provider"], spec["mode"], inputs, device,
+                                      spec["reps"])
     except torch.OutOfMemoryError:
         return worker_reply({"oom": True})
     worker_reply({"ms": ms, "peak": peak, "first_ms": first, "idx_dtype": str(inputs[4].dtype)})

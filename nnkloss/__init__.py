@@ -27,7 +27,7 @@ from .bank.search import knn
 from .evaluation.classifier import NeighbourKernelClassifier
 from .losses import BankLoss, ClassConditionalLoss, NeighbourKernelLoss, class_conditional_loss
 from .ops import LossOutput, neighbour_kernel_loss, neighbour_kernel_loss_with_stats
-from .validation import set_value_checks, value_checks
+from .validation import value_checks
 
 __version__ = "0.1.0"
 
@@ -49,7 +49,6 @@ __all__ = [
     "LossOutput",
     "neighbour_kernel_loss",
     "neighbour_kernel_loss_with_stats",
-    "set_value_checks",
     "value_checks",
     "knn",
     "Refresher",

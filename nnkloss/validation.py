@@ -1,10 +1,15 @@
 """Argument checks of the whole package: clear errors that name the argument, never garbage.
 
 Shape, dtype and device checks cost nothing and always run. Value checks (index range,
-negative weights, sigma <= 0, non-finite embeddings) read tensor contents; on a GPU that is one
-host synchronisation, so they can be switched off for hot loops with
-``nnkloss.value_checks(False)`` (the ``NeighbourKernelLoss`` module does its own cheap checks
-and validates its bank when the bank is written). They are skipped under ``torch.compile``.
+negative weights, sigma <= 0, non-finite embeddings, a batch's labels against its bank rows)
+read tensor contents; on a GPU that is one host synchronisation, so a hot loop can switch them
+off for a block with the one public switch, the context manager ``nnkloss.value_checks(False)``
+(the bank is validated whenever it is written, so a loss over a bank loses little).
+:func:`value_checks_enabled` is the package's reader of that switch. They are skipped under
+``torch.compile``.
+
+Sigma is checked in one place, :func:`require_sigma` (a positive finite float);
+:func:`check_sigma` builds on it for the functional op, which also takes a 0-dim tensor.
 """
 from __future__ import annotations
 
@@ -21,19 +26,19 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
-def set_value_checks(enabled: bool) -> None:
-    """Globally enable or disable the data-dependent checks of the functional op."""
-    global _VALUE_CHECKS
-    _VALUE_CHECKS = bool(enabled)
-
-
 def value_checks_enabled() -> bool:
+    """Whether the data-dependent checks run now (the package's reader of the switch)."""
     return _VALUE_CHECKS
 
 
 @contextlib.contextmanager
 def value_checks(enabled: bool):
-    """Context manager form of :func:`set_value_checks`."""
+    """``with nnkloss.value_checks(False): ...`` runs the block without the data-dependent
+    checks (no host synchronisation for them on a GPU); the previous setting comes back on
+    exit, exceptions included. On by default. Nestable; not thread-local (one switch for the
+    process, as a hot loop wants)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
     global _VALUE_CHECKS
     old = _VALUE_CHECKS
     _VALUE_CHECKS = bool(enabled)
@@ -110,8 +115,31 @@ def check_batch(emb, labels, idx):
             raise ValueError(f"{name} has length {t.shape[0]} but emb has {emb.shape[0]} rows")
 
 
+def require_sigma(sigma, name: str = "sigma") -> float:
+    """``sigma`` as a positive finite float: the package's one sigma check.
+
+    Takes a real number or a one-element tensor (read once: a host sync on GPU). Raises
+    TypeError for anything else (bools and strings included) and ValueError for <= 0, inf or
+    NaN, naming ``name``."""
+    if isinstance(sigma, torch.Tensor):
+        if sigma.numel() != 1 or sigma.dim() > 1:
+            raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape "
+                             f"{tuple(sigma.shape)}")
+        if not sigma.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {sigma.dtype}")
+        sigma = float(sigma.detach())
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        raise TypeError(f"{name} must be a float or a 0-dim tensor, got {type(sigma).__name__}")
+    sigma = float(sigma)
+    if not (sigma > 0 and sigma < float("inf")):
+        raise ValueError(f"{name} must be positive and finite, got {sigma}")
+    return sigma
+
+
 def check_sigma(sigma, device):
-    """Return sigma as a 0-dim tensor on ``device``; raise if it is not a positive finite scalar."""
+    """Sigma for the functional op: a 0-dim tensor on ``device``. A float is checked by
+    :func:`require_sigma`; a tensor's shape, dtype and device are checked here (free) and its
+    value by :func:`check_values` (with the other value checks, one sync)."""
     if isinstance(sigma, torch.Tensor):
         if sigma.numel() != 1 or sigma.dim() > 1:
             raise ValueError(f"sigma must be a float or a 0-dim tensor, got shape {tuple(sigma.shape)}")
@@ -120,12 +148,7 @@ def check_sigma(sigma, device):
         if sigma.device != device:
             raise ValueError(f"sigma is on {sigma.device} but emb is on {device}")
         return sigma.reshape(())
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
-        raise TypeError(f"sigma must be a float or a 0-dim tensor, got {type(sigma).__name__}")
-    sigma = float(sigma)
-    if not (sigma > 0 and sigma < float("inf")):
-        raise ValueError(f"sigma must be positive and finite, got {sigma}")
-    return torch.tensor(sigma, dtype=torch.float32, device=device)
+    return torch.tensor(require_sigma(sigma), dtype=torch.float32, device=device)
 
 
 def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend):

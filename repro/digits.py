@@ -160,7 +160,7 @@ def kernel_classifier_accuracy(model, criterion, x_train, y_train, x_test, y_tes
     emb_train, lab_train = _embed(model, x_train, y_train, args)
     emb_test, lab_test = _embed(model, x_test, y_test, args)
     return kernel_accuracy(emb_train, lab_train, emb_test, lab_test, k=args.classify_k,
-                           sigma=float(criterion.sigma.detach()),
+                           sigma=criterion.kernel_sigma(),
                            weights=criterion.bank.weights.detach().cpu())
 
 

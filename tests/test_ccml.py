@@ -176,3 +176,37 @@ def test_validation_errors():
         class_conditional_loss(emb, labels[:3], centres, centre_labels, nb)
     with pytest.raises(TypeError, match="bank"):
         ClassConditionalLoss(centres)
+
+
+def test_ccml_sigma_is_stored_and_read_as_the_kernel_loss_does():
+    """ClassConditionalLoss keeps sigma as the Parameter log_sigma like NeighbourKernelLoss;
+    kernel_sigma() reads a float, a learned sigma gets a gradient, bad sigma is refused by the
+    package's one sigma check (same message as the kernel loss)."""
+    g = torch.Generator().manual_seed(0)
+    bank = CentreBank(torch.randn(12, 3, generator=g), torch.arange(12) % 3)
+    bank.rebuild_neighbours(6, backend="torch")
+    fixed = ClassConditionalLoss(bank, k=2, sigma=0.9)
+    assert not fixed.log_sigma.requires_grad and fixed.kernel_sigma() == pytest.approx(0.9)
+    assert not hasattr(fixed, "sigma") and fixed.log_values() == {"sigma": fixed.kernel_sigma()}
+    learned = ClassConditionalLoss(bank, k=2, sigma=0.9, learn_sigma=True)
+    idx = torch.arange(12)
+    emb = bank.centres[idx] + 0.3 * torch.randn(12, 3, generator=g)
+    learned(emb, bank.labels[idx], idx).backward()
+    assert learned.log_sigma.grad is not None and learned.log_sigma.grad != 0
+    # The same value as a float sigma of the functional form (sigma read back through exp).
+    expected = class_conditional_loss(emb, bank.labels, bank.centres, bank.labels,
+                                      bank.neighbours_for(idx, True), k=2,
+                                      sigma=learned.sigma_tensor().detach())
+    torch.testing.assert_close(fixed(emb, bank.labels[idx], idx), expected)
+    for bad in (0.0, -1.0, float("nan")):
+        for make in (lambda s: ClassConditionalLoss(bank, sigma=s),
+                     lambda s: nnkloss.NeighbourKernelLoss(bank, sigma=s)):
+            with pytest.raises(ValueError, match=r"^sigma must be positive and finite"):
+                make(bad)
+
+
+def test_ccml_declares_its_parameter_groups():
+    bank = CentreBank(torch.randn(8, 3), torch.arange(8) % 2, learn_weights=True)
+    loss = ClassConditionalLoss(bank, k=2, learn_sigma=True)
+    groups = loss.parameter_groups()
+    assert groups == {"sigma": [loss.log_sigma], "weights": [bank.log_weights], "other": []}

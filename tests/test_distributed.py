@@ -43,7 +43,9 @@ def train(x, y, rows_of_step):
     """STEPS SGD steps; ``rows_of_step(batch)`` picks this process's rows of a global batch.
     Returns the per-step loss as seen by the whole job, counts, and the final parameters."""
     model = make_model(dropout=False)
-    crit = NeighbourKernelLoss(fixed_bank(), sigma=0.8, learn_sigma=True, learn_weights=True)
+    bank = fixed_bank()
+    bank.learn_weights = True
+    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True)
     net = nkd.wrap_model(model)
     opt = torch.optim.SGD(list(model.parameters()) + list(crit.parameters()), lr=0.3,
                           momentum=0.9)
@@ -76,8 +78,8 @@ def run_trainer(x, y, out_dir, **options):
     from nnkloss.experiment.train import Trainer
     ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)
-    bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long))
-    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True, learn_weights=True)
+    bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long), learn_weights=True)
+    crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True)
     ordered = nkd.shard_loader(DataLoader(ds, batch_size=10), split_batch=False)
     refresher = Refresher(bank, model, ordered, K, backend="torch", progress=False)
     train_loader = nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH))
@@ -112,8 +114,8 @@ def worker(rank, port, out_dir):
     # both ranks with different embeddings: every rank writes every row, the higher rank last.
     bank = CentreBank(torch.zeros(N, D), torch.zeros(N, dtype=torch.long))
     idx = torch.tensor([0, 1, 2, 3, 4]) if rank == 0 else torch.tensor([3, 9])
-    from nnkloss.experiment.train import _write_fresh_centres
-    _write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
+    from nnkloss.experiment.bank_upkeep import write_fresh_centres
+    write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
     results["uneven_write"] = bank.centres.clone()
     finish(results, rank, out_dir)
 

@@ -114,3 +114,46 @@ def test_source_checkout_without_install_finds_the_kernels(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_value_checks_has_one_public_switch():
+    """nnkloss.value_checks(enabled) is the only public way: a context manager that restores
+    the previous setting, exceptions included; the old setter is gone."""
+    from nnkloss.validation import value_checks_enabled
+    assert not hasattr(nnkloss, "set_value_checks") and "set_value_checks" not in nnkloss.__all__
+    assert value_checks_enabled()
+    bad = dict(good(), neighbours=torch.tensor([[0, 1], [2, 3], [4, 5], [1, 6]]))
+    with nnkloss.value_checks(False):
+        assert not value_checks_enabled()
+        with nnkloss.value_checks(True):
+            with pytest.raises(IndexError):
+                nnkloss.neighbour_kernel_loss(**bad)
+        assert not value_checks_enabled()
+    assert value_checks_enabled()
+    with pytest.raises(RuntimeError):
+        with nnkloss.value_checks(False):
+            raise RuntimeError("boom")
+    assert value_checks_enabled()
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        with nnkloss.value_checks(0):
+            pass
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    (0.0, ValueError, "positive and finite"), (float("inf"), ValueError, "positive and finite"),
+    (True, TypeError, "must be a float"), ("1", TypeError, "must be a float"),
+    (torch.tensor([1.0, 2.0]), ValueError, "0-dim"), (torch.tensor(2), TypeError, "floating"),
+])
+def test_one_sigma_check_everywhere(bad, exc, msg):
+    """Every entry point that takes a sigma value refuses bad ones with the same message, from
+    nnkloss.validation.require_sigma."""
+    from nnkloss.bank.refresh import _check_sigma
+    from nnkloss.validation import require_sigma
+    bank = nnkloss.CentreBank(torch.randn(6, 3), torch.tensor([0, 1, 0, 1, 0, 1]))
+    calls = [require_sigma, _check_sigma,
+             lambda s: nnkloss.NeighbourKernelLoss(bank, sigma=s),
+             lambda s: nnkloss.ClassConditionalLoss(bank, sigma=s),
+             lambda s: nnkloss.NeighbourKernelClassifier(bank, k=2, sigma=s)]
+    for call in calls:
+        with pytest.raises(exc, match=r"^sigma " + ".*" + msg):
+            call(bad)

@@ -84,8 +84,8 @@ def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
 
 
 def test_learnable_weights_stay_positive_and_learn_sigma():
-    bank = make_bank(N=20, K=6)
-    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=True, learn_weights=True)
+    bank = make_bank(N=20, K=6, learn_weights=True)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=True)
     params = list(fn.parameters())
     assert any(p is bank.log_weights for p in params) and any(p is fn.log_sigma for p in params)
     opt = torch.optim.SGD(params, lr=2.0)  # large steps: a raw weight could go negative
@@ -100,10 +100,10 @@ def test_learnable_weights_stay_positive_and_learn_sigma():
     # exp(log_weights) is positive by construction: what can fail is that the weights were
     # learned (moved far, some well below 1) and that the loss uses exactly these weights.
     w = bank.weights.detach()
-    assert (w > 0).all() and torch.isfinite(w).all() and fn.sigma > 0
-    assert (w - 1).abs().max() > 0.1 and float(fn.sigma.detach()) != 1.0
+    assert (w > 0).all() and torch.isfinite(w).all() and fn.kernel_sigma() > 0
+    assert (w - 1).abs().max() > 0.1 and fn.kernel_sigma() != 1.0
     nb = bank.neighbours_for(idx)
-    ref = reference_loss(emb, bank.labels, bank.centres, bank.labels, nb, w, fn.sigma.detach())
+    ref = reference_loss(emb, bank.labels, bank.centres, bank.labels, nb, w, fn.sigma_tensor().detach())
     torch.testing.assert_close(fn(emb, bank.labels, idx).double(), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -322,3 +322,30 @@ def test_write_centres_bad_input_leaves_the_bank(idx, emb, kw, exc, match):
     with pytest.raises(exc, match=match):
         bank.write_centres_(idx, emb, **kw)
     assert torch.equal(bank.centres, before)
+
+
+def test_learned_weights_are_the_banks_and_the_loss_leaves_the_bank_alone():
+    """learn_weights lives on the bank only: the loss takes no such argument and building a
+    loss never changes a shared bank's setting (issue 19)."""
+    bank = make_bank(learn_weights=True)
+    with pytest.raises(TypeError, match="learn_weights"):
+        nnkloss.NeighbourKernelLoss(bank, learn_weights=False)
+    nnkloss.NeighbourKernelLoss(bank, sigma=2.0)
+    assert bank.learn_weights and bank.log_weights.requires_grad
+    fixed = make_bank()
+    nnkloss.NeighbourKernelLoss(fixed)
+    assert not fixed.learn_weights
+
+
+@pytest.mark.parametrize("learn", [False, True])
+def test_sigma_has_one_representation_and_two_readers(learn):
+    """log_sigma (a Parameter that requires grad only when learned); kernel_sigma() a float,
+    sigma_tensor() the differentiable 0-dim tensor the maths uses; no ``sigma`` attribute."""
+    bank = make_bank()
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=2.5, learn_sigma=learn)
+    assert isinstance(fn.log_sigma, torch.nn.Parameter) and fn.log_sigma.requires_grad == learn
+    assert isinstance(fn.kernel_sigma(), float) and fn.kernel_sigma() == pytest.approx(2.5)
+    t = fn.sigma_tensor()
+    assert t.dim() == 0 and t.requires_grad == learn and float(t.detach()) == pytest.approx(2.5)
+    assert not hasattr(fn, "sigma")
+    assert fn.log_values() == {"sigma": fn.kernel_sigma()}

@@ -455,7 +455,7 @@ def test_refresher_sigma_checks():
     assert ref.refresh().sigma == 2.0
     assert ref.refresh(sigma=torch.tensor(0.5, requires_grad=True)).sigma == 0.5
     for bad in (True, "1.0"):
-        with pytest.raises(TypeError, match=r"^sigma must be a float, a 0-dim tensor or None, "
+        with pytest.raises(TypeError, match=r"^sigma must be a float or a 0-dim tensor, "
                                             rf"got {type(bad).__name__}$"):
             ref.refresh(sigma=bad)
     for bad in (0.0, float("inf")):

@@ -115,7 +115,7 @@ def test_host_read_guard_catches_a_read():
             fn(torch.randn(4, 6), bank.labels[idx], idx).item()
     with pytest.raises(AssertionError, match="host read"):
         with no_host_reads():
-            float(fn.sigma)  # what a careless forward (extra_repr style) would do
+            fn.kernel_sigma()  # what a careless forward (extra_repr style) would do
 
 
 @pytest.mark.cuda

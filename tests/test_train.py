@@ -87,8 +87,8 @@ def test_sigma_and_weight_groups():
     x, y = blobs()
     ds = IndexedTensorDataset(x, y)
     model = mlp()
-    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
-    loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True, learn_weights=True)
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone(), learn_weights=True)
+    loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
     refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
                           progress=False)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher, lr=0.01,
@@ -97,7 +97,7 @@ def test_sigma_and_weight_groups():
     assert groups["sigma"]["lr"] == 0.1 and groups["sigma"]["weight_decay"] == 0.0
     assert groups["weights"]["lr"] == 0.5 and groups["weights"]["params"][0] is bank.log_weights
     tr.fit(1)
-    assert float(loss.sigma.detach()) != 2.0
+    assert loss.kernel_sigma() != 2.0
     assert not torch.equal(bank.log_weights.detach(), torch.zeros(len(ds)))
 
 
@@ -434,7 +434,9 @@ def test_warm_start_refreshes_after_the_given_steps(async_mode):
     h = tr.fit(2)
     if async_mode:
         assert syncs == [0] and starts == [3]
-        assert h[0]["refresh_asynchronous"] is True
+        # Swapped in at the first poll after the thread finished: in epoch 1, or (on a loaded
+        # machine) in epoch 2 or at the end of fit(); logged with that epoch.
+        assert [r.get("refresh_asynchronous") for r in h].count(True) == 1
     else:
         assert syncs == [0, 3] and starts == []
     assert "refresh_time_s" in h[0] and "refresh_time_s" not in h[1]
@@ -546,3 +548,150 @@ def test_fresh_centres_under_amp_write_the_fp32_embeddings_the_loss_saw():
     assert all(e.dtype == torch.float32 for e, _ in seen) and len(seen) == 6
     for emb, idx in seen:  # unshuffled: every row written once, in its own step
         assert torch.equal(bank.centres[idx], emb)
+
+
+def _group_ids(tr):
+    return {g["name"]: [id(p) for p in g["params"]] for g in tr.optimizer.param_groups}
+
+
+def test_optimiser_groups_come_from_the_loss_not_from_names():
+    """The Trainer asks the criterion's parameter_groups() which parameter is sigma / the
+    bank's weights: a subclass parameter whose *name* ends in log_weights is still "other"
+    (network group, weight decay), which matching by name got wrong."""
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+
+    class Scaled(NeighbourKernelLoss):
+        def __init__(self, bank, **kw):
+            super().__init__(bank, **kw)
+            self.scale_log_weights = nn.Parameter(torch.zeros(()))  # a name, not a role
+
+        def rows(self, emb, labels, neighbours):
+            return super().rows(emb * self.scale_log_weights.exp(), labels, neighbours)
+
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone(), learn_weights=True)
+    loss = Scaled(bank, sigma=1.0, learn_sigma=True)
+    declared = loss.parameter_groups()
+    assert declared["sigma"] == [loss.log_sigma] and declared["weights"] == [bank.log_weights]
+    assert declared["other"] == [loss.scale_log_weights]
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+                          progress=False)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                 optimizer="adamw", lr=1e-3, weight_decay=0.1, sigma_lr=0.5, weights_lr=0.25,
+                 progress=False)
+    ids = _group_ids(tr)
+    assert ids["sigma"] == [id(loss.log_sigma)] and ids["weights"] == [id(bank.log_weights)]
+    assert ids["network"] == [id(p) for p in model.parameters()] + [id(loss.scale_log_weights)]
+    by_name = {g["name"]: g for g in tr.optimizer.param_groups}
+    assert by_name["sigma"]["lr"] == 0.5 and by_name["weights"]["lr"] == 0.25
+    assert by_name["sigma"]["weight_decay"] == by_name["weights"]["weight_decay"] == 0.0
+    assert by_name["network"]["weight_decay"] == 0.1
+
+
+def test_optimiser_groups_of_fixed_sigma_softmax_and_plain_modules():
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, schedule = kernel_setup(model, ds)  # fixed sigma, fixed weights
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                 schedule=schedule, progress=False)
+    assert [g["name"] for g in tr.optimizer.param_groups] == ["network"]  # nothing else trains
+    head = SoftmaxHead(6, 4)
+    assert head.parameter_groups()["other"] == list(head.parameters())
+    plain = nn.Linear(6, 4)  # no parameter_groups(): every parameter is a network parameter
+    for crit in (head, plain):
+        tr = Trainer(model, crit, DataLoader(ds, batch_size=16), progress=False)
+        assert _group_ids(tr) == {"network": [id(p) for p in model.parameters()]
+                                  + [id(p) for p in crit.parameters()]}
+
+
+def test_optimiser_groups_refuse_a_loss_that_forgets_a_parameter():
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher, schedule = kernel_setup(model, ds)
+    loss.extra = nn.Parameter(torch.ones(()))
+    loss.parameter_groups = lambda: {"sigma": [loss.log_sigma], "weights": [], "other": []}
+    with pytest.raises(ValueError, match=r"parameter_groups\(\) leaves out .*extra"):
+        Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                progress=False)
+    loss.parameter_groups = lambda: {"sigma": [loss.log_sigma], "temperature": [loss.extra]}
+    with pytest.raises(ValueError, match="unknown groups"):
+        Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                progress=False)
+
+
+class _Recording(NeighbourKernelLoss):
+    """Records whether value checks were on at each call."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.checks = []
+
+    def forward(self, emb, labels, idx):
+        from nnkloss.validation import value_checks_enabled
+        self.checks.append(value_checks_enabled())
+        return super().forward(emb, labels, idx)
+
+
+def _recording_setup(ds, model):
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
+    loss = _Recording(bank, sigma=1.0)
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+                          progress=False)
+    return loss, refresher
+
+
+def test_value_checks_run_in_the_first_step_of_each_fit_only():
+    """The hot loop runs without value checks (no host sync for them) after each fit()'s
+    first step; a caller who switched them off keeps them off for that step too."""
+    import nnkloss
+    x, y = blobs()
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher = _recording_setup(ds, model)
+    tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
+                 progress=False)
+    tr.fit(2)
+    assert loss.checks == [True] + [False] * 11  # 6 batches per epoch
+    tr.fit(3)
+    assert loss.checks[12:] == [True] + [False] * 5
+    from nnkloss.validation import value_checks_enabled
+    assert value_checks_enabled()  # the caller's setting is back
+    loss.checks.clear()
+    with nnkloss.value_checks(False):
+        tr.fit(4)
+    assert loss.checks == [False] * 6
+
+
+class _MisalignedAfter(torch.utils.data.Dataset):
+    """Items whose idx names another class's bank row (24 rows on) from item ``start``."""
+
+    def __init__(self, ds, start):
+        self.ds, self.start = ds, start
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        x, y, idx = self.ds[i]
+        return x, y, (idx + 24) % len(self.ds) if i >= self.start else idx
+
+
+def test_misaligned_rows_raise_in_the_first_step_or_at_the_epoch_end():
+    x, y = blobs()  # 4 classes of 24 consecutive rows: idx + 24 is always another class
+    ds = IndexedTensorDataset(x, y)
+    model = mlp()
+    loss, refresher = _recording_setup(ds, model)
+    bad_first = DataLoader(_MisalignedAfter(ds, 0), batch_size=16)
+    tr = Trainer(model, loss, bad_first, refresher=refresher, progress=False)
+    with pytest.raises(ValueError, match="idx"):
+        tr.fit(1)
+    assert tr.step == 0  # refused before the first optimiser step
+    loss, refresher = _recording_setup(ds, model)
+    bad_later = DataLoader(_MisalignedAfter(ds, 16), batch_size=16)  # aligned first batch
+    tr = Trainer(model, loss, bad_later, refresher=refresher, progress=False)
+    with pytest.raises(ValueError, match=r"epoch 1: .* in 80 training rows .*idx"):
+        tr.fit(1)
+    assert tr.step == 6 and tr.history == []  # the epoch ran (rows dropped), was not logged

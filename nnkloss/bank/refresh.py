@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import numbers
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .centre_bank import CentreBank
-from ..validation import require_int, require_positive_int
+from ..validation import require_int, require_positive_int, require_sigma
 from .search import NeighbourLists, neighbour_lists
 from .. import distributed as _dist
 from . import exchange
@@ -92,15 +90,8 @@ def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], si
 
 
 def _check_sigma(sigma) -> Optional[float]:
-    if sigma is None:
-        return None
-    value = float(sigma.detach()) if isinstance(sigma, Tensor) else sigma
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"sigma must be a float, a 0-dim tensor or None, got {type(sigma).__name__}")
-    value = float(value)
-    if not (0.0 < value < math.inf):
-        raise ValueError(f"sigma must be positive and finite, got {value}")
-    return value
+    """None, or sigma as a positive finite float (:func:`nnkloss.validation.require_sigma`)."""
+    return None if sigma is None else require_sigma(sigma)
 
 
 def _sigma_source(sigma):

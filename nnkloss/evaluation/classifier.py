@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
-from ..validation import check_sigma, require_float, require_int, require_positive_int
+from ..validation import require_float, require_int, require_positive_int, require_sigma
 from ..bank.search import knn
 from ..bank.search.validation import check_search_backend
 
@@ -86,9 +86,7 @@ class NeighbourKernelClassifier(nn.Module):
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
         k = require_positive_int("k", k)
-        if isinstance(sigma, torch.Tensor):
-            sigma = float(sigma.detach())
-        check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, NaN, non-numbers
+        sigma = require_sigma(sigma)  # raises on <= 0, inf, NaN, non-numbers
         check_search_backend(search_backend)
         batch_size = require_positive_int("batch_size", batch_size)
         if rule not in RULES:

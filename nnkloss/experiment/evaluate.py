@@ -131,7 +131,7 @@ def classification_metrics(model: nn.Module, criterion: nn.Module, train_loader:
         bank = CentreBank(tr_emb.to(device), tr_lab.to(device),
                           weights=criterion.bank.weights.detach().float().to(device))
         clf = NeighbourKernelClassifier(bank, k=min(int(k), len(tr_lab)),
-                                        sigma=float(criterion.sigma.detach()))
+                                        sigma=criterion.kernel_sigma())
         proba = clf.predict_proba(emb.to(device)).cpu()
         if proba.shape[1] < int(labels.max()) + 1:  # classes absent from the training set
             proba = torch.nn.functional.pad(proba, (0, int(labels.max()) + 1 - proba.shape[1]))

@@ -11,7 +11,7 @@ are read from a local file (``pretrained=PATH``), never downloaded.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +118,11 @@ class SoftmaxHead(nn.Module):
     @torch.no_grad()
     def predict(self, emb: Tensor) -> Tensor:
         return self.logits(emb).argmax(1)
+
+    def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
+        """The head's parameters by role (as :meth:`nnkloss.losses.BankLoss.parameter_groups`):
+        all "other", trained like the network (its learning rate and weight decay)."""
+        return {"sigma": [], "weights": [], "other": list(self.parameters())}
 
 
 def load_state_dict_file(path: str) -> dict:

@@ -92,7 +92,8 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
         ordered_loader: the training set WITHOUT augmentation, yielding (x, label, idx).
         labels: (N,) int64 labels of the training set (bank row i = dataset item i).
         dim: embedding size D.
-        sigma, learn_weights, learn_sigma: as in :class:`NeighbourKernelLoss`.
+        sigma, learn_sigma: as in :class:`NeighbourKernelLoss`.
+        learn_weights: as in :class:`CentreBank` (learned per-centre weights).
         k: neighbour-list length; clamped to N - 1 (tiny sets).
         device: where the bank lives (the model's device).
         ensure_positive, backend, progress, async_mode: passed to the :class:`Refresher`.
@@ -104,9 +105,9 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
     n = len(labels)
     if n < 2:
         raise ValueError(f"the training set has {n} items; the kernel loss needs at least 2")
-    bank = CentreBank(torch.zeros(n, dim, device=device), torch.as_tensor(labels).long().to(device))
-    criterion = NeighbourKernelLoss(bank, sigma=sigma, learn_sigma=learn_sigma,
-                                    learn_weights=learn_weights)
+    bank = CentreBank(torch.zeros(n, dim, device=device), torch.as_tensor(labels).long().to(device),
+                      learn_weights=learn_weights)
+    criterion = NeighbourKernelLoss(bank, sigma=sigma, learn_sigma=learn_sigma)
     refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1), backend=backend,
                           ensure_positive=ensure_positive, device=device, progress=progress,
                           async_mode=async_mode, sigma=criterion)  # its current sigma

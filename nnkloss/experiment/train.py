@@ -33,10 +33,6 @@ weights are averaged across ranks, the log shows the whole job and only rank 0 w
 """
 from __future__ import annotations
 
-import csv
-import io
-import json
-import math
 import os
 import random
 import time
@@ -46,19 +42,16 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..atomic import atomic_write
 from . import checkpoint as _ckpt
-from ..validation import require_positive_int
-from ..bank import exchange
-from ..bank.refresh import RefreshSchedule
+from .bank_upkeep import BankUpkeep
+from .logs import json_safe, write_logs
 from ..losses.base import BankLoss
+from ..validation import value_checks, value_checks_enabled
 from .. import distributed as _dist
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
-LOG_CSV = "log.csv"
-LOG_JSON = "log.json"
 #: "adam" adds weight decay to the gradient (L2), which Adam then rescales: when the loss
 #: gradient is tiny (e.g. sigma much larger than the embedding distances) the decay alone is
 #: normalised to full-size steps and shrinks the network. "adamw" decays decoupled from it.
@@ -74,36 +67,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def _json_safe(v):
-    if isinstance(v, Tensor):
-        v = v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, (np.floating, np.integer)):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
                   sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
     """Network (+ softmax head) parameters decay; sigma and the bank weights get their own
-    learning rates and no weight decay (decay would pull log-sigma and log-weights to 0)."""
-    net, sig, wts = [], [], []
+    learning rates and no weight decay (decay would pull log-sigma and log-weights to 0).
+
+    Which criterion parameter is which, the criterion says: its ``parameter_groups()``
+    (``{"sigma": [...], "weights": [...], "other": [...]}``, see
+    :meth:`nnkloss.losses.BankLoss.parameter_groups`); a criterion without one has only
+    "other" parameters, trained like the network. Only parameters that require grad are
+    trained; a parameter of both model and criterion is the network's."""
+    declared = getattr(criterion, "parameter_groups", None)
+    declared = declared() if callable(declared) else {"other": list(criterion.parameters())}
+    unknown = set(declared) - {"sigma", "weights", "other"}
+    if unknown:
+        raise ValueError(f"{type(criterion).__name__}.parameter_groups() returned unknown "
+                         f"groups {sorted(unknown)} (expected 'sigma', 'weights', 'other')")
+    covered = {id(p) for ps in declared.values() for p in ps}
+    missing = [n for n, p in criterion.named_parameters() if id(p) not in covered]
+    if missing:  # an untrained parameter would be a silent bug
+        raise ValueError(f"{type(criterion).__name__}.parameter_groups() leaves out "
+                         f"parameters {missing}")
     seen = set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            net.append(p)
-    for name, p in criterion.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if name.endswith("log_sigma"):
-            sig.append(p)
-        elif name.endswith("log_weights"):
-            wts.append(p)
-        else:
-            net.append(p)
+
+    def take(params) -> List[Tensor]:
+        out = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    net = take(model.parameters())
+    net += take(declared.get("other", ()))
+    sig = take(declared.get("sigma", ()))
+    wts = take(declared.get("weights", ()))
     groups = [{"params": net, "lr": lr, "weight_decay": weight_decay, "name": "network"}]
     if sig:
         groups.append({"params": sig, "lr": lr if sigma_lr is None else sigma_lr,
@@ -112,24 +110,6 @@ def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_deca
         groups.append({"params": wts, "lr": lr if weights_lr is None else weights_lr,
                        "weight_decay": 0.0, "name": "weights"})
     return groups
-
-
-def _stats_dict(stats) -> Dict[str, Any]:
-    """Numeric fields of whatever a Refresher's ``refresh()`` returns, for the log."""
-    if stats is None:
-        return {}
-    if hasattr(stats, "_asdict"):
-        stats = stats._asdict()
-    elif not isinstance(stats, dict) and hasattr(stats, "__dict__"):
-        stats = vars(stats)
-    if not isinstance(stats, dict):
-        return {}
-    out = {}
-    for k, v in stats.items():
-        v = _json_safe(v)
-        if isinstance(v, (int, float, bool)) and not isinstance(v, list):
-            out[f"refresh_{k}"] = v
-    return out
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -142,13 +122,15 @@ class Trainer:
             (:class:`nnkloss.losses.BankLoss`: NeighbourKernelLoss, ClassConditionalLoss, whose
             ``last_num_valid``, ``kernel_sigma()`` and ``log_values()`` the loop uses) or any
             other module (SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights)
-            are trained too.
+            are trained too, grouped by what its ``parameter_groups()`` declares
+            (:meth:`nnkloss.losses.BankLoss.parameter_groups`: "sigma", "weights", "other";
+            a module without one has only "other"), never by parameter name.
         train_loader: yields ``(inputs, labels, idx)``.
         device: where the model and criterion live ("cpu", "cuda", ...).
         optimizer: "sgd" (momentum ``momentum``), "adam" or "adamw" (decoupled decay).
-        lr, weight_decay: for the network (and softmax head).
-        sigma_lr, weights_lr: learning rates of a learned sigma / learned bank weights
-            (default: ``lr``); no weight decay on them.
+        lr, weight_decay: for the network and the criterion's "other" parameters.
+        sigma_lr, weights_lr: learning rates of the criterion's "sigma" / "weights" parameters
+            (a learned sigma, learned bank weights; default: ``lr``); no weight decay on them.
         refresher: object with ``refresh()`` that re-embeds the training set into the bank and
             rebuilds the neighbour lists (:class:`nnkloss.bank.refresh.Refresher`). Required for
             a NeighbourKernelLoss; it runs before the first step and then per ``schedule``.
@@ -167,6 +149,16 @@ class Trainer:
         checkpoint_every: epochs between checkpoints (the last epoch always gets one).
         log_every: steps between progress-bar updates (each reads the running loss: one sync).
         grad_clip: clip the gradient norm of all trained parameters to this (None: off).
+
+    Value checks (:func:`nnkloss.value_checks`): the first step of every :meth:`fit` runs the
+    criterion with them as the caller set them (on by default: a loader whose ``idx`` does not
+    give each example's own bank row raises there, naming ``idx`` and ``labels``); every later
+    step runs with them off, so that the step does not synchronise with the host for them on a
+    GPU. Nothing is lost for the bank, which is validated whenever it is written (refresh,
+    ``update_``, checkpoint load). Rows whose labels disagree with the bank's in a later step are
+    dropped by the loss and counted without a sync (``last_num_mismatched``); the epoch's count
+    is read once at its end, and a non-zero count raises ValueError before the epoch is
+    logged or checkpointed.
 
     Keeping a bank loss current on a network that moves fast (training from scratch), where
     the centres of a periodic refresh go stale within an epoch:
@@ -229,16 +221,10 @@ class Trainer:
         if isinstance(criterion, BankLoss) and refresher is None:
             raise ValueError(f"a {type(criterion).__name__} needs a refresher to build and "
                              "update its bank (nnkloss.Refresher)")
+        # The bank's maintenance (refreshes, fresh centres, list rebuilds) and its state.
         # No refresher (a softmax head): nothing to refresh, whatever the schedule says.
-        self.refresher = refresher
-        if schedule is None:
-            schedule = RefreshSchedule(every_epochs=10)  # the papers' update interval
-        elif not isinstance(schedule, RefreshSchedule):
-            raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
-                            f"{type(schedule).__name__}")
-        self.schedule = schedule
-        self.fresh_centres, self.lists_every_steps, self.warm_start_steps = _check_bank_options(
-            criterion, refresher, fresh_centres, lists_every_steps, warm_start_steps)
+        self.upkeep = BankUpkeep(self.criterion, self.model, refresher, schedule,
+                                 fresh_centres, lists_every_steps, warm_start_steps)
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
@@ -262,14 +248,32 @@ class Trainer:
         self.epoch = 0          # epochs completed
         self.step = 0           # optimiser steps taken
         self.history: List[Dict[str, Any]] = []
-        self._bank_ready = False
-        # The last epoch of a fit() skips its scheduled refresh (nothing would use it); a
-        # later fit() that continues from there must do it first, as an uninterrupted run did.
-        self._refresh_due = False
-        self._refresh_log: Dict[str, Any] = {}
         self._bar = None
+        self._check_next_step = True
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
+
+    # ------------------------------------------------------------------ bank options
+    # Read-only views of what the BankUpkeep holds (the constructor's options).
+    @property
+    def refresher(self):
+        return self.upkeep.refresher
+
+    @property
+    def schedule(self):
+        return self.upkeep.schedule
+
+    @property
+    def fresh_centres(self) -> Optional[float]:
+        return self.upkeep.fresh_centres
+
+    @property
+    def lists_every_steps(self) -> Optional[int]:
+        return self.upkeep.lists_every_steps
+
+    @property
+    def warm_start_steps(self) -> int:
+        return self.upkeep.warm_start_steps
 
     # ------------------------------------------------------------------ paths & state
     @property
@@ -289,9 +293,9 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "rng": _ckpt.rng_state(),
             "history": self.history,
-            "bank_ready": self._bank_ready,
+            "bank_ready": self.upkeep.bank_ready,
             "schedule": self.schedule.state_dict(),
-            "refresh_due": self._refresh_due,
+            "refresh_due": self.upkeep.refresh_due,
         }
 
     def load_state_dict(self, state: Dict[str, Any], where: str = "checkpoint") -> None:
@@ -313,9 +317,9 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.history = list(state["history"])
-        self._bank_ready = bool(state.get("bank_ready", False))
+        self.upkeep.bank_ready = bool(state.get("bank_ready", False))
         self.schedule.load_state_dict(state["schedule"])
-        self._refresh_due = bool(state.get("refresh_due", False))
+        self.upkeep.refresh_due = bool(state.get("refresh_due", False))
         _ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
@@ -338,51 +342,16 @@ class Trainer:
         """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""
         if not self.out_dir or not _dist.is_main_process():
             return
-        rows = [{k: _json_safe(v) for k, v in r.items()} for r in self.history]
-        atomic_write(os.path.join(self.out_dir, LOG_JSON),
-                     json.dumps(rows, indent=1).encode("utf-8"))
-        cols: List[str] = []
-        for r in rows:
-            cols += [k for k in r if k not in cols]
-        sio = io.StringIO()
-        w = csv.DictWriter(sio, fieldnames=cols, lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
-        atomic_write(os.path.join(self.out_dir, LOG_CSV), sio.getvalue().encode("utf-8"))
+        write_logs(self.out_dir, self.history)
 
     # ------------------------------------------------------------------ refresh
-    @property
-    def _async(self) -> bool:
-        return bool(getattr(self.refresher, "async_mode", False))
-
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """Re-embed the training set into the bank and rebuild the neighbour lists.
+        """Re-embed the training set into the bank and rebuild the neighbour lists; returns
+        the ``refresh_*`` log columns.
 
         With an asynchronous refresher and ``wait=False`` this only starts the background
         refresh (returns {}); the training loop swaps it in when it is ready (``poll()``)."""
-        sigma = self.criterion.kernel_sigma()
-        if self._async and not wait:
-            if not self.refresher.in_flight:
-                self.refresher.refresh_async(sigma)
-            return {}
-        was_training = self.model.training
-        t0 = time.perf_counter()
-        try:
-            if self._async and self.refresher.in_flight:
-                self.refresher.wait()  # finish the one in flight first, then a fresh one
-            stats = self.refresher.refresh(sigma)
-        finally:
-            self.model.train(was_training)
-        self._bank_ready = True
-        out = _stats_dict(stats)
-        out["refresh_time_s"] = time.perf_counter() - t0
-        return out
-
-    def _finish_async(self) -> Dict[str, Any]:
-        """Swap in a background refresh still in flight (before checkpoints and at the end)."""
-        if self.refresher is not None and self._async and self.refresher.in_flight:
-            return _stats_dict(self.refresher.wait())
-        return {}
+        return self.upkeep.refresh(wait)
 
     # ------------------------------------------------------------------ loop
     def _fit_optimizer_state(self) -> None:
@@ -409,10 +378,12 @@ class Trainer:
         dev = self.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         valid_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        mismatched_sum = torch.zeros((), dtype=torch.int64, device=dev)
+        checks = value_checks_enabled()  # as the caller set them around fit()
         rows = 0
         n_batches = 0
-        refreshes: Dict[str, Any] = {}
-        lists_log: Dict[str, Any] = {}
+        upkeep = self.upkeep
+        upkeep.start_epoch()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         bar = self._bar
         if bar is not None:
@@ -426,7 +397,14 @@ class Trainer:
             # The loss runs in fp32 outside autocast: its log-sum-exp and the squared
             # distances are where half precision would hurt.
             emb = emb.float()
-            loss = self.criterion(emb, y, idx)
+            # Value checks only in a fit()'s first step (see the class docstring): later steps
+            # do not sync for them; misaligned rows are dropped, counted, and raised below.
+            with value_checks(checks and self._check_next_step):
+                loss = self.criterion(emb, y, idx)
+            self._check_next_step = False
+            mismatched = getattr(self.criterion, "last_num_mismatched", None)
+            if mismatched is not None:
+                mismatched_sum += mismatched
             # Under DDP: gradients of the mean over the global batch (no-op in one process).
             counted = getattr(self.criterion, "last_num_valid", None)
             loss = _dist.global_mean(loss, len(y) if counted is None else counted)
@@ -439,8 +417,6 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
-            if self.fresh_centres is not None:
-                _write_fresh_centres(self.criterion.bank, idx, emb.detach(), self.fresh_centres)
             n_batches += 1
             rows += len(y)
             loss_sum += loss.detach().double()
@@ -450,20 +426,16 @@ class Trainer:
                 bar.update(1)
                 if n_batches % self.log_every == 0:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
-            if self.refresher is not None and self._async and self.refresher.in_flight:
-                done = self.refresher.poll()  # a thread liveness check: no sync
-                if done is not None:
-                    refreshes = _stats_dict(done)
-            due = self.schedule.step() or self.step == self.warm_start_steps
-            due = due and self.refresher is not None
-            if (self.lists_every_steps is not None and self.step % self.lists_every_steps == 0
-                    and not (due and not self._async)):  # a synchronous refresh does it now
-                lists_log = self._rebuild_lists(lists_log)
-            if due:
-                refreshes = self.refresh(wait=False) or refreshes
-                self.model.train()
+            # Fresh centres, a finished background refresh, list rebuilds, due refreshes.
+            upkeep.after_step(self.step, idx, emb)
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
+        mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
+        if mismatched_sum:
+            raise ValueError(
+                f"epoch {epoch}: labels disagreed with the bank's labels at idx in "
+                f"{mismatched_sum} training rows (dropped from the loss; no checkpoint written "
+                "for this epoch): idx must give each example's own bank row")
         # The log shows the whole job: global_mean's per-rank values average to the global loss.
         loss_sum, valid_sum = _dist.mean_over_ranks(loss_sum), _dist.sum_over_ranks(valid_sum)
         rows = _dist.sum_over_ranks(rows)
@@ -473,22 +445,8 @@ class Trainer:
         if counted is not None:
             row["valid_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
-        row.update(refreshes)
-        row.update(_lists_row(lists_log))
+        row.update(upkeep.epoch_columns())
         return row
-
-    def _rebuild_lists(self, log: Dict[str, Any]) -> Dict[str, Any]:
-        """Lists from the bank's current centres (``lists_every_steps``); accumulates the
-        epoch's statistics in ``log``."""
-        t0 = time.perf_counter()
-        stats = self.refresher.rebuild_lists(self.criterion.kernel_sigma())
-        log["rebuilds"] = log.get("rebuilds", 0) + 1
-        log["time_s"] = log.get("time_s", 0.0) + time.perf_counter() - t0
-        if stats.overlap is not None:
-            log.setdefault("overlaps", []).append(stats.overlap)
-        log["positive_share"] = stats.positive_share
-        log["mean_kernel"] = stats.mean_kernel
-        return log
 
     def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:
         """Train until ``epochs`` epochs are complete; returns the log (one dict per epoch).
@@ -498,15 +456,12 @@ class Trainer:
         """
         if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
             self.load_checkpoint()
-        if self.refresher is not None and not self._bank_ready:
+        if self.upkeep.needs_initial_bank:
             # The initial bank: centres from the untrained model, before the first step.
             seed_everything(self.seed)
-            self._refresh_log = self.refresh()
-        elif self.refresher is not None and self._refresh_due and self.epoch < int(epochs):
-            self._refresh_log = self.refresh()  # skipped after the epoch we resume from
-        if self.epoch < int(epochs):
-            self._refresh_due = False
+        self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
         self.model.train()
+        self._check_next_step = True  # each fit()'s first step runs with value checks
         self._bar = None
         if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
             from tqdm.auto import tqdm
@@ -528,10 +483,9 @@ class Trainer:
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))
-            if self._refresh_log:  # the initial bank build, logged with the first epoch
-                for k, v in self._refresh_log.items():
-                    row.setdefault(k, v)
-                self._refresh_log = {}
+            # A refresh before the epoch's first step (the initial bank build) is logged here.
+            for k, v in self.upkeep.take_pending().items():
+                row.setdefault(k, v)
             row["time_s"] = time.perf_counter() - t0
             last = epoch == int(epochs)
             if self.eval_fn is not None and (epoch % self.eval_every == 0 or last):
@@ -541,16 +495,13 @@ class Trainer:
                     metrics = self.eval_fn(self.model, self.criterion, epoch) or {}
                 self.model.train()
                 self.criterion.train()
-                row.update({k: _json_safe(v) for k, v in metrics.items()})
+                row.update({k: json_safe(v) for k, v in metrics.items()})
             self.epoch = epoch
             # Refresh at the end of every interval (not after the last epoch: nothing would
             # use it), before the checkpoint, so that a resumed run starts from this bank.
-            due = self.schedule.epoch_end() and self.refresher is not None
-            if due and not last:
-                row.update(self.refresh(wait=False))
-            self._refresh_due = due and last
+            row.update(self.upkeep.end_epoch(last))
             if last or (self.out_dir and epoch % self.checkpoint_every == 0):
-                row.update(self._finish_async())  # checkpoints hold a settled bank
+                row.update(self.upkeep.finish_async())  # checkpoints hold a settled bank
             self.history.append(row)
             self.write_logs()
             if (self.out_dir and (epoch % self.checkpoint_every == 0 or last)
@@ -558,59 +509,6 @@ class Trainer:
                 self.save_checkpoint()
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
-
-
-def _check_bank_options(criterion, refresher, fresh_centres, lists_every_steps,
-                        warm_start_steps):
-    """Validate the Trainer's bank options; returns them normalised."""
-    if fresh_centres is not None:
-        if isinstance(fresh_centres, bool) or not isinstance(fresh_centres, (int, float, np.number)):
-            raise TypeError(f"fresh_centres must be None or a momentum in [0, 1), got "
-                            f"{type(fresh_centres).__name__}")
-        fresh_centres = float(fresh_centres)
-        if not 0.0 <= fresh_centres < 1.0:
-            raise ValueError(f"fresh_centres must be None or a momentum in [0, 1), got "
-                             f"{fresh_centres}")
-    if lists_every_steps is not None:
-        lists_every_steps = require_positive_int("lists_every_steps", lists_every_steps)
-    if (isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, (int, np.integer))
-            or warm_start_steps < 0):
-        raise ValueError(f"warm_start_steps must be an int >= 0, got {warm_start_steps!r}")
-    warm_start_steps = int(warm_start_steps)
-    wanted = [name for name, on in (("fresh_centres", fresh_centres is not None),
-                                    ("lists_every_steps", lists_every_steps is not None),
-                                    ("warm_start_steps", warm_start_steps > 0)) if on]
-    if wanted and not isinstance(criterion, BankLoss):
-        raise ValueError(f"{', '.join(wanted)} need a criterion with a bank (a "
-                         f"nnkloss.losses.BankLoss), got {type(criterion).__name__}")
-    if lists_every_steps is not None and not callable(getattr(refresher, "rebuild_lists", None)):
-        raise TypeError("lists_every_steps needs a refresher with rebuild_lists() "
-                        "(nnkloss.Refresher)")
-    return fresh_centres, lists_every_steps, warm_start_steps
-
-
-@torch.no_grad()
-def _write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None:
-    """``bank.write_centres_`` with this step's rows; under torch.distributed with every
-    rank's rows, gathered in rank order, so that every rank's bank gets the same writes."""
-    idx = idx.to(bank.centres.device)
-    emb = emb.to(bank.centres.device)
-    if _dist.is_distributed():
-        idx, emb = exchange.gather_batch_rows(idx, emb)
-    bank.write_centres_(idx, emb, momentum)
-
-
-def _lists_row(log: Dict[str, Any]) -> Dict[str, Any]:
-    """The epoch log's ``lists_*`` columns from :meth:`Trainer._rebuild_lists`' statistics."""
-    if not log:
-        return {}
-    row = {"lists_rebuilds": log["rebuilds"], "lists_time_s": log["time_s"],
-           "lists_positive_share": log["positive_share"]}
-    if log.get("overlaps"):
-        row["lists_overlap"] = float(np.mean(log["overlaps"]))
-    if log.get("mean_kernel") is not None:
-        row["lists_mean_kernel"] = log["mean_kernel"]
-    return row
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

@@ -13,13 +13,13 @@ sigma between the two, matched to the scale of the embedding distances: that is 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Dict, Iterable, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ..losses.base import BankLoss
+from ..validation import require_sigma
 
 __all__ = ["choose_sigma"]
 
@@ -29,15 +29,8 @@ def _candidates(candidates) -> list:
         raise TypeError(f"candidates must be an iterable of positive floats, got "
                         f"{type(candidates).__name__}")
     out = []
-    for c in candidates:
-        if isinstance(c, Tensor) and c.numel() == 1:
-            c = c.item()
-        if isinstance(c, bool) or not isinstance(c, numbers.Real):
-            raise TypeError(f"candidates must hold positive floats, got {c!r}")
-        c = float(c)
-        if not 0.0 < c < math.inf:
-            raise ValueError(f"candidates must hold positive finite floats, got {c}")
-        out.append(c)
+    for i, c in enumerate(candidates):
+        out.append(require_sigma(c, f"candidates[{i}]"))
     if not out:
         raise ValueError("candidates is empty: give at least one sigma to try")
     return out

@@ -8,7 +8,13 @@ only its maths: :meth:`BankLoss.rows`.
 What a training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank`` (to refresh),
 ``last_stats`` / ``last_num_valid`` (rows counted in the last mean, a 0-dim tensor: no sync),
 ``last_num_mismatched`` (rows whose ``labels`` disagree with the bank's, a 0-dim tensor),
-:meth:`kernel_sigma` (for the refresh statistics) and :meth:`log_values` (per-epoch log).
+:meth:`kernel_sigma` (for the refresh statistics), :meth:`log_values` (per-epoch log) and
+:meth:`parameter_groups` (which of its parameters are sigma, the bank's weights, or other).
+
+Sigma, in every loss that has one: stored as the Parameter ``log_sigma`` (0-dim fp32; it
+requires grad only when sigma is learned, and exp keeps a learned sigma positive); read as a
+float with :meth:`kernel_sigma` (logs, refresh statistics: one host read) and as a 0-dim tensor
+with :meth:`sigma_tensor` (the maths: differentiable, no host read).
 
 Misaligned batches: ``idx`` must give each example's own bank row, so ``labels`` must equal
 ``bank.labels[idx]``. With value checks on (``nnkloss.value_checks``, the default) a
@@ -22,14 +28,15 @@ centres.
 from __future__ import annotations
 
 import abc
-from typing import Dict, Optional, Tuple
+import math
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
 from ..ops.neighbour_kernel import LossOutput, reduce_rows
-from ..validation import REDUCTIONS, check_batch, compiling, value_checks_enabled
+from ..validation import REDUCTIONS, check_batch, compiling, require_sigma, value_checks_enabled
 
 __all__ = ["BankLoss", "BankLossStats"]
 
@@ -71,6 +78,37 @@ class BankLoss(nn.Module, abc.ABC):
         self.reduction = reduction
         self.exclude_self = bool(exclude_self)
         self.last_stats: Optional[BankLossStats] = None
+
+    def _init_sigma(self, sigma, learn_sigma: bool) -> None:
+        """Store ``sigma`` (checked) as the Parameter ``log_sigma`` on the bank's device."""
+        sigma = require_sigma(sigma)
+        log_sigma = torch.tensor(math.log(sigma), dtype=torch.float32,
+                                 device=self.bank.centres.device)
+        self.log_sigma = nn.Parameter(log_sigma, requires_grad=bool(learn_sigma))
+
+    def sigma_tensor(self) -> Tensor:
+        """Sigma as a 0-dim tensor on the loss's device, differentiable when learned (no host
+        read: what the maths uses)."""
+        return self.log_sigma.exp()
+
+    def kernel_sigma(self) -> Optional[float]:
+        """Sigma as a float (one host read on GPU: for logs and refresh statistics, not the
+        training step); None for a loss without a sigma."""
+        log_sigma = getattr(self, "log_sigma", None)
+        return None if log_sigma is None else float(log_sigma.detach().exp())
+
+    def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
+        """The loss's parameters by role, for an optimiser: ``"sigma"`` (``log_sigma``),
+        ``"weights"`` (the bank's ``log_weights``) and ``"other"`` (any other parameter of a
+        subclass). Every parameter is listed once, trained or not (pick those that require
+        grad); a trainer gives sigma and weights their own learning rates and no weight
+        decay (decay would pull the logs to 0, i.e. sigma and weights to 1)."""
+        sigma = [self.log_sigma] if isinstance(getattr(self, "log_sigma", None),
+                                               nn.Parameter) else []
+        weights = [self.bank.log_weights]
+        known = {id(p) for p in sigma + weights}
+        other = [p for p in self.parameters() if id(p) not in known]
+        return {"sigma": sigma, "weights": weights, "other": other}
 
     @abc.abstractmethod
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
@@ -120,10 +158,8 @@ class BankLoss(nn.Module, abc.ABC):
         """Rows counted in the last call's mean (0-dim tensor), None before the first call."""
         return None if self.last_stats is None else self.last_stats.num_valid
 
-    def kernel_sigma(self) -> Optional[float]:
-        """The kernel width the bank's refresh statistics use (None: not a kernel loss)."""
-        return None
-
     def log_values(self) -> Dict[str, float]:
-        """Scalars for a training log (read once per epoch: may sync)."""
-        return {}
+        """Scalars for a training log (read once per epoch: may sync); ``sigma`` for a loss
+        with one."""
+        sigma = self.kernel_sigma()
+        return {} if sigma is None else {"sigma": sigma}

@@ -177,6 +177,9 @@ class ClassConditionalLoss(BankLoss):
         bank: the CentreBank whose neighbour lists and centres are used.
         k: entries per side (see :func:`class_conditional_loss`).
         sigma, objective, reduction: as in :func:`class_conditional_loss`.
+        learn_sigma: learn sigma (stored as ``log_sigma``, as in
+            :class:`nnkloss.NeighbourKernelLoss`; read it with :meth:`kernel_sigma` or
+            :meth:`sigma_tensor`).
         exclude_self: drop each example's own centre from its list.
 
     ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
@@ -186,27 +189,23 @@ class ClassConditionalLoss(BankLoss):
 
     def __init__(self, bank: CentreBank, k: int = 5, sigma: float = math.sqrt(0.5),
                  objective: str = "accuracy", reduction: str = "mean",
-                 exclude_self: bool = True):
+                 exclude_self: bool = True, learn_sigma: bool = False):
         super().__init__(bank, reduction, exclude_self)
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        check_sigma(sigma, torch.device("cpu"))
+        self._init_sigma(sigma, learn_sigma)
         self.k = require_positive_int("k", k)
-        self.sigma = float(sigma)
         self.objective = objective
 
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
         return class_conditional_loss_rows(emb, labels, self.bank.centres, self.bank.labels,
-                                           neighbours, self.k, self.sigma,
+                                           neighbours, self.k, self.sigma_tensor(),
                                            self.bank.weights_for_loss(), self.objective)
 
     @property
     def last_valid(self) -> Optional[Tensor]:
         return None if self.last_stats is None else self.last_stats.valid
 
-    def kernel_sigma(self) -> float:
-        return self.sigma
-
     def extra_repr(self) -> str:
-        return (f"k={self.k}, sigma={self.sigma:.4g}, objective={self.objective!r}, "
+        return (f"k={self.k}, sigma={self.kernel_sigma():.4g}, objective={self.objective!r}, "
                 f"reduction={self.reduction!r}, exclude_self={self.exclude_self}")

@@ -1,15 +1,13 @@
 """NeighbourKernelLoss: the nearest-neighbour Gaussian kernel loss (Eq. 3) over a CentreBank."""
 from __future__ import annotations
 
-import math
-from typing import Dict, Optional, Tuple
+from typing import Tuple
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..bank.centre_bank import CentreBank
 from ..ops.neighbour_kernel import loss_rows_unchecked
-from ..validation import BACKENDS, check_inputs, check_sigma
+from ..validation import BACKENDS, check_inputs
 from .base import BankLoss
 
 __all__ = ["NeighbourKernelLoss"]
@@ -21,16 +19,16 @@ class NeighbourKernelLoss(BankLoss):
     Args:
         bank: the :class:`CentreBank` (a submodule: ``.to()`` and ``state_dict()`` include it).
         sigma: initial kernel width (> 0).
-        learn_sigma: learn sigma (stored as ``log_sigma``, so it stays positive).
-        learn_weights: if not None, switch the bank's per-centre weights to learned (True) or
-            fixed (False). The paper learns them for classification, fixes them for metric
-            learning.
+        learn_sigma: learn sigma (stored as ``log_sigma``, so it stays positive; read it with
+            :meth:`kernel_sigma` or :meth:`sigma_tensor`).
         reduction: "mean" (over rows with a same-class neighbour), "sum" or "none".
         backend: "auto", "triton" or "torch" (see :func:`nnkloss.neighbour_kernel_loss`).
         exclude_self: drop each example's own centre from its list (the paper's rule).
 
     ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
-    batch examples. After each call ``last_stats`` holds the :class:`LossOutput` (per-row
+    batch examples. The per-centre weights are the bank's: learned when the bank's
+    ``learn_weights`` is True (``CentreBank(..., learn_weights=True)``; the paper learns them for
+    classification and fixes them for metric learning). After each call ``last_stats`` holds the :class:`LossOutput` (per-row
     losses, which rows are counted, ``num_nonfinite``); ``last_num_valid`` is the count of
     counted rows as a 0-dim tensor. A NaN/inf embedding (or a distance beyond fp32) makes its
     row's loss NaN and so the mean NaN: a diverging run shows. ``labels`` must equal
@@ -40,22 +38,12 @@ class NeighbourKernelLoss(BankLoss):
     """
 
     def __init__(self, bank: CentreBank, sigma: float = 1.0, learn_sigma: bool = False,
-                 learn_weights: Optional[bool] = None, reduction: str = "mean",
-                 backend: str = "auto", exclude_self: bool = True):
+                 reduction: str = "mean", backend: str = "auto", exclude_self: bool = True):
         super().__init__(bank, reduction, exclude_self)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        check_sigma(sigma, torch.device("cpu"))  # raises on <= 0, inf, nan
-        log_sigma = torch.tensor(math.log(float(sigma)), dtype=torch.float32,
-                                 device=bank.centres.device)
-        self.log_sigma = nn.Parameter(log_sigma, requires_grad=learn_sigma)
-        if learn_weights is not None:
-            bank.learn_weights = bool(learn_weights)
+        self._init_sigma(sigma, learn_sigma)
         self.backend = backend
-
-    @property
-    def sigma(self) -> Tensor:
-        return self.log_sigma.exp()
 
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
         bank = self.bank
@@ -65,15 +53,9 @@ class NeighbourKernelLoss(BankLoss):
         # Bank contents were validated when written and sigma is exp(.) > 0, so no value
         # checks (and no host sync) here.
         return loss_rows_unchecked(emb, labels, bank.centres, bank.labels, neighbours, weights,
-                                   self.sigma.reshape(()), self.backend)
-
-    def kernel_sigma(self) -> float:
-        return float(self.sigma.detach())
-
-    def log_values(self) -> Dict[str, float]:
-        return {"sigma": self.kernel_sigma()}
+                                   self.sigma_tensor().reshape(()), self.backend)
 
     def extra_repr(self) -> str:
-        return (f"sigma={float(self.sigma):.4g}, learn_sigma={self.log_sigma.requires_grad}, "
+        return (f"sigma={self.kernel_sigma():.4g}, learn_sigma={self.log_sigma.requires_grad}, "
                 f"reduction={self.reduction!r}, backend={self.backend!r}, "
                 f"exclude_self={self.exclude_self}")

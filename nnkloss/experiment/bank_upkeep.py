@@ -1,0 +1,255 @@
+"""Keeping a bank loss's bank current during training: the Trainer's bank-maintenance state.
+
+:class:`BankUpkeep` drives a Refresher (:mod:`nnkloss.bank.refresh`) for the training loop:
+
+* the initial bank, built before the first step (and a refresh that a finished run skipped
+  after its last epoch, done before a continuing run's first step);
+* the refreshes of the :class:`nnkloss.RefreshSchedule` (after optimiser steps and after
+  epochs), synchronous or, with an ``async_mode`` refresher, started in the background, polled
+  after every step (a thread liveness check: no sync) and swapped in when ready; one still in
+  flight is waited for before a checkpoint and at the end of a run;
+* the options for a network that moves fast: ``fresh_centres`` (the step's embeddings written
+  into the bank), ``lists_every_steps`` (lists rebuilt from the bank's current centres) and
+  ``warm_start_steps`` (one extra full refresh early on); see :class:`nnkloss.experiment.Trainer`.
+
+It owns the state a checkpoint must carry for that (``bank_ready``, ``refresh_due``; the
+schedule keeps its own) and the refresh columns of the epoch log. Without a refresher (a
+softmax head) every method is a no-op that returns an empty log.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import distributed as _dist
+from ..bank import exchange
+from ..bank.refresh import RefreshSchedule
+from ..losses.base import BankLoss
+from ..validation import require_positive_int
+from .logs import json_safe
+
+__all__ = ["BankUpkeep", "check_bank_options", "write_fresh_centres"]
+
+
+def check_bank_options(criterion, refresher, fresh_centres, lists_every_steps,
+                       warm_start_steps) -> Tuple[Optional[float], Optional[int], int]:
+    """Validate the Trainer's bank options; returns them normalised."""
+    if fresh_centres is not None:
+        if isinstance(fresh_centres, bool) or not isinstance(fresh_centres, (int, float, np.number)):
+            raise TypeError(f"fresh_centres must be None or a momentum in [0, 1), got "
+                            f"{type(fresh_centres).__name__}")
+        fresh_centres = float(fresh_centres)
+        if not 0.0 <= fresh_centres < 1.0:
+            raise ValueError(f"fresh_centres must be None or a momentum in [0, 1), got "
+                             f"{fresh_centres}")
+    if lists_every_steps is not None:
+        lists_every_steps = require_positive_int("lists_every_steps", lists_every_steps)
+    if (isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, (int, np.integer))
+            or warm_start_steps < 0):
+        raise ValueError(f"warm_start_steps must be an int >= 0, got {warm_start_steps!r}")
+    warm_start_steps = int(warm_start_steps)
+    wanted = [name for name, on in (("fresh_centres", fresh_centres is not None),
+                                    ("lists_every_steps", lists_every_steps is not None),
+                                    ("warm_start_steps", warm_start_steps > 0)) if on]
+    if wanted and not isinstance(criterion, BankLoss):
+        raise ValueError(f"{', '.join(wanted)} need a criterion with a bank (a "
+                         f"nnkloss.losses.BankLoss), got {type(criterion).__name__}")
+    if lists_every_steps is not None and not callable(getattr(refresher, "rebuild_lists", None)):
+        raise TypeError("lists_every_steps needs a refresher with rebuild_lists() "
+                        "(nnkloss.Refresher)")
+    return fresh_centres, lists_every_steps, warm_start_steps
+
+
+@torch.no_grad()
+def write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None:
+    """``bank.write_centres_`` with this step's rows; under torch.distributed with every
+    rank's rows, gathered in rank order, so that every rank's bank gets the same writes."""
+    idx = idx.to(bank.centres.device)
+    emb = emb.to(bank.centres.device)
+    if _dist.is_distributed():
+        idx, emb = exchange.gather_batch_rows(idx, emb)
+    bank.write_centres_(idx, emb, momentum)
+
+
+def refresh_columns(stats) -> Dict[str, Any]:
+    """Numeric fields of whatever a Refresher's ``refresh()`` returns, as ``refresh_*`` log
+    columns."""
+    if stats is None:
+        return {}
+    if hasattr(stats, "_asdict"):
+        stats = stats._asdict()
+    elif not isinstance(stats, dict) and hasattr(stats, "__dict__"):
+        stats = vars(stats)
+    if not isinstance(stats, dict):
+        return {}
+    out = {}
+    for k, v in stats.items():
+        v = json_safe(v)
+        if isinstance(v, (int, float, bool)) and not isinstance(v, list):
+            out[f"refresh_{k}"] = v
+    return out
+
+
+def _lists_columns(log: Dict[str, Any]) -> Dict[str, Any]:
+    """The epoch log's ``lists_*`` columns from :meth:`BankUpkeep._rebuild_lists`' statistics."""
+    if not log:
+        return {}
+    row = {"lists_rebuilds": log["rebuilds"], "lists_time_s": log["time_s"],
+           "lists_positive_share": log["positive_share"]}
+    if log.get("overlaps"):
+        row["lists_overlap"] = float(np.mean(log["overlaps"]))
+    if log.get("mean_kernel") is not None:
+        row["lists_mean_kernel"] = log["mean_kernel"]
+    return row
+
+
+class BankUpkeep:
+    """The bank-maintenance state machine of one training run (see the module docstring).
+
+    Args:
+        criterion: the training criterion; its ``kernel_sigma()`` is the sigma of every refresh
+            and its ``bank`` gets the fresh centres.
+        model: the network the refresher embeds with (put back in train mode after a
+            synchronous refresh).
+        refresher: a :class:`nnkloss.Refresher` (or anything with ``refresh(sigma)``), or None.
+        schedule: the :class:`nnkloss.RefreshSchedule` of the run.
+        fresh_centres, lists_every_steps, warm_start_steps: checked by
+            :func:`check_bank_options` (as the Trainer documents them).
+
+    The loop calls :meth:`before_fit`, then per epoch :meth:`start_epoch`, :meth:`after_step`
+    after every optimiser step, :meth:`epoch_columns` and :meth:`end_epoch`, and
+    :meth:`finish_async` before a checkpoint.
+    """
+
+    def __init__(self, criterion: nn.Module, model: nn.Module, refresher, schedule,
+                 fresh_centres=None, lists_every_steps=None, warm_start_steps=0):
+        if schedule is None:
+            schedule = RefreshSchedule(every_epochs=10)  # the papers' update interval
+        elif not isinstance(schedule, RefreshSchedule):
+            raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
+                            f"{type(schedule).__name__}")
+        self.fresh_centres, self.lists_every_steps, self.warm_start_steps = check_bank_options(
+            criterion, refresher, fresh_centres, lists_every_steps, warm_start_steps)
+        self.criterion = criterion
+        self.model = model
+        self.refresher = refresher
+        self.schedule = schedule
+        #: the bank has been built (False until the first refresh; saved in checkpoints).
+        self.bank_ready = False
+        #: the last epoch of a fit() skips its scheduled refresh (nothing would use it); a
+        #: later fit() that continues from there must do it first, as an uninterrupted run did.
+        self.refresh_due = False
+        self._pending: Dict[str, Any] = {}   # log of a refresh before the epoch's first step
+        self._refreshes: Dict[str, Any] = {}  # the epoch's last refresh columns
+        self._lists: Dict[str, Any] = {}      # the epoch's list-rebuild statistics
+
+    @property
+    def is_async(self) -> bool:
+        return bool(getattr(self.refresher, "async_mode", False))
+
+    # ------------------------------------------------------------------ refreshes
+    def refresh(self, wait: bool = True) -> Dict[str, Any]:
+        """Re-embed the training set into the bank and rebuild the neighbour lists; returns
+        the ``refresh_*`` log columns (with ``refresh_time_s``).
+
+        With an asynchronous refresher and ``wait=False`` this only starts the background
+        refresh (returns {}); :meth:`after_step` swaps it in when it is ready."""
+        sigma = self.criterion.kernel_sigma()
+        if self.is_async and not wait:
+            if not self.refresher.in_flight:
+                self.refresher.refresh_async(sigma)
+            return {}
+        was_training = self.model.training
+        t0 = time.perf_counter()
+        try:
+            if self.is_async and self.refresher.in_flight:
+                self.refresher.wait()  # finish the one in flight first, then a fresh one
+            stats = self.refresher.refresh(sigma)
+        finally:
+            self.model.train(was_training)
+        self.bank_ready = True
+        out = refresh_columns(stats)
+        out["refresh_time_s"] = time.perf_counter() - t0
+        return out
+
+    def finish_async(self) -> Dict[str, Any]:
+        """Swap in a background refresh still in flight (before checkpoints and at the end)."""
+        if self.refresher is not None and self.is_async and self.refresher.in_flight:
+            return refresh_columns(self.refresher.wait())
+        return {}
+
+    @property
+    def needs_initial_bank(self) -> bool:
+        """The next :meth:`before_fit` builds the initial bank."""
+        return self.refresher is not None and not self.bank_ready
+
+    def before_fit(self, more_epochs: bool) -> None:
+        """Before a fit's first step: the initial bank, or the refresh a finished run skipped
+        after its last epoch (only if this fit trains ``more_epochs``). Their log goes into the
+        next epoch's row (:meth:`take_pending`)."""
+        if self.needs_initial_bank:
+            self._pending = self.refresh()
+        elif self.refresher is not None and self.refresh_due and more_epochs:
+            self._pending = self.refresh()  # skipped after the epoch we resume from
+        if more_epochs:
+            self.refresh_due = False
+
+    def take_pending(self) -> Dict[str, Any]:
+        """The log of a refresh done before the epoch's first step (once), else {}."""
+        out, self._pending = self._pending, {}
+        return out
+
+    # ------------------------------------------------------------------ per step / epoch
+    def start_epoch(self) -> None:
+        self._refreshes = {}
+        self._lists = {}
+
+    def after_step(self, step: int, idx: Tensor, emb: Tensor) -> None:
+        """After optimiser step number ``step`` (counted over the run) whose batch rows were
+        ``idx`` and embeddings (the loss's input) ``emb``: write the fresh centres, swap in a
+        finished background refresh, rebuild the lists and run a refresh when due."""
+        if self.fresh_centres is not None:
+            write_fresh_centres(self.criterion.bank, idx, emb.detach(), self.fresh_centres)
+        if self.refresher is not None and self.is_async and self.refresher.in_flight:
+            done = self.refresher.poll()  # a thread liveness check: no sync
+            if done is not None:
+                self._refreshes = refresh_columns(done)
+        due = self.schedule.step() or step == self.warm_start_steps
+        due = due and self.refresher is not None
+        if (self.lists_every_steps is not None and step % self.lists_every_steps == 0
+                and not (due and not self.is_async)):  # a synchronous refresh does it now
+            self._rebuild_lists()
+        if due:
+            self._refreshes = self.refresh(wait=False) or self._refreshes
+            self.model.train()
+
+    def _rebuild_lists(self) -> None:
+        """Lists from the bank's current centres (``lists_every_steps``); accumulates the
+        epoch's statistics."""
+        log = self._lists
+        t0 = time.perf_counter()
+        stats = self.refresher.rebuild_lists(self.criterion.kernel_sigma())
+        log["rebuilds"] = log.get("rebuilds", 0) + 1
+        log["time_s"] = log.get("time_s", 0.0) + time.perf_counter() - t0
+        if stats.overlap is not None:
+            log.setdefault("overlaps", []).append(stats.overlap)
+        log["positive_share"] = stats.positive_share
+        log["mean_kernel"] = stats.mean_kernel
+
+    def epoch_columns(self) -> Dict[str, Any]:
+        """The epoch's refresh and ``lists_*`` log columns (after its last step)."""
+        row = dict(self._refreshes)
+        row.update(_lists_columns(self._lists))
+        return row
+
+    def end_epoch(self, last: bool) -> Dict[str, Any]:
+        """After an epoch: the scheduled refresh (not after the ``last`` epoch of a fit:
+        nothing would use it; it is then due at the next fit's start). Returns its columns."""
+        due = self.schedule.epoch_end() and self.refresher is not None
+        out = self.refresh(wait=False) if due and not last else {}
+        self.refresh_due = due and last
+        return out

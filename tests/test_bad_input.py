@@ -138,7 +138,7 @@ def test_classifier_k_beyond_the_bank_uses_every_centre():
 def _bank20():
     g = torch.Generator().manual_seed(4)
     bank = nnkloss.CentreBank(torch.randn(20, 3, generator=g), torch.arange(20) % 3)
-    bank.rebuild_neighbours(4, backend="torch")
+    bank.rebuild_neighbours(4, search_backend="torch")
     return bank
 
 

@@ -48,7 +48,7 @@ def test_initial_bank_warm_start_lists_and_fresh_centres():
     assert ref.rebuilds == [2.0, 2.0]  # steps 2 and 4
     row = up.epoch_columns()
     assert row["lists_rebuilds"] == 2 and row["lists_overlap"] == 0.5
-    assert row["refresh_k"] == 3 and "refresh_backend" not in row  # numbers only
+    assert row["refresh_k"] == 3 and "refresh_search_backend" not in row  # numbers only
     assert up.end_epoch(last=False)["refresh_sigma"] == 2.0 and not up.refresh_due
     assert up.end_epoch(last=True) == {} and up.refresh_due  # skipped, due at the next fit
     up.before_fit(more_epochs=True)

@@ -184,7 +184,7 @@ def test_ccml_sigma_is_stored_and_read_as_the_kernel_loss_does():
     package's one sigma check (same message as the kernel loss)."""
     g = torch.Generator().manual_seed(0)
     bank = CentreBank(torch.randn(12, 3, generator=g), torch.arange(12) % 3)
-    bank.rebuild_neighbours(6, backend="torch")
+    bank.rebuild_neighbours(6, search_backend="torch")
     fixed = ClassConditionalLoss(bank, k=2, sigma=0.9)
     assert not fixed.log_sigma.requires_grad and fixed.kernel_sigma() == pytest.approx(0.9)
     assert not hasattr(fixed, "sigma") and fixed.log_values() == {"sigma": fixed.kernel_sigma()}

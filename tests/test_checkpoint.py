@@ -15,7 +15,7 @@ def make_bank(learn_weights=True, seed=0, n=60, d=8, k=6):
     labels = torch.randint(0, 4, (n,), generator=g)
     weights = torch.rand(n, generator=g) + 0.5 if learn_weights else None
     bank = CentreBank(centres, labels, weights=weights, learn_weights=learn_weights)
-    bank.rebuild_neighbours(k, backend="torch", ensure_positive=True)
+    bank.rebuild_neighbours(k, search_backend="torch", ensure_positive=True)
     return bank
 
 
@@ -54,7 +54,7 @@ def test_round_trip_and_same_loss(tmp_path, learn_weights):
 
 def test_map_location_and_dtype(tmp_path):
     bank = CentreBank(torch.randn(10, 4).to(torch.bfloat16), torch.arange(10) % 2)
-    bank.rebuild_neighbours(3, backend="torch")
+    bank.rebuild_neighbours(3, search_backend="torch")
     save_bank(bank, tmp_path / "b.pt")
     loaded, step, extra = load_bank(tmp_path / "b.pt", map_location="cpu")
     assert loaded.centres.dtype == torch.bfloat16 and step == 0 and extra is None

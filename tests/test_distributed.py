@@ -30,7 +30,7 @@ def fixed_bank():
     torch.randint(0, CLASSES, (N,), generator=g)  # (drawn as before: the same weights follow)
     # The data's own labels: the loss refuses a batch whose labels disagree with the bank's.
     bank = CentreBank(centres, make_data()[1], weights=torch.rand(N, generator=g) + 0.5)
-    bank.rebuild_neighbours(K, backend="torch")
+    bank.rebuild_neighbours(K, search_backend="torch")
     return bank
 
 
@@ -81,7 +81,7 @@ def run_trainer(x, y, out_dir, **options):
     bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long), learn_weights=True)
     crit = NeighbourKernelLoss(bank, sigma=0.8, learn_sigma=True)
     ordered = nkd.shard_loader(DataLoader(ds, batch_size=10), split_batch=False)
-    refresher = Refresher(bank, model, ordered, K, backend="torch", progress=False)
+    refresher = Refresher(bank, model, ordered, K, search_backend="torch", progress=False)
     train_loader = nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH))
     trainer = Trainer(model, crit, train_loader, optimizer="sgd", lr=0.2, weight_decay=1e-3,
                       refresher=refresher, schedule=nnkloss.RefreshSchedule(every_epochs=1),

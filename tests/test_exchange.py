@@ -23,7 +23,7 @@ def empty_bank(dtype=torch.float32):
 
 def refresh(loader, dtype=torch.float32, backend="torch", ensure_positive=True):
     bank = empty_bank(dtype)
-    stats = Refresher(bank, make_model(), loader, K, backend=backend,
+    stats = Refresher(bank, make_model(), loader, K, search_backend=backend,
                       ensure_positive=ensure_positive, progress=False).refresh()
     return {"centres": bank.centres.clone(), "labels": bank.labels.clone(),
             "neighbours": bank.neighbours.clone(), "num_patched": stats.num_patched,
@@ -82,7 +82,7 @@ def worker(rank, port, out_dir):
     bank = empty_bank()
     bank.centres.fill_(7.0)
     try:
-        Refresher(bank, make_model(), loader, K, backend="torch", progress=False).refresh()
+        Refresher(bank, make_model(), loader, K, search_backend="torch", progress=False).refresh()
         results["missing_error"] = None
     except ValueError as exc:
         results["missing_error"] = str(exc)

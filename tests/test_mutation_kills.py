@@ -60,7 +60,7 @@ def test_nonfinite_row_reaches_the_gradient_of_a_one_centre_bank():
 def _bank(N=12, D=3, K=4, seed=0, **kw):
     g = torch.Generator().manual_seed(seed)
     bank = nnkloss.CentreBank(torch.randn(N, D, generator=g), torch.arange(N) % 3, **kw)
-    bank.rebuild_neighbours(K, backend="torch")
+    bank.rebuild_neighbours(K, search_backend="torch")
     return bank
 
 
@@ -347,7 +347,7 @@ def test_request_passes_its_sigma_on(async_mode):
     """request(sigma) is the sigma of that refresh's statistics, sync or async (kills refresh
     Refresher.request 1, 2)."""
     bank, model, loader = _refresh_setup()
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False,
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
                             async_mode=async_mode)
     stats = ref.request(sigma=2.0)
     if async_mode:
@@ -366,7 +366,7 @@ def test_poll_and_wait_of_a_background_refresh():
 
     gate = threading.Event()
     bank, model, loader = _refresh_setup(gate=gate)
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
     assert ref.poll() is None and ref.wait() is None
     before = set(threading.enumerate())
     ref.refresh_async()
@@ -396,7 +396,7 @@ def test_refresh_stats_with_one_neighbour():
     mean squared distance of a two-row bank is that one distance (kills refresh _list_overlap
     30, _make_stats 44, 58)."""
     bank, model, loader = _refresh_setup(n=2)
-    ref = nnkloss.Refresher(bank, model, loader, k=1, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, model, loader, k=1, search_backend="torch", progress=False)
     first = ref.refresh()
     assert first.overlap is None and first.asynchronous is False
     again = ref.refresh()
@@ -412,7 +412,7 @@ def test_refresh_errors_say_what_to_do():
 
     gate = threading.Event()
     bank, model, loader = _refresh_setup(gate=gate)
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
     ref.refresh_async()
     with pytest.raises(RuntimeError, match=r"^a background refresh is in flight: call wait\(\) "
                                            r"\(or poll\(\)\) first$"):
@@ -424,7 +424,7 @@ def test_refresh_errors_say_what_to_do():
         def __iter__(self):
             raise OSError("disk gone")
 
-    failing = nnkloss.Refresher(bank, model, Broken(), k=4, backend="torch", progress=False)
+    failing = nnkloss.Refresher(bank, model, Broken(), k=4, search_backend="torch", progress=False)
     failing.refresh_async()
     with pytest.raises(RuntimeError, match=r"^background refresh failed; the bank was left "
                                            r"unchanged$"):
@@ -437,7 +437,7 @@ def test_refresh_of_a_bank_grown_meanwhile_names_both_sizes():
 
     gate = threading.Event()
     bank, model, loader = _refresh_setup(gate=gate)
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
     ref.refresh_async()
     bank.add(torch.zeros(1, 3), torch.tensor([0]))
     gate.set()
@@ -450,7 +450,7 @@ def test_refresher_sigma_checks():
     """sigma: a float or a 0-dim tensor, positive and finite; bools, strings, 0 and inf refused
     with the argument named (kills refresh _check_sigma 3, 5, 6, 8, 9, 14, 15)."""
     bank, model, loader = _refresh_setup()
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False,
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
                             sigma=torch.tensor(2.0))
     assert ref.refresh().sigma == 2.0
     assert ref.refresh(sigma=torch.tensor(0.5, requires_grad=True)).sigma == 0.5
@@ -467,7 +467,7 @@ def test_refresher_defaults_and_argument_errors(capsys):
     """Synchronous and quiet (no progress bar) by default; wrong arguments named with their
     types (kills refresh Refresher.__init__ 4, 5, 7, 8, 10, 11, 13)."""
     bank, model, loader = _refresh_setup()
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch")
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch")
     assert isinstance(ref.request(), nnkloss.RefreshStats)
     assert "refresh: embedding" not in capsys.readouterr().err
     with pytest.raises(TypeError, match=r"^bank must be a CentreBank, got Tensor$"):
@@ -483,7 +483,7 @@ def test_refresher_limits_and_device_argument():
     loader is named; device= is accepted; no stats before the first refresh (kills refresh
     Refresher.__init__ 19, 21, 23, 24, 32, 33, 45, 56)."""
     bank, model, loader = _refresh_setup()
-    ref = nnkloss.Refresher(bank, model, loader, k=23, backend="torch", progress=False,
+    ref = nnkloss.Refresher(bank, model, loader, k=23, search_backend="torch", progress=False,
                             device="cpu")
     assert ref.last_stats is None
     assert ref.refresh().k == 23 and ref.last_stats.k == 23
@@ -501,7 +501,7 @@ def test_refresh_timings_are_durations():
     import time
 
     bank, model, loader = _refresh_setup()
-    ref = nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
     t0 = time.perf_counter()
     stats = ref.refresh()
     wall = time.perf_counter() - t0
@@ -519,7 +519,7 @@ def test_refresh_names_what_the_loader_got_wrong(bad, exc, match):
     x, y, idx = torch.randn(8, 5), torch.arange(8) % 3, torch.arange(8)
     batch = {"pairs": (x, y), "float idx": (x, y, idx.float()),
              "float labels": (x, y.float(), idx)}[bad]
-    ref = nnkloss.Refresher(bank, model, [batch], k=2, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, model, [batch], k=2, search_backend="torch", progress=False)
     with pytest.raises(exc, match=match):
         ref.refresh()
 
@@ -529,7 +529,7 @@ def test_refresh_out_of_range_idx_reports_the_range_and_the_culprits():
     named)."""
     bank, model, _ = _refresh_setup(n=8)
     x, y = torch.randn(8, 5), torch.arange(8) % 3
-    ref = nnkloss.Refresher(bank, model, [(x, y, torch.arange(-1, 7))], k=2, backend="torch",
+    ref = nnkloss.Refresher(bank, model, [(x, y, torch.arange(-1, 7))], k=2, search_backend="torch",
                             progress=False)
     with pytest.raises(IndexError, match=r"^loader yielded idx outside the bank's rows 0\.\.7 "
                                          r"\(min -1, max 6\)$"):
@@ -544,7 +544,7 @@ def test_refresh_names_a_model_output_that_is_not_a_tensor():
             return x, x
 
     bank, _, loader = _refresh_setup()
-    ref = nnkloss.Refresher(bank, Pair(), loader, k=4, backend="torch", progress=False)
+    ref = nnkloss.Refresher(bank, Pair(), loader, k=4, search_backend="torch", progress=False)
     with pytest.raises(ValueError, match=r"^model output has shape <class 'tuple'>; expected "
                                          r"\(8, 3\) for this batch and bank$"):
         ref.refresh()
@@ -554,7 +554,7 @@ def test_refresh_names_the_rows_the_loader_never_yielded():
     """kills refresh Refresher._embed 134-136 (the first five missing rows)."""
     bank, model, _ = _refresh_setup(n=10)
     x, y = torch.randn(3, 5), torch.arange(3)
-    ref = nnkloss.Refresher(bank, model, [(x, y, torch.tensor([0, 2, 9]))], k=2, backend="torch",
+    ref = nnkloss.Refresher(bank, model, [(x, y, torch.tensor([0, 2, 9]))], k=2, search_backend="torch",
                             progress=False)
     with pytest.raises(ValueError, match=r"^the loader never yielded 7 of the bank's 10 rows "
                                          r"\(first missing idx: \[1, 3, 4, 5, 6\]\); the bank was "
@@ -566,12 +566,12 @@ def test_refresh_progress_bar(capsys):
     """progress=False prints nothing; the bar counts batches of a sized loader and copes with
     an unsized one (kills refresh Refresher._progress 1, 2, 3, 6)."""
     bank, model, loader = _refresh_setup()
-    nnkloss.Refresher(bank, model, loader, k=4, backend="torch", progress=False).refresh()
+    nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False).refresh()
     assert capsys.readouterr().err == ""
     batches = list(iter(loader))
-    nnkloss.Refresher(bank, model, batches, k=4, backend="torch", progress=True).refresh()
+    nnkloss.Refresher(bank, model, batches, k=4, search_backend="torch", progress=True).refresh()
     assert "0/3" in capsys.readouterr().err
-    nnkloss.Refresher(bank, model, loader, k=4, backend="torch",
+    nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch",
                       progress=True).refresh()  # no __len__
     err = capsys.readouterr().err
     assert "refresh: embedding" in err and "/3" not in err
@@ -593,7 +593,7 @@ def test_refresh_passes_tuple_and_dict_inputs_to_the_model():
     x, y, idx = torch.randn(8, 5), torch.arange(8) % 3, torch.arange(8)
     for inputs in ((x, 2 * x), [x, 2 * x], {"a": x, "b": 2 * x}):
         model = Two()
-        nnkloss.Refresher(bank, model, [(inputs, y, idx)], k=2, backend="torch",
+        nnkloss.Refresher(bank, model, [(inputs, y, idx)], k=2, search_backend="torch",
                           progress=False).refresh()
         with torch.no_grad():
             torch.testing.assert_close(bank.centres, model(inputs))

@@ -179,7 +179,7 @@ def test_growing_a_learned_bank_keeps_the_parameter_in_a_user_optimiser():
     assert bank.log_weights is param, "add() replaced the learned parameter: optimisers " \
                                       "holding it silently stop training the weights"
     assert bank.learn_weights
-    bank.rebuild_neighbours(k=6, backend="torch")  # the new centres enter the lists
+    bank.rebuild_neighbours(k=6, search_backend="torch")  # the new centres enter the lists
     before = bank.log_weights.detach().clone()
     idx = torch.arange(24)
     emb = bank.centres + 0.2 * torch.randn(24, 6)
@@ -257,16 +257,16 @@ def test_rebuild_neighbours_passes_its_options_on():
     centres = torch.tensor([[0.0], [0.1], [0.2], [5.0], [5.1], [5.2], [10.0], [0.05]])
     labels = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0])
     bank = nnkloss.CentreBank(centres, labels)
-    lists = bank.rebuild_neighbours(k=2, backend="torch")  # default: no patching
-    assert lists.num_patched == 0 and lists.backend == "torch"
+    lists = bank.rebuild_neighbours(k=2, search_backend="torch")  # default: no patching
+    assert lists.num_patched == 0 and lists.search_backend == "torch"
     assert 7 not in bank.neighbours[6].tolist() and 6 not in bank.neighbours[7].tolist()
-    lists = bank.rebuild_neighbours(k=2, backend="torch", ensure_positive=True)
+    lists = bank.rebuild_neighbours(k=2, search_backend="torch", ensure_positive=True)
     assert lists.num_patched == 2
     assert 7 in bank.neighbours[6].tolist() and 6 in bank.neighbours[7].tolist()
     with pytest.raises(ValueError, match="approximate"):
-        bank.rebuild_neighbours(k=2, backend="torch", approximate="no-such-index")
+        bank.rebuild_neighbours(k=2, search_backend="torch", approximate="no-such-index")
     lists = bank.rebuild_neighbours(k=2)  # the default backend ("auto") works
-    assert lists.backend in ("torch", "faiss") and bank.k == 2
+    assert lists.search_backend in ("torch", "faiss") and bank.k == 2
 
 
 def test_from_class_means_uses_its_seed():

@@ -45,7 +45,7 @@ def setup(n=24, d=4):
 @pytest.mark.parametrize("finish", ["wait", "poll"])
 def test_bank_grown_during_async_refresh_is_refused(finish):
     bank, model, loader = setup()
-    refresher = Refresher(bank, model, loader, k=4, backend="torch", progress=False,
+    refresher = Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
                           async_mode=True)
     refresher.refresh_async()
     assert loader.started.wait(30)  # the worker sized its new bank at 24 rows
@@ -67,7 +67,7 @@ def test_bank_grown_during_async_refresh_is_refused(finish):
 
 def test_async_refresh_of_an_unchanged_bank_is_swapped_in():
     bank, model, loader = setup()
-    refresher = Refresher(bank, model, loader, k=4, backend="torch", progress=False,
+    refresher = Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
                           async_mode=True)
     refresher.refresh_async()
     loader.go.set()

@@ -34,7 +34,7 @@ def kernel_trainer(seed=0, *, learn=False, async_mode=False, schedule=None, k=8,
     model = mlp(seed)
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone(), learn_weights=learn)
     loss = NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=learn)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=k, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=k, search_backend="torch",
                           progress=False, async_mode=async_mode)
     kw.setdefault("optimizer", "adam")
     kw.setdefault("lr", 3e-3)
@@ -148,7 +148,7 @@ def test_adamw_decays_decoupled_from_the_gradient(optimizer):
     model = WithIdleParameter()
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
     loss = NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=True)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=6, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=6, search_backend="torch",
                           progress=False)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=16), optimizer=optimizer, lr=0.01,
                  weight_decay=0.1, refresher=refresher, progress=False)

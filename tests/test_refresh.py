@@ -71,14 +71,14 @@ def brute_lists(centres, k):
 def test_rebuild_neighbours_matches_brute_force(backend):
     g = torch.Generator().manual_seed(0)
     bank = CentreBank(torch.randn(80, 5, generator=g), torch.randint(0, 4, (80,), generator=g))
-    lists = bank.rebuild_neighbours(7, backend=backend)
+    lists = bank.rebuild_neighbours(7, search_backend=backend)
     assert bank.neighbours.shape == (80, 7) and torch.equal(bank.neighbours, lists.indices)
     assert (lists.indices != torch.arange(80)[:, None]).all()
     torch.testing.assert_close(lists.distances.double(), brute_lists(bank.centres, 7),
                                rtol=1e-4, atol=1e-4)
     same = bank.labels[lists.indices] == bank.labels[:, None]
     assert torch.equal(lists.has_positive, same.any(1))
-    assert lists.num_patched == 0 and lists.seconds >= 0 and lists.backend == backend
+    assert lists.num_patched == 0 and lists.seconds >= 0 and lists.search_backend == backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -90,7 +90,7 @@ def test_rebuild_neighbours_ensure_positive(backend):
     labels[7] = 99  # a class of one: nothing can be patched in
     bank = CentreBank(centres, labels)
     plain = neighbour_lists(centres, labels, k, search_backend=backend)
-    lists = bank.rebuild_neighbours(k, backend=backend, ensure_positive=True)
+    lists = bank.rebuild_neighbours(k, search_backend=backend, ensure_positive=True)
     lacking = ~plain.has_positive
     assert lacking.sum() > 10  # the test data does exercise the patching
     assert lists.num_patched == int(lacking.sum()) - 1
@@ -116,10 +116,10 @@ def test_rebuild_neighbours_ensure_positive(backend):
 
 def test_rebuild_neighbours_errors_leave_lists():
     bank = CentreBank(torch.randn(5, 2), torch.arange(5))
-    bank.rebuild_neighbours(2, backend="torch")
+    bank.rebuild_neighbours(2, search_backend="torch")
     before = bank.neighbours.clone()
     with pytest.raises(ValueError, match="k=5"):
-        bank.rebuild_neighbours(5, backend="torch")
+        bank.rebuild_neighbours(5, search_backend="torch")
     assert torch.equal(bank.neighbours, before)
 
 
@@ -130,7 +130,7 @@ def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
     model = make_model()
     model.train()
     bank = CentreBank(torch.zeros(N, D, dtype=bank_dtype), torch.zeros(N, dtype=torch.long))
-    ref = Refresher(bank, model, make_loader(x, y), k=8, backend="torch", progress=False)
+    ref = Refresher(bank, model, make_loader(x, y), k=8, search_backend="torch", progress=False)
     stats = ref.refresh(sigma=2.0)
     assert model.training and all(m.training for m in model.modules())
     expected = eval_embeddings(model, x).to(bank_dtype)
@@ -145,7 +145,7 @@ def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
     kern = torch.exp(-lists.distances / (2 * 2.0 ** 2)).mean()
     assert stats.mean_kernel == pytest.approx(float(kern), rel=1e-5) and stats.sigma == 2.0
     assert stats.positive_share == pytest.approx(float(lists.has_positive.float().mean()))
-    assert stats.backend == "torch" and not stats.asynchronous
+    assert stats.search_backend == "torch" and not stats.asynchronous
     # Same model again: identical lists, full overlap.
     again = ref.refresh()
     assert again.overlap == pytest.approx(1.0) and again.mean_kernel is None
@@ -156,7 +156,7 @@ def test_refresh_restores_mixed_modes_and_eval_mode():
     model = make_model()
     model.train()
     model[2].eval()  # e.g. a frozen submodule
-    ref = Refresher(make_bank(), model, make_loader(x, y), k=4, backend="torch", progress=False)
+    ref = Refresher(make_bank(), model, make_loader(x, y), k=4, search_backend="torch", progress=False)
     ref.refresh()
     assert model.training and model[0].training and not model[2].training
     model.eval()
@@ -168,7 +168,7 @@ def test_refresh_overlap_and_positive_stats():
     x, y = make_data()
     model = make_model()
     bank = make_bank()
-    ref = Refresher(bank, model, make_loader(x, y), k=6, backend="torch", progress=False,
+    ref = Refresher(bank, model, make_loader(x, y), k=6, search_backend="torch", progress=False,
                     ensure_positive=True, sigma=1.5)
     ref.refresh()
     old = bank.neighbours.clone()
@@ -198,10 +198,10 @@ def test_failed_refresh_leaves_bank_and_mode_intact():
     model = make_model()
     model.train()
     bank = make_bank()
-    Refresher(bank, model, make_loader(x, y), k=5, backend="torch", progress=False).refresh()
+    Refresher(bank, model, make_loader(x, y), k=5, search_backend="torch", progress=False).refresh()
     state = bank_state(bank)
     ref = Refresher(bank, make_model(seed=9), failing_loader(x, y, fail_after=3), k=5,
-                    backend="torch", progress=False)
+                    search_backend="torch", progress=False)
     ref.model.train()
     with pytest.raises(Boom):
         ref.refresh()
@@ -216,7 +216,7 @@ def test_missing_rows_named():
     sub = [(xb, yb, ib) for xb, yb, ib in make_loader(x, y, shuffle=False)]
     keep_idx = sub[0][2][:6]
     sub[0] = (sub[0][0][:6], sub[0][1][:6], keep_idx)  # drop 10 rows of the first batch
-    ref = Refresher(bank, make_model(), sub, k=5, backend="torch", progress=False)
+    ref = Refresher(bank, make_model(), sub, k=5, search_backend="torch", progress=False)
     with pytest.raises(ValueError, match=r"never yielded 10 of the bank's 96 rows"):
         ref.refresh()
     assert_bank_equal(bank, state)
@@ -228,17 +228,17 @@ def test_bad_loader_and_model_outputs():
     state = bank_state(bank)
     bad_idx = [(x[:4], y[:4], torch.tensor([0, 1, 2, N]))]
     with pytest.raises(IndexError, match="outside the bank's rows"):
-        Refresher(bank, make_model(), bad_idx, k=3, backend="torch", progress=False).refresh()
+        Refresher(bank, make_model(), bad_idx, k=3, search_backend="torch", progress=False).refresh()
     with pytest.raises(ValueError, match=r"model output has shape \(16, 4\); expected"):
         Refresher(CentreBank(torch.zeros(N, 3), torch.zeros(N, dtype=torch.long)), make_model(),
-                  make_loader(x, y), k=3, backend="torch", progress=False).refresh()
+                  make_loader(x, y), k=3, search_backend="torch", progress=False).refresh()
 
     class NaNModel(nn.Module):
         def forward(self, inp):
             return torch.full((inp.shape[0], D), float("nan"))
 
     with pytest.raises(ValueError, match="NaN/inf embeddings for 96 rows"):
-        Refresher(bank, NaNModel(), make_loader(x, y), k=3, backend="torch",
+        Refresher(bank, NaNModel(), make_loader(x, y), k=3, search_backend="torch",
                   progress=False).refresh()
     with pytest.raises(ValueError, match="triples"):
         Refresher(bank, make_model(), [(x, y)], k=3, progress=False).refresh()
@@ -257,7 +257,7 @@ def test_refresh_with_progress_bar_and_approximate(capsys):
     ref = Refresher(bank, make_model(), make_loader(x, y), k=5, progress=True,
                     knn_options={"approximate": "hnsw"})
     stats = ref.refresh()
-    assert stats.backend == "faiss-hnsw" and bank.neighbours.shape == (N, 5)
+    assert stats.search_backend == "faiss-hnsw" and bank.neighbours.shape == (N, 5)
 
 
 # ============================================================================ Refresher (async)
@@ -266,9 +266,9 @@ def test_async_matches_sync_and_uses_a_snapshot():
     model = make_model()
     model.train()
     sync_bank, async_bank = make_bank(), make_bank()
-    Refresher(sync_bank, model, make_loader(x, y), k=6, backend="torch",
+    Refresher(sync_bank, model, make_loader(x, y), k=6, search_backend="torch",
               progress=False).refresh()
-    ref = Refresher(async_bank, model, make_loader(x, y), k=6, backend="torch", progress=False,
+    ref = Refresher(async_bank, model, make_loader(x, y), k=6, search_backend="torch", progress=False,
                     async_mode=True)
     assert ref.request() is None and ref.in_flight
     # Training goes on: the live model changes while the background refresh runs.
@@ -293,7 +293,7 @@ def test_async_poll_before_and_after_completion():
         yield from make_loader(x, y)
 
     bank = make_bank()
-    ref = Refresher(bank, make_model(), gated_loader(), k=4, backend="torch", progress=False)
+    ref = Refresher(bank, make_model(), gated_loader(), k=4, search_backend="torch", progress=False)
     ref.refresh_async(sigma=1.0)
     assert ref.poll() is None and ref.wait(timeout=0.01) is None
     with pytest.raises(RuntimeError, match="in flight"):
@@ -313,7 +313,7 @@ def test_async_failure_leaves_bank_intact():
     bank = make_bank()
     state = bank_state(bank)
     ref = Refresher(bank, make_model(), failing_loader(x, y, fail_after=2), k=4,
-                    backend="torch", progress=False)
+                    search_backend="torch", progress=False)
     ref.refresh_async()
     with pytest.raises(RuntimeError, match="background refresh failed") as info:
         ref.wait()
@@ -369,7 +369,7 @@ def test_schedule_drives_a_training_loop():
     x, y = make_data()
     model = make_model()
     bank = make_bank()
-    ref = Refresher(bank, model, make_loader(x, y, shuffle=False), k=4, backend="torch",
+    ref = Refresher(bank, model, make_loader(x, y, shuffle=False), k=4, search_backend="torch",
                     progress=False)
     ref.refresh()
     sched = RefreshSchedule(every_epochs=2)
@@ -389,7 +389,7 @@ def test_stats_read_the_loss_current_sigma_not_a_frozen_copy():
     x, y = make_data()
     model = make_model()
     loss, ref = kernel_criterion(model, make_loader(x, y, shuffle=False), y, D, sigma=2.0, k=6,
-                                 device="cpu", learn_sigma=True, backend="torch")
+                                 device="cpu", learn_sigma=True, search_backend="torch")
     assert ref.refresh().sigma == pytest.approx(2.0)
     with torch.no_grad():
         loss.log_sigma.fill_(0.0)  # sigma 1, as training might have moved it
@@ -415,7 +415,7 @@ def test_refresher_sigma_sources_are_read_at_each_refresh(source):
     box = {"sigma": 0.5}
     t = torch.tensor(0.5)
     sigma = {"loss": loss, "callable": lambda: box["sigma"], "tensor": t}[source]
-    ref = Refresher(bank, make_model(), make_loader(x, y), k=4, backend="torch", sigma=sigma)
+    ref = Refresher(bank, make_model(), make_loader(x, y), k=4, search_backend="torch", sigma=sigma)
     assert ref.refresh().sigma == pytest.approx(0.5)
     with torch.no_grad():
         loss.log_sigma.fill_(float(torch.tensor(4.0).log()))
@@ -442,7 +442,7 @@ def test_refresher_bad_sigma_sources():
 # ============================================================================ quiet by default
 def test_refresher_is_quiet_by_default(capsys):
     x, y = make_data()
-    ref = Refresher(make_bank(), make_model(), make_loader(x, y), k=4, backend="torch")
+    ref = Refresher(make_bank(), make_model(), make_loader(x, y), k=4, search_backend="torch")
     assert ref.progress is False
     ref.refresh()
     out = capsys.readouterr()
@@ -466,7 +466,7 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     x, y = make_data()
     g = torch.Generator().manual_seed(5)
     bank = CentreBank(torch.randn(N, D, generator=g), y.clone())
-    ref = Refresher(bank, NoForward(), make_loader(x, y), k=3, backend="torch",
+    ref = Refresher(bank, NoForward(), make_loader(x, y), k=3, search_backend="torch",
                     ensure_positive=True, sigma=0.7)
     first = ref.rebuild_lists()
     expected = neighbour_lists(bank.centres, bank.labels, 3, search_backend="torch",

@@ -34,7 +34,7 @@ def kernel_setup(model, ds, k=12, sigma=1.0, every_epochs=1, every_steps=None):
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
     loss = NeighbourKernelLoss(bank, sigma=sigma)
     ordered = DataLoader(ds, batch_size=32, shuffle=False)
-    refresher = Refresher(bank, model, ordered, k=k, backend="torch", progress=False)
+    refresher = Refresher(bank, model, ordered, k=k, search_backend="torch", progress=False)
     return loss, refresher, RefreshSchedule(every_epochs=every_epochs, every_steps=every_steps)
 
 
@@ -89,7 +89,7 @@ def test_sigma_and_weight_groups():
     model = mlp()
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone(), learn_weights=True)
     loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, search_backend="torch",
                           progress=False)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher, lr=0.01,
                  sigma_lr=0.1, weights_lr=0.5, progress=False)
@@ -165,7 +165,7 @@ def test_async_refresher_swaps_in_during_training():
     model = mlp(seed=3)
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
     loss = NeighbourKernelLoss(bank, sigma=1.0)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, search_backend="torch",
                           progress=False, async_mode=True)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=8, shuffle=True), optimizer="adam",
                  lr=3e-3, refresher=refresher, schedule=RefreshSchedule(every_steps=4),
@@ -277,7 +277,7 @@ def _data_run(out_dir, n_per=24, dim=6, permute=False, epochs=1):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, dim))
     bank = CentreBank(torch.zeros(len(ds), dim), ds.labels.clone())
     loss = NeighbourKernelLoss(bank, sigma=1.0)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=6, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=6, search_backend="torch",
                           progress=False)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=16), lr=1e-3, refresher=refresher,
                  out_dir=str(out_dir), progress=False)
@@ -358,7 +358,7 @@ def moving_setup(seed=0, every_epochs=100, every_steps=None, k=6, ensure_positiv
     model = mlp(seed=seed)
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
     loss = NeighbourKernelLoss(bank, sigma=1.0)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=k, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=k, search_backend="torch",
                           ensure_positive=ensure_positive)
     kw.setdefault("optimizer", "adam")
     kw.setdefault("lr", 3e-3)
@@ -487,7 +487,7 @@ def test_sigma_lr_drives_a_learned_sigma():
         model = mlp()
         bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
         loss = NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
-        refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch")
+        refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, search_backend="torch")
         tr = Trainer(model, loss, DataLoader(ds, batch_size=len(ds)), optimizer="sgd",
                      momentum=0.0, lr=0.01, sigma_lr=sigma_lr, weight_decay=0.0,
                      refresher=refresher, progress=False)
@@ -575,7 +575,7 @@ def test_optimiser_groups_come_from_the_loss_not_from_names():
     declared = loss.parameter_groups()
     assert declared["sigma"] == [loss.log_sigma] and declared["weights"] == [bank.log_weights]
     assert declared["other"] == [loss.scale_log_weights]
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, search_backend="torch",
                           progress=False)
     tr = Trainer(model, loss, DataLoader(ds, batch_size=16), refresher=refresher,
                  optimizer="adamw", lr=1e-3, weight_decay=0.1, sigma_lr=0.5, weights_lr=0.25,
@@ -638,7 +638,7 @@ class _Recording(NeighbourKernelLoss):
 def _recording_setup(ds, model):
     bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
     loss = _Recording(bank, sigma=1.0)
-    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, backend="torch",
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=8, search_backend="torch",
                           progress=False)
     return loss, refresher
 

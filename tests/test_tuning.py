@@ -27,7 +27,7 @@ def setup(seed=0, n_per=30, classes=4, spread=1.5, k=10):
     ds = IndexedTensorDataset(x, y)
     bank = CentreBank(torch.zeros(len(ds), 4), y.clone())
     crit = NeighbourKernelLoss(bank, sigma=0.7, learn_sigma=True)
-    Refresher(bank, model, DataLoader(ds, batch_size=64), k=k, backend="torch").refresh()
+    Refresher(bank, model, DataLoader(ds, batch_size=64), k=k, search_backend="torch").refresh()
     return model, crit, DataLoader(ds, batch_size=16, shuffle=True), x, y
 
 

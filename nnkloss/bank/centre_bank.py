@@ -241,13 +241,13 @@ class CentreBank(nn.Module):
         """Replace the (N, K) neighbour lists (validated, -1 = padding)."""
         return self.update_(neighbours=neighbours)
 
-    def rebuild_neighbours(self, k: int, backend: str = "auto", ensure_positive: bool = False,
+    def rebuild_neighbours(self, k: int, search_backend: str = "auto", ensure_positive: bool = False,
                            **knn_options):
         """Recompute the (N, k) lists from the current centres (own row excluded) and set them.
 
         Args:
             k: list length, 1 <= k <= N - 1 (ValueError naming k otherwise).
-            backend: "auto", "torch" or "faiss" (see :func:`nnkloss.bank.search.knn`); ``knn_options``
+            search_backend: "auto", "torch" or "faiss" (see :func:`nnkloss.bank.search.knn`); ``knn_options``
                 go to it too (``approximate="ivf"``, ``tile_bytes=``, ...).
             ensure_positive: a row whose list holds no centre of its own label gets its nearest
                 same-label centre (other than itself) in place of its last entry, when one
@@ -258,7 +258,7 @@ class CentreBank(nn.Module):
             squared distances (N, k), has_positive (N,), num_patched, search seconds, backend.
         """
         from .search import neighbour_lists  # only needed here: keeps bank import-light
-        lists = neighbour_lists(self.centres, self.labels, k, search_backend=backend,
+        lists = neighbour_lists(self.centres, self.labels, k, search_backend=search_backend,
                                 ensure_positive=ensure_positive, **knn_options)
         self.update_(neighbours=lists.indices)
         return lists

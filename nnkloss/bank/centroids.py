@@ -43,7 +43,7 @@ def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
 
 
 def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: float = 1e-7,
-           backend: str = "auto") -> Tuple[Tensor, Tensor]:
+           search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Lloyd's k-means with greedy k-means++ seeding (as scikit-learn seeds it).
 
     Args:
@@ -52,7 +52,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
         iters: maximum Lloyd iterations.
         seed: seed of the k-means++ sampling (results are deterministic for a given seed).
         tol: stop when the relative decrease of the inertia falls below this.
-        backend: neighbour-search backend for the assignment step (see :func:`nnkloss.knn`).
+        search_backend: neighbour-search backend for the assignment step (see :func:`nnkloss.knn`).
 
     Returns:
         centroids (n_clusters, D) in the compute dtype, assignment (N,) int64.
@@ -94,7 +94,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
 
     prev = float("inf")
     for _ in range(iters):
-        d, a = knn(x, cents, 1, search_backend=backend)
+        d, a = knn(x, cents, 1, search_backend=search_backend)
         assign = a[:, 0]
         inertia = float(d.sum())
         sums = torch.zeros_like(cents).index_add_(0, assign, x)
@@ -110,12 +110,12 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
         if prev - inertia <= tol * max(prev, 1e-30) and not empty.any():
             break
         prev = inertia
-    _, a = knn(x, cents, 1, search_backend=backend)
+    _, a = knn(x, cents, 1, search_backend=search_backend)
     return cents, a[:, 0]
 
 
 def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int = 50,
-                    backend: str = "auto") -> Tuple[Tensor, Tensor]:
+                    search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Centres for an NCM / NCMC bank: the class means, or k-means centroids in each class.
 
     Args:
@@ -126,7 +126,7 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
             ``per_class`` gets one centroid per distinct example.
         seed: k-means++ seed.
         iters: maximum Lloyd iterations per class.
-        backend: search backend of the k-means assignment step.
+        search_backend: search backend of the k-means assignment step.
 
     Returns:
         centres (M, D) in emb's dtype (fp32 for fp64 input, the bank's widest dtype), on emb's
@@ -163,7 +163,8 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         if distinct.shape[0] <= per_class:
             cents = distinct
         else:
-            cents, _ = kmeans(pts, per_class, iters=iters, seed=seed + ci, backend=backend)
+            cents, _ = kmeans(pts, per_class, iters=iters, seed=seed + ci,
+                               search_backend=search_backend)
         centres.append(cents)
         centre_labels.append(classes[ci].expand(cents.shape[0]))
     return torch.cat(centres).to(out_dtype), torch.cat(centre_labels)

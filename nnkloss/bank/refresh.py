@@ -40,7 +40,7 @@ class RefreshStats:
     num_patched: rows given a same-label entry by ``ensure_positive``.
     overlap: mean over rows of |new list & old list| / (entries in the new list); None when the
         bank had no lists of the same N before (how much the lists moved since last time).
-    backend: the search backend that ran.
+    search_backend: the search backend that ran.
     asynchronous: computed by :meth:`Refresher.refresh_async`.
     """
     embed_seconds: float
@@ -53,7 +53,7 @@ class RefreshStats:
     positive_share: float
     num_patched: int
     overlap: Optional[float]
-    backend: str
+    search_backend: str
     asynchronous: bool = False
 
 
@@ -86,7 +86,7 @@ def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], si
         overlap = _list_overlap(lists.indices, old)
     return RefreshStats(embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel,
                         sigma, float(lists.has_positive.float().mean()), lists.num_patched,
-                        overlap, lists.backend, asynchronous)
+                        overlap, lists.search_backend, asynchronous)
 
 
 def _check_sigma(sigma) -> Optional[float]:
@@ -208,7 +208,7 @@ class Refresher:
             batch. Every row 0..N-1 must be yielded at least once (order free, e.g. shuffled);
             a row yielded twice keeps its last embedding. Use a loader without augmentation.
         k: neighbour-list length (<= N - 1).
-        backend: kNN backend ("auto", "torch", "faiss"); ``knn_options`` (e.g.
+        search_backend: "auto", "torch" or "faiss"; ``knn_options`` (e.g.
             ``{"approximate": "ivf"}``) go to :func:`nnkloss.bank.search.knn`.
         ensure_positive: give rows without a same-label neighbour their nearest same-label
             centre (see :func:`nnkloss.bank.search.neighbour_lists`).
@@ -252,7 +252,7 @@ class Refresher:
     """
 
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
-                 backend: str = "auto", ensure_positive: bool = False,
+                 search_backend: str = "auto", ensure_positive: bool = False,
                  device: Optional[torch.device] = None, progress: bool = False,
                  async_mode: bool = False, sigma=None, knn_options: Optional[dict] = None):
         if not isinstance(bank, CentreBank):
@@ -270,7 +270,7 @@ class Refresher:
         self.model = model
         self.loader = loader
         self.k = int(k)
-        self.backend = backend
+        self.search_backend = search_backend
         self.ensure_positive = bool(ensure_positive)
         self.device = torch.device(device) if device is not None else None
         self.progress = bool(progress)
@@ -424,7 +424,7 @@ class Refresher:
         """The (N, k) lists of ``centres`` with this refresher's k / search backend /
         ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
-        lists = search(centres, labels, self.k, search_backend=self.backend,
+        lists = search(centres, labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
         return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
 

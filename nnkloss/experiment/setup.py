@@ -83,7 +83,7 @@ def make_loader(ds: Dataset, batch_size: int, shuffle: bool, workers: int = 0,
 def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.Tensor, dim: int,
                      sigma: float, k: int, device, learn_weights: bool = False,
                      learn_sigma: bool = False, ensure_positive: bool = False,
-                     backend: str = "auto", progress: bool = True,
+                     search_backend: str = "auto", progress: bool = True,
                      async_mode: bool = False) -> Tuple[NeighbourKernelLoss, Refresher]:
     """The kernel loss over a bank of the training set, and the Refresher that fills it.
 
@@ -96,7 +96,7 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
         learn_weights: as in :class:`CentreBank` (learned per-centre weights).
         k: neighbour-list length; clamped to N - 1 (tiny sets).
         device: where the bank lives (the model's device).
-        ensure_positive, backend, progress, async_mode: passed to the :class:`Refresher`.
+        ensure_positive, search_backend, progress, async_mode: passed to the :class:`Refresher`.
     Returns:
         (criterion, refresher). The bank starts as zeros: the Trainer refreshes it before the
         first step.
@@ -108,7 +108,8 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
     bank = CentreBank(torch.zeros(n, dim, device=device), torch.as_tensor(labels).long().to(device),
                       learn_weights=learn_weights)
     criterion = NeighbourKernelLoss(bank, sigma=sigma, learn_sigma=learn_sigma)
-    refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1), backend=backend,
+    refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1),
+                          search_backend=search_backend,
                           ensure_positive=ensure_positive, device=device, progress=progress,
                           async_mode=async_mode, sigma=criterion)  # its current sigma
     return criterion, refresher

@@ -26,14 +26,14 @@ class NeighbourLists:
     has_positive: (N,) bool, the list holds a centre with the row's own label.
     num_patched: rows whose last entry was replaced by their nearest same-label centre.
     seconds: wall time of the search (CUDA work synchronised before the clock is read).
-    backend: the search that ran ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
+    search_backend: the search that ran ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
     """
     indices: Tensor
     distances: Tensor
     has_positive: Tensor
     num_patched: int
     seconds: float
-    backend: str
+    search_backend: str
 
 
 def has_same_label(indices: Tensor, labels: Tensor) -> Tensor:

@@ -761,3 +761,48 @@ def test_kernel_error_codes_are_raised(monkeypatch):
         cpu.centre_grad(emb, centres, nb, torch.ones(nb.shape))
     with pytest.raises(RuntimeError, match=r"^nnk_scale_rows failed \(code 5\)$"):
         cpu.scale_rows(torch.randn(3, 2), torch.ones(3))
+
+
+@kernel
+@pytest.mark.parametrize("emb_dtype,bank_dtype", [(torch.float32, torch.float32),
+                                                   (torch.float64, torch.bfloat16),
+                                                   (torch.float32, torch.float16)])
+@pytest.mark.parametrize("store_dist", [True, False])
+def test_forward_only_is_the_forward_without_grad_x(recorded, emb_dtype, bank_dtype, store_dist):
+    """need_grad_x=False: the kernel is called without a grad_x buffer (NULL), grad_x comes
+    back (B, 0), and loss, lse's and dist are bit for bit those of the full forward (the same
+    first pass), non-finite rows included."""
+    emb, labels, centres, cl, nb, w, s = make(B=12, emb_dtype=emb_dtype, bank_dtype=bank_dtype,
+                                              seed=28)
+    emb = emb.clone()
+    emb[4, 0] = float("nan")
+    full = cpu.forward(emb, labels, centres, cl, nb, w, s, store_dist=store_dist)
+    fwd = cpu.forward(emb, labels, centres, cl, nb, w, s, store_dist=store_dist,
+                      need_grad_x=False)
+    assert recorded.names() == ["nnk_forward", "nnk_forward"]
+    grad_ptr = [args[20] for _, args in recorded.calls]
+    assert grad_ptr[0] == full[3].data_ptr() and grad_ptr[1] is None
+    assert fwd[3].shape == (12, 0) and fwd[3].dtype == full[3].dtype
+    for a, b in zip(full[:3] + full[4:], fwd[:3] + fwd[4:]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert torch.isnan(fwd[0][4]) and torch.isnan(fwd[2][4])
+    ref = reference(emb, labels, centres, cl, nb, w, s)
+    check(full, ref, full[0].dtype, dist_too=store_dist)
+
+
+@kernel
+def test_forward_only_threads_and_empty_batch():
+    inputs = make(B=200, K=40, D=70, N=300, seed=29)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.forward(*inputs, need_grad_x=False)
+        torch.set_num_threads(3)
+        many = cpu.forward(*inputs, need_grad_x=False)
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+    emb, labels, centres, cl, nb, w, s = inputs
+    out = cpu.forward(emb[:0], labels[:0], centres, cl, nb[:0], w, s, need_grad_x=False)
+    assert [tuple(t.shape) for t in out] == [(0,), (0,), (0,), (0, 0), (0, 40)]

@@ -214,13 +214,16 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True):
-    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D) and dist
-    (B, K), or (B, 0) when ``store_dist`` is False; all in the compute dtype."""
+def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
+            need_grad_x=True):
+    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D)
+    and dist (B, K); grad_x is (B, 0) when ``need_grad_x`` is False (the kernel's forward-only
+    path: one pass over the gathered rows, no gradient terms), dist (B, 0) when ``store_dist``
+    is False; all in the compute dtype."""
     lib = _lib()
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
         return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
-                                 sigma, store_dist=store_dist)
+                                 sigma, store_dist=store_dist, need_grad_x=need_grad_x)
     cdt = reference.compute_dtype(emb)
     B, D = emb.shape
     K = neighbours.shape[1]
@@ -236,7 +239,8 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         w = w.contiguous()
         wtype = 1 if w.dtype == torch.float32 else 2
     s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
-    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist)
+    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist,
+                                                                   need_grad_x)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
     rc = lib.nnk_forward(int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(),
@@ -244,7 +248,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
                          int(centre_labels.dtype == torch.int64), nb.data_ptr(),
                          int(nb.dtype == torch.int64), _ptr(w), wtype, s, B, K, D, N,
                          int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(),
-                         lse_pos.data_ptr(), grad_x.data_ptr(),
+                         lse_pos.data_ptr(), grad_x.data_ptr() if need_grad_x else None,
                          dist.data_ptr() if store_dist else None, _threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")

@@ -806,3 +806,24 @@ def test_forward_only_threads_and_empty_batch():
     emb, labels, centres, cl, nb, w, s = inputs
     out = cpu.forward(emb[:0], labels[:0], centres, cl, nb[:0], w, s, need_grad_x=False)
     assert [tuple(t.shape) for t in out] == [(0,), (0,), (0,), (0, 0), (0, 40)]
+
+
+def test_first_build_says_so_once(monkeypatch, fresh_state, caplog):
+    """A compile (slow) gives one log line per process; a cached load (fast) gives none."""
+    import logging
+    monkeypatch.setattr(cpu, "_build_and_load", lambda: (
+        cpu._state.update(path="/cache/x/nnk_cpu_1.so", compile_s=6.5), object())[1])
+    with caplog.at_level(logging.INFO, logger="nnkloss"):
+        cpu._lib()
+        cpu._lib()
+        cpu.available()
+    lines = [r.getMessage() for r in caplog.records if r.name == "nnkloss"]
+    assert lines == ["nnkloss: compiled the CPU kernel in 6.5 s (once per machine; cached in "
+                     "/cache/x)"]
+    cpu._reset_for_tests()
+    monkeypatch.setattr(cpu, "_build_and_load", lambda: (
+        cpu._state.update(path="/cache/x/nnk_cpu_1.so", compile_s=0.01), object())[1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nnkloss"):
+        cpu._lib()
+    assert [r for r in caplog.records if r.name == "nnkloss"] == []

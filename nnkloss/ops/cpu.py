@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -163,11 +164,26 @@ def _lib():
             except Exception as exc:  # any failure: the plain torch path runs instead
                 _state["error"] = str(exc)
             _state["tried"] = True
+            _build_notice()
     if _state["lib"] is None and not _state["warned"]:
         _state["warned"] = True
         warnings.warn(f"nnkloss: compiled CPU kernel unavailable ({_state['error']}); "
                       "using the plain PyTorch path", RuntimeWarning, stacklevel=3)
     return _state["lib"]
+
+
+# A build slower than this was a compile (loading a cached library takes milliseconds).
+NOTICE_AFTER_S = 1.0
+
+
+def _build_notice():
+    """One line, once per process, when this process compiled the kernel (the first CPU call
+    waits for it, ~5 s); nothing when the cached library was loaded."""
+    spent = _state["compile_s"]
+    if _state["lib"] is not None and spent is not None and spent >= NOTICE_AFTER_S:
+        logging.getLogger("nnkloss").warning(
+            "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
+            spent, os.path.dirname(_state["path"]))
 
 
 def available() -> bool:

@@ -217,6 +217,11 @@ def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
             and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
 
 
+# Whose threads: the kernel's own. Each call starts at most torch.get_num_threads() - 1
+# helper std::threads that claim rows from a shared counter and exit when none is left (no
+# pool, nothing spins between calls); torch's intra-op pool is not used inside the op, and its
+# size is the one knob for both (torch.set_num_threads / OMP_NUM_THREADS). The caller never
+# waits for a helper that has not started, so on a busy machine a late helper costs nothing.
 # Each thread gets at least this many gathered elements (B*K*D) of work: a helper thread is
 # started per call (tens of microseconds), which smaller shares would not repay.
 PARALLEL_MIN_ELEMS = 1 << 16

@@ -37,15 +37,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, device_name, git_commit, results_path,  # noqa: E402
-                    run_isolated, time_ms, worker_reply)
+from common import (PeakRss, ResultsCsv, device_name, git_commit, load_average,  # noqa: E402
+                    read_gbps, results_path, run_isolated, time_ms, utc_now, worker_reply)
 
 import torch  # noqa: E402
 
 import nnkloss  # noqa: E402
 
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
-           "device", "commit"]
+           "device", "commit", "gathered_gbps", "pct_of_read", "read_gbps", "threads", "load",
+           "date"]
+MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = ["fused", "eager", "compile", "torch"]
 # The CPU grid (issue 12): (B, K, D, N, bank dtype), sigma = sqrt(D) / 2.
@@ -111,8 +113,17 @@ def make_inputs(B, K, D, N, dtype, device, seed=0):
     return emb, labels, centres, centre_labels, nb, weights, sigma
 
 
+def gathered_bytes(B, K, D, bank_dtype):
+    """B*K*D*sizeof(bank): the gathered centre rows, the bytes the "% of limit" counts."""
+    return B * K * D * torch.tensor([], dtype=bank_dtype).element_size()
+
+
 def run_one(provider, mode, inputs, device, reps):
-    """(median ms, peak extra memory in MiB, first call ms) of one provider and mode."""
+    """(median ms, peak extra memory in MiB, first call ms) of one provider and mode.
+
+    fwd: the loss of embeddings that do not require grad (the forward-only op); fwd_bwd: the
+    loss and its backward to the embeddings; bwd: the backward alone (each timed call first
+    runs an untimed forward)."""
     emb, labels, centres, cl, nb, w, sigma = inputs
     # torch imports torch._dynamo (~150 MB RSS, once per process) on the first call of any
     # torch.library custom op -- the op's -- and in torch.compile: imported before the memory
@@ -120,11 +131,11 @@ def run_one(provider, mode, inputs, device, reps):
     import torch._dynamo  # noqa: F401
     fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss}.get(provider)
     if provider == "compile":
-        fn = torch.compile(eager_loss, dynamic=False)
+        fn = _COMPILED.setdefault("fn", torch.compile(eager_loss, dynamic=False))
     elif provider == "fused" and device.type == "cpu":
         from nnkloss.ops import cpu
         cpu.available()  # build / load the library before the memory baseline
-    x = emb.detach().clone().requires_grad_(mode == "fwd_bwd")
+    x = emb.detach().clone().requires_grad_(mode != "fwd")
 
     def step():
         loss = fn(x, labels, centres, cl, nb, w, sigma)
@@ -133,6 +144,8 @@ def run_one(provider, mode, inputs, device, reps):
             loss.backward()
         return loss
 
+    if mode == "bwd":
+        return _time_backward(lambda: fn(x, labels, centres, cl, nb, w, sigma), x, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -154,19 +167,55 @@ def run_one(provider, mode, inputs, device, reps):
     return ms, rss.peak_mb(), first
 
 
+_COMPILED = {}  # one torch.compile per process, shared by the modes measured there
+
+
+def _time_backward(forward, x, device, warmup=2, iters=7):
+    """Median ms of ``loss.backward()`` alone, peak extra memory of the backwards (above the
+    RSS / allocation after their forward), first backward's ms."""
+    cuda = device.type == "cuda"
+    times, peak, first = [], 0.0, None
+    for i in range(warmup + iters):
+        loss = forward()
+        x.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            rss = PeakRss().start()
+        t = time.perf_counter()
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        if cuda:
+            peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2 ** 20)
+        else:
+            peak = max(peak, rss.peak_mb())
+        first = ms if first is None else first
+        if i >= warmup:
+            times.append(ms)
+        del loss
+    return sorted(times)[len(times) // 2], peak, first
+
+
 def worker(spec):
-    """One measurement in this (fresh) process; replies with a JSON line."""
+    """The measurements of one provider and shape, every requested mode, in this (fresh)
+    process; replies with a JSON line ``{"modes": {mode: {...}}, "idx_dtype": ...}``."""
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
-    try:
-        with nnkloss.value_checks(False):
-            ms, peak, first = run_one(spec["provider"], spec["mode"], inputs, device,
-                                      spec["reps"])
-    except torch.OutOfMemoryError:
-        return worker_reply({"oom": True})
-    worker_reply({"ms": ms, "peak": peak, "first_ms": first, "idx_dtype": str(inputs[4].dtype)})
+    out = {}
+    with nnkloss.value_checks(False):
+        for mode in spec.get("modes", [spec.get("mode")]):
+            try:
+                ms, peak, first = run_one(spec["provider"], mode, inputs, device, spec["reps"])
+                out[mode] = {"ms": ms, "peak": peak, "first_ms": first}
+            except torch.OutOfMemoryError:
+                out[mode] = {"oom": True}
+    worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype)})
 
 
 def measure_copy_gbps(device, nbytes=2 ** 31):
@@ -211,28 +260,52 @@ def plot(csv_path, png_path):
     plt.close(fig)
 
 
-def summary(csv_path, commit, mode="fwd_bwd"):
-    """Markdown table of one commit's rows: time and peak memory per provider, and the fused
-    op's speed-up over each other provider."""
+MODE_HEAD = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
+
+
+def summary(csv_path, commit, mode=None):
+    """Markdown, in the style of Cut Cross-Entropy's tables: one table for the operation
+    (the loss), a row per shape and provider, time and peak extra memory of forward / backward
+    / forward+backward, and "% of limit" (bytes gathered / time against the read bandwidth
+    measured in the same run) for forward and forward+backward; then the fused op's speed-up
+    over each other provider. ``mode``: only that mode's columns (default: every mode)."""
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
-                and r["mode"] == mode and r["ms"] not in ("oom", "")]
+                and r["ms"] not in ("oom", "")]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows) and mode in (None, m)]
     by = {}
     for r in rows:
-        by.setdefault((r["B"], r["K"], r["D"], r["dtype"]), {})[r["provider"]] = r
+        by.setdefault((r["B"], r["K"], r["D"], r["dtype"]), {}).setdefault(
+            r["provider"], {})[r["mode"]] = r
     provs = [p for p in PROVIDERS if any(p in v for v in by.values())]
-    head = (["B, K, D, bank"] + [f"{p} ms" for p in provs]
-            + [f"fused vs {p}" for p in provs if p != "fused"] + [f"{p} MB" for p in provs])
+    pct_modes = [m for m in modes if m != "bwd"]
+    head = (["B, K, D, bank", "provider"] + [f"{MODE_HEAD[m]} ms" for m in modes]
+            + [f"{MODE_HEAD[m]} MB" for m in modes]
+            + [f"{MODE_HEAD[m]} % of limit" for m in pct_modes])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (B, K, D, dt), v in by.items():
-        cells = [f"{B}, {K}, {D}, {dt}"]
-        cells += [v[p]["ms"] if p in v else "" for p in provs]
         for p in provs:
-            if p != "fused":
-                ok = p in v and "fused" in v
-                cells.append(f"{float(v[p]['ms']) / float(v['fused']['ms']):.1f}x" if ok else "")
-        cells += [v[p]["peak_mem_mb"] if p in v else "" for p in provs]
-        lines.append("| " + " | ".join(cells) + " |")
+            if p not in v:
+                continue
+            cells = [f"{B}, {K}, {D}, {dt}", p]
+            cells += [v[p][m]["ms"] if m in v[p] else "" for m in modes]
+            cells += [v[p][m]["peak_mem_mb"] if m in v[p] else "" for m in modes]
+            cells += [f"{float(v[p][m]['pct_of_read']):.0f}%" if m in v[p]
+                      and v[p][m].get("pct_of_read") else "" for m in pct_modes]
+            lines.append("| " + " | ".join(cells) + " |")
+    others = [p for p in provs if p != "fused"]
+    if "fused" in provs and others:
+        head = ["B, K, D, bank"] + [f"fused vs {p}, {MODE_HEAD[m]}" for p in others
+                                    for m in modes]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for (B, K, D, dt), v in by.items():
+            cells = [f"{B}, {K}, {D}, {dt}"]
+            for p in others:
+                for m in modes:
+                    ok = m in v.get(p, {}) and m in v.get("fused", {})
+                    cells.append(f"{float(v[p][m]['ms']) / float(v['fused'][m]['ms']):.2f}x"
+                                 if ok else "")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -260,8 +333,9 @@ def _main(argv):
     ap.add_argument("--N", type=int, help="bank rows (default 1M: >> L2)")
     ap.add_argument("--providers", nargs="+", default=["fused", "eager", "compile"],
                     choices=PROVIDERS)
-    ap.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"],
-                    help="default fwd fwd_bwd (fwd_bwd only for the CPU grid)")
+    ap.add_argument("--modes", nargs="+", choices=MODES,
+                    help="default fwd bwd fwd_bwd (fwd: embeddings without grad, the "
+                         "forward-only op; bwd: the backward alone)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (CPU)")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -276,21 +350,25 @@ def _main(argv):
         return worker(json.loads(args.worker))
     device = torch.device(args.device)
     grid = shapes(args, device)
-    default_grid = device.type == "cpu" and grid == CPU_GRID
-    modes = args.modes or (["fwd_bwd"] if default_grid else ["fwd", "fwd_bwd"])
+    modes = args.modes or list(MODES)
     isolate = device.type == "cpu" if args.isolate is None else args.isolate
     name = device_name(device)
     commit = git_commit()
-    csv_path = results_path(args.out, device)
+    csv_path = results_path(args.out, device, prefix="loss_")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+    # The limit: a STREAM-like read on the same threads, measured in this run (before the
+    # measurements and again after them; the table uses the larger, the machine's best).
+    read = read_gbps(device)
     print(f"device: {name} | commit {commit} | threads {torch.get_num_threads()} | "
-          f"{'a fresh process per measurement' if isolate else 'in process'}")
+          f"{'a fresh process per provider and shape' if isolate else 'in process'} | "
+          f"read {read:.1f} GB/s | load {load_average()}")
+    results = []
     with ResultsCsv(csv_path, COLUMNS) as out:
         if args.copy_bandwidth:
             gbps = measure_copy_gbps(device)
             out.write(["copy", "torch", "copy", 0, 0, 0, "fp32", "", f"{gbps:.1f}", "", name,
-                       commit])
+                       commit, "", "", "", args.threads, load_average(), utc_now()])
         for B, K, D, N, dt in grid:
             inputs = None
             if not isolate:
@@ -299,34 +377,56 @@ def _main(argv):
                 except torch.OutOfMemoryError:
                     print(f"skip B={B} K={K} D={D} {dt}: bank does not fit")
                     continue
-            for mode, prov in itertools.product(modes, args.providers):
+            for prov in args.providers:
+                load = load_average()
                 if isolate:
                     res = run_isolated(os.path.abspath(__file__), {
-                        "provider": prov, "mode": mode, "B": B, "K": K, "D": D, "N": N,
+                        "provider": prov, "modes": modes, "B": B, "K": K, "D": D, "N": N,
                         "dtype": dt, "device": str(device), "threads": args.threads,
                         "reps": args.reps})
                     if "error" in res:
-                        raise RuntimeError(f"{prov} {mode} B={B} K={K} D={D}: {res['error']}")
+                        raise RuntimeError(f"{prov} B={B} K={K} D={D}: {res['error']}")
                     idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])
+                    per_mode = res["modes"]
                 else:
-                    try:
-                        ms, peak, first = run_one(prov, mode, inputs, device, args.reps)
-                        res = {"ms": ms, "peak": peak, "first_ms": first}
-                    except torch.OutOfMemoryError:
-                        res = {"oom": True}
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
+                    _COMPILED.clear()
+                    per_mode = {}
+                    for mode in modes:
+                        try:
+                            ms, peak, first = run_one(prov, mode, inputs, device, args.reps)
+                            per_mode[mode] = {"ms": ms, "peak": peak, "first_ms": first}
+                        except torch.OutOfMemoryError:
+                            per_mode[mode] = {"oom": True}
+                            if device.type == "cuda":
+                                torch.cuda.empty_cache()
                     idx_dtype = inputs[4].dtype
-                if res.get("oom"):
-                    out.write(["loss", prov, mode, B, K, D, dt, "oom", "", "", name, commit])
-                    continue
-                gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype, mode) / res["ms"] / 1e6
-                out.write(["loss", prov, mode, B, K, D, dt, f"{res['ms']:.4g}", f"{gbps:.4g}",
-                           f"{res['peak']:.1f}", name, commit])
-                print(f"    (N={N}, first call {res['first_ms']:.1f} ms)", flush=True)
+                for mode in modes:
+                    r = per_mode[mode]
+                    if r.get("oom"):
+                        results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
+                                        commit, "", "", "", args.threads, load, utc_now()])
+                        continue
+                    gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
+                                        "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
+                    gathered = ("" if mode == "bwd" else
+                                gathered_bytes(B, K, D, DTYPES[dt]) / r["ms"] / 1e6)
+                    results.append(["loss", prov, mode, B, K, D, dt, f"{r['ms']:.4g}",
+                                    f"{gbps:.4g}", f"{r['peak']:.1f}", name, commit,
+                                    "" if gathered == "" else f"{gathered:.4g}", gathered,
+                                    None, args.threads, load, utc_now()])
+                    print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
+                          f"(N={N}, first call {r['first_ms']:.1f} ms)", flush=True)
             del inputs
+        read = max(read, read_gbps(device))
+        out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
+                   commit, "", "", f"{read:.4g}", args.threads, load_average(), utc_now()])
+        for row in results:
+            if row[7] != "oom":
+                row[13] = "" if row[13] == "" else f"{100 * row[13] / read:.1f}"
+                row[14] = f"{read:.4g}"
+            out.write(row, echo=False)
     plot(csv_path, csv_path[:-4] + ".png")
-    print(summary(csv_path, commit, modes[-1]))
+    print(summary(csv_path, commit))
     return csv_path
 
 

@@ -25,7 +25,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
-           "PeakRss", "run_isolated", "worker_reply", "ResultsCsv", "results_path"]
+           "PeakRss", "run_isolated", "worker_reply", "ResultsCsv", "results_path",
+           "read_gbps", "load_average"]
 
 
 def git_commit() -> str:
@@ -183,3 +184,21 @@ class ResultsCsv:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def read_gbps(device, nbytes: int = 2 ** 30, iters: int = 7) -> float:
+    """STREAM-like read bandwidth in GB/s: the median time of summing an ``nbytes`` fp32 array
+    (far beyond the caches; each element read once, nothing written but the sum) on torch's
+    threads (set them first). The limit a gather-bound op is measured against."""
+    a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    ms = time_ms(lambda: a.sum(), device, reps=200, warmup=2, iters=iters)
+    del a
+    return nbytes / ms / 1e6
+
+
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages (what ``uptime`` shows), '' where unknown."""
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return ""

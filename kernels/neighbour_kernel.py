@@ -133,16 +133,19 @@ def _nk_fwd_kernel(
     HAS_W: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_PASS: tl.constexpr,
     STORE_DIST: tl.constexpr, ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, GRAD_X: tl.constexpr,
 ):
-    """ROWS query rows per program (grid = cdiv(B, ROWS)).
+    """ROWS query rows per program (grid = cdiv(B, ROWS)). GRAD_X False is the forward-only
+    build: no weighted sums of z, no grad_x store, no second phase (gx_ptr is not touched).
 
     Memory traffic per row (the figure the kernel is measured against):
         reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
                 + D * sizeof(emb) + sizeof(label)
                 (+ K * D * sizeof(bank) again on the two-phase path, D > BLOCK_D)
-        writes  D * 4 (grad_x) + 3 * 4 (loss, lse_all, lse_pos)
-                + K * 4 (dist) only when STORE_DIST (always on the two-phase path: scratch)
+        writes  D * 4 (grad_x, only with GRAD_X) + 3 * 4 (loss, lse_all, lse_pos)
+                + K * 4 (dist) only when STORE_DIST (always on the two-phase path with
+                GRAD_X: scratch)
+        Forward-only (GRAD_X False): the centres are read once whatever D.
     """
     # Step 0: per-program constants. Rows past B repeat row B-1 (identical values stored twice),
     # so no row mask is needed anywhere below.
@@ -201,7 +204,7 @@ def _nk_fwd_kernel(
             logit_pos = tl.where(same, logit, float("-inf"))
             m_all, alpha_all, p_all, s_all = _online_update(m_all, s_all, logit)
             m_pos, alpha_pos, p_pos, s_pos = _online_update(m_pos, s_pos, logit_pos)
-            if SINGLE_PASS:
+            if SINGLE_PASS and GRAD_X:
                 z = tl.where(ok[:, None], z, 0.0)
                 acc_all = acc_all * alpha_all + tl.sum(p_all[:, None] * z, axis=0)
                 acc_pos = acc_pos * alpha_pos + tl.sum(p_pos[:, None] * z, axis=0)
@@ -215,17 +218,17 @@ def _nk_fwd_kernel(
         tl.store(lse_all_ptr + row, tl.where(is_bad, float("nan"), lse_all))
         tl.store(lse_pos_ptr + row, tl.where(is_bad, float("nan"), lse_pos))
         tl.store(loss_ptr + row, tl.where(is_bad, float("nan"), loss))
-        # Probabilities are normalised by the computed sums (never exp(l - lse)).
-        scale_all = tl.where(has_pos, inv_sigma / tl.where(s_all > 0, s_all, 1.0), 0.0)
-        scale_pos = tl.where(has_pos, inv_sigma / tl.where(has_pos, s_pos, 1.0), 0.0)
         grow = row * stride_gb
 
-        # Step 4: grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j.
-        if SINGLE_PASS:
+        # Step 4: grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j (not in the forward-only build).
+        # Probabilities are normalised by the computed sums (never exp(l - lse)).
+        if GRAD_X and SINGLE_PASS:
+            scale_all = tl.where(has_pos, inv_sigma / tl.where(s_all > 0, s_all, 1.0), 0.0)
+            scale_pos = tl.where(has_pos, inv_sigma / tl.where(has_pos, s_pos, 1.0), 0.0)
             gx = acc_all * scale_all - acc_pos * scale_pos
             tl.store(gx_ptr + grow + offs_d, tl.where(is_bad, float("nan"), gx),
                      mask=offs_d < D)
-        else:
+        if GRAD_X and not SINGLE_PASS:
             # Two-phase path for wide D: the final maxima and sums are known now, so the
             # weighted sums need no rescaling. u is re-read from dist (written above by this
             # program, scratch when the caller did not ask for it); make it visible first.
@@ -399,7 +402,8 @@ def _check_config(cfg: FwdConfig):
 
 def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                          max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
-                         config: Optional[FwdConfig] = None, store_dist: bool = True):
+                         config: Optional[FwdConfig] = None, store_dist: bool = True,
+                         need_grad_x: bool = True):
     """Launch the fused forward (nnkloss/ops/CONTRACT.md).
 
     Args:
@@ -417,10 +421,12 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
             kernel always writes it, into a scratch buffer when store_dist is False: K * 4
             bytes written and read per row against >= 2 * K * 4096 * sizeof(bank) bytes of
             centre reads, under 0.1%, and simpler than recomputing K distances.
+        need_grad_x: compute grad_x; False launches the forward-only build (no gradient terms,
+            no second phase, no scratch) and returns an empty (B, 0) grad_x.
 
     Returns:
-        loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b, dist (B, K) or
-        (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no
+        loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
+        dist (B, K) or (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no
         same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite rows are NaN.
         ``dist`` holds u_j = ||c_j - x||^2 / sigma^2 of every non-padding entry (zero-weight
         ones too) and 0 for padding.
@@ -433,7 +439,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     loss = torch.empty(B, device=dev, dtype=cdt)
     lse_all = torch.empty(B, device=dev, dtype=cdt)
     lse_pos = torch.empty(B, device=dev, dtype=cdt)
-    grad_x = torch.empty(B, D, device=dev, dtype=cdt)
+    grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
     cfg = config if config is not None else default_config(K, D, max_block_d,
                                                            centres.element_size())
@@ -449,30 +455,39 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         dist.zero_()
         return loss, lse_all, lse_pos, grad_x, dist
     single = cfg.single_pass(D)
-    write_dist = store_dist or not single
+    write_dist = store_dist or (need_grad_x and not single)  # the two-phase scratch
     dbuf = dist if store_dist else (torch.empty(B, K, device=dev, dtype=cdt) if write_dist
                                     else dist)
     w = weights if weights is not None else centres  # dummy pointer when HAS_W is False
+    gx = grad_x if need_grad_x else loss  # dummy pointer, never written without GRAD_X
     _nk_fwd_kernel[(triton.cdiv(B, cfg.rows),)](
         emb, labels, centres, centre_labels, neighbours, w, sigma,
-        loss, lse_all, lse_pos, grad_x, dbuf,
+        loss, lse_all, lse_pos, gx, dbuf,
         B, K, D,
-        emb.stride(0), centres.stride(0), neighbours.stride(0), grad_x.stride(0),
+        emb.stride(0), centres.stride(0), neighbours.stride(0), gx.stride(0),
         dbuf.stride(0) if write_dist else 0,
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
         BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=single,
         STORE_DIST=write_dist, ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
-        ROWS=cfg.rows,
+        ROWS=cfg.rows, GRAD_X=need_grad_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return loss, lse_all, lse_pos, grad_x, dist
 
 
+# Elements of one centre-gradient tile. Each element is an atomic add with its own 64-bit
+# address, so registers grow with the tile: 4096 (32 per thread at 4 warps) took 130-168
+# registers on sm_80 and up to 167 on sm_90 at D <= 128 (12 resident warps per SM); 2048
+# holds every build at >= 16 warps (benchmarks/results/static_sm_*.csv).
+CENTRE_GRAD_TILE = 2048
+
+
 def centre_grad_config(K: int, D: int):
     """(block_k, block_d) of the centre-gradient scatter: D blocks of up to 256 columns (a grid
-    dimension, so wide rows spread over programs), about 4096 elements per tile."""
+    dimension, so wide rows spread over programs), at most CENTRE_GRAD_TILE elements per
+    tile."""
     block_d = min(triton.next_power_of_2(max(D, 1)), 256)
-    block_k = max(1, min(triton.next_power_of_2(max(K, 1)), 4096 // block_d, 64))
+    block_k = max(1, min(triton.next_power_of_2(max(K, 1)), CENTRE_GRAD_TILE // block_d, 64))
     return block_k, block_d
 
 

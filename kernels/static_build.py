@@ -55,6 +55,8 @@ class Build:
     idx: str = "int64"
     store_dist: bool = True
     B: int = 8
+    # False: the forward-only build (GRAD_X=False, need_grad_x=False in the launcher).
+    grad_x: bool = True
     # Explicit (block_k, block_d, num_warps, rows) of the forward; () = default_config.
     cfg: tuple = ()
 
@@ -63,6 +65,7 @@ class Build:
         if self.kernel == "centre_grad":
             return f"centre_grad-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{self.idx}"
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
+        tail += "" if self.grad_x else "-fwdonly"
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
                 f"-{self.idx}-{'dist' if self.store_dist else 'nodist'}{tail}")
 
@@ -87,8 +90,20 @@ def _covering_set() -> List[Build]:
     out.append(Build("fwd", 100, 999, "fp32", "fp32", True, "int32", False))  # fallback build
     out.append(Build("fwd", 100, 5000, "fp32", "fp32", True, "int32", False))  # two-phase scratch
     out.append(Build("fwd", 256, 512, "bf16", "fp32", True, "int32", False))  # production-like
+    # Forward-only builds (no grad_x): single pass, two-phase (then one phase), 2-byte bank.
+    for K, D, bank, dist in [(100, 512, "fp32", False), (256, 512, "bf16", False),
+                             (32, 128, "fp32", True), (100, 5000, "fp32", False),
+                             (1, 1, "fp16", False)]:
+        out.append(Build("fwd", K, D, bank, "fp32", True, "int32", dist, grad_x=False))
     for D, bank in [(64, "fp32"), (1000, "bf16"), (5000, "fp32")]:
         out.append(Build("centre_grad", 32, D, bank, "fp32", idx="int32"))
+    # The centre gradient's register-heaviest builds (found by a sweep of D <= 256 x bank x
+    # index width x K): 130-168 registers and 12 warps per SM with 4096-element tiles.
+    for K, D, bank, idx in [(100, 64, "fp32", "int64"), (100, 64, "bf16", "int64"),
+                            (100, 100, "fp16", "int64"), (100, 128, "bf16", "int64"),
+                            (32, 128, "fp32", "int64"), (100, 128, "fp32", "int32"),
+                            (32, 16, "fp32", "int64")]:
+        out.append(Build("centre_grad", K, D, bank, "fp32", idx=idx))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -158,19 +173,19 @@ def occupancy(arch: int, regs: int, smem_bytes: int, num_warps: int) -> Dict[str
 
 
 def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True) -> int:
-    """Bytes one query row must move : gathered centre rows, the
-    list entry, the centre label (stored by the bank with the lists' width), the weight, the
-    embedding and label read; grad_x, loss and two lse's written; dist only when stored. The
-    two-phase path (D > register tile) reads the centres and metadata twice and always writes
-    and re-reads dist (scratch)."""
+    """Bytes one query row must move: gathered centre rows, the list entry, the centre label
+    (stored by the bank with the lists' width), the weight, the embedding and label read;
+    grad_x (not in the forward-only build), loss and two lse's written; dist only when stored.
+    The two-phase path (D > register tile) with grad_x reads the centres and metadata twice
+    and always writes and re-reads dist (scratch)."""
     e, x, i = DTYPE_SIZES[b.bank], DTYPE_SIZES[b.emb], DTYPE_SIZES[b.idx]
     clab = i  # a CentreBank stores centre labels with its lists' width (int32 below 2**31)
     meta = i + clab + (4 if b.weights else 0)
     if b.kernel == "centre_grad":
         return b.K * (b.D * e + i + 4 + b.D * 4 * 2) + b.D * x
     reads = b.K * (b.D * e + meta) + b.D * x + 8
-    writes = b.D * 4 + 3 * 4
-    if single_pass:
+    writes = (b.D * 4 if b.grad_x else 0) + 3 * 4
+    if single_pass or not b.grad_x:  # forward only: one phase whatever D
         writes += b.K * 4 if b.store_dist else 0
     else:
         reads += b.K * (b.D * e + meta) + b.D * x + b.K * 4
@@ -295,7 +310,8 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg
                            else nk.default_config(b.K, b.D, elem_size=cen.element_size()))
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
-                                            config=cfg, store_dist=b.store_dist)
+                                            config=cfg, store_dist=b.store_dist,
+                                            need_grad_x=b.grad_x)
                     entry.update(config=asdict(cfg), single_pass=cfg.single_pass(b.D),
                                  tile_elems=cfg.block_k * cfg.block_d)
                     entry["bytes_per_row"] = bytes_per_row(b, cfg.block_d, cfg.single_pass(b.D))

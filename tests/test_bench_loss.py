@@ -31,9 +31,30 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == bench_loss.COLUMNS
-    assert len(rows) == 2 * 2 * 2  # dtypes x modes x providers
+    read = [r for r in rows if r["op"] == "read"]
+    rows = [r for r in rows if r["op"] == "loss"]
+    assert len(read) == 1 and float(read[0]["read_gbps"]) > 0
+    assert len(rows) == 2 * 3 * 2  # dtypes x modes (fwd, bwd, fwd_bwd) x providers
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
+    for r in rows:
+        assert r["read_gbps"] == read[0]["read_gbps"] and r["load"] and r["date"]
+        if r["mode"] == "bwd":
+            assert r["pct_of_read"] == "" and r["gathered_gbps"] == ""
+            continue
+        esize = 4 if r["dtype"] == "fp32" else 2
+        gathered = 4 * 3 * 5 * esize / float(r["ms"]) / 1e6
+        assert float(r["gathered_gbps"]) == pytest.approx(gathered, rel=1e-3)
+        assert float(r["pct_of_read"]) == pytest.approx(
+            100 * gathered / float(r["read_gbps"]), rel=1e-2, abs=0.05)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
+    table = bench_loss.summary(path, rows[0]["commit"])
+    head = table.splitlines()[0]
+    for col in ("forward ms", "backward ms", "forward+backward ms", "forward MB",
+                "backward MB", "forward+backward MB", "forward % of limit",
+                "forward+backward % of limit"):
+        assert f"| {col} |" in head, col
+    assert table.count("| fused |") == 2 and table.count("| eager |") == 2
+    assert "fused vs eager, forward+backward" in table
 
 
 def test_isolated_run_measures_time_and_peak_memory(tmp_path):
@@ -41,7 +62,7 @@ def test_isolated_run_measures_time_and_peak_memory(tmp_path):
                             "100", "--dtype", "bf16", "--providers", "fused", "torch",
                             "--modes", "fwd_bwd", "--out", str(tmp_path)])
     with open(path) as f:
-        rows = list(csv.DictReader(f))
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss"]
     assert [r["provider"] for r in rows] == ["fused", "torch"]
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["peak_mem_mb"]) >= 0

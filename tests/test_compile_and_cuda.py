@@ -55,14 +55,60 @@ def test_functional_op_compiles_fullgraph():
     torch.testing.assert_close(out, f(emb))
 
 
-@pytest.mark.parametrize("store_dist", [True, False])
-def test_opcheck(store_dist):
-    """torch.library's own consistency checks of the registered op (schema, fake, autograd)."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("store_dist,need_grad_x", [(True, True), (False, True), (True, False),
+                                                    (False, False)])
+def test_opcheck(backend, store_dist, need_grad_x):
+    """torch.library's own consistency checks of the registered op (schema, fake, autograd),
+    forward-only (need_grad_x False: grad_x (B, 0)) included."""
     emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=2)
-    args = (emb.float().requires_grad_(True), labels, centres.float().requires_grad_(store_dist),
-            cl, nb, w.float().requires_grad_(store_dist),
-            torch.tensor(1.1, requires_grad=store_dist), "torch", store_dist)
+    args = (emb.float().requires_grad_(need_grad_x), labels,
+            centres.float().requires_grad_(store_dist), cl, nb,
+            w.float().requires_grad_(store_dist), torch.tensor(1.1, requires_grad=store_dist),
+            backend, store_dist, need_grad_x)
     torch.library.opcheck(torch.ops.nnkloss.nk_forward.default, args)
+    out = torch.ops.nnkloss.nk_forward(*args)
+    assert out[3].shape == ((4, 3) if need_grad_x else (4, 0))
+
+
+def test_direct_forward_only_call_refuses_an_embedding_gradient():
+    emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=2)
+    e = emb.float().requires_grad_(True)
+    out = torch.ops.nnkloss.nk_forward(e, labels, centres.float(), cl, nb, None,
+                                       torch.tensor(1.0), "torch", False, False)
+    with pytest.raises(RuntimeError, match="need_grad_x=False"):
+        out[0].sum().backward()
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_forward_only_compiles_fullgraph(monkeypatch, compile_backend, backend):
+    """Under no_grad the compiled module calls the forward-only op (need_grad_x False), with
+    no graph break, and gives the eager loss."""
+    from nnkloss.ops import backends
+    seen = []
+    real = backends.implementation
+
+    def impl(name):
+        fwd = real(name).forward
+
+        def forward(*args, need_grad_x=True, **kwargs):
+            seen.append(need_grad_x)
+            return fwd(*args, need_grad_x=need_grad_x, **kwargs)
+        return type("Impl", (), {"forward": staticmethod(forward)})
+    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+    torch._dynamo.reset()
+    emb, labels, centres, cl, nb, w = make_case(6, 12, 4, 5, seed=1)
+
+    def f(e):
+        return nnkloss.neighbour_kernel_loss(e, labels, centres, cl, nb, w, sigma=0.8,
+                                             backend=backend)
+
+    with torch.no_grad():
+        eager = f(emb)
+        out = torch.compile(f, fullgraph=True, backend=compile_backend)(emb)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert seen and not any(seen)
 
 
 def kernel_vs_reference(device, shape, bank_dtype):

@@ -952,3 +952,69 @@ def test_library_is_fsynced_before_the_rename(monkeypatch, tmp_path):
     cpu._compile(good, cpu.FLAGS, str(tmp_path))
     staged = [e for e in events if e[1].endswith(".so") and "/.nnk_cpu_" in e[1]]
     assert staged[0][0] == "fsync" and staged[1] == ("replace", staged[0][1])
+
+
+@kernel
+@pytest.mark.parametrize("emb_dtype,bank_dtype", [(torch.float32, torch.float32),
+                                                   (torch.float64, torch.bfloat16),
+                                                   (torch.float32, torch.float16)])
+@pytest.mark.parametrize("store_dist", [True, False])
+def test_forward_only_is_the_forward_without_grad_x(recorded, emb_dtype, bank_dtype, store_dist):
+    """need_grad_x=False: the kernel is called without a grad_x buffer (NULL), grad_x comes
+    back (B, 0), and loss, lse's and dist are bit for bit those of the full forward (the same
+    first pass), non-finite rows included."""
+    emb, labels, centres, cl, nb, w, s = make(B=12, emb_dtype=emb_dtype, bank_dtype=bank_dtype,
+                                              seed=28)
+    emb = emb.clone()
+    emb[4, 0] = float("nan")
+    full = cpu.forward(emb, labels, centres, cl, nb, w, s, store_dist=store_dist)
+    fwd = cpu.forward(emb, labels, centres, cl, nb, w, s, store_dist=store_dist,
+                      need_grad_x=False)
+    assert recorded.names() == ["nnk_forward", "nnk_forward"]
+    grad_ptr = [args[20] for _, args in recorded.calls]
+    assert grad_ptr[0] == full[3].data_ptr() and grad_ptr[1] is None
+    assert fwd[3].shape == (12, 0) and fwd[3].dtype == full[3].dtype
+    for a, b in zip(full[:3] + full[4:], fwd[:3] + fwd[4:]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert torch.isnan(fwd[0][4]) and torch.isnan(fwd[2][4])
+    ref = reference(emb, labels, centres, cl, nb, w, s)
+    check(full, ref, full[0].dtype, dist_too=store_dist)
+
+
+@kernel
+def test_forward_only_threads_and_empty_batch():
+    inputs = make(B=200, K=40, D=70, N=300, seed=29)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.forward(*inputs, need_grad_x=False)
+        torch.set_num_threads(3)
+        many = cpu.forward(*inputs, need_grad_x=False)
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+    emb, labels, centres, cl, nb, w, s = inputs
+    out = cpu.forward(emb[:0], labels[:0], centres, cl, nb[:0], w, s, need_grad_x=False)
+    assert [tuple(t.shape) for t in out] == [(0,), (0,), (0,), (0, 0), (0, 40)]
+
+
+def test_first_build_says_so_once(monkeypatch, fresh_state, caplog):
+    """A compile (slow) gives one log line per process; a cached load (fast) gives none."""
+    import logging
+    monkeypatch.setattr(cpu, "_build_and_load", lambda: (
+        cpu._state.update(path="/cache/x/nnk_cpu_1.so", compile_s=6.5), object())[1])
+    with caplog.at_level(logging.INFO, logger="nnkloss"):
+        cpu._lib()
+        cpu._lib()
+        cpu.available()
+    lines = [r.getMessage() for r in caplog.records if r.name == "nnkloss"]
+    assert lines == ["nnkloss: compiled the CPU kernel in 6.5 s (once per machine; cached in "
+                     "/cache/x)"]
+    cpu._reset_for_tests()
+    monkeypatch.setattr(cpu, "_build_and_load", lambda: (
+        cpu._state.update(path="/cache/x/nnk_cpu_1.so", compile_s=0.01), object())[1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nnkloss"):
+        cpu._lib()
+    assert [r for r in caplog.records if r.name == "nnkloss"] == []

@@ -179,3 +179,25 @@ def test_row_align():
     assert k.neighbour_kernel.row_align(1000, torch.empty(3, 1000, dtype=torch.bfloat16)) == 8
     assert k.neighbour_kernel.row_align(7, torch.empty(3, 7)) == 1
     assert k.neighbour_kernel.row_align(8, torch.empty(3, 9)[:, 1:]) == 1  # odd base address
+
+
+@pytest.mark.parametrize("cfg", [None, dict(block_k=2, block_d=16), dict(block_k=4, block_d=4),
+                                 dict(block_k=8, block_d=8, rows=2)])
+@pytest.mark.parametrize("store_dist", [True, False])
+def test_forward_only_build(cfg, store_dist):
+    """need_grad_x=False (the GRAD_X=False build): grad_x is (B, 0) and loss, lse's and dist
+    are bit for bit the full forward's, on the single-pass and the two-phase path (which then
+    needs no second phase and no dist scratch); non-finite rows stay NaN."""
+    k = _kernels()
+    emb, labels, centres, cl, nb, w, s = make(B=7, D=12, K=9, seed=10, idx_dtype=torch.int32)
+    emb[2, 5] = math.nan
+    args = (emb, labels, centres, cl, nb, w, s)
+    config = None if cfg is None else k.FwdConfig(num_warps=1, **cfg)
+    full = k.neighbour_kernel_fwd(*args, config=config, store_dist=store_dist)
+    fwd = k.neighbour_kernel_fwd(*args, config=config, store_dist=store_dist, need_grad_x=False)
+    assert fwd[3].shape == (7, 0) and fwd[3].dtype == torch.float32
+    for i in (0, 1, 2, 4):
+        assert torch.equal(full[i].nan_to_num(7.0), fwd[i].nan_to_num(7.0)), i
+    assert torch.isnan(fwd[0][2])
+    ref = contract_forward(*args)
+    check(fwd[:3] + (ref[3].float(),) + fwd[4:], ref, store_dist)

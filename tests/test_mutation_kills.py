@@ -864,9 +864,9 @@ def test_distances_are_stored_only_when_a_gradient_needs_them(monkeypatch):
     seen = []
     real = reference.forward
 
-    def spy(*args, store_dist=True):
+    def spy(*args, store_dist=True, **kwargs):
         seen.append(store_dist)
-        return real(*args, store_dist=store_dist)
+        return real(*args, store_dist=store_dist, **kwargs)
     monkeypatch.setattr(reference, "forward", spy)
     g = torch.Generator().manual_seed(12)
     emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)

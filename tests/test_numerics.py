@@ -310,3 +310,109 @@ def test_far_zero_weight_same_class_centre_has_a_finite_weight_gradient(backend)
     assert ref["weights"][6] == 0 and got["weights"][6] == 0
     assert torch.isfinite(got["weights"]).all()
     torch.testing.assert_close(got["weights"], ref["weights"], rtol=1e-9, atol=0)
+
+
+# ----------------------------------------------------------------------- forward only
+def spy_need_grad_x(monkeypatch, backend):
+    """Records the need_grad_x each call of the backend's forward receives."""
+    from nnkloss.ops import backends
+    seen = []
+    real = backends.implementation
+
+    def impl(name):
+        fwd = real(name).forward
+
+        def forward(*args, need_grad_x=True, **kwargs):
+            seen.append(need_grad_x)
+            return fwd(*args, need_grad_x=need_grad_x, **kwargs)
+        return type("Impl", (), {"forward": staticmethod(forward),
+                                 "centre_grad": staticmethod(real(name).centre_grad)})
+    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+    return seen
+
+
+FORWARD_ONLY = ["no_grad", "inference_mode", "no_input_requires_grad"]
+
+
+def forward_only(mode, backend, emb, labels, centres, cl, nb, w, sigma):
+    emb, centres, w = emb.detach(), centres.detach(), w.detach()
+    s = torch.tensor(sigma, dtype=emb.dtype)
+    f = nnkloss.neighbour_kernel_loss_with_stats
+    if mode == "no_grad":
+        with torch.no_grad():
+            return f(emb.requires_grad_(True), labels, centres.requires_grad_(True), cl, nb,
+                     w.requires_grad_(True), s.requires_grad_(True), reduction="none",
+                     backend=backend)
+    if mode == "inference_mode":
+        with torch.inference_mode():
+            return f(emb, labels, centres, cl, nb, w, s, reduction="none", backend=backend)
+    return f(emb, labels, centres, cl, nb, w, s, reduction="none", backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", FORWARD_ONLY)
+def test_forward_only_is_exact(monkeypatch, backend, dtype, layout, mode):
+    """Under no_grad, in inference_mode, or with no input requiring grad, the op runs its
+    forward-only path (need_grad_x False on every backend), and its loss is bit for bit the
+    loss of the forward that also computes grad_x, so within 1e-6 (fp64) / 1e-2 (fp32) of the
+    fp64 reference at every scale and sigma."""
+    seen = spy_need_grad_x(monkeypatch, backend)
+    rtol = 1e-6 if dtype == torch.float64 else 1e-2
+    for scale in (SCALES[0], SCALES[-1]):
+        for sigma in SIGMAS:
+            emb, labels, centres, cl, nb, w = scale_case(scale, layout)
+            e, c, ww = emb.to(dtype), centres.to(dtype), w.to(dtype)
+            rows, _ = reference(e, labels, c, cl, nb, ww, sigma)
+            out = forward_only(mode, backend, e, labels, c, cl, nb, ww, sigma)
+            full, _ = run(backend, e, labels, c, cl, nb, ww, sigma, dtype)
+            where = f"scale={scale:g} sigma={sigma:g} {layout}"
+            assert torch.equal(out.per_row, full.per_row.detach()), where
+            assert torch.equal(out.valid, full.valid), where
+            assert_rel(out.per_row, rows, rtol, f"loss {where}")
+    assert seen == [False, True] * (2 * len(SIGMAS))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_only_nonfinite_rows_stay_nan(backend):
+    emb, labels, centres, cl, nb = small_case()
+    emb[1, 2] = float("nan")
+    centres[6, 0] = float("inf")  # rows 2 and 3
+    with torch.no_grad(), nnkloss.value_checks(False):
+        out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb,
+                                                       backend=backend)
+    assert torch.isnan(out.per_row[[1, 2, 3]]).all() and torch.isfinite(out.per_row[0])
+    assert bool(out.valid[[1, 2, 3]].all()) and torch.isnan(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("needs", ["centres", "weights", "sigma"])
+def test_grad_x_is_skipped_when_only_the_bank_takes_a_gradient(monkeypatch, backend, needs):
+    """emb not requiring grad: no grad_x either, while the centre / weight / sigma gradients
+    stay exact (they come from the stored distances, not from grad_x)."""
+    seen = spy_need_grad_x(monkeypatch, backend)
+    emb, labels, centres, cl, nb, w = scale_case(1.0, "mixed")
+    e, c, ww, s = emb.detach(), centres.detach(), w.detach(), torch.tensor(0.7,
+                                                                           dtype=torch.float64)
+    leaf = {"centres": c, "weights": ww, "sigma": s}[needs].requires_grad_(True)
+    out = nnkloss.neighbour_kernel_loss_with_stats(e, labels, c, cl, nb, ww, s,
+                                                   reduction="none", backend=backend)
+    (got,) = torch.autograd.grad(out.loss.sum(), [leaf])
+    rows, ref = reference(e, labels, c, cl, nb, ww, 0.7)
+    assert seen == [False]
+    assert_rel(out.per_row, rows, 1e-9, "loss")
+    assert_rel(got, ref[needs], 1e-8, f"d/d{needs}", reference.magnitudes[needs])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15, deadline=None)
+@given(case=cases())
+def test_property_forward_only_matches_full_forward(backend, case):
+    emb, labels, centres, cl, nb, w, sigma = case
+    full, _ = run(backend, emb, labels, centres, cl, nb, w, sigma, torch.float64)
+    with torch.no_grad():
+        out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, sigma,
+                                                       reduction="none", backend=backend)
+    assert torch.equal(out.per_row, full.per_row.detach())
+    assert torch.equal(out.valid, full.valid)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -298,11 +299,26 @@ def _lib():
             except Exception as exc:  # any failure: the plain torch path runs instead
                 _state["error"] = str(exc)
             _state["tried"] = True
+            _build_notice()
     if _state["lib"] is None and not _state["warned"]:
         _state["warned"] = True
         warnings.warn(f"nnkloss: compiled CPU kernel unavailable ({_state['error']}); "
                       "using the plain PyTorch path", RuntimeWarning, stacklevel=3)
     return _state["lib"]
+
+
+# A build slower than this was a compile (loading a cached library takes milliseconds).
+NOTICE_AFTER_S = 1.0
+
+
+def _build_notice():
+    """One line, once per process, when this process compiled the kernel (the first CPU call
+    waits for it, ~5 s); nothing when the cached library was loaded."""
+    spent = _state["compile_s"]
+    if _state["lib"] is not None and spent is not None and spent >= NOTICE_AFTER_S:
+        logging.getLogger("nnkloss").warning(
+            "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
+            spent, os.path.dirname(_state["path"]))
 
 
 def available() -> bool:
@@ -336,6 +352,11 @@ def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
             and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
 
 
+# Whose threads: the kernel's own. Each call starts at most torch.get_num_threads() - 1
+# helper std::threads that claim rows from a shared counter and exit when none is left (no
+# pool, nothing spins between calls); torch's intra-op pool is not used inside the op, and its
+# size is the one knob for both (torch.set_num_threads / OMP_NUM_THREADS). The caller never
+# waits for a helper that has not started, so on a busy machine a late helper costs nothing.
 # Each thread gets at least this many gathered elements (B*K*D) of work: a helper thread is
 # started per call (tens of microseconds), which smaller shares would not repay.
 PARALLEL_MIN_ELEMS = 1 << 16
@@ -349,13 +370,16 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True):
-    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D) and dist
-    (B, K), or (B, 0) when ``store_dist`` is False; all in the compute dtype."""
+def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
+            need_grad_x=True):
+    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D)
+    and dist (B, K); grad_x is (B, 0) when ``need_grad_x`` is False (the kernel's forward-only
+    path: one pass over the gathered rows, no gradient terms), dist (B, 0) when ``store_dist``
+    is False; all in the compute dtype."""
     lib = _lib()
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
         return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
-                                 sigma, store_dist=store_dist)
+                                 sigma, store_dist=store_dist, need_grad_x=need_grad_x)
     cdt = reference.compute_dtype(emb)
     B, D = emb.shape
     K = neighbours.shape[1]
@@ -371,7 +395,8 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         w = w.contiguous()
         wtype = 1 if w.dtype == torch.float32 else 2
     s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
-    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist)
+    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist,
+                                                                   need_grad_x)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
     rc = lib.nnk_forward(int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(),
@@ -379,7 +404,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
                          int(centre_labels.dtype == torch.int64), nb.data_ptr(),
                          int(nb.dtype == torch.int64), _ptr(w), wtype, s, B, K, D, N,
                          int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(),
-                         lse_pos.data_ptr(), grad_x.data_ptr(),
+                         lse_pos.data_ptr(), grad_x.data_ptr() if need_grad_x else None,
                          dist.data_ptr() if store_dist else None, _threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")

@@ -260,10 +260,11 @@ struct ForwardRow {
             }
             if (store_dist) dist[b * K + k] = u;
         }
-        C* g = grad_x + b * D;
+        C* g = grad_x ? grad_x + b * D : nullptr;  // null: the forward-only path
         if (nonfinite) {
             loss[b] = lse_all[b] = lse_pos[b] = nan;
-            for (int64_t d = 0; d < D; ++d) g[d] = nan;
+            if (g)
+                for (int64_t d = 0; d < D; ++d) g[d] = nan;
             return;
         }
         C m_all = ninf, m_pos = ninf;
@@ -271,7 +272,8 @@ struct ForwardRow {
             if (logit[k] > m_all) m_all = logit[k];
             if (same[k] && logit[k] > m_pos) m_pos = logit[k];
         }
-        for (int64_t d = 0; d < D; ++d) g[d] = 0;
+        if (g)
+            for (int64_t d = 0; d < D; ++d) g[d] = 0;
         if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0)
             loss[b] = 0;
             lse_all[b] = lse_pos[b] = ninf;
@@ -293,6 +295,7 @@ struct ForwardRow {
         const C lp = m_pos + std::log(s_pos);
         lse_pos[b] = lp;
         loss[b] = la - lp;
+        if (!g) return;  // forward only: no gradient terms, no second pass
         // pass 2: grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x), rows hot in cache
         for (int64_t k = 0; k < K; ++k) {
             C c = 0;
@@ -394,7 +397,8 @@ int nnk_abi_version() { return 1; }
 
 int nnk_threaded() { return 1; }
 
-// Every entry point returns 0 on success, 1 on an unknown type code.
+// Every entry point returns 0 on success, 1 on an unknown type code. nnk_forward with
+// grad_x == NULL is the forward-only path: one pass over the gathered rows, no gradient terms.
 int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,
                 const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
                 const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,

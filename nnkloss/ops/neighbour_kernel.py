@@ -27,15 +27,19 @@ __all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOut
 @torch.library.custom_op("nnkloss::nk_forward", mutates_args=())
 def _nk_forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
                 neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor,
-                backend: str, store_dist: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                backend: str, store_dist: bool,
+                need_grad_x: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # need_grad_x False is the forward-only path: no gradient term is computed on any backend
+    # and grad_x comes back (B, 0) (ops/CONTRACT.md).
     return implementation(backend).forward(emb, labels, centres, centre_labels, neighbours,
-                                           weights, sigma, store_dist=store_dist)
+                                           weights, sigma, store_dist=store_dist,
+                                           need_grad_x=need_grad_x)
 
 
 @_nk_forward.register_fake
 def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend,
-                     store_dist):
-    return reference.empty_outputs(emb, neighbours.shape[1], store_dist)
+                     store_dist, need_grad_x):
+    return reference.empty_outputs(emb, neighbours.shape[1], store_dist, need_grad_x)
 
 
 @torch.library.custom_op("nnkloss::nk_centre_grad", mutates_args=())
@@ -62,7 +66,7 @@ def _nk_scale_rows_fake(grad_x, g):
 
 
 def _setup_context(ctx, inputs, output):
-    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, _ = inputs
+    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, _, _ = inputs
     _, _, lse_pos, grad_x, dist = output
     ctx.save_for_backward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                           lse_pos, grad_x, dist)
@@ -83,6 +87,11 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
     # caller may select the finite rows of reduction="none" and train on them.
     takes = (g != 0)[:, None]
     grad_emb = None
+    if need_emb and grad_x.shape[1] != emb.shape[1]:
+        # Only a direct call of the op can get here: loss_rows_unchecked asks for grad_x
+        # whenever emb requires grad.
+        raise RuntimeError("nnkloss::nk_forward was called with need_grad_x=False, so it "
+                           "cannot give emb a gradient")
     if need_emb:
         if ctx.backend == "cpu":  # on the kernel's threads (torch's pool spins after each op)
             grad_emb = torch.ops.nnkloss.nk_scale_rows(grad_x, g).to(emb.dtype)
@@ -132,7 +141,7 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
                 grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1),
                                   torch.where(nonpad, q, 0.0).reshape(-1))
             grad_w = grad_w.to(weights.dtype)
-    return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None
+    return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None, None
 
 
 torch.library.register_autograd("nnkloss::nk_forward", _backward, setup_context=_setup_context)
@@ -185,13 +194,17 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     be a 0-dim tensor on emb's device. Counted (``valid``) rows are those with a same-class
     neighbour, and non-finite rows (lse_pos NaN), whose NaN must reach the mean."""
     backend = resolve_backend(backend, emb.device)
-    # The (B, K) distances are stored only when a weight, sigma or centre gradient needs them.
-    store_dist = torch.is_grad_enabled() and any(
+    grad_mode = torch.is_grad_enabled()  # False under no_grad and inference_mode
+    # The (B, K) distances are stored only when a weight, sigma or centre gradient needs them,
+    # and the (B, D) embedding gradient computed only when emb takes one: with neither (no
+    # input requires grad, no_grad, inference_mode) the op is forward-only on every backend.
+    store_dist = grad_mode and any(
         t is not None and t.requires_grad for t in (centres, weights, sigma))
+    need_grad_x = grad_mode and emb.requires_grad
     per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(
         emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
         neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend,
-        store_dist)
+        store_dist, need_grad_x)
     return per_row, lse_pos != float("-inf")
 
 

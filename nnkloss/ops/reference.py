@@ -34,13 +34,15 @@ def compute_dtype(emb: Tensor) -> torch.dtype:
     return torch.float64 if emb.dtype == torch.float64 else torch.float32
 
 
-def empty_outputs(emb: Tensor, K: int, store_dist: bool):
+def empty_outputs(emb: Tensor, K: int, store_dist: bool, need_grad_x: bool = True):
     """The forward's five outputs, uninitialised, in the compute dtype on emb's device:
-    loss, lse_all, lse_pos (B,), grad_x (B, D), dist (B, K), or (B, 0) without store_dist."""
+    loss, lse_all, lse_pos (B,), grad_x (B, D), or (B, 0) without need_grad_x, dist (B, K), or
+    (B, 0) without store_dist."""
     B, D = emb.shape
     cdt = compute_dtype(emb)
     return (emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt), emb.new_empty(B, dtype=cdt),
-            emb.new_empty(B, D, dtype=cdt), emb.new_empty(B, K if store_dist else 0, dtype=cdt))
+            emb.new_empty(B, D if need_grad_x else 0, dtype=cdt),
+            emb.new_empty(B, K if store_dist else 0, dtype=cdt))
 
 
 class RowSoftmax(NamedTuple):
@@ -107,13 +109,15 @@ def row_terms(nbr: Tensor, u: Tensor, labels: Tensor, centre_labels: Tensor,
                     row_softmax(logits, valid), row_softmax(logits, same))
 
 
-def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True):
-    """Same contract as :func:`nnkloss.kernels.neighbour_kernel_fwd`."""
+def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
+            need_grad_x=True):
+    """Same contract as :func:`nnkloss.kernels.neighbour_kernel_fwd` (ops/CONTRACT.md);
+    without ``need_grad_x`` no gradient term is formed and grad_x is (B, 0)."""
     B, D = emb.shape
     K = neighbours.shape[1]
     cdt = compute_dtype(emb)
     inv_sigma = 1.0 / sigma.to(cdt)
-    loss, lse_all, lse_pos, grad_x, dist = empty_outputs(emb, K, store_dist)
+    loss, lse_all, lse_pos, grad_x, dist = empty_outputs(emb, K, store_dist, need_grad_x)
     src = _gather_source(centres, 0.0)
     step = rows_per_chunk(K, D)
     for lo in range(0, B, step):
@@ -126,16 +130,17 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         # 2. Exact probabilities of both sums.
         t = row_terms(nbr, u, labels[lo:hi], centre_labels, weights)
         has_pos = t.pos.s.squeeze(1) > 0
-        # 3. dL/dx = (1/sigma^2) sum (p - p^R)(c - x) = (1/sigma) sum (p - p^R) z.
-        coef = (t.all.p - t.pos.p) * (has_pos[:, None] * inv_sigma)
-        gx = torch.einsum("rk,rkd->rd", coef, z)
         row_loss = torch.where(has_pos, t.all.lse - t.pos.lse, torch.zeros_like(t.all.lse))
-        # 4. Non-finite rows: NaN everywhere, never "no positive".
+        # 3. Non-finite rows: NaN everywhere, never "no positive".
         nan = torch.full_like(row_loss, float("nan"))
         loss[lo:hi] = torch.where(t.bad, nan, row_loss)
         lse_all[lo:hi] = torch.where(t.bad, nan, t.all.lse)
         lse_pos[lo:hi] = torch.where(t.bad, nan, t.pos.lse)
-        grad_x[lo:hi] = torch.where(t.bad[:, None], float("nan"), gx)
+        if need_grad_x:
+            # 4. dL/dx = (1/sigma^2) sum (p - p^R)(c - x) = (1/sigma) sum (p - p^R) z.
+            coef = (t.all.p - t.pos.p) * (has_pos[:, None] * inv_sigma)
+            gx = torch.einsum("rk,rkd->rd", coef, z)
+            grad_x[lo:hi] = torch.where(t.bad[:, None], float("nan"), gx)
         if store_dist:
             dist[lo:hi] = u
     return loss, lse_all, lse_pos, grad_x, dist

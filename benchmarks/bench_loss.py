@@ -8,7 +8,7 @@
 Appends one row per (provider, mode, shape) to ``benchmarks/results/<device>.csv`` with columns
 ``op,provider,mode,B,K,D,dtype,ms,gbps,peak_mem_mb,device,commit`` and draws
 ``benchmarks/results/<device>.png`` (time and GB/s per shape). ``gbps`` counts the bytes the op
-must read (DESIGN.md section 2): the gathered centres ``B*K*D*sizeof(bank)`` plus the index,
+must read (docs/MATHS.md section 9): the gathered centres ``B*K*D*sizeof(bank)`` plus the index,
 label and weight traffic and the embeddings, whatever the provider actually moves, so the
 providers compare on one scale. A row that ran out of memory is written with ms = "oom".
 

@@ -253,7 +253,7 @@ def global_mean(loss: Tensor, count, group=None) -> Tensor:
 
     Args:
         loss: 0-dim mean over ``count`` rows of this rank's batch (e.g. a NeighbourKernelLoss
-            with reduction="mean"; its ``last_num_valid`` is the count).
+            with reduction="mean"; its ``last_num_counted`` is the count).
         count: rows in that mean, a 0-dim tensor or int (0 allowed: the loss is then 0).
 
     Returns ``loss * world_size * count / total_count`` (``loss`` itself in a single process).

@@ -16,7 +16,8 @@ import nnkloss
 from nnkloss import CentreBank, NeighbourKernelLoss, Refresher
 from nnkloss import distributed as nkd
 from nnkloss.experiment.datasets import IndexedTensorDataset
-from two_processes import CLASSES, D, K, N, WORLD, finish, join, make_data, make_model, run
+from two_processes import (CLASSES, D, K, N, WORLD, assert_same as _same, finish, join,
+                           make_data, make_model, run)
 
 STEPS, GLOBAL_BATCH = 3, 12
 FRESH = dict(fresh_centres=0.5, lists_every_steps=2)  # the bank written and re-listed by steps
@@ -53,8 +54,8 @@ def train(x, y, rows_of_step):
     for batch in global_batches():
         idx = rows_of_step(batch)
         loss = crit(net(x[idx]), y[idx], idx)
-        counts.append(int(crit.last_num_valid))
-        loss = nkd.global_mean(loss, crit.last_num_valid)
+        counts.append(int(crit.last_num_counted))
+        loss = nkd.global_mean(loss, crit.last_num_counted)
         opt.zero_grad()
         loss.backward()
         nkd.sync_loss_parameters(crit)
@@ -92,7 +93,7 @@ def run_trainer(x, y, out_dir, **options):
     params["log_weights"] = bank.log_weights.detach().clone()
     params["centres"] = bank.centres.clone()
     params["neighbours"] = bank.neighbours.clone()
-    return {"history": [{k: r[k] for k in ("loss", "valid_frac", "sigma")} for r in history],
+    return {"history": [{k: r[k] for k in ("loss", "counted_frac", "sigma")} for r in history],
             "params": params, "files": sorted(os.listdir(out_dir))}
 
 
@@ -123,15 +124,6 @@ def worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run(worker, str(tmp_path_factory.mktemp("dist")))
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
 
 
 # ---------------------------------------------------------------------------- tests

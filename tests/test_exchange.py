@@ -14,7 +14,8 @@ from nnkloss import distributed as nkd
 from nnkloss.bank import exchange
 from nnkloss.bank.search import faiss_available
 from nnkloss.experiment.datasets import IndexedTensorDataset
-from two_processes import D, K, N, WORLD, finish, join, make_data, make_model, run
+from two_processes import (D, K, N, WORLD, assert_same as _same, finish, join, make_data,
+                           make_model, run)
 
 
 def empty_bank(dtype=torch.float32):
@@ -98,15 +99,6 @@ def worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run(worker, str(tmp_path_factory.mktemp("exchange")))
-
-
-def _same(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
 
 
 # ---------------------------------------------------------------------------- tests

@@ -1,4 +1,5 @@
 """The architecture as users meet it: a light import, the public names, the bank-loss contract."""
+import os
 import subprocess
 import sys
 
@@ -58,7 +59,7 @@ def test_bank_loss_template():
     expected = sum(0.5 * ((bank.centres[bank.neighbours[i]] - emb[r]) ** 2).sum()
                    for r, i in enumerate(idx.tolist())) / 3
     torch.testing.assert_close(loss, expected)
-    assert int(loss_fn.last_num_valid) == 3
+    assert int(loss_fn.last_num_counted) == 3
     with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
         loss_fn(emb, [0, 1, 1], idx)
     with pytest.raises(TypeError, match="Can't instantiate abstract class"):
@@ -79,3 +80,16 @@ def test_setup_py_ships_every_subpackage():
                for d, _, files in os.walk(os.path.join(root, "nnkloss")) if "__init__.py" in files}
     on_disk = {p.replace("nnkloss..", "nnkloss") for p in on_disk} | {"nnkloss.kernels"}
     assert set(listed) == on_disk
+
+
+def test_the_repository_cites_nothing_outside_itself():
+    """The maths and rules the code relies on live in docs/MATHS.md; no tracked file points to
+    design notes or papers outside the repository."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    outside = ("DESIGN" + ".md", "../" + "shared", "/work/" + "shared")
+    cited = [f for f in files if os.path.isfile(os.path.join(root, f))
+             and any(s in open(os.path.join(root, f), errors="ignore").read() for s in outside)]
+    assert cited == []

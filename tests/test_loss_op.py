@@ -44,8 +44,8 @@ def test_padding_all_padding_and_no_positive_rows(backend):
     labels[2:] = 0
     nb[3, 2:] = -1                  # partly padded
     out = compare((emb, labels, centres, cl, nb, w), backend, torch.float64, torch.float64)
-    assert out.valid.tolist() == [False, False, True, True, True, True]
-    assert out.num_valid.item() == 4
+    assert out.counted.tolist() == [False, False, True, True, True, True]
+    assert out.num_counted.item() == 4
     assert out.per_row[0].item() == 0.0 and out.per_row[1].item() == 0.0
 
 
@@ -89,7 +89,7 @@ def test_huge_distances_stay_finite(backend, offset):
     assert (out.per_row > 0.4 * offset ** 2 * 0.5).all()  # ~ d / (2 sigma^2), sigma = 1.3
     # fp32 distances of ~offset^2 cannot be compared tightly; they must still be finite.
     out32, g32 = run_op(backend, emb.float(), labels, centres.float(), cl, nb, w.float(), 1.3)
-    assert torch.isfinite(out32.per_row).all() and out32.valid.all()
+    assert torch.isfinite(out32.per_row).all() and out32.counted.all()
     assert all(torch.isfinite(t).all() for t in g32.values())
 
 

@@ -43,9 +43,9 @@ def test_last_stats_count_rows_without_positive():
     idx = torch.arange(12)
     fn = nnkloss.NeighbourKernelLoss(bank)
     fn(torch.randn(12, 6), bank.labels, idx)
-    assert fn.last_stats.valid.shape == (12,)
-    assert int(fn.last_num_valid) == int(fn.last_stats.valid.sum())
-    assert int(fn.last_num_valid) < 12
+    assert fn.last_stats.counted.shape == (12,)
+    assert int(fn.last_num_counted) == int(fn.last_stats.counted.sum())
+    assert int(fn.last_num_counted) < 12
 
 
 def test_state_dict_round_trip_including_size_changes():

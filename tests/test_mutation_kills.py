@@ -102,7 +102,7 @@ def test_module_applies_its_reduction(reduction):
     assert valid is None
     fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction=reduction)
     got = fn(emb, bank.labels[idx], idx)
-    counted = fn.last_stats.valid
+    counted = fn.last_stats.counted
     assert int(counted.sum()) >= 2 and float(rows.sum()) > 0
     want = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / counted.sum()}[reduction]
     torch.testing.assert_close(got, want)
@@ -136,10 +136,10 @@ def test_bank_loss_template_defaults_and_errors():
     bank = nnkloss.CentreBank(torch.randn(4, 2), torch.tensor([0, 0, 1, 1]),
                               neighbours=torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]]))
     fn = _CountEntries(bank)
-    assert fn.last_stats is None and fn.last_num_valid is None
+    assert fn.last_stats is None and fn.last_num_counted is None
     loss = fn(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))
     assert float(loss) == 1.0  # own entry dropped from both lists, mean of [1, 1]
-    assert int(fn.last_num_valid) == 2
+    assert int(fn.last_num_counted) == 2
     keep = _CountEntries(bank, reduction="sum", exclude_self=False)
     assert float(keep(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))) == 4.0
     with pytest.raises(TypeError, match="bank must be a CentreBank, got Tensor"):

@@ -93,7 +93,7 @@ def test_grid_of_scales(backend, dtype, layout, scale):
         rows, ref = reference(e, labels, c, cl, nb, ww, sigma)
         out, got = run(backend, e, labels, c, cl, nb, ww, sigma, dtype)
         where = f"scale={scale:g} sigma={sigma:g} {layout}"
-        assert bool(out.valid.all()), where
+        assert bool(out.counted.all()), where
         assert_rel(out.per_row, rows, rtol, f"loss {where}")
         for name in ("emb", "centres", "weights", "sigma"):
             assert_rel(got[name], ref[name], rtol, f"d/d{name} {where}",
@@ -150,7 +150,7 @@ def test_property_backends_match_reference(backend, case):
     out, got = run(backend, emb, labels, centres, cl, nb, w, sigma, torch.float64)
     has_pos = torch.tensor([any(j >= 0 and w[j] > 0 and int(cl[j]) == int(labels[b])
                                 for j in nb[b].tolist()) for b in range(len(labels))])
-    assert torch.equal(out.valid, has_pos)
+    assert torch.equal(out.counted, has_pos)
     torch.testing.assert_close(out.per_row, rows, rtol=1e-9, atol=1e-9)
     for name in ("emb", "centres", "weights"):
         torch.testing.assert_close(got[name], ref[name], rtol=1e-8, atol=1e-9)
@@ -185,7 +185,7 @@ def test_nonfinite_embedding_row_is_nan_and_counted(backend, value):
     out, e, c = op_unchecked(backend, emb, labels, centres, cl, nb, grads=True)
     assert torch.isnan(out.per_row[1])
     assert torch.isfinite(out.per_row[[0, 2, 3]]).all()
-    assert bool(out.valid[1]), "a non-finite row must not become 'no positive'"
+    assert bool(out.counted[1]), "a non-finite row must not become 'no positive'"
     assert int(out.num_nonfinite) == 1
     assert torch.isnan(out.loss), "the NaN must reach the mean"
     gx, gc = torch.autograd.grad(out.loss, [e, c])
@@ -199,7 +199,7 @@ def test_nonfinite_centre_touches_exactly_the_rows_that_gather_it(backend):
     out, e, c = op_unchecked(backend, emb, labels, centres, cl, nb, grads=True)
     assert torch.isnan(out.per_row[[1, 2]]).all()
     assert torch.isfinite(out.per_row[[0, 3]]).all()
-    assert bool(out.valid[[1, 2]].all())
+    assert bool(out.counted[[1, 2]].all())
     # Rows that take no gradient pass none on: training on the finite rows works.
     gx, gc = torch.autograd.grad(out.per_row[[0, 3]].sum(), [e, c])
     assert torch.isfinite(gx).all() and torch.isfinite(gc).all()
@@ -243,7 +243,7 @@ def test_module_propagates_nan_embedding():
     loss = loss_fn(emb, torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 2, 3]))
     assert torch.isnan(loss)
     assert int(loss_fn.last_stats.num_nonfinite) == 1
-    assert bool(loss_fn.last_stats.valid[2])
+    assert bool(loss_fn.last_stats.counted[2])
 
 
 # ----------------------------------------------------------------------- overflow, empty bank
@@ -271,7 +271,7 @@ def test_fp32_overflow_is_nan_not_zero(backend):
     centres = torch.tensor([[0.0, 0.0], [1e20, 0.0]])
     out, _, _ = op_unchecked(backend, torch.tensor([[1e20, 1e20]]), torch.tensor([0]), centres,
                              torch.tensor([0, 1]), torch.tensor([[0, 1]]))
-    assert torch.isnan(out.per_row[0]) and bool(out.valid[0])
+    assert torch.isnan(out.per_row[0]) and bool(out.counted[0])
     out64, _, _ = op_unchecked(backend, torch.tensor([[1e20, 1e20]], dtype=torch.float64),
                                torch.tensor([0]), centres.double(), torch.tensor([0, 1]),
                                torch.tensor([[0, 1]]))
@@ -286,7 +286,7 @@ def test_empty_bank(backend):
         emb, torch.tensor([0, 1, 0]), torch.empty(0, 4), torch.empty(0, dtype=torch.long),
         torch.full((3, 2), -1), backend=backend)
     assert torch.equal(out.per_row, torch.zeros(3))
-    assert not bool(out.valid.any())
+    assert not bool(out.counted.any())
     assert float(out.loss) == 0.0
     out.loss.backward()
     assert torch.equal(emb.grad, torch.zeros(3, 4))
@@ -369,7 +369,7 @@ def test_forward_only_is_exact(monkeypatch, backend, dtype, layout, mode):
             full, _ = run(backend, e, labels, c, cl, nb, ww, sigma, dtype)
             where = f"scale={scale:g} sigma={sigma:g} {layout}"
             assert torch.equal(out.per_row, full.per_row.detach()), where
-            assert torch.equal(out.valid, full.valid), where
+            assert torch.equal(out.counted, full.counted), where
             assert_rel(out.per_row, rows, rtol, f"loss {where}")
     assert seen == [False, True] * (2 * len(SIGMAS))
 
@@ -383,7 +383,7 @@ def test_forward_only_nonfinite_rows_stay_nan(backend):
         out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb,
                                                        backend=backend)
     assert torch.isnan(out.per_row[[1, 2, 3]]).all() and torch.isfinite(out.per_row[0])
-    assert bool(out.valid[[1, 2, 3]].all()) and torch.isnan(out.loss)
+    assert bool(out.counted[[1, 2, 3]].all()) and torch.isnan(out.loss)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -415,4 +415,4 @@ def test_property_forward_only_matches_full_forward(backend, case):
         out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, sigma,
                                                        reduction="none", backend=backend)
     assert torch.equal(out.per_row, full.per_row.detach())
-    assert torch.equal(out.valid, full.valid)
+    assert torch.equal(out.counted, full.counted)

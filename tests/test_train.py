@@ -61,7 +61,7 @@ def test_kernel_loss_decreases_and_logs(tmp_path):
     assert calls == [2, 4, 6]
     assert "refresh_time_s" in h[0] and "refresh_positive_share" in h[0]  # initial build
     assert "refresh_time_s" in h[1] and "refresh_time_s" not in h[-1]  # not after the last
-    assert 0 < h[0]["valid_frac"] <= 1 and h[0]["sigma"] == pytest.approx(1.0)
+    assert 0 < h[0]["counted_frac"] <= 1 and h[0]["sigma"] == pytest.approx(1.0)
     rows = json.load(open(tmp_path / "log.json"))
     assert len(rows) == 6 and rows[-1]["emb_norm"] > 0
     csv_lines = open(tmp_path / "log.csv").read().splitlines()

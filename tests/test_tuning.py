@@ -39,7 +39,7 @@ def reference_mean(model, bank, x, y, sigma):
     ref = NeighbourKernelLoss(bank, sigma=sigma, reduction="none")
     ref(emb, y, torch.arange(len(y)))
     st = ref.last_stats
-    return float(st.per_row[st.valid].double().sum() / st.valid.sum())
+    return float(st.per_row[st.counted].double().sum() / st.counted.sum())
 
 
 def test_choose_sigma_is_the_argmin_of_the_mean_validation_loss():

@@ -69,3 +69,13 @@ def run(worker, out_dir: str) -> list:
             pytest.fail(f"distributed workers did not finish within {DEADLINE_S} s")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(WORLD)]
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Two ranks' results are equal key by key (tensors bit for bit)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key

@@ -120,7 +120,7 @@ class Trainer:
         model: maps a batch of inputs to (B, D) embeddings.
         criterion: ``criterion(emb, labels, idx) -> 0-dim loss``: a bank loss
             (:class:`nnkloss.losses.BankLoss`: NeighbourKernelLoss, ClassConditionalLoss, whose
-            ``last_num_valid``, ``kernel_sigma()`` and ``log_values()`` the loop uses) or any
+            ``last_num_counted``, ``kernel_sigma()`` and ``log_values()`` the loop uses) or any
             other module (SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights)
             are trained too, grouped by what its ``parameter_groups()`` declares
             (:meth:`nnkloss.losses.BankLoss.parameter_groups`: "sigma", "weights", "other";
@@ -406,7 +406,7 @@ class Trainer:
             if mismatched is not None:
                 mismatched_sum += mismatched
             # Under DDP: gradients of the mean over the global batch (no-op in one process).
-            counted = getattr(self.criterion, "last_num_valid", None)
+            counted = getattr(self.criterion, "last_num_counted", None)
             loss = _dist.global_mean(loss, len(y) if counted is None else counted)
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
@@ -443,7 +443,7 @@ class Trainer:
                                "loss": float(loss_sum) / n_batches,
                                "lr": self.optimizer.param_groups[0]["lr"]}
         if counted is not None:
-            row["valid_frac"] = float(valid_sum) / max(rows, 1)
+            row["counted_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
         row.update(upkeep.epoch_columns())
         return row

@@ -121,8 +121,8 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
             for emb, labels, idx in batches:
                 criterion(emb, labels, idx)
                 stats = criterion.last_stats
-                total += stats.per_row.double().masked_fill(~stats.valid, 0.0).sum()
-                counted += stats.valid.sum()
+                total += stats.per_row.double().masked_fill(~stats.counted, 0.0).sum()
+                counted += stats.counted.sum()
             n = int(counted)
             if n == 0:
                 raise ValueError("no validation row has a same-class neighbour in its list: "

@@ -6,7 +6,7 @@ own centre excluded), the reduction, and the statistics of the last call -- so t
 only its maths: :meth:`BankLoss.rows`.
 
 What a training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank`` (to refresh),
-``last_stats`` / ``last_num_valid`` (rows counted in the last mean, a 0-dim tensor: no sync),
+``last_stats`` / ``last_num_counted`` (rows counted in the last mean, a 0-dim tensor: no sync),
 ``last_num_mismatched`` (rows whose ``labels`` disagree with the bank's, a 0-dim tensor),
 :meth:`kernel_sigma` (for the refresh statistics), :meth:`log_values` (per-epoch log) and
 :meth:`parameter_groups` (which of its parameters are sigma, the bank's weights, or other).
@@ -43,13 +43,13 @@ __all__ = ["BankLoss", "BankLossStats"]
 
 class BankLossStats(LossOutput):
     """The :class:`LossOutput` of a bank loss's last call (still the 3-tuple ``(loss, per_row,
-    valid)``), plus ``num_mismatched``: the number of rows whose ``labels`` disagreed with
+    counted)``), plus ``num_mismatched``: the number of rows whose ``labels`` disagreed with
     ``bank.labels[idx]`` and were dropped (0-dim int64 tensor on emb's device; reading it syncs
     on GPU)."""
 
-    def __new__(cls, loss: Tensor, per_row: Tensor, valid: Tensor,
+    def __new__(cls, loss: Tensor, per_row: Tensor, counted: Tensor,
                 num_mismatched: Optional[Tensor] = None):
-        self = super().__new__(cls, loss, per_row, valid)
+        self = super().__new__(cls, loss, per_row, counted)
         self.num_mismatched = num_mismatched
         return self
 
@@ -154,9 +154,9 @@ class BankLoss(nn.Module, abc.ABC):
         return None if self.last_stats is None else self.last_stats.num_mismatched
 
     @property
-    def last_num_valid(self) -> Optional[Tensor]:
+    def last_num_counted(self) -> Optional[Tensor]:
         """Rows counted in the last call's mean (0-dim tensor), None before the first call."""
-        return None if self.last_stats is None else self.last_stats.num_valid
+        return None if self.last_stats is None else self.last_stats.num_counted
 
     def log_values(self) -> Dict[str, float]:
         """Scalars for a training log (read once per epoch: may sync); ``sigma`` for a loss

@@ -204,7 +204,7 @@ class ClassConditionalLoss(BankLoss):
 
     @property
     def last_valid(self) -> Optional[Tensor]:
-        return None if self.last_stats is None else self.last_stats.valid
+        return None if self.last_stats is None else self.last_stats.counted
 
     def extra_repr(self) -> str:
         return (f"k={self.k}, sigma={self.kernel_sigma():.4g}, objective={self.objective!r}, "

@@ -29,7 +29,7 @@ class NeighbourKernelLoss(BankLoss):
     batch examples. The per-centre weights are the bank's: learned when the bank's
     ``learn_weights`` is True (``CentreBank(..., learn_weights=True)``; the paper learns them for
     classification and fixes them for metric learning). After each call ``last_stats`` holds the :class:`LossOutput` (per-row
-    losses, which rows are counted, ``num_nonfinite``); ``last_num_valid`` is the count of
+    losses, which rows are counted, ``num_nonfinite``); ``last_num_counted`` is the count of
     counted rows as a 0-dim tensor. A NaN/inf embedding (or a distance beyond fp32) makes its
     row's loss NaN and so the mean NaN: a diverging run shows. ``labels`` must equal
     ``bank.labels[idx]`` (see :class:`BankLoss`): checked with value checks on (one host sync

@@ -115,7 +115,7 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             grad_s = ((dl * shifted).sum() * inv_sigma).to(sigma.dtype).reshape(sigma.shape)
         if need_c:
             # dlogit_j/dc_j = (x - c_j) / sigma^2, so dL/dc_j = (p_j - p^R_j)(x - c_j) / sigma^2.
-            # (DESIGN.md section 1 has this with the opposite sign; gradcheck settles it.)
+            # (docs/MATHS.md section 3; tests/test_reference.py and gradcheck check the sign.)
             coef = dl * (inv_sigma * inv_sigma)
             grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef, ctx.backend)
             grad_c = grad_c.to(centres.dtype)
@@ -153,17 +153,17 @@ class LossOutput(NamedTuple):
     loss: the reduced loss (0-dim, or (B,) for reduction="none").
     per_row: (B,) loss of each row, 0 for rows without a same-class neighbour, NaN for rows
         touched by a non-finite value.
-    valid: (B,) bool, True where the row is counted in the mean: it had a same-class neighbour,
+    counted: (B,) bool, True where the row is counted in the mean: it had a same-class neighbour,
         or it is non-finite (its NaN reaches the mean instead of leaving it silently).
     """
     loss: Tensor
     per_row: Tensor
-    valid: Tensor
+    counted: Tensor
 
     @property
-    def num_valid(self) -> Tensor:
+    def num_counted(self) -> Tensor:
         """Number of rows counted in the mean (a 0-dim tensor: reading it syncs on GPU)."""
-        return self.valid.sum()
+        return self.counted.sum()
 
     @property
     def nonfinite(self) -> Tensor:
@@ -212,7 +212,7 @@ def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighb
                                      weights=None, sigma=1.0, reduction="mean",
                                      backend="auto") -> LossOutput:
     """Like :func:`neighbour_kernel_loss`, but also returns the per-row losses and which rows
-    had a same-class neighbour (``.valid``, ``.num_valid``)."""
+    had a same-class neighbour (``.counted``, ``.num_counted``)."""
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend)
     sigma_t = check_sigma(sigma, emb.device)
     check_values(emb, centres, neighbours, weights, sigma_t)

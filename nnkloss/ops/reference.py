@@ -4,7 +4,7 @@ It returns exactly what the Triton kernel returns (see ``nnkloss.kernels.neighbo
 so one autograd definition serves both. Gathered centres are processed ``rows_per_chunk`` rows at
 a time, so the largest temporary is (rows_per_chunk, K, D), never (B, K, D).
 
-Numerics (DESIGN.md section 1, "numerical rules"):
+Numerics (docs/MATHS.md section 4, "Numerical rules"):
 - distances are scaled before they are squared, ``u_j = ||(c_j - x) / sigma||^2``, so they
   overflow only where the logit itself does;
 - probabilities are normalised by the computed sums (``e_j / sum e``), never formed as

@@ -55,7 +55,7 @@ def loadavg() -> float:
 
 
 def run_nnkloss(emb, labels, search_backend="auto") -> dict:
-    from nnkloss import metrics
+    from nnkloss.evaluation import metrics
     return metrics.evaluate(emb, labels, KS, search_backend=search_backend)
 
 

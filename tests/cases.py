@@ -109,3 +109,20 @@ SHAPES = [
 ]
 
 
+def spy_need_grad_x(monkeypatch, backend):
+    """Records the need_grad_x each call of the backend's forward receives (a list that fills
+    as the op runs); the backend's centre_grad is passed through."""
+    from nnkloss.ops import backends
+    seen = []
+    real = backends.implementation
+
+    def impl(name):
+        fwd = real(name).forward
+
+        def forward(*args, need_grad_x=True, **kwargs):
+            seen.append(need_grad_x)
+            return fwd(*args, need_grad_x=need_grad_x, **kwargs)
+        return type("Impl", (), {"forward": staticmethod(forward),
+                                 "centre_grad": staticmethod(real(name).centre_grad)})
+    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+    return seen

@@ -14,8 +14,8 @@ def idx_bytes(arr: np.ndarray, code: int = 0x08) -> bytes:
     return head + arr.tobytes()
 
 
-def write_idx(path: str, arr: np.ndarray, gz: bool = True, code: int = 0x08) -> str:
-    data = idx_bytes(arr, code)
+def write_bytes(path: str, data: bytes, gz: bool = True) -> str:
+    """Write ``data`` to ``path`` (gzipped to ``path + ".gz"`` with ``gz``); returns the path."""
     if gz:
         path += ".gz"
         with gzip.open(path, "wb") as f:
@@ -24,6 +24,10 @@ def write_idx(path: str, arr: np.ndarray, gz: bool = True, code: int = 0x08) -> 
         with open(path, "wb") as f:
             f.write(data)
     return path
+
+
+def write_idx(path: str, arr: np.ndarray, gz: bool = True, code: int = 0x08) -> str:
+    return write_bytes(path, idx_bytes(arr, code), gz)
 
 
 def make_images(labels: np.ndarray, size: int = 28, seed: int = 0) -> np.ndarray:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import nnkloss
-from cases import SHAPES, compare, make_case
+from cases import SHAPES, compare, make_case, spy_need_grad_x
 
 
 class Head(torch.nn.Module):
@@ -85,18 +85,7 @@ def test_direct_forward_only_call_refuses_an_embedding_gradient():
 def test_forward_only_compiles_fullgraph(monkeypatch, compile_backend, backend):
     """Under no_grad the compiled module calls the forward-only op (need_grad_x False), with
     no graph break, and gives the eager loss."""
-    from nnkloss.ops import backends
-    seen = []
-    real = backends.implementation
-
-    def impl(name):
-        fwd = real(name).forward
-
-        def forward(*args, need_grad_x=True, **kwargs):
-            seen.append(need_grad_x)
-            return fwd(*args, need_grad_x=need_grad_x, **kwargs)
-        return type("Impl", (), {"forward": staticmethod(forward)})
-    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+    seen = spy_need_grad_x(monkeypatch, backend)
     torch._dynamo.reset()
     emb, labels, centres, cl, nb, w = make_case(6, 12, 4, 5, seed=1)
 

@@ -207,7 +207,7 @@ def test_bad_split_arguments(trees):
 
 
 # ---------------------------------------------------------------------------- IDX / Fashion-MNIST
-from fabricate_idx import idx_bytes, make_idx_tree, write_idx  # noqa: E402
+from fabricate_idx import idx_bytes, make_idx_tree, write_bytes, write_idx  # noqa: E402
 from nnkloss.experiment.datasets import (KMNIST, MNIST, FashionMNIST, IDXDataset,  # noqa: E402
                                          read_idx)
 
@@ -303,15 +303,7 @@ def test_idx_missing_file_names_it_and_how_to_get_it(tmp_path):
 
 
 def _corrupt(root, name, data, gz=True):
-    path = os.path.join(root, name + (".gz" if gz else ""))
-    if gz:
-        import gzip
-        with gzip.open(path, "wb") as f:
-            f.write(data)
-    else:
-        with open(path, "wb") as f:
-            f.write(data)
-    return path
+    return write_bytes(os.path.join(root, name), data, gz)
 
 
 IMG, LAB = "train-images-idx3-ubyte", "train-labels-idx1-ubyte"

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import nnkloss
+from cases import spy_need_grad_x
 import reference as fp64
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -313,24 +314,6 @@ def test_far_zero_weight_same_class_centre_has_a_finite_weight_gradient(backend)
 
 
 # ----------------------------------------------------------------------- forward only
-def spy_need_grad_x(monkeypatch, backend):
-    """Records the need_grad_x each call of the backend's forward receives."""
-    from nnkloss.ops import backends
-    seen = []
-    real = backends.implementation
-
-    def impl(name):
-        fwd = real(name).forward
-
-        def forward(*args, need_grad_x=True, **kwargs):
-            seen.append(need_grad_x)
-            return fwd(*args, need_grad_x=need_grad_x, **kwargs)
-        return type("Impl", (), {"forward": staticmethod(forward),
-                                 "centre_grad": staticmethod(real(name).centre_grad)})
-    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
-    return seen
-
-
 FORWARD_ONLY = ["no_grad", "inference_mode", "no_input_requires_grad"]
 
 

@@ -126,3 +126,27 @@ def spy_need_grad_x(monkeypatch, backend):
                                  "centre_grad": staticmethod(real(name).centre_grad)})
     monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
     return seen
+
+
+def small_bank(N=12, D=3, K=4, seed=0, **kw):
+    """A CentreBank of N random centres (labels 0, 1, 2 in turn) with its K-nearest lists from
+    the torch search; ``kw`` goes to CentreBank (weights, learn_weights)."""
+    g = torch.Generator().manual_seed(seed)
+    bank = nnkloss.CentreBank(torch.randn(N, D, generator=g), torch.arange(N) % 3, **kw)
+    bank.rebuild_neighbours(K, search_backend="torch")
+    return bank
+
+
+def random_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
+    """A CentreBank of N random centres and C random labels with random lists of K rows (own
+    row and duplicates possible); ``kw`` goes to CentreBank (weights, learn_weights)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g)
+    labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.randint(0, N, (N, K), generator=g)
+    return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)
+
+
+def nonuniform(n, seed=1):
+    """n fixed, non-uniform positive bank weights in [0.1, 3.1)."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 3 + 0.1

@@ -258,3 +258,120 @@ def test_bad_launch_config():
     with pytest.raises(ValueError, match="block_k"):
         kernels.neighbour_kernel_fwd(emb.float(), labels, centres.float(), cl, nb, None,
                                      torch.tensor(1.0), config=kernels.FwdConfig(3, 4))
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_empty_bank_with_trainable_weights():
+    """Bug found by the test above: with weights that require grad, the backward scattered the
+    (all-padding) rows' zero gradients into an empty weight tensor at index 0: IndexError."""
+    emb = torch.randn(3, 4, requires_grad=True)
+    weights = torch.empty(0, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        emb, torch.tensor([0, 1, 0]), torch.empty(0, 4), torch.empty(0, dtype=torch.long),
+        torch.full((3, 2), -1), weights, backend="torch")
+    ge, gw = torch.autograd.grad(loss, [emb, weights])
+    assert torch.equal(ge, torch.zeros(3, 4))
+    assert gw.shape == (0,)
+
+
+def test_functional_sigma_defaults_to_one():
+    """Kills ops.neighbour_kernel neighbour_kernel_loss 1 (default ``sigma=2.0``)."""
+    g = torch.Generator().manual_seed(5)
+    emb, centres = torch.randn(4, 3, generator=g), torch.randn(6, 3, generator=g)
+    args = (emb, torch.tensor([0, 1, 0, 1]), centres, torch.tensor([0, 1, 0, 1, 0, 1]),
+            torch.tensor([[0, 1, 2], [1, 2, 3], [3, 4, 5], [5, 0, 1]]))
+    torch.testing.assert_close(nnkloss.neighbour_kernel_loss(*args),
+                               nnkloss.neighbour_kernel_loss(*args, sigma=1.0), rtol=0, atol=0)
+    assert not torch.allclose(nnkloss.neighbour_kernel_loss(*args),
+                              nnkloss.neighbour_kernel_loss(*args, sigma=2.0))
+
+
+def test_distances_are_stored_only_when_a_gradient_needs_them(monkeypatch):
+    """The (B, K) distances are kept for the backward only when centres, weights or sigma take
+    a gradient (memory: B*K per step for nothing otherwise). Kills ops.neighbour_kernel
+    loss_rows_unchecked 9 and 11 (stored always / whenever grad mode is on), and 1, 2 (its
+    default backend misspelt)."""
+    from nnkloss.ops import neighbour_kernel as nk, reference
+    seen = []
+    real = reference.forward
+
+    def spy(*args, store_dist=True, **kwargs):
+        seen.append(store_dist)
+        return real(*args, store_dist=store_dist, **kwargs)
+    monkeypatch.setattr(reference, "forward", spy)
+    g = torch.Generator().manual_seed(12)
+    emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    w, s = torch.rand(5, generator=g) + 0.5, torch.tensor(1.2)
+    args = (torch.tensor([0, 1, 0]), None, torch.tensor([0, 1, 0, 1, 1]),
+            torch.tensor([[0, 1], [2, 3], [4, 1]]))
+
+    def run(e, c, ww, ss):
+        labels, _, cl, nb = args
+        return nk.loss_rows_unchecked(e, labels, c, cl, nb, ww, ss, backend="torch")
+    run(emb.requires_grad_(True), centres, w, s)
+    run(emb, centres.clone().requires_grad_(True), w, s)
+    run(emb, centres, w.clone().requires_grad_(True), s)
+    run(emb, centres, None, s.clone().requires_grad_(True))
+    with torch.no_grad():
+        run(emb, centres.clone().requires_grad_(True), w, s)
+    assert seen == [False, True, True, True, False]
+    labels, _, cl, nb = args
+    rows, valid = nk.loss_rows_unchecked(emb.detach(), labels, centres, cl, nb, None, s)
+    torch.testing.assert_close(rows, run(emb.detach(), centres, None, s)[0])
+
+
+def test_stats_op_sigma_defaults_to_one():
+    """Kills ops.neighbour_kernel neighbour_kernel_loss_with_stats 1 (default ``sigma=2.0``)."""
+    g = torch.Generator().manual_seed(13)
+    args = (torch.randn(4, 3, generator=g), torch.tensor([0, 1, 0, 1]),
+            torch.randn(6, 3, generator=g), torch.tensor([0, 1, 0, 1, 0, 1]),
+            torch.tensor([[0, 1, 2], [1, 2, 3], [3, 4, 5], [5, 0, 1]]))
+    a = nnkloss.neighbour_kernel_loss_with_stats(*args).loss
+    torch.testing.assert_close(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=1.0).loss,
+                               rtol=0, atol=0)
+    assert not torch.allclose(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=2.0).loss)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_backward_scales_rows_on_the_kernel_threads_only_for_the_cpu_backend(monkeypatch,
+                                                                              backend):
+    """Kills ops.neighbour_kernel _backward 32-34 (g * grad_x sent through nk_scale_rows for
+    the wrong backends or for none: same numbers, other threads)."""
+    from nnkloss.ops import cpu
+    calls = []
+    real = cpu.scale_rows
+
+    def spy(grad_x, g):
+        calls.append(grad_x.shape)
+        return real(grad_x, g)
+    monkeypatch.setattr(cpu, "scale_rows", spy)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 4, generator=g, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        x, torch.tensor([0, 1, 0]), torch.randn(5, 4, generator=g), torch.tensor([0, 1, 0, 1, 1]),
+        torch.tensor([[0, 1], [2, 3], [4, 1]]), backend=backend)
+    loss.backward()
+    assert calls == ([(3, 4)] if backend == "cpu" else [])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_half_precision_sigma_is_widened_before_use(backend):
+    """A 0-dim fp16 sigma tensor is taken at its exact value in the compute dtype, in the
+    forward and in the backward. Kills ops.neighbour_kernel _backward 57 (1 / sigma taken in
+    fp16 for the centre gradient)."""
+    g = torch.Generator().manual_seed(16)
+    emb = torch.randn(4, 5, generator=g)
+    centres = torch.randn(7, 5, generator=g)
+    args = (torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 0, 1, 0, 1, 0]),
+            torch.tensor([[0, 1, 2], [3, 4, 5], [6, 0, 1], [2, 3, 4]]))
+    s16 = torch.tensor(0.3, dtype=torch.float16)
+    res = []
+    for s in (s16, torch.tensor(float(s16))):
+        c = centres.clone().requires_grad_(True)
+        loss = nnkloss.neighbour_kernel_loss(emb, args[0], c, args[1], args[2], sigma=s,
+                                             backend=backend)
+        loss.backward()
+        res.append((loss, c.grad))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=1e-6, atol=1e-7)

@@ -7,6 +7,8 @@ import nnkloss
 from cases import small_bank
 
 
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 def test_save_into_a_missing_directory_names_path(tmp_path):
     """kills atomic.atomic_write 1 (the default argument name in the error)."""
     bank = small_bank()

@@ -6,6 +6,8 @@ import torch
 import nnkloss
 
 
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 def test_resolve_backend_table(monkeypatch):
     """Every row of backends.resolve_backend, with its exact errors. Kills ops.backends
     resolve_backend 4-11, 14-18, 20-22, 26, 31-35, 42-47, 51-53 (on a CPU-only machine "auto"

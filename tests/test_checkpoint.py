@@ -250,3 +250,16 @@ def test_save_bank_argument_errors_and_version_field(tmp_path):
     state = load_checked(path)
     assert state["format"] == "nnkloss.CentreBank" and state["version"] == 1
     assert nnkloss.load_bank(path)[1] == 7
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+from cases import nonuniform, random_bank  # noqa: E402
+
+
+def test_save_load_bank_keeps_fixed_nonuniform_weights(tmp_path):
+    bank = random_bank(weights=nonuniform(30, seed=4))
+    nnkloss.save_bank(bank, tmp_path / "bank.pt")
+    loaded, _, _ = nnkloss.load_bank(tmp_path / "bank.pt")
+    assert not loaded.learn_weights
+    torch.testing.assert_close(loaded.weights_for_loss(), bank.weights_for_loss())

@@ -375,3 +375,30 @@ def test_half_precision_sigma_is_widened_before_use(backend):
         res.append((loss, c.grad))
     torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(res[0][1], res[1][1], rtol=1e-6, atol=1e-7)
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bank_dtype", [torch.float16, torch.float32])
+def test_fp16_embeddings(backend, bank_dtype):
+    g = torch.Generator().manual_seed(6)
+    emb = torch.randn(6, 12, generator=g).half().requires_grad_(True)
+    centres = torch.randn(30, 12, generator=g).to(bank_dtype)
+    labels = torch.randint(0, 3, (6,), generator=g)
+    cl = torch.randint(0, 3, (30,), generator=g)
+    nb = torch.randint(0, 30, (6, 9), generator=g)
+    w = (torch.rand(30, generator=g) + 0.5).requires_grad_(True)
+    loss = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w, sigma=1.7,
+                                         backend=backend)
+    assert loss.dtype == torch.float32  # fp32 math for fp16 input
+    loss.backward()
+    assert emb.grad.dtype == torch.float16
+    e64 = emb.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    ref = reference_loss(e64, labels, centres.double(), cl, nb, w64, 1.7)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(emb.grad.double(), e64.grad.half().double(), rtol=1.6e-2,
+                               atol=1e-3)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-3, atol=1e-5)

@@ -1,12 +1,16 @@
 """nnkloss/losses: BankLoss (base.py: checks, lists, reduction, stats) and NeighbourKernelLoss
 (neighbour_kernel.py). ClassConditionalLoss (ccml.py) has tests/test_ccml.py."""
+import contextlib
+
 import pytest
 import torch
 
 import nnkloss
-from cases import small_bank
+from cases import nonuniform, random_bank, small_bank
 
 
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 def test_loss_reports_its_sigma_for_logs_and_refresh_stats():
     """kernel_sigma / log_values / repr, which the Trainer reads (kills losses kernel_sigma 1,
     log_values 1 and 2, extra_repr 1)."""
@@ -87,3 +91,96 @@ def test_bank_loss_template_defaults_and_errors():
     assert float(keep(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))) == 4.0
     with pytest.raises(TypeError, match="bank must be a CentreBank, got Tensor"):
         _CountEntries(torch.zeros(3))
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads(allowed_callers=("neighbours_for",)):
+    """Every Tensor method that copies a value to the host raises, except when called from
+    ``allowed_callers`` (the bank's CPU-only idx range check, free for CPU idx and skipped
+    for CUDA idx)."""
+    import sys
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    calls = []
+
+    def guard(name):
+        orig = saved[name]
+
+        def wrapper(self, *a, **k):
+            caller = sys._getframe(1).f_code.co_name
+            # "in", not "==": mutmut renames functions (...neighbours_for__mutmut_orig).
+            if not any(ok in caller for ok in allowed_callers):
+                calls.append((name, caller))
+                raise AssertionError(f"host read Tensor.{name} from {caller}()")
+            return orig(self, *a, **k)
+        return wrapper
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, guard(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def forward_backward_without_sync(device, backend, guard):
+    bank = random_bank(N=40, D=8, K=6, weights=nonuniform(40), learn_weights=True).to(device)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, learn_sigma=True, backend=backend).to(device)
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(7, 8, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 40, (7,), generator=g).to(device)
+    labels = bank.labels[idx].clone()
+    # Value checks off: since issue 18 they compare labels with bank.labels[idx] (one read).
+    with guard(), nnkloss.value_checks(False):
+        loss = fn(emb, labels, idx)
+        loss.backward()
+        fn.last_num_counted  # noqa: B018 - a 0-dim tensor, not read
+    for t in (emb.grad, bank.log_weights.grad, fn.log_sigma.grad):
+        assert t is not None and torch.isfinite(t).all()
+    return loss
+
+
+def test_forward_and_backward_read_no_tensor_values_on_cpu():
+    loss = forward_backward_without_sync("cpu", "torch", no_host_reads)
+    assert torch.isfinite(loss)
+
+
+def test_host_read_guard_catches_a_read():
+    bank = random_bank()
+    fn = nnkloss.NeighbourKernelLoss(bank)
+    idx = torch.arange(4)
+    with pytest.raises(AssertionError, match="host read"):
+        with no_host_reads():
+            fn(torch.randn(4, 6), bank.labels[idx], idx).item()
+    with pytest.raises(AssertionError, match="host read"):
+        with no_host_reads():
+            fn.kernel_sigma()  # what a careless forward (extra_repr style) would do
+
+
+@pytest.mark.cuda
+def test_forward_and_backward_never_sync_on_cuda():
+    @contextlib.contextmanager
+    def sync_error():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    loss = forward_backward_without_sync("cuda", "auto", sync_error)
+    assert torch.isfinite(loss.cpu())
+
+
+def test_fp16_embeddings_through_the_module():
+    bank = random_bank(N=20, D=6, K=5)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.2)
+    idx = torch.arange(0, 20, 2)
+    emb = (bank.centres[idx] + 0.3).half()
+    got = fn(emb, bank.labels[idx], idx)
+    want = fn(emb.float(), bank.labels[idx], idx)
+    torch.testing.assert_close(got, want)

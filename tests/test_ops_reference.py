@@ -11,6 +11,8 @@ import torch
 import nnkloss
 
 
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 def test_empty_bank_with_trainable_centres():
     """N = 0 with centres and sigma that require grad: empty / zero gradients, no crash
     (kills reference.centre_grad 14: the early return on an empty bank tested shape[1])."""

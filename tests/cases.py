@@ -150,3 +150,11 @@ def random_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
 def nonuniform(n, seed=1):
     """n fixed, non-uniform positive bank weights in [0.1, 3.1)."""
     return torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 3 + 0.1
+
+
+def good_op_args():
+    """Valid keyword arguments of the functional op (4 rows, 6 centres, a padded list)."""
+    return dict(emb=torch.randn(4, 3), labels=torch.tensor([0, 1, 0, 1]),
+                centres=torch.randn(6, 3), centre_labels=torch.tensor([0, 1, 0, 1, 0, 1]),
+                neighbours=torch.tensor([[0, 1], [2, 3], [4, 5], [1, -1]]),
+                weights=torch.ones(6), sigma=1.0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import nnkloss
+from cases import good_op_args as good
 
 
 # -----------------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def test_triton_on_cpu_follows_triton_interpret(monkeypatch, value, ok):
 
 
 def test_source_checkout_maps_kernels_dir_in_process(monkeypatch, tmp_path):
-    """In-process twin of test_errors.py::test_source_checkout_without_install_finds_the_kernels
+    """In-process twin of test_source_checkout_without_install_finds_the_kernels (below)
     (which starts a subprocess, so it cannot run under mutmut). Kills ops.backends
     _source_tree_kernels 7 (``kernels`` looked up relative to the working directory), 38 (no
     submodule search path: ``kernels/__init__`` cannot import its own modules), 47
@@ -98,3 +99,40 @@ def test_implementation_table():
     with pytest.raises(ValueError, match=r"^backend must be one of .*'triton'.*'cpu'.*'torch'.* "
                                          r"here, got 'auto'$"):
         backends.implementation("auto")
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_errors.py (now tests/test_validation.py) in issue 19.
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        nnkloss.neighbour_kernel_loss(**good(), backend="triton")
+
+
+def test_source_checkout_without_install_finds_the_kernels(tmp_path):
+    """PYTHONPATH=<checkout> with no pip install (as on a bare GPU machine): kernels/ still
+    serves as nnkloss.kernels."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in getattr(f, '__name__', type(f).__name__)]\n"
+        "import torch, nnkloss\n"
+        "assert not nnkloss.__file__.startswith(sys.prefix)\n"
+        "e = torch.randn(3, 4); c = torch.randn(6, 4)\n"
+        "out = nnkloss.neighbour_kernel_loss(e, torch.tensor([0, 1, 0]), c,\n"
+        "    torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [4, 5]]),\n"
+        "    backend='triton')\n"
+        "ref = nnkloss.neighbour_kernel_loss(e, torch.tensor([0, 1, 0]), c,\n"
+        "    torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [4, 5]]),\n"
+        "    backend='torch')\n"
+        "torch.testing.assert_close(out, ref)\n"
+        "import nnkloss.kernels as k\n"
+        f"assert k.__file__.startswith({os.path.join(root, 'kernels')!r}), k.__file__\n"
+    )
+    env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import nnkloss
+from nnkloss.ops import reference as torch_path
+from cases import compare, make_case
 
 
 # -----------------------------------------------------------------------------------------------
@@ -146,3 +148,15 @@ def test_forward_outputs_are_in_the_compute_dtype(backend, emb_dtype):
         out = impl.forward(*args, store_dist=store)
         assert [t.dtype for t in out] == [cdt] * 5
         assert [tuple(t.shape) for t in out] == [(3,), (3,), (3,), (3, 4), (3, k)]
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_loss_op.py (now tests/test_ops_neighbour_kernel.py) in issue 19.
+def test_torch_path_chunks_agree(monkeypatch):
+    """Forcing many small chunks changes nothing (the (rows, K, D) temporary is bounded)."""
+    case = make_case(9, 20, 6, 5, seed=14, pad=0.2)
+    full = compare(case, "torch", torch.float64, torch.float64)
+    monkeypatch.setattr(torch_path, "CHUNK_ELEMS", 31)
+    assert torch_path.rows_per_chunk(5, 6) == 1
+    chunked = compare(case, "torch", torch.float64, torch.float64)
+    torch.testing.assert_close(full.per_row, chunked.per_row)

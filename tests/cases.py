@@ -158,3 +158,13 @@ def good_op_args():
                 centres=torch.randn(6, 3), centre_labels=torch.tensor([0, 1, 0, 1, 0, 1]),
                 neighbours=torch.tensor([[0, 1], [2, 3], [4, 5], [1, -1]]),
                 weights=torch.ones(6), sigma=1.0)
+
+
+def own_row_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
+    """random_bank whose every list holds its own row first (which the losses must exclude)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g)
+    labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.randint(0, N, (N, K), generator=g)
+    nb[:, 0] = torch.arange(N)  # every list holds its own row: must be excluded
+    return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)

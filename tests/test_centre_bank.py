@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import nnkloss
-from cases import nonuniform, random_bank
+from cases import nonuniform, own_row_bank as make_bank, random_bank
 
 
 # -----------------------------------------------------------------------------------------------
@@ -241,3 +241,130 @@ def test_bank_load_state_dict_strictness():
     other.load_state_dict(partial, strict=False)  # weights kept, nothing else breaks
     torch.testing.assert_close(other.weights_for_loss(), nonuniform(8))
     assert torch.equal(other.centres, bank.centres)
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_module.py (CentreBank and NeighbourKernelLoss; now tests/test_losses.py)
+# in issue 19.
+def test_exclusion_also_when_self_appears_twice():
+    bank = make_bank(N=10, K=4)
+    bank.set_neighbours(torch.stack([torch.tensor([i, i, (i + 1) % 10, (i + 2) % 10])
+                                     for i in range(10)]))
+    idx = torch.tensor([4])
+    assert bank.neighbours_for(idx).tolist() == [[-1, -1, 5, 6]]
+
+
+def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
+    bank = make_bank()
+    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    bank.update_(labels=bank.labels.long(), neighbours=bank.neighbours.long())
+    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    big = nnkloss.CentreBank(torch.zeros(2, 3), torch.tensor([0, 2 ** 40]))
+    assert big.labels.dtype == torch.int64 and int(big.labels[1]) == 2 ** 40
+
+
+def test_update_is_all_or_nothing():
+    bank = make_bank(N=10, K=3)
+    before = {k: v.clone() for k, v in bank.state_dict().items()}
+    bad_nb = torch.full((10, 3), 10)  # index out of range
+    with pytest.raises(IndexError, match="neighbours"):
+        bank.update_(centres=torch.zeros(10, 6), neighbours=bad_nb)
+    for k, v in bank.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_bank_growth_keeps_weights_and_clears_stale_lists():
+    bank = make_bank(N=10, K=3)
+    bank.update_(centres=torch.randn(12, 6), labels=torch.zeros(12, dtype=torch.long))
+    assert bank.num_centres == 12 and bank.weights.shape == (12,) and not bank.has_neighbours
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4)), TypeError, "labels"),
+    (dict(centres=torch.randn(4), labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
+    (dict(centres=torch.full((4, 3), float("nan")), labels=torch.zeros(4, dtype=torch.long)),
+     ValueError, "NaN"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          weights=-torch.ones(4)), ValueError, "weights"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          weights=torch.zeros(4), learn_weights=True), ValueError, "positive"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          neighbours=torch.tensor([[0], [1], [2], [4]])), IndexError, "neighbours"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          neighbours=torch.zeros(4, 2)), TypeError, "neighbours"),
+])
+def test_bank_bad_input(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        nnkloss.CentreBank(**kwargs)
+
+
+def test_write_centres_overwrites_rows_in_place_and_keeps_the_rest():
+    bank = make_bank()
+    before = bank.centres.clone()
+    buf = bank.centres
+    idx = torch.tensor([4, 0, 17])
+    emb = torch.randn(3, 6, requires_grad=True)
+    assert bank.write_centres_(idx, emb) is bank
+    assert bank.centres is buf  # in place: the same buffer
+    assert torch.equal(bank.centres[idx], emb.detach())
+    rest = torch.ones(30, dtype=torch.bool)
+    rest[idx] = False
+    assert torch.equal(bank.centres[rest], before[rest])
+    assert not bank.centres.requires_grad
+
+
+def test_write_centres_momentum_blends_in_fp32_and_casts_to_the_bank_dtype():
+    src = make_bank()
+    bank = nnkloss.CentreBank(src.centres.half(), src.labels)
+    old = bank.centres.float().clone()
+    idx = torch.tensor([2, 9])
+    emb = torch.randn(2, 6)
+    bank.write_centres_(idx, emb, momentum=0.75)
+    expected = (0.75 * old[idx] + 0.25 * emb).half()
+    assert bank.centres.dtype == torch.float16
+    assert torch.equal(bank.centres[idx], expected)
+
+
+def test_write_centres_duplicates_take_the_last_occurrence():
+    bank = make_bank()
+    old = bank.centres.clone()
+    idx = torch.tensor([5, 3, 5, 8, 3, 5])
+    emb = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 6).clone()
+    bank.write_centres_(idx, emb)
+    assert bank.centres[5].tolist() == [5.0] * 6
+    assert bank.centres[3].tolist() == [4.0] * 6
+    assert bank.centres[8].tolist() == [3.0] * 6
+    bank.update_(centres=old.clone())  # the bank keeps (and writes into) what it is given
+    bank.write_centres_(idx, emb, momentum=0.5)  # blended with the old row, once
+    torch.testing.assert_close(bank.centres[5], 0.5 * old[5] + 2.5)
+    torch.testing.assert_close(bank.centres[3], 0.5 * old[3] + 2.0)
+
+
+def test_write_centres_empty_batch_is_a_no_op():
+    bank = make_bank()
+    before = bank.centres.clone()
+    bank.write_centres_(torch.zeros(0, dtype=torch.long), torch.zeros(0, 6))
+    assert torch.equal(bank.centres, before)
+
+
+@pytest.mark.parametrize("idx, emb, kw, exc, match", [
+    (torch.tensor([1.0]), torch.randn(1, 6), {}, TypeError, "idx"),
+    (torch.tensor([[1]]), torch.randn(1, 6), {}, ValueError, "idx"),
+    (torch.tensor([1]), torch.randn(1, 5), {}, ValueError, "emb"),
+    (torch.tensor([1, 2]), torch.randn(1, 6), {}, ValueError, "emb"),
+    (torch.tensor([1]), torch.ones(1, 6, dtype=torch.long), {}, TypeError, "emb"),
+    (torch.tensor([1]), torch.randn(1, 6, device="meta"), {}, ValueError, "emb is on meta"),
+    (torch.tensor([30]), torch.randn(1, 6), {}, IndexError, "idx holds 30"),
+    (torch.tensor([-1]), torch.randn(1, 6), {}, IndexError, "idx holds -1"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": 1.0}, ValueError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": -0.1}, ValueError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": True}, TypeError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": "0.5"}, TypeError, "momentum"),
+])
+def test_write_centres_bad_input_leaves_the_bank(idx, emb, kw, exc, match):
+    bank = make_bank()
+    before = bank.centres.clone()
+    with pytest.raises(exc, match=match):
+        bank.write_centres_(idx, emb, **kw)
+    assert torch.equal(bank.centres, before)

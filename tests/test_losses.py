@@ -1,12 +1,225 @@
-"""nnkloss/losses: BankLoss (base.py: checks, lists, reduction, stats) and NeighbourKernelLoss
-(neighbour_kernel.py). ClassConditionalLoss (ccml.py) has tests/test_ccml.py."""
+"""nnkloss/losses: BankLoss (base.py: checks, lists, self-exclusion, reduction, stats) and
+NeighbourKernelLoss (neighbour_kernel.py: state_dict, learnable sigma and weights, backends).
+ClassConditionalLoss (ccml.py) has tests/test_ccml.py; CentreBank tests/test_centre_bank.py."""
 import contextlib
 
 import pytest
 import torch
 
 import nnkloss
-from cases import nonuniform, random_bank, small_bank
+from cases import nonuniform, own_row_bank as make_bank, random_bank, small_bank
+from reference import reference_loss
+
+
+def test_self_exclusion_matches_functional_with_padding():
+    bank = make_bank()
+    idx = torch.tensor([3, 7, 7, 0, 29])
+    emb = torch.randn(5, 6)
+    labels = bank.labels[idx]
+    loss = nnkloss.NeighbourKernelLoss(bank, sigma=1.5)(emb, labels, idx)
+    nb = bank.neighbours[idx].clone()
+    nb[nb == idx[:, None]] = -1
+    ref = reference_loss(emb, labels, bank.centres, bank.labels, nb, sigma=1.5)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    # Without exclusion the result differs (each row's own centre is its own class).
+    kept = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, exclude_self=False)(emb, labels, idx)
+    assert not torch.allclose(kept, loss)
+
+
+def test_last_stats_count_rows_without_positive():
+    bank = make_bank(N=12, C=12, K=3)  # every centre its own class: almost no positives
+    idx = torch.arange(12)
+    fn = nnkloss.NeighbourKernelLoss(bank)
+    fn(torch.randn(12, 6), bank.labels, idx)
+    assert fn.last_stats.counted.shape == (12,)
+    assert int(fn.last_num_counted) == int(fn.last_stats.counted.sum())
+    assert int(fn.last_num_counted) < 12
+
+
+def test_state_dict_round_trip_including_size_changes():
+    bank = make_bank(learn_weights=True)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=2.0, learn_sigma=True)
+    with torch.no_grad():
+        bank.log_weights.add_(torch.randn(30) * 0.1)
+    sd = fn.state_dict()
+    other = nnkloss.NeighbourKernelLoss(make_bank(N=12, D=6, K=2, seed=3, learn_weights=True),
+                                        sigma=1.0, learn_sigma=True)
+    other.load_state_dict(sd)
+    for k, v in sd.items():
+        assert torch.equal(other.state_dict()[k], v), k
+    emb = torch.randn(4, 6)
+    idx = torch.tensor([1, 2, 3, 4])
+    torch.testing.assert_close(fn(emb, bank.labels[idx], idx),
+                               other(emb, other.bank.labels[idx], idx))
+
+
+def test_to_moves_everything():
+    fn = nnkloss.NeighbourKernelLoss(make_bank(), sigma=1.0).to(torch.float64)
+    # Buffers of integer dtype stay integer (int32: 4 bytes per neighbour index and label);
+    # floating buffers follow .to(dtype).
+    assert fn.bank.labels.dtype == torch.int32
+    assert fn.bank.neighbours.dtype == torch.int32
+    assert fn.bank.centres.dtype == torch.float64
+
+
+def test_learnable_weights_stay_positive_and_learn_sigma():
+    bank = make_bank(N=20, K=6, learn_weights=True)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=True)
+    params = list(fn.parameters())
+    assert any(p is bank.log_weights for p in params) and any(p is fn.log_sigma for p in params)
+    opt = torch.optim.SGD(params, lr=2.0)  # large steps: a raw weight could go negative
+    idx = torch.arange(20)
+    emb = bank.centres + 0.3 * torch.randn(20, 6)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = fn(emb, bank.labels, idx)
+        loss.backward()
+        assert bank.log_weights.grad is not None and fn.log_sigma.grad is not None
+        opt.step()
+    # exp(log_weights) is positive by construction: what can fail is that the weights were
+    # learned (moved far, some well below 1) and that the loss uses exactly these weights.
+    w = bank.weights.detach()
+    assert (w > 0).all() and torch.isfinite(w).all() and fn.kernel_sigma() > 0
+    assert (w - 1).abs().max() > 0.1 and fn.kernel_sigma() != 1.0
+    nb = bank.neighbours_for(idx)
+    ref = reference_loss(emb, bank.labels, bank.centres, bank.labels, nb, w, fn.sigma_tensor().detach())
+    torch.testing.assert_close(fn(emb, bank.labels, idx).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_weights_get_no_grad_and_skip_weight_gather():
+    bank = make_bank()
+    assert bank.weights_for_loss() is None
+    fn = nnkloss.NeighbourKernelLoss(bank)
+    fn(torch.randn(3, 6, requires_grad=True), bank.labels[:3], torch.arange(3)).backward()
+    assert bank.log_weights.grad is None
+
+
+def test_no_neighbour_lists_is_a_clear_error():
+    bank = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no neighbour lists"):
+        nnkloss.NeighbourKernelLoss(bank)(torch.randn(2, 3), torch.zeros(2, dtype=torch.long),
+                                          torch.tensor([0, 1]))
+
+
+def test_idx_out_of_range_names_idx():
+    bank = make_bank(N=10)
+    with pytest.raises(IndexError, match="idx"):
+        nnkloss.NeighbourKernelLoss(bank)(torch.randn(2, 6), torch.zeros(2, dtype=torch.long),
+                                          torch.tensor([0, 10]))
+
+
+def test_module_bad_arguments():
+    bank = make_bank()
+    with pytest.raises(ValueError, match="sigma"):
+        nnkloss.NeighbourKernelLoss(bank, sigma=0.0)
+    with pytest.raises(ValueError, match="reduction"):
+        nnkloss.NeighbourKernelLoss(bank, reduction="avg")
+    with pytest.raises(TypeError, match="bank"):
+        nnkloss.NeighbourKernelLoss(torch.randn(3, 3))
+
+
+@pytest.mark.interpreter
+def test_module_backends_agree_with_learned_parameters():
+    """The module on the Triton kernel (interpreter on CPU) equals the torch path, gradients
+    of the network output, sigma and the learned weights included."""
+    results = {}
+    for backend in ("torch", "triton"):
+        bank = make_bank(N=25, K=7, learn_weights=True, seed=4)
+        with torch.no_grad():
+            bank.log_weights.copy_(torch.linspace(-0.5, 0.5, 25))
+        fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.9, learn_sigma=True, backend=backend)
+        idx = torch.tensor([0, 5, 5, 12, 24, 3])
+        emb = (bank.centres[idx] + 0.2).requires_grad_(True)
+        loss = fn(emb, bank.labels[idx], idx)
+        loss.backward()
+        results[backend] = [loss, emb.grad, fn.log_sigma.grad, bank.log_weights.grad]
+    for a, b in zip(results["torch"], results["triton"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- misaligned idx (issue 18)
+def _aligned_batch(bank, B=8, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(bank.num_centres, generator=g)[:B]
+    emb = bank.centres[idx] + 0.1 * torch.randn(B, bank.dim, generator=g)
+    return emb, bank.labels[idx].long(), idx
+
+
+@pytest.mark.parametrize("cls", ["nngk", "ccml"])
+def test_misaligned_idx_raises_naming_idx_and_labels(cls):
+    """labels that disagree with bank.labels[idx] (a loader whose idx is off by one): before
+    issue 18 a plausible loss came back; with value checks on it is an error."""
+    bank = make_bank(N=30, C=3)
+    fn = (nnkloss.NeighbourKernelLoss(bank, sigma=1.0) if cls == "nngk"
+          else nnkloss.ClassConditionalLoss(bank, k=2, sigma=1.0))
+    emb, labels, idx = _aligned_batch(bank)
+    shifted = (idx + 1) % bank.num_centres                  # off by one
+    assert bool((bank.labels[shifted] != labels).any())
+    with pytest.raises(ValueError, match=r"labels disagree with the bank's labels at idx .*"
+                                         r"idx\[\d+\] = \d+, whose bank label is \d+, but "
+                                         r"labels\[\d+\] = \d+"):
+        fn(emb, labels, shifted)
+    fn(emb, labels, idx)                                    # aligned: fine
+    assert int(fn.last_stats.num_mismatched) == 0 and int(fn.last_num_mismatched) == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_misaligned_rows_are_dropped_and_counted_without_checks(reduction):
+    """With value checks off (no host sync) disagreeing rows are dropped: zero loss and zero
+    gradient, out of the mean, counted in last_stats.num_mismatched (a 0-dim tensor); the
+    other rows give exactly what they give alone."""
+    bank = make_bank(N=30, C=3)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, reduction=reduction)
+    emb, labels, idx = _aligned_batch(bank, B=10)
+    bad = labels.clone()
+    bad[[1, 4, 7]] = (labels[[1, 4, 7]] + 1) % 3
+    keep = torch.ones(10, dtype=torch.bool)
+    keep[[1, 4, 7]] = False
+    x = emb.clone().requires_grad_()
+    with nnkloss.value_checks(False):
+        out = fn(x, bad, idx)
+    stats = fn.last_stats
+    assert stats.num_mismatched.dim() == 0 and int(stats.num_mismatched) == 3
+    loss, per_row, valid = stats                            # still the 3-tuple
+    assert not valid[~keep].any() and torch.equal(per_row[~keep], torch.zeros(3))
+    out.sum().backward()
+    assert torch.equal(x.grad[~keep], torch.zeros(3, bank.dim))
+    x2 = emb[keep].clone().requires_grad_()
+    alone = fn(x2, labels[keep], idx[keep])
+    alone.sum().backward()
+    if reduction == "none":
+        torch.testing.assert_close(out[keep], alone)
+    else:
+        torch.testing.assert_close(out, alone)
+    torch.testing.assert_close(x.grad[keep], x2.grad)
+    assert int(fn.last_num_mismatched) == 0
+
+
+def test_learned_weights_are_the_banks_and_the_loss_leaves_the_bank_alone():
+    """learn_weights lives on the bank only: the loss takes no such argument and building a
+    loss never changes a shared bank's setting (issue 19)."""
+    bank = make_bank(learn_weights=True)
+    with pytest.raises(TypeError, match="learn_weights"):
+        nnkloss.NeighbourKernelLoss(bank, learn_weights=False)
+    nnkloss.NeighbourKernelLoss(bank, sigma=2.0)
+    assert bank.learn_weights and bank.log_weights.requires_grad
+    fixed = make_bank()
+    nnkloss.NeighbourKernelLoss(fixed)
+    assert not fixed.learn_weights
+
+
+@pytest.mark.parametrize("learn", [False, True])
+def test_sigma_has_one_representation_and_two_readers(learn):
+    """log_sigma (a Parameter that requires grad only when learned); kernel_sigma() a float,
+    sigma_tensor() the differentiable 0-dim tensor the maths uses; no ``sigma`` attribute."""
+    bank = make_bank()
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=2.5, learn_sigma=learn)
+    assert isinstance(fn.log_sigma, torch.nn.Parameter) and fn.log_sigma.requires_grad == learn
+    assert isinstance(fn.kernel_sigma(), float) and fn.kernel_sigma() == pytest.approx(2.5)
+    t = fn.sigma_tensor()
+    assert t.dim() == 0 and t.requires_grad == learn and float(t.detach()) == pytest.approx(2.5)
+    assert not hasattr(fn, "sigma")
+    assert fn.log_values() == {"sigma": fn.kernel_sigma()}
 
 
 # -----------------------------------------------------------------------------------------------

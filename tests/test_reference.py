@@ -5,6 +5,8 @@ differentiable loss), and the closed forms of docs/MATHS.md section 3, signs inc
 the derivatives of the loss: autograd of the differentiable view, and finite differences for the
 one-sided derivative at a zero weight.
 """
+# Listed in tests/test_layout.py CROSS_CUTTING: it tests tests/reference.py, a helper of the
+# tests, not nnkloss/ops/reference.py (whose tests are tests/test_ops_reference.py).
 import math
 
 import pytest

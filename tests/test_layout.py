@@ -143,3 +143,24 @@ def test_every_test_file_names_a_module_or_is_a_documented_cross_cutting_suite()
     assert stray == [], ("name each test file after the module it tests (tests/test_layout.py "
                          "says how), or list it in CROSS_CUTTING with the reason", stray)
     assert sorted(set(CROSS_CUTTING) - set(files)) == []  # the list names only files that exist
+
+
+@pytest.mark.parametrize("ci", [True, False])
+def test_ci_runs_hypothesis_derandomized_without_a_database(ci):
+    """With CI set, tests/conftest.py loads the "ci" hypothesis profile (the same examples every
+    run, no example database); without it the randomised default stays. Run as under a
+    Hypothesis without a built-in "ci" profile of its own, so that only conftest.py can pass."""
+    code = ("from hypothesis import settings\n"
+            "settings.register_profile('ci', settings.get_profile('default'))\n"
+            "settings.load_profile('default')\n"
+            "import conftest\n"
+            "d = settings.default\n"
+            "print(d.derandomize, d.database is None)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci:
+        env["CI"] = "true"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [str(ci), str(ci)]

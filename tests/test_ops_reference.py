@@ -31,7 +31,7 @@ def test_empty_bank_with_trainable_centres():
     assert float(gs.detach()) == 0.0
 
 
-def test_nonfinite_row_reaches_the_gradient_of_a_one_centresmall_bank():
+def test_nonfinite_row_reaches_the_gradient_of_a_one_centre_bank():
     """A NaN embedding row makes the centre gradient NaN ("never silent"), also when the bank
     holds a single centre (where every finite row has p = p^R and contributes exactly 0).
     Kills reference.centre_grad 16 (a one-centre bank returned a zero gradient)."""

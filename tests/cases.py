@@ -1,5 +1,7 @@
-"""Shared cases of the op's tests: random inputs, the op and the fp64 reference side by side,
-and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUDA tests)."""
+"""Shared cases of the tests: random inputs of the op, the op and the fp64 reference side by side,
+and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUDA tests); valid
+arguments of the functional op; small banks (small_bank, random_bank, own_row_bank) and their
+weights, shared by the tests of several modules."""
 import torch
 
 import nnkloss

@@ -10,7 +10,7 @@ global-load widths in the SASS (LDG.E.128 / .64 / 32-bit counts), bytes one quer
 (the model in kernels/static_build.bytes_per_row) and bytes in flight per SM (resident blocks x
 one gathered centre tile). Rows go to ``benchmarks/results/static_sm_<arch>.csv`` (overwritten)
 with the Triton version and the commit. The compile/inspect code is kernels/static_build.py,
-shared with the build gate (tests/test_build_gate.py).
+shared with the build gate (tests/test_kernels_build_gate.py).
 
 The "sweep" rows (configuration suffix ``-cfg<block_k>x<block_d>w<warps>r<rows>``) are the
 evidence for kernels.default_config: see its docstring.

@@ -1,6 +1,6 @@
 """Compile the package's Triton kernels for CUDA targets without a GPU, and inspect the binaries.
 
-Shared by the build gate (tests/test_build_gate.py) and the static report
+Shared by the build gate (tests/test_kernels_build_gate.py) and the static report
 (benchmarks/kernel_report.py). Nothing here runs a kernel.
 
 How: Triton decides between its interpreter and the compiler when ``@triton.jit`` decorates a

@@ -1,5 +1,7 @@
-"""Shared cases of the op's tests: random inputs, the op and the fp64 reference side by side,
-and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUDA tests)."""
+"""Shared cases of the tests: random inputs of the op, the op and the fp64 reference side by side,
+and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUDA tests); valid
+arguments of the functional op; small banks (small_bank, random_bank, own_row_bank) and their
+weights, shared by the tests of several modules."""
 import torch
 
 import nnkloss
@@ -126,3 +128,45 @@ def spy_need_grad_x(monkeypatch, backend):
                                  "centre_grad": staticmethod(real(name).centre_grad)})
     monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
     return seen
+
+
+def small_bank(N=12, D=3, K=4, seed=0, **kw):
+    """A CentreBank of N random centres (labels 0, 1, 2 in turn) with its K-nearest lists from
+    the torch search; ``kw`` goes to CentreBank (weights, learn_weights)."""
+    g = torch.Generator().manual_seed(seed)
+    bank = nnkloss.CentreBank(torch.randn(N, D, generator=g), torch.arange(N) % 3, **kw)
+    bank.rebuild_neighbours(K, search_backend="torch")
+    return bank
+
+
+def random_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
+    """A CentreBank of N random centres and C random labels with random lists of K rows (own
+    row and duplicates possible); ``kw`` goes to CentreBank (weights, learn_weights)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g)
+    labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.randint(0, N, (N, K), generator=g)
+    return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)
+
+
+def nonuniform(n, seed=1):
+    """n fixed, non-uniform positive bank weights in [0.1, 3.1)."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 3 + 0.1
+
+
+def good_op_args():
+    """Valid keyword arguments of the functional op (4 rows, 6 centres, a padded list)."""
+    return dict(emb=torch.randn(4, 3), labels=torch.tensor([0, 1, 0, 1]),
+                centres=torch.randn(6, 3), centre_labels=torch.tensor([0, 1, 0, 1, 0, 1]),
+                neighbours=torch.tensor([[0, 1], [2, 3], [4, 5], [1, -1]]),
+                weights=torch.ones(6), sigma=1.0)
+
+
+def own_row_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
+    """random_bank whose every list holds its own row first (which the losses must exclude)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g)
+    labels = torch.randint(0, C, (N,), generator=g)
+    nb = torch.randint(0, N, (N, K), generator=g)
+    nb[:, 0] = torch.arange(N)  # every list holds its own row: must be excluded
+    return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)

@@ -48,8 +48,20 @@ def pytest_collection_modifyitems(config, items):
 # every mutant and no example database. With the database, an example that fails the
 # unmutated code too (a latent bug found by chance mid-run) is replayed for every later mutant
 # and counted as killing it.
+# CI (the environment variable CI set, as CI services and .ci/run do) loads the "ci" profile: the
+# same examples on every run and no example database, so a CI result is reproducible. Recent
+# Hypothesis versions have a built-in "ci" profile of their own (derandomized, no database, no
+# deadline) that they load where CI is set; this one extends it, and stands in for it on older
+# versions. An explicit --hypothesis-profile still wins (the plugin loads it after this file).
 try:
     from hypothesis import settings as _hyp_settings
     _hyp_settings.register_profile("mutation", derandomize=True, database=None)
+    try:
+        _ci_parent = _hyp_settings.get_profile("ci")
+    except Exception:  # no built-in "ci" profile (older Hypothesis): InvalidArgument
+        _ci_parent = None
+    _hyp_settings.register_profile("ci", _ci_parent, derandomize=True, database=None)
+    if "CI" in os.environ:
+        _hyp_settings.load_profile("ci")
 except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
     pass

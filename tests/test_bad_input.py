@@ -1,5 +1,7 @@
 """A bad-input table for every public entry point (issue 10): each case raises an error that
 names the argument at fault, or returns the documented result."""
+# Cross-cutting suite (tests/test_layout.py CROSS_CUTTING): one table over every public entry
+# point, kept whole on purpose; each module's own error tests live in its test file.
 
 import pytest
 import torch

@@ -151,3 +151,115 @@ def test_file_without_checksum_is_read_only_when_asked(tmp_path):
         load_bank(tmp_path / "old.pt")
     loaded, step, _ = load_bank(tmp_path / "old.pt", allow_unchecked=True)
     assert step == 4 and torch.equal(loaded.centres, bank.centres)
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+from cases import small_bank  # noqa: E402
+from nnkloss.checksum import load_checked, save_checked  # noqa: E402
+
+
+def test_save_bank_refuses_unloadable_values_inside_lists(tmp_path):
+    """extra is checked all the way down lists and tuples, and the error says where (kills
+    checkpoint._check_extra 5, 6, 7)."""
+    with pytest.raises(TypeError, match=r"^extra\['runs'\]\[1\]\[0\] is a function"):
+        nnkloss.save_bank(small_bank(), tmp_path / "b.pt",
+                          extra={"runs": [1, (lambda: 0, 2)], "ok": (1.5, "x", None)})
+    nnkloss.save_bank(small_bank(), tmp_path / "b.pt", extra={"ok": [1.5, ("x", None, True)]})
+    assert nnkloss.load_bank(tmp_path / "b.pt")[2] == {"ok": [1.5, ("x", None, True)]}
+
+
+def test_extra_errors_say_what_a_checkpoint_holds(tmp_path):
+    """kills checkpoint._check_extra 11, 12 (key error text) and 19-21 (the list of what a
+    checkpoint may hold)."""
+    with pytest.raises(TypeError, match=r"^extra\['d'\] has a key of type tuple; use str or int$"):
+        nnkloss.save_bank(small_bank(), tmp_path / "b.pt", extra={"d": {(1, 2): 0}})
+    with pytest.raises(TypeError, match=r"is a set; checkpoints hold only tensors, numbers, "
+                                        r"strings, None and lists/tuples/dicts of them$"):
+        nnkloss.save_bank(small_bank(), tmp_path / "b.pt", extra={"s": {1}})
+
+
+def test_load_is_weights_only_whatever_torch_defaults_to(tmp_path, monkeypatch):
+    """weights_only=True is passed explicitly: still refused where torch's own default is
+    weights_only=False (torch < 2.6, which setup.py allows, or this variable). Kills
+    checkpoint.load_bank 9, 12."""
+    save_checked({"format": "nnkloss.CentreBank", "obj": Evil()}, tmp_path / "evil.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
+        nnkloss.load_bank(tmp_path / "evil.pt")
+
+
+def test_load_bank_honours_map_location_and_refuses_newer_versions(tmp_path):
+    """map_location is handed to torch.load (a function is called per storage); a newer format
+    version is refused; a corrupt file's error names the underlying exception. Kills
+    checkpoint.load_bank 8, 11, 15, 24."""
+    path = tmp_path / "b.pt"
+    nnkloss.save_bank(small_bank(), path)
+    seen = []
+    bank, step, _ = nnkloss.load_bank(path, map_location=lambda s, loc: seen.append(loc) or s)
+    assert seen and set(seen) == {"cpu"} and bank.num_centres == 12
+    state = load_checked(path)
+    state["version"] = 2
+    save_checked(state, tmp_path / "new.pt")
+    with pytest.raises(ValueError, match="checkpoint version 2 is newer than this nnkloss reads"):
+        nnkloss.load_bank(tmp_path / "new.pt")
+    # Since issue 18 a torn file fails its checksum; junk behind a valid checksum still gets
+    # torch's own error, named.
+    import hashlib
+    from nnkloss.checksum import MAGIC
+    junk = b"PK not a zip at all"
+    (tmp_path / "torn.pt").write_bytes(MAGIC + hashlib.sha256(junk).hexdigest().encode() + b"\n"
+                                       + junk)
+    with pytest.raises(ValueError, match=r"CentreBank checkpoint\) cannot be read safely "
+                                         r"\(UnpicklingError: Weights only load failed"):
+        nnkloss.load_bank(tmp_path / "torn.pt")
+
+
+def test_load_bank_reads_old_files_and_names_bad_log_weights(tmp_path):
+    """A file without a version (older writer) loads; a bad log_weights entry is named as the
+    checkpoint's. Kills checkpoint.load_bank 25, 27, 52-54, 62, 66."""
+    path = tmp_path / "b.pt"
+    nnkloss.save_bank(small_bank(), path)
+    state = load_checked(path)
+    old = dict(state)
+    del old["version"]
+    save_checked(old, tmp_path / "old.pt")
+    assert nnkloss.load_bank(tmp_path / "old.pt")[0].num_centres == 12
+    for value, exc, match in (([0.0] * 12, TypeError,
+                               r"^checkpoint log_weights must be a tensor, got list$"),
+                              (torch.full((12,), float("nan")), ValueError,
+                               r"^checkpoint log_weights contain NaN")):
+        bad = dict(state, log_weights=value)
+        save_checked(bad, tmp_path / "bad.pt")
+        with pytest.raises(exc, match=match):
+            nnkloss.load_bank(tmp_path / "bad.pt")
+
+
+def test_save_bank_argument_errors_and_version_field(tmp_path):
+    """bool / float steps refused, wrong types named, the file records its format version (kills
+    checkpoint.save_bank 4, 6, 15, 20, 21)."""
+    bank, path = small_bank(), tmp_path / "b.pt"
+    for step in (True, 1.5):
+        with pytest.raises(ValueError, match=rf"^step must be a non-negative int, got {step!r}$"):
+            nnkloss.save_bank(bank, path, step=step)
+    with pytest.raises(TypeError, match=r"^bank must be a CentreBank, got Tensor$"):
+        nnkloss.save_bank(torch.zeros(3), path)
+    with pytest.raises(TypeError, match=r"^extra must be a dict or None, got list$"):
+        nnkloss.save_bank(bank, path, extra=[1])
+    nnkloss.save_bank(bank, path, step=7)
+    state = load_checked(path)
+    assert state["format"] == "nnkloss.CentreBank" and state["version"] == 1
+    assert nnkloss.load_bank(path)[1] == 7
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+from cases import nonuniform, random_bank  # noqa: E402
+
+
+def test_save_load_bank_keeps_fixed_nonuniform_weights(tmp_path):
+    bank = random_bank(weights=nonuniform(30, seed=4))
+    nnkloss.save_bank(bank, tmp_path / "bank.pt")
+    loaded, _, _ = nnkloss.load_bank(tmp_path / "bank.pt")
+    assert not loaded.learn_weights
+    torch.testing.assert_close(loaded.weights_for_loss(), bank.weights_for_loss())

@@ -1018,3 +1018,28 @@ def test_first_build_says_so_once(monkeypatch, fresh_state, caplog):
     with caplog.at_level(logging.INFO, logger="nnkloss"):
         cpu._lib()
     assert [r for r in caplog.records if r.name == "nnkloss"] == []
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_cpu_library_is_built_once_per_process(monkeypatch):
+    """Kills ops.cpu _lib 15-18 (the "tried" flag not set: every call rebuilt and reloaded
+    the library)."""
+    import warnings
+    from nnkloss.ops import cpu
+    builds = []
+    real = cpu._build_and_load
+
+    def counting():
+        builds.append(1)
+        return real()
+    monkeypatch.setattr(cpu, "_build_and_load", counting)
+    cpu._reset_for_tests()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")            # no compiler: the notice is not the point
+            first = cpu.available()
+            assert [cpu.available() for _ in range(3)] == [first] * 3
+    finally:
+        cpu._reset_for_tests()
+    assert builds == [1]

@@ -8,6 +8,8 @@ distances by the row minimum, so it stays exact where ``exp(l - lse)`` would not
 (at scale 1e8 and sigma 1e-3 logits reach 1e22).
 Then: non-finite inputs, overflow, the empty bank, and property-based agreement.
 """
+# Cross-cutting suite (tests/test_layout.py CROSS_CUTTING): one numerical promise checked across
+# every backend (nnkloss/ops/reference.py, cpu.py, the Triton kernels) and the loss module.
 import math
 
 import pytest

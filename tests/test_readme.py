@@ -1,4 +1,5 @@
 """The README's training-loop example runs as written (on CPU, with tiny data)."""
+# Cross-cutting suite (tests/test_layout.py CROSS_CUTTING): the README's examples as written.
 import os
 import re
 

@@ -5,6 +5,8 @@ differentiable loss), and the closed forms of docs/MATHS.md section 3, signs inc
 the derivatives of the loss: autograd of the differentiable view, and finite differences for the
 one-sided derivative at a zero weight.
 """
+# Listed in tests/test_layout.py CROSS_CUTTING: it tests tests/reference.py, a helper of the
+# tests, not nnkloss/ops/reference.py (whose tests are tests/test_ops_reference.py).
 import math
 
 import pytest
@@ -111,3 +113,17 @@ def test_non_finite_rows_and_fp32_overflow():
             torch.tensor([[0, 1]]), None, 1.0)
     assert math.isnan(fp64.forward(big, *args).loss[0])
     assert math.isfinite(fp64.forward(big.double(), *args).loss[0])
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_loss_op.py (now tests/test_ops_neighbour_kernel.py) in issue 19.
+from cases import make_case  # noqa: E402
+from reference import reference_loss  # noqa: E402
+
+
+def test_gradcheck_reference():
+    emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=12, pad=0.2)
+    s = torch.tensor(1.1, dtype=torch.float64)
+    args = [t.requires_grad_(True) for t in (emb, centres, w, s)]
+    assert torch.autograd.gradcheck(
+        lambda e, c, ww, ss: reference_loss(e, labels, c, cl, nb, ww, ss), args)

@@ -485,3 +485,392 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     assert second.overlap == pytest.approx(float(shared.mean()), abs=1e-6)
     assert 0.0 < second.overlap < 1.0 and second.sigma == 2.0
     assert torch.equal(bank.labels, y.to(bank.labels.dtype))  # centres and labels untouched
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+@pytest.mark.parametrize("name", ["every_epochs", "every_steps"])
+def test_schedule_errors_name_the_interval(name):
+    """kills refresh RefreshSchedule.__init__ 1, 3."""
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got 0$"):
+        nnkloss.RefreshSchedule(**{name: 0})
+
+
+def test_schedule_state_dict_records_intervals_and_counters():
+    """The state saved in checkpoints names both intervals and both counters (kills refresh
+    RefreshSchedule.state_dict 1-4)."""
+    sched = nnkloss.RefreshSchedule(every_epochs=5, every_steps=3)
+    sched.step()
+    sched.epoch_end()
+    assert sched.state_dict() == {"every_epochs": 5, "every_steps": 3, "epoch": 1,
+                                  "global_step": 1}
+
+
+def test_schedule_fires_at_the_first_count_and_on_either_interval():
+    """Interval 1 fires after the first epoch / step; either interval firing is enough, in
+    both orders (kills refresh RefreshSchedule.should_refresh 10, 17, 21)."""
+    every = nnkloss.RefreshSchedule(every_epochs=1, every_steps=1)
+    assert every.should_refresh(epoch=1) and every.should_refresh(step=1)
+    assert not every.should_refresh(epoch=0) and not every.should_refresh(step=0)
+    both = nnkloss.RefreshSchedule(every_epochs=5, every_steps=3)
+    assert both.should_refresh(epoch=5, step=1)
+    assert both.should_refresh(epoch=1, step=3)
+    assert not both.should_refresh(epoch=4, step=4)
+    assert nnkloss.RefreshSchedule(every_steps=1).step()
+    assert nnkloss.RefreshSchedule(every_epochs=1).epoch_end()
+
+
+def test_schedule_that_never_fires_is_refused_with_the_reason():
+    """kills refresh RefreshSchedule.__init__ 14, 16, 17 (the message)."""
+    with pytest.raises(ValueError, match=r"^give every_epochs and/or every_steps \(a schedule "
+                                         r"that never fires would leave the centres stale "
+                                         r"forever\)$"):
+        nnkloss.RefreshSchedule()
+
+
+def _refresh_setup(n=24, d_in=5, d=3, gate=None):
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(n, d_in, generator=g), torch.arange(n) % 3
+    batches = [(x[i:i + 8], y[i:i + 8], torch.arange(i, min(n, i + 8))) for i in range(0, n, 8)]
+
+    class Loader:
+        def __iter__(self):
+            if gate is not None:
+                assert gate.wait(10)
+            return iter(batches)
+
+    torch.manual_seed(0)
+    bank = nnkloss.CentreBank(torch.zeros(n, d), torch.zeros(n, dtype=torch.long))
+    return bank, torch.nn.Linear(d_in, d), Loader()
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_request_passes_its_sigma_on(async_mode):
+    """request(sigma) is the sigma of that refresh's statistics, sync or async (kills refresh
+    Refresher.request 1, 2)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
+                            async_mode=async_mode)
+    stats = ref.request(sigma=2.0)
+    if async_mode:
+        assert stats is None
+        stats = ref.wait()
+    assert stats.sigma == 2.0 and stats.mean_kernel is not None and stats.asynchronous == async_mode
+
+
+def test_poll_and_wait_of_a_background_refresh():
+    """poll() is None with nothing started and swaps in a finished refresh; wait(timeout) returns
+    None while the refresh is still running; a second start is refused with the reason; the
+    work runs in a daemon thread (kills refresh Refresher.poll 2, wait 2, refresh_async 2, 21,
+    22, 24, 25)."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    bank, model, loader = _refresh_setup(gate=gate)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
+    assert ref.poll() is None and ref.wait() is None
+    before = set(threading.enumerate())
+    ref.refresh_async()
+    # A daemon thread: a refresh still running never keeps the interpreter from exiting.
+    started = set(threading.enumerate()) - before
+    assert started and all(t.daemon for t in started)
+    with pytest.raises(RuntimeError, match=r"^a background refresh is already in flight: "
+                                           r"poll\(\)/wait\(\) first$"):
+        ref.refresh_async()
+    t0 = time.perf_counter()
+    assert ref.wait(timeout=0.05) is None and ref.in_flight
+    assert time.perf_counter() - t0 < 5
+    assert ref.poll() is None
+    gate.set()
+    stats = None
+    for _ in range(1000):
+        stats = ref.poll()
+        if stats is not None:
+            break
+        time.sleep(0.01)
+    assert stats is not None and stats.asynchronous and not ref.in_flight
+    assert bank.has_neighbours and bank.k == 4
+
+
+def test_refresh_stats_with_one_neighbour():
+    """k = 1: a second refresh with the same model finds the same lists (overlap 1.0), and the
+    mean squared distance of a two-row bank is that one distance (kills refresh _list_overlap
+    30, _make_stats 44, 58)."""
+    bank, model, loader = _refresh_setup(n=2)
+    ref = nnkloss.Refresher(bank, model, loader, k=1, search_backend="torch", progress=False)
+    first = ref.refresh()
+    assert first.overlap is None and first.asynchronous is False
+    again = ref.refresh()
+    assert again.overlap == 1.0 and again.num_patched == 0
+    d = float(((bank.centres[0] - bank.centres[1]) ** 2).sum())
+    assert again.mean_sq_distance == pytest.approx(d, rel=1e-5)
+
+
+def test_refresh_errors_say_what_to_do():
+    """A sync refresh while one is in flight, and a failed background refresh (kills refresh
+    Refresher.refresh 2, _finish 6)."""
+    import threading
+
+    gate = threading.Event()
+    bank, model, loader = _refresh_setup(gate=gate)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
+    ref.refresh_async()
+    with pytest.raises(RuntimeError, match=r"^a background refresh is in flight: call wait\(\) "
+                                           r"\(or poll\(\)\) first$"):
+        ref.refresh()
+    gate.set()
+    ref.wait()
+
+    class Broken:
+        def __iter__(self):
+            raise OSError("disk gone")
+
+    failing = nnkloss.Refresher(bank, model, Broken(), k=4, search_backend="torch", progress=False)
+    failing.refresh_async()
+    with pytest.raises(RuntimeError, match=r"^background refresh failed; the bank was left "
+                                           r"unchanged$"):
+        failing.wait()
+
+
+def test_refresh_of_a_bank_grown_meanwhile_names_both_sizes():
+    """kills refresh Refresher._swap 5 (the message's row counts)."""
+    import threading
+
+    gate = threading.Event()
+    bank, model, loader = _refresh_setup(gate=gate)
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
+    ref.refresh_async()
+    bank.add(torch.zeros(1, 3), torch.tensor([0]))
+    gate.set()
+    with pytest.raises(RuntimeError, match=r"^the bank changed size during the refresh \(24 -> 25 "
+                                           r"rows\); the new bank was discarded$"):
+        ref.wait()
+
+
+def test_refresher_sigma_checks():
+    """sigma: a float or a 0-dim tensor, positive and finite; bools, strings, 0 and inf refused
+    with the argument named (kills refresh _check_sigma 3, 5, 6, 8, 9, 14, 15)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
+                            sigma=torch.tensor(2.0))
+    assert ref.refresh().sigma == 2.0
+    assert ref.refresh(sigma=torch.tensor(0.5, requires_grad=True)).sigma == 0.5
+    for bad in (True, "1.0"):
+        with pytest.raises(TypeError, match=r"^sigma must be a float or a 0-dim tensor, "
+                                            rf"got {type(bad).__name__}$"):
+            ref.refresh(sigma=bad)
+    for bad in (0.0, float("inf")):
+        with pytest.raises(ValueError, match=rf"^sigma must be positive and finite, got {bad}$"):
+            ref.refresh(sigma=bad)
+
+
+def test_refresher_defaults_and_argument_errors(capsys):
+    """Synchronous and quiet (no progress bar) by default; wrong arguments named with their
+    types (kills refresh Refresher.__init__ 4, 5, 7, 8, 10, 11, 13)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch")
+    assert isinstance(ref.request(), nnkloss.RefreshStats)
+    assert "refresh: embedding" not in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"^bank must be a CentreBank, got Tensor$"):
+        nnkloss.Refresher(torch.zeros(3), model, loader, k=4)
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got function$"):
+        nnkloss.Refresher(bank, lambda x: x, loader, k=4)
+    with pytest.raises(ValueError, match=r"^k must be a positive int, got 0$"):
+        nnkloss.Refresher(bank, model, loader, k=0)
+
+
+def test_refresher_limits_and_device_argument():
+    """k = N - 1 is allowed, k = N is refused with the count of other centres; a non-iterable
+    loader is named; device= is accepted; no stats before the first refresh (kills refresh
+    Refresher.__init__ 19, 21, 23, 24, 32, 33, 45, 56)."""
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=23, search_backend="torch", progress=False,
+                            device="cpu")
+    assert ref.last_stats is None
+    assert ref.refresh().k == 23 and ref.last_stats.k == 23
+    with pytest.raises(ValueError, match=r"^k=24 is larger than the number of other centres "
+                                         r"\(23\) in the bank$"):
+        nnkloss.Refresher(bank, model, loader, k=24)
+    with pytest.raises(TypeError, match=r"^loader must be an iterable of \(inputs, labels, idx\), "
+                                        r"got int$"):
+        nnkloss.Refresher(bank, model, 5, k=4)
+
+
+def test_refresh_timings_are_durations():
+    """embed_seconds and search_seconds lie within the wall time of the call (kills refresh
+    Refresher._compute 31)."""
+    import time
+
+    bank, model, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False)
+    t0 = time.perf_counter()
+    stats = ref.refresh()
+    wall = time.perf_counter() - t0
+    assert 0.0 <= stats.embed_seconds <= wall and 0.0 <= stats.search_seconds <= wall
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    ("pairs", ValueError, r"^loader must yield \(inputs, labels, idx\) triples$"),
+    ("float idx", TypeError, r"^idx must have an integer dtype, got torch.float32$"),
+    ("float labels", TypeError, r"^labels must have an integer dtype, got torch.float32$"),
+])
+def test_refresh_names_what_the_loader_got_wrong(bad, exc, match):
+    """kills refresh Refresher._embed 40, 43, 49, 50, 52 (the argument named)."""
+    bank, model, _ = _refresh_setup(n=8)
+    x, y, idx = torch.randn(8, 5), torch.arange(8) % 3, torch.arange(8)
+    batch = {"pairs": (x, y), "float idx": (x, y, idx.float()),
+             "float labels": (x, y.float(), idx)}[bad]
+    ref = nnkloss.Refresher(bank, model, [batch], k=2, search_backend="torch", progress=False)
+    with pytest.raises(exc, match=match):
+        ref.refresh()
+
+
+def test_refresh_out_of_range_idx_reports_the_range_and_the_culprits():
+    """kills refresh Refresher._embed 61-63, 72, 73 (CPU idx: checked per batch, min and max
+    named)."""
+    bank, model, _ = _refresh_setup(n=8)
+    x, y = torch.randn(8, 5), torch.arange(8) % 3
+    ref = nnkloss.Refresher(bank, model, [(x, y, torch.arange(-1, 7))], k=2, search_backend="torch",
+                            progress=False)
+    with pytest.raises(IndexError, match=r"^loader yielded idx outside the bank's rows 0\.\.7 "
+                                         r"\(min -1, max 6\)$"):
+        ref.refresh()
+
+
+def test_refresh_names_a_model_output_that_is_not_a_tensor():
+    """kills refresh Refresher._embed 104, 106."""
+
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    bank, _, loader = _refresh_setup()
+    ref = nnkloss.Refresher(bank, Pair(), loader, k=4, search_backend="torch", progress=False)
+    with pytest.raises(ValueError, match=r"^model output has shape <class 'tuple'>; expected "
+                                         r"\(8, 3\) for this batch and bank$"):
+        ref.refresh()
+
+
+def test_refresh_names_the_rows_the_loader_never_yielded():
+    """kills refresh Refresher._embed 134-136 (the first five missing rows)."""
+    bank, model, _ = _refresh_setup(n=10)
+    x, y = torch.randn(3, 5), torch.arange(3)
+    ref = nnkloss.Refresher(bank, model, [(x, y, torch.tensor([0, 2, 9]))], k=2, search_backend="torch",
+                            progress=False)
+    with pytest.raises(ValueError, match=r"^the loader never yielded 7 of the bank's 10 rows "
+                                         r"\(first missing idx: \[1, 3, 4, 5, 6\]\); the bank was "
+                                         r"left unchanged$"):
+        ref.refresh()
+
+
+def test_refresh_progress_bar(capsys):
+    """progress=False prints nothing; the bar counts batches of a sized loader and copes with
+    an unsized one (kills refresh Refresher._progress 1, 2, 3, 6)."""
+    bank, model, loader = _refresh_setup()
+    nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch", progress=False).refresh()
+    assert capsys.readouterr().err == ""
+    batches = list(iter(loader))
+    nnkloss.Refresher(bank, model, batches, k=4, search_backend="torch", progress=True).refresh()
+    assert "0/3" in capsys.readouterr().err
+    nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch",
+                      progress=True).refresh()  # no __len__
+    err = capsys.readouterr().err
+    assert "refresh: embedding" in err and "/3" not in err
+
+
+def test_refresh_passes_tuple_and_dict_inputs_to_the_model():
+    """Structured inputs reach the model intact (kills refresh _to_device 6-8, 10-12, 14)."""
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 3)
+
+        def forward(self, inputs):
+            a, b = (inputs["a"], inputs["b"]) if isinstance(inputs, dict) else inputs
+            return self.lin(a) + self.lin(b)
+
+    bank, _, _ = _refresh_setup(n=8)
+    x, y, idx = torch.randn(8, 5), torch.arange(8) % 3, torch.arange(8)
+    for inputs in ((x, 2 * x), [x, 2 * x], {"a": x, "b": 2 * x}):
+        model = Two()
+        nnkloss.Refresher(bank, model, [(inputs, y, idx)], k=2, search_backend="torch",
+                          progress=False).refresh()
+        with torch.no_grad():
+            torch.testing.assert_close(bank.centres, model(inputs))
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_refresh.py (issue 14 promises; issue 19).
+# "The bank changed size during the refresh": a background refresh computed for N rows is
+# refused by a bank that now has more; a refresh of an unchanged bank is swapped in.
+import time  # noqa: E402
+
+
+class GatedLoader:
+    """Yields (x, y, idx) batches; each iteration first signals ``started`` and then waits
+    for ``go``, so a test can act while a background refresh is surely under way."""
+
+    def __init__(self, x, y, batch=8):
+        self.x, self.y, self.batch = x, y, batch
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def __iter__(self):
+        self.started.set()
+        assert self.go.wait(30), "test never released the loader"
+        for lo in range(0, len(self.y), self.batch):
+            idx = torch.arange(lo, min(lo + self.batch, len(self.y)))
+            yield self.x[idx], self.y[idx], idx
+
+    def __len__(self):
+        return -(-len(self.y) // self.batch)
+
+
+def gated_setup(n=24, d=4):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 5, generator=g)
+    y = torch.arange(n) % 3
+    torch.manual_seed(0)
+    model = nn.Linear(5, d)
+    bank = CentreBank(torch.randn(n, d, generator=g), y.clone(),
+                      neighbours=torch.randint(0, n, (n, 3), generator=g))
+    loader = GatedLoader(x, y)
+    return bank, model, loader
+
+
+@pytest.mark.parametrize("finish", ["wait", "poll"])
+def test_bank_grown_during_async_refresh_is_refused(finish):
+    bank, model, loader = gated_setup()
+    refresher = Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
+                          async_mode=True)
+    refresher.refresh_async()
+    assert loader.started.wait(30)  # the worker sized its new bank at 24 rows
+    bank.add(torch.zeros(2, 4), torch.tensor([0, 1]))
+    grown = {k: v.clone() for k, v in bank.state_dict().items()}
+    loader.go.set()
+    with pytest.raises(RuntimeError, match="changed size during the refresh"):
+        if finish == "wait":
+            refresher.wait()
+        else:
+            deadline = time.monotonic() + 30
+            while refresher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert not refresher.in_flight
+    for k, v in bank.state_dict().items():  # the grown bank is kept as it was
+        assert torch.equal(v, grown[k]), k
+    assert bank.num_centres == 26
+
+
+def test_async_refresh_of_an_unchanged_bank_is_swapped_in():
+    bank, model, loader = gated_setup()
+    refresher = Refresher(bank, model, loader, k=4, search_backend="torch", progress=False,
+                          async_mode=True)
+    refresher.refresh_async()
+    loader.go.set()
+    stats = refresher.wait()
+    assert stats is not None and stats.asynchronous and stats.num_rows == 24
+    with torch.no_grad():
+        want = model(loader.x)
+    torch.testing.assert_close(bank.centres, want)
+    assert bank.k == 4 and not (bank.neighbours == torch.arange(24)[:, None]).any()

@@ -1,9 +1,9 @@
-"""The functional op (both backends) against the fp64 reference: values and every gradient."""
+"""nnkloss/ops/neighbour_kernel.py: the functional op (custom-op registration, host backward),
+through the torch and Triton backends, against the fp64 reference: values and every gradient."""
 import pytest
 import torch
 
 import nnkloss
-from nnkloss.ops import reference as torch_path
 from cases import BACKENDS, SHAPES, compare, make_case, run_op, run_ref
 from reference import reference_loss, reference_loss_rows
 
@@ -155,14 +155,6 @@ def test_sigma_float_and_tensor_agree():
     torch.testing.assert_close(a, b)
 
 
-def test_gradcheck_reference():
-    emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=12, pad=0.2)
-    s = torch.tensor(1.1, dtype=torch.float64)
-    args = [t.requires_grad_(True) for t in (emb, centres, w, s)]
-    assert torch.autograd.gradcheck(
-        lambda e, c, ww, ss: reference_loss(e, labels, c, cl, nb, ww, ss), args)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradcheck_op(backend):
     emb, labels, centres, cl, nb, w = make_case(4, 9, 3, 5, seed=13, pad=0.2)
@@ -171,42 +163,6 @@ def test_gradcheck_op(backend):
     assert torch.autograd.gradcheck(
         lambda e, c, ww, ss: nnkloss.neighbour_kernel_loss(e, labels, c, cl, nb, ww, ss,
                                                            backend=backend), args)
-
-
-def test_torch_path_chunks_agree(monkeypatch):
-    """Forcing many small chunks changes nothing (the (rows, K, D) temporary is bounded)."""
-    case = make_case(9, 20, 6, 5, seed=14, pad=0.2)
-    full = compare(case, "torch", torch.float64, torch.float64)
-    monkeypatch.setattr(torch_path, "CHUNK_ELEMS", 31)
-    assert torch_path.rows_per_chunk(5, 6) == 1
-    chunked = compare(case, "torch", torch.float64, torch.float64)
-    torch.testing.assert_close(full.per_row, chunked.per_row)
-
-
-@pytest.mark.interpreter
-def test_kernel_two_phase_path_matches_single_pass():
-    """Wide-D path (distances first, then chunked weighted sums) on a small D by lowering the
-    register block limit."""
-    kernels = nnkloss.ops.backends.kernels()
-    emb, labels, centres, cl, nb, w = make_case(5, 30, 70, 9, seed=15, pad=0.2)
-    emb, centres = emb.float(), centres.float()
-    s = torch.tensor(1.2)
-    one = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s)
-    two = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w.float(), s, max_block_d=16)
-    ref = torch_path.forward(emb, labels, centres, cl, nb, w.float(), s)
-    for a, b, r in zip(one, two, ref, strict=True):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.interpreter
-def test_kernel_centre_grad_matches_torch():
-    kernels = nnkloss.ops.backends.kernels()
-    emb, labels, centres, cl, nb, w = make_case(6, 15, 37, 7, seed=16, pad=0.3)
-    coef = torch.randn(6, 7, dtype=torch.float64)
-    a = kernels.centre_grad(emb, centres, nb, coef)
-    b = torch_path.centre_grad(emb, centres, nb, coef)
-    torch.testing.assert_close(a, b)
 
 
 def test_empty_batch():
@@ -219,42 +175,145 @@ def test_empty_batch():
     assert emb.grad.shape == (0, 3)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("B, N, D, K", [(4, 500, 512, 100), (3, 300, 2048, 37),
-                                        (2, 200, 5000, 9), (3, 100, 4096, 8)])
-def test_kernel_at_production_block_sizes(B, N, D, K):
-    """The block shapes a GPU uses for wide D (single pass up to 4096, two-phase beyond),
-    against the torch path, with a bf16 bank."""
-    kernels = nnkloss.ops.backends.kernels()
-    emb, labels, centres, cl, nb, w = make_case(B, N, D, K, seed=17, pad=0.1)
-    emb, cen, w = emb.float(), centres.to(torch.bfloat16), w.float()
-    s = torch.tensor(float(D) ** 0.5)
-    got = kernels.neighbour_kernel_fwd(emb, labels, cen, cl, nb, w, s)
-    ref = torch_path.forward(emb, labels, cen, cl, nb, w, s)
-    for name, a, r in zip(["loss", "lse_all", "lse_pos", "grad_x", "dist"], got, ref, strict=True):
-        fin = torch.isfinite(r)
-        assert torch.equal(torch.isfinite(a), fin), name
-        torch.testing.assert_close(a[fin], r[fin], rtol=1e-5, atol=1e-5, msg=name)
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_empty_bank_with_trainable_weights():
+    """Bug found by the test above: with weights that require grad, the backward scattered the
+    (all-padding) rows' zero gradients into an empty weight tensor at index 0: IndexError."""
+    emb = torch.randn(3, 4, requires_grad=True)
+    weights = torch.empty(0, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        emb, torch.tensor([0, 1, 0]), torch.empty(0, 4), torch.empty(0, dtype=torch.long),
+        torch.full((3, 2), -1), weights, backend="torch")
+    ge, gw = torch.autograd.grad(loss, [emb, weights])
+    assert torch.equal(ge, torch.zeros(3, 4))
+    assert gw.shape == (0,)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("block_k, block_d", [(1, 128), (4, 64), (16, 128), (64, 16), (2, 1)])
-def test_every_launch_config_computes_the_same(block_k, block_d):
-    """Any configuration a tuner may pick is exact: single pass (block_d >= D) or two-phase."""
-    kernels = nnkloss.ops.backends.kernels()
-    emb, labels, centres, cl, nb, w = make_case(4, 40, 70, 23, seed=18, pad=0.2)
-    emb, centres, w = emb.float(), centres.float(), w.float()
-    s = torch.tensor(1.7)
-    cfg = kernels.FwdConfig(block_k, block_d, num_warps=2)
-    got = kernels.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s, config=cfg)
-    ref = torch_path.forward(emb, labels, centres, cl, nb, w, s)
-    for a, r in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+def test_functional_sigma_defaults_to_one():
+    """Kills ops.neighbour_kernel neighbour_kernel_loss 1 (default ``sigma=2.0``)."""
+    g = torch.Generator().manual_seed(5)
+    emb, centres = torch.randn(4, 3, generator=g), torch.randn(6, 3, generator=g)
+    args = (emb, torch.tensor([0, 1, 0, 1]), centres, torch.tensor([0, 1, 0, 1, 0, 1]),
+            torch.tensor([[0, 1, 2], [1, 2, 3], [3, 4, 5], [5, 0, 1]]))
+    torch.testing.assert_close(nnkloss.neighbour_kernel_loss(*args),
+                               nnkloss.neighbour_kernel_loss(*args, sigma=1.0), rtol=0, atol=0)
+    assert not torch.allclose(nnkloss.neighbour_kernel_loss(*args),
+                              nnkloss.neighbour_kernel_loss(*args, sigma=2.0))
 
 
-def test_bad_launch_config():
-    kernels = nnkloss.ops.backends.kernels()
-    emb, labels, centres, cl, nb, w = make_case(2, 5, 3, 2)
-    with pytest.raises(ValueError, match="block_k"):
-        kernels.neighbour_kernel_fwd(emb.float(), labels, centres.float(), cl, nb, None,
-                                     torch.tensor(1.0), config=kernels.FwdConfig(3, 4))
+def test_distances_are_stored_only_when_a_gradient_needs_them(monkeypatch):
+    """The (B, K) distances are kept for the backward only when centres, weights or sigma take
+    a gradient (memory: B*K per step for nothing otherwise). Kills ops.neighbour_kernel
+    loss_rows_unchecked 9 and 11 (stored always / whenever grad mode is on), and 1, 2 (its
+    default backend misspelt)."""
+    from nnkloss.ops import neighbour_kernel as nk, reference
+    seen = []
+    real = reference.forward
+
+    def spy(*args, store_dist=True, **kwargs):
+        seen.append(store_dist)
+        return real(*args, store_dist=store_dist, **kwargs)
+    monkeypatch.setattr(reference, "forward", spy)
+    g = torch.Generator().manual_seed(12)
+    emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    w, s = torch.rand(5, generator=g) + 0.5, torch.tensor(1.2)
+    args = (torch.tensor([0, 1, 0]), None, torch.tensor([0, 1, 0, 1, 1]),
+            torch.tensor([[0, 1], [2, 3], [4, 1]]))
+
+    def run(e, c, ww, ss):
+        labels, _, cl, nb = args
+        return nk.loss_rows_unchecked(e, labels, c, cl, nb, ww, ss, backend="torch")
+    run(emb.requires_grad_(True), centres, w, s)
+    run(emb, centres.clone().requires_grad_(True), w, s)
+    run(emb, centres, w.clone().requires_grad_(True), s)
+    run(emb, centres, None, s.clone().requires_grad_(True))
+    with torch.no_grad():
+        run(emb, centres.clone().requires_grad_(True), w, s)
+    assert seen == [False, True, True, True, False]
+    labels, _, cl, nb = args
+    rows, valid = nk.loss_rows_unchecked(emb.detach(), labels, centres, cl, nb, None, s)
+    torch.testing.assert_close(rows, run(emb.detach(), centres, None, s)[0])
+
+
+def test_stats_op_sigma_defaults_to_one():
+    """Kills ops.neighbour_kernel neighbour_kernel_loss_with_stats 1 (default ``sigma=2.0``)."""
+    g = torch.Generator().manual_seed(13)
+    args = (torch.randn(4, 3, generator=g), torch.tensor([0, 1, 0, 1]),
+            torch.randn(6, 3, generator=g), torch.tensor([0, 1, 0, 1, 0, 1]),
+            torch.tensor([[0, 1, 2], [1, 2, 3], [3, 4, 5], [5, 0, 1]]))
+    a = nnkloss.neighbour_kernel_loss_with_stats(*args).loss
+    torch.testing.assert_close(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=1.0).loss,
+                               rtol=0, atol=0)
+    assert not torch.allclose(a, nnkloss.neighbour_kernel_loss_with_stats(*args, sigma=2.0).loss)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_backward_scales_rows_on_the_kernel_threads_only_for_the_cpu_backend(monkeypatch,
+                                                                              backend):
+    """Kills ops.neighbour_kernel _backward 32-34 (g * grad_x sent through nk_scale_rows for
+    the wrong backends or for none: same numbers, other threads)."""
+    from nnkloss.ops import cpu
+    calls = []
+    real = cpu.scale_rows
+
+    def spy(grad_x, g):
+        calls.append(grad_x.shape)
+        return real(grad_x, g)
+    monkeypatch.setattr(cpu, "scale_rows", spy)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 4, generator=g, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        x, torch.tensor([0, 1, 0]), torch.randn(5, 4, generator=g), torch.tensor([0, 1, 0, 1, 1]),
+        torch.tensor([[0, 1], [2, 3], [4, 1]]), backend=backend)
+    loss.backward()
+    assert calls == ([(3, 4)] if backend == "cpu" else [])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_half_precision_sigma_is_widened_before_use(backend):
+    """A 0-dim fp16 sigma tensor is taken at its exact value in the compute dtype, in the
+    forward and in the backward. Kills ops.neighbour_kernel _backward 57 (1 / sigma taken in
+    fp16 for the centre gradient)."""
+    g = torch.Generator().manual_seed(16)
+    emb = torch.randn(4, 5, generator=g)
+    centres = torch.randn(7, 5, generator=g)
+    args = (torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 0, 1, 0, 1, 0]),
+            torch.tensor([[0, 1, 2], [3, 4, 5], [6, 0, 1], [2, 3, 4]]))
+    s16 = torch.tensor(0.3, dtype=torch.float16)
+    res = []
+    for s in (s16, torch.tensor(float(s16))):
+        c = centres.clone().requires_grad_(True)
+        loss = nnkloss.neighbour_kernel_loss(emb, args[0], c, args[1], args[2], sigma=s,
+                                             backend=backend)
+        loss.backward()
+        res.append((loss, c.grad))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=1e-6, atol=1e-7)
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bank_dtype", [torch.float16, torch.float32])
+def test_fp16_embeddings(backend, bank_dtype):
+    g = torch.Generator().manual_seed(6)
+    emb = torch.randn(6, 12, generator=g).half().requires_grad_(True)
+    centres = torch.randn(30, 12, generator=g).to(bank_dtype)
+    labels = torch.randint(0, 3, (6,), generator=g)
+    cl = torch.randint(0, 3, (30,), generator=g)
+    nb = torch.randint(0, 30, (6, 9), generator=g)
+    w = (torch.rand(30, generator=g) + 0.5).requires_grad_(True)
+    loss = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w, sigma=1.7,
+                                         backend=backend)
+    assert loss.dtype == torch.float32  # fp32 math for fp16 input
+    loss.backward()
+    assert emb.grad.dtype == torch.float16
+    e64 = emb.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    ref = reference_loss(e64, labels, centres.double(), cl, nb, w64, 1.7)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(emb.grad.double(), e64.grad.half().double(), rtol=1.6e-2,
+                               atol=1e-3)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-3, atol=1e-5)

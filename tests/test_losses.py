@@ -1,18 +1,14 @@
-"""CentreBank and NeighbourKernelLoss: self-exclusion, state_dict, learnable parameters."""
+"""nnkloss/losses: BankLoss (base.py: checks, lists, self-exclusion, reduction, stats) and
+NeighbourKernelLoss (neighbour_kernel.py: state_dict, learnable sigma and weights, backends).
+ClassConditionalLoss (ccml.py) has tests/test_ccml.py; CentreBank tests/test_centre_bank.py."""
+import contextlib
+
 import pytest
 import torch
 
 import nnkloss
+from cases import nonuniform, own_row_bank as make_bank, random_bank, small_bank
 from reference import reference_loss
-
-
-def make_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
-    g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(N, D, generator=g)
-    labels = torch.randint(0, C, (N,), generator=g)
-    nb = torch.randint(0, N, (N, K), generator=g)
-    nb[:, 0] = torch.arange(N)  # every list holds its own row: must be excluded
-    return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)
 
 
 def test_self_exclusion_matches_functional_with_padding():
@@ -28,14 +24,6 @@ def test_self_exclusion_matches_functional_with_padding():
     # Without exclusion the result differs (each row's own centre is its own class).
     kept = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, exclude_self=False)(emb, labels, idx)
     assert not torch.allclose(kept, loss)
-
-
-def test_exclusion_also_when_self_appears_twice():
-    bank = make_bank(N=10, K=4)
-    bank.set_neighbours(torch.stack([torch.tensor([i, i, (i + 1) % 10, (i + 2) % 10])
-                                     for i in range(10)]))
-    idx = torch.tensor([4])
-    assert bank.neighbours_for(idx).tolist() == [[-1, -1, 5, 6]]
 
 
 def test_last_stats_count_rows_without_positive():
@@ -74,15 +62,6 @@ def test_to_moves_everything():
     assert fn.bank.centres.dtype == torch.float64
 
 
-def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
-    bank = make_bank()
-    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
-    bank.update_(labels=bank.labels.long(), neighbours=bank.neighbours.long())
-    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
-    big = nnkloss.CentreBank(torch.zeros(2, 3), torch.tensor([0, 2 ** 40]))
-    assert big.labels.dtype == torch.int64 and int(big.labels[1]) == 2 ** 40
-
-
 def test_learnable_weights_stay_positive_and_learn_sigma():
     bank = make_bank(N=20, K=6, learn_weights=True)
     fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, learn_sigma=True)
@@ -115,22 +94,6 @@ def test_fixed_weights_get_no_grad_and_skip_weight_gather():
     assert bank.log_weights.grad is None
 
 
-def test_update_is_all_or_nothing():
-    bank = make_bank(N=10, K=3)
-    before = {k: v.clone() for k, v in bank.state_dict().items()}
-    bad_nb = torch.full((10, 3), 10)  # index out of range
-    with pytest.raises(IndexError, match="neighbours"):
-        bank.update_(centres=torch.zeros(10, 6), neighbours=bad_nb)
-    for k, v in bank.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
-def test_bank_growth_keeps_weights_and_clears_stale_lists():
-    bank = make_bank(N=10, K=3)
-    bank.update_(centres=torch.randn(12, 6), labels=torch.zeros(12, dtype=torch.long))
-    assert bank.num_centres == 12 and bank.weights.shape == (12,) and not bank.has_neighbours
-
-
 def test_no_neighbour_lists_is_a_clear_error():
     bank = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
     with pytest.raises(RuntimeError, match="no neighbour lists"):
@@ -143,26 +106,6 @@ def test_idx_out_of_range_names_idx():
     with pytest.raises(IndexError, match="idx"):
         nnkloss.NeighbourKernelLoss(bank)(torch.randn(2, 6), torch.zeros(2, dtype=torch.long),
                                           torch.tensor([0, 10]))
-
-
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4)), TypeError, "labels"),
-    (dict(centres=torch.randn(4), labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
-    (dict(centres=torch.full((4, 3), float("nan")), labels=torch.zeros(4, dtype=torch.long)),
-     ValueError, "NaN"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
-          weights=-torch.ones(4)), ValueError, "weights"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
-          weights=torch.zeros(4), learn_weights=True), ValueError, "positive"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
-          neighbours=torch.tensor([[0], [1], [2], [4]])), IndexError, "neighbours"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
-          neighbours=torch.zeros(4, 2)), TypeError, "neighbours"),
-])
-def test_bank_bad_input(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        nnkloss.CentreBank(**kwargs)
 
 
 def test_module_bad_arguments():
@@ -252,78 +195,6 @@ def test_misaligned_rows_are_dropped_and_counted_without_checks(reduction):
     assert int(fn.last_num_mismatched) == 0
 
 
-# ---------------------------------------------------------------- fresh centres
-def test_write_centres_overwrites_rows_in_place_and_keeps_the_rest():
-    bank = make_bank()
-    before = bank.centres.clone()
-    buf = bank.centres
-    idx = torch.tensor([4, 0, 17])
-    emb = torch.randn(3, 6, requires_grad=True)
-    assert bank.write_centres_(idx, emb) is bank
-    assert bank.centres is buf  # in place: the same buffer
-    assert torch.equal(bank.centres[idx], emb.detach())
-    rest = torch.ones(30, dtype=torch.bool)
-    rest[idx] = False
-    assert torch.equal(bank.centres[rest], before[rest])
-    assert not bank.centres.requires_grad
-
-
-def test_write_centres_momentum_blends_in_fp32_and_casts_to_the_bank_dtype():
-    src = make_bank()
-    bank = nnkloss.CentreBank(src.centres.half(), src.labels)
-    old = bank.centres.float().clone()
-    idx = torch.tensor([2, 9])
-    emb = torch.randn(2, 6)
-    bank.write_centres_(idx, emb, momentum=0.75)
-    expected = (0.75 * old[idx] + 0.25 * emb).half()
-    assert bank.centres.dtype == torch.float16
-    assert torch.equal(bank.centres[idx], expected)
-
-
-def test_write_centres_duplicates_take_the_last_occurrence():
-    bank = make_bank()
-    old = bank.centres.clone()
-    idx = torch.tensor([5, 3, 5, 8, 3, 5])
-    emb = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 6).clone()
-    bank.write_centres_(idx, emb)
-    assert bank.centres[5].tolist() == [5.0] * 6
-    assert bank.centres[3].tolist() == [4.0] * 6
-    assert bank.centres[8].tolist() == [3.0] * 6
-    bank.update_(centres=old.clone())  # the bank keeps (and writes into) what it is given
-    bank.write_centres_(idx, emb, momentum=0.5)  # blended with the old row, once
-    torch.testing.assert_close(bank.centres[5], 0.5 * old[5] + 2.5)
-    torch.testing.assert_close(bank.centres[3], 0.5 * old[3] + 2.0)
-
-
-def test_write_centres_empty_batch_is_a_no_op():
-    bank = make_bank()
-    before = bank.centres.clone()
-    bank.write_centres_(torch.zeros(0, dtype=torch.long), torch.zeros(0, 6))
-    assert torch.equal(bank.centres, before)
-
-
-@pytest.mark.parametrize("idx, emb, kw, exc, match", [
-    (torch.tensor([1.0]), torch.randn(1, 6), {}, TypeError, "idx"),
-    (torch.tensor([[1]]), torch.randn(1, 6), {}, ValueError, "idx"),
-    (torch.tensor([1]), torch.randn(1, 5), {}, ValueError, "emb"),
-    (torch.tensor([1, 2]), torch.randn(1, 6), {}, ValueError, "emb"),
-    (torch.tensor([1]), torch.ones(1, 6, dtype=torch.long), {}, TypeError, "emb"),
-    (torch.tensor([1]), torch.randn(1, 6, device="meta"), {}, ValueError, "emb is on meta"),
-    (torch.tensor([30]), torch.randn(1, 6), {}, IndexError, "idx holds 30"),
-    (torch.tensor([-1]), torch.randn(1, 6), {}, IndexError, "idx holds -1"),
-    (torch.tensor([1]), torch.randn(1, 6), {"momentum": 1.0}, ValueError, "momentum"),
-    (torch.tensor([1]), torch.randn(1, 6), {"momentum": -0.1}, ValueError, "momentum"),
-    (torch.tensor([1]), torch.randn(1, 6), {"momentum": True}, TypeError, "momentum"),
-    (torch.tensor([1]), torch.randn(1, 6), {"momentum": "0.5"}, TypeError, "momentum"),
-])
-def test_write_centres_bad_input_leaves_the_bank(idx, emb, kw, exc, match):
-    bank = make_bank()
-    before = bank.centres.clone()
-    with pytest.raises(exc, match=match):
-        bank.write_centres_(idx, emb, **kw)
-    assert torch.equal(bank.centres, before)
-
-
 def test_learned_weights_are_the_banks_and_the_loss_leaves_the_bank_alone():
     """learn_weights lives on the bank only: the loss takes no such argument and building a
     loss never changes a shared bank's setting (issue 19)."""
@@ -349,3 +220,180 @@ def test_sigma_has_one_representation_and_two_readers(learn):
     assert t.dim() == 0 and t.requires_grad == learn and float(t.detach()) == pytest.approx(2.5)
     assert not hasattr(fn, "sigma")
     assert fn.log_values() == {"sigma": fn.kernel_sigma()}
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_loss_reports_its_sigma_for_logs_and_refresh_stats():
+    """kernel_sigma / log_values / repr, which the Trainer reads (kills losses kernel_sigma 1,
+    log_values 1 and 2, extra_repr 1)."""
+    fn = nnkloss.NeighbourKernelLoss(small_bank(), sigma=1.3, reduction="sum", backend="torch")
+    assert isinstance(fn.kernel_sigma(), float)
+    assert fn.kernel_sigma() == pytest.approx(1.3)
+    assert fn.log_values() == {"sigma": pytest.approx(1.3)}
+    text = repr(fn)
+    assert "sigma=1.3" in text and "learn_sigma=False" in text
+    assert "reduction='sum'" in text and "backend='torch'" in text and "exclude_self=True" in text
+
+
+def test_module_runs_on_the_backend_it_was_given(monkeypatch):
+    """backend="triton" reaches the op: on CPU tensors without Triton's interpreter it is refused
+    (not silently replaced by "auto" = torch). Kills losses rows 34."""
+    bank = small_bank()
+    idx = torch.arange(5)
+    emb = bank.centres[idx] + 0.1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        nnkloss.NeighbourKernelLoss(bank, backend="triton")(emb, bank.labels[idx], idx)
+    assert torch.isfinite(nnkloss.NeighbourKernelLoss(bank, backend="torch")(emb, bank.labels[idx],
+                                                                             idx))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_module_applies_its_reduction(reduction):
+    """The module's reduction and its last_stats (kills losses BankLoss.forward 23: reduction
+    dropped -> "mean"; 28: last_stats.loss None)."""
+    bank = small_bank()
+    idx = torch.arange(8)
+    emb = bank.centres[idx] + 0.3
+    rows = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction="none")(emb, bank.labels[idx], idx)
+    assert rows.shape == (8,)
+    valid = nnkloss.NeighbourKernelLoss(bank, sigma=0.7).last_stats  # nothing before a call
+    assert valid is None
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction=reduction)
+    got = fn(emb, bank.labels[idx], idx)
+    counted = fn.last_stats.counted
+    assert int(counted.sum()) >= 2 and float(rows.sum()) > 0
+    want = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / counted.sum()}[reduction]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fn.last_stats.loss, got.detach())
+    torch.testing.assert_close(fn.last_stats.per_row, rows)
+
+
+def test_module_defaults_and_backend_error():
+    """Documented defaults (sigma 1.0, sigma fixed) and the error naming a bad backend (kills
+    losses NeighbourKernelLoss.__init__ 1, 2, 15)."""
+    fn = nnkloss.NeighbourKernelLoss(small_bank())
+    assert fn.kernel_sigma() == 1.0
+    assert not fn.log_sigma.requires_grad
+    assert fn.reduction == "mean" and fn.backend == "auto" and fn.exclude_self
+    with pytest.raises(ValueError, match="backend must be one of .*'cuda'"):
+        nnkloss.NeighbourKernelLoss(small_bank(), backend="cuda")
+
+
+class _CountEntries(nnkloss.BankLoss):
+    """A minimal BankLoss subclass: each row's loss is the number of entries left in its list."""
+
+    def rows(self, emb, labels, neighbours):
+        per_row = (neighbours >= 0).sum(1).to(emb.dtype)
+        return per_row, torch.ones_like(per_row, dtype=torch.bool)
+
+
+def test_bank_loss_template_defaults_and_errors():
+    """BankLoss, the public base class: the own centre is excluded by default and the reduction
+    defaults to the mean; a bad bank is named with its type (kills losses BankLoss.__init__ 3,
+    6, 13)."""
+    bank = nnkloss.CentreBank(torch.randn(4, 2), torch.tensor([0, 0, 1, 1]),
+                              neighbours=torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]]))
+    fn = _CountEntries(bank)
+    assert fn.last_stats is None and fn.last_num_counted is None
+    loss = fn(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))
+    assert float(loss) == 1.0  # own entry dropped from both lists, mean of [1, 1]
+    assert int(fn.last_num_counted) == 2
+    keep = _CountEntries(bank, reduction="sum", exclude_self=False)
+    assert float(keep(torch.zeros(2, 2), torch.tensor([0, 1]), torch.tensor([0, 2]))) == 4.0
+    with pytest.raises(TypeError, match="bank must be a CentreBank, got Tensor"):
+        _CountEntries(torch.zeros(3))
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads(allowed_callers=("neighbours_for",)):
+    """Every Tensor method that copies a value to the host raises, except when called from
+    ``allowed_callers`` (the bank's CPU-only idx range check, free for CPU idx and skipped
+    for CUDA idx)."""
+    import sys
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    calls = []
+
+    def guard(name):
+        orig = saved[name]
+
+        def wrapper(self, *a, **k):
+            caller = sys._getframe(1).f_code.co_name
+            # "in", not "==": mutmut renames functions (...neighbours_for__mutmut_orig).
+            if not any(ok in caller for ok in allowed_callers):
+                calls.append((name, caller))
+                raise AssertionError(f"host read Tensor.{name} from {caller}()")
+            return orig(self, *a, **k)
+        return wrapper
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, guard(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def forward_backward_without_sync(device, backend, guard):
+    bank = random_bank(N=40, D=8, K=6, weights=nonuniform(40), learn_weights=True).to(device)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, learn_sigma=True, backend=backend).to(device)
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(7, 8, generator=g).to(device).requires_grad_(True)
+    idx = torch.randint(0, 40, (7,), generator=g).to(device)
+    labels = bank.labels[idx].clone()
+    # Value checks off: since issue 18 they compare labels with bank.labels[idx] (one read).
+    with guard(), nnkloss.value_checks(False):
+        loss = fn(emb, labels, idx)
+        loss.backward()
+        fn.last_num_counted  # noqa: B018 - a 0-dim tensor, not read
+    for t in (emb.grad, bank.log_weights.grad, fn.log_sigma.grad):
+        assert t is not None and torch.isfinite(t).all()
+    return loss
+
+
+def test_forward_and_backward_read_no_tensor_values_on_cpu():
+    loss = forward_backward_without_sync("cpu", "torch", no_host_reads)
+    assert torch.isfinite(loss)
+
+
+def test_host_read_guard_catches_a_read():
+    bank = random_bank()
+    fn = nnkloss.NeighbourKernelLoss(bank)
+    idx = torch.arange(4)
+    with pytest.raises(AssertionError, match="host read"):
+        with no_host_reads():
+            fn(torch.randn(4, 6), bank.labels[idx], idx).item()
+    with pytest.raises(AssertionError, match="host read"):
+        with no_host_reads():
+            fn.kernel_sigma()  # what a careless forward (extra_repr style) would do
+
+
+@pytest.mark.cuda
+def test_forward_and_backward_never_sync_on_cuda():
+    @contextlib.contextmanager
+    def sync_error():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    loss = forward_backward_without_sync("cuda", "auto", sync_error)
+    assert torch.isfinite(loss.cpu())
+
+
+def test_fp16_embeddings_through_the_module():
+    bank = random_bank(N=20, D=6, K=5)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.2)
+    idx = torch.arange(0, 20, 2)
+    emb = (bank.centres[idx] + 0.3).half()
+    got = fn(emb, bank.labels[idx], idx)
+    want = fn(emb.float(), bank.labels[idx], idx)
+    torch.testing.assert_close(got, want)

@@ -1,0 +1,51 @@
+"""nnkloss/atomic.py: the one atomic file writer (banks, checkpoints, logs, results): a hidden
+temporary file beside the target, renamed over it; errors name the path; the target's mode kept.
+"""
+import pytest
+
+import nnkloss
+from cases import small_bank
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_save_into_a_missing_directory_names_path(tmp_path):
+    """kills atomic.atomic_write 1 (the default argument name in the error)."""
+    bank = small_bank()
+    with pytest.raises(FileNotFoundError, match=r"^path '.*nodir.*': directory .* does not exist"):
+        nnkloss.save_bank(bank, tmp_path / "nodir" / "bank.pt")
+
+
+def test_atomic_write_stages_a_hidden_tmp_file_beside_the_target(tmp_path):
+    """While the data is written, the only new entry of the target's directory is a hidden
+    ``.NAME.*.tmp`` file (never a partial NAME, nor a file a ``*.pt`` glob would pick up); it is
+    in the same directory, so the final rename never crosses a file system. Kills
+    atomic.atomic_write 12, 13, 14."""
+    from nnkloss.atomic import atomic_write
+
+    seen = []
+
+    def write(f):
+        seen.extend(sorted(p.name for p in tmp_path.iterdir()))
+        f.write(b"new")
+
+    (tmp_path / "a.pt").write_bytes(b"old")
+    atomic_write(tmp_path / "a.pt", write)
+    assert len(seen) == 2 and seen[1] == "a.pt", seen
+    assert seen[0].startswith(".a.pt.") and seen[0].endswith(".tmp"), seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+    assert (tmp_path / "a.pt").read_bytes() == b"new"
+
+
+def test_atomic_write_of_bytes_keeps_the_target_mode(tmp_path):
+    """bytes data, and an existing target's permissions kept (kills atomic.atomic_write 22, 24,
+    39)."""
+    import os
+    from nnkloss.atomic import atomic_write
+
+    target = tmp_path / "log.json"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o600)
+    assert atomic_write(target, b"{}\n") == os.fspath(target)
+    assert target.read_bytes() == b"{}\n"
+    assert os.stat(target).st_mode & 0o7777 == 0o600

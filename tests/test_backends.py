@@ -1,0 +1,138 @@
+"""nnkloss/ops/backends.py: which implementation runs where (resolve_backend, implementation),
+Triton on CPU tensors only under its interpreter, and the kernels of a source checkout."""
+import pytest
+import torch
+
+import nnkloss
+from cases import good_op_args as good
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_resolve_backend_table(monkeypatch):
+    """Every row of backends.resolve_backend, with its exact errors. Kills ops.backends
+    resolve_backend 4-11, 14-18, 20-22, 26, 31-35, 42-47, 51-53 (on a CPU-only machine "auto"
+    on CPU under the interpreter gave the same numbers through Triton, so only the choice
+    itself tells them apart)."""
+    from nnkloss.ops import backends
+    cpu_dev, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backends, "_triton_importable", lambda: True)
+    assert backends.resolve_backend("auto", cpu_dev) == "cpu"
+    assert backends.resolve_backend("auto", cuda) == "triton"
+    assert backends.resolve_backend("auto", meta) == "torch"
+    for name in ("cpu", "torch", "triton"):
+        assert backends.resolve_backend(name, cpu_dev) == name
+    assert backends.resolve_backend("triton", cuda) == "triton"
+    assert backends.resolve_backend("torch", cuda) == "torch"
+    assert backends.resolve_backend("torch", meta) == "torch"
+    with pytest.raises(RuntimeError, match=r"^backend='cpu' needs CPU tensors, got cuda$"):
+        backends.resolve_backend("cpu", cuda)
+    with pytest.raises(RuntimeError, match=r"^backend='triton' does not support device meta$"):
+        backends.resolve_backend("triton", meta)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"^backend='triton' on CPU tensors runs only under "
+                                           r"Triton's interpreter: set TRITON_INTERPRET=1 "
+                                           r"before importing nnkloss$"):
+        backends.resolve_backend("triton", cpu_dev)
+    monkeypatch.setattr(backends, "_triton_importable", lambda: False)
+    assert backends.resolve_backend("auto", cuda) == "torch"
+    with pytest.raises(RuntimeError, match=r"^backend='triton' needs the triton package; "
+                                           r"install it or use backend='torch'$"):
+        backends.resolve_backend("triton", cuda)
+
+
+@pytest.mark.parametrize("value, ok", [("1", True), ("0", False), (None, False), ("", False)])
+def test_triton_on_cpu_follows_triton_interpret(monkeypatch, value, ok):
+    """Kills ops.backends _interpreting 3, 5, 6, 9 (variable name or value changed: the
+    interpreter's CPU runs were refused, or allowed without it). 2, 4, 7 (default value of the
+    lookup) are equivalent: an unset variable is "not 1" either way."""
+    from nnkloss.ops import backends
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    if ok:
+        assert backends.resolve_backend("triton", torch.device("cpu")) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            backends.resolve_backend("triton", torch.device("cpu"))
+
+
+def test_source_checkout_maps_kernels_dir_in_process(monkeypatch, tmp_path):
+    """In-process twin of test_source_checkout_without_install_finds_the_kernels (below)
+    (which starts a subprocess, so it cannot run under mutmut). Kills ops.backends
+    _source_tree_kernels 7 (``kernels`` looked up relative to the working directory), 38 (no
+    submodule search path: ``kernels/__init__`` cannot import its own modules), 47
+    (``nnkloss.kernels`` left unset) and 22-31 (the error for a checkout without kernels/)."""
+    import os
+    import sys
+    from nnkloss.ops import backends
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)  # kernels/ must be found beside nnkloss/, not in the cwd
+    for name in [m for m in sys.modules if m == "nnkloss.kernels" or m.startswith("nnkloss.kernels.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(nnkloss, "kernels", None, raising=False)
+    module = backends._source_tree_kernels()
+    assert os.path.samefile(module.__file__, os.path.join(root, "kernels", "__init__.py"))
+    assert sys.modules["nnkloss.kernels"] is module and nnkloss.kernels is module
+    assert callable(module.neighbour_kernel_fwd) and callable(module.centre_grad)
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if str(p).endswith(
+        os.path.join("kernels", "__init__.py")) else real_exists(p))
+    with pytest.raises(ModuleNotFoundError, match=r"^nnkloss\.kernels is missing: reinstall "
+                                                  r"nnkloss \(pip install -e \.\)$") as info:
+        backends._source_tree_kernels()
+    assert info.value.name == "nnkloss.kernels"
+
+
+def test_implementation_table():
+    """Kills ops.backends implementation 1-8, 15, 16 (the Triton branch is otherwise exercised
+    only by the interpreter tests, which the mutation runs leave out)."""
+    from nnkloss.ops import backends, cpu, reference
+    k = backends.kernels()
+    tri = backends.implementation("triton")
+    assert tri.forward is k.neighbour_kernel_fwd and tri.centre_grad is k.centre_grad
+    assert backends.implementation("cpu") is cpu
+    assert backends.implementation("torch") is reference
+    with pytest.raises(ValueError, match=r"^backend must be one of .*'triton'.*'cpu'.*'torch'.* "
+                                         r"here, got 'auto'$"):
+        backends.implementation("auto")
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_errors.py (now tests/test_validation.py) in issue 19.
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        nnkloss.neighbour_kernel_loss(**good(), backend="triton")
+
+
+def test_source_checkout_without_install_finds_the_kernels(tmp_path):
+    """PYTHONPATH=<checkout> with no pip install (as on a bare GPU machine): kernels/ still
+    serves as nnkloss.kernels."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in getattr(f, '__name__', type(f).__name__)]\n"
+        "import torch, nnkloss\n"
+        "assert not nnkloss.__file__.startswith(sys.prefix)\n"
+        "e = torch.randn(3, 4); c = torch.randn(6, 4)\n"
+        "out = nnkloss.neighbour_kernel_loss(e, torch.tensor([0, 1, 0]), c,\n"
+        "    torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [4, 5]]),\n"
+        "    backend='triton')\n"
+        "ref = nnkloss.neighbour_kernel_loss(e, torch.tensor([0, 1, 0]), c,\n"
+        "    torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [4, 5]]),\n"
+        "    backend='torch')\n"
+        "torch.testing.assert_close(out, ref)\n"
+        "import nnkloss.kernels as k\n"
+        f"assert k.__file__.startswith({os.path.join(root, 'kernels')!r}), k.__file__\n"
+    )
+    env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

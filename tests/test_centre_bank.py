@@ -1,0 +1,370 @@
+"""nnkloss/bank/centre_bank.py: CentreBank (its checks and their messages, index and label widths,
+weights, state_dict loading, growth, neighbour lists)."""
+import pytest
+import torch
+
+import nnkloss
+from cases import nonuniform, own_row_bank as make_bank, random_bank
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
+def test_bank_index_and_label_widths_at_the_int32_boundary():
+    """Kills centre_bank._index_dtype 2-6 and _compact_labels 4-13: int32 exactly while the
+    values fit, int64 from 2**31 (and below -2**31) on."""
+    from nnkloss.bank.centre_bank import _compact_labels, _index_dtype
+    assert _index_dtype(2 ** 31 - 1) == torch.int32 and _index_dtype(2 ** 31) == torch.int64
+    assert _compact_labels(torch.tensor([0, 2 ** 31 - 1])).dtype == torch.int32
+    assert _compact_labels(torch.tensor([0, 2 ** 31])).dtype == torch.int64
+    assert _compact_labels(torch.tensor([-2 ** 31, 5])).dtype == torch.int32
+    assert _compact_labels(torch.tensor([-2 ** 31 - 1, 5])).dtype == torch.int64
+    assert _compact_labels(torch.empty(0, dtype=torch.long)).dtype == torch.int32
+    assert torch.equal(_compact_labels(torch.tensor([3, 2 ** 40])), torch.tensor([3, 2 ** 40]))
+
+
+def test_log_weight_validation_names_what_is_wrong():
+    """Kills centre_bank._validate_log_weights 1-3, 12, 13, 28, 29: the default name, the
+    length message, the NaN / +inf and the learned -inf messages. (20 and 26, ``float("INF")``
+    for ``float("inf")``, are equivalent: Python parses both.)"""
+    from nnkloss.bank.centre_bank import _validate_log_weights
+    with pytest.raises(ValueError, match=r"^log_weights has length 2 but the bank has 3 centres$"):
+        _validate_log_weights(torch.zeros(2), 3, learned=False)
+    with pytest.raises(ValueError, match=r"^log_weights contain NaN or \+inf: weights must be "
+                                         r"finite and non-negative$"):
+        _validate_log_weights(torch.tensor([0.0, float("inf")]), 2, learned=False)
+    with pytest.raises(ValueError, match=r"^w hold zero weights \(-inf\), but learned weights "
+                                         r"must be strictly positive$"):
+        _validate_log_weights(torch.tensor([0.0, -float("inf")]), 2, learned=True, name="w")
+    ok = torch.tensor([0.0, -float("inf")])
+    assert _validate_log_weights(ok, 2, learned=False) is ok
+    # 3 (found by the re-run): the shape / dtype checks name the argument too
+    with pytest.raises(ValueError, match=r"^log_weights must be 1-D, got shape \(3, 1\)$"):
+        _validate_log_weights(torch.zeros(3, 1), 3, learned=False)
+    with pytest.raises(TypeError, match=r"^log_weights must have dtype in .*got torch.int64$"):
+        _validate_log_weights(torch.zeros(3, dtype=torch.int64), 3, learned=False)
+
+
+def test_bank_log_weights_are_fp32_whatever_the_default_dtype():
+    """Kills centre_bank CentreBank.__init__ 65, 68 (``dtype=torch.float32`` of the uniform
+    log-weights dropped): under ``torch.set_default_dtype(torch.float64)`` they became fp64,
+    which the contract's fp32 weight vector does not allow for."""
+    from nnkloss.bank.centre_bank import CentreBank
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        bank = CentreBank(torch.zeros(3, 2, dtype=torch.float32), torch.tensor([0, 1, 0]))
+    finally:
+        torch.set_default_dtype(old)
+    assert bank.log_weights.dtype == torch.float32
+    assert torch.equal(bank.weights, torch.ones(3))
+
+
+def test_load_state_dict_applies_the_learned_rule_and_names_the_full_key():
+    """Kills centre_bank CentreBank._load_from_state_dict 36 (``learned=None``: a learned bank
+    accepted zero weights from a state dict) and 41 (the key's prefix dropped from the error)."""
+    from nnkloss.bank.centre_bank import CentreBank
+
+    def loss(learn):
+        bank = CentreBank(torch.randn(3, 2), torch.tensor([0, 1, 0]), learn_weights=learn)
+        return nnkloss.NeighbourKernelLoss(bank)
+
+    sd = loss(True).state_dict()
+    sd["bank.log_weights"] = torch.tensor([0.0, -float("inf"), 0.0])
+    with pytest.raises(ValueError, match=r"^bank\.log_weights hold zero weights \(-inf\)"):
+        loss(True).load_state_dict(sd)
+    fixed = loss(False)
+    fixed.load_state_dict(sd)  # a fixed bank may hold a zero weight
+    assert torch.equal(fixed.bank.weights, torch.tensor([1.0, 0.0, 1.0]))
+    sd["bank.log_weights"] = torch.tensor([0.0, float("nan"), 0.0])
+    with pytest.raises(ValueError, match=r"^bank\.log_weights contain NaN"):
+        fixed.load_state_dict(sd)
+
+
+def test_load_state_dict_reports_a_bad_entry_as_a_load_error():
+    """Kills centre_bank CentreBank._load_from_state_dict 58 (``error_msgs`` not passed on: an
+    entry that is not a tensor ended in an AttributeError on None instead of PyTorch's load
+    error naming the entry)."""
+    from nnkloss.bank.centre_bank import CentreBank
+    bank = CentreBank(torch.randn(3, 2), torch.tensor([0, 1, 0]))
+    sd = bank.state_dict()
+    sd["centres"] = sd["centres"].numpy()
+    with pytest.raises(RuntimeError, match=r'(?s)Error\(s\) in loading state_dict for CentreBank.*'
+                                           r'"centres"'):
+        bank.load_state_dict(sd)
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
+def test_load_state_dict_restores_fixed_nonuniform_weights():
+    src = nnkloss.NeighbourKernelLoss(random_bank(weights=nonuniform(30)), sigma=1.3)
+    dst = nnkloss.NeighbourKernelLoss(random_bank(), sigma=1.3)  # same size, uniform weights
+    assert dst.bank.weights_for_loss() is None
+    idx = torch.arange(0, 30, 3)
+    emb = torch.randn(len(idx), 6, generator=torch.Generator().manual_seed(2))
+    labels = src.bank.labels[idx]
+    want = src(emb, labels, idx)
+    assert not torch.allclose(want, dst(emb, labels, idx))  # the weights matter here
+    dst.load_state_dict(src.state_dict())
+    assert not dst.bank.learn_weights
+    torch.testing.assert_close(dst.bank.weights_for_loss(), nonuniform(30))
+    torch.testing.assert_close(dst(emb, labels, idx), want)
+    # ... and back: uniform weights loaded into a weighted bank make it uniform again.
+    src.load_state_dict(nnkloss.NeighbourKernelLoss(random_bank(), sigma=1.3).state_dict())
+    assert src.bank.weights_for_loss() is None
+    uniform = nnkloss.NeighbourKernelLoss(random_bank(), sigma=1.3)
+    torch.testing.assert_close(src(emb, labels, idx), uniform(emb, labels, idx))
+
+
+def test_growing_a_learned_bank_keeps_the_parameter_in_a_user_optimiser():
+    bank = random_bank(N=20, K=5, learn_weights=True)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0)
+    param = bank.log_weights
+    opt = torch.optim.SGD(fn.parameters(), lr=0.5)  # plain SGD: no per-parameter state
+    bank.add(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+    assert bank.num_centres == 24 and bank.log_weights.shape == (24,)
+    assert bank.log_weights is param, "add() replaced the learned parameter: optimisers " \
+                                      "holding it silently stop training the weights"
+    assert bank.learn_weights
+    bank.rebuild_neighbours(k=6, search_backend="torch")  # the new centres enter the lists
+    before = bank.log_weights.detach().clone()
+    idx = torch.arange(24)
+    emb = bank.centres + 0.2 * torch.randn(24, 6)
+    opt.zero_grad()
+    fn(emb, bank.labels, idx).backward()
+    opt.step()
+    moved = bank.log_weights.detach() != before
+    assert moved[:20].any() and moved[20:].any()  # old and new weights both train
+
+
+def test_growing_a_learned_bank_with_given_weights_keeps_the_parameter():
+    bank = random_bank(N=10, K=3, learn_weights=True)
+    param = bank.log_weights
+    bank.add(torch.randn(2, 6), torch.tensor([0, 1]), weights=torch.tensor([2.0, 0.5]))
+    assert bank.log_weights is param and bank.log_weights.requires_grad
+    torch.testing.assert_close(bank.weights.detach()[10:], torch.tensor([2.0, 0.5]))
+    torch.testing.assert_close(bank.weights.detach()[:10], torch.ones(10))
+
+
+# The tests below kill mutants of bank.py that survived Trial 1 (tests/MUTATION.md).
+@pytest.mark.parametrize("kwargs, exc, match", [
+    # README: bad input raises an exception that names the argument (and the numbers).
+    (dict(neighbours=torch.zeros(5, 2, dtype=torch.long)), ValueError,
+     r"neighbours must have one row per centre \(4\), got 5"),
+    (dict(neighbours=torch.tensor([[1], [0], [-2], [2]])), IndexError,
+     r"neighbours holds index -2; the only negative index allowed is -1"),
+    (dict(neighbours=torch.tensor([[1], [0], [4], [2]])), IndexError,
+     r"neighbours holds index 4 but the bank has only 4 centres"),
+    (dict(weights=torch.ones(3)), ValueError, r"weights has length 3 but the bank has 4 centres"),
+    (dict(weights=torch.ones(4, dtype=torch.long)), TypeError, r"^weights must"),
+    (dict(weights=torch.tensor([1.0, -1.0, 1.0, 1.0])), ValueError,
+     r"^weights must be finite and non-negative$"),
+    (dict(weights=torch.tensor([1.0, 0.0, 1.0, 1.0]), learn_weights=True), ValueError,
+     r"^learnable weights must start strictly positive \(they are stored as log-weights"),
+])
+def test_bank_errors_name_the_argument(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        nnkloss.CentreBank(torch.zeros(4, 2), torch.tensor([0, 0, 1, 1]), **kwargs)
+
+
+def test_bank_constructor_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"^centres must have dtype"):
+        nnkloss.CentreBank(torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"^labels must"):
+        nnkloss.CentreBank(torch.zeros(4, 2), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"^centres contain NaN or inf$"):
+        nnkloss.CentreBank(torch.full((4, 2), float("inf")), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^labels are on meta but centres on cpu$"):
+        nnkloss.CentreBank(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long, device="meta"))
+
+
+def test_neighbours_for_errors_and_empty_idx():
+    bank = random_bank(N=10, K=3)
+    with pytest.raises(IndexError, match=r"^idx holds -1 but the bank has rows 0\.\.9$"):
+        bank.neighbours_for(torch.tensor([0, -1, 12]))
+    with pytest.raises(IndexError, match=r"^idx holds 10 but the bank has rows 0\.\.9$"):
+        bank.neighbours_for(torch.tensor([0, 10]))
+    with pytest.raises(IndexError, match=r"^idx holds 12 but"):
+        bank.neighbours_for(torch.tensor([0, 12]))  # lowest index 0: the highest is the bad one
+    with pytest.raises(TypeError, match=r"^idx must"):
+        bank.neighbours_for(torch.tensor([0.0]))
+    out = bank.neighbours_for(torch.empty(0, dtype=torch.long))
+    assert out.shape == (0, 3) and out.dtype == bank.neighbours.dtype == torch.int32
+    plain = nnkloss.CentreBank(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"^the bank has no neighbour lists yet: build them "
+                                           r"first \(rebuild_neighbours / set_neighbours / "
+                                           r"a Refresher\)$"):
+        plain.neighbours_for(torch.tensor([0]))
+
+
+def test_rebuild_neighbours_passes_its_options_on():
+    # Class 0 has two points far apart (rows 6 and 7), each surrounded by class 1: with k = 2
+    # neither lists the other unless ensure_positive patches it in.
+    centres = torch.tensor([[0.0], [0.1], [0.2], [5.0], [5.1], [5.2], [10.0], [0.05]])
+    labels = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0])
+    bank = nnkloss.CentreBank(centres, labels)
+    lists = bank.rebuild_neighbours(k=2, search_backend="torch")  # default: no patching
+    assert lists.num_patched == 0 and lists.search_backend == "torch"
+    assert 7 not in bank.neighbours[6].tolist() and 6 not in bank.neighbours[7].tolist()
+    lists = bank.rebuild_neighbours(k=2, search_backend="torch", ensure_positive=True)
+    assert lists.num_patched == 2
+    assert 7 in bank.neighbours[6].tolist() and 6 in bank.neighbours[7].tolist()
+    with pytest.raises(ValueError, match="approximate"):
+        bank.rebuild_neighbours(k=2, search_backend="torch", approximate="no-such-index")
+    lists = bank.rebuild_neighbours(k=2)  # the default backend ("auto") works
+    assert lists.search_backend in ("torch", "faiss") and bank.k == 2
+
+
+def test_from_class_means_uses_its_seed():
+    from nnkloss.bank.centroids import class_centroids
+    g = torch.Generator().manual_seed(11)
+    emb = torch.randn(60, 3, generator=g)
+    labels = torch.arange(60) % 2
+    for seed in (0, 3):
+        c, l = class_centroids(emb, labels, per_class=3, seed=seed)
+        bank = nnkloss.CentreBank.from_class_means(emb, labels, per_class=3, seed=seed)
+        assert torch.equal(bank.centres, c) and torch.equal(bank.labels, l)
+    default = nnkloss.CentreBank.from_class_means(emb, labels, per_class=3)
+    assert torch.equal(default.centres, class_centroids(emb, labels, per_class=3, seed=0)[0])
+    assert not torch.equal(class_centroids(emb, labels, per_class=3, seed=0)[0],
+                           class_centroids(emb, labels, per_class=3, seed=3)[0])
+
+
+def test_bank_load_state_dict_strictness():
+    bank = random_bank(N=8, K=2)
+    sd = bank.state_dict()
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        random_bank(N=8, K=2).load_state_dict({**sd, "bogus": torch.zeros(1)})
+    partial = {k: v for k, v in sd.items() if k != "log_weights"}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        random_bank(N=8, K=2).load_state_dict(partial)
+    other = random_bank(N=8, K=2, weights=nonuniform(8))
+    other.load_state_dict(partial, strict=False)  # weights kept, nothing else breaks
+    torch.testing.assert_close(other.weights_for_loss(), nonuniform(8))
+    assert torch.equal(other.centres, bank.centres)
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_module.py (CentreBank and NeighbourKernelLoss; now tests/test_losses.py)
+# in issue 19.
+def test_exclusion_also_when_self_appears_twice():
+    bank = make_bank(N=10, K=4)
+    bank.set_neighbours(torch.stack([torch.tensor([i, i, (i + 1) % 10, (i + 2) % 10])
+                                     for i in range(10)]))
+    idx = torch.tensor([4])
+    assert bank.neighbours_for(idx).tolist() == [[-1, -1, 5, 6]]
+
+
+def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
+    bank = make_bank()
+    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    bank.update_(labels=bank.labels.long(), neighbours=bank.neighbours.long())
+    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    big = nnkloss.CentreBank(torch.zeros(2, 3), torch.tensor([0, 2 ** 40]))
+    assert big.labels.dtype == torch.int64 and int(big.labels[1]) == 2 ** 40
+
+
+def test_update_is_all_or_nothing():
+    bank = make_bank(N=10, K=3)
+    before = {k: v.clone() for k, v in bank.state_dict().items()}
+    bad_nb = torch.full((10, 3), 10)  # index out of range
+    with pytest.raises(IndexError, match="neighbours"):
+        bank.update_(centres=torch.zeros(10, 6), neighbours=bad_nb)
+    for k, v in bank.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_bank_growth_keeps_weights_and_clears_stale_lists():
+    bank = make_bank(N=10, K=3)
+    bank.update_(centres=torch.randn(12, 6), labels=torch.zeros(12, dtype=torch.long))
+    assert bank.num_centres == 12 and bank.weights.shape == (12,) and not bank.has_neighbours
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4)), TypeError, "labels"),
+    (dict(centres=torch.randn(4), labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
+    (dict(centres=torch.full((4, 3), float("nan")), labels=torch.zeros(4, dtype=torch.long)),
+     ValueError, "NaN"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          weights=-torch.ones(4)), ValueError, "weights"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          weights=torch.zeros(4), learn_weights=True), ValueError, "positive"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          neighbours=torch.tensor([[0], [1], [2], [4]])), IndexError, "neighbours"),
+    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+          neighbours=torch.zeros(4, 2)), TypeError, "neighbours"),
+])
+def test_bank_bad_input(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        nnkloss.CentreBank(**kwargs)
+
+
+def test_write_centres_overwrites_rows_in_place_and_keeps_the_rest():
+    bank = make_bank()
+    before = bank.centres.clone()
+    buf = bank.centres
+    idx = torch.tensor([4, 0, 17])
+    emb = torch.randn(3, 6, requires_grad=True)
+    assert bank.write_centres_(idx, emb) is bank
+    assert bank.centres is buf  # in place: the same buffer
+    assert torch.equal(bank.centres[idx], emb.detach())
+    rest = torch.ones(30, dtype=torch.bool)
+    rest[idx] = False
+    assert torch.equal(bank.centres[rest], before[rest])
+    assert not bank.centres.requires_grad
+
+
+def test_write_centres_momentum_blends_in_fp32_and_casts_to_the_bank_dtype():
+    src = make_bank()
+    bank = nnkloss.CentreBank(src.centres.half(), src.labels)
+    old = bank.centres.float().clone()
+    idx = torch.tensor([2, 9])
+    emb = torch.randn(2, 6)
+    bank.write_centres_(idx, emb, momentum=0.75)
+    expected = (0.75 * old[idx] + 0.25 * emb).half()
+    assert bank.centres.dtype == torch.float16
+    assert torch.equal(bank.centres[idx], expected)
+
+
+def test_write_centres_duplicates_take_the_last_occurrence():
+    bank = make_bank()
+    old = bank.centres.clone()
+    idx = torch.tensor([5, 3, 5, 8, 3, 5])
+    emb = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 6).clone()
+    bank.write_centres_(idx, emb)
+    assert bank.centres[5].tolist() == [5.0] * 6
+    assert bank.centres[3].tolist() == [4.0] * 6
+    assert bank.centres[8].tolist() == [3.0] * 6
+    bank.update_(centres=old.clone())  # the bank keeps (and writes into) what it is given
+    bank.write_centres_(idx, emb, momentum=0.5)  # blended with the old row, once
+    torch.testing.assert_close(bank.centres[5], 0.5 * old[5] + 2.5)
+    torch.testing.assert_close(bank.centres[3], 0.5 * old[3] + 2.0)
+
+
+def test_write_centres_empty_batch_is_a_no_op():
+    bank = make_bank()
+    before = bank.centres.clone()
+    bank.write_centres_(torch.zeros(0, dtype=torch.long), torch.zeros(0, 6))
+    assert torch.equal(bank.centres, before)
+
+
+@pytest.mark.parametrize("idx, emb, kw, exc, match", [
+    (torch.tensor([1.0]), torch.randn(1, 6), {}, TypeError, "idx"),
+    (torch.tensor([[1]]), torch.randn(1, 6), {}, ValueError, "idx"),
+    (torch.tensor([1]), torch.randn(1, 5), {}, ValueError, "emb"),
+    (torch.tensor([1, 2]), torch.randn(1, 6), {}, ValueError, "emb"),
+    (torch.tensor([1]), torch.ones(1, 6, dtype=torch.long), {}, TypeError, "emb"),
+    (torch.tensor([1]), torch.randn(1, 6, device="meta"), {}, ValueError, "emb is on meta"),
+    (torch.tensor([30]), torch.randn(1, 6), {}, IndexError, "idx holds 30"),
+    (torch.tensor([-1]), torch.randn(1, 6), {}, IndexError, "idx holds -1"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": 1.0}, ValueError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": -0.1}, ValueError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": True}, TypeError, "momentum"),
+    (torch.tensor([1]), torch.randn(1, 6), {"momentum": "0.5"}, TypeError, "momentum"),
+])
+def test_write_centres_bad_input_leaves_the_bank(idx, emb, kw, exc, match):
+    bank = make_bank()
+    before = bank.centres.clone()
+    with pytest.raises(exc, match=match):
+        bank.write_centres_(idx, emb, **kw)
+    assert torch.equal(bank.centres, before)

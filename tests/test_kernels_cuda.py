@@ -1,0 +1,57 @@
+"""kernels/neighbour_kernel.py on a real GPU when there is one (skipped without), against the
+fp64 reference and the torch path; the same checks' logic on CPU tensors through the interpreter.
+"""
+import pytest
+import torch
+
+import nnkloss
+from cases import SHAPES, compare, make_case
+
+
+# -----------------------------------------------------------------------------------------------
+# Moved from tests/test_compile_and_cuda.py (now tests/test_compile.py) in issue 19.
+def kernel_vs_reference(device, shape, bank_dtype):
+    case = [t.to(device) if isinstance(t, torch.Tensor) else t
+            for t in make_case(*shape, pad=0.1, seed=5)]
+    compare(case, "triton", torch.float32, bank_dtype)
+
+
+def triton_vs_torch_path(device, shape, bank_dtype):
+    """Triton against the fp64 torch path on the same device: loss, emb, weight, sigma grads."""
+    emb, labels, centres, cl, nb, w = [t.to(device) if isinstance(t, torch.Tensor) else t
+                                       for t in make_case(*shape, pad=0.1, seed=6)]
+    cen = centres.to(bank_dtype)
+    outs = {}
+    for be, e, c in [("triton", emb.float(), cen), ("torch", emb.double(), cen.double())]:
+        e = e.clone().requires_grad_(True)
+        ww = w.clone().float().requires_grad_(True)
+        s = torch.tensor(1.3, device=device, requires_grad=True)
+        loss = nnkloss.neighbour_kernel_loss(e, labels, c, cl, nb, ww, s, backend=be)
+        loss.backward()
+        outs[be] = [loss.double(), e.grad.double(), ww.grad.double(), s.grad.double()]
+    for a, b in zip(outs["triton"], outs["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_checks_run_on_cpu_interpreter(bank_dtype):
+    """The CUDA tests' own logic, on CPU tensors through the interpreter (small shapes)."""
+    kernel_vs_reference("cpu", (5, 25, 3, 13), bank_dtype)
+    triton_vs_torch_path("cpu", (6, 80, 33, 17), bank_dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", SHAPES + [(16, 500, 512, 100), (9, 300, 2048, 37),
+                                            (6, 200, 5000, 9)])
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernel_matches_reference(shape, bank_dtype):
+    kernel_vs_reference("cuda", shape, bank_dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(64, 5000, 512, 100), (33, 300, 2048, 37), (16, 200, 5000, 9),
+                                   (256, 20000, 128, 256)])
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_vs_torch_path(shape, bank_dtype):
+    triton_vs_torch_path("cuda", shape, bank_dtype)

@@ -19,11 +19,11 @@ def test_self_exclusion_matches_functional_with_padding():
     bank = make_bank()
     idx = torch.tensor([3, 7, 7, 0, 29])
     emb = torch.randn(5, 6)
-    labels = bank.labels[idx]
+    labels = bank.centre_labels[idx]
     loss = nnkloss.NeighbourKernelLoss(bank, sigma=1.5)(emb, labels, idx)
     nb = bank.neighbours[idx].clone()
     nb[nb == idx[:, None]] = -1
-    ref = reference_loss(emb, labels, bank.centres, bank.labels, nb, sigma=1.5)
+    ref = reference_loss(emb, labels, bank.centres, bank.centre_labels, nb, sigma=1.5)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
     # Without exclusion the result differs (each row's own centre is its own class).
     kept = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, exclude_self=False)(emb, labels, idx)
@@ -42,7 +42,7 @@ def test_last_stats_count_rows_without_positive():
     bank = make_bank(N=12, C=12, K=3)  # every centre its own class: almost no positives
     idx = torch.arange(12)
     fn = nnkloss.NeighbourKernelLoss(bank)
-    fn(torch.randn(12, 6), bank.labels, idx)
+    fn(torch.randn(12, 6), bank.centre_labels, idx)
     assert fn.last_stats.counted.shape == (12,)
     assert int(fn.last_num_counted) == int(fn.last_stats.counted.sum())
     assert int(fn.last_num_counted) < 12
@@ -61,26 +61,26 @@ def test_state_dict_round_trip_including_size_changes():
         assert torch.equal(other.state_dict()[k], v), k
     emb = torch.randn(4, 6)
     idx = torch.tensor([1, 2, 3, 4])
-    torch.testing.assert_close(fn(emb, bank.labels[idx], idx),
-                               other(emb, other.bank.labels[idx], idx))
+    torch.testing.assert_close(fn(emb, bank.centre_labels[idx], idx),
+                               other(emb, other.bank.centre_labels[idx], idx))
 
 
 def test_to_moves_everything():
     fn = nnkloss.NeighbourKernelLoss(make_bank(), sigma=1.0).to(torch.float64)
     # Buffers of integer dtype stay integer (int32: 4 bytes per neighbour index and label);
     # floating buffers follow .to(dtype).
-    assert fn.bank.labels.dtype == torch.int32
+    assert fn.bank.centre_labels.dtype == torch.int32
     assert fn.bank.neighbours.dtype == torch.int32
     assert fn.bank.centres.dtype == torch.float64
 
 
 def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
     bank = make_bank()
-    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
-    bank.update_(labels=bank.labels.long(), neighbours=bank.neighbours.long())
-    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    assert bank.centre_labels.dtype == bank.neighbours.dtype == torch.int32
+    bank.update_(centre_labels=bank.centre_labels.long(), neighbours=bank.neighbours.long())
+    assert bank.centre_labels.dtype == bank.neighbours.dtype == torch.int32
     big = nnkloss.CentreBank(torch.zeros(2, 3), torch.tensor([0, 2 ** 40]))
-    assert big.labels.dtype == torch.int64 and int(big.labels[1]) == 2 ** 40
+    assert big.centre_labels.dtype == torch.int64 and int(big.centre_labels[1]) == 2 ** 40
 
 
 def test_learnable_weights_stay_positive_and_learn_sigma():
@@ -93,7 +93,7 @@ def test_learnable_weights_stay_positive_and_learn_sigma():
     emb = bank.centres + 0.3 * torch.randn(20, 6)
     for _ in range(5):
         opt.zero_grad()
-        loss = fn(emb, bank.labels, idx)
+        loss = fn(emb, bank.centre_labels, idx)
         loss.backward()
         assert bank.log_weights.grad is not None and fn.log_sigma.grad is not None
         opt.step()
@@ -103,15 +103,15 @@ def test_learnable_weights_stay_positive_and_learn_sigma():
     assert (w > 0).all() and torch.isfinite(w).all() and fn.kernel_sigma() > 0
     assert (w - 1).abs().max() > 0.1 and fn.kernel_sigma() != 1.0
     nb = bank.neighbours_for(idx)
-    ref = reference_loss(emb, bank.labels, bank.centres, bank.labels, nb, w, fn.sigma_tensor().detach())
-    torch.testing.assert_close(fn(emb, bank.labels, idx).double(), ref, rtol=1e-5, atol=1e-6)
+    ref = reference_loss(emb, bank.centre_labels, bank.centres, bank.centre_labels, nb, w, fn.sigma_tensor().detach())
+    torch.testing.assert_close(fn(emb, bank.centre_labels, idx).double(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_fixed_weights_get_no_grad_and_skip_weight_gather():
     bank = make_bank()
     assert bank.weights_for_loss() is None
     fn = nnkloss.NeighbourKernelLoss(bank)
-    fn(torch.randn(3, 6, requires_grad=True), bank.labels[:3], torch.arange(3)).backward()
+    fn(torch.randn(3, 6, requires_grad=True), bank.centre_labels[:3], torch.arange(3)).backward()
     assert bank.log_weights.grad is None
 
 
@@ -127,7 +127,7 @@ def test_update_is_all_or_nothing():
 
 def test_bank_growth_keeps_weights_and_clears_stale_lists():
     bank = make_bank(N=10, K=3)
-    bank.update_(centres=torch.randn(12, 6), labels=torch.zeros(12, dtype=torch.long))
+    bank.update_(centres=torch.randn(12, 6), centre_labels=torch.zeros(12, dtype=torch.long))
     assert bank.num_centres == 12 and bank.weights.shape == (12,) and not bank.has_neighbours
 
 
@@ -146,18 +146,20 @@ def test_idx_out_of_range_names_idx():
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4)), TypeError, "labels"),
-    (dict(centres=torch.randn(4), labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
-    (dict(centres=torch.full((4, 3), float("nan")), labels=torch.zeros(4, dtype=torch.long)),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(5, dtype=torch.long)), ValueError,
+     "centre_labels has length 5"),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4)), TypeError,
+     "^centre_labels must"),
+    (dict(centres=torch.randn(4), centre_labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
+    (dict(centres=torch.full((4, 3), float("nan")), centre_labels=torch.zeros(4, dtype=torch.long)),
      ValueError, "NaN"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           weights=-torch.ones(4)), ValueError, "weights"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           weights=torch.zeros(4), learn_weights=True), ValueError, "positive"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           neighbours=torch.tensor([[0], [1], [2], [4]])), IndexError, "neighbours"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           neighbours=torch.zeros(4, 2)), TypeError, "neighbours"),
 ])
 def test_bank_bad_input(kwargs, exc, match):
@@ -187,7 +189,7 @@ def test_module_backends_agree_with_learned_parameters():
         fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.9, learn_sigma=True, backend=backend)
         idx = torch.tensor([0, 5, 5, 12, 24, 3])
         emb = (bank.centres[idx] + 0.2).requires_grad_(True)
-        loss = fn(emb, bank.labels[idx], idx)
+        loss = fn(emb, bank.centre_labels[idx], idx)
         loss.backward()
         results[backend] = [loss, emb.grad, fn.log_sigma.grad, bank.log_weights.grad]
     for a, b in zip(results["torch"], results["triton"], strict=True):
@@ -199,21 +201,21 @@ def _aligned_batch(bank, B=8, seed=7):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(bank.num_centres, generator=g)[:B]
     emb = bank.centres[idx] + 0.1 * torch.randn(B, bank.dim, generator=g)
-    return emb, bank.labels[idx].long(), idx
+    return emb, bank.centre_labels[idx].long(), idx
 
 
 @pytest.mark.parametrize("cls", ["nngk", "ccml"])
 def test_misaligned_idx_raises_naming_idx_and_labels(cls):
-    """labels that disagree with bank.labels[idx] (a loader whose idx is off by one): before
+    """labels that disagree with bank.centre_labels[idx] (a loader whose idx is off by one): before
     issue 18 a plausible loss came back; with value checks on it is an error."""
     bank = make_bank(N=30, C=3)
     fn = (nnkloss.NeighbourKernelLoss(bank, sigma=1.0) if cls == "nngk"
           else nnkloss.ClassConditionalLoss(bank, k=2, sigma=1.0))
     emb, labels, idx = _aligned_batch(bank)
     shifted = (idx + 1) % bank.num_centres                  # off by one
-    assert bool((bank.labels[shifted] != labels).any())
-    with pytest.raises(ValueError, match=r"labels disagree with the bank's labels at idx .*"
-                                         r"idx\[\d+\] = \d+, whose bank label is \d+, but "
+    assert bool((bank.centre_labels[shifted] != labels).any())
+    with pytest.raises(ValueError, match=r"labels disagree with the bank's centre_labels at idx .*"
+                                         r"idx\[\d+\] = \d+, whose centre label is \d+, but "
                                          r"labels\[\d+\] = \d+"):
         fn(emb, labels, shifted)
     fn(emb, labels, idx)                                    # aligned: fine
@@ -270,7 +272,7 @@ def test_write_centres_overwrites_rows_in_place_and_keeps_the_rest():
 
 def test_write_centres_momentum_blends_in_fp32_and_casts_to_the_bank_dtype():
     src = make_bank()
-    bank = nnkloss.CentreBank(src.centres.half(), src.labels)
+    bank = nnkloss.CentreBank(src.centres.half(), src.centre_labels)
     old = bank.centres.float().clone()
     idx = torch.tensor([2, 9])
     emb = torch.randn(2, 6)

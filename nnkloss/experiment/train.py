@@ -433,7 +433,7 @@ class Trainer:
         mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
         if mismatched_sum:
             raise ValueError(
-                f"epoch {epoch}: labels disagreed with the bank's labels at idx in "
+                f"epoch {epoch}: labels disagreed with the bank's centre_labels at idx in "
                 f"{mismatched_sum} training rows (dropped from the loss; no checkpoint written "
                 "for this epoch): idx must give each example's own bank row")
         # The log shows the whole job: global_mean's per-rank values average to the global loss.

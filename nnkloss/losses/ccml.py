@@ -198,7 +198,7 @@ class ClassConditionalLoss(BankLoss):
         self.objective = objective
 
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
-        return class_conditional_loss_rows(emb, labels, self.bank.centres, self.bank.labels,
+        return class_conditional_loss_rows(emb, labels, self.bank.centres, self.bank.centre_labels,
                                            neighbours, self.k, self.sigma_tensor(),
                                            self.bank.weights_for_loss(), self.objective)
 

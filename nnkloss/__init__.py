@@ -1,6 +1,6 @@
 """nnkloss: nearest-neighbour Gaussian kernel loss with fused Triton kernels.
 
-    bank = nnkloss.CentreBank(centres, labels, neighbours=lists)
+    bank = nnkloss.CentreBank(centres, centre_labels, neighbours=lists)
     loss = nnkloss.NeighbourKernelLoss(bank, sigma=10.0)(emb, labels, idx)
 
 The package, by layer (each imports only the ones above it):

@@ -28,7 +28,7 @@ that have a same-class neighbour, whose count differs between ranks, so this dif
 mean over the global batch that one process with the same global batch computes.
 :func:`global_mean` rescales each rank's mean by ``world_size * count / total_count`` (one
 all-reduce of a scalar, no host synchronisation) so that the averaged gradient IS the gradient
-of the mean over all valid rows of the global batch: single-process and DDP runs then take the
+of the mean over all counted rows of the global batch: single-process and DDP runs then take the
 same steps. The value it returns on one rank is not the global mean; the average over ranks is.
 
 Why the loss module is not wrapped in DDP: DDP broadcasts a module's buffers from rank 0 at
@@ -62,11 +62,13 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 # ============================================================================ process group
-def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
+def init_from_env(dist_backend: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
     """Initialise the default process group from torchrun's environment, if launched by it.
 
     Args:
-        backend: "nccl", "gloo", ... (default: "nccl" when CUDA is available, else "gloo").
+        dist_backend: the ``torch.distributed`` backend, "nccl", "gloo", ... (default: "nccl"
+            when CUDA is available, else "gloo"). Not the op's ``backend`` nor a
+            ``search_backend``.
         timeout_s: how long a collective may wait for the other ranks before failing.
 
     With NCCL the current CUDA device is set to ``cuda:LOCAL_RANK`` first (collectives use the
@@ -86,15 +88,15 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> b
         raise RuntimeError(f"a partial torch.distributed environment: {present} are set but "
                            f"{missing} are not; launch with torchrun or set all of "
                            f"{list(_TORCHRUN_VARS)}")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if dist_backend is None:
+        dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist_backend == "nccl":
         lr = local_rank()
         if lr >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={lr} but only {torch.cuda.device_count()} CUDA "
                                f"devices are visible: use --nproc-per-node <= the GPU count")
         torch.cuda.set_device(lr)
-    dist.init_process_group(backend, init_method="env://",
+    dist.init_process_group(dist_backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=float(timeout_s)))
     return is_distributed()
 

@@ -23,7 +23,8 @@ as a table, also printed), embedding_nngk.png / embedding_softmax.png (test clas
 recall.png, training_curves.png, and one sub-folder per run with its log.csv/log.json and
 checkpoint.
 
-    {"metric_learning": {"nngk": {"recall@1", "recall@2", "recall@4", "recall@8", "nmi"},
+    {"metric_learning": {"nngk": {"recall@1", "recall@2", "recall@4", "recall@8", "map@r",
+                                  "r_precision", "nmi"},
                          "softmax": {... same keys}},
      "classification": {"nngk": {"accuracy"}, "softmax": {"accuracy"}}}
 
@@ -55,7 +56,7 @@ from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
 from nnkloss.experiment.train import Trainer, seed_everything
 
-METRIC_KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi")
+METRIC_KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -226,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
     # ---------------------------------------------------------------- report
     table = markdown_table(
-        ["Loss", "R@1", "R@2", "R@4", "R@8", "NMI"],
+        ["Loss", "R@1", "R@2", "R@4", "R@8", "MAP@R", "NMI"],
         [[loss] + [percent(metric[loss][k]) for k in METRIC_KEYS] for loss in metric],
         title=f"Metric learning on held-out digits 5-9 (trained on 0-4), dim {args.dim}")
     table += "\n" + markdown_table(

@@ -151,7 +151,7 @@ def test_module_on_bank_matches_functional():
     y = centre_labels[idx]
     mod = ClassConditionalLoss(bank, k=2, sigma=1.0, objective="nll")
     loss = mod(x, y, idx)
-    expect = class_conditional_loss(x, y, bank.centres, bank.labels,
+    expect = class_conditional_loss(x, y, bank.centres, bank.centre_labels,
                                     bank.neighbours_for(idx, exclude_self=True), k=2,
                                     sigma=1.0, objective="nll")
     torch.testing.assert_close(loss, expect)
@@ -191,13 +191,13 @@ def test_ccml_sigma_is_stored_and_read_as_the_kernel_loss_does():
     learned = ClassConditionalLoss(bank, k=2, sigma=0.9, learn_sigma=True)
     idx = torch.arange(12)
     emb = bank.centres[idx] + 0.3 * torch.randn(12, 3, generator=g)
-    learned(emb, bank.labels[idx], idx).backward()
+    learned(emb, bank.centre_labels[idx], idx).backward()
     assert learned.log_sigma.grad is not None and learned.log_sigma.grad != 0
     # The same value as a float sigma of the functional form (sigma read back through exp).
-    expected = class_conditional_loss(emb, bank.labels, bank.centres, bank.labels,
+    expected = class_conditional_loss(emb, bank.centre_labels, bank.centres, bank.centre_labels,
                                       bank.neighbours_for(idx, True), k=2,
                                       sigma=learned.sigma_tensor().detach())
-    torch.testing.assert_close(fixed(emb, bank.labels[idx], idx), expected)
+    torch.testing.assert_close(fixed(emb, bank.centre_labels[idx], idx), expected)
     for bad in (0.0, -1.0, float("nan")):
         for make in (lambda s: ClassConditionalLoss(bank, sigma=s),
                      lambda s: nnkloss.NeighbourKernelLoss(bank, sigma=s)):

@@ -101,7 +101,7 @@ def test_load_state_dict_restores_fixed_nonuniform_weights():
     assert dst.bank.weights_for_loss() is None
     idx = torch.arange(0, 30, 3)
     emb = torch.randn(len(idx), 6, generator=torch.Generator().manual_seed(2))
-    labels = src.bank.labels[idx]
+    labels = src.bank.centre_labels[idx]
     want = src(emb, labels, idx)
     assert not torch.allclose(want, dst(emb, labels, idx))  # the weights matter here
     dst.load_state_dict(src.state_dict())
@@ -130,7 +130,7 @@ def test_growing_a_learned_bank_keeps_the_parameter_in_a_user_optimiser():
     idx = torch.arange(24)
     emb = bank.centres + 0.2 * torch.randn(24, 6)
     opt.zero_grad()
-    fn(emb, bank.labels, idx).backward()
+    fn(emb, bank.centre_labels, idx).backward()
     opt.step()
     moved = bank.log_weights.detach() != before
     assert moved[:20].any() and moved[20:].any()  # old and new weights both train
@@ -169,11 +169,11 @@ def test_bank_errors_name_the_argument(kwargs, exc, match):
 def test_bank_constructor_errors_name_the_argument():
     with pytest.raises(TypeError, match=r"^centres must have dtype"):
         nnkloss.CentreBank(torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(TypeError, match=r"^labels must"):
+    with pytest.raises(TypeError, match=r"^centre_labels must"):
         nnkloss.CentreBank(torch.zeros(4, 2), torch.zeros(4))
     with pytest.raises(ValueError, match=r"^centres contain NaN or inf$"):
         nnkloss.CentreBank(torch.full((4, 2), float("inf")), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"^labels are on meta but centres on cpu$"):
+    with pytest.raises(ValueError, match=r"^centre_labels are on meta but centres on cpu$"):
         nnkloss.CentreBank(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long, device="meta"))
 
 
@@ -222,7 +222,7 @@ def test_from_class_means_uses_its_seed():
     for seed in (0, 3):
         c, l = class_centroids(emb, labels, per_class=3, seed=seed)
         bank = nnkloss.CentreBank.from_class_means(emb, labels, per_class=3, seed=seed)
-        assert torch.equal(bank.centres, c) and torch.equal(bank.labels, l)
+        assert torch.equal(bank.centres, c) and torch.equal(bank.centre_labels, l)
     default = nnkloss.CentreBank.from_class_means(emb, labels, per_class=3)
     assert torch.equal(default.centres, class_centroids(emb, labels, per_class=3, seed=0)[0])
     assert not torch.equal(class_centroids(emb, labels, per_class=3, seed=0)[0],
@@ -256,11 +256,11 @@ def test_exclusion_also_when_self_appears_twice():
 
 def test_bank_stores_int32_lists_and_labels_and_keeps_them_through_updates():
     bank = make_bank()
-    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
-    bank.update_(labels=bank.labels.long(), neighbours=bank.neighbours.long())
-    assert bank.labels.dtype == bank.neighbours.dtype == torch.int32
+    assert bank.centre_labels.dtype == bank.neighbours.dtype == torch.int32
+    bank.update_(centre_labels=bank.centre_labels.long(), neighbours=bank.neighbours.long())
+    assert bank.centre_labels.dtype == bank.neighbours.dtype == torch.int32
     big = nnkloss.CentreBank(torch.zeros(2, 3), torch.tensor([0, 2 ** 40]))
-    assert big.labels.dtype == torch.int64 and int(big.labels[1]) == 2 ** 40
+    assert big.centre_labels.dtype == torch.int64 and int(big.centre_labels[1]) == 2 ** 40
 
 
 def test_update_is_all_or_nothing():
@@ -275,23 +275,25 @@ def test_update_is_all_or_nothing():
 
 def test_bank_growth_keeps_weights_and_clears_stale_lists():
     bank = make_bank(N=10, K=3)
-    bank.update_(centres=torch.randn(12, 6), labels=torch.zeros(12, dtype=torch.long))
+    bank.update_(centres=torch.randn(12, 6), centre_labels=torch.zeros(12, dtype=torch.long))
     assert bank.num_centres == 12 and bank.weights.shape == (12,) and not bank.has_neighbours
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4)), TypeError, "labels"),
-    (dict(centres=torch.randn(4), labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
-    (dict(centres=torch.full((4, 3), float("nan")), labels=torch.zeros(4, dtype=torch.long)),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(5, dtype=torch.long)), ValueError,
+     "centre_labels has length 5"),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4)), TypeError,
+     "^centre_labels must"),
+    (dict(centres=torch.randn(4), centre_labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
+    (dict(centres=torch.full((4, 3), float("nan")), centre_labels=torch.zeros(4, dtype=torch.long)),
      ValueError, "NaN"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           weights=-torch.ones(4)), ValueError, "weights"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           weights=torch.zeros(4), learn_weights=True), ValueError, "positive"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           neighbours=torch.tensor([[0], [1], [2], [4]])), IndexError, "neighbours"),
-    (dict(centres=torch.randn(4, 3), labels=torch.zeros(4, dtype=torch.long),
+    (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           neighbours=torch.zeros(4, 2)), TypeError, "neighbours"),
 ])
 def test_bank_bad_input(kwargs, exc, match):
@@ -316,7 +318,7 @@ def test_write_centres_overwrites_rows_in_place_and_keeps_the_rest():
 
 def test_write_centres_momentum_blends_in_fp32_and_casts_to_the_bank_dtype():
     src = make_bank()
-    bank = nnkloss.CentreBank(src.centres.half(), src.labels)
+    bank = nnkloss.CentreBank(src.centres.half(), src.centre_labels)
     old = bank.centres.float().clone()
     idx = torch.tensor([2, 9])
     emb = torch.randn(2, 6)

@@ -20,7 +20,7 @@ def test_class_means_exact():
     perm = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(1))
     emb, labels = emb[perm], labels[perm]
     bank = CentreBank.from_class_means(emb, labels)
-    assert bank.labels.tolist() == [0, 1, 7]
+    assert bank.centre_labels.tolist() == [0, 1, 7]
     assert bank.centres.dtype == torch.float32 and not bank.has_neighbours
     for row, c in enumerate([0, 1, 7]):
         expect = emb[labels == c].double().mean(0).float()
@@ -49,7 +49,7 @@ def test_per_class_centroid_counts():
     got = {tuple(r) for r in centres[6:].tolist()}
     assert got == {tuple(r) for r in emb[labels == 3].tolist()}
     bank = CentreBank.from_class_means(emb, labels, per_class=3)
-    assert torch.equal(bank.labels, centre_labels)
+    assert torch.equal(bank.centre_labels, centre_labels)
 
 
 def test_per_class_centroids_find_sub_clusters():
@@ -149,7 +149,7 @@ def test_loss_on_class_mean_bank_is_ncm_log_loss():
     bank = CentreBank.from_class_means(emb, labels, per_class=1)
     x = emb[:10].clone().requires_grad_(True)
     nb = torch.arange(bank.num_centres).expand(10, -1)
-    loss = neighbour_kernel_loss(x, labels[:10], bank.centres, bank.labels, nb, sigma=1.0,
+    loss = neighbour_kernel_loss(x, labels[:10], bank.centres, bank.centre_labels, nb, sigma=1.0,
                                  reduction="none", backend="torch")
     d = torch.cdist(x.detach().double(), bank.centres.double()) ** 2
     ref = -torch.log_softmax(-d / 2, 1).gather(1, labels[:10, None])[:, 0]
@@ -164,7 +164,7 @@ def test_loss_and_classifier_on_ncmc_bank_with_added_class():
     bank.add(torch.full((1, 4), 40.0), torch.tensor([3]))
     n = bank.num_centres
     nb = torch.arange(n).expand(5, -1)
-    loss = neighbour_kernel_loss(emb[:5], labels[:5], bank.centres, bank.labels, nb,
+    loss = neighbour_kernel_loss(emb[:5], labels[:5], bank.centres, bank.centre_labels, nb,
                                  sigma=2.0, backend="torch")
     assert torch.isfinite(loss)
     pred = NeighbourKernelClassifier(bank, k=n, sigma=2.0).predict(emb)

@@ -23,7 +23,7 @@ def batch_loss(bank, sigma=1.3, seed=1):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(bank.num_centres, generator=g)[:16]
     emb = bank.centres[idx] + 0.1 * torch.randn(16, bank.dim, generator=g)
-    return nnkloss.NeighbourKernelLoss(bank, sigma=sigma)(emb, bank.labels[idx], idx)
+    return nnkloss.NeighbourKernelLoss(bank, sigma=sigma)(emb, bank.centre_labels[idx], idx)
 
 
 @pytest.mark.parametrize("learn_weights", [True, False])
@@ -39,7 +39,7 @@ def test_round_trip_and_same_loss(tmp_path, learn_weights):
     loaded, step, extra = load_bank(path)
     assert step == 123 and extra["sigma"] == 1.3 and extra["note"] == "epoch 1"
     assert torch.equal(extra["t"], torch.arange(3))
-    for name in ("centres", "labels", "neighbours", "log_weights"):
+    for name in ("centres", "centre_labels", "neighbours", "log_weights"):
         assert torch.equal(getattr(loaded, name), getattr(bank, name)), name
     assert loaded.learn_weights == learn_weights
     assert (loaded.weights_for_loss() is None) == (not learn_weights)
@@ -199,9 +199,9 @@ def test_load_bank_honours_map_location_and_refuses_newer_versions(tmp_path):
     bank, step, _ = nnkloss.load_bank(path, map_location=lambda s, loc: seen.append(loc) or s)
     assert seen and set(seen) == {"cpu"} and bank.num_centres == 12
     state = load_checked(path)
-    state["version"] = 2
+    state["version"] = 3
     save_checked(state, tmp_path / "new.pt")
-    with pytest.raises(ValueError, match="checkpoint version 2 is newer than this nnkloss reads"):
+    with pytest.raises(ValueError, match="checkpoint version 3 is newer than this nnkloss reads"):
         nnkloss.load_bank(tmp_path / "new.pt")
     # Since issue 18 a torn file fails its checksum; junk behind a valid checksum still gets
     # torch's own error, named.
@@ -248,7 +248,7 @@ def test_save_bank_argument_errors_and_version_field(tmp_path):
         nnkloss.save_bank(bank, path, extra=[1])
     nnkloss.save_bank(bank, path, step=7)
     state = load_checked(path)
-    assert state["format"] == "nnkloss.CentreBank" and state["version"] == 1
+    assert state["format"] == "nnkloss.CentreBank" and state["version"] == 2
     assert nnkloss.load_bank(path)[1] == 7
 
 
@@ -263,3 +263,75 @@ def test_save_load_bank_keeps_fixed_nonuniform_weights(tmp_path):
     loaded, _, _ = nnkloss.load_bank(tmp_path / "bank.pt")
     assert not loaded.learn_weights
     torch.testing.assert_close(loaded.weights_for_loss(), bank.weights_for_loss())
+def _as_version_1(state):
+    """A bank file's payload as nnkloss wrote it before issue 19 (format version 1): the centre
+    labels under the key "labels"."""
+    old = {k: v for k, v in state.items() if k != "centre_labels"}
+    old["labels"] = state["centre_labels"]
+    old["version"] = 1
+    return old
+
+
+def test_version_2_file_names_the_centre_labels(tmp_path):
+    from nnkloss.checksum import load_checked
+    bank = make_bank()
+    save_bank(bank, tmp_path / "b.pt")
+    state = load_checked(tmp_path / "b.pt")
+    assert state["version"] == 2 and "labels" not in state
+    assert torch.equal(state["centre_labels"], bank.centre_labels)
+
+
+def test_version_1_file_is_read_under_the_new_name_and_still_validated(tmp_path):
+    """Version 1 differs only in the key of the centre labels: it is loaded, converted, and
+    validated like any other file (a bad "labels" entry is refused as centre_labels)."""
+    from nnkloss.checksum import load_checked, save_checked
+    bank = make_bank()
+    save_bank(bank, tmp_path / "new.pt", step=5)
+    old = _as_version_1(load_checked(tmp_path / "new.pt"))
+    save_checked(old, tmp_path / "v1.pt")
+    loaded, step, _ = load_bank(tmp_path / "v1.pt")
+    assert step == 5
+    for name in ("centres", "centre_labels", "neighbours", "log_weights"):
+        assert torch.equal(getattr(loaded, name), getattr(bank, name)), name
+    with torch.no_grad():
+        assert torch.equal(batch_loss(loaded), batch_loss(bank))
+    save_checked(dict(old, labels=old["labels"][:-1]), tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"^checkpoint centre_labels has length 59 but there "
+                                         r"are 60 centres$"):
+        load_bank(tmp_path / "bad.pt")
+    # A version-2 file must hold the new key: "labels" alone is not read there.
+    save_checked(dict(old, version=2), tmp_path / "v2_old_key.pt")
+    with pytest.raises(ValueError, match=r"lacks centre_labels"):
+        load_bank(tmp_path / "v2_old_key.pt")
+    save_checked(dict(old, version="1"), tmp_path / "str_version.pt")
+    with pytest.raises(ValueError, match=r"^checkpoint version must be an int, got '1'$"):
+        load_bank(tmp_path / "str_version.pt")
+
+
+def test_state_dict_of_version_1_is_read_under_the_new_name():
+    """PyTorch's per-module state-dict version: CentreBank's is 2 ("centre_labels"); a state
+    dict of version 1 (or one without version metadata) holding "labels" loads as before,
+    directly and through a loss (prefix "bank.")."""
+    bank = make_bank()
+    state = bank.state_dict()
+    assert "centre_labels" in state and "labels" not in state
+    assert state._metadata[""]["version"] == 2
+    old = {("labels" if k == "centre_labels" else k): v.clone() for k, v in state.items()}
+    target = make_bank(seed=3)
+    target.load_state_dict(old)              # a plain dict: no version metadata
+    assert torch.equal(target.centre_labels, bank.centre_labels)
+    assert torch.equal(target.centres, bank.centres)
+
+    src = nnkloss.NeighbourKernelLoss(bank, sigma=1.3)
+    sd = src.state_dict()
+    old = type(sd)((("bank.labels" if k == "bank.centre_labels" else k), v) for k, v in sd.items())
+    old._metadata = type(sd._metadata)(sd._metadata)
+    old._metadata["bank"] = dict(sd._metadata["bank"], version=1)
+    dst = nnkloss.NeighbourKernelLoss(make_bank(seed=4), sigma=1.0)
+    dst.load_state_dict(old)
+    assert torch.equal(dst.bank.centre_labels, bank.centre_labels)
+    # Version 2 means the new key: an old key there is an unexpected key, as PyTorch reports.
+    old._metadata["bank"] = dict(sd._metadata["bank"], version=2)
+    with pytest.raises(RuntimeError, match=r'(?s)Missing key\(s\).*"bank\.centre_labels".*'
+                                           r'Unexpected key\(s\).*"bank\.labels"'):
+        nnkloss.NeighbourKernelLoss(make_bank(seed=4)).load_state_dict(old)

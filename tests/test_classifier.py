@@ -58,7 +58,7 @@ def test_nngk_matches_reference(search_backend, weighted):
     clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend=search_backend,
                                     batch_size=16)
     p = clf.predict_proba(x)
-    ref = ref_nngk_proba(x, bank.centres, bank.labels, bank.weights.detach(), 7, 1.3,
+    ref = ref_nngk_proba(x, bank.centres, bank.centre_labels, bank.weights.detach(), 7, 1.3,
                          bank.num_classes)
     assert p.shape == (40, bank.num_classes) and p.dtype == torch.float32
     torch.testing.assert_close(p.double(), ref, atol=1e-5, rtol=1e-4)
@@ -73,7 +73,7 @@ def test_fp64_queries_and_numpy_input():
     clf = NeighbourKernelClassifier(bank, k=5, sigma=0.8, search_backend="torch")
     p = clf.predict_proba(x)
     assert p.dtype == torch.float64
-    ref = ref_nngk_proba(x, bank.centres, bank.labels, bank.weights.detach(), 5, 0.8,
+    ref = ref_nngk_proba(x, bank.centres, bank.centre_labels, bank.weights.detach(), 5, 0.8,
                          bank.num_classes)
     torch.testing.assert_close(p, ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(clf.predict_proba(x.numpy()), p)
@@ -106,7 +106,7 @@ def test_far_away_queries_give_no_nan(search_backend):
     xf = torch.randn(12, 6, generator=torch.Generator().manual_seed(3)) * 300
     p = NeighbourKernelClassifier(bank, k=9, sigma=2.0,
                                   search_backend=search_backend).predict_proba(xf)
-    ref = ref_nngk_proba(xf, bank.centres, bank.labels, bank.weights.detach(), 9, 2.0,
+    ref = ref_nngk_proba(xf, bank.centres, bank.centre_labels, bank.weights.detach(), 9, 2.0,
                          bank.num_classes)
     assert torch.isfinite(p).all()
     torch.testing.assert_close(p.double(), ref, atol=1e-5, rtol=1e-4)
@@ -126,7 +126,7 @@ def test_k_larger_than_bank_means_all_centres():
     bank = make_bank(n=12)
     x = torch.randn(5, 6)
     p = NeighbourKernelClassifier(bank, k=1000, sigma=1.5, search_backend="torch").predict_proba(x)
-    ref = ref_nngk_proba(x, bank.centres, bank.labels, bank.weights.detach(), 12, 1.5,
+    ref = ref_nngk_proba(x, bank.centres, bank.centre_labels, bank.weights.detach(), 12, 1.5,
                          bank.num_classes)
     torch.testing.assert_close(p.double(), ref, atol=1e-5, rtol=1e-4)
 
@@ -257,6 +257,6 @@ def test_precomputed_neighbours_skip_the_search(monkeypatch):
     ccknn = NeighbourKernelClassifier(bank, k=2, sigma=1.0, rule="ccknn")
     with pytest.raises(ValueError, match="rule='nngk'"):
         ccknn.predict_proba(x, neighbours=nb)
-    zero = CentreBank(bank.centres, bank.labels, weights=torch.zeros(bank.num_centres))
+    zero = CentreBank(bank.centres, bank.centre_labels, weights=torch.zeros(bank.num_centres))
     with pytest.raises(ValueError, match="weight 0"):
         NeighbourKernelClassifier(zero, k=2, sigma=1.0).predict_proba(x, neighbours=nb)

@@ -35,7 +35,7 @@ def test_compile_fullgraph_no_graph_break(compile_backend):
     model = Head(_bank())
     x = torch.randn(8, 5)
     idx = torch.arange(8, dtype=torch.long)
-    labels = model.loss.bank.labels[idx]
+    labels = model.loss.bank.centre_labels[idx]
     eager = model(x, labels, idx)
     eager.backward()
     g_eager = [p.grad.clone() for p in model.parameters() if p.grad is not None]

@@ -349,3 +349,25 @@ def test_idx_broken_gzip_stream(tmp_path):
         f.write(b"not gzip at all" * 10)
     with pytest.raises(DatasetFormatError, match="cannot read"):
         FashionMNIST(root)
+
+
+def test_the_package_docstring_lists_every_loader():
+    """nnkloss.experiment's docstring names every public data set class and loader function
+    of datasets.py (the IDX loaders were missing before issue 19)."""
+    import inspect
+    import typing
+    import nnkloss.experiment as experiment
+    from nnkloss.experiment import datasets
+    from torch.utils.data import Dataset
+    loaders = []
+    for name in datasets.__all__:
+        obj = getattr(datasets, name)
+        if inspect.isclass(obj) and issubclass(obj, Dataset):
+            loaders.append(name)
+        elif inspect.isfunction(obj):
+            ret = typing.get_type_hints(obj).get("return")
+            if inspect.isclass(ret) and issubclass(ret, Dataset):
+                loaders.append(name)
+    assert {"CUB200", "IDXDataset", "FashionMNIST", "MNIST", "KMNIST"} <= set(loaders)
+    missing = [n for n in loaders if n not in experiment.__doc__]
+    assert not missing, f"not in nnkloss.experiment's docstring: {missing}"

@@ -210,3 +210,18 @@ def test_init_from_env_refuses_a_partial_environment(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
         nkd.init_from_env()
+
+
+def test_init_from_env_hands_its_dist_backend_to_torch(monkeypatch):
+    """The process group's backend is ``dist_backend`` (issue 19: ``backend`` is the op's)."""
+    for v, val in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                   ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(v, val)
+    seen = []
+    monkeypatch.setattr(nkd.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(nkd.dist, "init_process_group",
+                        lambda backend, **kw: seen.append(backend))
+    assert nkd.init_from_env(dist_backend="gloo") is False  # world size 1: not distributed
+    assert seen == ["gloo"]
+    with pytest.raises(TypeError):
+        nkd.init_from_env(backend="gloo")

@@ -26,7 +26,7 @@ def refresh(loader, dtype=torch.float32, backend="torch", ensure_positive=True):
     bank = empty_bank(dtype)
     stats = Refresher(bank, make_model(), loader, K, search_backend=backend,
                       ensure_positive=ensure_positive, progress=False).refresh()
-    return {"centres": bank.centres.clone(), "labels": bank.labels.clone(),
+    return {"centres": bank.centres.clone(), "labels": bank.centre_labels.clone(),
             "neighbours": bank.neighbours.clone(), "num_patched": stats.num_patched,
             "positive_share": stats.positive_share,
             "mean_sq_distance": stats.mean_sq_distance}
@@ -75,7 +75,7 @@ def worker(rank, port, out_dir):
     exchange.gather_bank_rows(centres, labels, written, chunk_bytes=3 * D * 4)
     results["gathered"] = {"centres": centres, "labels": labels}
     lists = exchange.neighbour_lists(x, y, K, search_backend="torch", chunk_bytes=5 * K * 8)
-    results["lists_small_rounds"] = lists.indices
+    results["lists_small_rounds"] = lists.neighbours
 
     # Rows that no rank embeds: a clear error on every rank, the bank untouched.
     sub = torch.utils.data.Subset(ds, list(range(N - 3)))
@@ -132,7 +132,7 @@ def test_rows_written_twice_take_the_lowest_rank(results):
     for r in results:
         assert torch.equal(r["gathered"]["centres"], expected)
         assert torch.equal(r["gathered"]["labels"], y)
-        single = nnkloss.bank.search.neighbour_lists(x, y, K, search_backend="torch").indices
+        single = nnkloss.bank.search.neighbour_lists(x, y, K, search_backend="torch").neighbours
         assert torch.equal(r["lists_small_rounds"], single)
 
 
@@ -156,5 +156,5 @@ def test_single_process_is_the_single_process_search():
         got = exchange.neighbour_lists(x, y, K, search_backend="torch", ensure_positive=ensure_positive)
         want = nnkloss.bank.search.neighbour_lists(x, y, K, search_backend="torch",
                                                    ensure_positive=ensure_positive)
-        assert torch.equal(got.indices, want.indices) and got.num_patched == want.num_patched
+        assert torch.equal(got.neighbours, want.neighbours) and got.num_patched == want.num_patched
     exchange.check_async_refresh()

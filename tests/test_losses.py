@@ -15,11 +15,11 @@ def test_self_exclusion_matches_functional_with_padding():
     bank = make_bank()
     idx = torch.tensor([3, 7, 7, 0, 29])
     emb = torch.randn(5, 6)
-    labels = bank.labels[idx]
+    labels = bank.centre_labels[idx]
     loss = nnkloss.NeighbourKernelLoss(bank, sigma=1.5)(emb, labels, idx)
     nb = bank.neighbours[idx].clone()
     nb[nb == idx[:, None]] = -1
-    ref = reference_loss(emb, labels, bank.centres, bank.labels, nb, sigma=1.5)
+    ref = reference_loss(emb, labels, bank.centres, bank.centre_labels, nb, sigma=1.5)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
     # Without exclusion the result differs (each row's own centre is its own class).
     kept = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, exclude_self=False)(emb, labels, idx)
@@ -30,7 +30,7 @@ def test_last_stats_count_rows_without_positive():
     bank = make_bank(N=12, C=12, K=3)  # every centre its own class: almost no positives
     idx = torch.arange(12)
     fn = nnkloss.NeighbourKernelLoss(bank)
-    fn(torch.randn(12, 6), bank.labels, idx)
+    fn(torch.randn(12, 6), bank.centre_labels, idx)
     assert fn.last_stats.counted.shape == (12,)
     assert int(fn.last_num_counted) == int(fn.last_stats.counted.sum())
     assert int(fn.last_num_counted) < 12
@@ -49,15 +49,15 @@ def test_state_dict_round_trip_including_size_changes():
         assert torch.equal(other.state_dict()[k], v), k
     emb = torch.randn(4, 6)
     idx = torch.tensor([1, 2, 3, 4])
-    torch.testing.assert_close(fn(emb, bank.labels[idx], idx),
-                               other(emb, other.bank.labels[idx], idx))
+    torch.testing.assert_close(fn(emb, bank.centre_labels[idx], idx),
+                               other(emb, other.bank.centre_labels[idx], idx))
 
 
 def test_to_moves_everything():
     fn = nnkloss.NeighbourKernelLoss(make_bank(), sigma=1.0).to(torch.float64)
     # Buffers of integer dtype stay integer (int32: 4 bytes per neighbour index and label);
     # floating buffers follow .to(dtype).
-    assert fn.bank.labels.dtype == torch.int32
+    assert fn.bank.centre_labels.dtype == torch.int32
     assert fn.bank.neighbours.dtype == torch.int32
     assert fn.bank.centres.dtype == torch.float64
 
@@ -72,7 +72,7 @@ def test_learnable_weights_stay_positive_and_learn_sigma():
     emb = bank.centres + 0.3 * torch.randn(20, 6)
     for _ in range(5):
         opt.zero_grad()
-        loss = fn(emb, bank.labels, idx)
+        loss = fn(emb, bank.centre_labels, idx)
         loss.backward()
         assert bank.log_weights.grad is not None and fn.log_sigma.grad is not None
         opt.step()
@@ -82,15 +82,15 @@ def test_learnable_weights_stay_positive_and_learn_sigma():
     assert (w > 0).all() and torch.isfinite(w).all() and fn.kernel_sigma() > 0
     assert (w - 1).abs().max() > 0.1 and fn.kernel_sigma() != 1.0
     nb = bank.neighbours_for(idx)
-    ref = reference_loss(emb, bank.labels, bank.centres, bank.labels, nb, w, fn.sigma_tensor().detach())
-    torch.testing.assert_close(fn(emb, bank.labels, idx).double(), ref, rtol=1e-5, atol=1e-6)
+    ref = reference_loss(emb, bank.centre_labels, bank.centres, bank.centre_labels, nb, w, fn.sigma_tensor().detach())
+    torch.testing.assert_close(fn(emb, bank.centre_labels, idx).double(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_fixed_weights_get_no_grad_and_skip_weight_gather():
     bank = make_bank()
     assert bank.weights_for_loss() is None
     fn = nnkloss.NeighbourKernelLoss(bank)
-    fn(torch.randn(3, 6, requires_grad=True), bank.labels[:3], torch.arange(3)).backward()
+    fn(torch.randn(3, 6, requires_grad=True), bank.centre_labels[:3], torch.arange(3)).backward()
     assert bank.log_weights.grad is None
 
 
@@ -130,7 +130,7 @@ def test_module_backends_agree_with_learned_parameters():
         fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.9, learn_sigma=True, backend=backend)
         idx = torch.tensor([0, 5, 5, 12, 24, 3])
         emb = (bank.centres[idx] + 0.2).requires_grad_(True)
-        loss = fn(emb, bank.labels[idx], idx)
+        loss = fn(emb, bank.centre_labels[idx], idx)
         loss.backward()
         results[backend] = [loss, emb.grad, fn.log_sigma.grad, bank.log_weights.grad]
     for a, b in zip(results["torch"], results["triton"], strict=True):
@@ -142,21 +142,21 @@ def _aligned_batch(bank, B=8, seed=7):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(bank.num_centres, generator=g)[:B]
     emb = bank.centres[idx] + 0.1 * torch.randn(B, bank.dim, generator=g)
-    return emb, bank.labels[idx].long(), idx
+    return emb, bank.centre_labels[idx].long(), idx
 
 
 @pytest.mark.parametrize("cls", ["nngk", "ccml"])
 def test_misaligned_idx_raises_naming_idx_and_labels(cls):
-    """labels that disagree with bank.labels[idx] (a loader whose idx is off by one): before
+    """labels that disagree with bank.centre_labels[idx] (a loader whose idx is off by one): before
     issue 18 a plausible loss came back; with value checks on it is an error."""
     bank = make_bank(N=30, C=3)
     fn = (nnkloss.NeighbourKernelLoss(bank, sigma=1.0) if cls == "nngk"
           else nnkloss.ClassConditionalLoss(bank, k=2, sigma=1.0))
     emb, labels, idx = _aligned_batch(bank)
     shifted = (idx + 1) % bank.num_centres                  # off by one
-    assert bool((bank.labels[shifted] != labels).any())
-    with pytest.raises(ValueError, match=r"labels disagree with the bank's labels at idx .*"
-                                         r"idx\[\d+\] = \d+, whose bank label is \d+, but "
+    assert bool((bank.centre_labels[shifted] != labels).any())
+    with pytest.raises(ValueError, match=r"labels disagree with the bank's centre_labels at idx .*"
+                                         r"idx\[\d+\] = \d+, whose centre label is \d+, but "
                                          r"labels\[\d+\] = \d+"):
         fn(emb, labels, shifted)
     fn(emb, labels, idx)                                    # aligned: fine
@@ -244,8 +244,8 @@ def test_module_runs_on_the_backend_it_was_given(monkeypatch):
     emb = bank.centres[idx] + 0.1
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        nnkloss.NeighbourKernelLoss(bank, backend="triton")(emb, bank.labels[idx], idx)
-    assert torch.isfinite(nnkloss.NeighbourKernelLoss(bank, backend="torch")(emb, bank.labels[idx],
+        nnkloss.NeighbourKernelLoss(bank, backend="triton")(emb, bank.centre_labels[idx], idx)
+    assert torch.isfinite(nnkloss.NeighbourKernelLoss(bank, backend="torch")(emb, bank.centre_labels[idx],
                                                                              idx))
 
 
@@ -256,12 +256,12 @@ def test_module_applies_its_reduction(reduction):
     bank = small_bank()
     idx = torch.arange(8)
     emb = bank.centres[idx] + 0.3
-    rows = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction="none")(emb, bank.labels[idx], idx)
+    rows = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction="none")(emb, bank.centre_labels[idx], idx)
     assert rows.shape == (8,)
     valid = nnkloss.NeighbourKernelLoss(bank, sigma=0.7).last_stats  # nothing before a call
     assert valid is None
     fn = nnkloss.NeighbourKernelLoss(bank, sigma=0.7, reduction=reduction)
-    got = fn(emb, bank.labels[idx], idx)
+    got = fn(emb, bank.centre_labels[idx], idx)
     counted = fn.last_stats.counted
     assert int(counted.sum()) >= 2 and float(rows.sum()) > 0
     want = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / counted.sum()}[reduction]
@@ -347,8 +347,8 @@ def forward_backward_without_sync(device, backend, guard):
     g = torch.Generator().manual_seed(5)
     emb = torch.randn(7, 8, generator=g).to(device).requires_grad_(True)
     idx = torch.randint(0, 40, (7,), generator=g).to(device)
-    labels = bank.labels[idx].clone()
-    # Value checks off: since issue 18 they compare labels with bank.labels[idx] (one read).
+    labels = bank.centre_labels[idx].clone()
+    # Value checks off: since issue 18 they compare labels with bank.centre_labels[idx] (one read).
     with guard(), nnkloss.value_checks(False):
         loss = fn(emb, labels, idx)
         loss.backward()
@@ -369,7 +369,7 @@ def test_host_read_guard_catches_a_read():
     idx = torch.arange(4)
     with pytest.raises(AssertionError, match="host read"):
         with no_host_reads():
-            fn(torch.randn(4, 6), bank.labels[idx], idx).item()
+            fn(torch.randn(4, 6), bank.centre_labels[idx], idx).item()
     with pytest.raises(AssertionError, match="host read"):
         with no_host_reads():
             fn.kernel_sigma()  # what a careless forward (extra_repr style) would do
@@ -394,6 +394,6 @@ def test_fp16_embeddings_through_the_module():
     fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.2)
     idx = torch.arange(0, 20, 2)
     emb = (bank.centres[idx] + 0.3).half()
-    got = fn(emb, bank.labels[idx], idx)
-    want = fn(emb.float(), bank.labels[idx], idx)
+    got = fn(emb, bank.centre_labels[idx], idx)
+    want = fn(emb.float(), bank.centre_labels[idx], idx)
     torch.testing.assert_close(got, want)

@@ -338,3 +338,42 @@ def test_metrics_within_tie_breaking_bounds(case):
     else:
         with pytest.raises(ValueError, match="MAP@R"):
             metrics.map_at_r(emb, labels, search_backend="torch")
+def test_retrieval_metrics_reports_map_at_r_from_the_one_search(monkeypatch):
+    """experiment.evaluate.retrieval_metrics (the repro scripts' numbers): Recall@K, MAP@R and
+    R-precision from one search (metrics.evaluate), NMI from k-means with the given seed."""
+    from nnkloss.experiment.evaluate import retrieval_metrics
+    emb, labels = data(n=130, classes=7, seed=6)
+    calls = []
+    real = metrics.iter_knn
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "iter_knn", counting)
+    got = retrieval_metrics(emb, labels, seed=3)
+    assert len(calls) == 1
+    assert set(got) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r",
+                        "r_precision", "nmi"}
+    ref = brute_recall(emb, labels, (1, 2, 4, 8))
+    for k in (1, 2, 4, 8):
+        assert got[f"recall@{k}"] == pytest.approx(ref[k], abs=1e-12)
+    assert got["map@r"] == pytest.approx(brute_map_at_r(emb, labels), abs=1e-12)
+    assert got["r_precision"] == pytest.approx(brute_r_precision(emb, labels), abs=1e-12)
+    assert got["nmi"] == metrics.nmi(emb, labels, seed=3)
+
+
+def test_retrieval_metrics_on_too_small_sets_reports_none_with_warnings():
+    from nnkloss.experiment.evaluate import retrieval_metrics
+    emb = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"Recall@K for K = \[8\] skipped"):
+        got = retrieval_metrics(emb, torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert got["recall@8"] is None and got["recall@4"] is not None
+    assert 0.0 <= got["map@r"] <= 1.0 and got["r_precision"] is not None
+    with pytest.warns(UserWarning, match="no class of the evaluation set has two members"):
+        got = retrieval_metrics(emb, torch.arange(6), ks=(1, 2))
+    assert got["map@r"] is None and got["r_precision"] is None
+    assert got["recall@1"] == 0.0 and got["nmi"] is not None
+    with pytest.warns(UserWarning):
+        got = retrieval_metrics(emb[:1], torch.tensor([0]), ks=(1,))
+    assert got == {"recall@1": None, "map@r": None, "r_precision": None, "nmi": None}

@@ -48,12 +48,12 @@ def eval_embeddings(model, x):
 
 
 def bank_state(bank):
-    return (bank.centres.clone(), bank.labels.clone(), bank.neighbours.clone())
+    return (bank.centres.clone(), bank.centre_labels.clone(), bank.neighbours.clone())
 
 
 def assert_bank_equal(bank, state):
     c, l, nb = state
-    assert torch.equal(bank.centres, c) and torch.equal(bank.labels, l)
+    assert torch.equal(bank.centres, c) and torch.equal(bank.centre_labels, l)
     assert torch.equal(bank.neighbours, nb)
 
 
@@ -72,11 +72,11 @@ def test_rebuild_neighbours_matches_brute_force(backend):
     g = torch.Generator().manual_seed(0)
     bank = CentreBank(torch.randn(80, 5, generator=g), torch.randint(0, 4, (80,), generator=g))
     lists = bank.rebuild_neighbours(7, search_backend=backend)
-    assert bank.neighbours.shape == (80, 7) and torch.equal(bank.neighbours, lists.indices)
-    assert (lists.indices != torch.arange(80)[:, None]).all()
+    assert bank.neighbours.shape == (80, 7) and torch.equal(bank.neighbours, lists.neighbours)
+    assert (lists.neighbours != torch.arange(80)[:, None]).all()
     torch.testing.assert_close(lists.distances.double(), brute_lists(bank.centres, 7),
                                rtol=1e-4, atol=1e-4)
-    same = bank.labels[lists.indices] == bank.labels[:, None]
+    same = bank.centre_labels[lists.neighbours] == bank.centre_labels[:, None]
     assert torch.equal(lists.has_positive, same.any(1))
     assert lists.num_patched == 0 and lists.seconds >= 0 and lists.search_backend == backend
 
@@ -94,16 +94,16 @@ def test_rebuild_neighbours_ensure_positive(backend):
     lacking = ~plain.has_positive
     assert lacking.sum() > 10  # the test data does exercise the patching
     assert lists.num_patched == int(lacking.sum()) - 1
-    assert not bool(lists.has_positive[7]) and torch.equal(lists.indices[7], plain.indices[7])
+    assert not bool(lists.has_positive[7]) and torch.equal(lists.neighbours[7], plain.neighbours[7])
     assert lists.has_positive.sum() == n - 1
     # Rows that had a positive are untouched; the others keep their first k-1 entries and end
     # with their nearest same-label centre (brute force, one row at a time).
-    assert torch.equal(lists.indices[~lacking], plain.indices[~lacking])
-    assert torch.equal(lists.indices[:, :-1], plain.indices[:, :-1])
+    assert torch.equal(lists.neighbours[~lacking], plain.neighbours[~lacking])
+    assert torch.equal(lists.neighbours[:, :-1], plain.neighbours[:, :-1])
     for i in lacking.nonzero().flatten().tolist():
         if i == 7:
             continue
-        j = int(lists.indices[i, -1])
+        j = int(lists.neighbours[i, -1])
         assert j != i and labels[j] == labels[i]
         same = (labels == labels[i]).nonzero().flatten()
         same = same[same != i]
@@ -111,7 +111,7 @@ def test_rebuild_neighbours_ensure_positive(backend):
         assert float(lists.distances[i, -1]) == pytest.approx(float(d_same.min()), rel=1e-4,
                                                                abs=1e-5)
     assert (lists.distances[:, 1:] >= lists.distances[:, :-1]).all()
-    assert torch.equal(bank.neighbours, lists.indices)
+    assert torch.equal(bank.neighbours, lists.neighbours)
 
 
 def test_rebuild_neighbours_errors_leave_lists():
@@ -135,9 +135,9 @@ def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
     assert model.training and all(m.training for m in model.modules())
     expected = eval_embeddings(model, x).to(bank_dtype)
     assert torch.equal(bank.centres, expected)  # dropout off, each row at its own idx
-    assert torch.equal(bank.labels, y)
-    lists = neighbour_lists(bank.centres, bank.labels, 8, search_backend="torch")
-    assert torch.equal(bank.neighbours, lists.indices)
+    assert torch.equal(bank.centre_labels, y)
+    lists = neighbour_lists(bank.centres, bank.centre_labels, 8, search_backend="torch")
+    assert torch.equal(bank.neighbours, lists.neighbours)
     assert isinstance(stats, RefreshStats) and ref.last_stats is stats
     assert stats.num_rows == N and stats.k == 8 and stats.overlap is None
     assert stats.embed_seconds >= 0 and stats.search_seconds >= 0
@@ -278,7 +278,7 @@ def test_async_matches_sync_and_uses_a_snapshot():
     stats = ref.wait()
     assert isinstance(stats, RefreshStats) and stats.asynchronous and not ref.in_flight
     assert torch.equal(async_bank.centres, sync_bank.centres)
-    assert torch.equal(async_bank.labels, sync_bank.labels)
+    assert torch.equal(async_bank.centre_labels, sync_bank.centre_labels)
     assert torch.equal(async_bank.neighbours, sync_bank.neighbours)
     assert model.training  # the live model's mode is never touched in async mode
     assert ref.poll() is None and ref.wait() is None  # nothing in flight any more
@@ -469,22 +469,22 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     ref = Refresher(bank, NoForward(), make_loader(x, y), k=3, search_backend="torch",
                     ensure_positive=True, sigma=0.7)
     first = ref.rebuild_lists()
-    expected = neighbour_lists(bank.centres, bank.labels, 3, search_backend="torch",
+    expected = neighbour_lists(bank.centres, bank.centre_labels, 3, search_backend="torch",
                                ensure_positive=True)
-    assert torch.equal(bank.neighbours, expected.indices.to(bank.neighbours.dtype))
+    assert torch.equal(bank.neighbours, expected.neighbours.to(bank.neighbours.dtype))
     assert first.overlap is None and first.embed_seconds == 0.0 and first.num_patched > 0
     assert first.positive_share == 1.0 and first.sigma == 0.7 and first.k == 3
     old = bank.neighbours.clone()
     bank.write_centres_(torch.arange(0, N, 2), torch.randn(N // 2, D, generator=g))
     second = ref.rebuild_lists(sigma=2.0)
-    expected = neighbour_lists(bank.centres, bank.labels, 3, search_backend="torch",
+    expected = neighbour_lists(bank.centres, bank.centre_labels, 3, search_backend="torch",
                                ensure_positive=True)
-    assert torch.equal(bank.neighbours, expected.indices.to(bank.neighbours.dtype))
+    assert torch.equal(bank.neighbours, expected.neighbours.to(bank.neighbours.dtype))
     shared = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 3
                            for a, b in zip(bank.neighbours, old, strict=True)])
     assert second.overlap == pytest.approx(float(shared.mean()), abs=1e-6)
     assert 0.0 < second.overlap < 1.0 and second.sigma == 2.0
-    assert torch.equal(bank.labels, y.to(bank.labels.dtype))  # centres and labels untouched
+    assert torch.equal(bank.centre_labels, y.to(bank.centre_labels.dtype))  # centres and labels untouched
 
 
 # -----------------------------------------------------------------------------------------------

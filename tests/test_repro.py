@@ -18,7 +18,8 @@ def load_script(name):
     return mod
 
 
-METRIC_KEYS = {"recall@1", "recall@2", "recall@4", "recall@8", "nmi"}
+METRIC_KEYS = {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision",
+               "nmi"}
 
 
 def _fraction(v):
@@ -42,7 +43,7 @@ def test_digits_quick(tmp_path):
                 "training_curves.png"):
         with open(out / png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
-    assert "R@1" in open(out / "results.md").read()
+    assert "R@1" in open(out / "results.md").read() and "MAP@R" in open(out / "results.md").read()
     # The kernel runs went through the Refresher: bank refreshes are in their logs.
     log = json.load(open(out / "metric_nngk" / "log.json"))
     assert "refresh_time_s" in log[0] and log[0]["counted_frac"] > 0.5
@@ -77,7 +78,7 @@ def test_metric_learning_one_epoch(trees, tmp_path, dataset):
     assert run["sigma"] == 10.0
     assert run["train_images"] == 12 and run["test_images"] == 12
     table = open(out / "results.md").read()
-    assert "Ours (this run)" in table and "Ours (paper)" in table
+    assert "Ours (this run)" in table and "Ours (paper)" in table and "MAP@R" in table
     for f in ("recall.png", "dim16/embedding.png", "dim16/training_curves.png",
               "dim16/log.csv", "dim16/checkpoint.pt"):
         assert os.path.isfile(out / f), f

@@ -1,5 +1,6 @@
 """nnkloss.bank.search (nnkloss.knn): both search backends against brute force, tie order,
 self-exclusion, the threshold selection, edge cases, errors, recall."""
+import dataclasses
 import math
 import types
 import warnings
@@ -7,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import nnkloss
 import nnkloss.bank.search as K
 import nnkloss.bank.search.faiss_search as FS
 import nnkloss.bank.search.torch_search as TS
@@ -365,6 +367,34 @@ def test_iter_knn_blocks_cover_the_queries(search_backend):
         assert torch.equal(idx, whole[1][q0:q0 + idx.shape[0]])
         seen += idx.shape[0]
     assert seen == 400
+
+
+def test_results_are_distances_then_neighbours_everywhere():
+    """One order and one name for search results (issue 19): knn returns the NamedTuple
+    (distances, neighbours), iter_knn yields (row0, distances, neighbours), and NeighbourLists
+    starts with the same two fields; its ``neighbours`` is what the bank installs."""
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(60, 5, generator=g)
+    y = torch.arange(60) % 4
+    res = knn(x, x, 6, "torch", exclude_self=True)
+    assert isinstance(res, K.SearchResult) and res._fields == ("distances", "neighbours")
+    assert res.distances.dtype == torch.float32 and res.neighbours.dtype == torch.int64
+    assert (res.distances[:, 1:] >= res.distances[:, :-1]).all()     # distances first
+    assert torch.equal(res[0], res.distances) and torch.equal(res[1], res.neighbours)
+    block = next(iter(iter_knn(x, x, 6, "torch", exclude_self=True)))
+    assert isinstance(block, K.SearchBlock)
+    assert block._fields == ("row0", "distances", "neighbours") and block.row0 == 0
+    rows = block.neighbours.shape[0]
+    assert torch.equal(block.neighbours, res.neighbours[:rows])
+    assert torch.equal(block.distances, res.distances[:rows])
+    lists = K.neighbour_lists(x, y, 6, search_backend="torch")
+    assert [f.name for f in dataclasses.fields(lists)][:2] == ["distances", "neighbours"]
+    assert torch.equal(lists.neighbours, res.neighbours)
+    assert torch.equal(lists.distances, res.distances)
+    assert not hasattr(lists, "indices")
+    bank = nnkloss.CentreBank(x, y)
+    assert torch.equal(bank.rebuild_neighbours(6, search_backend="torch").neighbours,
+                       bank.neighbours.long())
 
 
 def test_drop_self():

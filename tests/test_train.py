@@ -240,6 +240,24 @@ def test_resume_runs_no_code_from_the_checkpoint(tmp_path):
         assert not marker.exists()
 
 
+def test_format_2_checkpoint_is_refused_saying_why(tmp_path):
+    """Format 3 (issue 19) names the bank's centre labels "centre_labels" (the criterion's
+    state dict, the data record's sha256); a format-2 checkpoint is refused with an error that
+    says so, before anything is loaded."""
+    from nnkloss.checksum import load_checked, save_checked
+    _run(tmp_path, 1)
+    state = load_checked(tmp_path / "checkpoint.pt")
+    assert state["format"] == "nnkloss.trainer/3"
+    assert "centre_labels_sha256" in state["data"] and "labels_sha256" not in state["data"]
+    assert "bank.centre_labels" in state["criterion"]
+    old = dict(state, format="nnkloss.trainer/2")
+    save_checked(old, tmp_path / "checkpoint.pt")
+    with pytest.raises(ValueError, match=r"Trainer checkpoint of format 'nnkloss.trainer/2', "
+                                         r"which named the bank's centre labels 'labels'; this "
+                                         r"nnkloss reads format 'nnkloss.trainer/3' only"):
+        _run(tmp_path, 2)
+
+
 def test_checkpoint_loads_weights_only():
     """Everything the Trainer saves (RNG states included) is what the default weights-only
     unpickler reads, with no allow-list; the RNG states restore exactly."""
@@ -410,8 +428,8 @@ def test_lists_every_steps_rebuild_from_the_bank_alone():
         assert r["lists_time_s"] > 0 and 0.0 <= r["lists_overlap"] <= 1.0
         assert r["lists_positive_share"] == 1.0 and 0 < r["lists_mean_kernel"] <= 1
     bank = tr.criterion.bank  # the last rebuild (step 12) saw the last write
-    expected = neighbour_lists(bank.centres, bank.labels, 6, search_backend="torch",
-                               ensure_positive=True).indices
+    expected = neighbour_lists(bank.centres, bank.centre_labels, 6, search_backend="torch",
+                               ensure_positive=True).neighbours
     assert torch.equal(bank.neighbours, expected.to(bank.neighbours.dtype))
 
 

@@ -96,7 +96,7 @@ def test_choose_sigma_bad_arguments():
 def test_choose_sigma_without_a_same_class_neighbour_is_an_error():
     model, crit, loader, x, y = setup()
     bank = crit.bank
-    bank.update_(labels=torch.arange(len(y)))  # every row its own class
+    bank.update_(centre_labels=torch.arange(len(y)))  # every row its own class
     with pytest.raises(ValueError, match="same-class neighbour"):
         choose_sigma(model, crit, DataLoader(IndexedTensorDataset(x, torch.arange(len(y))),
                                              batch_size=32), CANDIDATES)

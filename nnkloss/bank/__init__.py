@@ -1,6 +1,6 @@
 """The bank of centres and what keeps it current.
 
-- :mod:`.centre_bank`: :class:`CentreBank` (centres, labels, weights, neighbour lists);
+- :mod:`.centre_bank`: :class:`CentreBank` (centres, centre_labels, weights, neighbour lists);
 - :mod:`.search`: exact / approximate k-nearest-neighbour search (FAISS or tiled torch);
 - :mod:`.refresh`: :class:`Refresher` (re-embed, rebuild lists, swap) and its schedule;
 - :mod:`.checkpoint`: atomic, validated bank files;

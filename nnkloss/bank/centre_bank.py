@@ -66,13 +66,14 @@ def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
     return log_w
 
 
-def validate_bank_tensors(centres: Tensor, labels: Tensor, neighbours: Tensor,
+def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
                           log_weights: Tensor, learned: bool, prefix: str = "") -> None:
     """What :meth:`CentreBank.update_` checks, for a whole bank read from disk (a state dict or
-    a checkpoint): centres (N, D) float and finite, labels (N,) integer, lists
+    a checkpoint): centres (N, D) float and finite, centre_labels (N,) integer, lists
     (N, K) integer in -1..N-1, log-weights (N,) float (see :func:`_validate_log_weights`).
     Raises an error that names the field (``prefix`` + name, e.g. ``bank.neighbours``)."""
-    for name, t in (("centres", centres), ("labels", labels), ("neighbours", neighbours),
+    for name, t in (("centres", centres), ("centre_labels", centre_labels),
+                    ("neighbours", neighbours),
                     ("log_weights", log_weights)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{prefix}{name} must be a tensor, got {type(t).__name__}")
@@ -80,10 +81,10 @@ def validate_bank_tensors(centres: Tensor, labels: Tensor, neighbours: Tensor,
     n = centres.shape[0]
     if centres.numel() and not torch.isfinite(centres).all():
         raise ValueError(f"{prefix}centres contain NaN or inf")
-    require_int(prefix + "labels", labels, 1)
-    if labels.shape[0] != n:
-        raise ValueError(f"{prefix}labels has length {labels.shape[0]} but there are {n} "
-                         "centres")
+    require_int(prefix + "centre_labels", centre_labels, 1)
+    if centre_labels.shape[0] != n:
+        raise ValueError(f"{prefix}centre_labels has length {centre_labels.shape[0]} but there "
+                         f"are {n} centres")
     _validate_neighbours(neighbours, n, prefix + "neighbours")
     _validate_log_weights(log_weights, n, learned, prefix + "log_weights")
 
@@ -93,7 +94,8 @@ class CentreBank(nn.Module):
 
     Buffers (all move with ``.to(device)`` and are saved by ``state_dict()``):
         centres: (N, D) fp32/bf16/fp16.
-        labels: (N,) int32 (int64 for class ids beyond int32).
+        centre_labels: (N,) int32 (int64 for class ids beyond int32): the centres' labels
+            (a batch's labels are ``labels`` in the losses' ``forward(emb, labels, idx)``).
         neighbours: (N, K) int32 (int64 from N = 2**31 on), -1 = padding; (N, 0) until lists
             are set. Four bytes per index and per label instead of eight: the loss reads both
             for every neighbour of every row.
@@ -104,19 +106,26 @@ class CentreBank(nn.Module):
 
     Writes go through :meth:`update_`, which validates everything first and then swaps the new
     tensors in together, so readers never see a half-written bank.
+
+    State dicts are versioned (``_version``, PyTorch's per-module mechanism): version 2 names
+    the centre labels ``centre_labels``; a state dict of version 1 (or without version metadata)
+    that holds them as ``labels`` is read as if the key were ``centre_labels``.
     """
 
-    def __init__(self, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None,
+    _version = 2
+
+    def __init__(self, centres: Tensor, centre_labels: Tensor, weights: Optional[Tensor] = None,
                  neighbours: Optional[Tensor] = None, learn_weights: bool = False):
         super().__init__()
-        n = require_labelled("centres", centres, "labels", labels,
+        n = require_labelled("centres", centres, "centre_labels", centre_labels,
                              (torch.float16, torch.bfloat16, torch.float32))
-        if labels.device != centres.device:
-            raise ValueError(f"labels are on {labels.device} but centres on {centres.device}")
+        if centre_labels.device != centres.device:
+            raise ValueError(f"centre_labels are on {centre_labels.device} but centres on "
+                             f"{centres.device}")
         if not torch.isfinite(centres).all():
             raise ValueError("centres contain NaN or inf")
         self.register_buffer("centres", centres.detach())
-        self.register_buffer("labels", _compact_labels(labels.detach()))
+        self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
         if neighbours is None:
             neighbours = torch.empty(n, 0, dtype=_index_dtype(n), device=centres.device)
         else:
@@ -170,7 +179,7 @@ class CentreBank(nn.Module):
 
     @property
     def num_classes(self) -> int:
-        return int(self.labels.max()) + 1 if self.num_centres else 0
+        return int(self.centre_labels.max()) + 1 if self.num_centres else 0
 
     def weights_for_loss(self) -> Optional[Tensor]:
         """None when all weights are fixed at one (the kernel then skips the weight gather)."""
@@ -180,14 +189,14 @@ class CentreBank(nn.Module):
 
     # ---------------------------------------------------------------- writing
     @torch.no_grad()
-    def update_(self, centres: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+    def update_(self, centres: Optional[Tensor] = None, centre_labels: Optional[Tensor] = None,
                 neighbours: Optional[Tensor] = None, weights: Optional[Tensor] = None
                 ) -> "CentreBank":
         """Validate the new tensors, then swap them all in at once (nothing changes on error).
 
-        Shapes may change (a bank can grow), as long as centres, labels, weights and lists end
-        up consistent. A change of N without new lists clears the lists. Tensors are moved to
-        the bank's device and dtype.
+        Shapes may change (a bank can grow), as long as centres, centre_labels, weights and
+        lists end up consistent. A change of N without new lists clears the lists. Tensors are
+        moved to the bank's device and dtype.
         """
         dev = self.centres.device
         new_c = self.centres if centres is None else centres.detach().to(dev, self.centres.dtype)
@@ -198,11 +207,12 @@ class CentreBank(nn.Module):
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             if not torch.isfinite(new_c).all():
                 raise ValueError("centres contain NaN or inf")
-        new_l = self.labels if labels is None else labels.detach().to(dev)
-        if labels is not None:
-            require_int("labels", new_l, 1)
+        new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
+        if centre_labels is not None:
+            require_int("centre_labels", new_l, 1)
         if new_l.shape[0] != n:
-            raise ValueError(f"labels has length {new_l.shape[0]} but there are {n} centres")
+            raise ValueError(f"centre_labels has length {new_l.shape[0]} but there are {n} "
+                             "centres")
         if neighbours is not None:
             new_nb = _validate_neighbours(neighbours.detach().to(dev, _index_dtype(n)), n)
         elif self.neighbours.shape[0] == n:
@@ -222,7 +232,7 @@ class CentreBank(nn.Module):
                                 torch.zeros(grow, device=dev, dtype=torch.float32)])
         # Everything is valid: swap in together.
         self.centres = new_c
-        self.labels = _compact_labels(new_l)
+        self.centre_labels = _compact_labels(new_l)
         self.neighbours = new_nb
         if new_lw is not None:
             if new_lw.shape == self.log_weights.shape:
@@ -254,13 +264,15 @@ class CentreBank(nn.Module):
                 exists (per-class searches; no N x N matrix).
 
         Returns:
-            The :class:`nnkloss.bank.search.NeighbourLists` that was installed: indices (N, k),
-            squared distances (N, k), has_positive (N,), num_patched, search seconds, backend.
+            The :class:`nnkloss.bank.search.NeighbourLists` that was installed: squared
+            distances (N, k), neighbours (N, k), has_positive (N,), num_patched, search
+            seconds, search_backend.
         """
         from .search import neighbour_lists  # only needed here: keeps bank import-light
-        lists = neighbour_lists(self.centres, self.labels, k, search_backend=search_backend,
-                                ensure_positive=ensure_positive, **knn_options)
-        self.update_(neighbours=lists.indices)
+        lists = neighbour_lists(self.centres, self.centre_labels, k,
+                                search_backend=search_backend, ensure_positive=ensure_positive,
+                                **knn_options)
+        self.update_(neighbours=lists.neighbours)
         return lists
 
     @torch.no_grad()
@@ -276,7 +288,7 @@ class CentreBank(nn.Module):
 
         A row that appears several times in ``idx`` is written once, from its LAST occurrence
         (the rule a Refresher's loader follows too); the result does not depend on the
-        device's scatter order. Labels, lists and weights are left as they are. No host
+        device's scatter order. Centre labels, lists and weights are left as they are. No host
         synchronisation: ``idx`` is range-checked only when it is on the CPU (as in
         :meth:`neighbours_for`) and the values of ``emb`` are not checked, so a non-finite
         embedding lands in the bank and shows in the loss of every row that lists it.
@@ -349,12 +361,13 @@ class CentreBank(nn.Module):
         centres, centre_labels = class_centroids(emb, labels, per_class=per_class, seed=seed)
         return cls(centres, centre_labels)
 
-    def add(self, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None
+    def add(self, centres: Tensor, centre_labels: Tensor, weights: Optional[Tensor] = None
             ) -> "CentreBank":
-        """Append centres (M, D) with labels (M,) and optional weights (M,) in place, without
-        retraining (see :func:`nnkloss.bank.centroids.add_centres`). Returns the bank."""
+        """Append centres (M, D) with their centre_labels (M,) and optional weights (M,) in
+        place, without retraining (see :func:`nnkloss.bank.centroids.add_centres`). Returns the
+        bank."""
         from .centroids import add_centres
-        return add_centres(self, centres, labels, weights)
+        return add_centres(self, centres, centre_labels, weights)
 
     # ---------------------------------------------------------------- state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -362,16 +375,22 @@ class CentreBank(nn.Module):
         # The whole bank is validated before anything changes, as update_ would: shapes, index
         # ranges, label count, finite centres, log-weights (a field the state dict lacks is
         # checked as the bank holds it). A bad bank is refused naming the field.
-        names = ("centres", "labels", "neighbours", "log_weights")
+        version = local_metadata.get("version")
+        old_key, new_key = prefix + "labels", prefix + "centre_labels"
+        if (version is None or version < 2) and old_key in state_dict \
+                and new_key not in state_dict:
+            # Version 1 called the centre labels "labels": the same tensor under its new name.
+            state_dict[new_key] = state_dict.pop(old_key)
+        names = ("centres", "centre_labels", "neighbours", "log_weights")
         given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
         if not all(isinstance(t, Tensor) for t in given.values()):
             # Not a tensor: PyTorch's own load error (raised by load_state_dict) names it.
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
-        validate_bank_tensors(given["centres"], given["labels"], given["neighbours"],
+        validate_bank_tensors(given["centres"], given["centre_labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
         # Banks change size (growth, other K): take the saved shapes instead of refusing them.
-        for name in ("centres", "labels", "neighbours"):
+        for name in ("centres", "centre_labels", "neighbours"):
             key = prefix + name
             if key in state_dict:
                 src = state_dict[key]

@@ -170,13 +170,15 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
     return torch.cat(centres).to(out_dtype), torch.cat(centre_labels)
 
 
-def add_centres(bank, centres: Tensor, labels: Tensor, weights: Optional[Tensor] = None):
+def add_centres(bank, centres: Tensor, centre_labels: Tensor,
+                weights: Optional[Tensor] = None):
     """Append centres to a :class:`~nnkloss.CentreBank` in place (no retraining).
 
     Args:
         bank: the CentreBank to grow.
         centres: (M, D) floating-point centres (cast to the bank's dtype and device).
-        labels: (M,) integer labels; new classes simply take new label values.
+        centre_labels: (M,) integer labels of the new centres; new classes simply take new
+            label values.
         weights: (M,) non-negative weights of the new centres, or None for weight 1.
 
     The new rows get all -1 (padding) neighbour lists when the bank has lists, so existing
@@ -187,13 +189,13 @@ def add_centres(bank, centres: Tensor, labels: Tensor, weights: Optional[Tensor]
     it (its per-parameter state of the old size, e.g. momentum, must be reset or padded: the
     Trainer pads it with zeros).
     """
-    m = require_labelled("centres", centres, "labels", labels)
+    m = require_labelled("centres", centres, "centre_labels", centre_labels)
     if bank.num_centres and centres.shape[1] != bank.dim:
         raise ValueError(f"centres have dimension {centres.shape[1]}, the bank has {bank.dim}")
     dev = bank.centres.device
-    labels = labels.to(dev).long()
+    labels = centre_labels.to(dev).long()
     if m and int(labels.min()) < 0:
-        raise ValueError(f"labels must be >= 0, got {int(labels.min())}")
+        raise ValueError(f"centre_labels must be >= 0, got {int(labels.min())}")
     new_w = None
     if weights is not None:
         require_float("weights", weights, 1)
@@ -206,5 +208,5 @@ def add_centres(bank, centres: Tensor, labels: Tensor, weights: Optional[Tensor]
         pad = torch.full((m, bank.k), -1, dtype=torch.long, device=dev)
         new_nb = torch.cat([bank.neighbours, pad])
     new_c = torch.cat([bank.centres, centres.detach().to(dev, bank.centres.dtype)])
-    return bank.update_(centres=new_c, labels=torch.cat([bank.labels, labels]),
+    return bank.update_(centres=new_c, centre_labels=torch.cat([bank.centre_labels, labels]),
                         neighbours=new_nb, weights=new_w)

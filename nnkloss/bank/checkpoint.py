@@ -1,12 +1,16 @@
 """Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
 
-A checkpoint holds the centres, labels, log-weights (and whether they are learned), the
+A checkpoint holds the centres, centre labels, log-weights (and whether they are learned), the
 neighbour lists and a step counter, plus an optional ``extra`` dict (sigma, a schedule's
 ``state_dict()``, ...). It is written with :func:`nnkloss.atomic.atomic_write` behind a sha256
 of its payload (:mod:`nnkloss.checksum`): a crash or error mid-write leaves the previous
 checkpoint intact, and a damaged file is refused on load. The bank read back is validated as
 :meth:`CentreBank.update_` validates writes (shapes, index ranges, label count, finite centres,
 weights) before it is built.
+
+Format versions: 2 stores the centre labels as ``centre_labels``; version 1 (and files without
+a version) stored the same tensor as ``labels`` and are read by taking it under its new name
+(the only difference between the two versions), then validated like any other file.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from .centre_bank import CentreBank, validate_bank_tensors
 __all__ = ["save_bank", "load_bank"]
 
 _FORMAT = "nnkloss.CentreBank"
-_VERSION = 1
+_VERSION = 2
 
 
 def _check_extra(value: Any, where: str = "extra") -> None:
@@ -64,7 +68,7 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
         "format": _FORMAT,
         "version": _VERSION,
         "centres": bank.centres.detach().cpu(),
-        "labels": bank.labels.detach().cpu(),
+        "centre_labels": bank.centre_labels.detach().cpu(),
         "neighbours": bank.neighbours.detach().cpu(),
         "log_weights": bank.log_weights.detach().cpu(),
         "learn_weights": bool(bank.learn_weights),
@@ -97,22 +101,28 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
                          ) from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise ValueError(f"{path!r} is not an nnkloss CentreBank checkpoint")
-    if state.get("version", 0) > _VERSION:
-        raise ValueError(f"checkpoint version {state['version']} is newer than this nnkloss "
+    version = state.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+        raise ValueError(f"checkpoint version must be an int, got {version!r}")
+    if version > _VERSION:
+        raise ValueError(f"checkpoint version {version} is newer than this nnkloss "
                          f"reads ({_VERSION}); upgrade nnkloss")
-    missing = [k for k in ("centres", "labels", "neighbours", "log_weights", "learn_weights",
+    if version < 2 and "labels" in state and "centre_labels" not in state:
+        # Version 1 wrote the centre labels as "labels": same tensor, new name.
+        state["centre_labels"] = state.pop("labels")
+    missing = [k for k in ("centres", "centre_labels", "neighbours", "log_weights", "learn_weights",
                            "uniform_weights", "step") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}")
     # The same rules as CentreBank.update_ (a NaN weight would act as 0, +inf would give an
     # infinite loss, an index >= N would gather another row or fail far from here).
-    validate_bank_tensors(state["centres"], state["labels"], state["neighbours"],
+    validate_bank_tensors(state["centres"], state["centre_labels"], state["neighbours"],
                           state["log_weights"], learned=bool(state["learn_weights"]),
                           prefix="checkpoint ")
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
-    bank = CentreBank(state["centres"], state["labels"], neighbours=state["neighbours"])
+    bank = CentreBank(state["centres"], state["centre_labels"], neighbours=state["neighbours"])
     log_w = state["log_weights"].to(bank.centres.device, torch.float32)
     # Restored as log-weights (exactly as saved), not via weights=exp(.) which would round.
     bank.log_weights.data.copy_(log_w)

@@ -119,20 +119,20 @@ def check_async_refresh() -> None:
 
 
 @torch.no_grad()
-def gather_bank_rows(centres: Tensor, labels: Tensor, written: Tensor, group=None,
+def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, group=None,
                      chunk_bytes: int = GATHER_CHUNK_BYTES) -> Tuple[Tensor, Tensor]:
     """Complete a bank from every rank's share: afterwards all ranks hold identical tensors.
 
     Args:
         centres: (N, D) float, this rank's embeddings in the rows it wrote (others: anything).
-        labels: (N,) int64, likewise.
+        centre_labels: (N,) int64, likewise.
         written: (N,) bool, the rows this rank wrote (its DistributedSampler share; a row that
             its loader yielded twice holds the embedding written last, as in one process).
         group: process group (default: the world).
         chunk_bytes: per-rank send size of one all_gather round (bounds extra memory).
 
     Returns:
-        ``(centres, labels)``: the same tensors, filled in place with every rank's rows.
+        ``(centres, centre_labels)``: the same tensors, filled in place with every rank's rows.
 
     Rows written by several ranks (DistributedSampler repeats indices to give every rank the
     same count; a loader without a sampler repeats all of them) are taken from the LOWEST
@@ -145,7 +145,8 @@ def gather_bank_rows(centres: Tensor, labels: Tensor, written: Tensor, group=Non
             different labels; the ranks' banks differ in N, D or dtype.
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
-    require_int("labels", labels, 1)
+    require_int("centre_labels", centre_labels, 1)
+    labels = centre_labels
     n, d = centres.shape
     dev = centres.device
     w, me = world_size(group), rank(group)
@@ -232,27 +233,27 @@ def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, searc
 
 
 @torch.no_grad()
-def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str = "auto",
+def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backend: str = "auto",
                     ensure_positive: bool = False, group=None,
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
     """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
 
-    Every rank must pass the same (N, D) ``centres`` and (N,) ``labels`` (as
+    Every rank must pass the same (N, D) ``centres`` and (N,) ``centre_labels`` (as
     :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
-    against the full bank with :func:`nnkloss.bank.search.knn` (``search_backend``, ``knn_options`` as
-    there; an approximate index is built over the full bank on every rank, with the same seed),
-    then the (N, k) indices and distances, ``has_positive`` and ``num_patched`` are gathered, so
-    every rank returns the same :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers
-    the search and the exchange. In a single process this is
-    :func:`nnkloss.bank.search.neighbour_lists` itself.
+    against the full bank with :func:`nnkloss.bank.search.knn` (``search_backend``,
+    ``knn_options`` as there; an approximate index is built over the full bank on every rank,
+    with the same seed), then the (N, k) distances and neighbours, ``has_positive`` and
+    ``num_patched`` are gathered, so every rank returns the same
+    :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers the search and the
+    exchange. In a single process this is :func:`nnkloss.bank.search.neighbour_lists` itself.
     """
     if not is_distributed(group):
-        return single_process_lists(centres, labels, k, search_backend,
+        return single_process_lists(centres, centre_labels, k, search_backend,
                                     ensure_positive=ensure_positive, **knn_options)
-    n = require_labelled("centres", centres, "labels", labels)
+    n = require_labelled("centres", centres, "centre_labels", centre_labels)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
         raise ValueError(f"k must be an int in [1, N - 1 = {n - 1}], got {k!r}")
-    labels = labels.to(centres.device).long()
+    labels = centre_labels.to(centres.device).long()
     dev = centres.device
     w, me = world_size(group), rank(group)
     comm = comm_device(group, dev)
@@ -289,4 +290,4 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str
     total = torch.tensor([patched], dtype=torch.long, device=comm)
     dist.all_reduce(total, group=group)
     synchronize(dev)
-    return NeighbourLists(out_i, out_d, out_p, int(total), time.perf_counter() - t0, used)
+    return NeighbourLists(out_d, out_i, out_p, int(total), time.perf_counter() - t0, used)

@@ -83,7 +83,7 @@ def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], si
         mean_kernel = float(kern.sum() / n_pairs)
     overlap = None
     if old is not None and old.shape[0] == d.shape[0] and old.shape[1] > 0:
-        overlap = _list_overlap(lists.indices, old)
+        overlap = _list_overlap(lists.neighbours, old)
     return RefreshStats(embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel,
                         sigma, float(lists.has_positive.float().mean()), lists.num_patched,
                         overlap, lists.search_backend, asynchronous)
@@ -193,8 +193,9 @@ def _module_device(model: nn.Module, fallback: torch.device) -> torch.device:
 class _Result:
     """A refresh computed but not yet swapped in."""
 
-    def __init__(self, centres, labels, lists, stats, stream):
-        self.centres, self.labels, self.lists, self.stats = centres, labels, lists, stats
+    def __init__(self, centres, centre_labels, lists, stats, stream):
+        self.centres, self.centre_labels = centres, centre_labels
+        self.lists, self.stats = lists, stats
         self.stream = stream
 
 
@@ -228,10 +229,11 @@ class Refresher:
     Synchronous use: ``stats = refresher.refresh()``. The model runs in eval mode (no dropout:
     the paper's stored centres have none) under ``torch.no_grad()``; every module's previous
     train/eval flag is restored afterwards, also on error. Embeddings go into a NEW (N, D)
-    tensor, the lists are built from it, and only then ``bank.update_(centres=, labels=,
-    neighbours=)`` swaps all three in at once: training never sees a half-written bank, and a
-    refresh that fails (loader error, rows never yielded, NaN embeddings) leaves the old bank
-    untouched.
+    tensor, the lists are built from it, and only then ``bank.update_(centres=,
+    centre_labels=, neighbours=)`` swaps all three in at once: training never sees a
+    half-written bank, and a refresh that fails (loader error, rows never yielded, NaN
+    embeddings) leaves the old bank untouched. The loader's labels become the bank's
+    ``centre_labels``.
 
     Asynchronous use: ``refresher.refresh_async()`` then, from the training loop,
     ``stats = refresher.poll()`` (None until ready; swaps and returns the stats when done) or
@@ -319,8 +321,9 @@ class Refresher:
         sig = self._sigma(sigma)
         bank = self.bank
         old_lists = bank.neighbours if bank.has_neighbours else None
-        lists, stats = self._build_lists(bank.centres, bank.labels, 0.0, old_lists, sig, False)
-        bank.update_(neighbours=lists.indices)
+        lists, stats = self._build_lists(bank.centres, bank.centre_labels, 0.0, old_lists, sig,
+                                         False)
+        bank.update_(neighbours=lists.neighbours)
         return stats
 
     def refresh_async(self, sigma=None) -> None:
@@ -411,20 +414,20 @@ class Refresher:
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
-            centres, labels = self._embed(model, device, n, d)
+            centres, centre_labels = self._embed(model, device, n, d)
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
-            lists, stats = self._build_lists(centres, labels, embed_s, old_lists, sigma,
+            lists, stats = self._build_lists(centres, centre_labels, embed_s, old_lists, sigma,
                                              asynchronous)
-        return _Result(centres, labels, lists, stats, stream)
+        return _Result(centres, centre_labels, lists, stats, stream)
 
-    def _build_lists(self, centres: Tensor, labels: Tensor, embed_s: float,
+    def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float,
                      old_lists: Optional[Tensor], sigma, asynchronous: bool):
         """The (N, k) lists of ``centres`` with this refresher's k / search backend /
         ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
-        lists = search(centres, labels, self.k, search_backend=self.search_backend,
+        lists = search(centres, centre_labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
         return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
 
@@ -432,7 +435,7 @@ class Refresher:
         bank = self.bank
         dev, dtype = bank.centres.device, bank.centres.dtype
         centres = torch.empty(n, d, dtype=dtype, device=dev)
-        labels = torch.empty(n, dtype=torch.long, device=dev)
+        centre_labels = torch.empty(n, dtype=torch.long, device=dev)
         written = torch.zeros(n, dtype=torch.bool, device=dev)
         out_of_range = torch.zeros((), dtype=torch.bool, device=dev)
         modes = [(m, m.training) for m in model.modules()]
@@ -461,7 +464,7 @@ class Refresher:
                                          f"({idx.shape[0]}, {d}) for this batch and bank")
                     idx = idx.to(dev)
                     centres[idx] = emb.detach().to(dev, dtype)
-                    labels[idx] = y.to(dev).long()
+                    centre_labels[idx] = y.to(dev).long()
                     written[idx] = True
         finally:
             for m, was_training in modes:
@@ -469,7 +472,7 @@ class Refresher:
         if bool(out_of_range):
             raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}")
         if _dist.is_distributed():  # this rank's share only: exchange rows, check collectively
-            return exchange.gather_bank_rows(centres, labels, written)
+            return exchange.gather_bank_rows(centres, centre_labels, written)
         missing = n - int(written.sum())
         if missing:
             first = (~written).nonzero()[:5].flatten().tolist()
@@ -478,7 +481,7 @@ class Refresher:
         if not bool(torch.isfinite(centres).all()):
             bad = int((~torch.isfinite(centres)).any(1).sum())
             raise ValueError(f"the model produced NaN/inf embeddings for {bad} rows")
-        return centres, labels
+        return centres, centre_labels
 
     def _progress(self, loader):
         if not self.progress or not _dist.is_main_process():
@@ -496,10 +499,10 @@ class Refresher:
             main = torch.cuda.current_stream(result.centres.device)
             main.wait_stream(result.stream)
             # Made on the side stream, used and freed on this one: tell the caching allocator.
-            for t in (result.centres, result.labels, result.lists.indices):
+            for t in (result.centres, result.centre_labels, result.lists.neighbours):
                 t.record_stream(main)
-        bank.update_(centres=result.centres, labels=result.labels,
-                     neighbours=result.lists.indices)
+        bank.update_(centres=result.centres, centre_labels=result.centre_labels,
+                     neighbours=result.lists.neighbours)
         self.last_stats = result.stats
         return result.stats
 

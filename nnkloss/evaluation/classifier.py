@@ -77,7 +77,7 @@ class NeighbourKernelClassifier(nn.Module):
 
     Methods take emb (B, D) float (tensor or numpy array; moved to the bank's device) and run
     without autograd. Probabilities are fp32 (fp64 for fp64 emb); C = ``bank.num_classes``
-    (max label + 1); labels absent from the bank get probability 0.
+    (max centre label + 1); labels absent from the bank get probability 0.
     """
 
     def __init__(self, bank: CentreBank, k: int, sigma: float, search_backend: str = "auto",
@@ -105,7 +105,7 @@ class NeighbourKernelClassifier(nn.Module):
 
         ``neighbours``: optional (B, K) int64 bank rows of each query's nearest centres,
         nearest first, K >= min(k, bank.num_centres), from a search already made (e.g.
-        ``nnkloss.knn(emb, bank.centres, k)``): the classifier then does not search again and
+        ``nnkloss.knn(emb, bank.centres, k).neighbours``): the classifier then does not search again and
         uses the first k columns. Centres of weight 0 among them contribute nothing. Only for
         ``rule="nngk"`` (CCKNN searches each class separately).
         """
@@ -170,23 +170,24 @@ class NeighbourKernelClassifier(nn.Module):
         return neighbours
 
     def _usable(self):
-        """(centres, labels, log_weights) of the centres with weight > 0."""
+        """(centres, centre_labels, log_weights) of the centres with weight > 0."""
         bank = self.bank
         log_w = bank.log_weights.detach()
         keep = torch.isfinite(log_w)  # log(0) = -inf: a removed centre
         if bool(keep.all()):
-            return bank.centres, bank.labels, log_w
+            return bank.centres, bank.centre_labels, log_w
         if not bool(keep.any()):
             raise RuntimeError("every centre of the bank has weight 0: nothing to classify with")
-        return bank.centres[keep], bank.labels[keep], log_w[keep]
+        return bank.centres[keep], bank.centre_labels[keep], log_w[keep]
 
     def _log_scores_nngk(self, x: Tensor, cdt, neighbours: Optional[Tensor] = None) -> Tensor:
         """(B, C) log of the unnormalised Eq. 3 class sums (``neighbours``: checked bank rows)."""
         if neighbours is None:
-            centres, labels, log_w = self._usable()
+            centres, centre_labels, log_w = self._usable()
         else:
             bank = self.bank
-            centres, labels, log_w = bank.centres, bank.labels, bank.log_weights.detach()
+            centres, centre_labels, log_w = (bank.centres, bank.centre_labels,
+                                             bank.log_weights.detach())
         num_classes = self.bank.num_classes
         k = min(self.k, centres.shape[0])
         inv = 0.5 / (self.sigma * self.sigma)
@@ -194,7 +195,7 @@ class NeighbourKernelClassifier(nn.Module):
         for lo in range(0, x.shape[0], self.batch_size):
             xb = x[lo:lo + self.batch_size]
             if neighbours is None:
-                _, idx = knn(xb, centres, k, search_backend=self.search_backend)
+                idx = knn(xb, centres, k, search_backend=self.search_backend).neighbours
             else:
                 idx = neighbours[lo:lo + self.batch_size]
             # Distances relative to the nearest centre: the shift cancels in the ratio.
@@ -202,7 +203,7 @@ class NeighbourKernelClassifier(nn.Module):
             logits = log_w[idx].to(cdt) - rel * inv
             m = logits.max(dim=1, keepdim=True).values  # finite: every weight here is > 0
             sums = torch.zeros(xb.shape[0], num_classes, dtype=cdt, device=x.device)
-            sums.scatter_add_(1, labels[idx], torch.exp(logits - m))
+            sums.scatter_add_(1, centre_labels[idx], torch.exp(logits - m))
             out[lo:lo + self.batch_size] = torch.log(sums) + m  # log 0 = -inf for absent classes
         return out
 
@@ -216,18 +217,19 @@ class NeighbourKernelClassifier(nn.Module):
         Eq. 10 exactly) and its argmax is Eq. 14. A class with n_C < k centres uses the mean
         over all n_C of them, which equals ``sum / k`` whenever n_C >= k.
         """
-        centres, labels, _ = self._usable()
+        centres, centre_labels, _ = self._usable()
         num_classes = self.bank.num_classes
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
-        classes, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+        classes, inverse, counts = torch.unique(centre_labels, return_inverse=True,
+                                                return_counts=True)
         order = torch.argsort(inverse, stable=True)  # centre rows grouped by class
         starts = (torch.cumsum(counts, 0) - counts).tolist()
         # One reference centre per query (its nearest), shared by all classes: scores are mean
         # distances minus the reference distance, which cancels in the softmax and keeps far
         # queries precise (see _sq_dist_minus_ref).
         ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1,
-                             search_backend=self.search_backend)[1]
+                             search_backend=self.search_backend).neighbours
                          for lo in range(0, x.shape[0], self.batch_size)])[:, 0]
         for c, s, n in zip(classes.tolist(), starts, counts.tolist()):
             members = order[s:s + n]
@@ -235,7 +237,7 @@ class NeighbourKernelClassifier(nn.Module):
             kc = min(self.k, n)
             for lo in range(0, x.shape[0], self.batch_size):
                 xb = x[lo:lo + self.batch_size]
-                _, idx = knn(xb, base, kc, search_backend=self.search_backend)
+                idx = knn(xb, base, kc, search_backend=self.search_backend).neighbours
                 rel = _sq_dist_minus_ref(xb, centres, members[idx], ref[lo:lo + self.batch_size],
                                          cdt)
                 out[lo:lo + self.batch_size, c] = -rel.mean(dim=1) * inv

@@ -6,11 +6,13 @@ payload is read with ``torch.load(weights_only=True)``): no code runs from it, a
 is an error naming it. Everything in it is what the weights-only unpickler reads: tensors,
 numbers, strings, None, lists / tuples / dicts of them. The RNG states are stored in that form
 (:func:`rng_state`). The ``data`` record (:func:`data_fingerprint`) describes the training set
-the run was started on (its bank's N, embedding size and a sha256 of its labels); a resume on
-other data is refused, naming what differs.
+the run was started on (its bank's N, embedding size and a sha256 of its centre labels); a
+resume on other data is refused, naming what differs.
 
 Format 1 (nnkloss before issue 18) pickled the RNG states and was read with
-``weights_only=False``; such files are refused, not read.
+``weights_only=False``; such files are refused, not read. Format 2 (before issue 19) named the
+bank's centre labels ``labels`` (in the criterion's state dict and the data record); such files
+are refused too, with an error that says so: start the run again.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..checksum import UncheckedFileError, load_checked, save_checked
 __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
            "check_data"]
 
-FORMAT = "nnkloss.trainer/2"
+FORMAT = "nnkloss.trainer/3"
 
 
 # ---------------------------------------------------------------------------- RNG states
@@ -69,22 +71,23 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- the data
 def data_fingerprint(criterion: nn.Module) -> Dict[str, Any]:
     """What a resumed run must share with the run that wrote the checkpoint: for a loss over a
-    bank, its number of rows (training examples), its embedding size and a sha256 of its labels
-    (in row order, as the bank was given to the Trainer); {} for other criteria, whose size
-    checks are those of ``load_state_dict``."""
+    bank, its number of rows (training examples), its embedding size and a sha256 of its
+    centre labels (in row order, as the bank was given to the Trainer); {} for other criteria,
+    whose size checks are those of ``load_state_dict``."""
     bank = getattr(criterion, "bank", None)
     if not isinstance(bank, CentreBank):
         return {}
-    labels = bank.labels.detach().to("cpu", torch.int64).contiguous()
+    centre_labels = bank.centre_labels.detach().to("cpu", torch.int64).contiguous()
     return {"num_centres": int(bank.num_centres), "embedding_dim": int(bank.dim),
-            "labels_sha256": hashlib.sha256(labels.numpy().tobytes()).hexdigest()}
+            "centre_labels_sha256":
+                hashlib.sha256(centre_labels.numpy().tobytes()).hexdigest()}
 
 
 def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -> None:
     """ValueError naming every difference between the checkpoint's ``data`` record and this
     run's (:func:`data_fingerprint`); nothing is loaded from a checkpoint that fails."""
     if not isinstance(saved, dict):
-        raise ValueError(f"{where} has no data record (N, labels, embedding size)")
+        raise ValueError(f"{where} has no data record (N, centre labels, embedding size)")
     problems = []
     if saved.get("num_centres") != current.get("num_centres"):
         problems.append(f"N (training examples, bank rows): {saved.get('num_centres')} in the "
@@ -92,9 +95,9 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
     if saved.get("embedding_dim") != current.get("embedding_dim"):
         problems.append(f"embedding size: {saved.get('embedding_dim')} in the checkpoint, "
                         f"{current.get('embedding_dim')} now")
-    if saved.get("labels_sha256") != current.get("labels_sha256"):
-        problems.append("labels: the training labels (in bank-row order) differ from those the "
-                        "checkpoint was trained on")
+    if saved.get("centre_labels_sha256") != current.get("centre_labels_sha256"):
+        problems.append("centre_labels: the training labels (the bank's centre labels, in "
+                        "row order) differ from those the checkpoint was trained on")
     if problems:
         raise ValueError(f"{where} does not belong to this training data: "
                          + "; ".join(problems))
@@ -120,6 +123,10 @@ def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
         raise ValueError(f"{exc}. Trainer checkpoints of format 1 (before checksums) pickled "
                          "Python objects and cannot be read safely: start the run again"
                          ) from None
+    if isinstance(state, dict) and state.get("format") == "nnkloss.trainer/2":
+        raise ValueError(f"checkpoint {path!r} is a Trainer checkpoint of format "
+                         f"'nnkloss.trainer/2', which named the bank's centre labels 'labels'; "
+                         f"this nnkloss reads format {FORMAT!r} only: start the run again")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"checkpoint {path!r} is not a Trainer checkpoint of format "

@@ -535,7 +535,7 @@ DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": L
 
 
 def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
-    """(N,) int64 tensor of a dataset's labels (the CentreBank's ``labels``)."""
+    """(N,) int64 tensor of a dataset's labels (the CentreBank's ``centre_labels``)."""
     return torch.from_numpy(ds.labels.copy())
 
 

@@ -2,7 +2,7 @@
 
 * :func:`extract_embeddings`: embed a whole dataset (eval mode, no dropout), rows ordered by idx.
 * :func:`retrieval_metrics`: the metric-learning numbers of the papers' Tables 1-2
-  (Recall@1/2/4/8 and NMI) on embeddings of held-out classes.
+  (Recall@1/2/4/8 and NMI), plus MAP@R and R-precision, on embeddings of held-out classes.
 * :func:`kernel_accuracy` / :func:`softmax_accuracy`: classification accuracy with the
   nearest-neighbour Gaussian kernel classifier (Eq. 3 over a bank of training embeddings) or a
   softmax head.
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ..bank.centre_bank import CentreBank
 from ..evaluation.classifier import NeighbourKernelClassifier
 from ..losses.neighbour_kernel import NeighbourKernelLoss
-from ..evaluation.metrics import accuracy, nmi, recall_at_k
+from ..evaluation.metrics import accuracy, evaluate, nmi
 
 __all__ = ["extract_embeddings", "retrieval_metrics", "kernel_accuracy", "softmax_accuracy",
            "classification_metrics", "RECALL_KS"]
@@ -72,11 +72,17 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
 
 def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend: str = "auto",
                       seed: int = 0) -> Dict[str, float]:
-    """``{"recall@1": .., "recall@2": .., "recall@4": .., "recall@8": .., "nmi": ..}`` (all in
-    [0, 1]) of embeddings emb (N, D) with labels (N,), as in the papers' Tables 1-2.
+    """``{"recall@1": .., "recall@2": .., "recall@4": .., "recall@8": .., "map@r": ..,
+    "r_precision": .., "nmi": ..}`` (all in [0, 1]) of embeddings emb (N, D) with labels (N,):
+    the papers' Tables 1-2 (Recall@K, NMI) and MAP@R / R-precision (Musgrave et al. 2020).
+
+    Recall@K, MAP@R and R-precision come from one exact search
+    (:func:`nnkloss.evaluation.metrics.evaluate`, ``search_backend`` as there); NMI from
+    k-means (:func:`nnkloss.evaluation.metrics.nmi`, seeded with ``seed``).
 
     An evaluation set too small for some K (Recall@K needs K <= N - 1) never loses a finished
-    run: those entries are None, with a warning naming the Ks skipped (NMI is None below 2 items).
+    run: those entries are None, with a warning naming the Ks skipped; MAP@R and R-precision
+    are None, with a warning, when no class has two members; NMI is None below 2 items.
     """
     n = len(labels)
     usable = [k for k in ks if k <= n - 1]
@@ -84,8 +90,16 @@ def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend
     if skipped:
         warnings.warn(f"the evaluation set has {n} items: Recall@K for K = {skipped} skipped "
                       f"(K must be <= N - 1); reported as None", stacklevel=2)
-    rec = recall_at_k(emb, labels, usable, search_backend=search_backend) if usable else {}
-    out = {f"recall@{k}": (float(rec[k]) if k in rec else None) for k in ks}
+    counts = torch.unique(torch.as_tensor(labels), return_counts=True)[1] if n else None
+    with_map = n >= 2 and int(counts.max()) >= 2
+    if n >= 2 and not with_map:
+        warnings.warn("no class of the evaluation set has two members: MAP@R and R-precision "
+                      "are undefined; reported as None", stacklevel=2)
+    res = (evaluate(emb, labels, usable, map_at_r=with_map, search_backend=search_backend)
+           if usable or with_map else {})
+    out = {f"recall@{k}": res.get(f"recall@{k}") for k in ks}
+    out["map@r"] = res.get("map@r")
+    out["r_precision"] = res.get("r_precision")
     out["nmi"] = float(nmi(emb, labels, seed=seed)) if n >= 2 else None
     return out
 

@@ -43,7 +43,7 @@ def start_run(device_name: Optional[str], out_dir: str) -> torch.device:
     ``torch.distributed`` job when run under torchrun (one process per GPU, "cuda" is then this
     rank's GPU; gloo for CPU runs), and create the output directory."""
     device = resolve_device(device_name)
-    nkd.init_from_env(backend="gloo" if device.type == "cpu" else None)
+    nkd.init_from_env(dist_backend="gloo" if device.type == "cpu" else None)
     os.makedirs(out_dir, exist_ok=True)
     return device
 

@@ -15,13 +15,13 @@ Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
 
 * ``log.csv`` and ``log.json``: one row per epoch (loss, learning rate, sigma, timings,
   refresh statistics, and whatever ``eval_fn`` returns);
-* ``checkpoint.pt``: model, criterion (with the bank: centres, labels, neighbour lists,
+* ``checkpoint.pt``: model, criterion (with the bank: centres, centre_labels, neighbour lists,
   weights, sigma), optimiser, AMP scaler, epoch, step, RNG states, the log so far and a record
   of the training data; checksummed and read weights-only (:mod:`nnkloss.experiment.checkpoint`).
 
 ``fit(..., resume=True)`` continues from ``checkpoint.pt``: same parameters, same bank, same
 optimiser state, the log continued where the checkpoint left it. A checkpoint of other data
-(another N, other labels, another embedding size) is refused, naming what differs. Every epoch
+(another N, other centre labels, another embedding size) is refused, naming what differs. Every epoch
 reseeds the RNGs from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same
 whether or not the run was interrupted before it (leave the DataLoader's ``generator`` unset
 for this: it then draws from torch's global RNG).
@@ -299,7 +299,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: Dict[str, Any], where: str = "checkpoint") -> None:
-        """Restore :meth:`state_dict`. The data record is checked first (N, labels, embedding
+        """Restore :meth:`state_dict`. The data record is checked first (N, centre labels, embedding
         size; ValueError naming what differs), then the criterion (its bank validated as
         ``CentreBank.update_`` validates), the model and the optimiser."""
         if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
@@ -433,7 +433,7 @@ class Trainer:
         mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
         if mismatched_sum:
             raise ValueError(
-                f"epoch {epoch}: labels disagreed with the bank's labels at idx in "
+                f"epoch {epoch}: labels disagreed with the bank's centre_labels at idx in "
                 f"{mismatched_sum} training rows (dropped from the loss; no checkpoint written "
                 "for this epoch): idx must give each example's own bank row")
         # The log shows the whole job: global_mean's per-rank values average to the global loss.

@@ -17,7 +17,7 @@ float with :meth:`kernel_sigma` (logs, refresh statistics: one host read) and as
 with :meth:`sigma_tensor` (the maths: differentiable, no host read).
 
 Misaligned batches: ``idx`` must give each example's own bank row, so ``labels`` must equal
-``bank.labels[idx]``. With value checks on (``nnkloss.value_checks``, the default) a
+``bank.centre_labels[idx]``. With value checks on (``nnkloss.value_checks``, the default) a
 disagreement raises, naming ``idx`` and ``labels`` (one host sync on GPU). With them off (hot
 loops) or under ``torch.compile``, such rows are **dropped**: zero loss, zero gradient, left out
 of the mean, and counted in ``last_stats.num_mismatched`` without a sync. Dropped rather than
@@ -44,8 +44,8 @@ __all__ = ["BankLoss", "BankLossStats"]
 class BankLossStats(LossOutput):
     """The :class:`LossOutput` of a bank loss's last call (still the 3-tuple ``(loss, per_row,
     counted)``), plus ``num_mismatched``: the number of rows whose ``labels`` disagreed with
-    ``bank.labels[idx]`` and were dropped (0-dim int64 tensor on emb's device; reading it syncs
-    on GPU)."""
+    ``bank.centre_labels[idx]`` and were dropped (0-dim int64 tensor on emb's device; reading it
+    syncs on GPU)."""
 
     def __new__(cls, loss: Tensor, per_row: Tensor, counted: Tensor,
                 num_mismatched: Optional[Tensor] = None):
@@ -63,8 +63,9 @@ class BankLoss(nn.Module, abc.ABC):
         exclude_self: drop each example's own centre from its list (the papers' rule).
 
     ``forward(emb, labels, idx)``: emb (B, D) float, labels (B,) int, idx (B,) int bank rows of
-    the batch examples; ``labels`` must equal ``bank.labels[idx]`` (checked with value checks
-    on; otherwise disagreeing rows are dropped and counted in ``last_stats.num_mismatched``).
+    the batch examples; ``labels`` must equal ``bank.centre_labels[idx]`` (checked with value
+    checks on; otherwise disagreeing rows are dropped and counted in
+    ``last_stats.num_mismatched``).
     Subclasses implement :meth:`rows`.
     """
 
@@ -133,15 +134,15 @@ class BankLoss(nn.Module, abc.ABC):
         """(B,) bool on labels' device: rows whose label is not their bank row's. Raises with
         value checks on (one host sync on GPU; idx is in range: neighbours_for checked it on the
         CPU, and a CUDA gather with a bad index fails by itself)."""
-        bank_labels = self.bank.labels
+        bank_labels = self.bank.centre_labels
         own = bank_labels[idx.to(bank_labels.device)].to(labels.device)
         mismatched = own != labels
         if value_checks_enabled() and not compiling() and bool(mismatched.any()):
             rows = mismatched.nonzero().flatten()
             i = int(rows[0])
             raise ValueError(
-                f"labels disagree with the bank's labels at idx in {rows.numel()} of "
-                f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose bank label "
+                f"labels disagree with the bank's centre_labels at idx in {rows.numel()} of "
+                f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose centre label "
                 f"is {int(own[i])}, but labels[{i}] = {int(labels[i])}): idx must give each "
                 "example's own bank row (a loader whose idx is misaligned trains on the wrong "
                 "centres)")
@@ -149,8 +150,8 @@ class BankLoss(nn.Module, abc.ABC):
 
     @property
     def last_num_mismatched(self) -> Optional[Tensor]:
-        """Rows dropped in the last call because their labels disagreed with the bank's (0-dim
-        tensor, no sync), None before the first call."""
+        """Rows dropped in the last call because their labels disagreed with the bank's centre
+        labels (0-dim tensor, no sync), None before the first call."""
         return None if self.last_stats is None else self.last_stats.num_mismatched
 
     @property

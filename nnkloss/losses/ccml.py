@@ -120,8 +120,9 @@ class _MeanSqDist(torch.autograd.Function):
 def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours, k: int = 5,
                                 sigma=math.sqrt(0.5), weights: Optional[Tensor] = None,
                                 objective: str = "accuracy") -> Tuple[Tensor, Tensor]:
-    """Per-row CCML loss and validity: ``(loss (B,), valid (B,) bool)``; see
-    :func:`class_conditional_loss` for the arguments. Invalid rows have loss 0."""
+    """Per-row CCML loss and the rows counted in the mean: ``(loss (B,), counted (B,) bool)``
+    (a row is counted when it has a same-class and an other-class entry); see
+    :func:`class_conditional_loss` for the arguments. Rows not counted have loss 0."""
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, "none", "torch")
     k = require_positive_int("k", k)
     if objective not in OBJECTIVES:
@@ -129,15 +130,15 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
     sigma_t = check_sigma(sigma, emb.device)
     check_values(emb, centres, neighbours, weights, sigma_t)
     pos, neg = _select(emb, labels, centres, centre_labels, neighbours, weights, k)
-    valid = (pos[:, 0] >= 0) & (neg[:, 0] >= 0)
+    counted = (pos[:, 0] >= 0) & (neg[:, 0] >= 0)
     m_pos = _MeanSqDist.apply(emb, centres, pos)
     m_neg = _MeanSqDist.apply(emb, centres, neg)
     cdt = m_pos.dtype
     s = 0.5 / sigma_t.to(cdt) ** 2
     z = s * (m_pos - m_neg)  # -log p = softplus(z), 1 - p = sigmoid(z)
     rows = torch.sigmoid(z) if objective == "accuracy" else nn.functional.softplus(z)
-    # where() gives invalid rows an exact zero gradient too.
-    return torch.where(valid, rows, torch.zeros((), dtype=cdt, device=rows.device)), valid
+    # where() gives rows not counted an exact zero gradient too.
+    return torch.where(counted, rows, torch.zeros((), dtype=cdt, device=rows.device)), counted
 
 
 def class_conditional_loss(emb, labels, centres, centre_labels, neighbours, k: int = 5,
@@ -165,9 +166,9 @@ def class_conditional_loss(emb, labels, centres, centre_labels, neighbours, k: i
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    rows, valid = class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
-                                              k, sigma, weights, objective)
-    return reduce_rows(rows, valid, reduction)
+    rows, counted = class_conditional_loss_rows(emb, labels, centres, centre_labels,
+                                                neighbours, k, sigma, weights, objective)
+    return reduce_rows(rows, counted, reduction)
 
 
 class ClassConditionalLoss(BankLoss):
@@ -198,7 +199,7 @@ class ClassConditionalLoss(BankLoss):
         self.objective = objective
 
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
-        return class_conditional_loss_rows(emb, labels, self.bank.centres, self.bank.labels,
+        return class_conditional_loss_rows(emb, labels, self.bank.centres, self.bank.centre_labels,
                                            neighbours, self.k, self.sigma_tensor(),
                                            self.bank.weights_for_loss(), self.objective)
 

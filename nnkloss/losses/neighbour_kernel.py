@@ -32,8 +32,8 @@ class NeighbourKernelLoss(BankLoss):
     losses, which rows are counted, ``num_nonfinite``); ``last_num_counted`` is the count of
     counted rows as a 0-dim tensor. A NaN/inf embedding (or a distance beyond fp32) makes its
     row's loss NaN and so the mean NaN: a diverging run shows. ``labels`` must equal
-    ``bank.labels[idx]`` (see :class:`BankLoss`): checked with value checks on (one host sync
-    for CUDA tensors); with ``nnkloss.value_checks(False)`` no host synchronisation happens in
+    ``bank.centre_labels[idx]`` (see :class:`BankLoss`): checked with value checks on (one host
+    sync for CUDA tensors); with ``nnkloss.value_checks(False)`` no host synchronisation happens in
     ``forward`` and disagreeing rows are dropped and counted.
     """
 
@@ -48,12 +48,12 @@ class NeighbourKernelLoss(BankLoss):
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
         bank = self.bank
         weights = bank.weights_for_loss()
-        check_inputs(emb, labels, bank.centres, bank.labels, neighbours, weights,
+        check_inputs(emb, labels, bank.centres, bank.centre_labels, neighbours, weights,
                      self.reduction, self.backend)
         # Bank contents were validated when written and sigma is exp(.) > 0, so no value
         # checks (and no host sync) here.
-        return loss_rows_unchecked(emb, labels, bank.centres, bank.labels, neighbours, weights,
-                                   self.sigma_tensor().reshape(()), self.backend)
+        return loss_rows_unchecked(emb, labels, bank.centres, bank.centre_labels, neighbours,
+                                   weights, self.sigma_tensor().reshape(()), self.backend)
 
     def extra_repr(self) -> str:
         return (f"sigma={self.kernel_sigma():.4g}, learn_sigma={self.log_sigma.requires_grad}, "

@@ -177,21 +177,21 @@ class LossOutput(NamedTuple):
         return self.nonfinite.sum()
 
 
-def reduce_rows(per_row: Tensor, valid: Tensor, reduction: str) -> Tensor:
-    """The losses' reduction: "none" (per_row), "sum", or "mean" over the ``valid`` rows
-    (0 when none is valid). Shared by every loss of the package."""
+def reduce_rows(per_row: Tensor, counted: Tensor, reduction: str) -> Tensor:
+    """The losses' reduction: "none" (per_row), "sum", or "mean" over the ``counted`` rows
+    (0 when none is counted). Shared by every loss of the package."""
     if reduction == "none":
         return per_row
     total = per_row.sum()
     if reduction == "sum":
         return total
-    return total / valid.sum().clamp_min(1).to(total.dtype)
+    return total / counted.sum().clamp_min(1).to(total.dtype)
 
 
 def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights,
                         sigma: Tensor, backend: str = "auto") -> Tuple[Tensor, Tensor]:
-    """The op without validation: ``(per_row (B,), valid (B,) bool)``. ``sigma`` must already
-    be a 0-dim tensor on emb's device. Counted (``valid``) rows are those with a same-class
+    """The op without validation: ``(per_row (B,), counted (B,) bool)``. ``sigma`` must
+    already be a 0-dim tensor on emb's device. Counted rows are those with a same-class
     neighbour, and non-finite rows (lse_pos NaN), whose NaN must reach the mean."""
     backend = resolve_backend(backend, emb.device)
     grad_mode = torch.is_grad_enabled()  # False under no_grad and inference_mode
@@ -216,9 +216,9 @@ def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighb
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend)
     sigma_t = check_sigma(sigma, emb.device)
     check_values(emb, centres, neighbours, weights, sigma_t)
-    per_row, valid = loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours,
-                                         weights, sigma_t, backend)
-    return LossOutput(reduce_rows(per_row, valid, reduction), per_row, valid)
+    per_row, counted = loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours,
+                                           weights, sigma_t, backend)
+    return LossOutput(reduce_rows(per_row, counted, reduction), per_row, counted)
 
 
 def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weights=None,

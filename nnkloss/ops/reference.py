@@ -84,15 +84,16 @@ def _gather_source(t: Optional[Tensor], fill) -> Optional[Tensor]:
     return torch.full((1,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
 
 
-def row_terms(nbr: Tensor, u: Tensor, labels: Tensor, centre_labels: Tensor,
+def row_terms(neighbours: Tensor, u: Tensor, labels: Tensor, centre_labels: Tensor,
               weights: Optional[Tensor]) -> RowTerms:
-    """Masks, logits and exact softmaxes of rows with lists ``nbr`` and scaled distances ``u``.
+    """Masks, logits and exact softmaxes of rows with lists ``neighbours`` and scaled distances
+    ``u``.
 
     Used by the forward and, from the saved distances, by the backward: both see the same
     probabilities.
     """
-    nonpad = nbr >= 0
-    safe = nbr.clamp_min(0).long()
+    nonpad = neighbours >= 0
+    safe = neighbours.clamp_min(0).long()
     logits = u * -0.5
     bad = (nonpad & ~torch.isfinite(u)).any(dim=1)
     valid = nonpad

@@ -10,18 +10,21 @@ One job per module:
 * :mod:`.lists`: :func:`neighbour_lists` (self excluded, optional positive per row);
 * :mod:`.recall`: :func:`recall_against_exact` for approximate indexes.
 
-All results are squared L2 distances in ascending order (fp32), equal distances ordered by
-index, and int64 base-row indices.
+All results are ``(distances, neighbours)``, in that order (as ``torch.topk`` and faiss return
+them): squared L2 distances in ascending order (fp32), equal distances ordered by index, and
+int64 base-row indices (:class:`SearchResult`, :class:`SearchBlock`, the first two fields of
+:class:`NeighbourLists`).
 """
 from .exclusion import drop_self
 from .faiss_search import faiss_available, faiss_gpu_usable
-from .knn import iter_knn, knn, resolve_search_backend
+from .knn import SearchBlock, SearchResult, iter_knn, knn, resolve_search_backend
 from .lists import (NeighbourLists, has_same_label, neighbour_lists, patch_positives,
                     synchronize)
 from .recall import recall_against_exact
 from .validation import APPROXIMATE, SEARCH_BACKENDS
 
-__all__ = ["knn", "iter_knn", "recall_against_exact", "neighbour_lists", "NeighbourLists",
+__all__ = ["knn", "iter_knn", "SearchResult", "SearchBlock", "recall_against_exact",
+           "neighbour_lists", "NeighbourLists",
            "faiss_available", "faiss_gpu_usable", "SEARCH_BACKENDS", "APPROXIMATE",
            "resolve_search_backend", "drop_self", "patch_positives", "has_same_label",
            "synchronize"]

@@ -16,17 +16,19 @@ from torch import Tensor
 __all__ = ["drop_self"]
 
 
-def drop_self(dist: Tensor, ids: Tensor, self_ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """(Q, k) distances and indices without each row's own index.
+def drop_self(distances: Tensor, neighbours: Tensor, self_ids: Tensor, k: int
+              ) -> Tuple[Tensor, Tensor]:
+    """``(distances, neighbours)``, both (Q, k), without each row's own index.
 
     Args:
-        dist, ids: (Q, k + 1) results of a search whose queries are base rows, in ascending
-            order (any dtype; padding -1 / inf, if any, at the end).
+        distances, neighbours: (Q, k + 1) results of a search whose queries are base rows, in
+            ascending order (any dtype; padding -1 / inf, if any, at the end).
         self_ids: (Q,) int64, the base row of each query.
         k: the list length to return (``ids.shape[1] - 1``, or fewer columns).
 
     The order of the remaining entries is kept (no re-sort): O(Q k) work.
     """
+    dist, ids = distances, neighbours
     q, width = ids.shape
     if width == 0 or q == 0:
         return dist[:, :k], ids[:, :k]

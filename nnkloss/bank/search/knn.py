@@ -2,7 +2,7 @@
 (the same result block by block, for callers that reduce it as it comes, like the metrics)."""
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -13,7 +13,24 @@ from .faiss_search import (build_approximate, build_flat, iter_search_index, req
 from .torch_search import iter_knn_torch
 from .validation import APPROXIMATE, check_search_backend, validate
 
-__all__ = ["knn", "iter_knn", "resolve_search_backend"]
+__all__ = ["knn", "iter_knn", "resolve_search_backend", "SearchResult", "SearchBlock"]
+
+
+class SearchResult(NamedTuple):
+    """What :func:`knn` returns: ``(distances, neighbours)``, both (Q, k), nearest first.
+
+    distances: fp32 squared L2 distances, ascending (inf for a missing neighbour).
+    neighbours: int64 rows of the base (-1 for a missing neighbour, approximate search only).
+    """
+    distances: Tensor
+    neighbours: Tensor
+
+
+class SearchBlock(NamedTuple):
+    """One block of :func:`iter_knn`: the results of query rows ``row0 .. row0 + rows - 1``."""
+    row0: int
+    distances: Tensor
+    neighbours: Tensor
 
 
 def resolve_search_backend(search_backend: str, device: torch.device) -> str:
@@ -29,9 +46,10 @@ def resolve_search_backend(search_backend: str, device: torch.device) -> str:
 
 def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
              exclude_self: bool = False, *, tile_bytes: Optional[int] = None
-             ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Exact search, yielded as ``(row0, distances (rows, k), indices (rows, k))`` for
-    consecutive blocks of query rows; arguments and results as in :func:`knn` (exact only).
+             ) -> Iterator[SearchBlock]:
+    """Exact search, yielded as :class:`SearchBlock` ``(row0, distances (rows, k), neighbours
+    (rows, k))`` for consecutive blocks of query rows; arguments and results as in :func:`knn`
+    (exact only).
     Memory: one block's working set (the tile budget), never the whole (Q, k) result."""
     k = validate(queries, base, k, exclude_self)
     yield from _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
@@ -39,7 +57,7 @@ def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto"
 
 def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
                   exclude_self: bool, tile_bytes: Optional[int]
-                  ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+                  ) -> Iterator[SearchBlock]:
     used = resolve_search_backend(search_backend, queries.device)
     kk = k + int(exclude_self)  # the own row is searched for, then dropped
     if queries.shape[0] == 0:
@@ -52,7 +70,7 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
         if exclude_self:
             own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)
             dist, idx = drop_self(dist, idx, own, k)
-        yield q0, dist, idx
+        yield SearchBlock(q0, dist, idx)
 
 
 def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
@@ -60,7 +78,7 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         tile_bytes: Optional[int] = None, nlist: Optional[int] = None,
         nprobe: Optional[int] = None, hnsw_m: int = 32, ef_construction: int = 64,
         ef_search: Optional[int] = None, train_size: Optional[int] = None, seed: int = 0
-        ) -> Tuple[Tensor, Tensor]:
+        ) -> SearchResult:
     """The ``k`` nearest base rows of every query row, by squared Euclidean distance.
 
     Args:
@@ -86,10 +104,11 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         seed: seed of the IVF training sample and k-means.
 
     Returns:
-        ``(distances, indices)``, both (Q, k) on the queries' device: fp32 squared L2 distances
-        in ascending order, equal distances ordered by index (both exact backends), and int64
-        row indices into ``base``. Approximate search may find fewer than k neighbours for a
-        query; the missing slots are index -1 at distance inf. With the "torch" backend and
+        :class:`SearchResult` ``(distances, neighbours)`` (a NamedTuple, the order of
+        ``torch.topk`` and faiss), both (Q, k) on the queries' device: fp32 squared L2
+        distances in ascending order, equal distances ordered by index (both exact backends),
+        and int64 row indices into ``base``. Approximate search may find fewer than k
+        neighbours for a query; the missing slots are index -1 at distance inf. With the "torch" backend and
         CUDA inputs, matmuls follow PyTorch's TF32 setting (off by default); TF32 perturbs
         distances by ~1e-3 relative and may reorder near ties.
 
@@ -115,15 +134,15 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         require_faiss()
         dev = queries.device
         if queries.shape[0] == 0:
-            return (torch.empty(0, k, dtype=torch.float32, device=dev),
-                    torch.empty(0, k, dtype=torch.long, device=dev))
+            return SearchResult(torch.empty(0, k, dtype=torch.float32, device=dev),
+                                torch.empty(0, k, dtype=torch.long, device=dev))
         kk = min(k + int(exclude_self), base.shape[0])
         index = build_approximate(base, approximate, nlist, nprobe, hnsw_m, ef_construction,
                                   ef_search, k, train_size, seed)
         dist, idx = search_index(index, queries, kk)
         if exclude_self:
             dist, idx = drop_self(dist, idx, torch.arange(queries.shape[0], device=dev), k)
-        return dist, idx
+        return SearchResult(dist, idx)
     k = validate(queries, base, k, exclude_self)
     q = queries.shape[0]
     out_d = torch.empty(q, k, dtype=torch.float32, device=queries.device)
@@ -132,4 +151,4 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
                                        tile_bytes):
         out_d[q0:q0 + dist.shape[0]] = dist
         out_i[q0:q0 + idx.shape[0]] = idx
-    return out_d, out_i
+    return SearchResult(out_d, out_i)

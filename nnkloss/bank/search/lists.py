@@ -18,30 +18,33 @@ __all__ = ["NeighbourLists", "neighbour_lists", "patch_positives", "has_same_lab
 
 @dataclass
 class NeighbourLists:
-    """Neighbour lists of a set of centres, as built by :func:`neighbour_lists`.
+    """Neighbour lists of a set of centres, as built by :func:`neighbour_lists`; the first two
+    fields are :func:`~.knn.knn`'s ``(distances, neighbours)``, in that order.
 
-    indices: (N, k) int64 rows of the centres, own row excluded, nearest first (-1 = padding,
-        only from approximate search).
-    distances: (N, k) fp32 squared distances matching ``indices`` (inf for padding).
-    has_positive: (N,) bool, the list holds a centre with the row's own label.
+    distances: (N, k) fp32 squared distances matching ``neighbours`` (inf for padding).
+    neighbours: (N, k) int64 rows of the centres, own row excluded, nearest first (-1 =
+        padding, only from approximate search): what :meth:`CentreBank.update_` installs as
+        ``bank.neighbours``.
+    has_positive: (N,) bool, the list holds a centre with the row's own centre label.
     num_patched: rows whose last entry was replaced by their nearest same-label centre.
     seconds: wall time of the search (CUDA work synchronised before the clock is read).
     search_backend: the search that ran ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
     """
-    indices: Tensor
     distances: Tensor
+    neighbours: Tensor
     has_positive: Tensor
     num_patched: int
     seconds: float
     search_backend: str
 
 
-def has_same_label(indices: Tensor, labels: Tensor) -> Tensor:
-    """(N,) bool: row i's list ``indices[i]`` (-1 = padding) holds a row with label labels[i]
-    (``indices`` may be a slice of rows; then ``labels`` must be indexed by the caller)."""
-    valid = indices >= 0
-    nb_labels = labels[indices.clamp_min(0)]
-    return ((nb_labels == labels.unsqueeze(1)) & valid).any(dim=1)
+def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
+    """(N,) bool: row i's list ``neighbours[i]`` (-1 = padding) holds a row with centre label
+    ``centre_labels[i]`` (``neighbours`` may be a slice of rows; then ``centre_labels`` must be
+    indexed by the caller)."""
+    present = neighbours >= 0
+    nb_labels = centre_labels[neighbours.clamp_min(0)]
+    return ((nb_labels == centre_labels.unsqueeze(1)) & present).any(dim=1)
 
 
 def synchronize(device: torch.device) -> None:
@@ -50,12 +53,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
-                    ids: Tensor, has_pos: Tensor, search_backend: str, knn_options: dict) -> int:
+def patch_positives(centres: Tensor, centre_labels: Tensor, rows_offset: int,
+                    distances: Tensor, neighbours: Tensor, has_positive: Tensor,
+                    search_backend: str, knn_options: dict) -> int:
     """``ensure_positive`` of :func:`neighbour_lists`, in place, for the slice of query rows that
-    starts at bank row ``rows_offset`` (``dist_``, ``ids``, ``has_pos`` hold that slice): a row
-    without a same-label entry gets its nearest same-label centre (other than itself) in its
-    last slot, found among that class's members only. Returns the number of rows patched."""
+    starts at bank row ``rows_offset`` (``distances``, ``neighbours``, ``has_positive`` hold
+    that slice): a row without a same-label entry gets its nearest same-label centre (other
+    than itself) in its last slot, found among that class's members only. Returns the number
+    of rows patched."""
+    labels, dist_, ids, has_pos = centre_labels, distances, neighbours, has_positive
     approximate = knn_options.get("approximate")
     exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
     missing = (~has_pos).nonzero().flatten()
@@ -82,12 +88,12 @@ def patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Te
     return patched
 
 
-def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str = "auto",
+def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backend: str = "auto",
                     ensure_positive: bool = False, **knn_options) -> NeighbourLists:
     """The k nearest other centres of every centre (self excluded), optionally with a positive.
 
     Args:
-        centres: (N, D) float tensor; labels: (N,) int tensor on the same device.
+        centres: (N, D) float tensor; centre_labels: (N,) int tensor on the same device.
         k: list length, 1 <= k <= N - 1.
         search_backend, knn_options: as in :func:`knn` (``approximate=``, ``tile_bytes=``, ...).
         ensure_positive: a row whose k neighbours hold no centre of its own label gets its
@@ -96,8 +102,8 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str
             members only (never an N x N matrix). Without a positive the loss of that row is
             undefined (it has no same-class term), so this keeps every row trainable.
     """
-    require_labelled("centres", centres, "labels", labels)
-    labels = labels.to(centres.device).long()
+    require_labelled("centres", centres, "centre_labels", centre_labels)
+    labels = centre_labels.to(centres.device).long()
     approximate = knn_options.get("approximate")
     used = (f"faiss-{approximate}" if approximate is not None
             else resolve_search_backend(search_backend, centres.device))
@@ -110,4 +116,4 @@ def neighbour_lists(centres: Tensor, labels: Tensor, k: int, search_backend: str
         num_patched = patch_positives(centres, labels, 0, dist, idx, has_pos, search_backend,
                                       knn_options)
     synchronize(centres.device)
-    return NeighbourLists(idx, dist, has_pos, num_patched, time.perf_counter() - t0, used)
+    return NeighbourLists(dist, idx, has_pos, num_patched, time.perf_counter() - t0, used)

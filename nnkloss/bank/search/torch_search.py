@@ -46,6 +46,10 @@ MIN_SAMPLE_COLUMNS = 256
 # Fewest query rows worth one (rows, N) block; below this the base is tiled too.
 _MIN_BLOCK_ROWS = 16
 _INT64_MAX = torch.iinfo(torch.int64).max
+# Compiled CPU path: largest (query rows, base rows) distance tile. 512 x 2048 fp32 (4 MiB)
+# stays in the last-level cache between the GEMM that writes it and the selection that reads it.
+QUERY_TILE = 512
+BASE_TILE = 2048
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
@@ -176,6 +180,12 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         return
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
+    if dev.type == "cpu" and n < 2**31:
+        tq, tb, cap = cpu_tile_sizes(q, n, k, budget)
+        sel = _compiled_selection(tq, k, cap)
+        if sel is not None:
+            yield from _iter_knn_compiled(queries, base, k, width, tq, tb, sel)
+            return
     s = min(SAMPLE_COLUMNS, n // 4)
     sample_k = _sample_rank(k, s, n) if s > 0 else k
     # The sample pays off when it is a small part of the row and its rank a small part of it.
@@ -201,6 +211,47 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
             yield q0, dist, idx
         return
     yield from _iter_knn_tiled(queries, base, k, budget, width)
+
+
+def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
+    """(query rows, base rows, keys per row) of the compiled CPU path: tiles of at most
+    QUERY_TILE x BASE_TILE, shrunk (query rows first, then base rows) until the distance tile
+    and the selection state, ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, fit in ``budget``."""
+    cap = k + max(k, 64)
+    tq = max(1, min(q, QUERY_TILE))
+    tb = max(1, min(n, BASE_TILE))
+    while tq > 1 and tq * (tb * 4 + cap * 8 + k * 12) > budget:
+        tq = max(1, tq // 2)
+    while tb > 1 and tq * (tb * 4 + cap * 8 + k * 12) > budget:
+        tb = max(1, tb // 2)
+    return tq, tb, cap
+
+
+def _compiled_selection(rows: int, k: int, cap: int):
+    from ...ops import cpu  # the compiled library (built on first use) or None
+    return cpu.knn_selection(rows, k, cap)
+
+
+def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
+                       sel) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """CPU with the compiled library: (tq, tb) distance tiles, each folded into the per-row
+    selection in C++ (nnkloss/ops/cpu_kernel.cpp) straight after its GEMM, while it is in
+    cache."""
+    q = queries.shape[0]
+    n = base.shape[0]
+    ba = _augment(base, width, query_side=False)
+    buf = torch.empty(tq * tb, dtype=torch.float32)
+    for q0 in range(0, q, tq):
+        qa = _augment(queries[q0:q0 + tq], width, query_side=True)
+        rows = qa.shape[0]
+        sel.reset(rows)
+        for b0 in range(0, n, tb):
+            cols = min(tb, n - b0)
+            tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
+            torch.mm(qa, ba[b0:b0 + cols].t(), out=tile)
+            sel.add(tile, b0)
+        dist, idx = sel.finish()
+        yield q0, dist, idx
 
 
 def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: int

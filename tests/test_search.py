@@ -1,5 +1,6 @@
 """nnkloss.bank.search (nnkloss.knn): both search backends against brute force, tie order,
-self-exclusion, the threshold selection, edge cases, errors, recall."""
+self-exclusion, the threshold selection, the compiled CPU selection and its torch fallback,
+edge cases, errors, recall."""
 import dataclasses
 import math
 import types
@@ -13,6 +14,7 @@ import nnkloss.bank.search as K
 import nnkloss.bank.search.faiss_search as FS
 import nnkloss.bank.search.torch_search as TS
 from nnkloss.bank.search import drop_self, iter_knn, knn, recall_against_exact
+from nnkloss.ops import cpu
 
 HAVE_FAISS = K.faiss_available()
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,
@@ -322,8 +324,14 @@ def test_exact_backends_agree_on_ties():
         assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
 
 
+@pytest.fixture
+def torch_selection(monkeypatch):
+    """The plain torch selection (the path for CUDA tensors and for a missing library)."""
+    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
+
+
 @pytest.mark.parametrize("exclude_self", [False, True])
-def test_sampled_threshold_path(monkeypatch, exclude_self):
+def test_sampled_threshold_path(monkeypatch, torch_selection, exclude_self):
     """The threshold from a column sample gives the exact result."""
     g = torch.Generator().manual_seed(12)
     base = torch.randn(1500, 10, generator=g)
@@ -347,7 +355,7 @@ def test_sampled_threshold_path(monkeypatch, exclude_self):
     assert torch.equal(exact[1], fallback[1])
 
 
-def test_sampled_path_with_ties(monkeypatch):
+def test_sampled_path_with_ties(monkeypatch, torch_selection):
     monkeypatch.setattr(TS, "MIN_SAMPLE_COLUMNS", 16)
     x = tied(n=700, seed=13)
     dist, idx = knn(x, x, 35, "torch", exclude_self=True)
@@ -411,3 +419,175 @@ def test_recall_rejects_unknown_parameters():
     base = torch.randn(100, 4)
     with pytest.raises(TypeError, match="nprob"):
         recall_against_exact(base, base, 3, approximate="ivf", nprob=4)
+
+
+# ----------------------------------------------------------------------------- compiled selection
+compiled = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: torch path only")
+
+
+def ref_lists(queries, base, k, exclude_self=False):
+    """The k nearest of every query by (distance, index), from fp64 distances (exact for the
+    small-integer data used here) and a stable sort: equal distances keep base order."""
+    q64, b64 = queries.double(), base.double()
+    d = (q64[:, None, :] - b64[None]).pow(2).sum(-1)
+    if exclude_self:
+        d.fill_diagonal_(math.inf)
+    dist, idx = d.sort(dim=1, stable=True)
+    return dist[:, :k].float(), idx[:, :k]
+
+
+class SelectionSpy:
+    """Counts the compiled selection's tiles, so a test knows which path ran."""
+
+    def __init__(self, monkeypatch):
+        self.tiles = []
+        real = cpu.KnnSelection.add
+
+        def add(sel, dist, col0):
+            self.tiles.append((tuple(dist.shape), col0))
+            return real(sel, dist, col0)
+        monkeypatch.setattr(cpu.KnnSelection, "add", add)
+
+
+def both_paths(monkeypatch, *args, **kw):
+    """knn through the compiled selection, then through the torch fallback."""
+    spy = SelectionSpy(monkeypatch)
+    a = knn(*args, search_backend="torch", **kw)
+    assert spy.tiles, "the compiled selection did not run"
+    with monkeypatch.context() as m:
+        m.setattr(TS, "_compiled_selection", lambda *a: None)
+        n = len(spy.tiles)
+        b = knn(*args, search_backend="torch", **kw)
+        assert len(spy.tiles) == n, "the fallback ran the compiled selection"
+    return a, b
+
+
+@compiled
+@pytest.mark.parametrize("q_tile,b_tile", [(512, 2048), (7, 13), (1, 64), (5, 1)])
+@pytest.mark.parametrize("n,k", [(40, 1), (40, 40), (200, 1), (200, 37), (211, 100),
+                                 (211, 211)])
+def test_compiled_selection_matches_reference_with_ties(monkeypatch, q_tile, b_tile, n, k):
+    """Many exact ties (small-integer points): the lists are those of the (distance, index)
+    sort, for k = 1 .. N, k wider than a base tile, N below / above / not a multiple of a
+    tile, Q not a multiple of the query tile; the torch fallback returns the same lists."""
+    monkeypatch.setattr(TS, "QUERY_TILE", q_tile)
+    monkeypatch.setattr(TS, "BASE_TILE", b_tile)
+    base = tied(n=n, d=3, seed=n + k)
+    queries = tied(n=23, d=3, seed=k)
+    a, b = both_paths(monkeypatch, queries, base, k)
+    ref = ref_lists(queries, base, k)
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+    assert torch.equal(b[1], ref[1]) and torch.equal(b[0], ref[0])
+
+
+@compiled
+@pytest.mark.parametrize("k", [1, 9, 299])
+def test_compiled_selection_exclude_self(monkeypatch, k):
+    monkeypatch.setattr(TS, "QUERY_TILE", 16)
+    monkeypatch.setattr(TS, "BASE_TILE", 48)
+    x = tied(n=300, d=4, seed=20 + k)
+    a, b = both_paths(monkeypatch, x, x, k, exclude_self=True)
+    ref = ref_lists(x, x, k, exclude_self=True)
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    it = list(iter_knn(x, x, k, "torch", exclude_self=True))
+    assert [q0 for q0, _, _ in it] == list(range(0, 300, 16))
+    assert torch.equal(torch.cat([i for _, _, i in it]), ref[1])
+
+
+@compiled
+def test_compiled_selection_small_budget(monkeypatch):
+    """A tiny tile budget shrinks the query tile, then the base tile: still exact."""
+    x = tied(n=500, d=3, seed=30)
+    for budget in (3000, 40_000):
+        tq, tb, cap = TS.cpu_tile_sizes(500, 500, 20, budget)
+        assert tq * (tb * 4 + cap * 8 + 20 * 12) <= budget or (tq, tb) == (1, 1)
+        a, b = both_paths(monkeypatch, x, x, 20, exclude_self=True, tile_bytes=budget)
+        ref = ref_lists(x, x, 20, exclude_self=True)
+        assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+        assert torch.equal(a[1], b[1])
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_compiled_selection_input_dtypes(monkeypatch, dtype):
+    monkeypatch.setattr(TS, "BASE_TILE", 64)
+    base = tied(n=150, d=5, seed=40).to(dtype)
+    queries = tied(n=31, d=5, seed=41).to(dtype)
+    a, b = both_paths(monkeypatch, queries, base, 17)
+    ref = ref_lists(queries, base, 17)
+    assert a[0].dtype == torch.float32 and a[1].dtype == torch.int64
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+@compiled
+def test_compiled_selection_random_data_agrees_with_fallback(monkeypatch):
+    """Random data, default tiles: the compiled path's tiles round every distance as the
+    fallback's wider blocks do (MKL here); bit-equal lists, and correct against brute force."""
+    g = torch.Generator().manual_seed(50)
+    base = torch.randn(3000, 40, generator=g)
+    queries = torch.randn(600, 40, generator=g)
+    a, b = both_paths(monkeypatch, queries, base, 64)
+    check_result(queries, base, 64, *a)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+@compiled
+def test_compiled_selection_clamps_negative_distances(monkeypatch):
+    """Near-duplicates far from the origin: cancellation makes ||q||^2 - 2 q.b + ||b||^2
+    negative or -0.0; they come back as +0.0, tied, ordered by index, on both paths."""
+    g = torch.Generator().manual_seed(60)
+    centre = torch.full((1, 16), 3000.0)
+    base = centre + torch.randn(64, 16, generator=g) * 1e-3
+    queries = base[:9] + torch.randn(9, 16, generator=g) * 1e-4
+    a, b = both_paths(monkeypatch, queries, base, 64)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    assert (a[0].view(torch.int32) >= 0).all(), "no negative value and no -0.0"
+    qa = TS._augment(queries, 24, query_side=True)
+    raw = qa @ TS._augment(base, 24, query_side=False).t()
+    assert (raw < 0).any() and (raw == 0).any()  # the case under test does occur
+    zeros = a[0] == 0
+    assert lex_sorted(a[0], a[1]) and zeros.sum() >= (raw <= 0).sum()
+
+
+@compiled
+def test_selection_state_orders_keys_exactly():
+    """The C++ selection fed tiles directly: -0.0, negatives and +0.0 are all distance 0 and
+    tie by index; equal distances across tiles keep base order; random widths of tiles."""
+    g = torch.Generator().manual_seed(70)
+    rows, n, k = 5, 997, 83
+    dist = torch.randint(0, 6, (rows, n), generator=g).float()
+    dist[0, 500:510] = -0.0
+    dist[1, ::7] = -1e-6
+    dist[2, 900:] = float("inf")
+    sel = cpu.knn_selection(rows, k, k + 64)
+    sel.reset(rows)
+    c0 = 0
+    while c0 < n:
+        w = int(torch.randint(1, 200, (1,), generator=g))
+        sel.add(dist[:, c0:c0 + w].contiguous(), c0)
+        c0 += w
+    d, i = sel.finish()
+    clamped = dist.clamp_min(0.0) + 0.0
+    ref_d, ref_i = clamped.sort(dim=1, stable=True)
+    assert torch.equal(i, ref_i[:, :k])
+    assert torch.equal(d.view(torch.int32), ref_d[:, :k].view(torch.int32))
+    with pytest.raises(RuntimeError, match="nnk_knn_select failed"):
+        cpu.knn_selection(1, 4, 4).add(dist[:1], 0)  # cap must exceed k
+
+
+def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
+    """NNKLOSS_CPU_KERNEL=0: the search runs its torch selection, with the same lists."""
+    x = tied(n=400, d=3, seed=80)
+    ref = ref_lists(x, x, 30, exclude_self=True)
+    monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
+    cpu._reset_for_tests()
+    try:
+        with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
+            dist, idx = knn(x, x, 30, "torch", exclude_self=True)
+        assert TS._compiled_selection(4, 30, 94) is None
+    finally:
+        monkeypatch.delenv("NNKLOSS_CPU_KERNEL")
+        cpu._reset_for_tests()
+    assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])

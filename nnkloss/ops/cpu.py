@@ -50,7 +50,8 @@ import torch
 from ..atomic import atomic_write
 from . import reference
 
-__all__ = ["available", "forward", "centre_grad", "scale_rows", "build_info", "library_path"]
+__all__ = ["available", "forward", "centre_grad", "scale_rows", "build_info", "library_path",
+           "knn_selection"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
@@ -262,6 +263,10 @@ def _declare(lib):
     lib.nnk_centre_grad.restype = I
     lib.nnk_scale_rows.argtypes = [I, P, P, I64, I64, P, I]
     lib.nnk_scale_rows.restype = I
+    lib.nnk_knn_select.argtypes = [P, I64, I64, I64, I64, I64, I64, P, P, P, I]
+    lib.nnk_knn_select.restype = I
+    lib.nnk_knn_finish.argtypes = [I64, I64, I64, P, P, P, P, I]
+    lib.nnk_knn_finish.restype = I
     return lib
 
 
@@ -454,3 +459,50 @@ def scale_rows(grad_x, g):
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
     return out
+
+
+class KnnSelection:
+    """The exact search's selection state for ``rows`` query rows (nnkloss/bank/search/
+    torch_search.py): per row a buffer of ``cap`` uint64 keys ``(distance bits << 32) | index``,
+    its fill count and the worst key kept at the last compaction; see the end of cpu_kernel.cpp.
+    """
+
+    def __init__(self, lib, rows: int, k: int, cap: int):
+        self.lib, self.k, self.cap = lib, int(k), int(cap)
+        self.keys = torch.empty(rows, self.cap, dtype=torch.int64)
+        self.count = torch.empty(rows, dtype=torch.int64)
+        self.worst = torch.empty(rows, dtype=torch.int64)
+
+    def reset(self, rows: int) -> None:
+        self.rows = int(rows)
+        self.count[:rows].zero_()
+        self.worst[:rows].fill_(-1)  # UINT64_MAX: nothing kept yet
+
+    def add(self, dist, col0: int) -> None:
+        """Fold a contiguous (rows, cols) fp32 CPU tile of distances to base rows col0.. in."""
+        rows, cols = dist.shape
+        rc = self.lib.nnk_knn_select(dist.data_ptr(), rows, cols, dist.stride(0), int(col0),
+                                     self.k, self.cap, self.keys.data_ptr(),
+                                     self.count.data_ptr(), self.worst.data_ptr(),
+                                     _threads(rows * cols))
+        if rc != 0:
+            raise RuntimeError(f"nnk_knn_select failed (code {rc})")
+
+    def finish(self):
+        """(rows, k) fp32 distances and int64 indices, ascending by (distance, index)."""
+        rows, k = self.rows, self.k
+        dist = torch.empty(rows, k, dtype=torch.float32)
+        idx = torch.empty(rows, k, dtype=torch.int64)
+        rc = self.lib.nnk_knn_finish(rows, k, self.cap, self.keys.data_ptr(),
+                                     self.count.data_ptr(), dist.data_ptr(), idx.data_ptr(),
+                                     _threads(rows * self.cap))
+        if rc != 0:
+            raise RuntimeError(f"nnk_knn_finish failed (code {rc})")
+        return dist, idx
+
+
+def knn_selection(rows: int, k: int, cap: int) -> Optional[KnnSelection]:
+    """A compiled selection state for ``rows`` query rows, or None when the library is
+    unavailable (the search then runs its plain torch selection)."""
+    lib = _lib()
+    return None if lib is None else KnnSelection(lib, rows, k, cap)

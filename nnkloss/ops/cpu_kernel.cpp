@@ -1,4 +1,5 @@
-// Compiled CPU path of the neighbour-kernel loss (see /CONTRACT.md: the forward contract).
+// Compiled CPU kernels: the neighbour-kernel loss op (see /CONTRACT.md: the forward contract)
+// and, at the end of the file, the exact kNN search's selection (nnk_knn_select / _finish).
 //
 // No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
 // compiler (c++ -O3 -march=native -pthread -fopenmp-simd -shared -fPIC; the OpenMP pragmas are
@@ -440,6 +441,149 @@ int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int6
         using C = decltype(c);
         scale_rows_impl<C>((const C*)grad_x, (const C*)g, B, D, (C*)out, nthreads);
     });
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Exact k-nearest-neighbour selection for nnkloss/bank/search/torch_search.py (its module
+// docstring is the spec). torch computes a (rows, cols) tile of fp32 squared distances by one
+// GEMM of augmented rows; nnk_knn_select folds the tile into a running per-row selection kept
+// across the base tiles, nnk_knn_finish sorts it. Keys are uint64
+// (float bits of the clamped distance << 32) | base index: non-negative floats order as their
+// bits, so keys order as (distance, index) and are unique. Per row, a buffer of `cap` > k keys
+// holds every candidate below `worst`, the k-th smallest key at the last compaction (UINT64_MAX
+// before the first): when the buffer is full, nth_element keeps its k smallest and `worst`
+// becomes the largest of them. A key >= worst cannot be among the k smallest (k keys <= worst
+// are already held), so nothing the exact result needs is ever dropped. Base columns arrive in
+// ascending index order, so a new key is below worst iff its distance is below worst's
+// distance: the prefilter compares 16 raw distances at a time with that float and only chunks
+// holding a candidate go to the scalar key path.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr uint64_t kNoKey = ~(uint64_t)0;
+
+inline uint64_t knn_key(float d, int64_t index) {
+    uint32_t u;
+    std::memcpy(&u, &d, sizeof u);
+    if (u >> 31) u = 0;  // clamp at 0: negatives (cancellation) and -0.0 become +0.0
+    return ((uint64_t)u << 32) | (uint64_t)index;
+}
+
+inline float knn_key_dist(uint64_t key) { return bits_to_float((uint32_t)(key >> 32)); }
+
+struct KnnRow {
+    uint64_t* keys;
+    int64_t* count;
+    uint64_t* worst;
+    int64_t k, cap;
+    float thr;  // distance of *worst; +inf before the first compaction (takes every finite d)
+
+    void push(float d, int64_t index) {
+        uint64_t key = knn_key(d, index);
+        if (key >= *worst) return;
+        keys[(*count)++] = key;
+        if (*count == cap) {
+            std::nth_element(keys, keys + (k - 1), keys + cap);
+            *worst = keys[k - 1];
+            *count = k;
+            thr = knn_key_dist(*worst);
+        }
+    }
+
+    void scan(const float* __restrict d, int64_t cols, int64_t col0) {
+        thr = *worst == kNoKey ? std::numeric_limits<float>::infinity() : knn_key_dist(*worst);
+        int64_t j = 0;
+        // Until the first compaction every column is a candidate (the buffer fills).
+        for (; j < cols && *worst == kNoKey; ++j) push(d[j], col0 + j);
+#if defined(__AVX512F__)
+        for (; j + 16 <= cols; j += 16) {
+            __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), _mm512_set1_ps(thr),
+                                             _CMP_LT_OQ);
+            while (m) {
+                int t = __builtin_ctz((unsigned)m);
+                m &= (__mmask16)(m - 1);
+                push(d[j + t], col0 + j + t);
+            }
+        }
+#elif defined(__AVX2__)
+        for (; j + 8 <= cols; j += 8) {
+            unsigned m = (unsigned)_mm256_movemask_ps(
+                _mm256_cmp_ps(_mm256_loadu_ps(d + j), _mm256_set1_ps(thr), _CMP_LT_OQ));
+            while (m) {
+                int t = __builtin_ctz(m);
+                m &= m - 1;
+                push(d[j + t], col0 + j + t);
+            }
+        }
+#else
+        for (; j + 16 <= cols; j += 16) {
+            bool any = false;
+            for (int t = 0; t < 16; ++t) any |= d[j + t] < thr;
+            if (!any) continue;
+            for (int t = 0; t < 16; ++t)
+                if (d[j + t] < thr) push(d[j + t], col0 + j + t);
+        }
+#endif
+        for (; j < cols; ++j)
+            if (d[j] < thr) push(d[j], col0 + j);
+    }
+};
+
+// Items of about this many distances (whole rows) are shared out to the threads.
+constexpr int64_t kKnnItemElems = 1 << 14;
+
+}  // namespace
+
+extern "C" {
+
+// Folds the (rows, cols) fp32 tile `dist` (row stride ld) of base columns col0 .. col0+cols-1
+// into the per-row selection state: keys (rows, cap), count (rows,), worst (rows,); a fresh
+// state has count 0 and worst UINT64_MAX. Tiles must come in ascending col0. 0 on success,
+// 2 on bad sizes (k < 1, cap <= k, or an index that does not fit 32 bits).
+int nnk_knn_select(const float* dist, int64_t rows, int64_t cols, int64_t ld, int64_t col0,
+                   int64_t k, int64_t cap, uint64_t* keys, int64_t* count, uint64_t* worst,
+                   int nthreads) {
+    if (k < 1 || cap <= k || col0 < 0 || cols < 0 || col0 + cols > ((int64_t)1 << 32)) return 2;
+    if (rows <= 0 || cols == 0) return 0;
+    int64_t per = std::max<int64_t>(1, kKnnItemElems / cols);
+    int64_t items = (rows + per - 1) / per;
+    run_items(items, nthreads, [=](int64_t it) {
+        int64_t r1 = std::min(rows, (it + 1) * per);
+        for (int64_t r = it * per; r < r1; ++r) {
+            KnnRow row{keys + r * cap, count + r, worst + r, k, cap, 0.0f};
+            row.scan(dist + r * ld, cols, col0);
+        }
+    });
+    return 0;
+}
+
+// The k smallest keys of each row, ascending: out_dist (rows, k) fp32 distances (from the key
+// bits) and out_index (rows, k) int64. 0 on success, 2 when a row holds fewer than k keys.
+int nnk_knn_finish(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count,
+                   float* out_dist, int64_t* out_index, int nthreads) {
+    for (int64_t r = 0; r < rows; ++r)
+        if (count[r] < k) return 2;
+    int64_t per = std::max<int64_t>(1, kKnnItemElems / std::max<int64_t>(cap, 1));
+    int64_t items = (rows + per - 1) / per;
+    run_items(items, nthreads, [=](int64_t it) {
+        int64_t r1 = std::min(rows, (it + 1) * per);
+        for (int64_t r = it * per; r < r1; ++r) {
+            uint64_t* kr = keys + r * cap;
+            int64_t c = count[r];
+            if (c > k) std::nth_element(kr, kr + k, kr + c);
+            std::sort(kr, kr + k);
+            for (int64_t j = 0; j < k; ++j) {
+                out_dist[r * k + j] = knn_key_dist(kr[j]);
+                out_index[r * k + j] = (int64_t)(kr[j] & 0xffffffffu);
+            }
+        }
+    });
+    return 0;
 }
 
 }  // extern "C"

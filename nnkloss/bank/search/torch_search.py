@@ -1,12 +1,43 @@
-"""Exact k-nearest-neighbour search with torch: tiled GEMMs and a threshold selection.
+"""Exact k-nearest-neighbour search with torch GEMMs: a compiled selection on the CPU, a threshold
+selection in torch elsewhere.
 
-Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, produced by one GEMM per tile of augmented
-rows, clamped at 0 (cancellation can make near-duplicates slightly negative). Neighbours come
-out in (distance, index) order: equal distances are ordered by base index, as faiss's flat
-index orders them, so both exact backends agree wherever they compute the same distances.
+Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, produced by one GEMM (``torch.mm``) per
+tile of augmented rows (queries ``[q, ||q||^2, 1]``, base ``[-2b, 1, ||b||^2]``, zero-padded to
+a multiple of 8 columns), clamped at 0 (cancellation can make near-duplicates slightly negative;
+-0.0 becomes +0.0). Neighbours come out in (distance, index) order: equal distances are ordered
+by base index, as faiss's flat index orders them, so both exact backends agree wherever they
+compute the same distances. Both selections below rank the same uint64/int64 keys
+``(float bits of the clamped distance << 32) | base index`` (non-negative floats order as their
+bits; keys are unique), so they return identical lists whenever their GEMMs give the same
+distance bits. With MKL they do on every shape tested (tests/test_search.py checks random data
+as well as exactly representable data with ties); a BLAS that rounds a product differently for
+another tile shape could swap neighbours whose distances differ by a rounding error.
 
-Where the time goes: the GEMM is the floor (O(Q N D)). ``torch.topk`` over a wide tile costs
-about as much again at k in the hundreds to thousands, so the default path avoids it:
+CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`` /
+``nnk_knn_finish``; the default wherever the library builds):
+
+1. tiles of at most QUERY_TILE x BASE_TILE (2048 x 4096: 32 MiB of fp32, about the last-level
+   cache) are computed one at a time, base tiles in ascending index order;
+2. straight after its GEMM, each tile is folded into a per-row selection in C++ (rows shared
+   out to the threads): per query row a buffer of ``cap = k + max(k, 64)`` keys holds every
+   candidate below ``worst``, the k-th smallest key at the last compaction; when the buffer is
+   full, ``nth_element`` keeps its k smallest and ``worst`` becomes the largest of them. A key
+   at or above ``worst`` cannot be among the k smallest (k keys at most ``worst`` are held), so
+   nothing the result needs is dropped: exact by construction, no sampling, one pass. As the
+   base arrives in index order, a new key is below ``worst`` exactly when its distance is below
+   ``worst``'s, so a vectorised prefilter compares 16 (AVX-512; 8 with AVX2) raw distances at a
+   time with that float and only the chunks holding a candidate reach the scalar key path;
+3. after the last base tile each row's k smallest keys are sorted; distances come back from
+   the key bits, indices from the low 32 bits (the path needs N < 2**31).
+
+Memory (CPU, compiled): the augmented base copy (N x width fp32, width = D + 2 rounded up to 8),
+one distance tile and, per query row of a tile, ``cap`` keys and the (k,) results:
+``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, kept within ``tile_bytes`` by shrinking the query
+tile, then the base tile (:func:`cpu_tile_sizes`). Never a (Q, N) matrix.
+
+Elsewhere (CUDA tensors, or the library unavailable: no compiler, ``NNKLOSS_CPU_KERNEL=0``),
+the torch selection. Where the time goes: the GEMM is the floor (O(Q N D)). ``torch.topk`` over
+a wide tile costs about as much again at k in the hundreds to thousands, so it avoids that:
 
 1. one GEMM gives a (rows, N) block of distances (rows chosen so the block fits the budget);
 2. a per-row threshold ``tau`` that is at least the k-th smallest distance: from a fixed random
@@ -46,6 +77,13 @@ MIN_SAMPLE_COLUMNS = 256
 # Fewest query rows worth one (rows, N) block; below this the base is tiled too.
 _MIN_BLOCK_ROWS = 16
 _INT64_MAX = torch.iinfo(torch.int64).max
+# Compiled CPU path: largest (query rows, base rows) distance tile. 2048 x 4096 fp32 (32 MiB)
+# is read by the selection straight after the GEMM writes it, mostly from the last-level cache.
+# Smaller tiles (512 x 2048) run as fast on an idle 2-core machine, but every tile is one GEMM
+# and one selection call, each a fork-join across the threads, and on a loaded machine each
+# join can wait a time slice for a descheduled thread: fewer, larger calls degrade less.
+QUERY_TILE = 2048
+BASE_TILE = 4096
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
@@ -176,6 +214,12 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         return
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
+    if dev.type == "cpu" and n < 2**31:
+        tq, tb, cap = cpu_tile_sizes(q, n, k, budget)
+        sel = _compiled_selection(tq, k, cap)
+        if sel is not None:
+            yield from _iter_knn_compiled(queries, base, k, width, tq, tb, sel)
+            return
     s = min(SAMPLE_COLUMNS, n // 4)
     sample_k = _sample_rank(k, s, n) if s > 0 else k
     # The sample pays off when it is a small part of the row and its rank a small part of it.
@@ -201,6 +245,47 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
             yield q0, dist, idx
         return
     yield from _iter_knn_tiled(queries, base, k, budget, width)
+
+
+def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
+    """(query rows, base rows, keys per row) of the compiled CPU path: tiles of at most
+    QUERY_TILE x BASE_TILE, shrunk (query rows first, then base rows) until the distance tile
+    and the selection state, ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, fit in ``budget``."""
+    cap = k + max(k, 64)
+    tq = max(1, min(q, QUERY_TILE))
+    tb = max(1, min(n, BASE_TILE))
+    while tq > 1 and tq * (tb * 4 + cap * 8 + k * 12) > budget:
+        tq = max(1, tq // 2)
+    while tb > 1 and tq * (tb * 4 + cap * 8 + k * 12) > budget:
+        tb = max(1, tb // 2)
+    return tq, tb, cap
+
+
+def _compiled_selection(rows: int, k: int, cap: int):
+    from ...ops import cpu  # the compiled library (built on first use) or None
+    return cpu.knn_selection(rows, k, cap)
+
+
+def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
+                       sel) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """CPU with the compiled library: (tq, tb) distance tiles, each folded into the per-row
+    selection in C++ (nnkloss/ops/cpu_kernel.cpp) straight after its GEMM, while it is in
+    cache."""
+    q = queries.shape[0]
+    n = base.shape[0]
+    ba = _augment(base, width, query_side=False)
+    buf = torch.empty(tq * tb, dtype=torch.float32)
+    for q0 in range(0, q, tq):
+        qa = _augment(queries[q0:q0 + tq], width, query_side=True)
+        rows = qa.shape[0]
+        sel.reset(rows)
+        for b0 in range(0, n, tb):
+            cols = min(tb, n - b0)
+            tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
+            torch.mm(qa, ba[b0:b0 + cols].t(), out=tile)
+            sel.add(tile, b0)
+        dist, idx = sel.finish()
+        yield q0, dist, idx
 
 
 def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: int

@@ -1,0 +1,120 @@
+"""Issue 21: whose threads the CPU op runs on, and the thread governor (fake clock)."""
+import pytest
+import torch
+
+from nnkloss.threads import ThreadGovernor
+from nnkloss.ops import cpu
+
+
+def drive(gov, cost, units):
+    """Feed ``units`` units whose duration is ``cost(threads, unit)``; returns the counts used."""
+    used = []
+    for u in range(units):
+        n = gov.threads()
+        used.append(n)
+        gov.record(cost(n, u))
+    return used
+
+
+def test_governor_keeps_the_faster_count_and_backs_off():
+    applied = []
+    gov = ThreadGovernor(2, warmup=3, window=4, hold=10, max_hold=40, apply=applied.append)
+    used = drive(gov, lambda n, u: 1.0 if n == 1 else 2.0, 200)   # one thread is faster
+    assert used[:3] == [2, 2, 2]                                  # warm-up at the full count
+    assert gov.threads() == 1 and gov.events[0]["threads"] == 1
+    assert gov.events[0]["cost_full"] == 2.0 and gov.events[0]["cost_one"] == 1.0
+    holds = [e["hold"] for e in gov.events]
+    assert holds[:4] == [10, 20, 40, 40]                          # confirmed: doubled, capped
+    assert applied[:2] == [1, 2]                                  # the probe switched to 1
+    # probing is cheap once the hold is long: in the last 100 units, at most 2 probes' worth
+    assert used[-100:].count(2) <= 2 * (4 + 1)
+
+
+def test_governor_stays_at_the_full_count_when_it_is_faster_or_equal():
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=5, max_hold=20)
+    drive(gov, lambda n, u: 1.0 if n == 2 else 1.8, 60)
+    assert gov.threads() == 2 and all(e["threads"] == 2 for e in gov.events)
+    tie = ThreadGovernor(2, warmup=0, window=3, hold=5, margin=0.05)
+    drive(tie, lambda n, u: 1.0 if n == 2 else 0.97, 20)           # within the margin: full
+    assert tie.events and all(e["threads"] == 2 for e in tie.events)
+
+
+def test_governor_follows_a_change_of_load():
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=64)
+    # idle (2 threads faster) for 100 units, then a competing process (1 thread faster)
+    drive(gov, lambda n, u: (1.0 if n == 2 else 1.8) if u < 100 else (3.0 if n == 2 else 1.5),
+          300)
+    assert gov.threads() == 1
+    flip = [e for e in gov.events if e["threads"] == 1][0]
+    assert flip["unit"] < 100 + 64 + 2 * 4 + 1                    # within a (max) hold
+    assert flip["hold"] == 8                                       # a change resets the back-off
+
+
+def test_governor_uses_cost_per_unit_of_work_and_drops_switch_units():
+    gov = ThreadGovernor(2, warmup=0, window=2, hold=100)
+    seen = []
+    for u in range(6):
+        n = gov.threads()
+        seen.append(n)
+        work = 10.0 if u % 2 else 1.0
+        # the unit right after a switch is slow (team resize): it must not count
+        slow = 100.0 if u == 2 else 1.0
+        gov.record(slow * work * (0.5 if n == 2 else 0.8), work=work)
+    assert seen[:2] == [2, 2] and gov.events[0]["threads"] == 2
+    assert gov.events[0]["cost_full"] == 0.5 and gov.events[0]["cost_one"] == 0.8
+
+
+def test_governor_ignores_units_at_another_count_and_a_single_thread():
+    gov = ThreadGovernor(lambda: 1, warmup=0, window=1, hold=1)
+    drive(gov, lambda n, u: 1.0, 10)
+    assert gov.threads() == 1 and gov.events == []                # nothing to choose
+    gov = ThreadGovernor(2, warmup=0, window=2, hold=5)
+    for _ in range(10):
+        gov.record(1.0, threads=3)                                 # not the governor's count
+    assert gov.events == [] and gov.phase == "full"
+    with pytest.raises(ValueError):
+        ThreadGovernor(2, window=0)
+
+
+# ------------------------------------------------------------------ the op's pool
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_the_kernel_runs_on_torchs_openmp_pool_when_torch_has_one():
+    info = cpu.build_info()
+    if cpu.torch_libgomp() is None:
+        assert info["pool"] == "own-threads"
+        return
+    assert info["pool"] == "torch-openmp"
+    assert cpu._loaded_libgomp() == [cpu.torch_libgomp()]          # one OpenMP runtime
+
+
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_op_results_are_identical_at_one_and_two_threads_governed_or_not(monkeypatch):
+    import nnkloss
+    g = torch.Generator().manual_seed(3)
+    B, K, D, N = 256, 32, 64, 500   # above PARALLEL_MIN_ELEMS: two threads really run
+    centres = torch.randn(N, D, generator=g, requires_grad=True)
+    cl = torch.randint(0, 5, (N,), generator=g)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    labels = cl[nb[:, 0]]
+    emb = torch.randn(B, D, generator=g, requires_grad=True)
+
+    def run():
+        emb.grad = centres.grad = None
+        loss = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, sigma=3.0)
+        loss.backward()
+        return loss.detach(), emb.grad.clone(), centres.grad.clone()
+
+    old = torch.get_num_threads()
+    results = []
+    try:
+        for govern in ("0", "1"):
+            monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", govern)
+            for n in (1, 2, 1, 2):
+                torch.set_num_threads(n)
+                for _ in range(3):
+                    results.append(run())
+    finally:
+        torch.set_num_threads(old)
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)

@@ -118,3 +118,62 @@ def test_op_results_are_identical_at_one_and_two_threads_governed_or_not(monkeyp
     for r in results[1:]:
         for a, b in zip(results[0], r):
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ the Trainer's governor
+def _softmax_trainer(**kw):
+    from torch import nn
+    from torch.utils.data import DataLoader
+    from nnkloss.experiment.datasets import IndexedTensorDataset
+    from nnkloss.experiment.models import SoftmaxHead
+    from nnkloss.experiment.train import Trainer
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    loader = DataLoader(IndexedTensorDataset(x, y), batch_size=8, shuffle=True)
+    return Trainer(model, SoftmaxHead(4, 3), loader, progress=False, lr=1e-2, **kw)
+
+
+def test_trainer_governor_logs_its_choices_and_restores_the_count(monkeypatch):
+    old = torch.get_num_threads()
+    seen = []
+    try:
+        torch.set_num_threads(2)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=3)
+        # a clock where one thread is always faster: each step at 2 threads "takes" 1 s more
+        real = gov.record
+        monkeypatch.setattr(gov, "record", lambda s, *a, **k: (
+            seen.append(torch.get_num_threads()),
+            real(1.0 + (torch.get_num_threads() == 2), *a, **k))[-1])
+        tr = _softmax_trainer(threads=gov)
+        tr.fit(3)
+        assert torch.get_num_threads() == 2                      # restored
+    finally:
+        torch.set_num_threads(old)
+    assert 1 in seen and 2 in seen                               # it did switch torch's count
+    last = tr.history[-1]
+    assert last["threads_decisions"] >= 2 and last["threads_step_ms_full"] == 2000.0
+    assert last["threads_step_ms_one"] == 1000.0
+    assert all("threads" in row for row in tr.history)
+
+
+def test_trainer_threads_int_none_and_bad_values():
+    old = torch.get_num_threads()
+    counts = []
+    try:
+        torch.set_num_threads(2)
+        tr = _softmax_trainer(threads=1, eval_fn=lambda m, c, e: counts.append(
+            torch.get_num_threads()) or {})
+        tr.fit(1)
+        assert counts == [1] and torch.get_num_threads() == 2
+        assert tr.governor is None and "threads" not in tr.history[-1]
+        assert _softmax_trainer(threads=None).governor is None
+        assert _softmax_trainer().governor is not None            # "auto" on a CPU, 2 threads
+        torch.set_num_threads(1)
+        assert _softmax_trainer().governor is None                # nothing to choose
+    finally:
+        torch.set_num_threads(old)
+    for bad in (0, "two", True, 1.5):
+        with pytest.raises(ValueError, match="threads"):
+            _softmax_trainer(threads=bad)

@@ -9,15 +9,19 @@ wins depends on what else runs, which changes while a job runs, so a fixed defau
 somewhere. :class:`ThreadGovernor` is a small state machine fed with the duration of each unit
 of work (a training step, a kernel call):
 
-1. ``warmup`` units at the full count, not timed (allocations, first-call costs);
-2. a probe: ``window`` units at the full count, then ``window`` at one thread (the first unit
-   after each switch is not timed: an OpenMP team that changes size pays once); the median cost
-   per unit of work of each side is compared, and the cheaper side is kept (one thread only if
-   it is cheaper by more than ``margin``, a fraction: ties stay at the full count);
+1. ``warmup`` units at one thread, not timed (allocations, first-call costs). It starts at
+   one thread because that is the cheap mistake: idle, one thread costs 1.4-1.8x on 2 cores;
+   beside a busy process, two threads cost up to 5x (measured, see above);
+2. a probe: ``window`` units at the current choice (free: that is what runs anyway), then up
+   to ``window`` at the other count (the first unit after each switch is not timed: an OpenMP
+   team that changes size pays once). The other side is abandoned as soon as two of its units
+   have a median cost per unit of work above ``abandon`` times the current side's, so a probe
+   of a clearly worse count costs three units. The cheaper side is kept (one thread only if it
+   is cheaper by more than ``margin``, a fraction: ties go to the full count);
 3. a hold of ``hold`` units, after which it probes again. When a probe confirms the previous
    choice the hold doubles (up to ``max_hold``); when it changes the choice it drops back to
-   ``hold``. So a steady machine is probed rarely (the losing side costs at most ``window``
-   units per hold), and a machine whose load changes is followed within a hold.
+   ``hold``. So a steady machine is probed rarely, and a machine whose load changes is
+   followed within a hold.
 
 Every decision is kept in ``events`` (unit index, both medians, the choice) and summarised by
 :meth:`ThreadGovernor.summary`; nothing is printed. The clock is a parameter, so the tests
@@ -42,33 +46,31 @@ class ThreadGovernor:
         warmup, window, hold, max_hold: in units of work (see the module docstring).
         margin: one thread is kept only if its median cost is below ``(1 - margin)`` times
             the full count's.
+        abandon: a probed side whose median (over at least two units) exceeds this times
+            the current side's is given up at once.
         apply: called with the new thread count whenever the choice changes (None: nothing).
     """
 
-    def __init__(self, full=2, *, warmup: int = 20, window: int = 8, hold: int = 64,
-                 max_hold: int = 4096, margin: float = 0.05,
+    def __init__(self, full=2, *, warmup: int = 5, window: int = 6, hold: int = 64,
+                 max_hold: int = 4096, margin: float = 0.05, abandon: float = 1.5,
                  apply: Optional[Callable[[int], None]] = None):
-        if window < 1 or hold < 1 or max_hold < hold or warmup < 0:
-            raise ValueError("need window >= 1, hold >= 1, max_hold >= hold, warmup >= 0")
+        if window < 2 or hold < 1 or max_hold < hold or warmup < 0:
+            raise ValueError("need window >= 2, hold >= 1, max_hold >= hold, warmup >= 0")
         self._full = full
         self.warmup, self.window, self.base_hold, self.max_hold = warmup, window, hold, max_hold
-        self.margin = float(margin)
+        self.margin, self.abandon = float(margin), float(abandon)
         self.apply = apply
         self._lock = threading.Lock()
         self.units = 0                   # units recorded so far
         self.events: List[Dict] = []     # one per decision
-        self._reset()
-
-    def _reset(self):
-        self.phase = "warmup"
-        self.left = self.warmup          # units left in this phase
         self.hold = self.base_hold
-        self.choice = None               # None until the first decision: 1 or "full"
-        self._one = False                # running at one thread now (else at the full count)
+        self.choice = None               # None until the first decision, then "one" / "full"
+        self._one = True                 # running at one thread now (else at the full count)
         self._skip = False               # drop the next unit (after a switch)
         self._costs: Dict[str, List[float]] = {}
+        self.phase, self.left = "warmup", self.warmup
         if self.warmup == 0:
-            self.phase, self.left = "full", self.window
+            self._start_probe()
 
     @property
     def full(self) -> int:
@@ -86,6 +88,9 @@ class ThreadGovernor:
             if self.apply is not None:
                 self.apply(self.threads())
 
+    def _side(self) -> str:
+        return "one" if self._one else "full"
+
     def record(self, seconds: float, work: float = 1.0, threads: Optional[int] = None) -> None:
         """One unit of work took ``seconds`` (``work``: its size, so that units of different
         sizes compare per unit of work). ``threads``: the count it ran at, when the caller
@@ -99,18 +104,20 @@ class ThreadGovernor:
                 return
             if self.full <= 1:
                 return
-            cost = float(seconds) / max(float(work), 1e-30)
             self.left -= 1
-            if self.phase in ("full", "one"):
-                self._costs.setdefault(self.phase, []).append(cost)
+            if self.phase in ("current", "other"):
+                cost = float(seconds) / max(float(work), 1e-30)
+                self._costs.setdefault(self._side(), []).append(cost)
+                if self.phase == "other" and self._clearly_worse():
+                    return self._decide()
             if self.left > 0:
                 return
             if self.phase in ("warmup", "hold"):
                 self._start_probe()
-            elif self.phase == "full":
-                self.phase, self.left = "one", self.window
-                self._set(True)
-            elif self.phase == "one":
+            elif self.phase == "current":
+                self.phase, self.left = "other", self.window
+                self._set(not self._one)
+            else:
                 self._decide()
 
     def skip_next(self) -> None:
@@ -121,26 +128,37 @@ class ThreadGovernor:
 
     def _start_probe(self):
         self._costs = {}
-        self.phase, self.left = "full", self.window
-        self._set(False)
+        self._current_side = self._side()
+        self.phase, self.left = "current", self.window
+
+    @staticmethod
+    def _median(c):
+        return sorted(c)[len(c) // 2] if c else None
+
+    def _clearly_worse(self) -> bool:
+        other = self._costs.get(self._side(), [])
+        ref = self._median(self._costs.get(self._current_side, []))
+        return len(other) >= 2 and ref is not None and \
+            self._median(other) > self.abandon * ref
 
     def _decide(self):
-        med = {side: sorted(c)[len(c) // 2] for side, c in self._costs.items() if c}
+        cost_full = self._median(self._costs.get("full"))
+        cost_one = self._median(self._costs.get("one"))
         full = self.full
-        cost_full, cost_one = med.get("full"), med.get("one")
         choice = "full"
-        if cost_full is not None and cost_one is not None and \
-                cost_one < (1.0 - self.margin) * cost_full:
-            choice = 1
+        if cost_full is None:
+            choice = self._current_side
+        elif cost_one is not None and cost_one < (1.0 - self.margin) * cost_full:
+            choice = "one"
         if self.choice is not None:
             self.hold = min(2 * self.hold, self.max_hold) if choice == self.choice \
                 else self.base_hold
         self.choice = choice
         self.events.append({"unit": self.units, "full": full, "cost_full": cost_full,
-                            "cost_one": cost_one, "threads": 1 if choice == 1 else full,
+                            "cost_one": cost_one, "threads": 1 if choice == "one" else full,
                             "hold": self.hold})
         self.phase, self.left = "hold", self.hold
-        self._set(choice == 1)
+        self._set(choice == "one")
 
     def summary(self) -> Dict:
         """The current choice and the decisions so far (for a log)."""

@@ -198,8 +198,9 @@ class Trainer:
             "auto" on a CPU device with more than one torch thread: a governor times the
             training steps (wall time from one step's end to the next's: loading, forward,
             backward, optimiser, bank upkeep) at torch's thread count and at one thread, keeps
-            the faster (``torch.set_num_threads``) and re-probes with back-off (warm-up 20
-            steps, windows of 8, holds of 64 doubling to 4096 while confirmed). Most of a CPU
+            the faster (``torch.set_num_threads``) and re-probes with back-off (starts at one
+            thread: 5 warm-up steps, then windows of 6 steps, a clearly slower side given up
+            after 2, holds of 64 steps doubling to 4096 while confirmed). Most of a CPU
             step is torch's own ops, whose OpenMP barriers wait for descheduled threads when
             other processes keep the cores busy; then one thread is faster, idle it is not
             (digits demo on 2 cores: 48 s at 2 threads vs 67 s at 1 idle, 798 s vs 165 s
@@ -562,7 +563,7 @@ class Trainer:
 
 
 #: The Trainer's governor: units are training steps.
-GOVERNOR_OPTIONS = dict(warmup=20, window=8, hold=64, max_hold=4096)
+GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096)
 
 
 def _governor_columns(gov: ThreadGovernor) -> Dict[str, Any]:

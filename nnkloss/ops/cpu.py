@@ -413,7 +413,7 @@ PARALLEL_MIN_ELEMS = 1 << 16
 # 2-thread matmul), idle two threads are (1.6-1.8x). The result does not depend on the count
 # (every row is computed by one thread, the centre gradient in a fixed order): only the time
 # does. NNKLOSS_GOVERN_THREADS=0 turns the governors off (the full count always).
-GOVERNOR_OPTIONS = dict(warmup=5, window=5, hold=50, max_hold=3200)
+GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200)
 _governors = {}
 
 

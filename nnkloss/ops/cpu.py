@@ -63,9 +63,10 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # wheels), the kernel is built with -fopenmp: its parallel loops are `#pragma omp parallel`
 # regions, and the libgomp.so.1 it needs is the one torch already loaded (same soname), so the
 # op runs on torch's OpenMP team, the same worker threads as torch's ops: one pool, never two
-# sets of threads spinning against each other. Measured idle on the 2-core machine (forward +
-# backward at 2 threads vs 1): 1.6-1.8x faster on torch's team, 0.3-1.0x ("slower than one
-# thread") with the kernel's own std::threads beside torch's spinning workers.
+# sets of threads spinning against each other. Measured on the 2-core machine, load 0.3-1.1,
+# forward+backward at the 4 bench_loss CPU shapes, speed at 2 threads over 1: 1.6-1.9x on
+# torch's team (8 of 8 shape-runs faster); 0.2-1.5x with the kernel's own std::threads beside
+# torch's spinning workers (10 of 16 slower than one thread).
 OPENMP_FLAGS = ["-pthread", "-fopenmp"]
 # Elsewhere (no libgomp in the process: another OpenMP runtime would be a second pool) the
 # kernel's own claim-based std::threads (run_items), OpenMP pragmas as simd hints only.

@@ -293,8 +293,23 @@ struct ForwardRow {
     C *loss, *lse_all, *lse_pos, *grad_x, *dist;
     std::vector<C> logit, coef;
     std::vector<unsigned char> same;
+    int64_t B = 0, chunk = 1;  // rows per work item
+    int64_t pf_end = 0;        // flat (b * K + k) end of this item's entries: prefetch bound
 
-    void operator()(int64_t b) {
+    // A work item is `chunk` consecutive rows: the prefetch stream runs on from one row's
+    // last neighbours into the next row's first ones (no cold start at every row).
+    void operator()(int64_t item) {
+        const int64_t r0 = item * chunk, r1 = std::min(B, r0 + chunk);
+        pf_end = r1 * K;
+        const int64_t pf = prefetch_rows(D * (int64_t)sizeof(T));
+        for (int64_t f = r0 * K; f < std::min(pf_end, r0 * K + pf); ++f) {
+            int64_t jn = load_index(nbrs, nb64, f);
+            if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+        }
+        for (int64_t b = r0; b < r1; ++b) row(b, pf);
+    }
+
+    void row(int64_t b, int64_t pf) {
         const C inv_s = (C)1 / sigma;
         const C inv_s2 = inv_s * inv_s;
         const C ninf = -std::numeric_limits<C>::infinity();
@@ -311,17 +326,19 @@ struct ForwardRow {
         // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
         // cost, what bench_loss's "% of limit" counts) + K * (index + label [+ weight]) + the
         // D * sizeof(C) embedding (cache-resident after the first row touches it).
-        const int64_t pf = prefetch_rows(D * (int64_t)sizeof(T));
-        for (int64_t k = 0; k < std::min(pf, K); ++k) {  // the first rows, before they are read
-            int64_t jn = load_index(nbrs, nb64, b * K + k);
-            if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+        // The gathers first, in a tight loop (index, prefetch pf entries ahead, distance into
+        // coef[k]); the per-entry bookkeeping (weights, labels, checks) after, from cache.
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t f = b * K + k;
+            int64_t j = load_index(nbrs, nb64, f);
+            if (pf > 0 && f + pf < pf_end) {
+                int64_t jn = load_index(nbrs, nb64, f + pf);
+                if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+            }
+            coef[k] = (j >= 0 && j < N) ? scaled_sqdist(centres + j * D, x, inv_s, D) : (C)0;
         }
         for (int64_t k = 0; k < K; ++k) {
             int64_t j = load_index(nbrs, nb64, b * K + k);
-            if (pf > 0 && k + pf < K) {
-                int64_t jn = load_index(nbrs, nb64, b * K + k + pf);
-                if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
-            }
             C u = 0;
             logit[k] = ninf;
             same[k] = 0;
@@ -330,7 +347,7 @@ struct ForwardRow {
                     nonfinite = true;
                     u = nan;
                 } else {
-                    u = scaled_sqdist(centres + j * D, x, inv_s, D);
+                    u = coef[k];
                     if (!std::isfinite(u)) nonfinite = true;
                     C lw = 0;
                     bool valid = true;
@@ -428,10 +445,13 @@ void forward_impl(const C* emb, const int64_t* labels, const T* centres, const v
                   int cl64, const void* nbrs, int nb64, const void* weights, int wtype,
                   C sigma, int64_t B, int64_t K, int64_t D, int64_t N, int store_dist,
                   C* loss, C* lse_all, C* lse_pos, C* grad_x, C* dist, int nthreads) {
+    // rows per work item: up to 16, and at least 8 items per thread (load balance)
+    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(
+        16, B / (8 * (int64_t)std::max(1, nthreads))));
     ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
                          sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
-                         {}, {}, {}};
-    run_items(B, nthreads, row);
+                         {}, {}, {}, B, chunk, 0};
+    run_items((B + chunk - 1) / chunk, nthreads, row);
 }
 
 // Centre gradient: a work item is a range of bank rows; its thread scans every (b, k) and adds

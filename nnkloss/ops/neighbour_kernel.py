@@ -99,13 +99,8 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
         raise RuntimeError("nnkloss::nk_forward was called with need_grad_x=False, so it "
                            "cannot give emb a gradient")
     if need_emb:
-        if ctx.backend == "cpu":  # one pass on the kernel's threads, not torch's where/mul/ne
-            if torch.compiler.is_compiling():
-                grad_emb = torch.ops.nnkloss.nk_scale_rows(grad_x, g)
-            else:  # eager: the op's body directly (the custom-op dispatch is ~20 us a call)
-                from . import cpu
-                grad_emb = cpu.scale_rows(grad_x, g)
-            grad_emb = grad_emb.to(emb.dtype)
+        if ctx.backend == "cpu":  # on the kernel's threads (torch's pool spins after each op)
+            grad_emb = torch.ops.nnkloss.nk_scale_rows(grad_x, g).to(emb.dtype)
         else:
             grad_emb = torch.where(takes, g[:, None] * grad_x, 0.0).to(emb.dtype)
     grad_c = grad_w = grad_s = None
@@ -212,17 +207,6 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     store_dist = grad_mode and any(
         t is not None and t.requires_grad for t in (centres, weights, sigma))
     need_grad_x = grad_mode and emb.requires_grad
-    if (backend == "cpu" and not (store_dist or need_grad_x)
-            and not torch.compiler.is_compiling()):
-        # Forward-only in eager mode: no autograd node to record, so the custom op's body is
-        # called directly; the custom-op dispatch costs ~20 us a call in Python, a few % of
-        # the forward at the benchmark's small shapes. Same function, same outputs.
-        per_row, _, lse_pos, _, _ = implementation(backend).forward(
-            emb.contiguous(), labels.contiguous(), centres.contiguous(),
-            centre_labels.contiguous(), neighbours.contiguous(),
-            None if weights is None else weights.contiguous(), sigma, store_dist=False,
-            need_grad_x=False)
-        return per_row, lse_pos != float("-inf")
     per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(
         emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
         neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend,

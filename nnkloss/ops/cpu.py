@@ -292,11 +292,12 @@ def _build_and_load():
     errors = []
     for extra in flag_choices():
         try:
+            before = _loaded_libgomp()
             path = _compile(cxx, FLAGS + extra, out_dir)
             lib = _load(path)
-            if extra is OPENMP_FLAGS and len(_loaded_libgomp()) != 1:
-                # never two OpenMP runtimes (two pools) in one process
-                raise RuntimeError(f"{path} brought a second libgomp: {_loaded_libgomp()}")
+            if extra is OPENMP_FLAGS and _loaded_libgomp() != before:
+                # never a second OpenMP runtime (a second pool) brought in by the kernel
+                raise RuntimeError(f"{path} loaded another libgomp: {_loaded_libgomp()}")
             break
         except (OSError, RuntimeError, subprocess.SubprocessError, _Untrusted) as exc:
             errors.append(str(exc))
@@ -320,11 +321,19 @@ def _loaded_libgomp() -> list:
 
 
 def torch_libgomp() -> Optional[str]:
-    """The libgomp torch's intra-op pool runs on, if torch's parallel backend is OpenMP and
-    exactly one libgomp is loaded (None otherwise: the kernel then uses its own threads)."""
+    """The libgomp torch's intra-op pool runs on, if torch's parallel backend is OpenMP: the
+    ``libgomp.so.1`` in torch's own lib directory (the wheels'), else the only libgomp loaded;
+    None otherwise (the kernel then uses its own threads). Other packages' renamed copies
+    (``libgomp-<hash>.so``, e.g. scikit-learn's) have other sonames: a -fopenmp library, which
+    asks for ``libgomp.so.1``, binds to torch's."""
     if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
         return None
     found = _loaded_libgomp()
+    torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    for path in found:
+        if (os.path.basename(path) == "libgomp.so.1"
+                and os.path.dirname(os.path.realpath(path)) == torch_lib):
+            return path
     return found[0] if len(found) == 1 else None
 
 

@@ -202,7 +202,10 @@ def _time_backward(forward, x, device, warmup=2, iters=7):
 
 def worker(spec):
     """The measurements of one provider and shape, every requested mode, in this (fresh)
-    process; replies with a JSON line ``{"modes": {mode: {...}}, "idx_dtype": ...}``."""
+    process; replies with a JSON line ``{"modes": {mode: {...}}, "idx_dtype": ...}``.
+    The CPU op's thread governors are off here (NNKLOSS_GOVERN_THREADS=0): the op runs at
+    exactly ``--threads`` threads; benchmarks/bench_threads.py measures the governed default."""
+    os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],

@@ -172,7 +172,8 @@ def test_store_dist_off():
 
 
 @kernel
-def test_threads_give_identical_results():
+def test_threads_give_identical_results(monkeypatch):
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "0")  # really 3 threads, not the governor's pick
     inputs = make(B=200, K=40, D=70, N=300, seed=7)  # above PARALLEL_MIN_ELEMS
     coef = torch.randn(200, 40)
     coef[coef.abs() < 0.3] = 0
@@ -357,10 +358,12 @@ def recorded(monkeypatch):
 @pytest.mark.parametrize("emb_dtype,bank_dtype,idx_dtype", [
     (torch.float32, torch.float32, torch.int64), (torch.float64, torch.bfloat16, torch.int32),
     (torch.bfloat16, torch.float16, torch.int32)])
-def test_supported_inputs_run_the_compiled_kernel(recorded, emb_dtype, bank_dtype, idx_dtype):
+def test_supported_inputs_run_the_compiled_kernel(recorded, emb_dtype, bank_dtype, idx_dtype,
+                                                  monkeypatch):
     """The fast path is what runs (its fallback gives the same numbers, so only this tells a
     lost fast path from a working one): forward, centre_grad and scale_rows each call their
-    entry point once, with the documented thread count."""
+    entry point once, with the documented thread count (governor off: it may pick one)."""
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "0")
     emb, labels, centres, cl, nb, w, s = make(emb_dtype=emb_dtype, bank_dtype=bank_dtype,
                                               idx_dtype=idx_dtype, cl_dtype=idx_dtype, seed=21)
     B, K = nb.shape
@@ -515,15 +518,17 @@ def test_build_falls_back_to_plain_flags_then_to_a_temp_dir(monkeypatch, fresh_s
 
     def fake_compile(cxx, flags, out_dir):
         calls.append((cxx, flags, out_dir))
-        if "-fopenmp-simd" in flags:
-            raise RuntimeError("c++ failed: unknown flag -fopenmp-simd")
+        for flag in ("-fopenmp", "-fopenmp-simd"):
+            if flag in flags:
+                raise RuntimeError(f"c++ failed: unknown flag {flag}")
         return built
     monkeypatch.setattr(cpu, "_compile", fake_compile)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu.available()
-    assert calls == [(cpu._compiler(), cpu.FLAGS + cpu.THREAD_FLAGS, out_dir),
-                     (cpu._compiler(), cpu.FLAGS + cpu.PLAIN_FLAGS, out_dir)]
+    first = [cpu.OPENMP_FLAGS] if cpu.torch_libgomp() else []   # torch's OpenMP team first
+    assert calls == [(cpu._compiler(), cpu.FLAGS + f, out_dir)
+                     for f in first + [cpu.THREAD_FLAGS, cpu.PLAIN_FLAGS]]
     assert os.path.isdir(out_dir) and cpu.build_info()["path"] == built
     _check_library_works()
 
@@ -535,11 +540,13 @@ def test_build_failure_reports_every_attempt(monkeypatch, fresh_state, tmp_path)
     def failing(cxx, flags, out_dir):
         raise RuntimeError(f"refused {flags[-1]}")
     monkeypatch.setattr(cpu, "_compile", failing)
-    with pytest.warns(RuntimeWarning, match=r"unavailable \(refused -fopenmp-simd; refused "
-                                            r"-pthread\); using the plain PyTorch path"):
+    attempts = ("refused -fopenmp; " if cpu.torch_libgomp() else "") + \
+        "refused -fopenmp-simd; refused -pthread"
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(" + attempts + r"\); using the "
+                                            r"plain PyTorch path"):
         assert not cpu.available()
-    assert cpu.build_info() == {"path": None, "compile_s": None,
-                                "error": "refused -fopenmp-simd; refused -pthread"}
+    assert cpu.build_info() == {"path": None, "compile_s": None, "error": attempts,
+                                "pool": None}
     if cpu._compiler() is not None:
         # a reset forgets the failure: the next call builds (from the cache) and says so
         monkeypatch.setattr(cpu, "_compile", real_compile)
@@ -684,6 +691,7 @@ def test_centre_grad_edge_sizes_and_coef_dtype():
 @kernel
 def test_thread_count_reaches_the_kernel(recorded, monkeypatch):
     """B*K*D (B*D for scale_rows) sets the thread count passed to each entry point."""
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "0")  # the rule alone, not the governor's pick
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     emb, labels, centres, cl, nb, w, s = make(B=64, K=32, D=64, N=50, seed=26)
     cpu.forward(emb, labels, centres, cl, nb, w, s)
@@ -724,7 +732,7 @@ def _copy_compiler(path, lib, log=None):
 
 
 def _key_path(cache, cxx, flags=None):
-    key = cpu._cache_key(cxx, flags or cpu.FLAGS + cpu.THREAD_FLAGS)
+    key = cpu._cache_key(cxx, flags or cpu.FLAGS + cpu.flag_choices()[0])
     return os.path.join(str(cache), f"nnk_cpu_{key}.so")
 
 

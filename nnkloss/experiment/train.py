@@ -46,6 +46,7 @@ from . import checkpoint as _ckpt
 from .bank_upkeep import BankUpkeep
 from .logs import json_safe, write_logs
 from ..losses.base import BankLoss
+from ..threads import ThreadGovernor
 from ..validation import value_checks, value_checks_enabled
 from .. import distributed as _dist
 
@@ -190,6 +191,27 @@ class Trainer:
             (besides the initial bank built before step 1 and the ``schedule``'s), so that
             the network does not train for a whole interval against centres of its random
             initialisation. Runs the refresher's way (in the background with ``async_mode``).
+
+    Threads (issue 21):
+
+        threads: "auto" (default), None, an int, or a :class:`nnkloss.threads.ThreadGovernor`.
+            "auto" on a CPU device with more than one torch thread: a governor times the
+            training steps (wall time from one step's end to the next's: loading, forward,
+            backward, optimiser, bank upkeep) at torch's thread count and at one thread, keeps
+            the faster (``torch.set_num_threads``) and re-probes with back-off (starts at one
+            thread: 5 warm-up steps, then windows of 6 steps, a clearly slower side given up
+            after 2, holds of 64 steps doubling to 4096 while confirmed). Most of a CPU
+            step is torch's own ops, whose OpenMP barriers wait for descheduled threads when
+            other processes keep the cores busy; then one thread is faster, idle it is not
+            (digits demo on 2 cores: 48 s at 2 threads vs 67 s at 1 idle, 798 s vs 165 s
+            loaded). Its decisions go to the epoch log: ``threads`` (the count at the epoch's
+            end), ``threads_decisions``, ``threads_step_ms_full`` / ``threads_step_ms_one``
+            (the last probe's medians). Nothing is printed. The count changes the summation
+            order of torch's parallel reductions, so a governed run is not bit-reproducible
+            across machines or loads: pass an int (that count for the run) or None (torch's
+            setting untouched) for that. A governor instance may be shared by several
+            Trainers (the demo does), so that later runs start from what earlier ones learned.
+            torch's thread count is restored when :meth:`fit` returns.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -202,7 +224,7 @@ class Trainer:
                  eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
                  grad_clip: Optional[float] = None, desc: str = "train",
                  fresh_centres: Optional[float] = None, lists_every_steps: Optional[int] = None,
-                 warm_start_steps: int = 0):
+                 warm_start_steps: int = 0, threads="auto"):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not lr > 0:
@@ -250,6 +272,18 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []
         self._bar = None
         self._check_next_step = True
+        self.threads = threads
+        self.governor: Optional[ThreadGovernor] = None
+        if isinstance(threads, ThreadGovernor):
+            self.governor = threads
+        elif threads == "auto":
+            if (self.device.type == "cpu" and torch.get_num_threads() > 1
+                    and os.environ.get("NNKLOSS_GOVERN_THREADS", "1") != "0"):
+                self.governor = ThreadGovernor(torch.get_num_threads(), **GOVERNOR_OPTIONS)
+        elif threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                      or threads < 1):
+            raise ValueError(f"threads must be 'auto', None, a positive int or a "
+                             f"ThreadGovernor, got {threads!r}")
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
 
@@ -385,6 +419,10 @@ class Trainer:
         upkeep = self.upkeep
         upkeep.start_epoch()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        gov = self.governor
+        if gov is not None:
+            gov.skip_next()  # the first interval holds the loader's start and the last epoch's
+        t_step = time.perf_counter()
         bar = self._bar
         if bar is not None:
             bar.set_description(f"{self.desc} epoch {epoch}/{total_epochs}")
@@ -428,6 +466,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
             # Fresh centres, a finished background refresh, list rebuilds, due refreshes.
             upkeep.after_step(self.step, idx, emb)
+            if gov is not None:  # times this step; may change torch's thread count
+                now = time.perf_counter()
+                gov.record(now - t_step)
+                t_step = now
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
         mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
@@ -446,6 +488,8 @@ class Trainer:
             row["counted_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
         row.update(upkeep.epoch_columns())
+        if gov is not None:
+            row.update(_governor_columns(gov))
         return row
 
     def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:
@@ -469,9 +513,16 @@ class Trainer:
             total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
             # One bar for the whole run (not one per epoch): readable in logs and notebooks.
             self._bar = tqdm(total=total, desc=self.desc, unit="step")
+        saved_threads = torch.get_num_threads()
+        if self.governor is not None:
+            self.governor.apply = torch.set_num_threads
+            torch.set_num_threads(self.governor.threads())
+        elif isinstance(self.threads, int):
+            torch.set_num_threads(self.threads)
         try:
             self._run_epochs(int(epochs))
         finally:
+            torch.set_num_threads(saved_threads)
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -509,6 +560,18 @@ class Trainer:
                 self.save_checkpoint()
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
+
+
+#: The Trainer's governor: units are training steps.
+GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096)
+
+
+def _governor_columns(gov: ThreadGovernor) -> Dict[str, Any]:
+    last = gov.events[-1] if gov.events else {}
+    ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
+    return {"threads": gov.threads(), "threads_decisions": len(gov.events),
+            "threads_step_ms_full": ms(last.get("cost_full")),
+            "threads_step_ms_one": ms(last.get("cost_one"))}
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

@@ -4,9 +4,12 @@
 Triton launcher and the plain torch path. The source (``cpu_kernel.cpp``, no torch headers) is
 compiled once per machine with the system compiler::
 
-    c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread -fopenmp-simd cpu_kernel.cpp \
+    c++ -O3 -march=native -std=c++17 -shared -fPIC -pthread -fopenmp cpu_kernel.cpp \
         -o <cache>/nnk_cpu_<hash>.so
 
+(``-fopenmp`` where torch's own pool is the libgomp loaded in the process, so that the kernel
+runs on torch's OpenMP team; ``-fopenmp-simd`` and the kernel's own std::threads otherwise; see
+OPENMP_FLAGS below)
 into a per-user cache directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else
 ``~/.cache/nnkloss``; if that is unusable, ``<tmp>/nnkloss-<uid>``), keyed by a hash of the
 source, the compiler's version, the flags and the CPU's feature flags, written to a temporary
@@ -48,6 +51,7 @@ from typing import Optional
 import torch
 
 from ..atomic import atomic_write
+from ..threads import ThreadGovernor
 from . import reference
 
 __all__ = ["available", "forward", "centre_grad", "scale_rows", "build_info", "library_path",
@@ -55,7 +59,19 @@ __all__ = ["available", "forward", "centre_grad", "scale_rows", "build_info", "l
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
-THREAD_FLAGS = ["-pthread", "-fopenmp-simd"]  # std::threads; OpenMP pragmas are simd hints only
+# Whose threads (issue 21): torch's. Where torch's own intra-op pool is libgomp (torch's
+# parallel backend is OpenMP and a libgomp.so.1 is loaded in this process, as with the Linux
+# wheels), the kernel is built with -fopenmp: its parallel loops are `#pragma omp parallel`
+# regions, and the libgomp.so.1 it needs is the one torch already loaded (same soname), so the
+# op runs on torch's OpenMP team, the same worker threads as torch's ops: one pool, never two
+# sets of threads spinning against each other. Measured on the 2-core machine, load 0.3-1.1,
+# forward+backward at the 4 bench_loss CPU shapes, speed at 2 threads over 1: 1.6-1.9x on
+# torch's team (8 of 8 shape-runs faster); 0.2-1.5x with the kernel's own std::threads beside
+# torch's spinning workers (10 of 16 slower than one thread).
+OPENMP_FLAGS = ["-pthread", "-fopenmp"]
+# Elsewhere (no libgomp in the process: another OpenMP runtime would be a second pool) the
+# kernel's own claim-based std::threads (run_items), OpenMP pragmas as simd hints only.
+THREAD_FLAGS = ["-pthread", "-fopenmp-simd"]
 PLAIN_FLAGS = ["-pthread"]  # a compiler without -fopenmp-simd: the loops still auto-vectorise
 
 _BANK_TYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -63,7 +79,7 @@ _INDEX_TYPES = {torch.int32: 0, torch.int64: 1}
 
 _lock = threading.Lock()
 _state = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
-          "warned": False}
+          "warned": False, "pool": None}
 
 
 def _compiler() -> Optional[str]:
@@ -279,10 +295,14 @@ def _build_and_load():
     out_dir = _usable_cache_dir()
     t0 = time.perf_counter()
     errors = []
-    for extra in (THREAD_FLAGS, PLAIN_FLAGS):
+    for extra in flag_choices():
         try:
+            before = _loaded_libgomp()
             path = _compile(cxx, FLAGS + extra, out_dir)
             lib = _load(path)
+            if extra is OPENMP_FLAGS and _loaded_libgomp() != before:
+                # never a second OpenMP runtime (a second pool) brought in by the kernel
+                raise RuntimeError(f"{path} loaded another libgomp: {_loaded_libgomp()}")
             break
         except (OSError, RuntimeError, subprocess.SubprocessError, _Untrusted) as exc:
             errors.append(str(exc))
@@ -290,8 +310,42 @@ def _build_and_load():
             errors.append(f"{path}: {exc}")
     else:
         raise RuntimeError("; ".join(errors))
-    _state.update(path=path, compile_s=time.perf_counter() - t0)
+    _state.update(path=path, compile_s=time.perf_counter() - t0,
+                  pool="torch-openmp" if lib.nnk_openmp() else "own-threads")
     return lib
+
+
+def _loaded_libgomp() -> list:
+    """Paths of the libgomp libraries mapped into this process (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f
+                           if os.path.basename(line.split()[-1]).startswith("libgomp")})
+    except OSError:
+        return []
+
+
+def torch_libgomp() -> Optional[str]:
+    """The libgomp torch's intra-op pool runs on, if torch's parallel backend is OpenMP: the
+    ``libgomp.so.1`` in torch's own lib directory (the wheels'), else the only libgomp loaded;
+    None otherwise (the kernel then uses its own threads). Other packages' renamed copies
+    (``libgomp-<hash>.so``, e.g. scikit-learn's) have other sonames: a -fopenmp library, which
+    asks for ``libgomp.so.1``, binds to torch's."""
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        return None
+    found = _loaded_libgomp()
+    torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    for path in found:
+        if (os.path.basename(path) == "libgomp.so.1"
+                and os.path.dirname(os.path.realpath(path)) == torch_lib):
+            return path
+    return found[0] if len(found) == 1 else None
+
+
+def flag_choices() -> list:
+    """The thread flags tried, in order (each after FLAGS): torch's OpenMP team where torch's
+    pool is libgomp, then own threads, then plain."""
+    return ([OPENMP_FLAGS] if torch_libgomp() else []) + [THREAD_FLAGS, PLAIN_FLAGS]
 
 
 def _lib():
@@ -332,9 +386,10 @@ def available() -> bool:
 
 
 def build_info() -> dict:
-    """Library path, build/load seconds of this process's first call, error."""
+    """Library path, build/load seconds of this process's first call, error, and whose
+    threads the kernel runs on ("torch-openmp": torch's OpenMP team; "own-threads")."""
     _lib()
-    return {k: _state[k] for k in ("path", "compile_s", "error")}
+    return {k: _state[k] for k in ("path", "compile_s", "error", "pool")}
 
 
 def library_path() -> Optional[str]:
@@ -344,7 +399,7 @@ def library_path() -> Optional[str]:
 def _reset_for_tests():
     with _lock:
         _state.update(lib=None, tried=False, error=None, path=None, compile_s=None,
-                      warned=False)
+                      warned=False, pool=None)
 
 
 def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
@@ -357,18 +412,55 @@ def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
             and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
 
 
-# Whose threads: the kernel's own. Each call starts at most torch.get_num_threads() - 1
-# helper std::threads that claim rows from a shared counter and exit when none is left (no
-# pool, nothing spins between calls); torch's intra-op pool is not used inside the op, and its
-# size is the one knob for both (torch.set_num_threads / OMP_NUM_THREADS). The caller never
-# waits for a helper that has not started, so on a busy machine a late helper costs nothing.
-# Each thread gets at least this many gathered elements (B*K*D) of work: a helper thread is
-# started per call (tens of microseconds), which smaller shares would not repay.
+# Whose threads: torch's OpenMP team where torch's pool is libgomp (see OPENMP_FLAGS), else the
+# kernel's own claim-based std::threads (run_items in the .cpp). How many: at most
+# torch.get_num_threads() (the one knob for torch and the op: torch.set_num_threads /
+# OMP_NUM_THREADS), and each thread gets at least this many gathered elements (B*K*D) of work:
+# a parallel region costs microseconds, which smaller shares would not repay.
 PARALLEL_MIN_ELEMS = 1 << 16
+
+# And, by default, whichever of that count and one thread is measured to be faster (issue 21):
+# a ThreadGovernor per entry point times the calls (cost per gathered element), probes the
+# full count and one thread, keeps the faster and re-probes with back-off (nnkloss/threads.py).
+# An OpenMP team's closing barrier waits for its slowest thread, and beside another process that
+# keeps the cores busy that thread is often descheduled for a whole time slice: there one thread
+# is faster (measured on the 2-core machine: forward+backward 2-6x slower at 2 threads beside a
+# 2-thread matmul), idle two threads are (1.6-1.8x). The result does not depend on the count
+# (every row is computed by one thread, the centre gradient in a fixed order): only the time
+# does. NNKLOSS_GOVERN_THREADS=0 turns the governors off (the full count always).
+GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200)
+_governors = {}
+
+
+def governing() -> bool:
+    return os.environ.get("NNKLOSS_GOVERN_THREADS", "1") != "0"
+
+
+def governor(name: str) -> ThreadGovernor:
+    """The ThreadGovernor of one entry point ("forward", "centre_grad", "scale_rows")."""
+    g = _governors.get(name)
+    if g is None:
+        g = _governors.setdefault(name, ThreadGovernor(torch.get_num_threads,
+                                                       **GOVERNOR_OPTIONS))
+    return g
 
 
 def _threads(work: int) -> int:
     return max(1, min(torch.get_num_threads(), work // PARALLEL_MIN_ELEMS))
+
+
+def _run(name: str, work: int, call) -> int:
+    """``call(nthreads)`` with the count of :func:`_threads`, or the governor's choice when it
+    is smaller; the call's time is reported to the governor. Returns the call's result."""
+    n = _threads(work)
+    if n <= 1 or not governing():
+        return call(n)
+    gov = governor(name)
+    n = min(n, gov.threads())
+    t0 = time.perf_counter()
+    rc = call(n)
+    gov.record(time.perf_counter() - t0, work, threads=n)
+    return rc
 
 
 def _ptr(t):
@@ -404,13 +496,12 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
                                                                    need_grad_x)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
-    rc = lib.nnk_forward(int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(),
-                         lab.data_ptr(), centres.data_ptr(), centre_labels.data_ptr(),
-                         int(centre_labels.dtype == torch.int64), nb.data_ptr(),
-                         int(nb.dtype == torch.int64), _ptr(w), wtype, s, B, K, D, N,
-                         int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(),
-                         lse_pos.data_ptr(), grad_x.data_ptr() if need_grad_x else None,
-                         dist.data_ptr() if store_dist else None, _threads(B * K * D))
+    rc = _run("forward", B * K * D, lambda n: lib.nnk_forward(
+        int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(),
+        centres.data_ptr(), centre_labels.data_ptr(), int(centre_labels.dtype == torch.int64),
+        nb.data_ptr(), int(nb.dtype == torch.int64), _ptr(w), wtype, s, B, K, D, N,
+        int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
+        grad_x.data_ptr() if need_grad_x else None, dist.data_ptr() if store_dist else None, n))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")
     return loss, lse_all, lse_pos, grad_x, dist
@@ -432,21 +523,19 @@ def centre_grad(emb, centres, neighbours, coef):
     x = emb.detach().to(cdt).contiguous()
     c = coef.detach().to(cdt).contiguous()
     nb = neighbours.detach().contiguous()
-    rc = lib.nnk_centre_grad(int(cdt == torch.float64), _BANK_TYPES[centres.dtype],
-                             x.data_ptr(), centres.data_ptr(), nb.data_ptr(),
-                             int(nb.dtype == torch.int64), c.data_ptr(), B, K, D, N,
-                             grad.data_ptr(), _threads(B * K * D))
+    rc = _run("centre_grad", B * K * D, lambda n: lib.nnk_centre_grad(
+        int(cdt == torch.float64), _BANK_TYPES[centres.dtype], x.data_ptr(), centres.data_ptr(),
+        nb.data_ptr(), int(nb.dtype == torch.int64), c.data_ptr(), B, K, D, N, grad.data_ptr(),
+        n))
     if rc != 0:
         raise RuntimeError(f"nnk_centre_grad failed (code {rc})")
     return grad
 
 
 def scale_rows(grad_x, g):
-    """``g[:, None] * grad_x`` (the backward's embedding gradient) on the kernel's threads;
-    rows with ``g == 0`` get 0 whatever ``grad_x`` holds (NaN rows pass no gradient on).
-
-    torch's own elementwise ops run on its OpenMP pool, whose threads spin after each op; on a
-    busy machine that costs more than the multiply (and competes with the next forward)."""
+    """``g[:, None] * grad_x`` (the backward's embedding gradient) in one pass on the kernel's
+    threads (governed like the forward); rows with ``g == 0`` get 0 whatever ``grad_x`` holds
+    (NaN rows pass no gradient on). One call instead of torch's where / mul / ne chain."""
     lib = _lib()
     g = g.to(grad_x.dtype).contiguous()
     if (lib is None or grad_x.device.type != "cpu" or not grad_x.is_contiguous()
@@ -454,8 +543,9 @@ def scale_rows(grad_x, g):
         return torch.where((g != 0)[:, None], g[:, None] * grad_x, 0.0)
     B, D = grad_x.shape
     out = torch.empty_like(grad_x)
-    rc = lib.nnk_scale_rows(int(grad_x.dtype == torch.float64), grad_x.data_ptr(),
-                            g.data_ptr(), B, D, out.data_ptr(), _threads(B * D))
+    rc = _run("scale_rows", B * D, lambda n: lib.nnk_scale_rows(
+        int(grad_x.dtype == torch.float64), grad_x.data_ptr(), g.data_ptr(), B, D,
+        out.data_ptr(), n))
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
     return out

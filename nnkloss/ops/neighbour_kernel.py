@@ -71,11 +71,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                           lse_pos, grad_x, dist)
     ctx.backend = backend
+    # Only the loss's gradient is used: the four other outputs' gradients arrive as None
+    # instead of zero tensors that autograd would fill (a (B, D) fill per backward for grad_x,
+    # on torch's OpenMP pool).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
     (emb, labels, centres, centre_labels, neighbours, weights, sigma,
      lse_pos, grad_x, u) = ctx.saved_tensors
+    if g_loss is None:  # the loss itself took no gradient (set_materialize_grads(False))
+        return None, None, None, None, None, None, None, None, None, None
     need = ctx.needs_input_grad
     need_emb, need_c, need_w, need_s = need[0], need[2], need[5], need[6]
     cdt = grad_x.dtype

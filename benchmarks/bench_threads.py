@@ -1,0 +1,218 @@
+"""Threads on a shared machine (issue 21): the digits demo and the CPU op at 1 thread, at 2
+threads and at the default (2 threads, governed), with the machine as it is ("idle") and beside
+a competing 2-thread process (a torch matmul loop), measured interleaved (1, 2, default, 1, 2,
+default, ...).
+
+    python benchmarks/bench_threads.py                        # demo at 5 epochs, op, 1 round
+    python benchmarks/bench_threads.py --epochs 30 --rounds 2 # the README's demo (long)
+    python benchmarks/bench_threads.py --parts op --loads matmul2
+
+Settings: ``1`` and ``2`` are fixed counts (``repro/digits.py --threads N``; for the op
+``torch.set_num_threads(N)`` and ``NNKLOSS_GOVERN_THREADS=0``), ``default`` is what a user gets
+without asking (the demo's ``--threads auto``: the Trainer's ThreadGovernor; the op at torch's
+default count with its per-entry governors). Every demo run and every op measurement is a fresh
+process. The op: median ms of 40 calls after 3 warm-ups of ``nnkloss.neighbour_kernel_loss``,
+forward-only (``fwd``) and forward+backward to the embeddings (``fwd_bwd``), at the CPU shapes
+of bench_loss.py (N bank rows as there).
+
+Appends to ``benchmarks/results/threads_<device>.txt`` one line per measurement, each with the
+device, commit, UTC date and load average (``os.getloadavg``: 1, 5, 15 minutes) at its start,
+then a summary of the ratios to the 1-thread figure of the same load and round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from common import device_name, git_commit, load_average, results_path, utc_now  # noqa: E402
+
+import torch  # noqa: E402
+
+SETTINGS = ["1", "2", "default"]
+LOADS = ["idle", "matmul2"]
+# (B, K, D, N, bank dtype): bench_loss.CPU_GRID
+OP_SHAPES = [(256, 100, 512, 20000, "fp32"), (1024, 32, 128, 50000, "fp32"),
+             (64, 256, 2048, 10000, "fp32"), (256, 100, 512, 20000, "bf16")]
+COMPETITOR = ("import torch\n"
+              "torch.set_num_threads(2)\n"
+              "a = torch.randn(1024, 1024); b = torch.randn(1024, 1024)\n"
+              "while True:\n"
+              "    a @ b\n")
+
+
+def _env(setting):
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if setting != "default":
+        env["NNKLOSS_GOVERN_THREADS"] = "0"
+    else:
+        env.pop("NNKLOSS_GOVERN_THREADS", None)
+    return env
+
+
+def run_demo(setting, epochs):
+    """Wall seconds of ``repro/digits.py --epochs epochs`` at the setting (a fresh process)."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(ROOT, "repro", "digits.py"), "--out", out,
+               "--epochs", str(epochs), "--no-progress",
+               "--threads", "auto" if setting == "default" else setting]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=_env(setting), capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"digits.py failed: {proc.stderr[-2000:]}")
+        decisions = _demo_threads(out)
+    return wall, decisions
+
+
+def _demo_threads(out):
+    """The governor's last logged choice per run (log.json threads column), if any."""
+    found = {}
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name, "log.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                rows = json.load(f)
+            rows = rows.get("epochs", rows) if isinstance(rows, dict) else rows
+            if rows and isinstance(rows, list) and "threads" in rows[-1]:
+                found[name] = [r.get("threads") for r in rows]
+    return found
+
+
+def op_worker(setting, iters=40):
+    """Median ms per (shape, mode) in this process; prints one JSON line."""
+    if setting != "default":
+        torch.set_num_threads(int(setting))
+    from bench_loss import DTYPES, fused_loss, make_inputs
+    import nnkloss
+    from nnkloss.ops import cpu
+    cpu.available()
+    res = {}
+    with nnkloss.value_checks(False):
+        for B, K, D, N, dt in OP_SHAPES:
+            inputs = make_inputs(B, K, D, N, DTYPES[dt], torch.device("cpu"))
+            for mode in ("fwd", "fwd_bwd"):
+                x = inputs[0].detach().clone().requires_grad_(mode == "fwd_bwd")
+
+                def step():
+                    loss = fused_loss(x, *inputs[1:])
+                    if mode == "fwd_bwd":
+                        x.grad = None
+                        loss.backward()
+                for _ in range(3):
+                    step()
+                times = []
+                for _ in range(iters):
+                    t = time.perf_counter()
+                    step()
+                    times.append((time.perf_counter() - t) * 1e3)
+                res[f"{mode} {B},{K},{D},{dt}"] = sorted(times)[len(times) // 2]
+    res["_governors"] = {k: g.summary()["threads"] for k, g in cpu._governors.items()}
+    res["_pool"] = cpu.build_info().get("pool")
+    print(json.dumps(res))
+
+
+def run_op(setting):
+    cmd = [sys.executable, os.path.abspath(__file__), "--op-worker", setting]
+    proc = subprocess.run(cmd, env=_env(setting), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"op worker failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class Competitor:
+    """A 2-thread torch matmul loop in its own process, for the 'matmul2' load."""
+
+    def __init__(self, kind):
+        self.kind, self.proc = kind, None
+
+    def __enter__(self):
+        if self.kind == "matmul2":
+            self.proc = subprocess.Popen([sys.executable, "-c", COMPETITOR],
+                                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+            time.sleep(3)  # let it start and allocate
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epochs", type=int, default=5, help="demo epochs per run (README: 30)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per load")
+    p.add_argument("--settings", nargs="+", default=SETTINGS, choices=SETTINGS)
+    p.add_argument("--loads", nargs="+", default=LOADS, choices=LOADS)
+    p.add_argument("--parts", nargs="+", default=["demo", "op"], choices=["demo", "op"])
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--op-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.op_worker:
+        return op_worker(args.op_worker)
+    dev = device_name(torch.device("cpu"))
+    commit = git_commit()
+    path = results_path(args.out, torch.device("cpu"), prefix="threads_", ext=".txt")
+    results = []  # (load, round, part, setting, key, value)
+
+    def log(line):
+        print(line, flush=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+    log(f"== bench_threads: parts {args.parts}, settings {args.settings}, loads {args.loads}, "
+        f"demo epochs {args.epochs}, rounds {args.rounds} | {dev} | commit {commit} | "
+        f"{utc_now()} | load {load_average()}")
+    for load in args.loads:
+        with Competitor(load):
+            for r in range(args.rounds):
+                for part in args.parts:
+                    for setting in args.settings:
+                        stamp = f"{dev} | commit {commit} | {utc_now()} | load {load_average()}"
+                        if part == "demo":
+                            wall, chosen = run_demo(setting, args.epochs)
+                            results.append((load, r, part, setting, "wall_s", wall))
+                            log(f"demo load={load} round={r} threads={setting} "
+                                f"epochs={args.epochs} wall_s={wall:.1f}"
+                                + (f" governor={json.dumps(chosen)}" if chosen else "")
+                                + f" | {stamp}")
+                        else:
+                            res = run_op(setting)
+                            extra = {k: res.pop(k) for k in ("_governors", "_pool")}
+                            for key, ms in res.items():
+                                results.append((load, r, part, setting, key, ms))
+                            log(f"op load={load} round={r} threads={setting} "
+                                + " ".join(f"[{k}]={v:.3f}ms" for k, v in res.items())
+                                + f" pool={extra['_pool']} governors={extra['_governors']}"
+                                + f" | {stamp}")
+    # ratios to 1 thread (same load, round, part, key): > 1 is slower than one thread
+    log(f"-- summary: time / time at 1 thread (same load and round), > 1.00 = slower than one "
+        f"thread | end {utc_now()} | load {load_average()}")
+    base = {(l, r, part, k): v for l, r, part, s, k, v in results if s == "1"}
+    for setting in args.settings:
+        if setting == "1":
+            continue
+        for load in args.loads:
+            for part in args.parts:
+                ratios = [(k, r, v / base[(l, r, pt, k)]) for l, r, pt, s, k, v in results
+                          if s == setting and l == load and pt == part
+                          and (l, r, pt, k) in base]
+                if ratios:
+                    log(f"  threads={setting} load={load} {part}: " + " ".join(
+                        f"[{k} r{r}]={x:.2f}" for k, r, x in ratios)
+                        + f" | worst {max(x for _, _, x in ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()

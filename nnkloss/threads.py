@@ -1,0 +1,167 @@
+"""A thread-count governor: time the work at the full thread count and at one thread, keep the
+faster, and look again later (issue 21).
+
+Why measure rather than guess: on the 2-core machine this package is developed on, torch's
+default of 2 threads made the digits demo 1.4x faster than one thread when the machine was idle
+and 1.6x to 4.8x *slower* beside other processes (an OpenMP team's barrier waits for its
+slowest, descheduled, thread; benchmarks/results/threads_AMD_EPYC_2026-11-23.txt). Which one
+wins depends on what else runs, which changes while a job runs, so a fixed default is wrong
+somewhere. :class:`ThreadGovernor` is a small state machine fed with the duration of each unit
+of work (a training step, a kernel call):
+
+1. ``warmup`` units at one thread, not timed (allocations, first-call costs). It starts at
+   one thread because that is the cheap mistake: idle, one thread costs 1.4-1.8x on 2 cores;
+   beside a busy process, two threads cost up to 5x (measured, see above);
+2. a probe: ``window`` units at the current choice (free: that is what runs anyway), then up
+   to ``window`` at the other count (the first unit after each switch is not timed: an OpenMP
+   team that changes size pays once). The other side is abandoned as soon as two of its units
+   have a median cost per unit of work above ``abandon`` times the current side's, so a probe
+   of a clearly worse count costs three units. The cheaper side is kept (one thread only if it
+   is cheaper by more than ``margin``, a fraction: ties go to the full count);
+3. a hold of ``hold`` units, after which it probes again. When a probe confirms the previous
+   choice the hold doubles (up to ``max_hold``); when it changes the choice it drops back to
+   ``hold``. So a steady machine is probed rarely, and a machine whose load changes is
+   followed within a hold.
+
+Every decision is kept in ``events`` (unit index, both medians, the choice) and summarised by
+:meth:`ThreadGovernor.summary`; nothing is printed. The clock is a parameter, so the tests
+drive it with a fake one. The governor only chooses a number; who applies it is the caller's
+business (``apply`` is called with the new count at each change: the Trainer passes
+``torch.set_num_threads``; the CPU op reads :meth:`threads` before each call).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Optional
+
+__all__ = ["ThreadGovernor"]
+
+
+class ThreadGovernor:
+    """Chooses between ``full`` threads and one by timing (see the module docstring).
+
+    Args:
+        full: the full thread count (a number, or a callable read at each probe, e.g.
+            ``torch.get_num_threads``). With ``full <= 1`` there is nothing to choose: 1.
+        warmup, window, hold, max_hold: in units of work (see the module docstring).
+        margin: one thread is kept only if its median cost is below ``(1 - margin)`` times
+            the full count's.
+        abandon: a probed side whose median (over at least two units) exceeds this times
+            the current side's is given up at once.
+        apply: called with the new thread count whenever the choice changes (None: nothing).
+    """
+
+    def __init__(self, full=2, *, warmup: int = 5, window: int = 6, hold: int = 64,
+                 max_hold: int = 4096, margin: float = 0.05, abandon: float = 1.5,
+                 apply: Optional[Callable[[int], None]] = None):
+        if window < 2 or hold < 1 or max_hold < hold or warmup < 0:
+            raise ValueError("need window >= 2, hold >= 1, max_hold >= hold, warmup >= 0")
+        self._full = full
+        self.warmup, self.window, self.base_hold, self.max_hold = warmup, window, hold, max_hold
+        self.margin, self.abandon = float(margin), float(abandon)
+        self.apply = apply
+        self._lock = threading.Lock()
+        self.units = 0                   # units recorded so far
+        self.events: List[Dict] = []     # one per decision
+        self.hold = self.base_hold
+        self.choice = None               # None until the first decision, then "one" / "full"
+        self._one = True                 # running at one thread now (else at the full count)
+        self._skip = False               # drop the next unit (after a switch)
+        self._costs: Dict[str, List[float]] = {}
+        self.phase, self.left = "warmup", self.warmup
+        if self.warmup == 0:
+            self._start_probe()
+
+    @property
+    def full(self) -> int:
+        f = self._full() if callable(self._full) else self._full
+        return max(1, int(f))
+
+    def threads(self) -> int:
+        """The thread count for the next unit of work (the full count is read afresh)."""
+        return 1 if self._one else self.full
+
+    def _set(self, one: bool):
+        if one != self._one:
+            self._one = one
+            self._skip = True
+            if self.apply is not None:
+                self.apply(self.threads())
+
+    def _side(self) -> str:
+        return "one" if self._one else "full"
+
+    def record(self, seconds: float, work: float = 1.0, threads: Optional[int] = None) -> None:
+        """One unit of work took ``seconds`` (``work``: its size, so that units of different
+        sizes compare per unit of work). ``threads``: the count it ran at, when the caller
+        knows it; a unit that ran at another count than the governor's is not timed."""
+        with self._lock:
+            self.units += 1
+            if threads is not None and threads != self.threads():
+                return
+            if self._skip:
+                self._skip = False
+                return
+            if self.full <= 1:
+                return
+            self.left -= 1
+            if self.phase in ("current", "other"):
+                cost = float(seconds) / max(float(work), 1e-30)
+                self._costs.setdefault(self._side(), []).append(cost)
+                if self.phase == "other" and self._clearly_worse():
+                    return self._decide()
+            if self.left > 0:
+                return
+            if self.phase in ("warmup", "hold"):
+                self._start_probe()
+            elif self.phase == "current":
+                self.phase, self.left = "other", self.window
+                self._set(not self._one)
+            else:
+                self._decide()
+
+    def skip_next(self) -> None:
+        """Do not time the next unit (the caller did something else in between, e.g. an
+        evaluation between two epochs)."""
+        with self._lock:
+            self._skip = True
+
+    def _start_probe(self):
+        self._costs = {}
+        self._current_side = self._side()
+        self.phase, self.left = "current", self.window
+
+    @staticmethod
+    def _median(c):
+        return sorted(c)[len(c) // 2] if c else None
+
+    def _clearly_worse(self) -> bool:
+        other = self._costs.get(self._side(), [])
+        ref = self._median(self._costs.get(self._current_side, []))
+        return len(other) >= 2 and ref is not None and \
+            self._median(other) > self.abandon * ref
+
+    def _decide(self):
+        cost_full = self._median(self._costs.get("full"))
+        cost_one = self._median(self._costs.get("one"))
+        full = self.full
+        choice = "full"
+        if cost_full is None:
+            choice = self._current_side
+        elif cost_one is not None and cost_one < (1.0 - self.margin) * cost_full:
+            choice = "one"
+        if self.choice is not None:
+            self.hold = min(2 * self.hold, self.max_hold) if choice == self.choice \
+                else self.base_hold
+        self.choice = choice
+        self.events.append({"unit": self.units, "full": full, "cost_full": cost_full,
+                            "cost_one": cost_one, "threads": 1 if choice == "one" else full,
+                            "hold": self.hold})
+        self.phase, self.left = "hold", self.hold
+        self._set(choice == "one")
+
+    def summary(self) -> Dict:
+        """The current choice and the decisions so far (for a log)."""
+        last = self.events[-1] if self.events else None
+        return {"threads": self.threads(), "decisions": len(self.events),
+                "last": None if last is None else dict(last)}

@@ -1,0 +1,188 @@
+"""Issue 21: whose threads the CPU op runs on, and the thread governor (fake clock)."""
+import pytest
+import torch
+
+from nnkloss.threads import ThreadGovernor
+from nnkloss.ops import cpu
+
+
+def drive(gov, cost, units):
+    """Feed ``units`` units whose duration is ``cost(threads, unit)``; returns the counts used."""
+    used = []
+    for u in range(units):
+        n = gov.threads()
+        used.append(n)
+        gov.record(cost(n, u))
+    return used
+
+
+def test_governor_keeps_the_faster_count_and_backs_off():
+    applied = []
+    gov = ThreadGovernor(2, warmup=3, window=4, hold=10, max_hold=40, apply=applied.append)
+    used = drive(gov, lambda n, u: 1.0 if n == 1 else 2.0, 300)   # one thread is faster
+    assert used[:3] == [1, 1, 1]                                  # warm-up at one thread
+    assert gov.threads() == 1 and gov.events[0]["threads"] == 1
+    assert gov.events[0]["cost_full"] == 2.0 and gov.events[0]["cost_one"] == 1.0
+    holds = [e["hold"] for e in gov.events]
+    assert holds[:4] == [10, 20, 40, 40]                          # confirmed: doubled, capped
+    assert applied[:2] == [2, 1]                                  # probed 2, came back
+    # a clearly worse side (2.0 > 1.5 x 1.0) is abandoned after two timed units: each probe
+    # costs three units at two threads (one untimed switch unit + two)
+    assert used.count(2) == 3 * len(gov.events)
+
+
+def test_governor_moves_to_the_full_count_when_it_is_faster_and_ties_go_to_it():
+    gov = ThreadGovernor(2, warmup=2, window=3, hold=5, max_hold=20)
+    used = drive(gov, lambda n, u: 1.0 if n == 2 else 1.8, 80)
+    assert gov.events[0]["threads"] == 2 and all(e["threads"] == 2 for e in gov.events)
+    assert used[-20:].count(1) <= 3 + 1                           # later probes of 1: abandoned
+    tie = ThreadGovernor(2, warmup=0, window=3, hold=5, margin=0.05)
+    drive(tie, lambda n, u: 1.0 if n == 2 else 0.97, 20)           # within the margin: full
+    assert tie.events and all(e["threads"] == 2 for e in tie.events)
+
+
+def test_governor_follows_a_change_of_load():
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=64)
+    # idle (2 threads faster) for 100 units, then a competing process (1 thread faster)
+    drive(gov, lambda n, u: (1.0 if n == 2 else 1.8) if u < 100 else (3.0 if n == 2 else 1.5),
+          300)
+    assert gov.events[-1]["threads"] == 1
+    flip = [e for e in gov.events if e["threads"] == 1 and e["unit"] > 100][0]
+    assert flip["unit"] < 100 + 64 + 2 * 4 + 1                    # within a (max) hold
+    assert flip["hold"] == 8                                       # a change resets the back-off
+
+
+def test_governor_uses_cost_per_unit_of_work_and_drops_switch_units():
+    gov = ThreadGovernor(2, warmup=0, window=2, hold=100)
+    seen = []
+    for u in range(6):
+        n = gov.threads()
+        seen.append(n)
+        work = 10.0 if u % 2 else 1.0
+        # the unit right after a switch is slow (team resize): it must not count
+        slow = 100.0 if u == 2 else 1.0
+        gov.record(slow * work * (0.5 if n == 2 else 0.8), work=work)
+    assert seen == [1, 1, 2, 2, 2, 2]
+    assert gov.events[0]["threads"] == 2
+    assert gov.events[0]["cost_full"] == 0.5 and gov.events[0]["cost_one"] == 0.8
+
+
+def test_governor_ignores_units_at_another_count_and_a_single_thread():
+    gov = ThreadGovernor(lambda: 1, warmup=0, window=2, hold=1)
+    drive(gov, lambda n, u: 1.0, 10)
+    assert gov.threads() == 1 and gov.events == []                # nothing to choose
+    gov = ThreadGovernor(2, warmup=0, window=2, hold=5)
+    for _ in range(10):
+        gov.record(1.0, threads=3)                                 # not the governor's count
+    assert gov.events == [] and gov.phase == "current"
+    with pytest.raises(ValueError):
+        ThreadGovernor(2, window=1)
+
+
+# ------------------------------------------------------------------ the op's pool
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_the_kernel_runs_on_torchs_openmp_pool_when_torch_has_one():
+    info = cpu.build_info()
+    if cpu.torch_libgomp() is None:
+        assert info["pool"] == "own-threads"
+        return
+    assert info["pool"] == "torch-openmp"
+    assert cpu.torch_libgomp() in cpu._loaded_libgomp()
+    # the library asks for libgomp.so.1 (torch's soname), not another runtime
+    import subprocess
+    needed = subprocess.run(["readelf", "-d", info["path"]], capture_output=True,
+                            text=True).stdout
+    if needed:
+        assert "[libgomp.so.1]" in needed
+
+
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_op_results_are_identical_at_one_and_two_threads_governed_or_not(monkeypatch):
+    import nnkloss
+    g = torch.Generator().manual_seed(3)
+    B, K, D, N = 256, 32, 64, 500   # above PARALLEL_MIN_ELEMS: two threads really run
+    centres = torch.randn(N, D, generator=g, requires_grad=True)
+    cl = torch.randint(0, 5, (N,), generator=g)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    labels = cl[nb[:, 0]]
+    emb = torch.randn(B, D, generator=g, requires_grad=True)
+
+    def run():
+        emb.grad = centres.grad = None
+        loss = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, sigma=3.0)
+        loss.backward()
+        return loss.detach(), emb.grad.clone(), centres.grad.clone()
+
+    old = torch.get_num_threads()
+    results = []
+    try:
+        for govern in ("0", "1"):
+            monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", govern)
+            for n in (1, 2, 1, 2):
+                torch.set_num_threads(n)
+                for _ in range(3):
+                    results.append(run())
+    finally:
+        torch.set_num_threads(old)
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ the Trainer's governor
+def _softmax_trainer(**kw):
+    from torch import nn
+    from torch.utils.data import DataLoader
+    from nnkloss.experiment.datasets import IndexedTensorDataset
+    from nnkloss.experiment.models import SoftmaxHead
+    from nnkloss.experiment.train import Trainer
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    loader = DataLoader(IndexedTensorDataset(x, y), batch_size=8, shuffle=True)
+    return Trainer(model, SoftmaxHead(4, 3), loader, progress=False, lr=1e-2, **kw)
+
+
+def test_trainer_governor_logs_its_choices_and_restores_the_count(monkeypatch):
+    old = torch.get_num_threads()
+    seen = []
+    try:
+        torch.set_num_threads(2)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=3)
+        # a clock where one thread is always faster: each step at 2 threads "takes" 1 s more
+        real = gov.record
+        monkeypatch.setattr(gov, "record", lambda s, *a, **k: (
+            seen.append(torch.get_num_threads()),
+            real(1.0 + (torch.get_num_threads() == 2), *a, **k))[-1])
+        tr = _softmax_trainer(threads=gov)
+        tr.fit(3)
+        assert torch.get_num_threads() == 2                      # restored
+    finally:
+        torch.set_num_threads(old)
+    assert 1 in seen and 2 in seen                               # it did switch torch's count
+    last = tr.history[-1]
+    assert last["threads_decisions"] >= 2 and last["threads_step_ms_full"] == 2000.0
+    assert last["threads_step_ms_one"] == 1000.0
+    assert all("threads" in row for row in tr.history)
+
+
+def test_trainer_threads_int_none_and_bad_values():
+    old = torch.get_num_threads()
+    counts = []
+    try:
+        torch.set_num_threads(2)
+        tr = _softmax_trainer(threads=1, eval_fn=lambda m, c, e: counts.append(
+            torch.get_num_threads()) or {})
+        tr.fit(1)
+        assert counts == [1] and torch.get_num_threads() == 2
+        assert tr.governor is None and "threads" not in tr.history[-1]
+        assert _softmax_trainer(threads=None).governor is None
+        assert _softmax_trainer().governor is not None            # "auto" on a CPU, 2 threads
+        torch.set_num_threads(1)
+        assert _softmax_trainer().governor is None                # nothing to choose
+    finally:
+        torch.set_num_threads(old)
+    for bad in (0, "two", True, 1.5):
+        with pytest.raises(ValueError, match="threads"):
+            _softmax_trainer(threads=bad)

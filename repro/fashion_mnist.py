@@ -140,7 +140,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nngk-fresh-centres", type=float, default=None,
                    help="write each batch's embeddings into the bank after each step, with "
                         "this momentum (0: overwrite); off when not given")
-    p.add_argument("--nngk-lists-every-steps", type=int, default=None,
+    p.add_argument("--nngk-neighbours-every-steps", type=int, default=None,
                    help="rebuild the lists from the bank every this many steps (no re-embedding)")
     p.add_argument("--nngk-warm-start-steps", type=int, default=0,
                    help="first full refresh after this many steps")
@@ -381,7 +381,7 @@ def method_config(method: str, args, data) -> Dict:
                        "refresh_every_steps": args.nngk_refresh_steps,
                        "normalised": not args.nngk_raw,
                        "fresh_centres": args.nngk_fresh_centres,
-                       "lists_every_steps": args.nngk_lists_every_steps,
+                       "neighbours_every_steps": args.nngk_neighbours_every_steps,
                        "warm_start_steps": args.nngk_warm_start_steps,
                        "ensure_positive": True,
                        "learn_weights": False}
@@ -490,8 +490,8 @@ def train_and_evaluate(method: str, seed: int, data: Dict, args, cfg: Dict, run_
         options = {}
         if args.nngk_fresh_centres is not None:
             options["fresh_centres"] = args.nngk_fresh_centres
-        if args.nngk_lists_every_steps is not None:
-            options["lists_every_steps"] = args.nngk_lists_every_steps
+        if args.nngk_neighbours_every_steps is not None:
+            options["neighbours_every_steps"] = args.nngk_neighbours_every_steps
         if args.nngk_warm_start_steps:
             options["warm_start_steps"] = args.nngk_warm_start_steps
         if options and not _trainer_accepts(*options):

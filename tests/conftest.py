@@ -9,6 +9,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The Trainer's thread governor (threads="auto", nnkloss/threads.py) picks torch's thread count
+# from step timings, which changes the summation order of torch's reductions: runs the tests
+# compare bit for bit (a straight run against a resumed one) must not depend on timing. Tests of
+# the governor set the variable themselves (tests/test_threads.py).
+os.environ.setdefault("NNKLOSS_GOVERN_THREADS", "0")
+
 import pytest  # noqa: E402
 
 

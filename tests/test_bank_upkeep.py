@@ -19,7 +19,7 @@ class FakeRefresher:
         self.refreshes.append(sigma)
         return {"sigma": sigma, "k": 3, "backend": "torch"}
 
-    def rebuild_lists(self, sigma=None):
+    def rebuild_neighbours(self, sigma=None):
         self.rebuilds.append(sigma)
         return SimpleNamespace(overlap=0.5, positive_share=1.0, mean_kernel=0.25)
 
@@ -34,7 +34,7 @@ def setup(**options):
 
 def test_initial_bank_warm_start_lists_and_fresh_centres():
     up, ref, bank = setup(schedule=RefreshSchedule(every_epochs=1), fresh_centres=0.0,
-                          lists_every_steps=2, warm_start_steps=3)
+                          neighbours_every_steps=2, warm_start_steps=3)
     assert up.needs_initial_bank
     up.before_fit(more_epochs=True)
     assert ref.refreshes == [2.0] and up.bank_ready and not up.needs_initial_bank
@@ -47,7 +47,7 @@ def test_initial_bank_warm_start_lists_and_fresh_centres():
     assert ref.refreshes == [2.0, 2.0]  # the warm start after step 3
     assert ref.rebuilds == [2.0, 2.0]  # steps 2 and 4
     row = up.epoch_columns()
-    assert row["lists_rebuilds"] == 2 and row["lists_overlap"] == 0.5
+    assert row["neighbours_rebuilds"] == 2 and row["neighbours_overlap"] == 0.5
     assert row["refresh_k"] == 3 and "refresh_search_backend" not in row  # numbers only
     assert up.end_epoch(last=False)["refresh_sigma"] == 2.0 and not up.refresh_due
     assert up.end_epoch(last=True) == {} and up.refresh_due  # skipped, due at the next fit

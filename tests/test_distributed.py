@@ -20,7 +20,7 @@ from two_processes import (CLASSES, D, K, N, WORLD, assert_same as _same, finish
                            make_data, make_model, run)
 
 STEPS, GLOBAL_BATCH = 3, 12
-FRESH = dict(fresh_centres=0.5, lists_every_steps=2)  # the bank written and re-listed by steps
+FRESH = dict(fresh_centres=0.5, neighbours_every_steps=2)  # the bank written and re-listed by steps
 
 
 # ---------------------------------------------------------------------------- training
@@ -75,7 +75,7 @@ def run_trainer(x, y, out_dir, **options):
     """Two epochs of the Trainer (refresh before the first and after each epoch); the loaders
     are sharded under torch.distributed. 36 rows, global batch 12: unshuffled shards of 6 rows
     per rank make the same global batches as one process, with no sampler padding.
-    ``options``: more Trainer options (fresh_centres, lists_every_steps, ...)."""
+    ``options``: more Trainer options (fresh_centres, neighbours_every_steps, ...)."""
     from nnkloss.experiment.train import Trainer
     ds = IndexedTensorDataset(x[:36], y[:36])
     model = make_model(dropout=False)

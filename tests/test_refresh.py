@@ -459,7 +459,7 @@ class NoForward(nn.Module):
         self.lin = nn.Linear(D_IN, D)
 
     def forward(self, x):
-        raise AssertionError("rebuild_lists must not embed anything")
+        raise AssertionError("rebuild_neighbours must not embed anything")
 
 
 def test_rebuild_lists_uses_current_centres_without_embedding():
@@ -468,7 +468,7 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     bank = CentreBank(torch.randn(N, D, generator=g), y.clone())
     ref = Refresher(bank, NoForward(), make_loader(x, y), k=3, search_backend="torch",
                     ensure_positive=True, sigma=0.7)
-    first = ref.rebuild_lists()
+    first = ref.rebuild_neighbours()
     expected = neighbour_lists(bank.centres, bank.centre_labels, 3, search_backend="torch",
                                ensure_positive=True)
     assert torch.equal(bank.neighbours, expected.neighbours.to(bank.neighbours.dtype))
@@ -476,7 +476,7 @@ def test_rebuild_lists_uses_current_centres_without_embedding():
     assert first.positive_share == 1.0 and first.sigma == 0.7 and first.k == 3
     old = bank.neighbours.clone()
     bank.write_centres_(torch.arange(0, N, 2), torch.randn(N // 2, D, generator=g))
-    second = ref.rebuild_lists(sigma=2.0)
+    second = ref.rebuild_neighbours(sigma=2.0)
     expected = neighbour_lists(bank.centres, bank.centre_labels, 3, search_backend="torch",
                                ensure_positive=True)
     assert torch.equal(bank.neighbours, expected.neighbours.to(bank.neighbours.dtype))

@@ -323,12 +323,12 @@ def test_fashion_mnist_nngk_options_reach_the_trainer(idx_tree, tmp_path):
     out = tmp_path / "opts"
     res = fm.main(["--data-root", idx_tree, "--out", str(out), "--quick", "--methods", "nngk",
                    "--seeds", "0", "--tag", "all", "--nngk-fresh-centres", "0.5",
-                   "--nngk-lists-every-steps", "2", "--nngk-warm-start-steps", "1",
+                   "--nngk-neighbours-every-steps", "2", "--nngk-warm-start-steps", "1",
                    "--nngk-sigma", "auto", "--nngk-sigma-grid", "0.1", "0.5", "2.0",
                    "--nngk-learn-sigma", "--nngk-sigma-lr", "0.01"] + FM_TINY)
     run = res["runs"]["nngk-all/s0"]
     opts = run["config"]["nngk"]
-    assert (opts["fresh_centres"], opts["lists_every_steps"], opts["warm_start_steps"]) == \
+    assert (opts["fresh_centres"], opts["neighbours_every_steps"], opts["warm_start_steps"]) == \
         (0.5, 2, 1)
     assert opts["sigma"] == "auto" and opts["sigma_grid"] == [0.1, 0.5, 2.0]
     search = run["sigma_search"]
@@ -338,8 +338,8 @@ def test_fashion_mnist_nngk_options_reach_the_trainer(idx_tree, tmp_path):
     hist = run["history"][0]
     # 100 training images / batch 16 (drop_last) = 6 steps: lists rebuilt at steps 2, 4, 6
     # (less any step whose full refresh rebuilt them anyway)
-    assert hist["lists_rebuilds"] >= 2
+    assert hist["neighbours_rebuilds"] >= 2
     # sigma was learned: it moved from the chosen value
     assert run["metrics"]["final_sigma"] != pytest.approx(float(search["chosen"]), rel=1e-6)
     log = json.load(open(out / "runs" / "nngk-all-s0" / "log.json"))
-    assert log[0]["lists_rebuilds"] == hist["lists_rebuilds"]
+    assert log[0]["neighbours_rebuilds"] == hist["neighbours_rebuilds"]

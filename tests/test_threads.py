@@ -167,7 +167,8 @@ def test_trainer_governor_logs_its_choices_and_restores_the_count(monkeypatch):
     assert all("threads" in row for row in tr.history)
 
 
-def test_trainer_threads_int_none_and_bad_values():
+def test_trainer_threads_int_none_and_bad_values(monkeypatch):
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")  # conftest turns the governors off
     old = torch.get_num_threads()
     counts = []
     try:

@@ -415,29 +415,29 @@ def test_fresh_centres_write_each_step_embeddings(momentum):
     assert torch.equal(bank.neighbours, initial["neighbours"])  # lists only by option
 
 
-def test_lists_every_steps_rebuild_from_the_bank_alone():
-    tr, refresher = moving_setup(fresh_centres=0.0, lists_every_steps=4)
+def test_neighbours_every_steps_rebuild_from_the_bank_alone():
+    tr, refresher = moving_setup(fresh_centres=0.0, neighbours_every_steps=4)
     refreshes, rebuilds = [], []
     box = [tr]
     spy(refresher, "refresh", refreshes, box)
-    spy(refresher, "rebuild_lists", rebuilds, box)
+    spy(refresher, "rebuild_neighbours", rebuilds, box)
     h = tr.fit(2)
     assert refreshes == [0] and rebuilds == [4, 8, 12]  # no re-embedding pass after step 0
-    assert [r["lists_rebuilds"] for r in h] == [1, 2]
+    assert [r["neighbours_rebuilds"] for r in h] == [1, 2]
     for r in h:
-        assert r["lists_time_s"] > 0 and 0.0 <= r["lists_overlap"] <= 1.0
-        assert r["lists_positive_share"] == 1.0 and 0 < r["lists_mean_kernel"] <= 1
+        assert r["neighbours_time_s"] > 0 and 0.0 <= r["neighbours_overlap"] <= 1.0
+        assert r["neighbours_positive_share"] == 1.0 and 0 < r["neighbours_mean_kernel"] <= 1
     bank = tr.criterion.bank  # the last rebuild (step 12) saw the last write
     expected = neighbour_lists(bank.centres, bank.centre_labels, 6, search_backend="torch",
                                ensure_positive=True).neighbours
     assert torch.equal(bank.neighbours, expected.to(bank.neighbours.dtype))
 
 
-def test_lists_every_steps_skip_steps_a_full_refresh_covers():
-    tr, refresher = moving_setup(every_steps=4, lists_every_steps=2)
+def test_neighbours_every_steps_skip_steps_a_full_refresh_covers():
+    tr, refresher = moving_setup(every_steps=4, neighbours_every_steps=2)
     refreshes, rebuilds = [], []
     spy(refresher, "refresh", refreshes, [tr])
-    spy(refresher, "rebuild_lists", rebuilds, [tr])
+    spy(refresher, "rebuild_neighbours", rebuilds, [tr])
     tr.fit(2)
     assert refreshes == [0, 4, 8, 12] and rebuilds == [2, 6, 10]
 
@@ -486,8 +486,8 @@ _run_moving = functools.partial(resume_run, moving_setup, seed=4)
 
 
 @pytest.mark.parametrize("options", [
-    dict(fresh_centres=0.5, lists_every_steps=5, warm_start_steps=4),
-    dict(fresh_centres=0.0, lists_every_steps=6, warm_start_steps=14, every_epochs=2),
+    dict(fresh_centres=0.5, neighbours_every_steps=5, warm_start_steps=4),
+    dict(fresh_centres=0.0, neighbours_every_steps=6, warm_start_steps=14, every_epochs=2),
 ])
 def test_resume_with_bank_options_equals_straight_run(tmp_path, options):
     straight = _run_moving(tmp_path / "a", 3, **options)
@@ -501,7 +501,7 @@ def test_resume_with_bank_options_equals_straight_run(tmp_path, options):
         for name in sa:
             assert torch.equal(sa[name], sb[name]), (part, name)
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
-    assert resumed.history[-1].get("lists_rebuilds") == straight.history[-1]["lists_rebuilds"]
+    assert resumed.history[-1].get("neighbours_rebuilds") == straight.history[-1]["neighbours_rebuilds"]
 
 
 def test_sigma_lr_drives_a_learned_sigma():
@@ -529,8 +529,8 @@ def test_sigma_lr_drives_a_learned_sigma():
     (dict(fresh_centres=-0.5), ValueError, "fresh_centres"),
     (dict(fresh_centres=True), TypeError, "fresh_centres"),
     (dict(fresh_centres="0.9"), TypeError, "fresh_centres"),
-    (dict(lists_every_steps=0), ValueError, "lists_every_steps"),
-    (dict(lists_every_steps=2.5), ValueError, "lists_every_steps"),
+    (dict(neighbours_every_steps=0), ValueError, "neighbours_every_steps"),
+    (dict(neighbours_every_steps=2.5), ValueError, "neighbours_every_steps"),
     (dict(warm_start_steps=-1), ValueError, "warm_start_steps"),
     (dict(warm_start_steps=1.5), ValueError, "warm_start_steps"),
 ])
@@ -542,7 +542,7 @@ def test_bank_options_bad_values(kw, exc, match):
 def test_bank_options_need_a_bank_loss_and_a_refresher_that_rebuilds_lists():
     x, y = blobs(n_per=4)
     ds = IndexedTensorDataset(x, y)
-    for kw in (dict(fresh_centres=0.0), dict(lists_every_steps=3), dict(warm_start_steps=2)):
+    for kw in (dict(fresh_centres=0.0), dict(neighbours_every_steps=3), dict(warm_start_steps=2)):
         with pytest.raises(ValueError, match=f"{next(iter(kw))} need a criterion with a bank"):
             Trainer(mlp(), SoftmaxHead(6, 4), DataLoader(ds), progress=False, **kw)
     loss, _, _ = kernel_setup(mlp(), ds, k=3)
@@ -551,8 +551,8 @@ def test_bank_options_need_a_bank_loss_and_a_refresher_that_rebuilds_lists():
         def refresh(self, sigma=None):
             return None
 
-    with pytest.raises(TypeError, match="rebuild_lists"):
-        Trainer(mlp(), loss, DataLoader(ds), refresher=RefreshOnly(), lists_every_steps=2,
+    with pytest.raises(TypeError, match="rebuild_neighbours"):
+        Trainer(mlp(), loss, DataLoader(ds), refresher=RefreshOnly(), neighbours_every_steps=2,
                 progress=False)
 
 

@@ -309,7 +309,7 @@ class Refresher:
         result = self._compute(self.model, self._device(), sig, stream=None, asynchronous=False)
         return self._swap(result)
 
-    def rebuild_lists(self, sigma=None) -> RefreshStats:
+    def rebuild_neighbours(self, sigma=None) -> RefreshStats:
         """Rebuild the neighbour lists from the bank's CURRENT centres, without re-embedding
         (kNN-search cost only: for centres kept current by
         :meth:`CentreBank.write_centres_`). Same k, search backend, ``ensure_positive`` and

@@ -9,7 +9,7 @@
   after every step (a thread liveness check: no sync) and swapped in when ready; one still in
   flight is waited for before a checkpoint and at the end of a run;
 * the options for a network that moves fast: ``fresh_centres`` (the step's embeddings written
-  into the bank), ``lists_every_steps`` (lists rebuilt from the bank's current centres) and
+  into the bank), ``neighbours_every_steps`` (lists rebuilt from the bank's current centres) and
   ``warm_start_steps`` (one extra full refresh early on); see :class:`nnkloss.experiment.Trainer`.
 
 It owns the state a checkpoint must carry for that (``bank_ready``, ``refresh_due``; the
@@ -35,7 +35,7 @@ from .logs import json_safe
 __all__ = ["BankUpkeep", "check_bank_options", "write_fresh_centres"]
 
 
-def check_bank_options(criterion, refresher, fresh_centres, lists_every_steps,
+def check_bank_options(criterion, refresher, fresh_centres, neighbours_every_steps,
                        warm_start_steps) -> Tuple[Optional[float], Optional[int], int]:
     """Validate the Trainer's bank options; returns them normalised."""
     if fresh_centres is not None:
@@ -46,22 +46,22 @@ def check_bank_options(criterion, refresher, fresh_centres, lists_every_steps,
         if not 0.0 <= fresh_centres < 1.0:
             raise ValueError(f"fresh_centres must be None or a momentum in [0, 1), got "
                              f"{fresh_centres}")
-    if lists_every_steps is not None:
-        lists_every_steps = require_positive_int("lists_every_steps", lists_every_steps)
+    if neighbours_every_steps is not None:
+        neighbours_every_steps = require_positive_int("neighbours_every_steps", neighbours_every_steps)
     if (isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, (int, np.integer))
             or warm_start_steps < 0):
         raise ValueError(f"warm_start_steps must be an int >= 0, got {warm_start_steps!r}")
     warm_start_steps = int(warm_start_steps)
     wanted = [name for name, on in (("fresh_centres", fresh_centres is not None),
-                                    ("lists_every_steps", lists_every_steps is not None),
+                                    ("neighbours_every_steps", neighbours_every_steps is not None),
                                     ("warm_start_steps", warm_start_steps > 0)) if on]
     if wanted and not isinstance(criterion, BankLoss):
         raise ValueError(f"{', '.join(wanted)} need a criterion with a bank (a "
                          f"nnkloss.losses.BankLoss), got {type(criterion).__name__}")
-    if lists_every_steps is not None and not callable(getattr(refresher, "rebuild_lists", None)):
-        raise TypeError("lists_every_steps needs a refresher with rebuild_lists() "
+    if neighbours_every_steps is not None and not callable(getattr(refresher, "rebuild_neighbours", None)):
+        raise TypeError("neighbours_every_steps needs a refresher with rebuild_neighbours() "
                         "(nnkloss.Refresher)")
-    return fresh_centres, lists_every_steps, warm_start_steps
+    return fresh_centres, neighbours_every_steps, warm_start_steps
 
 
 @torch.no_grad()
@@ -94,16 +94,16 @@ def refresh_columns(stats) -> Dict[str, Any]:
     return out
 
 
-def _lists_columns(log: Dict[str, Any]) -> Dict[str, Any]:
-    """The epoch log's ``lists_*`` columns from :meth:`BankUpkeep._rebuild_lists`' statistics."""
+def _neighbours_columns(log: Dict[str, Any]) -> Dict[str, Any]:
+    """The epoch log's ``neighbours_*`` columns from :meth:`BankUpkeep._rebuild_neighbours`' statistics."""
     if not log:
         return {}
-    row = {"lists_rebuilds": log["rebuilds"], "lists_time_s": log["time_s"],
-           "lists_positive_share": log["positive_share"]}
+    row = {"neighbours_rebuilds": log["rebuilds"], "neighbours_time_s": log["time_s"],
+           "neighbours_positive_share": log["positive_share"]}
     if log.get("overlaps"):
-        row["lists_overlap"] = float(np.mean(log["overlaps"]))
+        row["neighbours_overlap"] = float(np.mean(log["overlaps"]))
     if log.get("mean_kernel") is not None:
-        row["lists_mean_kernel"] = log["mean_kernel"]
+        row["neighbours_mean_kernel"] = log["mean_kernel"]
     return row
 
 
@@ -117,7 +117,7 @@ class BankUpkeep:
             synchronous refresh).
         refresher: a :class:`nnkloss.Refresher` (or anything with ``refresh(sigma)``), or None.
         schedule: the :class:`nnkloss.RefreshSchedule` of the run.
-        fresh_centres, lists_every_steps, warm_start_steps: checked by
+        fresh_centres, neighbours_every_steps, warm_start_steps: checked by
             :func:`check_bank_options` (as the Trainer documents them).
 
     The loop calls :meth:`before_fit`, then per epoch :meth:`start_epoch`, :meth:`after_step`
@@ -126,14 +126,14 @@ class BankUpkeep:
     """
 
     def __init__(self, criterion: nn.Module, model: nn.Module, refresher, schedule,
-                 fresh_centres=None, lists_every_steps=None, warm_start_steps=0):
+                 fresh_centres=None, neighbours_every_steps=None, warm_start_steps=0):
         if schedule is None:
             schedule = RefreshSchedule(every_epochs=10)  # the papers' update interval
         elif not isinstance(schedule, RefreshSchedule):
             raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
                             f"{type(schedule).__name__}")
-        self.fresh_centres, self.lists_every_steps, self.warm_start_steps = check_bank_options(
-            criterion, refresher, fresh_centres, lists_every_steps, warm_start_steps)
+        self.fresh_centres, self.neighbours_every_steps, self.warm_start_steps = check_bank_options(
+            criterion, refresher, fresh_centres, neighbours_every_steps, warm_start_steps)
         self.criterion = criterion
         self.model = model
         self.refresher = refresher
@@ -220,19 +220,19 @@ class BankUpkeep:
                 self._refreshes = refresh_columns(done)
         due = self.schedule.step() or step == self.warm_start_steps
         due = due and self.refresher is not None
-        if (self.lists_every_steps is not None and step % self.lists_every_steps == 0
+        if (self.neighbours_every_steps is not None and step % self.neighbours_every_steps == 0
                 and not (due and not self.is_async)):  # a synchronous refresh does it now
-            self._rebuild_lists()
+            self._rebuild_neighbours()
         if due:
             self._refreshes = self.refresh(wait=False) or self._refreshes
             self.model.train()
 
-    def _rebuild_lists(self) -> None:
-        """Lists from the bank's current centres (``lists_every_steps``); accumulates the
+    def _rebuild_neighbours(self) -> None:
+        """Lists from the bank's current centres (``neighbours_every_steps``); accumulates the
         epoch's statistics."""
         log = self._lists
         t0 = time.perf_counter()
-        stats = self.refresher.rebuild_lists(self.criterion.kernel_sigma())
+        stats = self.refresher.rebuild_neighbours(self.criterion.kernel_sigma())
         log["rebuilds"] = log.get("rebuilds", 0) + 1
         log["time_s"] = log.get("time_s", 0.0) + time.perf_counter() - t0
         if stats.overlap is not None:
@@ -241,9 +241,9 @@ class BankUpkeep:
         log["mean_kernel"] = stats.mean_kernel
 
     def epoch_columns(self) -> Dict[str, Any]:
-        """The epoch's refresh and ``lists_*`` log columns (after its last step)."""
+        """The epoch's refresh and ``neighbours_*`` log columns (after its last step)."""
         row = dict(self._refreshes)
-        row.update(_lists_columns(self._lists))
+        row.update(_neighbours_columns(self._lists))
         return row
 
     def end_epoch(self, last: bool) -> Dict[str, Any]:

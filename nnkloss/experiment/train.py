@@ -179,14 +179,14 @@ class Trainer:
             (async) refresh swapped in later replaces every centre, including rows written
             since its snapshot, with its re-embedded (older) ones; a scheduled synchronous
             refresh at the same step runs after the write and replaces it too.
-        lists_every_steps: None (off) or N: every N optimiser steps (counted over the whole
+        neighbours_every_steps: None (off) or N: every N optimiser steps (counted over the whole
             run, so a resumed run rebuilds at the same steps) the neighbour lists are rebuilt
             from the bank's current centres with the refresher's k, search backend,
-            ensure_positive and knn options (:meth:`nnkloss.Refresher.rebuild_lists`), with no
+            ensure_positive and knn options (:meth:`nnkloss.Refresher.rebuild_neighbours`), with no
             re-embedding pass. Skipped at a step whose scheduled synchronous refresh rebuilds
-            them anyway. The epoch log gets ``lists_rebuilds``, ``lists_time_s`` (total wall
-            time), ``lists_overlap`` (mean share of list entries kept per rebuild),
-            ``lists_positive_share`` and ``lists_mean_kernel`` (last rebuild of the epoch).
+            them anyway. The epoch log gets ``neighbours_rebuilds``, ``neighbours_time_s`` (total wall
+            time), ``neighbours_overlap`` (mean share of list entries kept per rebuild),
+            ``neighbours_positive_share`` and ``neighbours_mean_kernel`` (last rebuild of the epoch).
         warm_start_steps: 0 (off) or S: one extra full refresh after the S-th optimiser step
             (besides the initial bank built before step 1 and the ``schedule``'s), so that
             the network does not train for a whole interval against centres of its random
@@ -223,7 +223,7 @@ class Trainer:
                  eval_fn: Optional[Callable[[nn.Module, nn.Module, int], Dict[str, float]]] = None,
                  eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
                  grad_clip: Optional[float] = None, desc: str = "train",
-                 fresh_centres: Optional[float] = None, lists_every_steps: Optional[int] = None,
+                 fresh_centres: Optional[float] = None, neighbours_every_steps: Optional[int] = None,
                  warm_start_steps: int = 0, threads="auto"):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -246,7 +246,7 @@ class Trainer:
         # The bank's maintenance (refreshes, fresh centres, list rebuilds) and its state.
         # No refresher (a softmax head): nothing to refresh, whatever the schedule says.
         self.upkeep = BankUpkeep(self.criterion, self.model, refresher, schedule,
-                                 fresh_centres, lists_every_steps, warm_start_steps)
+                                 fresh_centres, neighbours_every_steps, warm_start_steps)
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
@@ -302,8 +302,8 @@ class Trainer:
         return self.upkeep.fresh_centres
 
     @property
-    def lists_every_steps(self) -> Optional[int]:
-        return self.upkeep.lists_every_steps
+    def neighbours_every_steps(self) -> Optional[int]:
+        return self.upkeep.neighbours_every_steps
 
     @property
     def warm_start_steps(self) -> int:

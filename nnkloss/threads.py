@@ -14,14 +14,21 @@ of work (a training step, a kernel call):
    beside a busy process, two threads cost up to 5x (measured, see above);
 2. a probe: ``window`` units at the current choice (free: that is what runs anyway), then up
    to ``window`` at the other count (the first unit after each switch is not timed: an OpenMP
-   team that changes size pays once). The other side is abandoned as soon as two of its units
-   have a median cost per unit of work above ``abandon`` times the current side's, so a probe
-   of a clearly worse count costs three units. The cheaper side is kept (one thread only if it
-   is cheaper by more than ``margin``, a fraction: ties go to the full count);
+   team that changes size pays once). The other side is abandoned as soon as one of its units
+   costs more than ``2 * abandon`` times the current side's median per unit of work, or two
+   of them have a median above ``abandon`` times it, so a probe of a far worse count costs two
+   units and of a clearly worse one three. The full count is kept only if it is cheaper than
+   one thread by more than ``margin`` (a fraction): ties go to one thread, because a wrong
+   "one" costs at most the thread count while a wrong "full" beside a busy process cost 27x
+   per training step on 2 cores (measured: 0.7-0.9 s against 26-36 ms, digits demo beside a
+   2-thread matmul);
 3. a hold of ``hold`` units, after which it probes again. When a probe confirms the previous
    choice the hold doubles (up to ``max_hold``); when it changes the choice it drops back to
-   ``hold``. So a steady machine is probed rarely, and a machine whose load changes is
-   followed within a hold.
+   ``hold``. The hold is never shorter than what keeps the probes within ``probe_budget`` of
+   the time (a probe that ran u units at a count r times slower than the winner cost
+   u (r - 1) units more: the hold is at least that over ``probe_budget``, up to ``max_hold``).
+   So a steady machine is probed rarely, an expensive probe is repeated late, and a machine
+   whose load changes is followed within a hold.
 
 Every decision is kept in ``events`` (unit index, both medians, the choice) and summarised by
 :meth:`ThreadGovernor.summary`; nothing is printed. The clock is a parameter, so the tests
@@ -44,18 +51,22 @@ class ThreadGovernor:
         full: the full thread count (a number, or a callable read at each probe, e.g.
             ``torch.get_num_threads``). With ``full <= 1`` there is nothing to choose: 1.
         warmup, window, hold, max_hold: in units of work (see the module docstring).
-        margin: one thread is kept only if its median cost is below ``(1 - margin)`` times
-            the full count's.
-        abandon: a probed side whose median (over at least two units) exceeds this times
-            the current side's is given up at once.
+        margin: the full count is kept only if its median cost is below ``(1 - margin)``
+            times one thread's (ties go to one thread).
+        abandon: a probed side whose median over two units exceeds this times the current
+            side's (or whose first unit exceeds twice this) is given up at once.
+        probe_budget: the share of the time probes may cost (it lengthens the hold after an
+            expensive probe).
         apply: called with the new thread count whenever the choice changes (None: nothing).
     """
 
     def __init__(self, full=2, *, warmup: int = 5, window: int = 6, hold: int = 64,
                  max_hold: int = 4096, margin: float = 0.05, abandon: float = 1.5,
-                 apply: Optional[Callable[[int], None]] = None):
-        if window < 2 or hold < 1 or max_hold < hold or warmup < 0:
-            raise ValueError("need window >= 2, hold >= 1, max_hold >= hold, warmup >= 0")
+                 probe_budget: float = 0.05, apply: Optional[Callable[[int], None]] = None):
+        if window < 2 or hold < 1 or max_hold < hold or warmup < 0 or not 0 < probe_budget <= 1:
+            raise ValueError("need window >= 2, hold >= 1, max_hold >= hold, warmup >= 0, "
+                             "0 < probe_budget <= 1")
+        self.probe_budget = float(probe_budget)
         self._full = full
         self.warmup, self.window, self.base_hold, self.max_hold = warmup, window, hold, max_hold
         self.margin, self.abandon = float(margin), float(abandon)
@@ -138,27 +149,48 @@ class ThreadGovernor:
     def _clearly_worse(self) -> bool:
         other = self._costs.get(self._side(), [])
         ref = self._median(self._costs.get(self._current_side, []))
-        return len(other) >= 2 and ref is not None and \
-            self._median(other) > self.abandon * ref
+        if not other or ref is None:
+            return False
+        # One timed unit is enough when it is far worse (2 x abandon: a loaded machine makes a
+        # unit at the full count tens of times slower); two when it is clearly worse.
+        if len(other) == 1:
+            return other[0] > 2.0 * self.abandon * ref
+        return self._median(other) > self.abandon * ref
 
     def _decide(self):
         cost_full = self._median(self._costs.get("full"))
         cost_one = self._median(self._costs.get("one"))
         full = self.full
-        choice = "full"
-        if cost_full is None:
+        # Ties go to one thread: a wrong "one" costs at most the thread count (1.4-1.8x on two
+        # idle cores), a wrong "full" up to tens of times beside a busy process (measured).
+        choice = "one"
+        if cost_full is None or cost_one is None:
             choice = self._current_side
-        elif cost_one is not None and cost_one < (1.0 - self.margin) * cost_full:
-            choice = "one"
+        elif cost_full < (1.0 - self.margin) * cost_one:
+            choice = "full"
         if self.choice is not None:
             self.hold = min(2 * self.hold, self.max_hold) if choice == self.choice \
                 else self.base_hold
+        self.hold = min(max(self.hold, self._budget_hold(choice, cost_full, cost_one)),
+                        self.max_hold)
         self.choice = choice
         self.events.append({"unit": self.units, "full": full, "cost_full": cost_full,
                             "cost_one": cost_one, "threads": 1 if choice == "one" else full,
                             "hold": self.hold})
         self.phase, self.left = "hold", self.hold
         self._set(choice == "one")
+
+    def _budget_hold(self, choice, cost_full, cost_one) -> int:
+        """The hold that keeps probing within ``probe_budget`` of the time: a probe ran
+        ``len + 1`` units (one untimed switch unit) at the losing count, each costing
+        ``loser / winner - 1`` winner units more than the winner would have."""
+        if cost_full is None or cost_one is None:
+            return 0
+        win, lose = (cost_full, cost_one) if choice == "full" else (cost_one, cost_full)
+        lost_side = "one" if choice == "full" else "full"
+        units = len(self._costs.get(lost_side, [])) + 1
+        extra = units * max(lose / max(win, 1e-30) - 1.0, 0.0)
+        return int(-(-extra // self.probe_budget))
 
     def summary(self) -> Dict:
         """The current choice and the decisions so far (for a log)."""

@@ -18,7 +18,8 @@ def drive(gov, cost, units):
 
 def test_governor_keeps_the_faster_count_and_backs_off():
     applied = []
-    gov = ThreadGovernor(2, warmup=3, window=4, hold=10, max_hold=40, apply=applied.append)
+    gov = ThreadGovernor(2, warmup=3, window=4, hold=10, max_hold=40, probe_budget=1.0,
+                         apply=applied.append)
     used = drive(gov, lambda n, u: 1.0 if n == 1 else 2.0, 300)   # one thread is faster
     assert used[:3] == [1, 1, 1]                                  # warm-up at one thread
     assert gov.threads() == 1 and gov.events[0]["threads"] == 1
@@ -31,18 +32,18 @@ def test_governor_keeps_the_faster_count_and_backs_off():
     assert used.count(2) == 3 * len(gov.events)
 
 
-def test_governor_moves_to_the_full_count_when_it_is_faster_and_ties_go_to_it():
+def test_governor_moves_to_the_full_count_when_it_is_faster_and_ties_go_to_one():
     gov = ThreadGovernor(2, warmup=2, window=3, hold=5, max_hold=20)
     used = drive(gov, lambda n, u: 1.0 if n == 2 else 1.8, 80)
     assert gov.events[0]["threads"] == 2 and all(e["threads"] == 2 for e in gov.events)
     assert used[-20:].count(1) <= 3 + 1                           # later probes of 1: abandoned
     tie = ThreadGovernor(2, warmup=0, window=3, hold=5, margin=0.05)
-    drive(tie, lambda n, u: 1.0 if n == 2 else 0.97, 20)           # within the margin: full
-    assert tie.events and all(e["threads"] == 2 for e in tie.events)
+    drive(tie, lambda n, u: 0.97 if n == 2 else 1.0, 20)           # within the margin: one
+    assert tie.events and all(e["threads"] == 1 for e in tie.events)
 
 
 def test_governor_follows_a_change_of_load():
-    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=64)
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=64, probe_budget=1.0)
     # idle (2 threads faster) for 100 units, then a competing process (1 thread faster)
     drive(gov, lambda n, u: (1.0 if n == 2 else 1.8) if u < 100 else (3.0 if n == 2 else 1.5),
           300)
@@ -50,6 +51,21 @@ def test_governor_follows_a_change_of_load():
     flip = [e for e in gov.events if e["threads"] == 1 and e["unit"] > 100][0]
     assert flip["unit"] < 100 + 64 + 2 * 4 + 1                    # within a (max) hold
     assert flip["hold"] == 8                                       # a change resets the back-off
+
+
+def test_governor_gives_up_a_far_worse_count_after_one_unit_and_holds_within_its_budget():
+    # beside a busy process a unit at the full count cost 27x one at one thread (measured)
+    gov = ThreadGovernor(2, warmup=0, window=6, hold=10, max_hold=4096, probe_budget=0.05)
+    used = drive(gov, lambda n, u: 1.0 if n == 1 else 27.0, 3000)
+    first = gov.events[0]
+    assert first["threads"] == 1 and first["cost_full"] == 27.0
+    # one untimed switch unit + one timed unit at two threads, then back
+    assert used[:9] == [1] * 6 + [2, 2] + [1]
+    # that probe cost 2 x 26 extra units: the next is at least 52 / 0.05 = 1040 units later
+    assert first["hold"] >= 1040
+    assert used.count(2) * 26 <= 0.05 * len(used) + 2 * 26       # probes within the budget
+    with pytest.raises(ValueError):
+        ThreadGovernor(2, probe_budget=0.0)
 
 
 def test_governor_uses_cost_per_unit_of_work_and_drops_switch_units():
@@ -149,7 +165,7 @@ def test_trainer_governor_logs_its_choices_and_restores_the_count(monkeypatch):
     seen = []
     try:
         torch.set_num_threads(2)
-        gov = ThreadGovernor(2, warmup=0, window=2, hold=3)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=3, probe_budget=1.0)
         # a clock where one thread is always faster: each step at 2 threads "takes" 1 s more
         real = gov.record
         monkeypatch.setattr(gov, "record", lambda s, *a, **k: (

@@ -89,10 +89,14 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
       R-precision: the share of same-class items among its R nearest. Both are means over the
       queries with R >= 1 (the others have no defined value).
 
-    One search for ``max(max(ks), largest R)`` neighbours feeds every metric. Memory: the
-    search's block (``tile_bytes``) and its bool mask (a quarter of it), an fp32 copy of the
-    embeddings with up to 8 extra columns, per-block (rows, K) temporaries and O(N) results:
-    about 1.6 GB above the inputs at N = 150,000, D = 128, K = 1,500 on the CPU.
+    One search for ``max(max(ks), largest R)`` neighbours feeds every metric. Memory: an fp32
+    copy of the embeddings with up to 8 extra columns, the search's working set (at most
+    ``tile_bytes``: on the CPU with the compiled selection one (2048, 4096) fp32 distance tile
+    and (K + max(K, 64)) x 8 + K x 12 bytes per query row of it, see
+    :mod:`nnkloss.bank.search.torch_search`),
+    per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
+    D = 128, K = 1,499 on the 2-core CPU machine: 1.23 GB peak RSS, 0.64 GB above the process
+    before the call (``benchmarks/bench_eval.py``, README "Evaluation at scale").
     """
     emb, labels = _embeddings_and_labels(emb, labels)
     check_search_backend(search_backend)

@@ -33,7 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from common import device_name, git_commit, load_average, results_path, utc_now  # noqa: E402
+from common import (device_name, git_commit, load_average, results_path, time_ms,  # noqa: E402
+                    utc_now)
 
 import torch  # noqa: E402
 
@@ -109,14 +110,7 @@ def op_worker(setting, iters=40):
                     if mode == "fwd_bwd":
                         x.grad = None
                         loss.backward()
-                for _ in range(3):
-                    step()
-                times = []
-                for _ in range(iters):
-                    t = time.perf_counter()
-                    step()
-                    times.append((time.perf_counter() - t) * 1e3)
-                res[f"{mode} {B},{K},{D},{dt}"] = sorted(times)[len(times) // 2]
+                res[f"{mode} {B},{K},{D},{dt}"] = time_ms(step, "cpu", warmup=3, iters=iters)
     res["_governors"] = {k: g.summary()["threads"] for k, g in cpu._governors.items()}
     res["_pool"] = cpu.build_info().get("pool")
     print(json.dumps(res))

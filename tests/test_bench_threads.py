@@ -1,0 +1,27 @@
+"""benchmarks/bench_threads.py: the op part runs in a fresh process per setting and writes one
+line per (setting, round) with every shape and mode, and the summary against one thread."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_threads_op_part_writes_a_line_per_setting_and_a_summary(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_threads.py", "--parts", "op",
+                           "--loads", "idle", "--rounds", "1", "--settings", "1", "default",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".txt"]
+    lines = open(path).read().splitlines()
+    ops = [line for line in lines if line.startswith("op load=idle")]
+    assert [re.search(r"threads=(\S+)", line).group(1) for line in ops] == ["1", "default"]
+    for line in ops:
+        times = re.findall(r"\[(fwd|fwd_bwd) [^\]]+\]=([0-9.]+)ms", line)
+        assert len(times) == 8 and all(float(ms) > 0 for _, ms in times), line
+        assert "| commit " in line and "| load " in line
+    summary = [line for line in lines if "threads=default load=idle op:" in line]
+    assert len(summary) == 1 and "worst" in summary[0]

@@ -335,3 +335,28 @@ def test_state_dict_of_version_1_is_read_under_the_new_name():
     with pytest.raises(RuntimeError, match=r'(?s)Missing key\(s\).*"bank\.centre_labels".*'
                                            r'Unexpected key\(s\).*"bank\.labels"'):
         nnkloss.NeighbourKernelLoss(make_bank(seed=4)).load_state_dict(old)
+
+
+def test_bank_file_is_the_bank_state_dict_and_loads_through_load_state_dict(tmp_path,
+                                                                           monkeypatch):
+    """Issue 19: one bank persistence. save_bank writes the bank's state_dict (and whether the
+    weights are learned), load_bank restores it through CentreBank.load_state_dict."""
+    bank = make_bank(learn_weights=True)
+    nnkloss.save_bank(bank, tmp_path / "b.pt", step=7)
+    state = load_checked(tmp_path / "b.pt")
+    sd = bank.state_dict()
+    tensors = {k for k, v in state.items() if isinstance(v, torch.Tensor)}
+    assert tensors == set(sd)
+    assert all(torch.equal(state[k], sd[k].cpu()) for k in sd)
+    calls = []
+    real = nnkloss.CentreBank.load_state_dict
+    monkeypatch.setattr(nnkloss.CentreBank, "load_state_dict",
+                        lambda self, d, *a, **k: (calls.append(sorted(d)), real(self, d, *a, **k))[1])
+    loaded, step, _ = nnkloss.load_bank(tmp_path / "b.pt")
+    assert calls == [sorted(sd)] and step == 7 and loaded.learn_weights
+    assert torch.equal(loaded.log_weights, bank.log_weights.detach())
+    # A file of the previous writer (with its "uniform_weights" flag) still loads.
+    nnkloss.save_bank(make_bank(learn_weights=False), tmp_path / "u.pt")
+    old = dict(load_checked(tmp_path / "u.pt"), uniform_weights=True)
+    save_checked(old, tmp_path / "old.pt")
+    assert nnkloss.load_bank(tmp_path / "old.pt")[0].weights_for_loss() is None

@@ -1,7 +1,7 @@
 """Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
 
-A checkpoint holds the centres, centre labels, log-weights (and whether they are learned), the
-neighbour lists and a step counter, plus an optional ``extra`` dict (sigma, a schedule's
+A checkpoint holds the bank's ``state_dict()`` (centres, centre labels, log-weights, neighbour
+lists), whether the weights are learned and a step counter, plus an optional ``extra`` dict (sigma, a schedule's
 ``state_dict()``, ...). It is written with :func:`nnkloss.atomic.atomic_write` behind a sha256
 of its payload (:mod:`nnkloss.checksum`): a crash or error mid-write leaves the previous
 checkpoint intact, and a damaged file is refused on load. The bank read back is validated as
@@ -27,6 +27,8 @@ __all__ = ["save_bank", "load_bank"]
 
 _FORMAT = "nnkloss.CentreBank"
 _VERSION = 2
+# The tensors of a bank file: the keys of CentreBank.state_dict().
+_STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
 
 def _check_extra(value: Any, where: str = "extra") -> None:
@@ -64,18 +66,12 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
     _check_extra(extra)
-    payload = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "centres": bank.centres.detach().cpu(),
-        "centre_labels": bank.centre_labels.detach().cpu(),
-        "neighbours": bank.neighbours.detach().cpu(),
-        "log_weights": bank.log_weights.detach().cpu(),
-        "learn_weights": bool(bank.learn_weights),
-        "uniform_weights": bool(bank._uniform_weights),
-        "step": int(step),
-        "extra": extra,
-    }
+    # The bank's own state_dict (centres, centre_labels, neighbours, log_weights) is the file's
+    # payload, beside whether the weights are learned: one description of a bank's state for
+    # both ways of saving it (load_bank reads it back through load_state_dict).
+    payload = {"format": _FORMAT, "version": _VERSION}
+    payload.update((name, t.detach().cpu()) for name, t in bank.state_dict().items())
+    payload.update(learn_weights=bool(bank.learn_weights), step=int(step), extra=extra)
     save_checked(payload, path)
 
 
@@ -110,8 +106,7 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     if version < 2 and "labels" in state and "centre_labels" not in state:
         # Version 1 wrote the centre labels as "labels": same tensor, new name.
         state["centre_labels"] = state.pop("labels")
-    missing = [k for k in ("centres", "centre_labels", "neighbours", "log_weights", "learn_weights",
-                           "uniform_weights", "step") if k not in state]
+    missing = [k for k in _STATE_KEYS + ("learn_weights", "step") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}")
     # The same rules as CentreBank.update_ (a NaN weight would act as 0, +inf would give an
@@ -123,9 +118,10 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
     bank = CentreBank(state["centres"], state["centre_labels"], neighbours=state["neighbours"])
-    log_w = state["log_weights"].to(bank.centres.device, torch.float32)
-    # Restored as log-weights (exactly as saved), not via weights=exp(.) which would round.
-    bank.log_weights.data.copy_(log_w)
-    bank._uniform_weights = bool(state["uniform_weights"])
+    # Through the bank's own load_state_dict (as a Trainer checkpoint's bank is restored): the
+    # log-weights come back exactly as saved (not via weights=exp(.), which would round) and
+    # whether they are all one is derived from them there. (Files before this writer also held
+    # a "uniform_weights" flag: the same fact, no longer read.)
+    bank.load_state_dict({name: state[name] for name in _STATE_KEYS})
     bank.log_weights.requires_grad_(bool(state["learn_weights"]))
     return bank, int(step), state.get("extra")

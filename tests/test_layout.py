@@ -39,36 +39,6 @@ def test_every_module_has_one_path():
     assert nnkloss.experiment.Trainer is importlib.import_module("nnkloss.experiment.train").Trainer
 
 
-class HalfDistance(nnkloss.BankLoss):
-    """A bank loss is only its maths: the template checks, gathers lists and reduces."""
-
-    def rows(self, emb, labels, neighbours):
-        c = self.bank.centres[neighbours.clamp_min(0)]
-        d = ((c - emb[:, None]) ** 2).sum(-1).masked_fill(neighbours < 0, 0.0)
-        return 0.5 * d.sum(1), (neighbours >= 0).any(1)
-
-
-def test_bank_loss_template():
-    g = torch.Generator().manual_seed(0)
-    bank = nnkloss.CentreBank(torch.randn(6, 3, generator=g), torch.arange(6) % 2,
-                              neighbours=torch.tensor([[1, 2], [0, 2], [0, 1], [4, 5], [3, 5],
-                                                       [3, 4]]))
-    emb = torch.randn(3, 3, generator=g, requires_grad=True)
-    idx = torch.tensor([0, 3, 5])
-    loss_fn = HalfDistance(bank)
-    loss = loss_fn(emb, torch.tensor([0, 1, 1]), idx)
-    expected = sum(0.5 * ((bank.centres[bank.neighbours[i]] - emb[r]) ** 2).sum()
-                   for r, i in enumerate(idx.tolist())) / 3
-    torch.testing.assert_close(loss, expected)
-    assert int(loss_fn.last_num_counted) == 3
-    with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
-        loss_fn(emb, [0, 1, 1], idx)
-    with pytest.raises(TypeError, match="Can't instantiate abstract class"):
-        nnkloss.BankLoss(bank)
-    assert isinstance(nnkloss.NeighbourKernelLoss(bank), nnkloss.BankLoss)
-    assert isinstance(nnkloss.ClassConditionalLoss(bank), nnkloss.BankLoss)
-
-
 def test_setup_py_ships_every_subpackage():
     """A regular (non-editable) install must carry every package of the tree."""
     import ast

@@ -12,8 +12,6 @@ from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
 from nnkloss.bank.search import faiss_available, neighbour_lists
 
 N, D_IN, D = 96, 6, 4
-BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(),
-                                                                        reason="faiss missing"))]
 
 
 def make_model(seed=0):
@@ -55,72 +53,6 @@ def assert_bank_equal(bank, state):
     c, l, nb = state
     assert torch.equal(bank.centres, c) and torch.equal(bank.centre_labels, l)
     assert torch.equal(bank.neighbours, nb)
-
-
-# ============================================================================ rebuild_neighbours
-def brute_lists(centres, k):
-    rows = []
-    for i in range(centres.shape[0]):
-        d = (centres.double() - centres[i].double()).pow(2).sum(1)
-        d[i] = float("inf")
-        rows.append(d.sort().values[:k])
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rebuild_neighbours_matches_brute_force(backend):
-    g = torch.Generator().manual_seed(0)
-    bank = CentreBank(torch.randn(80, 5, generator=g), torch.randint(0, 4, (80,), generator=g))
-    lists = bank.rebuild_neighbours(7, search_backend=backend)
-    assert bank.neighbours.shape == (80, 7) and torch.equal(bank.neighbours, lists.neighbours)
-    assert (lists.neighbours != torch.arange(80)[:, None]).all()
-    torch.testing.assert_close(lists.distances.double(), brute_lists(bank.centres, 7),
-                               rtol=1e-4, atol=1e-4)
-    same = bank.centre_labels[lists.neighbours] == bank.centre_labels[:, None]
-    assert torch.equal(lists.has_positive, same.any(1))
-    assert lists.num_patched == 0 and lists.seconds >= 0 and lists.search_backend == backend
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rebuild_neighbours_ensure_positive(backend):
-    g = torch.Generator().manual_seed(1)
-    n, k = 120, 3
-    centres = torch.randn(n, 4, generator=g)
-    labels = torch.randint(0, 12, (n,), generator=g)  # geometry ignores labels: few positives
-    labels[7] = 99  # a class of one: nothing can be patched in
-    bank = CentreBank(centres, labels)
-    plain = neighbour_lists(centres, labels, k, search_backend=backend)
-    lists = bank.rebuild_neighbours(k, search_backend=backend, ensure_positive=True)
-    lacking = ~plain.has_positive
-    assert lacking.sum() > 10  # the test data does exercise the patching
-    assert lists.num_patched == int(lacking.sum()) - 1
-    assert not bool(lists.has_positive[7]) and torch.equal(lists.neighbours[7], plain.neighbours[7])
-    assert lists.has_positive.sum() == n - 1
-    # Rows that had a positive are untouched; the others keep their first k-1 entries and end
-    # with their nearest same-label centre (brute force, one row at a time).
-    assert torch.equal(lists.neighbours[~lacking], plain.neighbours[~lacking])
-    assert torch.equal(lists.neighbours[:, :-1], plain.neighbours[:, :-1])
-    for i in lacking.nonzero().flatten().tolist():
-        if i == 7:
-            continue
-        j = int(lists.neighbours[i, -1])
-        assert j != i and labels[j] == labels[i]
-        same = (labels == labels[i]).nonzero().flatten()
-        same = same[same != i]
-        d_same = (centres[same] - centres[i]).pow(2).sum(1)
-        assert float(lists.distances[i, -1]) == pytest.approx(float(d_same.min()), rel=1e-4,
-                                                               abs=1e-5)
-    assert (lists.distances[:, 1:] >= lists.distances[:, :-1]).all()
-    assert torch.equal(bank.neighbours, lists.neighbours)
-
-
-def test_rebuild_neighbours_errors_leave_lists():
-    bank = CentreBank(torch.randn(5, 2), torch.arange(5))
-    bank.rebuild_neighbours(2, search_backend="torch")
-    before = bank.neighbours.clone()
-    with pytest.raises(ValueError, match="k=5"):
-        bank.rebuild_neighbours(5, search_backend="torch")
-    assert torch.equal(bank.neighbours, before)
 
 
 # ============================================================================ Refresher (sync)

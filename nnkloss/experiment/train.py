@@ -198,13 +198,15 @@ class Trainer:
             "auto" on a CPU device with more than one torch thread: a governor times the
             training steps (wall time from one step's end to the next's: loading, forward,
             backward, optimiser, bank upkeep) at torch's thread count and at one thread, keeps
-            the faster (``torch.set_num_threads``) and re-probes with back-off (starts at one
-            thread: 5 warm-up steps, then windows of 6 steps, a clearly slower side given up
-            after 2, holds of 64 steps doubling to 4096 while confirmed). Most of a CPU
-            step is torch's own ops, whose OpenMP barriers wait for descheduled threads when
-            other processes keep the cores busy; then one thread is faster, idle it is not
-            (digits demo on 2 cores: 48 s at 2 threads vs 67 s at 1 idle, 798 s vs 165 s
-            loaded). Its decisions go to the epoch log: ``threads`` (the count at the epoch's
+            the faster (``torch.set_num_threads``; ties: one thread) and re-probes with
+            back-off (starts at one thread: 5 warm-up steps, then windows of 6 steps, a far
+            slower side given up after 1 step and a clearly slower one after 2, holds of 64
+            steps doubling to 4096 while confirmed and long enough to keep probing within 5%
+            of the time). Most of a CPU step is torch's own ops, whose OpenMP barriers wait
+            for descheduled threads when other processes keep the cores busy; then one thread
+            is faster, idle it is not (30-epoch digits demo on 2 cores, idle: 28.4 s at 2
+            threads, 40.8 s at 1; beside a 2-thread matmul process a step at 2 threads took
+            27x one at 1: README "Threads on the CPU, measured"). Its decisions go to the epoch log: ``threads`` (the count at the epoch's
             end), ``threads_decisions``, ``threads_step_ms_full`` / ``threads_step_ms_one``
             (the last probe's medians). Nothing is printed. The count changes the summation
             order of torch's parallel reductions, so a governed run is not bit-reproducible

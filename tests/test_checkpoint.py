@@ -360,3 +360,18 @@ def test_bank_file_is_the_bank_state_dict_and_loads_through_load_state_dict(tmp_
     old = dict(load_checked(tmp_path / "u.pt"), uniform_weights=True)
     save_checked(old, tmp_path / "old.pt")
     assert nnkloss.load_bank(tmp_path / "old.pt")[0].weights_for_loss() is None
+
+
+def test_save_bank_removes_stale_temporaries_and_keeps_fresh_ones(tmp_path):
+    """A killed save_bank leaves ``.<name>.<8 random>.tmp`` beside the file: the next save
+    removes it once it is STALE_TEMP_SECONDS old, and keeps a fresh one (another writer's)."""
+    from nnkloss.bank import checkpoint
+    path = tmp_path / "bank.pt"
+    stale, fresh = tmp_path / ".bank.pt.abcd1234.tmp", tmp_path / ".bank.pt.efgh5678.tmp"
+    for f in (stale, fresh):
+        f.write_bytes(b"torn")
+    old = os.path.getmtime(stale) - checkpoint.STALE_TEMP_SECONDS - 10
+    os.utime(stale, (old, old))
+    nnkloss.save_bank(make_bank(), path)
+    assert not stale.exists() and fresh.exists()
+    assert nnkloss.load_bank(path)[0].num_centres == 60

@@ -28,3 +28,15 @@ def test_write_logs_writes_both_files_with_every_column(tmp_path):
     write_logs(str(tmp_path), history[:1])  # rewritten whole, not appended
     assert len(json.loads((tmp_path / LOG_JSON).read_text())) == 1
     assert not [p for p in tmp_path.iterdir() if p.name not in (LOG_JSON, LOG_CSV)]
+
+
+def test_write_logs_removes_temporaries_of_interrupted_writes(tmp_path):
+    """A run killed inside write_logs leaves ``.log.json.<8 random>.tmp``: the next write
+    (the resumed run, the only writer of its out_dir) removes it; other files stay."""
+    torn = [tmp_path / f".{LOG_JSON}.abcd1234.tmp", tmp_path / f".{LOG_CSV}.efgh5678.tmp"]
+    other = tmp_path / ".checkpoint.pt.ijkl9012.tmp"
+    for f in torn + [other]:
+        f.write_bytes(b"torn")
+    write_logs(str(tmp_path), [{"epoch": 1, "loss": 0.5}])
+    assert not any(f.exists() for f in torn) and other.exists()
+    assert json.load(open(tmp_path / LOG_JSON)) == [{"epoch": 1, "loss": 0.5}]

@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from ..atomic import remove_stale_temps
 from ..checksum import UncheckedFileError, load_checked, save_checked
 from .centre_bank import CentreBank, validate_bank_tensors
 
@@ -27,6 +28,10 @@ __all__ = ["save_bank", "load_bank"]
 
 _FORMAT = "nnkloss.CentreBank"
 _VERSION = 2
+# Temporary files of interrupted save_bank calls (a killed process leaves its .tmp beside the
+# target) are removed once untouched this long: another process may be writing the same file
+# right now, and a write in progress keeps its temporary fresh.
+STALE_TEMP_SECONDS = 3600.0
 # The tensors of a bank file: the keys of CentreBank.state_dict().
 _STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
@@ -50,7 +55,9 @@ def _check_extra(value: Any, where: str = "extra") -> None:
 
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:
-    """Write ``bank`` (and ``step``, ``extra``) to ``path`` atomically.
+    """Write ``bank`` (and ``step``, ``extra``) to ``path`` atomically. Temporary files that
+    interrupted writes of ``path`` left behind are removed first, once an hour old
+    (``STALE_TEMP_SECONDS``: a write in progress by another process keeps its own fresh).
 
     Args:
         bank: the :class:`CentreBank`; its tensors are copied to the CPU for the file.
@@ -69,6 +76,7 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
     # The bank's own state_dict (centres, centre_labels, neighbours, log_weights) is the file's
     # payload, beside whether the weights are learned: one description of a bank's state for
     # both ways of saving it (load_bank reads it back through load_state_dict).
+    remove_stale_temps(path, older_than_s=STALE_TEMP_SECONDS)
     payload = {"format": _FORMAT, "version": _VERSION}
     payload.update((name, t.detach().cpu()) for name, t in bank.state_dict().items())
     payload.update(learn_weights=bool(bank.learn_weights), step=int(step), extra=extra)

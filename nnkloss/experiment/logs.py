@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 from torch import Tensor
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, remove_stale_temps
 
 __all__ = ["LOG_CSV", "LOG_JSON", "json_safe", "write_logs"]
 
@@ -40,7 +40,10 @@ def json_safe(v):
 def write_logs(out_dir: str, history: Sequence[Dict[str, Any]]) -> None:
     """(Re)write ``out_dir/log.json`` and ``out_dir/log.csv`` from ``history`` (one dict per
     epoch), atomically. The CSV's columns are every key in order of first appearance; a row
-    without a column leaves its cell empty."""
+    without a column leaves its cell empty. Temporary files of interrupted writes of the two
+    logs are removed first (the run is the only writer of its out_dir, as for its checkpoint)."""
+    for name in (LOG_JSON, LOG_CSV):
+        remove_stale_temps(os.path.join(out_dir, name))
     rows = [{k: json_safe(v) for k, v in r.items()} for r in history]
     atomic_write(os.path.join(out_dir, LOG_JSON), json.dumps(rows, indent=1).encode("utf-8"))
     cols: List[str] = []

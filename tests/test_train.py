@@ -941,3 +941,26 @@ def test_trainer_keeps_training_the_weights_of_a_grown_bank():
     assert moved[:n_old].any() and moved[n_old:].any()
     state = tr.optimizer.state[bank.log_weights]
     assert state["momentum_buffer"].shape == (n_old + len(y_new),)
+
+
+def test_load_state_dict_is_all_or_nothing(tmp_path):
+    """A checkpoint whose optimiser part is refused (after the criterion and the model loaded)
+    leaves the Trainer exactly as it was: model, criterion (bank), optimiser, counters."""
+    tr = _run(tmp_path / "a", 2)
+    other = _run(tmp_path / "b", 3, model_seed=1)
+    state = other.state_dict()
+    state["optimizer"] = dict(state["optimizer"], param_groups=[])   # refused by torch
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    bank_before = {k: v.clone() for k, v in tr.criterion.state_dict().items()}
+    epoch, step, n_hist = tr.epoch, tr.step, len(tr.history)
+    opt_before = tr.optimizer.state_dict()["param_groups"]
+    with pytest.raises(ValueError, match="optimizer"):
+        tr.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in tr.model.state_dict().items())
+    assert all(torch.equal(v, bank_before[k]) for k, v in tr.criterion.state_dict().items())
+    assert (tr.epoch, tr.step, len(tr.history)) == (epoch, step, n_hist)
+    assert tr.optimizer.state_dict()["param_groups"] == opt_before
+    # the model and the criterion of `other` differ, so a partial load would have shown
+    assert not all(torch.equal(v, before[k]) for k, v in other.model.state_dict().items())
+    tr.load_state_dict(other.state_dict())                            # a good one still loads
+    assert tr.epoch == other.epoch and tr.step == other.step

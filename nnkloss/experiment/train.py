@@ -33,6 +33,7 @@ weights are averaged across ranks, the log shows the whole job and only rank 0 w
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 import time
@@ -337,12 +338,22 @@ class Trainer:
     def load_state_dict(self, state: Dict[str, Any], where: str = "checkpoint") -> None:
         """Restore :meth:`state_dict`. The data record is checked first (N, centre labels, embedding
         size; ValueError naming what differs), then the criterion (its bank validated as
-        ``CentreBank.update_`` validates), the model and the optimiser."""
+        ``CentreBank.update_`` validates), the model and the optimiser. All or nothing: when any
+        part is refused, every part already loaded is put back as it was (from a copy of the
+        current state on the CPU, taken before anything changes) and the error is raised."""
         if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
             fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a Trainer checkpoint of format {_ckpt.FORMAT!r} "
                              f"(format {fmt!r})")
         _ckpt.check_data(state.get("data"), self._data, where)
+        before = _cpu_copy(self.state_dict())
+        try:
+            self._load_parts(state, where)
+        except BaseException:
+            self._load_parts(before, "the state before a refused load")
+            raise
+
+    def _load_parts(self, state: Dict[str, Any], where: str) -> None:
         for name, target in (("criterion", self.criterion), ("model", self.model),
                              ("optimizer", self.optimizer)):
             try:
@@ -566,6 +577,21 @@ class Trainer:
 
 #: The Trainer's governor: units are training steps.
 GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096)
+
+
+def _cpu_copy(obj):
+    """A copy of a (nested) state on the CPU: tensors detached and cloned, containers rebuilt,
+    anything else deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module's state_dict: its per-module versions
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _governor_columns(gov: ThreadGovernor) -> Dict[str, Any]:

@@ -103,7 +103,7 @@ def test_value_checks_has_one_public_switch():
     (0.0, ValueError, "positive and finite"), (float("inf"), ValueError, "positive and finite"),
     (True, TypeError, "must be a float"), ("1", TypeError, "must be a float"),
     (torch.tensor([1.0, 2.0]), ValueError, "0-dim"), (torch.tensor(2), TypeError, "floating"),
-])
+], ids=["zero", "inf", "bool", "str", "vector", "int-tensor"])
 def test_one_sigma_check_everywhere(bad, exc, msg):
     """Every entry point that takes a sigma value refuses bad ones with the same message, from
     nnkloss.validation.require_sigma."""

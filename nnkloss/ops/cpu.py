@@ -279,6 +279,8 @@ def _declare(lib):
     lib.nnk_centre_grad.restype = I
     lib.nnk_scale_rows.argtypes = [I, P, P, I64, I64, P, I]
     lib.nnk_scale_rows.restype = I
+    lib.nnk_vexp.argtypes = [P, P, I64]
+    lib.nnk_vexp.restype = I
     lib.nnk_knn_select.argtypes = [P, I64, I64, I64, I64, I64, I64, P, P, P, I]
     lib.nnk_knn_select.restype = I
     lib.nnk_knn_finish.argtypes = [I64, I64, I64, P, P, P, P, I]
@@ -548,6 +550,19 @@ def scale_rows(grad_x, g):
         out.data_ptr(), n))
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
+    return out
+
+
+def forward_exp(x):
+    """The exponential the compiled forward uses for its softmax (``vexp`` in
+    cpu_kernel.cpp: vectorised, within ~1 ulp of exp), applied to an fp32 CPU tensor; for
+    tests. None when the library is unavailable."""
+    lib = _lib()
+    if lib is None:
+        return None
+    x = x.detach().to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    lib.nnk_vexp(x.data_ptr(), out.data_ptr(), x.numel())
     return out
 
 

@@ -452,7 +452,6 @@ struct ForwardRow {
     int store_dist;
     C *loss, *lse_all, *lse_pos, *grad_x, *dist;
     std::vector<C> logit, coef, epos;
-    std::vector<int64_t> live;
     int64_t B = 0, chunk = 1;  // rows per work item
     int64_t pf_end = 0;        // flat (b * K + k) end of this item's entries: prefetch bound
 
@@ -478,98 +477,89 @@ struct ForwardRow {
             logit.resize(K);
             coef.resize(K);
             epos.resize(K);
-            live.resize(K);
         }
         const C* x = emb + b * D;
         const int64_t R = labels[b];
-        // 1. The row's entries that gather a centre (index in 0..N-1), in list order.
-        int64_t nlive = 0;
-        for (int64_t k = 0; k < K; ++k) {
-            int64_t j = load_index(nbrs, nb64, b * K + k);
-            if (j >= 0 && j < N) live[nlive++] = k;
-        }
-        // 2. Distances, reading each gathered centre row once, four rows at a time
-        //    (scaled_sqdist4: same bits as one at a time), prefetching pf entries ahead.
-        // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
-        // cost, what bench_loss's "% of limit" counts) + K * (index + label [+ weight]) + the
-        // D * sizeof(C) embedding (cache-resident after the first row touches it).
-        auto centre = [&](int64_t k) {
-            return centres + load_index(nbrs, nb64, b * K + k) * D;
-        };
-        // The group pf entries ahead (pf a multiple of 4: whole groups) is prefetched while
-        // this one is computed; past the item's end, the current rows stand in.
-        int64_t i = 0;
-        for (; i + 4 <= nlive; i += 4) {
-            const T* rows[4];
-            const T* fut[4];
-            for (int t = 0; t < 4; ++t) {
-                const int64_t k = live[i + t];
-                rows[t] = centre(k);
-                fut[t] = rows[t];
-                const int64_t f = b * K + k + pf;
-                if (pf > 0 && f < pf_end) {
-                    const int64_t jn = load_index(nbrs, nb64, f);
-                    if (jn >= 0 && jn < N) fut[t] = centres + jn * D;
-                }
-            }
-            C u4[4];
-            scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, u4, fut);
-            for (int t = 0; t < 4; ++t) coef[live[i + t]] = u4[t];
-        }
-        for (; i < nlive; ++i) {
-            const int64_t f = b * K + live[i] + pf;
-            if (pf > 0 && f < pf_end) {
-                const int64_t jn = load_index(nbrs, nb64, f);
-                if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
-            }
-            coef[live[i]] = scaled_sqdist(centre(live[i]), x, inv_s, D);
-        }
-        // 3. Per entry, from cache: the logit, the same-class logit (-inf for other classes),
-        //    the non-finite rule (CONTRACT.md 6). Members are copied to locals first: the
-        //    stores below could alias them as far as the compiler knows, which made it reload
-        //    each one per entry.
+        // Members are copied to locals first: the stores below could alias them as far as the
+        // compiler knows, which made it reload each one per entry.
         const void* const nbl = nbrs;
         const int l64 = nb64, c64 = cl64, wt = wtype;
         const void* const wts = weights;
         const void* const cls = clabels;
-        const int64_t n_rows = N, k0 = b * K;
+        const T* const bank = centres;
+        const int64_t n_rows = N, k0 = b * K, end = pf_end;
         C* __restrict lg = logit.data();
-        C* __restrict lpos = epos.data();  // same-class logits, then e^R (below)
-        const C* __restrict uu = coef.data();
+        C* __restrict lpos = epos.data();  // same-class logits, then e^R (step 2)
         C* const drow = store_dist ? dist + k0 : nullptr;
         bool nonfinite = false;
-        for (int64_t k = 0; k < K; ++k) {
-            const int64_t j = load_index(nbl, l64, k0 + k);
-            C u = 0, l = ninf, lp = ninf;
-            if (j >= 0) {
-                if (j >= n_rows) {  // out of range (the op's checks refuse it): poison the row
-                    nonfinite = true;
-                    u = nan;
-                } else {
-                    u = uu[k];
-                    nonfinite |= !std::isfinite(u);
-                    C lw = 0;
-                    bool valid = true;
-                    if (wt) {
-                        const C w = load_weight<C>(wts, wt, j);
-                        valid = w != (C)0;
-                        // log(1) is exactly 0: unit weights (the usual case) skip the log,
-                        // which cost ~13% of the forward at K = 32, D = 128
-                        if (valid && w != (C)1) {
-                            lw = std::log(w);
-                            nonfinite |= !std::isfinite(lw);
-                        }
-                    }
-                    if (valid) {
-                        l = lw - u * (C)0.5;
-                        lp = load_index(cls, c64, j) == R ? l : ninf;
-                    }
+        // 1. Per entry: its distance u (pass 1, reading the gathered centre row once), then
+        //    from registers the logit, the same-class logit (-inf for other classes) and the
+        //    non-finite rule (CONTRACT.md 6).
+        // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
+        // cost, what bench_loss's "% of limit" counts) + K * (index + label [+ weight]) + the
+        // D * sizeof(C) embedding (cache-resident after the first row touches it).
+        auto entry = [&](int64_t k, int64_t j, C u) {  // 0 <= j < N
+            nonfinite |= !std::isfinite(u);
+            C lw = 0;
+            bool valid = true;
+            if (wt) {
+                const C w = load_weight<C>(wts, wt, j);
+                valid = w != (C)0;
+                // log(1) is exactly 0: unit weights (the usual case) skip the log, which cost
+                // ~13% of the forward at K = 32, D = 128
+                if (valid && w != (C)1) {
+                    lw = std::log(w);
+                    nonfinite |= !std::isfinite(lw);
                 }
             }
+            const C l = valid ? lw - u * (C)0.5 : ninf;
             lg[k] = l;
-            lpos[k] = lp;
+            lpos[k] = valid && load_index(cls, c64, j) == R ? l : ninf;
             if (drow) drow[k] = u;
+        };
+        auto ahead = [&](int64_t k) -> const T* {  // the row pf entries ahead, or null
+            const int64_t f = k0 + k + pf;
+            if (pf <= 0 || f >= end) return nullptr;
+            const int64_t jn = load_index(nbl, l64, f);
+            return jn >= 0 && jn < n_rows ? bank + jn * D : nullptr;
+        };
+        auto single = [&](int64_t k, int64_t j) {
+            if (const T* r = ahead(k)) prefetch_row(r, D);
+            if (j >= 0 && j < n_rows) {
+                entry(k, j, scaled_sqdist(bank + j * D, x, inv_s, D));
+                return;
+            }
+            lg[k] = lpos[k] = ninf;  // padding, or out of range (the op's checks refuse it):
+            if (j >= n_rows) nonfinite = true;  // that poisons the row
+            if (drow) drow[k] = j >= n_rows ? nan : (C)0;
+        };
+        // Four consecutive entries that all gather a row go through scaled_sqdist4 (same bits
+        // as one at a time), which streams them together and prefetches the group pf entries
+        // ahead while it computes (past the item's end, the current rows stand in).
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {
+            int64_t j[4];
+            bool all = true;
+            for (int t = 0; t < 4; ++t) {
+                j[t] = load_index(nbl, l64, k0 + k + t);
+                all &= j[t] >= 0 && j[t] < n_rows;
+            }
+            if (!all) {
+                for (int t = 0; t < 4; ++t) single(k + t, j[t]);
+                continue;
+            }
+            const T* rows[4];
+            const T* fut[4];
+            for (int t = 0; t < 4; ++t) {
+                rows[t] = bank + j[t] * D;
+                const T* a = ahead(k + t);
+                fut[t] = a ? a : rows[t];
+            }
+            C u4[4];
+            scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, u4, fut);
+            for (int t = 0; t < 4; ++t) entry(k + t, j[t], u4[t]);
         }
+        for (; k < K; ++k) single(k, load_index(nbl, l64, k0 + k));
         C* g = grad_x ? grad_x + b * D : nullptr;  // null: the forward-only path
         if (nonfinite) {
             loss[b] = lse_all[b] = lse_pos[b] = nan;
@@ -577,7 +567,7 @@ struct ForwardRow {
                 for (int64_t d = 0; d < D; ++d) g[d] = nan;
             return;
         }
-        // 4. The two maxima and the two sums as SIMD lanes over K (plain loops, each of which
+        // 2. The two maxima and the two sums as SIMD lanes over K (plain loops, each of which
         //    the compiler vectorises; vexp: no library call per entry). Invalid entries, and
         //    other classes in lpos, are -inf, so exp gives them exactly 0.
         C m_all = ninf, m_pos = ninf;
@@ -618,7 +608,7 @@ struct ForwardRow {
         lse_pos[b] = lp;
         loss[b] = la - lp;
         if (!g) return;  // forward only: no gradient terms, no second pass
-        // 5. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x), p_j = e_j / s_all,
+        // 3. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x), p_j = e_j / s_all,
         //    p^R_j = e^R_j / s_pos (normalised by the computed sums, CONTRACT.md 5).
 #pragma omp simd
         for (int64_t k = 0; k < K; ++k) ea[k] = (ea[k] / s_all - er[k] / s_pos) * inv_s2;
@@ -657,7 +647,7 @@ void forward_impl(const C* emb, const int64_t* labels, const T* centres, const v
         16, B / (8 * (int64_t)std::max(1, nthreads))));
     ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
                          sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
-                         {}, {}, {}, {}, B, chunk, 0};
+                         {}, {}, {}, B, chunk, 0};
     run_items((B + chunk - 1) / chunk, nthreads, row);
 }
 

@@ -1084,14 +1084,17 @@ def _effective(m, s):
 
 
 @kernel
-@pytest.mark.parametrize("n,s", [(100, 16), (101, 16), (70, 40), (33, 33), (10, 16), (97, 1)])
+@pytest.mark.parametrize("n,s", [(100, 16), (101, 16), (70, 40), (33, 33), (10, 16), (97, 1),
+                                 (300, 128), (450, 200)])
 @pytest.mark.parametrize("k,extra", [(1, 1), (5, 64), (9, 2)])
 def test_symmetric_selection_matches_sorted_reference(n, s, k, extra):
     """A NON-symmetric matrix of small integers (many ties, -0.0 and negatives that clamp to 0):
     every point's list is the (distance, index) sort of its row of the effective matrix, so a
     column side that read the wrong entry, skipped a candidate or broke the order would show.
-    Blocks of 16 (full vector groups), 40 (a partial group: the scalar lanes), N not a
-    multiple of S, N < S, S = 1; cap = k + 1 compacts on nearly every push."""
+    Column groups (items) are 128 columns with AVX-512, 64 with AVX2: blocks of 128 and 200
+    have full groups (the vector path) and 200 a partial one, smaller blocks only partial
+    ones (the scalar path); N not a multiple of S, N < S, S = 1; cap = k + 1 compacts on
+    nearly every push."""
     k = min(k, n)
     g = torch.Generator().manual_seed(n * 7 + s + k)
     m = torch.randint(0, 6, (n, n), generator=g).float()
@@ -1105,11 +1108,12 @@ def test_symmetric_selection_matches_sorted_reference(n, s, k, extra):
 
 
 @kernel
-@pytest.mark.parametrize("s", [16, 5])
+@pytest.mark.parametrize("s", [16, 5, 200])
 def test_symmetric_selection_returns_every_point_when_k_is_n(s):
     """k = N (own row included): each list is a permutation of all points, inf distances too
-    (a lane takes every value until its first compaction, whatever it is)."""
-    n = 37
+    (a lane takes every value until its first compaction, whatever it is), on the scalar and
+    the vector column path (tile (0, 1) of 200 x 200 holds a full group of columns)."""
+    n = 400
     g = torch.Generator().manual_seed(s)
     m = torch.randint(0, 4, (n, n), generator=g).float()
     m[torch.rand(n, n, generator=g) < 0.1] = float("inf")

@@ -619,7 +619,7 @@ def upper_tiles(n, s):
 
 @compiled
 @pytest.mark.parametrize("n,s,k", [(200, 16, 9), (211, 32, 40), (300, 64, 150), (10, 16, 3),
-                                   (50, 16, 49), (97, 8, 96), (2, 16, 1)])
+                                   (50, 16, 49), (97, 8, 96), (2, 16, 1), (700, 200, 30)])
 def test_symmetric_self_search_matches_reference(monkeypatch, n, s, k):
     """queries IS base, exclude_self: only the tiles on and above the diagonal get a GEMM, I
     outer and J inner; on exactly representable data with many ties the lists are those of the
@@ -677,12 +677,12 @@ def test_symmetric_self_search_random_data(monkeypatch):
     the blockwise path's. Distances within 1e-4 of the fp64 reference (check_result); indices
     equal to the blockwise path's except at near-ties, where the swapped neighbours' fp64
     distances differ by less than that tolerance."""
-    sym_blocks(monkeypatch, 64)
+    sym_blocks(monkeypatch, 200)
     g = torch.Generator().manual_seed(91)
     x = torch.randn(700, 24, generator=g)
     spy = SelectionSpy(monkeypatch)
     a = knn(x, x, 30, "torch", exclude_self=True)
-    assert len(spy.sym) == len(upper_tiles(700, 64))
+    assert len(spy.sym) == len(upper_tiles(700, 200))
     check_result(x, x, 30, *a, exclude_self=True)
     b = knn(x.clone(), x, 30, "torch", exclude_self=True)
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)

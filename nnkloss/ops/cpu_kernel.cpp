@@ -680,7 +680,13 @@ constexpr int64_t kKnnItemElems = 1 << 14;
 // Column side of a symmetric self-search tile (nnk_knn_select_sym): the tile's rows are
 // candidates for its columns' selections. Lanes per vector compare (16 with AVX-512, 8 with
 // AVX2, 16 scalar) and vectors per row: an item is kKnnColGroup contiguous columns, walked
-// down the tile's rows (each row a contiguous read of the group's floats, no transposed copy).
+// down the tile's rows (each row a contiguous read of the group's floats, no transposed copy),
+// with a software prefetch NNK_KNN_COL_PREFETCH rows ahead: consecutive reads are a row stride
+// apart, a page or more for the search's tiles, which the hardware prefetchers do not follow.
+// Measured on the 2-core AMD EPYC (AVX-512), one thread, column side of a 2048 x 2048 tile of
+// a k = 101 search: 1 vector per row (16 columns), no prefetch 1.5 ms; 4 vectors 1.2 ms; 4 with
+// prefetch 8 rows ahead 1.0 ms; 8 with prefetch 0.85 ms (the row side of the same tile 0.68
+// ms). Prefetch with 1 vector per row was slower (1.7 ms): one line used per prefetch.
 #if defined(__AVX512F__)
 constexpr int kKnnLanes = 16;
 #elif defined(__AVX2__)
@@ -689,9 +695,12 @@ constexpr int kKnnLanes = 8;
 constexpr int kKnnLanes = 16;
 #endif
 #ifndef NNK_KNN_COL_VECTORS
-#define NNK_KNN_COL_VECTORS 1
+#define NNK_KNN_COL_VECTORS 8
 #endif
 constexpr int kKnnColVectors = NNK_KNN_COL_VECTORS;
+#ifndef NNK_KNN_COL_PREFETCH
+#define NNK_KNN_COL_PREFETCH 8
+#endif
 constexpr int kKnnColGroup = kKnnLanes * kKnnColVectors;
 
 // Columns c of `d` (rows x ncols, row stride ld; ncols <= kKnnColGroup) fold candidates
@@ -728,6 +737,11 @@ void knn_scan_columns(const float* __restrict d, int64_t rows, int64_t ld, int64
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float* p = d + r * ld;
+#if NNK_KNN_COL_PREFETCH > 0
+        if (r + NNK_KNN_COL_PREFETCH < rows)
+            for (int v = 0; v < kKnnColVectors; ++v)
+                __builtin_prefetch(p + NNK_KNN_COL_PREFETCH * ld + v * kKnnLanes);
+#endif
         for (int v = 0; v < kKnnColVectors; ++v) {
             const float* pv = p + v * kKnnLanes;
 #if defined(__AVX512F__)

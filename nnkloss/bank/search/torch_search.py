@@ -44,7 +44,7 @@ Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with ``exclude_self
 queries the same tensor as the base, :func:`same_tensor`): the distance matrix is symmetric, so
 only the tiles on and above the diagonal need a GEMM, about half the FLOPs:
 
-1. square blocks of S points (SYM_BLOCK = 4096); tiles (I, J), J >= I, I outer, J inner, one
+1. square blocks of S points (SYM_BLOCK = 2048); tiles (I, J), J >= I, I outer, J inner, one
    GEMM each (augmented block I against augmented block J, as above);
 2. in one C++ call per tile (``nnk_knn_select_sym``) the rows of block I take the tile's
    columns (the row scan above) and, off the diagonal, the rows of block J take the tile's rows
@@ -114,7 +114,11 @@ QUERY_TILE = 2048
 BASE_TILE = 4096
 # Symmetric self-search (compiled CPU path, queries = base): square blocks of this many points,
 # shrunk (not below SYM_MIN_BLOCK) until the state fits the budget (:func:`symmetric_block`).
-SYM_BLOCK = 4096
+# 2048 (a 16 MiB tile, within the 32 MiB last-level cache) against 4096 (64 MiB), N = 1e5,
+# D = 128, k = 101, 2 threads, load 1.0-1.5 (the machine shared): 8.3 / 7.9 s against 8.9 /
+# 8.9 s (GEMM 6.5 / 6.3 s against 7.0 / 7.1 s; selection 1.7 / 1.6 s against 1.9 / 1.9 s).
+# Its tile count, hence its count of fork-joins (see QUERY_TILE), equals the blockwise path's.
+SYM_BLOCK = 2048
 SYM_MIN_BLOCK = 512
 
 
@@ -322,7 +326,7 @@ def symmetric_block(n: int, k: int, budget: int) -> int:
     results: ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes, kept within ``budget`` (the
     blockwise path's bound: 256 MiB on the CPU by default, 1 GiB in the evaluation metrics) by
     halving S from SYM_BLOCK down to SYM_MIN_BLOCK; 0 (the blockwise path) when even that does
-    not fit. E.g. n = 1e5, k = 101: 163 MB of state + 67 MB tile at S = 4096 (fits 256 MiB);
+    not fit. E.g. n = 1e5, k = 101: 163 MB of state + 17 MB tile at S = 2048 (fits 256 MiB);
     the metrics at n = 150,000, k = 1,500: 3.6 GB of state, blockwise.
     """
     cap = k + max(k, 64)

@@ -48,8 +48,9 @@ only the tiles on and above the diagonal need a GEMM, about half the FLOPs:
    GEMM each (augmented block I against augmented block J, as above);
 2. in one C++ call per tile (``nnk_knn_select_sym``) the rows of block I take the tile's
    columns (the row scan above) and, off the diagonal, the rows of block J take the tile's rows
-   (a column scan: 16 columns at a time walked down the tile's rows, compared with their 16
-   thresholds; no transposed copy). The selection keeps every point's state (N rows);
+   (a column scan: items of 128 columns walked down the tile's rows, each row's 128 floats
+   compared, 16 at a time with AVX-512, with those columns' thresholds; no transposed copy).
+   The selection keeps every point's state (N rows);
 3. with I outer and J inner, a point of block P receives blocks 0 .. P-1 (column sides of
    the tiles (I, P), I < P), then P (the diagonal tile, row side only: it holds both orders of
    each pair), then P+1 .. (row sides): every point's candidates arrive in ascending index

@@ -17,7 +17,10 @@ HNSW); shapes predicted to exceed
 The limit: the search is an N x N x D GEMM, so its floor is ``sgemm_seconds`` = 2 N^2 D flops at
 the fp32 GEMM rate of this machine, measured in the same run just before each shape (median of
 5 products of a (2048, D) by (D, 16384) matrix, the search's own block shape class).
-``x_sgemm`` = seconds / sgemm_seconds.
+``x_sgemm`` = seconds / sgemm_seconds. The "torch" backend on the CPU with the compiled library
+searches the one tensor against itself with the symmetric self-search (each pair's distance
+computed once: about N^2 D flops, half the bound's), so its x_sgemm can be below 1; the bound
+keeps the N x N GEMM so that every backend is on one scale.
 
 Appends one row per measured shape to ``benchmarks/results/refresh_<device>.csv`` with columns
 ``op,backend,N,D,k,seconds,device,commit,date,sgemm_gflops,sgemm_seconds,x_sgemm,load``

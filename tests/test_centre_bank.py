@@ -444,3 +444,29 @@ def test_rebuild_neighbours_errors_leave_lists():
     with pytest.raises(ValueError, match="k=5"):
         bank.rebuild_neighbours(5, search_backend="torch")
     assert torch.equal(bank.neighbours, before)
+
+
+def test_rebuild_neighbours_takes_the_symmetric_search(monkeypatch):
+    """The bank searches its centres against themselves as ONE tensor, so on the CPU with the
+    compiled selection the symmetric self-search runs (each pair's distance computed once);
+    on exactly representable centres its lists equal the blockwise path's (issue 21)."""
+    from nnkloss.bank.search import knn
+    from nnkloss.bank.search import torch_search as TS
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no C++ compiler: torch selection only")
+    monkeypatch.setattr(TS, "SYM_BLOCK", 32)
+    monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
+    calls = []
+    real = cpu.KnnSelection.add_symmetric
+    monkeypatch.setattr(cpu.KnnSelection, "add_symmetric",
+                        lambda sel, d, r0, c0: calls.append((r0, c0)) or real(sel, d, r0, c0))
+    g = torch.Generator().manual_seed(5)
+    bank = CentreBank(torch.randint(0, 4, (100, 3), generator=g).float(),
+                      torch.randint(0, 5, (100,), generator=g))
+    lists = bank.rebuild_neighbours(9, search_backend="torch")
+    assert calls == [(i, j) for i in range(0, 100, 32) for j in range(i, 100, 32)]
+    ref = knn(bank.centres.clone(), bank.centres, 9, "torch", exclude_self=True)
+    assert len(calls) == 10, "an equal copy must take the blockwise path"
+    assert torch.equal(lists.neighbours, ref.neighbours)
+    assert torch.equal(lists.distances, ref.distances)

@@ -1098,3 +1098,107 @@ def test_cpu_library_is_built_once_per_process(monkeypatch):
     finally:
         cpu._reset_for_tests()
     assert builds == [1]
+
+
+# -----------------------------------------------------------------------------------------------
+# The symmetric self-search's selection (nnk_knn_select_sym, KnnSelection.add_symmetric; issue
+# 21): tiles (I, J), J >= I, of square blocks, fed to rows and, off the diagonal, to columns.
+
+def _sym_lists(m, s, k, cap, threads_min_elems=None, monkeypatch=None):
+    """Feed the (n, n) matrix ``m`` to a state of n points as the symmetric search does: only
+    tiles (I, J) with J >= I, I outer, J inner; each block finished after its row of tiles."""
+    n = m.shape[0]
+    sel = cpu.knn_selection(n, k, cap)
+    sel.reset(n)
+    dist, idx = [], []
+    for i0 in range(0, n, s):
+        rows = min(s, n - i0)
+        for j0 in range(i0, n, s):
+            sel.add_symmetric(m[i0:i0 + rows, j0:j0 + s].contiguous(), i0, j0)
+        d, i = sel.finish(i0, rows)
+        dist.append(d)
+        idx.append(i)
+    return torch.cat(dist), torch.cat(idx)
+
+
+def _effective(m, s):
+    """What the symmetric search ranks: pair (p, q) with block(p) <= block(q) takes m[p, q],
+    computed with p on the query side; the other order takes m[q, p] (the tile above the
+    diagonal, read down its column). Inside a diagonal block both orders are in the tile."""
+    blk = torch.arange(m.shape[0]) // s
+    upper = blk[:, None] <= blk[None, :]
+    return torch.where(upper, m, m.t())
+
+
+@kernel
+@pytest.mark.parametrize("n,s", [(100, 16), (101, 16), (70, 40), (33, 33), (10, 16), (97, 1),
+                                 (300, 128), (450, 200)])
+@pytest.mark.parametrize("k,extra", [(1, 1), (5, 64), (9, 2)])
+def test_symmetric_selection_matches_sorted_reference(n, s, k, extra):
+    """A NON-symmetric matrix of small integers (many ties, -0.0 and negatives that clamp to 0):
+    every point's list is the (distance, index) sort of its row of the effective matrix, so a
+    column side that read the wrong entry, skipped a candidate or broke the order would show.
+    Column groups (items) are 128 columns with AVX-512, 64 with AVX2: blocks of 128 and 200
+    have full groups (the vector path) and 200 a partial one, smaller blocks only partial
+    ones (the scalar path); N not a multiple of S, N < S, S = 1; cap = k + 1 compacts on
+    nearly every push."""
+    k = min(k, n)
+    g = torch.Generator().manual_seed(n * 7 + s + k)
+    m = torch.randint(0, 6, (n, n), generator=g).float()
+    m[torch.rand(n, n, generator=g) < 0.05] = -0.0
+    m[torch.rand(n, n, generator=g) < 0.05] = -1e-6
+    ref_d, ref_i = (_effective(m, s).clamp_min(0.0) + 0.0).sort(dim=1, stable=True)
+    d, i = _sym_lists(m, s, k, k + extra)
+    assert i.dtype == torch.int64 and d.dtype == torch.float32
+    assert torch.equal(i, ref_i[:, :k])
+    assert torch.equal(d.view(torch.int32), ref_d[:, :k].view(torch.int32))
+
+
+@kernel
+@pytest.mark.parametrize("s", [16, 5, 200])
+def test_symmetric_selection_returns_every_point_when_k_is_n(s):
+    """k = N (own row included): each list is a permutation of all points, inf distances too
+    (a lane takes every value until its first compaction, whatever it is), on the scalar and
+    the vector column path (tile (0, 1) of 200 x 200 holds a full group of columns)."""
+    n = 400
+    g = torch.Generator().manual_seed(s)
+    m = torch.randint(0, 4, (n, n), generator=g).float()
+    m[torch.rand(n, n, generator=g) < 0.1] = float("inf")
+    ref_d, ref_i = _effective(m, s).sort(dim=1, stable=True)
+    d, i = _sym_lists(m, s, n, n + 1)
+    assert torch.equal(i, ref_i) and torch.equal(d, ref_d)
+
+
+@kernel
+def test_symmetric_selection_is_the_same_on_two_threads(monkeypatch):
+    """Rows and columns of one tile are shared out to the threads together (disjoint state
+    rows): the lists do not depend on the thread count."""
+    g = torch.Generator().manual_seed(5)
+    m = torch.randint(0, 50, (300, 300), generator=g).float()
+    one = _sym_lists(m, 64, 20, 84)
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert cpu._threads(2 * 64 * 64) == 2
+    two = _sym_lists(m, 64, 20, 84)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@kernel
+def test_symmetric_selection_rejects_bad_tiles():
+    sel = cpu.knn_selection(40, 3, 70)
+    sel.reset(40)
+    tile = torch.zeros(10, 10)
+    with pytest.raises(RuntimeError, match=r"nnk_knn_select_sym failed \(code 2\)"):
+        sel.add_symmetric(tile, 0, 5)  # overlapping blocks that are not the diagonal
+    with pytest.raises(RuntimeError, match=r"nnk_knn_select_sym failed \(code 2\)"):
+        sel.add_symmetric(torch.zeros(10, 5), 0, 0)  # not square on the diagonal
+    with pytest.raises(ValueError, match="exceed the 40 points"):
+        sel.add_symmetric(tile, 0, 35)
+    with pytest.raises(ValueError, match="dist must be an fp32"):
+        sel.add_symmetric(tile.double(), 0, 10)
+    with pytest.raises(ValueError, match="outside the state"):
+        sel.finish(35, 10)
+    bad = cpu.knn_selection(40, 4, 4)  # cap must exceed k
+    bad.reset(40)
+    with pytest.raises(RuntimeError, match=r"nnk_knn_select_sym failed \(code 2\)"):
+        bad.add_symmetric(tile, 0, 10)

@@ -377,3 +377,39 @@ def test_retrieval_metrics_on_too_small_sets_reports_none_with_warnings():
     with pytest.warns(UserWarning):
         got = retrieval_metrics(emb[:1], torch.tensor([0]), ks=(1,))
     assert got == {"recall@1": None, "map@r": None, "r_precision": None, "nmi": None}
+
+
+def test_evaluate_takes_the_symmetric_search(monkeypatch):
+    """evaluate searches the embeddings against themselves as one tensor (numpy input too):
+    the symmetric self-search on the CPU (issue 21), with the brute-force metrics."""
+    from nnkloss.bank.search import torch_search as TS
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no C++ compiler: torch selection only")
+    monkeypatch.setattr(TS, "SYM_BLOCK", 32)
+    monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
+    calls = []
+    real = cpu.KnnSelection.add_symmetric
+    monkeypatch.setattr(cpu.KnnSelection, "add_symmetric",
+                        lambda sel, d, r0, c0: calls.append((r0, c0)) or real(sel, d, r0, c0))
+    emb, labels = data(n=130, classes=7, seed=6)
+    for e in (emb, emb.numpy()):
+        calls.clear()
+        got = metrics.evaluate(e, labels, (1, 2, 4, 8))
+        assert calls == [(i, j) for i in range(0, 130, 32) for j in range(i, 130, 32)]
+        ref = brute_recall(emb, labels, (1, 2, 4, 8))
+        for k in (1, 2, 4, 8):
+            assert got[f"recall@{k}"] == pytest.approx(ref[k], abs=1e-12)
+        assert got["map@r"] == pytest.approx(brute_map_at_r(emb, labels), abs=1e-12)
+
+
+def test_evaluation_at_150k_stays_blockwise():
+    """The symmetric search holds the selection state of every row: at 150,000 rows and
+    K = 1,500 (k + 1 = 1,501 searched, cap 3,002 keys) that is 3.6 GB, over the evaluation's
+    1 GiB budget, so the evaluation keeps the blockwise path, whose working set fits it."""
+    from nnkloss.bank.search import torch_search as TS
+    budget = metrics._EVAL_CPU_TILE_BYTES
+    assert TS.symmetric_block(150_000, 1501, budget) == 0
+    tq, tb, cap = TS.cpu_tile_sizes(150_000, 150_000, 1501, budget)
+    assert tq * (tb * 4 + cap * 8 + 1501 * 12) <= budget
+    assert TS.symmetric_block(150_000, 9, budget) > 0  # shallow metrics: 90 MB of state

@@ -437,28 +437,37 @@ def ref_lists(queries, base, k, exclude_self=False):
 
 
 class SelectionSpy:
-    """Counts the compiled selection's tiles, so a test knows which path ran."""
+    """Counts the compiled selection's tiles, so a test knows which path ran: ``tiles`` of the
+    blockwise path ``(shape, col0)``, ``sym`` of the symmetric self-search
+    ``(shape, row0, col0)``."""
 
     def __init__(self, monkeypatch):
-        self.tiles = []
+        self.tiles, self.sym = [], []
         real = cpu.KnnSelection.add
+        real_sym = cpu.KnnSelection.add_symmetric
 
         def add(sel, dist, col0):
             self.tiles.append((tuple(dist.shape), col0))
             return real(sel, dist, col0)
+
+        def add_symmetric(sel, dist, row0, col0):
+            self.sym.append((tuple(dist.shape), row0, col0))
+            return real_sym(sel, dist, row0, col0)
         monkeypatch.setattr(cpu.KnnSelection, "add", add)
+        monkeypatch.setattr(cpu.KnnSelection, "add_symmetric", add_symmetric)
 
 
 def both_paths(monkeypatch, *args, **kw):
-    """knn through the compiled selection, then through the torch fallback."""
+    """knn through the compiled selection (blockwise: the queries are not the base tensor,
+    see symmetric_paths for a self-search), then through the torch fallback."""
     spy = SelectionSpy(monkeypatch)
     a = knn(*args, search_backend="torch", **kw)
-    assert spy.tiles, "the compiled selection did not run"
+    assert spy.tiles and not spy.sym, "the compiled blockwise selection did not run"
     with monkeypatch.context() as m:
         m.setattr(TS, "_compiled_selection", lambda *a: None)
         n = len(spy.tiles)
         b = knn(*args, search_backend="torch", **kw)
-        assert len(spy.tiles) == n, "the fallback ran the compiled selection"
+        assert len(spy.tiles) == n and not spy.sym, "the fallback ran the compiled selection"
     return a, b
 
 
@@ -483,14 +492,16 @@ def test_compiled_selection_matches_reference_with_ties(monkeypatch, q_tile, b_t
 @compiled
 @pytest.mark.parametrize("k", [1, 9, 299])
 def test_compiled_selection_exclude_self(monkeypatch, k):
+    """exclude_self through the blockwise compiled path: the queries are an equal copy of the
+    base, not the same tensor (the same tensor takes the symmetric path, tested below)."""
     monkeypatch.setattr(TS, "QUERY_TILE", 16)
     monkeypatch.setattr(TS, "BASE_TILE", 48)
     x = tied(n=300, d=4, seed=20 + k)
-    a, b = both_paths(monkeypatch, x, x, k, exclude_self=True)
+    a, b = both_paths(monkeypatch, x.clone(), x, k, exclude_self=True)
     ref = ref_lists(x, x, k, exclude_self=True)
     assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
-    it = list(iter_knn(x, x, k, "torch", exclude_self=True))
+    it = list(iter_knn(x.clone(), x, k, "torch", exclude_self=True))
     assert [q0 for q0, _, _ in it] == list(range(0, 300, 16))
     assert torch.equal(torch.cat([i for _, _, i in it]), ref[1])
 
@@ -591,3 +602,173 @@ def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
         monkeypatch.delenv("NNKLOSS_CPU_KERNEL")
         cpu._reset_for_tests()
     assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
+
+
+# ------------------------------------------------------------ symmetric self-search (issue 21)
+def sym_blocks(monkeypatch, s):
+    """Blocks of s points in the symmetric self-search, so small data has several blocks."""
+    monkeypatch.setattr(TS, "SYM_BLOCK", s)
+    monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
+
+
+def upper_tiles(n, s):
+    """The tiles the symmetric search computes, in its order: (I, J), J >= I, I outer."""
+    return [((min(s, n - i0), min(s, n - j0)), i0, j0)
+            for i0 in range(0, n, s) for j0 in range(i0, n, s)]
+
+
+@compiled
+@pytest.mark.parametrize("n,s,k", [(200, 16, 9), (211, 32, 40), (300, 64, 150), (10, 16, 3),
+                                   (50, 16, 49), (97, 8, 96), (2, 16, 1), (700, 200, 30)])
+def test_symmetric_self_search_matches_reference(monkeypatch, n, s, k):
+    """queries IS base, exclude_self: only the tiles on and above the diagonal get a GEMM, I
+    outer and J inner; on exactly representable data with many ties the lists are those of the
+    (distance, index) sort with the own row dropped, and those of the blockwise path (an equal
+    copy as queries). N a multiple of S or not, N < S, N = k + 1 (every other point)."""
+    sym_blocks(monkeypatch, s)
+    x = tied(n=n, d=3, seed=n + s)
+    spy = SelectionSpy(monkeypatch)
+    a = knn(x, x, k, "torch", exclude_self=True)
+    assert spy.sym == upper_tiles(n, s) and not spy.tiles
+    assert a[0].dtype == torch.float32 and a[1].dtype == torch.int64
+    ref = ref_lists(x, x, k, exclude_self=True)
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+    assert (a[1] != torch.arange(n)[:, None]).all(), "a row returned itself"
+    b = knn(x.clone(), x, k, "torch", exclude_self=True)
+    assert spy.tiles, "an equal copy must take the blockwise path"
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+@compiled
+def test_symmetric_self_search_duplicates(monkeypatch):
+    """Every point three times: the own row is dropped, its two twins come first (distance 0,
+    by index), on the symmetric path with twins in other blocks."""
+    sym_blocks(monkeypatch, 16)
+    g = torch.Generator().manual_seed(90)
+    x = torch.randint(0, 100, (40, 5), generator=g).float().repeat(3, 1)
+    spy = SelectionSpy(monkeypatch)
+    dist, idx = knn(x, x, 6, "torch", exclude_self=True)
+    assert len(spy.sym) == len(upper_tiles(120, 16))
+    assert (dist[:, :2] == 0).all() and (dist[:, 2] > 0).all()
+    twins = torch.arange(120)[:, None] % 40 + torch.tensor([0, 40, 80])
+    own = torch.arange(120)[:, None]
+    expect = twins[twins != own].view(120, 2)  # the two other copies, ascending index
+    assert torch.equal(idx[:, :2], expect)
+    ref = ref_lists(x, x, 6, exclude_self=True)
+    assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
+
+
+@compiled
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+def test_symmetric_self_search_agrees_with_faiss_on_ties(monkeypatch):
+    sym_blocks(monkeypatch, 64)
+    x = tied(n=600, seed=10)
+    spy = SelectionSpy(monkeypatch)
+    a = knn(x, x, 30, "torch", exclude_self=True)
+    assert spy.sym
+    b = knn(x, x, 30, "faiss", exclude_self=True)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+@compiled
+def test_symmetric_self_search_random_data(monkeypatch):
+    """Random data: the distance of pair (i, j), i in an earlier block, comes from the tile
+    computed with x_i as the query, for both lists, so it may differ by a rounding error from
+    the blockwise path's. Distances within 1e-4 of the fp64 reference (check_result); indices
+    equal to the blockwise path's except at near-ties, where the swapped neighbours' fp64
+    distances differ by less than that tolerance."""
+    sym_blocks(monkeypatch, 200)
+    g = torch.Generator().manual_seed(91)
+    x = torch.randn(700, 24, generator=g)
+    spy = SelectionSpy(monkeypatch)
+    a = knn(x, x, 30, "torch", exclude_self=True)
+    assert len(spy.sym) == len(upper_tiles(700, 200))
+    check_result(x, x, 30, *a, exclude_self=True)
+    b = knn(x.clone(), x, 30, "torch", exclude_self=True)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    differ = a[1] != b[1]
+    assert differ.float().mean() < 0.01
+    x64 = x.double()
+    rows = torch.arange(700)[:, None].expand(-1, 30)[differ]
+    da = (x64[a[1][differ]] - x64[rows]).pow(2).sum(1)
+    db = (x64[b[1][differ]] - x64[rows]).pow(2).sum(1)
+    torch.testing.assert_close(da, db, rtol=1e-4, atol=1e-4)
+
+
+def test_same_tensor():
+    x = torch.randn(6, 6)
+    assert TS.same_tensor(x, x) and TS.same_tensor(x, x[:]) and TS.same_tensor(x, x.view(6, 6))
+    assert not TS.same_tensor(x, x.clone())           # equal values, other memory
+    assert not TS.same_tensor(x, x.t())               # same memory and shape, other strides
+    assert not TS.same_tensor(x, x[:5])               # other shape
+    assert not TS.same_tensor(x, x.view(torch.int32))  # other dtype
+    assert not TS.same_tensor(x[1:], x[:-1])          # same storage, other start
+
+
+@compiled
+def test_symmetric_path_only_for_the_same_tensor(monkeypatch):
+    """The same memory under another Python object takes the symmetric path; an equal copy, a
+    transposed view of a symmetric matrix (same memory and shape, other strides) and a search
+    without exclude_self take the blockwise path, with the same lists on exact data."""
+    sym_blocks(monkeypatch, 16)
+    x = tied(n=64, d=64, seed=92)
+    sq = x @ x.t()  # symmetric (64, 64): sq.t() holds equal values with other strides
+    ref = knn(x, x, 5, "torch", exclude_self=True)
+    for queries, base, symmetric in ((x[:], x, True), (x.view(64, 64), x, True),
+                                     (x.clone(), x, False), (sq.t(), sq, False)):
+        spy = SelectionSpy(monkeypatch)
+        res = knn(queries, base, 5, "torch", exclude_self=True)
+        assert bool(spy.sym) == symmetric and bool(spy.tiles) != symmetric
+        if base is x:
+            assert torch.equal(res[1], ref[1]) and torch.equal(res[0], ref[0])
+    spy = SelectionSpy(monkeypatch)
+    knn(x, x, 5, "torch")  # no exclude_self: the present path
+    assert spy.tiles and not spy.sym
+
+
+def test_symmetric_block_bound(monkeypatch):
+    """The whole state (n * (cap * 8 + 16) bytes), one (S, S) tile and one block's results
+    must fit the budget; S halves down to SYM_MIN_BLOCK, else 0 (the blockwise path)."""
+    assert TS.symmetric_block(100_000, 101, 256 * 2**20) == TS.SYM_BLOCK
+    cap = 101 + 101
+    state = 100_000 * (cap * 8 + 16)
+    s = TS.SYM_BLOCK
+    assert TS.symmetric_block(100_000, 101, state + s * (s * 4 + 101 * 12)) == s
+    assert TS.symmetric_block(100_000, 101, state + s * (s * 4 + 101 * 12) - 1) == s // 2
+    m = TS.SYM_MIN_BLOCK
+    assert TS.symmetric_block(100_000, 101, state + m * (m * 4 + 101 * 12)) == m
+    assert TS.symmetric_block(100_000, 101, state + m * (m * 4 + 101 * 12) - 1) == 0
+    # The evaluation at 150,000 points with k + 1 = 1,501 (3.6 GB of state): blockwise.
+    assert TS.symmetric_block(150_000, 1501, 2**30) == 0
+    assert TS.symmetric_block(10, 3, 2**30) == 10  # N < S: one diagonal tile
+
+
+@compiled
+def test_symmetric_path_falls_back_when_the_state_does_not_fit(monkeypatch):
+    x = tied(n=300, d=3, seed=93)
+    spy = SelectionSpy(monkeypatch)
+    small = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=100_000)
+    assert spy.tiles and not spy.sym
+    big = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=10**6)
+    assert spy.sym
+    assert torch.equal(small[1], big[1]) and torch.equal(small[0], big[0])
+
+
+@compiled
+def test_symmetric_blocks_stream_in_row_order(monkeypatch):
+    """iter_knn yields block I as soon as its row of tiles is done (before any tile of block
+    I + 1), in ascending row order; without the library the torch selection runs instead."""
+    sym_blocks(monkeypatch, 32)
+    x = tied(n=100, d=3, seed=94)
+    spy = SelectionSpy(monkeypatch)
+    seen = []
+    for q0, dist, idx in iter_knn(x, x, 8, "torch", exclude_self=True):
+        seen.append((q0, idx.shape[0], [t[1] for t in spy.sym]))
+    assert [(q0, rows) for q0, rows, _ in seen] == [(0, 32), (32, 32), (64, 32), (96, 4)]
+    for q0, _, row0s in seen:
+        assert set(row0s) == set(range(0, q0 + 1, 32)), "a block yielded late or early"
+    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
+    n = len(spy.sym)
+    assert torch.equal(knn(x, x, 8, "torch", exclude_self=True)[1],
+                       ref_lists(x, x, 8, exclude_self=True)[1])
+    assert len(spy.sym) == n

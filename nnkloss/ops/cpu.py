@@ -283,6 +283,8 @@ def _declare(lib):
     lib.nnk_vexp.restype = I
     lib.nnk_knn_select.argtypes = [P, I64, I64, I64, I64, I64, I64, P, P, P, I]
     lib.nnk_knn_select.restype = I
+    lib.nnk_knn_select_sym.argtypes = [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, I]
+    lib.nnk_knn_select_sym.restype = I
     lib.nnk_knn_finish.argtypes = [I64, I64, I64, P, P, P, P, I]
     lib.nnk_knn_finish.restype = I
     return lib
@@ -570,6 +572,7 @@ class KnnSelection:
     """The exact search's selection state for ``rows`` query rows (nnkloss/bank/search/
     torch_search.py): per row a buffer of ``cap`` uint64 keys ``(distance bits << 32) | index``,
     its fill count and the worst key kept at the last compaction; see the end of cpu_kernel.cpp.
+    For a symmetric self-search the rows are all N points of the set (:meth:`add_symmetric`).
     """
 
     def __init__(self, lib, rows: int, k: int, cap: int):
@@ -593,14 +596,37 @@ class KnnSelection:
         if rc != 0:
             raise RuntimeError(f"nnk_knn_select failed (code {rc})")
 
-    def finish(self):
-        """(rows, k) fp32 distances and int64 indices, ascending by (distance, index)."""
-        rows, k = self.rows, self.k
+    def add_symmetric(self, dist, row0: int, col0: int) -> None:
+        """Fold the (rows, cols) fp32 CPU tile (row stride ``dist.stride(0)``, unit column
+        stride) of distances between points row0.. (query side) and col0.. (base side) of one
+        point set into the rows' selections and, unless it is a diagonal tile (row0 == col0,
+        rows == cols), into the columns' (``nnk_knn_select_sym``): the caller passes tiles so
+        that every point's candidates arrive in ascending index order."""
+        rows, cols = dist.shape
+        if dist.dtype != torch.float32 or dist.device.type != "cpu" or dist.stride(1) != 1:
+            raise ValueError("dist must be an fp32 CPU tile with unit column stride")
+        if max(row0 + rows, col0 + cols) > self.rows:
+            raise ValueError(f"tile rows {row0}..{row0 + rows} / columns {col0}..{col0 + cols} "
+                             f"exceed the {self.rows} points of the state")
+        rc = self.lib.nnk_knn_select_sym(dist.data_ptr(), rows, cols, dist.stride(0),
+                                         int(row0), int(col0), self.k, self.cap,
+                                         self.keys.data_ptr(), self.count.data_ptr(),
+                                         self.worst.data_ptr(), _threads(2 * rows * cols))
+        if rc != 0:
+            raise RuntimeError(f"nnk_knn_select_sym failed (code {rc})")
+
+    def finish(self, row0: int = 0, rows: Optional[int] = None):
+        """(rows, k) fp32 distances and int64 indices of state rows row0 .. row0 + rows - 1
+        (default: all the rows of the last reset), ascending by (distance, index)."""
+        k = self.k
+        rows = self.rows - row0 if rows is None else int(rows)
+        if row0 < 0 or rows < 0 or row0 + rows > self.rows:
+            raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
         dist = torch.empty(rows, k, dtype=torch.float32)
         idx = torch.empty(rows, k, dtype=torch.int64)
-        rc = self.lib.nnk_knn_finish(rows, k, self.cap, self.keys.data_ptr(),
-                                     self.count.data_ptr(), dist.data_ptr(), idx.data_ptr(),
-                                     _threads(rows * self.cap))
+        rc = self.lib.nnk_knn_finish(rows, k, self.cap, self.keys[row0:].data_ptr(),
+                                     self.count[row0:].data_ptr(), dist.data_ptr(),
+                                     idx.data_ptr(), _threads(rows * self.cap))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_finish failed (code {rc})")
         return dist, idx

@@ -10,7 +10,7 @@ from torch import Tensor
 from .exclusion import drop_self
 from .faiss_search import (build_approximate, build_flat, iter_search_index, require_faiss,
                            search_index)
-from .torch_search import iter_knn_torch
+from .torch_search import iter_knn_torch, same_tensor
 from .validation import APPROXIMATE, check_search_backend, validate
 
 __all__ = ["knn", "iter_knn", "resolve_search_backend", "SearchResult", "SearchBlock"]
@@ -50,7 +50,9 @@ def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto"
     """Exact search, yielded as :class:`SearchBlock` ``(row0, distances (rows, k), neighbours
     (rows, k))`` for consecutive blocks of query rows; arguments and results as in :func:`knn`
     (exact only).
-    Memory: one block's working set (the tile budget), never the whole (Q, k) result."""
+    Memory: one block's working set (the tile budget), never the whole (Q, k) result; a
+    self-search's symmetric path (below) holds every row's selection state, within that
+    budget."""
     k = validate(queries, base, k, exclude_self)
     yield from _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
 
@@ -65,7 +67,9 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
     if used == "faiss":
         blocks = iter_search_index(build_flat(base, kk), queries, kk)
     else:
-        blocks = iter_knn_torch(queries, base, kk, tile_bytes)
+        # A self-search of one tensor is symmetric: each pair's distance can be computed once.
+        blocks = iter_knn_torch(queries, base, kk, tile_bytes,
+                                self_search=exclude_self and same_tensor(queries, base))
     for q0, dist, idx in blocks:
         if exclude_self:
             own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)
@@ -90,7 +94,10 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
             on that device, else the CPU index), or "auto" (= "torch", whether or not faiss is
             installed, so that results never depend on it).
         exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i.
-            Exact duplicates of row i are still returned (at distance 0).
+            Exact duplicates of row i are still returned (at distance 0). Pass the same tensor
+            as ``queries`` and ``base``: on the CPU the "torch" backend then computes each
+            pair's distance once (the symmetric self-search, about half the GEMM work; see
+            :mod:`.torch_search`).
         approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
             ``IndexHNSWFlat``, CPU). Needs faiss; ``search_backend`` must then be "auto" or
             "faiss".

@@ -11,7 +11,12 @@ compute the same distances. Both selections below rank the same uint64/int64 key
 bits; keys are unique), so they return identical lists whenever their GEMMs give the same
 distance bits. With MKL they do on every shape tested (tests/test_search.py checks random data
 as well as exactly representable data with ties); a BLAS that rounds a product differently for
-another tile shape could swap neighbours whose distances differ by a rounding error.
+another tile shape could swap neighbours whose distances differ by a rounding error. The
+symmetric self-search below computes the distance of a pair once, with the point of the
+earlier block on the query side, for both points' lists: where the blockwise path computes
+it the other way round the bits can differ by a rounding error, so the lists are identical on
+exactly representable data (ties included) and otherwise equal up to such near-ties (each
+still the exact k smallest by (distance, index) of the distances computed).
 
 CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`` /
 ``nnk_knn_finish``; the default wherever the library builds):
@@ -34,6 +39,29 @@ Memory (CPU, compiled): the augmented base copy (N x width fp32, width = D + 2 r
 one distance tile and, per query row of a tile, ``cap`` keys and the (k,) results:
 ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, kept within ``tile_bytes`` by shrinking the query
 tile, then the base tile (:func:`cpu_tile_sizes`). Never a (Q, N) matrix.
+
+Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with ``exclude_self`` and the
+queries the same tensor as the base, :func:`same_tensor`): the distance matrix is symmetric, so
+only the tiles on and above the diagonal need a GEMM, about half the FLOPs:
+
+1. square blocks of S points (SYM_BLOCK = 2048); tiles (I, J), J >= I, I outer, J inner, one
+   GEMM each (augmented block I against augmented block J, as above);
+2. in one C++ call per tile (``nnk_knn_select_sym``) the rows of block I take the tile's
+   columns (the row scan above) and, off the diagonal, the rows of block J take the tile's rows
+   (a column scan: items of 128 columns walked down the tile's rows, each row's 128 floats
+   compared, 16 at a time with AVX-512, with those columns' thresholds; no transposed copy).
+   The selection keeps every point's state (N rows);
+3. with I outer and J inner, a point of block P receives blocks 0 .. P-1 (column sides of
+   the tiles (I, P), I < P), then P (the diagonal tile, row side only: it holds both orders of
+   each pair), then P+1 .. (row sides): every point's candidates arrive in ascending index
+   order, which the prefilter's exactness needs. Block P is final after its row of tiles and
+   is finished and yielded then (blocks in ascending row order, as elsewhere).
+
+Memory: the state of all N points, one (S, S) tile and one block's results,
+``N * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes, within ``tile_bytes`` (S halves down to
+SYM_MIN_BLOCK = 512), else the blockwise path above (:func:`symmetric_block`): the default
+CPU budget (256 MiB) takes N = 1e5, k = 100 (163 MB of state); the metrics' 1 GiB never takes
+N = 150,000, k = 1,500 (3.6 GB).
 
 Elsewhere (CUDA tensors, or the library unavailable: no compiler, ``NNKLOSS_CPU_KERNEL=0``),
 the torch selection. Where the time goes: the GEMM is the floor (O(Q N D)). ``torch.topk`` over
@@ -63,7 +91,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["knn_torch", "iter_knn_torch", "tile_budget", "tile_sizes"]
+__all__ = ["knn_torch", "iter_knn_torch", "tile_budget", "tile_sizes", "same_tensor",
+           "symmetric_block"]
 
 # Working-memory budget on the CPU (distance block + mask + kept entries).
 _CPU_TILE_BYTES = 256 * 2**20
@@ -84,6 +113,14 @@ _INT64_MAX = torch.iinfo(torch.int64).max
 # join can wait a time slice for a descheduled thread: fewer, larger calls degrade less.
 QUERY_TILE = 2048
 BASE_TILE = 4096
+# Symmetric self-search (compiled CPU path, queries = base): square blocks of this many points,
+# shrunk (not below SYM_MIN_BLOCK) until the state fits the budget (:func:`symmetric_block`).
+# 2048 (a 16 MiB tile, within the 32 MiB last-level cache) against 4096 (64 MiB), N = 1e5,
+# D = 128, k = 101, 2 threads, load 1.0-1.5 (the machine shared): 8.3 / 7.9 s against 8.9 /
+# 8.9 s (GEMM 6.5 / 6.3 s against 7.0 / 7.1 s; selection 1.7 / 1.6 s against 1.9 / 1.9 s).
+# Its tile count, hence its count of fork-joins (see QUERY_TILE), equals the blockwise path's.
+SYM_BLOCK = 2048
+SYM_MIN_BLOCK = 512
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
@@ -200,12 +237,26 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
     return _unkey(top)
 
 
-def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None
-                   ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+def same_tensor(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` are views of the same memory with the same layout: same
+    storage, data pointer, shape, strides, dtype and device (then they hold the same values)."""
+    if a is b:
+        return True
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+
+
+def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None,
+                   self_search: bool = False) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
     blocks of query rows: the k nearest base rows of each, by (distance, index).
 
     Arguments are assumed validated (:func:`..validation.validate`); no self-exclusion here.
+    ``self_search``: the caller vouches that ``queries`` IS ``base`` (:func:`same_tensor`);
+    on the CPU with the compiled library, when the state fits the budget
+    (:func:`symmetric_block`), the symmetric search then computes each pair once.
     """
     q, d = queries.shape
     n = base.shape[0]
@@ -214,6 +265,13 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         return
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
+    if dev.type == "cpu" and n < 2**31 and self_search:
+        s = symmetric_block(n, k, budget)
+        if s:
+            sel = _compiled_selection(n, k, k + max(k, 64))
+            if sel is not None:
+                yield from _iter_knn_symmetric(base, k, width, s, sel)
+                return
     if dev.type == "cpu" and n < 2**31:
         tq, tb, cap = cpu_tile_sizes(q, n, k, budget)
         sel = _compiled_selection(tq, k, cap)
@@ -259,6 +317,64 @@ def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
     while tb > 1 and tq * (tb * 4 + cap * 8 + k * 12) > budget:
         tb = max(1, tb // 2)
     return tq, tb, cap
+
+
+def symmetric_block(n: int, k: int, budget: int) -> int:
+    """Points per square block S of the symmetric self-search, or 0 when it does not fit.
+
+    Its working set is the selection state of ALL n points (``cap = k + max(k, 64)`` uint64
+    keys, a count and a worst key each), one (S, S) fp32 distance tile and one block's (S, k)
+    results: ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes, kept within ``budget`` (the
+    blockwise path's bound: 256 MiB on the CPU by default, 1 GiB in the evaluation metrics) by
+    halving S from SYM_BLOCK down to SYM_MIN_BLOCK; 0 (the blockwise path) when even that does
+    not fit. E.g. n = 1e5, k = 101: 163 MB of state + 17 MB tile at S = 2048 (fits 256 MiB);
+    the metrics at n = 150,000, k = 1,500: 3.6 GB of state, blockwise.
+    """
+    cap = k + max(k, 64)
+    s = max(1, min(n, SYM_BLOCK))
+    floor = min(s, SYM_MIN_BLOCK)
+    state = n * (cap * 8 + 16)
+    while s > floor and state + s * (s * 4 + k * 12) > budget:
+        s = max(floor, s // 2)
+    return s if state + s * (s * 4 + k * 12) <= budget else 0
+
+
+def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel
+                        ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """Self-search of the (N, D) points ``x`` (queries = base) with the compiled selection:
+    only the tiles (I, J), J >= I, of square blocks of ``s`` points get a GEMM (about half the
+    FLOPs of the blockwise path). Tile (I, J) feeds block I's rows (its columns are their
+    candidates) and, off the diagonal, block J's rows (its rows, read down each column in C++:
+    ``nnk_knn_select_sym``). Yields ``(row0, (rows, k) distances, (rows, k) indices)`` per
+    block, in ascending row order.
+
+    Order (the selection's prefilter needs every point's candidates in ascending index order):
+    with I outer and J inner, a point of block P receives block 0 .. P-1 from the column sides
+    of tiles (0, P) .. (P-1, P) (outer iterations before P), then block P from the diagonal
+    tile (P, P) (its row side only: the square tile holds both orders of each pair, so the
+    column side would feed every pair twice), then blocks P+1 .. from the row sides of
+    (P, P+1) ..; within a tile the candidates ascend along the row (row side) or down the
+    column (column side). After outer iteration P nothing more reaches block P: it is final.
+
+    The distance of a pair (i, j), i in block I < J, is the one computed with x_i on the query
+    side, for both points' lists: it can differ by a rounding error from the one the blockwise
+    path computes for row j (x_j on the query side); each list is still exact by (distance,
+    index) for the distances computed.
+    """
+    n = x.shape[0]
+    ba = _augment(x, width, query_side=False)
+    buf = torch.empty(s * s, dtype=torch.float32)
+    sel.reset(n)
+    for i0 in range(0, n, s):
+        qa = _augment(x[i0:i0 + s], width, query_side=True)
+        rows = qa.shape[0]
+        for j0 in range(i0, n, s):
+            cols = min(s, n - j0)
+            tile = buf[:rows * cols].view(rows, cols)
+            torch.mm(qa, ba[j0:j0 + cols].t(), out=tile)
+            sel.add_symmetric(tile, i0, j0)
+        dist, idx = sel.finish(i0, rows)
+        yield i0, dist, idx
 
 
 def _compiled_selection(rows: int, k: int, cap: int):

@@ -1,5 +1,6 @@
 // Compiled CPU kernels: the neighbour-kernel loss op (see /CONTRACT.md: the forward contract)
-// and, at the end of the file, the exact kNN search's selection (nnk_knn_select / _finish).
+// and, at the end of the file, the exact kNN search's selection (nnk_knn_select,
+// nnk_knn_select_sym for a self-search, nnk_knn_finish).
 //
 // No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
 // compiler (c++ -O3 -march=native -pthread -fopenmp -shared -fPIC where torch's pool is

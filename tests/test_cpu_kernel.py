@@ -113,6 +113,55 @@ def test_k1_and_all_positive_rows():
     assert torch.equal(out[0], torch.zeros(6)) and torch.equal(out[3], torch.zeros(6, 13))
 
 
+# Gathered sets (K x D x element bytes per row) beyond the kernel's ONE_PASS_BYTES (128 KiB):
+# a forward with grad_x reads the rows once, folding them into running sums (cpu_kernel.cpp).
+ONE_PASS = [(torch.float32, 40, 1000), (torch.float64, 24, 900), (torch.bfloat16, 40, 1700),
+            (torch.float16, 40, 1700)]
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS)
+@pytest.mark.parametrize("weights", [False, True])
+def test_one_pass_gradient_matches_fp64(bank_dtype, K, D, weights):
+    """The single-pass gradient (online rescaled sums) against the fp64 contract: padding,
+    duplicates, a row without positives and a zero weight (make), embeddings nearer and farther
+    (lists in random order: the running maximum rises and the sums are rescaled), the loss and
+    log-sum-exps bit for bit those of the forward-only call (CONTRACT.md 8). (Far larger
+    offsets put the logits where fp32 spacing itself moves p by percents, on either path.)"""
+    for offset in (0.0, 1.0):
+        emb, labels, centres, cl, nb, w, s = make(B=7, K=K, D=D, N=60, bank_dtype=bank_dtype,
+                                                  weights=weights, seed=41)
+        inputs = (emb + offset, labels, centres, cl, nb, w, s)
+        full = cpu.forward(*inputs)
+        check(full, reference(*inputs), torch.float32)
+        fwd = cpu.forward(*inputs, need_grad_x=False)
+        for a, b in zip(full[:3] + full[4:], fwd[:3] + fwd[4:]):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2] + [(torch.float32, 8, 16)])
+def test_gradient_special_rows(bank_dtype, K, D):
+    """On both gradient paths (single pass above ONE_PASS_BYTES, two passes below): one class
+    only gives loss 0 and gradient 0 exactly (the two running sums take identical steps); a
+    non-finite centre gives a NaN row; a row whose entries all have zero weight gives loss 0
+    and a zero gradient (grad_x comes uninitialised from torch.empty: the kernel must write
+    it)."""
+    emb, labels, centres, cl, nb, w, s = make(B=5, K=K, D=D, N=50, bank_dtype=bank_dtype,
+                                              weights=False, seed=43)
+    nb = nb.clamp_min(0)
+    out = cpu.forward(emb, torch.zeros_like(labels), centres, torch.zeros_like(cl), nb, None, s)
+    assert torch.equal(out[0], torch.zeros(5)) and torch.equal(out[3], torch.zeros(5, D))
+    bad = centres.clone()
+    bad[nb[2, K // 2], 3] = float("inf")
+    out = cpu.forward(emb, labels, bad, cl, nb, None, s)
+    assert torch.isnan(out[0][2]) and torch.isnan(out[3][2]).all()
+    zero_w = torch.ones(50)
+    zero_w[nb[1]] = 0.0
+    out = cpu.forward(emb, labels, centres, cl, nb, zero_w, s)
+    assert torch.equal(out[3][1], torch.zeros(D)) and out[0][1].item() == 0.0
+
+
 @kernel
 def test_empty_bank_and_empty_batch():
     D = 5

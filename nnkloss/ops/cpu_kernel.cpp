@@ -18,10 +18,15 @@
 // squared distances u_j = sum_d ((c_j[d] - x[d]) / sigma)^2 (times 1/sigma, before squaring);
 // then, from those K numbers in cache, the logits, the two maxima, the exponentials and the two
 // sums run as SIMD lanes over K (vexp, a vectorisable exp within ~1 ulp), and the log-sum-exps
-// follow; pass 2 (not in the forward-only path) re-reads the K rows (now hot in L2/L3) and
-// accumulates grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
-// p^R_j = e^R_j / s_pos (normalised by the computed sums), skipping entries whose coefficient
-// is zero. The only temporaries are a few K-vectors per thread.
+// follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
+// p^R_j = e^R_j / s_pos (normalised by the computed sums) is computed (not in the forward-only
+// path) in one of two ways: when a row's gathered set (K * D * element bytes) exceeds
+// ONE_PASS_BYTES, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
+// for all entries and for the class, rescaled whenever the running maximum rises (the online
+// log-sum-exp of the Triton kernel), so the rows are read once; below it a second pass re-reads
+// the rows from L2 with coefficients computed as SIMD lanes, skipping zero coefficients. The
+// loss and log-sum-exps come from the K logits either way (the same bits with and without
+// grad_x). The only temporaries are a few K-vectors and one D-vector per thread.
 //
 // Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out ranges
 // of bank rows, so no two threads write the same row and every row is accumulated in the same
@@ -126,6 +131,14 @@ inline C load_weight(const void* w, int wtype, int64_t j) {
 // stack and added the 16 lanes with scalar adds through memory, which cost as much as the
 // distance itself at D = 128 (measured).
 constexpr int64_t ACC = 16;
+
+// A forward with grad_x reads the gathered rows once (folding each into the gradient's running
+// sums while it is in L1) when a row's gathered set, K * D * sizeof(bank element), exceeds
+// this; below it, a second pass reads them again from L2 (see ForwardRow::row).
+#ifndef NNK_ONE_PASS_BYTES
+#define NNK_ONE_PASS_BYTES (128 << 10)
+#endif
+constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 
 template <typename C> struct LanesOf;
 template <> struct LanesOf<float> { typedef float type __attribute__((vector_size(64))); };
@@ -452,7 +465,7 @@ struct ForwardRow {
     int64_t K, D, N;
     int store_dist;
     C *loss, *lse_all, *lse_pos, *grad_x, *dist;
-    std::vector<C> logit, coef, epos;
+    std::vector<C> logit, coef, epos, acc_pos;
     int64_t B = 0, chunk = 1;  // rows per work item
     int64_t pf_end = 0;        // flat (b * K + k) end of this item's entries: prefetch bound
 
@@ -467,6 +480,47 @@ struct ForwardRow {
             if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
         }
         for (int64_t b = r0; b < r1; ++b) row(b, pf);
+    }
+
+    // The gradient's running state of one row (the online form of step 3, see row()): the
+    // running maxima and sums of the all-entries and same-class exponentials; the weighted
+    // sums of (c_j - x) live in grad_x's row (all entries) and in `acc_pos` (same class).
+    struct Online {
+        C m, s;
+    };
+
+    // Folds n (1 to 4) entries k.., whose rows are `rows` and logits lg[k..], lp[k..] (-inf:
+    // not counted), into the running sums: if an entry raises the running maximum, the sums so
+    // far are rescaled by exp(old max - new max) first, then acc += e_j (c_j - x) with
+    // e_j = exp(logit_j - max). The rows were just read by pass 1, so they come from L1.
+    void fold(Online& o, C* __restrict acc, const C* l, const T* const* rows, int n,
+              const C* x) {
+        const C ninf = -std::numeric_limits<C>::infinity();
+        C mg = ninf;
+        for (int t = 0; t < n; ++t) mg = l[t] > mg ? l[t] : mg;
+        if (mg == ninf) return;  // none of them counts
+        if (mg > o.m) {
+            if (o.m != ninf) {
+                const C sc = vexp(o.m - mg);
+                o.s *= sc;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) acc[d] *= sc;
+            }
+            o.m = mg;
+        }
+        C e[4];
+        for (int t = 0; t < n; ++t) {
+            e[t] = vexp(l[t] - o.m);  // -inf (not counted): exactly 0
+            o.s += e[t];
+        }
+        // Four rows in one sweep of acc when all four count (the common case for the
+        // all-entries sums); otherwise only the rows that do (usually one for the class).
+        if (n == 4 && e[0] != (C)0 && e[1] != (C)0 && e[2] != (C)0 && e[3] != (C)0) {
+            axpy_diff4(acc, rows[0], rows[1], rows[2], rows[3], x, e, D);
+        } else {
+            for (int t = 0; t < n; ++t)
+                if (e[t] != (C)0) axpy_diff(acc, rows[t], x, e[t], D);
+        }
     }
 
     void row(int64_t b, int64_t pf) {
@@ -492,10 +546,29 @@ struct ForwardRow {
         C* __restrict lg = logit.data();
         C* __restrict lpos = epos.data();  // same-class logits, then e^R (step 2)
         C* const drow = store_dist ? dist + k0 : nullptr;
+        C* g = grad_x ? grad_x + b * D : nullptr;  // null: the forward-only path
+        C* gpos = nullptr;
+        Online all{ninf, 0}, pos{ninf, 0};
+        // With a gradient: one pass (fold, step 1) when the row's gathered set is too big to
+        // stay in L2 until a second pass, else a second pass over the rows from L2 (step 3),
+        // whose coefficients are computed as SIMD lanes. Measured on the 2-core AMD machine,
+        // forward with grad_x: one pass 1.41x faster at K 256, D 2048 (2 MiB per row),
+        // 1.04x at K 100, D 512 fp32 (200 KiB), 0.91-0.98x at K 32, D 128 (16 KiB) and
+        // K 100, D 512 bf16 (100 KiB).
+        const bool one_pass = g && K * D * (int64_t)sizeof(T) > ONE_PASS_BYTES;
+        if (g)  // rows that return early (no valid entry, no positive) keep a zero gradient
+            for (int64_t d = 0; d < D; ++d) g[d] = 0;
+        if (one_pass) {
+            if ((int64_t)acc_pos.size() < D) acc_pos.resize(D);
+            gpos = acc_pos.data();
+            for (int64_t d = 0; d < D; ++d) gpos[d] = 0;
+        }
         bool nonfinite = false;
         // 1. Per entry: its distance u (pass 1, reading the gathered centre row once), then
         //    from registers the logit, the same-class logit (-inf for other classes) and the
-        //    non-finite rule (CONTRACT.md 6).
+        //    non-finite rule (CONTRACT.md 6); with a gradient to compute, the entry is folded
+        //    into the gradient's running sums while its row is in L1 (fold), so the rows are
+        //    read once in both modes.
         // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
         // cost, what bench_loss's "% of limit" counts) + K * (index + label [+ weight]) + the
         // D * sizeof(C) embedding (cache-resident after the first row touches it).
@@ -518,6 +591,10 @@ struct ForwardRow {
             lpos[k] = valid && load_index(cls, c64, j) == R ? l : ninf;
             if (drow) drow[k] = u;
         };
+        auto fold_both = [&](int64_t k, const T* const* rows, int n) {
+            fold(all, g, lg + k, rows, n, x);
+            fold(pos, gpos, lpos + k, rows, n, x);
+        };
         auto ahead = [&](int64_t k) -> const T* {  // the row pf entries ahead, or null
             const int64_t f = k0 + k + pf;
             if (pf <= 0 || f >= end) return nullptr;
@@ -527,7 +604,9 @@ struct ForwardRow {
         auto single = [&](int64_t k, int64_t j) {
             if (const T* r = ahead(k)) prefetch_row(r, D);
             if (j >= 0 && j < n_rows) {
-                entry(k, j, scaled_sqdist(bank + j * D, x, inv_s, D));
+                const T* r = bank + j * D;
+                entry(k, j, scaled_sqdist(r, x, inv_s, D));
+                if (one_pass) fold_both(k, &r, 1);
                 return;
             }
             lg[k] = lpos[k] = ninf;  // padding, or out of range (the op's checks refuse it):
@@ -540,12 +619,12 @@ struct ForwardRow {
         int64_t k = 0;
         for (; k + 4 <= K; k += 4) {
             int64_t j[4];
-            bool all = true;
+            bool every = true;
             for (int t = 0; t < 4; ++t) {
                 j[t] = load_index(nbl, l64, k0 + k + t);
-                all &= j[t] >= 0 && j[t] < n_rows;
+                every &= j[t] >= 0 && j[t] < n_rows;
             }
-            if (!all) {
+            if (!every) {
                 for (int t = 0; t < 4; ++t) single(k + t, j[t]);
                 continue;
             }
@@ -559,9 +638,9 @@ struct ForwardRow {
             C u4[4];
             scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, u4, fut);
             for (int t = 0; t < 4; ++t) entry(k + t, j[t], u4[t]);
+            if (one_pass) fold_both(k, rows, 4);
         }
         for (; k < K; ++k) single(k, load_index(nbl, l64, k0 + k));
-        C* g = grad_x ? grad_x + b * D : nullptr;  // null: the forward-only path
         if (nonfinite) {
             loss[b] = lse_all[b] = lse_pos[b] = nan;
             if (g)
@@ -570,16 +649,16 @@ struct ForwardRow {
         }
         // 2. The two maxima and the two sums as SIMD lanes over K (plain loops, each of which
         //    the compiler vectorises; vexp: no library call per entry). Invalid entries, and
-        //    other classes in lpos, are -inf, so exp gives them exactly 0.
+        //    other classes in lpos, are -inf, so exp gives them exactly 0. The loss and the
+        //    log-sum-exps come from these, never from the running sums of step 1, so they are
+        //    bit for bit the same with and without a gradient (CONTRACT.md 8).
         C m_all = ninf, m_pos = ninf;
 #pragma omp simd reduction(max : m_all, m_pos)
-        for (int64_t k = 0; k < K; ++k) {
-            m_all = lg[k] > m_all ? lg[k] : m_all;
-            m_pos = lpos[k] > m_pos ? lpos[k] : m_pos;
+        for (int64_t i = 0; i < K; ++i) {
+            m_all = lg[i] > m_all ? lg[i] : m_all;
+            m_pos = lpos[i] > m_pos ? lpos[i] : m_pos;
         }
-        if (g)
-            for (int64_t d = 0; d < D; ++d) g[d] = 0;
-        if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0)
+        if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0): g = 0
             loss[b] = 0;
             lse_all[b] = lse_pos[b] = ninf;
             return;
@@ -589,46 +668,52 @@ struct ForwardRow {
         C* __restrict er = epos.data();
         const C mp = m_pos == ninf ? (C)0 : m_pos;  // no same entry: every lane is -inf
 #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) ea[k] = vexp(lg[k] - m_all);
+        for (int64_t i = 0; i < K; ++i) ea[i] = vexp(lg[i] - m_all);
 #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) er[k] = vexp(lpos[k] - mp);
+        for (int64_t i = 0; i < K; ++i) er[i] = vexp(lpos[i] - mp);
         C s_all = 0, s_pos = 0;
 #pragma omp simd reduction(+ : s_all, s_pos)
-        for (int64_t k = 0; k < K; ++k) {
-            s_all += ea[k];
-            s_pos += er[k];
+        for (int64_t i = 0; i < K; ++i) {
+            s_all += ea[i];
+            s_pos += er[i];
         }
         const C la = m_all + std::log(s_all);
         lse_all[b] = la;
         if (m_pos == ninf) {  // no same-class entry: zero loss and gradient
             loss[b] = 0;
             lse_pos[b] = ninf;
+            if (g)
+                for (int64_t d = 0; d < D; ++d) g[d] = 0;
             return;
         }
         const C lp = m_pos + std::log(s_pos);
         lse_pos[b] = lp;
         loss[b] = la - lp;
-        if (!g) return;  // forward only: no gradient terms, no second pass
-        // 3. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x), p_j = e_j / s_all,
-        //    p^R_j = e^R_j / s_pos (normalised by the computed sums, CONTRACT.md 5).
+        if (!g) return;  // forward only: no gradient terms
+        // 3. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all and
+        //    p^R_j = e^R_j / s_pos normalised by the computed sums (CONTRACT.md 5).
+        if (one_pass) {
+            // The running sums of step 1 hold sum_j e_j (c_j - x) and s_all (all entries),
+            // and the same for the class, each relative to its own final maximum (rescaled
+            // whenever the maximum rose: the online log-sum-exp of the Triton kernel).
+            const C sa = all.s, sp = pos.s;
 #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) ea[k] = (ea[k] / s_all - er[k] / s_pos) * inv_s2;
-        // Bytes: the same K * D * sizeof(T) again, from L2 when the row's gathered set fits
-        // (K * D * sizeof(T) up to ~1 MiB here), else from L3 / memory: then the rows are
-        // prefetched as in pass 1 (rows with a zero coefficient are skipped, not fetched).
-        // Rows are taken four at a time (axpy_diff4: g read and written once per four rows,
-        // same arithmetic in the same order as one row at a time).
-        const bool refetch = K * D * (int64_t)sizeof(T) > (int64_t)(512 << 10);
+            for (int64_t d = 0; d < D; ++d) g[d] = (g[d] / sa - gpos[d] / sp) * inv_s2;
+            return;
+        }
+        // Two passes: the coefficients as SIMD lanes, then the rows again, from L2 (the
+        // row's gathered set is at most ONE_PASS_BYTES), four at a time (axpy_diff4: g read
+        // and written once per four rows, the same arithmetic in the same order as one row at
+        // a time); rows with a zero coefficient are skipped.
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) ea[i] = (ea[i] / s_all - er[i] / s_pos) * inv_s2;
         const T* rows[4];
         C as[4];
         int n = 0;
-        for (int64_t k = 0; k < K; ++k) {
-            if (coef[k] == (C)0) continue;
-            int64_t j = load_index(nbrs, nb64, b * K + k);
-            if (refetch && pf > 0 && k + pf < K && coef[k + pf] != (C)0)
-                prefetch_row(centres + load_index(nbrs, nb64, b * K + k + pf) * D, D);
-            rows[n] = centres + j * D;
-            as[n] = coef[k];
+        for (int64_t i = 0; i < K; ++i) {
+            if (ea[i] == (C)0) continue;
+            rows[n] = bank + load_index(nbl, l64, k0 + i) * D;
+            as[n] = ea[i];
             if (++n == 4) {
                 axpy_diff4(g, rows[0], rows[1], rows[2], rows[3], x, as, D);
                 n = 0;
@@ -648,7 +733,7 @@ void forward_impl(const C* emb, const int64_t* labels, const T* centres, const v
         16, B / (8 * (int64_t)std::max(1, nthreads))));
     ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
                          sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
-                         {}, {}, {}, B, chunk, 0};
+                         {}, {}, {}, {}, B, chunk, 0};
     run_items((B + chunk - 1) / chunk, nthreads, row);
 }
 

@@ -37,8 +37,9 @@ def resolve_search_backend(search_backend: str, device: torch.device) -> str:
     """The exact implementation a ``search_backend`` runs: "auto" is always "torch".
 
     "auto" must give the same neighbours whether or not faiss is installed, so it does not
-    depend on it: the torch search is as fast as faiss's flat index on the CPU (both are GEMM
-    bound) and runs on every device. faiss (CPU or GPU index) is used when asked for by name.
+    depend on it: on the CPU the torch search is at least as fast as faiss's flat index (both
+    GEMM bound; a self-search computes only half the GEMM, README "Neighbour-list build") and it
+    runs on every device. faiss (CPU or GPU index) is used when asked for by name.
     """
     check_search_backend(search_backend)
     return "torch" if search_backend == "auto" else search_backend

@@ -1,12 +1,26 @@
 """Argument checks of the whole package: clear errors that name the argument, never garbage.
 
 Shape, dtype and device checks cost nothing and always run. Value checks (index range,
-negative weights, sigma <= 0, non-finite embeddings, a batch's labels against its bank rows)
-read tensor contents; on a GPU that is one host synchronisation, so a hot loop can switch them
-off for a block with the one public switch, the context manager ``nnkloss.value_checks(False)``
-(the bank is validated whenever it is written, so a loss over a bank loses little).
-:func:`value_checks_enabled` is the package's reader of that switch. They are skipped under
-``torch.compile``.
+negative weights, sigma <= 0, non-finite embeddings and gathered centres, a batch's labels
+against its bank rows) read tensor contents; on a GPU that is one host synchronisation, so a
+hot loop can switch them off for a block with the one public switch, the context manager
+``nnkloss.value_checks(False)`` (the bank is validated whenever it is written, so a loss over a
+bank loses little). :func:`value_checks_enabled` is the package's reader of that switch. They
+are skipped under ``torch.compile``.
+
+The gathered centres of the functional op, on CPU tensors, are checked after the op rather than
+before it (:func:`check_values` with ``centres_after_op=True``, then
+:func:`check_gathered_centres_after_op`): reading every gathered row (B x K x D values) only to
+see that it is finite cost an order of magnitude more than the op itself on the CPU, and the
+op already marks each row that gathers a non-finite centre value with a NaN loss
+(ops/CONTRACT.md, rule 6). So the rows are read only when some row came out NaN, to tell a
+non-finite centre (raised, naming ``centres``, as before) from an fp32 overflow (not an error:
+the NaN propagates; such a call pays the read, as every checked call did before). On a GPU the
+gathered rows are still checked before the op, in the one host synchronisation of the checks:
+there the read is asynchronous device work, while the check after the op would be a second
+synchronisation per checked call (see :func:`defers_gathered_centres`). Either way the same
+call raises the same error. The CCML loss keeps the check before the loss on every device: it
+does not follow rule 6 (see :mod:`nnkloss.losses.ccml`).
 
 Sigma is checked in one place, :func:`require_sigma` (a positive finite float);
 :func:`check_sigma` builds on it for the functional op, which also takes a 0-dim tensor.
@@ -206,14 +220,41 @@ def _gathered_rows_finite(centres, neighbours):
     return ok
 
 
-def check_values(emb, centres, neighbours, weights, sigma):
+_CENTRES_NOT_FINITE = "centres contain NaN or inf in rows that neighbours gathers"
+
+
+def defers_gathered_centres(device) -> bool:
+    """Whether :func:`check_values` (asked with ``centres_after_op=True``) leaves the gathered
+    centres to :func:`check_gathered_centres_after_op`: on CPU tensors only.
+
+    On the CPU the op has finished when it returns, so reading its (B,) losses afterwards
+    costs one reduction, while the B x K x D read cost an order of magnitude more than the op
+    (B 256, K 100, D 512, fp32 bank, 2 cores: ~37 ms against ~1.7 ms). On a GPU (any other
+    device) the read before the op is queued device work whose result joins the one host
+    synchronisation the checks make anyway; a check after the op would be a second one per
+    checked call, stalling the host until the op has run instead of letting it queue the
+    backward. Which costs a training step more there has not been measured, so the GPU keeps
+    the documented one synchronisation."""
+    return torch.device(device).type == "cpu"
+
+
+def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=False) -> bool:
     """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling.
 
-    Non-finite values are refused here, naming the argument (centres: only the gathered rows
-    are read). With the checks off they propagate instead: the rows they touch get a NaN loss.
+    Non-finite values are refused, naming the argument (centres: only the gathered rows are
+    read). With the checks off they propagate instead: the rows they touch get a NaN loss.
+
+    ``centres_after_op=True`` (the caller's op follows ops/CONTRACT.md rule 6: a row that
+    gathers a non-finite centre value gets a NaN loss) lets CPU tensors skip the read of the
+    gathered centres here (see :func:`defers_gathered_centres`); the caller must then pass the
+    op's (B,) losses to :func:`check_gathered_centres_after_op`, which raises the same error.
+    Returns True exactly when it did so (checks on, not compiling, CPU tensors). The index
+    range, ``emb``, ``sigma`` and ``weights`` are always checked here, before the op (an index
+    out of range must never reach a kernel).
     """
     if not _VALUE_CHECKS or compiling():
-        return
+        return False
+    defer = bool(centres_after_op) and defers_gathered_centres(centres.device)
     N = centres.shape[0]
     no = neighbours.new_zeros((), dtype=torch.bool)
     flags = [
@@ -221,7 +262,7 @@ def check_values(emb, centres, neighbours, weights, sigma):
         (neighbours.min() < -1) if neighbours.numel() else no,
         ~torch.isfinite(emb.detach()).all(),
         ~(sigma.detach() > 0) | ~torch.isfinite(sigma.detach()),
-        ~_gathered_rows_finite(centres, neighbours),
+        no if defer else ~_gathered_rows_finite(centres, neighbours),
     ]
     if weights is not None:
         wd = weights.detach()
@@ -237,7 +278,26 @@ def check_values(emb, centres, neighbours, weights, sigma):
         raise ValueError("emb contains NaN or inf")
     if bad[3]:
         raise ValueError(f"sigma must be positive and finite, got {float(sigma)}")
-    if bad[4]:
-        raise ValueError("centres contain NaN or inf in rows that neighbours gathers")
-    if len(bad) > 5 and bad[5]:
+    has_bad_weights = len(bad) > 5 and bad[5]
+    # Deferred or not, non-finite centres are named before bad weights, as they always were:
+    # on that (failing) path the gathered rows are read here after all.
+    if bad[4] or (defer and has_bad_weights
+                  and not bool(_gathered_rows_finite(centres, neighbours))):
+        raise ValueError(_CENTRES_NOT_FINITE)
+    if has_bad_weights:
         raise ValueError("weights must be finite and non-negative (a zero weight removes a centre)")
+    return defer
+
+
+def check_gathered_centres_after_op(per_row, centres, neighbours) -> None:
+    """The deferred half of :func:`check_values` (call it only when that returned True), with
+    the op's (B,) per-row losses. Rule 6 of ops/CONTRACT.md makes every row that gathers a
+    non-finite centre value NaN, so when no row is NaN (one reduction of B numbers) no centre
+    is read. Otherwise the gathered rows are read to find the cause: non-finite centres raise
+    the ValueError :func:`check_values` raises for them; any other cause (a scaled distance
+    beyond fp32, which rule 6 also turns into a NaN row) is not an error: the NaN propagates,
+    as with the checks off."""
+    if not bool(torch.isnan(per_row.detach()).any()):
+        return
+    if not bool(_gathered_rows_finite(centres, neighbours)):
+        raise ValueError(_CENTRES_NOT_FINITE)

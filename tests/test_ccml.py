@@ -178,6 +178,33 @@ def test_validation_errors():
         ClassConditionalLoss(centres)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_gathered_nonfinite_centre_is_refused_before_the_loss(value, dtype):
+    """CCML keeps the check of the gathered centres before the loss, on the CPU too (the Eq. 3
+    op checks them after, from its NaN rows): its nearest-entry selection can leave a NaN/inf
+    centre out of a row's means, so the row comes out finite and a check after the loss would
+    not see it. Both halves are asserted: the finite row with the checks off, the error with
+    them on."""
+    emb, labels, centres, centre_labels, nb = problem()
+    centres = centres.to(dtype)
+    j = int(nb[1, 0])
+    centres[j, 0] = value
+    with nnkloss.value_checks(False):
+        rows, counted = nnkloss.losses.ccml.class_conditional_loss_rows(
+            emb, labels, centres, centre_labels, nb, k=1)
+    gathered_by = (nb == j).any(1)
+    assert torch.isfinite(rows[gathered_by & counted]).any(), "a bad centre left out unseen"
+    with pytest.raises(ValueError, match=r"^centres contain NaN or inf in rows that neighbours "
+                       r"gathers$"):
+        class_conditional_loss(emb, labels, centres, centre_labels, nb, k=1)
+    # A non-finite centre that no list gathers is not read, and not an error.
+    unused = problem()[2].to(dtype)
+    unused[j] = value
+    assert torch.isfinite(class_conditional_loss(emb, labels, unused, centre_labels,
+                                                 nb.masked_fill(nb == j, -1), k=1))
+
+
 def test_ccml_sigma_is_stored_and_read_as_the_kernel_loss_does():
     """ClassConditionalLoss keeps sigma as the Parameter log_sigma like NeighbourKernelLoss;
     kernel_sigma() reads a float, a learned sigma gets a gradient, bad sigma is refused by the

@@ -317,3 +317,172 @@ def test_fp16_embeddings(backend, bank_dtype):
     torch.testing.assert_close(emb.grad.double(), e64.grad.half().double(), rtol=1.6e-2,
                                atol=1e-3)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-3, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------------------------
+# Value checks of the gathered centres: after the op on CPU tensors (nnkloss/validation.py).
+CPU_BACKENDS = ["auto", "cpu", "torch"]
+GATHERED_MSG = r"^centres contain NaN or inf in rows that neighbours gathers$"
+
+
+def gathered_case(bank_dtype=torch.float32, seed=20):
+    """6 rows, a bank of 9 centres (labels 0, 1, 2 in turn); centre 4 is gathered by row 2
+    only, centre 8 by no row. emb is fp64 with an fp64 bank, fp32 otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    emb_dtype = torch.float64 if bank_dtype == torch.float64 else torch.float32
+    emb = torch.randn(6, 5, generator=g, dtype=emb_dtype)
+    centres = torch.randn(9, 5, generator=g).to(bank_dtype)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    cl = torch.arange(9) % 3
+    nb = torch.tensor([[0, 1, 2], [3, 5, 1], [4, 7, 0], [6, 3, -1], [1, 7, 5], [2, 0, 6]])
+    return emb, labels, centres, cl, nb
+
+
+def spy_forward(monkeypatch):
+    """Records each call of the backend's forward (a list that fills as the op runs)."""
+    from nnkloss.ops import backends
+    calls = []
+    real = backends.implementation
+
+    def impl(name):
+        fwd = real(name).forward
+
+        def forward(*args, **kwargs):
+            calls.append(name)
+            return fwd(*args, **kwargs)
+        return type("Impl", (), {"forward": staticmethod(forward),
+                                 "centre_grad": staticmethod(real(name).centre_grad)})
+    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+    return calls
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")],
+                         ids=["nan", "inf", "-inf"])
+def test_nonfinite_gathered_centre_raises_naming_centres(backend, bank_dtype, value):
+    """Checked after the op on CPU tensors, and the same error as before it: the call raises
+    (whatever the reduction, with or without gradients), never returns a NaN loss."""
+    emb, labels, centres, cl, nb = gathered_case(bank_dtype)
+    centres[4, 3] = value  # row 2 only
+    for reduction in ("mean", "none"):
+        with pytest.raises(ValueError, match=GATHERED_MSG):
+            nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, reduction=reduction,
+                                          backend=backend)
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        nnkloss.neighbour_kernel_loss_with_stats(emb.clone().requires_grad_(True), labels,
+                                                 centres.clone().requires_grad_(True), cl, nb,
+                                                 torch.ones(9, requires_grad=True),
+                                                 torch.tensor(1.3, requires_grad=True),
+                                                 backend=backend)
+    with nnkloss.value_checks(False):  # off: no error, the NaN shows in the rows it touches
+        out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb,
+                                                       backend=backend)
+    assert torch.isnan(out.per_row[2]) and torch.isnan(out.loss)
+    assert torch.isfinite(out.per_row[[0, 1, 3, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_nonfinite_centre_that_no_list_gathers_is_not_an_error(backend, bank_dtype):
+    emb, labels, centres, cl, nb = gathered_case(bank_dtype)
+    centres[8] = float("nan")
+    ref = nnkloss.neighbour_kernel_loss(emb, labels, gathered_case(bank_dtype)[2], cl, nb,
+                                        backend=backend)
+    loss = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, backend=backend)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("where", ["emb", "centres"])
+def test_fp32_overflow_nan_row_is_not_an_error_and_propagates(backend, where):
+    """Huge but finite values (1e30: the squared distance overflows fp32) give a NaN row by
+    rule 6, as a non-finite centre does; the checks tell the two apart (finite inputs: no
+    error, with checks on or off) and the NaN reaches the loss."""
+    emb, labels, centres, cl, nb = gathered_case(torch.float32)
+    if where == "emb":
+        emb[2] = 1e30
+    else:
+        centres[4] = 1e30  # gathered by row 2 only
+    for on in (True, False):
+        with nnkloss.value_checks(on):
+            out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb,
+                                                           backend=backend)
+        assert torch.isnan(out.per_row[2]) and bool(out.counted[2])
+        assert torch.isfinite(out.per_row[[0, 1, 3, 4, 5]]).all()
+        assert torch.isnan(out.loss)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_checked_call_takes_no_centre_values_but_in_the_op(backend):
+    """With every row finite, no operation but the op itself reads the centres: the checks no
+    longer gather the B x K x D values the lists name. Every aten op the call dispatches is
+    recorded (TorchDispatchMode); the old pre-op check shows up as an index of the bank by
+    the lists (B*K*D values) and fails this test."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    g = torch.Generator().manual_seed(21)
+    B, N, D, K = 16, 20, 64, 10
+    emb = torch.randn(B, D, generator=g)
+    centres = torch.randn(N, D, generator=g)
+    labels, cl = torch.randint(0, 3, (B,), generator=g), torch.randint(0, 3, (N,), generator=g)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    bank = centres.untyped_storage().data_ptr()
+
+    class TakesCentres(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []  # the ops that take a tensor on the bank's storage
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == bank
+                   for t in tree_leaves((args, kwargs))):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with TakesCentres() as rec:
+        loss = nnkloss.neighbour_kernel_loss(emb.requires_grad_(True), labels, centres, cl, nb,
+                                             torch.ones(N), backend=backend)
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert rec.seen == ["nnkloss.nk_forward.default"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_on_cpu_tensors_the_op_runs_before_the_gathered_centres_raise(monkeypatch, backend):
+    """The order changed on CPU tensors (the index range, emb, sigma and weights are still
+    checked before the op; the gathered centres after it, from the rows' losses); the GPU
+    order (everything before the op) is kept where validation.defers_gathered_centres says
+    no, as it does for CUDA tensors."""
+    from nnkloss import validation
+    emb, labels, centres, cl, nb = gathered_case()
+    centres[4, 0] = float("nan")
+    calls = spy_forward(monkeypatch)
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, backend=backend)
+    assert len(calls) == 1
+    bad_nb = nb.clone()
+    bad_nb[0, 0] = 9  # out of range: must be refused before any kernel reads it
+    with pytest.raises(IndexError, match="index 9"):
+        nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, bad_nb, backend=backend)
+    assert len(calls) == 1
+    assert validation.defers_gathered_centres(torch.device("cpu"))
+    assert not validation.defers_gathered_centres(torch.device("cuda"))
+    monkeypatch.setattr(validation, "defers_gathered_centres", lambda device: False)
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, backend=backend)
+    assert len(calls) == 1  # refused before the op, as on a GPU
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_gathered_centres_are_checked_before_the_op(monkeypatch):
+    """On a GPU the gathered centres are read before the op, in the one host sync of the value
+    checks (a check after the op would be a second sync): the op never runs on them."""
+    emb, labels, centres, cl, nb = (t.cuda() for t in gathered_case())
+    centres[4, 0] = float("nan")
+    calls = spy_forward(monkeypatch)
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb)
+    assert calls == []
+    centres[4, 0] = 1e30  # an fp32 overflow: no error, the NaN propagates
+    out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb)
+    assert torch.isnan(out.per_row[2]) and torch.isfinite(out.per_row[[0, 1, 3, 4, 5]]).all()

@@ -117,3 +117,96 @@ def test_one_sigma_check_everywhere(bad, exc, msg):
     for call in calls:
         with pytest.raises(exc, match=r"^sigma " + ".*" + msg):
             call(bad)
+
+
+# ------------------------------------------- the gathered centres: after the op on CPU tensors
+GATHERED_MSG = r"^centres contain NaN or inf in rows that neighbours gathers$"
+
+
+def value_args(centre=None, weight=None, emb=None):
+    """check_values' arguments from good(), with centre 4 (gathered by row 2 only), weight 0
+    or emb[0, 0] set to the given values."""
+    a = good()
+    if centre is not None:
+        a["centres"][4, 0] = centre
+    if weight is not None:
+        a["weights"][0] = weight
+    if emb is not None:
+        a["emb"][0, 0] = emb
+    return a["emb"], a["centres"], a["neighbours"], a["weights"], torch.tensor(1.0)
+
+
+def test_check_values_defers_the_gathered_centres_only_when_asked_on_cpu(monkeypatch):
+    from nnkloss import validation
+    bad = value_args(centre=float("nan"))
+    # Not asked (the CCML loss, which does not follow rule 6): checked here, as always.
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        validation.check_values(*bad)
+    assert validation.check_values(*value_args()) is False
+    # Asked, CPU tensors: not read here; True tells the caller to check after the op.
+    assert validation.check_values(*bad, centres_after_op=True) is True
+    with nnkloss.value_checks(False):
+        assert validation.check_values(*bad, centres_after_op=True) is False
+    monkeypatch.setattr(validation, "compiling", lambda: True)
+    assert validation.check_values(*bad, centres_after_op=True) is False
+    monkeypatch.setattr(validation, "compiling", lambda: False)
+    # A device that does not defer (CUDA): checked here.
+    monkeypatch.setattr(validation, "defers_gathered_centres", lambda device: False)
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        validation.check_values(*bad, centres_after_op=True)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-op", "after-op"])
+@pytest.mark.parametrize("case, exc, match", [
+    (dict(centre=float("nan"), weight=-1.0), ValueError, GATHERED_MSG),
+    (dict(centre=float("inf"), weight=float("nan")), ValueError, GATHERED_MSG),
+    (dict(centre=float("nan"), emb=float("nan")), ValueError, r"^emb contains NaN or inf$"),
+    (dict(weight=-1.0), ValueError, r"^weights must be finite and non-negative"),
+], ids=["centres+negative-weight", "centres+nan-weight", "emb+centres", "weights"])
+def test_errors_keep_their_order_when_the_centres_are_deferred(after, case, exc, match):
+    """Several bad arguments: the same one is named with or without the deferral (the index
+    range, then emb, sigma, centres, weights), so the deferral changes no error."""
+    from nnkloss.validation import check_values
+    with pytest.raises(exc, match=match):
+        check_values(*value_args(**case), centres_after_op=after)
+
+
+def test_check_after_the_op_reads_the_centres_only_for_a_nan_row(monkeypatch):
+    from nnkloss import validation
+    emb, centres, nb, _, _ = value_args()
+    reads = []
+    real = validation._gathered_rows_finite
+
+    def counted(*args):
+        reads.append(1)
+        return real(*args)
+    monkeypatch.setattr(validation, "_gathered_rows_finite", counted)
+    finite_rows = torch.zeros(4)
+    validation.check_gathered_centres_after_op(finite_rows, centres, nb)
+    assert reads == []  # one reduction of B numbers, no centre read
+    nan_row = torch.tensor([0.0, 0.0, float("nan"), 0.0])
+    validation.check_gathered_centres_after_op(nan_row, centres, nb)  # finite centres: no error
+    assert reads == [1]
+    centres[4, 0] = float("nan")
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        validation.check_gathered_centres_after_op(nan_row, centres, nb)
+    # A row NaN for another reason, and the bad centre dropped from the lists: not read.
+    validation.check_gathered_centres_after_op(nan_row, centres, nb.masked_fill(nb == 4, -1))
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu", "torch"])
+def test_checked_op_does_not_gather_the_centres_when_every_row_is_finite(monkeypatch, backend):
+    """The B x K x D read of the gathered centres ran on every checked call (~20x the op on the
+    CPU); now it runs only to explain a NaN row. Fails on the old code, which always read."""
+    from nnkloss import validation
+
+    def no_read(*args):
+        raise AssertionError("the gathered centres were read with every row finite")
+    monkeypatch.setattr(validation, "_gathered_rows_finite", no_read)
+    args = good()
+    args["emb"].requires_grad_(True)
+    for reduction in ("mean", "sum", "none"):
+        out = nnkloss.neighbour_kernel_loss_with_stats(**args, reduction=reduction,
+                                                       backend=backend)
+        assert torch.isfinite(out.per_row).all()
+    out.loss.sum().backward()

@@ -128,6 +128,11 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     sigma_t = check_sigma(sigma, emb.device)
+    # The gathered centres are checked before the loss on every device (not deferred as the
+    # Eq. 3 op does on the CPU): this loss does not follow ops/CONTRACT.md rule 6. A NaN/inf
+    # centre gives a NaN/inf distance that the nearest-entry selection can leave out (topk
+    # puts NaN last, and an inf distance reads as "no entry"), so a row could come out finite
+    # and no NaN would tell the check after the loss that a centre was bad.
     check_values(emb, centres, neighbours, weights, sigma_t)
     pos, neg = _select(emb, labels, centres, centre_labels, neighbours, weights, k)
     counted = (pos[:, 0] >= 0) & (neg[:, 0] >= 0)

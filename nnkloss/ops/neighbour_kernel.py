@@ -18,7 +18,8 @@ from torch import Tensor
 
 from . import reference
 from .backends import implementation, resolve_backend
-from ..validation import check_inputs, check_sigma, check_values
+from ..validation import (check_gathered_centres_after_op, check_inputs, check_sigma,
+                          check_values)
 
 __all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOutput",
            "loss_rows_unchecked", "reduce_rows"]
@@ -221,9 +222,15 @@ def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighb
     had a same-class neighbour (``.counted``, ``.num_counted``)."""
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend)
     sigma_t = check_sigma(sigma, emb.device)
-    check_values(emb, centres, neighbours, weights, sigma_t)
+    # Every backend follows rule 6 of ops/CONTRACT.md (a row that gathers a non-finite centre
+    # value comes out NaN), so on CPU tensors the gathered centres are checked from the rows'
+    # losses after the op, not read (B x K x D values) before it.
+    centres_after_op = check_values(emb, centres, neighbours, weights, sigma_t,
+                                    centres_after_op=True)
     per_row, counted = loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours,
                                            weights, sigma_t, backend)
+    if centres_after_op:
+        check_gathered_centres_after_op(per_row, centres, neighbours)
     return LossOutput(reduce_rows(per_row, counted, reduction), per_row, counted)
 
 
@@ -255,6 +262,17 @@ def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weigh
     Gradients flow to ``emb`` and to ``centres``, ``weights`` and ``sigma`` when they require
     grad. Math is fp32 (fp64 for fp64 ``emb``) whatever the input dtypes; the loss is returned
     in that dtype.
+
+    Value checks (``nnkloss.value_checks``, on by default): an index out of range raises
+    IndexError; a NaN/inf in ``emb``, in a centre row that ``neighbours`` gathers, or in
+    ``weights``, or a bad ``sigma``, raises ValueError naming it. All are checked before the
+    op (one host sync on a GPU), except the gathered centres of CPU tensors: those are checked
+    just after the op, from its per-row losses (a row that gathers a non-finite centre value
+    comes out NaN), and read only when some row is NaN; the call raises the same error. A NaN
+    row with finite inputs (a scaled distance beyond the compute dtype, e.g. ``|x| ~ 1e20``
+    with ``sigma = 1`` in fp32) is not an error: its NaN propagates. A centre that no list
+    gathers is never read. With the checks off nothing is checked: a non-finite value makes
+    the rows it touches NaN.
     """
     return neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,
                                             weights, sigma, reduction, backend).loss

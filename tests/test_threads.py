@@ -1,8 +1,14 @@
-"""Issue 21: whose threads the CPU op runs on, and the thread governor (fake clock)."""
+"""Issue 21: whose threads the CPU op runs on, the thread governor (fake clock), and the run
+queue signal of other processes' demand (fabricated /proc and /sys trees)."""
+import os
+import sys
+
 import pytest
 import torch
 
-from nnkloss.threads import ThreadGovernor
+from nnkloss import threads as nthreads
+from nnkloss.threads import (RunQueue, ThreadGovernor, parse_loadavg_running, parse_task_state,
+                             run_queue_unavailable)
 from nnkloss.ops import cpu
 
 
@@ -203,3 +209,120 @@ def test_trainer_threads_int_none_and_bad_values(monkeypatch):
     for bad in (0, "two", True, 1.5):
         with pytest.raises(ValueError, match="threads"):
             _softmax_trainer(threads=bad)
+
+
+# ------------------------------------------------------------------ the run queue signal
+def _stat(tid, comm, state):
+    return f"{tid} ({comm}) {state} 1 1 0 0 -1 4194560 0 0 0 0 3 1 0 0 20 0 4 0 100 0 0\n"
+
+
+def fake_proc(root, running=5, total=120, tasks=(("python", "R"), ("python", "S"))):
+    """A /proc tree with loadavg, self/stat, self/cgroup and self/task/<tid>/stat."""
+    (root / "self" / "task").mkdir(parents=True)
+    (root / "loadavg").write_text(f"0.84 0.66 0.82 {running}/{total} 22517\n")
+    (root / "self" / "stat").write_text(_stat(100, "python", "R"))
+    (root / "self" / "cgroup").write_text("0::/\n")
+    for i, (comm, state) in enumerate(tasks):
+        d = root / "self" / "task" / str(100 + i)
+        d.mkdir()
+        (d / "stat").write_text(_stat(100 + i, comm, state))
+    return root
+
+
+def test_parsers_read_the_run_queue_and_a_state_after_an_odd_command_name():
+    assert parse_loadavg_running("0.84 0.66 0.82 4/90 22517\n") == 4
+    assert parse_loadavg_running(b"12.00 3.1 2.0 17/1203 9") == 17
+    # a command name may hold spaces and ')' (even ") R ("): the state follows the last ')'
+    assert parse_task_state(_stat(7, "a) R (b", "S")) == "S"
+    assert parse_task_state(_stat(7, "my worker)", "R").encode()) == "R"
+    assert parse_task_state(_stat(7, "pt_main_thread", "D")) == "D"
+    for bad in ("0.84 0.66 0.82", "0.1 0.1 0.1 x/90 1", "0.1 0.1 0.1 -1/90 1"):
+        with pytest.raises((ValueError, IndexError)):
+            parse_loadavg_running(bad)
+    for bad in ("7 python S 1", "7 (python)"):
+        with pytest.raises((ValueError, IndexError)):
+            parse_task_state(bad)
+
+
+def test_run_queue_counts_the_others_less_our_own_runnable_threads(tmp_path):
+    # 5 runnable on the machine; ours: two R (one named "x) R (y"), one S, one R with ')'
+    proc = fake_proc(tmp_path, running=5, tasks=(("python", "R"), ("x) S (y", "R"),
+                                                 ("a) R (b", "S"), ("omp)", "R")))
+    ticks = iter([1.0, 1.000040])
+    rq = RunQueue(2, proc=str(proc), clock=lambda: next(ticks))
+    assert rq.own_running() == 3
+    assert rq.sample() == 2 and rq.cost == pytest.approx(40e-6)
+    (proc / "loadavg").write_text("0.1 0.1 0.1 3/120 1\n")      # only ours (and the reader)
+    rq.clock = lambda: 0.0
+    assert rq.sample() == 0
+    (proc / "loadavg").write_text("0.1 0.1 0.1 1/120 1\n")      # a race: never negative
+    assert rq.sample() == 0
+
+
+def test_run_queue_skips_a_thread_that_ended_and_fails_for_good_on_a_read_error(tmp_path):
+    proc = fake_proc(tmp_path, running=4)
+    rq = RunQueue(2, proc=str(proc))
+    (proc / "self" / "task" / "101").mkdir(exist_ok=True)
+    (proc / "self" / "task" / "101" / "stat").unlink()          # listed, gone when read
+    assert rq.sample() == 3 and rq.failed is None
+    (proc / "loadavg").write_text("garbage\n")
+    assert rq.sample() is None and rq.failed                    # unparsable: no exception
+    (proc / "loadavg").write_text("0.1 0.1 0.1 4/120 1\n")
+    assert rq.sample() is None                                   # stays failed: timing alone
+    rq2 = RunQueue(2, proc=str(tmp_path / "nowhere"))
+    assert rq2.sample() is None and rq2.failed
+
+
+def test_run_queue_is_unavailable_where_it_does_not_describe_our_cpus(tmp_path):
+    proc = fake_proc(tmp_path / "proc")
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+
+    def why(**kw):
+        kw.setdefault("platform", "linux")
+        kw.setdefault("proc", str(proc))
+        kw.setdefault("cgroup_root", str(cg))
+        kw.setdefault("cpu_count", lambda: 2)
+        kw.setdefault("affinity", lambda: 2)
+        return run_queue_unavailable(**kw)
+
+    assert why() is None
+    assert "Linux" in why(platform="darwin") and "Linux" in why(platform="win32")
+    assert "CPUs" in why(cpu_count=lambda: 64, affinity=lambda: 2)   # pinned / container
+    assert why(cpu_count=lambda: None) is not None
+    assert "/proc" in why(proc=str(tmp_path / "noproc"))
+    # cgroup v2: "max ..." is no quota, a number is one (at the root or at our own cgroup)
+    (cg / "cpu.max").write_text("max 100000\n")
+    assert why() is None
+    (cg / "cpu.max").write_text("150000 100000\n")
+    assert "quota" in why()
+    (cg / "cpu.max").unlink()
+    (proc / "self" / "cgroup").write_text("0::/job/42\n")
+    (cg / "job" / "42").mkdir(parents=True)
+    (cg / "job" / "42" / "cpu.max").write_text("50000 100000\n")
+    assert "job/42/cpu.max" in why()
+    (cg / "job" / "42" / "cpu.max").write_text("max 100000\n")
+    assert why() is None
+    # cgroup v1: cpu.cfs_quota_us, -1 = none
+    (proc / "self" / "cgroup").write_text("4:cpu,cpuacct:/docker/abc\n0::/\n")
+    (cg / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    (cg / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert why() is None
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert "cfs_quota_us" in why()
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("lots\n")
+    assert "unparsable" in why()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
+def test_run_queue_on_this_machine_counts_our_running_thread():
+    why = run_queue_unavailable()
+    if why is not None:
+        assert nthreads.run_queue() is None
+        return
+    rq = nthreads.run_queue()
+    assert rq is nthreads.run_queue() and rq.cores == len(os.sched_getaffinity(0))
+    assert rq.own_running() >= 1                                 # the thread reading it
+    others = rq.sample()
+    assert isinstance(others, int) and others >= 0 and rq.cost > 0

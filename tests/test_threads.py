@@ -326,3 +326,165 @@ def test_run_queue_on_this_machine_counts_our_running_thread():
     assert rq.own_running() >= 1                                 # the thread reading it
     others = rq.sample()
     assert isinstance(others, int) and others >= 0 and rq.cost > 0
+
+
+# ------------------------------------------------------------------ the governor with a signal
+class FakeSignal:
+    """``others`` of unit u is ``load(u)`` (set by :func:`drive_loaded` before each unit)."""
+
+    def __init__(self, cores=2, cost=0.0):
+        self.cores, self.cost, self.now, self.samples = cores, cost, 0, 0
+
+    def sample(self):
+        self.samples += 1
+        return self.now
+
+
+def drive_loaded(gov, sig, load, cost, units):
+    """:func:`drive` with the signal reading ``load(u)`` during unit u."""
+    used = []
+    for u in range(units):
+        sig.now = load(u)
+        n = gov.threads()
+        used.append(n)
+        gov.record(cost(n, u))
+    return used
+
+
+def _strip(events):
+    return [{k: v for k, v in e.items() if k not in ("by", "others")} for e in events]
+
+
+def test_no_probe_of_the_full_count_while_other_processes_fill_the_cores():
+    # beside a 2-thread process (others 2 on 2 cores) a unit at 2 threads costs 27x (measured)
+    slow = lambda n, u: 1.0 if n == 1 else 27.0                          # noqa: E731
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=3, window=4, hold=10, signal=sig)
+    used = drive_loaded(gov, sig, lambda u: 2, slow, 300)
+    assert used.count(2) == 0                                    # never probed
+    assert gov.events and all(e["by"] == "signal" and e["action"] == "skipped"
+                              and e["threads"] == 1 and e["hold"] == 10 for e in gov.events)
+    assert gov.events[0]["unit"] == 3 + 4                        # warm-up, then the window
+    summary = gov.summary()
+    assert summary["by_signal"] == summary["skipped"] == len(gov.events) and summary["signal"]
+    assert summary["others"] == 2
+    # the same run timed alone probes 2 threads (and pays for it)
+    alone = ThreadGovernor(2, warmup=3, window=4, hold=10)
+    assert drive(alone, slow, 300).count(2) > 0
+    # one other thread on 2 cores is enough (2 threads 1.5x slower there, measured); on 8
+    # cores a 2-thread count has room beside 6 others, not beside 7
+    for cores, others, probes in ((2, 1, False), (2, 0, True), (8, 6, True), (8, 7, False)):
+        sig = FakeSignal(cores=cores)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=5, signal=sig)
+        used = drive_loaded(gov, sig, lambda u: others, slow, 30)
+        assert (2 in used) == probes, (cores, others)
+
+
+def test_the_probe_resumes_within_a_hold_when_the_others_leave():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=512, signal=sig)
+    used = drive_loaded(gov, sig, lambda u: 2 if u < 100 else 0, fast2, 200)
+    assert used[:100].count(2) == 0
+    first = next(e for e in gov.events if e["by"] == "timing")
+    assert first["threads"] == 2 and first["unit"] > 100
+    assert first["unit"] <= 100 + 8 + 2 * 3 + 1                 # within a (base) hold
+    assert used[first["unit"]:first["unit"] + 50] == [2] * 50
+
+
+def test_the_full_count_is_dropped_when_the_others_arrive_and_kept_through_a_blip():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=4096, signal=sig)
+    # idle, then a single busy reading at unit 60 (a moment's burst), then a competitor at 100
+    load = lambda u: 2 if u == 60 or u >= 100 else 0                     # noqa: E731
+    used = drive_loaded(gov, sig, load, fast2, 200)
+    assert used[50:70] == [2] * 20                               # one busy sample: kept
+    drop = [e for e in gov.events if e.get("action") == "dropped"]
+    assert len(drop) == 1 and drop[0]["unit"] == 102             # the second busy unit
+    assert drop[0]["threads"] == 1 and drop[0]["others"] == 2 and drop[0]["hold"] == 8
+    assert used[102:] == [1] * 98                                # and no probe since
+    assert all(e["action"] == "skipped" for e in gov.events[-5:])
+    assert gov.summary()["dropped"] == 1
+    # timed alone, the same run keeps 2 threads through its long hold
+    alone = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=4096)
+    assert drive(alone, fast2, 200)[102:120] == [2] * 18
+
+
+def test_a_drop_ends_a_probe_of_the_full_count():
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=0, window=6, hold=10, signal=sig)
+    # room when the window's samples are taken, none once 2 threads run (the others resume)
+    used = drive_loaded(gov, sig, lambda u: 0 if u < 6 else 2, lambda n, u: 1.0, 30)
+    assert used[:10] == [1] * 6 + [2, 2] + [1, 1]
+    assert gov.events[0]["action"] == "dropped" and gov.events[0]["unit"] == 8
+    assert gov.events[0]["cost_one"] == 1.0 and gov.events[0]["cost_full"] is None
+    assert used[8:] == [1] * 22                                  # a hold, then no probe
+    assert [e["action"] for e in gov.events] == ["dropped", "skipped"]
+
+
+def test_one_busy_reading_in_the_window_does_not_decide():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    # window of 4 at one thread: units 0-3 sampled, then a fresh sample at the decision
+    # (the median of the last three: a momentary reading, even the freshest, is outvoted)
+    for readings, probes in (([0, 0, 0, 0, 2], True), ([2, 2, 2, 2, 0], False),
+                             ([0, 0, 0, 2, 0], True), ([0, 0, 0, 2, 2], False),
+                             ([2, 2, 2, 0, 0], True)):
+        sig = FakeSignal()
+        it = iter(readings + [0] * 100)
+        sig.sample = lambda it=it: next(it)
+        gov = ThreadGovernor(2, warmup=0, window=4, hold=50, signal=sig)
+        used = drive(gov, fast2, 10)
+        assert (2 in used) == probes, readings
+
+
+def test_with_an_idle_signal_the_governor_decides_as_by_timing_alone():
+    cases = [(lambda n, u: 1.0 if n == 1 else 2.0, dict(warmup=3, window=4, hold=10,
+                                                        max_hold=40, probe_budget=1.0)),
+             (lambda n, u: 1.0 if n == 2 else 1.8, dict(warmup=2, window=3, hold=5,
+                                                        max_hold=20)),
+             (lambda n, u: (1.0 if n == 2 else 1.8) if u < 100 else (3.0 if n == 2 else 1.5),
+              dict(warmup=0, window=3, hold=8, max_hold=64, probe_budget=1.0)),
+             (lambda n, u: 1.0 if n == 1 else 27.0, dict(warmup=0, window=6, hold=10))]
+    for cost, kw in cases:
+        alone = ThreadGovernor(2, **kw)
+        sig = FakeSignal()
+        signalled = ThreadGovernor(2, signal=sig, **kw)
+        assert drive(alone, cost, 400) == drive_loaded(signalled, sig, lambda u: 0, cost, 400)
+        assert _strip(alone.events) == _strip(signalled.events)
+        assert all(e["by"] == "timing" for e in signalled.events) and sig.samples > 0
+        assert signalled.summary()["by_signal"] == 0
+
+
+def test_a_signal_that_fails_leaves_the_governor_timing_alone(tmp_path):
+    slow = lambda n, u: 1.0 if n == 1 else 27.0                          # noqa: E731
+    kw = dict(warmup=3, window=4, hold=10)
+    reference = drive(ThreadGovernor(2, **kw), slow, 200)
+
+    class Raises:
+        cores = 2
+
+        def sample(self):
+            raise OSError("no /proc")
+
+    gov = ThreadGovernor(2, signal=Raises(), **kw)
+    assert drive(gov, slow, 200) == reference                    # no exception, timing alone
+    assert gov.signal is None and gov.summary()["signal"] is False
+    # a RunQueue whose /proc read fails returns None and stays failed
+    proc = fake_proc(tmp_path, running=4)
+    rq = RunQueue(2, proc=str(proc))
+    (proc / "loadavg").unlink()
+    gov = ThreadGovernor(2, signal=rq, **kw)
+    assert drive(gov, slow, 200) == reference
+    assert rq.failed and gov.signal is None and all(e["by"] == "timing" for e in gov.events)
+
+
+def test_samples_are_spaced_by_their_cost():
+    sig = FakeSignal(cost=1e-3)       # a 1 ms read, 1% budget: one per 0.1 s of recorded work
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=1000, signal=sig, sample_budget=0.01)
+    drive_loaded(gov, sig, lambda u: 0, lambda n, u: 0.01 if n == 2 else 0.018, 1000)
+    assert gov.threads() == 2                                    # idle: timing chose 2
+    # ~10 s of work at 2 threads: about 100 samples (+ one forced at the probe), not 1000
+    assert 80 <= sig.samples <= 120
+    with pytest.raises(ValueError):
+        ThreadGovernor(2, sample_budget=0.0)

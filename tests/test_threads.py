@@ -189,6 +189,27 @@ def test_trainer_governor_logs_its_choices_and_restores_the_count(monkeypatch):
     assert all("threads" in row for row in tr.history)
 
 
+def test_trainer_governor_with_a_busy_signal_stays_at_one_thread_and_logs_it():
+    old = torch.get_num_threads()
+    seen = []
+    sig = FakeSignal()
+    sig.now = 2                                                  # 2 others on 2 cores
+    try:
+        torch.set_num_threads(2)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=3, signal=sig)
+        real = gov.record
+        gov.record = lambda s, *a, **k: (seen.append(torch.get_num_threads()),
+                                         real(s, *a, **k))[-1]
+        tr = _softmax_trainer(threads=gov)
+        tr.fit(3)
+    finally:
+        torch.set_num_threads(old)
+    assert seen and set(seen) == {1}                             # never probed 2 threads
+    last = tr.history[-1]
+    assert last["threads"] == 1 and last["threads_by_signal"] == last["threads_decisions"] > 0
+    assert last["threads_step_ms_full"] is None and last["threads_step_ms_one"] > 0
+
+
 def test_trainer_threads_int_none_and_bad_values(monkeypatch):
     monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")  # conftest turns the governors off
     old = torch.get_num_threads()
@@ -201,7 +222,11 @@ def test_trainer_threads_int_none_and_bad_values(monkeypatch):
         assert counts == [1] and torch.get_num_threads() == 2
         assert tr.governor is None and "threads" not in tr.history[-1]
         assert _softmax_trainer(threads=None).governor is None
-        assert _softmax_trainer().governor is not None            # "auto" on a CPU, 2 threads
+        auto = _softmax_trainer().governor                        # "auto" on a CPU, 2 threads
+        assert auto is not None
+        # with the run queue signal where it describes our CPUs (Linux, not a container slice)
+        from nnkloss.threads import run_queue
+        assert auto.signal is run_queue()
         torch.set_num_threads(1)
         assert _softmax_trainer().governor is None                # nothing to choose
     finally:

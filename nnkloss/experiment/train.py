@@ -207,9 +207,17 @@ class Trainer:
             for descheduled threads when other processes keep the cores busy; then one thread
             is faster, idle it is not (30-epoch digits demo on 2 cores, idle: 28.4 s at 2
             threads, 40.8 s at 1; beside a 2-thread matmul process a step at 2 threads took
-            27x one at 1: README "Threads on the CPU, measured"). Its decisions go to the epoch log: ``threads`` (the count at the epoch's
-            end), ``threads_decisions``, ``threads_step_ms_full`` / ``threads_step_ms_one``
-            (the last probe's medians). Nothing is printed. The count changes the summation
+            27x one at 1: README "Threads on the CPU, measured"). On Linux, where the
+            machine's run queue is this process's CPUs (no cgroup quota, no pinning to a
+            subset), it also reads the runnable threads of other processes
+            (:class:`nnkloss.threads.RunQueue`, /proc, ~40 us a step): while they leave the
+            full count no free CPU for each of its threads (``cores - others < threads``), it
+            does not probe the full count (it looks again after 64 steps) and, at the full
+            count, drops to one thread after two such steps in a row. Its decisions go to the
+            epoch log: ``threads`` (the count at the epoch's end), ``threads_decisions``,
+            ``threads_by_signal`` (how many of them the run queue made),
+            ``threads_step_ms_full`` / ``threads_step_ms_one`` (the last decision's medians;
+            empty for a side it did not time). Nothing is printed. The count changes the summation
             order of torch's parallel reductions, so a governed run is not bit-reproducible
             across machines or loads: pass an int (that count for the run) or None (torch's
             setting untouched) for that. A governor instance may be shared by several
@@ -576,7 +584,7 @@ class Trainer:
 
 
 #: The Trainer's governor: units are training steps.
-GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096)
+GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096, signal="auto")
 
 
 def _cpu_copy(obj):
@@ -598,6 +606,7 @@ def _governor_columns(gov: ThreadGovernor) -> Dict[str, Any]:
     last = gov.events[-1] if gov.events else {}
     ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
     return {"threads": gov.threads(), "threads_decisions": len(gov.events),
+            "threads_by_signal": sum(e.get("by") == "signal" for e in gov.events),
             "threads_step_ms_full": ms(last.get("cost_full")),
             "threads_step_ms_one": ms(last.get("cost_one"))}
 

@@ -427,8 +427,12 @@ PARALLEL_MIN_ELEMS = 1 << 16
 # is faster (measured on the 2-core machine: forward+backward 2-6x slower at 2 threads beside a
 # 2-thread matmul), idle two threads are (1.6-1.8x). The result does not depend on the count
 # (every row is computed by one thread, the centre gradient in a fixed order): only the time
-# does. NNKLOSS_GOVERN_THREADS=0 turns the governors off (the full count always).
-GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200)
+# does. Where the machine's run queue describes our CPUs (Linux, nnkloss.threads.run_queue),
+# the governors also read other processes' runnable threads: no probe of the full count while
+# they leave it no room, and a drop to one thread when they arrive. A read costs ~40 us, so at
+# most one per ~4 ms of the op's time (sample_budget 1%) and one per probe decision, never one
+# per call. NNKLOSS_GOVERN_THREADS=0 turns the governors off (the full count always).
+GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200, signal="auto")
 _governors = {}
 
 

@@ -210,6 +210,23 @@ def test_trainer_governor_with_a_busy_signal_stays_at_one_thread_and_logs_it():
     assert last["threads_step_ms_full"] is None and last["threads_step_ms_one"] > 0
 
 
+def test_trainer_builds_the_initial_bank_at_the_runs_thread_count(monkeypatch):
+    from nnkloss.experiment.bank_upkeep import BankUpkeep
+    seen = []
+    real = BankUpkeep.before_fit
+    monkeypatch.setattr(BankUpkeep, "before_fit", lambda self, *a, **k: (
+        seen.append(torch.get_num_threads()), real(self, *a, **k))[-1])
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _softmax_trainer(threads=1).fit(1)
+        _softmax_trainer(threads=ThreadGovernor(2, warmup=3)).fit(1)   # starts at one
+        assert torch.get_num_threads() == 2                      # restored
+    finally:
+        torch.set_num_threads(old)
+    assert seen == [1, 1]
+
+
 def test_trainer_threads_int_none_and_bad_values(monkeypatch):
     monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")  # conftest turns the governors off
     old = torch.get_num_threads()

@@ -222,7 +222,9 @@ class Trainer:
             across machines or loads: pass an int (that count for the run) or None (torch's
             setting untouched) for that. A governor instance may be shared by several
             Trainers (the demo does), so that later runs start from what earlier ones learned.
-            torch's thread count is restored when :meth:`fit` returns.
+            The count (the governor's, or the int) applies from the start of :meth:`fit`, the
+            initial bank's build included; torch's thread count is restored when :meth:`fit`
+            returns.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -521,26 +523,28 @@ class Trainer:
         """
         if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
             self.load_checkpoint()
-        if self.upkeep.needs_initial_bank:
-            # The initial bank: centres from the untrained model, before the first step.
-            seed_everything(self.seed)
-        self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
-        self.model.train()
-        self._check_next_step = True  # each fit()'s first step runs with value checks
-        self._bar = None
-        if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
-            from tqdm.auto import tqdm
-            per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
-            total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
-            # One bar for the whole run (not one per epoch): readable in logs and notebooks.
-            self._bar = tqdm(total=total, desc=self.desc, unit="step")
+        # The run's thread count from here on, the initial bank's build included (at the
+        # caller's count it ran at 2 threads beside a busy process, the slow case of issue 21).
         saved_threads = torch.get_num_threads()
         if self.governor is not None:
             self.governor.apply = torch.set_num_threads
             torch.set_num_threads(self.governor.threads())
         elif isinstance(self.threads, int):
             torch.set_num_threads(self.threads)
+        self._bar = None
         try:
+            if self.upkeep.needs_initial_bank:
+                # The initial bank: centres from the untrained model, before the first step.
+                seed_everything(self.seed)
+            self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
+            self.model.train()
+            self._check_next_step = True  # each fit()'s first step runs with value checks
+            if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
+                from tqdm.auto import tqdm
+                per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
+                total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
+                # One bar for the whole run (not one per epoch): readable in logs and notebooks.
+                self._bar = tqdm(total=total, desc=self.desc, unit="step")
             self._run_epochs(int(epochs))
         finally:
             torch.set_num_threads(saved_threads)

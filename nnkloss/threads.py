@@ -34,11 +34,12 @@ Timing alone has two costs beside a busy process: the first probe of each run st
 few units at the full count (each tens of one-thread units there), and a probe that falls in a
 pause of the other process can pick the full count for a whole hold. So where it means
 something (:func:`run_queue_unavailable`: Linux, the machine's CPUs are ours, no cgroup quota)
-the governor also reads a ``signal``: the runnable threads of *other* processes (:class:`RunQueue`:
-/proc/loadavg's runnable tasks less this process's threads in state R, ~40 us a read). With
-``cores`` CPUs and ``others`` runnable threads elsewhere, the full count (at most ``cores``) has
-no room when ``cores - others < full``: some of its threads would share a CPU, and an OpenMP
-barrier then waits for the descheduled one (measured on 2 cores, digits CNN steps beside one
+the governor also reads a ``signal``: the runnable threads of *other* processes
+(:class:`RunQueue`: /proc/loadavg's runnable tasks less this process's threads in state R;
+40-130 us a read on the 2-core VM, idle to beside a busy 2-thread process). With ``cores`` CPUs
+and ``others`` runnable threads elsewhere, the full count (at most ``cores``) has no room when
+``cores - others < full``: some of its threads would share a CPU, and an OpenMP barrier then
+waits for the descheduled one (measured on 2 cores, a digits CNN training step beside one
 spinning thread: 2 threads 1.5x slower than 1 at the median, 2.7x on average). Then:
 
 4. before a probe of the full count (at one thread, at the end of the probe's window), the
@@ -201,8 +202,10 @@ class RunQueue:
     governor spaces its samples by it). Only meaningful where :func:`run_queue_unavailable`
     returns None; :func:`run_queue` checks that.
 
-    Measured on the 2-core development VM (Python 3.11, a torch process with 4 threads): ~40 us
-    a sample, ~5 us of it /proc/loadavg and ~9 us per thread of this process.
+    Measured on the 2-core development VM (Python 3.11, a torch process with 4 threads): 43 us a
+    sample back to back (/proc/loadavg ~5 us, listing the threads ~6 us, ~7 us per thread),
+    ~60 us spaced out between other work, ~130 us beside a busy 2-thread process (the reader
+    waits for a CPU too).
     """
 
     def __init__(self, cores: int, *, proc: str = "/proc",

@@ -210,7 +210,7 @@ class Trainer:
             27x one at 1: README "Threads on the CPU, measured"). On Linux, where the
             machine's run queue is this process's CPUs (no cgroup quota, no pinning to a
             subset), it also reads the runnable threads of other processes
-            (:class:`nnkloss.threads.RunQueue`, /proc, ~40 us a step): while they leave the
+            (:class:`nnkloss.threads.RunQueue`, /proc, 40-130 us a step): while they leave the
             full count no free CPU for each of its threads (``cores - others < threads``), it
             does not probe the full count (it looks again after 64 steps) and, at the full
             count, drops to one thread after two such steps in a row. Its decisions go to the

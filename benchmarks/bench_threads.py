@@ -16,8 +16,10 @@ forward-only (``fwd``) and forward+backward to the embeddings (``fwd_bwd``), at 
 of bench_loss.py (N bank rows as there).
 
 Appends to ``benchmarks/results/threads_<device>.txt`` one line per measurement, each with the
-device, commit, UTC date and load average (``os.getloadavg``: 1, 5, 15 minutes) at its start,
-then a summary of the ratios to the 1-thread figure of the same load and round.
+device, commit, UTC date and load average (``os.getloadavg``: 1, 5, 15 minutes) at its start
+(and, for the default, the governors' choices and how many of their decisions the run queue
+signal made: ``by_signal/decisions``), then a summary of the ratios to the 1-thread figure of
+the same load and round.
 """
 from __future__ import annotations
 
@@ -72,13 +74,14 @@ def run_demo(setting, epochs):
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"digits.py failed: {proc.stderr[-2000:]}")
-        decisions = _demo_threads(out)
-    return wall, decisions
+        decisions, by_signal = _demo_threads(out)
+    return wall, decisions, by_signal
 
 
 def _demo_threads(out):
-    """The governor's last logged choice per run (log.json threads column), if any."""
-    found = {}
+    """The governor's choice at each epoch's end per run (log.json threads column), and how
+    many of its decisions the run queue signal made (threads_by_signal), if logged."""
+    found, by_signal = {}, {}
     for name in sorted(os.listdir(out)):
         path = os.path.join(out, name, "log.json")
         if os.path.isfile(path):
@@ -87,7 +90,10 @@ def _demo_threads(out):
             rows = rows.get("epochs", rows) if isinstance(rows, dict) else rows
             if rows and isinstance(rows, list) and "threads" in rows[-1]:
                 found[name] = [r.get("threads") for r in rows]
-    return found
+                if "threads_by_signal" in rows[-1]:
+                    by_signal[name] = (rows[-1]["threads_by_signal"],
+                                       rows[-1].get("threads_decisions"))
+    return found, by_signal
 
 
 def op_worker(setting, iters=40):
@@ -112,6 +118,8 @@ def op_worker(setting, iters=40):
                         loss.backward()
                 res[f"{mode} {B},{K},{D},{dt}"] = time_ms(step, "cpu", warmup=3, iters=iters)
     res["_governors"] = {k: g.summary()["threads"] for k, g in cpu._governors.items()}
+    res["_by_signal"] = {k: [g.summary()["by_signal"], len(g.events)]
+                         for k, g in cpu._governors.items()}
     res["_pool"] = cpu.build_info().get("pool")
     print(json.dumps(res))
 
@@ -175,20 +183,24 @@ def main(argv=None):
                     for setting in args.settings:
                         stamp = f"{dev} | commit {commit} | {utc_now()} | load {load_average()}"
                         if part == "demo":
-                            wall, chosen = run_demo(setting, args.epochs)
+                            wall, chosen, by_signal = run_demo(setting, args.epochs)
                             results.append((load, r, part, setting, "wall_s", wall))
                             log(f"demo load={load} round={r} threads={setting} "
                                 f"epochs={args.epochs} wall_s={wall:.1f}"
                                 + (f" governor={json.dumps(chosen)}" if chosen else "")
+                                + (f" by_signal/decisions={json.dumps(by_signal)}"
+                                   if by_signal else "")
                                 + f" | {stamp}")
                         else:
                             res = run_op(setting)
-                            extra = {k: res.pop(k) for k in ("_governors", "_pool")}
+                            extra = {k: res.pop(k) for k in ("_governors", "_pool",
+                                                             "_by_signal")}
                             for key, ms in res.items():
                                 results.append((load, r, part, setting, key, ms))
                             log(f"op load={load} round={r} threads={setting} "
                                 + " ".join(f"[{k}]={v:.3f}ms" for k, v in res.items())
                                 + f" pool={extra['_pool']} governors={extra['_governors']}"
+                                + f" by_signal/decisions={extra['_by_signal']}"
                                 + f" | {stamp}")
     # ratios to 1 thread (same load, round, part, key): > 1 is slower than one thread
     log(f"-- summary: time / time at 1 thread (same load and round), > 1.00 = slower than one "

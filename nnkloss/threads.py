@@ -30,22 +30,244 @@ of work (a training step, a kernel call):
    So a steady machine is probed rarely, an expensive probe is repeated late, and a machine
    whose load changes is followed within a hold.
 
+Timing alone has two costs beside a busy process: the first probe of each run still runs a
+few units at the full count (each tens of one-thread units there), and a probe that falls in a
+pause of the other process can pick the full count for a whole hold. So where it means
+something (:func:`run_queue_unavailable`: Linux, the machine's CPUs are ours, no cgroup quota)
+the governor also reads a ``signal``: the runnable threads of *other* processes
+(:class:`RunQueue`: /proc/loadavg's runnable tasks less this process's threads in state R;
+40-130 us a read on the 2-core VM, idle to beside a busy 2-thread process). With ``cores`` CPUs
+and ``others`` runnable threads elsewhere, the full count (at most ``cores``) has no room when
+``cores - others < full``: some of its threads would share a CPU, and an OpenMP barrier then
+waits for the descheduled one (measured on 2 cores, a digits CNN training step beside one
+spinning thread: 2 threads 1.5x slower than 1 at the median, 2.7x on average). Then:
+
+4. before a probe of the full count (at one thread, at the end of the probe's window), the
+   median of the last ``signal_samples`` samples (those of the window and a fresh one) decides:
+   no room, no probe; the governor stays at one thread and looks again after ``hold`` units
+   (the base hold, not the back-off one: a competitor that leaves is noticed within a hold);
+5. at the full count (holding or probing), two consecutive samples with no room drop to one
+   thread at once (a probe in progress ends there) and start a hold of ``hold`` units.
+
+The samples are spaced so that they cost at most ``sample_budget`` of the recorded time (every
+unit for training steps; every few calls for the op), plus one per probe decision. On an idle
+machine the signal finds room and the probes decide by timing, as without it. Decisions of the
+signal are ``events`` with ``by="signal"`` and ``action`` "skipped" (a probe) or "dropped" (the
+full count); those of timing have ``by="timing"``. Without a signal (elsewhere, or after a read
+error) the governor times alone.
+
 Every decision is kept in ``events`` (unit index, both medians, the choice) and summarised by
-:meth:`ThreadGovernor.summary`; nothing is printed. The clock is a parameter, so the tests
-drive it with a fake one. The governor only chooses a number; who applies it is the caller's
-business (``apply`` is called with the new count at each change: the Trainer passes
+:meth:`ThreadGovernor.summary`; nothing is printed. The clock is the caller's (the durations
+passed to :meth:`ThreadGovernor.record`) and the signal a parameter, so the tests drive both
+with fakes. The governor only chooses a number; who applies it is the caller's business
+(``apply`` is called with the new count at each change: the Trainer passes
 ``torch.set_num_threads``; the CPU op reads :meth:`threads` before each call).
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 from typing import Callable, Dict, List, Optional
 
-__all__ = ["ThreadGovernor"]
+__all__ = ["ThreadGovernor", "RunQueue", "run_queue", "run_queue_unavailable"]
+
+
+# ------------------------------------------------------------------ other processes' demand
+# Timing a whole unit at each count is the only direct measure of which count is faster, but
+# beside a busy process one unit at the full count costs tens of units at one thread (measured:
+# 27x per training step on 2 cores beside a 2-thread matmul), and a probe that happens to fall
+# in a pause of the other process picks the full count for a whole hold. The kernel already
+# knows how many threads want a CPU now: /proc/loadavg's fourth field ("running/total") counts
+# the runnable scheduling entities of the machine (running or waiting for a CPU). Less this
+# process's own runnable threads (its spinning OpenMP workers included) that is the demand of
+# everyone else, read in tens of microseconds.
+
+def parse_loadavg_running(text) -> int:
+    """The number of runnable tasks in /proc/loadavg's text ("0.84 0.66 0.82 4/90 22517": 4)."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    running = int(text.split()[3].split("/")[0])
+    if running < 0:
+        raise ValueError(f"negative run queue in {text!r}")
+    return running
+
+
+def parse_task_state(text) -> str:
+    """The state letter of a /proc/<pid>/task/<tid>/stat line ("R" = runnable). The field
+    after the command name, which is parenthesised and may itself hold spaces and ')': split
+    at the last ')'."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    end = text.rindex(")")
+    state = text[end + 1:].split(None, 1)[0]
+    if len(state) != 1:
+        raise ValueError(f"no state after the command name in {text!r}")
+    return state
+
+
+def _read(path: str, size: int = 4096) -> bytes:
+    fd = os.open(path, os.O_RDONLY)  # os.open/os.read: half the cost of open() for /proc
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _cgroup_quota_files(root: str, cgroup_text: str) -> List[str]:
+    """The files that would hold a CPU quota for this process: cgroup v2 ``cpu.max`` and v1
+    ``cpu.cfs_quota_us``, at the hierarchy's root and at this process's own cgroup (the paths of
+    /proc/self/cgroup). A parent cgroup's quota below ours is not looked for."""
+    files = [os.path.join(root, "cpu.max")]
+    v1_dirs = ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
+    files += [os.path.join(root, d, "cpu.cfs_quota_us") for d in v1_dirs]
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = path.strip().lstrip("/")
+        if not rel:
+            continue
+        if controllers == "":  # v2: "0::/path"
+            files.append(os.path.join(root, rel, "cpu.max"))
+        elif "cpu" in controllers.split(","):
+            files += [os.path.join(root, d, rel, "cpu.cfs_quota_us") for d in v1_dirs]
+    return files
+
+
+def _quota_limits(path: str, text: str) -> bool:
+    if path.endswith("cpu.max"):          # "max 100000" or "150000 100000"
+        return text.split()[0] != "max"
+    return int(text.split()[0]) > 0        # cpu.cfs_quota_us: -1 = no quota
+
+
+def run_queue_unavailable(*, platform: Optional[str] = None, proc: str = "/proc",
+                          cgroup_root: str = "/sys/fs/cgroup",
+                          cpu_count: Optional[Callable[[], Optional[int]]] = None,
+                          affinity: Optional[Callable[[], int]] = None) -> Optional[str]:
+    """Why /proc/loadavg's run queue does not describe the CPUs this process may use (a
+    sentence), or None when it does: Linux with /proc, the kernel's CPU count equal to the
+    CPUs of our affinity mask, and no cgroup CPU quota. In a container on a bigger host, or
+    pinned to a few of the host's CPUs, the run queue counts tasks that never compete with us.
+    The arguments stand in for the real system in tests."""
+    platform = sys.platform if platform is None else platform
+    if not platform.startswith("linux"):
+        return f"not Linux ({platform})"
+    try:
+        ncpu = (os.cpu_count if cpu_count is None else cpu_count)()
+        if affinity is None:
+            if not hasattr(os, "sched_getaffinity"):
+                return "no os.sched_getaffinity"
+            mine = len(os.sched_getaffinity(0))
+        else:
+            mine = affinity()
+    except OSError as exc:
+        return f"CPU count unreadable: {exc}"
+    if not ncpu or ncpu != mine:
+        return f"the machine has {ncpu} CPUs, this process may use {mine}"
+    try:
+        parse_loadavg_running(_read(os.path.join(proc, "loadavg")))
+        parse_task_state(_read(os.path.join(proc, "self", "stat")))
+        os.listdir(os.path.join(proc, "self", "task"))
+    except (OSError, ValueError, IndexError) as exc:
+        return f"/proc unreadable: {exc}"
+    try:
+        cgroups = _read(os.path.join(proc, "self", "cgroup"), 1 << 16).decode("utf-8", "replace")
+    except OSError:
+        cgroups = ""
+    for path in _cgroup_quota_files(cgroup_root, cgroups):
+        try:
+            text = _read(path, 256).decode("ascii", "replace")
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{path} unreadable: {exc}"
+        try:
+            if _quota_limits(path, text):
+                return f"a cgroup CPU quota ({path}: {text.strip()})"
+        except (ValueError, IndexError):
+            return f"{path} unparsable: {text.strip()!r}"
+    return None
+
+
+class RunQueue:
+    """Other processes' CPU demand: the runnable tasks of the machine (/proc/loadavg) less this
+    process's runnable threads (/proc/self/task/*/stat in state R).
+
+    :meth:`sample` returns that count ("others"), or None once a read has failed (then for
+    good: the governor falls back to timing alone, and nothing is raised). ``cores`` is the
+    number of CPUs this process may use; ``cost`` the seconds the last sample took (the
+    governor spaces its samples by it). Only meaningful where :func:`run_queue_unavailable`
+    returns None; :func:`run_queue` checks that.
+
+    Measured on the 2-core development VM (Python 3.11, a torch process with 4 threads): 43 us a
+    sample back to back (/proc/loadavg ~5 us, listing the threads ~6 us, ~7 us per thread),
+    ~60 us spaced out between other work, ~130 us beside a busy 2-thread process (the reader
+    waits for a CPU too).
+    """
+
+    def __init__(self, cores: int, *, proc: str = "/proc",
+                 clock: Callable[[], float] = time.perf_counter):
+        self.cores = int(cores)
+        self.proc = proc
+        self.clock = clock
+        self.cost = 0.0
+        self.failed: Optional[str] = None
+        self._loadavg = os.path.join(proc, "loadavg")
+        self._tasks = os.path.join(proc, "self", "task")
+
+    def own_running(self) -> int:
+        """This process's threads in state R."""
+        n = 0
+        for tid in os.listdir(self._tasks):
+            try:
+                text = _read(os.path.join(self._tasks, tid, "stat"), 1024)
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended between the listing and the read
+            n += parse_task_state(text) == "R"
+        return n
+
+    def sample(self) -> Optional[int]:
+        if self.failed is not None:
+            return None
+        t0 = self.clock()
+        try:
+            # Our threads first, then the machine's: a worker of ours that stops spinning in
+            # between is then counted by the first and not the second, which under-counts the
+            # others (the safe side: timing still decides) instead of over-counting them.
+            own = self.own_running()
+            running = parse_loadavg_running(_read(self._loadavg, 256))
+        except (OSError, ValueError, IndexError) as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            return None
+        self.cost = self.clock() - t0
+        return max(running - own, 0)
+
+
+_run_queue_lock = threading.Lock()
+_run_queue: Dict[str, Optional[RunQueue]] = {}
+
+
+def run_queue() -> Optional[RunQueue]:
+    """The process's shared :class:`RunQueue`, or None where the run queue does not describe
+    our CPUs (:func:`run_queue_unavailable`). Checked once per process."""
+    with _run_queue_lock:
+        if "rq" not in _run_queue:
+            try:
+                why = run_queue_unavailable()
+                rq = RunQueue(len(os.sched_getaffinity(0))) if why is None else None
+            except Exception:  # never an exception to the user: timing alone
+                rq = None
+            _run_queue["rq"] = rq
+        return _run_queue["rq"]
 
 
 class ThreadGovernor:
-    """Chooses between ``full`` threads and one by timing (see the module docstring).
+    """Chooses between ``full`` threads and one by timing, and where it has a ``signal`` does
+    not probe or keep the full count while other processes leave it no room (see the module
+    docstring). Thread-safe: :meth:`record` may be called from several threads.
 
     Args:
         full: the full thread count (a number, or a callable read at each probe, e.g.
@@ -58,14 +280,31 @@ class ThreadGovernor:
         probe_budget: the share of the time probes may cost (it lengthens the hold after an
             expensive probe).
         apply: called with the new thread count whenever the choice changes (None: nothing).
+        signal: other processes' CPU demand (see the module docstring): None (timing alone,
+            the default of a governor built by hand), "auto" (:func:`run_queue`: the
+            machine's run queue where it describes our CPUs, else None; the Trainer's and the
+            CPU op's governors), or an object with ``cores`` (int), ``sample()`` (the others'
+            runnable threads, or None when unknown) and optionally ``cost`` (seconds a sample
+            takes).
+        sample_budget: the share of the time samples of the signal may cost: samples are at
+            least ``cost / sample_budget`` seconds of recorded work apart (every unit when the
+            units are long), besides one at each decision to probe the full count.
+        signal_samples: the decision to probe the full count takes the median of this many
+            samples (the last ones of the window at one thread, the freshest last), so one
+            momentary reading does not decide.
     """
 
     def __init__(self, full=2, *, warmup: int = 5, window: int = 6, hold: int = 64,
                  max_hold: int = 4096, margin: float = 0.05, abandon: float = 1.5,
-                 probe_budget: float = 0.05, apply: Optional[Callable[[int], None]] = None):
+                 probe_budget: float = 0.05, apply: Optional[Callable[[int], None]] = None,
+                 signal=None, sample_budget: float = 0.01, signal_samples: int = 3):
         if window < 2 or hold < 1 or max_hold < hold or warmup < 0 or not 0 < probe_budget <= 1:
             raise ValueError("need window >= 2, hold >= 1, max_hold >= hold, warmup >= 0, "
                              "0 < probe_budget <= 1")
+        if not 0 < sample_budget <= 1 or signal_samples < 1:
+            raise ValueError("need 0 < sample_budget <= 1 and signal_samples >= 1")
+        self.signal = run_queue() if isinstance(signal, str) and signal == "auto" else signal
+        self.sample_budget, self.signal_samples = float(sample_budget), int(signal_samples)
         self.probe_budget = float(probe_budget)
         self._full = full
         self.warmup, self.window, self.base_hold, self.max_hold = warmup, window, hold, max_hold
@@ -79,6 +318,11 @@ class ThreadGovernor:
         self._one = True                 # running at one thread now (else at the full count)
         self._skip = False               # drop the next unit (after a switch)
         self._costs: Dict[str, List[float]] = {}
+        self._elapsed = 0.0              # seconds recorded so far (the signal's clock)
+        self._sampled_at = None          # _elapsed at the last sample of the signal
+        self._others: List[int] = []     # this probe's samples at one thread
+        self._busy = 0                   # consecutive samples at the full count with no room
+        self.others: Optional[int] = None  # the last sample
         self.phase, self.left = "warmup", self.warmup
         if self.warmup == 0:
             self._start_probe()
@@ -96,8 +340,42 @@ class ThreadGovernor:
         if one != self._one:
             self._one = one
             self._skip = True
+            self._busy = 0
             if self.apply is not None:
                 self.apply(self.threads())
+
+    # -------------------------------------------------------------- the signal
+    def _sample(self, force: bool = False) -> Optional[int]:
+        """A sample of the others' demand, or None (no signal, not due yet, or unknown). Samples
+        are spaced by ``cost / sample_budget`` seconds of recorded work unless ``force``."""
+        sig = self.signal
+        if sig is None:
+            return None
+        if not force and self._sampled_at is not None:
+            gap = float(getattr(sig, "cost", 0.0) or 0.0) / self.sample_budget
+            if self._elapsed - self._sampled_at < gap:
+                return None
+        self._sampled_at = self._elapsed
+        try:
+            others = sig.sample()
+        except Exception:  # a signal that fails is no signal: timing alone, never an error
+            self.signal = None
+            return None
+        if others is None and getattr(sig, "failed", None):
+            self.signal = None  # a RunQueue whose read failed stays failed
+        if others is not None:
+            self.others = int(others)
+        return others
+
+    def _no_room(self, others: Optional[int]) -> bool:
+        """Whether ``others`` runnable threads of other processes leave too few CPUs for the
+        full count: fewer than ``need`` free where ``need`` is the full count (at most the
+        CPUs we have)."""
+        if others is None or self.signal is None:
+            return False
+        cores = int(self.signal.cores)
+        need = min(self.full, cores)
+        return cores - others < need
 
     def _side(self) -> str:
         return "one" if self._one else "full"
@@ -108,8 +386,12 @@ class ThreadGovernor:
         knows it; a unit that ran at another count than the governor's is not timed."""
         with self._lock:
             self.units += 1
+            self._elapsed += max(float(seconds), 0.0)
             if threads is not None and threads != self.threads():
                 return
+            if self.signal is not None and self.full > 1 and self.phase != "warmup":
+                if self._watch():
+                    return
             if self._skip:
                 self._skip = False
                 return
@@ -126,10 +408,60 @@ class ThreadGovernor:
             if self.phase in ("warmup", "hold"):
                 self._start_probe()
             elif self.phase == "current":
+                if self._one and self._skip_probe():
+                    return
                 self.phase, self.left = "other", self.window
                 self._set(not self._one)
             else:
                 self._decide()
+
+    def _watch(self) -> bool:
+        """Samples the signal where it can change a decision; returns True when it dropped the
+        full count. At the full count (holding or probing): two consecutive samples with no
+        room for it drop to one thread at once, which ends any probe and starts a normal hold
+        (one sample could be a moment's burst). At one thread, in a probe's window before the
+        full count: the samples the decision to probe it will take."""
+        if not self._one:
+            others = self._sample()
+            if others is None:
+                return False
+            self._busy = self._busy + 1 if self._no_room(others) else 0
+            if self._busy >= 2:
+                self._signal_event("dropped", others, self.base_hold)
+                self.hold = self.base_hold
+                self._set(True)
+                return True
+        elif self.phase == "current":
+            others = self._sample()
+            if others is not None:
+                self._others.append(others)
+        return False
+
+    def _skip_probe(self) -> bool:
+        """At one thread, at the end of a probe's window: skip the probe of the full count when
+        the median of the last samples (a fresh one included) leaves it no room; look again
+        after a base hold (not the back-off hold: a competitor that leaves is noticed within
+        ``hold`` units). The back-off of timing decisions is left as it was."""
+        fresh = self._sample(force=True)
+        if fresh is None:
+            return False  # no signal now: timing decides, as without one
+        recent = (self._others + [fresh])[-self.signal_samples:]
+        others = self._median(recent)
+        if not self._no_room(others):
+            return False
+        self._signal_event("skipped", others, self.base_hold)
+        return True
+
+    def _signal_event(self, action: str, others: int, hold: int):
+        cost_one = self._median(self._costs.get("one"))
+        cost_full = self._median(self._costs.get("full"))
+        if self.choice is None or action == "dropped":
+            self.choice = "one"
+        self.events.append({"unit": self.units, "full": self.full, "cost_full": cost_full,
+                            "cost_one": cost_one, "threads": 1, "hold": hold,
+                            "by": "signal", "action": action, "others": others,
+                            "cores": int(self.signal.cores)})
+        self.phase, self.left = "hold", hold
 
     def skip_next(self) -> None:
         """Do not time the next unit (the caller did something else in between, e.g. an
@@ -139,6 +471,7 @@ class ThreadGovernor:
 
     def _start_probe(self):
         self._costs = {}
+        self._others = []
         self._current_side = self._side()
         self.phase, self.left = "current", self.window
 
@@ -176,7 +509,7 @@ class ThreadGovernor:
         self.choice = choice
         self.events.append({"unit": self.units, "full": full, "cost_full": cost_full,
                             "cost_one": cost_one, "threads": 1 if choice == "one" else full,
-                            "hold": self.hold})
+                            "hold": self.hold, "by": "timing", "others": self.others})
         self.phase, self.left = "hold", self.hold
         self._set(choice == "one")
 
@@ -193,7 +526,15 @@ class ThreadGovernor:
         return int(-(-extra // self.probe_budget))
 
     def summary(self) -> Dict:
-        """The current choice and the decisions so far (for a log)."""
-        last = self.events[-1] if self.events else None
-        return {"threads": self.threads(), "decisions": len(self.events),
-                "last": None if last is None else dict(last)}
+        """The current choice and the decisions so far (for a log): ``by_signal`` counts the
+        decisions the signal made (probes skipped, full count dropped), ``signal`` says
+        whether there is one and ``others`` is its last sample."""
+        with self._lock:
+            last = self.events[-1] if self.events else None
+            by_signal = [e for e in self.events if e.get("by") == "signal"]
+            return {"threads": self.threads(), "decisions": len(self.events),
+                    "by_signal": len(by_signal),
+                    "skipped": sum(e["action"] == "skipped" for e in by_signal),
+                    "dropped": sum(e["action"] == "dropped" for e in by_signal),
+                    "signal": self.signal is not None, "others": self.others,
+                    "last": None if last is None else dict(last)}

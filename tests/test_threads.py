@@ -1,8 +1,14 @@
-"""Issue 21: whose threads the CPU op runs on, and the thread governor (fake clock)."""
+"""Issue 21: whose threads the CPU op runs on, the thread governor (fake clock), and the run
+queue signal of other processes' demand (fabricated /proc and /sys trees)."""
+import os
+import sys
+
 import pytest
 import torch
 
-from nnkloss.threads import ThreadGovernor
+from nnkloss import threads as nthreads
+from nnkloss.threads import (RunQueue, ThreadGovernor, parse_loadavg_running, parse_task_state,
+                             run_queue_unavailable)
 from nnkloss.ops import cpu
 
 
@@ -183,6 +189,44 @@ def test_trainer_governor_logs_its_choices_and_restores_the_count(monkeypatch):
     assert all("threads" in row for row in tr.history)
 
 
+def test_trainer_governor_with_a_busy_signal_stays_at_one_thread_and_logs_it():
+    old = torch.get_num_threads()
+    seen = []
+    sig = FakeSignal()
+    sig.now = 2                                                  # 2 others on 2 cores
+    try:
+        torch.set_num_threads(2)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=3, signal=sig)
+        real = gov.record
+        gov.record = lambda s, *a, **k: (seen.append(torch.get_num_threads()),
+                                         real(s, *a, **k))[-1]
+        tr = _softmax_trainer(threads=gov)
+        tr.fit(3)
+    finally:
+        torch.set_num_threads(old)
+    assert seen and set(seen) == {1}                             # never probed 2 threads
+    last = tr.history[-1]
+    assert last["threads"] == 1 and last["threads_by_signal"] == last["threads_decisions"] > 0
+    assert last["threads_step_ms_full"] is None and last["threads_step_ms_one"] > 0
+
+
+def test_trainer_builds_the_initial_bank_at_the_runs_thread_count(monkeypatch):
+    from nnkloss.experiment.bank_upkeep import BankUpkeep
+    seen = []
+    real = BankUpkeep.before_fit
+    monkeypatch.setattr(BankUpkeep, "before_fit", lambda self, *a, **k: (
+        seen.append(torch.get_num_threads()), real(self, *a, **k))[-1])
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _softmax_trainer(threads=1).fit(1)
+        _softmax_trainer(threads=ThreadGovernor(2, warmup=3)).fit(1)   # starts at one
+        assert torch.get_num_threads() == 2                      # restored
+    finally:
+        torch.set_num_threads(old)
+    assert seen == [1, 1]
+
+
 def test_trainer_threads_int_none_and_bad_values(monkeypatch):
     monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")  # conftest turns the governors off
     old = torch.get_num_threads()
@@ -195,7 +239,11 @@ def test_trainer_threads_int_none_and_bad_values(monkeypatch):
         assert counts == [1] and torch.get_num_threads() == 2
         assert tr.governor is None and "threads" not in tr.history[-1]
         assert _softmax_trainer(threads=None).governor is None
-        assert _softmax_trainer().governor is not None            # "auto" on a CPU, 2 threads
+        auto = _softmax_trainer().governor                        # "auto" on a CPU, 2 threads
+        assert auto is not None
+        # with the run queue signal where it describes our CPUs (Linux, not a container slice)
+        from nnkloss.threads import run_queue
+        assert auto.signal is run_queue()
         torch.set_num_threads(1)
         assert _softmax_trainer().governor is None                # nothing to choose
     finally:
@@ -203,3 +251,282 @@ def test_trainer_threads_int_none_and_bad_values(monkeypatch):
     for bad in (0, "two", True, 1.5):
         with pytest.raises(ValueError, match="threads"):
             _softmax_trainer(threads=bad)
+
+
+# ------------------------------------------------------------------ the run queue signal
+def _stat(tid, comm, state):
+    return f"{tid} ({comm}) {state} 1 1 0 0 -1 4194560 0 0 0 0 3 1 0 0 20 0 4 0 100 0 0\n"
+
+
+def fake_proc(root, running=5, total=120, tasks=(("python", "R"), ("python", "S"))):
+    """A /proc tree with loadavg, self/stat, self/cgroup and self/task/<tid>/stat."""
+    (root / "self" / "task").mkdir(parents=True)
+    (root / "loadavg").write_text(f"0.84 0.66 0.82 {running}/{total} 22517\n")
+    (root / "self" / "stat").write_text(_stat(100, "python", "R"))
+    (root / "self" / "cgroup").write_text("0::/\n")
+    for i, (comm, state) in enumerate(tasks):
+        d = root / "self" / "task" / str(100 + i)
+        d.mkdir()
+        (d / "stat").write_text(_stat(100 + i, comm, state))
+    return root
+
+
+def test_parsers_read_the_run_queue_and_a_state_after_an_odd_command_name():
+    assert parse_loadavg_running("0.84 0.66 0.82 4/90 22517\n") == 4
+    assert parse_loadavg_running(b"12.00 3.1 2.0 17/1203 9") == 17
+    # a command name may hold spaces and ')' (even ") R ("): the state follows the last ')'
+    assert parse_task_state(_stat(7, "a) R (b", "S")) == "S"
+    assert parse_task_state(_stat(7, "my worker)", "R").encode()) == "R"
+    assert parse_task_state(_stat(7, "pt_main_thread", "D")) == "D"
+    for bad in ("0.84 0.66 0.82", "0.1 0.1 0.1 x/90 1", "0.1 0.1 0.1 -1/90 1"):
+        with pytest.raises((ValueError, IndexError)):
+            parse_loadavg_running(bad)
+    for bad in ("7 python S 1", "7 (python)"):
+        with pytest.raises((ValueError, IndexError)):
+            parse_task_state(bad)
+
+
+def test_run_queue_counts_the_others_less_our_own_runnable_threads(tmp_path):
+    # 5 runnable on the machine; ours: two R (one named "x) R (y"), one S, one R with ')'
+    proc = fake_proc(tmp_path, running=5, tasks=(("python", "R"), ("x) S (y", "R"),
+                                                 ("a) R (b", "S"), ("omp)", "R")))
+    ticks = iter([1.0, 1.000040])
+    rq = RunQueue(2, proc=str(proc), clock=lambda: next(ticks))
+    assert rq.own_running() == 3
+    assert rq.sample() == 2 and rq.cost == pytest.approx(40e-6)
+    (proc / "loadavg").write_text("0.1 0.1 0.1 3/120 1\n")      # only ours (and the reader)
+    rq.clock = lambda: 0.0
+    assert rq.sample() == 0
+    (proc / "loadavg").write_text("0.1 0.1 0.1 1/120 1\n")      # a race: never negative
+    assert rq.sample() == 0
+
+
+def test_run_queue_skips_a_thread_that_ended_and_fails_for_good_on_a_read_error(tmp_path):
+    proc = fake_proc(tmp_path, running=4)
+    rq = RunQueue(2, proc=str(proc))
+    (proc / "self" / "task" / "101").mkdir(exist_ok=True)
+    (proc / "self" / "task" / "101" / "stat").unlink()          # listed, gone when read
+    assert rq.sample() == 3 and rq.failed is None
+    (proc / "loadavg").write_text("garbage\n")
+    assert rq.sample() is None and rq.failed                    # unparsable: no exception
+    (proc / "loadavg").write_text("0.1 0.1 0.1 4/120 1\n")
+    assert rq.sample() is None                                   # stays failed: timing alone
+    rq2 = RunQueue(2, proc=str(tmp_path / "nowhere"))
+    assert rq2.sample() is None and rq2.failed
+
+
+def test_run_queue_is_unavailable_where_it_does_not_describe_our_cpus(tmp_path):
+    proc = fake_proc(tmp_path / "proc")
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+
+    def why(**kw):
+        kw.setdefault("platform", "linux")
+        kw.setdefault("proc", str(proc))
+        kw.setdefault("cgroup_root", str(cg))
+        kw.setdefault("cpu_count", lambda: 2)
+        kw.setdefault("affinity", lambda: 2)
+        return run_queue_unavailable(**kw)
+
+    assert why() is None
+    assert "Linux" in why(platform="darwin") and "Linux" in why(platform="win32")
+    assert "CPUs" in why(cpu_count=lambda: 64, affinity=lambda: 2)   # pinned / container
+    assert why(cpu_count=lambda: None) is not None
+    assert "/proc" in why(proc=str(tmp_path / "noproc"))
+    # cgroup v2: "max ..." is no quota, a number is one (at the root or at our own cgroup)
+    (cg / "cpu.max").write_text("max 100000\n")
+    assert why() is None
+    (cg / "cpu.max").write_text("150000 100000\n")
+    assert "quota" in why()
+    (cg / "cpu.max").unlink()
+    (proc / "self" / "cgroup").write_text("0::/job/42\n")
+    (cg / "job" / "42").mkdir(parents=True)
+    (cg / "job" / "42" / "cpu.max").write_text("50000 100000\n")
+    assert "job/42/cpu.max" in why()
+    (cg / "job" / "42" / "cpu.max").write_text("max 100000\n")
+    assert why() is None
+    # cgroup v1: cpu.cfs_quota_us, -1 = none
+    (proc / "self" / "cgroup").write_text("4:cpu,cpuacct:/docker/abc\n0::/\n")
+    (cg / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    (cg / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert why() is None
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert "cfs_quota_us" in why()
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("lots\n")
+    assert "unparsable" in why()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
+def test_run_queue_on_this_machine_counts_our_running_thread():
+    why = run_queue_unavailable()
+    if why is not None:
+        assert nthreads.run_queue() is None
+        return
+    rq = nthreads.run_queue()
+    assert rq is nthreads.run_queue() and rq.cores == len(os.sched_getaffinity(0))
+    assert rq.own_running() >= 1                                 # the thread reading it
+    others = rq.sample()
+    assert isinstance(others, int) and others >= 0 and rq.cost > 0
+
+
+# ------------------------------------------------------------------ the governor with a signal
+class FakeSignal:
+    """``others`` of unit u is ``load(u)`` (set by :func:`drive_loaded` before each unit)."""
+
+    def __init__(self, cores=2, cost=0.0):
+        self.cores, self.cost, self.now, self.samples = cores, cost, 0, 0
+
+    def sample(self):
+        self.samples += 1
+        return self.now
+
+
+def drive_loaded(gov, sig, load, cost, units):
+    """:func:`drive` with the signal reading ``load(u)`` during unit u."""
+    used = []
+    for u in range(units):
+        sig.now = load(u)
+        n = gov.threads()
+        used.append(n)
+        gov.record(cost(n, u))
+    return used
+
+
+def _strip(events):
+    return [{k: v for k, v in e.items() if k not in ("by", "others")} for e in events]
+
+
+def test_no_probe_of_the_full_count_while_other_processes_fill_the_cores():
+    # beside a 2-thread process (others 2 on 2 cores) a unit at 2 threads costs 27x (measured)
+    slow = lambda n, u: 1.0 if n == 1 else 27.0                          # noqa: E731
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=3, window=4, hold=10, signal=sig)
+    used = drive_loaded(gov, sig, lambda u: 2, slow, 300)
+    assert used.count(2) == 0                                    # never probed
+    assert gov.events and all(e["by"] == "signal" and e["action"] == "skipped"
+                              and e["threads"] == 1 and e["hold"] == 10 for e in gov.events)
+    assert gov.events[0]["unit"] == 3 + 4                        # warm-up, then the window
+    summary = gov.summary()
+    assert summary["by_signal"] == summary["skipped"] == len(gov.events) and summary["signal"]
+    assert summary["others"] == 2
+    # the same run timed alone probes 2 threads (and pays for it)
+    alone = ThreadGovernor(2, warmup=3, window=4, hold=10)
+    assert drive(alone, slow, 300).count(2) > 0
+    # one other thread on 2 cores is enough (2 threads 1.5x slower there, measured); on 8
+    # cores a 2-thread count has room beside 6 others, not beside 7
+    for cores, others, probes in ((2, 1, False), (2, 0, True), (8, 6, True), (8, 7, False)):
+        sig = FakeSignal(cores=cores)
+        gov = ThreadGovernor(2, warmup=0, window=2, hold=5, signal=sig)
+        used = drive_loaded(gov, sig, lambda u: others, slow, 30)
+        assert (2 in used) == probes, (cores, others)
+
+
+def test_the_probe_resumes_within_a_hold_when_the_others_leave():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=512, signal=sig)
+    used = drive_loaded(gov, sig, lambda u: 2 if u < 100 else 0, fast2, 200)
+    assert used[:100].count(2) == 0
+    first = next(e for e in gov.events if e["by"] == "timing")
+    assert first["threads"] == 2 and first["unit"] > 100
+    assert first["unit"] <= 100 + 8 + 2 * 3 + 1                 # within a (base) hold
+    assert used[first["unit"]:first["unit"] + 50] == [2] * 50
+
+
+def test_the_full_count_is_dropped_when_the_others_arrive_and_kept_through_a_blip():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=4096, signal=sig)
+    # idle, then a single busy reading at unit 60 (a moment's burst), then a competitor at 100
+    load = lambda u: 2 if u == 60 or u >= 100 else 0                     # noqa: E731
+    used = drive_loaded(gov, sig, load, fast2, 200)
+    assert used[50:70] == [2] * 20                               # one busy sample: kept
+    drop = [e for e in gov.events if e.get("action") == "dropped"]
+    assert len(drop) == 1 and drop[0]["unit"] == 102             # the second busy unit
+    assert drop[0]["threads"] == 1 and drop[0]["others"] == 2 and drop[0]["hold"] == 8
+    assert used[102:] == [1] * 98                                # and no probe since
+    assert all(e["action"] == "skipped" for e in gov.events[-5:])
+    assert gov.summary()["dropped"] == 1
+    # timed alone, the same run keeps 2 threads through its long hold
+    alone = ThreadGovernor(2, warmup=0, window=3, hold=8, max_hold=4096)
+    assert drive(alone, fast2, 200)[102:120] == [2] * 18
+
+
+def test_a_drop_ends_a_probe_of_the_full_count():
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, warmup=0, window=6, hold=10, signal=sig)
+    # room when the window's samples are taken, none once 2 threads run (the others resume)
+    used = drive_loaded(gov, sig, lambda u: 0 if u < 6 else 2, lambda n, u: 1.0, 30)
+    assert used[:10] == [1] * 6 + [2, 2] + [1, 1]
+    assert gov.events[0]["action"] == "dropped" and gov.events[0]["unit"] == 8
+    assert gov.events[0]["cost_one"] == 1.0 and gov.events[0]["cost_full"] is None
+    assert used[8:] == [1] * 22                                  # a hold, then no probe
+    assert [e["action"] for e in gov.events] == ["dropped", "skipped"]
+
+
+def test_one_busy_reading_in_the_window_does_not_decide():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    # window of 4 at one thread: units 0-3 sampled, then a fresh sample at the decision
+    # (the median of the last three: a momentary reading, even the freshest, is outvoted)
+    for readings, probes in (([0, 0, 0, 0, 2], True), ([2, 2, 2, 2, 0], False),
+                             ([0, 0, 0, 2, 0], True), ([0, 0, 0, 2, 2], False),
+                             ([2, 2, 2, 0, 0], True)):
+        sig = FakeSignal()
+        it = iter(readings + [0] * 100)
+        sig.sample = lambda it=it: next(it)
+        gov = ThreadGovernor(2, warmup=0, window=4, hold=50, signal=sig)
+        used = drive(gov, fast2, 10)
+        assert (2 in used) == probes, readings
+
+
+def test_with_an_idle_signal_the_governor_decides_as_by_timing_alone():
+    cases = [(lambda n, u: 1.0 if n == 1 else 2.0, dict(warmup=3, window=4, hold=10,
+                                                        max_hold=40, probe_budget=1.0)),
+             (lambda n, u: 1.0 if n == 2 else 1.8, dict(warmup=2, window=3, hold=5,
+                                                        max_hold=20)),
+             (lambda n, u: (1.0 if n == 2 else 1.8) if u < 100 else (3.0 if n == 2 else 1.5),
+              dict(warmup=0, window=3, hold=8, max_hold=64, probe_budget=1.0)),
+             (lambda n, u: 1.0 if n == 1 else 27.0, dict(warmup=0, window=6, hold=10))]
+    for cost, kw in cases:
+        alone = ThreadGovernor(2, **kw)
+        sig = FakeSignal()
+        signalled = ThreadGovernor(2, signal=sig, **kw)
+        assert drive(alone, cost, 400) == drive_loaded(signalled, sig, lambda u: 0, cost, 400)
+        assert _strip(alone.events) == _strip(signalled.events)
+        assert all(e["by"] == "timing" for e in signalled.events) and sig.samples > 0
+        assert signalled.summary()["by_signal"] == 0
+
+
+def test_a_signal_that_fails_leaves_the_governor_timing_alone(tmp_path):
+    slow = lambda n, u: 1.0 if n == 1 else 27.0                          # noqa: E731
+    kw = dict(warmup=3, window=4, hold=10)
+    reference = drive(ThreadGovernor(2, **kw), slow, 200)
+
+    class Raises:
+        cores = 2
+
+        def sample(self):
+            raise OSError("no /proc")
+
+    gov = ThreadGovernor(2, signal=Raises(), **kw)
+    assert drive(gov, slow, 200) == reference                    # no exception, timing alone
+    assert gov.signal is None and gov.summary()["signal"] is False
+    # a RunQueue whose /proc read fails returns None and stays failed
+    proc = fake_proc(tmp_path, running=4)
+    rq = RunQueue(2, proc=str(proc))
+    (proc / "loadavg").unlink()
+    gov = ThreadGovernor(2, signal=rq, **kw)
+    assert drive(gov, slow, 200) == reference
+    assert rq.failed and gov.signal is None and all(e["by"] == "timing" for e in gov.events)
+
+
+def test_samples_are_spaced_by_their_cost():
+    sig = FakeSignal(cost=1e-3)       # a 1 ms read, 1% budget: one per 0.1 s of recorded work
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=1000, signal=sig, sample_budget=0.01)
+    drive_loaded(gov, sig, lambda u: 0, lambda n, u: 0.01 if n == 2 else 0.018, 1000)
+    assert gov.threads() == 2                                    # idle: timing chose 2
+    # ~10 s of work at 2 threads: about 100 samples (+ one forced at the probe), not 1000
+    assert 80 <= sig.samples <= 120
+    with pytest.raises(ValueError):
+        ThreadGovernor(2, sample_budget=0.0)

@@ -207,14 +207,24 @@ class Trainer:
             for descheduled threads when other processes keep the cores busy; then one thread
             is faster, idle it is not (30-epoch digits demo on 2 cores, idle: 28.4 s at 2
             threads, 40.8 s at 1; beside a 2-thread matmul process a step at 2 threads took
-            27x one at 1: README "Threads on the CPU, measured"). Its decisions go to the epoch log: ``threads`` (the count at the epoch's
-            end), ``threads_decisions``, ``threads_step_ms_full`` / ``threads_step_ms_one``
-            (the last probe's medians). Nothing is printed. The count changes the summation
+            27x one at 1: README "Threads on the CPU, measured"). On Linux, where the
+            machine's run queue is this process's CPUs (no cgroup quota, no pinning to a
+            subset), it also reads the runnable threads of other processes
+            (:class:`nnkloss.threads.RunQueue`, /proc, 40-130 us a step): while they leave the
+            full count no free CPU for each of its threads (``cores - others < threads``), it
+            does not probe the full count (it looks again after 64 steps) and, at the full
+            count, drops to one thread after two such steps in a row. Its decisions go to the
+            epoch log: ``threads`` (the count at the epoch's end), ``threads_decisions``,
+            ``threads_by_signal`` (how many of them the run queue made),
+            ``threads_step_ms_full`` / ``threads_step_ms_one`` (the last decision's medians;
+            empty for a side it did not time). Nothing is printed. The count changes the summation
             order of torch's parallel reductions, so a governed run is not bit-reproducible
             across machines or loads: pass an int (that count for the run) or None (torch's
             setting untouched) for that. A governor instance may be shared by several
             Trainers (the demo does), so that later runs start from what earlier ones learned.
-            torch's thread count is restored when :meth:`fit` returns.
+            The count (the governor's, or the int) applies from the start of :meth:`fit`, the
+            initial bank's build included; torch's thread count is restored when :meth:`fit`
+            returns.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -513,26 +523,28 @@ class Trainer:
         """
         if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
             self.load_checkpoint()
-        if self.upkeep.needs_initial_bank:
-            # The initial bank: centres from the untrained model, before the first step.
-            seed_everything(self.seed)
-        self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
-        self.model.train()
-        self._check_next_step = True  # each fit()'s first step runs with value checks
-        self._bar = None
-        if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
-            from tqdm.auto import tqdm
-            per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
-            total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
-            # One bar for the whole run (not one per epoch): readable in logs and notebooks.
-            self._bar = tqdm(total=total, desc=self.desc, unit="step")
+        # The run's thread count from here on, the initial bank's build included (at the
+        # caller's count it ran at 2 threads beside a busy process, the slow case of issue 21).
         saved_threads = torch.get_num_threads()
         if self.governor is not None:
             self.governor.apply = torch.set_num_threads
             torch.set_num_threads(self.governor.threads())
         elif isinstance(self.threads, int):
             torch.set_num_threads(self.threads)
+        self._bar = None
         try:
+            if self.upkeep.needs_initial_bank:
+                # The initial bank: centres from the untrained model, before the first step.
+                seed_everything(self.seed)
+            self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
+            self.model.train()
+            self._check_next_step = True  # each fit()'s first step runs with value checks
+            if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
+                from tqdm.auto import tqdm
+                per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
+                total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
+                # One bar for the whole run (not one per epoch): readable in logs and notebooks.
+                self._bar = tqdm(total=total, desc=self.desc, unit="step")
             self._run_epochs(int(epochs))
         finally:
             torch.set_num_threads(saved_threads)
@@ -576,7 +588,7 @@ class Trainer:
 
 
 #: The Trainer's governor: units are training steps.
-GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096)
+GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096, signal="auto")
 
 
 def _cpu_copy(obj):
@@ -598,6 +610,7 @@ def _governor_columns(gov: ThreadGovernor) -> Dict[str, Any]:
     last = gov.events[-1] if gov.events else {}
     ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
     return {"threads": gov.threads(), "threads_decisions": len(gov.events),
+            "threads_by_signal": sum(e.get("by") == "signal" for e in gov.events),
             "threads_step_ms_full": ms(last.get("cost_full")),
             "threads_step_ms_one": ms(last.get("cost_one"))}
 

@@ -431,8 +431,14 @@ PARALLEL_MIN_ELEMS = 1 << 16
 # is faster (measured on the 2-core machine: forward+backward 2-6x slower at 2 threads beside a
 # 2-thread matmul), idle two threads are (1.6-1.8x). The result does not depend on the count
 # (every row is computed by one thread, the centre gradient in a fixed order): only the time
-# does. NNKLOSS_GOVERN_THREADS=0 turns the governors off (the full count always).
-GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200)
+# does. Where the machine's run queue describes our CPUs (Linux, nnkloss.threads.run_queue),
+# the governors also read other processes' runnable threads: no probe of the full count while
+# they leave it no room, and a drop to one thread when they arrive. A read costs 40-130 us, so
+# reads are spaced to ~1% of the op's time (sample_budget; ~4 ms apart at 40 us) plus one per
+# probe decision, never one per call (measured at the full count with 0.1 ms calls: record +
+# threads() 2.6 us per call with the signal, 1.1 us without). NNKLOSS_GOVERN_THREADS=0 turns
+# the governors off (the full count always).
+GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200, signal="auto")
 _governors = {}
 
 

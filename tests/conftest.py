@@ -71,3 +71,22 @@ try:
         _hyp_settings.load_profile("ci")
 except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
     pass
+
+
+@pytest.fixture
+def symmetric_tiles(monkeypatch):
+    """The (row0, col0) of every tile the symmetric self-search folds (nnkloss/bank/search/
+    torch_search.py), with blocks of 32 points so that small data spans several; skips where the
+    compiled selection is unavailable. Shared by the tests of the search's callers (the bank's
+    list rebuild, the metrics)."""
+    from nnkloss.bank.search import torch_search
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no C++ compiler: torch selection only")
+    monkeypatch.setattr(torch_search, "SYM_BLOCK", 32)
+    monkeypatch.setattr(torch_search, "SYM_MIN_BLOCK", 1)
+    calls = []
+    real = cpu.KnnSelection.add_symmetric
+    monkeypatch.setattr(cpu.KnnSelection, "add_symmetric",
+                        lambda sel, d, r0, c0: calls.append((r0, c0)) or real(sel, d, r0, c0))
+    return calls

@@ -446,21 +446,12 @@ def test_rebuild_neighbours_errors_leave_lists():
     assert torch.equal(bank.neighbours, before)
 
 
-def test_rebuild_neighbours_takes_the_symmetric_search(monkeypatch):
+def test_rebuild_neighbours_takes_the_symmetric_search(symmetric_tiles):
     """The bank searches its centres against themselves as ONE tensor, so on the CPU with the
     compiled selection the symmetric self-search runs (each pair's distance computed once);
     on exactly representable centres its lists equal the blockwise path's (issue 21)."""
     from nnkloss.bank.search import knn
-    from nnkloss.bank.search import torch_search as TS
-    from nnkloss.ops import cpu
-    if not cpu.available():
-        pytest.skip("no C++ compiler: torch selection only")
-    monkeypatch.setattr(TS, "SYM_BLOCK", 32)
-    monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
-    calls = []
-    real = cpu.KnnSelection.add_symmetric
-    monkeypatch.setattr(cpu.KnnSelection, "add_symmetric",
-                        lambda sel, d, r0, c0: calls.append((r0, c0)) or real(sel, d, r0, c0))
+    calls = symmetric_tiles
     g = torch.Generator().manual_seed(5)
     bank = CentreBank(torch.randint(0, 4, (100, 3), generator=g).float(),
                       torch.randint(0, 5, (100,), generator=g))

@@ -379,19 +379,10 @@ def test_retrieval_metrics_on_too_small_sets_reports_none_with_warnings():
     assert got == {"recall@1": None, "map@r": None, "r_precision": None, "nmi": None}
 
 
-def test_evaluate_takes_the_symmetric_search(monkeypatch):
+def test_evaluate_takes_the_symmetric_search(symmetric_tiles):
     """evaluate searches the embeddings against themselves as one tensor (numpy input too):
     the symmetric self-search on the CPU (issue 21), with the brute-force metrics."""
-    from nnkloss.bank.search import torch_search as TS
-    from nnkloss.ops import cpu
-    if not cpu.available():
-        pytest.skip("no C++ compiler: torch selection only")
-    monkeypatch.setattr(TS, "SYM_BLOCK", 32)
-    monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
-    calls = []
-    real = cpu.KnnSelection.add_symmetric
-    monkeypatch.setattr(cpu.KnnSelection, "add_symmetric",
-                        lambda sel, d, r0, c0: calls.append((r0, c0)) or real(sel, d, r0, c0))
+    calls = symmetric_tiles
     emb, labels = data(n=130, classes=7, seed=6)
     for e in (emb, emb.numpy()):
         calls.clear()

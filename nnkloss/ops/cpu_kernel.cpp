@@ -48,7 +48,7 @@
 // How many bytes of gathered centre rows pass 1 prefetches ahead of the rows it reads (0: no
 // software prefetch): the distance in rows is this over the row's size, 4 to 16 rows. A random
 // gather defeats the hardware prefetcher, within a row too: prefetching only every second or
-// fourth line of a row measured 1.2-1.8x slower than every line (AMD EPYC, 2026-11-23).
+// fourth line of a row measured 1.2-1.7x slower than every line (AMD EPYC, 2026-11-23).
 #ifndef NNK_PREFETCH_BYTES
 #define NNK_PREFETCH_BYTES 8192
 #endif

@@ -140,6 +140,27 @@ def test_one_pass_gradient_matches_fp64(bank_dtype, K, D, weights):
 
 
 @kernel
+@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2])
+@pytest.mark.parametrize("scale", [1e-20, 1e-3, 1e3, 1e18])
+def test_one_pass_gradient_at_extreme_scales(bank_dtype, K, D, scale):
+    """The single-pass gradient stays exact when embeddings, centres and sigma are scaled
+    together far from 1: at 1e18 the unscaled squared distances overflow fp32 (scale before
+    squaring, docs/MATHS.md section 4), at 1e-20 they underflow. A NaN embedding still gives a
+    NaN row (loss and every gradient element)."""
+    emb, labels, centres, cl, nb, w, _ = make(B=7, K=K, D=D, N=60, bank_dtype=bank_dtype,
+                                              seed=41)
+    emb = (emb.double() * scale).float()
+    centres = (centres.double() * scale).to(bank_dtype)
+    inputs = (emb, labels, centres, cl, nb, w, torch.tensor(51.0 * scale))
+    check(cpu.forward(*inputs), reference(*inputs), torch.float32)
+    emb = emb.clone()
+    emb[5, 7] = float("nan")
+    out = cpu.forward(emb, labels, centres, cl, nb, w, inputs[-1])
+    assert torch.isnan(out[0][5]) and torch.isnan(out[3][5]).all()
+    assert not torch.isnan(out[3][6]).any()
+
+
+@kernel
 @pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2] + [(torch.float32, 8, 16)])
 def test_gradient_special_rows(bank_dtype, K, D):
     """On both gradient paths (single pass above ONE_PASS_BYTES, two passes below): one class

@@ -447,7 +447,7 @@ def test_supported_inputs_run_the_compiled_kernel(recorded, emb_dtype, bank_dtyp
         assert args[0] == int(cdt == torch.float64)          # compute-dtype flag
     assert recorded.calls[0][1][-1] == cpu._threads(B * K * D)
     assert recorded.calls[1][1][-1] == cpu._threads(B * K * D)
-    assert recorded.calls[2][1][-1] == cpu._threads(B * D)
+    assert recorded.calls[2][1][-1] == cpu._threads(B * D, cpu.SCALE_MIN_ELEMS)
 
 
 @kernel
@@ -760,14 +760,16 @@ def test_centre_grad_edge_sizes_and_coef_dtype():
 
 @kernel
 def test_thread_count_reaches_the_kernel(recorded, monkeypatch):
-    """B*K*D (B*D for scale_rows) sets the thread count passed to each entry point."""
+    """B*K*D sets the thread count passed to each entry point: one thread per
+    PARALLEL_MIN_ELEMS; for scale_rows B*D, one per SCALE_MIN_ELEMS."""
     monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "0")  # the rule alone, not the governor's pick
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     emb, labels, centres, cl, nb, w, s = make(B=64, K=32, D=64, N=50, seed=26)
     cpu.forward(emb, labels, centres, cl, nb, w, s)
     cpu.centre_grad(emb, centres, nb, torch.ones(64, 32))
-    cpu.scale_rows(torch.randn(1024, 256), torch.randn(1024))
-    assert [args[-1] for _, args in recorded.calls] == [2, 2, 4]
+    cpu.scale_rows(torch.randn(1024, 256), torch.randn(1024))      # 2^18: one thread
+    cpu.scale_rows(torch.randn(4096, 1024), torch.randn(4096))     # 2^22: four
+    assert [args[-1] for _, args in recorded.calls] == [2, 2, 1, 4]
 
 
 def test_kernel_error_codes_are_raised(monkeypatch):

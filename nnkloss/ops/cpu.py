@@ -422,6 +422,11 @@ def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
 # OMP_NUM_THREADS), and each thread gets at least this many gathered elements (B*K*D) of work:
 # a parallel region costs microseconds, which smaller shares would not repay.
 PARALLEL_MIN_ELEMS = 1 << 16
+# scale_rows streams B*D elements once with one multiply each, so a share must be far bigger to
+# repay a parallel region: measured on the 2-core AMD machine (2026-11-24), one thread took
+# 8.5 us at 2^17 elements against 13.1 us at two, 42.5 against 56.3 us at 2^19, and two threads
+# won from 2^21 (126 against 181 us).
+SCALE_MIN_ELEMS = 1 << 20
 
 # And, by default, whichever of that count and one thread is measured to be faster (issue 21):
 # a ThreadGovernor per entry point times the calls (cost per gathered element), probes the
@@ -455,14 +460,16 @@ def governor(name: str) -> ThreadGovernor:
     return g
 
 
-def _threads(work: int) -> int:
-    return max(1, min(torch.get_num_threads(), work // PARALLEL_MIN_ELEMS))
+def _threads(work: int, min_elems: Optional[int] = None) -> int:
+    """One thread per ``min_elems`` elements of work (default PARALLEL_MIN_ELEMS), at least
+    one, at most torch's count."""
+    return max(1, min(torch.get_num_threads(), work // (min_elems or PARALLEL_MIN_ELEMS)))
 
 
-def _run(name: str, work: int, call) -> int:
+def _run(name: str, work: int, call, min_elems: Optional[int] = None) -> int:
     """``call(nthreads)`` with the count of :func:`_threads`, or the governor's choice when it
     is smaller; the call's time is reported to the governor. Returns the call's result."""
-    n = _threads(work)
+    n = _threads(work, min_elems)
     if n <= 1 or not governing():
         return call(n)
     gov = governor(name)
@@ -555,7 +562,7 @@ def scale_rows(grad_x, g):
     out = torch.empty_like(grad_x)
     rc = _run("scale_rows", B * D, lambda n: lib.nnk_scale_rows(
         int(grad_x.dtype == torch.float64), grad_x.data_ptr(), g.data_ptr(), B, D,
-        out.data_ptr(), n))
+        out.data_ptr(), n), SCALE_MIN_ELEMS)
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
     return out

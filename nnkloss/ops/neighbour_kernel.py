@@ -192,7 +192,9 @@ def reduce_rows(per_row: Tensor, counted: Tensor, reduction: str) -> Tensor:
     total = per_row.sum()
     if reduction == "sum":
         return total
-    return total / counted.sum().clamp_min(1).to(total.dtype)
+    # the count divides as total's dtype (int64 / float promotes); count_nonzero: one op fewer
+    # than a sum and a cast (~2 us of a CPU call)
+    return total / torch.count_nonzero(counted).clamp_min(1)
 
 
 def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights,
@@ -208,11 +210,28 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     store_dist = grad_mode and any(
         t is not None and t.requires_grad for t in (centres, weights, sigma))
     need_grad_x = grad_mode and emb.requires_grad
-    per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(
-        emb.contiguous(), labels.contiguous(), centres.contiguous(), centre_labels.contiguous(),
-        neighbours.contiguous(), None if weights is None else weights.contiguous(), sigma, backend,
-        store_dist, need_grad_x)
+    args = (emb.contiguous(), labels.contiguous(), centres.contiguous(),
+            centre_labels.contiguous(), neighbours.contiguous(),
+            None if weights is None else weights.contiguous(), sigma)
+    if not (store_dist or need_grad_x) and _plain_eager(emb, centres):
+        # Forward only, in eager mode on plain tensors: autograd has nothing to record, so the
+        # backend runs directly; the custom op's dispatch cost ~8 us per call, ~3% of the
+        # forward at B 1024, K 32, D 128 on CPU (measured 2026-11-24). Same function, same
+        # outputs (tests/test_ops_neighbour_kernel.py).
+        per_row, _, lse_pos, _, _ = implementation(backend).forward(
+            *args, store_dist=False, need_grad_x=False)
+    else:
+        per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(*args, backend, store_dist,
+                                                                  need_grad_x)
     return per_row, lse_pos != float("-inf")
+
+
+def _plain_eager(*tensors) -> bool:
+    """True outside torch.compile / export tracing, with no dispatch mode active (fake
+    tensors, FlopCounterMode, ...), for tensors of the plain Tensor type: where the custom op's
+    dispatch adds nothing to a forward-only call."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))
 
 
 def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,

@@ -38,7 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import (PeakRss, ResultsCsv, device_name, git_commit, load_average,  # noqa: E402
-                    read_gbps, results_path, run_isolated, time_ms, utc_now, worker_reply)
+                    read_gbps, results_path, run_isolated, tensor_read_gbps, time_ms, utc_now,
+                    worker_reply)
 
 import torch  # noqa: E402
 
@@ -46,7 +47,7 @@ import nnkloss  # noqa: E402
 
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit", "gathered_gbps", "pct_of_read", "read_gbps", "threads", "load",
-           "date"]
+           "date", "bank_read_gbps", "pct_of_bank_read"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = ["fused", "eager", "compile", "torch"]
@@ -114,7 +115,7 @@ def make_inputs(B, K, D, N, dtype, device, seed=0):
 
 
 def gathered_bytes(B, K, D, bank_dtype):
-    """B*K*D*sizeof(bank): the gathered centre rows, the bytes the "% of limit" counts."""
+    """B*K*D*sizeof(bank): the gathered centre rows, the bytes the "% of read" counts."""
     return B * K * D * torch.tensor([], dtype=bank_dtype).element_size()
 
 
@@ -163,17 +164,21 @@ def run_one(provider, mode, inputs, device, reps):
     t0 = time.perf_counter()
     step()  # the first of the two warm-ups (compiles, for torch.compile)
     first = (time.perf_counter() - t0) * 1e3
-    ms = time_ms(step, device, reps, warmup=1, iters=7)
+    ms = time_ms(step, device, reps, warmup=1, iters=CPU_ITERS)
     return ms, rss.peak_mb(), first
 
 
 _COMPILED = {}  # one torch.compile per process, shared by the modes measured there
+# Timed calls per mode on CPU (the median is reported): 7 left run-to-run swings of 10-25% on
+# the shared 2-core machine.
+CPU_ITERS = 21
 
 
-def _time_backward(forward, x, device, warmup=2, iters=7):
+def _time_backward(forward, x, device, warmup=2, iters=None):
     """Median ms of ``loss.backward()`` alone, peak extra memory of the backwards (above the
     RSS / allocation after their forward), first backward's ms."""
     cuda = device.type == "cuda"
+    iters = iters or CPU_ITERS
     times, peak, first = [], 0.0, None
     for i in range(warmup + iters):
         loss = forward()
@@ -211,6 +216,10 @@ def worker(spec):
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
     out = {}
+    # The bank's own sequential read on these threads, where it lives (the CPU grid's banks
+    # are 20-82 MB: partly or wholly in a 32 MiB last-level cache), the limit for reading the
+    # rows it gathers; measured before and after the calls, the larger kept.
+    bank_read = tensor_read_gbps(inputs[2])
     with nnkloss.value_checks(False):
         for mode in spec.get("modes", [spec.get("mode")]):
             try:
@@ -218,7 +227,8 @@ def worker(spec):
                 out[mode] = {"ms": ms, "peak": peak, "first_ms": first}
             except torch.OutOfMemoryError:
                 out[mode] = {"oom": True}
-    worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype)})
+    bank_read = max(bank_read, tensor_read_gbps(inputs[2]))
+    worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype), "bank_read_gbps": bank_read})
 
 
 def measure_copy_gbps(device, nbytes=2 ** 31):
@@ -269,9 +279,12 @@ MODE_HEAD = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
 def summary(csv_path, commit, mode=None):
     """Markdown, in the style of Cut Cross-Entropy's tables: one table for the operation
     (the loss), a row per shape and provider, time and peak extra memory of forward / backward
-    / forward+backward, and "% of limit" (bytes gathered / time against the read bandwidth
-    measured in the same run) for forward and forward+backward; then the fused op's speed-up
-    over each other provider. ``mode``: only that mode's columns (default: every mode)."""
+    / forward+backward, and for forward and forward+backward the bytes gathered per second
+    against two limits measured in the same run: "% of read" (a 1 GiB sequential read: memory)
+    and "% of bank read" (a sequential read of the shape's own bank, from wherever it lives:
+    a bank that fits the last-level cache reads faster than memory); then the fused op's
+    speed-up over each other provider. ``mode``: only that mode's columns (default: every
+    mode)."""
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
                 and r["ms"] not in ("oom", "")]
@@ -284,7 +297,8 @@ def summary(csv_path, commit, mode=None):
     pct_modes = [m for m in modes if m != "bwd"]
     head = (["B, K, D, bank", "provider"] + [f"{MODE_HEAD[m]} ms" for m in modes]
             + [f"{MODE_HEAD[m]} MB" for m in modes]
-            + [f"{MODE_HEAD[m]} % of limit" for m in pct_modes])
+            + [f"{MODE_HEAD[m]} % of read" for m in pct_modes]
+            + [f"{MODE_HEAD[m]} % of bank read" for m in pct_modes])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (B, K, D, dt), v in by.items():
         for p in provs:
@@ -293,8 +307,9 @@ def summary(csv_path, commit, mode=None):
             cells = [f"{B}, {K}, {D}, {dt}", p]
             cells += [v[p][m]["ms"] if m in v[p] else "" for m in modes]
             cells += [v[p][m]["peak_mem_mb"] if m in v[p] else "" for m in modes]
-            cells += [f"{float(v[p][m]['pct_of_read']):.0f}%" if m in v[p]
-                      and v[p][m].get("pct_of_read") else "" for m in pct_modes]
+            for col in ("pct_of_read", "pct_of_bank_read"):
+                cells += [f"{float(v[p][m][col]):.0f}%" if m in v[p] and v[p][m].get(col)
+                          else "" for m in pct_modes]
             lines.append("| " + " | ".join(cells) + " |")
     others = [p for p in provs if p != "fused"]
     if "fused" in provs and others:
@@ -371,9 +386,10 @@ def _main(argv):
         if args.copy_bandwidth:
             gbps = measure_copy_gbps(device)
             out.write(["copy", "torch", "copy", 0, 0, 0, "fp32", "", f"{gbps:.1f}", "", name,
-                       commit, "", "", "", args.threads, load_average(), utc_now()])
+                       commit, "", "", "", args.threads, load_average(), utc_now(), "", ""])
         for B, K, D, N, dt in grid:
             inputs = None
+            read = max(read, read_gbps(device))  # the machine's best read of the run
             if not isolate:
                 try:
                     inputs = make_inputs(B, K, D, N, DTYPES[dt], device)
@@ -391,6 +407,7 @@ def _main(argv):
                         raise RuntimeError(f"{prov} B={B} K={K} D={D}: {res['error']}")
                     idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])
                     per_mode = res["modes"]
+                    bank_read = res.get("bank_read_gbps")
                 else:
                     _COMPILED.clear()
                     per_mode = {}
@@ -403,11 +420,13 @@ def _main(argv):
                             if device.type == "cuda":
                                 torch.cuda.empty_cache()
                     idx_dtype = inputs[4].dtype
+                    bank_read = tensor_read_gbps(inputs[2])
                 for mode in modes:
                     r = per_mode[mode]
                     if r.get("oom"):
                         results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
-                                        commit, "", "", "", args.threads, load, utc_now()])
+                                        commit, "", "", "", args.threads, load, utc_now(), "",
+                                        ""])
                         continue
                     gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
                                         "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
@@ -416,13 +435,17 @@ def _main(argv):
                     results.append(["loss", prov, mode, B, K, D, dt, f"{r['ms']:.4g}",
                                     f"{gbps:.4g}", f"{r['peak']:.1f}", name, commit,
                                     "" if gathered == "" else f"{gathered:.4g}", gathered,
-                                    None, args.threads, load, utc_now()])
+                                    None, args.threads, load, utc_now(),
+                                    f"{bank_read:.4g}" if bank_read else "",
+                                    "" if gathered == "" or not bank_read
+                                    else f"{100 * gathered / bank_read:.1f}"])
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
                           f"(N={N}, first call {r['first_ms']:.1f} ms)", flush=True)
             del inputs
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
-                   commit, "", "", f"{read:.4g}", args.threads, load_average(), utc_now()])
+                   commit, "", "", f"{read:.4g}", args.threads, load_average(), utc_now(), "",
+                   ""])
         for row in results:
             if row[7] != "oom":
                 row[13] = "" if row[13] == "" else f"{100 * row[13] / read:.1f}"

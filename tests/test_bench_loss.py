@@ -46,12 +46,16 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
         assert float(r["gathered_gbps"]) == pytest.approx(gathered, rel=1e-3)
         assert float(r["pct_of_read"]) == pytest.approx(
             100 * gathered / float(r["read_gbps"]), rel=1e-2, abs=0.05)
+        bank = float(r["bank_read_gbps"])  # one bank per dtype, shared by the providers
+        assert bank > 0 and float(r["pct_of_bank_read"]) == pytest.approx(
+            100 * gathered / bank, rel=1e-2, abs=0.05)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
     table = bench_loss.summary(path, rows[0]["commit"])
     head = table.splitlines()[0]
     for col in ("forward ms", "backward ms", "forward+backward ms", "forward MB",
-                "backward MB", "forward+backward MB", "forward % of limit",
-                "forward+backward % of limit"):
+                "backward MB", "forward+backward MB", "forward % of read",
+                "forward+backward % of read", "forward % of bank read",
+                "forward+backward % of bank read"):
         assert f"| {col} |" in head, col
     assert table.count("| fused |") == 2 and table.count("| eager |") == 2
     assert "fused vs eager, forward+backward" in table
@@ -91,6 +95,19 @@ def test_peak_rss_sees_an_allocation_and_csv_header_is_written_once(tmp_path):
             out.write({"a": i, "b": "y"}, echo=False)
     with open(path) as f:
         assert f.read().splitlines() == ["a,b", "0,x", "0,y", "1,x", "1,y"]
+    # a later version of the script with one more column: the old rows move to the new header
+    with common.ResultsCsv(path, ["a", "b", "c"]) as out:
+        out.write([2, "z", 3.5], echo=False)
+    with open(path) as f:
+        assert f.read().splitlines() == ["a,b,c", "0,x,", "0,y,", "1,x,", "1,y,", "2,z,3.5"]
+
+
+def test_tensor_read_gbps_reads_any_dtype_where_it_lives():
+    import common
+    for t in (torch.randn(300, 7), torch.randn(301, 3).bfloat16(),
+              torch.arange(9, dtype=torch.int16)):
+        assert common.tensor_read_gbps(t, iters=3) > 0
+    assert common.tensor_read_gbps(torch.ones(1, dtype=torch.int16)) is None
 
 
 @pytest.mark.interpreter

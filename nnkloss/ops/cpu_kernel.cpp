@@ -39,6 +39,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__F16C__)
@@ -51,6 +52,13 @@
 // fourth line of a row measured 1.2-1.7x slower than every line (AMD EPYC, 2026-11-23).
 #ifndef NNK_PREFETCH_BYTES
 #define NNK_PREFETCH_BYTES 8192
+#endif
+// Their locality hint: 0 (prefetchnta, a non-temporal hint: what the cache hierarchy does
+// with it is the CPU's choice; the rows are read once per row that gathers them). Measured on the 2-core AMD machine (2026-11-24, forward at B 1024,
+// K 32, D 128, a 25.6 MB bank that lives in the last-level cache): 1.02-1.05x faster than 3
+// (prefetcht0); 1 or 2 (into L2 only) 0.82x; the other shapes of bench_loss within noise.
+#ifndef NNK_PREFETCH_LOCALITY
+#define NNK_PREFETCH_LOCALITY 0
 #endif
 
 // Pass 1 reads rows in groups of four, so the distance is rounded up to whole groups (at least
@@ -93,7 +101,7 @@ template <typename T>
 inline void prefetch_row(const T* p, int64_t D) {
     const char* b = (const char*)p;
     int64_t bytes = D * (int64_t)sizeof(T);
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(b + o, 0, 3);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(b + o, 0, NNK_PREFETCH_LOCALITY);
 }
 
 template <typename C> inline C load(const float* p, int64_t i) { return (C)p[i]; }
@@ -216,15 +224,15 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     int64_t d = 0;
     for (; d + ACC <= D; d += ACC) {
         const int64_t o = d * (int64_t)sizeof(T);
-        __builtin_prefetch(f0 + o, 0, 3);
-        __builtin_prefetch(f1 + o, 0, 3);
-        __builtin_prefetch(f2 + o, 0, 3);
-        __builtin_prefetch(f3 + o, 0, 3);
+        __builtin_prefetch(f0 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f1 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f2 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f3 + o, 0, NNK_PREFETCH_LOCALITY);
         if (ACC * (int64_t)sizeof(T) > 64) {  // fp64 rows: two lines per step
-            __builtin_prefetch(f0 + o + 64, 0, 3);
-            __builtin_prefetch(f1 + o + 64, 0, 3);
-            __builtin_prefetch(f2 + o + 64, 0, 3);
-            __builtin_prefetch(f3 + o + 64, 0, 3);
+            __builtin_prefetch(f0 + o + 64, 0, NNK_PREFETCH_LOCALITY);
+            __builtin_prefetch(f1 + o + 64, 0, NNK_PREFETCH_LOCALITY);
+            __builtin_prefetch(f2 + o + 64, 0, NNK_PREFETCH_LOCALITY);
+            __builtin_prefetch(f3 + o + 64, 0, NNK_PREFETCH_LOCALITY);
         }
         const V xd = load_lanes<C>(x + d);
         V z0 = (load_lanes<C>(c0 + d) - xd) * inv_s;
@@ -239,31 +247,48 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     if (d < D) {  // the lines of a ragged end
         const int64_t o = d * (int64_t)sizeof(T);
         const int64_t e = D * (int64_t)sizeof(T) - 1;
-        __builtin_prefetch(f0 + o, 0, 3);
-        __builtin_prefetch(f1 + o, 0, 3);
-        __builtin_prefetch(f2 + o, 0, 3);
-        __builtin_prefetch(f3 + o, 0, 3);
-        __builtin_prefetch(f0 + e, 0, 3);
-        __builtin_prefetch(f1 + e, 0, 3);
-        __builtin_prefetch(f2 + e, 0, 3);
-        __builtin_prefetch(f3 + e, 0, 3);
+        __builtin_prefetch(f0 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f1 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f2 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f3 + o, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f0 + e, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f1 + e, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f2 + e, 0, NNK_PREFETCH_LOCALITY);
+        __builtin_prefetch(f3 + e, 0, NNK_PREFETCH_LOCALITY);
     }
     C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-    for (; d < D; ++d) {
-        const C xd = x[d];
-        C z0 = (load<C>(c0, d) - xd) * inv_s;
-        C z1 = (load<C>(c1, d) - xd) * inv_s;
-        C z2 = (load<C>(c2, d) - xd) * inv_s;
-        C z3 = (load<C>(c3, d) - xd) * inv_s;
-        t0 += z0 * z0;
-        t1 += z1 * z1;
-        t2 += z2 * z2;
-        t3 += z3 * z3;
+    // d == D here when ACC divides D; said outright so that with a compile-time D (see row())
+    // the compiler drops the tail instead of warning about it
+    if (D % ACC != 0) {
+        for (; d < D; ++d) {
+            const C xd = x[d];
+            C z0 = (load<C>(c0, d) - xd) * inv_s;
+            C z1 = (load<C>(c1, d) - xd) * inv_s;
+            C z2 = (load<C>(c2, d) - xd) * inv_s;
+            C z3 = (load<C>(c3, d) - xd) * inv_s;
+            t0 += z0 * z0;
+            t1 += z1 * z1;
+            t2 += z2 * z2;
+            t3 += z3 * z3;
+        }
     }
     out[0] = tree_sum(p0) + t0;
     out[1] = tree_sum(p1) + t1;
     out[2] = tree_sum(p2) + t2;
     out[3] = tree_sum(p3) + t3;
+}
+
+// scaled_sqdist4 at a compile-time D (row() uses it for small fp32 / bf16 rows): the loop
+// unrolls whole, and as a separate function its nine row pointers get registers of their
+// own (inlined into row(), GCC kept the four prefetch pointers in vector registers and moved
+// each back before its prefetch). Measured on the 2-core AMD machine (2026-11-24, 2 threads,
+// forward): 1.07-1.09x at B 1024, K 32, D 128 and 1.05-1.12x at D 64, 50,000-row fp32 banks;
+// inlining it instead gained 0-15% depending on the register allocation of the whole row.
+template <int64_t DC, typename C, typename T>
+__attribute__((noinline)) void scaled_sqdist4_fixed(const T* c0, const T* c1, const T* c2,
+                                                    const T* c3, const C* x, C inv_s, C* out,
+                                                    const T* const* fut) {
+    scaled_sqdist4(c0, c1, c2, c3, x, inv_s, DC, out, fut);
 }
 
 // exp(x) for the row's softmax, vectorisable: the K exponentials of a row run as SIMD lanes
@@ -637,7 +662,15 @@ struct ForwardRow {
                 fut[t] = a ? a : rows[t];
             }
             C u4[4];
-            scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, u4, fut);
+            // Small fp32 / bf16 rows at a compile-time D (scaled_sqdist4_fixed). Same
+            // operations in the same order: same bits.
+            constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
+            if (fixed && D == 128)
+                scaled_sqdist4_fixed<128>(rows[0], rows[1], rows[2], rows[3], x, inv_s, u4, fut);
+            else if (fixed && D == 64)
+                scaled_sqdist4_fixed<64>(rows[0], rows[1], rows[2], rows[3], x, inv_s, u4, fut);
+            else
+                scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, u4, fut);
             for (int t = 0; t < 4; ++t) entry(k + t, j[t], u4[t]);
             if (one_pass) fold_both(k, rows, 4);
         }

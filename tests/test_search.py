@@ -707,9 +707,10 @@ def test_same_tensor():
 
 @compiled
 def test_symmetric_path_only_for_the_same_tensor(monkeypatch):
-    """The same memory under another Python object takes the symmetric path; an equal copy, a
-    transposed view of a symmetric matrix (same memory and shape, other strides) and a search
-    without exclude_self take the blockwise path, with the same lists on exact data."""
+    """The same memory under another Python object takes the symmetric path; an equal copy and
+    a transposed view of a symmetric matrix (same memory and shape, other strides) take the
+    blockwise path, with the same lists on exact data; so does an equal copy without
+    exclude_self."""
     sym_blocks(monkeypatch, 16)
     x = tied(n=64, d=64, seed=92)
     sq = x @ x.t()  # symmetric (64, 64): sq.t() holds equal values with other strides
@@ -722,8 +723,28 @@ def test_symmetric_path_only_for_the_same_tensor(monkeypatch):
         if base is x:
             assert torch.equal(res[1], ref[1]) and torch.equal(res[0], ref[0])
     spy = SelectionSpy(monkeypatch)
-    knn(x, x, 5, "torch")  # no exclude_self: the present path
+    knn(x.clone(), x, 5, "torch")  # no exclude_self, an equal copy: blockwise
     assert spy.tiles and not spy.sym
+
+
+@compiled
+@pytest.mark.parametrize("n,s,k", [(200, 16, 9), (211, 32, 40), (50, 16, 50), (10, 16, 3),
+                                   (1, 16, 1)])
+def test_symmetric_self_search_without_exclude_self(monkeypatch, n, s, k):
+    """knn(x, x, k) without exclude_self is a self-search too: the symmetric path, each row
+    its own first neighbour (distance 0, or an earlier exact twin), the lists of the
+    (distance, index) sort and of the blockwise path, up to k = N (every point)."""
+    sym_blocks(monkeypatch, s)
+    x = tied(n=n, d=3, seed=n + 2 * s)
+    spy = SelectionSpy(monkeypatch)
+    a = knn(x, x, k, "torch")
+    assert spy.sym == upper_tiles(n, s) and not spy.tiles
+    ref = ref_lists(x, x, k)
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+    assert (a[0][:, 0] == 0).all()
+    b = knn(x.clone(), x, k, "torch")
+    assert spy.tiles, "an equal copy must take the blockwise path"
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
 
 
 def test_symmetric_block_bound(monkeypatch):

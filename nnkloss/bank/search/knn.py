@@ -68,9 +68,11 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
     if used == "faiss":
         blocks = iter_search_index(build_flat(base, kk), queries, kk)
     else:
-        # A self-search of one tensor is symmetric: each pair's distance can be computed once.
+        # A search of one tensor against itself is symmetric, with or without exclude_self
+        # (the own row is then one of its candidates): each pair's distance can be computed
+        # once.
         blocks = iter_knn_torch(queries, base, kk, tile_bytes,
-                                self_search=exclude_self and same_tensor(queries, base))
+                                self_search=same_tensor(queries, base))
     for q0, dist, idx in blocks:
         if exclude_self:
             own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)
@@ -95,10 +97,10 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
             on that device, else the CPU index), or "auto" (= "torch", whether or not faiss is
             installed, so that results never depend on it).
         exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i.
-            Exact duplicates of row i are still returned (at distance 0). Pass the same tensor
-            as ``queries`` and ``base``: on the CPU the "torch" backend then computes each
-            pair's distance once (the symmetric self-search, about half the GEMM work; see
-            :mod:`.torch_search`).
+            Exact duplicates of row i are still returned (at distance 0). With or without
+            it, pass the same tensor as ``queries`` and ``base`` for a self-search: on the CPU
+            the "torch" backend then computes each pair's distance once (the symmetric
+            self-search, about half the GEMM work; see :mod:`.torch_search`).
         approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
             ``IndexHNSWFlat``, CPU). Needs faiss; ``search_backend`` must then be "auto" or
             "faiss".

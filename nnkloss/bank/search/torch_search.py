@@ -40,9 +40,9 @@ one distance tile and, per query row of a tile, ``cap`` keys and the (k,) result
 ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, kept within ``tile_bytes`` by shrinking the query
 tile, then the base tile (:func:`cpu_tile_sizes`). Never a (Q, N) matrix.
 
-Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with ``exclude_self`` and the
-queries the same tensor as the base, :func:`same_tensor`): the distance matrix is symmetric, so
-only the tiles on and above the diagonal need a GEMM, about half the FLOPs:
+Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with the queries the same tensor
+as the base, :func:`same_tensor`, with or without ``exclude_self``): the distance matrix is
+symmetric, so only the tiles on and above the diagonal need a GEMM, about half the FLOPs:
 
 1. square blocks of S points (SYM_BLOCK = 2048); tiles (I, J), J >= I, I outer, J inner, one
    GEMM each (augmented block I against augmented block J, as above);

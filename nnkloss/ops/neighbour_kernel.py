@@ -19,7 +19,7 @@ from torch import Tensor
 from . import reference
 from .backends import implementation, resolve_backend
 from ..validation import (check_gathered_centres_after_op, check_inputs, check_sigma,
-                          check_values)
+                          check_values, compiling)
 
 __all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOutput",
            "loss_rows_unchecked", "reduce_rows"]
@@ -230,7 +230,8 @@ def _plain_eager(*tensors) -> bool:
     """True outside torch.compile / export tracing, with no dispatch mode active (fake
     tensors, FlopCounterMode, ...), for tensors of the plain Tensor type: where the custom op's
     dispatch adds nothing to a forward-only call."""
-    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+    modes = getattr(torch._C, "_len_torch_dispatch_stack", None)  # private: absent = unknown
+    return (modes is not None and not compiling() and modes() == 0
             and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))
 
 

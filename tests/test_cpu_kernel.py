@@ -65,9 +65,12 @@ def make(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32
 @pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int64),
                                                 (torch.int64, torch.int32),
                                                 (torch.int64, torch.int64)])
-def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtype):
+@pytest.mark.parametrize("D", [13, 64, 128])
+def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtype, D):
+    """Every dtype pair and index width; D 64 and 128 take the one-row-at-a-time pass at a
+    compile-time D for fp32 / bf16 banks (row_distances_fixed), D 13 the groups of four."""
     inputs = make(emb_dtype=emb_dtype, bank_dtype=bank_dtype, idx_dtype=idx_dtype,
-                  cl_dtype=cl_dtype)
+                  cl_dtype=cl_dtype, D=D)
     cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
     check(cpu.forward(*inputs), reference(*inputs), cdt)
 
@@ -203,9 +206,10 @@ def test_empty_bank_and_empty_batch():
 
 
 @kernel
-@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.float16])
-def test_nonfinite_rows_are_nan_never_no_positive(bank_dtype):
-    emb, labels, centres, cl, nb, w, s = make(B=8, K=5, D=6, N=12, bank_dtype=bank_dtype,
+@pytest.mark.parametrize("bank_dtype,D", [(torch.float32, 6), (torch.float16, 6),
+                                          (torch.float32, 128), (torch.bfloat16, 64)])
+def test_nonfinite_rows_are_nan_never_no_positive(bank_dtype, D):
+    emb, labels, centres, cl, nb, w, s = make(B=8, K=5, D=D, N=12, bank_dtype=bank_dtype,
                                               seed=5)
     nb[:, :] = torch.arange(5)[None, :] + 1
     nb[0, 2] = -1
@@ -229,6 +233,30 @@ def test_nonfinite_rows_are_nan_never_no_positive(bank_dtype):
         assert torch.isnan(out[3][b]).all()
     assert out[0][5] == 0 and out[2][5] == -math.inf
     check(out, reference(*inputs), torch.float32)
+
+
+@kernel
+@pytest.mark.parametrize("D", [13, 128])
+@pytest.mark.parametrize("need_grad_x", [True, False])
+def test_index_past_the_bank_poisons_its_row(D, need_grad_x):
+    """The op's checks refuse it, but the kernel never reads past the bank: an index >= N
+    makes its row NaN (loss, log-sum-exps, grad_x; its distance NaN, padding's 0), the
+    other rows are untouched."""
+    emb, labels, centres, cl, nb, w, s = make(B=6, K=9, D=D, N=20, seed=8)
+    bad = nb.clone()
+    bad[2, 4] = 20
+    bad[3, 0] = 10 ** 6
+    out = cpu.forward(emb, labels, centres, cl, bad, w, s, need_grad_x=need_grad_x)
+    ref = cpu.forward(emb, labels, centres, cl, nb, w, s, need_grad_x=need_grad_x)
+    for b in (2, 3):
+        assert all(torch.isnan(t[b]).all() for t in out[:3])
+        if need_grad_x:
+            assert torch.isnan(out[3][b]).all()
+    assert torch.isnan(out[4][2, 4]) and torch.isnan(out[4][3, 0])
+    assert (out[4][0, 1:] == 0).all()  # row 0 is mostly padding
+    keep = torch.tensor([0, 1, 4, 5])
+    for got, want in zip(out, ref):
+        assert torch.equal(got[keep], want[keep])
 
 
 @kernel

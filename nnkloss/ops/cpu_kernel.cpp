@@ -14,11 +14,12 @@
 // already in the compute type (the Python wrapper converts those small inputs).
 //
 // Forward, per row b (rows shared out among threads by run_items; ForwardRow::row's numbered
-// steps): pass 1 gathers the K centre rows once, four at a time, and computes the scaled
-// squared distances u_j = sum_d ((c_j[d] - x[d]) / sigma)^2 (times 1/sigma, before squaring);
-// then, from those K numbers in cache, the logits, the two maxima, the exponentials and the two
-// sums run as SIMD lanes over K (vexp, a vectorisable exp within ~1 ulp), and the log-sum-exps
-// follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
+// steps): pass 1 gathers the K centre rows once, four at a time (one at a time for fp32 / bf16
+// rows of D 64 or 128, at a compile-time D), and computes the scaled squared distances
+// u_j = sum_d ((c_j[d] - x[d]) / sigma)^2 (times 1/sigma, before squaring); then, from those K
+// numbers in cache, the logits (the weights and centre labels gathered), the two maxima, the
+// exponentials and the two sums run as SIMD lanes over K (vexp, a vectorisable exp within
+// ~1 ulp), and the log-sum-exps follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
 // p^R_j = e^R_j / s_pos (normalised by the computed sums) is computed (not in the forward-only
 // path) in one of two ways: when a row's gathered set (K * D * element bytes) exceeds
 // ONE_PASS_BYTES, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
@@ -194,9 +195,11 @@ inline C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, in
         part += z * z;
     }
     C tail = 0;
-    for (; d < D; ++d) {
-        C z = (load<C>(c, d) - x[d]) * inv_s;
-        tail += z * z;
+    if (D % ACC != 0) {  // d == D otherwise: said outright for a compile-time D (no tail code)
+        for (; d < D; ++d) {
+            C z = (load<C>(c, d) - x[d]) * inv_s;
+            tail += z * z;
+        }
     }
     return tree_sum(part) + tail;
 }
@@ -257,20 +260,16 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
         __builtin_prefetch(f3 + e, 0, NNK_PREFETCH_LOCALITY);
     }
     C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-    // d == D here when ACC divides D; said outright so that with a compile-time D (see row())
-    // the compiler drops the tail instead of warning about it
-    if (D % ACC != 0) {
-        for (; d < D; ++d) {
-            const C xd = x[d];
-            C z0 = (load<C>(c0, d) - xd) * inv_s;
-            C z1 = (load<C>(c1, d) - xd) * inv_s;
-            C z2 = (load<C>(c2, d) - xd) * inv_s;
-            C z3 = (load<C>(c3, d) - xd) * inv_s;
-            t0 += z0 * z0;
-            t1 += z1 * z1;
-            t2 += z2 * z2;
-            t3 += z3 * z3;
-        }
+    for (; d < D; ++d) {
+        const C xd = x[d];
+        C z0 = (load<C>(c0, d) - xd) * inv_s;
+        C z1 = (load<C>(c1, d) - xd) * inv_s;
+        C z2 = (load<C>(c2, d) - xd) * inv_s;
+        C z3 = (load<C>(c3, d) - xd) * inv_s;
+        t0 += z0 * z0;
+        t1 += z1 * z1;
+        t2 += z2 * z2;
+        t3 += z3 * z3;
     }
     out[0] = tree_sum(p0) + t0;
     out[1] = tree_sum(p1) + t1;
@@ -278,17 +277,31 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     out[3] = tree_sum(p3) + t3;
 }
 
-// scaled_sqdist4 at a compile-time D (row() uses it for small fp32 / bf16 rows): the loop
-// unrolls whole, and as a separate function its nine row pointers get registers of their
-// own (inlined into row(), GCC kept the four prefetch pointers in vector registers and moved
-// each back before its prefetch). Measured on the 2-core AMD machine (2026-11-24, 2 threads,
-// forward): 1.07-1.09x at B 1024, K 32, D 128 and 1.05-1.12x at D 64, 50,000-row fp32 banks;
-// inlining it instead gained 0-15% depending on the register allocation of the whole row.
+// Pass 1 of a row at a compile-time D (fp32 / bf16 rows of 64 or 128 elements) when no gradient
+// is folded in: one gathered row at a time (same bits as in a group of four), the row pf
+// entries ahead prefetched whole, the distances into ub; the logits follow in one SIMD sweep
+// (ForwardRow::logits). For small rows this beat the groups of four with their per-group
+// bookkeeping: measured on the 2-core AMD machine (2026-11-24, 2 threads, A/B in one process,
+// L3-resident banks of 50,000 rows): forward 1.16x at B 1024, K 32, D 128 fp32, 1.09x bf16,
+// 1.14x at D 64; with grad_x 1.08-1.12x; rows of 70 or 512 elements within noise. The loop
+// unrolls whole at the compile-time D, and as a function of its own its pointers keep their
+// registers (inlined into row(), GCC had kept the prefetch pointers in vector registers).
 template <int64_t DC, typename C, typename T>
-__attribute__((noinline)) void scaled_sqdist4_fixed(const T* c0, const T* c1, const T* c2,
-                                                    const T* c3, const C* x, C inv_s, C* out,
-                                                    const T* const* fut) {
-    scaled_sqdist4(c0, c1, c2, c3, x, inv_s, DC, out, fut);
+__attribute__((noinline)) void row_distances_fixed(const T* bank, int64_t n_rows,
+                                                   const void* nbl, int l64, int64_t k0,
+                                                   int64_t K, int64_t end, int64_t pf,
+                                                   const C* x, C inv_s, C* ub) {
+    const C nan = std::numeric_limits<C>::quiet_NaN();
+    for (int64_t k = 0; k < K; ++k) {
+        const int64_t f = k0 + k + pf;
+        if (pf > 0 && f < end) {
+            const int64_t jn = load_index(nbl, l64, f);
+            if (jn >= 0 && jn < n_rows) prefetch_row(bank + jn * DC, DC);
+        }
+        const int64_t j = load_index(nbl, l64, k0 + k);
+        ub[k] = j >= 0 && j < n_rows ? scaled_sqdist(bank + j * DC, x, inv_s, DC)
+                                     : (j < 0 ? (C)0 : nan);
+    }
 }
 
 // exp(x) for the row's softmax, vectorisable: the K exponentials of a row run as SIMD lanes
@@ -491,7 +504,7 @@ struct ForwardRow {
     int64_t K, D, N;
     int store_dist;
     C *loss, *lse_all, *lse_pos, *grad_x, *dist;
-    std::vector<C> logit, coef, epos, acc_pos;
+    std::vector<C> logit, coef, epos, acc_pos, udist;
     int64_t B = 0, chunk = 1;  // rows per work item
     int64_t pf_end = 0;        // flat (b * K + k) end of this item's entries: prefetch bound
 
@@ -549,12 +562,78 @@ struct ForwardRow {
         }
     }
 
+    // 1b. The logits of entries [a, e) from their distances u[a..e), as SIMD lanes over the
+    //     entries (the weights and centre labels gathered): logit_j = log w_j - u_j / 2, -inf
+    //     for padding, out-of-range entries and zero weights; the same-class logit (-inf for
+    //     other classes) into lpos; and the non-finite rule (CONTRACT.md 6): true when an
+    //     entry's distance is NaN/inf or its index is past the bank. I, L: the list and
+    //     centre-label integer types; W: the weight type (void: none, all ones).
+    //     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
+    //     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
+    //     entry cost ~13% of the forward at K = 32, D = 128.
+    template <typename I, typename L, typename W>
+    bool logits_of(int64_t k0, int64_t a, int64_t e, int64_t R, const C* __restrict u,
+                   C* __restrict lg, C* __restrict lpos) const {
+        const I* __restrict nb = (const I*)nbrs + k0;
+        const L* __restrict cls = (const L*)clabels;
+        // a local copy: stores through lg could alias the member, as far as GCC knows
+        const void* const wts = weights;
+        const C ninf = -std::numeric_limits<C>::infinity();
+        const C big = std::numeric_limits<C>::max();
+        const int64_t n_rows = N;
+        int bad = 0, odd = 0;  // ints: a bool reduction kept the loop scalar
+#pragma omp simd reduction(| : bad, odd)
+        for (int64_t k = a; k < e; ++k) {  // branch-free (& not &&): one SIMD body
+            const int64_t j = (int64_t)nb[k];
+            const bool in = (j >= 0) & (j < n_rows);
+            const int64_t js = in ? j : 0;
+            const C uk = u[k];
+            C w = 1;
+            if constexpr (!std::is_void<W>::value) w = (C)((const W*)wts)[js];
+            const bool valid = in & (w != (C)0);
+            const C l = valid ? (C)0 - uk * (C)0.5 : ninf;
+            lg[k] = l;
+            lpos[k] = valid & ((int64_t)cls[js] == R) ? l : ninf;
+            bad |= (int)((j >= n_rows) | (in & !(std::fabs(uk) <= big)));
+            odd |= (int)(valid & (w != (C)1));
+        }
+        if constexpr (!std::is_void<W>::value) {
+            if (!odd) return bad;
+            for (int64_t k = a; k < e; ++k) {  // the entries whose weight is not 1
+                const int64_t j = (int64_t)nb[k];
+                if (j < 0 || j >= n_rows) continue;
+                const C w = (C)((const W*)wts)[j];
+                if (w == (C)0 || w == (C)1) continue;
+                const C lw = std::log(w);
+                bad |= (int)!std::isfinite(lw);
+                const C l = lw - u[k] * (C)0.5;
+                lg[k] = l;
+                lpos[k] = (int64_t)cls[j] == R ? l : ninf;
+            }
+        }
+        return bad != 0;
+    }
+
+    bool logits(int64_t k0, int64_t a, int64_t e, int64_t R, const C* u, C* lg,
+                C* lpos) const {
+        auto by_weight = [&](auto i_tag, auto l_tag) {
+            typedef decltype(i_tag) I;
+            typedef decltype(l_tag) L;
+            if (wtype == 1) return logits_of<I, L, float>(k0, a, e, R, u, lg, lpos);
+            if (wtype == 2) return logits_of<I, L, double>(k0, a, e, R, u, lg, lpos);
+            return logits_of<I, L, void>(k0, a, e, R, u, lg, lpos);
+        };
+        if (nb64) return cl64 ? by_weight(int64_t(), int64_t()) : by_weight(int64_t(), int32_t());
+        return cl64 ? by_weight(int32_t(), int64_t()) : by_weight(int32_t(), int32_t());
+    }
+
     void row(int64_t b, int64_t pf) {
         const C inv_s = (C)1 / sigma;
         const C inv_s2 = inv_s * inv_s;
         const C ninf = -std::numeric_limits<C>::infinity();
         const C nan = std::numeric_limits<C>::quiet_NaN();
         if ((int64_t)logit.size() < K) {
+            udist.resize(K);
             logit.resize(K);
             coef.resize(K);
             epos.resize(K);
@@ -564,9 +643,7 @@ struct ForwardRow {
         // Members are copied to locals first: the stores below could alias them as far as the
         // compiler knows, which made it reload each one per entry.
         const void* const nbl = nbrs;
-        const int l64 = nb64, c64 = cl64, wt = wtype;
-        const void* const wts = weights;
-        const void* const cls = clabels;
+        const int l64 = nb64;
         const T* const bank = centres;
         const int64_t n_rows = N, k0 = b * K, end = pf_end;
         C* __restrict lg = logit.data();
@@ -589,35 +666,19 @@ struct ForwardRow {
             gpos = acc_pos.data();
             for (int64_t d = 0; d < D; ++d) gpos[d] = 0;
         }
+        // The K distances: dist's row when it is stored, else scratch.
+        C* __restrict ub = drow ? drow : udist.data();
         bool nonfinite = false;
-        // 1. Per entry: its distance u (pass 1, reading the gathered centre row once), then
-        //    from registers the logit, the same-class logit (-inf for other classes) and the
-        //    non-finite rule (CONTRACT.md 6); with a gradient to compute, the entry is folded
-        //    into the gradient's running sums while its row is in L1 (fold), so the rows are
-        //    read once in both modes.
+        // 1. Pass 1, per group of four entries (row_distances_fixed: one entry at a time):
+        //    their distances u (reading the gathered centre rows once); with a gradient to
+        //    compute in one pass, the group's logits (1b) and its fold into the gradient's
+        //    running sums while the rows are in L1, so the rows are read once in both modes.
+        //    Otherwise the K logits follow in one SIMD sweep (1b) after the distances.
         // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
-        // cost, what bench_loss's "% of limit" counts) + K * (index + label [+ weight]) + the
+        // cost, what bench_loss's "% of read" counts) + K * (index + label [+ weight]) + the
         // D * sizeof(C) embedding (cache-resident after the first row touches it).
-        auto entry = [&](int64_t k, int64_t j, C u) {  // 0 <= j < N
-            nonfinite |= !std::isfinite(u);
-            C lw = 0;
-            bool valid = true;
-            if (wt) {
-                const C w = load_weight<C>(wts, wt, j);
-                valid = w != (C)0;
-                // log(1) is exactly 0: unit weights (the usual case) skip the log, which cost
-                // ~13% of the forward at K = 32, D = 128
-                if (valid && w != (C)1) {
-                    lw = std::log(w);
-                    nonfinite |= !std::isfinite(lw);
-                }
-            }
-            const C l = valid ? lw - u * (C)0.5 : ninf;
-            lg[k] = l;
-            lpos[k] = valid && load_index(cls, c64, j) == R ? l : ninf;
-            if (drow) drow[k] = u;
-        };
         auto fold_both = [&](int64_t k, const T* const* rows, int n) {
+            nonfinite |= logits(k0, k, k + n, R, ub, lg, lpos);
             fold(all, g, lg + k, rows, n, x);
             fold(pos, gpos, lpos + k, rows, n, x);
         };
@@ -629,20 +690,26 @@ struct ForwardRow {
         };
         auto single = [&](int64_t k, int64_t j) {
             if (const T* r = ahead(k)) prefetch_row(r, D);
-            if (j >= 0 && j < n_rows) {
-                const T* r = bank + j * D;
-                entry(k, j, scaled_sqdist(r, x, inv_s, D));
-                if (one_pass) fold_both(k, &r, 1);
-                return;
-            }
-            lg[k] = lpos[k] = ninf;  // padding, or out of range (the op's checks refuse it):
-            if (j >= n_rows) nonfinite = true;  // that poisons the row
-            if (drow) drow[k] = j >= n_rows ? nan : (C)0;
+            // Padding stores distance 0, an index past the bank NaN (its logit is -inf and
+            // it poisons the row: 1b); neither row is read, nor folded (logit -inf).
+            const bool in = j >= 0 && j < n_rows;
+            const T* r = in ? bank + j * D : nullptr;
+            ub[k] = in ? scaled_sqdist(r, x, inv_s, D) : (j < 0 ? (C)0 : nan);
+            if (one_pass) fold_both(k, &r, 1);
         };
         // Four consecutive entries that all gather a row go through scaled_sqdist4 (same bits
         // as one at a time), which streams them together and prefetches the group pf entries
         // ahead while it computes (past the item's end, the current rows stand in).
         int64_t k = 0;
+        // Small fp32 / bf16 rows without a fold: one entry at a time (row_distances_fixed).
+        constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
+        if (fixed && !one_pass && (D == 128 || D == 64)) {
+            if (D == 128)
+                row_distances_fixed<128>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);
+            else
+                row_distances_fixed<64>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);
+            k = K;
+        }
         for (; k + 4 <= K; k += 4) {
             int64_t j[4];
             bool every = true;
@@ -661,20 +728,11 @@ struct ForwardRow {
                 const T* a = ahead(k + t);
                 fut[t] = a ? a : rows[t];
             }
-            C u4[4];
-            // Small fp32 / bf16 rows at a compile-time D (scaled_sqdist4_fixed). Same
-            // operations in the same order: same bits.
-            constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
-            if (fixed && D == 128)
-                scaled_sqdist4_fixed<128>(rows[0], rows[1], rows[2], rows[3], x, inv_s, u4, fut);
-            else if (fixed && D == 64)
-                scaled_sqdist4_fixed<64>(rows[0], rows[1], rows[2], rows[3], x, inv_s, u4, fut);
-            else
-                scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, u4, fut);
-            for (int t = 0; t < 4; ++t) entry(k + t, j[t], u4[t]);
+            scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, ub + k, fut);
             if (one_pass) fold_both(k, rows, 4);
         }
         for (; k < K; ++k) single(k, load_index(nbl, l64, k0 + k));
+        if (!one_pass) nonfinite |= logits(k0, 0, K, R, ub, lg, lpos);
         if (nonfinite) {
             loss[b] = lse_all[b] = lse_pos[b] = nan;
             if (g)
@@ -767,7 +825,7 @@ void forward_impl(const C* emb, const int64_t* labels, const T* centres, const v
         16, B / (8 * (int64_t)std::max(1, nthreads))));
     ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
                          sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
-                         {}, {}, {}, {}, B, chunk, 0};
+                         {}, {}, {}, {}, {}, B, chunk, 0};
     run_items((B + chunk - 1) / chunk, nthreads, row);
 }
 

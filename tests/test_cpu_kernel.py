@@ -65,10 +65,11 @@ def make(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32
 @pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int64),
                                                 (torch.int64, torch.int32),
                                                 (torch.int64, torch.int64)])
-@pytest.mark.parametrize("D", [13, 64, 128])
+@pytest.mark.parametrize("D", [13, 64, 128, 256])
 def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtype, D):
-    """Every dtype pair and index width; D 64 and 128 take the one-row-at-a-time pass at a
-    compile-time D for fp32 / bf16 banks (row_distances_fixed), D 13 the groups of four."""
+    """Every dtype pair and index width; D 64, 128 and 256 take the one-row-at-a-time pass
+    at a compile-time D for fp32 / bf16 banks (row_distances_fixed), D 13 the groups of
+    four."""
     inputs = make(emb_dtype=emb_dtype, bank_dtype=bank_dtype, idx_dtype=idx_dtype,
                   cl_dtype=cl_dtype, D=D)
     cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
@@ -118,8 +119,11 @@ def test_k1_and_all_positive_rows():
 
 # Gathered sets (K x D x element bytes per row) beyond the kernel's ONE_PASS_BYTES (128 KiB):
 # a forward with grad_x reads the rows once, folding them into running sums (cpu_kernel.cpp).
+# The last two: with grad_x these rows go through groups of four at a runtime D, without it one
+# at a time at a compile-time D (row_distances_fixed): the forward-only call must still give the
+# same bits.
 ONE_PASS = [(torch.float32, 40, 1000), (torch.float64, 24, 900), (torch.bfloat16, 40, 1700),
-            (torch.float16, 40, 1700)]
+            (torch.float16, 40, 1700), (torch.float32, 264, 128), (torch.bfloat16, 264, 256)]
 
 
 @kernel
@@ -1131,12 +1135,14 @@ def test_forward_exp_is_within_one_ulp_of_exp():
 
 @kernel
 @pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("D", [16, 64, 70, 128])
+@pytest.mark.parametrize("D", [16, 64, 70, 128, 256])
 def test_distance_does_not_depend_on_position_in_the_list(bank_dtype, D):
     """Pass 1 computes live entries four at a time and the remainder one at a time: a centre's
     distance must come out bit for bit the same wherever it stands (in a group, in the
-    remainder, after padding that shifts the groups). At D 64 and 128 the groups of fp32 and
-    bf16 banks run at a compile-time D (scaled_sqdist4_fixed), the singles do not."""
+    remainder, after padding that shifts the groups). At D 64, 128 and 256, fp32 and bf16
+    rows are read one at a time at a compile-time D (row_distances_fixed), the K = 1 call below
+    too: its distance must equal the one computed by a group of four at a runtime D (fp64,
+    fp16 banks, and D 16 and 70)."""
     g = torch.Generator().manual_seed(31)
     N = 12
     centres = torch.randn(N, D, generator=g).to(bank_dtype)

@@ -15,7 +15,7 @@
 //
 // Forward, per row b (rows shared out among threads by run_items; ForwardRow::row's numbered
 // steps): pass 1 gathers the K centre rows once, four at a time (one at a time for fp32 / bf16
-// rows of D 64 or 128, at a compile-time D), and computes the scaled squared distances
+// rows of D 64, 128 or 256, at a compile-time D), and computes the scaled squared distances
 // u_j = sum_d ((c_j[d] - x[d]) / sigma)^2 (times 1/sigma, before squaring); then, from those K
 // numbers in cache, the logits (the weights and centre labels gathered), the two maxima, the
 // exponentials and the two sums run as SIMD lanes over K (vexp, a vectorisable exp within
@@ -277,15 +277,17 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     out[3] = tree_sum(p3) + t3;
 }
 
-// Pass 1 of a row at a compile-time D (fp32 / bf16 rows of 64 or 128 elements) when no gradient
+// Pass 1 of a row at a compile-time D (fp32 / bf16 rows of 64, 128 or 256 elements) when no gradient
 // is folded in: one gathered row at a time (same bits as in a group of four), the row pf
 // entries ahead prefetched whole, the distances into ub; the logits follow in one SIMD sweep
 // (ForwardRow::logits). For small rows this beat the groups of four with their per-group
 // bookkeeping: measured on the 2-core AMD machine (2026-11-24, 2 threads, A/B in one process,
 // L3-resident banks of 50,000 rows): forward 1.16x at B 1024, K 32, D 128 fp32, 1.09x bf16,
-// 1.14x at D 64; with grad_x 1.08-1.12x; rows of 70 or 512 elements within noise. The loop
-// unrolls whole at the compile-time D, and as a function of its own its pointers keep their
-// registers (inlined into row(), GCC had kept the prefetch pointers in vector registers).
+// 1.14x at D 64, 1.16x at D 256 (1.06x bf16); with grad_x 1.07-1.12x; rows of 70 elements
+// (runtime D) within noise. At D 512 the groups of four stay: one at a time was 0.87-0.93x
+// there (2 KB rows from memory, where four streams at once win). The loop unrolls whole at the
+// compile-time D, and as a function of its own its pointers keep their registers (inlined
+// into row(), GCC had kept the prefetch pointers in vector registers).
 template <int64_t DC, typename C, typename T>
 __attribute__((noinline)) void row_distances_fixed(const T* bank, int64_t n_rows,
                                                    const void* nbl, int l64, int64_t k0,
@@ -703,8 +705,10 @@ struct ForwardRow {
         int64_t k = 0;
         // Small fp32 / bf16 rows without a fold: one entry at a time (row_distances_fixed).
         constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
-        if (fixed && !one_pass && (D == 128 || D == 64)) {
-            if (D == 128)
+        if (fixed && !one_pass && (D == 128 || D == 64 || D == 256)) {
+            if (D == 256)
+                row_distances_fixed<256>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);
+            else if (D == 128)
                 row_distances_fixed<128>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);
             else
                 row_distances_fixed<64>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);

@@ -69,9 +69,11 @@ def make(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32
 def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtype, D):
     """Every dtype pair and index width; D 64, 128 and 256 take the one-row-at-a-time pass
     at a compile-time D for fp32 / bf16 banks (row_distances_fixed), D 13 the groups of
-    four."""
+    four. The labels in the centre labels' integer type: the kernel reads int32 and int64
+    labels as they are."""
     inputs = make(emb_dtype=emb_dtype, bank_dtype=bank_dtype, idx_dtype=idx_dtype,
                   cl_dtype=cl_dtype, D=D)
+    inputs = (inputs[0], inputs[1].to(cl_dtype)) + inputs[2:]
     cdt = torch.float64 if emb_dtype == torch.float64 else torch.float32
     check(cpu.forward(*inputs), reference(*inputs), cdt)
 
@@ -1083,7 +1085,7 @@ def test_forward_only_is_the_forward_without_grad_x(recorded, emb_dtype, bank_dt
     fwd = cpu.forward(emb, labels, centres, cl, nb, w, s, store_dist=store_dist,
                       need_grad_x=False)
     assert recorded.names() == ["nnk_forward", "nnk_forward"]
-    grad_ptr = [args[20] for _, args in recorded.calls]
+    grad_ptr = [args[21] for _, args in recorded.calls]  # after the labels flag
     assert grad_ptr[0] == full[3].data_ptr() and grad_ptr[1] is None
     assert fwd[3].shape == (12, 0) and fwd[3].dtype == full[3].dtype
     for a, b in zip(full[:3] + full[4:], fwd[:3] + fwd[4:]):

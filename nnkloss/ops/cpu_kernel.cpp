@@ -10,8 +10,8 @@
 //
 // Types: C is the compute type (float, or double for fp64 embeddings), T the bank element
 // type (float, double, bf16 or fp16 stored as uint16_t bits). Integer arrays (neighbours,
-// centre labels) are int32 or int64, chosen at run time by a flag. Labels are int64 and emb is
-// already in the compute type (the Python wrapper converts those small inputs).
+// labels, centre labels) are int32 or int64, chosen at run time by a flag. emb is already in
+// the compute type (the Python wrapper converts it).
 //
 // Forward, per row b (rows shared out among threads by run_items; ForwardRow::row's numbered
 // steps): pass 1 gathers the K centre rows once, four at a time (one at a time for fp32 / bf16
@@ -494,7 +494,8 @@ void run_items(int64_t n, int nthreads, const Work& work) {
 template <typename C, typename T>
 struct ForwardRow {
     const C* emb;
-    const int64_t* labels;
+    const void* labels;
+    int lab64;
     const T* centres;
     const void* clabels;
     int cl64;
@@ -641,7 +642,7 @@ struct ForwardRow {
             epos.resize(K);
         }
         const C* x = emb + b * D;
-        const int64_t R = labels[b];
+        const int64_t R = load_index(labels, lab64, b);
         // Members are copied to locals first: the stores below could alias them as far as the
         // compiler knows, which made it reload each one per entry.
         const void* const nbl = nbrs;
@@ -820,14 +821,14 @@ struct ForwardRow {
 };
 
 template <typename C, typename T>
-void forward_impl(const C* emb, const int64_t* labels, const T* centres, const void* clabels,
-                  int cl64, const void* nbrs, int nb64, const void* weights, int wtype,
+void forward_impl(const C* emb, const void* labels, int lab64, const T* centres,
+                  const void* clabels, int cl64, const void* nbrs, int nb64, const void* weights, int wtype,
                   C sigma, int64_t B, int64_t K, int64_t D, int64_t N, int store_dist,
                   C* loss, C* lse_all, C* lse_pos, C* grad_x, C* dist, int nthreads) {
     // rows per work item: up to 16, and at least 8 items per thread (load balance)
     const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(
         16, B / (8 * (int64_t)std::max(1, nthreads))));
-    ForwardRow<C, T> row{emb, labels, centres, clabels, cl64, nbrs, nb64, weights, wtype,
+    ForwardRow<C, T> row{emb, labels, lab64, centres, clabels, cl64, nbrs, nb64, weights, wtype,
                          sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
                          {}, {}, {}, {}, {}, B, chunk, 0};
     run_items((B + chunk - 1) / chunk, nthreads, row);
@@ -916,7 +917,7 @@ int nnk_openmp() {
 
 // Every entry point returns 0 on success, 1 on an unknown type code. nnk_forward with
 // grad_x == NULL is the forward-only path: one pass over the gathered rows, no gradient terms.
-int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,
+int nnk_forward(int ctype, int btype, const void* emb, const void* labels, int lab64,
                 const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
                 const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,
                 int64_t N, int store_dist, void* loss, void* lse_all, void* lse_pos,
@@ -926,8 +927,8 @@ int nnk_forward(int ctype, int btype, const void* emb, const int64_t* labels,
         using C = decltype(c);
         rc = with_bank_type(btype, [&](auto t) {
             using T = decltype(t);
-            forward_impl<C, T>((const C*)emb, labels, (const T*)centres, clabels, cl64, nbrs,
-                               nb64, weights, wtype, (C)sigma, B, K, D, N, store_dist,
+            forward_impl<C, T>((const C*)emb, labels, lab64, (const T*)centres, clabels, cl64,
+                               nbrs, nb64, weights, wtype, (C)sigma, B, K, D, N, store_dist,
                                (C*)loss, (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist,
                                nthreads);
         });

@@ -327,6 +327,24 @@ def summary(csv_path, commit, mode=None):
     return "\n".join(lines)
 
 
+def combine_repeats(runs):
+    """One provider's measurements of one shape over the rounds (each ``(per_mode, idx_dtype,
+    bank_read_gbps)``): per mode the median ms (the upper one for an even count), the largest
+    peak memory, the first round's first call; out of memory if any round was; the largest
+    bank read."""
+    per_mode = {}
+    for mode in runs[0][0]:
+        rs = [r[0][mode] for r in runs]
+        if any(r.get("oom") for r in rs):
+            per_mode[mode] = {"oom": True}
+            continue
+        ms = sorted(r["ms"] for r in rs)
+        per_mode[mode] = {"ms": ms[len(ms) // 2], "peak": max(r["peak"] for r in rs),
+                          "first_ms": rs[0]["first_ms"], "rounds": [r["ms"] for r in rs]}
+    reads = [r[2] for r in runs if r[2]]
+    return per_mode, runs[0][1], max(reads) if reads else None
+
+
 def shapes(args, device):
     """(B, K, D, N, dtype) to measure: the explicit grid, or CPU_GRID on CPU by default."""
     if device.type == "cpu" and not any([args.B, args.K, args.D, args.N, args.dtype]):
@@ -359,6 +377,8 @@ def _main(argv):
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each measurement in a fresh process (default: on CPU)")
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep time in ms (CUDA)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds per shape, providers interleaved; the median round is kept")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--copy-bandwidth", action="store_true",
                     help="also measure device-to-device copy bandwidth (row op=copy)")
@@ -396,8 +416,7 @@ def _main(argv):
                 except torch.OutOfMemoryError:
                     print(f"skip B={B} K={K} D={D} {dt}: bank does not fit")
                     continue
-            for prov in args.providers:
-                load = load_average()
+            def measure(prov):
                 if isolate:
                     res = run_isolated(os.path.abspath(__file__), {
                         "provider": prov, "modes": modes, "B": B, "K": K, "D": D, "N": N,
@@ -421,6 +440,17 @@ def _main(argv):
                                 torch.cuda.empty_cache()
                     idx_dtype = inputs[4].dtype
                     bank_read = tensor_read_gbps(inputs[2])
+                return per_mode, idx_dtype, bank_read
+            # Providers interleaved, --repeats rounds (fused, compile, fused, compile, ...); each
+            # figure is the median over the rounds of the per-process medians.
+            runs, loads = {p: [] for p in args.providers}, {}
+            for _ in range(args.repeats):
+                for prov in args.providers:
+                    loads.setdefault(prov, load_average())
+                    runs[prov].append(measure(prov))
+            for prov in args.providers:
+                load = loads[prov]
+                per_mode, idx_dtype, bank_read = combine_repeats(runs[prov])
                 for mode in modes:
                     r = per_mode[mode]
                     if r.get("oom"):
@@ -439,8 +469,11 @@ def _main(argv):
                                     f"{bank_read:.4g}" if bank_read else "",
                                     "" if gathered == "" or not bank_read
                                     else f"{100 * gathered / bank_read:.1f}"])
+                    rounds = r.get("rounds", [])
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
-                          f"(N={N}, first call {r['first_ms']:.1f} ms)", flush=True)
+                          f"(N={N}, first call {r['first_ms']:.1f} ms"
+                          + (", rounds " + " ".join(f"{v:.4g}" for v in rounds)
+                             if len(rounds) > 1 else "") + ")", flush=True)
             del inputs
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,

@@ -73,6 +73,30 @@ def test_isolated_run_measures_time_and_peak_memory(tmp_path):
         assert r["commit"] and r["device"]
 
 
+def test_repeats_interleave_providers_and_keep_the_median_round(tmp_path, monkeypatch):
+    order = []
+    real = bench_loss.run_one
+
+    def spy(prov, mode, *a):
+        order.append((prov, mode))
+        return real(prov, mode, *a)
+    monkeypatch.setattr(bench_loss, "run_one", spy)
+    path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N", "40",
+                            "--dtype", "fp32", "--providers", "fused", "eager", "--modes",
+                            "fwd", "--repeats", "3", "--no-isolate", "--out", str(tmp_path)])
+    assert order == [("fused", "fwd"), ("eager", "fwd")] * 3
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss"]
+    assert [r["provider"] for r in rows] == ["fused", "eager"]
+    runs = [({"fwd": {"ms": v, "peak": p, "first_ms": 9.0}}, torch.int32, g)
+            for v, p, g in ((3.0, 1.0, 50.0), (1.0, 4.0, None), (2.0, 2.0, 70.0))]
+    per_mode, idx, read = bench_loss.combine_repeats(runs)
+    assert per_mode["fwd"]["ms"] == 2.0 and per_mode["fwd"]["peak"] == 4.0
+    assert per_mode["fwd"]["rounds"] == [3.0, 1.0, 2.0] and idx == torch.int32 and read == 70.0
+    runs[1][0]["fwd"] = {"oom": True}
+    assert bench_loss.combine_repeats(runs)[0]["fwd"] == {"oom": True}
+
+
 def test_cpu_default_grid_is_the_issue_shapes():
     none = argparse.Namespace(B=None, K=None, D=None, N=None, dtype=None)
     assert bench_loss.shapes(none, torch.device("cpu")) == bench_loss.CPU_GRID

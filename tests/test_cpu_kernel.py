@@ -81,11 +81,21 @@ def test_forward_matches_fp64_contract(emb_dtype, bank_dtype, idx_dtype, cl_dtyp
 @kernel
 @pytest.mark.parametrize("weights", [False, True])
 @pytest.mark.parametrize("sigma,offset", [(0.05, 0.0), (1.0, 30.0), (40.0, 0.0), (1.0, 1e3)])
-def test_forward_scales(weights, sigma, offset):
-    emb, labels, centres, cl, nb, w, _ = make(B=12, K=16, D=24, N=40, weights=weights, seed=3)
+@pytest.mark.parametrize("D,bank_dtype", [(24, torch.float32), (128, torch.float32),
+                                          (256, torch.bfloat16)])
+def test_forward_scales(weights, sigma, offset, D, bank_dtype):
+    """Near and far embeddings, narrow and wide kernels: values and grad_x against fp64, on
+    the groups of four (D 24) and on the one-at-a-time pass (D 128 fp32, D 256 bf16), whose
+    forward-only call gives the same bits."""
+    emb, labels, centres, cl, nb, w, _ = make(B=12, K=16, D=D, N=40, weights=weights, seed=3,
+                                              bank_dtype=bank_dtype)
     emb = emb + offset  # far from every centre: the log-sum-exps must stay exact
     inputs = (emb, labels, centres, cl, nb, w, torch.tensor(sigma))
-    check(cpu.forward(*inputs), reference(*inputs), torch.float32)
+    full = cpu.forward(*inputs)
+    check(full, reference(*inputs), torch.float32)
+    fwd = cpu.forward(*inputs, need_grad_x=False)
+    for a, b in zip(full[:3] + full[4:], fwd[:3] + fwd[4:]):
+        assert torch.equal(a, b)
 
 
 @kernel
@@ -149,13 +159,14 @@ def test_one_pass_gradient_matches_fp64(bank_dtype, K, D, weights):
 
 
 @kernel
-@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2])
+@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2] + [(torch.float32, 12, 128)])
 @pytest.mark.parametrize("scale", [1e-20, 1e-3, 1e3, 1e18])
 def test_one_pass_gradient_at_extreme_scales(bank_dtype, K, D, scale):
     """The single-pass gradient stays exact when embeddings, centres and sigma are scaled
     together far from 1: at 1e18 the unscaled squared distances overflow fp32 (scale before
     squaring, docs/MATHS.md section 4), at 1e-20 they underflow. A NaN embedding still gives a
-    NaN row (loss and every gradient element)."""
+    NaN row (loss and every gradient element). K 12, D 128: the two-pass gradient over the
+    one-at-a-time distances (row_distances_fixed) at the same scales."""
     emb, labels, centres, cl, nb, w, _ = make(B=7, K=K, D=D, N=60, bank_dtype=bank_dtype,
                                               seed=41)
     emb = (emb.double() * scale).float()

@@ -126,14 +126,6 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
     return is64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
 }
 
-// weights: wtype 0 = none (all ones), 1 = fp32, 2 = fp64; converted to C before the log, as
-// the torch path does (weights[idx].to(compute dtype)).
-template <typename C>
-inline C load_weight(const void* w, int wtype, int64_t j) {
-    if (wtype == 1) return (C)((const float*)w)[j];
-    return (C)((const double*)w)[j];
-}
-
 // ACC = 16 independent partial sums per row (one AVX-512 / two AVX2 fp32 vectors): one running
 // sum is a chain of dependent adds (4 cycles each), which for a row already in cache is the
 // bottleneck; the partials are then added pairwise (no less accurate than one running sum).
@@ -570,7 +562,9 @@ struct ForwardRow {
     //     for padding, out-of-range entries and zero weights; the same-class logit (-inf for
     //     other classes) into lpos; and the non-finite rule (CONTRACT.md 6): true when an
     //     entry's distance is NaN/inf or its index is past the bank. I, L: the list and
-    //     centre-label integer types; W: the weight type (void: none, all ones).
+    //     centre-label integer types; W: the weight type (void: none, all ones; wtype 1 fp32,
+    //     2 fp64), converted to C before the log as the torch path does
+    //     (weights[idx].to(compute dtype)).
     //     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
     //     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
     //     entry cost ~13% of the forward at K = 32, D = 128.
@@ -700,9 +694,6 @@ struct ForwardRow {
             ub[k] = in ? scaled_sqdist(r, x, inv_s, D) : (j < 0 ? (C)0 : nan);
             if (one_pass) fold_both(k, &r, 1);
         };
-        // Four consecutive entries that all gather a row go through scaled_sqdist4 (same bits
-        // as one at a time), which streams them together and prefetches the group pf entries
-        // ahead while it computes (past the item's end, the current rows stand in).
         int64_t k = 0;
         // Small fp32 / bf16 rows without a fold: one entry at a time (row_distances_fixed).
         constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
@@ -715,6 +706,9 @@ struct ForwardRow {
                 row_distances_fixed<64>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);
             k = K;
         }
+        // Otherwise four consecutive entries that all gather a row go through scaled_sqdist4
+        // (same bits as one at a time), which streams them together and prefetches the group
+        // pf entries ahead while it computes (past the item's end, the current rows stand in).
         for (; k + 4 <= K; k += 4) {
             int64_t j[4];
             bool every = true;

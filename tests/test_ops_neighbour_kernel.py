@@ -554,3 +554,18 @@ def test_cpu_backward_scales_rows_without_the_custom_op_dispatch_in_eager(monkey
     through = grad()
     assert via_op == [(4, 5)]
     assert torch.equal(direct, through) and direct.abs().sum() > 0
+
+
+def test_recorded_cpu_backward_keeps_the_custom_op():
+    """create_graph=True records the backward: the row scaling then goes through the op, whose
+    missing double-backward formula is an error naming it, never a silent zero."""
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(4, 5, generator=g, requires_grad=True)
+    loss = nnkloss.neighbour_kernel_loss(
+        x, torch.tensor([0, 1, 0, 1]), torch.randn(6, 5, generator=g),
+        torch.tensor([0, 1, 0, 1, 1, 0]),
+        torch.tensor([[0, 1, 2], [1, 3, 4], [2, 5, 0], [4, 3, -1]]), backend="cpu")
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="nk_scale_rows"):
+        gx.sum().backward()

@@ -210,3 +210,70 @@ def test_checked_op_does_not_gather_the_centres_when_every_row_is_finite(monkeyp
                                                        backend=backend)
         assert torch.isfinite(out.per_row).all()
     out.loss.sum().backward()
+
+
+# ------------------------------- the finiteness tests: a sum, exact only where it is inconclusive
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 70001])
+def test_a_finite_sum_proves_every_value_finite(dtype, n):
+    """One NaN / inf / -inf at any place (first, last, inside a vector lane, past the threaded
+    grain) makes the sum non-finite: the cheap test never passes a bad tensor."""
+    from nnkloss.validation import all_finite, maybe_nonfinite
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    assert not bool(maybe_nonfinite(x)) and all_finite(x)
+    places = sorted({0, n // 2, n - 1, min(n - 1, 15), min(n - 1, 33000)})
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i in places:
+            y = x.clone()
+            y[i] = bad
+            assert bool(maybe_nonfinite(y)), (bad, i)
+            assert not all_finite(y), (bad, i)
+    both = x.clone()
+    both[0], both[-1] = float("inf"), float("-inf")  # inf + -inf: NaN, still not finite
+    assert not all_finite(both)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_a_sum_that_overflows_falls_back_to_the_exact_test(dtype):
+    """Finite values whose sum overflows (bf16 / fp32 / fp64 at their maximum; fp16 is summed
+    in fp32, which holds it): "perhaps" from the sum, then the exact test says finite. A check
+    on the sum alone would refuse these."""
+    from nnkloss.validation import all_finite, maybe_nonfinite, nonnegative_finite
+    big = torch.finfo(dtype).max
+    x = torch.full((4,), big, dtype=dtype)
+    assert bool(maybe_nonfinite(x)) == (dtype != torch.float16)
+    assert all_finite(x) and nonnegative_finite(x)
+    assert all_finite(torch.empty(0, dtype=dtype)) and nonnegative_finite(torch.empty(0))
+
+
+@pytest.mark.parametrize("value, ok", [
+    (0.0, True), (-0.0, True), (1e-30, True), (-1e-30, False), (-1.0, False),
+    (float("nan"), False), (float("inf"), False), (float("-inf"), False)])
+def test_weight_test_refuses_negative_and_nonfinite(value, ok):
+    from nnkloss.validation import maybe_negative_or_nonfinite, nonnegative_finite
+    for n, i in ((1, 0), (50, 0), (50, 49), (70001, 40000)):
+        w = torch.rand(n)
+        w[i] = value
+        assert nonnegative_finite(w) is ok, (value, n, i)
+        if not ok:
+            assert bool(maybe_negative_or_nonfinite(w))
+
+
+def test_checks_accept_finite_values_whose_sum_overflows():
+    """emb and weights near fp32's maximum are finite: the op's checks must not refuse them
+    (their sums overflow, so the exact test decides); a NaN beside them still raises."""
+    from nnkloss.validation import check_values
+    e, c, nb, w, s = value_args()
+    e = torch.full_like(e, 3e38)
+    w = torch.full_like(w, 3e38)
+    assert check_values(e, c, nb, w, s) is False
+    e[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"^emb contains NaN or inf$"):
+        check_values(e, c, nb, w, s)
+    e[1, 2] = 0.0
+    w[3] = -1.0
+    with pytest.raises(ValueError, match=r"^weights must be finite and non-negative"):
+        check_values(e, c, nb, w, s)

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..validation import compiling, require_float, require_int, require_labelled
+from ..validation import (all_finite, compiling, nonnegative_finite, require_float, require_int,
+                          require_labelled)
 
 __all__ = ["CentreBank", "validate_bank_tensors"]
 
@@ -30,7 +31,7 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     if weights.shape[0] != n:
         raise ValueError(f"weights has length {weights.shape[0]} but the bank has {n} centres")
     w = weights.detach()
-    if not torch.isfinite(w).all() or (w < 0).any():
+    if not nonnegative_finite(w):
         raise ValueError("weights must be finite and non-negative")
     if positive and (w <= 0).any():
         raise ValueError("learnable weights must start strictly positive (they are stored as "
@@ -79,7 +80,7 @@ def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Te
             raise TypeError(f"{prefix}{name} must be a tensor, got {type(t).__name__}")
     require_float(prefix + "centres", centres, 2)
     n = centres.shape[0]
-    if centres.numel() and not torch.isfinite(centres).all():
+    if not all_finite(centres):
         raise ValueError(f"{prefix}centres contain NaN or inf")
     require_int(prefix + "centre_labels", centre_labels, 1)
     if centre_labels.shape[0] != n:
@@ -122,7 +123,7 @@ class CentreBank(nn.Module):
         if centre_labels.device != centres.device:
             raise ValueError(f"centre_labels are on {centre_labels.device} but centres on "
                              f"{centres.device}")
-        if not torch.isfinite(centres).all():
+        if not all_finite(centres):
             raise ValueError("centres contain NaN or inf")
         self.register_buffer("centres", centres.detach())
         self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
@@ -205,7 +206,7 @@ class CentreBank(nn.Module):
             require_float("centres", new_c, 2)
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
-            if not torch.isfinite(new_c).all():
+            if not all_finite(new_c):
                 raise ValueError("centres contain NaN or inf")
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
         if centre_labels is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..validation import require_float, require_labelled, require_positive_int
+from ..validation import all_finite, require_float, require_labelled, require_positive_int
 
 __all__ = ["kmeans", "class_centroids", "add_centres"]
 
@@ -66,7 +66,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
     n = x.shape[0]
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     x = x.to(cdt)
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         raise ValueError("x contains NaN or inf")
     n_distinct = torch.unique(x, dim=0).shape[0] if n else 0
     if n_clusters > n_distinct:
@@ -139,7 +139,7 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
     if emb.shape[0] == 0:
         raise ValueError("emb is empty: no class to compute centroids for")
     per_class = require_positive_int("per_class", per_class)
-    if not torch.isfinite(emb).all():
+    if not all_finite(emb):
         raise ValueError("emb contains NaN or inf")
     labels = labels.long()
     if int(labels.min()) < 0:

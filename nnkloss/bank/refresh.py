@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .centre_bank import CentreBank
-from ..validation import require_int, require_positive_int, require_sigma
+from ..validation import all_finite, require_int, require_positive_int, require_sigma
 from .search import NeighbourLists, neighbour_lists
 from .. import distributed as _dist
 from . import exchange
@@ -478,7 +478,7 @@ class Refresher:
             first = (~written).nonzero()[:5].flatten().tolist()
             raise ValueError(f"the loader never yielded {missing} of the bank's {n} rows "
                              f"(first missing idx: {first}); the bank was left unchanged")
-        if not bool(torch.isfinite(centres).all()):
+        if not all_finite(centres):
             bad = int((~torch.isfinite(centres)).any(1).sum())
             raise ValueError(f"the model produced NaN/inf embeddings for {bad} rows")
         return centres, centre_labels

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
-from ..validation import require_float, require_int, require_positive_int, require_sigma
+from ..validation import (all_finite, require_float, require_int, require_positive_int,
+                          require_sigma)
 from ..bank.search import knn
 from ..bank.search.validation import check_search_backend
 
@@ -142,7 +143,7 @@ class NeighbourKernelClassifier(nn.Module):
             raise ValueError(f"emb has dimension {emb.shape[1]} but the bank's centres have "
                              f"dimension {bank.dim}")
         emb = emb.detach().to(bank.centres.device)
-        if emb.numel() and not bool(torch.isfinite(emb).all()):
+        if not all_finite(emb):
             raise ValueError("emb contains NaN or inf")
         return emb
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..bank.search import iter_knn
 from ..bank.search.validation import check_search_backend
-from ..validation import require_int, require_labelled, require_positive_int
+from ..validation import all_finite, require_int, require_labelled, require_positive_int
 
 __all__ = ["evaluate", "recall_at_k", "map_at_r", "nmi", "accuracy", "KMEANS_BACKENDS"]
 
@@ -213,7 +213,7 @@ def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "skl
     if kmeans_backend not in KMEANS_BACKENDS:
         raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, "
                          f"got {kmeans_backend!r}")
-    if not bool(torch.isfinite(emb).all()):
+    if not all_finite(emb):
         raise ValueError("emb contains NaN or inf")
     n_classes = int(torch.unique(labels).numel())
     if kmeans_backend == "sklearn":

@@ -6,7 +6,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ...validation import FLOAT_DTYPES, require_float
+from ...validation import FLOAT_DTYPES, all_finite, require_float
 
 __all__ = ["SEARCH_BACKENDS", "APPROXIMATE", "check_search_backend", "check_k", "check_finite",
            "validate"]
@@ -38,7 +38,7 @@ def check_k(k, available: int, exclude_self: bool) -> int:
 
 def check_finite(name: str, t: Tensor) -> None:
     # One host synchronisation per argument: a search is a per-refresh call, not a per-step one.
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0, 0])
         raise ValueError(f"{name} contains NaN or inf (first bad row: {bad})")
 

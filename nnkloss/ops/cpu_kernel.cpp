@@ -869,6 +869,29 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t B, int64_t D, C* out, 
     run_items(B, nthreads, row);
 }
 
+// The bank's per-batch lists (CentreBank.neighbours_for) in one pass: out[b, :] =
+// table[idx[b], :], with the entries equal to idx[b] (the row's own centre) set to -1 (padding)
+// when exclude_self. I: the table's index type, J: idx's. 3 if an idx is outside [0, N): the
+// caller then reports it (out is left partly written).
+template <typename I, typename J>
+int gather_lists_impl(const I* table, int64_t N, int64_t K, const J* idx, int64_t B,
+                      int exclude_self, I* out) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t r = (int64_t)idx[b];
+        if (r < 0 || r >= N) return 3;
+        const I* __restrict src = table + r * K;
+        I* __restrict dst = out + b * K;
+        if (!exclude_self) {
+            std::memcpy(dst, src, (size_t)K * sizeof(I));
+            continue;
+        }
+        const I own = (I)r;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) dst[k] = src[k] == own ? (I)-1 : src[k];
+    }
+    return 0;
+}
+
 // Type codes (the Python side uses the same). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32,
 // 1 fp64, 2 bf16, 3 fp16. f is called with a value of the type; 1 is returned for an unknown
 // code, 0 otherwise.
@@ -958,6 +981,22 @@ int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int6
         using C = decltype(c);
         scale_rows_impl<C>((const C*)grad_x, (const C*)g, B, D, (C*)out, nthreads);
     });
+}
+
+// out (B, K) = the lists of bank rows idx (B,) from table (N, K), own entries -1 when
+// exclude_self (gather_lists_impl). tab64 / idx64: int64 (1) or int32 (0) elements.
+int nnk_gather_lists(const void* table, int tab64, int64_t N, int64_t K, const void* idx,
+                     int idx64, int64_t B, int exclude_self, void* out) {
+    if (tab64) {
+        return idx64 ? gather_lists_impl((const int64_t*)table, N, K, (const int64_t*)idx, B,
+                                         exclude_self, (int64_t*)out)
+                     : gather_lists_impl((const int64_t*)table, N, K, (const int32_t*)idx, B,
+                                         exclude_self, (int64_t*)out);
+    }
+    return idx64 ? gather_lists_impl((const int32_t*)table, N, K, (const int64_t*)idx, B,
+                                     exclude_self, (int32_t*)out)
+                 : gather_lists_impl((const int32_t*)table, N, K, (const int32_t*)idx, B,
+                                     exclude_self, (int32_t*)out);
 }
 
 }  // extern "C"

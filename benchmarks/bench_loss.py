@@ -13,8 +13,12 @@ label and weight traffic and the embeddings, whatever the provider actually move
 providers compare on one scale. A row that ran out of memory is written with ms = "oom".
 
 Providers: ``fused`` (the op as users call it: the Triton kernels on CUDA, the compiled CPU
-kernel ``nnkloss.ops.cpu`` on CPU tensors), ``eager`` (gather then logsumexp, as a user would write it),
-``compile`` (``torch.compile`` of eager), ``torch`` (the op's plain PyTorch path).
+kernel ``nnkloss.ops.cpu`` on CPU tensors; value checks off, as in a training loop after its
+first step), ``eager`` (gather then logsumexp, as a user would write it),
+``compile`` (``torch.compile`` of eager), ``torch`` (the op's plain PyTorch path),
+``checked`` (``fused`` with the value checks on, the default) and ``module``
+(``NeighbourKernelLoss(bank)(emb, labels, idx)`` over a bank holding the same lists, checks
+on: the whole call a user of the module pays, lists fetched by the bank).
 
 On CUDA: ``triton.testing.do_bench`` median, peak = max_memory_allocated above the allocation
 before the measured call. On CPU every (provider, mode, shape) runs in a fresh process
@@ -50,7 +54,7 @@ COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak
            "date", "bank_read_gbps", "pct_of_bank_read"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused", "eager", "compile", "torch"]
+PROVIDERS = ["fused", "eager", "compile", "torch", "checked", "module"]
 # The CPU grid (issue 12): (B, K, D, N, bank dtype), sigma = sqrt(D) / 2.
 CPU_GRID = [(256, 100, 512, 20000, "fp32"), (1024, 32, 128, 50000, "fp32"),
             (64, 256, 2048, 10000, "fp32"), (256, 100, 512, 20000, "bf16")]
@@ -76,6 +80,36 @@ def fused_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
     """The op as users call it: the Triton kernels on CUDA, the compiled kernel on CPU."""
     return nnkloss.neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours,
                                          weights, sigma)
+
+
+def checked_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+    """The op as users call it by default: with its value checks on (the benchmark runs with
+    them off, as a training loop's later steps do)."""
+    with nnkloss.value_checks(True):
+        return fused_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma)
+
+
+def module_loss(inputs):
+    """The module as users call it, ``NeighbourKernelLoss(bank)(emb, labels, idx)``, value
+    checks on: a CentreBank of the inputs' centres whose rows ``idx = neighbours[:, 0]`` (each
+    row's own centre: make_inputs) hold the inputs' lists, so the same K entries are
+    gathered (``exclude_self=False``: the own centre stays in, as in the other providers).
+    Where idx repeats, the last list wins for both rows (a few rows at the CPU grid's shapes;
+    the work is the same). Uniform weights: the bank passes none (the kernel skips the weight
+    gather, K * 4 bytes a row, under 1% of the gathered bytes at D >= 128). Returns the
+    provider's function of the usual seven arguments."""
+    emb, labels, centres, cl, nb, w, sigma = inputs
+    idx = nb[:, 0].long()
+    table = torch.randint(0, centres.shape[0], (centres.shape[0], nb.shape[1]),
+                          generator=torch.Generator().manual_seed(1)).to(nb)
+    table[idx] = nb
+    bank = nnkloss.CentreBank(centres, cl, neighbours=table)
+    loss = nnkloss.NeighbourKernelLoss(bank, sigma=float(sigma), exclude_self=False)
+
+    def call(emb, labels, centres, centre_labels, neighbours, weights, sigma):
+        with nnkloss.value_checks(True):
+            return loss(emb, labels, idx)
+    return call
 
 
 def torch_path_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma):
@@ -130,10 +164,13 @@ def run_one(provider, mode, inputs, device, reps):
     # torch.library custom op -- the op's -- and in torch.compile: imported before the memory
     # baseline for every provider, so that peak_mem_mb is what the calls themselves need.
     import torch._dynamo  # noqa: F401
-    fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss}.get(provider)
+    fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss,
+          "checked": checked_loss}.get(provider)
     if provider == "compile":
         fn = _COMPILED.setdefault("fn", torch.compile(eager_loss, dynamic=False))
-    elif provider == "fused" and device.type == "cpu":
+    elif provider == "module":
+        fn = module_loss(inputs)
+    if provider in ("fused", "checked", "module") and device.type == "cpu":
         from nnkloss.ops import cpu
         cpu.available()  # build / load the library before the memory baseline
     x = emb.detach().clone().requires_grad_(mode != "fwd")

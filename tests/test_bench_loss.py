@@ -23,6 +23,38 @@ def test_eager_provider_matches_fused_op():
     torch.testing.assert_close(a, b)
 
 
+def test_checked_and_module_providers_compute_the_fused_loss():
+    """The two providers of the user's default calls give the same loss and embedding
+    gradient as ``fused`` (same lists, the own centre kept), and run with the value checks on
+    whatever the caller's setting."""
+    inputs = list(bench_loss.make_inputs(64, 6, 9, 400, torch.float32, torch.device("cpu")))
+    own = torch.randperm(400, generator=torch.Generator().manual_seed(5))[:64]
+    inputs[4][:, 0] = own.to(inputs[4])  # distinct own rows: the bank holds every list
+    inputs[1] = inputs[3][own]
+    inputs[0] = inputs[2][own] + 0.1
+    module = bench_loss.module_loss(inputs)
+    results = []
+    for fn in (bench_loss.fused_loss, bench_loss.checked_loss, module):
+        x = inputs[0].clone().requires_grad_(True)
+        with nnkloss.value_checks(False):
+            loss = fn(x, *inputs[1:])
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    assert results[0][1].abs().sum() > 0
+    for loss, grad in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad, results[0][1], rtol=1e-5, atol=1e-9)
+    bad = list(inputs)
+    bad[0] = inputs[0].clone()
+    bad[0][3, 1] = float("nan")
+    with nnkloss.value_checks(False), pytest.raises(ValueError, match="emb contains NaN"):
+        bench_loss.checked_loss(*bad)
+    bad = list(inputs)
+    bad[1] = inputs[1] + 1  # labels that disagree with the bank's
+    with nnkloss.value_checks(False), pytest.raises(ValueError, match="labels disagree"):
+        module(*bad)
+
+
 def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N",
                             "40", "--dtype", "fp32", "bf16", "--providers", "fused", "eager",

@@ -117,8 +117,9 @@ def _read(path: str, size: int = 4096) -> bytes:
 
 def _cgroup_quota_files(root: str, cgroup_text: str) -> List[str]:
     """The files that would hold a CPU quota for this process: cgroup v2 ``cpu.max`` and v1
-    ``cpu.cfs_quota_us``, at the hierarchy's root and at this process's own cgroup (the paths of
-    /proc/self/cgroup). A parent cgroup's quota below ours is not looked for."""
+    ``cpu.cfs_quota_us``, at the hierarchy's root, at this process's own cgroup (the paths of
+    /proc/self/cgroup) and at every cgroup between them: a quota on a parent (a systemd slice,
+    a job's cgroup above its steps) limits its children as much as their own."""
     files = [os.path.join(root, "cpu.max")]
     v1_dirs = ["cpu", "cpu,cpuacct", "cpuacct,cpu"]
     files += [os.path.join(root, d, "cpu.cfs_quota_us") for d in v1_dirs]
@@ -127,13 +128,13 @@ def _cgroup_quota_files(root: str, cgroup_text: str) -> List[str]:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        rel = path.strip().lstrip("/")
-        if not rel:
-            continue
-        if controllers == "":  # v2: "0::/path"
-            files.append(os.path.join(root, rel, "cpu.max"))
-        elif "cpu" in controllers.split(","):
-            files += [os.path.join(root, d, rel, "cpu.cfs_quota_us") for d in v1_dirs]
+        parts = [p for p in path.strip().split("/") if p]
+        for depth in range(len(parts), 0, -1):  # own cgroup first, then each parent
+            rel = os.path.join(*parts[:depth])
+            if controllers == "":  # v2: "0::/path"
+                files.append(os.path.join(root, rel, "cpu.max"))
+            elif "cpu" in controllers.split(","):
+                files += [os.path.join(root, d, rel, "cpu.cfs_quota_us") for d in v1_dirs]
     return files
 
 

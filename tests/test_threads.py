@@ -345,6 +345,11 @@ def test_run_queue_is_unavailable_where_it_does_not_describe_our_cpus(tmp_path):
     assert "job/42/cpu.max" in why()
     (cg / "job" / "42" / "cpu.max").write_text("max 100000\n")
     assert why() is None
+    # a parent's quota limits us as much as our own (a slice above the job)
+    (cg / "job" / "cpu.max").write_text("100000 100000\n")
+    assert "job/cpu.max" in why()
+    (cg / "job" / "cpu.max").write_text("max 100000\n")
+    assert why() is None
     # cgroup v1: cpu.cfs_quota_us, -1 = none
     (proc / "self" / "cgroup").write_text("4:cpu,cpuacct:/docker/abc\n0::/\n")
     (cg / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
@@ -353,6 +358,12 @@ def test_run_queue_is_unavailable_where_it_does_not_describe_our_cpus(tmp_path):
     assert why() is None
     (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("200000\n")
     assert "cfs_quota_us" in why()
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("-1\n")
+    (cg / "cpu,cpuacct" / "docker" / "cpu.cfs_quota_us").write_text("50000\n")
+    assert "docker/cpu.cfs_quota_us" in why()
+    (cg / "cpu,cpuacct" / "docker" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert why() is None
+    (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("200000\n")
     (cg / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("lots\n")
     assert "unparsable" in why()
 

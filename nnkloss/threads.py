@@ -128,9 +128,9 @@ def _cgroup_quota_files(root: str, cgroup_text: str) -> List[str]:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        parts = [p for p in path.strip().split("/") if p]
-        for depth in range(len(parts), 0, -1):  # own cgroup first, then each parent
-            rel = os.path.join(*parts[:depth])
+        segments = [p for p in path.strip().split("/") if p]
+        for depth in range(len(segments), 0, -1):  # own cgroup first, then each parent
+            rel = os.path.join(*segments[:depth])
             if controllers == "":  # v2: "0::/path"
                 files.append(os.path.join(root, rel, "cpu.max"))
             elif "cpu" in controllers.split(","):

@@ -146,7 +146,12 @@ def all_finite(t) -> bool:
     """Whether every value of the float tensor ``t`` is finite (one host read): the sum's test
     of :func:`maybe_nonfinite`, and the exact elementwise test only where that is inconclusive
     (a non-finite value, or a finite sum that overflowed)."""
-    return not bool(maybe_nonfinite(t)) or bool(torch.isfinite(t.detach()).all())
+    return not bool(maybe_nonfinite(t)) or _every_value_finite(t)
+
+
+def _every_value_finite(t) -> bool:
+    """The exact elementwise test (one host read): where the sum's test is inconclusive."""
+    return bool(torch.isfinite(t.detach()).all())
 
 
 def negative_or_nonfinite(w) -> torch.Tensor:
@@ -316,12 +321,12 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
         flags.append(negative_or_nonfinite(wd))
     bad = torch.stack([f.reshape(()).to(emb.device) for f in flags]).tolist()
     if bad[0]:
-        raise IndexError(f"neighbours holds index {int(neighbours.max())} but there are only "
+        raise IndexError(f"neighbours holds index {int(hi)} but there are only "
                          f"{N} centres (valid: 0..{N - 1}, or -1 for padding)")
     if bad[1]:
-        raise IndexError(f"neighbours holds index {int(neighbours.min())}; the only negative "
+        raise IndexError(f"neighbours holds index {int(lo)}; the only negative "
                          "index allowed is -1 (padding)")
-    if bad[2] and not bool(torch.isfinite(emb.detach()).all()):
+    if bad[2] and not _every_value_finite(emb):
         raise ValueError("emb contains NaN or inf")
     if bad[3]:
         raise ValueError(f"sigma must be positive and finite, got {float(sigma)}")

@@ -54,12 +54,16 @@
 #ifndef NNK_PREFETCH_BYTES
 #define NNK_PREFETCH_BYTES 8192
 #endif
-// Their locality hint: 0 (prefetchnta, a non-temporal hint: what the cache hierarchy does
-// with it is the CPU's choice; the rows are read once per row that gathers them). Measured on the 2-core AMD machine (2026-11-24, forward at B 1024,
-// K 32, D 128, a 25.6 MB bank that lives in the last-level cache): 1.02-1.05x faster than 3
-// (prefetcht0); 1 or 2 (into L2 only) 0.82x; the other shapes of bench_loss within noise.
+// Their locality hint: 3 (prefetcht0, into every level). The non-temporal hint 0 (prefetchnta)
+// was measured 1.02-1.05x faster on the 2-core AMD EPYC machine (2026-11-24, forward at B 1024,
+// K 32, D 128, other shapes within noise) but 3.8-4.4x slower on a 2-core Intel Xeon with AMX
+// (2026-11-24, forward at B 256, K 100, D 512 and B 1024, K 32, D 128, banks resident in its
+// last-level cache: 5.65 against 1.28 ms and 1.79 against 0.66 ms): what a CPU does with an
+// NTA hint is its own choice, and a cliff on one vendor outweighs a few percent on the other.
+// On that Xeon, hints 1 and 2 (into L2 / L3 only) were 1.05-1.2x slower than 3, and distances
+// of 4, 8 and 16 KiB within noise of each other.
 #ifndef NNK_PREFETCH_LOCALITY
-#define NNK_PREFETCH_LOCALITY 0
+#define NNK_PREFETCH_LOCALITY 3
 #endif
 
 // Pass 1 reads rows in groups of four, so the distance is rounded up to whole groups (at least

@@ -1360,3 +1360,33 @@ def test_gather_lists_leaves_what_it_does_not_do_to_the_caller():
     assert cpu.gather_lists(table, torch.tensor([0], dtype=torch.int16), True) is None
     assert cpu.gather_lists(table.t(), torch.tensor([0]), True) is None
     assert torch.equal(cpu.gather_lists(table, torch.tensor([3, 1]), False), table[[3, 1]])
+
+
+@kernel
+@pytest.mark.parametrize("K,D", [(20, 16), (12, 128), (9, 300), (300, 304), (20, 37), (300, 300)])
+def test_bf16_bank_is_the_fp32_bank_of_its_values(K, D):
+    """bf16 centre rows are converted to fp32 a vector at a time (load_lanes<float, bf16>) and
+    the gradient's row updates run ACC elements at a time with a ragged end one at a time
+    (axpy_diff, axpy_diff4): a bf16 bank must give what an fp32 bank holding the same values
+    gives, on the two-pass path (K x D x 2 bytes up to 128 KiB, the fp32 bank's 4 bytes under
+    it too) and the one-pass path (K 300: above it for both). Bit for bit where the rows have
+    no ragged end within groups of four (D a multiple of 16, or rows distanced one at a time:
+    K 9, D 300 is two groups and one single row, and the single row's tail is exact), and the
+    loss always (CONTRACT.md 8: from the K logits). Where a group's rows end raggedly
+    (D 37, 300 with K 20, 300) the compiler may contract the ragged end's multiply-adds
+    differently for the two element types (as before the vector paths): distances and grad_x
+    then agree to a few fp32 ulps."""
+    emb, labels, centres, cl, nb, w, s = make(B=11, K=K, D=D, N=400, bank_dtype=torch.bfloat16,
+                                              seed=53)
+    emb = emb + 0.25  # neither bank's rows equal an embedding
+    half = cpu.forward(emb, labels, centres, cl, nb, w, s)
+    full = cpu.forward(emb, labels, centres.float(), cl, nb, w, s)
+    assert half[3].abs().sum() > 0 and torch.isfinite(half[0]).all()
+    assert torch.equal(half[0], full[0])
+    exact = D % 16 == 0 or K == 9
+    for a, b in zip(half[1:], full[1:]):
+        if exact:
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item(),
+                                       equal_nan=True)

@@ -66,12 +66,19 @@
 #define NNK_PREFETCH_LOCALITY 3
 #endif
 
+// The most rows it runs ahead, however small they are. On the 2-core Intel Xeon (2026-11-24,
+// benchmarks/cpu_variants.py, 3 rounds) 16 KiB / 32 rows and 32 KiB / 64 rows were within noise
+// of 8 KiB / 16 rows at the four bench_loss CPU shapes, or slower (bf16: 1.04-1.08x).
+#ifndef NNK_PREFETCH_MAX_ROWS
+#define NNK_PREFETCH_MAX_ROWS 16
+#endif
+
 // Pass 1 reads rows in groups of four, so the distance is rounded up to whole groups (at least
 // the next group).
 inline int64_t prefetch_rows(int64_t row_bytes) {
     if (NNK_PREFETCH_BYTES <= 0) return 0;
     int64_t rows = NNK_PREFETCH_BYTES / std::max<int64_t>(row_bytes, 1);
-    return std::max<int64_t>(4, std::min<int64_t>(16, (rows + 3) / 4 * 4));
+    return std::max<int64_t>(4, std::min<int64_t>(NNK_PREFETCH_MAX_ROWS, (rows + 3) / 4 * 4));
 }
 
 namespace {
@@ -163,6 +170,22 @@ inline LanesOf<float>::type load_lanes<float, float>(const float* __restrict p) 
     std::memcpy(&v, p, sizeof v);
     return v;
 }
+// bf16 -> fp32 is the 16 bits shifted into the top half: written as whole-vector operations
+// (widen, shift, reinterpret) so that it is one vpmovzxwd + vpslld per 16 elements rather than
+// whatever the compiler makes of 16 scalar conversions.
+#ifndef NNK_BF16_SCALAR_LOAD
+template <>
+inline LanesOf<float>::type load_lanes<float, bf16>(const bf16* __restrict p) {
+    typedef uint16_t U16 __attribute__((vector_size(ACC * 2)));
+    typedef uint32_t U32 __attribute__((vector_size(ACC * 4)));
+    U16 h;
+    std::memcpy(&h, p, sizeof h);
+    const U32 w = __builtin_convertvector(h, U32) << 16;
+    LanesOf<float>::type v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+}
+#endif
 template <>
 inline LanesOf<double>::type load_lanes<double, double>(const double* __restrict p) {
     LanesOf<double>::type v;
@@ -341,11 +364,26 @@ __attribute__((always_inline)) inline float vexp(float x) {
 }
 inline double vexp(double x) { return std::exp(x); }
 
+// g += a (c - x) over a row, ACC elements at a time as vector types (load_lanes converts a bf16
+// row with whole-vector operations), the ragged end one element at a time: per element the
+// same two operations either way. Against the earlier `omp simd` loops over scalar loads
+// (NNK_SCALAR_AXPY, with NNK_BF16_SCALAR_LOAD): forward+backward 1.03-1.07x faster at the four
+// bench_loss CPU shapes, forward 1.00-1.04x (2-core Intel Xeon, 2026-11-24, 3 rounds, same bits).
 template <typename C, typename T>
 inline void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restrict x, C a,
                       int64_t D) {
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) g[d] += a * (load<C>(c, d) - x[d]);
+    typedef typename LanesOf<C>::type V;
+    int64_t d = 0;
+#ifndef NNK_SCALAR_AXPY
+    for (; d + ACC <= D; d += ACC) {
+        V acc, xd;
+        std::memcpy(&acc, g + d, sizeof acc);
+        std::memcpy(&xd, x + d, sizeof xd);
+        acc += a * (load_lanes<C>(c + d) - xd);
+        std::memcpy(g + d, &acc, sizeof acc);
+    }
+#endif
+    for (; d < D; ++d) g[d] += a * (load<C>(c, d) - x[d]);
 }
 
 // g += a_i (c_i - x) for four rows at once, in the order i = 0..3: the same operations, in the
@@ -355,9 +393,22 @@ template <typename C, typename T>
 inline void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __restrict c1,
                        const T* __restrict c2, const T* __restrict c3, const C* __restrict x,
                        const C* a, int64_t D) {
+    typedef typename LanesOf<C>::type V;
     const C a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
+    int64_t d = 0;
+#ifndef NNK_SCALAR_AXPY
+    for (; d + ACC <= D; d += ACC) {
+        V acc, xd;
+        std::memcpy(&acc, g + d, sizeof acc);
+        std::memcpy(&xd, x + d, sizeof xd);
+        acc += a0 * (load_lanes<C>(c0 + d) - xd);
+        acc += a1 * (load_lanes<C>(c1 + d) - xd);
+        acc += a2 * (load_lanes<C>(c2 + d) - xd);
+        acc += a3 * (load_lanes<C>(c3 + d) - xd);
+        std::memcpy(g + d, &acc, sizeof acc);
+    }
+#endif
+    for (; d < D; ++d) {
         const C xd = x[d];
         C acc = g[d];
         acc += a0 * (load<C>(c0, d) - xd);

@@ -1,0 +1,70 @@
+"""The CPU kernel's variant A/B (benchmarks/cpu_variants.py): each variant is a verified build
+of its own, the op runs on the variant being timed, and a variant that does not build stops
+the run naming it."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import cpu_variants  # noqa: E402
+
+import nnkloss  # noqa: E402
+from nnkloss.ops import cpu  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no compiled CPU kernel here")
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """Variant caches under tmp_path; the process's own library afterwards."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", os.environ.get("NNKLOSS_GOVERN_THREADS", "1"))
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)
+    cpu._reset_for_tests()
+
+
+def test_variants_are_separate_builds_and_the_op_runs_on_each(private_tmp):
+    default = cpu_variants.build("")
+    nta = cpu_variants.build("NNK_PREFETCH_LOCALITY=0,NNK_ONE_PASS_BYTES=1024")
+    assert default is not nta
+    assert os.environ.get("NNKLOSS_CACHE_DIR") != str(private_tmp)  # restored
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(300, 40, generator=g)
+    cl = torch.randint(0, 5, (300,), generator=g)
+    nb = torch.randint(0, 300, (16, 50), generator=g)
+    emb = centres[nb[:, 0]] + 0.1
+    labels = cl[nb[:, 0]]
+    results = []
+    for lib in (default, nta):  # 50 x 40 x 4 bytes > 1024: the second one folds in one pass
+        cpu_variants.use(lib)
+        assert cpu._lib() is lib
+        x = emb.clone().requires_grad_(True)
+        loss = nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, sigma=3.0)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-7)
+
+
+def test_main_times_every_variant_and_shape_and_writes_the_log(private_tmp):
+    log = private_tmp / "ab.txt"
+    results = cpu_variants.main(["-D", "", "-D", "NNK_PREFETCH_BYTES=0", "--rounds", "2",
+                                 "--iters", "1", "--shapes", "1", "--out", str(log)])
+    shape = (1024, 32, 128, "fp32")
+    assert set(results) == {("defaults", shape), ("NNK_PREFETCH_BYTES=0", shape)}
+    for runs in results.values():
+        assert len(runs) == 2 and all(ms > 0 for run in runs for ms in run)
+    text = log.read_text().splitlines()
+    assert text[0].startswith("# ") and "commit" in text[0] and "threads 2" in text[0]
+    assert sum(line.startswith("round ") for line in text) == 4
+    assert text.count("# medians over the rounds") == 1
+
+
+def test_a_variant_that_does_not_build_stops_the_run_naming_it(private_tmp):
+    with pytest.raises(SystemExit, match=r"NNK_PREFETCH_BYTES=\)"):
+        cpu_variants.build("NNK_PREFETCH_BYTES=)")  # a syntax error where it is used

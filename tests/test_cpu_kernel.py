@@ -732,9 +732,10 @@ def test_cache_key_follows_compiler_version_and_flags(tmp_path):
     assert len(missing) == 20
 
 
-def test_compile_stages_a_hidden_file_and_reports_the_last_error_line(tmp_path):
+def test_compile_stages_a_hidden_file_and_reports_the_error_line(tmp_path):
     """The compiler writes to a hidden ``.nnk_cpu_*.so`` beside the target, renamed into place
-    on success and removed on failure; a failure names the compiler and its last stderr line."""
+    on success and removed on failure; a failure names the compiler and its first stderr line
+    with "error" (else its last line)."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     log = tmp_path / "args"
@@ -752,6 +753,16 @@ def test_compile_stages_a_hidden_file_and_reports_the_last_error_line(tmp_path):
     silent = _fake_compiler(tmp_path / "quiet", stderr=[])
     with pytest.raises(RuntimeError, match=r"^quiet failed: \?$"):
         cpu._compile(silent, cpu.FLAGS, str(out_dir))
+    # GCC's shape: the error line, then the source line and its caret line
+    gcc = _fake_compiler(tmp_path / "gcclike", stderr=[
+        "k.cpp: In function 'void f()':", "k.cpp:3:5: error: 'y' was not declared",
+        "    3 |     y = 1;", "      |     ^", "k.cpp:4:5: error: second"])
+    with pytest.raises(RuntimeError,
+                       match=r"^gcclike failed: k.cpp:3:5: error: 'y' was not declared$"):
+        cpu._compile(gcc, cpu.FLAGS, str(out_dir))
+    warned = _fake_compiler(tmp_path / "warned", stderr=["warning: a", "collect2: ld returned 1"])
+    with pytest.raises(RuntimeError, match=r"^warned failed: collect2: ld returned 1$"):
+        cpu._compile(warned, cpu.FLAGS, str(out_dir))
 
     good = _fake_compiler(tmp_path / "good", write="ELF")
     path = cpu._compile(good, cpu.FLAGS, str(out_dir))

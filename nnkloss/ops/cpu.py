@@ -221,6 +221,14 @@ def _open_verified(path: str) -> int:
     return fd
 
 
+def _first_error(stderr: str) -> str:
+    """The line of a compiler's stderr that says what failed: the first one with "error"
+    (GCC and Clang end a diagnostic with source and caret lines, which say nothing alone),
+    else the last line, else "?"."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line), lines[-1] if lines else "?")
+
+
 def _compile(cxx: str, flags, out_dir: str) -> str:
     """Compile to a temporary file in ``out_dir``, fsync it, rename it to its keyed name and
     record its sha256 beside it. A library already there is reused only if it verifies
@@ -237,8 +245,7 @@ def _compile(cxx: str, flags, out_dir: str) -> str:
         proc = subprocess.run([cxx, *flags, SOURCE, "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{os.path.basename(cxx)} failed: "
-                               + (proc.stderr.strip().splitlines() or ["?"])[-1])
+            raise RuntimeError(f"{os.path.basename(cxx)} failed: {_first_error(proc.stderr)}")
         os.chmod(tmp, 0o755)  # whatever the umask: group/other-writable would be refused
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())  # the bytes reach the disk before the name does

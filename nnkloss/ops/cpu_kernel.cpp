@@ -173,7 +173,6 @@ inline LanesOf<float>::type load_lanes<float, float>(const float* __restrict p) 
 // bf16 -> fp32 is the 16 bits shifted into the top half: written as whole-vector operations
 // (widen, shift, reinterpret) so that it is one vpmovzxwd + vpslld per 16 elements rather than
 // whatever the compiler makes of 16 scalar conversions.
-#ifndef NNK_BF16_SCALAR_LOAD
 template <>
 inline LanesOf<float>::type load_lanes<float, bf16>(const bf16* __restrict p) {
     typedef uint16_t U16 __attribute__((vector_size(ACC * 2)));
@@ -185,7 +184,6 @@ inline LanesOf<float>::type load_lanes<float, bf16>(const bf16* __restrict p) {
     std::memcpy(&v, &w, sizeof v);
     return v;
 }
-#endif
 template <>
 inline LanesOf<double>::type load_lanes<double, double>(const double* __restrict p) {
     LanesOf<double>::type v;
@@ -364,59 +362,51 @@ __attribute__((always_inline)) inline float vexp(float x) {
 }
 inline double vexp(double x) { return std::exp(x); }
 
-// g += a (c - x) over a row, ACC elements at a time as vector types (load_lanes converts a bf16
-// row with whole-vector operations), the ragged end one element at a time: per element the
-// same two operations either way. Against the earlier `omp simd` loops over scalar loads
-// (NNK_SCALAR_AXPY, with NNK_BF16_SCALAR_LOAD): forward+backward 1.03-1.07x faster at the four
-// bench_loss CPU shapes, forward 1.00-1.04x (2-core Intel Xeon, 2026-11-24, 3 rounds, same bits).
+// g += sum_i a_i (c_i - x) over a row for N gathered rows c_i, in the order i = 0..N-1: ACC
+// elements at a time as vector types (load_lanes converts bf16 rows with whole-vector
+// operations), the ragged end one element at a time; per element the same operations in the
+// same order either way, so the bits do not depend on N or on where the row ends. g and x are
+// loaded, and g stored, once per N rows. Against the `omp simd` loops over scalar loads that
+// this replaced (kept under a macro for the A/B, then removed): forward+backward 1.03-1.07x
+// faster at the four bench_loss CPU shapes, forward 1.00-1.04x (2-core Intel Xeon, 2026-11-24,
+// 3 rounds, benchmarks/results/cpu_variants_Intel_Xeon.txt).
+template <typename C>
+inline void store_lanes(C* __restrict p, const typename LanesOf<C>::type& v) {
+    std::memcpy(p, &v, sizeof v);
+}
+
+template <int N, typename C, typename T>
+inline void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
+                           const C* a, int64_t D) {
+    typedef typename LanesOf<C>::type V;
+    int64_t d = 0;
+    for (; d + ACC <= D; d += ACC) {
+        V acc = load_lanes<C>(g + d);
+        const V xd = load_lanes<C>(x + d);
+        for (int i = 0; i < N; ++i) acc += a[i] * (load_lanes<C>(c[i] + d) - xd);
+        store_lanes(g + d, acc);
+    }
+    for (; d < D; ++d) {
+        const C xd = x[d];
+        C acc = g[d];
+        for (int i = 0; i < N; ++i) acc += a[i] * (load<C>(c[i], d) - xd);
+        g[d] = acc;
+    }
+}
+
 template <typename C, typename T>
 inline void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restrict x, C a,
                       int64_t D) {
-    typedef typename LanesOf<C>::type V;
-    int64_t d = 0;
-#ifndef NNK_SCALAR_AXPY
-    for (; d + ACC <= D; d += ACC) {
-        V acc, xd;
-        std::memcpy(&acc, g + d, sizeof acc);
-        std::memcpy(&xd, x + d, sizeof xd);
-        acc += a * (load_lanes<C>(c + d) - xd);
-        std::memcpy(g + d, &acc, sizeof acc);
-    }
-#endif
-    for (; d < D; ++d) g[d] += a * (load<C>(c, d) - x[d]);
+    const T* const rows[1] = {c};
+    axpy_diff_rows<1>(g, rows, x, &a, D);
 }
 
-// g += a_i (c_i - x) for four rows at once, in the order i = 0..3: the same operations, in the
-// same order, as four axpy_diff calls (so the same bits), but g and x are loaded and g stored
-// once per four rows instead of once per row.
 template <typename C, typename T>
 inline void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __restrict c1,
                        const T* __restrict c2, const T* __restrict c3, const C* __restrict x,
                        const C* a, int64_t D) {
-    typedef typename LanesOf<C>::type V;
-    const C a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
-    int64_t d = 0;
-#ifndef NNK_SCALAR_AXPY
-    for (; d + ACC <= D; d += ACC) {
-        V acc, xd;
-        std::memcpy(&acc, g + d, sizeof acc);
-        std::memcpy(&xd, x + d, sizeof xd);
-        acc += a0 * (load_lanes<C>(c0 + d) - xd);
-        acc += a1 * (load_lanes<C>(c1 + d) - xd);
-        acc += a2 * (load_lanes<C>(c2 + d) - xd);
-        acc += a3 * (load_lanes<C>(c3 + d) - xd);
-        std::memcpy(g + d, &acc, sizeof acc);
-    }
-#endif
-    for (; d < D; ++d) {
-        const C xd = x[d];
-        C acc = g[d];
-        acc += a0 * (load<C>(c0, d) - xd);
-        acc += a1 * (load<C>(c1, d) - xd);
-        acc += a2 * (load<C>(c2, d) - xd);
-        acc += a3 * (load<C>(c3, d) - xd);
-        g[d] = acc;
-    }
+    const T* const c[4] = {c0, c1, c2, c3};
+    axpy_diff_rows<4>(g, c, x, a, D);
 }
 
 // fp16 rows: compilers do not vectorise the scalar half -> float conversion, so a row is

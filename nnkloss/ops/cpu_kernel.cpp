@@ -60,8 +60,8 @@
 // (2026-11-24, forward at B 256, K 100, D 512 and B 1024, K 32, D 128, banks resident in its
 // last-level cache: 5.65 against 1.28 ms and 1.79 against 0.66 ms): what a CPU does with an
 // NTA hint is its own choice, and a cliff on one vendor outweighs a few percent on the other.
-// On that Xeon, hints 1 and 2 (into L2 / L3 only) were 1.05-1.2x slower than 3, and distances
-// of 4, 8 and 16 KiB within noise of each other.
+// On that Xeon, hints 1 and 2 (into L2 / L3 only) were 1.03-1.2x slower than 3 (within noise at
+// D 2048), and distances of 4, 8 and 16 KiB within noise of each other.
 #ifndef NNK_PREFETCH_LOCALITY
 #define NNK_PREFETCH_LOCALITY 3
 #endif

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,13 +43,16 @@ def build(defines: str):
     flags = [f"-D{d.strip()}" for d in defines.split(",") if d.strip()]
     saved = (cpu.FLAGS, os.environ.get("NNKLOSS_CACHE_DIR"))
     cpu.FLAGS = saved[0] + flags
-    os.environ["NNKLOSS_CACHE_DIR"] = tempfile.mkdtemp(prefix="nnk_variant_")
+    cache = tempfile.mkdtemp(prefix="nnk_variant_")
+    os.environ["NNKLOSS_CACHE_DIR"] = cache
     try:
         cpu._reset_for_tests()
         if not cpu.available():
             raise SystemExit(f"variant {defines!r} did not build: {cpu.build_info()['error']}")
         return cpu._state["lib"]
     finally:
+        # loaded through its open descriptor (cpu._load), so the files can go now
+        shutil.rmtree(cache, ignore_errors=True)
         cpu.FLAGS = saved[0]
         if saved[1] is None:
             os.environ.pop("NNKLOSS_CACHE_DIR", None)

@@ -56,10 +56,11 @@
 #endif
 // Their locality hint: 3 (prefetcht0, into every level). The non-temporal hint 0 (prefetchnta)
 // was measured 1.02-1.05x faster on the 2-core AMD EPYC machine (2026-11-24, forward at B 1024,
-// K 32, D 128, other shapes within noise) but 3.8-4.4x slower on a 2-core Intel Xeon with AMX
-// (2026-11-24, forward at B 256, K 100, D 512 and B 1024, K 32, D 128, banks resident in its
-// last-level cache: 5.65 against 1.28 ms and 1.79 against 0.66 ms): what a CPU does with an
-// NTA hint is its own choice, and a cliff on one vendor outweighs a few percent on the other.
+// K 32, D 128, other shapes within noise) but 2.2-4.7x slower (forward) on a 2-core Intel Xeon
+// with AMX (2026-11-24, 3 interleaved rounds, banks resident in its last-level cache: 5.55
+// against 1.19 ms at B 256, K 100, D 512; benchmarks/results/cpu_variants_Intel_Xeon.txt):
+// what a CPU does with an NTA hint is its own choice, and a cliff on one vendor outweighs a few
+// percent on the other.
 // On that Xeon, hints 1 and 2 (into L2 / L3 only) were 1.03-1.2x slower than 3 (within noise at
 // D 2048), and distances of 4, 8 and 16 KiB within noise of each other.
 #ifndef NNK_PREFETCH_LOCALITY

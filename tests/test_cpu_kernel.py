@@ -359,6 +359,32 @@ def test_scale_rows(dtype):
 
 
 @kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scale_rows_applies_the_row_rule_of_lse_pos_and_reads_an_expanded_g(dtype):
+    """The backward's row rule inside the kernel: rows whose lse_pos is -inf (no same-class
+    neighbour) and rows with g 0 get 0 whatever grad_x holds; a NaN lse_pos row is counted and
+    keeps its NaN; g may be an expanded scalar (stride 0) or a strided view."""
+    gen = torch.Generator().manual_seed(3)
+    grad_x = torch.randn(37, 70, dtype=dtype, generator=gen)
+    lse_pos = torch.randn(37, dtype=dtype, generator=gen)
+    lse_pos[[2, 9]] = float("-inf")
+    lse_pos[5] = float("nan")
+    grad_x[[2, 5, 11], 3] = float("nan")
+    g_full = torch.randn(37, 2, dtype=dtype, generator=gen)[:, 1]  # stride 2
+    g_full[11] = 0
+    for g in (torch.tensor(0.25, dtype=dtype).expand(37), g_full):
+        takes = (g != 0) & (lse_pos != float("-inf"))
+        want = torch.where(takes[:, None], g[:, None] * grad_x, 0.0)
+        got = cpu.scale_rows(grad_x, g, lse_pos)
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[5, 3]
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert not got[[2, 9]].any() and (g[11] != 0 or not got[11].any())
+    # g of another length is not read past its end: torch's broadcasting rules it out
+    with pytest.raises(RuntimeError):
+        cpu.scale_rows(grad_x, torch.ones(36, dtype=dtype), lse_pos)
+
+
+@kernel
 def test_op_nan_row_reaches_the_mean_on_the_cpu_backend():
     emb, labels, centres, cl, nb, w, s = make(B=6, K=4, D=5, N=12, seed=12)
     emb = emb.clone()

@@ -257,9 +257,9 @@ def test_backward_scales_rows_on_the_kernel_threads_only_for_the_cpu_backend(mon
     calls = []
     real = cpu.scale_rows
 
-    def spy(grad_x, g):
+    def spy(grad_x, g, lse_pos=None):
         calls.append(grad_x.shape)
-        return real(grad_x, g)
+        return real(grad_x, g, lse_pos)
     monkeypatch.setattr(cpu, "scale_rows", spy)
     g = torch.Generator().manual_seed(15)
     x = torch.randn(3, 4, generator=g, requires_grad=True)
@@ -525,6 +525,47 @@ def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backe
         assert not nk.plain_eager(fake[0])
         rows, counted = nk.loss_rows_unchecked(*fake, backend=backend)
         assert rows.shape == (5,) and counted.dtype == torch.bool
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_recorded_eager_calls_run_the_op_as_an_autograd_function(monkeypatch, backend):
+    """With a gradient to record, an eager call on plain tensors runs the op's forward,
+    setup_context and backward through ``_EagerForward`` (no custom-op dispatch); traced, the
+    custom op runs. Both carriers give the same loss and the same gradients for emb, centres,
+    weights and sigma, bit for bit."""
+    from nnkloss.ops import neighbour_kernel as nk
+    g = torch.Generator().manual_seed(19)
+    emb, centres = torch.randn(6, 5, generator=g), torch.randn(9, 5, generator=g)
+    w, s = torch.rand(9, generator=g) + 0.5, torch.tensor(0.8)
+    rest = (torch.tensor([0, 1, 0, 1, 2, 2]), torch.tensor([0, 1, 0, 1, 2, 0, 1, 2, 2]),
+            torch.tensor([[0, 1, 2], [1, 3, 4], [2, 5, 0], [4, 3, -1], [8, 7, 6], [6, 5, 4]]))
+    via_op, via_function = [], []
+    real_op, real_apply = torch.ops.nnkloss.nk_forward, nk._EagerForward.apply
+
+    def spy_op(*a):
+        via_op.append(a[-1])
+        return real_op(*a)
+
+    def spy_apply(*a):
+        via_function.append(a[-1])
+        return real_apply(*a)
+    monkeypatch.setattr(torch.ops.nnkloss, "nk_forward", spy_op)
+    monkeypatch.setattr(nk._EagerForward, "apply", spy_apply)
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (emb, centres, w, s)]
+        x, c, ww, ss = leaves
+        loss = nnkloss.neighbour_kernel_loss(x, rest[0], c, rest[1], rest[2], ww, ss,
+                                             backend=backend)
+        return [loss] + list(torch.autograd.grad(loss, leaves))
+    eager = grads()
+    assert via_function == [True] and via_op == []
+    monkeypatch.setattr(nk, "plain_eager", lambda *t: False)
+    traced = grads()
+    assert via_function == [True] and via_op == [True]
+    for a, b in zip(eager, traced, strict=True):
+        assert torch.equal(a, b)
+    assert all(t.abs().sum() > 0 for t in eager[1:])
 
 
 def test_cpu_backward_scales_rows_without_the_custom_op_dispatch_in_eager(monkeypatch):

@@ -284,7 +284,7 @@ def _declare(lib):
     lib.nnk_forward.restype = I
     lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
     lib.nnk_centre_grad.restype = I
-    lib.nnk_scale_rows.argtypes = [I, P, P, I64, I64, P, I]
+    lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, I64, I64, P, I]
     lib.nnk_scale_rows.restype = I
     lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
     lib.nnk_gather_lists.restype = I
@@ -563,20 +563,28 @@ def centre_grad(emb, centres, neighbours, coef):
     return grad
 
 
-def scale_rows(grad_x, g):
+def scale_rows(grad_x, g, lse_pos=None):
     """``g[:, None] * grad_x`` (the backward's embedding gradient) in one pass on the kernel's
-    threads (governed like the forward); rows with ``g == 0`` get 0 whatever ``grad_x`` holds
-    (NaN rows pass no gradient on). One call instead of torch's where / mul / ne chain."""
+    threads (governed like the forward). A row takes no gradient, and passes none on (NaN rows
+    too), where ``g == 0`` or, when ``lse_pos`` (B,) is given, where ``lse_pos == -inf`` (no
+    same-class neighbour): the kernel applies that rule itself, so the backward builds no mask.
+    ``g`` (B,) may be an expanded scalar (stride 0, as autograd passes a reduced loss's
+    gradient): it is read as it is. One call instead of torch's ne / where / mul chain."""
     lib = _lib()
-    g = g.to(grad_x.dtype).contiguous()
+    g = g.to(grad_x.dtype)
+    if lse_pos is not None:
+        lse_pos = lse_pos.to(grad_x.dtype).contiguous()
     if (lib is None or grad_x.device.type != "cpu" or not grad_x.is_contiguous()
-            or grad_x.dtype not in (torch.float32, torch.float64)):
-        return torch.where((g != 0)[:, None], g[:, None] * grad_x, 0.0)
+            or grad_x.dtype not in (torch.float32, torch.float64)
+            or g.shape != grad_x.shape[:1]
+            or (lse_pos is not None and lse_pos.shape != grad_x.shape[:1])):
+        takes = g != 0 if lse_pos is None else (g != 0) & (lse_pos != float("-inf"))
+        return torch.where(takes[:, None], g[:, None] * grad_x, 0.0)
     B, D = grad_x.shape
     out = torch.empty_like(grad_x)
     rc = _run("scale_rows", B * D, lambda n: lib.nnk_scale_rows(
-        int(grad_x.dtype == torch.float64), grad_x.data_ptr(), g.data_ptr(), B, D,
-        out.data_ptr(), n), SCALE_MIN_ELEMS)
+        int(grad_x.dtype == torch.float64), grad_x.data_ptr(), g.data_ptr(), g.stride(0),
+        _ptr(lse_pos), B, D, out.data_ptr(), n), SCALE_MIN_ELEMS)
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
     return out

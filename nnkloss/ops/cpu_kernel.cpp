@@ -898,14 +898,19 @@ void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64
 }
 
 // out[b, :] = g[b] * grad_x[b, :] (the backward's only (B, D) operation), rows shared out
-// like the forward's.
+// like the forward's; g is read with stride gs (0: one value for every row, the gradient of a
+// reduced loss as autograd hands it over). A row takes no gradient, and passes none on (NaN or
+// not), where g[b] == 0 or, when lse_pos is given, where lse_pos[b] == -inf (no same-class
+// neighbour): the backward's row rule in the same pass, with no (B,) mask built first.
 template <typename C>
-void scale_rows_impl(const C* grad_x, const C* g, int64_t B, int64_t D, C* out, int nthreads) {
+void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, int64_t B,
+                     int64_t D, C* out, int nthreads) {
     auto row = [=](int64_t b) {
-        const C a = g[b];
+        const bool counted = !lse_pos || lse_pos[b] != -std::numeric_limits<C>::infinity();
+        const C a = counted ? g[b * gs] : C(0);
         const C* __restrict src = grad_x + b * D;
         C* __restrict dst = out + b * D;
-        if (a == C(0)) {  // a row that takes no gradient passes none on, NaN or not
+        if (a == C(0)) {
             for (int64_t d = 0; d < D; ++d) dst[d] = C(0);
             return;
         }
@@ -1020,12 +1025,14 @@ int nnk_vexp(const float* x, float* out, int64_t n) {
     return 0;
 }
 
-// out[b, :] = g[b] * grad_x[b, :]
-int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t B, int64_t D,
-                   void* out, int nthreads) {
+// out[b, :] = g[b * gs] * grad_x[b, :], zero rows where that is 0 or lse_pos[b] is -inf
+// (lse_pos may be null: g alone decides)
+int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t gs,
+                   const void* lse_pos, int64_t B, int64_t D, void* out, int nthreads) {
     return with_compute_type(ctype, [&](auto c) {
         using C = decltype(c);
-        scale_rows_impl<C>((const C*)grad_x, (const C*)g, B, D, (C*)out, nthreads);
+        scale_rows_impl<C>((const C*)grad_x, (const C*)g, gs, (const C*)lse_pos, B, D, (C*)out,
+                           nthreads);
     });
 }
 

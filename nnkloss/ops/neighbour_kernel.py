@@ -6,8 +6,9 @@ In the order of a reading: the two custom ops (``nnkloss::nk_forward``,
 :mod:`nnkloss.ops.backends` (Triton kernels of ``kernels/``, or the plain PyTorch path of
 :mod:`nnkloss.ops.reference`); the one autograd definition that serves every backend (B x K /
 B x D elementwise work from the forward's saved outputs, plus, only when centres require grad,
-the centre-gradient scatter, itself an op that other losses call too); then the functional API
-and its reduction.
+the centre-gradient scatter, itself an op that other losses call too), registered on the
+custom op and carried in eager mode by an autograd.Function made of the same three functions
+(``_EagerForward``: no dispatch cost); then the functional API and its reduction.
 """
 from __future__ import annotations
 
@@ -25,16 +26,18 @@ __all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOut
            "loss_rows_unchecked", "reduce_rows"]
 
 
-@torch.library.custom_op("nnkloss::nk_forward", mutates_args=())
-def _nk_forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
-                neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor,
-                backend: str, store_dist: bool,
-                need_grad_x: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
+             neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor,
+             backend: str, store_dist: bool,
+             need_grad_x: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # need_grad_x False is the forward-only path: no gradient term is computed on any backend
     # and grad_x comes back (B, 0) (ops/CONTRACT.md).
     return implementation(backend).forward(emb, labels, centres, centre_labels, neighbours,
                                            weights, sigma, store_dist=store_dist,
                                            need_grad_x=need_grad_x)
+
+
+_nk_forward = torch.library.custom_op("nnkloss::nk_forward", _forward, mutates_args=())
 
 
 @_nk_forward.register_fake
@@ -55,15 +58,26 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
 
 
 @torch.library.custom_op("nnkloss::nk_scale_rows", mutates_args=())
-def _nk_scale_rows(grad_x: Tensor, g: Tensor) -> Tensor:
-    """``g[:, None] * grad_x`` (0 where g == 0) by the compiled CPU kernel's threads."""
+def _nk_scale_rows(grad_x: Tensor, g: Tensor, lse_pos: Tensor) -> Tensor:
+    """``g[:, None] * grad_x``, 0 where g == 0 or lse_pos == -inf, by the compiled CPU
+    kernel's threads (:func:`nnkloss.ops.cpu.scale_rows`)."""
     from . import cpu
-    return cpu.scale_rows(grad_x, g)
+    return cpu.scale_rows(grad_x, g, lse_pos)
 
 
 @_nk_scale_rows.register_fake
-def _nk_scale_rows_fake(grad_x, g):
+def _nk_scale_rows_fake(grad_x, g, lse_pos):
     return torch.empty_like(grad_x)
+
+
+def _scale_rows_cpu(grad_x, g, lse_pos):
+    """The CPU backend's embedding gradient (:func:`nnkloss.ops.cpu.scale_rows`): called
+    directly, without the custom op's dispatch (~8 us of a ~90 us backward), unless this
+    backward is itself recorded (create_graph=True: grad mode is on here)."""
+    if not torch.is_grad_enabled() and plain_eager(grad_x, g):
+        from . import cpu
+        return cpu.scale_rows(grad_x, g, lse_pos)
+    return torch.ops.nnkloss.nk_scale_rows(grad_x, g, lse_pos)
 
 
 def _setup_context(ctx, inputs, output):
@@ -86,32 +100,29 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
     need = ctx.needs_input_grad
     need_emb, need_c, need_w, need_s = need[0], need[2], need[5], need[6]
     cdt = grad_x.dtype
+    if need_emb and grad_x.shape[1] != emb.shape[1]:
+        # Only a direct call of the op can get here: loss_rows_unchecked asks for grad_x
+        # whenever emb requires grad.
+        raise RuntimeError("nnkloss::nk_forward was called with need_grad_x=False, so it "
+                           "cannot give emb a gradient")
+    grad_emb = None
+    if ctx.backend == "cpu":
+        # On the kernel's threads (torch's pool spins after each op), in one call that also
+        # applies the row rule below (rows with lse_pos -inf or g 0 get 0): no mask is built,
+        # and g_loss is read as autograd hands it over (an expanded scalar after a mean).
+        if need_emb:
+            grad_emb = _scale_rows_cpu(grad_x, g_loss.to(cdt), lse_pos).to(emb.dtype)
+        if not (need_c or need_w or need_s):
+            return grad_emb, None, None, None, None, None, None, None, None, None
     # Rows without a same-class neighbour carry no gradient, whatever flows in; non-finite
     # rows (lse_pos NaN) are counted and pass their NaN on.
     counted = lse_pos != float("-inf")
     g = torch.where(counted, g_loss.to(cdt), torch.zeros((), dtype=cdt, device=g_loss.device))
     # A row that receives no gradient passes none on, NaN or not (0 * NaN would be NaN): a
     # caller may select the finite rows of reduction="none" and train on them.
-    # (the CPU kernel's row scaling applies it itself: no mask needed for emb alone)
-    cpu_emb_only = ctx.backend == "cpu" and not (need_c or need_w or need_s)
-    takes = None if cpu_emb_only else (g != 0)[:, None]
-    grad_emb = None
-    if need_emb and grad_x.shape[1] != emb.shape[1]:
-        # Only a direct call of the op can get here: loss_rows_unchecked asks for grad_x
-        # whenever emb requires grad.
-        raise RuntimeError("nnkloss::nk_forward was called with need_grad_x=False, so it "
-                           "cannot give emb a gradient")
-    if need_emb:
-        if ctx.backend == "cpu":  # on the kernel's threads (torch's pool spins after each op)
-            # Directly, without the custom op's dispatch (~8 us of a ~90 us backward), unless
-            # this backward is itself recorded (create_graph=True: grad mode is on here).
-            if not torch.is_grad_enabled() and plain_eager(grad_x, g):
-                from . import cpu
-                grad_emb = cpu.scale_rows(grad_x, g).to(emb.dtype)
-            else:
-                grad_emb = torch.ops.nnkloss.nk_scale_rows(grad_x, g).to(emb.dtype)
-        else:
-            grad_emb = torch.where(takes, g[:, None] * grad_x, 0.0).to(emb.dtype)
+    takes = (g != 0)[:, None]
+    if need_emb and grad_emb is None:
+        grad_emb = torch.where(takes, g[:, None] * grad_x, 0.0).to(emb.dtype)
     grad_c = grad_w = grad_s = None
     if need_c or need_w or need_s:
         # u = ||(c - x) / sigma||^2 was saved by the forward (store_dist=True); the exact
@@ -160,6 +171,27 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
 
 
 torch.library.register_autograd("nnkloss::nk_forward", _backward, setup_context=_setup_context)
+
+
+class _EagerForward(torch.autograd.Function):
+    """``nnkloss::nk_forward`` for eager calls on plain tensors that autograd records: the
+    op's own forward, setup_context and backward (the one autograd definition above), carried
+    by an autograd.Function instead of the custom op. The op's dispatch and the autograd wrapper
+    torch.library generates for it cost ~110-130 us of a ~1.0 ms forward+backward at B 1024,
+    K 32, D 128 on the 2-core Intel Xeon's CPU backend (2026-11-25); under torch.compile,
+    export or a dispatch mode the custom op runs (see loss_rows_unchecked).
+
+    forward takes ctx and calls setup_context itself: with a separate ``setup_context``
+    staticmethod, torch binds the call's arguments to forward's signature through
+    ``inspect.signature`` on every apply (34 against 8 us a call, same machine)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
 
 
 class LossOutput(NamedTuple):
@@ -221,16 +253,18 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     args = (emb.contiguous(), labels.contiguous(), centres.contiguous(),
             centre_labels.contiguous(), neighbours.contiguous(),
             None if weights is None else weights.contiguous(), sigma)
-    if not (store_dist or need_grad_x) and plain_eager(emb, centres):
+    if not plain_eager(emb, centres):  # traced (torch.compile, export) or under a dispatch mode
+        per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(*args, backend, store_dist,
+                                                                  need_grad_x)
+    elif not (store_dist or need_grad_x):
         # Forward only, in eager mode on plain tensors: autograd has nothing to record, so the
         # backend runs directly; the custom op's dispatch cost ~8 us per call, ~3% of the
         # forward at B 1024, K 32, D 128 on CPU (measured 2026-11-24). Same function, same
         # outputs (tests/test_ops_neighbour_kernel.py).
-        per_row, _, lse_pos, _, _ = implementation(backend).forward(
-            *args, store_dist=False, need_grad_x=False)
-    else:
-        per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(*args, backend, store_dist,
-                                                                  need_grad_x)
+        per_row, _, lse_pos, _, _ = _forward(*args, backend, False, False)
+    else:  # eager, with a gradient to record: the same op as an autograd.Function
+        per_row, _, lse_pos, _, _ = _EagerForward.apply(*args, backend, store_dist,
+                                                         need_grad_x)
     return per_row, lse_pos != float("-inf")
 
 

@@ -47,6 +47,10 @@
 #include <immintrin.h>
 #endif
 
+#ifndef NNK_GENERIC_BF16_WIDEN
+#define NNK_GENERIC_BF16_WIDEN 0
+#endif
+
 // How many bytes of gathered centre rows pass 1 prefetches ahead of the rows it reads (0: no
 // software prefetch): the distance in rows is this over the row's size, 4 to 16 rows. A random
 // gather defeats the hardware prefetcher, within a row too: prefetching only every second or
@@ -178,9 +182,10 @@ inline LanesOf<float>::type load_lanes<float, float>(const float* __restrict p) 
 // extract and an insert (four shuffle-port operations instead of one per 16 elements), which
 // made the bf16 gradient pass half as fast per element as the fp32 one (2-core Intel Xeon,
 // 2026-11-25, one thread, B 256, K 100, D 512: 12.4 against 26.3 G elements/s).
+// NNK_GENERIC_BF16_WIDEN=1 keeps the generic form (for A/B on another compiler or CPU).
 template <>
 inline LanesOf<float>::type load_lanes<float, bf16>(const bf16* __restrict p) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !NNK_GENERIC_BF16_WIDEN
     const __m512i w = _mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
     LanesOf<float>::type v;

@@ -1400,7 +1400,8 @@ def test_gather_lists_leaves_what_it_does_not_do_to_the_caller():
 
 
 @kernel
-@pytest.mark.parametrize("K,D", [(20, 16), (12, 128), (9, 300), (300, 304), (20, 37), (300, 300)])
+@pytest.mark.parametrize("K,D", [(20, 16), (12, 128), (9, 96), (9, 300), (300, 304), (20, 37),
+                                 (300, 300)])
 def test_bf16_bank_is_the_fp32_bank_of_its_values(K, D):
     """bf16 centre rows are converted to fp32 a vector at a time (load_lanes<float, bf16>) and
     the gradient's row updates run ACC elements at a time with a ragged end one at a time

@@ -189,7 +189,6 @@ class _EagerForward(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[1:])  # only the loss rows pass a gradient on
         return output
 
     backward = staticmethod(_backward)

@@ -307,19 +307,29 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
         return False
     defer = bool(centres_after_op) and defers_gathered_centres(centres.device)
     N = centres.shape[0]
-    no = neighbours.new_zeros((), dtype=torch.bool)
-    lo, hi = torch.aminmax(neighbours) if neighbours.numel() else (None, None)  # one pass
-    flags = [
-        (hi >= N) if hi is not None else no,
-        (lo < -1) if lo is not None else no,
-        maybe_nonfinite(emb),  # "perhaps": settled exactly below when set
-        ~((sigma.detach() > 0) & (sigma.detach() < float("inf"))),  # NaN fails both
-        no if defer else ~_gathered_rows_finite(centres, neighbours),
-    ]
-    if weights is not None:
-        wd = weights.detach()
-        flags.append(negative_or_nonfinite(wd))
-    bad = torch.stack([f.reshape(()).to(emb.device) for f in flags]).tolist()
+    compiled = _compiled_value_flags(emb, neighbours, weights)
+    if compiled is not None:  # CPU tensors, the compiled kernel already loaded: one call
+        lo, hi, emb_bad, weights_bad = compiled
+        s = float(sigma.detach())  # a CPU tensor: read, no synchronisation
+        listed = neighbours.numel() > 0
+        bad = [listed and hi >= N, listed and lo < -1, emb_bad, not (0 < s < float("inf")),
+               not defer and not bool(_gathered_rows_finite(centres, neighbours))]
+        if weights is not None:
+            bad.append(weights_bad)
+    else:
+        no = neighbours.new_zeros((), dtype=torch.bool)
+        lo, hi = torch.aminmax(neighbours) if neighbours.numel() else (None, None)  # one pass
+        flags = [
+            (hi >= N) if hi is not None else no,
+            (lo < -1) if lo is not None else no,
+            maybe_nonfinite(emb),  # "perhaps": settled exactly below when set
+            ~((sigma.detach() > 0) & (sigma.detach() < float("inf"))),  # NaN fails both
+            no if defer else ~_gathered_rows_finite(centres, neighbours),
+        ]
+        if weights is not None:
+            wd = weights.detach()
+            flags.append(negative_or_nonfinite(wd))
+        bad = torch.stack([f.reshape(()).to(emb.device) for f in flags]).tolist()
     if bad[0]:
         raise IndexError(f"neighbours holds index {int(hi)} but there are only "
                          f"{N} centres (valid: 0..{N - 1}, or -1 for padding)")
@@ -339,6 +349,22 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
     if has_bad_weights:
         raise ValueError("weights must be finite and non-negative (a zero weight removes a centre)")
     return defer
+
+
+def _compiled_value_flags(emb, neighbours, weights):
+    """``(lo, hi, emb_bad, weights_bad)`` of :func:`check_values` from the compiled CPU
+    kernel in one call (:func:`nnkloss.ops.cpu.value_flags`: the list entries' range, a NaN/inf
+    in emb, a negative or non-finite weight), or None: not CPU tensors, the library not loaded
+    (a value check never builds it), or inputs it does not take. Same answers as the torch
+    reductions below it (tests/test_bad_input.py runs both)."""
+    if not _COMPILED_CHECKS:
+        return None
+    from .ops import cpu
+    return cpu.value_flags(emb, neighbours, weights)
+
+
+# Off: check_values always takes the torch path (tests compare the two).
+_COMPILED_CHECKS = True
 
 
 def check_gathered_centres_after_op(per_row, centres, neighbours) -> None:

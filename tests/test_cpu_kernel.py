@@ -1428,3 +1428,41 @@ def test_bf16_bank_is_the_fp32_bank_of_its_values(K, D):
         else:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item(),
                                        equal_nan=True)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_compiled_value_flags_match_the_torch_reductions(dtype, index_dtype):
+    """nnk_check_values reads the bits (an all-ones exponent: NaN / inf; a set sign on a
+    nonzero weight: negative) in every float type, int32 and int64 lists: the list range and
+    both flags equal what the torch reductions of check_values give, at every place of a
+    vector and past it, -0.0 and tiny negative weights included."""
+    from nnkloss.validation import maybe_nonfinite, negative_or_nonfinite, _every_value_finite
+    g = torch.Generator().manual_seed(4)
+    nb = torch.randint(-1, 50, (37, 5), generator=g).to(index_dtype)
+    emb = torch.randn(37, 9, generator=g).to(dtype)
+    w = torch.rand(70, generator=g).to(dtype)
+    lo, hi, emb_bad, w_bad = cpu.value_flags(emb, nb, w)
+    assert (lo, hi) == (int(nb.min()), int(nb.max())) and not emb_bad and not w_bad
+    nb[3, 1], nb[30, 4] = -7, 2 ** 31 - 1
+    assert cpu.value_flags(emb, nb, w)[:2] == (-7, 2 ** 31 - 1)
+    for place in (0, 15, 16, 17, emb.numel() - 1):
+        for bad in (float("nan"), float("inf"), float("-inf"), -float("nan")):
+            e = emb.clone()
+            e.view(-1)[place] = bad
+            assert cpu.value_flags(e, nb, w)[2] is True
+            assert bool(maybe_nonfinite(e)) and not _every_value_finite(e)
+    big = torch.full_like(emb, torch.finfo(dtype).max)  # finite, whose sum overflows
+    assert cpu.value_flags(big, nb, None) == (-7, 2 ** 31 - 1, False, False)
+    for value in (0.0, -0.0, 1e-30, -1e-30, -1.0, float("nan"), -float("nan"), float("inf"),
+                  float("-inf"), torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 4):
+        for place in (0, 31, 69):
+            ww = w.clone()
+            ww[place] = value
+            want = bool(negative_or_nonfinite(ww))
+            assert cpu.value_flags(emb, nb, ww)[3] is want, (value, place)
+    empty = cpu.value_flags(emb[:0], nb[:0], w[:0])
+    assert empty[2:] == (False, False)
+    assert cpu.value_flags(emb.t(), nb, w) is None  # not contiguous: the torch path

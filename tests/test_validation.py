@@ -7,6 +7,31 @@ import nnkloss
 from cases import good_op_args as good
 
 
+@pytest.fixture(params=["torch", "compiled"])
+def checks_path(request, monkeypatch):
+    """check_values by its torch reductions, or by the compiled CPU kernel's one call
+    (nnkloss.ops.cpu.value_flags, taken once the library is loaded). Yields the list of the
+    compiled calls made (True: taken); the compiled run asserts that each was taken."""
+    from nnkloss import validation
+    from nnkloss.ops import cpu
+    if request.param == "torch":
+        monkeypatch.setattr(validation, "_COMPILED_CHECKS", False)
+        yield None
+        return
+    if not cpu.available():
+        pytest.skip("the compiled CPU kernel is unavailable here")
+    taken = []
+    real = cpu.value_flags
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(cpu, "value_flags", spy)
+    yield taken
+    assert all(taken)
+
+
 def test_good_input_works():
     assert torch.isfinite(nnkloss.neighbour_kernel_loss(**good()))
 
@@ -44,7 +69,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, value, exc, match", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_bad_input_raises(name, value, exc, match):
+def test_bad_input_raises(name, value, exc, match, checks_path):
     args = good()
     args[name] = value
     with pytest.raises(exc, match=match):
@@ -163,12 +188,14 @@ def test_check_values_defers_the_gathered_centres_only_when_asked_on_cpu(monkeyp
     (dict(centre=float("nan"), emb=float("nan")), ValueError, r"^emb contains NaN or inf$"),
     (dict(weight=-1.0), ValueError, r"^weights must be finite and non-negative"),
 ], ids=["centres+negative-weight", "centres+nan-weight", "emb+centres", "weights"])
-def test_errors_keep_their_order_when_the_centres_are_deferred(after, case, exc, match):
+def test_errors_keep_their_order_when_the_centres_are_deferred(after, case, exc, match,
+                                                              checks_path):
     """Several bad arguments: the same one is named with or without the deferral (the index
     range, then emb, sigma, centres, weights), so the deferral changes no error."""
     from nnkloss.validation import check_values
     with pytest.raises(exc, match=match):
         check_values(*value_args(**case), centres_after_op=after)
+    assert checks_path is None or checks_path == [True]
 
 
 def test_check_after_the_op_reads_the_centres_only_for_a_nan_row(monkeypatch):
@@ -261,7 +288,7 @@ def test_weight_test_refuses_negative_and_nonfinite(value, ok):
         assert bool(negative_or_nonfinite(w)) is not ok
 
 
-def test_checks_accept_finite_values_whose_sum_overflows():
+def test_checks_accept_finite_values_whose_sum_overflows(checks_path):
     """emb and weights near fp32's maximum are finite: the op's checks must not refuse them
     (their sums overflow, so the exact test decides); a NaN beside them still raises."""
     from nnkloss.validation import check_values
@@ -276,3 +303,4 @@ def test_checks_accept_finite_values_whose_sum_overflows():
     w[3] = -1.0
     with pytest.raises(ValueError, match=r"^weights must be finite and non-negative"):
         check_values(e, c, nb, w, s)
+    assert checks_path is None or checks_path == [True] * 3

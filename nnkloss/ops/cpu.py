@@ -54,8 +54,8 @@ from ..atomic import atomic_write
 from ..threads import ThreadGovernor
 from . import reference
 
-__all__ = ["available", "forward", "centre_grad", "scale_rows", "gather_lists", "build_info",
-           "library_path", "knn_selection"]
+__all__ = ["available", "loaded", "forward", "centre_grad", "scale_rows", "gather_lists",
+           "value_flags", "build_info", "library_path", "knn_selection"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
@@ -288,6 +288,8 @@ def _declare(lib):
     lib.nnk_scale_rows.restype = I
     lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
     lib.nnk_gather_lists.restype = I
+    lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
+    lib.nnk_check_values.restype = I
     lib.nnk_vexp.argtypes = [P, P, I64]
     lib.nnk_vexp.restype = I
     lib.nnk_knn_select.argtypes = [P, I64, I64, I64, I64, I64, I64, P, P, P, I]
@@ -609,6 +611,35 @@ def gather_lists(table, idx, exclude_self: bool):
                               _INDEX_TYPES[idx.dtype], idx.shape[0], int(bool(exclude_self)),
                               out.data_ptr())
     return out if rc == 0 else None
+
+
+def loaded() -> bool:
+    """True when the compiled library is already loaded in this process (never builds it)."""
+    return _state["lib"] is not None
+
+
+def value_flags(emb, neighbours, weights):
+    """The value checks' reads of CPU tensors in one call (``nnk_check_values``): ``(lo, hi,
+    emb_bad, weights_bad)``, the smallest and largest list entry (0, 0 when there is none),
+    whether emb holds a NaN or inf, whether weights (None: no weights) hold a negative value,
+    NaN or inf. None where this does not apply: the library not loaded yet (a check never
+    builds it), non-CPU or non-contiguous tensors, dtypes it does not read."""
+    lib = _state["lib"]
+    if (lib is None or not emb.is_cpu or not neighbours.is_cpu
+            or emb.dtype not in _BANK_TYPES or neighbours.dtype not in _INDEX_TYPES
+            or not emb.is_contiguous() or not neighbours.is_contiguous()
+            or (weights is not None and (not weights.is_cpu or weights.dtype not in _BANK_TYPES
+                                         or not weights.is_contiguous()))):
+        return None
+    out = (ctypes.c_int64 * 4)()
+    rc = lib.nnk_check_values(
+        neighbours.data_ptr(), int(neighbours.dtype == torch.int64), neighbours.numel(),
+        emb.data_ptr(), _BANK_TYPES[emb.dtype], emb.numel(), _ptr(weights),
+        _BANK_TYPES[weights.dtype] if weights is not None else 0,
+        0 if weights is None else weights.numel(), out)
+    if rc != 0:
+        raise RuntimeError(f"nnk_check_values failed (code {rc})")
+    return out[0], out[1], bool(out[2]), bool(out[3])
 
 
 def forward_exp(x):

@@ -960,6 +960,69 @@ int gather_lists_impl(const I* table, int64_t N, int64_t K, const J* idx, int64_
     return 0;
 }
 
+// The op's value checks on CPU tensors (nnkloss/validation.check_values), each array read
+// once by one thread, in one call instead of a dozen torch reductions and comparisons (their
+// dispatch, not their reads, was most of a checked call's extra cost at B 1024, K 32, D 128).
+// Non-finite is an all-ones exponent, tested on the bits so that bf16 / fp16 need no
+// conversion; a weight is bad when it is negative, NaN or infinite.
+template <typename I>
+void index_range(const I* __restrict p, int64_t n, int64_t* lo, int64_t* hi) {
+    I a = std::numeric_limits<I>::max(), b = std::numeric_limits<I>::min();
+#pragma omp simd reduction(min : a) reduction(max : b)
+    for (int64_t i = 0; i < n; ++i) {
+        a = p[i] < a ? p[i] : a;
+        b = p[i] > b ? p[i] : b;
+    }
+    *lo = (int64_t)a;
+    *hi = (int64_t)b;
+}
+
+// U: the element's bits as an unsigned integer; mask: its exponent field.
+template <typename U>
+int any_exponent_all_ones(const U* __restrict p, int64_t n, U mask) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i) bad |= (int)((p[i] & mask) == mask);
+    return bad;
+}
+
+int any_nonfinite(const void* p, int type, int64_t n) {
+    switch (type) {
+        case 0: return any_exponent_all_ones((const uint32_t*)p, n, (uint32_t)0x7f800000u);
+        case 1: return any_exponent_all_ones((const uint64_t*)p, n,
+                                             (uint64_t)0x7ff0000000000000ull);
+        case 2: return any_exponent_all_ones((const uint16_t*)p, n, (uint16_t)0x7f80u);
+        case 3: return any_exponent_all_ones((const uint16_t*)p, n, (uint16_t)0x7c00u);
+    }
+    return -1;
+}
+
+// A weight is bad when its sign bit is set on a nonzero value (negative; -0.0 is a zero
+// weight, allowed) or its exponent is all ones (NaN, inf).
+template <typename U>
+int any_negative_or_nonfinite(const U* __restrict p, int64_t n, U sign, U mask) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i)
+        bad |= (int)(((p[i] & mask) == mask) | (((p[i] & sign) != 0) & ((p[i] & ~sign) != 0)));
+    return bad;
+}
+
+int any_bad_weight(const void* p, int type, int64_t n) {
+    switch (type) {
+        case 0: return any_negative_or_nonfinite((const uint32_t*)p, n, (uint32_t)0x80000000u,
+                                                 (uint32_t)0x7f800000u);
+        case 1: return any_negative_or_nonfinite((const uint64_t*)p, n,
+                                                 (uint64_t)0x8000000000000000ull,
+                                                 (uint64_t)0x7ff0000000000000ull);
+        case 2: return any_negative_or_nonfinite((const uint16_t*)p, n, (uint16_t)0x8000u,
+                                                 (uint16_t)0x7f80u);
+        case 3: return any_negative_or_nonfinite((const uint16_t*)p, n, (uint16_t)0x8000u,
+                                                 (uint16_t)0x7c00u);
+    }
+    return -1;
+}
+
 // Type codes (the Python side uses the same). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32,
 // 1 fp64, 2 bf16, 3 fp16. f is called with a value of the type; 1 is returned for an unknown
 // code, 0 otherwise.
@@ -1069,6 +1132,24 @@ int nnk_gather_lists(const void* table, int tab64, int64_t N, int64_t K, const v
                                      exclude_self, (int32_t*)out);
 }
 
+
+// The value checks (validation.check_values): out[0] / out[1] the smallest / largest of the
+// n_idx list entries (unset when n_idx is 0), out[2] 1 when emb's n_emb values hold a NaN or
+// inf, out[3] 1 when the n_w weights hold a negative value, NaN or inf (0 when w is null).
+// Float type codes as the bank's (0 fp32, 1 fp64, 2 bf16, 3 fp16). 1 for an unknown code.
+int nnk_check_values(const void* nbrs, int nb64, int64_t n_idx, const void* emb, int etype,
+                     int64_t n_emb, const void* w, int wtype, int64_t n_w, int64_t* out) {
+    if (n_idx > 0) {
+        if (nb64) index_range((const int64_t*)nbrs, n_idx, &out[0], &out[1]);
+        else index_range((const int32_t*)nbrs, n_idx, &out[0], &out[1]);
+    }
+    const int e = any_nonfinite(emb, etype, n_emb);
+    const int b = w ? any_bad_weight(w, wtype, n_w) : 0;
+    if (e < 0 || b < 0) return 1;
+    out[2] = e;
+    out[3] = b;
+    return 0;
+}
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------

@@ -429,3 +429,37 @@ def test_bank_loss_template():
         nnkloss.BankLoss(bank)
     assert isinstance(nnkloss.NeighbourKernelLoss(bank), nnkloss.BankLoss)
     assert isinstance(nnkloss.ClassConditionalLoss(bank), nnkloss.BankLoss)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(reduction):
+    """With value checks on, the labels have been read against the bank's (a mismatch raises),
+    so a call whose rows all agree records no drop (no WhereBackward between the op and the
+    reduction) and reports 0 mismatched rows; loss, per-row losses, counted rows and every
+    gradient equal the unchecked call's, which records the drop."""
+    def graph_ops(t):
+        seen, todo = set(), [t.grad_fn]
+        while todo:
+            f = todo.pop()
+            if f is not None and f not in seen:
+                seen.add(f)
+                todo.extend(g for g, _ in f.next_functions)
+        return {type(f).__name__ for f in seen}
+    runs = []
+    for checks in (True, False):
+        bank = random_bank(N=40, D=8, K=6, weights=nonuniform(40), learn_weights=True)
+        fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.5, learn_sigma=True, reduction=reduction)
+        g = torch.Generator().manual_seed(21)
+        emb = torch.randn(7, 8, generator=g).requires_grad_(True)
+        idx = torch.randint(0, 40, (7,), generator=g)
+        with nnkloss.value_checks(checks):
+            loss = fn(emb, bank.centre_labels[idx].clone(), idx)
+        ops = graph_ops(loss)
+        assert ("WhereBackward0" in ops) is not checks
+        loss.sum().backward()
+        stats = fn.last_stats
+        assert int(stats.num_mismatched) == 0
+        runs.append([loss, stats.per_row, stats.counted, emb.grad, bank.log_weights.grad,
+                     fn.log_sigma.grad])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -122,31 +122,40 @@ class BankLoss(nn.Module, abc.ABC):
         labels = labels.to(emb.device)
         mismatched = self._mismatched(labels, idx)
         per_row, counted = self.rows(emb, labels, neighbours)
-        # Misaligned rows are dropped (see the module docstring); a no-op when there are none.
-        per_row = torch.where(mismatched, per_row.new_zeros(()), per_row)
-        counted = counted & ~mismatched
+        if mismatched is None:  # read, and none: nothing to drop
+            num_mismatched = torch.zeros((), dtype=torch.int64, device=per_row.device)
+        else:
+            # Misaligned rows are dropped (see the module docstring); a no-op when there are
+            # none.
+            per_row = torch.where(mismatched, per_row.new_zeros(()), per_row)
+            counted = counted & ~mismatched
+            num_mismatched = mismatched.sum()
         loss = reduce_rows(per_row, counted, self.reduction)
-        self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted,
-                                        mismatched.sum())
+        self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted, num_mismatched)
         return loss
 
-    def _mismatched(self, labels: Tensor, idx: Tensor) -> Tensor:
-        """(B,) bool on labels' device: rows whose label is not their bank row's. Raises with
-        value checks on (one host sync on GPU; idx is in range: neighbours_for checked it on the
-        CPU, and a CUDA gather with a bad index fails by itself)."""
+    def _mismatched(self, labels: Tensor, idx: Tensor) -> Optional[Tensor]:
+        """(B,) bool on labels' device: rows whose label is not their bank row's; None when it
+        was read and no row disagrees (forward then drops nothing: no where / and in the
+        graph). Raises with value checks on (one host sync on GPU; idx is in range:
+        neighbours_for checked it on the CPU, and a CUDA gather with a bad index fails by
+        itself). Read only with the checks on, not while compiling: with them off forward
+        reads nothing on any device."""
         bank_labels = self.bank.centre_labels
         own = bank_labels[idx.to(bank_labels.device)].to(labels.device)
         mismatched = own != labels
-        if value_checks_enabled() and not compiling() and bool(mismatched.any()):
-            rows = mismatched.nonzero().flatten()
-            i = int(rows[0])
-            raise ValueError(
-                f"labels disagree with the bank's centre_labels at idx in {rows.numel()} of "
-                f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose centre label "
-                f"is {int(own[i])}, but labels[{i}] = {int(labels[i])}): idx must give each "
-                "example's own bank row (a loader whose idx is misaligned trains on the wrong "
-                "centres)")
-        return mismatched
+        if not value_checks_enabled() or compiling():
+            return mismatched
+        if not bool(mismatched.any()):
+            return None
+        rows = mismatched.nonzero().flatten()
+        i = int(rows[0])
+        raise ValueError(
+            f"labels disagree with the bank's centre_labels at idx in {rows.numel()} of "
+            f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose centre label "
+            f"is {int(own[i])}, but labels[{i}] = {int(labels[i])}): idx must give each "
+            "example's own bank row (a loader whose idx is misaligned trains on the wrong "
+            "centres)")
 
     @property
     def last_num_mismatched(self) -> Optional[Tensor]:

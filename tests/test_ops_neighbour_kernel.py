@@ -566,6 +566,21 @@ def test_recorded_eager_calls_run_the_op_as_an_autograd_function(monkeypatch, ba
     for a, b in zip(eager, traced, strict=True):
         assert torch.equal(a, b)
     assert all(t.abs().sum() > 0 for t in eager[1:])
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.ops.nnkloss, "nk_forward", spy_op)
+    monkeypatch.setattr(nk._EagerForward, "apply", spy_apply)
+
+    class Sub(torch.Tensor):  # a tensor subclass among the inputs: the custom op runs
+        pass
+    via_op.clear()
+    via_function.clear()
+    x = emb.clone().requires_grad_(True)
+    loss = nnkloss.neighbour_kernel_loss(x, rest[0], centres, rest[1], rest[2],
+                                         w.as_subclass(Sub), s, backend=backend)
+    assert via_function == [] and via_op and all(via_op)
+    loss.backward()
+    assert torch.equal(loss.as_subclass(torch.Tensor), eager[0])
+    assert torch.equal(x.grad.as_subclass(torch.Tensor), eager[1])
 
 
 def test_cpu_backward_scales_rows_without_the_custom_op_dispatch_in_eager(monkeypatch):

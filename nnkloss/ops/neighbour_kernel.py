@@ -253,7 +253,9 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     args = (emb.contiguous(), labels.contiguous(), centres.contiguous(),
             centre_labels.contiguous(), neighbours.contiguous(),
             None if weights is None else weights.contiguous(), sigma)
-    if not plain_eager(emb, centres):  # traced (torch.compile, export) or under a dispatch mode
+    # Traced (torch.compile, export), under a dispatch mode, or a tensor subclass among the
+    # inputs: the custom op, as registered.
+    if not plain_eager(*(t for t in args if t is not None)):
         per_row, _, lse_pos, _, _ = torch.ops.nnkloss.nk_forward(*args, backend, store_dist,
                                                                   need_grad_x)
     elif not (store_dist or need_grad_x):

@@ -163,6 +163,33 @@ def test_misaligned_idx_raises_naming_idx_and_labels(cls):
     assert int(fn.last_stats.num_mismatched) == 0 and int(fn.last_num_mismatched) == 0
 
 
+def test_checked_label_comparison_takes_one_compiled_pass_when_loaded(monkeypatch):
+    """With value checks on and CPU tensors, once the compiled library is loaded, the labels
+    are compared with the bank's in one pass (nnkloss.ops.cpu.count_mismatched): no (B,) mask
+    when all agree, and a disagreement still raises the message naming idx and labels."""
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("the compiled CPU kernel is unavailable here")
+    counts = []
+    real = cpu.count_mismatched
+
+    def spy(*args):
+        counts.append(real(*args))
+        return counts[-1]
+    monkeypatch.setattr(cpu, "count_mismatched", spy)
+    bank = make_bank(N=30, C=3)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0)
+    emb, labels, idx = _aligned_batch(bank)
+    fn(emb, labels, idx)
+    assert counts == [0] and int(fn.last_num_mismatched) == 0
+    with pytest.raises(ValueError, match=r"labels disagree with the bank's centre_labels"):
+        fn(emb, labels, (idx + 1) % bank.num_centres)
+    assert counts[1] > 0
+    with nnkloss.value_checks(False):
+        fn(emb, labels, idx)  # checks off: nothing is read, no compiled count
+    assert len(counts) == 2
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_misaligned_rows_are_dropped_and_counted_without_checks(reduction):
     """With value checks off (no host sync) disagreeing rows are dropped: zero loss and zero

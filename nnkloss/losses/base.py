@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
 from ..ops.neighbour_kernel import LossOutput, reduce_rows
-from ..validation import REDUCTIONS, check_batch, compiling, require_sigma, value_checks_enabled
+from ..validation import (REDUCTIONS, check_batch, compiling, plain_eager, require_sigma,
+                          value_checks_enabled)
 
 __all__ = ["BankLoss", "BankLossStats"]
 
@@ -142,9 +143,15 @@ class BankLoss(nn.Module, abc.ABC):
         itself). Read only with the checks on, not while compiling: with them off forward
         reads nothing on any device."""
         bank_labels = self.bank.centre_labels
+        checks = value_checks_enabled() and not compiling()
+        if checks and plain_eager(bank_labels, idx, labels):
+            # CPU tensors, the compiled library loaded: one pass, no (B,) mask when all agree
+            from ..ops.cpu import count_mismatched
+            if count_mismatched(bank_labels, idx, labels) == 0:
+                return None
         own = bank_labels[idx.to(bank_labels.device)].to(labels.device)
         mismatched = own != labels
-        if not value_checks_enabled() or compiling():
+        if not checks:
             return mismatched
         if not bool(mismatched.any()):
             return None

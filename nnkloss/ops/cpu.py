@@ -55,7 +55,7 @@ from ..threads import ThreadGovernor
 from . import reference
 
 __all__ = ["available", "loaded", "forward", "centre_grad", "scale_rows", "gather_lists",
-           "value_flags", "build_info", "library_path", "knn_selection"]
+           "value_flags", "count_mismatched", "build_info", "library_path", "knn_selection"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
@@ -288,6 +288,8 @@ def _declare(lib):
     lib.nnk_scale_rows.restype = I
     lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
     lib.nnk_gather_lists.restype = I
+    lib.nnk_count_mismatched.argtypes = [P, I, I64, P, I, P, I, I64]
+    lib.nnk_count_mismatched.restype = I64
     lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
     lib.nnk_check_values.restype = I
     lib.nnk_vexp.argtypes = [P, P, I64]
@@ -640,6 +642,26 @@ def value_flags(emb, neighbours, weights):
     if rc != 0:
         raise RuntimeError(f"nnk_check_values failed (code {rc})")
     return out[0], out[1], bool(out[2]), bool(out[3])
+
+
+def count_mismatched(centre_labels, idx, labels):
+    """How many rows b have ``centre_labels[idx[b]] != labels[b]``, in one pass
+    (``nnk_count_mismatched``); None where this does not apply: the library not loaded yet (never
+    built here), non-CPU, non-contiguous or non-int32/int64 tensors, lengths that differ, or an
+    idx outside the bank (the caller's own path reports it)."""
+    lib = _state["lib"]
+    if (lib is None or not (centre_labels.is_cpu and idx.is_cpu and labels.is_cpu)
+            or centre_labels.dtype not in _INDEX_TYPES or idx.dtype not in _INDEX_TYPES
+            or labels.dtype not in _INDEX_TYPES or centre_labels.dim() != 1
+            or idx.dim() != 1 or labels.shape != idx.shape
+            or not (centre_labels.is_contiguous() and idx.is_contiguous()
+                    and labels.is_contiguous())):
+        return None
+    n = lib.nnk_count_mismatched(
+        centre_labels.data_ptr(), _INDEX_TYPES[centre_labels.dtype], centre_labels.shape[0],
+        idx.data_ptr(), _INDEX_TYPES[idx.dtype], labels.data_ptr(), _INDEX_TYPES[labels.dtype],
+        idx.shape[0])
+    return None if n < 0 else int(n)
 
 
 def forward_exp(x):

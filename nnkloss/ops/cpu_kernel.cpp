@@ -960,6 +960,21 @@ int gather_lists_impl(const I* table, int64_t N, int64_t K, const J* idx, int64_
     return 0;
 }
 
+// How many of B rows disagree with their bank row's label: centre_labels[idx[b]] != labels[b]
+// (losses/base.BankLoss._mismatched with value checks on: the common answer, 0, then needs no
+// (B,) mask). -1 when an idx is outside [0, N) (the caller's own check reports it).
+template <typename L, typename J, typename M>
+int64_t count_mismatched_impl(const L* clabels, int64_t N, const J* idx, const M* labels,
+                              int64_t B) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t r = (int64_t)idx[b];
+        if (r < 0 || r >= N) return -1;
+        n += (int64_t)clabels[r] != (int64_t)labels[b];
+    }
+    return n;
+}
+
 // The op's value checks on CPU tensors (nnkloss/validation.check_values), each array read
 // once by one thread, in one call instead of a dozen torch reductions and comparisons (their
 // dispatch, not their reads, was most of a checked call's extra cost at B 1024, K 32, D 128).
@@ -1132,6 +1147,22 @@ int nnk_gather_lists(const void* table, int tab64, int64_t N, int64_t K, const v
                                      exclude_self, (int32_t*)out);
 }
 
+
+// count_mismatched_impl for int32 (0) / int64 (1) centre labels, idx and labels.
+int64_t nnk_count_mismatched(const void* clabels, int cl64, int64_t N, const void* idx,
+                             int idx64, const void* labels, int lab64, int64_t B) {
+    auto by_labels = [&](auto cl, auto ix) -> int64_t {
+        typedef decltype(cl) L;
+        typedef decltype(ix) J;
+        if (lab64)
+            return count_mismatched_impl((const L*)clabels, N, (const J*)idx,
+                                         (const int64_t*)labels, B);
+        return count_mismatched_impl((const L*)clabels, N, (const J*)idx,
+                                     (const int32_t*)labels, B);
+    };
+    if (cl64) return idx64 ? by_labels(int64_t(), int64_t()) : by_labels(int64_t(), int32_t());
+    return idx64 ? by_labels(int32_t(), int64_t()) : by_labels(int32_t(), int32_t());
+}
 
 // The value checks (validation.check_values): out[0] / out[1] the smallest / largest of the
 // n_idx list entries (unset when n_idx is 0), out[2] 1 when emb's n_emb values hold a NaN or

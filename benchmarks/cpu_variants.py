@@ -15,13 +15,24 @@ the lines also go to a log file headed by device, commit, date and load.
 
 Variants share one process so that the machine's drift (the 2-core VM's memory read moved
 1.7x within hours) hits them alike; the rounds show what is left of the noise.
+
+``--against REV`` adds the kernel as it was at a git revision (its ``cpu_kernel.cpp``, built the
+same way with the same -D flags as the defaults), and times the kernel's calls themselves
+(``nnkloss.ops.cpu.forward`` without and with grad_x, no autograd) instead of the op, since the
+library's other entry points (the backward's row scaling, the checks) may take other arguments
+at another revision. ``nnk_forward``'s own parameter list must read the same in both sources,
+else the run stops naming it::
+
+    python benchmarks/cpu_variants.py -D "" --against 12c891b --rounds 5
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -37,14 +48,21 @@ from bench_loss import CPU_GRID, DTYPES, gathered_bytes, make_inputs  # noqa: E4
 from nnkloss.ops import cpu  # noqa: E402
 
 
-def build(defines: str):
+def build(defines: str, source: str = None):
     """The library with ``-D`` flags for the comma-separated ``defines``, in its own private
-    cache directory (cpu.py's verified build and load); returns the loaded handle."""
+    cache directory (cpu.py's verified build and load); returns the loaded handle. ``source``:
+    the text of another ``cpu_kernel.cpp`` to build instead of the package's (``--against``);
+    only the symbols it has are declared."""
     flags = [f"-D{d.strip()}" for d in defines.split(",") if d.strip()]
-    saved = (cpu.FLAGS, os.environ.get("NNKLOSS_CACHE_DIR"))
+    saved = (cpu.FLAGS, os.environ.get("NNKLOSS_CACHE_DIR"), cpu.SOURCE, cpu._declare)
     cpu.FLAGS = saved[0] + flags
     cache = tempfile.mkdtemp(prefix="nnk_variant_")
     os.environ["NNKLOSS_CACHE_DIR"] = cache
+    if source is not None:
+        cpu.SOURCE = os.path.join(cache, "cpu_kernel.cpp")
+        with open(cpu.SOURCE, "w") as fh:
+            fh.write(source)
+        cpu._declare = lambda lib: (saved[3](_Declared(lib)), lib)[1]
     try:
         cpu._reset_for_tests()
         if not cpu.available():
@@ -53,11 +71,54 @@ def build(defines: str):
     finally:
         # loaded through its open descriptor (cpu._load), so the files can go now
         shutil.rmtree(cache, ignore_errors=True)
-        cpu.FLAGS = saved[0]
+        cpu.FLAGS, _, cpu.SOURCE, cpu._declare = saved
         if saved[1] is None:
             os.environ.pop("NNKLOSS_CACHE_DIR", None)
         else:
             os.environ["NNKLOSS_CACHE_DIR"] = saved[1]
+
+
+class _Declared:
+    """A library for cpu._declare that takes the declarations of the symbols it has and lets
+    those of the others fall on the floor (another revision's kernel may lack them)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        try:
+            return getattr(self._lib, name)
+        except AttributeError:
+            return argparse.Namespace()
+
+
+def source_at(rev: str) -> str:
+    """``nnkloss/ops/cpu_kernel.cpp`` as it was at git revision ``rev``."""
+    try:
+        return subprocess.check_output(["git", "show", f"{rev}:nnkloss/ops/cpu_kernel.cpp"],
+                                       cwd=HERE, stderr=subprocess.PIPE, text=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"--against {rev}: no cpu_kernel.cpp there "
+                         f"({getattr(exc, 'stderr', '') or exc})".strip()) from None
+
+
+def forward_parameters(source: str) -> str:
+    """``nnk_forward``'s parameter list in a kernel source, whitespace collapsed."""
+    m = re.search(r"\bint\s+nnk_forward\s*\(([^)]*)\)", source)
+    if m is None:
+        raise SystemExit("no nnk_forward in the kernel source")
+    return " ".join(m.group(1).split())
+
+
+def check_same_forward(rev: str, source: str) -> None:
+    """Stop unless ``nnk_forward`` takes the same parameters at ``rev`` as now (the calls
+    pass today's arguments to both libraries)."""
+    with open(cpu.SOURCE) as fh:
+        now = forward_parameters(fh.read())
+    then = forward_parameters(source)
+    if then != now:
+        raise SystemExit(f"--against {rev}: nnk_forward's parameters differ ({then!r} there, "
+                         f"{now!r} now)")
 
 
 def use(lib) -> None:
@@ -74,14 +135,23 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", type=int, nargs="*", help="indices into CPU_GRID (default all)")
     ap.add_argument("--out", help="also append the lines to this log file")
+    ap.add_argument("--against", metavar="REV",
+                    help="also the kernel of git revision REV; times the kernel's calls")
     args = ap.parse_args(argv)
     os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
     torch.set_num_threads(args.threads)
     dev = torch.device("cpu")
     libs = [(v or "defaults", build(v)) for v in args.variants]
+    if args.against:
+        source = source_at(args.against)
+        check_same_forward(args.against, source)
+        libs.append((args.against, build("", source)))
     grid = [CPU_GRID[i] for i in args.shapes] if args.shapes else CPU_GRID
+    modes = (("kernel forward", "kernel forward with grad_x") if args.against
+             else ("forward", "forward+backward"))
     lines = [f"# {device_name(dev)} | commit {git_commit()} | {utc_now()} | threads "
-             f"{args.threads} | load {load_average()}"]
+             f"{args.threads} | load {load_average()}"
+             + (f" | the kernel's calls, against {args.against}" if args.against else "")]
     print(lines[0], flush=True)
     results = {}
     for r in range(args.rounds):
@@ -97,20 +167,25 @@ def main(argv=None):
                 x.grad = None
                 nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, w, sigma).backward()
 
+            def kernel(grad_x):
+                return lambda: cpu.forward(emb, labels, centres, cl, nb, w, sigma,
+                                           store_dist=False, need_grad_x=grad_x)
+
+            calls = (kernel(False), kernel(True)) if args.against else (fwd, fwd_bwd)
             for name, lib in libs:
                 use(lib)
                 with nnkloss.value_checks(False):
-                    ms = [time_ms(f, dev, iters=args.iters) for f in (fwd, fwd_bwd)]
+                    ms = [time_ms(f, dev, iters=args.iters) for f in calls]
                 results.setdefault((name, (B, K, D, dt)), []).append(ms)
-                lines.append(f"round {r} | {name} | {B},{K},{D},{dt} | forward {ms[0]:.3f} ms "
-                             f"({gb / ms[0]:.1f} GB/s) | forward+backward {ms[1]:.3f} ms "
+                lines.append(f"round {r} | {name} | {B},{K},{D},{dt} | {modes[0]} {ms[0]:.3f} "
+                             f"ms ({gb / ms[0]:.1f} GB/s) | {modes[1]} {ms[1]:.3f} ms "
                              f"({gb / ms[1]:.1f} GB/s)")
                 print(lines[-1], flush=True)
     lines.append("# medians over the rounds")
     for (name, shape), runs in results.items():
         f, fb = (statistics.median(m[i] for m in runs) for i in (0, 1))
-        lines.append(f"{name} | {','.join(map(str, shape))} | forward {f:.3f} ms | "
-                     f"forward+backward {fb:.3f} ms")
+        lines.append(f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
+                     f"{modes[1]} {fb:.3f} ms")
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "a") as fh:

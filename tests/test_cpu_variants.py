@@ -68,3 +68,34 @@ def test_main_times_every_variant_and_shape_and_writes_the_log(private_tmp):
 def test_a_variant_that_does_not_build_stops_the_run_naming_it(private_tmp):
     with pytest.raises(SystemExit, match=r"NNK_PREFETCH_BYTES=\)"):
         cpu_variants.build("NNK_PREFETCH_BYTES=)")  # a syntax error where it is used
+
+
+def test_against_a_revision_times_the_kernel_calls_of_both(private_tmp):
+    """--against REV builds the kernel of that revision beside the variants and times the
+    kernel's calls (forward without and with grad_x) on each; the log says so."""
+    log = private_tmp / "against.txt"
+    results = cpu_variants.main(["-D", "", "--against", "HEAD", "--rounds", "1", "--iters", "1",
+                                 "--shapes", "1", "--out", str(log)])
+    shape = (1024, 32, 128, "fp32")
+    assert set(results) == {("defaults", shape), ("HEAD", shape)}
+    assert all(ms > 0 for runs in results.values() for run in runs for ms in run)
+    text = log.read_text().splitlines()
+    assert text[0].endswith("the kernel's calls, against HEAD")
+    rounds = [line for line in text if line.startswith("round ")]
+    assert len(rounds) == 2 and all("kernel forward with grad_x" in line for line in rounds)
+
+
+def test_against_refuses_a_revision_whose_forward_takes_other_parameters():
+    """The calls pass today's arguments to both libraries: a kernel whose nnk_forward reads
+    another parameter list is refused, naming both; an unknown revision too."""
+    with open(cpu.SOURCE) as fh:
+        now = fh.read()
+    cpu_variants.check_same_forward("HEAD", now)  # the same: no error
+    spaced = now.replace("int nnk_forward(", "int  nnk_forward (", 1)
+    cpu_variants.check_same_forward("spaced", spaced)  # whitespace does not count
+    other = now.replace("int nnk_forward(int ctype,", "int nnk_forward(int ctype, int extra,", 1)
+    assert other != now
+    with pytest.raises(SystemExit, match=r"--against old: nnk_forward's parameters differ"):
+        cpu_variants.check_same_forward("old", other)
+    with pytest.raises(SystemExit, match=r"--against no-such-rev: no cpu_kernel.cpp there"):
+        cpu_variants.source_at("no-such-rev")

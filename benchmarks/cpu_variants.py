@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -89,7 +90,7 @@ class _Declared:
         try:
             return getattr(self._lib, name)
         except AttributeError:
-            return argparse.Namespace()
+            return types.SimpleNamespace()
 
 
 def source_at(rev: str) -> str:

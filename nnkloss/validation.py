@@ -356,7 +356,7 @@ def _compiled_value_flags(emb, neighbours, weights):
     kernel in one call (:func:`nnkloss.ops.cpu.value_flags`: the list entries' range, a NaN/inf
     in emb, a negative or non-finite weight), or None: not CPU tensors, the library not loaded
     (a value check never builds it), or inputs it does not take. Same answers as the torch
-    reductions below it (tests/test_bad_input.py runs both)."""
+    reductions below it (tests/test_validation.py runs the check tests on both)."""
     if not _COMPILED_CHECKS:
         return None
     from .ops import cpu

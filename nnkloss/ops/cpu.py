@@ -54,7 +54,7 @@ from ..atomic import atomic_write
 from ..threads import ThreadGovernor
 from . import reference
 
-__all__ = ["available", "loaded", "forward", "centre_grad", "scale_rows", "gather_lists",
+__all__ = ["available", "forward", "centre_grad", "scale_rows", "gather_lists",
            "value_flags", "count_mismatched", "build_info", "library_path", "knn_selection"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
@@ -613,11 +613,6 @@ def gather_lists(table, idx, exclude_self: bool):
                               _INDEX_TYPES[idx.dtype], idx.shape[0], int(bool(exclude_self)),
                               out.data_ptr())
     return out if rc == 0 else None
-
-
-def loaded() -> bool:
-    """True when the compiled library is already loaded in this process (never builds it)."""
-    return _state["lib"] is not None
 
 
 def value_flags(emb, neighbours, weights):

@@ -962,15 +962,15 @@ int gather_lists_impl(const I* table, int64_t N, int64_t K, const J* idx, int64_
 
 // How many of B rows disagree with their bank row's label: centre_labels[idx[b]] != labels[b]
 // (losses/base.BankLoss._mismatched with value checks on: the common answer, 0, then needs no
-// (B,) mask). -1 when an idx is outside [0, N) (the caller's own check reports it).
-template <typename L, typename J, typename M>
-int64_t count_mismatched_impl(const L* clabels, int64_t N, const J* idx, const M* labels,
-                              int64_t B) {
+// (B,) mask). Each array int32 or int64 (the *64 flags, read by load_index). -1 when an idx is
+// outside [0, N) (the caller's own check reports it).
+int64_t count_mismatched_impl(const void* clabels, int cl64, int64_t N, const void* idx,
+                              int idx64, const void* labels, int lab64, int64_t B) {
     int64_t n = 0;
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t r = (int64_t)idx[b];
+        const int64_t r = load_index(idx, idx64, b);
         if (r < 0 || r >= N) return -1;
-        n += (int64_t)clabels[r] != (int64_t)labels[b];
+        n += load_index(clabels, cl64, r) != load_index(labels, lab64, b);
     }
     return n;
 }
@@ -992,50 +992,37 @@ void index_range(const I* __restrict p, int64_t n, int64_t* lo, int64_t* hi) {
     *hi = (int64_t)b;
 }
 
-// U: the element's bits as an unsigned integer; mask: its exponent field.
-template <typename U>
-int any_exponent_all_ones(const U* __restrict p, int64_t n, U mask) {
-    int bad = 0;
-#pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < n; ++i) bad |= (int)((p[i] & mask) == mask);
-    return bad;
-}
+// A float type's bits: the unsigned integer of its width, its sign bit and its exponent field.
+template <typename T> struct FloatBits;
+template <> struct FloatBits<float> {
+    typedef uint32_t U;
+    static constexpr U sign = 0x80000000u, exponent = 0x7f800000u;
+};
+template <> struct FloatBits<double> {
+    typedef uint64_t U;
+    static constexpr U sign = 0x8000000000000000ull, exponent = 0x7ff0000000000000ull;
+};
+template <> struct FloatBits<bf16> {
+    typedef uint16_t U;
+    static constexpr U sign = 0x8000u, exponent = 0x7f80u;
+};
+template <> struct FloatBits<fp16> {
+    typedef uint16_t U;
+    static constexpr U sign = 0x8000u, exponent = 0x7c00u;
+};
 
-int any_nonfinite(const void* p, int type, int64_t n) {
-    switch (type) {
-        case 0: return any_exponent_all_ones((const uint32_t*)p, n, (uint32_t)0x7f800000u);
-        case 1: return any_exponent_all_ones((const uint64_t*)p, n,
-                                             (uint64_t)0x7ff0000000000000ull);
-        case 2: return any_exponent_all_ones((const uint16_t*)p, n, (uint16_t)0x7f80u);
-        case 3: return any_exponent_all_ones((const uint16_t*)p, n, (uint16_t)0x7c00u);
-    }
-    return -1;
-}
-
-// A weight is bad when its sign bit is set on a nonzero value (negative; -0.0 is a zero
-// weight, allowed) or its exponent is all ones (NaN, inf).
-template <typename U>
-int any_negative_or_nonfinite(const U* __restrict p, int64_t n, U sign, U mask) {
+// 1 when one of the n values of type T is NaN or infinite (an all-ones exponent) or, with
+// `negative`, negative (a set sign on a nonzero value: -0.0 is a zero, allowed).
+template <typename T>
+int any_bad_value(const void* p, int64_t n, bool negative) {
+    typedef typename FloatBits<T>::U U;
+    const U* __restrict q = (const U*)p;
+    const U m = FloatBits<T>::exponent, s = negative ? FloatBits<T>::sign : U(0);
     int bad = 0;
 #pragma omp simd reduction(| : bad)
     for (int64_t i = 0; i < n; ++i)
-        bad |= (int)(((p[i] & mask) == mask) | (((p[i] & sign) != 0) & ((p[i] & ~sign) != 0)));
+        bad |= (int)(((q[i] & m) == m) | (((q[i] & s) != 0) & ((q[i] & (U)~s) != 0)));
     return bad;
-}
-
-int any_bad_weight(const void* p, int type, int64_t n) {
-    switch (type) {
-        case 0: return any_negative_or_nonfinite((const uint32_t*)p, n, (uint32_t)0x80000000u,
-                                                 (uint32_t)0x7f800000u);
-        case 1: return any_negative_or_nonfinite((const uint64_t*)p, n,
-                                                 (uint64_t)0x8000000000000000ull,
-                                                 (uint64_t)0x7ff0000000000000ull);
-        case 2: return any_negative_or_nonfinite((const uint16_t*)p, n, (uint16_t)0x8000u,
-                                                 (uint16_t)0x7f80u);
-        case 3: return any_negative_or_nonfinite((const uint16_t*)p, n, (uint16_t)0x8000u,
-                                                 (uint16_t)0x7c00u);
-    }
-    return -1;
 }
 
 // Type codes (the Python side uses the same). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32,
@@ -1148,20 +1135,10 @@ int nnk_gather_lists(const void* table, int tab64, int64_t N, int64_t K, const v
 }
 
 
-// count_mismatched_impl for int32 (0) / int64 (1) centre labels, idx and labels.
+// count_mismatched_impl: int32 (0) / int64 (1) centre labels, idx and labels.
 int64_t nnk_count_mismatched(const void* clabels, int cl64, int64_t N, const void* idx,
                              int idx64, const void* labels, int lab64, int64_t B) {
-    auto by_labels = [&](auto cl, auto ix) -> int64_t {
-        typedef decltype(cl) L;
-        typedef decltype(ix) J;
-        if (lab64)
-            return count_mismatched_impl((const L*)clabels, N, (const J*)idx,
-                                         (const int64_t*)labels, B);
-        return count_mismatched_impl((const L*)clabels, N, (const J*)idx,
-                                     (const int32_t*)labels, B);
-    };
-    if (cl64) return idx64 ? by_labels(int64_t(), int64_t()) : by_labels(int64_t(), int32_t());
-    return idx64 ? by_labels(int32_t(), int64_t()) : by_labels(int32_t(), int32_t());
+    return count_mismatched_impl(clabels, cl64, N, idx, idx64, labels, lab64, B);
 }
 
 // The value checks (validation.check_values): out[0] / out[1] the smallest / largest of the
@@ -1174,9 +1151,11 @@ int nnk_check_values(const void* nbrs, int nb64, int64_t n_idx, const void* emb,
         if (nb64) index_range((const int64_t*)nbrs, n_idx, &out[0], &out[1]);
         else index_range((const int32_t*)nbrs, n_idx, &out[0], &out[1]);
     }
-    const int e = any_nonfinite(emb, etype, n_emb);
-    const int b = w ? any_bad_weight(w, wtype, n_w) : 0;
-    if (e < 0 || b < 0) return 1;
+    int e = 0, b = 0;
+    if (with_bank_type(etype, [&](auto t) { e = any_bad_value<decltype(t)>(emb, n_emb, false); }))
+        return 1;
+    if (w && with_bank_type(wtype, [&](auto t) { b = any_bad_value<decltype(t)>(w, n_w, true); }))
+        return 1;
     out[2] = e;
     out[3] = b;
     return 0;

@@ -209,6 +209,19 @@ inline LanesOf<double>::type load_lanes<double, double>(const double* __restrict
     return v;
 }
 
+// A vector of ACC copies of s, for every product of a scalar with a vector of lanes. Written
+// lane by lane on purpose: for a vector wider than the CPU's registers (64 bytes on an AVX2
+// CPU without AVX-512), GCC 12 lowers `s * v` and `V{} + s` through ACC scalar stores to the
+// stack and wider reloads, a store-forwarding stall at every use; this form becomes one
+// vbroadcastss, and the products are the same IEEE operations (the same bits). Measured on the
+// 2-core AMD EPYC (AVX2, 2026-11-25): see the README's CPU section.
+template <typename V, typename C>
+inline V splat(C s) {
+    V v;
+    for (int i = 0; i < (int)(sizeof(V) / sizeof(C)); ++i) v[i] = s;
+    return v;
+}
+
 // The 16 lanes added pairwise: lane i + lane i+8, then i + i+4, i + i+2, 0 + 1.
 template <typename V>
 inline auto tree_sum(const V& p) {
@@ -223,10 +236,11 @@ inline auto tree_sum(const V& p) {
 template <typename C, typename T>
 inline C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
     typedef typename LanesOf<C>::type V;
+    const V vs = splat<V>(inv_s);
     V part = {};
     int64_t d = 0;
     for (; d + ACC <= D; d += ACC) {
-        V z = (load_lanes<C>(c + d) - load_lanes<C>(x + d)) * inv_s;
+        V z = (load_lanes<C>(c + d) - load_lanes<C>(x + d)) * vs;
         part += z * z;
     }
     C tail = 0;
@@ -254,6 +268,7 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
                            const C* __restrict x, C inv_s, int64_t D, C* out,
                            const T* const* fut) {
     typedef typename LanesOf<C>::type V;
+    const V vs = splat<V>(inv_s);
     V p0 = {}, p1 = {}, p2 = {}, p3 = {};
     const char* f0 = (const char*)fut[0];
     const char* f1 = (const char*)fut[1];
@@ -273,10 +288,10 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
             __builtin_prefetch(f3 + o + 64, 0, NNK_PREFETCH_LOCALITY);
         }
         const V xd = load_lanes<C>(x + d);
-        V z0 = (load_lanes<C>(c0 + d) - xd) * inv_s;
-        V z1 = (load_lanes<C>(c1 + d) - xd) * inv_s;
-        V z2 = (load_lanes<C>(c2 + d) - xd) * inv_s;
-        V z3 = (load_lanes<C>(c3 + d) - xd) * inv_s;
+        V z0 = (load_lanes<C>(c0 + d) - xd) * vs;
+        V z1 = (load_lanes<C>(c1 + d) - xd) * vs;
+        V z2 = (load_lanes<C>(c2 + d) - xd) * vs;
+        V z3 = (load_lanes<C>(c3 + d) - xd) * vs;
         p0 += z0 * z0;
         p1 += z1 * z1;
         p2 += z2 * z2;
@@ -397,11 +412,13 @@ template <int N, typename C, typename T>
 inline void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
                            const C* a, int64_t D) {
     typedef typename LanesOf<C>::type V;
+    V va[N];
+    for (int i = 0; i < N; ++i) va[i] = splat<V>(a[i]);
     int64_t d = 0;
     for (; d + ACC <= D; d += ACC) {
         V acc = load_lanes<C>(g + d);
         const V xd = load_lanes<C>(x + d);
-        for (int i = 0; i < N; ++i) acc += a[i] * (load_lanes<C>(c[i] + d) - xd);
+        for (int i = 0; i < N; ++i) acc += va[i] * (load_lanes<C>(c[i] + d) - xd);
         store_lanes(g + d, acc);
     }
     for (; d < D; ++d) {

@@ -142,12 +142,12 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
     return is64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
 }
 
-// ACC = 16 independent partial sums per row (one AVX-512 / two AVX2 fp32 vectors): one running
-// sum is a chain of dependent adds (4 cycles each), which for a row already in cache is the
-// bottleneck; the partials are then added pairwise (no less accurate than one running sum).
-// They are GCC/Clang vector types rather than arrays: as arrays the compiler kept them on the
-// stack and added the 16 lanes with scalar adds through memory, which cost as much as the
-// distance itself at D = 128 (measured).
+// ACC = 16 independent partial sums per row (one AVX-512 / two AVX2 fp32 vectors: Lanes below):
+// one running sum is a chain of dependent adds (4 cycles each), which for a row already in
+// cache is the bottleneck; the partials are then added pairwise (no less accurate than one
+// running sum). They are GCC/Clang vector types rather than arrays: as arrays the compiler kept
+// them on the stack and added the 16 lanes with scalar adds through memory, which cost as much
+// as the distance itself at D = 128 (measured).
 constexpr int64_t ACC = 16;
 
 // A forward with grad_x reads the gathered rows once (folding each into the gradient's running
@@ -158,83 +158,163 @@ constexpr int64_t ACC = 16;
 #endif
 constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 
-template <typename C> struct LanesOf;
-template <> struct LanesOf<float> { typedef float type __attribute__((vector_size(64))); };
-template <> struct LanesOf<double> { typedef double type __attribute__((vector_size(128))); };
+// The ACC lanes live in the CPU's own vector registers: NATIVE_BYTES wide (64 with AVX-512, 32
+// with AVX, else 16), so a set of lanes is P = ACC / (NATIVE_BYTES / sizeof(C)) native vectors
+// (fp32: one AVX-512 / two AVX2 registers; fp64: two / four). As one 64- or 128-byte GCC vector
+// on a CPU whose registers are narrower, GCC 12 kept the lanes in memory: the four-row distance
+// loop moved its partial sums through the stack and general registers (vmovq / vpinsrq) at every
+// step, and `s * v` was built from ACC scalar stores and wider reloads (a store-forwarding stall
+// per row). Lane i of the set is lane i % L of native vector i / L, so every operation is the
+// same per lane and tree_sum adds the lanes in the same order (the same bits as before, but for
+// the last bit of fp64 rows with a ragged tail, where the compiler's FMA contraction of the tail
+// loop changed). Measured on the 2-core AMD EPYC (AVX2, 2026-11-25, benchmarks/cpu_variants.py
+// --against, 5 rounds): kernel forward 1.44x at B 256, K 100, D 512, 1.45x at D 2048, 1.85x
+// with the bf16 bank, with grad_x 1.40-1.64x; D 128 (row_distances_fixed) within noise. With
+// AVX-512 a set is one register and the code is the same as before.
+#if defined(__AVX512F__)
+constexpr int NATIVE_BYTES = 64;
+#elif defined(__AVX__)
+constexpr int NATIVE_BYTES = 32;
+#else
+constexpr int NATIVE_BYTES = 16;
+#endif
+
+// The lanes' helpers and the distance are always inlined: as a set of native vectors the
+// inliner's estimate of them grew, and scaled_sqdist became a call per gathered row.
+#define NNK_INLINE inline __attribute__((always_inline))
+
+template <typename C>
+struct Lanes {
+    typedef C Native __attribute__((vector_size(NATIVE_BYTES)));
+    static constexpr int L = NATIVE_BYTES / (int)sizeof(C);  // lanes per native vector
+    static constexpr int P = (int)ACC / L;                   // native vectors per set
+    static_assert(P >= 1 && P * L == ACC, "ACC must be a whole number of native vectors");
+    Native n[P];
+};
+
+template <typename C>
+NNK_INLINE Lanes<C> operator+(const Lanes<C>& a, const Lanes<C>& b) {
+    Lanes<C> r;
+    for (int q = 0; q < Lanes<C>::P; ++q) r.n[q] = a.n[q] + b.n[q];
+    return r;
+}
+template <typename C>
+NNK_INLINE Lanes<C> operator-(const Lanes<C>& a, const Lanes<C>& b) {
+    Lanes<C> r;
+    for (int q = 0; q < Lanes<C>::P; ++q) r.n[q] = a.n[q] - b.n[q];
+    return r;
+}
+template <typename C>
+NNK_INLINE Lanes<C> operator*(const Lanes<C>& a, const Lanes<C>& b) {
+    Lanes<C> r;
+    for (int q = 0; q < Lanes<C>::P; ++q) r.n[q] = a.n[q] * b.n[q];
+    return r;
+}
+template <typename C>
+NNK_INLINE Lanes<C>& operator+=(Lanes<C>& a, const Lanes<C>& b) {
+    for (int q = 0; q < Lanes<C>::P; ++q) a.n[q] += b.n[q];
+    return a;
+}
+
+template <typename C> struct LanesOf { typedef Lanes<C> type; };
 
 // ACC consecutive elements of a row, converted to the compute type.
 template <typename C, typename T>
-inline typename LanesOf<C>::type load_lanes(const T* __restrict p) {
-    typename LanesOf<C>::type v;
-    for (int i = 0; i < ACC; ++i) v[i] = load<C>(p, i);
+NNK_INLINE Lanes<C> load_lanes(const T* __restrict p) {
+    Lanes<C> v;
+    for (int q = 0; q < Lanes<C>::P; ++q)
+        for (int i = 0; i < Lanes<C>::L; ++i) v.n[q][i] = load<C>(p, q * Lanes<C>::L + i);
+    return v;
+}
+// Rows of the compute type: one unaligned load per native vector (a memcpy of the whole set
+// went through the stack: four 16-byte stores and 32-byte reloads, which do not forward).
+template <typename C>
+NNK_INLINE Lanes<C> load_native(const C* __restrict p) {
+    Lanes<C> v;
+    for (int q = 0; q < Lanes<C>::P; ++q) std::memcpy(&v.n[q], p + q * Lanes<C>::L, NATIVE_BYTES);
     return v;
 }
 template <>
-inline LanesOf<float>::type load_lanes<float, float>(const float* __restrict p) {
-    LanesOf<float>::type v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
+NNK_INLINE Lanes<float> load_lanes<float, float>(const float* __restrict p) {
+    return load_native(p);
 }
 // bf16 -> fp32 is the 16 bits shifted into the top half: written as whole-vector operations
-// (widen, shift, reinterpret) rather than whatever the compiler makes of 16 scalar
-// conversions. With AVX-512 the widening is spelled out as one vpmovzxwd from memory: GCC 12
-// compiles __builtin_convertvector(u16 x 16 -> u32 x 16) as two 256-bit widenings plus an
-// extract and an insert (four shuffle-port operations instead of one per 16 elements), which
-// made the bf16 gradient pass half as fast per element as the fp32 one (2-core Intel Xeon,
-// 2026-11-25, one thread, B 256, K 100, D 512: 12.4 against 26.3 G elements/s).
+// (widen, shift, reinterpret), one native vector at a time, rather than whatever the compiler
+// makes of 16 scalar conversions. With AVX-512 the widening is spelled out as one vpmovzxwd from
+// memory: GCC 12 compiles __builtin_convertvector(u16 x 16 -> u32 x 16) as two 256-bit
+// widenings plus an extract and an insert (four shuffle-port operations instead of one per 16
+// elements), which made the bf16 gradient pass half as fast per element as the fp32 one (2-core
+// Intel Xeon, 2026-11-25, one thread, B 256, K 100, D 512: 12.4 against 26.3 G elements/s).
 // NNK_GENERIC_BF16_WIDEN=1 keeps the generic form (for A/B on another compiler or CPU).
 template <>
-inline LanesOf<float>::type load_lanes<float, bf16>(const bf16* __restrict p) {
+NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
+    Lanes<float> v;
 #if defined(__AVX512F__) && !NNK_GENERIC_BF16_WIDEN
     const __m512i w = _mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
-    LanesOf<float>::type v;
     std::memcpy(&v, &w, sizeof v);
-    return v;
 #else
-    typedef uint16_t U16 __attribute__((vector_size(ACC * 2)));
-    typedef uint32_t U32 __attribute__((vector_size(ACC * 4)));
-    U16 h;
-    std::memcpy(&h, p, sizeof h);
-    const U32 w = __builtin_convertvector(h, U32) << 16;
-    LanesOf<float>::type v;
-    std::memcpy(&v, &w, sizeof v);
-    return v;
+    constexpr int L = Lanes<float>::L;
+    typedef uint16_t U16 __attribute__((vector_size(L * 2)));
+    typedef uint32_t U32 __attribute__((vector_size(L * 4)));
+    for (int q = 0; q < Lanes<float>::P; ++q) {
+        U16 h;
+        std::memcpy(&h, p + q * L, sizeof h);
+        const U32 w = __builtin_convertvector(h, U32) << 16;
+        std::memcpy(&v.n[q], &w, sizeof w);
+    }
 #endif
+    return v;
 }
 template <>
-inline LanesOf<double>::type load_lanes<double, double>(const double* __restrict p) {
-    LanesOf<double>::type v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
+NNK_INLINE Lanes<double> load_lanes<double, double>(const double* __restrict p) {
+    return load_native(p);
 }
 
-// A vector of ACC copies of s, for every product of a scalar with a vector of lanes. Written
-// lane by lane on purpose: for a vector wider than the CPU's registers (64 bytes on an AVX2
-// CPU without AVX-512), GCC 12 lowers `s * v` and `V{} + s` through ACC scalar stores to the
-// stack and wider reloads, a store-forwarding stall at every use; this form becomes one
-// vbroadcastss, and the products are the same IEEE operations (the same bits). Measured on the
-// 2-core AMD EPYC (AVX2, 2026-11-25): see the README's CPU section.
+// A set of lanes all equal to s, for every product of a scalar with lanes: one broadcast per
+// native vector (written lane by lane: GCC 12 built `s * v` for a vector wider than the
+// registers through the stack, see Lanes). The products are the same IEEE operations.
 template <typename V, typename C>
-inline V splat(C s) {
+NNK_INLINE V splat(C s) {
     V v;
-    for (int i = 0; i < (int)(sizeof(V) / sizeof(C)); ++i) v[i] = s;
+    for (int q = 0; q < V::P; ++q)
+        for (int i = 0; i < V::L; ++i) v.n[q][i] = s;
     return v;
 }
 
-// The 16 lanes added pairwise: lane i + lane i+8, then i + i+4, i + i+2, 0 + 1.
-template <typename V>
-inline auto tree_sum(const V& p) {
-    auto h8 = __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
-    auto h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
-              __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-    auto h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-    return h2[0] + h2[1];
+// The 16 lanes added pairwise: lane i + lane i+8, then i + i+4, i + i+2, 0 + 1. Across native
+// vectors first (vector q + vector q + P/2 is lane i + lane i + P L / 2), then within the last
+// one.
+template <typename N>
+NNK_INLINE auto native_tree(const N& h) {
+    constexpr int L = (int)(sizeof(N) / sizeof(h[0]));
+    if constexpr (L == 16) {
+        return native_tree(__builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7) +
+                           __builtin_shufflevector(h, h, 8, 9, 10, 11, 12, 13, 14, 15));
+    } else if constexpr (L == 8) {
+        return native_tree(__builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                           __builtin_shufflevector(h, h, 4, 5, 6, 7));
+    } else if constexpr (L == 4) {
+        return native_tree(__builtin_shufflevector(h, h, 0, 1) +
+                           __builtin_shufflevector(h, h, 2, 3));
+    } else {
+        static_assert(L == 2, "native vectors of 2 to 16 lanes");
+        return h[0] + h[1];
+    }
+}
+
+template <typename C>
+NNK_INLINE C tree_sum(const Lanes<C>& p) {
+    typedef typename Lanes<C>::Native N;
+    N h[Lanes<C>::P];
+    for (int q = 0; q < Lanes<C>::P; ++q) h[q] = p.n[q];
+    for (int w = Lanes<C>::P / 2; w >= 1; w /= 2)
+        for (int q = 0; q < w; ++q) h[q] = h[q] + h[q + w];
+    return native_tree(h[0]);
 }
 
 template <typename C, typename T>
-inline C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
+NNK_INLINE C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
     typedef typename LanesOf<C>::type V;
     const V vs = splat<V>(inv_s);
     V part = {};
@@ -404,8 +484,8 @@ inline double vexp(double x) { return std::exp(x); }
 // faster at the four bench_loss CPU shapes, forward 1.00-1.04x (2-core Intel Xeon, 2026-11-24,
 // 3 rounds, benchmarks/results/cpu_variants_Intel_Xeon.txt).
 template <typename C>
-inline void store_lanes(C* __restrict p, const typename LanesOf<C>::type& v) {
-    std::memcpy(p, &v, sizeof v);
+NNK_INLINE void store_lanes(C* __restrict p, const Lanes<C>& v) {
+    for (int q = 0; q < Lanes<C>::P; ++q) std::memcpy(p + q * Lanes<C>::L, &v.n[q], NATIVE_BYTES);
 }
 
 template <int N, typename C, typename T>

@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_variants.py -D NNK_PREFETCH_LOCALITY=0 -D NNK_PREFETCH_LOCALITY=3
     python benchmarks/cpu_variants.py -D NNK_ONE_PASS_BYTES=16384 -D "" --rounds 5
+    python benchmarks/cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=0 --shape 512,64,256,50000,fp32
 
 Each ``-D`` is one variant: macros of ``nnkloss/ops/cpu_kernel.cpp`` (comma-separated, e.g.
 ``NNK_PREFETCH_LOCALITY=3,NNK_PREFETCH_BYTES=16384``; ``""`` is the source's defaults). Every
@@ -122,6 +123,22 @@ def check_same_forward(rev: str, source: str) -> None:
                          f"{now!r} now)")
 
 
+def parse_shape(text: str):
+    """``"B,K,D,N,DTYPE"`` -> (B, K, D, N, dtype name), as the rows of CPU_GRID."""
+    parts = text.split(",")
+    if len(parts) != 5 or parts[4] not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"--shape takes B,K,D,N,DTYPE with DTYPE one of {sorted(DTYPES)}, got {text!r}")
+    try:
+        B, K, D, N = (int(v) for v in parts[:4])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape: B, K, D and N must be integers, got "
+                                         f"{text!r}") from None
+    if min(B, K, D, N) < 1:
+        raise argparse.ArgumentTypeError(f"--shape: B, K, D and N must be >= 1, got {text!r}")
+    return (B, K, D, N, parts[4])
+
+
 def use(lib) -> None:
     """Make ``lib`` the library the op calls (cpu._lib() returns the loaded handle)."""
     cpu._state["lib"] = lib
@@ -135,6 +152,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=21)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", type=int, nargs="*", help="indices into CPU_GRID (default all)")
+    ap.add_argument("--shape", dest="extra", action="append", type=parse_shape, default=[],
+                    metavar="B,K,D,N,DTYPE",
+                    help="a shape of its own (e.g. 512,64,256,50000,fp32); repeatable. Only "
+                         "these (and --shapes) are measured when given")
     ap.add_argument("--out", help="also append the lines to this log file")
     ap.add_argument("--against", metavar="REV",
                     help="also the kernel of git revision REV; times the kernel's calls")
@@ -147,7 +168,8 @@ def main(argv=None):
         source = source_at(args.against)
         check_same_forward(args.against, source)
         libs.append((args.against, build("", source)))
-    grid = [CPU_GRID[i] for i in args.shapes] if args.shapes else CPU_GRID
+    grid = [CPU_GRID[i] for i in args.shapes or []] + args.extra
+    grid = grid or list(CPU_GRID)
     modes = (("kernel forward", "kernel forward with grad_x") if args.against
              else ("forward", "forward+backward"))
     lines = [f"# {device_name(dev)} | commit {git_commit()} | {utc_now()} | threads "

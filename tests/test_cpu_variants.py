@@ -99,3 +99,37 @@ def test_against_refuses_a_revision_whose_forward_takes_other_parameters():
         cpu_variants.check_same_forward("old", other)
     with pytest.raises(SystemExit, match=r"--against no-such-rev: no cpu_kernel.cpp there"):
         cpu_variants.source_at("no-such-rev")
+
+
+def test_shape_option_measures_a_shape_of_its_own_and_refuses_bad_ones(private_tmp):
+    """--shape B,K,D,N,DTYPE adds a shape outside bench_loss's grid; given alone, only it is
+    measured. A malformed one is refused naming the option."""
+    assert cpu_variants.parse_shape("8,3,20,50,bf16") == (8, 3, 20, 50, "bf16")
+    for bad in ("8,3,20,50", "8,3,20,50,int8", "8,x,20,50,fp32", "0,3,20,50,fp32"):
+        with pytest.raises(Exception, match="--shape"):
+            cpu_variants.parse_shape(bad)
+    with pytest.raises(SystemExit):  # argparse reports the bad value and exits
+        cpu_variants.main(["-D", "", "--shape", "8,3,20"])
+    results = cpu_variants.main(["-D", "", "--rounds", "1", "--iters", "1",
+                                 "--shape", "8,3,20,50,fp32"])
+    assert set(results) == {("defaults", (8, 3, 20, "fp32"))}
+
+
+def test_fixed_row_bytes_knob_gives_the_same_bits(private_tmp):
+    """fp32 / bf16 rows of D 64, 128, 256 read one at a time (row_distances_fixed, every one of
+    them with NNK_FIXED_ROW_BYTES=1024) or in groups of four (=0): the distances, losses and
+    gradients keep their bits."""
+    fixed = cpu_variants.build("NNK_FIXED_ROW_BYTES=1024")
+    groups = cpu_variants.build("NNK_FIXED_ROW_BYTES=0")
+    g = torch.Generator().manual_seed(3)
+    for D, dtype in ((64, torch.float32), (128, torch.bfloat16), (256, torch.float32)):
+        centres = torch.randn(500, D, generator=g).to(dtype)
+        cl = torch.randint(0, 7, (500,), generator=g)
+        nb = torch.randint(0, 500, (21, 13), generator=g)  # K 13: groups of four and a rest
+        emb = centres[nb[:, 0]].float() + 0.1 * torch.randn(21, D, generator=g)
+        outs = []
+        for lib in (fixed, groups):
+            cpu_variants.use(lib)
+            outs.append(cpu.forward(emb, cl[nb[:, 0]], centres, cl, nb, None, 2.0))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (D, dtype)

@@ -150,6 +150,25 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
 // as the distance itself at D = 128 (measured).
 constexpr int64_t ACC = 16;
 
+// fp32 / bf16 rows of D 64, 128 or 256 of at most this many bytes are read one at a time at a
+// compile-time D (row_distances_fixed), longer ones in groups of four (0: never one at a time).
+// Which is faster depends on the CPU: the fixed rows were measured 1.06-1.16x faster at D 64,
+// 128 and 256 on a 2-core AMD EPYC (2026-11-24), but that was against groups whose partial sums
+// GCC kept in memory on AVX2 (see Lanes). With the lanes in registers, the 2-core AMD EPYC of
+// 2026-11-25 (AVX2, benchmarks/cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=0, 3 runs of 5
+// rounds, benchmarks/results/cpu_variants_AMD_EPYC.txt) measured the groups 1.25-1.43x faster
+// at D 256 fp32 (1 KiB rows), and both within noise of each other at D 64 and 128 fp32 and with
+// bf16 rows of D 128 and 256 (256-512 bytes). So: up to 512 bytes without AVX-512, up to
+// 1 KiB (every D 64 / 128 / 256, as measured before) with it, where it was not re-measured.
+#ifndef NNK_FIXED_ROW_BYTES
+#if defined(__AVX512F__)
+#define NNK_FIXED_ROW_BYTES 1024
+#else
+#define NNK_FIXED_ROW_BYTES 512
+#endif
+#endif
+
+
 // A forward with grad_x reads the gathered rows once (folding each into the gradient's running
 // sums while it is in L1) when a row's gathered set, K * D * sizeof(bank element), exceeds
 // this; below it, a second pass reads them again from L2 (see ForwardRow::row).
@@ -407,15 +426,17 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     out[3] = tree_sum(p3) + t3;
 }
 
-// Pass 1 of a row at a compile-time D (fp32 / bf16 rows of 64, 128 or 256 elements) when no gradient
-// is folded in: one gathered row at a time (same bits as in a group of four), the row pf
-// entries ahead prefetched whole, the distances into ub; the logits follow in one SIMD sweep
-// (ForwardRow::logits). For small rows this beat the groups of four with their per-group
-// bookkeeping: measured on the 2-core AMD machine (2026-11-24, 2 threads, A/B in one process,
-// L3-resident banks of 50,000 rows): forward 1.16x at B 1024, K 32, D 128 fp32, 1.09x bf16,
-// 1.14x at D 64, 1.16x at D 256 (1.06x bf16); with grad_x 1.07-1.12x; rows of 70 elements
-// (runtime D) within noise. At D 512 the groups of four stay: one at a time was 0.87-0.93x
-// there (2 KB rows from memory, where four streams at once win). The loop unrolls whole at the
+// Pass 1 of a row at a compile-time D (fp32 / bf16 rows of 64, 128 or 256 elements, at most
+// NNK_FIXED_ROW_BYTES long) when no gradient is folded in: one gathered row at a time (same
+// bits as in a group of four), the row pf entries ahead prefetched whole, the distances into
+// ub; the logits follow in one SIMD sweep (ForwardRow::logits). For small rows this beat the
+// groups of four with their per-group bookkeeping on the 2-core AMD machine of 2026-11-24
+// (2 threads, A/B in one process, L3-resident banks of 50,000 rows: forward 1.16x at B 1024,
+// K 32, D 128 fp32, 1.09x bf16, 1.14x at D 64, 1.16x at D 256 (1.06x bf16); with grad_x
+// 1.07-1.12x; rows of 70 elements (runtime D) within noise), before the groups' partial sums
+// were kept in registers on AVX2: see NNK_FIXED_ROW_BYTES for what holds since. At D 512 the
+// groups of four stay: one at a time was 0.87-0.93x there (2 KB rows from memory, where four
+// streams at once win). The loop unrolls whole at the
 // compile-time D, and as a function of its own its pointers keep their registers (inlined
 // into row(), GCC had kept the prefetch pointers in vector registers).
 template <int64_t DC, typename C, typename T>
@@ -857,7 +878,8 @@ struct ForwardRow {
         int64_t k = 0;
         // Small fp32 / bf16 rows without a fold: one entry at a time (row_distances_fixed).
         constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
-        if (fixed && !one_pass && (D == 128 || D == 64 || D == 256)) {
+        if (fixed && !one_pass && (D == 128 || D == 64 || D == 256)
+            && D * (int64_t)sizeof(T) <= NNK_FIXED_ROW_BYTES) {
             if (D == 256)
                 row_distances_fixed<256>(bank, n_rows, nbl, l64, k0, K, end, pf, x, inv_s, ub);
             else if (D == 128)

@@ -6,6 +6,8 @@ default, ...).
     python benchmarks/bench_threads.py                        # demo at 5 epochs, op, 1 round
     python benchmarks/bench_threads.py --epochs 30 --rounds 2 # the README's demo (long)
     python benchmarks/bench_threads.py --parts op --loads matmul2
+    python benchmarks/bench_threads.py --parts op --loads matmul2 --settings 1 default \
+        --interleave-op --rounds 3              # the settings side by side in one process
 
 Settings: ``1`` and ``2`` are fixed counts (``repro/digits.py --threads N``; for the op
 ``torch.set_num_threads(N)`` and ``NNKLOSS_GOVERN_THREADS=0``), ``default`` is what a user gets
@@ -13,7 +15,12 @@ without asking (the demo's ``--threads auto``: the Trainer's ThreadGovernor; the
 default count with its per-entry governors). Every demo run and every op measurement is a fresh
 process. The op: median ms of 40 calls after 3 warm-ups of ``nnkloss.neighbour_kernel_loss``,
 forward-only (``fwd``) and forward+backward to the embeddings (``fwd_bwd``), at the CPU shapes
-of bench_loss.py (N bank rows as there).
+of bench_loss.py (N bank rows as there). Beside a busy process one call's time spreads widely
+(its 90th percentile about twice its median on the 2-core machine) and the competitor's demand
+moves over seconds, so 40 calls in a process of their own can meet another moment of the load
+than the setting they are compared with: ``--interleave-op`` runs the settings in one process
+instead, taking turns of ``--op-block`` calls until each has ``--op-iters`` (default 120) per
+shape and mode.
 
 Appends to ``benchmarks/results/threads_<device>.txt`` one line per measurement, each with the
 device, commit, UTC date and load average (``os.getloadavg``: 1, 5, 15 minutes) at its start
@@ -96,37 +103,107 @@ def _demo_threads(out):
     return found, by_signal
 
 
+def _op_steps():
+    """(key, step) for every shape of OP_SHAPES and mode (fwd, fwd_bwd): one call of the op
+    as users make it, value checks off."""
+    from bench_loss import DTYPES, fused_loss, make_inputs
+    steps = []
+    for B, K, D, N, dt in OP_SHAPES:
+        inputs = make_inputs(B, K, D, N, DTYPES[dt], torch.device("cpu"))
+        for mode in ("fwd", "fwd_bwd"):
+            x = inputs[0].detach().clone().requires_grad_(mode == "fwd_bwd")
+
+            def step(x=x, inputs=inputs, mode=mode):
+                loss = fused_loss(x, *inputs[1:])
+                if mode == "fwd_bwd":
+                    x.grad = None
+                    loss.backward()
+            steps.append((f"{mode} {B},{K},{D},{dt}", step))
+    return steps
+
+
+def _governor_report(cpu):
+    return {"_governors": {k: g.summary()["threads"] for k, g in cpu._governors.items()},
+            "_by_signal": {k: [g.summary()["by_signal"], len(g.events)]
+                           for k, g in cpu._governors.items()},
+            "_pool": cpu.build_info().get("pool")}
+
+
 def op_worker(setting, iters=40):
     """Median ms per (shape, mode) in this process; prints one JSON line."""
     if setting != "default":
         torch.set_num_threads(int(setting))
-    from bench_loss import DTYPES, fused_loss, make_inputs
     import nnkloss
     from nnkloss.ops import cpu
     cpu.available()
     res = {}
     with nnkloss.value_checks(False):
-        for B, K, D, N, dt in OP_SHAPES:
-            inputs = make_inputs(B, K, D, N, DTYPES[dt], torch.device("cpu"))
-            for mode in ("fwd", "fwd_bwd"):
-                x = inputs[0].detach().clone().requires_grad_(mode == "fwd_bwd")
-
-                def step():
-                    loss = fused_loss(x, *inputs[1:])
-                    if mode == "fwd_bwd":
-                        x.grad = None
-                        loss.backward()
-                res[f"{mode} {B},{K},{D},{dt}"] = time_ms(step, "cpu", warmup=3, iters=iters)
-    res["_governors"] = {k: g.summary()["threads"] for k, g in cpu._governors.items()}
-    res["_by_signal"] = {k: [g.summary()["by_signal"], len(g.events)]
-                         for k, g in cpu._governors.items()}
-    res["_pool"] = cpu.build_info().get("pool")
+        for key, step in _op_steps():
+            res[key] = time_ms(step, "cpu", warmup=3, iters=iters)
+    res.update(_governor_report(cpu))
     print(json.dumps(res))
+
+
+def _apply(setting, full):
+    """Make this process run as ``setting``: "1" / "2" a fixed torch count with the op's
+    governors off, "default" torch's own count (``full``) with them on (as _env does for a
+    fresh process; cpu.governing() reads the variable at every call)."""
+    if setting == "default":
+        os.environ.pop("NNKLOSS_GOVERN_THREADS", None)
+        torch.set_num_threads(full)
+    else:
+        os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
+        torch.set_num_threads(int(setting))
+
+
+def op_worker_interleaved(settings, iters=120, block=10):
+    """Every setting in this one process, in turn, ``block`` calls at a time, until each has
+    run ``iters`` timed calls per (shape, mode): each setting sees the same moments of a
+    competing load, which moves over seconds (a fresh process per setting met it at other
+    moments). Median ms per setting and (shape, mode); prints one JSON line {setting: {...}}.
+    The governors keep their state across the blocks of "default", as in a real process (the
+    calls of the other settings run with them off and are not recorded)."""
+    full = torch.get_num_threads()
+    import nnkloss
+    from nnkloss.ops import cpu
+    cpu.available()
+    times = {s: {} for s in settings}
+    with nnkloss.value_checks(False):
+        for key, step in _op_steps():
+            for setting in settings:  # warm-ups, untimed
+                _apply(setting, full)
+                for _ in range(3):
+                    step()
+            for _ in range(-(-iters // block)):
+                for setting in settings:
+                    _apply(setting, full)
+                    for _ in range(block):
+                        t = time.perf_counter()
+                        step()
+                        times[setting].setdefault(key, []).append(
+                            (time.perf_counter() - t) * 1e3)
+    _apply("default", full)
+    out = {}
+    for setting, per_key in times.items():
+        out[setting] = {k: sorted(v)[len(v) // 2] for k, v in per_key.items()}
+        out[setting].update(_governor_report(cpu) if setting == "default" else
+                            {"_governors": {}, "_by_signal": {},
+                             "_pool": cpu.build_info().get("pool")})
+    print(json.dumps(out))
 
 
 def run_op(setting):
     cmd = [sys.executable, os.path.abspath(__file__), "--op-worker", setting]
     proc = subprocess.run(cmd, env=_env(setting), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"op worker failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_op_interleaved(settings, iters, block):
+    cmd = [sys.executable, os.path.abspath(__file__), "--op-worker-interleaved",
+           ",".join(settings), "--op-iters", str(iters), "--op-block", str(block)]
+    proc = subprocess.run(cmd, env=_env("default"), capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"op worker failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -159,10 +236,24 @@ def main(argv=None):
     p.add_argument("--loads", nargs="+", default=LOADS, choices=LOADS)
     p.add_argument("--parts", nargs="+", default=["demo", "op"], choices=["demo", "op"])
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--interleave-op", action="store_true",
+                   help="the op part runs every setting in one process, --op-block calls at a "
+                        "time in turn (the same moments of the load for each), instead of a "
+                        "fresh process per setting")
+    p.add_argument("--op-iters", type=int, default=None,
+                   help="timed calls per setting, shape and mode (default 40; 120 with "
+                        "--interleave-op)")
+    p.add_argument("--op-block", type=int, default=10, help="calls per turn (--interleave-op)")
     p.add_argument("--op-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--op-worker-interleaved", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.op_iters is not None and args.op_iters < 1 or args.op_block < 1:
+        p.error("--op-iters and --op-block must be >= 1")
     if args.op_worker:
-        return op_worker(args.op_worker)
+        return op_worker(args.op_worker, args.op_iters or 40)
+    if args.op_worker_interleaved:
+        return op_worker_interleaved(args.op_worker_interleaved.split(","),
+                                     args.op_iters or 120, args.op_block)
     dev = device_name(torch.device("cpu"))
     commit = git_commit()
     path = results_path(args.out, torch.device("cpu"), prefix="threads_", ext=".txt")
@@ -173,13 +264,21 @@ def main(argv=None):
         with open(path, "a") as f:
             f.write(line + "\n")
 
+    interleaved = args.interleave_op and "op" in args.parts
+    op_how = (f", op interleaved in one process ({args.op_iters or 120} calls per setting in "
+              f"turns of {args.op_block})" if interleaved else "")
     log(f"== bench_threads: parts {args.parts}, settings {args.settings}, loads {args.loads}, "
-        f"demo epochs {args.epochs}, rounds {args.rounds} | {dev} | commit {commit} | "
+        f"demo epochs {args.epochs}, rounds {args.rounds}{op_how} | {dev} | commit {commit} | "
         f"{utc_now()} | load {load_average()}")
     for load in args.loads:
         with Competitor(load):
             for r in range(args.rounds):
                 for part in args.parts:
+                    together = None
+                    if part == "op" and interleaved:
+                        stamp0 = f"{dev} | commit {commit} | {utc_now()} | load {load_average()}"
+                        together = run_op_interleaved(args.settings, args.op_iters or 120,
+                                                      args.op_block)
                     for setting in args.settings:
                         stamp = f"{dev} | commit {commit} | {utc_now()} | load {load_average()}"
                         if part == "demo":
@@ -192,7 +291,10 @@ def main(argv=None):
                                    if by_signal else "")
                                 + f" | {stamp}")
                         else:
-                            res = run_op(setting)
+                            if together is not None:
+                                res, stamp = dict(together[setting]), stamp0
+                            else:
+                                res = run_op(setting)
                             extra = {k: res.pop(k) for k in ("_governors", "_pool",
                                                              "_by_signal")}
                             for key, ms in res.items():

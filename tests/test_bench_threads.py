@@ -25,3 +25,31 @@ def test_bench_threads_op_part_writes_a_line_per_setting_and_a_summary(tmp_path)
         assert "| commit " in line and "| load " in line
     summary = [line for line in lines if "threads=default load=idle op:" in line]
     assert len(summary) == 1 and "worst" in summary[0]
+
+
+def test_bench_threads_interleaved_op_runs_the_settings_in_one_process(tmp_path):
+    """--interleave-op: the settings take turns in one process; a line per setting as before,
+    the header says how, and the default's governors report their choices."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_threads.py", "--parts", "op",
+                           "--loads", "idle", "--rounds", "1", "--settings", "1", "default",
+                           "--interleave-op", "--op-iters", "4", "--op-block", "2",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".txt"]
+    lines = open(path).read().splitlines()
+    assert "op interleaved in one process (4 calls per setting in turns of 2)" in lines[0]
+    ops = [line for line in lines if line.startswith("op load=idle")]
+    assert [re.search(r"threads=(\S+)", line).group(1) for line in ops] == ["1", "default"]
+    for line in ops:
+        times = re.findall(r"\[(fwd|fwd_bwd) [^\]]+\]=([0-9.]+)ms", line)
+        assert len(times) == 8 and all(float(ms) > 0 for _, ms in times), line
+    assert "governors={}" in ops[0] and "governors={'forward'" in ops[1]
+
+
+def test_bench_threads_refuses_bad_op_counts():
+    proc = subprocess.run([sys.executable, "benchmarks/bench_threads.py", "--parts", "op",
+                           "--op-block", "0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--op-block" in proc.stderr

@@ -41,9 +41,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, device_name, git_commit, load_average,  # noqa: E402
-                    read_gbps, results_path, run_isolated, tensor_read_gbps, time_ms, utc_now,
-                    worker_reply)
+from common import (PeakRss, ResultsCsv, device_name, gather_gbps, git_commit,  # noqa: E402
+                    load_average, read_gbps, results_path, run_isolated, tensor_read_gbps,
+                    time_ms, utc_now, worker_reply)
 
 import torch  # noqa: E402
 
@@ -51,7 +51,7 @@ import nnkloss  # noqa: E402
 
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit", "gathered_gbps", "pct_of_read", "read_gbps", "threads", "load",
-           "date", "bank_read_gbps", "pct_of_bank_read"]
+           "date", "bank_read_gbps", "pct_of_bank_read", "gather_gbps", "pct_of_gather"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = ["fused", "eager", "compile", "torch", "checked", "module"]
@@ -253,10 +253,11 @@ def worker(spec):
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
     out = {}
-    # The bank's own sequential read on these threads, where it lives (the CPU grid's banks
-    # are 20-82 MB: partly or wholly in a 32 MiB last-level cache), the limit for reading the
-    # rows it gathers; measured before and after the calls, the larger kept.
-    bank_read = tensor_read_gbps(inputs[2])
+    # Two limits where the bank lives, on these threads, measured before and after the calls
+    # (the larger kept): the bank's own sequential read (the CPU grid's banks are 20-82 MB,
+    # partly or wholly in a 32 MiB last-level cache), and the gather limit, a read of exactly
+    # the rows the op gathers in its order and nothing else (common.gather_gbps).
+    limits = _limits(inputs)
     with nnkloss.value_checks(False):
         for mode in spec.get("modes", [spec.get("mode")]):
             try:
@@ -264,8 +265,26 @@ def worker(spec):
                 out[mode] = {"ms": ms, "peak": peak, "first_ms": first}
             except torch.OutOfMemoryError:
                 out[mode] = {"oom": True}
-    bank_read = max(bank_read, tensor_read_gbps(inputs[2]))
-    worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype), "bank_read_gbps": bank_read})
+    limits = _max_limits([limits, _limits(inputs)])
+    worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype), "limits": limits})
+
+
+def _limits(inputs):
+    """{"bank_read_gbps": ..., "gather_gbps": ...} of the shape's bank and lists (None where
+    not measurable, e.g. the gather limit off the CPU)."""
+    return {"bank_read_gbps": tensor_read_gbps(inputs[2]),
+            "gather_gbps": gather_gbps(inputs[2], inputs[4])}
+
+
+def _max_limits(all_limits):
+    """Per limit the largest of several measurements (None where none was taken)."""
+    out = {}
+    for lim in all_limits:
+        for k, v in (lim or {}).items():
+            if v is not None and (out.get(k) is None or v > out[k]):
+                out[k] = v
+            out.setdefault(k, None)
+    return out
 
 
 def measure_copy_gbps(device, nbytes=2 ** 31):
@@ -318,8 +337,9 @@ def summary(csv_path, commit, mode=None):
     (the loss), a row per shape and provider, time and peak extra memory of forward / backward
     / forward+backward, and for forward and forward+backward the bytes gathered per second
     against two limits measured in the same run: "% of read" (a 1 GiB sequential read: memory)
-    and "% of bank read" (a sequential read of the shape's own bank, from wherever it lives:
-    a bank that fits the last-level cache reads faster than memory); then the fused op's
+    and "% of gather" (a read of exactly the rows the op gathers, in its order, from wherever
+    the bank lives: what a random row gather of that shape can reach; its CSV columns sit
+    beside those of a sequential read of the bank, ``pct_of_bank_read``); then the fused op's
     speed-up over each other provider. ``mode``: only that mode's columns (default: every
     mode)."""
     with open(csv_path) as f:
@@ -335,7 +355,7 @@ def summary(csv_path, commit, mode=None):
     head = (["B, K, D, bank", "provider"] + [f"{MODE_HEAD[m]} ms" for m in modes]
             + [f"{MODE_HEAD[m]} MB" for m in modes]
             + [f"{MODE_HEAD[m]} % of read" for m in pct_modes]
-            + [f"{MODE_HEAD[m]} % of bank read" for m in pct_modes])
+            + [f"{MODE_HEAD[m]} % of gather" for m in pct_modes])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (B, K, D, dt), v in by.items():
         for p in provs:
@@ -344,7 +364,7 @@ def summary(csv_path, commit, mode=None):
             cells = [f"{B}, {K}, {D}, {dt}", p]
             cells += [v[p][m]["ms"] if m in v[p] else "" for m in modes]
             cells += [v[p][m]["peak_mem_mb"] if m in v[p] else "" for m in modes]
-            for col in ("pct_of_read", "pct_of_bank_read"):
+            for col in ("pct_of_read", "pct_of_gather"):
                 cells += [f"{float(v[p][m][col]):.0f}%" if m in v[p] and v[p][m].get(col)
                           else "" for m in pct_modes]
             lines.append("| " + " | ".join(cells) + " |")
@@ -366,9 +386,9 @@ def summary(csv_path, commit, mode=None):
 
 def combine_repeats(runs):
     """One provider's measurements of one shape over the rounds (each ``(per_mode, idx_dtype,
-    bank_read_gbps)``): per mode the median ms (the upper one for an even count), the largest
-    peak memory, the first round's first call; out of memory if any round was; the largest
-    bank read."""
+    limits)``): per mode the median ms (the upper one for an even count), the largest
+    peak memory, the first round's first call; out of memory if any round was; per limit
+    (bank read, gather) the largest."""
     per_mode = {}
     for mode in runs[0][0]:
         rs = [r[0][mode] for r in runs]
@@ -378,8 +398,7 @@ def combine_repeats(runs):
         ms = sorted(r["ms"] for r in rs)
         per_mode[mode] = {"ms": ms[len(ms) // 2], "peak": max(r["peak"] for r in rs),
                           "first_ms": rs[0]["first_ms"], "rounds": [r["ms"] for r in rs]}
-    reads = [r[2] for r in runs if r[2]]
-    return per_mode, runs[0][1], max(reads) if reads else None
+    return per_mode, runs[0][1], _max_limits(r[2] for r in runs)
 
 
 def shapes(args, device):
@@ -463,7 +482,7 @@ def _main(argv):
                         raise RuntimeError(f"{prov} B={B} K={K} D={D}: {res['error']}")
                     idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])
                     per_mode = res["modes"]
-                    bank_read = res.get("bank_read_gbps")
+                    limits = res.get("limits")
                 else:
                     _COMPILED.clear()
                     per_mode = {}
@@ -476,8 +495,8 @@ def _main(argv):
                             if device.type == "cuda":
                                 torch.cuda.empty_cache()
                     idx_dtype = inputs[4].dtype
-                    bank_read = tensor_read_gbps(inputs[2])
-                return per_mode, idx_dtype, bank_read
+                    limits = _limits(inputs)
+                return per_mode, idx_dtype, limits
             # Providers interleaved, --repeats rounds (fused, compile, fused, compile, ...); each
             # figure is the median over the rounds of the per-process medians.
             runs, loads = {p: [] for p in args.providers}, {}
@@ -487,13 +506,14 @@ def _main(argv):
                     runs[prov].append(measure(prov))
             for prov in args.providers:
                 load = loads[prov]
-                per_mode, idx_dtype, bank_read = combine_repeats(runs[prov])
+                per_mode, idx_dtype, limits = combine_repeats(runs[prov])
+                bank_read, gather = limits.get("bank_read_gbps"), limits.get("gather_gbps")
                 for mode in modes:
                     r = per_mode[mode]
                     if r.get("oom"):
                         results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
                                         commit, "", "", "", args.threads, load, utc_now(), "",
-                                        ""])
+                                        "", "", ""])
                         continue
                     gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
                                         "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
@@ -505,7 +525,10 @@ def _main(argv):
                                     None, args.threads, load, utc_now(),
                                     f"{bank_read:.4g}" if bank_read else "",
                                     "" if gathered == "" or not bank_read
-                                    else f"{100 * gathered / bank_read:.1f}"])
+                                    else f"{100 * gathered / bank_read:.1f}",
+                                    f"{gather:.4g}" if gather else "",
+                                    "" if gathered == "" or not gather
+                                    else f"{100 * gathered / gather:.1f}"])
                     rounds = r.get("rounds", [])
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
                           f"(N={N}, first call {r['first_ms']:.1f} ms"
@@ -515,7 +538,7 @@ def _main(argv):
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
                    commit, "", "", f"{read:.4g}", args.threads, load_average(), utc_now(), "",
-                   ""])
+                   "", "", ""])
         for row in results:
             if row[7] != "oom":
                 row[13] = "" if row[13] == "" else f"{100 * row[13] / read:.1f}"

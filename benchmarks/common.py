@@ -30,7 +30,7 @@ from nnkloss.atomic import atomic_write  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
            "PeakRss", "run_isolated", "worker_reply", "ResultsCsv", "results_path",
-           "read_gbps", "tensor_read_gbps", "load_average"]
+           "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
 
 
 def git_commit() -> str:
@@ -229,6 +229,24 @@ def tensor_read_gbps(t, iters: int = 21) -> Optional[float]:
     flat = raw[:raw.numel() // 4 * 4].view(torch.float32)
     ms = time_ms(lambda: flat.sum(), t.device, reps=200, warmup=2, iters=iters)
     return flat.numel() * 4 / ms / 1e6
+
+
+def gather_gbps(bank, neighbours, iters: int = 21) -> Optional[float]:
+    """GB/s of the gather limit: the rows of ``bank`` that ``neighbours`` names, read in their
+    order the way the op's first pass reads them (``nnkloss.ops.cpu.gather_read``: the same
+    prefetching, no arithmetic but an XOR), on torch's threads: median of ``iters`` calls after
+    2 warm-ups, bytes = the non-padding entries times the row's bytes. What a random row gather
+    of that shape can reach where the bank lives (a sequential read, ``read_gbps``, is faster on
+    a machine whose random accesses cost more than its streaming does). None without the
+    compiled library or off the CPU."""
+    from nnkloss.ops import cpu
+    if not bank.is_cpu or not cpu.available():
+        return None
+    rows = int((neighbours >= 0).sum())
+    if rows == 0:
+        return None
+    ms = time_ms(lambda: cpu.gather_read(bank, neighbours), bank.device, warmup=2, iters=iters)
+    return rows * bank.shape[1] * bank.element_size() / ms / 1e6
 
 
 def load_average() -> str:

@@ -81,13 +81,16 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
         bank = float(r["bank_read_gbps"])  # one bank per dtype, shared by the providers
         assert bank > 0 and float(r["pct_of_bank_read"]) == pytest.approx(
             100 * gathered / bank, rel=1e-2, abs=0.05)
+        gather = float(r["gather_gbps"])  # the rows the lists name, read in their order
+        assert gather > 0 and float(r["pct_of_gather"]) == pytest.approx(
+            100 * gathered / gather, rel=1e-2, abs=0.05)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
     table = bench_loss.summary(path, rows[0]["commit"])
     head = table.splitlines()[0]
     for col in ("forward ms", "backward ms", "forward+backward ms", "forward MB",
                 "backward MB", "forward+backward MB", "forward % of read",
-                "forward+backward % of read", "forward % of bank read",
-                "forward+backward % of bank read"):
+                "forward+backward % of read", "forward % of gather",
+                "forward+backward % of gather"):
         assert f"| {col} |" in head, col
     assert table.count("| fused |") == 2 and table.count("| eager |") == 2
     assert "fused vs eager, forward+backward" in table
@@ -120,11 +123,14 @@ def test_repeats_interleave_providers_and_keep_the_median_round(tmp_path, monkey
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r["op"] == "loss"]
     assert [r["provider"] for r in rows] == ["fused", "eager"]
-    runs = [({"fwd": {"ms": v, "peak": p, "first_ms": 9.0}}, torch.int32, g)
-            for v, p, g in ((3.0, 1.0, 50.0), (1.0, 4.0, None), (2.0, 2.0, 70.0))]
-    per_mode, idx, read = bench_loss.combine_repeats(runs)
+    runs = [({"fwd": {"ms": v, "peak": p, "first_ms": 9.0}}, torch.int32,
+             {"bank_read_gbps": g, "gather_gbps": h})
+            for v, p, g, h in ((3.0, 1.0, 50.0, 9.0), (1.0, 4.0, None, None),
+                               (2.0, 2.0, 70.0, 8.0))]
+    per_mode, idx, limits = bench_loss.combine_repeats(runs)
     assert per_mode["fwd"]["ms"] == 2.0 and per_mode["fwd"]["peak"] == 4.0
-    assert per_mode["fwd"]["rounds"] == [3.0, 1.0, 2.0] and idx == torch.int32 and read == 70.0
+    assert per_mode["fwd"]["rounds"] == [3.0, 1.0, 2.0] and idx == torch.int32
+    assert limits == {"bank_read_gbps": 70.0, "gather_gbps": 9.0}
     runs[1][0]["fwd"] = {"oom": True}
     assert bench_loss.combine_repeats(runs)[0]["fwd"] == {"oom": True}
 

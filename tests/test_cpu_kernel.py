@@ -1491,3 +1491,35 @@ def test_count_mismatched_is_the_torch_count(cl_dtype, idx_dtype, lab_dtype):
     assert cpu.count_mismatched(cl, idx[:-1], labels) is None
     assert cpu.count_mismatched(cl, idx, labels.float()) is None
     assert cpu.count_mismatched(torch.stack([cl, cl], 1)[:, 0], idx, labels) is None
+
+
+@kernel
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("index_dtype", INDEX, ids=str)
+def test_gather_read_reads_exactly_the_listed_rows(dtype, index_dtype):
+    """The benchmarks' gather limit (nnk_gather_read) reads the rows the lists name, padding
+    skipped, every byte of each (rows of 37 bf16 elements: 74 bytes, not a whole number of
+    8-byte words), whatever the thread count: its XOR equals the XOR computed here."""
+    g = torch.Generator().manual_seed(11)
+    for D in (37, 64, 300):
+        bank = torch.randn(900, D, generator=g).to(dtype)
+        nb = torch.randint(-1, 900, (1100,), generator=g).to(index_dtype)  # > one item of 512
+        raw = bank.view(torch.uint8).reshape(900, -1).numpy()
+        words, tail = raw.shape[1] // 8, raw.shape[1] % 8
+        want = 0
+        for j in nb.tolist():
+            if j < 0:
+                continue
+            row = raw[j]
+            x = 0
+            for w in row[:8 * words].view("<u8").tolist():
+                x ^= w
+            for b in row[8 * words:8 * words + tail].tolist():
+                x ^= b
+            want ^= x
+        assert cpu.gather_read(bank, nb, 1) == want
+        assert cpu.gather_read(bank, nb, 2) == want
+    assert cpu.gather_read(bank, torch.full((5,), -1, dtype=index_dtype)) == 0
+    with pytest.raises(IndexError, match="neighbours must lie in"):
+        cpu.gather_read(bank, torch.tensor([0, 900], dtype=index_dtype))
+    assert cpu.gather_read(bank.t(), nb) is None  # not contiguous: not done here

@@ -290,6 +290,8 @@ def _declare(lib):
     lib.nnk_gather_lists.restype = I
     lib.nnk_count_mismatched.argtypes = [P, I, I64, P, I, P, I, I64]
     lib.nnk_count_mismatched.restype = I64
+    lib.nnk_gather_read.argtypes = [P, I64, I64, P, I, I64, I]
+    lib.nnk_gather_read.restype = ctypes.c_uint64
     lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
     lib.nnk_check_values.restype = I
     lib.nnk_vexp.argtypes = [P, P, I64]
@@ -613,6 +615,27 @@ def gather_lists(table, idx, exclude_self: bool):
                               _INDEX_TYPES[idx.dtype], idx.shape[0], int(bool(exclude_self)),
                               out.data_ptr())
     return out if rc == 0 else None
+
+
+def gather_read(bank, neighbours, nthreads: Optional[int] = None) -> Optional[int]:
+    """The benchmarks' gather limit (``nnk_gather_read``): reads the rows of ``bank`` (N, D),
+    any dtype, that ``neighbours`` (int32 / int64, -1 = padding) names, in their order, as the
+    forward's first pass reads them, and nothing else; returns the XOR of the rows' 8-byte
+    words (0 for none), a number the reads cannot be skipped for. ``nthreads``: default
+    torch's count. None where the library is unavailable or the tensors are not contiguous CPU
+    tensors of those types; entries outside [-1, N) raise."""
+    lib = _lib()
+    if (lib is None or not bank.is_cpu or not neighbours.is_cpu or bank.dim() != 2
+            or not bank.is_contiguous() or neighbours.dtype not in _INDEX_TYPES):
+        return None
+    nb = neighbours.contiguous().reshape(-1)
+    if nb.numel() and (int(nb.min()) < -1 or int(nb.max()) >= bank.shape[0]):
+        raise IndexError(f"neighbours must lie in [-1, {bank.shape[0]}), got "
+                         f"[{int(nb.min())}, {int(nb.max())}]")
+    row_bytes = bank.shape[1] * bank.element_size()
+    n = torch.get_num_threads() if nthreads is None else max(1, int(nthreads))
+    return int(lib.nnk_gather_read(bank.data_ptr(), bank.shape[0], row_bytes, nb.data_ptr(),
+                                   int(nb.dtype == torch.int64), nb.numel(), n))
 
 
 def value_flags(emb, neighbours, weights):

@@ -1169,6 +1169,51 @@ int with_bank_type(int btype, F&& f) {
 
 }  // namespace
 
+// The gather limit of a machine, for the benchmarks (benchmarks/common.gather_gbps): reads the
+// bank rows that n list entries name (-1: padding, skipped), in the lists' order, the way pass 1
+// of the forward reads them (the rows NNK_PREFETCH_BYTES ahead prefetched, every line of each
+// row loaded), and computes nothing but an XOR of the rows' 8-byte words (returned, so that the
+// reads stay). Bytes read per second is what the machine gives a random row gather of that
+// shape, where the bank lives: the op's pass 1 can at best match it. Entries are shared out in
+// items of 512 like the forward's rows; the XOR does not depend on the thread count.
+uint64_t gather_read_impl(const char* bank, int64_t n_rows, int64_t row_bytes, const void* nbrs,
+                          int nb64, int64_t n, int nthreads) {
+    const int64_t per = 512, items = (n + per - 1) / per;
+    std::vector<uint64_t> part(std::max<int64_t>(items, 1), 0);
+    const int64_t pf = prefetch_rows(row_bytes);
+    const int64_t words = row_bytes / 8;
+    auto work = [&](int64_t it) {
+        const int64_t a = it * per, e = std::min(n, a + per);
+        uint64_t acc = 0;
+        for (int64_t f = a; f < std::min(e, a + pf); ++f) {
+            const int64_t j = load_index(nbrs, nb64, f);
+            if (j >= 0 && j < n_rows) prefetch_row(bank + j * row_bytes, row_bytes);
+        }
+        for (int64_t f = a; f < e; ++f) {
+            if (f + pf < e) {
+                const int64_t jn = load_index(nbrs, nb64, f + pf);
+                if (jn >= 0 && jn < n_rows) prefetch_row(bank + jn * row_bytes, row_bytes);
+            }
+            const int64_t j = load_index(nbrs, nb64, f);
+            if (j < 0 || j >= n_rows) continue;
+            const char* r = bank + j * row_bytes;
+            uint64_t x = 0;
+            for (int64_t w = 0; w < words; ++w) {
+                uint64_t v;
+                std::memcpy(&v, r + 8 * w, 8);
+                x ^= v;
+            }
+            for (int64_t b = 8 * words; b < row_bytes; ++b) x ^= (uint64_t)(unsigned char)r[b];
+            acc ^= x;
+        }
+        part[it] = acc;
+    };
+    run_items(items, nthreads, work);
+    uint64_t all = 0;
+    for (int64_t it = 0; it < items; ++it) all ^= part[it];
+    return all;
+}
+
 extern "C" {
 
 int nnk_abi_version() { return 1; }
@@ -1258,6 +1303,12 @@ int nnk_gather_lists(const void* table, int tab64, int64_t N, int64_t K, const v
 int64_t nnk_count_mismatched(const void* clabels, int cl64, int64_t N, const void* idx,
                              int idx64, const void* labels, int lab64, int64_t B) {
     return count_mismatched_impl(clabels, cl64, N, idx, idx64, labels, lab64, B);
+}
+
+// gather_read_impl: the benchmarks' gather limit (int32 (0) / int64 (1) list entries).
+uint64_t nnk_gather_read(const void* bank, int64_t N, int64_t row_bytes, const void* nbrs,
+                         int nb64, int64_t n, int nthreads) {
+    return gather_read_impl((const char*)bank, N, row_bytes, nbrs, nb64, n, nthreads);
 }
 
 // The value checks (validation.check_values): out[0] / out[1] the smallest / largest of the

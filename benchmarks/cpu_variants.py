@@ -5,7 +5,9 @@
     python benchmarks/cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=0 --shape 512,64,256,50000,fp32
 
 Each ``-D`` is one variant: macros of ``nnkloss/ops/cpu_kernel.cpp`` (comma-separated, e.g.
-``NNK_PREFETCH_LOCALITY=3,NNK_PREFETCH_BYTES=16384``; ``""`` is the source's defaults). Every
+``NNK_PREFETCH_LOCALITY=3,NNK_PREFETCH_BYTES=16384``; ``""`` is the source's defaults); an
+item that starts with ``-`` is a compiler option added as it is (``-fno-tree-vectorize``), one
+that starts with ``!`` removes an option of ``nnkloss.ops.cpu.FLAGS`` (``!-fno-trapping-math``). Every
 variant is built into a private temporary cache (the same verified build and load as users
 get), then for each of ``--rounds`` rounds and each shape of bench_loss's CPU grid the variants
 run in turn: the op's forward (embeddings that do not require grad) and forward+backward
@@ -50,14 +52,27 @@ from bench_loss import CPU_GRID, DTYPES, gathered_bytes, make_inputs  # noqa: E4
 from nnkloss.ops import cpu  # noqa: E402
 
 
+def variant_flags(defines: str, base):
+    """The compiler options of a variant: ``base`` less the ``!``-items, plus ``-D`` for each
+    macro item and each ``-``-item as it is. An option to remove that ``base`` lacks stops the
+    run naming it."""
+    items = [d.strip() for d in defines.split(",") if d.strip()]
+    drop = {d[1:] for d in items if d.startswith("!")}
+    missing = drop - set(base)
+    if missing:
+        raise SystemExit(f"variant {defines!r}: {sorted(missing)} not among the compiler "
+                         f"options {list(base)}")
+    return ([f for f in base if f not in drop]
+            + [d if d.startswith("-") else f"-D{d}" for d in items if not d.startswith("!")])
+
+
 def build(defines: str, source: str = None):
     """The library with ``-D`` flags for the comma-separated ``defines``, in its own private
     cache directory (cpu.py's verified build and load); returns the loaded handle. ``source``:
     the text of another ``cpu_kernel.cpp`` to build instead of the package's (``--against``);
     only the symbols it has are declared."""
-    flags = [f"-D{d.strip()}" for d in defines.split(",") if d.strip()]
     saved = (cpu.FLAGS, os.environ.get("NNKLOSS_CACHE_DIR"), cpu.SOURCE, cpu._declare)
-    cpu.FLAGS = saved[0] + flags
+    cpu.FLAGS = variant_flags(defines, saved[0])
     cache = tempfile.mkdtemp(prefix="nnk_variant_")
     os.environ["NNKLOSS_CACHE_DIR"] = cache
     if source is not None:

@@ -133,3 +133,13 @@ def test_fixed_row_bytes_knob_gives_the_same_bits(private_tmp):
             outs.append(cpu.forward(emb, cl[nb[:, 0]], centres, cl, nb, None, 2.0))
         for a, b in zip(*outs):
             assert torch.equal(a, b), (D, dtype)
+
+
+def test_variant_items_are_macros_added_options_or_removed_options():
+    base = ["-O3", "-fno-trapping-math", "-shared"]
+    assert cpu_variants.variant_flags("", base) == base
+    assert cpu_variants.variant_flags("A=1, -fno-tree-vectorize,!-fno-trapping-math", base) == [
+        "-O3", "-shared", "-DA=1", "-fno-tree-vectorize"]
+    with pytest.raises(SystemExit, match=r"\['-ffast-math'\] not among the compiler options"):
+        cpu_variants.variant_flags("!-ffast-math", base)
+    assert "-fno-trapping-math" in cpu.FLAGS  # the kernel's exponentials vectorise on AVX2

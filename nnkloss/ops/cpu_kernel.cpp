@@ -464,7 +464,10 @@ __attribute__((noinline)) void row_distances_fixed(const T* bank, int64_t n_rows
 // [-ln2/2, ln2/2]) and 2^n applied as two exact power-of-two factors so that results down to
 // the subnormal range round once. x = -inf (an invalid entry) gives 0, x <= -104 gives 0 (exp
 // underflows there in fp32 too), NaN stays NaN. fp64 keeps the C library's exp.
-// always_inline: a call inside the omp simd loop would make it scalar again.
+// always_inline: a call inside the omp simd loop would make it scalar again. Its compares and
+// selects vectorise without AVX-512's masks (AVX2) only under -fno-trapping-math, which
+// nnkloss/ops/cpu.py builds with: GCC 12 left the loop scalar otherwise ("control flow in
+// loop"), the same bits either way.
 __attribute__((always_inline)) inline float vexp(float x) {
     const float lo = -104.0f, hi = 88.72283935546875f;
     float xc = x < lo ? lo : (x > hi ? hi : x);

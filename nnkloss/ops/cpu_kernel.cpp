@@ -43,7 +43,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -264,6 +264,10 @@ NNK_INLINE Lanes<float> load_lanes<float, float>(const float* __restrict p) {
 // widenings plus an extract and an insert (four shuffle-port operations instead of one per 16
 // elements), which made the bf16 gradient pass half as fast per element as the fp32 one (2-core
 // Intel Xeon, 2026-11-25, one thread, B 256, K 100, D 512: 12.4 against 26.3 G elements/s).
+// With AVX2 likewise, one vpmovzxwd ymm from memory per register: the generic form had become
+// two 128-bit widenings, a byte shift and an insert (2-core AMD EPYC, 2026-11-25, 5 rounds:
+// forward 1.39x at B 256, K 100, D 512, 1.24x at B 512, K 64, D 256, with grad_x 1.08-1.28x;
+// benchmarks/results/cpu_variants_AMD_EPYC.txt).
 // NNK_GENERIC_BF16_WIDEN=1 keeps the generic form (for A/B on another compiler or CPU).
 template <>
 NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
@@ -272,6 +276,12 @@ NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
     const __m512i w = _mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
     std::memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__) && !NNK_GENERIC_BF16_WIDEN
+    for (int q = 0; q < Lanes<float>::P; ++q) {  // one vpmovzxwd ymm from memory per register
+        const __m256i w = _mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8 * q))), 16);
+        std::memcpy(&v.n[q], &w, sizeof w);
+    }
 #else
     constexpr int L = Lanes<float>::L;
     typedef uint16_t U16 __attribute__((vector_size(L * 2)));

@@ -27,6 +27,7 @@ at another revision. ``nnk_forward``'s own parameter list must read the same in 
 else the run stops naming it::
 
     python benchmarks/cpu_variants.py -D "" --against 12c891b --rounds 5
+    python benchmarks/cpu_variants.py -D "" --kernel --gather    # the kernel against its limit
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ import torch  # noqa: E402
 import nnkloss  # noqa: E402
 from bench_loss import CPU_GRID, DTYPES, gathered_bytes, make_inputs  # noqa: E402
 from nnkloss.ops import cpu  # noqa: E402
+
+
+GATHER = "gather limit"
 
 
 def variant_flags(defines: str, base):
@@ -172,6 +176,13 @@ def main(argv=None):
                     help="a shape of its own (e.g. 512,64,256,50000,fp32); repeatable. Only "
                          "these (and --shapes) are measured when given")
     ap.add_argument("--out", help="also append the lines to this log file")
+    ap.add_argument("--kernel", action="store_true",
+                    help="time the kernel's calls (forward without and with grad_x) instead of "
+                         "the op (as --against does)")
+    ap.add_argument("--gather", action="store_true",
+                    help="also time the gather limit (nnkloss.ops.cpu.gather_read: the rows "
+                         "the lists name, read as the forward reads them) per round and shape, "
+                         "and give each variant's figures as %% of it")
     ap.add_argument("--against", metavar="REV",
                     help="also the kernel of git revision REV; times the kernel's calls")
     args = ap.parse_args(argv)
@@ -185,11 +196,14 @@ def main(argv=None):
         libs.append((args.against, build("", source)))
     grid = [CPU_GRID[i] for i in args.shapes or []] + args.extra
     grid = grid or list(CPU_GRID)
-    modes = (("kernel forward", "kernel forward with grad_x") if args.against
+    kernel_calls = bool(args.against or args.kernel)
+    modes = (("kernel forward", "kernel forward with grad_x") if kernel_calls
              else ("forward", "forward+backward"))
     lines = [f"# {device_name(dev)} | commit {git_commit()} | {utc_now()} | threads "
              f"{args.threads} | load {load_average()}"
-             + (f" | the kernel's calls, against {args.against}" if args.against else "")]
+             + (f" | the kernel's calls, against {args.against}" if args.against else
+                " | the kernel's calls" if args.kernel else "")
+             + (" | with the gather limit" if args.gather else "")]
     print(lines[0], flush=True)
     results = {}
     for r in range(args.rounds):
@@ -209,7 +223,14 @@ def main(argv=None):
                 return lambda: cpu.forward(emb, labels, centres, cl, nb, w, sigma,
                                            store_dist=False, need_grad_x=grad_x)
 
-            calls = (kernel(False), kernel(True)) if args.against else (fwd, fwd_bwd)
+            calls = (kernel(False), kernel(True)) if kernel_calls else (fwd, fwd_bwd)
+            if args.gather:
+                use(libs[0][1])
+                ms = time_ms(lambda: cpu.gather_read(centres, nb), dev, iters=args.iters)
+                results.setdefault((GATHER, (B, K, D, dt)), []).append([ms, ms])
+                lines.append(f"round {r} | {GATHER} | {B},{K},{D},{dt} | read {ms:.3f} ms "
+                             f"({gb / ms:.1f} GB/s)")
+                print(lines[-1], flush=True)
             for name, lib in libs:
                 use(lib)
                 with nnkloss.value_checks(False):
@@ -222,8 +243,16 @@ def main(argv=None):
     lines.append("# medians over the rounds")
     for (name, shape), runs in results.items():
         f, fb = (statistics.median(m[i] for m in runs) for i in (0, 1))
-        lines.append(f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
-                     f"{modes[1]} {fb:.3f} ms")
+        if name == GATHER:
+            lines.append(f"{name} | {','.join(map(str, shape))} | read {f:.3f} ms")
+        else:
+            g = results.get((GATHER, shape))
+            pct = ""
+            if g:
+                gm = statistics.median(m[0] for m in g)
+                pct = f" | {100 * gm / f:.0f}% and {100 * gm / fb:.0f}% of the gather limit"
+            lines.append(f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
+                         f"{modes[1]} {fb:.3f} ms{pct}")
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "a") as fh:

@@ -143,3 +143,18 @@ def test_variant_items_are_macros_added_options_or_removed_options():
     with pytest.raises(SystemExit, match=r"\['-ffast-math'\] not among the compiler options"):
         cpu_variants.variant_flags("!-ffast-math", base)
     assert "-fno-trapping-math" in cpu.FLAGS  # the kernel's exponentials vectorise on AVX2
+
+
+def test_gather_option_times_the_limit_and_gives_each_variant_as_a_share_of_it(private_tmp):
+    """--kernel --gather: the kernel's calls and, per round and shape, the gather limit; the
+    medians give each variant's times as % of it."""
+    log = private_tmp / "gather.txt"
+    results = cpu_variants.main(["-D", "", "--kernel", "--gather", "--rounds", "2", "--iters",
+                                 "1", "--shape", "16,8,64,300,fp32", "--out", str(log)])
+    shape = (16, 8, 64, "fp32")
+    assert set(results) == {("defaults", shape), (cpu_variants.GATHER, shape)}
+    text = log.read_text().splitlines()
+    assert text[0].endswith("the kernel's calls | with the gather limit")
+    assert sum(line.startswith("round ") and "gather limit" in line for line in text) == 2
+    (last,) = [line for line in text if line.startswith("defaults |") and "%" in line]
+    assert "kernel forward with grad_x" in last and "of the gather limit" in last

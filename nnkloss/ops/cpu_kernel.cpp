@@ -189,7 +189,8 @@ constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 // loop changed). Measured on the 2-core AMD EPYC (AVX2, 2026-11-25, benchmarks/cpu_variants.py
 // --against, 5 rounds): kernel forward 1.44x at B 256, K 100, D 512, 1.45x at D 2048, 1.85x
 // with the bf16 bank, with grad_x 1.40-1.64x; D 128 (row_distances_fixed) within noise. With
-// AVX-512 a set is one register and the code is the same as before.
+// AVX-512 a set is one register (compiled for Sapphire Rapids, the four-row loop is the same
+// instructions as before).
 #if defined(__AVX512F__)
 constexpr int NATIVE_BYTES = 64;
 #elif defined(__AVX__)

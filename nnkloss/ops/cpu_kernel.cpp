@@ -41,6 +41,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
@@ -301,14 +302,22 @@ NNK_INLINE Lanes<double> load_lanes<double, double>(const double* __restrict p) 
     return load_native(p);
 }
 
-// A set of lanes all equal to s, for every product of a scalar with lanes: one broadcast per
-// native vector (written lane by lane: GCC 12 built `s * v` for a vector wider than the
-// registers through the stack, see Lanes). The products are the same IEEE operations.
+// A set of lanes all equal to s, for every product of a scalar with lanes: one broadcast
+// register (an initializer of L equal elements, which GCC 12 makes one vbroadcastss both with
+// AVX2 and AVX-512; `s * v` on a vector wider than the registers went through the stack, see
+// Lanes, and a lane-by-lane fill became 16 masked moves per use with AVX-512). The products are
+// the same IEEE operations.
+template <typename N, typename C, std::size_t... I>
+NNK_INLINE N broadcast_native(C s, std::index_sequence<I...>) {
+    return N{((void)I, s)...};
+}
+
 template <typename V, typename C>
 NNK_INLINE V splat(C s) {
+    const typename V::Native b =
+        broadcast_native<typename V::Native>(s, std::make_index_sequence<V::L>{});
     V v;
-    for (int q = 0; q < V::P; ++q)
-        for (int i = 0; i < V::L; ++i) v.n[q][i] = s;
+    for (int q = 0; q < V::P; ++q) v.n[q] = b;
     return v;
 }
 

@@ -1,0 +1,166 @@
+"""A static gate for the compiled CPU kernel's machine code (nnkloss/ops/cpu_kernel.cpp), on
+both x86 vector widths whatever this machine has: the source is compiled as nnkloss/ops/cpu.py
+compiles it, for x86-64-v3 (AVX2 and FMA: the AMD EPYC this project has run on) and x86-64-v4
+(AVX-512: the Intel Xeon), and the hot functions' instructions are read back (objdump).
+
+Why: GCC's code for the kernel differed by ISA in ways no test on one machine saw. On AVX2 the
+16 lanes, kept as one 64-byte vector, went through the stack at every step, `s * v` was built
+from 16 scalar stores, the row's exponentials stayed scalar and bf16 rows widened in four
+operations (2026-11-25: forward 1.2-1.9x slower than now); the first fix for `s * v` then
+became 16 masked moves per gathered row with AVX-512, on a machine nobody could time. Each
+assertion below is one of those regressions, and was seen to fail on the source that had it
+(5836f8e's: the three AVX2 ones; 7c0c242's: the AVX-512 broadcast; cpu.FLAGS without
+-fno-trapping-math: the AVX2 exponentials). GCC 12's code; another compiler may need its own
+calibration.
+"""
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nnkloss.ops import cpu
+
+TARGETS = {"avx2": "x86-64-v3", "avx512": "x86-64-v4"}
+
+
+def _gcc():
+    cxx = cpu._compiler()
+    if cxx is None or shutil.which("objdump") is None or shutil.which("c++filt") is None:
+        return None
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    return cxx if ("GCC" in out or "g++" in out or "Free Software" in out) else None
+
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or _gcc() is None,
+    reason="needs GCC targeting x86-64 and binutils (objdump, c++filt)")
+
+
+def _flags(march):
+    """cpu.py's flags with -march=native replaced, an object file instead of a library."""
+    flags = [f for f in cpu.FLAGS if f not in ("-march=native", "-shared")]
+    return flags + [f"-march={march}", "-fopenmp", "-c"]
+
+
+@pytest.fixture(scope="module")
+def disassembly():
+    """{isa: {function name: [instruction lines]}} of the kernel compiled for each target (the
+    two compiles run side by side: ~20 s each on the 2-core machine)."""
+    cxx = _gcc()
+    tmp = tempfile.mkdtemp(prefix="nnk_codegen_")
+
+    def build(item):
+        isa, march = item
+        obj = os.path.join(tmp, f"{isa}.o")
+        res = subprocess.run([cxx] + _flags(march) + [cpu.SOURCE, "-o", obj],
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", obj],
+                              capture_output=True, text=True, check=True).stdout
+        return isa, _functions(text)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            return dict(pool.map(build, TARGETS.items()))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _functions(text):
+    """{demangled name: [(address, instruction)]} of objdump's text."""
+    funcs, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+        elif name is not None and "\t" in line:
+            addr, ins = line.split("\t", 1)
+            funcs[name].append((int(addr.strip().rstrip(":"), 16), ins.strip()))
+    return funcs
+
+
+def _one(funcs, signature):
+    """The instructions of the one function whose demangled name starts with ``signature``."""
+    hits = [v for k, v in funcs.items() if k.startswith(signature) and "lambda" not in k]
+    assert len(hits) == 1, (signature, [k for k in funcs if k.startswith(signature)])
+    return [ins for _, ins in hits[0]]
+
+
+def _loops(funcs, signature):
+    """The bodies (instruction lists) of the loops of a function: from the target of each
+    backward branch to the branch."""
+    (code,) = [v for k, v in funcs.items() if k.startswith(signature) and "lambda" not in k]
+    where = {a: i for i, (a, _) in enumerate(code)}
+    bodies = []
+    for i, (a, ins) in enumerate(code):
+        m = re.match(r"^j\w+\s+([0-9a-f]+)\b", ins)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
+            bodies.append([x for _, x in code[where[int(m.group(1), 16)]:i + 1]])
+    return bodies
+
+
+STACK_VECTOR_STORE = re.compile(r"^vmov\w+\s+%[xyz]mm\d+,-?0x[0-9a-f]+\(%r[sb]p\)")
+
+FIXED = "void (anonymous namespace)::row_distances_fixed<128l, float, float>("
+FIXED_BF16 = ("void (anonymous namespace)::row_distances_fixed<128l, float, "
+              "(anonymous namespace)::bf16>(")
+ROW = "(anonymous namespace)::ForwardRow<float, float>::row(long, long)"
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+def test_a_row_distance_keeps_its_lanes_in_registers(disassembly, isa):
+    """One gathered row's scaled distance (row_distances_fixed, D 128): the 16 partial sums and
+    the broadcast 1/sigma stay in registers (no vector store to the stack, no masked build of
+    the broadcast), and the broadcast is one instruction."""
+    code = _one(disassembly[isa], FIXED)
+    assert not [i for i in code if STACK_VECTOR_STORE.match(i)], isa
+    assert not [i for i in code if i.startswith("kmov")], isa
+    assert sum(i.startswith("vbroadcastss") for i in code) == 1, isa
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+def test_the_four_row_loop_keeps_its_sums_in_registers(disassembly, isa):
+    """The groups of four (scaled_sqdist4, inlined in ForwardRow::row), the loop that prefetches
+    a line of four future rows and subtracts x from four rows per step: on AVX2 GCC had kept the
+    four rows' partial sums in memory and moved them through general registers (vmovq /
+    vpinsrq) at every step: 128 instructions a step, 16 of them vmovq / vpinsrq and 32 stores
+    to the stack, against 47, 0 and 2 now (GCC 12, x86-64-v3; AVX2 has 16 registers for the
+    eight sums, x, 1/sigma and the rows, so a sum or two may be spilled). With AVX-512: 28
+    instructions, no store, before and after."""
+    loops = [b for b in _loops(disassembly[isa], ROW)
+             if sum(i.startswith("prefetcht0") for i in b) == 4
+             and sum(i.startswith("vsubps") for i in b) >= 4]
+    assert loops, isa
+    for body in loops:
+        assert not [i for i in body if i.startswith(("vpinsrq", "vmovq"))], isa
+        assert len([i for i in body if STACK_VECTOR_STORE.match(i)]) <= 2, (isa, body)
+        assert len(body) <= 64, (isa, len(body))
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+def test_the_rows_exponentials_are_simd_lanes(disassembly, isa):
+    """vexp over a row's K entries vectorises: packed compares (vcmp...ps on ymm / zmm, or into
+    a mask register) rather than scalar ones only (AVX2 needs -fno-trapping-math for this)."""
+    code = _one(disassembly[isa], ROW)
+    width = "ymm" if isa == "avx2" else "zmm"
+    packed = [i for i in code if re.match(r"^vcmp\w*ps\s", i) and f"%{width}" in i]
+    assert packed, isa
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+def test_bf16_rows_widen_with_one_instruction_per_register(disassembly, isa):
+    """bf16 -> fp32: one vpmovzxwd from memory into a full register per 8 (AVX2) / 16
+    (AVX-512) elements, not 128-bit widenings stitched together with inserts."""
+    code = _one(disassembly[isa], FIXED_BF16)
+    width = "ymm" if isa == "avx2" else "zmm"
+    widen = [i for i in code if re.match(r"^vpmovzxwd\s+-?(0x[0-9a-f]+)?\(", i)
+             and f"%{width}" in i]
+    assert len(widen) >= (16 if isa == "avx2" else 8), (isa, len(widen))
+    assert not [i for i in code if i.startswith(("vinserti128", "vinserti32x4"))], isa

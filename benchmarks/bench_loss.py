@@ -278,13 +278,10 @@ def _limits(inputs):
 
 def _max_limits(all_limits):
     """Per limit the largest of several measurements (None where none was taken)."""
-    out = {}
-    for lim in all_limits:
-        for k, v in (lim or {}).items():
-            if v is not None and (out.get(k) is None or v > out[k]):
-                out[k] = v
-            out.setdefault(k, None)
-    return out
+    all_limits = [lim or {} for lim in all_limits]
+    keys = {k for lim in all_limits for k in lim}
+    return {k: max((lim[k] for lim in all_limits if lim.get(k) is not None), default=None)
+            for k in keys}
 
 
 def measure_copy_gbps(device, nbytes=2 ** 31):

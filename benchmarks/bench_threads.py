@@ -192,21 +192,23 @@ def op_worker_interleaved(settings, iters=120, block=10):
     print(json.dumps(out))
 
 
-def run_op(setting):
-    cmd = [sys.executable, os.path.abspath(__file__), "--op-worker", setting]
-    proc = subprocess.run(cmd, env=_env(setting), capture_output=True, text=True, cwd=ROOT)
+def _op_worker_reply(args, setting):
+    """The JSON line of this script run as an op worker with ``args``, in a fresh process
+    with the environment of ``setting``."""
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)] + args,
+                          env=_env(setting), capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"op worker failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_op(setting):
+    return _op_worker_reply(["--op-worker", setting], setting)
 
 
 def run_op_interleaved(settings, iters, block):
-    cmd = [sys.executable, os.path.abspath(__file__), "--op-worker-interleaved",
-           ",".join(settings), "--op-iters", str(iters), "--op-block", str(block)]
-    proc = subprocess.run(cmd, env=_env("default"), capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"op worker failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _op_worker_reply(["--op-worker-interleaved", ",".join(settings), "--op-iters",
+                             str(iters), "--op-block", str(block)], "default")
 
 
 class Competitor:

@@ -205,7 +205,7 @@ def main(argv=None):
                 " | the kernel's calls" if args.kernel else "")
              + (" | with the gather limit" if args.gather else "")]
     print(lines[0], flush=True)
-    results = {}
+    results, gather = {}, {}  # gather: shape -> the gather limit's ms per round
     for r in range(args.rounds):
         for (B, K, D, N, dt) in grid:
             emb, labels, centres, cl, nb, w, sigma = make_inputs(B, K, D, N, DTYPES[dt], dev)
@@ -227,7 +227,7 @@ def main(argv=None):
             if args.gather:
                 use(libs[0][1])
                 ms = time_ms(lambda: cpu.gather_read(centres, nb), dev, iters=args.iters)
-                results.setdefault((GATHER, (B, K, D, dt)), []).append([ms, ms])
+                gather.setdefault((B, K, D, dt), []).append(ms)
                 lines.append(f"round {r} | {GATHER} | {B},{K},{D},{dt} | read {ms:.3f} ms "
                              f"({gb / ms:.1f} GB/s)")
                 print(lines[-1], flush=True)
@@ -241,22 +241,23 @@ def main(argv=None):
                              f"({gb / ms[1]:.1f} GB/s)")
                 print(lines[-1], flush=True)
     lines.append("# medians over the rounds")
+    for shape, runs in gather.items():
+        lines.append(f"{GATHER} | {','.join(map(str, shape))} | read "
+                     f"{statistics.median(runs):.3f} ms")
+        print(lines[-1], flush=True)
     for (name, shape), runs in results.items():
         f, fb = (statistics.median(m[i] for m in runs) for i in (0, 1))
-        if name == GATHER:
-            lines.append(f"{name} | {','.join(map(str, shape))} | read {f:.3f} ms")
-        else:
-            g = results.get((GATHER, shape))
-            pct = ""
-            if g:
-                gm = statistics.median(m[0] for m in g)
-                pct = f" | {100 * gm / f:.0f}% and {100 * gm / fb:.0f}% of the gather limit"
-            lines.append(f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
-                         f"{modes[1]} {fb:.3f} ms{pct}")
+        pct = ""
+        if shape in gather:
+            gm = statistics.median(gather[shape])
+            pct = f" | {100 * gm / f:.0f}% and {100 * gm / fb:.0f}% of the gather limit"
+        lines.append(f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
+                     f"{modes[1]} {fb:.3f} ms{pct}")
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "a") as fh:
             fh.write("\n".join(lines) + "\n")
+    results.update(((GATHER, shape), [[ms, ms] for ms in runs]) for shape, runs in gather.items())
     return results
 
 

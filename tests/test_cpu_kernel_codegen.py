@@ -86,17 +86,23 @@ def _functions(text):
     return funcs
 
 
-def _one(funcs, signature):
-    """The instructions of the one function whose demangled name starts with ``signature``."""
+def _code(funcs, signature):
+    """[(address, instruction)] of the one function whose demangled name starts with
+    ``signature`` (its lambdas left out)."""
     hits = [v for k, v in funcs.items() if k.startswith(signature) and "lambda" not in k]
     assert len(hits) == 1, (signature, [k for k in funcs if k.startswith(signature)])
-    return [ins for _, ins in hits[0]]
+    return hits[0]
+
+
+def _one(funcs, signature):
+    """The instructions of that function."""
+    return [ins for _, ins in _code(funcs, signature)]
 
 
 def _loops(funcs, signature):
     """The bodies (instruction lists) of the loops of a function: from the target of each
     backward branch to the branch."""
-    (code,) = [v for k, v in funcs.items() if k.startswith(signature) and "lambda" not in k]
+    code = _code(funcs, signature)
     where = {a: i for i, (a, _) in enumerate(code)}
     bodies = []
     for i, (a, ins) in enumerate(code):

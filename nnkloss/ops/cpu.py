@@ -635,9 +635,10 @@ def gather_read(bank, neighbours, nthreads: Optional[int] = None) -> Optional[in
             or not bank.is_contiguous() or neighbours.dtype not in _INDEX_TYPES):
         return None
     nb = neighbours.contiguous().reshape(-1)
-    if nb.numel() and (int(nb.min()) < -1 or int(nb.max()) >= bank.shape[0]):
-        raise IndexError(f"neighbours must lie in [-1, {bank.shape[0]}), got "
-                         f"[{int(nb.min())}, {int(nb.max())}]")
+    if nb.numel():
+        lo, hi = (int(v) for v in torch.aminmax(nb))
+        if lo < -1 or hi >= bank.shape[0]:
+            raise IndexError(f"neighbours must lie in [-1, {bank.shape[0]}), got [{lo}, {hi}]")
     row_bytes = bank.shape[1] * bank.element_size()
     n = torch.get_num_threads() if nthreads is None else max(1, int(nthreads))
     return int(lib.nnk_gather_read(bank.data_ptr(), bank.shape[0], row_bytes, nb.data_ptr(),

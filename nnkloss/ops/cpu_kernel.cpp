@@ -237,8 +237,6 @@ NNK_INLINE Lanes<C>& operator+=(Lanes<C>& a, const Lanes<C>& b) {
     return a;
 }
 
-template <typename C> struct LanesOf { typedef Lanes<C> type; };
-
 // ACC consecutive elements of a row, converted to the compute type.
 template <typename C, typename T>
 NNK_INLINE Lanes<C> load_lanes(const T* __restrict p) {
@@ -354,7 +352,7 @@ NNK_INLINE C tree_sum(const Lanes<C>& p) {
 
 template <typename C, typename T>
 NNK_INLINE C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
-    typedef typename LanesOf<C>::type V;
+    typedef Lanes<C> V;
     const V vs = splat<V>(inv_s);
     V part = {};
     int64_t d = 0;
@@ -386,7 +384,7 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
                            const T* __restrict c2, const T* __restrict c3,
                            const C* __restrict x, C inv_s, int64_t D, C* out,
                            const T* const* fut) {
-    typedef typename LanesOf<C>::type V;
+    typedef Lanes<C> V;
     const V vs = splat<V>(inv_s);
     V p0 = {}, p1 = {}, p2 = {}, p3 = {};
     const char* f0 = (const char*)fut[0];
@@ -535,7 +533,7 @@ NNK_INLINE void store_lanes(C* __restrict p, const Lanes<C>& v) {
 template <int N, typename C, typename T>
 inline void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
                            const C* a, int64_t D) {
-    typedef typename LanesOf<C>::type V;
+    typedef Lanes<C> V;
     V va[N];
     for (int i = 0; i < N; ++i) va[i] = splat<V>(a[i]);
     int64_t d = 0;
@@ -1190,8 +1188,6 @@ int with_bank_type(int btype, F&& f) {
     return 1;
 }
 
-}  // namespace
-
 // XOR of a row's bytes from `o` to its end (`e`), beyond its whole lines: its 8-byte words, then
 // its last bytes one at a time (rows whose size is not a multiple of 64).
 inline uint64_t xor_rest(const char* r, int64_t o, int64_t e) {
@@ -1267,11 +1263,7 @@ uint64_t gather_read_items(const char* bank, int64_t n_rows, int64_t row_bytes, 
     return all;
 }
 
-uint64_t gather_read_impl(const char* bank, int64_t n_rows, int64_t row_bytes, const void* nbrs,
-                          int nb64, int64_t n, int nthreads) {
-    return nb64 ? gather_read_items(bank, n_rows, row_bytes, (const int64_t*)nbrs, n, nthreads)
-                : gather_read_items(bank, n_rows, row_bytes, (const int32_t*)nbrs, n, nthreads);
-}
+}  // namespace
 
 extern "C" {
 
@@ -1364,10 +1356,12 @@ int64_t nnk_count_mismatched(const void* clabels, int cl64, int64_t N, const voi
     return count_mismatched_impl(clabels, cl64, N, idx, idx64, labels, lab64, B);
 }
 
-// gather_read_impl: the benchmarks' gather limit (int32 (0) / int64 (1) list entries).
+// gather_read_items: the benchmarks' gather limit (int32 (0) / int64 (1) list entries).
 uint64_t nnk_gather_read(const void* bank, int64_t N, int64_t row_bytes, const void* nbrs,
                          int nb64, int64_t n, int nthreads) {
-    return gather_read_impl((const char*)bank, N, row_bytes, nbrs, nb64, n, nthreads);
+    const char* b = (const char*)bank;
+    return nb64 ? gather_read_items(b, N, row_bytes, (const int64_t*)nbrs, n, nthreads)
+                : gather_read_items(b, N, row_bytes, (const int32_t*)nbrs, n, nthreads);
 }
 
 // The value checks (validation.check_values): out[0] / out[1] the smallest / largest of the

@@ -257,6 +257,28 @@ def test_fashion_mnist_retrieval_quick_and_resume(idx_tree, tmp_path):
     assert os.path.isdir(out / "runs" / "nngk-k3-s0")
 
 
+def test_fashion_mnist_network_memory_format(idx_tree, tmp_path):
+    fm = load_script("fashion_mnist")
+    # channels_last changes strides only: the same weights give the same embeddings
+    torch.manual_seed(0)
+    a = fm.SmallCNN(8, 4, normalise=True).eval()
+    b = fm.SmallCNN(8, 4, normalise=True)
+    b.load_state_dict(a.state_dict())
+    b = b.eval().to(memory_format=torch.channels_last)
+    assert b.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.rand(5, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(b(x), a(x), atol=1e-5, rtol=1e-4)
+    # each run records its format; the other format is another configuration (re-run)
+    argv = ["--data-root", idx_tree, "--out", str(tmp_path / "fm"), "--quick", "--methods",
+            "softmax", "--seeds", "0"] + FM_TINY
+    first = fm.main(argv)
+    assert first["runs"]["softmax/s0"]["config"]["memory_format"] == "channels_last"
+    other = fm.main(argv + ["--memory-format", "contiguous"])
+    assert other["runs_skipped_as_done"] == 0
+    assert other["runs"]["softmax/s0"]["config"]["memory_format"] == "contiguous"
+
+
 def test_fashion_mnist_interrupted_run_resumes_from_its_checkpoint(idx_tree, tmp_path):
     fm = load_script("fashion_mnist")
     out = tmp_path / "fm"

@@ -260,3 +260,22 @@ def test_precomputed_neighbours_skip_the_search(monkeypatch):
     zero = CentreBank(bank.centres, bank.centre_labels, weights=torch.zeros(bank.num_centres))
     with pytest.raises(ValueError, match="weight 0"):
         NeighbourKernelClassifier(zero, k=2, sigma=1.0).predict_proba(x, neighbours=nb)
+
+
+@pytest.mark.parametrize("rule", ["nngk", "ccknn"])
+def test_cpu_distances_come_from_the_compiled_library_and_match_the_torch_form(monkeypatch,
+                                                                               rule):
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no C++ compiler: the torch form only")
+    bank = make_bank(weights=True)
+    x = torch.randn(30, 6, generator=torch.Generator().manual_seed(4)) * 2
+    x[0] *= 1e3  # a far query
+    clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend="torch", rule=rule,
+                                    batch_size=16)
+    real, calls = cpu.rel_sqdist, []
+    monkeypatch.setattr(cpu, "rel_sqdist", lambda *a: calls.append(a[2].shape) or real(*a))
+    p = clf.predict_proba(x)
+    assert calls and all(s[1] == 7 for s in calls)
+    monkeypatch.setattr(cpu, "rel_sqdist", lambda *a: None)  # the torch form
+    torch.testing.assert_close(p, clf.predict_proba(x), atol=1e-6, rtol=1e-5)

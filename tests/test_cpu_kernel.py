@@ -1523,3 +1523,74 @@ def test_gather_read_reads_exactly_the_listed_rows(dtype, index_dtype):
     with pytest.raises(IndexError, match="neighbours must lie in"):
         cpu.gather_read(bank, torch.tensor([0, 900], dtype=index_dtype))
     assert cpu.gather_read(bank.t(), nb) is None  # not contiguous: not done here
+
+
+def _rel_sqdist_fp64(x, centres, idx, ref):
+    """||x - c_i||^2 - ||x - c_r||^2 in fp64, from the values the kernel receives."""
+    x, c = x.double(), centres.double()
+    d = ((c[idx] - x[:, None, :]) ** 2).sum(-1)
+    return d - ((c[ref] - x) ** 2).sum(-1)[:, None]
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+@pytest.mark.parametrize("cdt", [torch.float32, torch.float64])
+@pytest.mark.parametrize("D", [1, 13, 16, 70])
+def test_rel_sqdist_matches_fp64(bank_dtype, cdt, D):
+    g = torch.Generator().manual_seed(D)
+    centres = torch.randn(40, D, generator=g).to(bank_dtype)
+    x = (torch.randn(9, D, generator=g) * 2).to(cdt)
+    idx = torch.randint(0, 40, (9, 11), generator=g)
+    idx[1, :] = idx[1, 0]  # duplicates
+    ref = idx[:, 3]
+    got = cpu.rel_sqdist(x, centres, idx, ref, cdt)
+    assert got.dtype == cdt and got.shape == (9, 11)
+    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    scale = want.abs().max().item() + 1.0
+    tol = (1e-5 if cdt == torch.float32 else 1e-12) * scale
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+    assert (got[torch.arange(9), 3] == 0).all()  # the reference against itself: exactly 0
+
+
+@kernel
+def test_rel_sqdist_keeps_far_queries_precise_and_threads_agree(monkeypatch):
+    # |x| = 1e4: the two squared distances are ~1e8 (fp32 spacing 8), their difference ~1e1;
+    # the product form keeps it to fp32's relative precision, as the torch form does.
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(30, 6, generator=g)
+    x = torch.randn(5, 6, generator=g) * 1e4
+    idx = torch.randint(0, 30, (5, 8), generator=g)
+    ref = idx[:, 0]
+    got = cpu.rel_sqdist(x, centres, idx, ref, torch.float32).double()
+    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    tol = 1e-5 * want.abs().max().item()  # ~1; the difference of the two fp32 squares: ~8
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    monkeypatch.setattr(cpu, "_threads", lambda work, min_elems=None: 2)
+    big_idx = torch.randint(0, 30, (300, 8), generator=g)
+    xs = torch.randn(300, 6, generator=g)
+    two = cpu.rel_sqdist(xs, centres, big_idx, big_idx[:, 1], torch.float32)
+    monkeypatch.setattr(cpu, "_threads", lambda work, min_elems=None: 1)
+    one = cpu.rel_sqdist(xs, centres, big_idx, big_idx[:, 1], torch.float32)
+    assert torch.equal(one, two)
+
+
+@kernel
+def test_rel_sqdist_edges_and_what_it_leaves_to_the_caller():
+    centres = torch.randn(10, 4)
+    x = torch.randn(3, 4)
+    assert cpu.rel_sqdist(x, centres, torch.zeros(3, 0, dtype=torch.long), torch.zeros(3),
+                          torch.float32).shape == (3, 0)
+    assert cpu.rel_sqdist(x[:0], centres, torch.zeros(0, 2, dtype=torch.long),
+                          torch.zeros(0, dtype=torch.long), torch.float32).shape == (0, 2)
+    for bad in (10, -1):
+        idx = torch.zeros(3, 2, dtype=torch.long)
+        idx[2, 1] = bad
+        with pytest.raises(IndexError, match=r"\[0, 10\)"):
+            cpu.rel_sqdist(x, centres, idx, idx[:, 0], torch.float32)
+        with pytest.raises(IndexError):
+            cpu.rel_sqdist(x, centres, torch.zeros(3, 2, dtype=torch.long), idx[:, 1],
+                           torch.float32)
+    # not done here (the caller's torch form runs): a strided bank, an integer compute type
+    assert cpu.rel_sqdist(x, centres.t().contiguous().t(), idx.clamp(0, 9), idx[:, 0].clamp(0),
+                          torch.float32) is None
+    assert cpu.rel_sqdist(x, centres, idx.clamp(0, 9), idx[:, 0].clamp(0), torch.int32) is None

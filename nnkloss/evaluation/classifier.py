@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
-from ..validation import (all_finite, require_float, require_int, require_positive_int,
-                          require_sigma)
+from ..validation import (all_finite, plain_eager, require_float, require_int,
+                          require_positive_int, require_sigma)
 from ..bank.search import knn
 from ..bank.search.validation import check_search_backend
 
@@ -43,8 +43,15 @@ def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
     squared distances are huge and nearly equal, and subtracting them loses everything that
     decides the vote (at |x| = 1e4, fp32 distances are ~1e8 with a spacing of 8); the product
     form keeps their difference to full relative precision. Chunked over rows so that the
-    gathered block stays below ``_GATHER_ELEMS`` elements.
+    gathered block stays below ``_GATHER_ELEMS`` elements. CPU tensors go through the compiled
+    library (:func:`nnkloss.ops.cpu.rel_sqdist`: the same form in one pass over the gathered
+    rows, no (rows, k, D) block; 6.6 s of a Fashion-MNIST evaluation's 12 s here).
     """
+    if plain_eager(x, centres, idx, ref):
+        from ..ops import cpu
+        out = cpu.rel_sqdist(x, centres, idx, ref, cdt)
+        if out is not None:
+            return out
     q, k = idx.shape
     d = x.shape[1]
     out = torch.empty(q, k, dtype=cdt, device=x.device)

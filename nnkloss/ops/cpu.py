@@ -54,7 +54,7 @@ from ..atomic import atomic_write
 from ..threads import ThreadGovernor
 from . import reference
 
-__all__ = ["available", "forward", "centre_grad", "scale_rows", "gather_lists",
+__all__ = ["available", "forward", "centre_grad", "scale_rows", "rel_sqdist", "gather_lists",
            "value_flags", "count_mismatched", "gather_read", "build_info", "library_path",
            "knn_selection"]
 
@@ -292,6 +292,8 @@ def _declare(lib):
     lib.nnk_centre_grad.restype = I
     lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, I64, I64, P, I]
     lib.nnk_scale_rows.restype = I
+    lib.nnk_rel_sqdist.argtypes = [I, I, P, P, I64, P, P, I64, I64, I64, P, I]
+    lib.nnk_rel_sqdist.restype = I
     lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
     lib.nnk_gather_lists.restype = I
     lib.nnk_count_mismatched.argtypes = [P, I, I64, P, I, P, I, I64]
@@ -599,6 +601,41 @@ def scale_rows(grad_x, g, lse_pos=None):
         _ptr(lse_pos), B, D, out.data_ptr(), n), SCALE_MIN_ELEMS)
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
+    return out
+
+
+def rel_sqdist(x, centres, idx, ref, cdt):
+    """(Q, K) ``||x_q - c_i||^2 - ||x_q - c_r||^2`` for i = idx[q, :], r = ref[q], in ``cdt``
+    (fp32 / fp64), in the product form of the classifier
+    (:func:`nnkloss.evaluation.classifier._sq_dist_minus_ref`), one pass over the gathered
+    rows on the kernel's threads (governed like the forward), without its (Q, K, D) blocks.
+    ``x`` (Q, D) float, ``centres`` (N, D) fp32 / fp64 / bf16 / fp16, ``idx`` (Q, K) and
+    ``ref`` (Q,) integer bank rows. None where this is not done here: the library
+    unavailable, non-CPU tensors, other dtypes, a non-contiguous bank. An index outside
+    [0, N) raises IndexError."""
+    lib = _lib()
+    if (lib is None or not (x.is_cpu and centres.is_cpu and idx.is_cpu and ref.is_cpu)
+            or cdt not in (torch.float32, torch.float64) or centres.dtype not in _BANK_TYPES
+            or not centres.is_contiguous() or centres.dim() != 2 or x.dim() != 2
+            or idx.dim() != 2 or x.shape[1] != centres.shape[1]
+            or ref.shape != idx.shape[:1] or x.shape[0] != idx.shape[0]):
+        return None
+    Q, K = idx.shape
+    D = x.shape[1]
+    xc = x.detach().to(cdt).contiguous()
+    ic = idx.detach().to(torch.int64).contiguous()
+    rc_ = ref.detach().to(torch.int64).contiguous()
+    out = torch.empty(Q, K, dtype=cdt)
+    if out.numel() == 0:
+        return out
+    rc = _run("rel_sqdist", Q * K * D, lambda n: lib.nnk_rel_sqdist(
+        int(cdt == torch.float64), _BANK_TYPES[centres.dtype], xc.data_ptr(),
+        centres.data_ptr(), centres.shape[0], ic.data_ptr(), rc_.data_ptr(), Q, K, D,
+        out.data_ptr(), n))
+    if rc == 3:
+        raise IndexError(f"idx and ref must be bank rows in [0, {centres.shape[0]})")
+    if rc != 0:
+        raise RuntimeError(f"nnk_rel_sqdist failed (code {rc})")
     return out
 
 

@@ -1077,6 +1077,50 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, 
     run_items(B, nthreads, row);
 }
 
+// The classifier's distances (nnkloss/evaluation/classifier.py, _sq_dist_minus_ref):
+// out[q, j] = ||x_q - c_i||^2 - ||x_q - c_r||^2 for i = idx[q, j], r = ref[q], in the product
+// form (c_i - c_r) . ((c_i + c_r) - 2 x_q), which keeps their difference to full relative
+// precision for a query far from every centre (the operations of the torch form, per element;
+// the sum in lanes). One pass over the gathered rows, the next rows prefetched, no (Q, K, D)
+// intermediate. Returns 3 if an index is outside [0, N) (nothing is read through it).
+// Bytes it must move per query: K * D * sizeof(T) (the gathered rows) + the reference row and
+// x_q (D elements each) + K indices and K outputs.
+template <typename C, typename T>
+int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
+                    const int64_t* ref, int64_t Q, int64_t K, int64_t D, C* out,
+                    int nthreads) {
+    for (int64_t i = 0; i < Q * K; ++i)
+        if (idx[i] < 0 || idx[i] >= N) return 3;
+    for (int64_t q = 0; q < Q; ++q)
+        if (ref[q] < 0 || ref[q] >= N) return 3;
+    const int64_t pf = prefetch_rows(D * (int64_t)sizeof(T));
+    auto query = [=](int64_t q) {
+        typedef Lanes<C> V;
+        const C* __restrict xq = x + q * D;
+        const T* __restrict r = centres + ref[q] * D;
+        const int64_t* row = idx + q * K;
+        for (int64_t j = 0; j < K; ++j) {
+            if (j + pf < K) prefetch_row(centres + row[j + pf] * D, D);
+            const T* __restrict c = centres + row[j] * D;
+            V acc = {};
+            int64_t d = 0;
+            for (; d + ACC <= D; d += ACC) {
+                const V cv = load_lanes<C>(c + d), rv = load_lanes<C>(r + d);
+                const V xv = load_lanes<C>(xq + d);
+                acc += (cv - rv) * ((cv + rv) - (xv + xv));
+            }
+            C tail = 0;
+            for (; d < D; ++d) {
+                const C cd = load<C>(c, d), rd = load<C>(r, d);
+                tail += (cd - rd) * ((cd + rd) - (xq[d] + xq[d]));
+            }
+            out[q * K + j] = tree_sum(acc) + tail;
+        }
+    };
+    run_items(Q, nthreads, query);
+    return 0;
+}
+
 // The bank's per-batch lists (CentreBank.neighbours_for) in one pass: out[b, :] =
 // table[idx[b], :], with the entries equal to idx[b] (the row's own centre) set to -1 (padding)
 // when exclude_self. I: the table's index type, J: idx's. 3 if an idx is outside [0, N): the
@@ -1314,6 +1358,23 @@ int nnk_centre_grad(int ctype, int btype, const void* emb, const void* centres,
         });
     });
     return known | rc;
+}
+
+// out (Q, K) in the compute type: the classifier's distances (rel_sqdist_impl); 3 if an index
+// is outside the bank.
+int nnk_rel_sqdist(int ctype, int btype, const void* x, const void* centres, int64_t N,
+                   const int64_t* idx, const int64_t* ref, int64_t Q, int64_t K, int64_t D,
+                   void* out, int nthreads) {
+    int unknown = 0, rc = 0;
+    unknown |= with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        unknown |= with_bank_type(btype, [&](auto t) {
+            using T = decltype(t);
+            rc = rel_sqdist_impl<C, T>((const C*)x, (const T*)centres, N, idx, ref, Q, K, D,
+                                       (C*)out, nthreads);
+        });
+    });
+    return unknown ? 1 : rc;
 }
 
 // out[i] = the forward's exp(x[i]) (vexp), fp32: for tests of its accuracy.

@@ -414,6 +414,27 @@ def test_drop_self():
     assert d.tolist() == [[0.0, 2.0], [0.0, 0.0], [1.0, 2.0]]
 
 
+@pytest.mark.parametrize("k", [1, 4, 6])
+def test_drop_self_against_a_row_by_row_reference(k):
+    g = torch.Generator().manual_seed(k)
+    q, width = 40, 7
+    ids = torch.stack([torch.randperm(50, generator=g)[:width] + q for _ in range(q)])
+    own = torch.arange(q)
+    where = torch.randint(0, width + 1, (q,), generator=g)  # width: the own row is absent
+    for r in range(q):
+        if where[r] < width:
+            ids[r, where[r]] = own[r]
+    ids[-1, -2:] = -1  # padding at the end of a row (approximate search)
+    dist = torch.sort(torch.rand(q, width, generator=g), dim=1).values
+    dist[-1, -2:] = float("inf")
+    d, i = drop_self(dist, ids, own, k)
+    for r in range(q):
+        keep = [j for j in range(width) if ids[r, j] != own[r]][:width - 1][:k]
+        assert i[r].tolist() == ids[r, keep].tolist()
+        assert d[r].tolist() == dist[r, keep].tolist()
+    assert d.is_contiguous() and i.is_contiguous() and i.dtype == ids.dtype
+
+
 @pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
 def test_recall_rejects_unknown_parameters():
     base = torch.randn(100, 4)

@@ -22,7 +22,7 @@
 // ~1 ulp), and the log-sum-exps follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
 // p^R_j = e^R_j / s_pos (normalised by the computed sums) is computed (not in the forward-only
 // path) in one of two ways: when a row's gathered set (K * D * element bytes) exceeds
-// ONE_PASS_BYTES, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
+// ONE_PASS_BYTES and its rows are at least ONE_PASS_MIN_ROW_BYTES long, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
 // for all entries and for the class, rescaled whenever the running maximum rises (the online
 // log-sum-exp of the Triton kernel), so the rows are read once; below it a second pass re-reads
 // the rows from L2 with coefficients computed as SIMD lanes, skipping zero coefficients. The
@@ -172,11 +172,22 @@ constexpr int64_t ACC = 16;
 
 // A forward with grad_x reads the gathered rows once (folding each into the gradient's running
 // sums while it is in L1) when a row's gathered set, K * D * sizeof(bank element), exceeds
-// this; below it, a second pass reads them again from L2 (see ForwardRow::row).
+// this and its rows are at least NNK_ONE_PASS_MIN_ROW_BYTES long; otherwise a second pass
+// reads them again (see ForwardRow::row).
 #ifndef NNK_ONE_PASS_BYTES
 #define NNK_ONE_PASS_BYTES (128 << 10)
 #endif
 constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
+// The fold's cost per entry (its logits, exponentials and running-maximum test) is paid per
+// row whatever the row's length, and short rows do not repay it: two passes were faster at
+// every short-row shape measured, even with gathered sets past L2 (2-core AMD EPYC,
+// 2026-11-25, benchmarks/cpu_variants.py --kernel, 5 rounds, forward with grad_x: 1.72x at
+// K 1000, D 64 fp32 (250 KB a row), 1.52x at K 2000, D 32, 1.25x at K 4000, D 64 (1 MB), 1.07x
+// at K 1000, D 100); one pass stays faster from 512-byte rows on (1.07x at K 1000, D 128, 1.14x
+// at K 100, D 512 fp32).
+#ifndef NNK_ONE_PASS_MIN_ROW_BYTES
+#define NNK_ONE_PASS_MIN_ROW_BYTES 512
+#endif
 
 // The ACC lanes live in the CPU's own vector registers: NATIVE_BYTES wide (64 with AVX-512, 32
 // with AVX, else 16), so a set of lanes is P = ACC / (NATIVE_BYTES / sizeof(C)) native vectors
@@ -852,12 +863,14 @@ struct ForwardRow {
         C* gpos = nullptr;
         Online all{ninf, 0}, pos{ninf, 0};
         // With a gradient: one pass (fold, step 1) when the row's gathered set is too big to
-        // stay in L2 until a second pass, else a second pass over the rows from L2 (step 3),
-        // whose coefficients are computed as SIMD lanes. Measured on the 2-core AMD machine,
-        // forward with grad_x: one pass 1.41x faster at K 256, D 2048 (2 MiB per row),
-        // 1.04x at K 100, D 512 fp32 (200 KiB), 0.91-0.98x at K 32, D 128 (16 KiB) and
-        // K 100, D 512 bf16 (100 KiB).
-        const bool one_pass = g && K * D * (int64_t)sizeof(T) > ONE_PASS_BYTES;
+        // stay in L2 until a second pass and its rows are long enough to repay the fold, else
+        // a second pass over the rows (step 3), whose coefficients are computed as SIMD lanes.
+        // Measured on the 2-core AMD machine, forward with grad_x: one pass 1.41x faster at
+        // K 256, D 2048 (2 MiB per row), 1.04x at K 100, D 512 fp32 (200 KiB), 0.91-0.98x at
+        // K 32, D 128 (16 KiB) and K 100, D 512 bf16 (100 KiB); short rows: see
+        // NNK_ONE_PASS_MIN_ROW_BYTES.
+        const bool one_pass = g && K * D * (int64_t)sizeof(T) > ONE_PASS_BYTES
+                              && D * (int64_t)sizeof(T) >= NNK_ONE_PASS_MIN_ROW_BYTES;
         if (g)  // rows that return early (no valid entry, no positive) keep a zero gradient
             for (int64_t d = 0; d < D; ++d) g[d] = 0;
         if (one_pass) {

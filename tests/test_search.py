@@ -609,6 +609,40 @@ def test_selection_state_orders_keys_exactly():
         cpu.knn_selection(1, 4, 4).add(dist[:1], 0)  # cap must exceed k
 
 
+@compiled
+@pytest.mark.parametrize("order", ["random", "ascending", "descending", "tied", "clustered"])
+@pytest.mark.parametrize("k", [300, 1001])
+def test_selection_compaction_with_a_sampled_pivot_is_exact(order, k):
+    """Buffers of at least 512 keys are compacted around a pivot from a sample of the buffer
+    (cpu_kernel.cpp, KnnRow::compact), falling back to nth_element where the sample misleads:
+    many compactions per row (N many times the buffer), in orders that make the sample
+    representative (random), stale (ascending: the buffer keeps the first keys; descending:
+    every key is a candidate) or tied (four distances: keys differ by index only), and one
+    whose buffer holds two far groups (clustered). The lists are those of the (distance,
+    index) sort."""
+    g = torch.Generator().manual_seed(k)
+    rows, n = 3, 12 * k
+    base = torch.arange(n, dtype=torch.float32).repeat(rows, 1)
+    dist = {"random": torch.rand(rows, n, generator=g),
+            "ascending": base / n,
+            "descending": (n - base) / n,
+            "tied": torch.randint(0, 4, (rows, n), generator=g).float(),
+            "clustered": torch.where(torch.rand(rows, n, generator=g) < 0.5,
+                                     torch.rand(rows, n, generator=g) * 1e-3,
+                                     1e3 + torch.rand(rows, n, generator=g))}[order]
+    sel = cpu.knn_selection(rows, k, k + max(k, 64))
+    sel.reset(rows)
+    c0 = 0
+    while c0 < n:
+        w = int(torch.randint(1, 3 * k, (1,), generator=g))
+        sel.add(dist[:, c0:c0 + w].contiguous(), c0)
+        c0 += w
+    d, i = sel.finish()
+    ref_d, ref_i = dist.sort(dim=1, stable=True)
+    assert torch.equal(i, ref_i[:, :k])
+    assert torch.equal(d, ref_d[:, :k])
+
+
 def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
     """NNKLOSS_CPU_KERNEL=0: the search runs its torch selection, with the same lists."""
     x = tied(n=400, d=3, seed=80)

@@ -1503,12 +1503,45 @@ struct KnnRow {
         uint64_t key = knn_key(d, index);
         if (key >= *worst) return;
         keys[(*count)++] = key;
-        if (*count == cap) {
-            std::nth_element(keys, keys + (k - 1), keys + cap);
-            *worst = keys[k - 1];
-            *count = k;
-            thr = knn_key_dist(*worst);
+        if (*count == cap) compact();
+    }
+
+    // The buffer is full: drop every key above a new `worst` that at least k kept keys are at
+    // or below (a dropped key then has k smaller ones held: it cannot be among the k smallest,
+    // now or later). First try a pivot from a sample: the keys at kKnnSample evenly spaced
+    // positions, sorted, taken a little above rank k / cap, then one counting pass and one
+    // partition that keeps the keys at or below it. That is several times cheaper than
+    // nth_element over the buffer (19 us for 2,002 keys on the 2-core AMD EPYC): the k-th key
+    // is not needed, only a threshold with k keys under it. Where the sample misleads (fewer
+    // than k keys at or below the pivot, or too few slots freed), nth_element as before.
+    void compact() {
+        constexpr int64_t kKnnSample = 128;
+        if (cap >= 4 * kKnnSample) {
+            uint64_t sample[kKnnSample];
+            for (int64_t i = 0; i < kKnnSample; ++i) sample[i] = keys[i * cap / kKnnSample];
+            std::sort(sample, sample + kKnnSample);
+            const int64_t j = std::min<int64_t>(kKnnSample - 2,
+                                                (k * kKnnSample + cap - 1) / cap + 10);
+            const uint64_t piv = sample[j];
+            int64_t m = 0;
+            for (int64_t i = 0; i < cap; ++i) m += keys[i] <= piv;
+            if (m >= k && m <= k + (cap - k) / 2) {
+                int64_t w = 0;
+                for (int64_t i = 0; i < cap; ++i) {
+                    const uint64_t v = keys[i];
+                    keys[w] = v;
+                    w += v <= piv;
+                }
+                *worst = piv;
+                *count = m;
+                thr = knn_key_dist(piv);
+                return;
+            }
         }
+        std::nth_element(keys, keys + (k - 1), keys + cap);
+        *worst = keys[k - 1];
+        *count = k;
+        thr = knn_key_dist(*worst);
     }
 
     void scan(const float* __restrict d, int64_t cols, int64_t col0) {

@@ -1466,10 +1466,11 @@ int nnk_check_values(const void* nbrs, int nb64, int64_t n_idx, const void* emb,
 // across the base tiles, nnk_knn_finish sorts it. Keys are uint64
 // (float bits of the clamped distance << 32) | base index: non-negative floats order as their
 // bits, so keys order as (distance, index) and are unique. Per row, a buffer of `cap` > k keys
-// holds every candidate below `worst`, the k-th smallest key at the last compaction (UINT64_MAX
-// before the first): when the buffer is full, nth_element keeps its k smallest and `worst`
-// becomes the largest of them. A key >= worst cannot be among the k smallest (k keys <= worst
-// are already held), so nothing the exact result needs is ever dropped. Base columns arrive in
+// holds every candidate below `worst`, a key that at least k held keys are at or below
+// (UINT64_MAX before the first compaction): when the buffer is full, KnnRow::compact drops the
+// keys above a new `worst` (a sampled pivot, else the k-th key by nth_element). A key >= worst
+// cannot be among the k smallest (k keys <= worst are already held), so nothing the exact
+// result needs is ever dropped. Base columns arrive in
 // ascending index order, so a new key is below worst iff its distance is below worst's
 // distance: the prefilter compares 16 raw distances at a time with that float and only chunks
 // holding a candidate go to the scalar key path. A self-search (queries = base) can compute

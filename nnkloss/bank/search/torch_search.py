@@ -25,10 +25,14 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    cache) are computed one at a time, base tiles in ascending index order;
 2. straight after its GEMM, each tile is folded into a per-row selection in C++ (rows shared
    out to the threads): per query row a buffer of ``cap = k + max(k, 64)`` keys holds every
-   candidate below ``worst``, the k-th smallest key at the last compaction; when the buffer is
-   full, ``nth_element`` keeps its k smallest and ``worst`` becomes the largest of them. A key
-   at or above ``worst`` cannot be among the k smallest (k keys at most ``worst`` are held), so
-   nothing the result needs is dropped: exact by construction, no sampling, one pass. As the
+   candidate below ``worst``, a key that at least k held keys are at or below; when the buffer
+   is full it is compacted: the keys above a new ``worst`` are dropped, ``worst`` being a key a
+   little above the k-th smallest, picked from a 128-key sample of the buffer and checked by
+   counting (buffers of 512 keys and more; otherwise, or where the count finds fewer than k
+   keys under it, ``nth_element`` keeps the k smallest and ``worst`` becomes the largest of
+   them). A key at or above ``worst`` cannot be among the k smallest (k keys at most ``worst``
+   are held), so nothing the result needs is dropped: exact by construction whatever the
+   sample, one pass. As the
    base arrives in index order, a new key is below ``worst`` exactly when its distance is below
    ``worst``'s, so a vectorised prefilter compares 16 (AVX-512; 8 with AVX2) raw distances at a
    time with that float and only the chunks holding a candidate reach the scalar key path;

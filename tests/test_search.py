@@ -611,9 +611,9 @@ def test_selection_state_orders_keys_exactly():
 
 @compiled
 @pytest.mark.parametrize("order", ["random", "ascending", "descending", "tied", "clustered"])
-@pytest.mark.parametrize("k", [300, 1001])
+@pytest.mark.parametrize("k", [600, 1001])
 def test_selection_compaction_with_a_sampled_pivot_is_exact(order, k):
-    """Buffers of at least 512 keys are compacted around a pivot from a sample of the buffer
+    """Buffers of at least 1,024 keys are compacted around a pivot from a sample of the buffer
     (cpu_kernel.cpp, KnnRow::compact), falling back to nth_element where the sample misleads:
     many compactions per row (N many times the buffer), in orders that make the sample
     representative (random), stale (ascending: the buffer keeps the first keys; descending:

@@ -28,7 +28,7 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    candidate below ``worst``, a key that at least k held keys are at or below; when the buffer
    is full it is compacted: the keys above a new ``worst`` are dropped, ``worst`` being a key a
    little above the k-th smallest, picked from a 128-key sample of the buffer and checked by
-   counting (buffers of 512 keys and more; otherwise, or where the count finds fewer than k
+   counting (buffers of 1,024 keys and more; otherwise, or where the count finds fewer than k
    keys under it, ``nth_element`` keeps the k smallest and ``worst`` becomes the largest of
    them). A key at or above ``worst`` cannot be among the k smallest (k keys at most ``worst``
    are held), so nothing the result needs is dropped: exact by construction whatever the

@@ -624,13 +624,13 @@ def rel_sqdist(x, centres, idx, ref, cdt):
     D = x.shape[1]
     xc = x.detach().to(cdt).contiguous()
     ic = idx.detach().to(torch.int64).contiguous()
-    rc_ = ref.detach().to(torch.int64).contiguous()
+    rf = ref.detach().to(torch.int64).contiguous()
     out = torch.empty(Q, K, dtype=cdt)
     if out.numel() == 0:
         return out
     rc = _run("rel_sqdist", Q * K * D, lambda n: lib.nnk_rel_sqdist(
         int(cdt == torch.float64), _BANK_TYPES[centres.dtype], xc.data_ptr(),
-        centres.data_ptr(), centres.shape[0], ic.data_ptr(), rc_.data_ptr(), Q, K, D,
+        centres.data_ptr(), centres.shape[0], ic.data_ptr(), rf.data_ptr(), Q, K, D,
         out.data_ptr(), n))
     if rc == 3:
         raise IndexError(f"idx and ref must be bank rows in [0, {centres.shape[0]})")

@@ -3,5 +3,6 @@
 Plain tensors in, plain tensors out: no autograd, banks or training here.
 """
 from .neighbour_kernel import FwdConfig, centre_grad, default_config, neighbour_kernel_fwd
+from .relative_distances import rel_sqdist
 
-__all__ = ["neighbour_kernel_fwd", "centre_grad", "FwdConfig", "default_config"]
+__all__ = ["neighbour_kernel_fwd", "centre_grad", "rel_sqdist", "FwdConfig", "default_config"]

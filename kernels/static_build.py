@@ -45,7 +45,8 @@ DTYPE_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int32": 4, "int64": 
 
 @dataclass(frozen=True)
 class Build:
-    """One launcher call: kernel 'fwd' (neighbour_kernel_fwd) or 'centre_grad'."""
+    """One launcher call: kernel 'fwd' (neighbour_kernel_fwd), 'centre_grad' or 'rel_sqdist'
+    (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64)."""
     kernel: str
     K: int
     D: int
@@ -62,8 +63,8 @@ class Build:
 
     @property
     def name(self) -> str:
-        if self.kernel == "centre_grad":
-            return f"centre_grad-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{self.idx}"
+        if self.kernel in ("centre_grad", "rel_sqdist"):
+            return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{self.idx}"
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
         tail += "" if self.grad_x else "-fwdonly"
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
@@ -104,6 +105,15 @@ def _covering_set() -> List[Build]:
                             (32, 128, "fp32", "int64"), (100, 128, "fp32", "int32"),
                             (32, 16, "fp32", "int64")]:
         out.append(Build("centre_grad", K, D, bank, "fp32", idx=idx))
+    # The classifier's distances: lists of k ~ 1000 at small D (the Fashion-MNIST protocol),
+    # several D chunks, 2-byte banks, fp64 queries (fp64 arithmetic), an unaligned D.
+    for K, D, bank, emb, idx in [(1000, 64, "fp32", "fp32", "int64"),
+                                 (1000, 128, "bf16", "fp32", "int64"),
+                                 (100, 512, "fp16", "bf16", "int32"),
+                                 (30, 1000, "fp32", "fp32", "int64"),
+                                 (1000, 64, "fp64", "fp64", "int64"),
+                                 (7, 13, "fp32", "fp32", "int64")]:
+        out.append(Build("rel_sqdist", K, D, bank, emb, idx=idx))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -172,7 +182,7 @@ def occupancy(arch: int, regs: int, smem_bytes: int, num_warps: int) -> Dict[str
     return dict(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limiter=limiter)
 
 
-def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True) -> int:
+def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: int = 1) -> int:
     """Bytes one query row must move: gathered centre rows, the list entry, the centre label
     (stored by the bank with the lists' width), the weight, the embedding and label read;
     grad_x (not in the forward-only build), loss and two lse's written; dist only when stored.
@@ -183,6 +193,9 @@ def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True) -> int:
     meta = i + clab + (4 if b.weights else 0)
     if b.kernel == "centre_grad":
         return b.K * (b.D * e + i + 4 + b.D * 4 * 2) + b.D * x
+    if b.kernel == "rel_sqdist":  # x and the reference row once per tile of the list
+        tiles = -(-b.K // max(1, tile_k))
+        return b.K * (b.D * e + i + (8 if b.emb == "fp64" else 4)) + tiles * (b.D * (x + e) + i)
     reads = b.K * (b.D * e + meta) + b.D * x + 8
     writes = (b.D * 4 if b.grad_x else 0) + 3 * 4
     if single_pass or not b.grad_x:  # forward only: one phase whatever D
@@ -278,13 +291,17 @@ def _child(archs: List[int], names: List[str]) -> Dict:
         return k
 
     JITFunction.run = compile_only
-    spec = importlib.util.spec_from_file_location("_nk_static", os.path.join(HERE,
-                                                                             "neighbour_kernel.py"))
-    nk = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = nk
-    spec.loader.exec_module(nk)
+    # kernels/ loaded as a package of its own (its modules import one another), not through
+    # nnkloss: nothing else of the library is needed to compile
+    spec = importlib.util.spec_from_file_location("_nk_static", os.path.join(HERE, "__init__.py"),
+                                                  submodule_search_locations=[HERE])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pkg
+    spec.loader.exec_module(pkg)
+    nk = sys.modules["_nk_static.neighbour_kernel"]
+    rs = sys.modules["_nk_static.relative_distances"]
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "int32": torch.int32, "int64": torch.int64}
+               "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
     out = {"triton": triton.__version__, "archs": {}, "tools": tools}
     workdir = tempfile.mkdtemp(prefix="nk_static_")
@@ -315,6 +332,13 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     entry.update(config=asdict(cfg), single_pass=cfg.single_pass(b.D),
                                  tile_elems=cfg.block_k * cfg.block_d)
                     entry["bytes_per_row"] = bytes_per_row(b, cfg.block_d, cfg.single_pass(b.D))
+                elif b.kernel == "rel_sqdist":
+                    cdt = torch.float64 if b.emb == "fp64" else torch.float32
+                    rs.rel_sqdist(emb, cen, nb, nb[:, 0], cdt)
+                    bk, bd = rs.rel_sqdist_config(b.K, b.D)
+                    entry.update(config=dict(block_k=bk, block_d=bd, num_warps=4, num_stages=3,
+                                             rows=1), single_pass=bd >= b.D, tile_elems=bk * bd)
+                    entry["bytes_per_row"] = bytes_per_row(b, tile_k=bk)
                 else:
                     coef = torch.randn(b.B, b.K, generator=g)
                     nk.centre_grad(emb, cen, nb, coef)

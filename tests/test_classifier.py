@@ -279,3 +279,43 @@ def test_cpu_distances_come_from_the_compiled_library_and_match_the_torch_form(m
     assert calls and all(s[1] == 7 for s in calls)
     monkeypatch.setattr(cpu, "rel_sqdist", lambda *a: None)  # the torch form
     torch.testing.assert_close(p, clf.predict_proba(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rule", ["nngk", "ccknn"])
+def test_the_triton_distances_give_the_torch_forms_probabilities(monkeypatch, rule):
+    """The pass CUDA tensors take (kernels/relative_distances.py), run here through Triton's interpreter
+    on CPU tensors in place of the CPU library, against the torch form."""
+    from nnkloss.evaluation import classifier as clf_mod
+    kernels = nnkloss.ops.backends.kernels()
+    bank = make_bank(weights=True)
+    x = torch.randn(30, 6, generator=torch.Generator().manual_seed(4)) * 2
+    x[0] *= 1e3  # a far query
+    clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend="torch", rule=rule,
+                                    batch_size=16)
+    calls = []
+    monkeypatch.setattr(clf_mod, "_fused_rel_sqdist",
+                        lambda *a: calls.append(a[2].shape) or kernels.rel_sqdist(*a))
+    p = clf.predict_proba(x)
+    assert calls and all(s[1] == 7 for s in calls)
+    monkeypatch.setattr(clf_mod, "_fused_rel_sqdist", lambda *a: None)  # the torch form
+    torch.testing.assert_close(p, clf.predict_proba(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rule", ["nngk", "ccknn"])
+def test_cuda_distances_come_from_the_triton_kernel(monkeypatch, rule):
+    """On a GPU the classifier gathers no (rows, k, D) block: its distances are the Triton
+    kernel's, and its probabilities those of the CPU."""
+    kernels = nnkloss.ops.backends.kernels()
+    bank = make_bank(weights=True)
+    x = torch.randn(30, 6, generator=torch.Generator().manual_seed(4)) * 2
+    want = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend="torch",
+                                     rule=rule).predict_proba(x)
+    real, calls = kernels.rel_sqdist, []
+    monkeypatch.setattr(kernels, "rel_sqdist", lambda *a: calls.append(1) or real(*a))
+    clf = NeighbourKernelClassifier(bank.to("cuda"), k=7, sigma=1.3, search_backend="torch",
+                                    rule=rule)
+    got = clf.predict_proba(x.cuda())
+    assert calls
+    torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=1e-5)

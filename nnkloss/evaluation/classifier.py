@@ -25,14 +25,29 @@ from ..bank.centre_bank import CentreBank
 from ..validation import (all_finite, plain_eager, require_float, require_int,
                           require_positive_int, require_sigma)
 from ..bank.search import knn
+from ..ops.backends import kernels, resolve_backend
 from ..bank.search.validation import check_search_backend
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
 
 RULES = ("nngk", "ccknn")
 
-# Largest gathered (rows, k, D) block when recomputing distances: 2**22 elements (16 MiB fp32).
+# Largest gathered (rows, k, D) block of the torch form (where no fused pass runs): 2**22
+# elements (16 MiB fp32).
 _GATHER_ELEMS = 1 << 22
+
+
+def _fused_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
+                      cdt: torch.dtype) -> Optional[Tensor]:
+    """:func:`_sq_dist_minus_ref` in one pass over the gathered rows, or None where none runs:
+    CPU tensors through the compiled library (:func:`nnkloss.ops.cpu.rel_sqdist`), CUDA
+    tensors through the Triton kernel (``nnkloss.kernels.rel_sqdist``) when triton is there."""
+    if x.device.type == "cpu":
+        from ..ops import cpu
+        return cpu.rel_sqdist(x, centres, idx, ref, cdt)
+    if resolve_backend("auto", x.device) == "triton":
+        return kernels().rel_sqdist(x, centres, idx, ref, cdt)
+    return None
 
 
 def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
@@ -42,14 +57,14 @@ def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
     Written as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``: for a query far from every centre the two
     squared distances are huge and nearly equal, and subtracting them loses everything that
     decides the vote (at |x| = 1e4, fp32 distances are ~1e8 with a spacing of 8); the product
-    form keeps their difference to full relative precision. Chunked over rows so that the
-    gathered block stays below ``_GATHER_ELEMS`` elements. CPU tensors go through the compiled
-    library (:func:`nnkloss.ops.cpu.rel_sqdist`: the same form in one pass over the gathered
-    rows, no (rows, k, D) block; 6.6 s of a Fashion-MNIST evaluation's 12 s here).
+    form keeps their difference to full relative precision. On CPU and on CUDA (with triton)
+    one fused pass computes it without a (rows, k, D) block (:func:`_fused_rel_sqdist`; on the
+    CPU 0.03 against 1.3 s for 2,000 queries, k 1000, D 64, measured 2026-11-25). Elsewhere
+    (traced, another device, no triton) the torch form below, chunked over rows so that the
+    gathered block stays below ``_GATHER_ELEMS`` elements.
     """
     if plain_eager(x, centres, idx, ref):
-        from ..ops import cpu
-        out = cpu.rel_sqdist(x, centres, idx, ref, cdt)
+        out = _fused_rel_sqdist(x, centres, idx, ref, cdt)
         if out is not None:
             return out
     q, k = idx.shape

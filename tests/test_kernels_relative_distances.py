@@ -1,0 +1,111 @@
+"""kernels/relative_distances.py: the classifier's relative squared distances as a Triton kernel,
+against fp64 and against the CPU library's pass (Triton's interpreter on CPU tensors)."""
+import pytest
+import torch
+
+import nnkloss
+
+pytestmark = pytest.mark.interpreter
+
+FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _kernels():
+    return nnkloss.ops.backends.kernels()
+
+
+def _rel_sqdist_fp64(x, centres, idx, ref):
+    """||x - c_i||^2 - ||x - c_r||^2 in fp64, from the values the kernel receives."""
+    x, c = x.double(), centres.double()
+    d = ((c[idx.long()] - x[:, None, :]) ** 2).sum(-1)
+    return d - ((c[ref.long()] - x) ** 2).sum(-1)[:, None]
+
+
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+@pytest.mark.parametrize("cdt", [torch.float32, torch.float64])
+@pytest.mark.parametrize("D", [1, 13, 16, 300])
+def test_matches_fp64(bank_dtype, cdt, D):
+    # D 300 is two chunks of the tile's 256 columns, the second ragged; 11 entries of a list
+    # at D 300 are two tiles of 8.
+    g = torch.Generator().manual_seed(D)
+    centres = torch.randn(40, D, generator=g).to(bank_dtype)
+    x = (torch.randn(9, D, generator=g) * 2).to(cdt)
+    idx = torch.randint(0, 40, (9, 11), generator=g)
+    idx[1, :] = idx[1, 0]  # duplicates
+    ref = idx[:, 3]
+    got = _kernels().rel_sqdist(x, centres, idx, ref, cdt)
+    assert got.dtype == cdt and got.shape == (9, 11)
+    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    scale = want.abs().max().item() + 1.0
+    tol = (1e-5 if cdt == torch.float32 else 1e-12) * scale
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+    assert (got[torch.arange(9), 3] == 0).all()  # the reference against itself: exactly 0
+
+
+def test_far_queries_stay_precise():
+    # |x| = 1e4: the two squared distances are ~1e8 (fp32 spacing 8), their difference ~1e1.
+    # The naive difference of fp32 squares is off by ~8; the product form by ~1e-4 here.
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(30, 6, generator=g)
+    x = torch.randn(5, 6, generator=g) * 1e4
+    idx = torch.randint(0, 30, (5, 8), generator=g)
+    ref = idx[:, 0]
+    got = _kernels().rel_sqdist(x, centres, idx, ref, torch.float32).double()
+    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    tol = 1e-5 * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    naive = (((centres[idx] - x[:, None]) ** 2).sum(-1)
+             - ((centres[ref] - x) ** 2).sum(-1)[:, None]).double()
+    assert (naive - want).abs().max() > 10 * tol  # the case does tell the two forms apart
+
+
+def test_strided_inputs_int32_lists_and_long_lists():
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(50, 40, generator=g)
+    centres = wide[:, 3:27]                        # row stride 40, base offset 3 elements
+    x = torch.randn(7, 30, generator=g)[:, 2:26]   # row stride 30, base offset 2 elements
+    idx = torch.randint(0, 50, (7, 1000), generator=g, dtype=torch.int32)  # two tiles of 512
+    ref = torch.randint(0, 50, (7,), generator=g, dtype=torch.int32)
+    got = _kernels().rel_sqdist(x, centres, idx, ref, torch.float64)
+    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    # column strides other than 1 (copied by the launcher): the queries, the lists
+    xs = torch.zeros(7, 48, dtype=x.dtype)
+    xs[:, ::2] = x
+    cols = _kernels().rel_sqdist(xs[:, ::2], centres, idx[:, ::3], ref, torch.float64)
+    torch.testing.assert_close(cols, want[:, ::3], rtol=0, atol=1e-11)
+
+
+def test_agrees_with_the_cpu_library():
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(5)
+    centres = torch.randn(200, 64, generator=g)
+    x = torch.randn(12, 64, generator=g) * 3
+    idx = torch.randint(0, 200, (12, 37), generator=g)
+    a = _kernels().rel_sqdist(x, centres, idx, idx[:, 0], torch.float32)
+    b = cpu.rel_sqdist(x, centres, idx, idx[:, 0], torch.float32)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_empty_shapes_and_a_bad_compute_dtype():
+    k = _kernels()
+    centres = torch.randn(10, 4)
+    x = torch.randn(3, 4)
+    assert k.rel_sqdist(x, centres, torch.zeros(3, 0, dtype=torch.long),
+                        torch.zeros(3, dtype=torch.long), torch.float32).shape == (3, 0)
+    assert k.rel_sqdist(x[:0], centres, torch.zeros(0, 2, dtype=torch.long),
+                        torch.zeros(0, dtype=torch.long), torch.float64).shape == (0, 2)
+    with pytest.raises(ValueError, match="cdt"):
+        k.rel_sqdist(x, centres, torch.zeros(3, 2, dtype=torch.long),
+                     torch.zeros(3, dtype=torch.long), torch.float16)
+
+
+@pytest.mark.parametrize("K,D", [(1, 1), (7, 64), (100, 16), (1000, 64), (3, 1000)])
+def test_config_tiles_hold_at_most_the_tile(K, D):
+    from nnkloss.kernels.relative_distances import REL_SQDIST_TILE, rel_sqdist_config
+    bk, bd = rel_sqdist_config(K, D)
+    assert bk & (bk - 1) == 0 and bd & (bd - 1) == 0
+    assert bk * bd <= max(REL_SQDIST_TILE, bd) and bd <= 256
+    assert bk <= max(1, 1 << (K - 1).bit_length())

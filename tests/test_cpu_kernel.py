@@ -1509,6 +1509,58 @@ def test_count_mismatched_is_the_torch_count(cl_dtype, idx_dtype, lab_dtype):
     assert cpu.count_mismatched(torch.stack([cl, cl], 1)[:, 0], idx, labels) is None
 
 
+def _has_same_label_torch(nb, cl):
+    nb, cl = nb.long(), cl.long()
+    return ((cl[nb.clamp_min(0)] == cl[:, None]) & (nb >= 0)).any(1)
+
+
+@kernel
+@pytest.mark.parametrize("nb_dtype", INDEX, ids=str)
+@pytest.mark.parametrize("cl_dtype", INDEX, ids=str)
+def test_has_same_label_is_the_torch_form(nb_dtype, cl_dtype):
+    """nnk_has_same_label: a list holds its own row's label, read up to the first match:
+    padding skipped, a match in the last slot found, all-padding and wrong-label rows False,
+    the row itself counting as it does in torch's form; every width."""
+    g = torch.Generator().manual_seed(12)
+    n, k = 200, 9
+    cl = torch.randint(0, 6, (n,), generator=g)
+    nb = torch.randint(0, n, (n, k), generator=g)
+    nb[torch.rand(n, k, generator=g) < 0.3] = -1
+    other = (cl + 1) % 6
+    wrong = (cl[None, :] == other[:, None]).float().argmax(1)  # a row of another label
+    nb[10] = wrong[10]                         # no positive anywhere
+    nb[11] = -1                                # all padding
+    nb[12] = wrong[12]
+    nb[12, -1] = (cl == cl[12]).nonzero()[-1, 0]  # the only positive in the last slot
+    nb[13, 0] = 13                             # itself
+    nb[13, 1:] = wrong[13]
+    got = cpu.has_same_label(nb.to(nb_dtype).contiguous(), cl.to(cl_dtype))
+    assert got.dtype == torch.bool and got.shape == (n,)
+    assert torch.equal(got, _has_same_label_torch(nb, cl))
+    assert not got[10] and not got[11] and got[12] and got[13]
+    assert 0 < int(got.sum()) < n
+    assert cpu.has_same_label(nb[:0].to(nb_dtype), cl[:0].to(cl_dtype)).shape == (0,)
+    assert cpu.has_same_label(nb[:, :0].to(nb_dtype).contiguous(),
+                              cl.to(cl_dtype)).sum() == 0
+
+
+@kernel
+def test_has_same_label_refuses_rows_outside_the_bank_and_leaves_other_cases():
+    cl = torch.tensor([0, 1, 0, 1])
+    nb = torch.tensor([[2, 1], [0, 3], [1, 0], [0, 2]])
+    assert cpu.has_same_label(nb, cl).tolist() == [True, True, True, False]
+    for bad in (4, -2):
+        far = nb.clone()
+        far[3, 1] = bad  # row 3 has no match, so its second entry is read
+        with pytest.raises(IndexError, match=r"\[0, 4\)"):
+            cpu.has_same_label(far, cl)
+    # not done here (the caller's torch form runs): lists of other rows than the centres,
+    # strided lists, float labels
+    assert cpu.has_same_label(nb[:3], cl) is None
+    assert cpu.has_same_label(nb.t().contiguous().t(), cl) is None
+    assert cpu.has_same_label(nb, cl.float()) is None
+
+
 @kernel
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("index_dtype", INDEX, ids=str)

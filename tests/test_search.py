@@ -848,3 +848,22 @@ def test_symmetric_blocks_stream_in_row_order(monkeypatch):
     assert torch.equal(knn(x, x, 8, "torch", exclude_self=True)[1],
                        ref_lists(x, x, 8, exclude_self=True)[1])
     assert len(spy.sym) == n
+
+
+def test_has_same_label_compiled_and_torch_forms_agree(monkeypatch):
+    """The lists' has_positive on CPU (one compiled pass, each row read up to its first
+    positive) and the torch form (every entry's label gathered), on a kNN graph with padding."""
+    from nnkloss.bank.search.lists import has_same_label
+    g = torch.Generator().manual_seed(2)
+    centres = torch.randn(300, 3, generator=g)
+    labels = torch.randint(0, 25, (300,), generator=g)
+    nb = knn(centres, centres, 4, exclude_self=True).neighbours
+    nb[::7, 1] = -1
+    calls = []
+    real = cpu.has_same_label
+    monkeypatch.setattr(cpu, "has_same_label", lambda *a: calls.append(1) or real(*a))
+    fast = has_same_label(nb, labels)
+    monkeypatch.setattr(cpu, "has_same_label", lambda *a: None)
+    slow = has_same_label(nb, labels)
+    assert torch.equal(fast, slow) and 0 < int(fast.sum()) < 300
+    assert calls or not cpu.available()

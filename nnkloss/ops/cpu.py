@@ -298,6 +298,8 @@ def _declare(lib):
     lib.nnk_gather_lists.restype = I
     lib.nnk_count_mismatched.argtypes = [P, I, I64, P, I, P, I, I64]
     lib.nnk_count_mismatched.restype = I64
+    lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
+    lib.nnk_has_same_label.restype = I
     lib.nnk_gather_read.argtypes = [P, I64, I64, P, I, I64, I]
     lib.nnk_gather_read.restype = ctypes.c_uint64
     lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
@@ -724,6 +726,31 @@ def count_mismatched(centre_labels, idx, labels):
         idx.data_ptr(), _INDEX_TYPES[idx.dtype], labels.data_ptr(), _INDEX_TYPES[labels.dtype],
         idx.shape[0])
     return None if n < 0 else int(n)
+
+
+def has_same_label(neighbours, centre_labels):
+    """(N,) bool: list i of ``neighbours`` (N, K), -1 = padding, holds a row of label
+    ``centre_labels[i]``, each row read up to its first such entry (``nnk_has_same_label``);
+    None where this is not done here: the library unavailable, non-CPU, non-contiguous or
+    non-int32/int64 tensors, a table whose rows are not the N centres. An entry read outside
+    [-1, N) raises IndexError."""
+    lib = _lib()
+    if (lib is None or not (neighbours.is_cpu and centre_labels.is_cpu)
+            or neighbours.dtype not in _INDEX_TYPES or centre_labels.dtype not in _INDEX_TYPES
+            or neighbours.dim() != 2 or centre_labels.dim() != 1
+            or neighbours.shape[0] != centre_labels.shape[0]
+            or not (neighbours.is_contiguous() and centre_labels.is_contiguous())):
+        return None
+    N, K = neighbours.shape
+    out = torch.empty(N, dtype=torch.bool)
+    rc = lib.nnk_has_same_label(neighbours.data_ptr(), _INDEX_TYPES[neighbours.dtype], N, K,
+                                centre_labels.data_ptr(), _INDEX_TYPES[centre_labels.dtype],
+                                out.data_ptr())
+    if rc == 3:
+        raise IndexError(f"neighbours must hold rows in [0, {N}) or -1 (padding)")
+    if rc != 0:
+        raise RuntimeError(f"nnk_has_same_label failed (code {rc})")
+    return out
 
 
 def forward_exp(x):

@@ -45,8 +45,9 @@ DTYPE_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int32": 4, "int64": 
 
 @dataclass(frozen=True)
 class Build:
-    """One launcher call: kernel 'fwd' (neighbour_kernel_fwd), 'centre_grad' or 'rel_sqdist'
-    (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64)."""
+    """One launcher call: kernel 'fwd' (neighbour_kernel_fwd), 'centre_grad', 'rel_sqdist'
+    (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64) or
+    'gathered_finite' (the value check of the gathered centres; K list entries a row)."""
     kernel: str
     K: int
     D: int
@@ -65,6 +66,8 @@ class Build:
     def name(self) -> str:
         if self.kernel in ("centre_grad", "rel_sqdist"):
             return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{self.idx}"
+        if self.kernel == "gathered_finite":
+            return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.idx}"
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
         tail += "" if self.grad_x else "-fwdonly"
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
@@ -114,6 +117,11 @@ def _covering_set() -> List[Build]:
                                  (1000, 64, "fp64", "fp64", "int64"),
                                  (7, 13, "fp32", "fp32", "int64")]:
         out.append(Build("rel_sqdist", K, D, bank, emb, idx=idx))
+    # The value check of the gathered centres: every bank dtype, several D chunks, unaligned D.
+    for K, D, bank, idx in [(32, 128, "fp32", "int32"), (100, 512, "bf16", "int64"),
+                            (256, 2048, "fp16", "int32"), (100, 64, "fp64", "int64"),
+                            (7, 13, "fp32", "int64")]:
+        out.append(Build("gathered_finite", K, D, bank, "fp32", idx=idx))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -193,6 +201,8 @@ def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: 
     meta = i + clab + (4 if b.weights else 0)
     if b.kernel == "centre_grad":
         return b.K * (b.D * e + i + 4 + b.D * 4 * 2) + b.D * x
+    if b.kernel == "gathered_finite":  # a row's listed centres and their entries
+        return b.K * (b.D * e + i)
     if b.kernel == "rel_sqdist":  # x and the reference row once per tile of the list
         tiles = -(-b.K // max(1, tile_k))
         return b.K * (b.D * e + i + (8 if b.emb == "fp64" else 4)) + tiles * (b.D * (x + e) + i)
@@ -300,6 +310,7 @@ def _child(archs: List[int], names: List[str]) -> Dict:
     spec.loader.exec_module(pkg)
     nk = sys.modules["_nk_static.neighbour_kernel"]
     rs = sys.modules["_nk_static.relative_distances"]
+    gf = sys.modules["_nk_static.gathered_finite"]
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
@@ -332,6 +343,12 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     entry.update(config=asdict(cfg), single_pass=cfg.single_pass(b.D),
                                  tile_elems=cfg.block_k * cfg.block_d)
                     entry["bytes_per_row"] = bytes_per_row(b, cfg.block_d, cfg.single_pass(b.D))
+                elif b.kernel == "gathered_finite":
+                    gf.gathered_rows_finite(cen, nb)
+                    be, bd = gf.gathered_finite_config(b.D)
+                    entry.update(config=dict(block_k=be, block_d=bd, num_warps=4, num_stages=3,
+                                             rows=1), single_pass=bd >= b.D, tile_elems=be * bd)
+                    entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "rel_sqdist":
                     cdt = torch.float64 if b.emb == "fp64" else torch.float32
                     rs.rel_sqdist(emb, cen, nb, nb[:, 0], cdt)

@@ -257,7 +257,12 @@ def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduc
 
 def _gathered_rows_finite(centres, neighbours):
     """0-dim bool: every centre row that ``neighbours`` gathers is finite. Reads only those
-    rows (O(B*K*D)), in chunks of bounded size, never the whole (N, D) bank."""
+    rows (O(B*K*D)), never the whole (N, D) bank: on CUDA tensors one Triton kernel that
+    reads each listed row once (``nnkloss.kernels.gathered_rows_finite``), elsewhere torch
+    gathers in chunks of bounded size."""
+    fused = _fused_gathered_rows_finite(centres, neighbours)
+    if fused is not None:
+        return fused
     N, D = centres.shape
     flat = neighbours.reshape(-1)
     ok = torch.ones((), dtype=torch.bool, device=centres.device)
@@ -272,6 +277,17 @@ def _gathered_rows_finite(centres, neighbours):
 
 
 _CENTRES_NOT_FINITE = "centres contain NaN or inf in rows that neighbours gathers"
+
+
+def _fused_gathered_rows_finite(centres, neighbours):
+    """The Triton kernel's answer for CUDA tensors (triton installed, not traced), else None.
+    Imported here, not at the top: the ops layer sits below this module."""
+    if centres.device.type != "cuda" or not plain_eager(centres, neighbours):
+        return None
+    from .ops.backends import kernels, resolve_backend
+    if resolve_backend("auto", centres.device) != "triton":
+        return None
+    return kernels().gathered_rows_finite(centres.detach(), neighbours)
 
 
 def defers_gathered_centres(device) -> bool:

@@ -304,3 +304,39 @@ def test_checks_accept_finite_values_whose_sum_overflows(checks_path):
     with pytest.raises(ValueError, match=r"^weights must be finite and non-negative"):
         check_values(e, c, nb, w, s)
     assert checks_path is None or checks_path == [True] * 3
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("centre", [float("nan"), float("inf"), None])
+def test_check_before_the_op_with_the_triton_read(monkeypatch, centre):
+    """The read CUDA tensors take (kernels/gathered_finite.py), run here through Triton's
+    interpreter on CPU tensors in place of torch's chunks: the same answers, the same error."""
+    from nnkloss import validation
+    kernels = nnkloss.ops.backends.kernels()
+    calls = []
+    monkeypatch.setattr(validation, "_fused_gathered_rows_finite",
+                        lambda c, nb: calls.append(1) or kernels.gathered_rows_finite(c, nb))
+    monkeypatch.setattr(validation, "_COMPILED_CHECKS", False)  # the device path, on the CPU
+    args = value_args(centre=centre)
+    if centre is None:
+        validation.check_values(*args)
+    else:
+        with pytest.raises(ValueError, match=GATHERED_MSG):
+            validation.check_values(*args)
+    assert calls
+    emb, centres, nb, w, s = value_args(centre=float("nan"))
+    validation.check_values(emb, centres, nb.masked_fill(nb == 4, -1), w, s)  # not gathered
+
+
+@pytest.mark.cuda
+def test_cuda_check_reads_the_gathered_centres_with_the_triton_kernel(monkeypatch):
+    kernels = nnkloss.ops.backends.kernels()
+    real, calls = kernels.gathered_rows_finite, []
+    monkeypatch.setattr(kernels, "gathered_rows_finite", lambda *a: calls.append(1) or real(*a))
+    emb, centres, nb, w, s = (t.cuda() for t in value_args(centre=float("inf")))
+    from nnkloss.validation import check_values
+    with pytest.raises(ValueError, match=GATHERED_MSG):
+        check_values(emb, centres, nb, w, s)
+    assert calls
+    centres[4, 0] = 0.0
+    check_values(emb, centres, nb, w, s)

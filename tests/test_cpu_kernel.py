@@ -1509,6 +1509,48 @@ def test_count_mismatched_is_the_torch_count(cl_dtype, idx_dtype, lab_dtype):
     assert cpu.count_mismatched(torch.stack([cl, cl], 1)[:, 0], idx, labels) is None
 
 
+@kernel
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("index_dtype", INDEX, ids=str)
+def test_gathered_rows_finite_reads_only_the_listed_rows(dtype, index_dtype, monkeypatch):
+    """nnk_gathered_finite: NaN / inf / -inf in a listed row (first, middle and last column
+    of rows whose width is no multiple of the vector) found, the same value in an unlisted or
+    padded-away row ignored; 1,300 entries are three items, on one thread or two."""
+    g = torch.Generator().manual_seed(13)
+    D = 37
+    centres = torch.randn(90, D, generator=g).to(dtype)
+    nb = torch.randint(0, 80, (100, 13), generator=g)  # rows 80-89 never listed
+    nb[torch.rand(100, 13, generator=g) < 0.2] = -1
+    nb = nb.to(index_dtype)
+    assert cpu.gathered_rows_finite(centres, nb).item() is True
+    listed = int(nb[-1][nb[-1] >= 0][-1])
+    for threads in (1, 2):
+        monkeypatch.setattr(cpu, "_threads", lambda work, min_elems=None: threads)
+        for value, col in ((float("nan"), D - 1), (float("inf"), 0), (-float("inf"), 17)):
+            bad = centres.clone()
+            bad[listed, col] = value
+            got = cpu.gathered_rows_finite(bad, nb)
+            assert got.dtype == torch.bool and got.dim() == 0 and not got
+            unlisted = centres.clone()
+            unlisted[85, col] = value
+            assert cpu.gathered_rows_finite(unlisted, nb)
+            assert cpu.gathered_rows_finite(bad, nb.masked_fill(nb == listed, -1))
+
+
+@kernel
+def test_gathered_rows_finite_edges_and_what_it_leaves_to_the_caller():
+    c = torch.randn(5, 4)
+    assert cpu.gathered_rows_finite(c, torch.zeros(3, 0, dtype=torch.long))
+    assert cpu.gathered_rows_finite(c, torch.full((2, 2), -1))
+    assert cpu.gathered_rows_finite(torch.full((2, 3), 1e300, dtype=torch.float64),
+                                    torch.tensor([0, 1]))  # large, finite
+    for bad in (5, -2):
+        with pytest.raises(IndexError, match=r"\[0, 5\)"):
+            cpu.gathered_rows_finite(c, torch.tensor([[0, bad]]))
+    assert cpu.gathered_rows_finite(c.t().contiguous().t(), torch.tensor([0])) is None
+    assert cpu.gathered_rows_finite(c, torch.tensor([0.0])) is None
+
+
 def _has_same_label_torch(nb, cl):
     nb, cl = nb.long(), cl.long()
     return ((cl[nb.clamp_min(0)] == cl[:, None]) & (nb >= 0)).any(1)

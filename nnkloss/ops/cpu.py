@@ -300,6 +300,8 @@ def _declare(lib):
     lib.nnk_count_mismatched.restype = I64
     lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
     lib.nnk_has_same_label.restype = I
+    lib.nnk_gathered_finite.argtypes = [P, I, I64, I64, P, I, I64, I]
+    lib.nnk_gathered_finite.restype = I
     lib.nnk_gather_read.argtypes = [P, I64, I64, P, I, I64, I]
     lib.nnk_gather_read.restype = ctypes.c_uint64
     lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
@@ -726,6 +728,32 @@ def count_mismatched(centre_labels, idx, labels):
         idx.data_ptr(), _INDEX_TYPES[idx.dtype], labels.data_ptr(), _INDEX_TYPES[labels.dtype],
         idx.shape[0])
     return None if n < 0 else int(n)
+
+
+def gathered_rows_finite(centres, neighbours):
+    """0-dim bool: every row of ``centres`` (N, D) that ``neighbours`` (any shape, -1 =
+    padding) lists is finite, in one pass over the listed rows on the kernel's threads
+    (``nnk_gathered_finite``: no gathered copy); None where this is not done here: the library
+    unavailable, non-CPU tensors, a bank dtype it does not read, a non-contiguous bank. An
+    entry outside [-1, N) raises IndexError."""
+    lib = _lib()
+    if (lib is None or not (centres.is_cpu and neighbours.is_cpu) or centres.dim() != 2
+            or centres.dtype not in _BANK_TYPES or neighbours.dtype not in _INDEX_TYPES
+            or not centres.is_contiguous()):
+        return None
+    N, D = centres.shape
+    flat = neighbours.detach().reshape(-1).contiguous()
+    n = flat.numel()
+    if n == 0 or N == 0 or D == 0:
+        return torch.ones((), dtype=torch.bool)
+    rc = _run("gathered_finite", n * D, lambda k: lib.nnk_gathered_finite(
+        centres.data_ptr(), _BANK_TYPES[centres.dtype], N, D, flat.data_ptr(),
+        _INDEX_TYPES[flat.dtype], n, k))
+    if rc == 3:
+        raise IndexError(f"neighbours must hold rows in [0, {N}) or -1 (padding)")
+    if rc not in (0, 1):
+        raise RuntimeError(f"nnk_gathered_finite failed (code {rc})")
+    return torch.tensor(rc == 0)
 
 
 def has_same_label(neighbours, centre_labels):

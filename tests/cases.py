@@ -1,7 +1,8 @@
 """Shared cases of the tests: random inputs of the op, the op and the fp64 reference side by side,
 and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUDA tests); valid
 arguments of the functional op; small banks (small_bank, random_bank, own_row_bank) and their
-weights, shared by the tests of several modules."""
+weights, shared by the tests of several modules; the kernel classifier's relative distances in
+fp64 and their check, shared by the CPU library's and the Triton kernel's tests."""
 import torch
 
 import nnkloss
@@ -170,3 +171,28 @@ def own_row_bank(N=30, D=6, K=5, C=3, seed=0, **kw):
     nb = torch.randint(0, N, (N, K), generator=g)
     nb[:, 0] = torch.arange(N)  # every list holds its own row: must be excluded
     return nnkloss.CentreBank(centres, labels, neighbours=nb, **kw)
+
+
+def rel_sqdist_fp64(x, centres, idx, ref):
+    """||x - c_i||^2 - ||x - c_r||^2 in fp64, from the values an implementation receives."""
+    x, c = x.double(), centres.double()
+    d = ((c[idx.long()] - x[:, None, :]) ** 2).sum(-1)
+    return d - ((c[ref.long()] - x) ** 2).sum(-1)[:, None]
+
+
+def check_rel_sqdist(impl, bank_dtype, cdt, D):
+    """``impl(x, centres, idx, ref, cdt)`` (the classifier's relative distances) against fp64 on
+    40 centres, 9 queries, lists of 11 with a row of duplicates; the reference entry exactly 0."""
+    g = torch.Generator().manual_seed(D)
+    centres = torch.randn(40, D, generator=g).to(bank_dtype)
+    x = (torch.randn(9, D, generator=g) * 2).to(cdt)
+    idx = torch.randint(0, 40, (9, 11), generator=g)
+    idx[1, :] = idx[1, 0]  # duplicates
+    ref = idx[:, 3]
+    got = impl(x, centres, idx, ref, cdt)
+    assert got.dtype == cdt and got.shape == (9, 11)
+    want = rel_sqdist_fp64(x, centres, idx, ref)
+    scale = want.abs().max().item() + 1.0
+    tol = (1e-5 if cdt == torch.float32 else 1e-12) * scale
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+    assert (got[torch.arange(9), 3] == 0).all()  # the reference against itself: exactly 0

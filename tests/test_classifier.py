@@ -262,40 +262,34 @@ def test_precomputed_neighbours_skip_the_search(monkeypatch):
         NeighbourKernelClassifier(zero, k=2, sigma=1.0).predict_proba(x, neighbours=nb)
 
 
+@pytest.mark.parametrize("fused", ["cpu", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("rule", ["nngk", "ccknn"])
-def test_cpu_distances_come_from_the_compiled_library_and_match_the_torch_form(monkeypatch,
-                                                                               rule):
-    from nnkloss.ops import cpu
-    if not cpu.available():
-        pytest.skip("no C++ compiler: the torch form only")
-    bank = make_bank(weights=True)
-    x = torch.randn(30, 6, generator=torch.Generator().manual_seed(4)) * 2
-    x[0] *= 1e3  # a far query
-    clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend="torch", rule=rule,
-                                    batch_size=16)
-    real, calls = cpu.rel_sqdist, []
-    monkeypatch.setattr(cpu, "rel_sqdist", lambda *a: calls.append(a[2].shape) or real(*a))
-    p = clf.predict_proba(x)
-    assert calls and all(s[1] == 7 for s in calls)
-    monkeypatch.setattr(cpu, "rel_sqdist", lambda *a: None)  # the torch form
-    torch.testing.assert_close(p, clf.predict_proba(x), atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("rule", ["nngk", "ccknn"])
-def test_the_triton_distances_give_the_torch_forms_probabilities(monkeypatch, rule):
-    """The pass CUDA tensors take (kernels/relative_distances.py), run here through Triton's interpreter
-    on CPU tensors in place of the CPU library, against the torch form."""
+def test_fused_distances_give_the_torch_forms_probabilities(monkeypatch, rule, fused):
+    """The classifier's one-pass distances against its torch form: on CPU tensors the compiled
+    library's; and the pass CUDA tensors take (kernels/relative_distances.py), run here
+    through Triton's interpreter on CPU tensors in place of the library's."""
     from nnkloss.evaluation import classifier as clf_mod
-    kernels = nnkloss.ops.backends.kernels()
+    from nnkloss.ops import cpu
+    if fused == "cpu":
+        if not cpu.available():
+            pytest.skip("no C++ compiler: the torch form only")
+        real = cpu.rel_sqdist
+    else:
+        real = nnkloss.ops.backends.kernels().rel_sqdist
     bank = make_bank(weights=True)
     x = torch.randn(30, 6, generator=torch.Generator().manual_seed(4)) * 2
     x[0] *= 1e3  # a far query
     clf = NeighbourKernelClassifier(bank, k=7, sigma=1.3, search_backend="torch", rule=rule,
                                     batch_size=16)
     calls = []
-    monkeypatch.setattr(clf_mod, "_fused_rel_sqdist",
-                        lambda *a: calls.append(a[2].shape) or kernels.rel_sqdist(*a))
+
+    def spy(*a):
+        calls.append(a[2].shape)
+        return real(*a)
+    if fused == "cpu":  # the real routing: CPU tensors reach cpu.rel_sqdist
+        monkeypatch.setattr(cpu, "rel_sqdist", spy)
+    else:  # the kernel in the library's place, as CUDA tensors are routed
+        monkeypatch.setattr(clf_mod, "_fused_rel_sqdist", spy)
     p = clf.predict_proba(x)
     assert calls and all(s[1] == 7 for s in calls)
     monkeypatch.setattr(clf_mod, "_fused_rel_sqdist", lambda *a: None)  # the torch form

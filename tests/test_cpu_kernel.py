@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nnkloss.ops import cpu
+from cases import check_rel_sqdist, rel_sqdist_fp64
 from reference import forward as reference
 
 with warnings.catch_warnings():
@@ -1635,31 +1636,12 @@ def test_gather_read_reads_exactly_the_listed_rows(dtype, index_dtype):
     assert cpu.gather_read(bank.t(), nb) is None  # not contiguous: not done here
 
 
-def _rel_sqdist_fp64(x, centres, idx, ref):
-    """||x - c_i||^2 - ||x - c_r||^2 in fp64, from the values the kernel receives."""
-    x, c = x.double(), centres.double()
-    d = ((c[idx] - x[:, None, :]) ** 2).sum(-1)
-    return d - ((c[ref] - x) ** 2).sum(-1)[:, None]
-
-
 @kernel
 @pytest.mark.parametrize("bank_dtype", FLOATS)
 @pytest.mark.parametrize("cdt", [torch.float32, torch.float64])
 @pytest.mark.parametrize("D", [1, 13, 16, 70])
 def test_rel_sqdist_matches_fp64(bank_dtype, cdt, D):
-    g = torch.Generator().manual_seed(D)
-    centres = torch.randn(40, D, generator=g).to(bank_dtype)
-    x = (torch.randn(9, D, generator=g) * 2).to(cdt)
-    idx = torch.randint(0, 40, (9, 11), generator=g)
-    idx[1, :] = idx[1, 0]  # duplicates
-    ref = idx[:, 3]
-    got = cpu.rel_sqdist(x, centres, idx, ref, cdt)
-    assert got.dtype == cdt and got.shape == (9, 11)
-    want = _rel_sqdist_fp64(x, centres, idx, ref)
-    scale = want.abs().max().item() + 1.0
-    tol = (1e-5 if cdt == torch.float32 else 1e-12) * scale
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
-    assert (got[torch.arange(9), 3] == 0).all()  # the reference against itself: exactly 0
+    check_rel_sqdist(cpu.rel_sqdist, bank_dtype, cdt, D)
 
 
 @kernel
@@ -1672,7 +1654,7 @@ def test_rel_sqdist_keeps_far_queries_precise_and_threads_agree(monkeypatch):
     idx = torch.randint(0, 30, (5, 8), generator=g)
     ref = idx[:, 0]
     got = cpu.rel_sqdist(x, centres, idx, ref, torch.float32).double()
-    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    want = rel_sqdist_fp64(x, centres, idx, ref)
     tol = 1e-5 * want.abs().max().item()  # ~1; the difference of the two fp32 squares: ~8
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     monkeypatch.setattr(cpu, "_threads", lambda work, min_elems=None: 2)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import nnkloss
+from cases import check_rel_sqdist, rel_sqdist_fp64
 
 pytestmark = pytest.mark.interpreter
 
@@ -14,32 +15,13 @@ def _kernels():
     return nnkloss.ops.backends.kernels()
 
 
-def _rel_sqdist_fp64(x, centres, idx, ref):
-    """||x - c_i||^2 - ||x - c_r||^2 in fp64, from the values the kernel receives."""
-    x, c = x.double(), centres.double()
-    d = ((c[idx.long()] - x[:, None, :]) ** 2).sum(-1)
-    return d - ((c[ref.long()] - x) ** 2).sum(-1)[:, None]
-
-
 @pytest.mark.parametrize("bank_dtype", FLOATS)
 @pytest.mark.parametrize("cdt", [torch.float32, torch.float64])
 @pytest.mark.parametrize("D", [1, 13, 16, 300])
 def test_matches_fp64(bank_dtype, cdt, D):
     # D 300 is two chunks of the tile's 256 columns, the second ragged; 11 entries of a list
     # at D 300 are two tiles of 8.
-    g = torch.Generator().manual_seed(D)
-    centres = torch.randn(40, D, generator=g).to(bank_dtype)
-    x = (torch.randn(9, D, generator=g) * 2).to(cdt)
-    idx = torch.randint(0, 40, (9, 11), generator=g)
-    idx[1, :] = idx[1, 0]  # duplicates
-    ref = idx[:, 3]
-    got = _kernels().rel_sqdist(x, centres, idx, ref, cdt)
-    assert got.dtype == cdt and got.shape == (9, 11)
-    want = _rel_sqdist_fp64(x, centres, idx, ref)
-    scale = want.abs().max().item() + 1.0
-    tol = (1e-5 if cdt == torch.float32 else 1e-12) * scale
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
-    assert (got[torch.arange(9), 3] == 0).all()  # the reference against itself: exactly 0
+    check_rel_sqdist(_kernels().rel_sqdist, bank_dtype, cdt, D)
 
 
 def test_far_queries_stay_precise():
@@ -51,7 +33,7 @@ def test_far_queries_stay_precise():
     idx = torch.randint(0, 30, (5, 8), generator=g)
     ref = idx[:, 0]
     got = _kernels().rel_sqdist(x, centres, idx, ref, torch.float32).double()
-    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    want = rel_sqdist_fp64(x, centres, idx, ref)
     tol = 1e-5 * want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     naive = (((centres[idx] - x[:, None]) ** 2).sum(-1)
@@ -67,7 +49,7 @@ def test_strided_inputs_int32_lists_and_long_lists():
     idx = torch.randint(0, 50, (7, 1000), generator=g, dtype=torch.int32)  # two tiles of 512
     ref = torch.randint(0, 50, (7,), generator=g, dtype=torch.int32)
     got = _kernels().rel_sqdist(x, centres, idx, ref, torch.float64)
-    want = _rel_sqdist_fp64(x, centres, idx, ref)
+    want = rel_sqdist_fp64(x, centres, idx, ref)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
     # column strides other than 1 (copied by the launcher): the queries, the lists
     xs = torch.zeros(7, 48, dtype=x.dtype)

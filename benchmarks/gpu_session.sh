@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call's worth of GPU work: CUDA correctness first, then the loss and refresh benchmarks.
+# One call's worth of GPU work: CUDA correctness first, then the loss, refresh and classifier
+# benchmarks.
 # Meant for a bare GPU machine with torch/triton but no network and no install of nnkloss:
 #     bash benchmarks/gpu_session.sh [OUTDIR]        (default: $OUT, else benchmarks/results)
 # Logs and CSVs land in OUTDIR; the last lines printed are a short summary.
@@ -26,3 +27,6 @@ timeout 300 python3 benchmarks/tune_loss.py --B 4096 --K 100 256 --D 512 2048 --
 # 4. Refresh benchmark on the GPU (torch backend; faiss only if carried).
 timeout 300 python3 benchmarks/bench_refresh.py --device cuda --out "$out" 2>&1 \
     | tee "$out/bench_refresh.log" | tail -12
+# 5. The kernel classifier's distances: the Triton kernel against the torch form and compile.
+timeout 300 python3 benchmarks/bench_classifier.py --device cuda --out "$out" 2>&1 \
+    | tee "$out/bench_classifier.log" | tail -10

@@ -67,6 +67,13 @@ def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
         out = _fused_rel_sqdist(x, centres, idx, ref, cdt)
         if out is not None:
             return out
+    return _torch_rel_sqdist(x, centres, idx, ref, cdt)
+
+
+def _torch_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
+                      cdt: torch.dtype) -> Tensor:
+    """:func:`_sq_dist_minus_ref` in torch: gathered (rows, k, D) blocks of at most
+    ``_GATHER_ELEMS`` elements."""
     q, k = idx.shape
     d = x.shape[1]
     out = torch.empty(q, k, dtype=cdt, device=x.device)

@@ -1,0 +1,181 @@
+"""The kernel classifier's distances: one operation, three providers, time and memory.
+
+The operation is what ``NeighbourKernelClassifier`` computes for every batch of queries
+(nnkloss/evaluation/classifier.py, ``_sq_dist_minus_ref``): for Q queries, each with a list
+of k bank rows and a reference row (its nearest), the (Q, k) ``(c_i - c_r) . (c_i + c_r - 2x)``
+in fp32. It has no gradient, so the table's only mode is the forward. Providers:
+
+- ``fused``: what the classifier runs: the compiled library's pass on CPU tensors
+  (``nnkloss.ops.cpu.rel_sqdist``), the Triton kernel on CUDA tensors
+  (``nnkloss.kernels.rel_sqdist``);
+- ``torch``: the classifier's torch form (gathered (rows, k, D) blocks of at most 16 MiB), what
+  runs where no fused pass does;
+- ``compile``: the same formula as a user would write it, one gather of (Q, k, D), under
+  ``torch.compile`` (compiled before the clock starts).
+
+    python benchmarks/bench_classifier.py                  # the three shapes below, CPU
+    python benchmarks/bench_classifier.py --device cuda    # on a GPU
+
+Each (shape, provider) runs in a fresh process, on torch's threads (the library's thread
+governor off, as in bench_loss): peak memory of its first call above the RSS
+before it (CPU; ``torch.cuda.max_memory_allocated`` on a GPU), then the median time of the
+calls (``common.time_ms``); ``--rounds`` such processes per provider, the providers taking
+turns, the median round kept (all rounds in ``ms_rounds``; peak memory: the largest). Beside
+them, measured in the main process before each shape on
+the same threads: the machine's sequential read (``common.read_gbps``) and the gather of exactly
+the listed rows (``common.gather_gbps``, CPU only): "% of read" and "% of gather" are the bytes
+of the gathered rows (Q x k x D x 4) over the time, against those. One row per (shape, provider)
+is appended to ``benchmarks/results/classifier_<device>.csv`` with device, commit, date and
+load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import (PeakRss, ResultsCsv, device_name, gather_gbps, git_commit,  # noqa: E402
+                    load_average, read_gbps, results_path, run_isolated, time_ms, utc_now,
+                    worker_reply)
+
+import torch  # noqa: E402
+
+PROVIDERS = ["fused", "torch", "compile"]
+# (Q queries, k per list, D, N bank rows): the Fashion-MNIST protocol's classifier (2,000-query
+# slices of its 10,000 test images against 20,000 training embeddings, k 1000, D 64), an
+# evaluation-like batch, and wide rows.
+SHAPES = ["2000,1000,64,20000", "8192,100,128,50000", "512,256,512,50000"]
+COLUMNS = ["operation", "provider", "Q", "k", "D", "N", "ms", "ms_rounds", "peak_mb", "gb_s", "read_gb_s",
+           "pct_of_read", "gather_gb_s", "pct_of_gather", "error", "threads", "load",
+           "device", "commit", "date"]
+
+
+def setup(Q: int, k: int, D: int, N: int, device):
+    """Queries, bank, lists and reference rows of one shape (seeded, fp32, int64)."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(N, D, generator=g)
+    x = torch.randn(Q, D, generator=g)
+    idx = torch.randint(0, N, (Q, k), generator=g)
+    ref = idx[:, 0].clone()
+    return tuple(t.to(device) for t in (x, centres, idx, ref))
+
+
+def user_form(x, centres, idx, ref):
+    """The formula in one piece, as a user would write it: a (Q, k, D) gather."""
+    c = centres[idx]
+    r = centres[ref][:, None, :]
+    return ((c - r) * (c + r - 2.0 * x[:, None, :])).sum(-1)
+
+
+def provider_fn(provider: str):
+    """The provider's function of (x, centres, idx, ref) -> (Q, k) fp32."""
+    from nnkloss.evaluation import classifier
+    if provider == "fused":
+        def fused(x, centres, idx, ref):
+            out = classifier._fused_rel_sqdist(x, centres, idx, ref, torch.float32)
+            if out is None:
+                raise RuntimeError("no fused pass on this device (no compiler / no triton)")
+            return out
+        return fused
+    if provider == "torch":
+        return lambda x, centres, idx, ref: classifier._torch_rel_sqdist(x, centres, idx, ref,
+                                                                         torch.float32)
+    if provider == "compile":
+        return torch.compile(user_form, dynamic=False)
+    raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+
+
+def worker(spec: dict) -> None:
+    """One provider and shape in this (fresh) process. The CPU library's thread governor is
+    off (NNKLOSS_GOVERN_THREADS=0), as in bench_loss: its first calls run at one thread by
+    design (benchmarks/bench_threads.py measures the governed default), so a short median
+    would mix the two counts."""
+    os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
+    device = torch.device(spec["device"])
+    args = setup(*spec["shape"], device)
+    fn = provider_fn(spec["provider"])
+    fn(*args)  # before the measurements: compile, build or load the library, JIT the kernel
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn(*args)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    else:
+        meter = PeakRss().start()
+        fn(*args)
+        peak = meter.peak_mb()
+    ms = time_ms(lambda: fn(*args), device, warmup=1, iters=spec["iters"])
+    worker_reply({"ms": ms, "peak_mb": peak})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="Q,k,D,N")
+    ap.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
+    ap.add_argument("--iters", type=int, default=11)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="fresh processes per provider and shape, the providers in turn")
+    ap.add_argument("--read-bytes", type=int, default=2 ** 30,
+                    help="size of the sequential read that gives the read limit")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+
+    device = torch.device(args.device)
+    name, commit = device_name(device), git_commit()
+    from nnkloss.ops import cpu
+    cpu.available()  # builds the library once, before any worker times a call
+    csv_path = results_path(args.out, device, prefix="classifier_")
+    print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
+    print(f"writing {csv_path}")
+    with ResultsCsv(csv_path, COLUMNS) as out:
+        for text in args.shapes:
+            Q, k, D, N = (int(v) for v in text.split(","))
+            read = read_gbps(device, args.read_bytes)
+            x, centres, idx, ref = setup(Q, k, D, N, device)
+            gather = gather_gbps(centres, idx)
+            nbytes = Q * k * D * 4
+            runs = {p: [] for p in args.providers}
+            loads = {p: [] for p in args.providers}
+            for _ in range(args.rounds):  # the providers take turns, a fresh process each
+                for provider in args.providers:
+                    spec = {"provider": provider, "shape": [Q, k, D, N],
+                            "device": str(device), "iters": args.iters}
+                    loads[provider].append(load_average().split(" ")[0])
+                    runs[provider].append(run_isolated(os.path.abspath(__file__), spec,
+                                                       timeout=args.timeout))
+            for provider in args.providers:
+                row = {"operation": "classifier distances", "provider": provider, "Q": Q,
+                       "k": k, "D": D, "N": N, "read_gb_s": round(read, 2),
+                       "gather_gb_s": round(gather, 2) if gather else "",
+                       "threads": torch.get_num_threads(),
+                       "load": " ".join(loads[provider]), "device": name, "commit": commit,
+                       "date": utc_now()}
+                errors = [r["error"] for r in runs[provider] if "error" in r]
+                if errors:
+                    row["error"] = errors[0]
+                else:
+                    ms = sorted(r["ms"] for r in runs[provider])
+                    med = ms[len(ms) // 2]
+                    gbs = nbytes / med / 1e6
+                    row.update(ms=round(med, 3), ms_rounds=" ".join(f"{v:.3f}" for v in ms),
+                               peak_mb=round(max(r["peak_mb"] for r in runs[provider]), 1),
+                               gb_s=round(gbs, 2), pct_of_read=round(100 * gbs / read),
+                               pct_of_gather=round(100 * gbs / gather) if gather else "")
+                out.write(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,16 +31,15 @@ load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, device_name, gather_gbps, git_commit,  # noqa: E402
-                    load_average, read_gbps, results_path, run_isolated, time_ms, utc_now,
-                    worker_reply)
+from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
+                    gather_gbps, git_commit, load_average, parse_or_work, read_gbps,
+                    results_path, run_isolated, time_ms, utc_now, worker_reply)
 
 import torch  # noqa: E402
 
@@ -49,8 +48,8 @@ PROVIDERS = ["fused", "torch", "compile"]
 # slices of its 10,000 test images against 20,000 training embeddings, k 1000, D 64), an
 # evaluation-like batch, and wide rows.
 SHAPES = ["2000,1000,64,20000", "8192,100,128,50000", "512,256,512,50000"]
-COLUMNS = ["operation", "provider", "Q", "k", "D", "N", "ms", "ms_rounds", "peak_mb", "gb_s", "read_gb_s",
-           "pct_of_read", "gather_gb_s", "pct_of_gather", "error", "threads", "load",
+COLUMNS = ["operation", "provider", "Q", "k", "D", "N", "ms", "ms_rounds", "peak_mb", "gb_s",
+           "read_gb_s", "pct_of_read", "gather_gb_s", "pct_of_gather", "error", "threads", "load",
            "device", "commit", "date"]
 
 
@@ -124,12 +123,9 @@ def main(argv=None) -> int:
                     help="fresh processes per provider and shape, the providers in turn")
     ap.add_argument("--read-bytes", type=int, default=2 ** 30,
                     help="size of the sequential read that gives the read limit")
-    ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
+    add_worker_args(ap, timeout=900.0)
+    args = parse_or_work(ap, argv, worker)
+    if args is None:
         return 0
 
     device = torch.device(args.device)

@@ -19,7 +19,6 @@ A provider that fails (e.g. out of memory) gets a row with its error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,8 +26,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, device_name, git_commit, results_path,  # noqa: E402
-                    run_isolated, utc_now, worker_reply)
+from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
+                    git_commit, parse_or_work, results_path, run_isolated, utc_now,
+                    worker_reply)
 
 import torch  # noqa: E402
 
@@ -115,12 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--providers", nargs="+", default=["nnkloss", "nnkloss-faiss", "pml"],
                     choices=["nnkloss", "nnkloss-faiss", "pml"])
-    ap.add_argument("--timeout", type=float, default=1800.0)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
+    add_worker_args(ap, timeout=1800.0)
+    args = parse_or_work(ap, argv, worker)
+    if args is None:
         return 0
 
     device = torch.device("cpu")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import json
 import os
 import sys
 import time
@@ -41,9 +40,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, device_name, gather_gbps, git_commit,  # noqa: E402
-                    load_average, read_gbps, results_path, run_isolated, tensor_read_gbps,
-                    time_ms, utc_now, worker_reply)
+from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
+                    gather_gbps, git_commit, load_average, parse_or_work, read_gbps,
+                    results_path, run_isolated, tensor_read_gbps, time_ms, utc_now,
+                    worker_reply)
 
 import torch  # noqa: E402
 
@@ -432,13 +432,12 @@ def _main(argv):
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep time in ms (CUDA)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds per shape, providers interleaved; the median round is kept")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--copy-bandwidth", action="store_true",
                     help="also measure device-to-device copy bandwidth (row op=copy)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        return worker(json.loads(args.worker))
+    add_worker_args(ap)
+    args = parse_or_work(ap, argv, worker)
+    if args is None:
+        return 0
     device = torch.device(args.device)
     grid = shapes(args, device)
     modes = args.modes or list(MODES)

@@ -7,6 +7,7 @@ checkout that need not be pip-installed).
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import io
@@ -29,7 +30,8 @@ import torch  # noqa: E402
 from nnkloss.atomic import atomic_write  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
-           "PeakRss", "run_isolated", "worker_reply", "ResultsCsv", "results_path",
+           "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
+           "ResultsCsv", "results_path",
            "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
 
 
@@ -144,6 +146,26 @@ class PeakRss:
 def worker_reply(result: dict) -> None:
     """What a worker process prints as its last stdout line (read by ``run_isolated``)."""
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def add_worker_args(ap: argparse.ArgumentParser, timeout: Optional[float] = None) -> None:
+    """The arguments of a benchmark whose measurements run in fresh processes: ``--out`` (the
+    results directory), ``--timeout`` (seconds per worker, when ``timeout`` is given) and the
+    hidden ``--worker JSON`` that :func:`run_isolated` passes."""
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    if timeout is not None:
+        ap.add_argument("--timeout", type=float, default=timeout)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def parse_or_work(ap: argparse.ArgumentParser, argv, worker):
+    """Parse ``argv``; in a worker process (``--worker JSON``) run ``worker(spec)`` and return
+    None, else return the parsed arguments."""
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return None
+    return args
 
 
 def run_isolated(script: str, spec: dict, timeout: float = 1800) -> dict:

@@ -1102,19 +1102,24 @@ template <typename C, typename T>
 int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
                     const int64_t* ref, int64_t Q, int64_t K, int64_t D, C* out,
                     int nthreads) {
-    for (int64_t i = 0; i < Q * K; ++i)
-        if (idx[i] < 0 || idx[i] >= N) return 3;
-    for (int64_t q = 0; q < Q; ++q)
-        if (ref[q] < 0 || ref[q] >= N) return 3;
     const int64_t pf = prefetch_rows(D * (int64_t)sizeof(T));
-    auto query = [=](int64_t q) {
+    std::atomic<int> bad{0};
+    auto query = [=, &bad](int64_t q) {
         typedef Lanes<C> V;
+        const int64_t* row = idx + q * K;
+        // 1. This query's indices, checked where they are read (nothing is read through a bad
+        //    one; the caller raises, out is left partly written).
+        bool ok = ref[q] >= 0 && ref[q] < N;
+        for (int64_t j = 0; j < K; ++j) ok &= row[j] >= 0 && row[j] < N;
+        if (!ok) {
+            bad.store(1, std::memory_order_relaxed);
+            return;
+        }
         const C* __restrict xq = x + q * D;
         const T* __restrict r = centres + ref[q] * D;
-        const int64_t* row = idx + q * K;
-        for (int64_t j = 0; j < K; ++j) {
-            if (j + pf < K) prefetch_row(centres + row[j + pf] * D, D);
-            const T* __restrict c = centres + row[j] * D;
+        C* __restrict o = out + q * K;
+        // One row's entry: (c - r) . ((c + r) - (x + x)), the lanes summed as a tree.
+        auto one = [&](const T* __restrict c) {
             V acc = {};
             int64_t d = 0;
             for (; d + ACC <= D; d += ACC) {
@@ -1127,11 +1132,57 @@ int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
                 const C cd = load<C>(c, d), rd = load<C>(r, d);
                 tail += (cd - rd) * ((cd + rd) - (xq[d] + xq[d]));
             }
-            out[q * K + j] = tree_sum(acc) + tail;
+            return tree_sum(acc) + tail;
+        };
+        // 2. Rows four at a time: four independent sums in flight, the same operations per
+        //    element and the same tree per row as one at a time, so the same bits; the rows pf
+        //    entries ahead prefetched. Against one row at a time on the 2-core AMD EPYC
+        //    (2026-11-26, the builds alternating in one process, 7 calls each, twice): 1.43x
+        //    and 1.48x at Q 2000, k 1000, D 64; 1.07x and 1.29x at Q 8192, k 100, D 128;
+        //    1.04x and 1.07x at Q 512, k 256, D 512. (Items of ~4,096 entries, carrying the
+        //    prefetch stream across queries, added nothing to it: 0.95-1.03x.)
+        int64_t j = 0;
+        for (; j + 4 <= K; j += 4) {
+            for (int t = 0; t < 4; ++t)
+                if (j + t + pf < K) prefetch_row(centres + row[j + t + pf] * D, D);
+            const T* __restrict c0 = centres + row[j] * D;
+            const T* __restrict c1 = centres + row[j + 1] * D;
+            const T* __restrict c2 = centres + row[j + 2] * D;
+            const T* __restrict c3 = centres + row[j + 3] * D;
+            V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            int64_t d = 0;
+            for (; d + ACC <= D; d += ACC) {
+                const V rv = load_lanes<C>(r + d), xv = load_lanes<C>(xq + d);
+                const V x2 = xv + xv;
+                const V v0 = load_lanes<C>(c0 + d), v1 = load_lanes<C>(c1 + d);
+                const V v2 = load_lanes<C>(c2 + d), v3 = load_lanes<C>(c3 + d);
+                a0 += (v0 - rv) * ((v0 + rv) - x2);
+                a1 += (v1 - rv) * ((v1 + rv) - x2);
+                a2 += (v2 - rv) * ((v2 + rv) - x2);
+                a3 += (v3 - rv) * ((v3 + rv) - x2);
+            }
+            C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+            for (; d < D; ++d) {
+                const C rd = load<C>(r, d), x2d = xq[d] + xq[d];
+                const C e0 = load<C>(c0, d), e1 = load<C>(c1, d);
+                const C e2 = load<C>(c2, d), e3 = load<C>(c3, d);
+                t0 += (e0 - rd) * ((e0 + rd) - x2d);
+                t1 += (e1 - rd) * ((e1 + rd) - x2d);
+                t2 += (e2 - rd) * ((e2 + rd) - x2d);
+                t3 += (e3 - rd) * ((e3 + rd) - x2d);
+            }
+            o[j] = tree_sum(a0) + t0;
+            o[j + 1] = tree_sum(a1) + t1;
+            o[j + 2] = tree_sum(a2) + t2;
+            o[j + 3] = tree_sum(a3) + t3;
+        }
+        for (; j < K; ++j) {
+            if (j + pf < K) prefetch_row(centres + row[j + pf] * D, D);
+            o[j] = one(centres + row[j] * D);
         }
     };
     run_items(Q, nthreads, query);
-    return 0;
+    return bad.load() ? 3 : 0;
 }
 
 // The bank's per-batch lists (CentreBank.neighbours_for) in one pass: out[b, :] =

@@ -237,3 +237,31 @@ def test_ccml_declares_its_parameter_groups():
     loss = ClassConditionalLoss(bank, k=2, learn_sigma=True)
     groups = loss.parameter_groups()
     assert groups == {"sigma": [loss.log_sigma], "weights": [bank.log_weights], "other": []}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selection_distances_are_the_fused_forwards(monkeypatch, dtype):
+    """The (B, K) distances that choose each row's entries come from the Eq. 3 op's forward at
+    sigma 1, forward-only (on CPU tensors the compiled library: one pass, no (rows, K, D)
+    block): ||x - c_j||^2 for every entry, 0 for padding, to the compute dtype's precision."""
+    from nnkloss.losses import ccml
+    from nnkloss.ops import cpu
+    emb, labels, centres, centre_labels, nb = problem(B=9, N=40, D=13, K=11, seed=7,
+                                                      dtype=dtype)
+    calls = []
+    real = cpu.forward
+
+    def spy(*a, **kw):
+        calls.append((kw.get("store_dist"), kw.get("need_grad_x")))
+        return real(*a, **kw)
+    monkeypatch.setattr(cpu, "forward", spy)
+    d = ccml._list_distances(emb, labels, centres, centre_labels, nb, None)
+    assert calls == [(True, False)]
+    want = ((centres[nb.clamp_min(0)].double() - emb[:, None, :].double()) ** 2).sum(-1)
+    want = want.masked_fill(nb < 0, 0.0)
+    assert d.dtype == dtype and d.shape == nb.shape
+    torch.testing.assert_close(d.double(), want, rtol=1e-5 if dtype == torch.float32 else 1e-12,
+                               atol=0)
+    calls.clear()
+    class_conditional_loss(emb, labels, centres, centre_labels, nb, k=3)
+    assert calls == [(True, False)]

@@ -17,9 +17,11 @@ of the mean (the same policy as the Eq. 3 loss). Padding (-1) and centres of wei
 entries. The nearest-entry selection is piecewise constant (no gradient through the choice, as
 in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
 
-Memory: distances are computed ``rows_per_chunk`` rows at a time (a (rows, K, D) block, as in
-:mod:`nnkloss.ops.reference`), and autograd keeps only (B, D) mean centres and (B, k) indices:
-no (B, K, D) tensor is built.
+Memory: the (B, K) distances that select the entries come from the Eq. 3 op's forward (one
+fused pass over the gathered rows on CPU and CUDA tensors: :func:`_list_distances`); the means
+over the k <= K selected entries are computed ``rows_per_chunk`` rows at a time ((rows, k, D)
+blocks), and autograd keeps only (B, D) mean centres and (B, k) indices: no (B, K, D) tensor
+is built.
 """
 from __future__ import annotations
 
@@ -44,21 +46,38 @@ OBJECTIVES = ("accuracy", "nll")
 
 
 @torch.no_grad()
+def _list_distances(emb, labels, centres, centre_labels, neighbours, weights) -> Tensor:
+    """(B, K) ``||x_b - c_j||^2`` of every list entry (0 for padding, NaN / inf where a value
+    is), in the compute dtype: the ``dist`` output of the Eq. 3 op's forward at sigma 1
+    (ops/CONTRACT.md rule 7), forward-only, through the op's custom op so that it traces too.
+    On CPU and CUDA tensors that is one fused pass over the gathered rows (the compiled
+    library, the Triton kernel) instead of (rows, K, D) blocks in torch."""
+    one = torch.ones((), dtype=torch.float32, device=emb.device)
+    backend = resolve_backend("auto", emb.device)
+    *_, dist = torch.ops.nnkloss.nk_forward(
+        emb.detach().contiguous(), labels.contiguous(), centres.detach().contiguous(),
+        centre_labels.contiguous(), neighbours.contiguous(),
+        None if weights is None else weights.detach().contiguous(), one, backend, True, False)
+    return dist
+
+
+@torch.no_grad()
 def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
             ) -> Tuple[Tensor, Tensor]:
     """(B, k) indices of the k nearest same-class and other-class list entries (-1 = none)."""
     B, D = emb.shape
     K = neighbours.shape[1]
     kk = min(k, K)
-    cdt = compute_dtype(emb)
     pos = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
     neg = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
-    step = rows_per_chunk(K, D)
+    if B == 0 or kk == 0:
+        return pos, neg
+    dist = _list_distances(emb, labels, centres, centre_labels, neighbours, weights)
+    step = rows_per_chunk(K, 1)  # (rows, K) masks and top-k, never a D axis
     for lo in range(0, B, step):
         nbr = neighbours[lo:lo + step].long()
         safe = nbr.clamp_min(0)
-        diff = centres[safe].to(cdt) - emb[lo:lo + step, None, :].to(cdt)  # (rows, K, D)
-        d = (diff * diff).sum(-1)
+        d = dist[lo:lo + step]
         valid = nbr >= 0
         if weights is not None:
             valid = valid & (weights[safe] > 0)

@@ -8,7 +8,8 @@ reads, and a (B x K, D) intermediate in pieces. This kernel reads each listed ro
 writes one flag.
 
 Memory traffic for ``n`` list entries of a (N, D) bank:
-    reads   n x D x sizeof(bank)    the listed rows (padding entries read nothing)
+    reads   n x D x sizeof(bank)    the listed rows (padding, and indices outside the bank,
+                                    read nothing)
             n x sizeof(idx)         the list entries
     writes  one int32 per program that finds a non-finite value (usually none)
 """
@@ -33,14 +34,13 @@ def _gathered_finite_kernel(
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ROW_ALIGN: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    # 1. This program's list entries; padding (-1) reads nothing, and an index outside the
-    #    bank (which the same check refuses on the host) reads row 0 instead of memory
-    #    outside it.
+    # 1. This program's list entries. Padding (-1) and indices outside the bank (which the
+    #    same check refuses on the host, naming them) are not rows: nothing is read for them.
     e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < n
     idx = tl.load(idx_ptr + e, mask=emask, other=-1).to(tl.int64)
-    listed = emask & (idx >= 0)
-    safe = tl.where(listed & (idx < N), idx, 0)
+    listed = emask & (idx >= 0) & (idx < N)
+    safe = tl.where(listed, idx, 0)
     Dc = (D // ROW_ALIGN) * ROW_ALIGN  # masks constant over whole vectors: wide loads
     bad = tl.zeros([BLOCK_E], dtype=tl.int32)
     # 2. Over D a chunk at a time: a value is non-finite when it is NaN (x != x) or
@@ -70,7 +70,7 @@ def gathered_rows_finite(centres: torch.Tensor, neighbours: torch.Tensor) -> tor
     Args:
         centres: (N, D) fp16/bf16/fp32/fp64 bank, unit column stride.
         neighbours: any shape of int32/int64 bank rows, -1 = padding (other negatives and
-            rows >= N are the caller's to refuse: they read row 0 here).
+            rows >= N are the caller's to refuse: nothing is read for them here).
     """
     N, D = centres.shape
     flat = neighbours.reshape(-1)

@@ -62,8 +62,9 @@ def test_large_doubles_are_finite_and_edges():
     assert not bool(k.gathered_rows_finite(wide[:, 3:11], nb))
     assert bool(k.gathered_rows_finite(wide[:, 6:14], nb))
     assert not bool(k.gathered_rows_finite(wide[:, 3:11], torch.tensor([[2, 0, 1, 0]])[:, ::2]))
-    # an index outside the bank (the check refuses it on the host) reads row 0, not memory
-    assert not bool(k.gathered_rows_finite(c, torch.tensor([[7]])))
+    # an index outside the bank (the check refuses it on the host, naming it) reads nothing
+    assert bool(k.gathered_rows_finite(c, torch.tensor([[7], [-3]])))
+    assert not bool(k.gathered_rows_finite(c, torch.tensor([[7], [0]])))
 
 
 @pytest.mark.parametrize("D", [1, 64, 300, 1000])

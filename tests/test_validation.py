@@ -340,3 +340,15 @@ def test_cuda_check_reads_the_gathered_centres_with_the_triton_kernel(monkeypatc
     assert calls
     centres[4, 0] = 0.0
     check_values(emb, centres, nb, w, s)
+
+
+@pytest.mark.parametrize("bad", [10, -2])
+def test_check_before_the_op_names_an_index_outside_the_bank_before_reading_rows(bad):
+    """With the gathered centres checked before the op (the CCML loss's way), a list entry
+    outside the bank raises the range error naming it; no centre row is read through it."""
+    from nnkloss import validation
+    emb, centres, nb, w, s = value_args()
+    nb = nb.clone()
+    nb[1, 0] = bad
+    with pytest.raises(IndexError, match=f"holds index {bad}"):
+        validation.check_values(emb, centres, nb, w, s, centres_after_op=False)

@@ -733,10 +733,11 @@ def count_mismatched(centre_labels, idx, labels):
 def gathered_rows_finite(centres, neighbours):
     """0-dim bool: every row of ``centres`` (N, D) that ``neighbours`` (any shape, -1 =
     padding) lists is finite, in one pass over the listed rows on the kernel's threads
-    (``nnk_gathered_finite``: no gathered copy); None where this is not done here: the library
-    unavailable, non-CPU tensors, a bank dtype it does not read, a non-contiguous bank. An
-    entry outside [-1, N) raises IndexError."""
-    lib = _lib()
+    (``nnk_gathered_finite``: no gathered copy). Entries outside [0, N) are not read (the value
+    checks report them, naming the index). None where this is not done here: the library not
+    loaded yet (a value check never builds it), non-CPU tensors, a bank dtype it does not read,
+    a non-contiguous bank."""
+    lib = _state["lib"]
     if (lib is None or not (centres.is_cpu and neighbours.is_cpu) or centres.dim() != 2
             or centres.dtype not in _BANK_TYPES or neighbours.dtype not in _INDEX_TYPES
             or not centres.is_contiguous()):
@@ -749,8 +750,6 @@ def gathered_rows_finite(centres, neighbours):
     rc = _run("gathered_finite", n * D, lambda k: lib.nnk_gathered_finite(
         centres.data_ptr(), _BANK_TYPES[centres.dtype], N, D, flat.data_ptr(),
         _INDEX_TYPES[flat.dtype], n, k))
-    if rc == 3:
-        raise IndexError(f"neighbours must hold rows in [0, {N}) or -1 (padding)")
     if rc not in (0, 1):
         raise RuntimeError(f"nnk_gathered_finite failed (code {rc})")
     return torch.tensor(rc == 0)

@@ -1396,9 +1396,11 @@ uint64_t gather_read_items(const char* bank, int64_t n_rows, int64_t row_bytes, 
 
 // Whether every bank row that the n list entries name is finite (validation's read of the
 // gathered centres: the CCML loss's check before it, the op's explanation of a NaN row): each
-// listed row tested with any_bad_value, the rows pf entries ahead prefetched, padding (-1)
-// skipped. 0: all finite, 1: a NaN or inf, 3: an entry outside [-1, N). Items of 512 entries
-// over the threads; one pass, no gathered copy (torch's form wrote 16-MiB blocks of rows).
+// listed row tested with any_bad_value, the rows pf entries ahead prefetched. Padding (-1)
+// and entries outside [0, N) are not rows: skipped, nothing is read through them (the value
+// checks refuse such an index themselves, naming it). 0: all finite, 1: a NaN or inf. Items
+// of 512 entries over the threads; one pass, no gathered copy (torch's form wrote 16-MiB
+// blocks of rows).
 template <typename T, typename I>
 int gathered_finite_items(const char* bank, int64_t N, int64_t D, const I* nb, int64_t n,
                           int nthreads) {
@@ -1417,17 +1419,10 @@ int gathered_finite_items(const char* bank, int64_t N, int64_t D, const I* nb, i
                         __builtin_prefetch(bank + jf * row_bytes + o, 0, NNK_PREFETCH_LOCALITY);
             }
             const int64_t j = (int64_t)nb[f];
-            if (j == -1) continue;
-            if (j < -1 || j >= N) {
-                result.store(3, std::memory_order_relaxed);
-                return;
-            }
+            if (j < 0 || j >= N) continue;
             bad |= any_bad_value<T>(bank + j * row_bytes, D, false);
         }
-        if (bad) {
-            int zero = 0;
-            result.compare_exchange_strong(zero, 1, std::memory_order_relaxed);
-        }
+        if (bad) result.store(1, std::memory_order_relaxed);
     };
     run_items(items, nthreads, work);
     return result.load();

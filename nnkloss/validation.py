@@ -283,21 +283,15 @@ def _fused_gathered_rows_finite(centres, neighbours):
     """One pass over the listed rows, or None: on CPU tensors the compiled library's
     (:func:`nnkloss.ops.cpu.gathered_rows_finite`; 3.5 against 46-103 ms for torch's form at
     B 256, K 100, D 512, fp32, 2 threads, 2026-11-26), on CUDA tensors the Triton kernel's
-    (triton installed); neither when traced. Imported here, not at the top: the ops layer sits
-    below this module."""
+    (triton installed): :func:`nnkloss.ops.backends.fused_pass`; neither when traced. Imported
+    here, not at the top: the ops layer sits below this module."""
     if not plain_eager(centres, neighbours):
         return None
-    if centres.device.type == "cpu":
-        if not _COMPILED_CHECKS:  # the tests' switch to torch's form
-            return None
-        from .ops import cpu
-        return cpu.gathered_rows_finite(centres.detach(), neighbours)
-    if centres.device.type != "cuda":
+    if centres.device.type == "cpu" and not _COMPILED_CHECKS:  # the tests' switch to torch's
         return None
-    from .ops.backends import kernels, resolve_backend
-    if resolve_backend("auto", centres.device) != "triton":
-        return None
-    return kernels().gathered_rows_finite(centres.detach(), neighbours)
+    from .ops.backends import fused_pass
+    impl = fused_pass(centres.device)
+    return None if impl is None else impl.gathered_rows_finite(centres.detach(), neighbours)
 
 
 def defers_gathered_centres(device) -> bool:

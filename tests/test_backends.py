@@ -136,3 +136,16 @@ def test_source_checkout_without_install_finds_the_kernels(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_fused_pass_by_device_offers_the_same_helpers():
+    """fused_pass: the compiled CPU library for CPU tensors, the Triton kernels on CUDA (with
+    triton), none elsewhere; both with the helpers the classifier and the value checks call."""
+    from nnkloss.ops import cpu
+    from nnkloss.ops.backends import fused_pass, kernels
+    assert fused_pass(torch.device("cpu")) is cpu
+    assert fused_pass(torch.device("meta")) is None
+    for impl in (cpu, kernels()):
+        assert callable(impl.rel_sqdist) and callable(impl.gathered_rows_finite)
+    if torch.cuda.is_available():
+        assert fused_pass(torch.device("cuda")) is kernels()

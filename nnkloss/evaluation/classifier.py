@@ -25,7 +25,7 @@ from ..bank.centre_bank import CentreBank
 from ..validation import (all_finite, plain_eager, require_float, require_int,
                           require_positive_int, require_sigma)
 from ..bank.search import knn
-from ..ops.backends import kernels, resolve_backend
+from ..ops.backends import fused_pass
 from ..bank.search.validation import check_search_backend
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
@@ -41,13 +41,10 @@ def _fused_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Optional[Tensor]:
     """:func:`_sq_dist_minus_ref` in one pass over the gathered rows, or None where none runs:
     CPU tensors through the compiled library (:func:`nnkloss.ops.cpu.rel_sqdist`), CUDA
-    tensors through the Triton kernel (``nnkloss.kernels.rel_sqdist``) when triton is there."""
-    if x.device.type == "cpu":
-        from ..ops import cpu
-        return cpu.rel_sqdist(x, centres, idx, ref, cdt)
-    if resolve_backend("auto", x.device) == "triton":
-        return kernels().rel_sqdist(x, centres, idx, ref, cdt)
-    return None
+    tensors through the Triton kernel (``nnkloss.kernels.rel_sqdist``) when triton is there
+    (:func:`nnkloss.ops.backends.fused_pass`)."""
+    impl = fused_pass(x.device)
+    return None if impl is None else impl.rel_sqdist(x, centres, idx, ref, cdt)
 
 
 def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,

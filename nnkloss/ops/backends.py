@@ -28,7 +28,7 @@ from . import reference
 
 from ..validation import BACKENDS
 
-__all__ = ["BACKENDS", "resolve_backend", "implementation"]
+__all__ = ["BACKENDS", "resolve_backend", "implementation", "fused_pass"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,3 +104,18 @@ def implementation(backend: str):
     if backend == "torch":
         return reference
     raise ValueError(f"backend must be one of {BACKENDS[1:]} here, got {backend!r}")
+
+
+def fused_pass(device: torch.device):
+    """Where the one-pass helpers beside the op run for tensors on ``device``, or None: the
+    compiled CPU library (:mod:`nnkloss.ops.cpu`) for CPU tensors, the Triton kernels
+    (``nnkloss.kernels``) for CUDA tensors when triton is installed. Both offer the same names
+    (``rel_sqdist``: the classifier's distances; ``gathered_rows_finite``: the value check of
+    the gathered centres); the CPU's return None where they do not apply (the library not
+    built, other dtypes), the caller's torch form then runs."""
+    if device.type == "cpu":
+        from . import cpu
+        return cpu
+    if resolve_backend("auto", device) == "triton":
+        return kernels()
+    return None

@@ -265,3 +265,49 @@ def test_selection_distances_are_the_fused_forwards(monkeypatch, dtype):
     calls.clear()
     class_conditional_loss(emb, labels, centres, centre_labels, nb, k=3)
     assert calls == [(True, False)]
+
+
+def test_no_block_with_a_list_axis_and_a_d_axis():
+    """Neither the selection nor the means build a (rows, K, D) or (rows, k, D) tensor:
+    every tensor an op returns in forward and backward is recorded and none is 3-D."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    self.seen.append((str(func), tuple(t.shape)))
+            return out
+
+    emb, labels, centres, centre_labels, nb = problem(B=7, N=40, D=6, K=9, seed=11,
+                                                      dtype=torch.float32)
+    e = emb.clone().requires_grad_(True)
+    c = centres.clone().requires_grad_(True)
+    with Shapes() as mode:
+        class_conditional_loss(e, labels, c, centre_labels, nb, k=4).backward()
+    assert e.grad is not None and c.grad is not None
+    assert mode.seen, "the mode saw no op"
+    assert [s for s in mode.seen if len(s[1]) >= 3] == []
+
+
+def test_an_unlisted_nonfinite_centre_stays_out_of_short_rows():
+    """A row with fewer than k entries on a side stands in centre 0 for the missing ones; a
+    NaN in centre 0 that no list gathers (so no check refuses it) must not reach the loss or
+    the gradients."""
+    emb, labels, centres, centre_labels, nb = problem(B=8, N=30, D=4, K=6, seed=12)
+    nb = torch.where(nb == 0, torch.ones_like(nb), nb)  # no list gathers centre 0
+    centres = centres.clone()
+    centres[0] = float("nan")
+    e = emb.clone().requires_grad_(True)
+    c = centres.clone().requires_grad_(True)
+    out = class_conditional_loss(e, labels, c, centre_labels, nb, k=5, reduction="none")
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(e.grad).all()
+    assert torch.isfinite(c.grad[1:]).all() and (c.grad[0] == 0).all()
+    ref, _ = reference_rows(emb, labels, centres, centre_labels, nb, 5, math.sqrt(0.5))
+    torch.testing.assert_close(out.detach(), ref)

@@ -18,10 +18,10 @@ entries. The nearest-entry selection is piecewise constant (no gradient through 
 in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
 
 Memory: the (B, K) distances that select the entries come from the Eq. 3 op's forward (one
-fused pass over the gathered rows on CPU and CUDA tensors: :func:`_list_distances`); the means
-over the k <= K selected entries are computed ``rows_per_chunk`` rows at a time ((rows, k, D)
-blocks), and autograd keeps only (B, D) mean centres and (B, k) indices: no (B, K, D) tensor
-is built.
+fused pass over the gathered rows on CPU and CUDA tensors: :func:`_list_distances`), and so do
+the means m_pos, m_neg (the selected entries' distances); the mean centres that the gradient
+needs are summed one selected column at a time ((B, D) gathers), and autograd keeps only
+(B, D) mean centres and (B, k) indices: neither a (B, K, D) nor a (B, k, D) tensor is built.
 """
 from __future__ import annotations
 
@@ -63,15 +63,20 @@ def _list_distances(emb, labels, centres, centre_labels, neighbours, weights) ->
 
 @torch.no_grad()
 def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
-            ) -> Tuple[Tensor, Tensor]:
-    """(B, k) indices of the k nearest same-class and other-class list entries (-1 = none)."""
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The k nearest same-class and other-class list entries of each row: ``(pos, pos_dist,
+    neg, neg_dist)``, (B, min(k, K)) centre indices (-1 = none) and their ``||x_b - c_j||^2``
+    in the compute dtype (0 where there is none), nearest first."""
     B, D = emb.shape
     K = neighbours.shape[1]
     kk = min(k, K)
-    pos = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
-    neg = torch.full((B, k), -1, dtype=torch.long, device=emb.device)
-    if B == 0 or kk == 0:
-        return pos, neg
+    cdt = compute_dtype(emb)
+    out = [torch.full((B, kk), -1, dtype=torch.long, device=emb.device),
+           torch.zeros((B, kk), dtype=cdt, device=emb.device),
+           torch.full((B, kk), -1, dtype=torch.long, device=emb.device),
+           torch.zeros((B, kk), dtype=cdt, device=emb.device)]
+    if B == 0:
+        return tuple(out)
     dist = _list_distances(emb, labels, centres, centre_labels, neighbours, weights)
     step = rows_per_chunk(K, 1)  # (rows, K) masks and top-k, never a D axis
     for lo in range(0, B, step):
@@ -82,39 +87,42 @@ def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
         if weights is not None:
             valid = valid & (weights[safe] > 0)
         same = centre_labels[safe] == labels[lo:lo + step, None]
-        for out, mask in ((pos, valid & same), (neg, valid & ~same)):
+        for sel, sel_d, mask in ((out[0], out[1], valid & same), (out[2], out[3], valid & ~same)):
             dm = d.masked_fill(~mask, math.inf)
             top_d, top_j = dm.topk(kk, dim=1, largest=False)
-            chosen = nbr.gather(1, top_j)
-            out[lo:lo + step, :kk] = chosen.masked_fill(torch.isinf(top_d), -1)
-    return pos, neg
+            none = torch.isinf(top_d)  # fewer than kk entries on this side
+            sel[lo:lo + step] = nbr.gather(1, top_j).masked_fill(none, -1)
+            sel_d[lo:lo + step] = top_d.masked_fill(none, 0)
+    return tuple(out)
 
 
 class _MeanSqDist(torch.autograd.Function):
-    """m_b = mean over valid j of ||x_b - c_{sel[b, j]}||^2 (0 where a row has no valid entry).
+    """m_b = mean over valid j of ||x_b - c_{sel[b, j]}||^2 (0 where a row has no valid entry),
+    from the selected entries' distances ``sel_dist`` (:func:`_select`: the Eq. 3 op's fused
+    forward), so the forward gathers no (rows, k, D) block.
 
     The backward needs only the (B, D) means of the selected centres:
     dm_b/dx_b = 2 (x_b - cbar_b) and dm_b/dc_j = -2 (x_b - c_j) / n_b for each selected j.
+    cbar is summed one selected column at a time ((B, D) gathers, k of them), never as a
+    (B, k, D) block.
     """
 
     @staticmethod
-    def forward(ctx, emb, centres, sel):
+    def forward(ctx, emb, centres, sel, sel_dist):
         B, D = emb.shape
-        k = sel.shape[1]
         cdt = compute_dtype(emb)
         valid = sel >= 0
         count = valid.sum(1)
         inv_n = 1.0 / count.clamp_min(1).to(cdt)
-        m = torch.empty(B, dtype=cdt, device=emb.device)
-        cbar = torch.empty(B, D, dtype=cdt, device=emb.device)
-        step = rows_per_chunk(k, D)
-        for lo in range(0, B, step):
-            s = sel[lo:lo + step]
-            v = valid[lo:lo + step].to(cdt)
-            c = centres[s.clamp_min(0)].to(cdt)  # (rows, k, D), k <= K
-            diff = c - emb[lo:lo + step, None, :].to(cdt)
-            m[lo:lo + step] = ((diff * diff).sum(-1) * v).sum(1) * inv_n[lo:lo + step]
-            cbar[lo:lo + step] = torch.einsum("rk,rkd->rd", v, c) * inv_n[lo:lo + step, None]
+        m = torch.where(valid, sel_dist.to(cdt), 0).sum(1) * inv_n
+        cbar = torch.zeros(B, D, dtype=cdt, device=emb.device)
+        c = centres.detach()
+        for t in range(sel.shape[1]):  # k <= K columns; no host sync to skip empty ones
+            v = valid[:, t]
+            rows = c.index_select(0, sel[:, t].clamp_min(0)).to(cdt)
+            # masked to 0, not multiplied by 0: the stand-in row 0 of a row without a t-th
+            # entry may hold a value no list gathers (never checked), NaN * 0 is NaN
+            cbar += rows.masked_fill_(~v[:, None], 0) * inv_n[:, None]
         ctx.save_for_backward(emb, centres, sel, cbar, inv_n, count)
         return m
 
@@ -133,7 +141,7 @@ class _MeanSqDist(torch.autograd.Function):
             backend = resolve_backend("auto", emb.device)
             grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, sel, coef, backend)
             grad_c = grad_c.to(centres.dtype)
-        return grad_emb, grad_c, None
+        return grad_emb, grad_c, None, None
 
 
 def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours, k: int = 5,
@@ -153,10 +161,11 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
     # puts NaN last, and an inf distance reads as "no entry"), so a row could come out finite
     # and no NaN would tell the check after the loss that a centre was bad.
     check_values(emb, centres, neighbours, weights, sigma_t)
-    pos, neg = _select(emb, labels, centres, centre_labels, neighbours, weights, k)
+    pos, pos_dist, neg, neg_dist = _select(emb, labels, centres, centre_labels, neighbours,
+                                           weights, k)
     counted = (pos[:, 0] >= 0) & (neg[:, 0] >= 0)
-    m_pos = _MeanSqDist.apply(emb, centres, pos)
-    m_neg = _MeanSqDist.apply(emb, centres, neg)
+    m_pos = _MeanSqDist.apply(emb, centres, pos, pos_dist)
+    m_neg = _MeanSqDist.apply(emb, centres, neg, neg_dist)
     cdt = m_pos.dtype
     s = 0.5 / sigma_t.to(cdt) ** 2
     z = s * (m_pos - m_neg)  # -log p = softplus(z), 1 - p = sigmoid(z)

@@ -11,7 +11,11 @@ of work (a training step, a kernel call):
 
 1. ``warmup`` units at one thread, not timed (allocations, first-call costs). It starts at
    one thread because that is the cheap mistake: idle, one thread costs 1.4-1.8x on 2 cores;
-   beside a busy process, two threads cost up to 5x (measured, see above);
+   beside a busy process, two threads cost up to 5x (measured, see above). With
+   ``start="auto"`` and a signal (below) that shows room for the full count, it starts at the
+   full count instead: an entry point called a few times per run (an evaluation, the kernel
+   classifier) would otherwise spend all its calls at one thread on an idle machine (measured:
+   the classifier's first calls 25-46 ms against 13-19 ms at two threads);
 2. a probe: ``window`` units at the current choice (free: that is what runs anyway), then up
    to ``window`` at the other count (the first unit after each switch is not timed: an OpenMP
    team that changes size pays once). The other side is abandoned as soon as one of its units
@@ -293,17 +297,25 @@ class ThreadGovernor:
         signal_samples: the decision to probe the full count takes the median of this many
             samples (the last ones of the window at one thread, the freshest last), so one
             momentary reading does not decide.
+        start: "one" (the default: the first units at one thread) or "auto" (at the full
+            count when the median of ``signal_samples`` samples of the signal, read when the
+            governor is built, leaves room for it; else one thread, and always without a
+            signal). Started at the full count, the warm-up is watched as a hold is: two
+            samples with no room drop to one thread at once.
     """
 
     def __init__(self, full=2, *, warmup: int = 5, window: int = 6, hold: int = 64,
                  max_hold: int = 4096, margin: float = 0.05, abandon: float = 1.5,
                  probe_budget: float = 0.05, apply: Optional[Callable[[int], None]] = None,
-                 signal=None, sample_budget: float = 0.01, signal_samples: int = 3):
+                 signal=None, sample_budget: float = 0.01, signal_samples: int = 3,
+                 start: str = "one"):
         if window < 2 or hold < 1 or max_hold < hold or warmup < 0 or not 0 < probe_budget <= 1:
             raise ValueError("need window >= 2, hold >= 1, max_hold >= hold, warmup >= 0, "
                              "0 < probe_budget <= 1")
         if not 0 < sample_budget <= 1 or signal_samples < 1:
             raise ValueError("need 0 < sample_budget <= 1 and signal_samples >= 1")
+        if start not in ("one", "auto"):
+            raise ValueError(f"start must be 'one' or 'auto', got {start!r}")
         self.signal = run_queue() if isinstance(signal, str) and signal == "auto" else signal
         self.sample_budget, self.signal_samples = float(sample_budget), int(signal_samples)
         self.probe_budget = float(probe_budget)
@@ -325,6 +337,9 @@ class ThreadGovernor:
         self._busy = 0                   # consecutive samples at the full count with no room
         self.others: Optional[int] = None  # the last sample
         self.phase, self.left = "warmup", self.warmup
+        self.started = "one"             # the count of the first units: "one" / "full"
+        if start == "auto" and self.full > 1 and self._room_at_start():
+            self._one, self.started = False, "full"
         if self.warmup == 0:
             self._start_probe()
 
@@ -368,6 +383,14 @@ class ThreadGovernor:
             self.others = int(others)
         return others
 
+    def _room_at_start(self) -> bool:
+        """Whether the median of ``signal_samples`` fresh samples leaves room for the full
+        count (False without a signal, or when a sample is unknown)."""
+        samples = [self._sample(force=True) for _ in range(self.signal_samples)]
+        if self.signal is None or any(s is None for s in samples):
+            return False
+        return not self._no_room(self._median(samples))
+
     def _no_room(self, others: Optional[int]) -> bool:
         """Whether ``others`` runnable threads of other processes leave too few CPUs for the
         full count: fewer than ``need`` free where ``need`` is the full count (at most the
@@ -390,7 +413,10 @@ class ThreadGovernor:
             self._elapsed += max(float(seconds), 0.0)
             if threads is not None and threads != self.threads():
                 return
-            if self.signal is not None and self.full > 1 and self.phase != "warmup":
+            # watched from the first unit at the full count (start="auto"), else after the
+            # warm-up
+            if (self.signal is not None and self.full > 1
+                    and (self.phase != "warmup" or not self._one)):
                 if self._watch():
                     return
             if self._skip:
@@ -533,7 +559,8 @@ class ThreadGovernor:
         with self._lock:
             last = self.events[-1] if self.events else None
             by_signal = [e for e in self.events if e.get("by") == "signal"]
-            return {"threads": self.threads(), "decisions": len(self.events),
+            return {"threads": self.threads(), "started": self.started,
+                    "decisions": len(self.events),
                     "by_signal": len(by_signal),
                     "skipped": sum(e["action"] == "skipped" for e in by_signal),
                     "dropped": sum(e["action"] == "dropped" for e in by_signal),

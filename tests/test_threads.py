@@ -541,3 +541,45 @@ def test_samples_are_spaced_by_their_cost():
     assert 80 <= sig.samples <= 120
     with pytest.raises(ValueError):
         ThreadGovernor(2, sample_budget=0.0)
+
+
+def test_start_auto_begins_at_the_full_count_only_where_the_signal_shows_room():
+    fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
+    kw = dict(warmup=3, window=4, hold=10, start="auto")
+    # idle: the warm-up and the first window at 2 threads, a probe of one, 2 kept
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, signal=sig, **kw)
+    assert gov.threads() == 2 and gov.summary()["started"] == "full" and sig.samples == 3
+    used = drive_loaded(gov, sig, lambda u: 0, fast2, 60)
+    assert used[:7] == [2] * 7 and 1 in used[7:12]
+    assert gov.events[0]["by"] == "timing" and gov.events[0]["threads"] == 2
+    # busy when built (the median of three samples), or no signal: one thread, as start="one"
+    for readings in ([2, 2, 2], [0, 2, 2]):
+        sig = FakeSignal()
+        it = iter(readings + [2] * 100)
+        sig.sample = lambda it=it: next(it)
+        gov = ThreadGovernor(2, signal=sig, **kw)
+        assert gov.threads() == 1 and gov.summary()["started"] == "one", readings
+    assert ThreadGovernor(2, **kw).threads() == 1
+    assert ThreadGovernor(1, signal=FakeSignal(), **kw).threads() == 1
+    # a competitor that arrives during the warm-up at 2 threads: dropped at the second busy
+    # sample, as in a hold
+    sig = FakeSignal()
+    gov = ThreadGovernor(2, signal=sig, warmup=5, window=4, hold=10, start="auto")
+    used = drive_loaded(gov, sig, lambda u: 0 if u < 1 else 2, lambda n, u: 1.0, 20)
+    assert used[:3] == [2, 2, 2] and used[3:] == [1] * 17
+    assert gov.events[0]["action"] == "dropped" and gov.events[0]["unit"] == 3
+    with pytest.raises(ValueError, match="start"):
+        ThreadGovernor(2, start="full")
+
+
+def test_the_ops_governors_start_at_the_full_count_on_an_idle_machine(monkeypatch):
+    """An entry point called a few times per run (the classifier, evaluation) runs at the full
+    count from its first call where the run queue shows room, at one thread where it does not."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for others, want in ((0, 2), (2, 1)):
+        sig = FakeSignal(cores=2)
+        sig.now = others
+        monkeypatch.setitem(nthreads._run_queue, "rq", sig)
+        monkeypatch.setattr(cpu, "_governors", {})
+        assert cpu.governor("rel_sqdist").threads() == want, others

@@ -588,7 +588,8 @@ class Trainer:
 
 
 #: The Trainer's governor: units are training steps.
-GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096, signal="auto")
+GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096, signal="auto",
+                        start="auto")
 
 
 def _cpu_copy(obj):

@@ -470,8 +470,11 @@ SCALE_MIN_ELEMS = 1 << 20
 # reads are spaced to ~1% of the op's time (sample_budget; ~4 ms apart at 40 us) plus one per
 # probe decision, never one per call (measured at the full count with 0.1 ms calls: record +
 # threads() 2.6 us per call with the signal, 1.1 us without). NNKLOSS_GOVERN_THREADS=0 turns
-# the governors off (the full count always).
-GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200, signal="auto")
+# the governors off (the full count always). Each starts at the full count where the run queue
+# shows room for it (start="auto"), else at one thread: entry points called a few times per run
+# (the classifier, evaluation) would otherwise run all their calls at one thread.
+GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200, signal="auto",
+                        start="auto")
 _governors = {}
 
 

@@ -36,7 +36,10 @@ __all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time
 
 
 def git_commit() -> str:
-    """Short hash of HEAD, with ``-dirty`` when tracked files differ from it."""
+    """Short hash of HEAD, with ``-dirty`` when tracked files differ from it; $NNKLOSS_COMMIT
+    where set (benchmarks/gpu_session.sh: the device machine's copy of the tree has no .git)."""
+    if os.environ.get("NNKLOSS_COMMIT"):
+        return os.environ["NNKLOSS_COMMIT"]
     try:
         head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                        stderr=subprocess.DEVNULL, text=True).strip()

@@ -1,0 +1,61 @@
+"""benchmarks/gpu_session.sh: one device call's work, within a session's GPU time, bringing back
+what a device call can bring back (a few files in $OUT)."""
+import os
+import re
+import stat
+import subprocess
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+
+
+def test_the_steps_time_out_within_seven_minutes():
+    text = open(SCRIPT).read()
+    limits = [int(s) for s in re.findall(r"^step \w+ (\d+) ", text, flags=re.M)]
+    assert len(limits) >= 5 and sum(limits) <= 420, limits
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_every_step_runs_and_two_files_come_back(tmp_path):
+    """With python3 stood in by a script that records its arguments, every step runs in order,
+    each writes its log, and $OUT receives the packed directory and the summary only."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    fake = bin_dir / "python3"
+    # one line per call, the arguments' own newlines (python3 -c "...") made spaces
+    fake.write_text(f"#!/bin/sh\necho \"$NNKLOSS_COMMIT $*\" | tr '\\n' ' ' >> {calls}\n"
+                    f"echo >> {calls}\necho ran\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
+               NNKLOSS_COMMIT="abc1234")
+    subprocess.run(["bash", SCRIPT, str(work)], env=env, check=True, capture_output=True,
+                   timeout=60)
+    assert sorted(os.listdir(out)) == ["gpu_session.tgz", "summary.txt"]
+    lines = calls.read_text().splitlines()
+    assert all(line.startswith("abc1234 ") for line in lines)
+    scripts = [line.split()[1] for line in lines]
+    assert scripts == ["-c", "-m", "benchmarks/bench_loss.py", "benchmarks/bench_classifier.py",
+                       "benchmarks/bench_refresh.py", "benchmarks/tune_loss.py"]
+    assert all("--device cuda" in line for line in lines[2:])
+    with tarfile.open(out / "gpu_session.tgz") as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+    for step in ("env", "tests_cuda", "bench_loss", "bench_classifier", "bench_refresh",
+                 "tune_loss"):
+        assert f"{step}.log" in names
+    summary = (out / "summary.txt").read_text()
+    assert summary.count("== ") == 6 and "exit 0" in summary
+
+
+def test_git_commit_reads_the_override(monkeypatch):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import common
+    monkeypatch.setenv("NNKLOSS_COMMIT", "feedbee")
+    assert common.git_commit() == "feedbee"
+    monkeypatch.delenv("NNKLOSS_COMMIT")
+    assert common.git_commit() != "feedbee"

@@ -88,15 +88,16 @@ CROSS_CUTTING = {
 
 
 def _code_names(root):
-    """Every name a test file may start with: each module, source file and package of the code,
-    bare and with its package path ('reference', 'ops_reference', 'nnkloss_ops_reference')."""
+    """Every name a test file may start with: each module, source file (Python, C++, shell)
+    and package of the code, bare and with its package path ('reference', 'ops_reference',
+    'nnkloss_ops_reference')."""
     names = set()
     for top in ("nnkloss", "kernels", "benchmarks", "repro"):
         for d, dirs, files in os.walk(os.path.join(root, top)):
             dirs[:] = [x for x in dirs if not x.startswith((".", "__")) and x != "results"]
             parts = os.path.relpath(d, root).split(os.sep)
             stems = [os.path.splitext(f)[0] for f in files
-                     if f.endswith((".py", ".cpp")) and f != "__init__.py"]
+                     if f.endswith((".py", ".cpp", ".sh")) and f != "__init__.py"]
             for path in [parts] + [parts + [s] for s in stems]:
                 names.update("_".join(path[i:]) for i in range(len(path)))
     return names

@@ -364,6 +364,105 @@ def test_op_on_the_cpu_backend_matches_torch_path(backend):
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
+def _centre_weight_sigma_grads(backend, emb, labels, centres, cl, nb, w, sigma, dtype,
+                               reduction="mean", row_grad=None, create_graph=False):
+    """The loss and the gradients of emb, centres, weights and sigma on ``backend``."""
+    import nnkloss
+    x = emb.to(dtype).clone().requires_grad_(True)
+    c = centres.to(dtype).clone().requires_grad_(True)
+    ww = w.clone().requires_grad_(True)
+    ss = torch.tensor(float(sigma), dtype=dtype, requires_grad=True)
+    with nnkloss.value_checks(False):
+        out = nnkloss.neighbour_kernel_loss(x, labels, c, cl, nb, ww, ss, reduction=reduction,
+                                            backend=backend)
+    target = out if row_grad is None else (out * row_grad.to(out.dtype)).sum()
+    grads = torch.autograd.grad(target, [x, c, ww, ss], create_graph=create_graph)
+    return [out] + list(grads)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int64),
+                                                (torch.int64, torch.int32)])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K", [1, 6, 300])
+def test_entry_grads_match_the_torch_form(monkeypatch, dtype, idx_dtype, cl_dtype, w_dtype, K):
+    """The centre, weight and sigma gradients of the CPU backend come from one compiled pass
+    over the saved distances (cpu.entry_grads, spied); they match the torch form's on rows
+    of padding, duplicates, a zero weight, no positive, and an incoming gradient that is an
+    expanded scalar (the mean) or per row with zeros (reduction "none")."""
+    emb, labels, centres, cl, nb, w, s = make(B=9, K=K, D=13, N=40, seed=K, idx_dtype=idx_dtype,
+                                              cl_dtype=cl_dtype)
+    w = w.to(w_dtype)
+    calls = []
+    real = cpu.entry_grads
+
+    def spy(*a, **kw):
+        calls.append(a[-3:])
+        return real(*a, **kw)
+    monkeypatch.setattr(cpu, "entry_grads", spy)
+    row_grad = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 0.0, 3.0, 1.0, 1.0])
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-13)
+    for kw in (dict(), dict(reduction="none", row_grad=row_grad)):
+        calls.clear()
+        got = _centre_weight_sigma_grads("cpu", emb, labels, centres, cl, nb, w, s, dtype, **kw)
+        assert calls == [(True, True, True)]
+        want = _centre_weight_sigma_grads("torch", emb, labels, centres, cl, nb, w, s, dtype,
+                                          **kw)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, **tol)
+        if K > 1:  # the zero weight's one-sided derivative (alone in its list at K 1: no row)
+            assert got[3][w == 0].abs().sum() > 0
+
+
+@kernel
+def test_entry_grads_nan_rows_and_rows_that_take_no_gradient():
+    """A row that gathers an inf centre is NaN (checks off): it passes NaN to sigma, to its
+    entries' weights and to the centres it gathers, as the torch form does; the same row with
+    an incoming gradient of 0 passes nothing, NaN or not."""
+    emb, labels, centres, cl, nb, w, s = make(B=6, K=5, D=7, N=30, seed=3)
+    centres = centres.clone()
+    centres[nb[4, 2]] = float("inf")
+    for row_grad in (torch.ones(6), torch.tensor([1.0, 1, 1, 1, 0, 1])):
+        got = _centre_weight_sigma_grads("cpu", emb, labels, centres, cl, nb, w, s,
+                                         torch.float32, reduction="none", row_grad=row_grad)
+        want = _centre_weight_sigma_grads("torch", emb, labels, centres, cl, nb, w, s,
+                                          torch.float32, reduction="none", row_grad=row_grad)
+        for a, b in zip(got[2:], want[2:], strict=True):
+            assert torch.equal(torch.isnan(a), torch.isnan(b))
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, equal_nan=True)
+        if row_grad[4] == 0:
+            assert torch.isfinite(got[3]).all() and torch.isfinite(got[4])
+        else:
+            assert torch.isnan(got[4]) and torch.isnan(got[3][nb[4]]).all()
+
+
+@kernel
+def test_entry_grads_double_backward_runs_the_torch_form(monkeypatch):
+    """With create_graph=True the backward is itself recorded: the torch form runs (the
+    compiled pass is not differentiable), and the second derivative matches the torch
+    backend's."""
+    import nnkloss
+    emb, labels, centres, cl, nb, w, s = make(B=5, K=4, D=6, N=20, seed=4)
+    calls = []
+    monkeypatch.setattr(cpu, "entry_grads", lambda *a, **k: calls.append(1))
+    out = []
+    for backend in ("cpu", "torch"):
+        ww = w.double().clone().requires_grad_(True)
+        ss = torch.tensor(float(s), dtype=torch.float64, requires_grad=True)
+        with nnkloss.value_checks(False):
+            loss = nnkloss.neighbour_kernel_loss(emb.double(), labels, centres.double(), cl, nb,
+                                                 ww, ss, backend=backend)
+        (g_s,) = torch.autograd.grad(loss, [ss], create_graph=True)
+        (h,) = torch.autograd.grad(g_s, [ww])  # d2 L / dsigma dw
+        out.append((g_s.detach(), h))
+    assert calls == []
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b)
+    assert out[0][1].abs().sum() > 0
+
+
 @kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scale_rows(dtype):

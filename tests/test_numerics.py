@@ -210,6 +210,28 @@ def test_nonfinite_centre_touches_exactly_the_rows_that_gather_it(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_finite_rows_train_sigma_and_weights_beside_a_nonfinite_row(backend):
+    """The rule above for the other gradients: a row that gathers an inf centre and takes no
+    gradient gives sigma and the weights none, where 0 times its infinite distances would be
+    NaN (sigma's gradient was NaN on the torch form's backward until 2026-11-26)."""
+    emb, labels, centres, cl, nb = small_case()
+    centres[4, 0] = float("inf")  # gathered by rows 1 and 2 only
+    w = torch.ones(8, requires_grad=True)
+    s = torch.tensor(1.3, requires_grad=True)
+    with nnkloss.value_checks(False):
+        out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, s,
+                                                       backend=backend)
+    assert torch.isnan(out.per_row[[1, 2]]).all()
+    gw, gs = torch.autograd.grad(out.per_row[[0, 3]].sum(), [w, s])
+    assert torch.isfinite(gw).all() and torch.isfinite(gs) and gs != 0
+    with nnkloss.value_checks(False):  # every row: the NaN rows' gradient is NaN
+        out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w, s,
+                                                       backend=backend)
+    gw, gs = torch.autograd.grad(out.per_row.sum(), [w, s])
+    assert torch.isnan(gs) and torch.isnan(gw).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_weight_touches_its_rows(backend):
     emb, labels, centres, cl, nb = small_case()
     w = torch.ones(8)

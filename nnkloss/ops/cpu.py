@@ -292,6 +292,9 @@ def _declare(lib):
     lib.nnk_centre_grad.restype = I
     lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, I64, I64, P, I]
     lib.nnk_scale_rows.restype = I
+    lib.nnk_entry_grads.argtypes = [I, P, P, I, P, I, P, I, P, I, P, P, P, I64, I64, I64, I64,
+                                    D, P, P, P, I]
+    lib.nnk_entry_grads.restype = I
     lib.nnk_rel_sqdist.argtypes = [I, I, P, P, I64, P, P, I64, I64, I64, P, I]
     lib.nnk_rel_sqdist.restype = I
     lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
@@ -609,6 +612,74 @@ def scale_rows(grad_x, g, lse_pos=None):
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
     return out
+
+
+def entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
+                          g) -> bool:
+    """Whether :func:`entry_grads` runs here for these tensors (their dtypes, devices and
+    shapes only: it reads no data, so it answers for fake tensors too)."""
+    return (_lib() is not None and u.dtype in (torch.float32, torch.float64)
+            and all(t.device.type == "cpu" for t in (u, labels, centre_labels, neighbours,
+                                                      lse_all, lse_pos, g))
+            and neighbours.dtype in _INDEX_TYPES and labels.dtype in _INDEX_TYPES
+            and centre_labels.dtype in _INDEX_TYPES
+            and (weights is None or (weights.device.type == "cpu" and weights.dim() == 1))
+            and u.dim() == 2 and u.shape == neighbours.shape and g.shape == u.shape[:1])
+
+
+def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,
+                need_coef: bool, need_q: bool, need_srow: bool):
+    """The backward's per-entry terms for the centre, weight and sigma gradients in one pass
+    (``EntryGrads`` in cpu_kernel.cpp: the torch form of ``_backward`` per entry, from the
+    forward's saved distances ``u`` (B, K) and log-sum-exps): ``(coef, q, srow)``, coef and q
+    (B, K) and srow (B,) in u's dtype, each None unless asked for (q also without weights).
+    coef = (p - p^R) g / sigma^2 (the centre gradient's coefficients), q = (p - p^R) g / w (a
+    zero weight's one-sided derivative there), srow = sum_j (p_j - p^R_j) g (u_j - u_ref),
+    whose sum over rows times 1 / sigma is sigma's gradient. ``g`` (B,) may be an expanded
+    scalar (read as it is). The row rules are the torch form's (rows with no same-class entry
+    or g == 0: zeros; non-finite rows that take a gradient: NaN). None where
+    :func:`entry_grads_supported` says no: the caller runs the torch form."""
+    if not entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all,
+                                 lse_pos, g):
+        return None
+    lib = _lib()
+    cdt = u.dtype
+    B, K = u.shape
+    w, wtype = None, 0
+    if weights is not None:
+        w = weights.detach()
+        if w.dtype not in (torch.float32, torch.float64):
+            w = w.float()
+        w = w.contiguous()
+        wtype = 1 if w.dtype == torch.float32 else 2
+    uc = u.detach().contiguous()
+    nb = neighbours.detach().contiguous()
+    lab = labels.detach().contiguous()
+    cl = centre_labels.detach().contiguous()
+    la = lse_all.detach().to(cdt).contiguous()
+    lp = lse_pos.detach().to(cdt).contiguous()
+    gg = g.detach().to(cdt)
+    if gg.stride(0) != 0:
+        gg = gg.contiguous()
+    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
+    coef = torch.empty(B, K, dtype=cdt) if need_coef else None
+    q = torch.empty(B, K, dtype=cdt) if need_q and w is not None else None
+    srow = torch.empty(B, dtype=cdt) if need_srow else None
+    if B * K == 0:
+        return (None if coef is None else coef.zero_(), None if q is None else q.zero_(),
+                None if srow is None else srow.zero_())
+    inv = 1.0 / s
+    # An entry costs about what 16 gathered elements of the forward do (two exponentials, a
+    # few gathered loads): the same threshold for going parallel.
+    rc = _run("entry_grads", B * K * 16, lambda n: lib.nnk_entry_grads(
+        int(cdt == torch.float64), uc.data_ptr(), nb.data_ptr(), int(nb.dtype == torch.int64),
+        lab.data_ptr(), int(lab.dtype == torch.int64), cl.data_ptr(),
+        int(cl.dtype == torch.int64), _ptr(w), wtype, la.data_ptr(), lp.data_ptr(),
+        gg.data_ptr(), gg.stride(0), B, K, cl.shape[0], inv * inv, _ptr(coef), _ptr(q),
+        _ptr(srow), n))
+    if rc != 0:
+        raise RuntimeError(f"nnk_entry_grads failed (code {rc})")
+    return coef, q, srow
 
 
 def rel_sqdist(x, centres, idx, ref, cdt):

@@ -29,6 +29,11 @@
 // loss and log-sum-exps come from the K logits either way (the same bits with and without
 // grad_x). The only temporaries are a few K-vectors and one D-vector per thread.
 //
+// Backward (CPU backend, nnkloss/ops/neighbour_kernel.py _backward): the embedding gradient is
+// one scaling of grad_x's rows (scale_rows_impl); when centres, weights or sigma take a
+// gradient, their per-entry terms (p_j - p^R_j, from the saved distances) come from one pass
+// per row (EntryGrads), and the centres' from the scatter below.
+//
 // Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out ranges
 // of bank rows, so no two threads write the same row and every row is accumulated in the same
 // (b, k) order whatever the thread count: the result is deterministic.
@@ -541,9 +546,13 @@ NNK_INLINE void store_lanes(C* __restrict p, const Lanes<C>& v) {
     for (int q = 0; q < Lanes<C>::P; ++q) std::memcpy(p + q * Lanes<C>::L, &v.n[q], NATIVE_BYTES);
 }
 
+// Always inlined: as a call from the second pass (the row's g and x reloaded, the four
+// coefficients splat again per group) the forward with grad_x at K 1000, D 64 measured
+// 0.85-0.92x in three runs, which is what GCC chose once row()'s inlining budget moved
+// (2026-11-26, when the logits became a shared function).
 template <int N, typename C, typename T>
-inline void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
-                           const C* a, int64_t D) {
+NNK_INLINE void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
+                               const C* a, int64_t D) {
     typedef Lanes<C> V;
     V va[N];
     for (int i = 0; i < N; ++i) va[i] = splat<V>(a[i]);
@@ -563,16 +572,16 @@ inline void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restri
 }
 
 template <typename C, typename T>
-inline void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restrict x, C a,
-                      int64_t D) {
+NNK_INLINE void axpy_diff(C* __restrict g, const T* __restrict c, const C* __restrict x, C a,
+                          int64_t D) {
     const T* const rows[1] = {c};
     axpy_diff_rows<1>(g, rows, x, &a, D);
 }
 
 template <typename C, typename T>
-inline void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __restrict c1,
-                       const T* __restrict c2, const T* __restrict c3, const C* __restrict x,
-                       const C* a, int64_t D) {
+NNK_INLINE void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __restrict c1,
+                           const T* __restrict c2, const T* __restrict c3,
+                           const C* __restrict x, const C* a, int64_t D) {
     const T* const c[4] = {c0, c1, c2, c3};
     axpy_diff_rows<4>(g, c, x, a, D);
 }
@@ -695,6 +704,82 @@ void run_items(int64_t n, int nthreads, const Work& work) {
 #endif
 }
 
+// 1b. The logits of list entries [a, e) of the row whose entries start at k0 (its label R),
+//     from their distances u[a..e), as SIMD lanes over the entries (the weights and centre
+//     labels gathered): logit_j = log w_j - u_j / 2, -inf for padding, out-of-range entries and
+//     zero weights; the same-class logit (-inf for other classes) into lpos; and the non-finite
+//     rule (CONTRACT.md 6): true when an entry's distance is NaN/inf or its index is past the
+//     bank. I, L: the list and centre-label integer types; W: the weight type (void: none, all
+//     ones; wtype 1 fp32, 2 fp64), converted to C before the log as the torch path does
+//     (weights[idx].to(compute dtype)). Shared by the forward (ForwardRow) and the backward's
+//     per-entry terms (EntryGrads), so both see the same logits.
+//     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
+//     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
+//     entry cost ~13% of the forward at K = 32, D = 128.
+template <typename C, typename I, typename L, typename W>
+bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, int64_t n_rows,
+                    int64_t k0, int64_t a, int64_t e, int64_t R, const C* __restrict u,
+                    C* __restrict lg, C* __restrict lpos) {
+    const I* __restrict nb = (const I*)nbrs + k0;
+    const L* __restrict cls = (const L*)clabels;
+    const void* const wts = weights;
+    const C ninf = -std::numeric_limits<C>::infinity();
+    const C big = std::numeric_limits<C>::max();
+    int bad = 0, odd = 0;  // ints: a bool reduction kept the loop scalar
+#pragma omp simd reduction(| : bad, odd)
+    for (int64_t k = a; k < e; ++k) {  // branch-free (& not &&): one SIMD body
+        const int64_t j = (int64_t)nb[k];
+        const bool in = (j >= 0) & (j < n_rows);
+        const int64_t js = in ? j : 0;
+        const C uk = u[k];
+        C w = 1;
+        if constexpr (!std::is_void<W>::value) w = (C)((const W*)wts)[js];
+        const bool valid = in & (w != (C)0);
+        const C l = valid ? (C)0 - uk * (C)0.5 : ninf;
+        lg[k] = l;
+        lpos[k] = valid & ((int64_t)cls[js] == R) ? l : ninf;
+        bad |= (int)((j >= n_rows) | (in & !(std::fabs(uk) <= big)));
+        odd |= (int)(valid & (w != (C)1));
+    }
+    if constexpr (!std::is_void<W>::value) {
+        if (!odd) return bad;
+        for (int64_t k = a; k < e; ++k) {  // the entries whose weight is not 1
+            const int64_t j = (int64_t)nb[k];
+            if (j < 0 || j >= n_rows) continue;
+            const C w = (C)((const W*)wts)[j];
+            if (w == (C)0 || w == (C)1) continue;
+            const C lw = std::log(w);
+            bad |= (int)!std::isfinite(lw);
+            const C l = lw - u[k] * (C)0.5;
+            lg[k] = l;
+            lpos[k] = (int64_t)cls[j] == R ? l : ninf;
+        }
+    }
+    return bad != 0;
+}
+
+// list_logits_of at the run-time integer and weight types (nb64, cl64: int64 when 1, else
+// int32; wtype as above).
+template <typename C>
+bool list_logits(const void* nbrs, int nb64, const void* clabels, int cl64,
+                 const void* weights, int wtype, int64_t n_rows, int64_t k0, int64_t a,
+                 int64_t e, int64_t R, const C* u, C* lg, C* lpos) {
+    auto by_weight = [&](auto i_tag, auto l_tag) {
+        typedef decltype(i_tag) I;
+        typedef decltype(l_tag) L;
+        if (wtype == 1)
+            return list_logits_of<C, I, L, float>(nbrs, clabels, weights, n_rows, k0, a, e, R,
+                                                  u, lg, lpos);
+        if (wtype == 2)
+            return list_logits_of<C, I, L, double>(nbrs, clabels, weights, n_rows, k0, a, e, R,
+                                                   u, lg, lpos);
+        return list_logits_of<C, I, L, void>(nbrs, clabels, weights, n_rows, k0, a, e, R, u,
+                                             lg, lpos);
+    };
+    if (nb64) return cl64 ? by_weight(int64_t(), int64_t()) : by_weight(int64_t(), int32_t());
+    return cl64 ? by_weight(int32_t(), int64_t()) : by_weight(int32_t(), int32_t());
+}
+
 // One row of the forward (see the top of the file); a copy per thread (own scratch).
 template <typename C, typename T>
 struct ForwardRow {
@@ -770,71 +855,11 @@ struct ForwardRow {
         }
     }
 
-    // 1b. The logits of entries [a, e) from their distances u[a..e), as SIMD lanes over the
-    //     entries (the weights and centre labels gathered): logit_j = log w_j - u_j / 2, -inf
-    //     for padding, out-of-range entries and zero weights; the same-class logit (-inf for
-    //     other classes) into lpos; and the non-finite rule (CONTRACT.md 6): true when an
-    //     entry's distance is NaN/inf or its index is past the bank. I, L: the list and
-    //     centre-label integer types; W: the weight type (void: none, all ones; wtype 1 fp32,
-    //     2 fp64), converted to C before the log as the torch path does
-    //     (weights[idx].to(compute dtype)).
-    //     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
-    //     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
-    //     entry cost ~13% of the forward at K = 32, D = 128.
-    template <typename I, typename L, typename W>
-    bool logits_of(int64_t k0, int64_t a, int64_t e, int64_t R, const C* __restrict u,
-                   C* __restrict lg, C* __restrict lpos) const {
-        const I* __restrict nb = (const I*)nbrs + k0;
-        const L* __restrict cls = (const L*)clabels;
-        // a local copy: stores through lg could alias the member, as far as GCC knows
-        const void* const wts = weights;
-        const C ninf = -std::numeric_limits<C>::infinity();
-        const C big = std::numeric_limits<C>::max();
-        const int64_t n_rows = N;
-        int bad = 0, odd = 0;  // ints: a bool reduction kept the loop scalar
-#pragma omp simd reduction(| : bad, odd)
-        for (int64_t k = a; k < e; ++k) {  // branch-free (& not &&): one SIMD body
-            const int64_t j = (int64_t)nb[k];
-            const bool in = (j >= 0) & (j < n_rows);
-            const int64_t js = in ? j : 0;
-            const C uk = u[k];
-            C w = 1;
-            if constexpr (!std::is_void<W>::value) w = (C)((const W*)wts)[js];
-            const bool valid = in & (w != (C)0);
-            const C l = valid ? (C)0 - uk * (C)0.5 : ninf;
-            lg[k] = l;
-            lpos[k] = valid & ((int64_t)cls[js] == R) ? l : ninf;
-            bad |= (int)((j >= n_rows) | (in & !(std::fabs(uk) <= big)));
-            odd |= (int)(valid & (w != (C)1));
-        }
-        if constexpr (!std::is_void<W>::value) {
-            if (!odd) return bad;
-            for (int64_t k = a; k < e; ++k) {  // the entries whose weight is not 1
-                const int64_t j = (int64_t)nb[k];
-                if (j < 0 || j >= n_rows) continue;
-                const C w = (C)((const W*)wts)[j];
-                if (w == (C)0 || w == (C)1) continue;
-                const C lw = std::log(w);
-                bad |= (int)!std::isfinite(lw);
-                const C l = lw - u[k] * (C)0.5;
-                lg[k] = l;
-                lpos[k] = (int64_t)cls[j] == R ? l : ninf;
-            }
-        }
-        return bad != 0;
-    }
-
+    // 1b. The logits of entries [a, e) of row b (k0 = b * K): list_logits.
     bool logits(int64_t k0, int64_t a, int64_t e, int64_t R, const C* u, C* lg,
                 C* lpos) const {
-        auto by_weight = [&](auto i_tag, auto l_tag) {
-            typedef decltype(i_tag) I;
-            typedef decltype(l_tag) L;
-            if (wtype == 1) return logits_of<I, L, float>(k0, a, e, R, u, lg, lpos);
-            if (wtype == 2) return logits_of<I, L, double>(k0, a, e, R, u, lg, lpos);
-            return logits_of<I, L, void>(k0, a, e, R, u, lg, lpos);
-        };
-        if (nb64) return cl64 ? by_weight(int64_t(), int64_t()) : by_weight(int64_t(), int32_t());
-        return cl64 ? by_weight(int32_t(), int64_t()) : by_weight(int32_t(), int32_t());
+        return list_logits<C>(nbrs, nb64, clabels, cl64, weights, wtype, N, k0, a, e, R, u,
+                              lg, lpos);
     }
 
     void row(int64_t b, int64_t pf) {
@@ -1089,6 +1114,136 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, 
     };
     run_items(B, nthreads, row);
 }
+
+// The backward's per-entry terms for the centre, weight and sigma gradients (the CPU backend's;
+// nnkloss/ops/neighbour_kernel.py _backward holds the torch form, which every other backend
+// runs), from the forward's saved distances u (B, K) and log-sum-exps. For row b with incoming
+// gradient g_b (read with stride gs: 0 for a reduced loss's expanded scalar):
+//   p_j, p^R_j: the row's softmax over its valid / same-class logits (list_logits; -inf: 0)
+//   dl_j = (p_j - p^R_j) g_b
+//   coef[b, j] = dl_j / sigma^2      (the centre gradient's coefficients, centre_grad_impl)
+//   q[b, j]    = dl_j / w_j, or at a zero weight its one-sided derivative times g_b:
+//                -exp(-u_j/2 - lse_pos + log(1 - exp(lse_pos - lse_all))) for the row's class,
+//                exp(-u_j/2 - lse_all) for the others; 0 for padding
+//   srow[b]    = sum_j dl_j (u_j - u_ref) over the valid entries, u_ref the distance of the
+//                largest logit's entry (sum_j dl_j = 0: huge distances no longer cancel)
+// The torch form's row rules: a row with no same-class entry (lse_pos -inf) or g_b == 0 takes
+// no gradient and passes none on, NaN or not (zeros); a non-finite row (lse_pos NaN) that takes
+// one gives NaN to every entry (q: to its non-padding entries) and to srow.
+// p is e_j / s with e_j = exp(logit_j - row max) and s their sum, as in the forward and the
+// torch form's row softmax, not exp(logit - lse): far from every centre (distances ~1e3,
+// sigma 10, fp32) lse's rounding scales every p alike, and the centre gradient, a sum of
+// (p_j - p^R_j)(x - c_j) whose terms cancel, came out 2% off (tests/test_numerics.py). The
+// exponentials run as SIMD lanes (vexp). Bytes per row: K * (u + index + label [+ weight])
+// read, up to 2 K written.
+template <typename C>
+struct EntryGrads {
+    const C* u;
+    const void* nbrs;
+    int nb64;
+    const void* labels;
+    int lab64;
+    const void* clabels;
+    int cl64;
+    const void* weights;
+    int wtype;
+    const C *lse_all, *lse_pos, *g;
+    int64_t gs, K, N;
+    C inv_s2;
+    C *coef, *q, *srow;
+    std::vector<C> lg, lpos, dl;
+
+    C weight(int64_t j) const {
+        return wtype == 1 ? (C)((const float*)weights)[j]
+                          : wtype == 2 ? (C)((const double*)weights)[j] : (C)1;
+    }
+
+    void operator()(int64_t b) {
+        const C ninf = -std::numeric_limits<C>::infinity();
+        const C nan = std::numeric_limits<C>::quiet_NaN();
+        if ((int64_t)lg.size() < K) {
+            lg.resize(K);
+            lpos.resize(K);
+            dl.resize(K);
+        }
+        const int64_t k0 = b * K;
+        const C la = lse_all[b], lp = lse_pos[b];
+        const C gb = lp != ninf ? g[b * gs] : (C)0;
+        C* const cr = coef ? coef + k0 : nullptr;
+        C* const qr = q ? q + k0 : nullptr;
+        // 1. The rows that take no gradient, and the non-finite rows that do.
+        if (gb == (C)0 || lp != lp) {
+            const bool none = gb == (C)0;
+            for (int64_t k = 0; k < K; ++k) {
+                if (cr) cr[k] = none ? (C)0 : nan;
+                if (qr) qr[k] = none || load_index(nbrs, nb64, k0 + k) < 0 ? (C)0 : nan;
+            }
+            if (srow) srow[b] = none ? (C)0 : nan;
+            return;
+        }
+        // 2. The logits (the forward's), then dl_j as SIMD lanes.
+        const int64_t R = load_index(labels, lab64, b);
+        C* __restrict l = lg.data();
+        C* __restrict lr = lpos.data();
+        C* __restrict d = dl.data();
+        const C* __restrict ur = u + k0;
+        list_logits<C>(nbrs, nb64, clabels, cl64, weights, wtype, N, k0, 0, K, R, ur, l, lr);
+        C m_all = ninf, m_pos = ninf;
+#pragma omp simd reduction(max : m_all, m_pos)
+        for (int64_t k = 0; k < K; ++k) {
+            m_all = l[k] > m_all ? l[k] : m_all;
+            m_pos = lr[k] > m_pos ? lr[k] : m_pos;
+        }
+        const C ma = m_all == ninf ? (C)0 : m_all, mp = m_pos == ninf ? (C)0 : m_pos;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) d[k] = vexp(l[k] - ma);
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) lr[k] = vexp(lr[k] - mp);
+        C s_all = 0, s_pos = 0;
+#pragma omp simd reduction(+ : s_all, s_pos)
+        for (int64_t k = 0; k < K; ++k) {
+            s_all += d[k];
+            s_pos += lr[k];
+        }
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) d[k] = (d[k] / s_all - lr[k] / s_pos) * gb;
+        // 3. The outputs each gradient asked for.
+        if (cr) {
+#pragma omp simd
+            for (int64_t k = 0; k < K; ++k) cr[k] = d[k] * inv_s2;
+        }
+        if (srow) {
+            int64_t ref = -1;  // the first largest logit, as torch's argmax
+            for (int64_t k = 0; k < K; ++k)
+                if (l[k] != ninf && (ref < 0 || l[k] > l[ref])) ref = k;
+            C acc = 0;
+            if (ref >= 0) {
+                const C uref = ur[ref];
+                for (int64_t k = 0; k < K; ++k)
+                    if (l[k] != ninf) acc += d[k] * (ur[k] - uref);
+            }
+            srow[b] = acc;
+        }
+        if (qr) {
+            for (int64_t k = 0; k < K; ++k) {
+                const int64_t j = load_index(nbrs, nb64, k0 + k);
+                if (j < 0 || j >= N) {  // padding (an index past the bank made the row NaN)
+                    qr[k] = 0;
+                    continue;
+                }
+                const C w = weight(j);
+                if (w != (C)0) {
+                    qr[k] = d[k] / w;
+                    continue;
+                }
+                const C base = ur[k] * (C)-0.5;
+                const bool same = load_index(clabels, cl64, j) == R;
+                qr[k] = (same ? -std::exp(base - lp + std::log(-std::expm1(lp - la)))
+                              : std::exp(base - la)) * gb;
+            }
+        }
+    }
+};
 
 // The classifier's distances (nnkloss/evaluation/classifier.py, _sq_dist_minus_ref):
 // out[q, j] = ||x_q - c_i||^2 - ||x_q - c_r||^2 for i = idx[q, j], r = ref[q], in the product
@@ -1512,6 +1667,23 @@ int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t gs,
         using C = decltype(c);
         scale_rows_impl<C>((const C*)grad_x, (const C*)g, gs, (const C*)lse_pos, B, D, (C*)out,
                            nthreads);
+    });
+}
+
+// The backward's per-entry terms (EntryGrads): coef, q (B, K) and srow (B,) in the compute
+// type, each null when not wanted; u, lse_all, lse_pos and g (stride gs) in the compute type,
+// weights fp32 (wtype 1), fp64 (2) or null (0).
+int nnk_entry_grads(int ctype, const void* u, const void* nbrs, int nb64, const void* labels,
+                    int lab64, const void* clabels, int cl64, const void* weights, int wtype,
+                    const void* lse_all, const void* lse_pos, const void* g, int64_t gs,
+                    int64_t B, int64_t K, int64_t N, double inv_s2, void* coef, void* q,
+                    void* srow, int nthreads) {
+    return with_compute_type(ctype, [&](auto c) {
+        using C = decltype(c);
+        EntryGrads<C> row{(const C*)u, nbrs, nb64, labels, lab64, clabels, cl64, weights,
+                          wtype, (const C*)lse_all, (const C*)lse_pos, (const C*)g, gs, K, N,
+                          (C)inv_s2, (C*)coef, (C*)q, (C*)srow, {}, {}, {}};
+        run_items(B, nthreads, row);
     });
 }
 

@@ -4,7 +4,10 @@ In the order of a reading: the two custom ops (``nnkloss::nk_forward``,
 ``nnkloss::nk_centre_grad``, registered with ``torch.library.custom_op`` so that
 ``torch.compile`` treats them as opaque calls, no graph break), dispatched to a backend of
 :mod:`nnkloss.ops.backends` (Triton kernels of ``kernels/``, or the plain PyTorch path of
-:mod:`nnkloss.ops.reference`); the one autograd definition that serves every backend (B x K /
+:mod:`nnkloss.ops.reference`); the CPU backend's two backward helpers, also custom ops
+(``nnkloss::nk_scale_rows``: the embedding gradient; ``nnkloss::nk_entry_grads``: the
+per-entry terms of the centre, weight and sigma gradients, one compiled pass instead of the
+torch form's (B, K) ops); the one autograd definition that serves every backend (B x K /
 B x D elementwise work from the forward's saved outputs, plus, only when centres require grad,
 the centre-gradient scatter, itself an op that other losses call too), registered on the
 custom op and carried in eager mode by an autograd.Function made of the same three functions
@@ -80,11 +83,57 @@ def _scale_rows_cpu(grad_x, g, lse_pos):
     return torch.ops.nnkloss.nk_scale_rows(grad_x, g, lse_pos)
 
 
+@torch.library.custom_op("nnkloss::nk_entry_grads", mutates_args=())
+def _nk_entry_grads(u: Tensor, labels: Tensor, centre_labels: Tensor, neighbours: Tensor,
+                    weights: Optional[Tensor], lse_all: Tensor, lse_pos: Tensor, g: Tensor,
+                    sigma: Tensor, need_c: bool, need_w: bool,
+                    need_s: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """The CPU backend's per-entry backward terms (:func:`nnkloss.ops.cpu.entry_grads`) as a
+    custom op: ``(coef, q, srow)``, each empty (0,) where not asked for."""
+    from . import cpu
+    out = cpu.entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
+                          sigma, need_c, need_w, need_s)
+    if out is None:
+        raise RuntimeError("nnkloss::nk_entry_grads needs the compiled CPU library and CPU "
+                           "tensors")
+    return tuple(u.new_empty(0) if t is None else t for t in out)
+
+
+@_nk_entry_grads.register_fake
+def _nk_entry_grads_fake(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
+                         sigma, need_c, need_w, need_s):
+    B, K = u.shape
+    return (u.new_empty((B, K) if need_c else (0,)),
+            u.new_empty((B, K) if need_w and weights is not None else (0,)),
+            u.new_empty((B,) if need_s else (0,)))
+
+
+def _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
+                     sigma, need_c, need_w, need_s):
+    """The CPU backend's per-entry backward terms (coef, q, srow: see
+    :func:`nnkloss.ops.cpu.entry_grads`), called directly on plain tensors and through the
+    custom op otherwise (traced, a dispatch mode, a subclass: the same compiled pass, the same
+    bits); None where the torch form below must run: the library cannot, or this backward is
+    itself recorded (create_graph=True: grad mode is on here)."""
+    from . import cpu
+    if torch.is_grad_enabled() or not cpu.entry_grads_supported(
+            u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g):
+        return None
+    if plain_eager(u, lse_pos, g):
+        return cpu.entry_grads(u, labels, centre_labels, neighbours, weights, lse_all,
+                               lse_pos, g, sigma, need_c, need_w, need_s)
+    coef, q, srow = torch.ops.nnkloss.nk_entry_grads(u, labels, centre_labels, neighbours,
+                                                     weights, lse_all, lse_pos, g, sigma,
+                                                     need_c, need_w, need_s)
+    return (coef if need_c else None, q if need_w and weights is not None else None,
+            srow if need_s else None)
+
+
 def _setup_context(ctx, inputs, output):
     emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, _, _ = inputs
-    _, _, lse_pos, grad_x, dist = output
+    _, lse_all, lse_pos, grad_x, dist = output
     ctx.save_for_backward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                          lse_pos, grad_x, dist)
+                          lse_all, lse_pos, grad_x, dist)
     ctx.backend = backend
     # Only the loss's gradient is used: the four other outputs' gradients arrive as None
     # instead of zero tensors that autograd would fill (a (B, D) fill per backward for grad_x,
@@ -94,7 +143,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
     (emb, labels, centres, centre_labels, neighbours, weights, sigma,
-     lse_pos, grad_x, u) = ctx.saved_tensors
+     lse_all, lse_pos, grad_x, u) = ctx.saved_tensors
     if g_loss is None:  # the loss itself took no gradient (set_materialize_grads(False))
         return None, None, None, None, None, None, None, None, None, None
     need = ctx.needs_input_grad
@@ -114,6 +163,25 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             grad_emb = _scale_rows_cpu(grad_x, g_loss.to(cdt), lse_pos).to(emb.dtype)
         if not (need_c or need_w or need_s):
             return grad_emb, None, None, None, None, None, None, None, None, None
+        # The centre, weight and sigma terms per entry in one compiled pass (the form below,
+        # without its dozens of (B, K) torch ops), unless this backward is itself recorded.
+        terms = _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all,
+                                 lse_pos, g_loss, sigma, need_c, need_w, need_s)
+        if terms is not None:
+            coef, q, srow = terms
+            grad_c = grad_w = grad_s = None
+            if need_s:
+                grad_s = (srow.sum() / sigma.to(cdt)).to(sigma.dtype).reshape(sigma.shape)
+            if need_c:
+                grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef,
+                                                          ctx.backend).to(centres.dtype)
+            if need_w:
+                grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
+                if weights.shape[0]:
+                    grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1),
+                                      q.reshape(-1))
+                grad_w = grad_w.to(weights.dtype)
+            return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None, None
     # Rows without a same-class neighbour carry no gradient, whatever flows in; non-finite
     # rows (lse_pos NaN) are counted and pass their NaN on.
     counted = lse_pos != float("-inf")
@@ -136,8 +204,10 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             # dlogit_j/dsigma = u_j / sigma. sum_j dl_j = 0 in every row, so u_j may be shifted
             # by a per-row reference (the largest logit's) before the sum: huge terms no longer
             # cancel.
+            # Rows that take no gradient are left out here too: their dl is 0, and 0 times a
+            # non-finite u_j - ref would be NaN.
             ref = u.gather(1, t.logits.masked_fill(~t.valid, float("-inf")).argmax(1, keepdim=True))
-            shifted = torch.where(t.valid, u - ref, torch.zeros_like(u))
+            shifted = torch.where(t.valid & takes, u - ref, torch.zeros_like(u))
             grad_s = ((dl * shifted).sum() * inv_sigma).to(sigma.dtype).reshape(sigma.shape)
         if need_c:
             # dlogit_j/dc_j = (x - c_j) / sigma^2, so dL/dc_j = (p_j - p^R_j)(x - c_j) / sigma^2.

@@ -4,9 +4,11 @@
     python benchmarks/bench_loss.py --device cpu         # the CPU grid (CPU_GRID), 2 threads
     python benchmarks/bench_loss.py --B 1024 --K 100 --D 512 --dtype bf16
     python benchmarks/bench_loss.py --device cpu --B 8 --K 4 --D 16 --N 100   # smoke run
+    python benchmarks/bench_loss.py --device cpu --also-grad sigma    # a learned sigma too
 
 Appends one row per (provider, mode, shape) to ``benchmarks/results/<device>.csv`` with columns
-``op,provider,mode,B,K,D,dtype,ms,gbps,peak_mem_mb,device,commit`` and draws
+``op,provider,mode,B,K,D,dtype,ms,gbps,peak_mem_mb,device,commit`` (and the limits, the load,
+the date, and ``grads``: what took a gradient, see ``--also-grad``) and draws
 ``benchmarks/results/<device>.png`` (time and GB/s per shape). ``gbps`` counts the bytes the op
 must read (docs/MATHS.md section 9): the gathered centres ``B*K*D*sizeof(bank)`` plus the index,
 label and weight traffic and the embeddings, whatever the provider actually moves, so the
@@ -51,7 +53,12 @@ import nnkloss  # noqa: E402
 
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit", "gathered_gbps", "pct_of_read", "read_gbps", "threads", "load",
-           "date", "bank_read_gbps", "pct_of_bank_read", "gather_gbps", "pct_of_gather"]
+           "date", "bank_read_gbps", "pct_of_bank_read", "gather_gbps", "pct_of_gather",
+           "grads"]
+# Inputs besides the embeddings that may take a gradient in the bwd / fwd_bwd modes
+# (--also-grad): a learned sigma, learned weights, trainable centres. The CSV's "grads" column
+# names them ("emb", "emb+sigma", ...).
+EXTRA_GRADS = ["sigma", "weights", "centres"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = ["fused", "eager", "compile", "torch", "checked", "module"]
@@ -153,13 +160,23 @@ def gathered_bytes(B, K, D, bank_dtype):
     return B * K * D * torch.tensor([], dtype=bank_dtype).element_size()
 
 
-def run_one(provider, mode, inputs, device, reps):
+def run_one(provider, mode, inputs, device, reps, also_grad=()):
     """(median ms, peak extra memory in MiB, first call ms) of one provider and mode.
 
     fwd: the loss of embeddings that do not require grad (the forward-only op); fwd_bwd: the
     loss and its backward to the embeddings; bwd: the backward alone (each timed call first
-    runs an untimed forward)."""
+    runs an untimed forward). ``also_grad``: inputs of EXTRA_GRADS that take a gradient too in
+    the bwd and fwd_bwd modes (their .grad is cleared before each backward, as a training
+    step's zero_grad does)."""
     emb, labels, centres, cl, nb, w, sigma = inputs
+    leaves = []
+    if mode != "fwd" and also_grad:
+        if provider == "module":
+            raise ValueError("--also-grad: the module provider trains the embeddings only")
+        sigma = sigma.detach().clone().requires_grad_("sigma" in also_grad)
+        w = w.detach().clone().requires_grad_("weights" in also_grad)
+        centres = centres.detach().clone().requires_grad_("centres" in also_grad)
+        leaves = [t for t in (sigma, w, centres) if t.requires_grad]
     # torch imports torch._dynamo (~150 MB RSS, once per process) on the first call of any
     # torch.library custom op -- the op's -- and in torch.compile: imported before the memory
     # baseline for every provider, so that peak_mem_mb is what the calls themselves need.
@@ -178,12 +195,14 @@ def run_one(provider, mode, inputs, device, reps):
     def step():
         loss = fn(x, labels, centres, cl, nb, w, sigma)
         if mode == "fwd_bwd":
-            x.grad = None
+            for t in [x] + leaves:
+                t.grad = None
             loss.backward()
         return loss
 
     if mode == "bwd":
-        return _time_backward(lambda: fn(x, labels, centres, cl, nb, w, sigma), x, device)
+        return _time_backward(lambda: fn(x, labels, centres, cl, nb, w, sigma), [x] + leaves,
+                              device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -211,15 +230,17 @@ _COMPILED = {}  # one torch.compile per process, shared by the modes measured th
 CPU_ITERS = 21
 
 
-def _time_backward(forward, x, device, warmup=2, iters=None):
-    """Median ms of ``loss.backward()`` alone, peak extra memory of the backwards (above the
-    RSS / allocation after their forward), first backward's ms."""
+def _time_backward(forward, leaves, device, warmup=2, iters=None):
+    """Median ms of ``loss.backward()`` alone (the ``leaves``' .grad cleared before each),
+    peak extra memory of the backwards (above the RSS / allocation after their forward), first
+    backward's ms."""
     cuda = device.type == "cuda"
     iters = iters or CPU_ITERS
     times, peak, first = [], 0.0, None
     for i in range(warmup + iters):
         loss = forward()
-        x.grad = None
+        for t in leaves:
+            t.grad = None
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -261,7 +282,8 @@ def worker(spec):
     with nnkloss.value_checks(False):
         for mode in spec.get("modes", [spec.get("mode")]):
             try:
-                ms, peak, first = run_one(spec["provider"], mode, inputs, device, spec["reps"])
+                ms, peak, first = run_one(spec["provider"], mode, inputs, device, spec["reps"],
+                                          spec.get("also_grad", ()))
                 out[mode] = {"ms": ms, "peak": peak, "first_ms": first}
             except torch.OutOfMemoryError:
                 out[mode] = {"oom": True}
@@ -329,7 +351,14 @@ def plot(csv_path, png_path):
 MODE_HEAD = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
 
 
-def summary(csv_path, commit, mode=None):
+def grads_label(mode, also_grad) -> str:
+    """The CSV's "grads" of a row: what took a gradient ("" in the forward-only mode)."""
+    if mode == "fwd":
+        return ""
+    return "+".join(["emb"] + [g for g in EXTRA_GRADS if g in also_grad])
+
+
+def summary(csv_path, commit, mode=None, grads="emb"):
     """Markdown, in the style of Cut Cross-Entropy's tables: one table for the operation
     (the loss), a row per shape and provider, time and peak extra memory of forward / backward
     / forward+backward, and for forward and forward+backward the bytes gathered per second
@@ -338,10 +367,13 @@ def summary(csv_path, commit, mode=None):
     the bank lives: what a random row gather of that shape can reach; its CSV columns sit
     beside those of a sequential read of the bank, ``pct_of_bank_read``); then the fused op's
     speed-up over each other provider. ``mode``: only that mode's columns (default: every
-    mode)."""
+    mode). ``grads``: the backward and forward+backward rows whose gradients went to these
+    inputs ("emb", "emb+sigma", ...: the CSV's "grads"; rows written before that column
+    trained the embeddings only); the forward does not depend on it."""
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
-                and r["ms"] not in ("oom", "")]
+                and r["ms"] not in ("oom", "")
+                and (r["mode"] == "fwd" or (r.get("grads") or "emb") == grads)]
     modes = [m for m in MODES if any(r["mode"] == m for r in rows) and mode in (None, m)]
     by = {}
     for r in rows:
@@ -353,7 +385,8 @@ def summary(csv_path, commit, mode=None):
             + [f"{MODE_HEAD[m]} MB" for m in modes]
             + [f"{MODE_HEAD[m]} % of read" for m in pct_modes]
             + [f"{MODE_HEAD[m]} % of gather" for m in pct_modes])
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines = [] if grads == "emb" else [f"Gradients to: {grads.replace('+', ', ')}.", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (B, K, D, dt), v in by.items():
         for p in provs:
             if p not in v:
@@ -432,6 +465,9 @@ def _main(argv):
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep time in ms (CUDA)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds per shape, providers interleaved; the median round is kept")
+    ap.add_argument("--also-grad", nargs="+", choices=EXTRA_GRADS, default=[],
+                    help="inputs that take a gradient besides the embeddings in the bwd and "
+                         "fwd_bwd modes (a learned sigma, learned weights, trainable centres)")
     ap.add_argument("--copy-bandwidth", action="store_true",
                     help="also measure device-to-device copy bandwidth (row op=copy)")
     add_worker_args(ap)
@@ -473,7 +509,7 @@ def _main(argv):
                     res = run_isolated(os.path.abspath(__file__), {
                         "provider": prov, "modes": modes, "B": B, "K": K, "D": D, "N": N,
                         "dtype": dt, "device": str(device), "threads": args.threads,
-                        "reps": args.reps})
+                        "reps": args.reps, "also_grad": args.also_grad})
                     if "error" in res:
                         raise RuntimeError(f"{prov} B={B} K={K} D={D}: {res['error']}")
                     idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])
@@ -484,7 +520,8 @@ def _main(argv):
                     per_mode = {}
                     for mode in modes:
                         try:
-                            ms, peak, first = run_one(prov, mode, inputs, device, args.reps)
+                            ms, peak, first = run_one(prov, mode, inputs, device, args.reps,
+                                                      args.also_grad)
                             per_mode[mode] = {"ms": ms, "peak": peak, "first_ms": first}
                         except torch.OutOfMemoryError:
                             per_mode[mode] = {"oom": True}
@@ -509,7 +546,7 @@ def _main(argv):
                     if r.get("oom"):
                         results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
                                         commit, "", "", "", args.threads, load, utc_now(), "",
-                                        "", "", ""])
+                                        "", "", "", grads_label(mode, args.also_grad)])
                         continue
                     gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
                                         "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
@@ -524,7 +561,8 @@ def _main(argv):
                                     else f"{100 * gathered / bank_read:.1f}",
                                     f"{gather:.4g}" if gather else "",
                                     "" if gathered == "" or not gather
-                                    else f"{100 * gathered / gather:.1f}"])
+                                    else f"{100 * gathered / gather:.1f}",
+                                    grads_label(mode, args.also_grad)])
                     rounds = r.get("rounds", [])
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
                           f"(N={N}, first call {r['first_ms']:.1f} ms"
@@ -534,14 +572,14 @@ def _main(argv):
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
                    commit, "", "", f"{read:.4g}", args.threads, load_average(), utc_now(), "",
-                   "", "", ""])
+                   "", "", "", ""])
         for row in results:
             if row[7] != "oom":
                 row[13] = "" if row[13] == "" else f"{100 * row[13] / read:.1f}"
                 row[14] = f"{read:.4g}"
             out.write(row, echo=False)
     plot(csv_path, csv_path[:-4] + ".png")
-    print(summary(csv_path, commit))
+    print(summary(csv_path, commit, grads=grads_label("fwd_bwd", args.also_grad)))
     return csv_path
 
 

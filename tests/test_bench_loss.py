@@ -96,6 +96,41 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     assert "fused vs eager, forward+backward" in table
 
 
+def test_also_grad_trains_sigma_weights_and_centres_and_labels_the_rows(tmp_path, monkeypatch):
+    """--also-grad: the backward modes also give a gradient to a learned sigma, the weights and
+    the centres (leaves cleared before each backward); the rows say so in "grads", and the
+    summary keeps runs of different gradients apart."""
+    seen = []
+    real = bench_loss.fused_loss
+
+    def spy(emb, labels, centres, cl, nb, w, sigma):
+        loss = real(emb, labels, centres, cl, nb, w, sigma)
+        seen.append((emb.requires_grad, sigma.requires_grad, w.requires_grad,
+                     centres.requires_grad))
+        return loss
+    monkeypatch.setattr(bench_loss, "fused_loss", spy)
+    common = ["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N", "40", "--dtype",
+              "fp32", "--providers", "fused", "--no-isolate", "--out", str(tmp_path)]
+    bench_loss.main(common)
+    assert set(seen) == {(False, False, False, False), (True, False, False, False)}
+    seen.clear()
+    path = bench_loss.main(common + ["--also-grad", "sigma", "centres"])
+    assert set(seen) == {(False, False, False, False), (True, True, False, True)}
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss"]
+    assert [r["grads"] for r in rows] == ["", "emb", "emb", "", "emb+sigma+centres",
+                                        "emb+sigma+centres"]
+    commit = rows[0]["commit"]
+    plain, extra = (bench_loss.summary(path, commit, grads=g)
+                    for g in ("emb", "emb+sigma+centres"))
+    assert "Gradients to" not in plain and "Gradients to: emb, sigma, centres." in extra
+    assert plain.count("| fused |") == extra.count("| fused |") == 1
+    with pytest.raises(ValueError, match="module provider trains the embeddings only"):
+        bench_loss.run_one("module", "bwd", bench_loss.make_inputs(4, 3, 5, 40, torch.float32,
+                                                                   torch.device("cpu")),
+                           torch.device("cpu"), 1, ["sigma"])
+
+
 def test_isolated_run_measures_time_and_peak_memory(tmp_path):
     path = bench_loss.main(["--device", "cpu", "--B", "16", "--K", "8", "--D", "32", "--N",
                             "100", "--dtype", "bf16", "--providers", "fused", "torch",

@@ -322,15 +322,18 @@ def plot(csv_path, png_path):
         rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["ms"] != "oom"]
     if not rows:
         return
-    keys = sorted({(r["B"], r["K"], r["D"], r["dtype"], r["mode"]) for r in rows},
+    def key(r):  # what took a gradient is part of a backward row's key (--also-grad)
+        extra = (r.get("grads") or "emb").replace("emb", "").strip("+")
+        mode = r["mode"] if r["mode"] == "fwd" or not extra else f"{r['mode']}+{extra}"
+        return (r["B"], r["K"], r["D"], r["dtype"], mode)
+    keys = sorted({key(r) for r in rows},
                   key=lambda k: (k[4], k[3], int(k[2]), int(k[1]), int(k[0])))
     providers = sorted({r["provider"] for r in rows})
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.35 * len(keys)), 8), sharex=True)
     for p in providers:
         ms, gb = [], []
         for k in keys:
-            hit = [r for r in rows if r["provider"] == p and
-                   (r["B"], r["K"], r["D"], r["dtype"], r["mode"]) == k]
+            hit = [r for r in rows if r["provider"] == p and key(r) == k]
             ms.append(float(hit[-1]["ms"]) if hit else float("nan"))
             gb.append(float(hit[-1]["gbps"]) if hit else float("nan"))
         axes[0].plot(range(len(keys)), ms, "o-", label=p)

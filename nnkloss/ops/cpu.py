@@ -514,6 +514,17 @@ def _run(name: str, work: int, call, min_elems: Optional[int] = None) -> int:
     return rc
 
 
+def _weights_arg(weights):
+    """(weights as the library reads them, their type code): None, 0 without weights; else
+    fp32 (1) or fp64 (2), other float dtypes as fp32, contiguous."""
+    if weights is None:
+        return None, 0
+    w = weights.detach()
+    if w.dtype not in (torch.float32, torch.float64):
+        w = w.float()
+    return w.contiguous(), 1 if w.dtype == torch.float32 else 2
+
+
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
@@ -538,13 +549,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         lab = lab.to(torch.int64)
     lab = lab.contiguous()
     nb = neighbours.detach().contiguous()
-    w, wtype = None, 0
-    if weights is not None:
-        w = weights.detach()
-        if w.dtype not in (torch.float32, torch.float64):
-            w = w.float()
-        w = w.contiguous()
-        wtype = 1 if w.dtype == torch.float32 else 2
+    w, wtype = _weights_arg(weights)
     s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
     loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist,
                                                                    need_grad_x)
@@ -645,13 +650,7 @@ def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
     lib = _lib()
     cdt = u.dtype
     B, K = u.shape
-    w, wtype = None, 0
-    if weights is not None:
-        w = weights.detach()
-        if w.dtype not in (torch.float32, torch.float64):
-            w = w.float()
-        w = w.contiguous()
-        wtype = 1 if w.dtype == torch.float32 else 2
+    w, wtype = _weights_arg(weights)
     uc = u.detach().contiguous()
     nb = neighbours.detach().contiguous()
     lab = labels.detach().contiguous()

@@ -711,8 +711,7 @@ void run_items(int64_t n, int nthreads, const Work& work) {
 //     rule (CONTRACT.md 6): true when an entry's distance is NaN/inf or its index is past the
 //     bank. I, L: the list and centre-label integer types; W: the weight type (void: none, all
 //     ones; wtype 1 fp32, 2 fp64), converted to C before the log as the torch path does
-//     (weights[idx].to(compute dtype)). Shared by the forward (ForwardRow) and the backward's
-//     per-entry terms (EntryGrads), so both see the same logits.
+//     (weights[idx].to(compute dtype)). Called at the run-time types by Lists::logits.
 //     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
 //     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
 //     entry cost ~13% of the forward at K = 32, D = 128.
@@ -758,43 +757,98 @@ bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, 
     return bad != 0;
 }
 
-// list_logits_of at the run-time integer and weight types (nb64, cl64: int64 when 1, else
-// int32; wtype as above).
+// A batch's lists and what the kernels read through them besides the centre rows: the (B, K)
+// bank indices, the rows' labels, and the centres' labels and weights, with their run-time
+// types (nb64, lab64, cl64: int64 when 1, else int32; wtype: 0 none, 1 fp32, 2 fp64) and the
+// bank's row count N. The forward (ForwardRow) and the backward's per-entry terms (EntryGrads)
+// both read them here, so both see the same logits.
+struct Lists {
+    const void* nbrs;
+    int nb64;
+    const void* labels;
+    int lab64;
+    const void* clabels;
+    int cl64;
+    const void* weights;
+    int wtype;
+    int64_t N;
+
+    int64_t index(int64_t f) const { return load_index(nbrs, nb64, f); }
+    int64_t label(int64_t b) const { return load_index(labels, lab64, b); }
+    int64_t centre_label(int64_t j) const { return load_index(clabels, cl64, j); }
+    template <typename C>
+    C weight(int64_t j) const {
+        return wtype == 1 ? (C)((const float*)weights)[j]
+                          : wtype == 2 ? (C)((const double*)weights)[j] : (C)1;
+    }
+    // 1b of the forward (list_logits_of) for entries [a, e) of the row whose entries start at
+    // k0, its label R, at the run-time types.
+    template <typename C>
+    bool logits(int64_t k0, int64_t a, int64_t e, int64_t R, const C* u, C* lg,
+                C* lpos) const {
+        auto by_weight = [&](auto i_tag, auto l_tag) {
+            typedef decltype(i_tag) I;
+            typedef decltype(l_tag) L;
+            if (wtype == 1)
+                return list_logits_of<C, I, L, float>(nbrs, clabels, weights, N, k0, a, e, R,
+                                                      u, lg, lpos);
+            if (wtype == 2)
+                return list_logits_of<C, I, L, double>(nbrs, clabels, weights, N, k0, a, e,
+                                                       R, u, lg, lpos);
+            return list_logits_of<C, I, L, void>(nbrs, clabels, weights, N, k0, a, e, R, u,
+                                                 lg, lpos);
+        };
+        if (nb64)
+            return cl64 ? by_weight(int64_t(), int64_t()) : by_weight(int64_t(), int32_t());
+        return cl64 ? by_weight(int32_t(), int64_t()) : by_weight(int32_t(), int32_t());
+    }
+};
+
+// Step 2 of a row, from its K logits (lg: every valid entry; lpos_er: the row's class, -inf
+// elsewhere): the two maxima, e_j = exp(lg_j - m_all) into ea, e^R_j = exp(lpos_j - m_pos) in
+// place of the same-class logits, and the two sums, as SIMD lanes over K (plain loops, each of
+// which the compiler vectorises; vexp: no library call per entry). Invalid entries, and other
+// classes in lpos, are -inf, so exp gives them exactly 0; a row with no valid (same-class)
+// entry has that maximum -inf, its exponentials (taken against 0) 0 and its sum 0. The
+// forward's loss and log-sum-exps, and the backward's probabilities e_j / s (EntryGrads), come
+// from here.
 template <typename C>
-bool list_logits(const void* nbrs, int nb64, const void* clabels, int cl64,
-                 const void* weights, int wtype, int64_t n_rows, int64_t k0, int64_t a,
-                 int64_t e, int64_t R, const C* u, C* lg, C* lpos) {
-    auto by_weight = [&](auto i_tag, auto l_tag) {
-        typedef decltype(i_tag) I;
-        typedef decltype(l_tag) L;
-        if (wtype == 1)
-            return list_logits_of<C, I, L, float>(nbrs, clabels, weights, n_rows, k0, a, e, R,
-                                                  u, lg, lpos);
-        if (wtype == 2)
-            return list_logits_of<C, I, L, double>(nbrs, clabels, weights, n_rows, k0, a, e, R,
-                                                   u, lg, lpos);
-        return list_logits_of<C, I, L, void>(nbrs, clabels, weights, n_rows, k0, a, e, R, u,
-                                             lg, lpos);
-    };
-    if (nb64) return cl64 ? by_weight(int64_t(), int64_t()) : by_weight(int64_t(), int32_t());
-    return cl64 ? by_weight(int32_t(), int64_t()) : by_weight(int32_t(), int32_t());
+struct RowSums {
+    C m_all, m_pos, s_all, s_pos;
+};
+
+template <typename C>
+NNK_INLINE RowSums<C> row_exp_sums(int64_t K, const C* __restrict lg, C* __restrict ea,
+                                   C* lpos_er) {
+    const C ninf = -std::numeric_limits<C>::infinity();
+    C m_all = ninf, m_pos = ninf;
+#pragma omp simd reduction(max : m_all, m_pos)
+    for (int64_t i = 0; i < K; ++i) {
+        m_all = lg[i] > m_all ? lg[i] : m_all;
+        m_pos = lpos_er[i] > m_pos ? lpos_er[i] : m_pos;
+    }
+    const C ma = m_all == ninf ? (C)0 : m_all, mp = m_pos == ninf ? (C)0 : m_pos;
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) ea[i] = vexp(lg[i] - ma);
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) lpos_er[i] = vexp(lpos_er[i] - mp);
+    C s_all = 0, s_pos = 0;
+#pragma omp simd reduction(+ : s_all, s_pos)
+    for (int64_t i = 0; i < K; ++i) {
+        s_all += ea[i];
+        s_pos += lpos_er[i];
+    }
+    return {m_all, m_pos, s_all, s_pos};
 }
 
 // One row of the forward (see the top of the file); a copy per thread (own scratch).
 template <typename C, typename T>
 struct ForwardRow {
     const C* emb;
-    const void* labels;
-    int lab64;
     const T* centres;
-    const void* clabels;
-    int cl64;
-    const void* nbrs;
-    int nb64;
-    const void* weights;
-    int wtype;
+    Lists lists;
     C sigma;
-    int64_t K, D, N;
+    int64_t K, D;
     int store_dist;
     C *loss, *lse_all, *lse_pos, *grad_x, *dist;
     std::vector<C> logit, coef, epos, acc_pos, udist;
@@ -808,8 +862,8 @@ struct ForwardRow {
         pf_end = r1 * K;
         const int64_t pf = prefetch_rows(D * (int64_t)sizeof(T));
         for (int64_t f = r0 * K; f < std::min(pf_end, r0 * K + pf); ++f) {
-            int64_t jn = load_index(nbrs, nb64, f);
-            if (jn >= 0 && jn < N) prefetch_row(centres + jn * D, D);
+            int64_t jn = lists.index(f);
+            if (jn >= 0 && jn < lists.N) prefetch_row(centres + jn * D, D);
         }
         for (int64_t b = r0; b < r1; ++b) row(b, pf);
     }
@@ -855,11 +909,10 @@ struct ForwardRow {
         }
     }
 
-    // 1b. The logits of entries [a, e) of row b (k0 = b * K): list_logits.
+    // 1b. The logits of entries [a, e) of row b (k0 = b * K): Lists::logits.
     bool logits(int64_t k0, int64_t a, int64_t e, int64_t R, const C* u, C* lg,
                 C* lpos) const {
-        return list_logits<C>(nbrs, nb64, clabels, cl64, weights, wtype, N, k0, a, e, R, u,
-                              lg, lpos);
+        return lists.logits<C>(k0, a, e, R, u, lg, lpos);
     }
 
     void row(int64_t b, int64_t pf) {
@@ -874,13 +927,13 @@ struct ForwardRow {
             epos.resize(K);
         }
         const C* x = emb + b * D;
-        const int64_t R = load_index(labels, lab64, b);
+        const int64_t R = lists.label(b);
         // Members are copied to locals first: the stores below could alias them as far as the
         // compiler knows, which made it reload each one per entry.
-        const void* const nbl = nbrs;
-        const int l64 = nb64;
+        const void* const nbl = lists.nbrs;
+        const int l64 = lists.nb64;
         const T* const bank = centres;
-        const int64_t n_rows = N, k0 = b * K, end = pf_end;
+        const int64_t n_rows = lists.N, k0 = b * K, end = pf_end;
         C* __restrict lg = logit.data();
         C* __restrict lpos = epos.data();  // same-class logits, then e^R (step 2)
         C* const drow = store_dist ? dist + k0 : nullptr;
@@ -979,35 +1032,18 @@ struct ForwardRow {
                 for (int64_t d = 0; d < D; ++d) g[d] = nan;
             return;
         }
-        // 2. The two maxima and the two sums as SIMD lanes over K (plain loops, each of which
-        //    the compiler vectorises; vexp: no library call per entry). Invalid entries, and
-        //    other classes in lpos, are -inf, so exp gives them exactly 0. The loss and the
-        //    log-sum-exps come from these, never from the running sums of step 1, so they are
-        //    bit for bit the same with and without a gradient (CONTRACT.md 8).
-        C m_all = ninf, m_pos = ninf;
-#pragma omp simd reduction(max : m_all, m_pos)
-        for (int64_t i = 0; i < K; ++i) {
-            m_all = lg[i] > m_all ? lg[i] : m_all;
-            m_pos = lpos[i] > m_pos ? lpos[i] : m_pos;
-        }
+        // 2. The two maxima, the exponentials (e_j into coef, e^R_j into epos over the
+        //    same-class logits) and the two sums (row_exp_sums). The loss and the log-sum-exps
+        //    come from these, never from the running sums of step 1, so they are bit for bit
+        //    the same with and without a gradient (CONTRACT.md 8).
+        C* __restrict ea = coef.data();
+        C* const er = epos.data();
+        const RowSums<C> rs = row_exp_sums<C>(K, lg, ea, er);
+        const C m_all = rs.m_all, m_pos = rs.m_pos, s_all = rs.s_all, s_pos = rs.s_pos;
         if (m_all == ninf) {  // no valid entry (all padding / zero weight, or N = 0): g = 0
             loss[b] = 0;
             lse_all[b] = lse_pos[b] = ninf;
             return;
-        }
-        // e_j = exp(logit_j - m_all) into coef, e^R_j = exp(logit^R_j - m_pos) into epos.
-        C* __restrict ea = coef.data();
-        C* __restrict er = epos.data();
-        const C mp = m_pos == ninf ? (C)0 : m_pos;  // no same entry: every lane is -inf
-#pragma omp simd
-        for (int64_t i = 0; i < K; ++i) ea[i] = vexp(lg[i] - m_all);
-#pragma omp simd
-        for (int64_t i = 0; i < K; ++i) er[i] = vexp(lpos[i] - mp);
-        C s_all = 0, s_pos = 0;
-#pragma omp simd reduction(+ : s_all, s_pos)
-        for (int64_t i = 0; i < K; ++i) {
-            s_all += ea[i];
-            s_pos += er[i];
         }
         const C la = m_all + std::log(s_all);
         lse_all[b] = la;
@@ -1063,8 +1099,9 @@ void forward_impl(const C* emb, const void* labels, int lab64, const T* centres,
     // rows per work item: up to 16, and at least 8 items per thread (load balance)
     const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(
         16, B / (8 * (int64_t)std::max(1, nthreads))));
-    ForwardRow<C, T> row{emb, labels, lab64, centres, clabels, cl64, nbrs, nb64, weights, wtype,
-                         sigma, K, D, N, store_dist, loss, lse_all, lse_pos, grad_x, dist,
+    ForwardRow<C, T> row{emb, centres,
+                         Lists{nbrs, nb64, labels, lab64, clabels, cl64, weights, wtype, N},
+                         sigma, K, D, store_dist, loss, lse_all, lse_pos, grad_x, dist,
                          {}, {}, {}, {}, {}, B, chunk, 0};
     run_items((B + chunk - 1) / chunk, nthreads, row);
 }
@@ -1119,7 +1156,7 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, 
 // nnkloss/ops/neighbour_kernel.py _backward holds the torch form, which every other backend
 // runs), from the forward's saved distances u (B, K) and log-sum-exps. For row b with incoming
 // gradient g_b (read with stride gs: 0 for a reduced loss's expanded scalar):
-//   p_j, p^R_j: the row's softmax over its valid / same-class logits (list_logits; -inf: 0)
+//   p_j, p^R_j: the row's softmax over its valid / same-class logits (Lists::logits; -inf: 0)
 //   dl_j = (p_j - p^R_j) g_b
 //   coef[b, j] = dl_j / sigma^2      (the centre gradient's coefficients, centre_grad_impl)
 //   q[b, j]    = dl_j / w_j, or at a zero weight its one-sided derivative times g_b:
@@ -1139,24 +1176,12 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, 
 template <typename C>
 struct EntryGrads {
     const C* u;
-    const void* nbrs;
-    int nb64;
-    const void* labels;
-    int lab64;
-    const void* clabels;
-    int cl64;
-    const void* weights;
-    int wtype;
+    Lists lists;
     const C *lse_all, *lse_pos, *g;
-    int64_t gs, K, N;
+    int64_t gs, K;
     C inv_s2;
     C *coef, *q, *srow;
     std::vector<C> lg, lpos, dl;
-
-    C weight(int64_t j) const {
-        return wtype == 1 ? (C)((const float*)weights)[j]
-                          : wtype == 2 ? (C)((const double*)weights)[j] : (C)1;
-    }
 
     void operator()(int64_t b) {
         const C ninf = -std::numeric_limits<C>::infinity();
@@ -1176,35 +1201,20 @@ struct EntryGrads {
             const bool none = gb == (C)0;
             for (int64_t k = 0; k < K; ++k) {
                 if (cr) cr[k] = none ? (C)0 : nan;
-                if (qr) qr[k] = none || load_index(nbrs, nb64, k0 + k) < 0 ? (C)0 : nan;
+                if (qr) qr[k] = none || lists.index(k0 + k) < 0 ? (C)0 : nan;
             }
             if (srow) srow[b] = none ? (C)0 : nan;
             return;
         }
         // 2. The logits (the forward's), then dl_j as SIMD lanes.
-        const int64_t R = load_index(labels, lab64, b);
+        const int64_t R = lists.label(b);
         C* __restrict l = lg.data();
         C* __restrict lr = lpos.data();
         C* __restrict d = dl.data();
         const C* __restrict ur = u + k0;
-        list_logits<C>(nbrs, nb64, clabels, cl64, weights, wtype, N, k0, 0, K, R, ur, l, lr);
-        C m_all = ninf, m_pos = ninf;
-#pragma omp simd reduction(max : m_all, m_pos)
-        for (int64_t k = 0; k < K; ++k) {
-            m_all = l[k] > m_all ? l[k] : m_all;
-            m_pos = lr[k] > m_pos ? lr[k] : m_pos;
-        }
-        const C ma = m_all == ninf ? (C)0 : m_all, mp = m_pos == ninf ? (C)0 : m_pos;
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) d[k] = vexp(l[k] - ma);
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) lr[k] = vexp(lr[k] - mp);
-        C s_all = 0, s_pos = 0;
-#pragma omp simd reduction(+ : s_all, s_pos)
-        for (int64_t k = 0; k < K; ++k) {
-            s_all += d[k];
-            s_pos += lr[k];
-        }
+        lists.logits<C>(k0, 0, K, R, ur, l, lr);
+        const RowSums<C> rs = row_exp_sums<C>(K, l, d, lr);
+        const C s_all = rs.s_all, s_pos = rs.s_pos;
 #pragma omp simd
         for (int64_t k = 0; k < K; ++k) d[k] = (d[k] / s_all - lr[k] / s_pos) * gb;
         // 3. The outputs each gradient asked for.
@@ -1226,18 +1236,18 @@ struct EntryGrads {
         }
         if (qr) {
             for (int64_t k = 0; k < K; ++k) {
-                const int64_t j = load_index(nbrs, nb64, k0 + k);
-                if (j < 0 || j >= N) {  // padding (an index past the bank made the row NaN)
+                const int64_t j = lists.index(k0 + k);
+                if (j < 0 || j >= lists.N) {  // padding (an index past the bank made the row NaN)
                     qr[k] = 0;
                     continue;
                 }
-                const C w = weight(j);
+                const C w = lists.weight<C>(j);
                 if (w != (C)0) {
                     qr[k] = d[k] / w;
                     continue;
                 }
                 const C base = ur[k] * (C)-0.5;
-                const bool same = load_index(clabels, cl64, j) == R;
+                const bool same = lists.centre_label(j) == R;
                 qr[k] = (same ? -std::exp(base - lp + std::log(-std::expm1(lp - la)))
                               : std::exp(base - la)) * gb;
             }
@@ -1680,9 +1690,10 @@ int nnk_entry_grads(int ctype, const void* u, const void* nbrs, int nb64, const 
                     void* srow, int nthreads) {
     return with_compute_type(ctype, [&](auto c) {
         using C = decltype(c);
-        EntryGrads<C> row{(const C*)u, nbrs, nb64, labels, lab64, clabels, cl64, weights,
-                          wtype, (const C*)lse_all, (const C*)lse_pos, (const C*)g, gs, K, N,
-                          (C)inv_s2, (C*)coef, (C*)q, (C*)srow, {}, {}, {}};
+        EntryGrads<C> row{(const C*)u,
+                          Lists{nbrs, nb64, labels, lab64, clabels, cl64, weights, wtype, N},
+                          (const C*)lse_all, (const C*)lse_pos, (const C*)g, gs, K, (C)inv_s2,
+                          (C*)coef, (C*)q, (C*)srow, {}, {}, {}};
         run_items(B, nthreads, row);
     });
 }

@@ -116,17 +116,35 @@ def _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all, lse
     bits); None where the torch form below must run: the library cannot, or this backward is
     itself recorded (create_graph=True: grad mode is on here)."""
     from . import cpu
-    if torch.is_grad_enabled() or not cpu.entry_grads_supported(
-            u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g):
+    if torch.is_grad_enabled():
         return None
-    if plain_eager(u, lse_pos, g):
+    if plain_eager(u, lse_pos, g):  # None where the library does not take these tensors
         return cpu.entry_grads(u, labels, centre_labels, neighbours, weights, lse_all,
                                lse_pos, g, sigma, need_c, need_w, need_s)
+    if not cpu.entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all,
+                                     lse_pos, g):
+        return None
     coef, q, srow = torch.ops.nnkloss.nk_entry_grads(u, labels, centre_labels, neighbours,
                                                      weights, lse_all, lse_pos, g, sigma,
                                                      need_c, need_w, need_s)
     return (coef if need_c else None, q if need_w and weights is not None else None,
             srow if need_s else None)
+
+
+def _scatter_entry_terms(emb, centres, neighbours, weights, coef, q, backend, cdt):
+    """The centre and weight gradients from their per-entry terms, whichever form computed
+    them: coef (B, K) through the centre-gradient op, q (B, K) (0 at padding) added into an
+    (N,) gradient; None for a term not given."""
+    grad_c = grad_w = None
+    if coef is not None:
+        grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef, backend)
+        grad_c = grad_c.to(centres.dtype)
+    if q is not None:
+        grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
+        if weights.shape[0]:  # an empty bank (all lists padding): nothing to scatter into
+            grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1), q.reshape(-1))
+        grad_w = grad_w.to(weights.dtype)
+    return grad_c, grad_w
 
 
 def _setup_context(ctx, inputs, output):
@@ -169,18 +187,11 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
                                  lse_pos, g_loss, sigma, need_c, need_w, need_s)
         if terms is not None:
             coef, q, srow = terms
-            grad_c = grad_w = grad_s = None
+            grad_s = None
             if need_s:
                 grad_s = (srow.sum() / sigma.to(cdt)).to(sigma.dtype).reshape(sigma.shape)
-            if need_c:
-                grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef,
-                                                          ctx.backend).to(centres.dtype)
-            if need_w:
-                grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
-                if weights.shape[0]:
-                    grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1),
-                                      q.reshape(-1))
-                grad_w = grad_w.to(weights.dtype)
+            grad_c, grad_w = _scatter_entry_terms(emb, centres, neighbours, weights, coef, q,
+                                                  ctx.backend, cdt)
             return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None, None
     # Rows without a same-class neighbour carry no gradient, whatever flows in; non-finite
     # rows (lse_pos NaN) are counted and pass their NaN on.
@@ -209,12 +220,11 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             ref = u.gather(1, t.logits.masked_fill(~t.valid, float("-inf")).argmax(1, keepdim=True))
             shifted = torch.where(t.valid & takes, u - ref, torch.zeros_like(u))
             grad_s = ((dl * shifted).sum() * inv_sigma).to(sigma.dtype).reshape(sigma.shape)
+        coef = q = None
         if need_c:
             # dlogit_j/dc_j = (x - c_j) / sigma^2, so dL/dc_j = (p_j - p^R_j)(x - c_j) / sigma^2.
             # (docs/MATHS.md section 3; tests/test_reference.py and gradcheck check the sign.)
             coef = dl * (inv_sigma * inv_sigma)
-            grad_c = torch.ops.nnkloss.nk_centre_grad(emb, centres, neighbours, coef, ctx.backend)
-            grad_c = grad_c.to(centres.dtype)
         if need_w:
             # dL/dw_j = (p_j - p^R_j) / w_j: exact even where log w is below the logits'
             # resolution. For a zero weight (a removed centre) it is the one-sided derivative
@@ -232,11 +242,9 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
             q = torch.where(zero, at_zero, (t.all.p - t.pos.p) / torch.where(zero, 1.0, w))
             q = torch.where(nonpad, q, 0.0)
             q = torch.where(bad, float("nan"), torch.where(takes, q * g[:, None], 0.0))
-            grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
-            if weights.shape[0]:  # an empty bank (all lists padding): nothing to scatter into
-                grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1),
-                                  torch.where(nonpad, q, 0.0).reshape(-1))
-            grad_w = grad_w.to(weights.dtype)
+            q = torch.where(nonpad, q, 0.0)
+        grad_c, grad_w = _scatter_entry_terms(emb, centres, neighbours, weights, coef, q,
+                                              ctx.backend, cdt)
     return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None, None
 
 

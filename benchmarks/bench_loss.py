@@ -496,8 +496,10 @@ def _main(argv):
     with ResultsCsv(csv_path, COLUMNS) as out:
         if args.copy_bandwidth:
             gbps = measure_copy_gbps(device)
-            out.write(["copy", "torch", "copy", 0, 0, 0, "fp32", "", f"{gbps:.1f}", "", name,
-                       commit, "", "", "", args.threads, load_average(), utc_now(), "", ""])
+            row = {"op": "copy", "provider": "torch", "mode": "copy", "B": 0, "K": 0, "D": 0,
+                   "dtype": "fp32", "gbps": f"{gbps:.1f}", "device": name, "commit": commit,
+                   "threads": args.threads, "load": load_average(), "date": utc_now()}
+            out.write(row)
         for B, K, D, N, dt in grid:
             inputs = None
             read = max(read, read_gbps(device))  # the machine's best read of the run

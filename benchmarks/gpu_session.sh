@@ -12,6 +12,7 @@
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
 #
 #     bash benchmarks/gpu_session.sh [DIR]      (DIR default: a fresh temporary directory)
+#     GPU_STEPS="bench_loss tune_loss" bash benchmarks/gpu_session.sh   (a rerun: those steps)
 #
 # Everything lands in DIR: env.txt, one log per step, the benchmarks' CSVs and plots, and
 # summary.txt (the last lines of each log). Where $OUT is set (the device machine), DIR is
@@ -28,6 +29,7 @@ export NNKLOSS_COMMIT=${NNKLOSS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null
 step() {  # step NAME SECONDS CMD...: run CMD under a timeout, log to DIR/NAME.log
     local name=$1 secs=$2
     shift 2
+    case " env ${GPU_STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
     local t0=$SECONDS
     timeout "$secs" "$@" >"$dir/$name.log" 2>&1
     local rc=$?
@@ -42,20 +44,20 @@ print('commit', os.environ['NNKLOSS_COMMIT'], 'torch', torch.__version__, 'trito
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 nvidia-smi -L >>"$dir/env.log" 2>&1 || true
 # 1. The CUDA tests: every kernel compiled for this GPU against the references.
-step tests_cuda 120 python3 -m pytest -q -m cuda tests -p no:cacheprovider
+step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape).
 step bench_loss 150 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile --copy-bandwidth --device cuda \
     --out "$dir"
 # 3. The classifier's distances: the Triton kernel against the torch form and compile.
-step bench_classifier 50 python3 benchmarks/bench_classifier.py --device cuda --rounds 1 \
-    --out "$dir"
+step bench_classifier 70 python3 benchmarks/bench_classifier.py --device cuda --rounds 1 \
+    --shapes 2000,1000,64,20000 8192,100,128,50000 --out "$dir"
 # 4. The neighbour lists (torch backend; faiss-gpu only where installed).
 step bench_refresh 50 python3 benchmarks/bench_refresh.py --device cuda --N 1e5 1e6 --D 128 \
     --k 100 --max-seconds 20 --out "$dir"
 # 5. A short launch-configuration sweep of the fused forward.
-step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 --D 512 --max-configs 8 \
+step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 --D 512 --max-configs 10 \
     --out "$dir"
 
 if [ -n "${OUT:-}" ]; then

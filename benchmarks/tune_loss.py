@@ -36,7 +36,9 @@ COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stage
 def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384):
     """Power-of-two tiles: the whole row (single pass) when it fits, else D chunks (two-phase)."""
     full = 1 << max(0, (D - 1).bit_length())
-    block_ds = sorted({bd for bd in (full, 256, 512, 1024, 2048) if bd <= full and bd <= 8192})
+    # The single pass over the whole row first: --max-configs then tries it before D chunks.
+    block_ds = sorted({bd for bd in (full, 256, 512, 1024, 2048) if bd <= full and bd <= 8192},
+                      reverse=True)
     block_ks = [bk for bk in (1, 2, 4, 8, 16, 32, 64) if bk <= max(1, 1 << (K - 1).bit_length())]
     for bd, bk, nw, ns in itertools.product(block_ds, block_ks, warps, stages):
         if bk * bd <= max_tile:
@@ -80,6 +82,7 @@ def main(argv=None):
             configs = list(candidate_configs(K, D, kernels.FwdConfig, args.warps, args.stages))
             if args.max_configs:
                 configs = configs[:args.max_configs]
+            rows = []
             for cfg in configs:
                 try:
                     out = run(cfg)
@@ -89,11 +92,16 @@ def main(argv=None):
                 except Exception as exc:  # a config the compiler rejects (registers, smem)
                     print(f"config {cfg} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     ok, ms = False, float("nan")
-                w.writerow([B, K, D, dt, cfg.block_k, cfg.block_d, cfg.num_warps,
-                            cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}", int(ok),
-                            f"{default_ms:.4g}", name, commit])
+                rows.append([B, K, D, dt, cfg.block_k, cfg.block_d, cfg.num_warps,
+                             cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}", int(ok)])
                 if ok and ms < best[0]:
                     best = (ms, cfg)
+            # The default again after the sweep, the faster of its two times kept: the first
+            # call of a shape can meet cold clocks and caches, which would flatter the sweep.
+            default_ms = min(default_ms, time_ms(run, device, args.reps))
+            if best[0] > default_ms or best[1] == kernels.default_config(K, D):
+                best = (default_ms, kernels.default_config(K, D))
+            w.writerows(r + [f"{default_ms:.4g}", name, commit] for r in rows)
             f.flush()
             summary.append((B, K, D, dt, default_ms, best[0], best[1]))
     print(f"device {name} @ {commit}; rows in {path}")

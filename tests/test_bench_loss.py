@@ -96,6 +96,19 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
     assert "fused vs eager, forward+backward" in table
 
 
+def test_copy_bandwidth_row_fills_the_csv_columns(tmp_path, monkeypatch):
+    """--copy-bandwidth (the GPU session's limit): its row has every column of the CSV."""
+    monkeypatch.setattr(bench_loss, "measure_copy_gbps", lambda device: 1234.5)
+    path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N", "40",
+                            "--dtype", "fp32", "--providers", "fused", "--modes", "fwd",
+                            "--no-isolate", "--copy-bandwidth", "--out", str(tmp_path)])
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    (copy,) = [r for r in rows if r["op"] == "copy"]
+    assert copy["gbps"] == "1234.5" and copy["device"] and copy["date"] and copy["commit"]
+    assert None not in copy.values() and [r["op"] for r in rows].count("loss") == 1
+
+
 def test_also_grad_trains_sigma_weights_and_centres_and_labels_the_rows(tmp_path, monkeypatch):
     """--also-grad: the backward modes also give a gradient to a learned sigma, the weights and
     the centres (leaves cleared before each backward); the rows say so in "grads", and the
@@ -217,7 +230,9 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == tune_loss.COLUMNS
     assert len(rows) == 4 and all(r["ok"] == "1" for r in rows)
-    assert len(summary) == 1 and summary[0][5] > 0
+    assert rows[0]["block_d"] == "8"  # the single pass over the row is tried first
+    assert len({r["default_ms"] for r in rows}) == 1  # the faster of the default's two times
+    assert len(summary) == 1 and summary[0][5] > 0 and summary[0][5] <= summary[0][4]
 
 
 def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):

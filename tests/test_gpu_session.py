@@ -19,9 +19,8 @@ def test_the_steps_time_out_within_seven_minutes():
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
-def test_every_step_runs_and_two_files_come_back(tmp_path):
-    """With python3 stood in by a script that records its arguments, every step runs in order,
-    each writes its log, and $OUT receives the packed directory and the summary only."""
+def _stand_in_python(tmp_path):
+    """A python3 that records its arguments, one line per call (its own newlines made spaces)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.txt"
@@ -30,9 +29,16 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     fake.write_text(f"#!/bin/sh\necho \"$NNKLOSS_COMMIT $*\" | tr '\\n' ' ' >> {calls}\n"
                     f"echo >> {calls}\necho ran\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return calls, dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", NNKLOSS_COMMIT="abc1234")
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_every_step_runs_and_two_files_come_back(tmp_path):
+    """With python3 stood in, every step runs in order, each writes its log, and $OUT receives
+    the packed directory and the summary only."""
+    calls, env = _stand_in_python(tmp_path)
     out, work = tmp_path / "out", tmp_path / "work"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
-               NNKLOSS_COMMIT="abc1234")
+    env["OUT"] = str(out)
     subprocess.run(["bash", SCRIPT, str(work)], env=env, check=True, capture_output=True,
                    timeout=60)
     assert sorted(os.listdir(out)) == ["gpu_session.tgz", "summary.txt"]
@@ -49,6 +55,18 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
         assert f"{step}.log" in names
     summary = (out / "summary.txt").read_text()
     assert summary.count("== ") == 6 and "exit 0" in summary
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_a_rerun_runs_only_the_steps_named(tmp_path):
+    calls, env = _stand_in_python(tmp_path)
+    env["GPU_STEPS"] = "bench_loss tune_loss"
+    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    scripts = [line.split()[1] for line in calls.read_text().splitlines()]
+    assert scripts == ["-c", "benchmarks/bench_loss.py", "benchmarks/tune_loss.py"]
+    summary = (tmp_path / "work" / "summary.txt").read_text()
+    assert summary.count("== ") == 3 and "tests_cuda" not in summary
 
 
 def test_git_commit_reads_the_override(monkeypatch):

@@ -130,8 +130,9 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     name, commit = device_name(device), git_commit()
-    from nnkloss.ops import cpu
-    cpu.available()  # builds the library once, before any worker times a call
+    if device.type == "cpu":  # builds the library once, before any worker times a call
+        from nnkloss.ops import cpu
+        cpu.available()
     csv_path = results_path(args.out, device, prefix="classifier_")
     print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
     print(f"writing {csv_path}")

@@ -244,3 +244,14 @@ def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == bench_refresh.COLUMNS
     assert rows[0]["N"] == "500" and float(rows[0]["seconds"]) > 0 and rows[0]["date"]
+
+
+def test_profile_step_reports_wall_and_host_time_per_mode(capsys):
+    import profile_step
+    report = profile_step.main(["--device", "cpu", "--B", "8", "--K", "4", "--D", "16", "--N",
+                                "100", "--calls", "5", "--top", "5"])
+    assert set(report) == {"fwd", "fwd_bwd"}
+    for wall, host in report.values():
+        assert wall > 0 and 0 < host <= wall * 1.01
+    out = capsys.readouterr().out
+    assert out.count("== fwd") == 2 and "loss_rows_unchecked" in out and "commit" in out

@@ -1,0 +1,124 @@
+"""Where one call of the fused loss spends its time: the host (Python, dispatch, launches) or
+the device (kernels), for the forward-only call and a forward+backward step.
+
+    python benchmarks/profile_step.py --device cuda --B 4096 --K 100 --D 128 --dtype fp32
+    python benchmarks/profile_step.py --device cpu --B 8 --K 4 --D 16 --N 100    # smoke run
+
+For each mode it prints:
+  * wall ms per call, timed back to back with one synchronisation at the end (what a training
+    loop sees), and the host ms per call (the time the Python call takes to return, i.e. to
+    enqueue its work; on CUDA a call whose host ms is about its wall ms is host-bound);
+  * the host functions with the most own time (cProfile over ``--calls`` calls);
+  * on CUDA, the kernels and their device time per call (torch.profiler).
+Value checks are off, as in a training loop after its first step (bench_loss does the same).
+Nothing is written to disk; the numbers go to stdout with device, commit and date.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import nnkloss  # noqa: E402
+from bench_loss import DTYPES, fused_loss, make_inputs  # noqa: E402
+from common import device_name, git_commit, utc_now  # noqa: E402
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_fn(mode, inputs):
+    """One call of the op in ``mode`` ("fwd": no input requires grad; "fwd_bwd": the loss and
+    its backward to the embeddings)."""
+    emb, labels, centres, cl, nb, w, sigma = inputs
+    x = emb.detach().clone().requires_grad_(mode == "fwd_bwd")
+
+    def step():
+        loss = fused_loss(x, labels, centres, cl, nb, w, sigma)
+        if mode == "fwd_bwd":
+            x.grad = None
+            loss.backward()
+        return loss
+    return step
+
+
+def wall_and_host_ms(step, device, calls):
+    """(wall ms per call with one sync at the end, host ms per call until each returns)."""
+    _sync(device)
+    host = 0.0
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        t = time.perf_counter()
+        step()
+        host += time.perf_counter() - t
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / calls, host * 1e3 / calls
+
+
+def host_profile(step, device, calls, top):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    _sync(device)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def kernel_table(step, device, calls, top):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        _sync(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--B", type=int, default=4096)
+    ap.add_argument("--K", type=int, default=100)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--N", type=int, default=1_000_000)
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    inputs = make_inputs(args.B, args.K, args.D, args.N, DTYPES[args.dtype], device)
+    print(f"device {device_name(device)} | commit {git_commit()} | {utc_now()} | "
+          f"B={args.B} K={args.K} D={args.D} N={args.N} {args.dtype}")
+    report = {}
+    with nnkloss.value_checks(False):
+        for mode in args.modes:
+            step = step_fn(mode, inputs)
+            for _ in range(3):  # compile, autotune and allocator warm-up
+                step()
+            wall, host = wall_and_host_ms(step, device, args.calls)
+            report[mode] = (wall, host)
+            print(f"\n== {mode}: wall {wall:.4f} ms/call, host {host:.4f} ms/call "
+                  f"({100 * host / wall:.0f}% of wall)")
+            print(host_profile(step, device, args.calls, args.top))
+            if device.type == "cuda":
+                print(kernel_table(step, device, args.calls, args.top))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,10 @@ providers compare on one scale. A row that ran out of memory is written with ms 
 Providers: ``fused`` (the op as users call it: the Triton kernels on CUDA, the compiled CPU
 kernel ``nnkloss.ops.cpu`` on CPU tensors; value checks off, as in a training loop after its
 first step), ``eager`` (gather then logsumexp, as a user would write it),
-``compile`` (``torch.compile`` of eager), ``torch`` (the op's plain PyTorch path),
+``compile`` (``torch.compile`` of eager), ``fused_compile`` (the op's call inside
+``torch.compile``: the op is opaque to it, the mean and the backward's small ops around it are
+compiled; with ``--compile-mode reduce-overhead`` both compile providers replay CUDA graphs on
+a GPU), ``torch`` (the op's plain PyTorch path),
 ``checked`` (``fused`` with the value checks on, the default) and ``module``
 (``NeighbourKernelLoss(bank)(emb, labels, idx)`` over a bank holding the same lists, checks
 on: the whole call a user of the module pays, lists fetched by the bank).
@@ -61,7 +64,10 @@ COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak
 EXTRA_GRADS = ["sigma", "weights", "centres"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused", "eager", "compile", "torch", "checked", "module"]
+PROVIDERS = ["fused", "eager", "compile", "fused_compile", "torch", "checked", "module"]
+# torch.compile's mode for the compile and fused_compile providers (--compile-mode):
+# "reduce-overhead" replays CUDA graphs on a GPU, which takes the host's time per call away.
+COMPILE_MODE = {"mode": "default"}
 # The CPU grid (issue 12): (B, K, D, N, bank dtype), sigma = sqrt(D) / 2.
 CPU_GRID = [(256, 100, 512, 20000, "fp32"), (1024, 32, 128, 50000, "fp32"),
             (64, 256, 2048, 10000, "fp32"), (256, 100, 512, 20000, "bf16")]
@@ -183,8 +189,12 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
     import torch._dynamo  # noqa: F401
     fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss,
           "checked": checked_loss}.get(provider)
-    if provider == "compile":
-        fn = _COMPILED.setdefault("fn", torch.compile(eager_loss, dynamic=False))
+    if provider in ("compile", "fused_compile"):
+        if provider not in _COMPILED:
+            _COMPILED[provider] = torch.compile(
+                eager_loss if provider == "compile" else fused_loss, dynamic=False,
+                mode=COMPILE_MODE["mode"])
+        fn = _COMPILED[provider]
     elif provider == "module":
         fn = module_loss(inputs)
     if provider in ("fused", "checked", "module") and device.type == "cpu":
@@ -224,7 +234,7 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
     return ms, rss.peak_mb(), first
 
 
-_COMPILED = {}  # one torch.compile per process, shared by the modes measured there
+_COMPILED = {}  # one torch.compile per provider and process, shared by the modes measured there
 # Timed calls per mode on CPU (the median is reported): 7 left run-to-run swings of 10-25% on
 # the shared 2-core machine.
 CPU_ITERS = 21
@@ -270,6 +280,7 @@ def worker(spec):
     exactly ``--threads`` threads; benchmarks/bench_threads.py measures the governed default."""
     os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
     torch.set_num_threads(spec["threads"])
+    COMPILE_MODE["mode"] = spec.get("compile_mode", "default")
     device = torch.device(spec["device"])
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
@@ -458,6 +469,11 @@ def _main(argv):
     ap.add_argument("--N", type=int, help="bank rows (default 1M: >> L2)")
     ap.add_argument("--providers", nargs="+", default=["fused", "eager", "compile"],
                     choices=PROVIDERS)
+    ap.add_argument("--compile-mode", default="default",
+                    choices=["default", "reduce-overhead", "max-autotune",
+                             "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode of the compile and fused_compile providers "
+                         "(fused_compile: the op itself inside torch.compile)")
     ap.add_argument("--modes", nargs="+", choices=MODES,
                     help="default fwd bwd fwd_bwd (fwd: embeddings without grad, the "
                          "forward-only op; bwd: the backward alone)")
@@ -478,6 +494,7 @@ def _main(argv):
     if args is None:
         return 0
     device = torch.device(args.device)
+    COMPILE_MODE["mode"] = args.compile_mode
     grid = shapes(args, device)
     modes = args.modes or list(MODES)
     isolate = device.type == "cpu" if args.isolate is None else args.isolate
@@ -514,7 +531,8 @@ def _main(argv):
                     res = run_isolated(os.path.abspath(__file__), {
                         "provider": prov, "modes": modes, "B": B, "K": K, "D": D, "N": N,
                         "dtype": dt, "device": str(device), "threads": args.threads,
-                        "reps": args.reps, "also_grad": args.also_grad})
+                        "reps": args.reps, "also_grad": args.also_grad,
+                        "compile_mode": args.compile_mode})
                     if "error" in res:
                         raise RuntimeError(f"{prov} B={B} K={K} D={D}: {res['error']}")
                     idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])

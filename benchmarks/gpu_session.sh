@@ -48,7 +48,7 @@ step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape).
 step bench_loss 150 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
-    --dtype fp32 bf16 --providers fused eager compile --copy-bandwidth --device cuda \
+    --dtype fp32 bf16 --providers fused eager compile fused_compile --copy-bandwidth --device cuda \
     --out "$dir"
 # 3. The classifier's distances: the Triton kernel against the torch form and compile.
 step bench_classifier 70 python3 benchmarks/bench_classifier.py --device cuda --rounds 1 \

@@ -255,3 +255,30 @@ def test_profile_step_reports_wall_and_host_time_per_mode(capsys):
         assert wall > 0 and 0 < host <= wall * 1.01
     out = capsys.readouterr().out
     assert out.count("== fwd") == 2 and "loss_rows_unchecked" in out and "commit" in out
+
+
+def test_fused_compile_provider_runs_the_op_inside_torch_compile(tmp_path, monkeypatch):
+    """fused_compile: the op's call compiled (the op opaque inside); same loss and gradient
+    as fused, and --compile-mode reaches torch.compile."""
+    inputs = bench_loss.make_inputs(16, 5, 8, 60, torch.float32, torch.device("cpu"))
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real(fn, **kw))
+    monkeypatch.setitem(bench_loss.COMPILE_MODE, "mode", "max-autotune-no-cudagraphs")
+    bench_loss._COMPILED.clear()
+    results = []
+    for provider in ("fused", "fused_compile"):
+        x = inputs[0].clone().requires_grad_(True)
+        ms, _, _ = bench_loss.run_one(provider, "fwd_bwd", (x,) + inputs[1:],
+                                      torch.device("cpu"), reps=1)
+        assert ms > 0
+        fn = bench_loss.fused_loss if provider == "fused" else bench_loss._COMPILED[provider]
+        x.grad = None
+        with nnkloss.value_checks(False):
+            loss = fn(x, *inputs[1:])
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    bench_loss._COMPILED.clear()
+    assert seen == [{"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])

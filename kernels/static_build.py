@@ -46,8 +46,10 @@ DTYPE_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int32": 4, "int64": 
 @dataclass(frozen=True)
 class Build:
     """One launcher call: kernel 'fwd' (neighbour_kernel_fwd), 'centre_grad', 'rel_sqdist'
-    (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64) or
-    'gathered_finite' (the value check of the gathered centres; K list entries a row)."""
+    (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64),
+    'gathered_finite' (the value check of the gathered centres; K list entries a row) or
+    'scale_rows' (the backward's embedding gradient: ``bank`` is grad_x's dtype, ``emb`` the
+    output's; K unused)."""
     kernel: str
     K: int
     D: int
@@ -68,6 +70,8 @@ class Build:
             return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{self.idx}"
         if self.kernel == "gathered_finite":
             return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.idx}"
+        if self.kernel == "scale_rows":
+            return f"{self.kernel}-D{self.D}-{self.bank}-{self.emb}"
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
         tail += "" if self.grad_x else "-fwdonly"
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
@@ -122,6 +126,11 @@ def _covering_set() -> List[Build]:
                             (256, 2048, "fp16", "int32"), (100, 64, "fp64", "int64"),
                             (7, 13, "fp32", "int64")]:
         out.append(Build("gathered_finite", K, D, bank, "fp32", idx=idx))
+    # The backward's embedding gradient: fp32 / fp64 grad_x, output in the embeddings' dtype,
+    # one and several column blocks, an unaligned D.
+    for D, gx, emb in [(64, "fp32", "fp32"), (512, "fp32", "bf16"), (2048, "fp64", "fp64"),
+                       (13, "fp32", "fp16")]:
+        out.append(Build("scale_rows", 1, D, gx, emb))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -203,6 +212,8 @@ def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: 
         return b.K * (b.D * e + i + 4 + b.D * 4 * 2) + b.D * x
     if b.kernel == "gathered_finite":  # a row's listed centres and their entries
         return b.K * (b.D * e + i)
+    if b.kernel == "scale_rows":  # grad_x read, the gradient written; g and lse_pos
+        return b.D * (e + x) + 2 * e
     if b.kernel == "rel_sqdist":  # x and the reference row once per tile of the list
         tiles = -(-b.K // max(1, tile_k))
         return b.K * (b.D * e + i + (8 if b.emb == "fp64" else 4)) + tiles * (b.D * (x + e) + i)
@@ -311,6 +322,7 @@ def _child(archs: List[int], names: List[str]) -> Dict:
     nk = sys.modules["_nk_static.neighbour_kernel"]
     rs = sys.modules["_nk_static.relative_distances"]
     gf = sys.modules["_nk_static.gathered_finite"]
+    sr = sys.modules["_nk_static.scale_rows"]
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
@@ -348,6 +360,13 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     be, bd = gf.gathered_finite_config(b.D)
                     entry.update(config=dict(block_k=be, block_d=bd, num_warps=4, num_stages=3,
                                              rows=1), single_pass=bd >= b.D, tile_elems=be * bd)
+                    entry["bytes_per_row"] = bytes_per_row(b)
+                elif b.kernel == "scale_rows":
+                    gx = emb.to(tdtypes[b.bank])
+                    sr.scale_rows(gx, gx[:, 0], gx[:, 0].contiguous(), tdtypes[b.emb])
+                    br, bd = sr.scale_rows_config(b.D)
+                    entry.update(config=dict(block_k=br, block_d=bd, num_warps=4, num_stages=3,
+                                             rows=br), single_pass=bd >= b.D, tile_elems=br * bd)
                     entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "rel_sqdist":
                     cdt = torch.float64 if b.emb == "fp64" else torch.float32

@@ -293,6 +293,51 @@ def test_half_precision_sigma_is_widened_before_use(backend):
 
 
 # -----------------------------------------------------------------------------------------------
+# The embedding gradient of the Triton backend's backward: one launch (kernels/scale_rows.py)
+# on plain tensors, the torch form where the backward is itself recorded.
+@pytest.mark.interpreter
+@pytest.mark.parametrize("emb_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_triton_backward_scales_rows_in_one_kernel(monkeypatch, emb_dtype):
+    kernels = nnkloss.ops.backends.kernels()
+    calls = []
+    real = kernels.scale_rows
+    monkeypatch.setattr(kernels, "scale_rows", lambda *a: calls.append(a) or real(*a))
+    g = torch.Generator().manual_seed(9)
+    emb = torch.randn(7, 10, generator=g).to(emb_dtype)
+    centres = torch.randn(40, 10, generator=g).to(emb_dtype)
+    labels = torch.randint(0, 3, (7,), generator=g)
+    cl = torch.randint(0, 3, (40,), generator=g)
+    nb = torch.randint(0, 40, (7, 6), generator=g)
+    cl[nb[3]] = (labels[3] + 1) % 3  # row 3 has no same-class neighbour
+    upstream = torch.randn(7, generator=g, dtype=torch.float64 if emb_dtype == torch.float64
+                           else torch.float32)
+    upstream[5] = 0.0  # row 5 takes no gradient
+    grads = {}
+    for backend in ("torch", "triton"):
+        x = emb.clone().requires_grad_(True)
+        rows = nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, sigma=1.3,
+                                             reduction="none", backend=backend)
+        rows.backward(upstream)
+        mean = nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, sigma=1.3,
+                                             backend=backend)
+        (x_mean,) = torch.autograd.grad(mean, x)
+        grads[backend] = (x.grad, x_mean)
+    assert len(calls) == 2 and calls[1][1].stride(0) == 0  # the mean's expanded gradient
+    assert grads["triton"][0].dtype == emb_dtype
+    assert (grads["triton"][0][[3, 5]] == 0).all() and grads["triton"][0].abs().sum() > 0
+    tol = dict(rtol=2e-2, atol=1e-3) if emb_dtype == torch.bfloat16 else {}
+    for a, b in zip(grads["triton"], grads["torch"]):
+        torch.testing.assert_close(a, b, **tol)
+    # create_graph=True: the torch form (differentiable), not the kernel
+    calls.clear()
+    x = emb.clone().requires_grad_(True)
+    loss = nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, sigma=1.3, backend="triton")
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    assert calls == [] and gx.requires_grad
+    torch.testing.assert_close(gx.detach(), grads["triton"][1])
+
+
+# -----------------------------------------------------------------------------------------------
 # Moved from tests/test_promises_bank.py (issue 14 README promises; issue 19).
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bank_dtype", [torch.float16, torch.float32])

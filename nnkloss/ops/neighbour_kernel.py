@@ -83,6 +83,19 @@ def _scale_rows_cpu(grad_x, g, lse_pos):
     return torch.ops.nnkloss.nk_scale_rows(grad_x, g, lse_pos)
 
 
+def _scale_rows_fused(backend, grad_x, g_loss, lse_pos, out_dtype):
+    """The embedding gradient of the backward in one pass (see _backward), or None where the
+    torch form must run: the Triton kernel only on plain tensors outside a recorded backward
+    (traced, it is the torch form that torch.compile fuses; create_graph=True needs it
+    differentiable); the CPU library always (directly or through its custom op)."""
+    if backend == "cpu":
+        return _scale_rows_cpu(grad_x, g_loss.to(grad_x.dtype), lse_pos).to(out_dtype)
+    if backend == "triton" and not torch.is_grad_enabled() and plain_eager(grad_x, g_loss):
+        from .backends import kernels
+        return kernels().scale_rows(grad_x, g_loss, lse_pos, out_dtype)
+    return None
+
+
 @torch.library.custom_op("nnkloss::nk_entry_grads", mutates_args=())
 def _nk_entry_grads(u: Tensor, labels: Tensor, centre_labels: Tensor, neighbours: Tensor,
                     weights: Optional[Tensor], lse_all: Tensor, lse_pos: Tensor, g: Tensor,
@@ -173,14 +186,15 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
         raise RuntimeError("nnkloss::nk_forward was called with need_grad_x=False, so it "
                            "cannot give emb a gradient")
     grad_emb = None
+    if need_emb:
+        # One pass that also applies the row rule below (rows with lse_pos -inf or g 0 get 0):
+        # no mask is built, and g_loss is read as autograd hands it over (an expanded scalar
+        # after a mean). On CPU on the kernel's threads (torch's pool spins after each op); on
+        # the GPU one launch instead of six (the training step there is bound by the host).
+        grad_emb = _scale_rows_fused(ctx.backend, grad_x, g_loss, lse_pos, emb.dtype)
+    if not (need_c or need_w or need_s) and (grad_emb is not None or not need_emb):
+        return grad_emb, None, None, None, None, None, None, None, None, None
     if ctx.backend == "cpu":
-        # On the kernel's threads (torch's pool spins after each op), in one call that also
-        # applies the row rule below (rows with lse_pos -inf or g 0 get 0): no mask is built,
-        # and g_loss is read as autograd hands it over (an expanded scalar after a mean).
-        if need_emb:
-            grad_emb = _scale_rows_cpu(grad_x, g_loss.to(cdt), lse_pos).to(emb.dtype)
-        if not (need_c or need_w or need_s):
-            return grad_emb, None, None, None, None, None, None, None, None, None
         # The centre, weight and sigma terms per entry in one compiled pass (the form below,
         # without its dozens of (B, K) torch ops), unless this backward is itself recorded.
         terms = _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all,

@@ -190,6 +190,14 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
     fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss,
           "checked": checked_loss}.get(provider)
     if provider in ("compile", "fused_compile"):
+        if COMPILE_MODE["mode"] == "reduce-overhead":
+            # CUDA graphs copy every input they are not told is static into their own buffer
+            # on each replay: the whole bank (0.5-2 GB here) per call, the first GPU run's
+            # mistake (forward peak = the bank's size). A training loop holds the bank, its
+            # labels and weights and sigma in place (module buffers / parameters); the batch
+            # (embeddings, labels, lists) is new each step and is copied.
+            for t in (centres, cl, w, sigma):
+                torch._dynamo.mark_static_address(t)
         if provider not in _COMPILED:
             _COMPILED[provider] = torch.compile(
                 eager_loss if provider == "compile" else fused_loss, dynamic=False,

@@ -344,8 +344,19 @@ class FwdConfig:
         return self.block_d >= D
 
 
+# Measured exceptions to the rule below, for the training forward (grad_x computed) of 2-byte
+# banks: {block_d: (block_k, num_warps)}. benchmarks/tune_loss.py on an H200 (Triton 3.6.0,
+# B 4096, K 100, banks of 1M rows; benchmarks/results/tune_NVIDIA_H200.csv, commits 496aa53,
+# a893a13, 4bebbfd, 2026-11-26): the rule's tile took 0.645 / 0.717 / 1.156 ms at D 256 / 512 /
+# 2048, these 0.322 / 0.373 / 0.774 ms (2.0x, 1.9x, 1.5x); at D 128 and 1024 the rule's tile
+# was the fastest tried, as it was for fp32 banks at D 128 and 512. Applied to lists of more
+# than 32 entries (measured at K 100); other shapes, the forward-only build and other GPUs are
+# unmeasured: tune_loss.py sweeps them.
+MEASURED_2BYTE_TRAINING = {256: (1, 4), 512: (1, 4), 2048: (2, 4)}
+
+
 def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
-                   elem_size: int = 4) -> FwdConfig:
+                   elem_size: int = 4, grad_x: bool = True) -> FwdConfig:
     """Launch rule derived from the static build report (``python benchmarks/kernel_report.py``;
     benchmarks/results/static_sm_90.csv and static_sm_80.csv, Triton 3.8.0, "sweep" rows).
 
@@ -377,14 +388,23 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     For 2-byte banks 64 bytes per thread costs the 16-warp floor's worth of registers but
     gives 32 KB in flight against 24 KB at 32 bytes per thread. Rows per program do not change
     the static figures (the rows are processed in turn by the same tile); they only divide the
-    number of programs for tiny lists. Not yet measured on a GPU: benchmarks/tune_loss.py
-    sweeps the alternatives against this default.
+    number of programs for tiny lists.
+
+    Measured on a GPU (H200), the rule held for fp32 banks at D 128 and 512 and for 2-byte
+    banks at D 128 and 1024, and was 1.5-2x off for the training forward of 2-byte banks at
+    D 256, 512 and 2048: those take the measured tiles of MEASURED_2BYTE_TRAINING (above)
+    instead (``grad_x``: the launch computes grad_x). The static figures did not predict it:
+    the 8 x 512 bf16 tile (116 registers, 16 warps) was slower than 4 x 512 (80, 24) and
+    both slower than 1 x 512.
     """
     block_d_full = triton.next_power_of_2(max(D, 1))
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d
+    kp2 = triton.next_power_of_2(max(K, 1))
+    if grad_x and elem_size == 2 and block_d in MEASURED_2BYTE_TRAINING and kp2 >= 64:
+        block_k, num_warps = MEASURED_2BYTE_TRAINING[block_d]
+        return FwdConfig(block_k, block_d, num_warps, 2, 1)
     per_thread = max(1, BYTES_PER_THREAD // elem_size)
     num_warps = 4 if block_d <= 1024 else (8 if block_d <= 2048 else 16)
-    kp2 = triton.next_power_of_2(max(K, 1))
     # Small lists: no more warps than the tile needs at per_thread elements per thread.
     while num_warps > 1 and kp2 * block_d < per_thread * 32 * num_warps:
         num_warps //= 2
@@ -442,7 +462,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
     cfg = config if config is not None else default_config(K, D, max_block_d,
-                                                           centres.element_size())
+                                                           centres.element_size(), need_grad_x)
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist

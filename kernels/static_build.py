@@ -98,6 +98,8 @@ def _covering_set() -> List[Build]:
     out.append(Build("fwd", 100, 999, "fp32", "fp32", True, "int32", False))  # fallback build
     out.append(Build("fwd", 100, 5000, "fp32", "fp32", True, "int32", False))  # two-phase scratch
     out.append(Build("fwd", 256, 512, "bf16", "fp32", True, "int32", False))  # production-like
+    for D in (256, 2048):  # the measured 2-byte tiles (MEASURED_2BYTE_TRAINING)
+        out.append(Build("fwd", 100, D, "bf16", "fp32", True, "int32", False))
     # Forward-only builds (no grad_x): single pass, two-phase (then one phase), 2-byte bank.
     for K, D, bank, dist in [(100, 512, "fp32", False), (256, 512, "bf16", False),
                              (32, 128, "fp32", True), (100, 5000, "fp32", False),
@@ -348,7 +350,8 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     cl = torch.zeros(N, dtype=torch.int64)
                     w = torch.ones(N) if b.weights else None
                     cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg
-                           else nk.default_config(b.K, b.D, elem_size=cen.element_size()))
+                           else nk.default_config(b.K, b.D, elem_size=cen.element_size(),
+                                                 grad_x=b.grad_x))
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,
                                             need_grad_x=b.grad_x)

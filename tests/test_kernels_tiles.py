@@ -23,7 +23,7 @@ def force_blocks(monkeypatch):
     seen = []
 
     def force(block_k, block_d):
-        def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4):
+        def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4, grad_x=True):
             seen.append((K, D))
             return nk.FwdConfig(block_k, block_d, num_warps=2)
         monkeypatch.setattr(nk, "default_config", cfg)
@@ -111,3 +111,21 @@ def test_default_config_is_one_tile_up_to_64():
     nk = kernels().neighbour_kernel
     assert nk.default_config(64, 20).block_k >= 64
     assert nk.default_config(100, 20).block_k < 100
+
+
+def test_default_config_takes_the_measured_tiles_of_2_byte_banks_in_training():
+    """MEASURED_2BYTE_TRAINING: the GPU-measured tiles replace the rule only where they were
+    measured (2-byte banks, grad_x computed, lists of more than 32 entries, those widths)."""
+    nk = kernels().neighbour_kernel
+    cfg = nk.default_config
+    assert cfg(100, 512, elem_size=2) == nk.FwdConfig(1, 512, 4, 2, 1)
+    assert cfg(256, 300, elem_size=2) == nk.FwdConfig(1, 512, 4, 2, 1)   # D pads to 512
+    assert cfg(100, 256, elem_size=2) == nk.FwdConfig(1, 256, 4, 2, 1)
+    assert cfg(100, 2048, elem_size=2) == nk.FwdConfig(2, 2048, 4, 2, 1)
+    rule = {(100, 512): nk.FwdConfig(8, 512, 4, 2, 1), (100, 1024): nk.FwdConfig(4, 1024, 4, 2, 1),
+            (100, 128): nk.FwdConfig(32, 128, 4, 2, 1), (32, 512): nk.FwdConfig(8, 512, 4, 2, 1)}
+    assert cfg(100, 512, elem_size=2, grad_x=False) == rule[100, 512]  # forward-only: the rule
+    assert cfg(100, 1024, elem_size=2) == rule[100, 1024]               # the rule was fastest
+    assert cfg(100, 128, elem_size=2) == rule[100, 128]
+    assert cfg(32, 512, elem_size=2) == rule[32, 512]                    # short lists: unmeasured
+    assert cfg(100, 512) == nk.FwdConfig(4, 512, 4, 2, 1)               # fp32: the rule

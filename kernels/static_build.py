@@ -49,7 +49,8 @@ class Build:
     (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64),
     'gathered_finite' (the value check of the gathered centres; K list entries a row) or
     'scale_rows' (the backward's embedding gradient: ``bank`` is grad_x's dtype, ``emb`` the
-    output's; K unused)."""
+    output's; K unused) or 'entry_grads' (the backward's per-entry terms: ``bank`` is the
+    compute dtype of the saved distances, every term asked for; D unused)."""
     kernel: str
     K: int
     D: int
@@ -72,6 +73,9 @@ class Build:
             return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.idx}"
         if self.kernel == "scale_rows":
             return f"{self.kernel}-D{self.D}-{self.bank}-{self.emb}"
+        if self.kernel == "entry_grads":
+            return (f"{self.kernel}-K{self.K}-{self.bank}-{'w' if self.weights else 'now'}"
+                    f"-{self.idx}")
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
         tail += "" if self.grad_x else "-fwdonly"
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
@@ -133,6 +137,11 @@ def _covering_set() -> List[Build]:
     for D, gx, emb in [(64, "fp32", "fp32"), (512, "fp32", "bf16"), (2048, "fp64", "fp64"),
                        (13, "fp32", "fp16")]:
         out.append(Build("scale_rows", 1, D, gx, emb))
+    # The backward's per-entry terms: one tile and several, fp32 and fp64, with and without
+    # weights, both list widths.
+    for K, cdt, w, idx in [(100, "fp32", True, "int32"), (1000, "fp32", False, "int64"),
+                           (7, "fp64", True, "int64")]:
+        out.append(Build("entry_grads", K, 1, cdt, "fp32", weights=w, idx=idx))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -216,6 +225,8 @@ def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: 
         return b.K * (b.D * e + i)
     if b.kernel == "scale_rows":  # grad_x read, the gradient written; g and lse_pos
         return b.D * (e + x) + 2 * e
+    if b.kernel == "entry_grads":  # two passes over the list's metadata; coef and q written
+        return 2 * b.K * (e + i + clab + (4 if b.weights else 0)) + 2 * b.K * e + 4 * e
     if b.kernel == "rel_sqdist":  # x and the reference row once per tile of the list
         tiles = -(-b.K // max(1, tile_k))
         return b.K * (b.D * e + i + (8 if b.emb == "fp64" else 4)) + tiles * (b.D * (x + e) + i)
@@ -325,6 +336,7 @@ def _child(archs: List[int], names: List[str]) -> Dict:
     rs = sys.modules["_nk_static.relative_distances"]
     gf = sys.modules["_nk_static.gathered_finite"]
     sr = sys.modules["_nk_static.scale_rows"]
+    eg = sys.modules["_nk_static.entry_grads"]
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
@@ -370,6 +382,20 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     br, bd = sr.scale_rows_config(b.D)
                     entry.update(config=dict(block_k=br, block_d=bd, num_warps=4, num_stages=3,
                                              rows=br), single_pass=bd >= b.D, tile_elems=br * bd)
+                    entry["bytes_per_row"] = bytes_per_row(b)
+                elif b.kernel == "entry_grads":
+                    cdt = tdtypes[b.bank]
+                    u = torch.rand(b.B, b.K, generator=g).to(cdt)
+                    lse = torch.zeros(b.B, dtype=cdt)
+                    eg.entry_grads(u, torch.zeros(b.B, dtype=tdtypes[b.idx]),
+                                   torch.zeros(N, dtype=tdtypes[b.idx]), nb,
+                                   torch.ones(N) if b.weights else None, lse, lse,
+                                   torch.ones(b.B, dtype=cdt), torch.tensor(1.0), True, True,
+                                   True)
+                    bk = min(triton.next_power_of_2(b.K), eg.ENTRY_GRADS_MAX_BLOCK_K)
+                    entry.update(config=dict(block_k=bk, block_d=1,
+                                             num_warps=max(1, min(4, bk // 32)), num_stages=3,
+                                             rows=1), single_pass=bk >= b.K, tile_elems=bk)
                     entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "rel_sqdist":
                     cdt = torch.float64 if b.emb == "fp64" else torch.float32

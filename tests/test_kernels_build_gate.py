@@ -77,6 +77,8 @@ def test_compiles_without_spills_with_16_warps(gate, arch, name):
 def test_aligned_rows_are_gathered_in_wide_loads(gate, arch, name):
     e = _entry(gate, arch, name)
     assert e["ok"], e.get("error")
+    if e["build"]["kernel"] == "entry_grads":
+        pytest.skip("no rows gathered: the per-entry terms read scalars of the list")
     esize = sb.DTYPE_SIZES[e["build"]["bank"]]
     width = e["row_align"] * esize  # bytes the launcher promised per row start
     if width < 8:

@@ -144,6 +144,23 @@ def _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all, lse
             srow if need_s else None)
 
 
+def _entry_grads_fused(backend, u, labels, centre_labels, neighbours, weights, lse_all,
+                       lse_pos, g, sigma, need_c, need_w, need_s):
+    """The backward's per-entry terms (coef, q, srow) in one pass, or None where the torch form
+    must run: the CPU library (:func:`_entry_grads_cpu`), or the Triton kernel
+    (``kernels/entry_grads.py``) on plain tensors outside a recorded backward (traced, the
+    torch form is what torch.compile fuses; create_graph=True needs it differentiable)."""
+    if backend == "cpu":
+        return _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all,
+                                lse_pos, g, sigma, need_c, need_w, need_s)
+    if (backend == "triton" and not torch.is_grad_enabled()
+            and plain_eager(u, labels, centre_labels, neighbours, lse_all, lse_pos, g, sigma)):
+        from .backends import kernels
+        return kernels().entry_grads(u, labels, centre_labels, neighbours, weights, lse_all,
+                                     lse_pos, g, sigma, need_c, need_w, need_s)
+    return None
+
+
 def _scatter_entry_terms(emb, centres, neighbours, weights, coef, q, backend, cdt):
     """The centre and weight gradients from their per-entry terms, whichever form computed
     them: coef (B, K) through the centre-gradient op, q (B, K) (0 at padding) added into an
@@ -194,19 +211,18 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
         grad_emb = _scale_rows_fused(ctx.backend, grad_x, g_loss, lse_pos, emb.dtype)
     if not (need_c or need_w or need_s) and (grad_emb is not None or not need_emb):
         return grad_emb, None, None, None, None, None, None, None, None, None
-    if ctx.backend == "cpu":
-        # The centre, weight and sigma terms per entry in one compiled pass (the form below,
-        # without its dozens of (B, K) torch ops), unless this backward is itself recorded.
-        terms = _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all,
-                                 lse_pos, g_loss, sigma, need_c, need_w, need_s)
-        if terms is not None:
-            coef, q, srow = terms
-            grad_s = None
-            if need_s:
-                grad_s = (srow.sum() / sigma.to(cdt)).to(sigma.dtype).reshape(sigma.shape)
-            grad_c, grad_w = _scatter_entry_terms(emb, centres, neighbours, weights, coef, q,
-                                                  ctx.backend, cdt)
-            return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None, None
+    # The centre, weight and sigma terms per entry in one pass (the form below, without its
+    # dozens of (B, K) torch ops), unless this backward is itself recorded or traced.
+    terms = _entry_grads_fused(ctx.backend, u, labels, centre_labels, neighbours, weights,
+                               lse_all, lse_pos, g_loss, sigma, need_c, need_w, need_s)
+    if terms is not None and (grad_emb is not None or not need_emb):
+        coef, q, srow = terms
+        grad_s = None
+        if need_s:
+            grad_s = (srow.sum() / sigma.to(cdt)).to(sigma.dtype).reshape(sigma.shape)
+        grad_c, grad_w = _scatter_entry_terms(emb, centres, neighbours, weights, coef, q,
+                                              ctx.backend, cdt)
+        return grad_emb, None, grad_c, None, None, grad_w, grad_s, None, None, None
     # Rows without a same-class neighbour carry no gradient, whatever flows in; non-finite
     # rows (lse_pos NaN) are counted and pass their NaN on.
     counted = lse_pos != float("-inf")

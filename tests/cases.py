@@ -2,7 +2,8 @@
 and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUDA tests); valid
 arguments of the functional op; small banks (small_bank, random_bank, own_row_bank) and their
 weights, shared by the tests of several modules; the kernel classifier's relative distances in
-fp64 and their check, shared by the CPU library's and the Triton kernel's tests."""
+fp64 and their check, shared by the CPU library's and the Triton kernel's tests; the backward's
+per-entry terms' cases and checks (list_case, centre_weight_sigma_grads), likewise."""
 import torch
 
 import nnkloss
@@ -196,3 +197,61 @@ def check_rel_sqdist(impl, bank_dtype, cdt, D):
     tol = (1e-5 if cdt == torch.float32 else 1e-12) * scale
     torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
     assert (got[torch.arange(9), 3] == 0).all()  # the reference against itself: exactly 0
+
+
+def list_case(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32,
+              idx_dtype=torch.int64, cl_dtype=torch.int64, weights=True, seed=0, classes=3):
+    """Lists with rows of padding (0), duplicates (1), no positive (2) and a zero weight
+    (row 3's first entry): the backward's per-entry terms' edge cases, shared by the CPU
+    library's and the Triton kernels' tests."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(N, D, generator=g).to(bank_dtype)
+    centre_labels = torch.randint(0, classes, (N,), generator=g).to(cl_dtype)
+    nb = torch.randint(0, N, (B, K), generator=g)
+    nb[0, 1:] = -1                          # mostly padding
+    nb[1, :] = nb[1, 0]                     # duplicates
+    labels = torch.randint(0, classes, (B,), generator=g)
+    labels[2] = classes + 5                 # no positive
+    emb = (centres[nb[:, 0].clamp_min(0)].float()
+           + 0.5 * torch.randn(B, D, generator=g)).to(emb_dtype)
+    w = None
+    if weights:
+        w = torch.rand(N, generator=g) + 0.1
+        w[nb[3, 0]] = 0.0                   # a zero weight
+    return emb, labels, centres, centre_labels, nb.to(idx_dtype), w, torch.tensor(1.7)
+
+
+def centre_weight_sigma_grads(backend, emb, labels, centres, cl, nb, w, sigma, dtype,
+                              reduction="mean", row_grad=None, create_graph=False):
+    """The loss and the gradients of emb, centres, weights and sigma on ``backend``."""
+    x = emb.to(dtype).clone().requires_grad_(True)
+    c = centres.to(dtype).clone().requires_grad_(True)
+    ww = w.clone().requires_grad_(True)
+    ss = torch.tensor(float(sigma), dtype=dtype, requires_grad=True)
+    with nnkloss.value_checks(False):
+        out = nnkloss.neighbour_kernel_loss(x, labels, c, cl, nb, ww, ss, reduction=reduction,
+                                            backend=backend)
+    target = out if row_grad is None else (out * row_grad.to(out.dtype)).sum()
+    grads = torch.autograd.grad(target, [x, c, ww, ss], create_graph=create_graph)
+    return [out] + list(grads)
+
+
+def check_entry_terms_of_nan_rows(backend):
+    """A row that gathers an inf centre is NaN (checks off): it passes NaN to sigma, to its
+    entries' weights and to the centres it gathers, as the torch form does; the same row with
+    an incoming gradient of 0 passes nothing, NaN or not."""
+    emb, labels, centres, cl, nb, w, s = list_case(B=6, K=5, D=7, N=30, seed=3)
+    centres = centres.clone()
+    centres[nb[4, 2]] = float("inf")
+    for row_grad in (torch.ones(6), torch.tensor([1.0, 1, 1, 1, 0, 1])):
+        got = centre_weight_sigma_grads(backend, emb, labels, centres, cl, nb, w, s,
+                                        torch.float32, reduction="none", row_grad=row_grad)
+        want = centre_weight_sigma_grads("torch", emb, labels, centres, cl, nb, w, s,
+                                         torch.float32, reduction="none", row_grad=row_grad)
+        for a, b in zip(got[2:], want[2:], strict=True):
+            assert torch.equal(torch.isnan(a), torch.isnan(b))
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, equal_nan=True)
+        if row_grad[4] == 0:
+            assert torch.isfinite(got[3]).all() and torch.isfinite(got[4])
+        else:
+            assert torch.isnan(got[4]) and torch.isnan(got[3][nb[4]]).all()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nnkloss.ops import cpu
-from cases import check_rel_sqdist, rel_sqdist_fp64
+from cases import (centre_weight_sigma_grads, check_entry_terms_of_nan_rows,
+                   check_rel_sqdist, list_case, rel_sqdist_fp64)
 from reference import forward as reference
 
 with warnings.catch_warnings():
@@ -41,23 +42,7 @@ def check(out, ref, cdt, dist_too=True):
         torch.testing.assert_close(dist.double(), rd, rtol=rtol, atol=0, equal_nan=True)
 
 
-def make(B=9, K=7, D=13, N=20, emb_dtype=torch.float32, bank_dtype=torch.float32,
-         idx_dtype=torch.int64, cl_dtype=torch.int64, weights=True, seed=0, classes=3):
-    g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(N, D, generator=g).to(bank_dtype)
-    centre_labels = torch.randint(0, classes, (N,), generator=g).to(cl_dtype)
-    nb = torch.randint(0, N, (B, K), generator=g)
-    nb[0, 1:] = -1                          # mostly padding
-    nb[1, :] = nb[1, 0]                     # duplicates
-    labels = torch.randint(0, classes, (B,), generator=g)
-    labels[2] = classes + 5                 # no positive
-    emb = (centres[nb[:, 0].clamp_min(0)].float()
-           + 0.5 * torch.randn(B, D, generator=g)).to(emb_dtype)
-    w = None
-    if weights:
-        w = torch.rand(N, generator=g) + 0.1
-        w[nb[3, 0]] = 0.0                   # a zero weight
-    return emb, labels, centres, centre_labels, nb.to(idx_dtype), w, torch.tensor(1.7)
+make = list_case  # tests/cases.py
 
 
 @kernel
@@ -364,22 +349,6 @@ def test_op_on_the_cpu_backend_matches_torch_path(backend):
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
-def _centre_weight_sigma_grads(backend, emb, labels, centres, cl, nb, w, sigma, dtype,
-                               reduction="mean", row_grad=None, create_graph=False):
-    """The loss and the gradients of emb, centres, weights and sigma on ``backend``."""
-    import nnkloss
-    x = emb.to(dtype).clone().requires_grad_(True)
-    c = centres.to(dtype).clone().requires_grad_(True)
-    ww = w.clone().requires_grad_(True)
-    ss = torch.tensor(float(sigma), dtype=dtype, requires_grad=True)
-    with nnkloss.value_checks(False):
-        out = nnkloss.neighbour_kernel_loss(x, labels, c, cl, nb, ww, ss, reduction=reduction,
-                                            backend=backend)
-    target = out if row_grad is None else (out * row_grad.to(out.dtype)).sum()
-    grads = torch.autograd.grad(target, [x, c, ww, ss], create_graph=create_graph)
-    return [out] + list(grads)
-
-
 @kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int64),
@@ -405,9 +374,9 @@ def test_entry_grads_match_the_torch_form(monkeypatch, dtype, idx_dtype, cl_dtyp
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-13)
     for kw in (dict(), dict(reduction="none", row_grad=row_grad)):
         calls.clear()
-        got = _centre_weight_sigma_grads("cpu", emb, labels, centres, cl, nb, w, s, dtype, **kw)
+        got = centre_weight_sigma_grads("cpu", emb, labels, centres, cl, nb, w, s, dtype, **kw)
         assert calls == [(True, True, True)]
-        want = _centre_weight_sigma_grads("torch", emb, labels, centres, cl, nb, w, s, dtype,
+        want = centre_weight_sigma_grads("torch", emb, labels, centres, cl, nb, w, s, dtype,
                                           **kw)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype
@@ -418,24 +387,7 @@ def test_entry_grads_match_the_torch_form(monkeypatch, dtype, idx_dtype, cl_dtyp
 
 @kernel
 def test_entry_grads_nan_rows_and_rows_that_take_no_gradient():
-    """A row that gathers an inf centre is NaN (checks off): it passes NaN to sigma, to its
-    entries' weights and to the centres it gathers, as the torch form does; the same row with
-    an incoming gradient of 0 passes nothing, NaN or not."""
-    emb, labels, centres, cl, nb, w, s = make(B=6, K=5, D=7, N=30, seed=3)
-    centres = centres.clone()
-    centres[nb[4, 2]] = float("inf")
-    for row_grad in (torch.ones(6), torch.tensor([1.0, 1, 1, 1, 0, 1])):
-        got = _centre_weight_sigma_grads("cpu", emb, labels, centres, cl, nb, w, s,
-                                         torch.float32, reduction="none", row_grad=row_grad)
-        want = _centre_weight_sigma_grads("torch", emb, labels, centres, cl, nb, w, s,
-                                          torch.float32, reduction="none", row_grad=row_grad)
-        for a, b in zip(got[2:], want[2:], strict=True):
-            assert torch.equal(torch.isnan(a), torch.isnan(b))
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, equal_nan=True)
-        if row_grad[4] == 0:
-            assert torch.isfinite(got[3]).all() and torch.isfinite(got[4])
-        else:
-            assert torch.isnan(got[4]) and torch.isnan(got[3][nb[4]]).all()
+    check_entry_terms_of_nan_rows("cpu")
 
 
 @kernel

@@ -2,12 +2,18 @@
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
 # timeouts that add up to 7 minutes, so `run(command="...", timeout_s=480)` leaves room for the
-# start and for one more try. In order of what a first GPU session must learn:
+# start and for one more try. In order of what the next GPU session must learn (the first,
+# 2026-11-26, measured the classifier's distances and the neighbour lists: README, "The first
+# GPU figures"; bench_classifier.py and bench_refresh.py still run them):
 #   1. correctness of the compiled CUDA kernels (the tests marked `cuda`; the whole suite and
 #      the interpreter checks run in CI on CPU and would not fit);
-#   2. the loss: fused / eager / torch.compile at two CUDA shapes, fp32 and bf16 banks, with
-#      the device-to-device copy bandwidth as the limit;
-#   3. the kernel classifier's distances; 4. the neighbour-list build; 5. a short launch sweep.
+#   2. the loss: fused / eager / torch.compile / the op inside torch.compile at two CUDA
+#      shapes, fp32 and bf16 banks (2-byte banks now take measured tiles), with the
+#      device-to-device copy bandwidth as the limit;
+#   3. with sigma and the centres trained too (the entry-terms kernel, never timed);
+#   4. CUDA graphs (reduce-overhead) with the bank held static, as a training loop holds it;
+#   5. host against kernel time of one step (profile_step.py); 6. a launch sweep of the
+#      2-byte tiles.
 # A step that runs out of time keeps what it printed: each benchmark prints every measurement
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
 #
@@ -50,15 +56,20 @@ step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 step bench_loss 150 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile fused_compile --copy-bandwidth --device cuda \
     --out "$dir"
-# 3. The classifier's distances: the Triton kernel against the torch form and compile.
-step bench_classifier 70 python3 benchmarks/bench_classifier.py --device cuda --rounds 1 \
-    --shapes 2000,1000,64,20000 8192,100,128,50000 --out "$dir"
-# 4. The neighbour lists (torch backend; faiss-gpu only where installed).
-step bench_refresh 50 python3 benchmarks/bench_refresh.py --device cuda --N 1e5 1e6 --D 128 \
-    --k 100 --max-seconds 20 --out "$dir"
-# 5. A short launch-configuration sweep of the fused forward.
-step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 --D 512 --max-configs 10 \
-    --out "$dir"
+# 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
+step bench_grads 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+    --providers fused eager --modes fwd_bwd --also-grad sigma centres --device cuda \
+    --out "$dir/grads"
+# 4. CUDA graphs around the eager loss and around the op (the bank static).
+step bench_graphs 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+    --providers compile fused_compile --modes fwd fwd_bwd --compile-mode reduce-overhead \
+    --device cuda --out "$dir/graphs"
+# 5. Where one step's time goes: the host's Python and launches, or the kernels.
+step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
+    --D 128 --calls 100 --top 12
+# 6. The 2-byte banks' tiles against the alternatives (training forward).
+step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
+    --D 256 512 2048 --dtype bf16 --warps 4 --max-configs 5 --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -149,3 +149,22 @@ def test_fused_pass_by_device_offers_the_same_helpers():
         assert callable(impl.rel_sqdist) and callable(impl.gathered_rows_finite)
     if torch.cuda.is_available():
         assert fused_pass(torch.device("cuda")) is kernels()
+
+
+def test_triton_importable_is_a_constant_to_torch_compile():
+    """The op resolves "auto" inside compiled code: the probe is one constant answer, traced
+    without Dynamo's warning about cache wrappers (it had one on every compiled loss)."""
+    import warnings
+
+    from nnkloss.ops import backends
+    want = backends._triton_importable()
+    assert backends._triton_importable() is want
+
+    def f(x):
+        return x + int(backends._triton_importable())
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert out.tolist() == [float(want)] * 2
+    assert not [w for w in seen if "lru_cache" in str(w.message)]

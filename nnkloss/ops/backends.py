@@ -15,7 +15,6 @@ device alone (nothing is built or probed here), so it is the same inside ``torch
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import os
@@ -31,13 +30,22 @@ from ..validation import BACKENDS
 __all__ = ["BACKENDS", "resolve_backend", "implementation", "fused_pass"]
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON_IMPORTABLE: list = []  # the answer, once known
+
+
+@torch.compiler.assume_constant_result
 def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # triton absent or broken: the torch path still works
-        return False
-    return True
+    """Whether triton imports here, asked once per process. A constant to torch.compile
+    (the op's "auto" is resolved inside compiled code: an lru_cache there drew Dynamo's
+    warning on every compiled loss, seen on the first GPU run)."""
+    if not _TRITON_IMPORTABLE:
+        try:
+            import triton  # noqa: F401
+            ok = True
+        except Exception:  # triton absent or broken: the torch path still works
+            ok = False
+        _TRITON_IMPORTABLE.append(ok)
+    return _TRITON_IMPORTABLE[0]
 
 
 def _interpreting() -> bool:

@@ -33,11 +33,11 @@ __all__ = ["BACKENDS", "resolve_backend", "implementation", "fused_pass"]
 _TRITON_IMPORTABLE: list = []  # the answer, once known
 
 
-@torch.compiler.assume_constant_result
 def _triton_importable() -> bool:
-    """Whether triton imports here, asked once per process. A constant to torch.compile
-    (the op's "auto" is resolved inside compiled code: an lru_cache there drew Dynamo's
-    warning on every compiled loss, seen on the first GPU run)."""
+    """Whether triton imports here, asked once per process. Plain code that torch.compile
+    traces as it is (the op's "auto" is resolved inside compiled code: an lru_cache there
+    drew Dynamo's warning on every compiled loss, seen on the first GPU run; marking it
+    constant would import torch._dynamo, and with it triton, at ``import nnkloss``)."""
     if not _TRITON_IMPORTABLE:
         try:
             import triton  # noqa: F401

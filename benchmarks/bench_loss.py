@@ -511,10 +511,11 @@ def _main(argv):
     csv_path = results_path(args.out, device, prefix="loss_")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()  # the CSV's figure: --threads on CPU, the host's on CUDA
     # The limit: a STREAM-like read on the same threads, measured in this run (before the
     # measurements and again after them; the table uses the larger, the machine's best).
     read = read_gbps(device)
-    print(f"device: {name} | commit {commit} | threads {torch.get_num_threads()} | "
+    print(f"device: {name} | commit {commit} | threads {threads} | "
           f"{'a fresh process per provider and shape' if isolate else 'in process'} | "
           f"read {read:.1f} GB/s | load {load_average()}")
     results = []
@@ -523,7 +524,7 @@ def _main(argv):
             gbps = measure_copy_gbps(device)
             row = {"op": "copy", "provider": "torch", "mode": "copy", "B": 0, "K": 0, "D": 0,
                    "dtype": "fp32", "gbps": f"{gbps:.1f}", "device": name, "commit": commit,
-                   "threads": args.threads, "load": load_average(), "date": utc_now()}
+                   "threads": threads, "load": load_average(), "date": utc_now()}
             out.write(row)
         for B, K, D, N, dt in grid:
             inputs = None
@@ -576,7 +577,7 @@ def _main(argv):
                     r = per_mode[mode]
                     if r.get("oom"):
                         results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
-                                        commit, "", "", "", args.threads, load, utc_now(), "",
+                                        commit, "", "", "", threads, load, utc_now(), "",
                                         "", "", "", grads_label(mode, args.also_grad)])
                         continue
                     gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
@@ -586,7 +587,7 @@ def _main(argv):
                     results.append(["loss", prov, mode, B, K, D, dt, f"{r['ms']:.4g}",
                                     f"{gbps:.4g}", f"{r['peak']:.1f}", name, commit,
                                     "" if gathered == "" else f"{gathered:.4g}", gathered,
-                                    None, args.threads, load, utc_now(),
+                                    None, threads, load, utc_now(),
                                     f"{bank_read:.4g}" if bank_read else "",
                                     "" if gathered == "" or not bank_read
                                     else f"{100 * gathered / bank_read:.1f}",
@@ -602,7 +603,7 @@ def _main(argv):
             del inputs
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
-                   commit, "", "", f"{read:.4g}", args.threads, load_average(), utc_now(), "",
+                   commit, "", "", f"{read:.4g}", threads, load_average(), utc_now(), "",
                    "", "", "", ""])
         for row in results:
             if row[7] != "oom":

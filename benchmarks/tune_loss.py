@@ -7,7 +7,10 @@
 Every configuration's outputs are checked against the default configuration's before its time
 counts (a wrong fast config is reported as ok=0 and never chosen). Rows go to
 ``benchmarks/results/tune_<device>.csv`` with columns ``B,K,D,dtype,block_k,block_d,num_warps,
-num_stages,ms,gbps,ok,default_ms,device,commit``; the last lines printed are the best
+num_stages,ms,gbps,ok,default_ms,device,commit,build`` (build: "train", the forward that
+computes grad_x and stores the distances, or "fwd", the forward-only build of
+``--forward-only``; a file written before that column existed gets it, "train"); the last lines
+printed are the best
 configuration per shape against the default heuristic (kernels.default_config).
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from common import device_name, git_commit  # noqa: E402
 from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
-           "ok", "default_ms", "device", "commit"]
+           "ok", "default_ms", "device", "commit", "build"]
 
 
 def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384):
@@ -45,6 +48,21 @@ def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384
             yield FwdConfig(bk, bd, nw, ns)
 
 
+def _upgrade(path):
+    """Add the build column to a results file written before it existed (every row of those
+    was the training forward), atomically."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows or rows[0] == COLUMNS:
+        return
+    if rows[0] != COLUMNS[:-1]:
+        raise ValueError(f"{path}: unexpected columns {rows[0]}")
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows([COLUMNS] + [r + ["train"] for r in rows[1:]])
+    os.replace(tmp, path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, nargs="+", default=[1024, 4096])
@@ -57,14 +75,20 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2])
     ap.add_argument("--max-configs", type=int, default=0, help="try at most this many (0: all)")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="sweep the forward-only build (no grad_x, no distances stored: "
+                         "evaluation, no_grad, the classifier) instead of the training forward")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
+    train = not args.forward_only
     kernels = _kernels()
     device = torch.device(args.device)
     name, commit = device_name(device), git_commit()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "tune_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".csv")
     new = not os.path.exists(path)
+    if not new:
+        _upgrade(path)
     summary = []
     with open(path, "a", newline="") as f:
         w = csv.writer(f)
@@ -74,12 +98,14 @@ def main(argv=None):
             emb, labels, centres, cl, nb, wts, sigma = make_inputs(B, K, D, args.N, DTYPES[dt],
                                                                    device)
             run = lambda cfg=None: kernels.neighbour_kernel_fwd(  # noqa: E731
-                emb, labels, centres, cl, nb, wts, sigma, config=cfg)
+                emb, labels, centres, cl, nb, wts, sigma, config=cfg, store_dist=train,
+                need_grad_x=train)
             ref = run()
             default_ms = time_ms(run, device, args.reps)
             nbytes = bytes_needed(B, K, D, DTYPES[dt], nb.dtype, "fwd")
-            # the launcher's own default for this bank (the training forward: grad_x computed)
-            default = kernels.default_config(K, D, elem_size=centres.element_size())
+            # the launcher's own default for this bank and build
+            default = kernels.default_config(K, D, elem_size=centres.element_size(),
+                                             grad_x=train)
             best = (default_ms, default)
             configs = list(candidate_configs(K, D, kernels.FwdConfig, args.warps, args.stages))
             if args.max_configs:
@@ -103,12 +129,14 @@ def main(argv=None):
             default_ms = min(default_ms, time_ms(run, device, args.reps))
             if best[0] > default_ms or best[1] == default:
                 best = (default_ms, default)
-            w.writerows(r + [f"{default_ms:.4g}", name, commit] for r in rows)
+            w.writerows(r + [f"{default_ms:.4g}", name, commit, "train" if train else "fwd"]
+                        for r in rows)
             f.flush()
             summary.append((B, K, D, dt, default_ms, best[0], best[1]))
     print(f"device {name} @ {commit}; rows in {path}")
     for B, K, D, dt, d_ms, b_ms, cfg in summary:
-        print(f"B={B} K={K} D={D} {dt}: default {d_ms:.4g} ms -> best {b_ms:.4g} ms "
+        print(f"B={B} K={K} D={D} {dt} {'training' if train else 'forward-only'}: "
+              f"default {d_ms:.4g} ms -> best {b_ms:.4g} ms "
               f"({d_ms / b_ms:.2f}x) with {cfg}")
     return path, summary
 

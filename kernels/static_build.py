@@ -158,14 +158,19 @@ def sweep_builds() -> List[Build]:
     evidence for default_config): single-pass tiles of 1024..16384 elements x 4/8/16 warps,
     plus rows per program for a tiny row."""
     out = []
-    for K, D, bank in [(100, 512, "fp32"), (100, 512, "bf16"), (100, 1000, "fp32"),
-                       (256, 2048, "bf16"), (100, 4096, "fp32")]:
+    for K, D, bank in [(100, 128, "fp32"), (100, 128, "bf16"), (100, 512, "fp32"),
+                       (100, 512, "bf16"), (100, 1000, "fp32"), (256, 2048, "bf16"),
+                       (100, 4096, "fp32")]:
         bd = 1 << max(0, (D - 1).bit_length())
-        for tile in (1024, 2048, 4096, 8192, 16384):
+        for tile in (128, 256, 512, 1024, 2048, 4096, 8192, 16384):
             bk = tile // bd
             if bk < 1:
                 continue
-            for nw in (4, 8, 16):
+            # 1-2 warps: the warps split only the columns at D <= 512, so no reduction over the
+            # list's axis crosses a warp (see default_config).
+            for nw in (1, 2, 4, 8, 16):
+                if tile // (32 * nw) > 256 or tile < 32 * nw:
+                    continue
                 out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False,
                                  cfg=(bk, bd, nw, 1)))
     for rows in (1, 2, 4, 8):
@@ -266,6 +271,11 @@ def _inspect(cubin: bytes, tools: str, workdir: str, tag: str) -> Dict:
     return dict(regs=int(fields.get("REG", 0)), stack=int(fields.get("STACK", 0)),
                 static_smem=int(fields.get("SHARED", 0)), local=int(fields.get("LOCAL", 0)),
                 spill_stores=len(re.findall(r"\bSTL\b", sass)),
+                # Cross-warp traffic: every barrier and shared-memory access in the binary (a
+                # reduction over an axis that spans warps goes through shared memory between
+                # two barriers; one inside the list loop is paid on every tile).
+                bar_syncs=len(re.findall(r"\bBAR\.SYNC", sass)),
+                smem_ops=len(re.findall(r"\b(?:LDS|STS)\b", sass)),
                 ldg=widths, sass_lines=sass.count("\n"))
 
 

@@ -233,6 +233,32 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
     assert rows[0]["block_d"] == "8"  # the single pass over the row is tried first
     assert len({r["default_ms"] for r in rows}) == 1  # the faster of the default's two times
     assert len(summary) == 1 and summary[0][5] > 0 and summary[0][5] <= summary[0][4]
+    assert {r["build"] for r in rows} == {"train"}
+
+
+@pytest.mark.interpreter
+def test_tuner_sweeps_the_forward_only_build_into_an_older_file(tmp_path):
+    """--forward-only times the build without grad_x and checks its outputs against the
+    forward-only default; a file from before the build column gets it (its rows: "train")."""
+    import tune_loss
+    path = tmp_path / "tune_AMD_EPYC.csv"  # any existing file of the old format
+    old = tune_loss.COLUMNS[:-1]
+    path.write_text(",".join(old) + "\n" + ",".join(["1"] * len(old)) + "\n")
+    from unittest import mock
+    with mock.patch.object(tune_loss, "device_name", lambda device: "AMD EPYC"):
+        out, summary = tune_loss.main(["--device", "cpu", "--B", "2", "--K", "5", "--D", "8",
+                                       "--N", "30", "--dtype", "fp32", "--max-configs", "2",
+                                       "--forward-only", "--out", str(tmp_path)])
+    assert out == str(path)
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0].keys()) == tune_loss.COLUMNS
+    assert [r["build"] for r in rows] == ["train", "fwd", "fwd"]
+    assert all(r["ok"] == "1" for r in rows[1:])
+    bad = tmp_path / "tune_other.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="unexpected columns"):
+        tune_loss._upgrade(str(bad))
 
 
 def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):

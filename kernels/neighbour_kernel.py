@@ -344,70 +344,50 @@ class FwdConfig:
         return self.block_d >= D
 
 
-# Measured exceptions to the rule below, for the training forward (grad_x computed) of 2-byte
-# banks: {block_d: (block_k, num_warps)}. benchmarks/tune_loss.py on an H200 (Triton 3.6.0,
-# B 4096, K 100, banks of 1M rows; benchmarks/results/tune_NVIDIA_H200.csv, commits 496aa53,
-# a893a13, 4bebbfd, 2026-11-26): the rule's tile took 0.645 / 0.717 / 1.156 ms at D 256 / 512 /
-# 2048, these 0.322 / 0.373 / 0.774 ms (2.0x, 1.9x, 1.5x); at D 128 and 1024 the rule's tile
-# was the fastest tried, as it was for fp32 banks at D 128 and 512. Applied to lists of more
-# than 32 entries (measured at K 100); other shapes, the forward-only build and other GPUs are
-# unmeasured: tune_loss.py sweeps them.
-MEASURED_2BYTE_TRAINING = {256: (1, 4), 512: (1, 4), 2048: (2, 4)}
-
-
 def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                    elem_size: int = 4, grad_x: bool = True) -> FwdConfig:
-    """Launch rule derived from the static build report (``python benchmarks/kernel_report.py``;
-    benchmarks/results/static_sm_90.csv and static_sm_80.csv, Triton 3.8.0, "sweep" rows).
+    """Launch rule, measured on an H100 (``benchmarks/tune_loss.py``; its CSV in
+    benchmarks/results) and explained by the static build report (``kernels/static_build.py``,
+    "sweep" rows of benchmarks/results/static_sm_*.csv).
 
-    Rule: the whole row in registers up to D = 4096 (block_d = next power of two of D); each
-    thread holds BYTES_PER_THREAD = 64 bytes of the gathered centre tile (four 128-bit loads:
-    16 fp32 / 32 bf16 or fp16 / 8 fp64 elements); num_warps 4 up to block_d 1024, 8 at 2048,
-    16 at 4096 (so that block_k >= 2 for fp32); block_k = the rest of the tile (at most the
-    next power of two of K); rows of fewer elements than one 4-warp tile take fewer warps
-    (down to 1) and 4 rows per program when one warp's tile holds the whole list.
+    Rule: the whole row in registers up to D = 4096 (block_d = next power of two of D); the
+    fewest warps (a power of two) whose threads hold one gathered row in at most 16 elements
+    each (8 for fp64: registers hold them in the compute dtype), so that warps split a row's
+    columns and never the list; block_k = the rows that give each thread BYTES_PER_THREAD = 64
+    bytes of the bank (at most the next power of two of K); 4 rows per program when one warp's
+    tile holds the whole list. One warp up to 512 columns; 2, 4, 8 warps for 1024, 2048, 4096.
+    The same for the training forward (grad_x) and the forward-only build.
 
-    Why (figures for sm_90; sm_80 within one block): registers hold the tile, so bytes in
-    flight per SM (resident blocks x tile bytes) saturate near 64-80 KB whatever the split,
-    and what the split decides is how many warps stay resident. No configuration spills.
+    Why: every tile reduces over the list's axis six times (the two running maxima, the two
+    sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
+    tile's rows spread over several warps each of those goes through shared memory between
+    barriers, on every tile: 20-35 barriers in the binary (sm_90) against 0 at one warp and
+    2-5 where warps split only the columns (the sum of u over D). Registers and bytes in
+    flight decided little once no spill occurs.
 
-      K=100 D=512 fp32   4x512 w4 (this rule):  56 regs, 36 warps/SM, 72 KB in flight
-                         16x512 w8 (old rule): 109 regs, 16 warps/SM, 64 KB
-                         32x512 w8:            181 regs,  8 warps/SM (below the 16 floor)
-      K=100 D=1000 fp32  2x1024 w4 (rule):      64 regs, 32 warps, 64 KB; old 8x1024 w8:
-                         111 regs, 16 warps, 64 KB; 16x1024 w4: 255 regs, 8 warps
-      K=100 D=4096 fp32  2x4096 w16 (rule):     64 regs, 32 warps, 64 KB; old 2x4096 w8:
-                         125 regs, 16 warps, 64 KB; 1x4096 w8: 109 regs, 16 warps, 32 KB
-      K=100 D=512 bf16   8x512 w4 (rule):      116 regs, 16 warps, 32 KB; 4x512 w4 (16 el.
-                         per thread): 80 regs, 24 warps, 24 KB; 32x512 w4: 8 warps
-      K=256 D=2048 bf16  4x2048 w8 (rule):     102 regs, 16 warps, 32 KB (2x2048 w4 and
-                         8x2048 w16 the same 32 KB); 8x2048 w8: 164 regs, 8 warps
-      K=32 D=16 fp32     32x16 w1 (rule):       64 regs, 32 warps (32 blocks/SM), 64 KB;
-                         w4: 48 regs, 40 warps, 20 KB
+    Measured (H100, Triton 3.6.0, B 4096, K 100, banks of 1M rows, commit ed1df81,
+    2026-11-26; training forward / forward-only, ms):
 
-    For 2-byte banks 64 bytes per thread costs the 16-warp floor's worth of registers but
-    gives 32 KB in flight against 24 KB at 32 bytes per thread. Rows per program do not change
-    the static figures (the rows are processed in turn by the same tile); they only divide the
-    number of programs for tiny lists.
+      fp32 D 128   4x128 w1 (rule) 0.101 / 0.096; 16x128 w4 (the previous rule) 0.238 / 0.114
+      fp32 D 512   1x512 w1 (rule) 0.336 / 0.318; best 2x512 w1 0.324 / 0.316; 4x512 w4
+                   (previous) 0.361 / 0.357
+      bf16 D 128   8x128 w1 (rule) 0.093 / 0.068 (the best forward-only); best training
+                   2x128 w1 0.084; 32x128 w4 (previous) 0.233 / 0.076
+      bf16 D 512   2x512 w1 (rule) - / 0.172 (the best); 8x512 w4 (previous) - / 0.235
 
-    Measured on a GPU (H200), the rule held for fp32 banks at D 128 and 512 and for 2-byte
-    banks at D 128 and 1024, and was 1.5-2x off for the training forward of 2-byte banks at
-    D 256, 512 and 2048: those take the measured tiles of MEASURED_2BYTE_TRAINING (above)
-    instead (``grad_x``: the launch computes grad_x). The static figures did not predict it:
-    the 8 x 512 bf16 tile (116 registers, 16 warps) was slower than 4 x 512 (80, 24) and
-    both slower than 1 x 512.
+    The previous rule (64 bytes a thread at 4-16 warps) came from the static report alone: it
+    kept more warps resident per SM, which the GPU did not reward. At 1 warp a program, 32
+    programs (the per-SM block limit) give 32 resident warps; the build gate checks that every
+    default build keeps at least 16 with no spills.
     """
     block_d_full = triton.next_power_of_2(max(D, 1))
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d
     kp2 = triton.next_power_of_2(max(K, 1))
-    if grad_x and elem_size == 2 and block_d in MEASURED_2BYTE_TRAINING and kp2 >= 64:
-        block_k, num_warps = MEASURED_2BYTE_TRAINING[block_d]
-        return FwdConfig(block_k, block_d, num_warps, 2, 1)
-    per_thread = max(1, BYTES_PER_THREAD // elem_size)
-    num_warps = 4 if block_d <= 1024 else (8 if block_d <= 2048 else 16)
-    # Small lists: no more warps than the tile needs at per_thread elements per thread.
-    while num_warps > 1 and kp2 * block_d < per_thread * 32 * num_warps:
-        num_warps //= 2
+    row_elems = 8 if elem_size > 4 else 16  # of one row, a thread
+    num_warps = 1
+    while num_warps < 16 and block_d > row_elems * 32 * num_warps:
+        num_warps *= 2
+    per_thread = max(1, BYTES_PER_THREAD // elem_size)  # of the tile, a thread
     block_k = max(1, min(kp2, per_thread * 32 * num_warps // block_d))
     rows = 4 if K * D <= per_thread * 32 else 1
     return FwdConfig(block_k, block_d, num_warps, 2, rows)

@@ -102,8 +102,10 @@ def _covering_set() -> List[Build]:
     out.append(Build("fwd", 100, 999, "fp32", "fp32", True, "int32", False))  # fallback build
     out.append(Build("fwd", 100, 5000, "fp32", "fp32", True, "int32", False))  # two-phase scratch
     out.append(Build("fwd", 256, 512, "bf16", "fp32", True, "int32", False))  # production-like
-    for D in (256, 2048):  # the measured 2-byte tiles (MEASURED_2BYTE_TRAINING)
-        out.append(Build("fwd", 100, D, "bf16", "fp32", True, "int32", False))
+    # The measured shapes (default_config): 2-byte banks at 2-4 KB rows, D 128 both banks.
+    for K, D, bank in [(100, 256, "bf16"), (100, 2048, "bf16"), (100, 128, "fp32"),
+                       (100, 128, "bf16")]:
+        out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False))
     # Forward-only builds (no grad_x): single pass, two-phase (then one phase), 2-byte bank.
     for K, D, bank, dist in [(100, 512, "fp32", False), (256, 512, "bf16", False),
                              (32, 128, "fp32", True), (100, 5000, "fp32", False),

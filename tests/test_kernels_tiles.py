@@ -106,26 +106,37 @@ def test_far_positives_several_k_tiles(force_blocks):
     check_against_reference((emb, labels, centres, cl, nb, w), sigma=1.0, dtype=torch.float64)
 
 
-def test_default_config_is_one_tile_up_to_64():
-    """Why these tests force the blocks: the default puts K <= 64 in one tile."""
+def test_default_config_is_one_tile_for_short_lists():
+    """Why these tests force the blocks: the default puts a short list in one tile (16 rows of
+    20 fp32 columns, 64 bytes a thread of one warp)."""
     nk = kernels().neighbour_kernel
-    assert nk.default_config(64, 20).block_k >= 64
+    assert nk.default_config(16, 20).block_k >= 16
     assert nk.default_config(100, 20).block_k < 100
 
 
-def test_default_config_takes_the_measured_tiles_of_2_byte_banks_in_training():
-    """MEASURED_2BYTE_TRAINING: the GPU-measured tiles replace the rule only where they were
-    measured (2-byte banks, grad_x computed, lists of more than 32 entries, those widths)."""
+def test_default_config_splits_columns_over_warps_never_the_list():
+    """The rule (measured on an H100): the fewest warps whose threads hold one gathered row in
+    at most 16 elements each (8 for fp64), and the rows that give each thread 64 bytes of the
+    bank; the same for every build."""
     nk = kernels().neighbour_kernel
-    cfg = nk.default_config
-    assert cfg(100, 512, elem_size=2) == nk.FwdConfig(1, 512, 4, 2, 1)
-    assert cfg(256, 300, elem_size=2) == nk.FwdConfig(1, 512, 4, 2, 1)   # D pads to 512
-    assert cfg(100, 256, elem_size=2) == nk.FwdConfig(1, 256, 4, 2, 1)
-    assert cfg(100, 2048, elem_size=2) == nk.FwdConfig(2, 2048, 4, 2, 1)
-    rule = {(100, 512): nk.FwdConfig(8, 512, 4, 2, 1), (100, 1024): nk.FwdConfig(4, 1024, 4, 2, 1),
-            (100, 128): nk.FwdConfig(32, 128, 4, 2, 1), (32, 512): nk.FwdConfig(8, 512, 4, 2, 1)}
-    assert cfg(100, 512, elem_size=2, grad_x=False) == rule[100, 512]  # forward-only: the rule
-    assert cfg(100, 1024, elem_size=2) == rule[100, 1024]               # the rule was fastest
-    assert cfg(100, 128, elem_size=2) == rule[100, 128]
-    assert cfg(32, 512, elem_size=2) == rule[32, 512]                    # short lists: unmeasured
-    assert cfg(100, 512) == nk.FwdConfig(4, 512, 4, 2, 1)               # fp32: the rule
+    cfg, C = nk.default_config, nk.FwdConfig
+    assert cfg(100, 128) == C(4, 128, 1, 2, 1)                       # 16 fp32 a thread, 4 rows
+    assert cfg(100, 512) == C(1, 512, 1, 2, 1)
+    assert cfg(100, 128, elem_size=2) == C(8, 128, 1, 2, 1)
+    assert cfg(100, 512, elem_size=2) == C(2, 512, 1, 2, 1)
+    assert cfg(256, 300, elem_size=2) == C(2, 512, 1, 2, 1)          # D pads to 512
+    assert cfg(100, 1000) == C(1, 1024, 2, 2, 1)                      # 1024 columns: 2 warps
+    assert cfg(100, 2048, elem_size=2) == C(2, 2048, 4, 2, 1)         # 16 columns a thread
+    assert cfg(100, 4096) == C(1, 4096, 8, 2, 1)
+    assert cfg(100, 5000) == C(1, 4096, 8, 2, 1)                      # two-phase: 4096 chunks
+    assert cfg(100, 64, elem_size=8) == C(4, 64, 1, 2, 1)             # fp64: 8 a thread
+    assert cfg(100, 512, elem_size=8) == C(1, 512, 2, 2, 1)
+    assert cfg(3, 8) == C(4, 8, 1, 2, 4)                              # tiny lists: 4 rows
+    for K, D, e in [(100, 128, 4), (100, 512, 2), (7, 3000, 4)]:
+        assert cfg(K, D, elem_size=e, grad_x=False) == cfg(K, D, elem_size=e)
+        c = cfg(K, D, elem_size=e)
+        # warps split one row's columns (at least 8 a thread: no warp spans list rows), each
+        # thread holds at most 16 of one row and 64 bytes of the tile
+        assert c.block_d >= 8 * 32 * c.num_warps or c.num_warps == 1
+        assert c.block_d <= 16 * 32 * c.num_warps
+        assert c.block_k * c.block_d * e <= 64 * 32 * c.num_warps

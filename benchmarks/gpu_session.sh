@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 7 minutes, so `run(command="...", timeout_s=480)` leaves room for the
-# start and for one more try. In order of what the next GPU session must learn (the first,
-# 2026-11-26, measured the classifier's distances and the neighbour lists: README, "The first
-# GPU figures"; bench_classifier.py and bench_refresh.py still run them):
+# timeouts that add up to 7 minutes (420 s; the whole run took 224 s on an H100 at
+# a13d9d3), so `run(command="...", timeout_s=480)` leaves room for the start and for one more
+# try. In order of what the next GPU session must learn (the first, on an H200, measured the
+# classifier's distances and the neighbour lists: README, "The GPU figures";
+# bench_classifier.py and bench_refresh.py still run them):
 #   1. correctness of the compiled CUDA kernels (the tests marked `cuda`; the whole suite and
 #      the interpreter checks run in CI on CPU and would not fit);
 #   2. the loss: fused / eager / torch.compile / the op inside torch.compile at two CUDA
-#      shapes, fp32 and bf16 banks (2-byte banks now take measured tiles), with the
-#      device-to-device copy bandwidth as the limit;
-#   3. with sigma and the centres trained too (the entry-terms kernel, never timed);
+#      shapes, fp32 and bf16 banks, with the device-to-device copy bandwidth as the limit;
+#   3. with sigma and the centres trained too (the entry-terms kernel and the centre scatter);
 #   4. CUDA graphs (reduce-overhead) with the bank held static, as a training loop holds it;
-#   5. host against kernel time of one step (profile_step.py); 6. a launch sweep of the
-#      2-byte tiles.
+#   5. host against kernel time of one step (profile_step.py); 6. a launch sweep of 1, 2 and 4
+#      warps around the launch rule (measured on an H100 only).
 # A step that runs out of time keeps what it printed: each benchmark prints every measurement
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
 #
@@ -67,9 +67,10 @@ step bench_graphs 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 -
 # 5. Where one step's time goes: the host's Python and launches, or the kernels.
 step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12
-# 6. The 2-byte banks' tiles against the alternatives (training forward).
-step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
-    --D 256 512 2048 --dtype bf16 --warps 4 --max-configs 5 --out "$dir"
+# 6. The launch rule (one warp a row up to 512 columns, measured on an H100) against 1, 2 and
+#    4 warps on this card (training forward; the single-pass tiles of up to 4 rows first).
+step tune_loss 50 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
+    --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -6,6 +6,7 @@
 Per kernel, target and configuration: registers/thread, spills (local memory bytes, STL count),
 shared memory, warps, resident blocks and warps per SM (occupancy from the Hopper / Ampere
 limits: 64K registers, 2048 threads, 32 blocks, 228 / 164 KiB shared per SM), the limiter,
+barriers and shared-memory accesses in the binary (what a reduction across warps costs),
 global-load widths in the SASS (LDG.E.128 / .64 / 32-bit counts), bytes one query row must move
 (the model in kernels/static_build.bytes_per_row) and bytes in flight per SM (resident blocks x
 one gathered centre tile). Rows go to ``benchmarks/results/static_sm_<arch>.csv`` (overwritten)
@@ -36,7 +37,8 @@ from nnkloss.kernels import static_build  # noqa: E402
 COLUMNS = ["kernel", "build", "set", "K", "D", "bank", "emb", "weights", "idx", "store_dist",
            "grad_x", "block_k", "block_d", "num_warps", "num_stages", "rows", "single_pass", "row_align",
            "regs", "local_bytes", "spill_stores", "static_smem", "dyn_smem", "blocks_per_sm",
-           "warps_per_sm", "limiter", "ldg128", "ldg64", "ldg32", "ldg16", "bytes_per_row",
+           "warps_per_sm", "limiter", "bar_syncs", "smem_ops", "ldg128", "ldg64", "ldg32",
+           "ldg16", "bytes_per_row",
            "bytes_in_flight_per_sm", "duplicate_of", "compile_s", "ok", "error", "target",
            "triton", "commit"]
 
@@ -51,7 +53,8 @@ def rows_for(arch_result, sets, arch, triton_version, commit):
             int(b.get("grad_x", True)), cfg.get("block_k"), cfg.get("block_d"), e.get("num_warps"), e.get("num_stages"),
             cfg.get("rows"), int(bool(e.get("single_pass"))), e.get("row_align"), e.get("regs"),
             e.get("local"), e.get("spill_stores"), e.get("static_smem"), e.get("dyn_smem"),
-            e.get("blocks_per_sm"), e.get("warps_per_sm"), e.get("limiter"), ldg.get("128"),
+            e.get("blocks_per_sm"), e.get("warps_per_sm"), e.get("limiter"),
+            e.get("bar_syncs"), e.get("smem_ops"), ldg.get("128"),
             ldg.get("64"), ldg.get("32"), ldg.get("16"), e.get("bytes_per_row"),
             e.get("bytes_in_flight_per_sm"), e.get("duplicate_of") or "", e.get("compile_s"),
             int(e["ok"]), e.get("error", ""), f"sm_{arch}", triton_version, commit])

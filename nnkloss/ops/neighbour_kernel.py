@@ -209,13 +209,17 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist):
         # after a mean). On CPU on the kernel's threads (torch's pool spins after each op); on
         # the GPU one launch instead of six (the training step there is bound by the host).
         grad_emb = _scale_rows_fused(ctx.backend, grad_x, g_loss, lse_pos, emb.dtype)
-    if not (need_c or need_w or need_s) and (grad_emb is not None or not need_emb):
+    # The fused passes serve this backward only where the embedding gradient, if asked for,
+    # came from one too (else the torch form below computes every term, in one recorded graph).
+    fused = grad_emb is not None or not need_emb
+    if fused and not (need_c or need_w or need_s):
         return grad_emb, None, None, None, None, None, None, None, None, None
     # The centre, weight and sigma terms per entry in one pass (the form below, without its
     # dozens of (B, K) torch ops), unless this backward is itself recorded or traced.
     terms = _entry_grads_fused(ctx.backend, u, labels, centre_labels, neighbours, weights,
-                               lse_all, lse_pos, g_loss, sigma, need_c, need_w, need_s)
-    if terms is not None and (grad_emb is not None or not need_emb):
+                               lse_all, lse_pos, g_loss, sigma, need_c, need_w,
+                               need_s) if fused else None
+    if terms is not None:
         coef, q, srow = terms
         grad_s = None
         if need_s:

@@ -19,8 +19,9 @@ tile). A row with a non-finite u_j (NaN/inf in x or a gathered centre, fp32 over
 non-finite log-weight comes out NaN everywhere (a separate "bad" count, not NaN propagation
 through max, which the hardware does not guarantee); it never looks like "no positive".
 
-Launch configurations: :func:`default_config`, derived from the static build report
-(``benchmarks/kernel_report.py``, figures in its docstring and in ``benchmarks/results``).
+Launch configurations: :func:`default_config`, measured on a GPU (``benchmarks/tune_loss.py``)
+and explained by the static build report (``benchmarks/kernel_report.py``; figures in its
+docstring and in ``benchmarks/results``).
 """
 from __future__ import annotations
 
@@ -352,11 +353,12 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
 
     Rule: the whole row in registers up to D = 4096 (block_d = next power of two of D); the
     fewest warps (a power of two) whose threads hold one gathered row in at most 16 elements
-    each (8 for fp64: registers hold them in the compute dtype), so that warps split a row's
-    columns and never the list; block_k = the rows that give each thread BYTES_PER_THREAD = 64
-    bytes of the bank (at most the next power of two of K); 4 rows per program when one warp's
-    tile holds the whole list. One warp up to 512 columns; 2, 4, 8 warps for 1024, 2048, 4096.
-    The same for the training forward (grad_x) and the forward-only build.
+    each (8 for an fp64 bank; registers hold them in the compute dtype), so that warps split
+    a row's columns and never the list; block_k = the rows that give each thread
+    BYTES_PER_THREAD = 64 bytes of the bank (at most the next power of two of K); 4 rows per
+    program when one warp's tile holds the whole list. One warp up to 512 columns; 2, 4, 8
+    warps for 1024, 2048, 4096. The same for the training forward (grad_x) and the
+    forward-only build.
 
     Why: every tile reduces over the list's axis six times (the two running maxima, the two
     sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
@@ -373,7 +375,11 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                    (previous) 0.361 / 0.357
       bf16 D 128   8x128 w1 (rule) 0.093 / 0.068 (the best forward-only); best training
                    2x128 w1 0.084; 32x128 w4 (previous) 0.233 / 0.076
-      bf16 D 512   2x512 w1 (rule) - / 0.172 (the best); 8x512 w4 (previous) - / 0.235
+      bf16 D 512   2x512 w1 (rule) 0.2005 (the best of 18, commit bf0897c) / 0.172 (the
+                   best); 1x512 w4 (the previous measured tile) 0.376 / 8x512 w4 0.235
+
+    At bf0897c the rule was 1.15x off at D 256 bf16 (4x256 w1 0.147 against 2x256 w1 0.128)
+    and 1.03x at D 2048 bf16 (2x2048 w4 0.842 against 4x2048 w2 0.816), training forward.
 
     The previous rule (64 bytes a thread at 4-16 warps) came from the static report alone: it
     kept more warps resident per SM, which the GPU did not reward. At 1 warp a program, 32

@@ -13,7 +13,7 @@
 #   3. with sigma and the centres trained too (the entry-terms kernel and the centre scatter);
 #   4. CUDA graphs (reduce-overhead) with the bank held static, as a training loop holds it;
 #   5. host against kernel time of one step (profile_step.py); 6. a launch sweep of 1, 2 and 4
-#      warps around the launch rule (measured on an H100 only).
+#      warps around the launch rule (measured on an H100 only), at B 4096 and at B 128.
 # A step that runs out of time keeps what it printed: each benchmark prints every measurement
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
 #
@@ -53,7 +53,7 @@ nvidia-smi -L >>"$dir/env.log" 2>&1 || true
 step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape).
-step bench_loss 150 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
+step bench_loss 140 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile fused_compile --copy-bandwidth --device cuda \
     --out "$dir"
 # 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
@@ -61,16 +61,21 @@ step bench_grads 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --
     --providers fused eager --modes fwd_bwd --also-grad sigma centres --device cuda \
     --out "$dir/grads"
 # 4. CUDA graphs around the eager loss and around the op (the bank static).
-step bench_graphs 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+step bench_graphs 40 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers compile fused_compile --modes fwd fwd_bwd --compile-mode reduce-overhead \
     --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels.
 step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12
-# 6. The launch rule (one warp a row up to 512 columns, measured on an H100) against 1, 2 and
-#    4 warps on this card (training forward; the single-pass tiles of up to 4 rows first).
-step tune_loss 50 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
+# 6. The launch rule (one warp a row up to 512 columns, measured on an H100 at B 4096) against
+#    1, 2 and 4 warps on this card (training forward; tiles of 1, 2 and 4 rows), and at a
+#    small batch with long lists (the Fashion-MNIST protocol's B 128, K 1000, D 64; tiles of
+#    1-32 rows, the previous rule's 32 x 64 at 4 warps among them), where one warp a row may
+#    leave most of the GPU idle: unmeasured so far.
+step tune_loss 45 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
+step tune_small 20 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
+    --dtype fp32 --warps 1 2 4 --max-configs 18 --reps 30 --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

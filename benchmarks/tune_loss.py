@@ -104,8 +104,9 @@ def main(argv=None):
             default_ms = time_ms(run, device, args.reps)
             nbytes = bytes_needed(B, K, D, DTYPES[dt], nb.dtype, "fwd")
             # the launcher's own default for this bank and build
-            default = kernels.default_config(K, D, elem_size=centres.element_size(),
-                                             grad_x=train)
+            default = kernels.default_config(
+                K, D, elem_size=centres.element_size(), grad_x=train, B=B,
+                sms=kernels.neighbour_kernel._sm_count(centres.device))
             best = (default_ms, default)
             configs = list(candidate_configs(K, D, kernels.FwdConfig, args.warps, args.stages))
             if args.max_configs:

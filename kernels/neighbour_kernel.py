@@ -346,7 +346,8 @@ class FwdConfig:
 
 
 def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
-                   elem_size: int = 4, grad_x: bool = True) -> FwdConfig:
+                   elem_size: int = 4, grad_x: bool = True, B: Optional[int] = None,
+                   sms: Optional[int] = None) -> FwdConfig:
     """Launch rule, measured on an H100 (``benchmarks/tune_loss.py``; its CSV in
     benchmarks/results) and explained by the static build report (``kernels/static_build.py``,
     "sweep" rows of benchmarks/results/static_sm_*.csv).
@@ -359,6 +360,15 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     program when one warp's tile holds the whole list. One warp up to 512 columns; 2, 4, 8
     warps for 1024, 2048, 4096. The same for the training forward (grad_x) and the
     forward-only build.
+
+    Small batches: given the batch ``B`` and the GPU's ``sms`` (the launcher passes both on
+    CUDA), a batch whose programs would hold fewer than WIDEN_BELOW_WARPS_PER_SM warps per SM
+    takes up to 4 warps a row, block_k growing with them (64 bytes a thread) while the list
+    has rows for them, as the previous rule did. One warp a row was measured at B 4096 only
+    (above); at B 128 it would leave 128 warps for a whole H100, about one per SM, each
+    walking its list alone. The widened tiles split the list over warps again, whose cost
+    (above) is then paid on fewer tiles. Unmeasured either way (benchmarks/gpu_session.sh
+    sweeps B 128, K 1000, D 64 next).
 
     Why: every tile reduces over the list's axis six times (the two running maxima, the two
     sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
@@ -396,7 +406,34 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     per_thread = max(1, BYTES_PER_THREAD // elem_size)  # of the tile, a thread
     block_k = max(1, min(kp2, per_thread * 32 * num_warps // block_d))
     rows = 4 if K * D <= per_thread * 32 else 1
+    if B is not None and sms:
+        programs = -(-B // rows)
+        while (num_warps < 4 and block_k < kp2
+               and programs * num_warps < WIDEN_BELOW_WARPS_PER_SM * sms):
+            num_warps *= 2
+            block_k *= 2
     return FwdConfig(block_k, block_d, num_warps, 2, rows)
+
+
+# Warps per SM below which a batch's programs widen (default_config). Little's law: an H100
+# moves ~3 TB/s at ~0.6 us of latency, ~14 KB in flight per SM; one-warp tiles hold 2 KB a
+# warp (64 bytes a thread), so about 8 warps per SM are needed to keep its memory busy.
+WIDEN_BELOW_WARPS_PER_SM = 8
+
+
+def _sm_count(device: torch.device) -> Optional[int]:
+    """Streaming multiprocessors of a CUDA device (None elsewhere: the interpreter), asked
+    once per device."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SMS.get(index)
+    if n is None:
+        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+_SMS: dict = {}
 
 
 def _check_config(cfg: FwdConfig):
@@ -447,8 +484,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     lse_pos = torch.empty(B, device=dev, dtype=cdt)
     grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
-    cfg = config if config is not None else default_config(K, D, max_block_d,
-                                                           centres.element_size(), need_grad_x)
+    cfg = config if config is not None else default_config(
+        K, D, max_block_d, centres.element_size(), need_grad_x, B, _sm_count(dev))
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist

@@ -106,6 +106,12 @@ def _covering_set() -> List[Build]:
     for K, D, bank in [(100, 256, "bf16"), (100, 2048, "bf16"), (100, 128, "fp32"),
                        (100, 128, "bf16")]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False))
+    # The tiles a small batch widens to on a GPU (default_config with B and sms): the
+    # real-data protocol's lists of 1000 at D 64, and the measured shapes, at 2 and 4 warps.
+    for K, D, bank, cfg in [(1000, 64, "fp32", (16, 64, 2, 1)), (1000, 64, "fp32", (32, 64, 4, 1)),
+                            (100, 128, "fp32", (16, 128, 4, 1)),
+                            (100, 512, "bf16", (4, 512, 2, 1)), (100, 512, "bf16", (8, 512, 4, 1))]:
+        out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, cfg=cfg))
     # Forward-only builds (no grad_x): single pass, two-phase (then one phase), 2-byte bank.
     for K, D, bank, dist in [(100, 512, "fp32", False), (256, 512, "bf16", False),
                              (32, 128, "fp32", True), (100, 5000, "fp32", False),

@@ -47,7 +47,7 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     scripts = [line.split()[1] for line in lines]
     assert scripts == ["-c", "-m", "benchmarks/bench_loss.py", "benchmarks/bench_loss.py",
                        "benchmarks/bench_loss.py", "benchmarks/profile_step.py",
-                       "benchmarks/tune_loss.py"]
+                       "benchmarks/tune_loss.py", "benchmarks/tune_loss.py"]
     assert all("--device cuda" in line for line in lines[2:])
     assert "--also-grad sigma centres" in lines[3] and "reduce-overhead" in lines[4]
     # three runs of bench_loss: three folders, so that their CSVs do not mix
@@ -55,10 +55,11 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     with tarfile.open(out / "gpu_session.tgz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
     for step in ("env", "tests_cuda", "bench_loss", "bench_grads", "bench_graphs",
-                 "profile_step", "tune_loss"):
+                 "profile_step", "tune_loss", "tune_small"):
         assert f"{step}.log" in names
     summary = (out / "summary.txt").read_text()
-    assert summary.count("== ") == 7 and "exit 0" in summary
+    assert summary.count("== ") == 8 and "exit 0" in summary
+    assert "--B 128 --K 1000" in lines[-1]  # the small batch of the real-data protocol
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")

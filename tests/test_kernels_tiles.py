@@ -23,7 +23,8 @@ def force_blocks(monkeypatch):
     seen = []
 
     def force(block_k, block_d):
-        def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4, grad_x=True):
+        def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4, grad_x=True,
+                B=None, sms=None):
             seen.append((K, D))
             return nk.FwdConfig(block_k, block_d, num_warps=2)
         monkeypatch.setattr(nk, "default_config", cfg)
@@ -140,3 +141,35 @@ def test_default_config_splits_columns_over_warps_never_the_list():
         assert c.block_d >= 8 * 32 * c.num_warps or c.num_warps == 1
         assert c.block_d <= 16 * 32 * c.num_warps
         assert c.block_k * c.block_d * e <= 64 * 32 * c.num_warps
+
+
+def test_default_config_widens_for_batches_too_small_to_fill_the_gpu():
+    """Given the batch and the GPU's SMs, a batch under 8 warps per SM takes up to 4 warps a
+    row (block_k growing with them) while the list has rows for them; without them, the rule."""
+    nk = kernels().neighbour_kernel
+    cfg, C = nk.default_config, nk.FwdConfig
+    assert cfg(1000, 64, B=128, sms=132) == C(32, 64, 4, 2, 1)      # the previous rule's tile
+    assert cfg(1000, 64, B=1024, sms=132) == C(16, 64, 2, 2, 1)     # 1024 warps < 8 x 132
+    assert cfg(1000, 64, B=2048, sms=132) == C(8, 64, 1, 2, 1)      # enough: one warp a row
+    assert cfg(1000, 64, B=128) == cfg(1000, 64) == C(8, 64, 1, 2, 1)
+    assert cfg(100, 512, elem_size=2, B=64, sms=132) == C(8, 512, 4, 2, 1)
+    assert cfg(3, 8, B=2, sms=132) == C(4, 8, 1, 2, 4)              # one tile holds the list
+    assert cfg(8, 128, B=8, sms=132) == C(8, 128, 2, 2, 1)          # as far as the list goes
+    assert cfg(100, 4096, B=8, sms=132) == cfg(100, 4096)           # already 8 warps
+
+
+def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
+    """neighbour_kernel_fwd asks default_config with B and the device's SMs (None off CUDA:
+    the interpreter has no SMs)."""
+    nk = kernels().neighbour_kernel
+    seen = []
+    real = nk.default_config
+
+    def spy(*args):
+        seen.append(args)
+        return real(*args)
+    monkeypatch.setattr(nk, "default_config", spy)
+    emb, labels, centres, cl, nb, w = far_first_case(5, 30, 6, 7, seed=2, spread=1.0, pad=0.0)
+    nk.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, torch.tensor(1.0))
+    assert seen and seen[-1][5:] == (5, None)
+    assert nk._sm_count(torch.device("cpu")) is None

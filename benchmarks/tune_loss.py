@@ -106,7 +106,7 @@ def main(argv=None):
             # the launcher's own default for this bank and build
             default = kernels.default_config(
                 K, D, elem_size=centres.element_size(), grad_x=train, B=B,
-                sms=kernels.neighbour_kernel._sm_count(centres.device))
+                sms=kernels.neighbour_kernel.sm_count(centres.device))
             best = (default_ms, default)
             configs = list(candidate_configs(K, D, kernels.FwdConfig, args.warps, args.stages))
             if args.max_configs:

@@ -421,7 +421,7 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
 WIDEN_BELOW_WARPS_PER_SM = 8
 
 
-def _sm_count(device: torch.device) -> Optional[int]:
+def sm_count(device: torch.device) -> Optional[int]:
     """Streaming multiprocessors of a CUDA device (None elsewhere: the interpreter), asked
     once per device."""
     if device.type != "cuda":
@@ -485,7 +485,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
     cfg = config if config is not None else default_config(
-        K, D, max_block_d, centres.element_size(), need_grad_x, B, _sm_count(dev))
+        K, D, max_block_d, centres.element_size(), need_grad_x, B, sm_count(dev))
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist

@@ -64,6 +64,9 @@ class Build:
     grad_x: bool = True
     # Explicit (block_k, block_d, num_warps, rows) of the forward; () = default_config.
     cfg: tuple = ()
+    # A GPU's SM count for default_config's small-batch rule (with B as the batch); None: the
+    # rule for a batch that fills the GPU.
+    sms: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -77,6 +80,7 @@ class Build:
             return (f"{self.kernel}-K{self.K}-{self.bank}-{'w' if self.weights else 'now'}"
                     f"-{self.idx}")
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
+        tail += f"-B{self.B}sms{self.sms}" if self.sms else ""
         tail += "" if self.grad_x else "-fwdonly"
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
                 f"-{self.idx}-{'dist' if self.store_dist else 'nodist'}{tail}")
@@ -106,12 +110,12 @@ def _covering_set() -> List[Build]:
     for K, D, bank in [(100, 256, "bf16"), (100, 2048, "bf16"), (100, 128, "fp32"),
                        (100, 128, "bf16")]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False))
-    # The tiles a small batch widens to on a GPU (default_config with B and sms): the
-    # real-data protocol's lists of 1000 at D 64, and the measured shapes, at 2 and 4 warps.
-    for K, D, bank, cfg in [(1000, 64, "fp32", (16, 64, 2, 1)), (1000, 64, "fp32", (32, 64, 4, 1)),
-                            (100, 128, "fp32", (16, 128, 4, 1)),
-                            (100, 512, "bf16", (4, 512, 2, 1)), (100, 512, "bf16", (8, 512, 4, 1))]:
-        out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, cfg=cfg))
+    # The tiles a small batch widens to on a GPU (default_config with B and sms, an H100's
+    # 132 SMs): the real-data protocol's lists of 1000 at D 64, and measured shapes; B 128
+    # takes 4 warps a row, B 600 two.
+    for K, D, bank in [(1000, 64, "fp32"), (100, 128, "fp32"), (100, 512, "bf16")]:
+        for B in (128, 600):
+            out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, B=B, sms=132))
     # Forward-only builds (no grad_x): single pass, two-phase (then one phase), 2-byte bank.
     for K, D, bank, dist in [(100, 512, "fp32", False), (256, 512, "bf16", False),
                              (32, 128, "fp32", True), (100, 5000, "fp32", False),
@@ -381,7 +385,8 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     w = torch.ones(N) if b.weights else None
                     cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg
                            else nk.default_config(b.K, b.D, elem_size=cen.element_size(),
-                                                 grad_x=b.grad_x))
+                                                 grad_x=b.grad_x,
+                                                 B=b.B if b.sms else None, sms=b.sms))
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,
                                             need_grad_x=b.grad_x)

@@ -172,4 +172,4 @@ def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
     emb, labels, centres, cl, nb, w = far_first_case(5, 30, 6, 7, seed=2, spread=1.0, pad=0.0)
     nk.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, torch.tensor(1.0))
     assert seen and seen[-1][5:] == (5, None)
-    assert nk._sm_count(torch.device("cpu")) is None
+    assert nk.sm_count(torch.device("cpu")) is None

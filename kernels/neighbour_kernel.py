@@ -37,6 +37,10 @@ import triton.language as tl
 MAX_SINGLE_PASS_BLOCK_D = 4096
 # Bytes of the gathered centre tile each thread holds (see default_config).
 BYTES_PER_THREAD = 64
+# Rows of a one-warp training tile (grad_x computed; fp32 / 2-byte banks), at least
+# TRAIN_MIN_ELEMS_PER_THREAD elements a thread (see default_config).
+TRAIN_ROWS = 2
+TRAIN_MIN_ELEMS_PER_THREAD = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,8 +362,11 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     a row's columns and never the list; block_k = the rows that give each thread
     BYTES_PER_THREAD = 64 bytes of the bank (at most the next power of two of K); 4 rows per
     program when one warp's tile holds the whole list. One warp up to 512 columns; 2, 4, 8
-    warps for 1024, 2048, 4096. The same for the training forward (grad_x) and the
-    forward-only build.
+    warps for 1024, 2048, 4096. The training forward (``grad_x``) of an fp32 or 2-byte bank
+    at one warp takes TRAIN_ROWS = 2 rows a tile instead (at least 8 elements a thread: 4 rows
+    at D 64), whatever the bytes, unless one tile holds the whole list: it also holds the two
+    weighted sums of z, and in the H100's sweep two rows were the fastest or within 2% of it
+    at every shape (below).
 
     Small batches: given the batch ``B`` and the GPU's ``sms`` (the launcher passes both on
     CUDA), a batch whose programs would hold fewer than WIDEN_BELOW_WARPS_PER_SM warps per SM
@@ -390,6 +397,12 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
 
     At bf0897c the rule was 1.15x off at D 256 bf16 (4x256 w1 0.147 against 2x256 w1 0.128)
     and 1.03x at D 2048 bf16 (2x2048 w4 0.842 against 4x2048 w2 0.816), training forward.
+    Two rows a one-warp training tile, from the same sweeps (training forward, ms; the
+    64-byte tile, then two rows): fp32 D 128 4x128 0.101, 2x128 0.103; fp32 D 512 1x512 0.336,
+    2x512 0.324 (the best); bf16 D 128 8x128 0.093, 2x128 0.084 (the best); bf16 D 256 4x256
+    0.147, 2x256 0.128 (the best); bf16 D 512 2x512 0.2005 both. The forward-only build keeps
+    the 64-byte tile: the best or within 1% at its four shapes. One GPU, one sweep per shape;
+    D 64 and other K are unmeasured.
 
     The previous rule (64 bytes a thread at 4-16 warps) came from the static report alone: it
     kept more warps resident per SM, which the GPU did not reward. At 1 warp a program, 32
@@ -406,6 +419,8 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     per_thread = max(1, BYTES_PER_THREAD // elem_size)  # of the tile, a thread
     block_k = max(1, min(kp2, per_thread * 32 * num_warps // block_d))
     rows = 4 if K * D <= per_thread * 32 else 1
+    if grad_x and num_warps == 1 and elem_size <= 4 and rows == 1:
+        block_k = min(kp2, max(TRAIN_ROWS, TRAIN_MIN_ELEMS_PER_THREAD * 32 // block_d))
     if B is not None and sms:
         programs = -(-B // rows)
         while (num_warps < 4 and block_k < kp2

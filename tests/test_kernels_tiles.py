@@ -118,9 +118,12 @@ def test_default_config_is_one_tile_for_short_lists():
 def test_default_config_splits_columns_over_warps_never_the_list():
     """The rule (measured on an H100): the fewest warps whose threads hold one gathered row in
     at most 16 elements each (8 for fp64), and the rows that give each thread 64 bytes of the
-    bank; the same for every build."""
+    bank (the forward-only build; the training build at one warp: below)."""
     nk = kernels().neighbour_kernel
-    cfg, C = nk.default_config, nk.FwdConfig
+
+    def cfg(*args, **kw):
+        return nk.default_config(*args, grad_x=False, **kw)
+    C = nk.FwdConfig
     assert cfg(100, 128) == C(4, 128, 1, 2, 1)                       # 16 fp32 a thread, 4 rows
     assert cfg(100, 512) == C(1, 512, 1, 2, 1)
     assert cfg(100, 128, elem_size=2) == C(8, 128, 1, 2, 1)
@@ -133,14 +136,32 @@ def test_default_config_splits_columns_over_warps_never_the_list():
     assert cfg(100, 64, elem_size=8) == C(4, 64, 1, 2, 1)             # fp64: 8 a thread
     assert cfg(100, 512, elem_size=8) == C(1, 512, 2, 2, 1)
     assert cfg(3, 8) == C(4, 8, 1, 2, 4)                              # tiny lists: 4 rows
-    for K, D, e in [(100, 128, 4), (100, 512, 2), (7, 3000, 4)]:
-        assert cfg(K, D, elem_size=e, grad_x=False) == cfg(K, D, elem_size=e)
-        c = cfg(K, D, elem_size=e)
-        # warps split one row's columns (at least 8 a thread: no warp spans list rows), each
-        # thread holds at most 16 of one row and 64 bytes of the tile
-        assert c.block_d >= 8 * 32 * c.num_warps or c.num_warps == 1
-        assert c.block_d <= 16 * 32 * c.num_warps
-        assert c.block_k * c.block_d * e <= 64 * 32 * c.num_warps
+    for K, D, e in [(100, 128, 4), (100, 512, 2), (7, 3000, 4), (100, 64, 8)]:
+        for grad_x in (False, True):
+            c = nk.default_config(K, D, elem_size=e, grad_x=grad_x)
+            # warps split one row's columns (at least 8 a thread: no warp spans list rows),
+            # each thread holds at most 16 of one row and 64 bytes of the tile
+            assert c.block_d >= 8 * 32 * c.num_warps or c.num_warps == 1
+            assert c.block_d <= 16 * 32 * c.num_warps
+            assert c.block_k * c.block_d * min(e, 4) <= 64 * 32 * c.num_warps
+
+
+def test_default_config_gives_one_warp_training_tiles_two_rows():
+    """The training build (grad_x, the default) of an fp32 or 2-byte bank at one warp: two
+    rows a tile (the fastest or within 2% of it at the H100's five measured shapes), at least
+    8 elements a thread; more warps, an fp64 bank, or a list that one tile holds: the 64-byte
+    rule."""
+    nk = kernels().neighbour_kernel
+    cfg, C = nk.default_config, nk.FwdConfig
+    assert cfg(100, 128) == C(2, 128, 1, 2, 1)
+    assert cfg(100, 512) == C(2, 512, 1, 2, 1)
+    assert cfg(100, 128, elem_size=2) == C(2, 128, 1, 2, 1)
+    assert cfg(100, 256, elem_size=2) == C(2, 256, 1, 2, 1)
+    assert cfg(100, 512, elem_size=2) == C(2, 512, 1, 2, 1)
+    assert cfg(1000, 64) == C(4, 64, 1, 2, 1)                         # 8 elements a thread
+    for K, D, e in [(100, 2048, 2), (100, 1000, 4), (100, 64, 8), (100, 512, 8),
+                    (1, 512, 4), (3, 8, 4), (16, 20, 4)]:  # ... and lists in one tile
+        assert cfg(K, D, elem_size=e) == cfg(K, D, elem_size=e, grad_x=False), (K, D, e)
 
 
 def test_default_config_widens_for_batches_too_small_to_fill_the_gpu():
@@ -148,13 +169,15 @@ def test_default_config_widens_for_batches_too_small_to_fill_the_gpu():
     row (block_k growing with them) while the list has rows for them; without them, the rule."""
     nk = kernels().neighbour_kernel
     cfg, C = nk.default_config, nk.FwdConfig
-    assert cfg(1000, 64, B=128, sms=132) == C(32, 64, 4, 2, 1)      # the previous rule's tile
-    assert cfg(1000, 64, B=1024, sms=132) == C(16, 64, 2, 2, 1)     # 1024 warps < 8 x 132
-    assert cfg(1000, 64, B=2048, sms=132) == C(8, 64, 1, 2, 1)      # enough: one warp a row
-    assert cfg(1000, 64, B=128) == cfg(1000, 64) == C(8, 64, 1, 2, 1)
+    assert cfg(1000, 64, B=128, sms=132) == C(16, 64, 4, 2, 1)      # training: from 4 rows
+    assert cfg(1000, 64, B=128, sms=132, grad_x=False) == C(32, 64, 4, 2, 1)  # the old tile
+    assert cfg(1000, 64, B=1024, sms=132) == C(8, 64, 2, 2, 1)      # 1024 warps < 8 x 132
+    assert cfg(1000, 64, B=2048, sms=132) == C(4, 64, 1, 2, 1)      # enough: one warp a row
+    assert cfg(1000, 64, B=128) == cfg(1000, 64) == C(4, 64, 1, 2, 1)
     assert cfg(100, 512, elem_size=2, B=64, sms=132) == C(8, 512, 4, 2, 1)
     assert cfg(3, 8, B=2, sms=132) == C(4, 8, 1, 2, 4)              # one tile holds the list
-    assert cfg(8, 128, B=8, sms=132) == C(8, 128, 2, 2, 1)          # as far as the list goes
+    assert cfg(8, 128, B=8, sms=132, grad_x=False) == C(8, 128, 2, 2, 1)  # as far as the
+    assert cfg(8, 128, B=8, sms=132) == C(8, 128, 4, 2, 1)                # list goes
     assert cfg(100, 4096, B=8, sms=132) == cfg(100, 4096)           # already 8 warps
 
 

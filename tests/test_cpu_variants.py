@@ -17,10 +17,27 @@ from nnkloss.ops import cpu  # noqa: E402
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no compiled CPU kernel here")
 
 
+@pytest.fixture(scope="module")
+def built_once():
+    """cpu_variants.build with each (defines, source) built once for this module: a build
+    takes ~25 s, and the tests below asked for the defaults five times (CI's slowest module).
+    Each distinct variant is still a build of its own (the tool itself memoises nothing)."""
+    real, libs = cpu_variants.build, {}
+
+    def build(defines, source=None):
+        key = (defines, source)
+        if key not in libs:
+            libs[key] = real(defines, source)
+        return libs[key]
+    return build
+
+
 @pytest.fixture
-def private_tmp(tmp_path, monkeypatch):
-    """Variant caches under tmp_path; the process's own library afterwards."""
+def private_tmp(tmp_path, monkeypatch, built_once):
+    """Variant caches under tmp_path (the first test to build a variant; loaded, the library
+    outlives its files); the process's own library afterwards."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cpu_variants, "build", built_once)
     monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", os.environ.get("NNKLOSS_GOVERN_THREADS", "1"))
     threads = torch.get_num_threads()
     yield tmp_path

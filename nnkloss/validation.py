@@ -213,7 +213,9 @@ def check_sigma(sigma, device):
         if sigma.device != device:
             raise ValueError(f"sigma is on {sigma.device} but emb is on {device}")
         return sigma.reshape(())
-    return torch.tensor(require_sigma(sigma), dtype=torch.float32, device=device)
+    # torch.full fills on the device: torch.tensor(float, device="cuda") is a copy from host
+    # memory, which waits for the stream (a host sync on every call of the functional op)
+    return torch.full((), require_sigma(sigma), dtype=torch.float32, device=device)
 
 
 def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend):

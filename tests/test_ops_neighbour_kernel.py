@@ -533,6 +533,38 @@ def test_on_cuda_the_gathered_centres_are_checked_before_the_op(monkeypatch):
     assert torch.isnan(out.per_row[2]) and torch.isfinite(out.per_row[[0, 1, 3, 4, 5]]).all()
 
 
+def test_a_float_sigma_is_filled_on_the_device_not_copied_from_the_host(monkeypatch):
+    """The functional op's float sigma becomes a 0-dim fp32 tensor by torch.full (a fill on
+    the device): torch.tensor(value, device=...) would copy from host memory, and on a GPU
+    that copy waits for the stream on every call."""
+    from nnkloss import validation
+    made = []
+    real_full = torch.full
+    want = float(torch.tensor(0.7, dtype=torch.float32))
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("torch.tensor called"))
+    monkeypatch.setattr(torch, "full", lambda *a, **k: made.append(a) or real_full(*a, **k))
+    s = validation.check_sigma(0.7, torch.device("cpu"))
+    assert made == [((), 0.7)] and s.dtype == torch.float32 and s.shape == ()
+    assert float(s) == want
+
+
+@pytest.mark.cuda
+def test_the_functional_op_with_a_float_sigma_never_syncs_on_cuda():
+    """Value checks off, a float sigma: forward and backward without a host sync."""
+    emb, labels, centres, cl, nb, w = (t.cuda() for t in make_case(6, 30, 8, 5, seed=3))
+    x = emb.float().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with nnkloss.value_checks(False):
+            loss = nnkloss.neighbour_kernel_loss(x, labels, centres.float(), cl, nb, w.float(),
+                                                 sigma=1.3)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss.cpu()) and torch.isfinite(x.grad).all().cpu()
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backend):
     """A forward-only call in eager mode on plain tensors runs the backend directly (the

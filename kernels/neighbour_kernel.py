@@ -370,8 +370,8 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
 
     Small batches: given the batch ``B`` and the GPU's ``sms`` (the launcher passes both on
     CUDA), a batch whose programs would hold fewer than WIDEN_BELOW_WARPS_PER_SM warps per SM
-    takes up to 4 warps a row, block_k growing with them (64 bytes a thread) while the list
-    has rows for them, as the previous rule did. One warp a row was measured at B 4096 only
+    takes up to 4 warps a row, block_k doubling with them while the list has rows for them,
+    as the previous rule did. One warp a row was measured at B 4096 only
     (above); at B 128 it would leave 128 warps for a whole H100, about one per SM, each
     walking its list alone. The widened tiles split the list over warps again, whose cost
     (above) is then paid on fewer tiles. Unmeasured either way (benchmarks/gpu_session.sh
@@ -385,14 +385,14 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     flight decided little once no spill occurs.
 
     Measured (H100, Triton 3.6.0, B 4096, K 100, banks of 1M rows, commit ed1df81,
-    2026-11-26; training forward / forward-only, ms):
+    2026-11-26; training forward / forward-only, ms; "64 B": the 64-byte tile):
 
-      fp32 D 128   4x128 w1 (rule) 0.101 / 0.096; 16x128 w4 (the previous rule) 0.238 / 0.114
-      fp32 D 512   1x512 w1 (rule) 0.336 / 0.318; best 2x512 w1 0.324 / 0.316; 4x512 w4
+      fp32 D 128   4x128 w1 (64 B) 0.101 / 0.096; 16x128 w4 (the previous rule) 0.238 / 0.114
+      fp32 D 512   1x512 w1 (64 B) 0.336 / 0.318; best 2x512 w1 0.324 / 0.316; 4x512 w4
                    (previous) 0.361 / 0.357
-      bf16 D 128   8x128 w1 (rule) 0.093 / 0.068 (the best forward-only); best training
+      bf16 D 128   8x128 w1 (64 B) 0.093 / 0.068 (the best forward-only); best training
                    2x128 w1 0.084; 32x128 w4 (previous) 0.233 / 0.076
-      bf16 D 512   2x512 w1 (rule) 0.2005 (the best of 18, commit bf0897c) / 0.172 (the
+      bf16 D 512   2x512 w1 (64 B) 0.2005 (the best of 18, commit bf0897c) / 0.172 (the
                    best); 1x512 w4 (the previous measured tile) 0.376 / 8x512 w4 0.235
 
     At bf0897c the rule was 1.15x off at D 256 bf16 (4x256 w1 0.147 against 2x256 w1 0.128)

@@ -67,8 +67,9 @@ step bench_graphs 40 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 -
 # 5. Where one step's time goes: the host's Python and launches, or the kernels.
 step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12
-# 6. The launch rule (one warp a row up to 512 columns, measured on an H100 at B 4096) against
-#    1, 2 and 4 warps on this card (training forward; tiles of 1, 2 and 4 rows), and at a
+# 6. The launch rule (one warp a row up to 512 columns, measured on an H100 at B 4096; two rows
+#    a training tile, read off that sweep, not yet timed as the default) against 1, 2 and 4
+#    warps on this card (training forward; tiles of 1, 2 and 4 rows), and at a
 #    small batch with long lists (the Fashion-MNIST protocol's B 128, K 1000, D 64; tiles of
 #    1-32 rows, the previous rule's 32 x 64 at 4 warps among them), where one warp a row may
 #    leave most of the GPU idle: unmeasured so far.

@@ -17,6 +17,11 @@ from nnkloss.ops import cpu  # noqa: E402
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no compiled CPU kernel here")
 
 
+# A variant the tests share (each build takes ~25 s): the non-temporal hint, and one pass from
+# 1 KB of gathered rows a list.
+NTA = "NNK_PREFETCH_LOCALITY=0,NNK_ONE_PASS_BYTES=1024"
+
+
 @pytest.fixture(scope="module")
 def built_once():
     """cpu_variants.build with each (defines, source) built once for this module: a build
@@ -47,7 +52,7 @@ def private_tmp(tmp_path, monkeypatch, built_once):
 
 def test_variants_are_separate_builds_and_the_op_runs_on_each(private_tmp):
     default = cpu_variants.build("")
-    nta = cpu_variants.build("NNK_PREFETCH_LOCALITY=0,NNK_ONE_PASS_BYTES=1024")
+    nta = cpu_variants.build(NTA)
     assert default is not nta
     assert os.environ.get("NNKLOSS_CACHE_DIR") != str(private_tmp)  # restored
     g = torch.Generator().manual_seed(0)
@@ -70,10 +75,10 @@ def test_variants_are_separate_builds_and_the_op_runs_on_each(private_tmp):
 
 def test_main_times_every_variant_and_shape_and_writes_the_log(private_tmp):
     log = private_tmp / "ab.txt"
-    results = cpu_variants.main(["-D", "", "-D", "NNK_PREFETCH_BYTES=0", "--rounds", "2",
+    results = cpu_variants.main(["-D", "", "-D", NTA, "--rounds", "2",
                                  "--iters", "1", "--shapes", "1", "--out", str(log)])
     shape = (1024, 32, 128, "fp32")
-    assert set(results) == {("defaults", shape), ("NNK_PREFETCH_BYTES=0", shape)}
+    assert set(results) == {("defaults", shape), (NTA, shape)}
     for runs in results.values():
         assert len(runs) == 2 and all(ms > 0 for run in runs for ms in run)
     text = log.read_text().splitlines()

@@ -23,7 +23,9 @@ compiled; with ``--compile-mode reduce-overhead`` both compile providers replay 
 a GPU), ``torch`` (the op's plain PyTorch path),
 ``checked`` (``fused`` with the value checks on, the default) and ``module``
 (``NeighbourKernelLoss(bank)(emb, labels, idx)`` over a bank holding the same lists, checks
-on: the whole call a user of the module pays, lists fetched by the bank).
+on: the whole call a user of the module pays, lists fetched by the bank), ``module_unchecked``
+(the same call with the checks off, as ``Trainer`` makes it after each fit()'s first step:
+what a GPU training step pays, no host sync).
 
 On CUDA: ``triton.testing.do_bench`` median, peak = max_memory_allocated above the allocation
 before the measured call. On CPU every (provider, mode, shape) runs in a fresh process
@@ -64,7 +66,8 @@ COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak
 EXTRA_GRADS = ["sigma", "weights", "centres"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused", "eager", "compile", "fused_compile", "torch", "checked", "module"]
+PROVIDERS = ["fused", "eager", "compile", "fused_compile", "torch", "checked", "module",
+             "module_unchecked"]
 # torch.compile's mode for the compile and fused_compile providers (--compile-mode):
 # "reduce-overhead" replays CUDA graphs on a GPU, which takes the host's time per call away.
 COMPILE_MODE = {"mode": "default"}
@@ -102,9 +105,9 @@ def checked_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma
         return fused_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma)
 
 
-def module_loss(inputs):
+def module_loss(inputs, checks: bool = True):
     """The module as users call it, ``NeighbourKernelLoss(bank)(emb, labels, idx)``, value
-    checks on: a CentreBank of the inputs' centres whose rows ``idx = neighbours[:, 0]`` (each
+    checks on (``checks=False``: off, as a training loop's later steps): a CentreBank of the inputs' centres whose rows ``idx = neighbours[:, 0]`` (each
     row's own centre: make_inputs) hold the inputs' lists, so the same K entries are
     gathered (``exclude_self=False``: the own centre stays in, as in the other providers).
     Where idx repeats, the last list wins for both rows (a few rows at the CPU grid's shapes;
@@ -120,7 +123,7 @@ def module_loss(inputs):
     loss = nnkloss.NeighbourKernelLoss(bank, sigma=float(sigma), exclude_self=False)
 
     def call(emb, labels, centres, centre_labels, neighbours, weights, sigma):
-        with nnkloss.value_checks(True):
+        with nnkloss.value_checks(checks):
             return loss(emb, labels, idx)
     return call
 
@@ -177,7 +180,7 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
     emb, labels, centres, cl, nb, w, sigma = inputs
     leaves = []
     if mode != "fwd" and also_grad:
-        if provider == "module":
+        if provider.startswith("module"):
             raise ValueError("--also-grad: the module provider trains the embeddings only")
         sigma = sigma.detach().clone().requires_grad_("sigma" in also_grad)
         w = w.detach().clone().requires_grad_("weights" in also_grad)
@@ -203,9 +206,9 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
                 eager_loss if provider == "compile" else fused_loss, dynamic=False,
                 mode=COMPILE_MODE["mode"])
         fn = _COMPILED[provider]
-    elif provider == "module":
-        fn = module_loss(inputs)
-    if provider in ("fused", "checked", "module") and device.type == "cpu":
+    elif provider.startswith("module"):
+        fn = module_loss(inputs, checks=provider == "module")
+    if provider in ("fused", "checked", "module", "module_unchecked") and device.type == "cpu":
         from nnkloss.ops import cpu
         cpu.available()  # build / load the library before the memory baseline
     x = emb.detach().clone().requires_grad_(mode != "fwd")

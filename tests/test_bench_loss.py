@@ -26,15 +26,16 @@ def test_eager_provider_matches_fused_op():
 def test_checked_and_module_providers_compute_the_fused_loss():
     """The two providers of the user's default calls give the same loss and embedding
     gradient as ``fused`` (same lists, the own centre kept), and run with the value checks on
-    whatever the caller's setting."""
+    whatever the caller's setting; module_unchecked the same loss with them off."""
     inputs = list(bench_loss.make_inputs(64, 6, 9, 400, torch.float32, torch.device("cpu")))
     own = torch.randperm(400, generator=torch.Generator().manual_seed(5))[:64]
     inputs[4][:, 0] = own.to(inputs[4])  # distinct own rows: the bank holds every list
     inputs[1] = inputs[3][own]
     inputs[0] = inputs[2][own] + 0.1
     module = bench_loss.module_loss(inputs)
+    unchecked = bench_loss.module_loss(inputs, checks=False)
     results = []
-    for fn in (bench_loss.fused_loss, bench_loss.checked_loss, module):
+    for fn in (bench_loss.fused_loss, bench_loss.checked_loss, module, unchecked):
         x = inputs[0].clone().requires_grad_(True)
         with nnkloss.value_checks(False):
             loss = fn(x, *inputs[1:])
@@ -53,6 +54,10 @@ def test_checked_and_module_providers_compute_the_fused_loss():
     bad[1] = inputs[1] + 1  # labels that disagree with the bank's
     with nnkloss.value_checks(False), pytest.raises(ValueError, match="labels disagree"):
         module(*bad)
+    # module_unchecked: the checks off even where the caller has them on (the training loop's
+    # later steps): the disagreeing rows are dropped, not raised
+    with nnkloss.value_checks(True):
+        assert torch.isfinite(unchecked(*bad))
 
 
 def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):

@@ -186,8 +186,8 @@ def test_checked_label_comparison_takes_one_compiled_pass_when_loaded(monkeypatc
         fn(emb, labels, (idx + 1) % bank.num_centres)
     assert counts[1] > 0
     with nnkloss.value_checks(False):
-        fn(emb, labels, idx)  # checks off: nothing is read, no compiled count
-    assert len(counts) == 2
+        fn(emb, labels, idx)  # checks off: counted too on a CPU (no sync), nothing to drop
+    assert counts[2:] == [0] and int(fn.last_num_mismatched) == 0
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -385,9 +385,39 @@ def forward_backward_without_sync(device, backend, guard):
     return loss
 
 
-def test_forward_and_backward_read_no_tensor_values_on_cpu():
+@pytest.mark.parametrize("library_count", [True, False])
+def test_forward_and_backward_read_no_tensor_values_on_cpu(monkeypatch, library_count):
+    """No Tensor value reaches the host; without the CPU library's label count (False: as on a
+    GPU, where the misaligned rows' drop is built from torch ops) too."""
+    from nnkloss.ops import cpu
+    if not library_count:
+        monkeypatch.setattr(cpu, "count_mismatched", lambda *a: None)
     loss = forward_backward_without_sync("cpu", "torch", no_host_reads)
     assert torch.isfinite(loss)
+
+
+def test_with_checks_off_the_cpu_library_count_spares_the_drop(monkeypatch):
+    """Value checks off, CPU tensors: the library counts the disagreeing rows (no sync on a
+    CPU) and, when there are none, forward builds no drop (no where over the rows); with some,
+    they are dropped as before."""
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no compiled CPU kernel here")
+    bank = random_bank(N=40, D=8, K=6)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.5)
+    idx = torch.arange(0, 40, 5)
+    emb = bank.centres[idx] + 0.1
+    labels = bank.centre_labels[idx].clone()
+    wheres = []
+    real_where = torch.where
+    monkeypatch.setattr(torch, "where", lambda *a, **k: wheres.append(1) or real_where(*a, **k))
+    with nnkloss.value_checks(False):
+        fn(emb, labels, idx)
+        assert wheres == [] and int(fn.last_num_mismatched) == 0
+        labels[2] = labels[2] + 1
+        fn(emb, labels, idx)
+    assert wheres and int(fn.last_num_mismatched) == 1
+    assert fn.last_stats.per_row[2] == 0 and not fn.last_stats.counted[2]
 
 
 def test_host_read_guard_catches_a_read():
@@ -459,11 +489,15 @@ def test_bank_loss_template():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(reduction):
+def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(reduction,
+                                                                            monkeypatch):
     """With value checks on, the labels have been read against the bank's (a mismatch raises),
     so a call whose rows all agree records no drop (no WhereBackward between the op and the
     reduction) and reports 0 mismatched rows; loss, per-row losses, counted rows and every
-    gradient equal the unchecked call's, which records the drop."""
+    gradient equal the unchecked call's, which records the drop where nothing is read (a GPU;
+    here the CPU library's count is taken away for it)."""
+    from nnkloss.ops import cpu
+    real_count = cpu.count_mismatched
     def graph_ops(t):
         seen, todo = set(), [t.grad_fn]
         while todo:
@@ -479,6 +513,8 @@ def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(redu
         g = torch.Generator().manual_seed(21)
         emb = torch.randn(7, 8, generator=g).requires_grad_(True)
         idx = torch.randint(0, 40, (7,), generator=g)
+        monkeypatch.setattr(cpu, "count_mismatched",
+                            real_count if checks else (lambda *a: None))
         with nnkloss.value_checks(checks):
             loss = fn(emb, bank.centre_labels[idx].clone(), idx)
         ops = graph_ops(loss)

@@ -80,15 +80,17 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path):
             continue
         esize = 4 if r["dtype"] == "fp32" else 2
         gathered = 4 * 3 * 5 * esize / float(r["ms"]) / 1e6
+        # The CSV holds percentages to 0.1 (0.05 off) computed before ms and the limits were
+        # rounded to 4 digits (another 0.1% here): 0.06 covers both.
         assert float(r["gathered_gbps"]) == pytest.approx(gathered, rel=1e-3)
         assert float(r["pct_of_read"]) == pytest.approx(
-            100 * gathered / float(r["read_gbps"]), rel=1e-2, abs=0.05)
+            100 * gathered / float(r["read_gbps"]), rel=1e-2, abs=0.06)
         bank = float(r["bank_read_gbps"])  # one bank per dtype, shared by the providers
         assert bank > 0 and float(r["pct_of_bank_read"]) == pytest.approx(
-            100 * gathered / bank, rel=1e-2, abs=0.05)
+            100 * gathered / bank, rel=1e-2, abs=0.06)
         gather = float(r["gather_gbps"])  # the rows the lists name, read in their order
         assert gather > 0 and float(r["pct_of_gather"]) == pytest.approx(
-            100 * gathered / gather, rel=1e-2, abs=0.05)
+            100 * gathered / gather, rel=1e-2, abs=0.06)
     assert os.path.getsize(path.replace(".csv", ".png")) > 1000
     table = bench_loss.summary(path, rows[0]["commit"])
     head = table.splitlines()[0]

@@ -145,7 +145,7 @@ class BankLoss(nn.Module, abc.ABC):
         still tells whether any row is to be dropped."""
         bank_labels = self.bank.centre_labels
         checks = value_checks_enabled() and not compiling()
-        if plain_eager(bank_labels, idx, labels):
+        if labels.is_cpu and plain_eager(bank_labels, idx, labels):
             # CPU tensors, the compiled library loaded: one pass, no (B,) mask when all agree.
             # With the checks off too: on a CPU the count is a read without a sync, and it
             # spares the torch ops that would drop nothing (gather, compare, where, and, sum:

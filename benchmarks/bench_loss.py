@@ -107,8 +107,9 @@ def checked_loss(emb, labels, centres, centre_labels, neighbours, weights, sigma
 
 def module_loss(inputs, checks: bool = True):
     """The module as users call it, ``NeighbourKernelLoss(bank)(emb, labels, idx)``, value
-    checks on (``checks=False``: off, as a training loop's later steps): a CentreBank of the inputs' centres whose rows ``idx = neighbours[:, 0]`` (each
-    row's own centre: make_inputs) hold the inputs' lists, so the same K entries are
+    checks on (``checks=False``: off, as a training loop's later steps): a CentreBank of the
+    inputs' centres whose rows ``idx = neighbours[:, 0]`` (each row's own centre:
+    make_inputs) hold the inputs' lists, so the same K entries are
     gathered (``exclude_self=False``: the own centre stays in, as in the other providers).
     Where idx repeats, the last list wins for both rows (a few rows at the CPU grid's shapes;
     the work is the same). Uniform weights: the bank passes none (the kernel skips the weight
@@ -208,7 +209,7 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
         fn = _COMPILED[provider]
     elif provider.startswith("module"):
         fn = module_loss(inputs, checks=provider == "module")
-    if provider in ("fused", "checked", "module", "module_unchecked") and device.type == "cpu":
+    if (provider in ("fused", "checked") or provider.startswith("module")) and device.type == "cpu":
         from nnkloss.ops import cpu
         cpu.available()  # build / load the library before the memory baseline
     x = emb.detach().clone().requires_grad_(mode != "fwd")

@@ -42,7 +42,8 @@ def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384
     # The single pass over the whole row first: --max-configs then tries it before D chunks.
     block_ds = sorted({bd for bd in (full, 256, 512, 1024, 2048) if bd <= full and bd <= 8192},
                       reverse=True)
-    block_ks = [bk for bk in (1, 2, 4, 8, 16, 32, 64) if bk <= max(1, 1 << (K - 1).bit_length())]
+    kp2 = max(1, 1 << (K - 1).bit_length())
+    block_ks = [bk for bk in (1, 2, 4, 8, 16, 32, 64, 128) if bk <= kp2]
     for bd, bk, nw, ns in itertools.product(block_ds, block_ks, warps, stages):
         if bk * bd <= max_tile:
             yield FwdConfig(bk, bd, nw, ns)

@@ -369,13 +369,15 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     at every shape (below).
 
     Small batches: given the batch ``B`` and the GPU's ``sms`` (the launcher passes both on
-    CUDA), a batch whose programs would hold fewer than WIDEN_BELOW_WARPS_PER_SM warps per SM
-    takes up to 4 warps a row, block_k doubling with them while the list has rows for them,
-    as the previous rule did. One warp a row was measured at B 4096 only
-    (above); at B 128 it would leave 128 warps for a whole H100, about one per SM, each
-    walking its list alone. The widened tiles split the list over warps again, whose cost
-    (above) is then paid on fewer tiles. Unmeasured either way (benchmarks/gpu_session.sh
-    sweeps B 128, K 1000, D 64 next).
+    CUDA), a batch whose programs would hold fewer than SMALL_BATCH_WARPS_PER_SM warps per SM
+    keeps its warps and lengthens its tiles to SMALL_BATCH_ELEMS_PER_THREAD = 64 elements a
+    thread (32 for fp64) while the list has rows for them. At B 128 an H100 holds about one
+    warp per SM, each walking its list alone: the time goes by tiles (each waits on its
+    list's indices, then on their rows), so fewer, longer tiles win, and more warps a row
+    (the previous widening) add barriers. H100, B 128, K 1000, D 64, fp32, training forward
+    (gpu_session.sh at 52484b7, 2026-11-26): 32x64 at 1 warp 0.114 ms, the best of 18;
+    16x64 at 4 warps (the previous widening) 0.196; 32x64 at 4 warps 0.139; 8x64 at 1 warp
+    0.228.
 
     Why: every tile reduces over the list's axis six times (the two running maxima, the two
     sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
@@ -421,19 +423,19 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     rows = 4 if K * D <= per_thread * 32 else 1
     if grad_x and num_warps == 1 and elem_size <= 4 and rows == 1:
         block_k = min(kp2, max(TRAIN_ROWS, TRAIN_MIN_ELEMS_PER_THREAD * 32 // block_d))
-    if B is not None and sms:
-        programs = -(-B // rows)
-        while (num_warps < 4 and block_k < kp2
-               and programs * num_warps < WIDEN_BELOW_WARPS_PER_SM * sms):
-            num_warps *= 2
-            block_k *= 2
+    if B is not None and sms and -(-B // rows) * num_warps < SMALL_BATCH_WARPS_PER_SM * sms:
+        long_rows = SMALL_BATCH_ELEMS_PER_THREAD * row_elems // 16 * 32 * num_warps // block_d
+        block_k = min(kp2, max(block_k, long_rows))
     return FwdConfig(block_k, block_d, num_warps, 2, rows)
 
 
-# Warps per SM below which a batch's programs widen (default_config). Little's law: an H100
+# Warps per SM below which a batch's tiles lengthen (default_config). Little's law: an H100
 # moves ~3 TB/s at ~0.6 us of latency, ~14 KB in flight per SM; one-warp tiles hold 2 KB a
 # warp (64 bytes a thread), so about 8 warps per SM are needed to keep its memory busy.
-WIDEN_BELOW_WARPS_PER_SM = 8
+SMALL_BATCH_WARPS_PER_SM = 8
+# Elements of the gathered tile a thread holds in such a batch's tiles (half for an fp64
+# bank): each program then walks its list in fewer, longer tiles.
+SMALL_BATCH_ELEMS_PER_THREAD = 64
 
 
 def sm_count(device: torch.device) -> Optional[int]:

@@ -110,9 +110,9 @@ def _covering_set() -> List[Build]:
     for K, D, bank in [(100, 256, "bf16"), (100, 2048, "bf16"), (100, 128, "fp32"),
                        (100, 128, "bf16")]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False))
-    # The tiles a small batch widens to on a GPU (default_config with B and sms, an H100's
-    # 132 SMs): the real-data protocol's lists of 1000 at D 64, and measured shapes; B 128
-    # takes 4 warps a row, B 600 two.
+    # The tiles a small batch lengthens to on a GPU (default_config with B and sms, an H100's
+    # 132 SMs): the real-data protocol's lists of 1000 at D 64, and measured shapes; 64
+    # elements a thread at B 128 and B 600.
     for K, D, bank in [(1000, 64, "fp32"), (100, 128, "fp32"), (100, 512, "bf16")]:
         for B in (128, 600):
             out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, B=B, sms=132))

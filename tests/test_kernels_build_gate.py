@@ -58,17 +58,18 @@ def test_covering_set_has_every_axis_value():
     assert any(b.D > 256 for b in cg)
 
 
-def test_small_batch_builds_take_the_widened_tiles():
+def test_small_batch_builds_take_the_lengthened_tiles():
     """The gate's small-batch builds go through default_config with B and an SM count (not
-    written-out tiles), and that rule gives them more than one warp: 4 at B 128, 2 at B 600
-    on 132 SMs."""
+    written-out tiles), and that rule gives them longer tiles than the large batch's, at the
+    same warps: 64 elements a thread at B 128 and B 600 on 132 SMs."""
     nk = _kernels().neighbour_kernel
     small = [b for b in sb.BUILDS if b.sms]
     assert {b.B for b in small} == {128, 600} and all(not b.cfg for b in small)
     for b in small:
         cfg = nk.default_config(b.K, b.D, elem_size=sb.DTYPE_SIZES[b.bank], B=b.B, sms=b.sms)
-        assert cfg.num_warps == (4 if b.B == 128 else 2), (b.name, cfg)
-        assert cfg != nk.default_config(b.K, b.D, elem_size=sb.DTYPE_SIZES[b.bank]), b.name
+        big = nk.default_config(b.K, b.D, elem_size=sb.DTYPE_SIZES[b.bank])
+        assert cfg.num_warps == big.num_warps and cfg.block_k > big.block_k, (b.name, cfg)
+        assert cfg.block_k * cfg.block_d == 64 * 32 * cfg.num_warps, (b.name, cfg)
 
 
 def test_every_target_the_issue_names_is_gated():

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 7 minutes (420 s; the whole run took 224 s on an H100 at
-# a13d9d3), so `run(command="...", timeout_s=480)` leaves room for the start and for one more
+# timeouts that add up to 7 minutes (420 s; the whole run took 241 s on an H100 at
+# 52484b7), so `run(command="...", timeout_s=480)` leaves room for the start and for one more
 # try. In order of what the next GPU session must learn (the first, on an H200, measured the
 # classifier's distances and the neighbour lists: README, "The GPU figures";
 # bench_classifier.py and bench_refresh.py still run them):
@@ -54,7 +54,7 @@ step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape), and the module's whole call as a training loop makes it after
 #    its first step (checks off: never timed on a GPU before).
-step bench_loss 140 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
+step bench_loss 125 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile fused_compile module_unchecked \
     --copy-bandwidth --device cuda --out "$dir"
 # 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
@@ -68,16 +68,15 @@ step bench_graphs 40 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 -
 # 5. Where one step's time goes: the host's Python and launches, or the kernels.
 step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12
-# 6. The launch rule (one warp a row up to 512 columns, measured on an H100 at B 4096; two rows
-#    a training tile, read off that sweep, not yet timed as the default) against 1, 2 and 4
-#    warps on this card (training forward; tiles of 1, 2 and 4 rows), and at a
-#    small batch with long lists (the Fashion-MNIST protocol's B 128, K 1000, D 64; tiles of
-#    1-32 rows, the previous rule's 32 x 64 at 4 warps among them), where one warp a row may
-#    leave most of the GPU idle: unmeasured so far.
+# 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on
+#    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
+#    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,
+#    K 1000, D 64; tiles of 1-128 rows), where the rule lengthens the tiles to 128 x 64 at 4
+#    warps: read off the sweep at 0646941, not yet timed as the default.
 step tune_loss 45 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
-step tune_small 20 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
-    --dtype fp32 --warps 1 2 4 --max-configs 18 --reps 30 --out "$dir"
+step tune_small 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
+    --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -25,6 +25,7 @@ docstring and in ``benchmarks/results``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -369,15 +370,21 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     at every shape (below).
 
     Small batches: given the batch ``B`` and the GPU's ``sms`` (the launcher passes both on
-    CUDA), a batch whose programs would hold fewer than SMALL_BATCH_WARPS_PER_SM warps per SM
-    keeps its warps and lengthens its tiles to SMALL_BATCH_ELEMS_PER_THREAD = 64 elements a
-    thread (32 for fp64) while the list has rows for them. At B 128 an H100 holds about one
-    warp per SM, each walking its list alone: the time goes by tiles (each waits on its
-    list's indices, then on their rows), so fewer, longer tiles win, and more warps a row
-    (the previous widening) add barriers. H100, B 128, K 1000, D 64, fp32, training forward
-    (gpu_session.sh at 52484b7, 2026-11-26): 32x64 at 1 warp 0.114 ms, the best of 18;
-    16x64 at 4 warps (the previous widening) 0.196; 32x64 at 4 warps 0.139; 8x64 at 1 warp
-    0.228.
+    CUDA), a batch whose programs would hold fewer than SMALL_BATCH_WARPS_PER_SM = 8 warps per
+    SM lengthens its tiles: 64 elements a thread (32 for fp64) under FEW_WARPS_PER_SM = 2
+    warps per SM, with up to 4 warps a row there while the list has rows for them; 32 from 2
+    to 8 warps per SM, at the rule's warps. At B 128 an H100 holds about one warp per SM, each
+    walking its list alone: the time goes by tiles, each waiting on its indices and then on
+    their rows, so the fewest tiles win, and the barriers of more warps a row matter less.
+    H100, K 1000, D 64, fp32, B 128 (tune_loss at 0646941, 2026-11-26, one sweep of 24
+    tiles, ms, training / forward-only): 128x64 at 4 warps 0.052 / 0.057 (the best of both),
+    128x64 w2 0.064 / 0.068, 64x64 w2 0.078, 32x64 w1 0.114 / 0.185, 16x64 w4 (the previous
+    widening) 0.196 / 0.146. K 100, D 128, fp32, training: B 128, 64x128 w2 0.022 (the best of
+    16; w4 not swept), 16x128 w1 0.043, 2x128 w1 (no lengthening) 0.046; B 600, 8x128 w1 0.043
+    (the best), 2x128 w1 0.055; B 1024, 4x128 w1 0.053 (the best), 8x128 w1 0.054, 2x128 w1
+    0.058. bf16 D 128 at B 128: 32x128 w2 0.030 (the best), 4x128 w1 0.040. The sweeps are
+    noisy (single outliers up to 10x); 64x128 and 16x512 at 4 warps, the rule's tiles at
+    B 128 for D 128 and D 512, were not timed.
 
     Why: every tile reduces over the list's axis six times (the two running maxima, the two
     sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
@@ -423,9 +430,18 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     rows = 4 if K * D <= per_thread * 32 else 1
     if grad_x and num_warps == 1 and elem_size <= 4 and rows == 1:
         block_k = min(kp2, max(TRAIN_ROWS, TRAIN_MIN_ELEMS_PER_THREAD * 32 // block_d))
-    if B is not None and sms and -(-B // rows) * num_warps < SMALL_BATCH_WARPS_PER_SM * sms:
-        long_rows = SMALL_BATCH_ELEMS_PER_THREAD * row_elems // 16 * 32 * num_warps // block_d
-        block_k = min(kp2, max(block_k, long_rows))
+    warps_per_sm = -(-B // rows) * num_warps / sms if B is not None and sms else math.inf
+    if warps_per_sm < SMALL_BATCH_WARPS_PER_SM:
+        # 1. Tiles of 64 elements a thread (32 for fp64) where warps are few; half from 2/SM.
+        elems = SMALL_BATCH_ELEMS_PER_THREAD * row_elems // 16
+        if warps_per_sm >= FEW_WARPS_PER_SM:
+            elems //= 2
+        # 2. Under 2 warps per SM, up to 4 warps a row while the list has rows for them.
+        while (num_warps < 4 and warps_per_sm < FEW_WARPS_PER_SM
+               and elems * 32 * num_warps // block_d < kp2):
+            num_warps *= 2
+            warps_per_sm *= 2
+        block_k = min(kp2, max(block_k, elems * 32 * num_warps // block_d))
     return FwdConfig(block_k, block_d, num_warps, 2, rows)
 
 
@@ -434,8 +450,10 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
 # warp (64 bytes a thread), so about 8 warps per SM are needed to keep its memory busy.
 SMALL_BATCH_WARPS_PER_SM = 8
 # Elements of the gathered tile a thread holds in such a batch's tiles (half for an fp64
-# bank): each program then walks its list in fewer, longer tiles.
+# bank; half again from FEW_WARPS_PER_SM up): each program walks its list in fewer, longer
+# tiles. Below FEW_WARPS_PER_SM warps per SM a row also takes up to 4 warps (more rows a tile).
 SMALL_BATCH_ELEMS_PER_THREAD = 64
+FEW_WARPS_PER_SM = 2
 
 
 def sm_count(device: torch.device) -> Optional[int]:

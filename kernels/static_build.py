@@ -112,7 +112,7 @@ def _covering_set() -> List[Build]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False))
     # The tiles a small batch lengthens to on a GPU (default_config with B and sms, an H100's
     # 132 SMs): the real-data protocol's lists of 1000 at D 64, and measured shapes; 64
-    # elements a thread at B 128 and B 600.
+    # elements a thread and 4 warps at B 128, 32 at B 600.
     for K, D, bank in [(1000, 64, "fp32"), (100, 128, "fp32"), (100, 512, "bf16")]:
         for B in (128, 600):
             out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, B=B, sms=132))
@@ -225,6 +225,19 @@ def occupancy(arch: int, regs: int, smem_bytes: int, num_warps: int) -> Dict[str
     limiter = min(("regs", by_regs), ("threads", by_threads), ("blocks", lim["blocks"]),
                   ("smem", by_smem), key=lambda t: t[1])[0]
     return dict(blocks_per_sm=blocks, warps_per_sm=blocks * num_warps, limiter=limiter)
+
+
+def min_resident_warps(entry: Dict) -> int:
+    """The gate's floor of resident warps per SM for one built entry: MIN_RESIDENT_WARPS, or
+    for a small batch's build (``B`` and ``sms`` given) the warps its own launch places on the
+    busiest SM, where fewer. Such a launch never fills an SM, so registers cannot cost it
+    resident warps: the small-batch rule's 64-element tiles at 4 warps take ~160 registers,
+    12 resident warps per SM on sm_80/90, against the 4 that B 128 places on an SM of 132."""
+    b, cfg = entry["build"], entry.get("config")
+    if not b.get("sms") or not cfg:
+        return MIN_RESIDENT_WARPS
+    programs = -(-b["B"] // cfg["rows"])
+    return min(MIN_RESIDENT_WARPS, -(-programs // b["sms"]) * cfg["num_warps"])
 
 
 def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: int = 1) -> int:

@@ -165,21 +165,24 @@ def test_default_config_gives_one_warp_training_tiles_two_rows():
 
 
 def test_default_config_lengthens_tiles_for_batches_too_small_to_fill_the_gpu():
-    """Given the batch and the GPU's SMs, a batch under 8 warps per SM keeps its warps and
-    takes tiles of up to 64 elements a thread (32 for fp64) while the list has rows for them;
-    without them, the rule."""
+    """Given the batch and the GPU's SMs, a batch under 8 warps per SM lengthens its tiles:
+    under 2 warps per SM to 64 elements a thread (32 for fp64) with up to 4 warps a row while
+    the list has rows for them; from 2 to 8 to 32 elements a thread at the rule's warps;
+    without B and the SMs, the rule."""
     nk = kernels().neighbour_kernel
     cfg, C = nk.default_config, nk.FwdConfig
-    assert cfg(1000, 64, B=128, sms=132) == C(32, 64, 1, 2, 1)      # training: from 4 rows
-    assert cfg(1000, 64, B=128, sms=132, grad_x=False) == C(32, 64, 1, 2, 1)  # from 8
-    assert cfg(1000, 64, B=1024, sms=132) == C(32, 64, 1, 2, 1)     # 1024 warps < 8 x 132
-    assert cfg(1000, 64, B=1056, sms=132) == C(4, 64, 1, 2, 1)      # enough: the rule
+    assert cfg(1000, 64, B=128, sms=132) == C(128, 64, 4, 2, 1)     # the sweep's best
+    assert cfg(1000, 64, B=128, sms=132, grad_x=False) == C(128, 64, 4, 2, 1)
+    assert cfg(1000, 64, B=200, sms=132) == C(64, 64, 2, 2, 1)      # 400 warps: 3 a SM
+    assert cfg(100, 128, B=128, sms=132) == C(64, 128, 4, 2, 1)
+    assert cfg(100, 128, B=600, sms=132) == C(8, 128, 1, 2, 1)      # 32 a thread
+    assert cfg(100, 128, B=1024, sms=132) == C(8, 128, 1, 2, 1)     # 1024 warps < 8 x 132
+    assert cfg(100, 128, B=1056, sms=132) == cfg(100, 128) == C(2, 128, 1, 2, 1)  # enough
     assert cfg(1000, 64, B=128) == cfg(1000, 64) == C(4, 64, 1, 2, 1)
-    assert cfg(100, 128, B=600, sms=132) == C(16, 128, 1, 2, 1)
-    assert cfg(100, 512, elem_size=2, B=64, sms=132) == C(4, 512, 1, 2, 1)
-    assert cfg(100, 64, elem_size=8, B=64, sms=132) == C(16, 64, 1, 2, 1)  # fp64: 32 a thread
+    assert cfg(100, 512, elem_size=2, B=128, sms=132) == C(16, 512, 4, 2, 1)
+    assert cfg(100, 64, elem_size=8, B=8, sms=132) == C(64, 64, 4, 2, 1)  # fp64: 32 a thread
     assert cfg(3, 8, B=2, sms=132) == C(4, 8, 1, 2, 4)              # one tile holds the list
-    assert cfg(8, 128, B=8, sms=132) == C(8, 128, 1, 2, 1)          # as far as the list goes
+    assert cfg(8, 128, B=8, sms=132) == C(8, 128, 1, 2, 1)          # no rows for more warps
     assert cfg(100, 4096, B=8, sms=132) == C(4, 4096, 8, 2, 1)      # 8 warps: 64 a thread
     assert cfg(100, 4096, B=8, sms=132).num_warps == cfg(100, 4096).num_warps
 

@@ -54,7 +54,7 @@ step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape), and the module's whole call as a training loop makes it after
 #    its first step (checks off: never timed on a GPU before).
-step bench_loss 125 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
+step bench_loss 120 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile fused_compile module_unchecked \
     --copy-bandwidth --device cuda --out "$dir"
 # 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
@@ -72,10 +72,11 @@ step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 -
 #    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,
 #    K 1000, D 64; tiles of 1-128 rows), where the rule lengthens the tiles to 128 x 64 at 4
-#    warps: read off the sweep at 0646941, not yet timed as the default.
+#    warps: read off the sweep at 0646941, not yet timed as the default (its 24 tiles took
+#    29 s there; those of 128 rows at one warp spill and compile slowly).
 step tune_loss 45 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
-step tune_small 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
+step tune_small 40 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
     --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
 
 if [ -n "${OUT:-}" ]; then

@@ -378,13 +378,14 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     their rows, so the fewest tiles win, and the barriers of more warps a row matter less.
     H100, K 1000, D 64, fp32, B 128 (tune_loss at 0646941, 2026-11-26, one sweep of 24
     tiles, ms, training / forward-only): 128x64 at 4 warps 0.052 / 0.057 (the best of both),
-    128x64 w2 0.064 / 0.068, 64x64 w2 0.078, 32x64 w1 0.114 / 0.185, 16x64 w4 (the previous
-    widening) 0.196 / 0.146. K 100, D 128, fp32, training: B 128, 64x128 w2 0.022 (the best of
-    16; w4 not swept), 16x128 w1 0.043, 2x128 w1 (no lengthening) 0.046; B 600, 8x128 w1 0.043
-    (the best), 2x128 w1 0.055; B 1024, 4x128 w1 0.053 (the best), 8x128 w1 0.054, 2x128 w1
-    0.058. bf16 D 128 at B 128: 32x128 w2 0.030 (the best), 4x128 w1 0.040. The sweeps are
-    noisy (single outliers up to 10x); 64x128 and 16x512 at 4 warps, the rule's tiles at
-    B 128 for D 128 and D 512, were not timed.
+    128x64 w2 0.064 / 0.068, 64x64 w2 0.078, 32x64 w1 0.114 / 0.185; the previous widening's
+    tiles 16x64 w4 (training) 0.196 and 32x64 w4 (forward-only) 0.114. K 100, D 128, fp32,
+    training: B 128, 64x128 w2 0.022 (the best of 16; w4 not swept), 16x128 w1 0.043, 2x128
+    w1 (no lengthening) 0.046; B 600, 8x128 w1 0.043 (the best), 2x128 w1 0.055; B 1024,
+    4x128 w1 0.053 (the best), 8x128 w1 0.054, 2x128 w1 0.058. bf16 D 128 at B 128: 32x128
+    w2 0.030 (the best), 4x128 w1 0.040. The sweeps are noisy (single outliers up to 10x);
+    64x128 and 16x512 at 4 warps, the rule's tiles at B 128 for D 128 and D 512, were not
+    timed.
 
     Why: every tile reduces over the list's axis six times (the two running maxima, the two
     sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
@@ -416,7 +417,9 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     The previous rule (64 bytes a thread at 4-16 warps) came from the static report alone: it
     kept more warps resident per SM, which the GPU did not reward. At 1 warp a program, 32
     programs (the per-SM block limit) give 32 resident warps; the build gate checks that every
-    default build keeps at least 16 with no spills.
+    default build keeps at least 16 with no spills (a small batch's build: as many as its
+    launch places on an SM; the B 128 tiles of 64 elements at 4 warps take ~160 registers,
+    12 resident warps, for a launch of 4 warps an SM).
     """
     block_d_full = triton.next_power_of_2(max(D, 1))
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d

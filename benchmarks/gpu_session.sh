@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 7 minutes (420 s; the whole run took 241 s on an H100 at
-# 52484b7), so `run(command="...", timeout_s=480)` leaves room for the start and for one more
-# try. In order of what the next GPU session must learn (the first, on an H200, measured the
+# timeouts that add up to 450 s (the whole run took 241 s on an H100 at 52484b7, before the
+# two small-batch steps were added), so `run(command="...", timeout_s=500)` leaves room for the
+# machine's start. In order of what the next GPU session must learn (the first, on an H200, measured the
 # classifier's distances and the neighbour lists: README, "The GPU figures";
 # bench_classifier.py and bench_refresh.py still run them):
 #   1. correctness of the compiled CUDA kernels (the tests marked `cuda`; the whole suite and
@@ -50,34 +50,41 @@ print('commit', os.environ['NNKLOSS_COMMIT'], 'torch', torch.__version__, 'trito
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 nvidia-smi -L >>"$dir/env.log" 2>&1 || true
 # 1. The CUDA tests: every kernel compiled for this GPU against the references.
-step tests_cuda 90 python3 -m pytest -q -m cuda tests -p no:cacheprovider
+step tests_cuda 100 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape), and the module's whole call as a training loop makes it after
 #    its first step (checks off: never timed on a GPU before).
-step bench_loss 120 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
+step bench_loss 100 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile fused_compile module_unchecked \
     --copy-bandwidth --device cuda --out "$dir"
 # 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
-step bench_grads 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+step bench_grads 25 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers fused eager --modes fwd_bwd --also-grad sigma centres --device cuda \
     --out "$dir/grads"
 # 4. CUDA graphs around the eager loss and around the op (the bank static).
-step bench_graphs 40 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+step bench_graphs 35 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers compile fused_compile --modes fwd fwd_bwd --compile-mode reduce-overhead \
     --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels.
-step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
+step profile_step 20 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12
 # 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on
 #    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,
-#    K 1000, D 64; tiles of 1-128 rows), where the rule lengthens the tiles to 128 x 64 at 4
-#    warps: read off the sweep at 0646941, not yet timed as the default (its 24 tiles took
-#    29 s there; those of 128 rows at one warp spill and compile slowly).
-step tune_loss 45 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
+#    K 1000, D 64; tiles of 1-128 rows, at most 128 elements a thread), where the rule
+#    lengthens the tiles to 128 x 64 at 4 warps, and at B 128, K 100, D 128 (64 x 128 at 4
+#    warps): read off the sweep at 0646941, where 24 tiles took 29 s, not yet timed as the
+#    default.
+step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
-step tune_small 40 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
+step tune_small 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
     --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
+step tune_small_d128 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
+    --D 128 --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
+# 7. The loss at that small batch through the op, with the lengthened tiles as its default
+#    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
+step bench_small 50 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
+    --dtype fp32 --providers fused compile --modes fwd fwd_bwd --device cuda --out "$dir/small"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

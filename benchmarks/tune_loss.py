@@ -36,8 +36,12 @@ COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stage
            "ok", "default_ms", "device", "commit", "build"]
 
 
-def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384):
-    """Power-of-two tiles: the whole row (single pass) when it fits, else D chunks (two-phase)."""
+def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384,
+                      max_thread_elems=128):
+    """Power-of-two tiles: the whole row (single pass) when it fits, else D chunks (two-phase).
+    None holds more than ``max_thread_elems`` elements a thread: on an H100 the 128-row
+    one-warp tile at D 64 (256 a thread) spilled, took 2x the 128-element tile's time and was
+    the slowest to compile (tune at 0646941)."""
     full = 1 << max(0, (D - 1).bit_length())
     # The single pass over the whole row first: --max-configs then tries it before D chunks.
     block_ds = sorted({bd for bd in (full, 256, 512, 1024, 2048) if bd <= full and bd <= 8192},
@@ -45,7 +49,7 @@ def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384
     kp2 = max(1, 1 << (K - 1).bit_length())
     block_ks = [bk for bk in (1, 2, 4, 8, 16, 32, 64, 128) if bk <= kp2]
     for bd, bk, nw, ns in itertools.product(block_ds, block_ks, warps, stages):
-        if bk * bd <= max_tile:
+        if bk * bd <= max_tile and bk * bd <= max_thread_elems * 32 * nw:
             yield FwdConfig(bk, bd, nw, ns)
 
 

@@ -227,6 +227,17 @@ def test_tensor_read_gbps_reads_any_dtype_where_it_lives():
     assert common.tensor_read_gbps(torch.ones(1, dtype=torch.int16)) is None
 
 
+def test_tuner_candidates_reach_128_rows_within_128_elements_a_thread():
+    """The small batch's long tiles are swept (128 x 64 at 4 warps, the rule's tile at B 128),
+    but none that holds more than 128 elements a thread (128 x 64 at one warp spilled)."""
+    import tune_loss
+    from nnkloss.ops.backends import kernels
+    cfgs = list(tune_loss.candidate_configs(1000, 64, kernels().FwdConfig, (1, 2, 4)))
+    tiles = {(c.block_k, c.num_warps) for c in cfgs}
+    assert {(128, 4), (128, 2), (64, 1)} <= tiles and (128, 1) not in tiles
+    assert all(c.block_k * c.block_d <= 128 * 32 * c.num_warps for c in cfgs)
+
+
 @pytest.mark.interpreter
 def test_tuner_smoke_run_checks_every_config(tmp_path):
     import tune_loss

@@ -12,10 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
 
 
-def test_the_steps_time_out_within_seven_minutes():
+def test_the_steps_time_out_within_450_seconds():
+    """With a machine's start (1-2 minutes) that leaves half the session's 15 minutes."""
     text = open(SCRIPT).read()
     limits = [int(s) for s in re.findall(r"^step \w+ (\d+) ", text, flags=re.M)]
-    assert len(limits) >= 5 and sum(limits) <= 420, limits
+    assert len(limits) >= 5 and sum(limits) <= 450, limits
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
@@ -47,19 +48,23 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     scripts = [line.split()[1] for line in lines]
     assert scripts == ["-c", "-m", "benchmarks/bench_loss.py", "benchmarks/bench_loss.py",
                        "benchmarks/bench_loss.py", "benchmarks/profile_step.py",
-                       "benchmarks/tune_loss.py", "benchmarks/tune_loss.py"]
+                       "benchmarks/tune_loss.py", "benchmarks/tune_loss.py",
+                       "benchmarks/tune_loss.py", "benchmarks/bench_loss.py"]
     assert all("--device cuda" in line for line in lines[2:])
     assert "--also-grad sigma centres" in lines[3] and "reduce-overhead" in lines[4]
-    # three runs of bench_loss: three folders, so that their CSVs do not mix
-    assert len({line.split("--out ")[1].split()[0] for line in lines[2:5]}) == 3
+    # four runs of bench_loss: four folders, so that their CSVs do not mix
+    bench = [line for line in lines if "bench_loss.py" in line]
+    assert len({line.split("--out ")[1].split()[0] for line in bench}) == 4
     with tarfile.open(out / "gpu_session.tgz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
     for step in ("env", "tests_cuda", "bench_loss", "bench_grads", "bench_graphs",
-                 "profile_step", "tune_loss", "tune_small"):
+                 "profile_step", "tune_loss", "tune_small", "tune_small_d128",
+                 "bench_small"):
         assert f"{step}.log" in names
     summary = (out / "summary.txt").read_text()
-    assert summary.count("== ") == 8 and "exit 0" in summary
-    assert "--B 128 --K 1000" in lines[-1]  # the small batch of the real-data protocol
+    assert summary.count("== ") == 10 and "exit 0" in summary
+    # the small batch of the real-data protocol, swept and then timed through the op
+    assert "--B 128 --K 1000" in lines[-3] and "--B 128 --K 1000" in lines[-1]
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")

@@ -65,9 +65,10 @@ step bench_grads 25 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --
 step bench_graphs 35 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers compile fused_compile --modes fwd fwd_bwd --compile-mode reduce-overhead \
     --device cuda --out "$dir/graphs"
-# 5. Where one step's time goes: the host's Python and launches, or the kernels.
-step profile_step 20 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
-    --D 128 --calls 100 --top 12
+# 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
+#    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
+step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
+    --D 128 --calls 100 --top 12 --providers fused module
 # 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on
 #    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,
@@ -75,7 +76,7 @@ step profile_step 20 python3 benchmarks/profile_step.py --device cuda --B 4096 -
 #    lengthens the tiles to 128 x 64 at 4 warps, and at B 128, K 100, D 128 (64 x 128 at 4
 #    warps): read off the sweep at 0646941, where 24 tiles took 29 s, not yet timed as the
 #    default.
-step tune_loss 40 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
+step tune_loss 35 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
 step tune_small 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
     --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
@@ -83,7 +84,7 @@ step tune_small_d128 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --
     --D 128 --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
-step bench_small 50 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
+step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
     --dtype fp32 --providers fused compile --modes fwd fwd_bwd --device cuda --out "$dir/small"
 
 if [ -n "${OUT:-}" ]; then

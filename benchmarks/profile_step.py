@@ -1,5 +1,8 @@
 """Where one call of the fused loss spends its time: the host (Python, dispatch, launches) or
-the device (kernels), for the forward-only call and a forward+backward step.
+the device (kernels), for the forward-only call and a forward+backward step; ``--providers
+fused module`` does the same for the module's call (``NeighbourKernelLoss(bank)(emb, labels,
+idx)``, bench_loss's module_unchecked: the bank's lists and labels, sigma, the drop of
+disagreeing rows, the stats).
 
     python benchmarks/profile_step.py --device cuda --B 4096 --K 100 --D 128 --dtype fp32
     python benchmarks/profile_step.py --device cpu --B 8 --K 4 --D 16 --N 100    # smoke run
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import os
 import pstats
 import sys
@@ -30,7 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import nnkloss  # noqa: E402
-from bench_loss import DTYPES, fused_loss, make_inputs  # noqa: E402
+from bench_loss import DTYPES, fused_loss, make_inputs, module_loss  # noqa: E402
 from common import device_name, git_commit, utc_now  # noqa: E402
 
 
@@ -39,14 +43,14 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def step_fn(mode, inputs):
-    """One call of the op in ``mode`` ("fwd": no input requires grad; "fwd_bwd": the loss and
-    its backward to the embeddings)."""
+def step_fn(mode, inputs, loss_fn=fused_loss):
+    """One call of ``loss_fn`` (the op, or module_loss's call) in ``mode`` ("fwd": no input
+    requires grad; "fwd_bwd": the loss and its backward to the embeddings)."""
     emb, labels, centres, cl, nb, w, sigma = inputs
     x = emb.detach().clone().requires_grad_(mode == "fwd_bwd")
 
     def step():
-        loss = fused_loss(x, labels, centres, cl, nb, w, sigma)
+        loss = loss_fn(x, labels, centres, cl, nb, w, sigma)
         if mode == "fwd_bwd":
             x.grad = None
             loss.backward()
@@ -97,6 +101,7 @@ def main(argv=None):
     ap.add_argument("--N", type=int, default=1_000_000)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+    ap.add_argument("--providers", nargs="+", default=["fused"], choices=["fused", "module"])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
@@ -106,13 +111,15 @@ def main(argv=None):
           f"B={args.B} K={args.K} D={args.D} N={args.N} {args.dtype}")
     report = {}
     with nnkloss.value_checks(False):
-        for mode in args.modes:
-            step = step_fn(mode, inputs)
+        for provider, mode in itertools.product(args.providers, args.modes):
+            loss_fn = fused_loss if provider == "fused" else module_loss(inputs, checks=False)
+            step = step_fn(mode, inputs, loss_fn)
             for _ in range(3):  # compile, autotune and allocator warm-up
                 step()
             wall, host = wall_and_host_ms(step, device, args.calls)
-            report[mode] = (wall, host)
-            print(f"\n== {mode}: wall {wall:.4f} ms/call, host {host:.4f} ms/call "
+            key = mode if provider == "fused" else f"{provider} {mode}"
+            report[key] = (wall, host)
+            print(f"\n== {key}: wall {wall:.4f} ms/call, host {host:.4f} ms/call "
                   f"({100 * host / wall:.0f}% of wall)")
             print(host_profile(step, device, args.calls, args.top))
             if device.type == "cuda":

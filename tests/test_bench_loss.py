@@ -301,6 +301,19 @@ def test_profile_step_reports_wall_and_host_time_per_mode(capsys):
     assert out.count("== fwd") == 2 and "loss_rows_unchecked" in out and "commit" in out
 
 
+def test_profile_step_profiles_the_module_call_too(capsys):
+    """--providers fused module: the module's call (bench_loss.module_loss, checks off) is
+    profiled beside the op's, its host work visible (the bank's lists, the loss's forward)."""
+    import profile_step
+    report = profile_step.main(["--device", "cpu", "--B", "8", "--K", "4", "--D", "16", "--N",
+                                "100", "--calls", "5", "--top", "40", "--providers", "fused",
+                                "module", "--modes", "fwd"])
+    assert set(report) == {"fwd", "module fwd"}
+    out = capsys.readouterr().out
+    module_part = out.split("== module fwd")[1]
+    assert "neighbours_for" in module_part and "neighbours_for" not in out.split("== module")[0]
+
+
 def test_fused_compile_provider_runs_the_op_inside_torch_compile(tmp_path, monkeypatch):
     """fused_compile: the op's call compiled (the op opaque inside); same loss and gradient
     as fused, and --compile-mode reaches torch.compile."""

@@ -12,11 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
 
 
-def test_the_steps_time_out_within_450_seconds():
-    """With a machine's start (1-2 minutes) that leaves half the session's 15 minutes."""
+def test_the_steps_time_out_within_500_seconds():
+    """With a machine's start (30-40 s on the H100, up to 2 minutes) that leaves a third of
+    the session's 15 minutes."""
     text = open(SCRIPT).read()
     limits = [int(s) for s in re.findall(r"^step \w+ (\d+) ", text, flags=re.M)]
-    assert len(limits) >= 5 and sum(limits) <= 450, limits
+    assert len(limits) >= 5 and sum(limits) <= 500, limits
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")

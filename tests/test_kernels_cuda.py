@@ -61,3 +61,22 @@ def test_cuda_kernel_matches_reference(shape, bank_dtype):
 @pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_vs_torch_path(shape, bank_dtype):
     triton_vs_torch_path("cuda", shape, bank_dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D, K", [(128, 100), (512, 32), (64, 1000)])
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_reference_with_the_large_batch_tiles(D, K, bank_dtype):
+    """Every other shape above is a small batch, which on a GPU takes the lengthened tiles
+    (default_config given the SM count); a batch of 8 warps per SM takes the rule's own tiles
+    (one warp a row, two rows a training tile), checked here against the reference too."""
+    from nnkloss.ops.backends import kernels
+    nk = kernels().neighbour_kernel
+    sms = nk.sm_count(torch.device("cuda"))
+    B = 8 * sms
+    size = torch.tensor([], dtype=bank_dtype).element_size()
+    assert (nk.default_config(K, D, elem_size=size, B=B, sms=sms)
+            == nk.default_config(K, D, elem_size=size))
+    assert (nk.default_config(K, D, elem_size=size, B=B // 8, sms=sms)
+            != nk.default_config(K, D, elem_size=size))
+    kernel_vs_reference("cuda", (B, 3000, D, K), bank_dtype)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 500 s (the whole run took 241 s on an H100 at 52484b7, before the
-# two small-batch steps were added), so `run(command="...", timeout_s=560)` leaves room for the
+# timeouts that add up to 510 s (the whole run took 241 s on an H100 at 52484b7, before the
+# two small-batch steps were added), so `run(command="...", timeout_s=570)` leaves room for the
 # machine's start (30-40 s of the lease on the H100's two calls at 52484b7 and 0646941). In order of what the next GPU session must learn (the first, on an H200, measured the
 # classifier's distances and the neighbour lists: README, "The GPU figures";
 # bench_classifier.py and bench_refresh.py still run them):
@@ -12,7 +12,8 @@
 #      shapes, fp32 and bf16 banks, with the device-to-device copy bandwidth as the limit;
 #   3. with sigma and the centres trained too (the entry-terms kernel and the centre scatter);
 #   4. CUDA graphs (reduce-overhead) with the bank held static, as a training loop holds it;
-#   5. host against kernel time of one step (profile_step.py); 6. a launch sweep of 1, 2 and 4
+#   5. host against kernel time of one step (profile_step.py), the op's and the module's, the
+#      module also with its lists by torch's ops (the one-launch lists' A/B); 6. a launch sweep of 1, 2 and 4
 #      warps around the launch rule (measured on an H100 only), at B 4096 and at B 128.
 # A step that runs out of time keeps what it printed: each benchmark prints every measurement
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
@@ -68,8 +69,8 @@ step bench_graphs 35 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 -
     --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
 #    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
-step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
-    --D 128 --calls 100 --top 12 --providers fused module
+step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
+    --D 128 --calls 100 --top 12 --providers fused module module_torch_lists
 # 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on
 #    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,

@@ -2,7 +2,9 @@
 the device (kernels), for the forward-only call and a forward+backward step; ``--providers
 fused module`` does the same for the module's call (``NeighbourKernelLoss(bank)(emb, labels,
 idx)``, bench_loss's module_unchecked: the bank's lists and labels, sigma, the drop of
-disagreeing rows, the stats).
+disagreeing rows, the stats); ``module_torch_lists`` is the same call with the batch's lists
+made by torch's ops, as before ``kernels/batch_lists.py`` took them into one launch on CUDA
+(the A/B of that launch in one run; on CPU tensors both take the compiled library's passes).
 
     python benchmarks/profile_step.py --device cuda --B 4096 --K 100 --D 128 --dtype fp32
     python benchmarks/profile_step.py --device cpu --B 8 --K 4 --D 16 --N 100    # smoke run
@@ -19,6 +21,7 @@ Nothing is written to disk; the numbers go to stdout with device, commit and dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import itertools
@@ -56,6 +59,20 @@ def step_fn(mode, inputs, loss_fn=fused_loss):
             loss.backward()
         return loss
     return step
+
+
+@contextlib.contextmanager
+def lists_route(provider):
+    """The module's lists as ``provider`` makes them: module_torch_lists without the one-launch
+    kernel (nnkloss.losses.base._lists_kernel answers None), every other provider as is."""
+    from nnkloss.losses import base
+    real = base._lists_kernel
+    if provider == "module_torch_lists":
+        base._lists_kernel = lambda device: None
+    try:
+        yield
+    finally:
+        base._lists_kernel = real
 
 
 def wall_and_host_ms(step, device, calls):
@@ -101,7 +118,8 @@ def main(argv=None):
     ap.add_argument("--N", type=int, default=1_000_000)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
-    ap.add_argument("--providers", nargs="+", default=["fused"], choices=["fused", "module"])
+    ap.add_argument("--providers", nargs="+", default=["fused"],
+                    choices=["fused", "module", "module_torch_lists"])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
@@ -116,16 +134,17 @@ def main(argv=None):
                     for p in args.providers}
         for provider, mode in itertools.product(args.providers, args.modes):
             step = step_fn(mode, inputs, loss_fns[provider])
-            for _ in range(3):  # compile, autotune and allocator warm-up
-                step()
-            wall, host = wall_and_host_ms(step, device, args.calls)
-            key = mode if provider == "fused" else f"{provider} {mode}"
-            report[key] = (wall, host)
-            print(f"\n== {key}: wall {wall:.4f} ms/call, host {host:.4f} ms/call "
-                  f"({100 * host / wall:.0f}% of wall)")
-            print(host_profile(step, device, args.calls, args.top))
-            if device.type == "cuda":
-                print(kernel_table(step, device, args.calls, args.top))
+            with lists_route(provider):
+                for _ in range(3):  # compile, autotune and allocator warm-up
+                    step()
+                wall, host = wall_and_host_ms(step, device, args.calls)
+                key = mode if provider == "fused" else f"{provider} {mode}"
+                report[key] = (wall, host)
+                print(f"\n== {key}: wall {wall:.4f} ms/call, host {host:.4f} ms/call "
+                      f"({100 * host / wall:.0f}% of wall)")
+                print(host_profile(step, device, args.calls, args.top))
+                if device.type == "cuda":
+                    print(kernel_table(step, device, args.calls, args.top))
     return report
 
 

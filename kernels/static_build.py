@@ -50,7 +50,9 @@ class Build:
     'gathered_finite' (the value check of the gathered centres; K list entries a row) or
     'scale_rows' (the backward's embedding gradient: ``bank`` is grad_x's dtype, ``emb`` the
     output's; K unused) or 'entry_grads' (the backward's per-entry terms: ``bank`` is the
-    compute dtype of the saved distances, every term asked for; D unused)."""
+    compute dtype of the saved distances, every term asked for; D unused) or 'batch_lists' (a
+    batch's lists from the bank's table, own index excluded: ``bank`` and ``idx`` are the
+    table's dtype, K its width; D unused)."""
     kernel: str
     K: int
     D: int
@@ -76,6 +78,8 @@ class Build:
             return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.idx}"
         if self.kernel == "scale_rows":
             return f"{self.kernel}-D{self.D}-{self.bank}-{self.emb}"
+        if self.kernel == "batch_lists":
+            return f"{self.kernel}-K{self.K}-{self.idx}"
         if self.kernel == "entry_grads":
             return (f"{self.kernel}-K{self.K}-{self.bank}-{'w' if self.weights else 'now'}"
                     f"-{self.idx}")
@@ -154,6 +158,10 @@ def _covering_set() -> List[Build]:
     for K, cdt, w, idx in [(100, "fp32", True, "int32"), (1000, "fp32", False, "int64"),
                            (7, "fp64", True, "int64")]:
         out.append(Build("entry_grads", K, 1, cdt, "fp32", weights=w, idx=idx))
+    # A batch's lists: one chunk of a tile and several (K 1000), both table widths, a ragged K.
+    # Built with the exclusion (the module's default; without it, a where less).
+    for K, idx in [(100, "int32"), (1000, "int64"), (7, "int32")]:
+        out.append(Build("batch_lists", K, 1, idx, "fp32", idx=idx))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -255,6 +263,8 @@ def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: 
         return b.K * (b.D * e + i)
     if b.kernel == "scale_rows":  # grad_x read, the gradient written; g and lse_pos
         return b.D * (e + x) + 2 * e
+    if b.kernel == "batch_lists":  # the table's row read and the list written; idx and label
+        return 2 * b.K * i + 16 + i  # (int64 from a loader) and the bank row's label read
     if b.kernel == "entry_grads":  # two passes over the list's metadata; coef and q written
         return 2 * b.K * (e + i + clab + (4 if b.weights else 0)) + 2 * b.K * e + 4 * e
     if b.kernel == "rel_sqdist":  # x and the reference row once per tile of the list
@@ -372,6 +382,7 @@ def _child(archs: List[int], names: List[str]) -> Dict:
     gf = sys.modules["_nk_static.gathered_finite"]
     sr = sys.modules["_nk_static.scale_rows"]
     eg = sys.modules["_nk_static.entry_grads"]
+    bl = sys.modules["_nk_static.batch_lists"]
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
@@ -432,6 +443,15 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                     entry.update(config=dict(block_k=bk, block_d=1,
                                              num_warps=max(1, min(4, bk // 32)), num_stages=3,
                                              rows=1), single_pass=bk >= b.K, tile_elems=bk)
+                    entry["bytes_per_row"] = bytes_per_row(b)
+                elif b.kernel == "batch_lists":
+                    table = torch.randint(0, N, (N, b.K), generator=g).to(tdtypes[b.idx])
+                    batch = torch.zeros(b.B, dtype=torch.int64)
+                    bl.batch_lists(table, batch, batch, torch.zeros(N, dtype=tdtypes[b.idx]),
+                                   True)
+                    bb, bk = bl.batch_lists_config(b.K)
+                    entry.update(config=dict(block_k=bk, block_d=1, num_warps=4, num_stages=3,
+                                             rows=bb), single_pass=bk >= b.K, tile_elems=bb * bk)
                     entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "rel_sqdist":
                     cdt = torch.float64 if b.emb == "fp64" else torch.float32

@@ -314,6 +314,32 @@ def test_profile_step_profiles_the_module_call_too(capsys):
     assert "neighbours_for" in module_part and "neighbours_for" not in out.split("== module")[0]
 
 
+def test_profile_step_times_the_module_with_the_lists_by_torch(capsys, monkeypatch):
+    """module_torch_lists: the module's call with the one-launch lists kernel turned off for
+    that provider only (here the kernel route is stood in on CPU tensors: its calls counted)."""
+    import profile_step
+    from nnkloss.losses import base
+    calls = []
+
+    def stand_in(device):
+        def launch(table, idx, labels, bank_labels, exclude_self):
+            calls.append(1)
+            nb = table[idx.long()]
+            if exclude_self:
+                nb = nb.masked_fill(nb == idx[:, None], -1)
+            return nb, torch.zeros(2, dtype=torch.int64)
+        return launch
+    monkeypatch.setattr(base, "_lists_kernel", stand_in)
+    report = profile_step.main(["--device", "cpu", "--B", "8", "--K", "4", "--D", "16", "--N",
+                                "100", "--calls", "5", "--top", "40", "--providers", "module",
+                                "module_torch_lists", "--modes", "fwd"])
+    assert set(report) == {"module fwd", "module_torch_lists fwd"}
+    out = capsys.readouterr().out
+    assert "neighbours_for" not in out.split("== module_torch_lists")[0]
+    assert "neighbours_for" in out.split("== module_torch_lists")[1]
+    assert len(calls) == 3 + 5 + 5 and base._lists_kernel is stand_in
+
+
 def test_fused_compile_provider_runs_the_op_inside_torch_compile(tmp_path, monkeypatch):
     """fused_compile: the op's call compiled (the op opaque inside); same loss and gradient
     as fused, and --compile-mode reaches torch.compile."""

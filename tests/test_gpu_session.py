@@ -12,12 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
 
 
-def test_the_steps_time_out_within_500_seconds():
-    """With a machine's start (30-40 s on the H100, up to 2 minutes) that leaves a third of
-    the session's 15 minutes."""
+def test_the_steps_time_out_within_510_seconds():
+    """With a machine's start (30-40 s on the H100, up to 2 minutes) that leaves nearly a third
+    of the session's 15 minutes."""
     text = open(SCRIPT).read()
     limits = [int(s) for s in re.findall(r"^step \w+ (\d+) ", text, flags=re.M)]
-    assert len(limits) >= 5 and sum(limits) <= 500, limits
+    assert len(limits) >= 5 and sum(limits) <= 510, limits
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
@@ -53,6 +53,8 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
                        "benchmarks/tune_loss.py", "benchmarks/bench_loss.py"]
     assert all("--device cuda" in line for line in lines[2:])
     assert "--also-grad sigma centres" in lines[3] and "reduce-overhead" in lines[4]
+    # the module's lists by the one-launch kernel and by torch's ops, in the same run
+    assert "--providers fused module module_torch_lists" in lines[5]
     # four runs of bench_loss: four folders, so that their CSVs do not mix
     bench = [line for line in lines if "bench_loss.py" in line]
     assert len({line.split("--out ")[1].split()[0] for line in bench}) == 4

@@ -225,6 +225,144 @@ def test_misaligned_rows_are_dropped_and_counted_without_checks(reduction, cls):
     assert int(fn.last_num_mismatched) == 0
 
 
+@pytest.fixture
+def one_launch_lists(monkeypatch):
+    """The CUDA route of a batch's lists (kernels/batch_lists.py, one launch) on CPU tensors,
+    through Triton's interpreter; yields the list of its calls."""
+    from nnkloss.losses import base
+    calls = []
+    launch = nnkloss.ops.backends.kernels().batch_lists
+
+    def spy(*args):
+        calls.append(1)
+        return launch(*args)
+    monkeypatch.setattr(base, "_lists_kernel", lambda device: spy)
+    return calls
+
+
+def _both_routes(fn, emb, labels, idx, patch):
+    """(loss, per_row, counted, num_mismatched, emb grad) of one call, lists by torch / the
+    CPU library and by the one-launch kernel."""
+    out = []
+    for one_launch in (False, True):
+        with patch() if one_launch else contextlib.nullcontext():
+            x = emb.clone().requires_grad_()
+            loss = fn(x, labels, idx)
+            loss.sum().backward()
+            s = fn.last_stats
+            out.append((loss.detach(), s.per_row, s.counted, s.num_mismatched, x.grad))
+    return out
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("cls", ["nngk", "ccml"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("exclude_self", [True, False])
+def test_one_launch_lists_give_what_the_torch_route_gives(monkeypatch, cls, reduction,
+                                                          exclude_self):
+    """On CUDA tensors the lists, exclusion and drop are one launch: the same losses, rows,
+    counts and gradients as the torch / CPU-library route, aligned (checks on) and with
+    misaligned rows dropped (checks off), for both losses."""
+    from nnkloss.losses import base
+    bank = make_bank(N=30, C=3)
+    fn = (nnkloss.NeighbourKernelLoss(bank, sigma=1.0, reduction=reduction,
+                                      exclude_self=exclude_self) if cls == "nngk"
+          else nnkloss.ClassConditionalLoss(bank, k=2, sigma=1.0, reduction=reduction,
+                                            exclude_self=exclude_self))
+    emb, labels, idx = _aligned_batch(bank, B=10)
+    bad = labels.clone()
+    bad[[1, 4, 7]] = (labels[[1, 4, 7]] + 1) % 3
+    calls = []
+    launch = nnkloss.ops.backends.kernels().batch_lists
+
+    @contextlib.contextmanager
+    def patch():
+        with monkeypatch.context() as m:
+            m.setattr(base, "_lists_kernel",
+                      lambda device: lambda *a: calls.append(1) or launch(*a))
+            yield
+    for checks, lab, dropped in ((True, labels, 0), (False, bad, 3)):
+        with nnkloss.value_checks(checks):
+            (l0, r0, c0, m0, g0), (l1, r1, c1, m1, g1) = _both_routes(fn, emb, lab, idx, patch)
+        assert torch.equal(l0, l1) and torch.equal(r0, r1) and torch.equal(c0, c1)
+        assert torch.equal(g0, g1)
+        assert m1.dim() == 0 and m1.dtype == torch.int64 and int(m0) == int(m1) == dropped
+    assert len(calls) == 2
+
+
+@pytest.mark.interpreter
+def test_one_launch_lists_check_idx_and_labels(one_launch_lists):
+    """The one-launch route's checks: with value checks on a misaligned batch raises the
+    message naming idx and labels, and an idx outside the bank IndexError naming idx; with
+    them off such rows are dropped and counted, without a host read."""
+    bank = make_bank(N=30, C=3)
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0)
+    emb, labels, idx = _aligned_batch(bank)
+    with pytest.raises(ValueError, match=r"labels disagree with the bank's centre_labels at idx "
+                                         r".*idx\[\d+\] = \d+, whose centre label is \d+"):
+        fn(emb, labels, (idx + 1) % bank.num_centres)
+    far = idx.clone()
+    far[3] = 30
+    with pytest.raises(IndexError, match="idx holds 30 but the bank has rows 0..29"):
+        fn(emb, labels, far)
+    far[5] = -2
+    with pytest.raises(IndexError, match="idx holds -2"):
+        fn(emb, labels, far)
+    assert len(one_launch_lists) == 3
+    x = emb.clone().requires_grad_()
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0, backend="torch")  # the CPU's reads sigma
+    with nnkloss.value_checks(False), no_host_reads(allowed_callers=()):
+        loss = fn(x, labels, far)
+        loss.backward()
+    stats = fn.last_stats
+    assert int(stats.num_mismatched) == 2 and not stats.counted[[3, 5]].any()
+    assert torch.equal(x.grad[[3, 5]], torch.zeros(2, bank.dim))
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[[3, 5]] = False
+    torch.testing.assert_close(loss, fn(emb[keep], labels[keep], idx[keep]))
+    empty = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no neighbour lists"):
+        nnkloss.NeighbourKernelLoss(empty)(torch.randn(2, 3), torch.zeros(2, dtype=torch.long),
+                                           torch.tensor([0, 1]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls", ["nngk", "ccml"])
+def test_one_launch_lists_on_cuda_match_the_cpu(cls):
+    """On a GPU the module takes the one-launch lists (kernels/batch_lists.py): the same
+    losses, counts and gradients as on the CPU, misaligned and out-of-bank rows dropped and
+    counted with the checks off, both errors with them on."""
+    bank = make_bank(N=300, C=3, K=40)
+    emb, labels, idx = _aligned_batch(bank, B=200)
+    bad, far = labels.clone(), idx.clone()
+    bad[::7] = (labels[::7] + 1) % 3
+    far[::11] = 300
+    out = {}
+    for device in ("cpu", "cuda"):
+        b = make_bank(N=300, C=3, K=40).to(device)
+        fn = (nnkloss.NeighbourKernelLoss(b, sigma=1.0) if cls == "nngk"
+              else nnkloss.ClassConditionalLoss(b, k=2, sigma=1.0))
+        x = emb.to(device).requires_grad_()
+        with nnkloss.value_checks(False):
+            loss = fn(x, bad.to(device), torch.where(far == 300, 0, idx).to(device))
+        loss.backward()
+        out[device] = (loss.detach().cpu(), fn.last_stats.per_row.cpu(),
+                       fn.last_stats.counted.cpu(), int(fn.last_num_mismatched), x.grad.cpu())
+        with pytest.raises(ValueError, match="labels disagree"):
+            fn(emb.to(device), bad.to(device), idx.to(device))
+        if device == "cuda":
+            with pytest.raises(IndexError, match="idx holds 300"):
+                fn(emb.to(device), labels.to(device), far.to(device))
+            with nnkloss.value_checks(False):
+                fn(emb.to(device), labels.to(device), far.to(device))
+            assert int(fn.last_num_mismatched) == int((far == 300).sum())
+    for a, b in zip(out["cpu"], out["cuda"], strict=True):
+        if isinstance(a, int):
+            assert a == b
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_learned_weights_are_the_banks_and_the_loss_leaves_the_bank_alone():
     """learn_weights lives on the bank only: the loss takes no such argument and building a
     loss never changes a shared bank's setting (issue 19)."""

@@ -334,11 +334,24 @@ class CentreBank(nn.Module):
         self.centres.index_put_((rows,), new.to(self.centres.dtype))
         return self
 
-    def neighbours_for(self, idx: Tensor, exclude_self: bool = True) -> Tensor:
-        """(B, K) lists of the bank rows ``idx``, with each row's own index replaced by -1."""
+    def require_neighbours(self) -> None:
+        """Raise RuntimeError where the bank has no neighbour lists yet."""
         if not self.has_neighbours:
             raise RuntimeError("the bank has no neighbour lists yet: build them first "
                                "(rebuild_neighbours / set_neighbours / a Refresher)")
+
+    def check_rows(self, idx: Tensor) -> None:
+        """Raise IndexError, naming ``idx``, where an entry of ``idx`` is not a bank row (reads
+        idx: one host sync for a CUDA tensor)."""
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.num_centres:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"idx holds {bad} but the bank has rows 0..{self.num_centres - 1}")
+
+    def neighbours_for(self, idx: Tensor, exclude_self: bool = True) -> Tensor:
+        """(B, K) lists of the bank rows ``idx``, with each row's own index replaced by -1."""
+        self.require_neighbours()
         require_int("idx", idx, 1)
         if self.neighbours.device.type == "cpu" and plain_eager(idx, self.neighbours):
             # One pass of the compiled CPU library (gather, own-index exclusion and the range
@@ -348,11 +361,8 @@ class CentreBank(nn.Module):
             if nb is not None:
                 return nb
         # Checked for CPU idx only (free); CUDA idx would cost a host sync per step.
-        if idx.device.type == "cpu" and idx.numel() and not compiling():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.num_centres:
-                bad = lo if lo < 0 else hi
-                raise IndexError(f"idx holds {bad} but the bank has rows 0..{self.num_centres - 1}")
+        if idx.device.type == "cpu" and not compiling():
+            self.check_rows(idx)
         idx = idx.to(self.neighbours.device)
         nb = self.neighbours[idx]
         if exclude_self:

@@ -28,6 +28,13 @@ row without entries loss 0, no gradient and leaves it out of the mean (the contr
 :meth:`BankLoss.rows`), so the drop costs a fill of the (B, K) lists and a count, and adds
 nothing to the autograd graph (on a GPU four launches fewer a step than a ``where`` over the
 losses and an ``and`` over the counted rows, and none in backward).
+
+On CUDA tensors in eager mode the batch's lists, the own-index exclusion, the drop and its
+count are one launch (``kernels/batch_lists.py``, :meth:`BankLoss._lists_in_one_launch`)
+instead of seven. There an ``idx`` outside the bank raises IndexError with the checks on (the
+same host sync) and, with them off, is dropped and counted like a misaligned row (on CPU
+tensors it always raises; in a traced CUDA call torch's gather stops the CUDA context with a
+device-side assert).
 """
 from __future__ import annotations
 
@@ -44,6 +51,29 @@ from ..validation import (REDUCTIONS, check_batch, compiling, plain_eager, requi
                           value_checks_enabled)
 
 __all__ = ["BankLoss", "BankLossStats"]
+
+
+def _lists_kernel(device: torch.device):
+    """The launcher of ``kernels/batch_lists.py`` where it runs for tensors on ``device``: CUDA,
+    with the Triton kernels installed; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    from ..ops.backends import fused_pass
+    kernels = fused_pass(device)
+    return None if kernels is None else kernels.batch_lists
+
+
+def _raise_misaligned(labels: Tensor, idx: Tensor, own: Tensor, mismatched: Tensor) -> None:
+    """The value checks' error for a batch whose ``labels`` are not its bank rows' (``own``,
+    ``mismatched``: bank labels of idx and where they disagree; reads them)."""
+    rows = mismatched.nonzero().flatten()
+    i = int(rows[0])
+    raise ValueError(
+        f"labels disagree with the bank's centre_labels at idx in {rows.numel()} of "
+        f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose centre label "
+        f"is {int(own[i])}, but labels[{i}] = {int(labels[i])}): idx must give each "
+        "example's own bank row (a loader whose idx is misaligned trains on the wrong "
+        "centres)")
 
 
 class BankLossStats(LossOutput):
@@ -125,21 +155,58 @@ class BankLoss(nn.Module, abc.ABC):
 
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         check_batch(emb, labels, idx)
-        neighbours = self.bank.neighbours_for(idx, self.exclude_self)
         labels = labels.to(emb.device)
-        mismatched = self._mismatched(labels, idx)
-        if mismatched is None:  # read, and none: nothing to drop
-            num_mismatched = torch.zeros((), dtype=torch.int64, device=emb.device)
+        one_launch = self._lists_in_one_launch(labels, idx)
+        if one_launch is not None:
+            neighbours, num_mismatched = one_launch
         else:
-            # Misaligned rows lose their lists (see the module docstring); a no-op when there
-            # are none.
-            mismatched = mismatched.to(neighbours.device)
-            neighbours = neighbours.masked_fill(mismatched[:, None], -1)
-            num_mismatched = mismatched.sum().to(emb.device)
+            neighbours = self.bank.neighbours_for(idx, self.exclude_self)
+            mismatched = self._mismatched(labels, idx)
+            if mismatched is None:  # read, and none: nothing to drop
+                num_mismatched = torch.zeros((), dtype=torch.int64, device=emb.device)
+            else:
+                # Misaligned rows lose their lists (see the module docstring); a no-op when
+                # there are none.
+                mismatched = mismatched.to(neighbours.device)
+                neighbours = neighbours.masked_fill(mismatched[:, None], -1)
+                num_mismatched = mismatched.sum().to(emb.device)
         per_row, counted = self.rows(emb, labels, neighbours)
         loss = reduce_rows(per_row, counted, self.reduction)
         self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted, num_mismatched)
         return loss
+
+    def _lists_in_one_launch(self, labels: Tensor, idx: Tensor
+                             ) -> Optional[Tuple[Tensor, Tensor]]:
+        """``(lists, num_mismatched)`` of the batch from one launch of the Triton kernel
+        ``kernels/batch_lists.py`` on CUDA tensors (not traced, no dispatch mode); None
+        elsewhere, where :meth:`CentreBank.neighbours_for` and :meth:`_mismatched` do the same
+        work (on a GPU in seven torch launches, each a few microseconds of host time in a
+        step the host bounds; on a CPU in two passes of the compiled library).
+
+        The kernel gathers the bank rows' lists, excludes each row's own index, empties the
+        lists of misaligned rows and counts them. It also empties and counts rows whose idx is
+        outside the bank, reading nothing for them: with value checks on, the counts are read
+        (the checks' one host sync) and such a batch raises IndexError naming ``idx``, as a
+        misaligned one raises ValueError; with them off nothing is read and those rows are
+        dropped like misaligned ones (counted in ``num_mismatched``), where torch's gather
+        would stop the CUDA context with a device-side assert."""
+        bank = self.bank
+        table = bank.neighbours
+        launch = _lists_kernel(table.device)
+        if (launch is None or labels.device != table.device
+                or not plain_eager(table, idx, labels, bank.centre_labels)):
+            return None
+        bank.require_neighbours()
+        idx = idx.to(table.device)
+        lists, counts = launch(table, idx, labels, bank.centre_labels, self.exclude_self)
+        if value_checks_enabled():
+            dropped, outside = counts.tolist()  # the checks' one host sync
+            if outside:
+                bank.check_rows(idx)
+            if dropped:
+                own = bank.centre_labels[idx]
+                _raise_misaligned(labels, idx, own, own != labels)
+        return lists, counts[0]
 
     def _mismatched(self, labels: Tensor, idx: Tensor) -> Optional[Tensor]:
         """(B,) bool on labels' device: rows whose label is not their bank row's; None when it
@@ -166,14 +233,7 @@ class BankLoss(nn.Module, abc.ABC):
             return mismatched
         if not bool(mismatched.any()):
             return None
-        rows = mismatched.nonzero().flatten()
-        i = int(rows[0])
-        raise ValueError(
-            f"labels disagree with the bank's centre_labels at idx in {rows.numel()} of "
-            f"{labels.shape[0]} rows (row {i}: idx[{i}] = {int(idx[i])}, whose centre label "
-            f"is {int(own[i])}, but labels[{i}] = {int(labels[i])}): idx must give each "
-            "example's own bank row (a loader whose idx is misaligned trains on the wrong "
-            "centres)")
+        _raise_misaligned(labels, idx, own, mismatched)
 
     @property
     def last_num_mismatched(self) -> Optional[Tensor]:

@@ -1,0 +1,109 @@
+"""A batch's neighbour lists on the GPU: one Triton kernel and its launcher.
+
+A loss over a bank (``nnkloss.losses.BankLoss``) starts every call from the bank's (N, K)
+lists table: the batch's rows of it, each example's own index replaced by -1 (the papers'
+exclusion), and the lists of rows whose label disagrees with the bank's emptied (a misaligned
+row is dropped: loss 0, no gradient, out of the mean) and counted. In torch that is seven
+launches on a GPU (the list gather, compare and fill; the label gather, compare, fill of the
+dropped rows and their count), each a few microseconds of host time in a step the host
+bounds. Here it is one launch.
+
+Rows whose ``idx`` lies outside the bank read nothing: their lists are emptied and they are
+counted apart, so that a caller that reads the counts (value checks on) can name ``idx``,
+and one that does not (no host sync) drops them, where torch's gather would stop the CUDA
+context with a device-side assert.
+
+Memory traffic for a batch of B rows and lists of K entries of ``s`` bytes:
+    reads   B x K x s           the batch's rows of the table (none for a dropped row)
+            B x (idx + label)   and each row's bank label
+    writes  B x K x s           the lists
+            two int64 counts    only by programs that drop a row (usually none)
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Entries of one tile (rows x list entries): 8 a thread at 4 warps.
+BATCH_LISTS_TILE = 1024
+# Widest chunk of a list; longer lists are copied chunk by chunk.
+BATCH_LISTS_MAX_BLOCK_K = 256
+
+
+@triton.jit
+def _batch_lists_kernel(
+    table_ptr, idx_ptr, labels_ptr, bank_labels_ptr, out_ptr, counts_ptr,
+    B, N, K, stride_t,
+    EXCLUDE_SELF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # 1. This program's rows and their bank rows. An idx outside [0, N) reads nothing.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    i = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    in_bank = (i >= 0) & (i < N)
+    # 2. A row is dropped when its idx is outside the bank or its label is not its bank row's.
+    label = tl.load(labels_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    own = tl.load(bank_labels_ptr + i, mask=rmask & in_bank, other=0).to(tl.int64)
+    drop = rmask & ((~in_bank) | (own != label))
+    keep = rmask & ~drop
+    # 3. The lists, a chunk at a time: a kept row's entries (its own index -1 when excluded),
+    #    a dropped row's all -1.
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        nb = tl.load(table_ptr + i[:, None] * stride_t + kk[None, :],
+                     mask=keep[:, None] & kmask[None, :], other=-1)
+        if EXCLUDE_SELF:
+            nb = tl.where(nb == i[:, None], -1, nb)
+        tl.store(out_ptr + rows[:, None] * K + kk[None, :], nb,
+                 mask=rmask[:, None] & kmask[None, :])
+    # 4. The counts (dropped rows, and those of them outside the bank), written only by a
+    #    program that drops a row: no atomics in the usual batch.
+    n_drop = tl.sum(drop.to(tl.int64), axis=0)
+    if n_drop > 0:
+        tl.atomic_add(counts_ptr, n_drop)
+        tl.atomic_add(counts_ptr + 1, tl.sum((rmask & ~in_bank).to(tl.int64), axis=0))
+
+
+def batch_lists_config(K: int) -> Tuple[int, int]:
+    """(block_b, block_k) of a launch: list chunks of up to BATCH_LISTS_MAX_BLOCK_K entries,
+    the rest of a BATCH_LISTS_TILE-entry tile over rows."""
+    block_k = min(triton.next_power_of_2(max(K, 1)), BATCH_LISTS_MAX_BLOCK_K)
+    return max(1, BATCH_LISTS_TILE // block_k), block_k
+
+
+def batch_lists(table: torch.Tensor, idx: torch.Tensor, labels: torch.Tensor,
+                bank_labels: torch.Tensor, exclude_self: bool
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lists, counts)`` of a batch, without a host read.
+
+    Args:
+        table: (N, K) int32/int64 lists of the bank (-1 = padding), unit column stride.
+        idx: (B,) integer bank rows of the batch.
+        labels: (B,) integer labels of the batch.
+        bank_labels: (N,) integer labels of the bank's rows.
+        exclude_self: replace each row's own index in its list by -1.
+
+    Returns:
+        lists: (B, K) in the table's dtype: ``table[idx[b]]``, all -1 for a dropped row.
+        counts: (2,) int64: rows dropped (label not the bank row's, or idx outside [0, N)),
+            and those of them whose idx is outside [0, N).
+    """
+    N, K = table.shape
+    B = idx.shape[0]
+    out = torch.empty(B, K, dtype=table.dtype, device=table.device)
+    counts = torch.zeros(2, dtype=torch.int64, device=table.device)
+    if B == 0:
+        return out, counts
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    block_b, block_k = batch_lists_config(K)
+    _batch_lists_kernel[(triton.cdiv(B, block_b),)](
+        table, idx.contiguous(), labels.contiguous(), bank_labels.contiguous(), out, counts,
+        B, N, K, table.stride(0),
+        EXCLUDE_SELF=bool(exclude_self), BLOCK_B=block_b, BLOCK_K=block_k,
+    )
+    return out, counts

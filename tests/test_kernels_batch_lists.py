@@ -1,0 +1,100 @@
+"""kernels/batch_lists.py: a batch's lists in one launch, against torch's gather, exclusion
+and drop (Triton's interpreter on CPU tensors)."""
+import pytest
+import torch
+
+import nnkloss
+
+pytestmark = pytest.mark.interpreter
+
+INTS = [torch.int32, torch.int64]
+
+
+def _kernels():
+    return nnkloss.ops.backends.kernels()
+
+
+def _torch_form(table, idx, labels, bank_labels, exclude_self):
+    """The lists and counts as torch computes them, out-of-range rows handled apart."""
+    N = table.shape[0]
+    i = idx.long()
+    in_bank = (i >= 0) & (i < N)
+    safe = torch.where(in_bank, i, 0)
+    lists = table[safe] if N else table.new_zeros(idx.shape[0], table.shape[1])
+    if exclude_self:
+        lists = lists.masked_fill(lists == safe[:, None], -1)
+    own = bank_labels.long()[safe] if N else torch.zeros_like(i)
+    drop = ~in_bank | (own != labels.long())
+    lists = lists.masked_fill(drop[:, None], -1)
+    return lists, torch.tensor([int(drop.sum()), int((~in_bank).sum())])
+
+
+def _case(B, N, K, table_dtype, label_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, N, (N, K), generator=g).to(table_dtype)
+    table[torch.rand(N, K, generator=g) < 0.1] = -1
+    # Every row lists itself somewhere, so that the exclusion has work to do.
+    if K:
+        table[torch.arange(N), torch.randint(0, K, (N,), generator=g)] = (
+            torch.arange(N).to(table_dtype))
+    bank_labels = torch.randint(0, 5, (N,), generator=g).to(label_dtype)
+    idx = torch.randint(0, N, (B,), generator=g)
+    labels = bank_labels[idx].to(torch.int64)
+    return table, idx, labels, bank_labels
+
+
+@pytest.mark.parametrize("table_dtype", INTS)
+@pytest.mark.parametrize("label_dtype", [torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("B,K", [(1, 1), (37, 7), (20, 300)])
+@pytest.mark.parametrize("exclude_self", [True, False])
+def test_lists_exclusion_and_drop_match_torch(table_dtype, label_dtype, B, K, exclude_self):
+    # K 300: chunks of 256 (the second ragged) in programs of 4 rows, five of them at B 20;
+    # K 7: one program of 128 rows, 37 of them live.
+    table, idx, labels, bank_labels = _case(B, 50, K, table_dtype, label_dtype, B + K)
+    k = _kernels()
+    lists, counts = k.batch_lists(table, idx, labels, bank_labels, exclude_self)
+    want, want_counts = _torch_form(table, idx, labels, bank_labels, exclude_self)
+    assert lists.dtype == table_dtype and lists.shape == (B, K)
+    assert counts.dtype == torch.int64 and counts.shape == (2,)
+    assert torch.equal(lists.long(), want.long()) and torch.equal(counts, want_counts)
+    assert counts.tolist() == [0, 0]
+    if exclude_self:
+        assert not bool((lists.long() == idx[:, None]).any())
+    # Misaligned rows (one in the last program), then rows outside the bank.
+    bad = labels.clone()
+    bad[[0, B - 1]] += 1
+    lists, counts = k.batch_lists(table, idx, bad, bank_labels, exclude_self)
+    want, want_counts = _torch_form(table, idx, bad, bank_labels, exclude_self)
+    assert torch.equal(lists.long(), want.long()) and torch.equal(counts, want_counts)
+    assert counts.tolist() == [len({0, B - 1}), 0] and bool((lists[B - 1] == -1).all())
+    far = idx.clone()
+    far[0], far[B - 1] = -3, 50
+    lists, counts = k.batch_lists(table, far, labels, bank_labels, exclude_self)
+    want, want_counts = _torch_form(table, far, labels, bank_labels, exclude_self)
+    assert torch.equal(lists.long(), want.long()) and torch.equal(counts, want_counts)
+    assert counts.tolist() == [len({0, B - 1})] * 2
+
+
+def test_counts_add_up_over_programs_and_edges():
+    # K 1: programs of 1024 rows, so 5000 rows are five, each dropping rows (the last partial).
+    table, idx, labels, bank_labels = _case(5000, 40, 1, torch.int64, torch.int32, 3)
+    labels[::7] += 1
+    idx[::11] = 40
+    k = _kernels()
+    lists, counts = k.batch_lists(table, idx, labels, bank_labels, True)
+    want, want_counts = _torch_form(table, idx, labels, bank_labels, True)
+    assert torch.equal(lists, want) and torch.equal(counts, want_counts)
+    assert 0 < int(counts[1]) < int(counts[0])
+    # An empty batch, lists of no entries, a bank of no rows, a strided table.
+    lists, counts = k.batch_lists(table, idx[:0], labels[:0], bank_labels, True)
+    assert lists.shape == (0, 1) and counts.tolist() == [0, 0]
+    empty = torch.zeros(40, 0, dtype=torch.int32)
+    lists, counts = k.batch_lists(empty, idx[:9], labels[:9], bank_labels, True)
+    assert lists.shape == (9, 0) and lists.dtype == torch.int32
+    assert counts.tolist() == _torch_form(empty, idx[:9], labels[:9], bank_labels, True)[1].tolist()
+    lists, counts = k.batch_lists(table[:0], idx[:4], labels[:4], bank_labels[:0], True)
+    assert bool((lists == -1).all()) and counts.tolist() == [4, 4]
+    wide = torch.randint(0, 40, (40, 12))
+    lists, _ = k.batch_lists(wide[:, ::3], idx[:30], labels[:30], bank_labels, False)
+    assert torch.equal(lists, _torch_form(wide[:, ::3].contiguous(), idx[:30], labels[:30],
+                                          bank_labels, False)[0])

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .neighbour_kernel import cdiv, pow2_ceil
+
 # Entries of one tile (rows x list entries): 8 a thread at 4 warps.
 BATCH_LISTS_TILE = 1024
 # Widest chunk of a list; longer lists are copied chunk by chunk.
@@ -71,7 +73,7 @@ def _batch_lists_kernel(
 def batch_lists_config(K: int) -> Tuple[int, int]:
     """(block_b, block_k) of a launch: list chunks of up to BATCH_LISTS_MAX_BLOCK_K entries,
     the rest of a BATCH_LISTS_TILE-entry tile over rows."""
-    block_k = min(triton.next_power_of_2(max(K, 1)), BATCH_LISTS_MAX_BLOCK_K)
+    block_k = min(pow2_ceil(K), BATCH_LISTS_MAX_BLOCK_K)
     return max(1, BATCH_LISTS_TILE // block_k), block_k
 
 
@@ -101,7 +103,7 @@ def batch_lists(table: torch.Tensor, idx: torch.Tensor, labels: torch.Tensor,
     if table.stride(1) != 1:
         table = table.contiguous()
     block_b, block_k = batch_lists_config(K)
-    _batch_lists_kernel[(triton.cdiv(B, block_b),)](
+    _batch_lists_kernel[(cdiv(B, block_b),)](
         table, idx.contiguous(), labels.contiguous(), bank_labels.contiguous(), out, counts,
         B, N, K, table.stride(0),
         EXCLUDE_SELF=bool(exclude_self), BLOCK_B=block_b, BLOCK_K=block_k,

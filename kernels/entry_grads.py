@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .neighbour_kernel import _neighbour_meta, _online_update, _tl_dtype
+from .neighbour_kernel import _neighbour_meta, _online_update, _tl_dtype, pow2_ceil
 
 # List entries per tile: one program per row, two passes over its list.
 ENTRY_GRADS_MAX_BLOCK_K = 512
@@ -174,7 +174,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
     lse_pos = lse_pos.to(cdt).contiguous()
     out_stride = K  # coef and q are (B, K) contiguous
     dummy = u  # a pointer for the outputs not asked for (their stores are compiled out)
-    block_k = min(triton.next_power_of_2(max(K, 1)), ENTRY_GRADS_MAX_BLOCK_K)
+    block_k = min(pow2_ceil(K), ENTRY_GRADS_MAX_BLOCK_K)
     num_warps = max(1, min(4, block_k // 32))  # no idle warps on a short list
     _entry_grads_kernel[(B,)](
         u, neighbours, labels.contiguous(), centre_labels.contiguous(),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .neighbour_kernel import _gather_rows, _tl_dtype, row_align
+from .neighbour_kernel import _gather_rows, _tl_dtype, cdiv, pow2_ceil, row_align
 
 # Elements of one gathered tile (block_e x block_d): 16 fp32 per thread at 4 warps.
 GATHERED_FINITE_TILE = 2048
@@ -59,7 +59,7 @@ def _gathered_finite_kernel(
 def gathered_finite_config(D: int):
     """(block_e, block_d) of a launch: D chunks of up to GATHERED_FINITE_MAX_BLOCK_D columns,
     the rest of a GATHERED_FINITE_TILE-element tile over list entries."""
-    block_d = min(triton.next_power_of_2(max(D, 1)), GATHERED_FINITE_MAX_BLOCK_D)
+    block_d = min(pow2_ceil(D), GATHERED_FINITE_MAX_BLOCK_D)
     return max(1, GATHERED_FINITE_TILE // block_d), block_d
 
 
@@ -81,7 +81,7 @@ def gathered_rows_finite(centres: torch.Tensor, neighbours: torch.Tensor) -> tor
     if centres.stride(1) != 1:
         centres = centres.contiguous()
     block_e, block_d = gathered_finite_config(D)
-    _gathered_finite_kernel[(triton.cdiv(n, block_e),)](
+    _gathered_finite_kernel[(cdiv(n, block_e),)](
         centres, flat, flag, n, N, D, centres.stride(0),
         BLOCK_E=block_e, BLOCK_D=block_d, ROW_ALIGN=row_align(D, centres),
         COMPUTE=_tl_dtype(centres.dtype),

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .neighbour_kernel import _aligned_row_offsets, _gather_rows, _tl_dtype, row_align
+from .neighbour_kernel import (_aligned_row_offsets, _gather_rows, _tl_dtype, cdiv,
+                               pow2_ceil, row_align)
 
 # Elements of one gathered tile (block_k x block_d): 16 fp32 per thread at 4 warps, the
 # forward's 64 bytes per thread; the build gate holds every build at >= 16 warps per SM.
@@ -75,8 +76,8 @@ def rel_sqdist_config(K: int, D: int):
     """(block_k, block_d) of a launch: D chunks of up to REL_SQDIST_MAX_BLOCK_D columns, the
     rest of a REL_SQDIST_TILE-element tile along the list (at most the list's next power of
     two)."""
-    block_d = min(triton.next_power_of_2(max(D, 1)), REL_SQDIST_MAX_BLOCK_D)
-    block_k = max(1, min(triton.next_power_of_2(max(K, 1)), REL_SQDIST_TILE // block_d))
+    block_d = min(pow2_ceil(D), REL_SQDIST_MAX_BLOCK_D)
+    block_k = max(1, min(pow2_ceil(K), REL_SQDIST_TILE // block_d))
     return block_k, block_d
 
 
@@ -105,7 +106,7 @@ def rel_sqdist(x: torch.Tensor, centres: torch.Tensor, idx: torch.Tensor, ref: t
     if out.numel() == 0:
         return out
     block_k, block_d = rel_sqdist_config(K, D)
-    _rel_sqdist_kernel[(Q, triton.cdiv(K, block_k))](
+    _rel_sqdist_kernel[(Q, cdiv(K, block_k))](
         x, centres, idx, ref, out,
         K, D,
         x.stride(0), centres.stride(0), idx.stride(0), out.stride(0),

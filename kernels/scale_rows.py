@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .neighbour_kernel import cdiv, pow2_ceil
+
 # Elements of one tile (rows x columns): 16 fp32 per thread at 4 warps, as the other kernels.
 SCALE_ROWS_TILE = 2048
 # Widest column block; wider rows take more programs along D (grid axis 1).
@@ -59,7 +61,7 @@ def _scale_rows_kernel(
 def scale_rows_config(D: int):
     """(block_r, block_d) of a launch: the row (up to SCALE_ROWS_MAX_BLOCK_D columns) and as
     many rows as fill a SCALE_ROWS_TILE-element tile."""
-    block_d = min(triton.next_power_of_2(max(D, 1)), SCALE_ROWS_MAX_BLOCK_D)
+    block_d = min(pow2_ceil(D), SCALE_ROWS_MAX_BLOCK_D)
     return max(1, SCALE_ROWS_TILE // block_d), block_d
 
 
@@ -85,7 +87,7 @@ def scale_rows(grad_x: torch.Tensor, g: torch.Tensor, lse_pos: Optional[torch.Te
     if lse_pos is not None and lse_pos.stride(0) != 1:
         lse_pos = lse_pos.contiguous()
     block_r, block_d = scale_rows_config(D)
-    grid = (triton.cdiv(B, block_r), triton.cdiv(D, block_d))
+    grid = (cdiv(B, block_r), cdiv(D, block_d))
     _scale_rows_kernel[grid](
         grad_x, g, lse_pos if lse_pos is not None else grad_x, out,
         B, D,

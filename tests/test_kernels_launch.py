@@ -78,3 +78,40 @@ def test_bad_launch_config():
     with pytest.raises(ValueError, match="block_k"):
         kernels.neighbour_kernel_fwd(emb.float(), labels, centres.float(), cl, nb, None,
                                      torch.tensor(1.0), config=kernels.FwdConfig(3, 4))
+
+
+def test_launch_helpers_are_plain_python_with_tritons_values():
+    """pow2_ceil and cdiv give triton.next_power_of_2 / triton.cdiv's values, without the
+    constexpr-function wrapper (3.6-4.2 us a call on the host, paid by every launch)."""
+    import triton
+    nk = nnkloss.ops.backends.kernels().neighbour_kernel
+    for n in list(range(1, 5000)) + [2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3]:
+        assert nk.pow2_ceil(n) == triton.next_power_of_2(n), n
+    assert nk.pow2_ceil(0) == nk.pow2_ceil(-3) == 1
+    for a in list(range(0, 300)) + [2**40 + 1]:
+        for b in (1, 2, 3, 7, 64, 1000):
+            assert nk.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+@pytest.mark.interpreter
+def test_no_launcher_calls_tritons_constexpr_functions_on_the_host(monkeypatch):
+    """Every launcher sizes its tiles and grid with the plain helpers: with triton's
+    next_power_of_2 and cdiv made to fail, each still runs (on CPU tensors, interpreted)."""
+    import triton
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a launcher called triton's constexpr function on the host")
+    k = nnkloss.ops.backends.kernels()
+    emb, labels, centres, cl, nb, w = make_case(5, 30, 70, 9, seed=15, pad=0.2)
+    emb, centres, w = emb.float(), centres.float(), w.float()
+    monkeypatch.setattr(triton, "next_power_of_2", refuse)
+    monkeypatch.setattr(triton, "cdiv", refuse)
+    s = torch.tensor(1.2)
+    loss, lse_all, lse_pos, grad_x, dist = k.neighbour_kernel_fwd(emb, labels, centres, cl, nb,
+                                                                  w, s)
+    k.centre_grad(emb, centres, nb, torch.randn(5, 9))
+    k.scale_rows(grad_x, torch.ones(5), lse_pos, torch.float32)
+    k.entry_grads(dist, labels, cl, nb, w, lse_all, lse_pos, torch.ones(5), s, True, True, True)
+    k.gathered_rows_finite(centres, nb)
+    k.rel_sqdist(emb, centres, nb.clamp_min(0), nb[:, 0].clamp_min(0), torch.float32)
+    k.batch_lists(torch.zeros(30, 4, dtype=torch.int32), torch.arange(5), labels, cl, True)

@@ -5,8 +5,6 @@ import torch
 
 import nnkloss
 
-pytestmark = pytest.mark.interpreter
-
 INTS = [torch.int32, torch.int64]
 
 
@@ -43,6 +41,7 @@ def _case(B, N, K, table_dtype, label_dtype, seed):
     return table, idx, labels, bank_labels
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("table_dtype", INTS)
 @pytest.mark.parametrize("label_dtype", [torch.int16, torch.int32, torch.int64])
 @pytest.mark.parametrize("B,K", [(1, 1), (37, 7), (20, 300)])
@@ -75,6 +74,7 @@ def test_lists_exclusion_and_drop_match_torch(table_dtype, label_dtype, B, K, ex
     assert counts.tolist() == [len({0, B - 1})] * 2
 
 
+@pytest.mark.interpreter
 def test_counts_add_up_over_programs_and_edges():
     # K 1: programs of 1024 rows, so 5000 rows are five, each dropping rows (the last partial).
     table, idx, labels, bank_labels = _case(5000, 40, 1, torch.int64, torch.int32, 3)
@@ -98,3 +98,19 @@ def test_counts_add_up_over_programs_and_edges():
     lists, _ = k.batch_lists(wide[:, ::3], idx[:30], labels[:30], bank_labels, False)
     assert torch.equal(lists, _torch_form(wide[:, ::3].contiguous(), idx[:30], labels[:30],
                                           bank_labels, False)[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("table_dtype", INTS)
+@pytest.mark.parametrize("B,K", [(4096, 100), (128, 1000), (3000, 7)])
+def test_cuda_kernel_matches_torch(table_dtype, B, K):
+    """The compiled kernel on a GPU: many programs, each dropping rows (counted by atomics),
+    rows outside the bank, against torch's form on the CPU."""
+    table, idx, labels, bank_labels = _case(B, 5000, K, table_dtype, torch.int32, B + K)
+    labels[::13] += 1
+    idx[::17] = -1
+    idx[5::19] = 5000
+    want, want_counts = _torch_form(table, idx, labels, bank_labels, True)
+    lists, counts = _kernels().batch_lists(table.cuda(), idx.cuda(), labels.cuda(),
+                                           bank_labels.cuda(), True)
+    assert torch.equal(lists.cpu(), want) and torch.equal(counts.cpu(), want_counts)

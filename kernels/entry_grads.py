@@ -51,12 +51,12 @@ def _expm1(x):
 
 
 @triton.jit
-def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, label,
+def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label,
                 HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
     """One tile of the row's list: the forward's logits (-inf where not valid), the same-class
     mask, and what the weight terms need (the distances, padding, weights and class)."""
-    kmask, nonpad, safe, valid, same, logw = _neighbour_meta(
-        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label, HAS_W, COMPUTE)
+    kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
+        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
     u = tl.load(u_ptr + row * stride_u + kk, mask=kmask, other=0.0).to(COMPUTE)
     logits = tl.where(valid, logw - 0.5 * u, float("-inf"))
     return kmask, nonpad, safe, valid, same, u, logits
@@ -66,7 +66,7 @@ def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K
 def _entry_grads_kernel(
     u_ptr, nbr_ptr, lab_ptr, clab_ptr, w_ptr, lse_all_ptr, lse_pos_ptr, g_ptr, sigma_ptr,
     coef_ptr, q_ptr, srow_ptr,
-    K, stride_u, stride_nb, stride_g, stride_out,
+    K, N, stride_u, stride_nb, stride_g, stride_out,
     HAS_W: tl.constexpr, NEED_C: tl.constexpr, NEED_Q: tl.constexpr, NEED_S: tl.constexpr,
     COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -95,7 +95,7 @@ def _entry_grads_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs
         kmask, nonpad, safe, valid, same, u, logits = _row_logits(
-            u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, label, HAS_W,
+            u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label, HAS_W,
             COMPUTE)
         m_all, _, _, s_all = _online_update(m_all, s_all, logits)
         m_pos, _, _, s_pos = _online_update(m_pos, s_pos, tl.where(same, logits, float("-inf")))
@@ -114,7 +114,7 @@ def _entry_grads_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs
         kmask, nonpad, safe, valid, same, u, logits = _row_logits(
-            u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, label, HAS_W,
+            u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label, HAS_W,
             COMPUTE)
         p_all = tl.exp(logits - m_all) / s_all
         p_pos = tl.exp(tl.where(same, logits, float("-inf")) - m_pos) / s_pos
@@ -181,7 +181,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
         weights if weights is not None else u, lse_all, lse_pos, g, sigma,
         coef if coef is not None else dummy, q if q is not None else dummy,
         srow if srow is not None else dummy,
-        K, u.stride(0), neighbours.stride(0), g.stride(0), out_stride,
+        K, centre_labels.shape[0], u.stride(0), neighbours.stride(0), g.stride(0), out_stride,
         HAS_W=weights is not None, NEED_C=coef is not None, NEED_Q=q is not None,
         NEED_S=srow is not None, COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, num_warps=num_warps,
     )

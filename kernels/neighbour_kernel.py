@@ -81,16 +81,20 @@ def _gather_scaled_diff(cen_ptr, idx, nonpad, stride_cn, x, inv_sigma, dd, dmask
 
 
 @triton.jit
-def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label,
+def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label,
                     HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
-    """Indices, padding/valid/same-class masks and log-weights of one tile of the list."""
+    """Indices, padding/valid/same-class masks and log-weights of one tile of the list, and
+    ``past``: entries past the bank (>= N, possible only with the value checks off), which
+    read nothing (``safe`` is 0 for them) and make their row non-finite (CONTRACT.md 9)."""
     kmask = kk < K
     idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
     nonpad = kmask & (idx >= 0)
-    safe = tl.where(nonpad, idx, 0)
-    clab = tl.load(clab_ptr + safe, mask=nonpad, other=0)
+    past = nonpad & (idx >= N)
+    inbank = nonpad & ~past
+    safe = tl.where(inbank, idx, 0)
+    clab = tl.load(clab_ptr + safe, mask=inbank, other=0)
     if HAS_W:
-        w = tl.load(w_ptr + safe, mask=nonpad, other=0.0).to(COMPUTE)
+        w = tl.load(w_ptr + safe, mask=inbank, other=0.0).to(COMPUTE)
         valid = nonpad & (w != 0)
         # log of a NaN/negative weight is NaN, of inf is inf: counted as bad by the caller.
         logw = tl.log(tl.where(valid, w, 1.0))
@@ -98,7 +102,7 @@ def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label,
         valid = nonpad
         logw = tl.zeros_like(kk).to(COMPUTE)
     same = valid & (clab == label)
-    return kmask, nonpad, safe, valid, same, logw
+    return kmask, nonpad, past, safe, valid, same, logw
 
 
 @triton.jit
@@ -134,7 +138,7 @@ def _lse(m, s):
 def _nk_fwd_kernel(
     emb_ptr, lab_ptr, cen_ptr, clab_ptr, nbr_ptr, w_ptr, sigma_ptr,
     loss_ptr, lse_all_ptr, lse_pos_ptr, gx_ptr, dist_ptr,
-    B, K, D,
+    B, K, D, N,
     stride_eb, stride_cn, stride_nb, stride_gb, stride_db,
     HAS_W: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_PASS: tl.constexpr,
@@ -184,11 +188,12 @@ def _nk_fwd_kernel(
         # logsumexp of all / same-class logits (and, single pass, the weighted sums of z).
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            kmask, nonpad, safe, valid, same, logw = _neighbour_meta(
-                nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label, HAS_W, COMPUTE)
+            kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
+                nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
+            inbank = nonpad & ~past
             # Distances of zero-weight entries are computed too: the weight gradient needs them.
             if SINGLE_PASS:
-                z, u = _gather_scaled_diff(cen_ptr, safe, nonpad, stride_cn, x, inv_sigma,
+                z, u = _gather_scaled_diff(cen_ptr, safe, inbank, stride_cn, x, inv_sigma,
                                            offs_d, dmask, ROW_ALIGN, COMPUTE)
             else:
                 u = tl.zeros([BLOCK_K], dtype=COMPUTE)
@@ -196,9 +201,11 @@ def _nk_fwd_kernel(
                     dd = d0 + offs_d
                     dm = dd < Dc
                     xc = tl.load(emb_ptr + erow + dd, mask=dd < De, other=0.0).to(COMPUTE)
-                    zc, uc = _gather_scaled_diff(cen_ptr, safe, nonpad, stride_cn, xc, inv_sigma,
+                    zc, uc = _gather_scaled_diff(cen_ptr, safe, inbank, stride_cn, xc, inv_sigma,
                                                  dd, dm, ROW_ALIGN, COMPUTE)
                     u += uc
+            # An entry past the bank: distance NaN, so that step 2 counts its row non-finite.
+            u = tl.where(past, float("nan"), u)
             if STORE_DIST:
                 tl.store(dist_ptr + row * stride_db + kk, u, mask=kmask)
             # Step 2: non-finite entries are counted, then neutralised so that the arithmetic
@@ -250,8 +257,9 @@ def _nk_fwd_kernel(
                 g = tl.zeros([BLOCK_D], dtype=COMPUTE)
                 for k0 in range(0, K, BLOCK_K):
                     kk = k0 + offs_k
-                    kmask, nonpad, safe, valid, same, logw = _neighbour_meta(
-                        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, label, HAS_W, COMPUTE)
+                    kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
+                        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W,
+                        COMPUTE)
                     u = tl.load(dist_ptr + row * stride_db + kk, mask=kmask, other=0.0)
                     ok = valid & (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
                     logit = logw - 0.5 * tl.where(ok, u, 0.0)
@@ -272,12 +280,13 @@ def _nk_fwd_kernel(
 @triton.jit
 def _nk_centre_grad_kernel(
     emb_ptr, cen_ptr, nbr_ptr, coef_ptr, gcen_ptr,
-    K, D,
+    K, D, N,
     stride_eb, stride_cn, stride_nb, stride_fb, stride_gn,
     COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
 ):
-    """grad_centres[j] += coef[b, k] * (x_b - c_j) for every (b, k) with neighbours[b, k] = j.
+    """grad_centres[j] += coef[b, k] * (x_b - c_j) for every (b, k) with neighbours[b, k] = j
+    in [0, N).
 
     Program (b, d-block). Memory traffic per row: reads K * (D * sizeof(bank) + sizeof(nbr) + 4)
     + D * sizeof(emb); atomic read-modify-writes K * D * sizeof(compute) (entries with coef 0
@@ -298,7 +307,8 @@ def _nk_centre_grad_kernel(
         kmask = kk < K
         idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
         coef = tl.load(coef_ptr + row * stride_fb + kk, mask=kmask, other=0.0).to(COMPUTE)
-        valid = kmask & (idx >= 0) & (coef != 0)
+        # An entry past the bank (value checks off) is skipped, as padding is (CONTRACT.md 9).
+        valid = kmask & (idx >= 0) & (idx < N) & (coef != 0)
         safe = tl.where(valid, idx, 0)
         c = _gather_rows(cen_ptr, safe, valid, stride_cn, dd, dm, ROW_ALIGN, COMPUTE)
         contrib = coef[:, None] * (x[None, :] - c)
@@ -558,7 +568,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     _nk_fwd_kernel[(cdiv(B, cfg.rows),)](
         emb, labels, centres, centre_labels, neighbours, w, sigma,
         loss, lse_all, lse_pos, gx, dbuf,
-        B, K, D,
+        B, K, D, N,
         emb.stride(0), centres.stride(0), neighbours.stride(0), gx.stride(0),
         dbuf.stride(0) if write_dist else 0,
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
@@ -607,7 +617,7 @@ def centre_grad(emb, centres, neighbours, coef):
     grid = (B, cdiv(D, block_d))
     _nk_centre_grad_kernel[grid](
         emb, centres, neighbours, coef, grad,
-        K, D,
+        K, D, N,
         emb.stride(0), centres.stride(0), neighbours.stride(0), coef.stride(0), grad.stride(0),
         COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, BLOCK_D=block_d,
         ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),

@@ -157,6 +157,50 @@ def test_empty_bank_and_all_padding():
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("two_phase", [False, True])
+@pytest.mark.parametrize("grad_x", [True, False])
+@pytest.mark.parametrize("weights", [True, False])
+def test_entries_past_the_bank_read_nothing_and_make_their_row_nan(idx_dtype, two_phase, grad_x,
+                                                                   weights):
+    """Rule 9: a list entry >= N (the value checks off let it through) reads nothing, its
+    distance is NaN and its row non-finite, as on the CPU; every other row and entry as if it
+    were padding. The centre gradient skips it. An entry of 2**31 - 1 would read 2**31 rows
+    past the bank: gigabytes outside any tensor."""
+    k = _kernels()
+    emb, labels, centres, cl, nb, w, s = make(B=6, N=30, D=10, K=8, seed=11, pad=0.1,
+                                              idx_dtype=idx_dtype)
+    far = 2**31 - 1
+    nb[2, 1], nb[4, 0] = 30, far
+    w = w if weights else None
+    cfg = k.FwdConfig(2, 4, 1) if two_phase else None
+    got = k.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, s, config=cfg,
+                                 need_grad_x=grad_x)
+    padded = nb.masked_fill(nb >= 30, -1)
+    ref = contract_forward(emb, labels, centres, cl, padded, w, s)
+    poisoned = torch.tensor([False, False, True, False, True, False])
+    for t in got[:4 if grad_x else 3]:
+        assert torch.isnan(t[poisoned]).all() and not torch.isnan(t[~poisoned]).any()
+    assert torch.isnan(got[4][2, 1]) and torch.isnan(got[4][4, 0])
+    keep = ~poisoned
+    ref = [r[keep] for r in ref]
+    if not grad_x:
+        ref[3] = ref[3][:, :0]
+    check([t[keep] for t in got], ref)
+    inbank = (nb >= 0) & (nb < 30)
+    torch.testing.assert_close(got[4][inbank].double(),
+                               contract_forward(emb, labels, centres, cl, padded, w, s)[4][inbank],
+                               rtol=2e-5, atol=2e-5)
+    from nnkloss.ops import cpu
+    if cpu.available():  # the same outputs as the CPU library's, NaNs included
+        want = cpu.forward(emb, labels, centres, cl, nb, w, s, need_grad_x=grad_x)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, equal_nan=True)
+    coef = torch.randn(6, 8)
+    grad = k.centre_grad(emb, centres, nb, coef)
+    torch.testing.assert_close(grad, k.centre_grad(emb, centres, padded, coef))
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_centre_grad(idx_dtype):
     emb, labels, centres, cl, nb, w, s = make(B=5, N=12, D=9, K=6, seed=9)
     nb = nb.to(idx_dtype)

@@ -702,3 +702,32 @@ def test_recorded_cpu_backward_keeps_the_custom_op():
     assert gx.requires_grad
     with pytest.raises(RuntimeError, match="nk_scale_rows"):
         gx.sum().backward()
+
+
+@pytest.mark.interpreter
+def test_entries_past_the_bank_with_checks_off_give_the_cpu_s_nan_rows_on_triton():
+    """With the value checks off nothing refuses a list entry >= N: on the Triton backend it
+    reads nothing and makes its row NaN (CONTRACT.md 9), as the CPU library does; the whole op
+    then gives the CPU's loss, per-row losses and every gradient (NaN where the CPU's is), and
+    the weight gradient's scatter stays inside the weights. Before, the kernels read (and the
+    centre gradient wrote) past the bank: this very case crashed the process."""
+    from nnkloss.ops import cpu
+    if not cpu.available():
+        pytest.skip("no compiled CPU library to compare with")
+    emb, labels, centres, cl, nb, w = make_case(6, 20, 8, 5, seed=21, pad=0.1)
+    nb[3, 2] = 2**31 - 1
+    out = {}
+    for backend in ("cpu", "triton"):
+        e = emb.float().clone().requires_grad_()
+        c = centres.float().clone().requires_grad_()
+        ww = w.float().clone().requires_grad_()
+        s = torch.tensor(1.1, requires_grad=True)
+        with nnkloss.value_checks(False):
+            res = nnkloss.neighbour_kernel_loss_with_stats(e, labels, c, cl, nb, ww, s,
+                                                           reduction="none", backend=backend)
+        res.loss.sum().backward()
+        out[backend] = [res.loss.detach(), e.grad, c.grad, ww.grad, s.grad]
+    loss = out["triton"][0]
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[[0, 1, 2, 4, 5]]).all()
+    for a, b in zip(out["triton"], out["cpu"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)

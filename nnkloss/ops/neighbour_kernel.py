@@ -172,7 +172,10 @@ def _scatter_entry_terms(emb, centres, neighbours, weights, coef, q, backend, cd
     if q is not None:
         grad_w = torch.zeros(weights.shape[0], dtype=cdt, device=weights.device)
         if weights.shape[0]:  # an empty bank (all lists padding): nothing to scatter into
-            grad_w.index_add_(0, neighbours.clamp_min(0).long().reshape(-1), q.reshape(-1))
+            # Padding (q 0) lands on row 0; an entry past the bank (value checks off: its row
+            # is NaN, so is its q) on the last row, visibly, never outside the tensor.
+            grad_w.index_add_(0, neighbours.clamp(0, weights.shape[0] - 1).long().reshape(-1),
+                              q.reshape(-1))
         grad_w = grad_w.to(weights.dtype)
     return grad_c, grad_w
 
@@ -439,7 +442,9 @@ def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weigh
     row with finite inputs (a scaled distance beyond the compute dtype, e.g. ``|x| ~ 1e20``
     with ``sigma = 1`` in fp32) is not an error: its NaN propagates. A centre that no list
     gathers is never read. With the checks off nothing is checked: a non-finite value makes
-    the rows it touches NaN.
+    the rows it touches NaN, and so does a list entry >= N on the Triton and CPU backends
+    (nothing is read through it; ops/CONTRACT.md rule 9), where the torch backend's indexing
+    raises.
     """
     return neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,
                                             weights, sigma, reduction, backend).loss

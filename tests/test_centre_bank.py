@@ -480,3 +480,19 @@ def test_neighbours_for_gives_the_same_lists_with_and_without_the_cpu_library(mo
     monkeypatch.undo()
     with pytest.raises(IndexError, match=r"^idx holds 40 but the bank has rows 0\.\.39$"):
         bank.neighbours_for(torch.tensor([1, 40]))
+
+
+def test_check_rows_and_require_neighbours_name_what_is_wrong():
+    """The two checks neighbours_for and a loss's one-launch lists share: idx outside the bank
+    (IndexError naming idx and the bank's rows) and a bank without lists (RuntimeError)."""
+    bank = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long),
+                              neighbours=torch.zeros(5, 2, dtype=torch.long))
+    bank.check_rows(torch.tensor([0, 4]))
+    bank.check_rows(torch.zeros(0, dtype=torch.long))
+    bank.require_neighbours()
+    for bad, shown in ((torch.tensor([0, 5]), "5"), (torch.tensor([-1, 2]), "-1")):
+        with pytest.raises(IndexError, match=rf"idx holds {shown} but the bank has rows 0\.\.4"):
+            bank.check_rows(bad)
+    empty = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no neighbour lists yet"):
+        empty.require_neighbours()

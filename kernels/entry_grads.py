@@ -142,6 +142,13 @@ def _entry_grads_kernel(
         tl.store(srow_ptr + row, tl.where(nan_row, float("nan"), tl.where(takes, acc, 0.0)))
 
 
+def entry_grads_config(K: int):
+    """(block_k, num_warps) of a launch: the list in tiles of up to ENTRY_GRADS_MAX_BLOCK_K
+    entries, and no idle warps on a short list."""
+    block_k = min(pow2_ceil(K), ENTRY_GRADS_MAX_BLOCK_K)
+    return block_k, max(1, min(4, block_k // 32))
+
+
 def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tensor,
                 neighbours: torch.Tensor, weights: Optional[torch.Tensor], lse_all: torch.Tensor,
                 lse_pos: torch.Tensor, g: torch.Tensor, sigma: torch.Tensor, need_coef: bool,
@@ -174,8 +181,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
     lse_pos = lse_pos.to(cdt).contiguous()
     out_stride = K  # coef and q are (B, K) contiguous
     dummy = u  # a pointer for the outputs not asked for (their stores are compiled out)
-    block_k = min(pow2_ceil(K), ENTRY_GRADS_MAX_BLOCK_K)
-    num_warps = max(1, min(4, block_k // 32))  # no idle warps on a short list
+    block_k, num_warps = entry_grads_config(K)
     _entry_grads_kernel[(B,)](
         u, neighbours, labels.contiguous(), centre_labels.contiguous(),
         weights if weights is not None else u, lse_all, lse_pos, g, sigma,

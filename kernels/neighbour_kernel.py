@@ -457,7 +457,7 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     rows = 4 if K * D <= per_thread * 32 else 1
     if grad_x and num_warps == 1 and elem_size <= 4 and rows == 1:
         block_k = min(kp2, max(TRAIN_ROWS, TRAIN_MIN_ELEMS_PER_THREAD * 32 // block_d))
-    warps_per_sm = -(-B // rows) * num_warps / sms if B is not None and sms else math.inf
+    warps_per_sm = cdiv(B, rows) * num_warps / sms if B is not None and sms else math.inf
     if warps_per_sm < SMALL_BATCH_WARPS_PER_SM:
         # 1. Tiles of 64 elements a thread (32 for fp64) where warps are few; half from 2/SM.
         elems = SMALL_BATCH_ELEMS_PER_THREAD * row_elems // 16

@@ -439,9 +439,8 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                                    torch.ones(N) if b.weights else None, lse, lse,
                                    torch.ones(b.B, dtype=cdt), torch.tensor(1.0), True, True,
                                    True)
-                    bk = min(nk.pow2_ceil(b.K), eg.ENTRY_GRADS_MAX_BLOCK_K)
-                    entry.update(config=dict(block_k=bk, block_d=1,
-                                             num_warps=max(1, min(4, bk // 32)), num_stages=3,
+                    bk, nw = eg.entry_grads_config(b.K)
+                    entry.update(config=dict(block_k=bk, block_d=1, num_warps=nw, num_stages=3,
                                              rows=1), single_pass=bk >= b.K, tile_elems=bk)
                     entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "batch_lists":

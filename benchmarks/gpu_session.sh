@@ -70,7 +70,7 @@ step bench_graphs 35 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 -
 # 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
 #    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
 step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
-    --D 128 --calls 100 --top 12 --providers fused module module_torch_lists
+    --D 128 --calls 100 --top 12 --providers fused module module_torch_lists --parts
 # 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on
 #    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,

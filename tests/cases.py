@@ -31,6 +31,47 @@ def tolerances(emb_dtype, bank_dtype):
     return dict(rtol=2e-4, atol=2e-5)
 
 
+def logit_scale(emb, centres, nb, w, sigma, chunk_elems=1 << 22):
+    """(B,) fp64: the largest |l_j| = |ln w_j - d_j / (2 sigma^2)| over each row's valid
+    entries (0 for a row of padding only). A row's loss is a difference of two log-sum-exps of
+    such logits, so its absolute error in a compute dtype of epsilon eps is of order
+    eps * scale (the logits themselves are rounded to that): the per-row check allows it."""
+    emb, centres = emb.detach().double().cpu(), centres.detach().double().cpu()
+    nb = nb.cpu()
+    K, D = nb.shape[1], emb.shape[1]
+    lw = (torch.zeros(len(centres), dtype=torch.float64) if w is None
+          else w.detach().double().cpu().log())
+    out = torch.zeros(len(emb), dtype=torch.float64)
+    step = max(1, chunk_elems // max(1, K * D))
+    for b in range(0, len(emb), step):
+        j = nb[b:b + step]
+        valid = j >= 0
+        jj = j.clamp_min(0)
+        d = ((emb[b:b + step, None, :] - centres[jj]) ** 2).sum(-1)
+        ell = (lw[jj] - d / (2 * sigma ** 2)).abs().masked_fill(~valid, 0)
+        out[b:b + step] = ell.amax(-1) if K else 0
+    return out
+
+
+def check_rows_close(per_row, rows_ref, tol, emb, centres, nb, w, sigma):
+    """per_row against the fp64 reference: within the dtype's tolerance, plus, below fp64,
+    3 epsilons of the compute dtype (fp32) times the row's logit scale (:func:`logit_scale`):
+    at D 512, |l| ~ 300 and one fp32 ulp of it is 3e-5, over the flat 2e-5 (seen on an H200,
+    ea8736c, 15 of 1056 rows)."""
+    got = per_row.detach().double().cpu()
+    ref = rows_ref.double().cpu()
+    allowed = tol["atol"] + tol["rtol"] * ref.abs()
+    if per_row.dtype != torch.float64:
+        allowed = allowed + 3 * torch.finfo(torch.float32).eps * logit_scale(
+            emb, centres, nb, w, sigma)
+    assert torch.equal(got.isnan(), ref.isnan()), "per_row: NaN rows differ"
+    err = (got - ref).abs().nan_to_num(0.0)
+    bad = err > allowed
+    assert not bad.any(), (
+        f"per_row: {int(bad.sum())} of {len(got)} rows off; worst row {int((err - allowed).argmax())}"
+        f" (error {float(err.max()):.3g}, allowed there {float(allowed[(err - allowed).argmax()]):.3g})")
+
+
 def run_op(backend, emb, labels, centres, cl, nb, w, sigma, reduction="mean", grads=True):
     emb = emb.detach().clone().requires_grad_(True)
     centres = centres.detach().clone().requires_grad_(grads)
@@ -87,7 +128,7 @@ def compare(case, backend, emb_dtype=torch.float32, bank_dtype=torch.float32, si
     out, g = run_op(backend, emb_c, labels, cen_c, cl, nb, w, sigma, reduction)
     tol = tolerances(emb_dtype, bank_dtype)
     assert torch.equal(out.counted, valid_ref)
-    torch.testing.assert_close(out.per_row.double(), rows_ref, **tol)
+    check_rows_close(out.per_row, rows_ref, tol, emb_c, cen_c, nb, w, sigma)
     assert torch.isfinite(out.per_row).all()
     for name, ref in g_ref.items():
         got = g[name].double()

@@ -340,6 +340,22 @@ def test_profile_step_times_the_module_with_the_lists_by_torch(capsys, monkeypat
     assert len(calls) == 3 + 5 + 5 and base._lists_kernel is stand_in
 
 
+def test_profile_step_parts_time_each_piece_of_the_call(capsys):
+    """--parts: each piece of the op's call timed on its own after the modes (the backend's
+    forward both ways, the counted mask, the mean, autograd's round trips), in a table."""
+    import profile_step
+    report = profile_step.main(["--device", "cpu", "--B", "8", "--K", "4", "--D", "16", "--N",
+                                "100", "--calls", "5", "--modes", "fwd", "--parts"])
+    parts = {k[len("part "):]: v for k, v in report.items() if k.startswith("part ")}
+    assert set(report) == {"fwd"} | {f"part {k}" for k in parts}
+    assert {"backend forward, forward-only", "reduce_rows mean",
+            "autograd: identity Function, .sum().backward()"} <= set(parts)
+    for wall, host in parts.values():
+        assert wall > 0 and 0 < host <= wall * 1.01
+    table = capsys.readouterr().out.split("== parts")[1]
+    assert all(f"| {name} |" in table for name in parts)
+
+
 def test_fused_compile_provider_runs_the_op_inside_torch_compile(tmp_path, monkeypatch):
     """fused_compile: the op's call compiled (the op opaque inside); same loss and gradient
     as fused, and --compile-mode reaches torch.compile."""

@@ -346,7 +346,9 @@ def test_one_launch_lists_on_cuda_match_the_cpu(cls):
         b = make_bank(N=300, C=3, K=40).to(device)
         fn = (nnkloss.NeighbourKernelLoss(b, sigma=1.0) if cls == "nngk"
               else nnkloss.ClassConditionalLoss(b, k=2, sigma=1.0))
-        x = emb.to(device).requires_grad_()
+        # a copy on each device: on the CPU, emb.to("cpu") is emb itself, whose requires_grad
+        # would then make the CUDA copy a non-leaf without a .grad
+        x = emb.to(device).clone().requires_grad_()
         with nnkloss.value_checks(False):
             loss = fn(x, bad.to(device), torch.where(far == 300, 0, idx).to(device))
         loss.backward()

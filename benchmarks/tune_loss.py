@@ -7,10 +7,12 @@
 Every configuration's outputs are checked against the default configuration's before its time
 counts (a wrong fast config is reported as ok=0 and never chosen). Rows go to
 ``benchmarks/results/tune_<device>.csv`` with columns ``B,K,D,dtype,block_k,block_d,num_warps,
-num_stages,ms,gbps,ok,default_ms,device,commit,build`` (build: "train", the forward that
+num_stages,ms,gbps,ok,default_ms,device,commit,build,timer`` (build: "train", the forward that
 computes grad_x and stores the distances, or "fwd", the forward-only build of
-``--forward-only``; a file written before that column existed gets it, "train"); the last lines
-printed are the best
+``--forward-only``; timer: "graph", the kernel's device time with the host taken out
+(common.kernel_ms, the default), or "do_bench", triton's do_bench, whose figure of a short
+kernel can be the host's launch time instead (``--timer do_bench``); a file written before
+those columns existed gets them, "train" and "do_bench"); the last lines printed are the best
 configuration per shape against the default heuristic (kernels.default_config).
 """
 from __future__ import annotations
@@ -29,11 +31,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_loss import DTYPES, bytes_needed, make_inputs, time_ms  # noqa: E402
-from common import device_name, git_commit  # noqa: E402
+from common import device_name, git_commit, kernel_ms  # noqa: E402
 from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
-           "ok", "default_ms", "device", "commit", "build"]
+           "ok", "default_ms", "device", "commit", "build", "timer"]
+# What the columns added since the first files were filled with in older rows: every row before
+# the build column was the training forward, every row before the timer column do_bench's.
+_ADDED = {"build": "train", "timer": "do_bench"}
 
 
 def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384,
@@ -54,17 +59,18 @@ def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384
 
 
 def _upgrade(path):
-    """Add the build column to a results file written before it existed (every row of those
-    was the training forward), atomically."""
+    """Add the columns a results file was written without (_ADDED, in order), atomically."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     if not rows or rows[0] == COLUMNS:
         return
-    if rows[0] != COLUMNS[:-1]:
+    missing = COLUMNS[len(rows[0]):]
+    if rows[0] != COLUMNS[:len(rows[0])] or not set(missing) <= set(_ADDED):
         raise ValueError(f"{path}: unexpected columns {rows[0]}")
+    fill = [_ADDED[c] for c in missing]
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows([COLUMNS] + [r + ["train"] for r in rows[1:]])
+        csv.writer(f).writerows([COLUMNS] + [r + fill for r in rows[1:]])
     os.replace(tmp, path)
 
 
@@ -83,8 +89,13 @@ def main(argv=None):
     ap.add_argument("--forward-only", action="store_true",
                     help="sweep the forward-only build (no grad_x, no distances stored: "
                          "evaluation, no_grad, the classifier) instead of the training forward")
+    ap.add_argument("--timer", default="graph", choices=["graph", "do_bench"],
+                    help="graph: the kernel's device time, the host taken out (CUDA graphs, "
+                         "common.kernel_ms); do_bench: triton's do_bench (host launch included "
+                         "where it outlasts the L2 flush)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
+    timer = kernel_ms if args.timer == "graph" else time_ms
     train = not args.forward_only
     kernels = _kernels()
     device = torch.device(args.device)
@@ -106,7 +117,7 @@ def main(argv=None):
                 emb, labels, centres, cl, nb, wts, sigma, config=cfg, store_dist=train,
                 need_grad_x=train)
             ref = run()
-            default_ms = time_ms(run, device, args.reps)
+            default_ms = timer(run, device, args.reps)
             nbytes = bytes_needed(B, K, D, DTYPES[dt], nb.dtype, "fwd")
             # the launcher's own default for this bank and build
             default = kernels.default_config(
@@ -122,7 +133,7 @@ def main(argv=None):
                     out = run(cfg)
                     ok = all(torch.allclose(a, r, rtol=1e-4, atol=1e-4, equal_nan=True)
                              for a, r in zip(out, ref))
-                    ms = time_ms(lambda: run(cfg), device, args.reps) if ok else float("nan")
+                    ms = timer(lambda: run(cfg), device, args.reps) if ok else float("nan")
                 except Exception as exc:  # a config the compiler rejects (registers, smem)
                     print(f"config {cfg} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     ok, ms = False, float("nan")
@@ -132,11 +143,11 @@ def main(argv=None):
                     best = (ms, cfg)
             # The default again after the sweep, the faster of its two times kept: the first
             # call of a shape can meet cold clocks and caches, which would flatter the sweep.
-            default_ms = min(default_ms, time_ms(run, device, args.reps))
+            default_ms = min(default_ms, timer(run, device, args.reps))
             if best[0] > default_ms or best[1] == default:
                 best = (default_ms, default)
-            w.writerows(r + [f"{default_ms:.4g}", name, commit, "train" if train else "fwd"]
-                        for r in rows)
+            w.writerows(r + [f"{default_ms:.4g}", name, commit, "train" if train else "fwd",
+                             args.timer] for r in rows)
             f.flush()
             summary.append((B, K, D, dt, default_ms, best[0], best[1]))
     print(f"device {name} @ {commit}; rows in {path}")

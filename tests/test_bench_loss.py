@@ -252,31 +252,61 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
     assert len({r["default_ms"] for r in rows}) == 1  # the faster of the default's two times
     assert len(summary) == 1 and summary[0][5] > 0 and summary[0][5] <= summary[0][4]
     assert {r["build"] for r in rows} == {"train"}
+    assert {r["timer"] for r in rows} == {"graph"}  # the default (on CPU: common.time_ms)
 
 
 @pytest.mark.interpreter
-def test_tuner_sweeps_the_forward_only_build_into_an_older_file(tmp_path):
+@pytest.mark.parametrize("added", [2, 1])
+def test_tuner_sweeps_the_forward_only_build_into_an_older_file(tmp_path, added):
     """--forward-only times the build without grad_x and checks its outputs against the
-    forward-only default; a file from before the build column gets it (its rows: "train")."""
+    forward-only default; a file from before the build and timer columns (added = 2) or the
+    timer column (1) gets them (its rows: "train", "do_bench"); --timer do_bench is recorded."""
     import tune_loss
-    path = tmp_path / "tune_AMD_EPYC.csv"  # any existing file of the old format
-    old = tune_loss.COLUMNS[:-1]
+    path = tmp_path / "tune_AMD_EPYC.csv"  # any existing file of an older format
+    old = tune_loss.COLUMNS[:-added]
     path.write_text(",".join(old) + "\n" + ",".join(["1"] * len(old)) + "\n")
     from unittest import mock
     with mock.patch.object(tune_loss, "device_name", lambda device: "AMD EPYC"):
         out, summary = tune_loss.main(["--device", "cpu", "--B", "2", "--K", "5", "--D", "8",
                                        "--N", "30", "--dtype", "fp32", "--max-configs", "2",
-                                       "--forward-only", "--out", str(tmp_path)])
+                                       "--forward-only", "--timer", "do_bench",
+                                       "--out", str(tmp_path)])
     assert out == str(path)
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == tune_loss.COLUMNS
-    assert [r["build"] for r in rows] == ["train", "fwd", "fwd"]
+    assert [r["build"] for r in rows] == ["train" if added == 2 else "1", "fwd", "fwd"]
+    assert [r["timer"] for r in rows] == ["do_bench", "do_bench", "do_bench"]
     assert all(r["ok"] == "1" for r in rows[1:])
     bad = tmp_path / "tune_other.csv"
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="unexpected columns"):
         tune_loss._upgrade(str(bad))
+
+
+@pytest.mark.cuda
+def test_kernel_ms_takes_the_host_out():
+    """common.kernel_ms times the device's work only: 2 ms of host time around a short kernel
+    are not in its figure (do_bench's includes them), and a kernel of 256 MB of writes takes
+    about its bytes at a few TB/s (not 0: the flush-only graph is subtracted, not all)."""
+    import time
+
+    import common
+    x = torch.zeros(64 << 20, device="cuda")  # 256 MB
+
+    def slow_host():
+        time.sleep(0.002)
+        x.add_(1)
+    ms = common.kernel_ms(slow_host, "cuda", reps=50, calls=5)
+    assert 0.01 < ms < 1.0, ms  # 512 MB moved: ~0.1-0.3 ms on an H100 / H200
+    # 3 warm-up calls, then 5 calls a replay: the warm replay and at least 5 timed ones
+    assert x[0] >= 3 + 5 * 6
+    assert common.time_ms(slow_host, "cuda", reps=50) > 1.5
+
+
+def test_kernel_ms_is_time_ms_off_cuda():
+    import common
+    assert common.kernel_ms(lambda: torch.ones(10).sum(), "cpu", reps=5) > 0
 
 
 def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 510 s (the whole run took 241 s on an H100 at 52484b7, before the
-# two small-batch steps were added), so `run(command="...", timeout_s=570)` leaves room for the
-# machine's start (30-40 s of the lease on the H100's two calls at 52484b7 and 0646941). In order of what the next GPU session must learn (the first, on an H200, measured the
+# timeouts that add up to 510 s (the whole run took 392 s on an H200 at ea8736c, 241 s on an
+# H100 at 52484b7 before the two small-batch steps were added), so
+# `run(command="...", timeout_s=570)` leaves room for the machine's start (30-40 s of the lease
+# on the H100's two calls at 52484b7 and 0646941, 30 s on the H200 at ea8736c, whose call held
+# 422 s of the 900: a second call of ~200 s fitted). In order of what the next GPU session
+# must learn (the first, on an H200, measured the
 # classifier's distances and the neighbour lists: README, "The GPU figures";
 # bench_classifier.py and bench_refresh.py still run them):
 #   1. correctness of the compiled CUDA kernels (the tests marked `cuda`; the whole suite and

@@ -25,7 +25,10 @@ a GPU), ``torch`` (the op's plain PyTorch path),
 (``NeighbourKernelLoss(bank)(emb, labels, idx)`` over a bank holding the same lists, checks
 on: the whole call a user of the module pays, lists fetched by the bank), ``module_unchecked``
 (the same call with the checks off, as ``Trainer`` makes it after each fit()'s first step:
-what a GPU training step pays, no host sync).
+what a GPU training step pays, no host sync), ``module_compile`` (that call inside
+``torch.compile``, as a user would compile it; with ``--compile-mode reduce-overhead`` under
+CUDA graphs, the bank's tensors left as the module holds them, not marked static: what a user
+gets).
 
 On CUDA: ``triton.testing.do_bench`` median, peak = max_memory_allocated above the allocation
 before the measured call. On CPU every (provider, mode, shape) runs in a fresh process
@@ -67,7 +70,10 @@ EXTRA_GRADS = ["sigma", "weights", "centres"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = ["fused", "eager", "compile", "fused_compile", "torch", "checked", "module",
-             "module_unchecked"]
+             "module_unchecked", "module_compile"]
+# The compiled providers and what each compiles (module_compile: the module's checks-off call,
+# built for the inputs by module_loss).
+COMPILED = ("compile", "fused_compile", "module_compile")
 # torch.compile's mode for the compile and fused_compile providers (--compile-mode):
 # "reduce-overhead" replays CUDA graphs on a GPU, which takes the host's time per call away.
 COMPILE_MODE = {"mode": "default"}
@@ -193,8 +199,8 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
     import torch._dynamo  # noqa: F401
     fn = {"fused": fused_loss, "eager": eager_loss, "torch": torch_path_loss,
           "checked": checked_loss}.get(provider)
-    if provider in ("compile", "fused_compile"):
-        if COMPILE_MODE["mode"] == "reduce-overhead":
+    if provider in COMPILED:
+        if COMPILE_MODE["mode"] == "reduce-overhead" and provider != "module_compile":
             # CUDA graphs copy every input they are not told is static into their own buffer
             # on each replay: the whole bank (0.5-2 GB here) per call, the first GPU run's
             # mistake (forward peak = the bank's size). A training loop holds the bank, its
@@ -203,8 +209,9 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
             for t in (centres, cl, w, sigma):
                 torch._dynamo.mark_static_address(t)
         if provider not in _COMPILED:
+            target = {"compile": eager_loss, "fused_compile": fused_loss}.get(provider)
             _COMPILED[provider] = torch.compile(
-                eager_loss if provider == "compile" else fused_loss, dynamic=False,
+                target or module_loss(inputs, checks=False), dynamic=False,
                 mode=COMPILE_MODE["mode"])
         fn = _COMPILED[provider]
     elif provider.startswith("module"):

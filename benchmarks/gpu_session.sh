@@ -66,9 +66,12 @@ step bench_loss 100 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 51
 step bench_grads 25 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers fused eager --modes fwd_bwd --also-grad sigma centres --device cuda \
     --out "$dir/grads"
-# 4. CUDA graphs around the eager loss and around the op (the bank static).
-step bench_graphs 35 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
-    --providers compile fused_compile --modes fwd fwd_bwd --compile-mode reduce-overhead \
+# 4. CUDA graphs around the eager loss and around the op (the bank static), and around the
+#    module's call as a user would compile it (module_compile: never timed; on the H200 at
+#    ea8736c the eager step was host-bound, autograd's engine alone 120-180 us a backward).
+step bench_graphs 50 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+    --providers compile fused_compile module_compile --modes fwd fwd_bwd \
+    --compile-mode reduce-overhead \
     --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
 #    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
@@ -79,13 +82,14 @@ step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 -
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,
 #    K 1000, D 64; tiles of 1-128 rows, at most 128 elements a thread), where the rule
 #    lengthens the tiles to 128 x 64 at 4 warps, and at B 128, K 100, D 128 (64 x 128 at 4
-#    warps): read off the sweep at 0646941, where 24 tiles took 29 s, not yet timed as the
-#    default.
+#    warps): timed as the default on an H200 at ea8736c and bc82787. The sweeps time each
+#    kernel with the host taken out (tune_loss's default timer since bc82787; do_bench's
+#    figures of these 15-60 us kernels were the host's launch when it outlasted the flush).
 step tune_loss 35 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
-step tune_small 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
+step tune_small 30 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
     --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
-step tune_small_d128 35 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
+step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
     --D 128 --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).

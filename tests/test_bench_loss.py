@@ -386,6 +386,36 @@ def test_profile_step_parts_time_each_piece_of_the_call(capsys):
     assert all(f"| {name} |" in table for name in parts)
 
 
+def test_module_compile_provider_compiles_the_modules_call(monkeypatch):
+    """module_compile: the module's checks-off call inside torch.compile (what a user who
+    compiles the module gets): the same loss and gradient as module_unchecked, compiled once
+    for the modes of a shape, and under reduce-overhead nothing of the inputs is marked static
+    (the module's own tensors are what a user's step holds)."""
+    inputs = bench_loss.make_inputs(16, 5, 8, 60, torch.float32, torch.device("cpu"))
+    seen, static = [], []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real(fn, **kw))
+    import torch._dynamo as dynamo
+    monkeypatch.setattr(dynamo, "mark_static_address", lambda t: static.append(t))
+    monkeypatch.setitem(bench_loss.COMPILE_MODE, "mode", "reduce-overhead")
+    bench_loss._COMPILED.clear()
+    results = []
+    for provider in ("module_unchecked", "module_compile"):
+        for mode in ("fwd", "fwd_bwd"):
+            ms, _, _ = bench_loss.run_one(provider, mode, inputs, torch.device("cpu"), reps=1)
+            assert ms > 0
+        fn = (bench_loss.module_loss(inputs, checks=False) if provider == "module_unchecked"
+              else bench_loss._COMPILED[provider])
+        x = inputs[0].clone().requires_grad_(True)
+        loss = fn(x, *inputs[1:])
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    bench_loss._COMPILED.clear()
+    assert seen == [{"dynamic": False, "mode": "reduce-overhead"}] and static == []
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+
+
 def test_fused_compile_provider_runs_the_op_inside_torch_compile(tmp_path, monkeypatch):
     """fused_compile: the op's call compiled (the op opaque inside); same loss and gradient
     as fused, and --compile-mode reaches torch.compile."""

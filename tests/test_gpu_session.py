@@ -53,6 +53,8 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
                        "benchmarks/tune_loss.py", "benchmarks/bench_loss.py"]
     assert all("--device cuda" in line for line in lines[2:])
     assert "--also-grad sigma centres" in lines[3] and "reduce-overhead" in lines[4]
+    # the module's call under CUDA graphs beside the op's and the eager loss's
+    assert "--providers compile fused_compile module_compile" in lines[4]
     # the module's lists by the one-launch kernel and by torch's ops, in the same run
     assert "--providers fused module module_torch_lists" in lines[5]
     # four runs of bench_loss: four folders, so that their CSVs do not mix

@@ -30,8 +30,12 @@ what a GPU training step pays, no host sync), ``module_compile`` (that call insi
 CUDA graphs, the bank's tensors left as the module holds them, not marked static: what a user
 gets).
 
-On CUDA: ``triton.testing.do_bench`` median, peak = max_memory_allocated above the allocation
-before the measured call. On CPU every (provider, mode, shape) runs in a fresh process
+On CUDA: ``triton.testing.do_bench`` median (``--timer do_bench``, the default: an L2 flush
+before each call, which overlaps the host's launch of a host-bound call, so its figure there is
+neither the wall time nor the kernels'), or ``--timer wall`` (``common.wall_ms``: back-to-back
+calls, one synchronisation per round, what a training loop sees), for the fwd and fwd_bwd modes
+(the CSV's ``timer``); peak = max_memory_allocated above the allocation before the measured
+call. On CPU every (provider, mode, shape) runs in a fresh process
 (``--isolate``, the default there) with ``--threads`` threads: the median of 7 calls after 2
 warm-ups (the first one compiles, for ``compile``), and ``peak_mem_mb`` = the peak RSS above
 the process's RSS after the inputs are set up and torch._dynamo is imported (torch imports it
@@ -53,7 +57,7 @@ sys.path.insert(0, HERE)
 from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
                     gather_gbps, git_commit, load_average, parse_or_work, read_gbps,
                     results_path, run_isolated, tensor_read_gbps, time_ms, utc_now,
-                    worker_reply)
+                    wall_ms, worker_reply)
 
 import torch  # noqa: E402
 
@@ -62,7 +66,7 @@ import nnkloss  # noqa: E402
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit", "gathered_gbps", "pct_of_read", "read_gbps", "threads", "load",
            "date", "bank_read_gbps", "pct_of_bank_read", "gather_gbps", "pct_of_gather",
-           "grads"]
+           "grads", "timer"]
 # Inputs besides the embeddings that may take a gradient in the bwd / fwd_bwd modes
 # (--also-grad): a learned sigma, learned weights, trainable centres. The CSV's "grads" column
 # names them ("emb", "emb+sigma", ...).
@@ -77,6 +81,8 @@ COMPILED = ("compile", "fused_compile", "module_compile")
 # torch.compile's mode for the compile and fused_compile providers (--compile-mode):
 # "reduce-overhead" replays CUDA graphs on a GPU, which takes the host's time per call away.
 COMPILE_MODE = {"mode": "default"}
+# The timer of the fwd and fwd_bwd modes on CUDA (--timer): "do_bench" or "wall" (common.wall_ms).
+TIMER = {"timer": "do_bench"}
 # The CPU grid (issue 12): (B, K, D, N, bank dtype), sigma = sqrt(D) / 2.
 CPU_GRID = [(256, 100, 512, 20000, "fp32"), (1024, 32, 128, 50000, "fp32"),
             (64, 256, 2048, 10000, "fp32"), (256, 100, 512, 20000, "bf16")]
@@ -244,7 +250,8 @@ def run_one(provider, mode, inputs, device, reps, also_grad=()):
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        return time_ms(step, device, reps), peak, first
+        timer = wall_ms if TIMER["timer"] == "wall" else time_ms
+        return timer(step, device, reps), peak, first
     rss = PeakRss().start()
     t0 = time.perf_counter()
     step()  # the first of the two warm-ups (compiles, for torch.compile)
@@ -300,6 +307,7 @@ def worker(spec):
     os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
     torch.set_num_threads(spec["threads"])
     COMPILE_MODE["mode"] = spec.get("compile_mode", "default")
+    TIMER["timer"] = spec.get("timer", "do_bench")
     device = torch.device(spec["device"])
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
@@ -501,6 +509,9 @@ def _main(argv):
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each measurement in a fresh process (default: on CPU)")
     ap.add_argument("--reps", type=int, default=100, help="do_bench rep time in ms (CUDA)")
+    ap.add_argument("--timer", default="do_bench", choices=["do_bench", "wall"],
+                    help="CUDA's timer of the fwd and fwd_bwd modes: do_bench (an L2 flush "
+                         "before each call) or wall (back-to-back calls, as a training loop)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds per shape, providers interleaved; the median round is kept")
     ap.add_argument("--also-grad", nargs="+", choices=EXTRA_GRADS, default=[],
@@ -514,6 +525,9 @@ def _main(argv):
         return 0
     device = torch.device(args.device)
     COMPILE_MODE["mode"] = args.compile_mode
+    TIMER["timer"] = args.timer
+    # the CSV's timer: CPU calls are each timed on their own (common.time_ms) whatever --timer
+    timer = args.timer if device.type == "cuda" else "median"
     grid = shapes(args, device)
     modes = args.modes or list(MODES)
     isolate = device.type == "cpu" if args.isolate is None else args.isolate
@@ -535,7 +549,8 @@ def _main(argv):
             gbps = measure_copy_gbps(device)
             row = {"op": "copy", "provider": "torch", "mode": "copy", "B": 0, "K": 0, "D": 0,
                    "dtype": "fp32", "gbps": f"{gbps:.1f}", "device": name, "commit": commit,
-                   "threads": threads, "load": load_average(), "date": utc_now()}
+                   "threads": threads, "load": load_average(), "date": utc_now(),
+                   "timer": "do_bench" if device.type == "cuda" else "median"}
             out.write(row)
         for B, K, D, N, dt in grid:
             inputs = None
@@ -552,7 +567,7 @@ def _main(argv):
                         "provider": prov, "modes": modes, "B": B, "K": K, "D": D, "N": N,
                         "dtype": dt, "device": str(device), "threads": args.threads,
                         "reps": args.reps, "also_grad": args.also_grad,
-                        "compile_mode": args.compile_mode})
+                        "compile_mode": args.compile_mode, "timer": args.timer})
                     if "error" in res:
                         raise RuntimeError(f"{prov} B={B} K={K} D={D}: {res['error']}")
                     idx_dtype = getattr(torch, res.get("idx_dtype", "torch.int64")[6:])
@@ -589,7 +604,7 @@ def _main(argv):
                     if r.get("oom"):
                         results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
                                         commit, "", "", "", threads, load, utc_now(), "",
-                                        "", "", "", grads_label(mode, args.also_grad)])
+                                        "", "", "", grads_label(mode, args.also_grad), timer])
                         continue
                     gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
                                         "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
@@ -605,7 +620,10 @@ def _main(argv):
                                     f"{gather:.4g}" if gather else "",
                                     "" if gathered == "" or not gather
                                     else f"{100 * gathered / gather:.1f}",
-                                    grads_label(mode, args.also_grad)])
+                                    grads_label(mode, args.also_grad),
+                                    # bwd: each backward between two synchronisations
+                                    "synced" if mode == "bwd" and device.type == "cuda"
+                                    else timer])
                     rounds = r.get("rounds", [])
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
                           f"(N={N}, first call {r['first_ms']:.1f} ms"
@@ -615,7 +633,7 @@ def _main(argv):
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
                    commit, "", "", f"{read:.4g}", threads, load_average(), utc_now(), "",
-                   "", "", "", ""])
+                   "", "", "", "", ""])
         for row in results:
             if row[7] != "oom":
                 row[13] = "" if row[13] == "" else f"{100 * row[13] / read:.1f}"

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from nnkloss.atomic import atomic_write  # noqa: E402
 
-__all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms", "kernel_ms",
+__all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms", "kernel_ms", "wall_ms",
            "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
            "ResultsCsv", "results_path",
            "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
@@ -94,6 +94,36 @@ def time_ms(fn, device, reps=100, warmup=2, iters=7) -> float:
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def wall_ms(fn, device, reps=100, min_rounds=5) -> float:
+    """Milliseconds a call of ``fn()`` adds to a loop of back-to-back calls (CUDA): what a
+    training loop sees, the host's time where the host bounds the call and the device's where
+    the device does, with no flush between calls (a loop's next step finds the caches as the
+    last left them). Rounds of ``n`` calls, one synchronisation at the end of each, ``n`` such
+    that a round takes about 2 ms; rounds for about ``reps`` ms (at least ``min_rounds``); the
+    median round's time over ``n``. Elsewhere :func:`time_ms` (each call timed on its own: on
+    a CPU the call returns when its work is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time_ms(fn, device, reps)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    n = max(1, min(1000, int(2e-3 / max(time.perf_counter() - t, 1e-6))))
+    rounds = []
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < reps or len(rounds) < min_rounds:
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize(device)
+        rounds.append((time.perf_counter() - t) * 1e3 / n)
+    return sorted(rounds)[len(rounds) // 2]
 
 
 def kernel_ms(fn, device, reps=100, calls=20, flush_mb=256) -> float:

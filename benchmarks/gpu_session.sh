@@ -58,21 +58,24 @@ nvidia-smi -L >>"$dir/env.log" 2>&1 || true
 step tests_cuda 150 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape), and the module's whole call as a training loop makes it after
-#    its first step (checks off: never timed on a GPU before).
+#    its first step (checks off). Every bench_loss step here times with --timer wall
+#    (back-to-back calls, what a training loop sees; the tables of the sessions up to ea8736c
+#    used do_bench, whose L2 flush overlaps the host's launch of these host-bound calls, so
+#    its figure was neither the wall time nor the kernels').
 step bench_loss 100 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 512 \
     --dtype fp32 bf16 --providers fused eager compile fused_compile module_unchecked \
-    --copy-bandwidth --device cuda --out "$dir"
+    --copy-bandwidth --timer wall --device cuda --out "$dir"
 # 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
 step bench_grads 25 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
-    --providers fused eager --modes fwd_bwd --also-grad sigma centres --device cuda \
-    --out "$dir/grads"
+    --providers fused eager --modes fwd_bwd --also-grad sigma centres --timer wall \
+    --device cuda --out "$dir/grads"
 # 4. CUDA graphs around the eager loss and around the op (the bank static), and around the
 #    module's call as a user would compile it (module_compile: never timed; on the H200 at
 #    ea8736c the eager step was host-bound, autograd's engine alone 120-180 us a backward).
 step bench_graphs 50 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers compile fused_compile module_compile --modes fwd fwd_bwd \
     --compile-mode reduce-overhead \
-    --device cuda --out "$dir/graphs"
+    --timer wall --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
 #    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
 step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
@@ -94,7 +97,7 @@ step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
 step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
-    --dtype fp32 --providers fused compile --modes fwd fwd_bwd --device cuda --out "$dir/small"
+    --dtype fp32 --providers fused compile --modes fwd fwd_bwd --timer wall --device cuda --out "$dir/small"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

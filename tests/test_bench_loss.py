@@ -304,6 +304,72 @@ def test_kernel_ms_takes_the_host_out():
     assert common.time_ms(slow_host, "cuda", reps=50) > 1.5
 
 
+def test_wall_ms_times_back_to_back_calls_per_round(monkeypatch):
+    """common.wall_ms's CUDA branch with the synchronisation stood in (CPU calls return when
+    done): rounds of n calls, n making a round ~2 ms, the median round over n. A call that
+    takes 1 ms of host time comes out near 1 ms, and so does its per-round count."""
+    import time
+
+    import common
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(1))
+    calls = []
+
+    def one_ms():
+        calls.append(1)
+        t = time.perf_counter()
+        while time.perf_counter() - t < 1e-3:
+            pass
+    ms = common.wall_ms(one_ms, "cuda", reps=20, min_rounds=5)
+    assert 0.9 < ms < 2.0, ms
+    rounds = (len(syncs) - 2) // 2  # warm-up and n's probe: 2 syncs; each round: 2
+    n, rest = divmod(len(calls) - 4, rounds)  # 3 warm-up calls and n's probe: 4 calls
+    assert rounds >= 5 and rest == 0 and 1 <= n <= 2  # ~2 ms a round of 1 ms calls
+
+
+@pytest.mark.cuda
+def test_wall_ms_sees_the_host_kernel_ms_does_not():
+    """A call whose host takes 2 ms around a short kernel: the loop pays the 2 ms."""
+    import time
+
+    import common
+    x = torch.zeros(1 << 20, device="cuda")
+
+    def slow_host():
+        time.sleep(0.002)
+        x.add_(1)
+    assert common.wall_ms(slow_host, "cuda", reps=30) > 1.8
+    assert common.kernel_ms(slow_host, "cuda", reps=30, calls=5) < 0.5
+
+
+def test_bench_loss_timer_reaches_the_cuda_branch_and_the_csv(tmp_path, monkeypatch):
+    """--timer wall: the fwd and fwd_bwd modes of a CUDA run are timed by common.wall_ms (the
+    CUDA branch stood in on CPU tensors) and the CSV says so; a CPU run writes "median"."""
+    seen = []
+    monkeypatch.setattr(bench_loss, "wall_ms", lambda fn, device, reps: seen.append(1) or 1.0)
+    monkeypatch.setitem(bench_loss.TIMER, "timer", "wall")
+    inputs = bench_loss.make_inputs(8, 4, 16, 100, torch.float32, torch.device("cpu"))
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+
+    class FakeCuda:
+        type = "cuda"
+    ms, _, _ = bench_loss.run_one("fused", "fwd", inputs, FakeCuda(), reps=1)
+    assert ms == 1.0 and seen == [1]
+    monkeypatch.setattr(torch.cuda, "synchronize", real_sync)
+    monkeypatch.setitem(bench_loss.TIMER, "timer", "do_bench")
+    path = bench_loss.main(["--device", "cpu", "--B", "8", "--K", "4", "--D", "16", "--N",
+                            "100", "--dtype", "fp32", "--providers", "fused", "--modes", "fwd",
+                            "--no-isolate", "--timer", "wall", "--out", str(tmp_path)])
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss"]
+    assert [r["timer"] for r in rows] == ["median"]
+
+
 def test_kernel_ms_is_time_ms_off_cuda():
     import common
     assert common.kernel_ms(lambda: torch.ones(10).sum(), "cpu", reps=5) > 0

@@ -52,6 +52,8 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
                        "benchmarks/tune_loss.py", "benchmarks/tune_loss.py",
                        "benchmarks/tune_loss.py", "benchmarks/bench_loss.py"]
     assert all("--device cuda" in line for line in lines[2:])
+    # every bench_loss step times as a training loop sees it (common.wall_ms)
+    assert all("--timer wall" in line for line in lines if "bench_loss.py" in line)
     assert "--also-grad sigma centres" in lines[3] and "reduce-overhead" in lines[4]
     # the module's call under CUDA graphs beside the op's and the eager loss's
     assert "--providers compile fused_compile module_compile" in lines[4]

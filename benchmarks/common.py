@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 from nnkloss.atomic import atomic_write  # noqa: E402
 
-__all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms", "kernel_ms", "wall_ms",
-           "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
+__all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
+           "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
            "ResultsCsv", "results_path",
            "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
 

@@ -97,7 +97,8 @@ step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
 step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
-    --dtype fp32 --providers fused compile --modes fwd fwd_bwd --timer wall --device cuda --out "$dir/small"
+    --dtype fp32 --providers fused compile --modes fwd fwd_bwd --timer wall --device cuda \
+    --out "$dir/small"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -31,7 +31,7 @@ from nnkloss.atomic import atomic_write  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
            "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
-           "ResultsCsv", "results_path",
+           "ResultsCsv", "migrate_csv", "results_path",
            "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
 
 
@@ -265,6 +265,29 @@ def run_isolated(script: str, spec: dict, timeout: float = 1800) -> dict:
     return {"error": f"worker exited {proc.returncode}: {tail}"}
 
 
+def migrate_csv(path: str, columns, fill: Optional[dict] = None) -> None:
+    """Rewrite, atomically, a CSV written with other columns under ``columns``: its rows keep
+    their values, and a column they lack takes ``fill[column]`` ("" where fill names none).
+    Nothing is written when the header is already ``columns``."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames == list(columns):
+            return
+        old = list(reader)
+    fill = fill or {}
+    missing = [c for c in columns if c not in (reader.fieldnames or [])]
+    for r in old:
+        r.update((c, fill.get(c, "")) for c in missing)
+
+    def rows(out):
+        text = io.StringIO()
+        w = csv.DictWriter(text, columns, extrasaction="ignore", restval="")
+        w.writeheader()
+        w.writerows(old)
+        out.write(text.getvalue().encode())
+    atomic_write(path, rows)
+
+
 class ResultsCsv:
     """Append-only CSV with a fixed header (written once, when the file is new); every row is
     flushed as it is written so an interrupted run keeps what it measured. A file written
@@ -283,19 +306,7 @@ class ResultsCsv:
             self._w.writerow(self.columns)
 
     def _migrate(self):
-        with open(self.path, newline="") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames == self.columns:
-                return
-            old = list(reader)
-
-        def rows(out):
-            text = io.StringIO()
-            w = csv.DictWriter(text, self.columns, extrasaction="ignore", restval="")
-            w.writeheader()
-            w.writerows(old)
-            out.write(text.getvalue().encode())
-        atomic_write(self.path, rows)
+        migrate_csv(self.path, self.columns)
 
     def write(self, row, echo=True):
         if isinstance(row, dict):

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_loss import DTYPES, bytes_needed, make_inputs, time_ms  # noqa: E402
-from common import device_name, git_commit, kernel_ms  # noqa: E402
+from common import device_name, git_commit, kernel_ms, migrate_csv  # noqa: E402
 from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
@@ -59,19 +59,15 @@ def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384
 
 
 def _upgrade(path):
-    """Add the columns a results file was written without (_ADDED, in order), atomically."""
+    """Add the columns a results file was written without (_ADDED, in order), atomically
+    (common.migrate_csv); a file of any other columns is refused."""
     with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows or rows[0] == COLUMNS:
+        header = next(csv.reader(f), None)
+    if not header or header == COLUMNS:
         return
-    missing = COLUMNS[len(rows[0]):]
-    if rows[0] != COLUMNS[:len(rows[0])] or not set(missing) <= set(_ADDED):
-        raise ValueError(f"{path}: unexpected columns {rows[0]}")
-    fill = [_ADDED[c] for c in missing]
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows([COLUMNS] + [r + fill for r in rows[1:]])
-    os.replace(tmp, path)
+    if header != COLUMNS[:len(header)] or not set(COLUMNS[len(header):]) <= set(_ADDED):
+        raise ValueError(f"{path}: unexpected columns {header}")
+    migrate_csv(path, COLUMNS, _ADDED)
 
 
 def main(argv=None):

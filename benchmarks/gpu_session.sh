@@ -16,8 +16,8 @@
 #   3. with sigma and the centres trained too (the entry-terms kernel and the centre scatter);
 #   4. CUDA graphs (reduce-overhead) with the bank held static, as a training loop holds it;
 #   5. host against kernel time of one step (profile_step.py), the op's and the module's, the
-#      module also with its lists by torch's ops (the one-launch lists' A/B); 6. a launch sweep of 1, 2 and 4
-#      warps around the launch rule (measured on an H100 only), at B 4096 and at B 128.
+#      module also with its lists by torch's ops (the one-launch lists' A/B);
+#   6. a launch sweep around the launch rule: 1, 2 and 4 warps at B 4096, 2, 4 and 8 at B 128.
 # A step that runs out of time keeps what it printed: each benchmark prints every measurement
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
 #
@@ -85,15 +85,19 @@ step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 -
 #    and 4 rows), and at a small batch with long lists (the Fashion-MNIST protocol's B 128,
 #    K 1000, D 64; tiles of 1-128 rows, at most 128 elements a thread), where the rule
 #    lengthens the tiles to 128 x 64 at 4 warps, and at B 128, K 100, D 128 (64 x 128 at 4
-#    warps): timed as the default on an H200 at ea8736c and bc82787. The sweeps time each
+#    warps): timed as the default on an H200 at ea8736c and bc82787. At B 128 the sweep
+#    takes 2, 4 and 8 warps (one warp was the slowest there on both cards): the same tiles at
+#    8 warps keep 16 warps per SM on sm_80/90 (101-118 registers, the static report's small-
+#    batch sweep rows) where 4 warps keep 12, so this A/B decides the rule's warps there.
+#    The sweeps time each
 #    kernel with the host taken out (tune_loss's default timer since bc82787; do_bench's
 #    figures of these 15-60 us kernels were the host's launch when it outlasted the flush).
 step tune_loss 35 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
 step tune_small 30 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
-    --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
+    --dtype fp32 --warps 2 4 8 --reps 30 --out "$dir"
 step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
-    --D 128 --dtype fp32 --warps 1 2 4 --reps 30 --out "$dir"
+    --D 128 --dtype fp32 --warps 2 4 8 --reps 30 --out "$dir"
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
 step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \

@@ -197,6 +197,16 @@ def sweep_builds() -> List[Build]:
         for nw in (1, 2, 4):
             out.append(Build("fwd", 32, 16, "fp32", "fp32", True, "int32", False,
                              cfg=(32, 16, nw, rows)))
+    # The small-batch rule's lengthened tiles (B 128 on 132 SMs: 64 elements a thread at 4
+    # warps) at 2, 4 and 8 warps, training and forward-only: the same tile at 8 warps holds 32
+    # elements a thread, the register count that decides whether the B 128 builds keep 16
+    # warps per SM (the gate's floor) with the same tiles and bytes in flight.
+    for K, D, bank, bk in [(1000, 64, "fp32", 128), (100, 128, "fp32", 64),
+                           (100, 512, "bf16", 16)]:
+        for nw in (2, 4, 8):
+            for grad_x in (True, False):
+                out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False,
+                                 cfg=(bk, D, nw, 1), grad_x=grad_x))
     return out
 
 

@@ -443,7 +443,9 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     programs (the per-SM block limit) give 32 resident warps; the build gate checks that every
     default build keeps at least 16 with no spills (a small batch's build: as many as its
     launch places on an SM; the B 128 tiles of 64 elements at 4 warps take ~160 registers,
-    12 resident warps, for a launch of 4 warps an SM).
+    12 resident warps, for a launch of 4 warps an SM). The same tiles at 8 warps take 101-119
+    registers and keep 16 (static report at 04638a4), untimed on a GPU: gpu_session.sh's B 128
+    sweeps time 2, 4 and 8 warps, and the rule moves to 8 only if they are at least as fast.
     """
     block_d_full = pow2_ceil(D)
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from nnkloss.atomic import atomic_write  # noqa: E402
 
-__all__ = ["HERE", "ROOT", "git_commit", "device_name", "slug", "utc_now", "time_ms",
+__all__ = ["HERE", "ROOT", "git_commit", "device_name", "cpu_name", "slug", "utc_now", "time_ms",
            "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
            "ResultsCsv", "migrate_csv", "results_path",
            "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
@@ -54,17 +54,33 @@ def git_commit() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """The CUDA device's name, or the CPU model from /proc/cpuinfo."""
+    """The CUDA device's name, or the CPU's from /proc/cpuinfo (:func:`cpu_name`)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return cpu_name(f.read())
     except OSError:
-        pass
-    return "cpu"
+        return "cpu"
+
+
+def cpu_name(cpuinfo: str) -> str:
+    """The first CPU's model name, with its family and model numbers where /proc/cpuinfo gives
+    them: a VM may show only "AMD EPYC", and two machines of that name (an AVX2 part with 512
+    KiB of L2 a core, and a family 26 part with AVX-512) measured 2x apart, so the number
+    keeps their results files apart. "cpu" where there is no model name."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block only
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return "cpu"
+    if fields.get("cpu family") and fields.get("model"):
+        name += f" family {fields['cpu family']} model {fields['model']}"
+    return name
 
 
 def slug(name: str) -> str:

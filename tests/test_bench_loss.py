@@ -219,6 +219,20 @@ def test_peak_rss_sees_an_allocation_and_csv_header_is_written_once(tmp_path):
         assert f.read().splitlines() == ["a,b,c", "0,x,", "0,y,", "1,x,", "1,y,", "2,z,3.5"]
 
 
+def test_cpu_name_keeps_two_cpus_of_one_model_name_apart():
+    import common
+    zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx512f\n\nprocessor\t: 1\n"
+            "cpu family\t: 25\nmodel\t\t: 1\nmodel name\t: other\n")
+    assert common.cpu_name(zen5) == "AMD EPYC family 26 model 2"  # the first CPU's block
+    assert common.cpu_name(zen5.replace("cpu family\t: 26\n", "cpu family\t: 25\n")) != \
+        common.cpu_name(zen5)
+    # no family / model lines (e.g. aarch64): the model name alone; no model name: "cpu"
+    assert common.cpu_name("model name\t: Neoverse-V2\nflags\t: fp\n") == "Neoverse-V2"
+    assert common.cpu_name("processor\t: 0\nBogoMIPS\t: 50.00\n") == "cpu"
+    assert common.slug(common.cpu_name(zen5)) == "AMD_EPYC_family_26_model_2"
+
+
 def test_tensor_read_gbps_reads_any_dtype_where_it_lives():
     import common
     for t in (torch.randn(300, 7), torch.randn(301, 3).bfloat16(),

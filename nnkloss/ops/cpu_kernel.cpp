@@ -165,7 +165,11 @@ constexpr int64_t ACC = 16;
 // rounds, benchmarks/results/cpu_variants_AMD_EPYC.txt) measured the groups 1.25-1.43x faster
 // at D 256 fp32 (1 KiB rows), and both within noise of each other at D 64 and 128 fp32 and with
 // bf16 rows of D 128 and 256 (256-512 bytes). So: up to 512 bytes without AVX-512, up to
-// 1 KiB (every D 64 / 128 / 256, as measured before) with it, where it was not re-measured.
+// 1 KiB (every D 64 / 128 / 256, as measured before) with it. Re-measured with AVX-512 on a
+// 2-core AMD EPYC family 26 (2026-11-26, cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=256,
+// 3 rounds, benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): one row at a time
+// 1.29x faster at D 128 fp32 (forward; 1.17x with grad_x), 1.12x at D 256 (1.03x), equal at
+// D 64.
 #ifndef NNK_FIXED_ROW_BYTES
 #if defined(__AVX512F__)
 #define NNK_FIXED_ROW_BYTES 1024

@@ -72,7 +72,11 @@
 // what a CPU does with an NTA hint is its own choice, and a cliff on one vendor outweighs a few
 // percent on the other.
 // On that Xeon, hints 1 and 2 (into L2 / L3 only) were 1.03-1.2x slower than 3 (within noise at
-// D 2048), and distances of 4, 8 and 16 KiB within noise of each other.
+// D 2048), and distances of 4, 8 and 16 KiB within noise of each other. On a 2-core AMD EPYC
+// family 26 with AVX-512 (2026-11-26, cpu_variants.py --kernel, 3 rounds, forward, against the
+// defaults; benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): 16 KiB 0.90x at
+// D 512 fp32, 0.98-1.02x at D 128 and 2048, 1.14x with bf16 rows; 32 KiB (32 rows) 0.81-0.97x
+// but bf16 1.10x; 2 and 4 KiB 0.80-1.02x; hint 2 0.81-0.99x. None faster at every shape.
 #ifndef NNK_PREFETCH_LOCALITY
 #define NNK_PREFETCH_LOCALITY 3
 #endif

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 510 s (the whole run took 392 s on an H200 at ea8736c, 241 s on an
-# H100 at 52484b7 before the two small-batch steps were added), so
-# `run(command="...", timeout_s=570)` leaves room for the machine's start (30-40 s of the lease
+# timeouts that add up to 530 s (the whole run took 392 s on an H200 at ea8736c, 241 s on an
+# H100 at 52484b7 before the two small-batch steps were added; the forward-only sweep's 20 s
+# came after), so `run(command="...", timeout_s=570)` leaves room for the machine's start (30-40 s of the lease
 # on the H100's two calls at 52484b7 and 0646941, 30 s on the H200 at ea8736c, whose call held
 # 422 s of the 900: a second call of ~200 s fitted). In order of what the next GPU session
 # must learn (the first, on an H200, measured the
@@ -17,7 +17,9 @@
 #   4. CUDA graphs (reduce-overhead) with the bank held static, as a training loop holds it;
 #   5. host against kernel time of one step (profile_step.py), the op's and the module's, the
 #      module also with its lists by torch's ops (the one-launch lists' A/B);
-#   6. a launch sweep around the launch rule: 1, 2 and 4 warps at B 4096, 2, 4 and 8 at B 128.
+#   6. a launch sweep around the launch rule: 1, 2 and 4 warps at B 4096, 2, 4 and 8 at B 128,
+#      the forward-only build at B 4096, and in each the rule's tile with its list entries
+#      prefetched.
 # A step that runs out of time keeps what it printed: each benchmark prints every measurement
 # as it finishes (bench_loss writes its CSV only at the end; its log has the figures).
 #
@@ -54,7 +56,8 @@ print('commit', os.environ['NNKLOSS_COMMIT'], 'torch', torch.__version__, 'trito
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 nvidia-smi -L >>"$dir/env.log" 2>&1 || true
 # 1. The CUDA tests: every kernel compiled for this GPU against the references (78 s at
-#    52484b7; at 0646941, with the small batches' longer tiles to compile, over 90 s).
+#    52484b7; at 0646941, with the small batches' longer tiles to compile, over 90 s; 117 s
+#    at ea8736c on the H200).
 step tests_cuda 150 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 # 2. The loss at B 4096, K 100, D 128 / 512, fp32 and bf16 banks of 1M rows (torch.compile
 #    compiles once per shape), and the module's whole call as a training loop makes it after
@@ -98,6 +101,14 @@ step tune_small 30 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100
     --dtype fp32 --warps 2 4 8 --reps 30 --out "$dir"
 step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
     --D 128 --dtype fp32 --warps 2 4 8 --reps 30 --out "$dir"
+#    The forward-only build at B 4096, D 128, where on the H200 at ea8736c compile's whole
+#    forward (0.075 ms, do_bench) was at or below the op's kernel time: a few tiles around
+#    the rule's 4 x 128 at one warp. Every tune_loss step also times the rule's tile with the
+#    next tile's list entries prefetched (FwdConfig.prefetch_index, the rows with
+#    prefetch_index 1): the sm_90 binary shows the list loop unpipelined, each tile waiting on
+#    its entries and then on their rows.
+step tune_fwd 20 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 --D 128 \
+    --dtype fp32 --forward-only --warps 1 2 --max-configs 8 --reps 30 --out "$dir"
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
 step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \

@@ -35,7 +35,7 @@ _kernels()
 from nnkloss.kernels import static_build  # noqa: E402
 
 COLUMNS = ["kernel", "build", "set", "K", "D", "bank", "emb", "weights", "idx", "store_dist",
-           "grad_x", "block_k", "block_d", "num_warps", "num_stages", "rows", "single_pass", "row_align",
+           "grad_x", "prefetch", "block_k", "block_d", "num_warps", "num_stages", "rows", "single_pass", "row_align",
            "regs", "local_bytes", "spill_stores", "static_smem", "dyn_smem", "blocks_per_sm",
            "warps_per_sm", "limiter", "bar_syncs", "smem_ops", "ldg128", "ldg64", "ldg32",
            "ldg16", "bytes_per_row",
@@ -50,7 +50,7 @@ def rows_for(arch_result, sets, arch, triton_version, commit):
         out.append([
             e.get("kernel_name", b["kernel"]), name, sets.get(name, "gate"), b["K"], b["D"],
             b["bank"], b["emb"], int(b["weights"]), b["idx"], int(b["store_dist"]),
-            int(b.get("grad_x", True)), cfg.get("block_k"), cfg.get("block_d"), e.get("num_warps"), e.get("num_stages"),
+            int(b.get("grad_x", True)), int(b.get("prefetch", False)), cfg.get("block_k"), cfg.get("block_d"), e.get("num_warps"), e.get("num_stages"),
             cfg.get("rows"), int(bool(e.get("single_pass"))), e.get("row_align"), e.get("regs"),
             e.get("local"), e.get("spill_stores"), e.get("static_smem"), e.get("dyn_smem"),
             e.get("blocks_per_sm"), e.get("warps_per_sm"), e.get("limiter"),

@@ -6,19 +6,25 @@
 
 Every configuration's outputs are checked against the default configuration's before its time
 counts (a wrong fast config is reported as ok=0 and never chosen). Rows go to
-``benchmarks/results/tune_<device>.csv`` with columns ``B,K,D,dtype,block_k,block_d,num_warps,
-num_stages,ms,gbps,ok,default_ms,device,commit,build,timer`` (build: "train", the forward that
-computes grad_x and stores the distances, or "fwd", the forward-only build of
-``--forward-only``; timer: "graph", the kernel's device time with the host taken out
-(common.kernel_ms, the default), or "do_bench", triton's do_bench, whose figure of a short
-kernel can be the host's launch time instead (``--timer do_bench``); a file written before
-those columns existed gets them, "train" and "do_bench"); the last lines printed are the best
-configuration per shape against the default heuristic (kernels.default_config).
+``benchmarks/results/tune_<device>.csv`` with columns ``B,K,D,dtype,block_k,block_d,
+num_warps,num_stages,ms,gbps,ok,default_ms,device,commit,build,timer,prefetch_index``:
+- build: "train", the forward that computes grad_x and stores the distances, or "fwd", the
+  forward-only build of ``--forward-only``;
+- timer: "graph", the kernel's device time with the host taken out (common.kernel_ms, the
+  default), or "do_bench", triton's do_bench, whose figure of a short kernel can be the host's
+  launch time instead (``--timer do_bench``);
+- prefetch_index: 1 for the one row per shape that times the default's tile with
+  ``FwdConfig.prefetch_index`` (the next tile's list entries loaded during each tile).
+
+A file written before those columns existed gets them ("train", "do_bench" and 0). The last
+lines printed are the best configuration per shape against the default heuristic
+(kernels.default_config).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import os
 import re
@@ -35,10 +41,11 @@ from common import device_name, git_commit, kernel_ms, migrate_csv  # noqa: E402
 from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
-           "ok", "default_ms", "device", "commit", "build", "timer"]
+           "ok", "default_ms", "device", "commit", "build", "timer", "prefetch_index"]
 # What the columns added since the first files were filled with in older rows: every row before
-# the build column was the training forward, every row before the timer column do_bench's.
-_ADDED = {"build": "train", "timer": "do_bench"}
+# the build column was the training forward, every row before the timer column do_bench's, and
+# no row before the prefetch_index column prefetched.
+_ADDED = {"build": "train", "timer": "do_bench", "prefetch_index": "0"}
 
 
 def candidate_configs(K, D, FwdConfig, warps=(4, 8), stages=(2,), max_tile=16384,
@@ -123,6 +130,9 @@ def main(argv=None):
             configs = list(candidate_configs(K, D, kernels.FwdConfig, args.warps, args.stages))
             if args.max_configs:
                 configs = configs[:args.max_configs]
+            # The default's tile with the next tile's list entries loaded during each tile
+            # (FwdConfig.prefetch_index, off by default until a GPU has timed it): every sweep.
+            configs.append(dataclasses.replace(default, prefetch_index=True))
             rows = []
             for cfg in configs:
                 try:
@@ -134,7 +144,8 @@ def main(argv=None):
                     print(f"config {cfg} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     ok, ms = False, float("nan")
                 rows.append([B, K, D, dt, cfg.block_k, cfg.block_d, cfg.num_warps,
-                             cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}", int(ok)])
+                             cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}", int(ok),
+                             int(cfg.prefetch_index)])
                 if ok and ms < best[0]:
                     best = (ms, cfg)
             # The default again after the sweep, the faster of its two times kept: the first
@@ -142,8 +153,8 @@ def main(argv=None):
             default_ms = min(default_ms, timer(run, device, args.reps))
             if best[0] > default_ms or best[1] == default:
                 best = (default_ms, default)
-            w.writerows(r + [f"{default_ms:.4g}", name, commit, "train" if train else "fwd",
-                             args.timer] for r in rows)
+            w.writerows(r[:-1] + [f"{default_ms:.4g}", name, commit,
+                                  "train" if train else "fwd", args.timer, r[-1]] for r in rows)
             f.flush()
             summary.append((B, K, D, dt, default_ms, best[0], best[1]))
     print(f"device {name} @ {commit}; rows in {path}")

@@ -81,13 +81,26 @@ def _gather_scaled_diff(cen_ptr, idx, nonpad, stride_cn, x, inv_sigma, dd, dmask
 
 
 @triton.jit
+def _list_entries(nbr_ptr, row, stride_nb, kk, K):
+    """The list entries kk of a row as int64, -1 (padding) past K."""
+    return tl.load(nbr_ptr + row * stride_nb + kk, mask=kk < K, other=-1).to(tl.int64)
+
+
+@triton.jit
 def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label,
                     HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
     """Indices, padding/valid/same-class masks and log-weights of one tile of the list, and
     ``past``: entries past the bank (>= N, possible only with the value checks off), which
     read nothing (``safe`` is 0 for them) and make their row non-finite (CONTRACT.md 9)."""
+    return _entry_meta(_list_entries(nbr_ptr, row, stride_nb, kk, K), clab_ptr, w_ptr, kk, K,
+                       N, label, HAS_W, COMPUTE)
+
+
+@triton.jit
+def _entry_meta(idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W: tl.constexpr,
+                COMPUTE: tl.constexpr):
+    """:func:`_neighbour_meta` of list entries already loaded (``_list_entries``)."""
     kmask = kk < K
-    idx = tl.load(nbr_ptr + row * stride_nb + kk, mask=kmask, other=-1).to(tl.int64)
     nonpad = kmask & (idx >= 0)
     past = nonpad & (idx >= N)
     inbank = nonpad & ~past
@@ -143,10 +156,12 @@ def _nk_fwd_kernel(
     HAS_W: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_PASS: tl.constexpr,
     STORE_DIST: tl.constexpr, ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
-    ROWS: tl.constexpr, GRAD_X: tl.constexpr,
+    ROWS: tl.constexpr, GRAD_X: tl.constexpr, PREFETCH_INDEX: tl.constexpr,
 ):
     """ROWS query rows per program (grid = cdiv(B, ROWS)). GRAD_X False is the forward-only
     build: no weighted sums of z, no grad_x store, no second phase (gx_ptr is not touched).
+    PREFETCH_INDEX: step 1 loads the next tile's list entries while this tile's rows are
+    gathered (the same values, other load order; see FwdConfig.prefetch_index).
 
     Memory traffic per row (the figure the kernel is measured against):
         reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
@@ -186,10 +201,21 @@ def _nk_fwd_kernel(
 
         # Step 1: stream the list in [BLOCK_K, D] tiles: gather, scaled distances, online
         # logsumexp of all / same-class logits (and, single pass, the weighted sums of z).
+        # Each tile's rows, labels and weights wait on its entries (a dependent load); with
+        # PREFETCH_INDEX the entries of tile t + 1 are loaded during tile t, so a tile waits on
+        # one round trip to memory instead of two (Triton does not pipeline this loop: the
+        # sm_90 binary has no LDGSTS at num_stages 2 to 4).
+        if PREFETCH_INDEX:
+            idx_next = _list_entries(nbr_ptr, row, stride_nb, offs_k, K)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
-                nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
+            if PREFETCH_INDEX:
+                idx = idx_next
+                idx_next = _list_entries(nbr_ptr, row, stride_nb, kk + BLOCK_K, K)
+            else:
+                idx = _list_entries(nbr_ptr, row, stride_nb, kk, K)
+            kmask, nonpad, past, safe, valid, same, logw = _entry_meta(
+                idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W, COMPUTE)
             inbank = nonpad & ~past
             # Distances of zero-weight entries are computed too: the weight gradient needs them.
             if SINGLE_PASS:
@@ -362,13 +388,18 @@ class FwdConfig:
 
     block_k: neighbours per tile (power of two); block_d: columns per tile (power of two; the
     single-pass path when it covers D); num_warps / num_stages: as for any Triton launch;
-    rows: query rows per program (for rows too small to fill a tile).
+    rows: query rows per program (for rows too small to fill a tile); prefetch_index: see the
+    field.
     """
     block_k: int
     block_d: int
     num_warps: int = 4
     num_stages: int = 2
     rows: int = 1
+    # Load the next tile's list entries during this one (the kernel's PREFETCH_INDEX): a tile
+    # then waits on one dependent load instead of two. The same outputs bit for bit; not yet
+    # timed on a GPU, so off by default (benchmarks/tune_loss.py times the default with it).
+    prefetch_index: bool = False
 
     def single_pass(self, D: int) -> bool:
         return self.block_d >= D
@@ -576,7 +607,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
         BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=single,
         STORE_DIST=write_dist, ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
-        ROWS=cfg.rows, GRAD_X=need_grad_x,
+        ROWS=cfg.rows, GRAD_X=need_grad_x, PREFETCH_INDEX=bool(cfg.prefetch_index),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return loss, lse_all, lse_pos, grad_x, dist

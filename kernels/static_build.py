@@ -17,6 +17,7 @@ cases that map to the same binary are reported once (``duplicate_of``).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -69,6 +70,8 @@ class Build:
     # A GPU's SM count for default_config's small-batch rule (with B as the batch); None: the
     # rule for a batch that fills the GPU.
     sms: Optional[int] = None
+    # FwdConfig.prefetch_index (the next tile's list entries loaded during each tile).
+    prefetch: bool = False
 
     @property
     def name(self) -> str:
@@ -86,6 +89,7 @@ class Build:
         tail = "-cfg{}x{}w{}r{}".format(*self.cfg) if self.cfg else ""
         tail += f"-B{self.B}sms{self.sms}" if self.sms else ""
         tail += "" if self.grad_x else "-fwdonly"
+        tail += "-pf" if self.prefetch else ""
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
                 f"-{self.idx}-{'dist' if self.store_dist else 'nodist'}{tail}")
 
@@ -207,6 +211,15 @@ def sweep_builds() -> List[Build]:
             for grad_x in (True, False):
                 out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False,
                                  cfg=(bk, D, nw, 1), grad_x=grad_x))
+    # The default builds of the GPU's measured shapes with the next tile's list entries
+    # prefetched (FwdConfig.prefetch_index): B 4096 at D 128 (fp32, bf16) and D 512, and the
+    # small batch's lengthened tiles, training and forward-only.
+    for K, D, bank, B, sms in [(100, 128, "fp32", 8, None), (100, 128, "bf16", 8, None),
+                               (100, 512, "fp32", 8, None), (1000, 64, "fp32", 128, 132),
+                               (100, 128, "fp32", 128, 132)]:
+        for grad_x in (True, False):
+            out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, B=B, sms=sms,
+                             grad_x=grad_x, prefetch=True))
     return out
 
 
@@ -421,6 +434,7 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                            else nk.default_config(b.K, b.D, elem_size=cen.element_size(),
                                                  grad_x=b.grad_x,
                                                  B=b.B if b.sms else None, sms=b.sms))
+                    cfg = dataclasses.replace(cfg, prefetch_index=b.prefetch)
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,
                                             need_grad_x=b.grad_x)

@@ -261,7 +261,9 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == tune_loss.COLUMNS
-    assert len(rows) == 4 and all(r["ok"] == "1" for r in rows)
+    # the 4 configs, then the default's tile with the next tile's entries prefetched
+    assert len(rows) == 5 and all(r["ok"] == "1" for r in rows)
+    assert [r["prefetch_index"] for r in rows] == ["0"] * 4 + ["1"]
     assert rows[0]["block_d"] == "8"  # the single pass over the row is tried first
     assert len({r["default_ms"] for r in rows}) == 1  # the faster of the default's two times
     assert len(summary) == 1 and summary[0][5] > 0 and summary[0][5] <= summary[0][4]
@@ -270,11 +272,12 @@ def test_tuner_smoke_run_checks_every_config(tmp_path):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("added", [2, 1])
+@pytest.mark.parametrize("added", [3, 2, 1])
 def test_tuner_sweeps_the_forward_only_build_into_an_older_file(tmp_path, added):
     """--forward-only times the build without grad_x and checks its outputs against the
-    forward-only default; a file from before the build and timer columns (added = 2) or the
-    timer column (1) gets them (its rows: "train", "do_bench"); --timer do_bench is recorded."""
+    forward-only default; a file from before the build, timer and prefetch_index columns
+    (added = 3), the last two (2) or the last (1) gets them (its rows: "train", "do_bench",
+    0); --timer do_bench is recorded."""
     import tune_loss
     path = tmp_path / "tune_AMD_EPYC.csv"  # any existing file of an older format
     old = tune_loss.COLUMNS[:-added]
@@ -289,8 +292,9 @@ def test_tuner_sweeps_the_forward_only_build_into_an_older_file(tmp_path, added)
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == tune_loss.COLUMNS
-    assert [r["build"] for r in rows] == ["train" if added == 2 else "1", "fwd", "fwd"]
-    assert [r["timer"] for r in rows] == ["do_bench", "do_bench", "do_bench"]
+    assert [r["build"] for r in rows] == ["train" if added == 3 else "1"] + ["fwd"] * 3
+    assert [r["timer"] for r in rows] == ["do_bench" if added >= 2 else "1"] + ["do_bench"] * 3
+    assert [r["prefetch_index"] for r in rows] == ["0", "0", "0", "1"]
     assert all(r["ok"] == "1" for r in rows[1:])
     bad = tmp_path / "tune_other.csv"
     bad.write_text("a,b\n1,2\n")

@@ -12,12 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
 
 
-def test_the_steps_time_out_within_510_seconds():
-    """With a machine's start (30-40 s on the H100, up to 2 minutes) that leaves nearly a third
-    of the session's 15 minutes."""
+def test_the_steps_time_out_within_530_seconds():
+    """Within a device call's 570 s, and with a machine's start (30-40 s on the H100, up to 2
+    minutes) over a quarter of the session's 15 minutes left (the whole run took 392 s of its
+    then 510 s of limits on an H200 at ea8736c)."""
     text = open(SCRIPT).read()
     limits = [int(s) for s in re.findall(r"^step \w+ (\d+) ", text, flags=re.M)]
-    assert len(limits) >= 5 and sum(limits) <= 510, limits
+    assert len(limits) >= 5 and sum(limits) <= 530, limits
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
@@ -50,7 +51,8 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     assert scripts == ["-c", "-m", "benchmarks/bench_loss.py", "benchmarks/bench_loss.py",
                        "benchmarks/bench_loss.py", "benchmarks/profile_step.py",
                        "benchmarks/tune_loss.py", "benchmarks/tune_loss.py",
-                       "benchmarks/tune_loss.py", "benchmarks/bench_loss.py"]
+                       "benchmarks/tune_loss.py", "benchmarks/tune_loss.py",
+                       "benchmarks/bench_loss.py"]
     assert all("--device cuda" in line for line in lines[2:])
     # every bench_loss step times as a training loop sees it (common.wall_ms)
     assert all("--timer wall" in line for line in lines if "bench_loss.py" in line)
@@ -65,13 +67,17 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     with tarfile.open(out / "gpu_session.tgz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
     for step in ("env", "tests_cuda", "bench_loss", "bench_grads", "bench_graphs",
-                 "profile_step", "tune_loss", "tune_small", "tune_small_d128",
+                 "profile_step", "tune_loss", "tune_small", "tune_small_d128", "tune_fwd",
                  "bench_small"):
         assert f"{step}.log" in names
     summary = (out / "summary.txt").read_text()
-    assert summary.count("== ") == 10 and "exit 0" in summary
+    assert summary.count("== ") == 11 and "exit 0" in summary
     # the small batch of the real-data protocol, swept and then timed through the op
-    assert "--B 128 --K 1000" in lines[-3] and "--B 128 --K 1000" in lines[-1]
+    assert "--B 128 --K 1000" in lines[-4] and "--B 128 --K 1000" in lines[-1]
+    # the B 128 sweeps take 8 warps (16 per SM on sm_80/90 at the same tiles) beside 2 and 4
+    assert all("--warps 2 4 8" in line for line in lines[-4:-2])
+    # the forward-only build swept at the large batch
+    assert "--forward-only" in lines[-2] and "--B 4096" in lines[-2]
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")

@@ -71,6 +71,44 @@ def test_tiles_two_phase_and_rows(cfg, store_dist):
     check(got, contract_forward(*args), store_dist)
 
 
+@pytest.mark.parametrize("cfg", [dict(block_k=2, block_d=16), dict(block_k=4, block_d=4),
+                                 dict(block_k=2, block_d=16, rows=4),
+                                 dict(block_k=16, block_d=16)])
+@pytest.mark.parametrize("need_grad_x", [True, False])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_prefetched_list_entries_give_the_same_bits(cfg, need_grad_x, idx_dtype):
+    """FwdConfig.prefetch_index (the next tile's entries loaded during this tile) changes only
+    the order of the loads: every output bit for bit as without it, and the contract's, over
+    several K tiles and a last partial one (K 9), the two-phase path, several rows per program
+    (B 7, not a multiple of 4), one tile holding the whole list, padding, zero weights, an
+    entry past the bank and a non-finite centre."""
+    k = _kernels()
+    emb, labels, centres, cl, nb, w, s = make(B=7, D=12, K=9, seed=6, idx_dtype=idx_dtype)
+    j = int(nb[4][nb[4] >= 0][-1])
+    centres[j, 1] = math.inf  # gathered by row 4 in its last tile
+    past = nb.clone()
+    past[2, 5] = centres.shape[0] + 3  # an entry past the bank: row 2 NaN (CONTRACT.md 9)
+
+    def both(lists):
+        args = (emb, labels, centres, cl, lists, w, s)
+        return [k.neighbour_kernel_fwd(*args, config=k.FwdConfig(num_warps=1, prefetch_index=p,
+                                                                 **cfg),
+                                       store_dist=True, need_grad_x=need_grad_x)
+                for p in (False, True)]
+
+    for lists in (nb, past):
+        plain, pre = both(lists)
+        for a, b in zip(plain, pre):
+            assert a.shape == b.shape
+            assert torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30))
+        assert plain[0][4].isnan() and plain[0][2].isnan() == (lists is past)
+        assert plain[0][~plain[0].isnan()].gt(0).any()  # rows that carry a loss
+    ref = contract_forward(emb, labels, centres, cl, nb, w, s)  # it indexes: no past entry
+    if not need_grad_x:
+        ref = ref[:3] + (ref[3][:, :0],) + ref[4:]
+    check(both(nb)[1], ref)
+
+
 def test_max_block_d_two_phase_and_low_precision_bank():
     args = make(B=4, D=20, K=6, seed=3, bank_dtype=torch.bfloat16, emb_dtype=torch.bfloat16)
     got = _kernels().neighbour_kernel_fwd(*args, max_block_d=8, store_dist=False)

@@ -67,8 +67,8 @@ def device_name(device: torch.device) -> str:
 def cpu_name(cpuinfo: str) -> str:
     """The first CPU's model name, with its family and model numbers where /proc/cpuinfo gives
     them: a VM may show only "AMD EPYC", and two machines of that name (an AVX2 part with 512
-    KiB of L2 a core, and a family 26 part with AVX-512) measured 2x apart, so the number
-    keeps their results files apart. "cpu" where there is no model name."""
+    KiB of L2 a core, and a family 26 part with AVX-512) ran the op's forward 1.3-4.8x apart,
+    so the numbers keep their results files apart. "cpu" where there is no model name."""
     fields = {}
     for line in cpuinfo.splitlines():
         if not line.strip():

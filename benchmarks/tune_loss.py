@@ -143,9 +143,9 @@ def main(argv=None):
                 except Exception as exc:  # a config the compiler rejects (registers, smem)
                     print(f"config {cfg} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     ok, ms = False, float("nan")
-                rows.append([B, K, D, dt, cfg.block_k, cfg.block_d, cfg.num_warps,
-                             cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}", int(ok),
-                             int(cfg.prefetch_index)])
+                rows.append((cfg, [B, K, D, dt, cfg.block_k, cfg.block_d, cfg.num_warps,
+                                   cfg.num_stages, f"{ms:.4g}", f"{nbytes / ms / 1e6:.4g}",
+                                   int(ok)]))
                 if ok and ms < best[0]:
                     best = (ms, cfg)
             # The default again after the sweep, the faster of its two times kept: the first
@@ -153,8 +153,8 @@ def main(argv=None):
             default_ms = min(default_ms, timer(run, device, args.reps))
             if best[0] > default_ms or best[1] == default:
                 best = (default_ms, default)
-            w.writerows(r[:-1] + [f"{default_ms:.4g}", name, commit,
-                                  "train" if train else "fwd", args.timer, r[-1]] for r in rows)
+            w.writerows(r + [f"{default_ms:.4g}", name, commit, "train" if train else "fwd",
+                             args.timer, int(cfg.prefetch_index)] for cfg, r in rows)
             f.flush()
             summary.append((B, K, D, dt, default_ms, best[0], best[1]))
     print(f"device {name} @ {commit}; rows in {path}")

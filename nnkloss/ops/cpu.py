@@ -543,12 +543,14 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
-    x = emb.detach().to(cdt).contiguous()
-    lab = labels.detach()
+    # Only pointers are passed, so nothing is detached (an autograd-free read); a tensor is
+    # converted or copied only where its dtype or layout is not the library's.
+    x = emb if emb.dtype == cdt and emb.is_contiguous() else emb.detach().to(cdt).contiguous()
+    lab = labels
     if lab.dtype not in _INDEX_TYPES:  # int32 / int64 are read as they are (no copy)
         lab = lab.to(torch.int64)
     lab = lab.contiguous()
-    nb = neighbours.detach().contiguous()
+    nb = neighbours.contiguous()
     w, wtype = _weights_arg(weights)
     s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
     loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist,

@@ -362,8 +362,8 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     # The (B, K) distances are stored only when a weight, sigma or centre gradient needs them,
     # and the (B, D) embedding gradient computed only when emb takes one: with neither (no
     # input requires grad, no_grad, inference_mode) the op is forward-only on every backend.
-    store_dist = grad_mode and any(
-        t is not None and t.requires_grad for t in (centres, weights, sigma))
+    store_dist = grad_mode and (centres.requires_grad or sigma.requires_grad
+                                or (weights is not None and weights.requires_grad))
     need_grad_x = grad_mode and emb.requires_grad
     args = (emb.contiguous(), labels.contiguous(), centres.contiguous(),
             centre_labels.contiguous(), neighbours.contiguous(),
@@ -382,7 +382,9 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     else:  # eager, with a gradient to record: the same op as an autograd.Function
         per_row, _, lse_pos, _, _ = _EagerForward.apply(*args, backend, store_dist,
                                                          need_grad_x)
-    return per_row, lse_pos != float("-inf")
+    # Counted: lse_pos not -inf (NaN included). isneginf + an in-place not: 1.5 us, where
+    # ``!= float("-inf")`` takes 2.7 (its Python scalar is wrapped into a tensor every call).
+    return per_row, lse_pos.isneginf().logical_not_()
 
 
 def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,

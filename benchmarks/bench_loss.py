@@ -312,10 +312,10 @@ def worker(spec):
     inputs = make_inputs(spec["B"], spec["K"], spec["D"], spec["N"], DTYPES[spec["dtype"]],
                          device)
     out = {}
-    # Two limits where the bank lives, on these threads, measured before and after the calls
-    # (the larger kept): the bank's own sequential read (the CPU grid's banks are 20-82 MB,
-    # partly or wholly in a 32 MiB last-level cache), and the gather limit, a read of exactly
-    # the rows the op gathers in its order and nothing else (common.gather_gbps).
+    # The limits on these threads, measured before and after the calls (the larger kept): the
+    # machine's sequential read; the bank's own (the CPU grid's banks are 20-82 MB, partly or
+    # wholly in a 32 MiB last-level cache); and the gather limit, a read of exactly the rows
+    # the op gathers in its order and nothing else (common.gather_gbps).
     limits = _limits(inputs)
     with nnkloss.value_checks(False):
         for mode in spec.get("modes", [spec.get("mode")]):
@@ -329,10 +329,20 @@ def worker(spec):
     worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype), "limits": limits})
 
 
+# Bytes of the STREAM-like read that each measuring process takes beside its calls (tests
+# shrink it).
+PROCESS_READ_BYTES = 2 ** 30
+
+
 def _limits(inputs):
-    """{"bank_read_gbps": ..., "gather_gbps": ...} of the shape's bank and lists (None where
-    not measurable, e.g. the gather limit off the CPU)."""
-    return {"bank_read_gbps": tensor_read_gbps(inputs[2]),
+    """{"read_gbps": ..., "bank_read_gbps": ..., "gather_gbps": ...}: the machine's sequential
+    read (``common.read_gbps``, far beyond the caches), and the shape's bank and lists (None
+    where not measurable, e.g. the gather limit off the CPU). The read is taken here, in the
+    process and within seconds of the calls it is held against: on the shared 2-core VM it
+    moved 29-45 GB/s within 20 s and 34-70 GB/s between runs (2026-11-26), so a read minutes
+    away measures another machine."""
+    return {"read_gbps": read_gbps(inputs[2].device, PROCESS_READ_BYTES),
+            "bank_read_gbps": tensor_read_gbps(inputs[2]),
             "gather_gbps": gather_gbps(inputs[2], inputs[4])}
 
 
@@ -459,7 +469,7 @@ def combine_repeats(runs):
     """One provider's measurements of one shape over the rounds (each ``(per_mode, idx_dtype,
     limits)``): per mode the median ms (the upper one for an even count), the largest
     peak memory, the first round's first call; out of memory if any round was; per limit
-    (bank read, gather) the largest."""
+    (read, bank read, gather) the largest."""
     per_mode = {}
     for mode in runs[0][0]:
         rs = [r[0][mode] for r in runs]
@@ -537,8 +547,9 @@ def _main(argv):
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()  # the CSV's figure: --threads on CPU, the host's on CUDA
-    # The limit: a STREAM-like read on the same threads, measured in this run (before the
-    # measurements and again after them; the table uses the larger, the machine's best).
+    # A STREAM-like read on the same threads, measured in this run before each shape and after
+    # the last (the largest is the "read" row). Each row's "% of read" is held against the read
+    # of the processes that timed it (_limits), this one only where those took none.
     read = read_gbps(device)
     print(f"device: {name} | commit {commit} | threads {threads} | "
           f"{'a fresh process per provider and shape' if isolate else 'in process'} | "
@@ -599,6 +610,9 @@ def _main(argv):
                 load = loads[prov]
                 per_mode, idx_dtype, limits = combine_repeats(runs[prov])
                 bank_read, gather = limits.get("bank_read_gbps"), limits.get("gather_gbps")
+                # "% of read" against the read of the processes that timed these calls (the
+                # run's own read, below, where none was taken there)
+                process_read = limits.get("read_gbps")
                 for mode in modes:
                     r = per_mode[mode]
                     if r.get("oom"):
@@ -613,7 +627,7 @@ def _main(argv):
                     results.append(["loss", prov, mode, B, K, D, dt, f"{r['ms']:.4g}",
                                     f"{gbps:.4g}", f"{r['peak']:.1f}", name, commit,
                                     "" if gathered == "" else f"{gathered:.4g}", gathered,
-                                    None, threads, load, utc_now(),
+                                    process_read, threads, load, utc_now(),
                                     f"{bank_read:.4g}" if bank_read else "",
                                     "" if gathered == "" or not bank_read
                                     else f"{100 * gathered / bank_read:.1f}",
@@ -636,8 +650,9 @@ def _main(argv):
                    "", "", "", "", ""])
         for row in results:
             if row[7] != "oom":
-                row[13] = "" if row[13] == "" else f"{100 * row[13] / read:.1f}"
-                row[14] = f"{read:.4g}"
+                row_read = row[14] or read
+                row[13] = "" if row[13] == "" else f"{100 * row[13] / row_read:.1f}"
+                row[14] = f"{row_read:.4g}"
             out.write(row, echo=False)
     plot(csv_path, csv_path[:-4] + ".png")
     print(summary(csv_path, commit, grads=grads_label("fwd_bwd", args.also_grad)))

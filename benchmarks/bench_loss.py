@@ -467,19 +467,23 @@ def summary(csv_path, commit, mode=None, grads="emb"):
 
 def combine_repeats(runs):
     """One provider's measurements of one shape over the rounds (each ``(per_mode, idx_dtype,
-    limits)``): per mode the median ms (the upper one for an even count), the largest
-    peak memory, the first round's first call; out of memory if any round was; per limit
-    (read, bank read, gather) the largest."""
+    limits)``, a round being one measuring process): per mode the median round's ms (the upper
+    one for an even count) and the limits measured in that round's process (a figure and the
+    limit it is held against taken minutes apart would measure two machines: "% of read" in
+    _limits), the largest peak memory, the first round's first call; out of memory if any
+    round was."""
     per_mode = {}
     for mode in runs[0][0]:
         rs = [r[0][mode] for r in runs]
         if any(r.get("oom") for r in rs):
             per_mode[mode] = {"oom": True}
             continue
-        ms = sorted(r["ms"] for r in rs)
-        per_mode[mode] = {"ms": ms[len(ms) // 2], "peak": max(r["peak"] for r in rs),
-                          "first_ms": rs[0]["first_ms"], "rounds": [r["ms"] for r in rs]}
-    return per_mode, runs[0][1], _max_limits(r[2] for r in runs)
+        order = sorted(range(len(rs)), key=lambda i: rs[i]["ms"])
+        median = order[len(order) // 2]
+        per_mode[mode] = {"ms": rs[median]["ms"], "peak": max(r["peak"] for r in rs),
+                          "first_ms": rs[0]["first_ms"], "rounds": [r["ms"] for r in rs],
+                          "limits": runs[median][2] or {}}
+    return per_mode, runs[0][1]
 
 
 def shapes(args, device):
@@ -608,11 +612,7 @@ def _main(argv):
                     runs[prov].append(measure(prov))
             for prov in args.providers:
                 load = loads[prov]
-                per_mode, idx_dtype, limits = combine_repeats(runs[prov])
-                bank_read, gather = limits.get("bank_read_gbps"), limits.get("gather_gbps")
-                # "% of read" against the read of the processes that timed these calls (the
-                # run's own read, below, where none was taken there)
-                process_read = limits.get("read_gbps")
+                per_mode, idx_dtype = combine_repeats(runs[prov])
                 for mode in modes:
                     r = per_mode[mode]
                     if r.get("oom"):
@@ -620,6 +620,11 @@ def _main(argv):
                                         commit, "", "", "", threads, load, utc_now(), "",
                                         "", "", "", grads_label(mode, args.also_grad), timer])
                         continue
+                    # the limits of the process that timed the median round ("% of read":
+                    # the run's own read, below, where that process took none)
+                    limits = r["limits"]
+                    bank_read, gather = limits.get("bank_read_gbps"), limits.get("gather_gbps")
+                    process_read = limits.get("read_gbps")
                     gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
                                         "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
                     gathered = ("" if mode == "bwd" else

@@ -187,10 +187,14 @@ def test_repeats_interleave_providers_and_keep_the_median_round(tmp_path, monkey
              {"bank_read_gbps": g, "gather_gbps": h})
             for v, p, g, h in ((3.0, 1.0, 50.0, 9.0), (1.0, 4.0, None, None),
                                (2.0, 2.0, 70.0, 8.0))]
-    per_mode, idx, limits = bench_loss.combine_repeats(runs)
+    per_mode, idx = bench_loss.combine_repeats(runs)
     assert per_mode["fwd"]["ms"] == 2.0 and per_mode["fwd"]["peak"] == 4.0
     assert per_mode["fwd"]["rounds"] == [3.0, 1.0, 2.0] and idx == torch.int32
-    assert limits == {"bank_read_gbps": 70.0, "gather_gbps": 9.0}
+    # the limits of the median round's own process, not the best of the rounds
+    assert per_mode["fwd"]["limits"] == {"bank_read_gbps": 70.0, "gather_gbps": 8.0}
+    runs[2][0]["fwd"]["ms"] = 4.0  # now the first round is the median
+    assert bench_loss.combine_repeats(runs)[0]["fwd"]["limits"] == {"bank_read_gbps": 50.0,
+                                                                    "gather_gbps": 9.0}
     runs[1][0]["fwd"] = {"oom": True}
     assert bench_loss.combine_repeats(runs)[0]["fwd"] == {"oom": True}
 

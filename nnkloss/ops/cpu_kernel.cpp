@@ -197,7 +197,11 @@ constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 // 2026-11-25, benchmarks/cpu_variants.py --kernel, 5 rounds, forward with grad_x: 1.72x at
 // K 1000, D 64 fp32 (250 KB a row), 1.52x at K 2000, D 32, 1.25x at K 4000, D 64 (1 MB), 1.07x
 // at K 1000, D 100); one pass stays faster from 512-byte rows on (1.07x at K 1000, D 128, 1.14x
-// at K 100, D 512 fp32).
+// at K 100, D 512 fp32). Re-measured on the 2-core AMD EPYC family 26 (1 MiB of L2; 2026-11-26,
+// cpu_variants.py --kernel with NNK_ONE_PASS_BYTES at 64 KiB, 0 and 1 GiB, 5 rounds, log
+// benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): no threshold faster at every
+// shape. One pass at B 1024, K 32, D 128 (16 KB a row's set) took 0.44 against 0.32 ms; the
+// bf16 rows of K 100, D 512 (100 KB) were within the run's noise either way.
 #ifndef NNK_ONE_PASS_MIN_ROW_BYTES
 #define NNK_ONE_PASS_MIN_ROW_BYTES 512
 #endif

@@ -77,6 +77,11 @@
 // defaults; benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): 16 KiB 0.90x at
 // D 512 fp32, 0.98-1.02x at D 128 and 2048, 1.14x with bf16 rows; 32 KiB (32 rows) 0.81-0.97x
 // but bf16 1.10x; 2 and 4 KiB 0.80-1.02x; hint 2 0.81-0.99x. None faster at every shape.
+// Hints 0 and 1 again there (5 rounds, the op's whole calls, at ef6e8be), to see whether rows
+// that leave the caches less swept make the Python after the kernel faster (a backward timed
+// after a 64 MiB read of other memory took 192 against 68 us at B 1024, K 32, D 128): hint 0
+// took 1.01, 0.98 and 1.01 times the default's forward+backward time (D 512, D 128, bf16
+// D 512): within noise; hint 1 1.17 and 1.13 times (0.98 with bf16).
 #ifndef NNK_PREFETCH_LOCALITY
 #define NNK_PREFETCH_LOCALITY 3
 #endif

@@ -1696,9 +1696,30 @@ def test_gather_read_reads_exactly_the_listed_rows(dtype, index_dtype):
 @kernel
 @pytest.mark.parametrize("bank_dtype", FLOATS)
 @pytest.mark.parametrize("cdt", [torch.float32, torch.float64])
-@pytest.mark.parametrize("D", [1, 13, 16, 70])
+@pytest.mark.parametrize("D", [1, 13, 16, 64, 70, 128, 256])
 def test_rel_sqdist_matches_fp64(bank_dtype, cdt, D):
+    # D 64, 128 and 256 with fp32 / bf16 banks: the compile-time D (rel_sqdist_rows<D>)
     check_rel_sqdist(cpu.rel_sqdist, bank_dtype, cdt, D)
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_rel_sqdist_compile_time_d_gives_the_run_time_bits(bank_dtype, D):
+    # The same rows padded with 16 zero columns go through the run-time D (D + 16 is none of
+    # the fixed ones): one more step of the lanes that adds exact zeros, so the same bits are
+    # owed. K = 11: two groups of four and three rows alone.
+    g = torch.Generator().manual_seed(D)
+    centres = torch.randn(50, D, generator=g).to(bank_dtype)
+    x = torch.randn(7, D, generator=g) * 3
+    idx = torch.randint(0, 50, (7, 11), generator=g)
+    ref = idx[:, 2]
+    fixed = cpu.rel_sqdist(x, centres, idx, ref, torch.float32)
+    pad = lambda t: torch.cat([t, torch.zeros(t.shape[0], 16, dtype=t.dtype)], 1)
+    run_time = cpu.rel_sqdist(pad(x), pad(centres), idx, ref, torch.float32)
+    assert torch.equal(fixed, run_time)
+    torch.testing.assert_close(fixed.double(), rel_sqdist_fp64(x, centres, idx, ref),
+                               rtol=0, atol=1e-4 * D)
 
 
 @kernel

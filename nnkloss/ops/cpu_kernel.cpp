@@ -1272,6 +1272,85 @@ struct EntryGrads {
     }
 };
 
+// One query's classifier distances (rel_sqdist_impl, step 2): o[j] for the K rows row[j] of
+// the bank, the reference row r and x_q. DC > 0 is D known at compile time (fp32 / bf16 rows
+// of 64, 128 or 256 elements, at most NNK_FIXED_ROW_BYTES long): the element loop unrolls
+// whole and the ragged ends compile away; DC = 0 reads D at run time. The same operations per
+// element and the same tree per row either way, so the same bits. Rows four at a time: four
+// independent sums in flight (the same bits as one at a time); the rows pf entries ahead
+// prefetched. Four at a time against one at a time, at run-time D, on the 2-core AMD EPYC
+// (2026-11-26, the builds alternating in one process, 7 calls each, twice): 1.43x and 1.48x
+// at Q 2000, k 1000, D 64; 1.07x and 1.29x at Q 8192, k 100, D 128; 1.04x and 1.07x at Q 512,
+// k 256, D 512. (Items of ~4,096 entries, carrying the prefetch stream across queries, added
+// nothing to it: 0.95-1.03x.) The compile-time D against the run-time D on the 2-core AMD EPYC
+// family 26 (AVX-512; 2026-11-27, the builds alternating in one process, 5 rounds of 9 calls,
+// bit-equal outputs): 1.37x at D 64, 1.09x at D 128 (the run-time D's loop reloaded r and x_q
+// for every step of every group; one row at a time at the compile-time D was 1.23x and 1.06x).
+// Eight rows at a time at the run-time D: 1.02-1.04x, not kept.
+template <int64_t DC, typename C, typename T>
+__attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* __restrict r,
+                                               const T* centres, const int64_t* row,
+                                               int64_t K, int64_t D, int64_t pf,
+                                               C* __restrict o) {
+    typedef Lanes<C> V;
+    const int64_t Dn = DC > 0 ? DC : D;
+    // One row's entry: (c - r) . ((c + r) - (x + x)), the lanes summed as a tree.
+    auto one = [&](const T* __restrict c) {
+        V acc = {};
+        int64_t d = 0;
+        for (; d + ACC <= Dn; d += ACC) {
+            const V cv = load_lanes<C>(c + d), rv = load_lanes<C>(r + d);
+            const V xv = load_lanes<C>(xq + d);
+            acc += (cv - rv) * ((cv + rv) - (xv + xv));
+        }
+        C tail = 0;
+        for (; d < Dn; ++d) {
+            const C cd = load<C>(c, d), rd = load<C>(r, d);
+            tail += (cd - rd) * ((cd + rd) - (xq[d] + xq[d]));
+        }
+        return tree_sum(acc) + tail;
+    };
+    int64_t j = 0;
+    for (; j + 4 <= K; j += 4) {
+        for (int t = 0; t < 4; ++t)
+            if (j + t + pf < K) prefetch_row(centres + row[j + t + pf] * Dn, Dn);
+        const T* __restrict c0 = centres + row[j] * Dn;
+        const T* __restrict c1 = centres + row[j + 1] * Dn;
+        const T* __restrict c2 = centres + row[j + 2] * Dn;
+        const T* __restrict c3 = centres + row[j + 3] * Dn;
+        V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        int64_t d = 0;
+        for (; d + ACC <= Dn; d += ACC) {
+            const V rv = load_lanes<C>(r + d), xv = load_lanes<C>(xq + d);
+            const V x2 = xv + xv;
+            const V v0 = load_lanes<C>(c0 + d), v1 = load_lanes<C>(c1 + d);
+            const V v2 = load_lanes<C>(c2 + d), v3 = load_lanes<C>(c3 + d);
+            a0 += (v0 - rv) * ((v0 + rv) - x2);
+            a1 += (v1 - rv) * ((v1 + rv) - x2);
+            a2 += (v2 - rv) * ((v2 + rv) - x2);
+            a3 += (v3 - rv) * ((v3 + rv) - x2);
+        }
+        C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+        for (; d < Dn; ++d) {
+            const C rd = load<C>(r, d), x2d = xq[d] + xq[d];
+            const C e0 = load<C>(c0, d), e1 = load<C>(c1, d);
+            const C e2 = load<C>(c2, d), e3 = load<C>(c3, d);
+            t0 += (e0 - rd) * ((e0 + rd) - x2d);
+            t1 += (e1 - rd) * ((e1 + rd) - x2d);
+            t2 += (e2 - rd) * ((e2 + rd) - x2d);
+            t3 += (e3 - rd) * ((e3 + rd) - x2d);
+        }
+        o[j] = tree_sum(a0) + t0;
+        o[j + 1] = tree_sum(a1) + t1;
+        o[j + 2] = tree_sum(a2) + t2;
+        o[j + 3] = tree_sum(a3) + t3;
+    }
+    for (; j < K; ++j) {
+        if (j + pf < K) prefetch_row(centres + row[j + pf] * Dn, Dn);
+        o[j] = one(centres + row[j] * Dn);
+    }
+}
+
 // The classifier's distances (nnkloss/evaluation/classifier.py, _sq_dist_minus_ref):
 // out[q, j] = ||x_q - c_i||^2 - ||x_q - c_r||^2 for i = idx[q, j], r = ref[q], in the product
 // form (c_i - c_r) . ((c_i + c_r) - 2 x_q), which keeps their difference to full relative
@@ -1285,9 +1364,11 @@ int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
                     const int64_t* ref, int64_t Q, int64_t K, int64_t D, C* out,
                     int nthreads) {
     const int64_t pf = prefetch_rows(D * (int64_t)sizeof(T));
+    constexpr bool fixed_type = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
+    const int64_t fixed_d = fixed_type && (D == 64 || D == 128 || D == 256)
+                            && D * (int64_t)sizeof(T) <= NNK_FIXED_ROW_BYTES ? D : 0;
     std::atomic<int> bad{0};
     auto query = [=, &bad](int64_t q) {
-        typedef Lanes<C> V;
         const int64_t* row = idx + q * K;
         // 1. This query's indices, checked where they are read (nothing is read through a bad
         //    one; the caller raises, out is left partly written).
@@ -1297,71 +1378,18 @@ int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
             bad.store(1, std::memory_order_relaxed);
             return;
         }
-        const C* __restrict xq = x + q * D;
-        const T* __restrict r = centres + ref[q] * D;
-        C* __restrict o = out + q * K;
-        // One row's entry: (c - r) . ((c + r) - (x + x)), the lanes summed as a tree.
-        auto one = [&](const T* __restrict c) {
-            V acc = {};
-            int64_t d = 0;
-            for (; d + ACC <= D; d += ACC) {
-                const V cv = load_lanes<C>(c + d), rv = load_lanes<C>(r + d);
-                const V xv = load_lanes<C>(xq + d);
-                acc += (cv - rv) * ((cv + rv) - (xv + xv));
-            }
-            C tail = 0;
-            for (; d < D; ++d) {
-                const C cd = load<C>(c, d), rd = load<C>(r, d);
-                tail += (cd - rd) * ((cd + rd) - (xq[d] + xq[d]));
-            }
-            return tree_sum(acc) + tail;
-        };
-        // 2. Rows four at a time: four independent sums in flight, the same operations per
-        //    element and the same tree per row as one at a time, so the same bits; the rows pf
-        //    entries ahead prefetched. Against one row at a time on the 2-core AMD EPYC
-        //    (2026-11-26, the builds alternating in one process, 7 calls each, twice): 1.43x
-        //    and 1.48x at Q 2000, k 1000, D 64; 1.07x and 1.29x at Q 8192, k 100, D 128;
-        //    1.04x and 1.07x at Q 512, k 256, D 512. (Items of ~4,096 entries, carrying the
-        //    prefetch stream across queries, added nothing to it: 0.95-1.03x.)
-        int64_t j = 0;
-        for (; j + 4 <= K; j += 4) {
-            for (int t = 0; t < 4; ++t)
-                if (j + t + pf < K) prefetch_row(centres + row[j + t + pf] * D, D);
-            const T* __restrict c0 = centres + row[j] * D;
-            const T* __restrict c1 = centres + row[j + 1] * D;
-            const T* __restrict c2 = centres + row[j + 2] * D;
-            const T* __restrict c3 = centres + row[j + 3] * D;
-            V a0 = {}, a1 = {}, a2 = {}, a3 = {};
-            int64_t d = 0;
-            for (; d + ACC <= D; d += ACC) {
-                const V rv = load_lanes<C>(r + d), xv = load_lanes<C>(xq + d);
-                const V x2 = xv + xv;
-                const V v0 = load_lanes<C>(c0 + d), v1 = load_lanes<C>(c1 + d);
-                const V v2 = load_lanes<C>(c2 + d), v3 = load_lanes<C>(c3 + d);
-                a0 += (v0 - rv) * ((v0 + rv) - x2);
-                a1 += (v1 - rv) * ((v1 + rv) - x2);
-                a2 += (v2 - rv) * ((v2 + rv) - x2);
-                a3 += (v3 - rv) * ((v3 + rv) - x2);
-            }
-            C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-            for (; d < D; ++d) {
-                const C rd = load<C>(r, d), x2d = xq[d] + xq[d];
-                const C e0 = load<C>(c0, d), e1 = load<C>(c1, d);
-                const C e2 = load<C>(c2, d), e3 = load<C>(c3, d);
-                t0 += (e0 - rd) * ((e0 + rd) - x2d);
-                t1 += (e1 - rd) * ((e1 + rd) - x2d);
-                t2 += (e2 - rd) * ((e2 + rd) - x2d);
-                t3 += (e3 - rd) * ((e3 + rd) - x2d);
-            }
-            o[j] = tree_sum(a0) + t0;
-            o[j + 1] = tree_sum(a1) + t1;
-            o[j + 2] = tree_sum(a2) + t2;
-            o[j + 3] = tree_sum(a3) + t3;
-        }
-        for (; j < K; ++j) {
-            if (j + pf < K) prefetch_row(centres + row[j + pf] * D, D);
-            o[j] = one(centres + row[j] * D);
-        }
+        // 2. The rows (rel_sqdist_rows), at a compile-time D where it is one of the fixed ones.
+        const C* xq = x + q * D;
+        const T* r = centres + ref[q] * D;
+        C* o = out + q * K;
+        if (fixed_d == 64)
+            rel_sqdist_rows<64>(xq, r, centres, row, K, D, pf, o);
+        else if (fixed_d == 128)
+            rel_sqdist_rows<128>(xq, r, centres, row, K, D, pf, o);
+        else if (fixed_d == 256)
+            rel_sqdist_rows<256>(xq, r, centres, row, K, D, pf, o);
+        else
+            rel_sqdist_rows<0>(xq, r, centres, row, K, D, pf, o);
     };
     run_items(Q, nthreads, query);
     return bad.load() ? 3 : 0;

@@ -28,6 +28,12 @@ else the run stops naming it::
 
     python benchmarks/cpu_variants.py -D "" --against 12c891b --rounds 5
     python benchmarks/cpu_variants.py -D "" --kernel --gather    # the kernel against its limit
+
+``--classifier`` times the kernel classifier's distances (``nnkloss.ops.cpu.rel_sqdist``, fp32,
+bench_classifier's shapes or ``--classifier-shape Q,k,D,N``) instead of the loss, and checks
+that every variant (and ``--against``'s revision) gives the first one's output bit for bit::
+
+    python benchmarks/cpu_variants.py -D "" --against HEAD --classifier --rounds 5
 """
 from __future__ import annotations
 
@@ -123,22 +129,23 @@ def source_at(rev: str) -> str:
                          f"({getattr(exc, 'stderr', '') or exc})".strip()) from None
 
 
-def forward_parameters(source: str) -> str:
-    """``nnk_forward``'s parameter list in a kernel source, whitespace collapsed."""
-    m = re.search(r"\bint\s+nnk_forward\s*\(([^)]*)\)", source)
+def forward_parameters(source: str, name: str = "nnk_forward") -> str:
+    """The parameter list of the library's entry point ``name`` in a kernel source, whitespace
+    collapsed."""
+    m = re.search(r"\bint\s+" + re.escape(name) + r"\s*\(([^)]*)\)", source)
     if m is None:
-        raise SystemExit("no nnk_forward in the kernel source")
+        raise SystemExit(f"no {name} in the kernel source")
     return " ".join(m.group(1).split())
 
 
-def check_same_forward(rev: str, source: str) -> None:
-    """Stop unless ``nnk_forward`` takes the same parameters at ``rev`` as now (the calls
-    pass today's arguments to both libraries)."""
+def check_same_forward(rev: str, source: str, name: str = "nnk_forward") -> None:
+    """Stop unless the entry point ``name`` takes the same parameters at ``rev`` as now (the
+    calls pass today's arguments to both libraries)."""
     with open(cpu.SOURCE) as fh:
-        now = forward_parameters(fh.read())
-    then = forward_parameters(source)
+        now = forward_parameters(fh.read(), name)
+    then = forward_parameters(source, name)
     if then != now:
-        raise SystemExit(f"--against {rev}: nnk_forward's parameters differ ({then!r} there, "
+        raise SystemExit(f"--against {rev}: {name}'s parameters differ ({then!r} there, "
                          f"{now!r} now)")
 
 
@@ -163,6 +170,64 @@ def use(lib) -> None:
     cpu._state["lib"] = lib
 
 
+def parse_classifier_shape(text: str):
+    """``"Q,k,D,N"`` -> (Q, k, D, N), each >= 1."""
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--classifier-shape takes Q,k,D,N, four integers >= 1, "
+                                         f"got {text!r}")
+    return shape
+
+
+def classifier_rounds(args, libs):
+    """``--classifier``: per round, shape and variant the median of ``--iters`` calls of
+    ``cpu.rel_sqdist`` (fp32, bench_classifier's inputs), then each variant's median over the
+    rounds and whether every variant's output equals the first's bit for bit. Returns
+    ``{(variant, shape): [ms per round]}`` and ``{shape: bit-equal}``."""
+    from bench_classifier import SHAPES, setup
+    dev = torch.device("cpu")
+    shapes = args.cls_shapes or [tuple(int(v) for v in s.split(",")) for s in SHAPES]
+    lines = [f"# {device_name(dev)} | commit {git_commit()} | {utc_now()} | threads "
+             f"{args.threads} | load {load_average()} | the classifier's distances"
+             + (f", against {args.against}" if args.against else "")]
+    print(lines[0], flush=True)
+    results, same = {}, {}
+    for r in range(args.rounds):
+        for shape in shapes:
+            x, centres, idx, ref = setup(*shape, dev)
+            gb = idx.numel() * shape[2] * 4 / 1e6
+            first = None
+            for name, lib in libs:
+                use(lib)
+                out = cpu.rel_sqdist(x, centres, idx, ref, torch.float32)
+                first = out if first is None else first
+                same[shape] = same.get(shape, True) and torch.equal(out, first)
+                ms = time_ms(lambda: cpu.rel_sqdist(x, centres, idx, ref, torch.float32), dev,
+                             iters=args.iters)
+                results.setdefault((name, shape), []).append(ms)
+                lines.append(f"round {r} | {name} | {','.join(map(str, shape))} | classifier "
+                             f"distances {ms:.3f} ms ({gb / ms:.1f} GB/s)")
+                print(lines[-1], flush=True)
+    lines.append("# medians over the rounds")
+    for (name, shape), runs in results.items():
+        base = statistics.median(results[(libs[0][0], shape)])
+        ms = statistics.median(runs)
+        lines.append(f"{name} | {','.join(map(str, shape))} | classifier distances {ms:.3f} ms "
+                     f"| {base / ms:.2f}x {libs[0][0]}'s speed")
+        print(lines[-1], flush=True)
+    for shape, ok in same.items():
+        lines.append(f"bits | {','.join(map(str, shape))} | every variant equal to "
+                     f"{libs[0][0]}'s: {ok}")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+    return results, same
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-D", dest="variants", action="append", required=True,
@@ -185,6 +250,12 @@ def main(argv=None):
                          "and give each variant's figures as %% of it")
     ap.add_argument("--against", metavar="REV",
                     help="also the kernel of git revision REV; times the kernel's calls")
+    ap.add_argument("--classifier", action="store_true",
+                    help="time the classifier's distances (cpu.rel_sqdist) instead of the "
+                         "loss, every variant's output checked against the first's bits")
+    ap.add_argument("--classifier-shape", dest="cls_shapes", action="append",
+                    type=parse_classifier_shape, default=[], metavar="Q,k,D,N",
+                    help="a classifier shape of its own (default: bench_classifier's)")
     args = ap.parse_args(argv)
     os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
     torch.set_num_threads(args.threads)
@@ -192,8 +263,11 @@ def main(argv=None):
     libs = [(v or "defaults", build(v)) for v in args.variants]
     if args.against:
         source = source_at(args.against)
-        check_same_forward(args.against, source)
+        check_same_forward(args.against, source,
+                           "nnk_rel_sqdist" if args.classifier else "nnk_forward")
         libs.append((args.against, build("", source)))
+    if args.classifier:
+        return classifier_rounds(args, libs)
     grid = [CPU_GRID[i] for i in args.shapes or []] + args.extra
     grid = grid or list(CPU_GRID)
     kernel_calls = bool(args.against or args.kernel)

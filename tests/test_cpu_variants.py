@@ -119,8 +119,45 @@ def test_against_refuses_a_revision_whose_forward_takes_other_parameters():
     assert other != now
     with pytest.raises(SystemExit, match=r"--against old: nnk_forward's parameters differ"):
         cpu_variants.check_same_forward("old", other)
+    # the classifier's entry point, for --against with --classifier
+    cpu_variants.check_same_forward("HEAD", now, "nnk_rel_sqdist")
+    other = now.replace("int nnk_rel_sqdist(int ctype,", "int nnk_rel_sqdist(int ctype, int x,", 1)
+    assert other != now
+    with pytest.raises(SystemExit, match=r"nnk_rel_sqdist's parameters differ"):
+        cpu_variants.check_same_forward("old", other, "nnk_rel_sqdist")
     with pytest.raises(SystemExit, match=r"--against no-such-rev: no cpu_kernel.cpp there"):
         cpu_variants.source_at("no-such-rev")
+
+
+def test_classifier_mode_times_rel_sqdist_per_variant_and_compares_the_bits(private_tmp,
+                                                                           monkeypatch):
+    """--classifier: the classifier's distances on every variant, per round and shape, with a
+    line per shape saying whether every variant gave the first one's bits; a variant that
+    does not is reported as such. --classifier-shape refuses malformed shapes."""
+    log = private_tmp / "cls.txt"
+    shapes = [(20, 12, 64, 100), (9, 5, 13, 50)]  # the compile-time D and the run-time D
+    argv = ["-D", "", "-D", NTA, "--classifier", "--rounds", "2", "--iters", "1",
+            "--classifier-shape", "20,12,64,100", "--classifier-shape", "9,5,13,50"]
+    results, same = cpu_variants.main(argv + ["--out", str(log)])
+    assert set(results) == {(v, s) for v in ("defaults", NTA) for s in shapes}
+    assert all(len(r) == 2 and min(r) > 0 for r in results.values())
+    assert same == {s: True for s in shapes}
+    text = log.read_text().splitlines()
+    assert text[0].endswith("the classifier's distances")
+    assert sum(line.startswith("round ") for line in text) == 2 * 2 * 2
+    assert "bits | 20,12,64,100 | every variant equal to defaults's: True" in text
+    nta = cpu_variants.build(NTA)
+    real = cpu.rel_sqdist
+
+    def off_by_one_ulp_on_nta(*a):
+        out = real(*a)
+        return torch.nextafter(out, out + 1) if cpu._lib() is nta else out
+    monkeypatch.setattr(cpu, "rel_sqdist", off_by_one_ulp_on_nta)
+    _, same = cpu_variants.main(argv)
+    assert same == {s: False for s in shapes}
+    for bad in ("20,12,64", "20,12,0,100", "a,12,64,100"):
+        with pytest.raises(Exception, match="--classifier-shape"):
+            cpu_variants.parse_classifier_shape(bad)
 
 
 def test_shape_option_measures_a_shape_of_its_own_and_refuses_bad_ones(private_tmp):

@@ -340,10 +340,13 @@ def _limits(inputs):
     where not measurable, e.g. the gather limit off the CPU). The read is taken here, in the
     process and within seconds of the calls it is held against: on the shared 2-core VM it
     moved 29-45 GB/s within 20 s and 34-70 GB/s between runs (2026-11-26), so a read minutes
-    away measures another machine."""
-    return {"read_gbps": read_gbps(inputs[2].device, PROCESS_READ_BYTES),
-            "bank_read_gbps": tensor_read_gbps(inputs[2]),
-            "gather_gbps": gather_gbps(inputs[2], inputs[4])}
+    away measures another machine. On a GPU the run's own read serves: HBM's read held within
+    0.5% across a card's runs (H200 4131-4142, H100 2959-2976 GB/s, 2026-11-26), and a 1 GiB
+    read per provider and shape would add ~8 s to gpu_session.sh's timed steps."""
+    bank = inputs[2]
+    return {"read_gbps": read_gbps(bank.device, PROCESS_READ_BYTES) if bank.is_cpu else None,
+            "bank_read_gbps": tensor_read_gbps(bank),
+            "gather_gbps": gather_gbps(bank, inputs[4])}
 
 
 def _max_limits(all_limits):

@@ -489,7 +489,12 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
 // groups of four stay: one at a time was 0.87-0.93x there (2 KB rows from memory, where four
 // streams at once win). The loop unrolls whole at the
 // compile-time D, and as a function of its own its pointers keep their registers (inlined
-// into row(), GCC had kept the prefetch pointers in vector registers).
+// into row(), GCC had kept the prefetch pointers in vector registers). Groups of four at the
+// compile-time D (scaled_sqdist4 with D a constant, its prefetching; the same bits) were
+// slower on the AMD EPYC family 26 (2026-11-27, kernel forward, the builds alternating in
+// one process, 5 rounds, ad hoc): 0.90x at B 1024, K 32, D 128, 0.95x at D 64 and D 256,
+// 0.88x with bf16 rows; the classifier's pass, with more arithmetic a row, gained from the
+// same change (rel_sqdist_rows).
 template <int64_t DC, typename C, typename T>
 __attribute__((noinline)) void row_distances_fixed(const T* bank, int64_t n_rows,
                                                    const void* nbl, int l64, int64_t k0,

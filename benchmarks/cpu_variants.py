@@ -170,6 +170,25 @@ def use(lib) -> None:
     cpu._state["lib"] = lib
 
 
+def run_header(threads: int) -> str:
+    """The log's first line: device, commit, date, threads and load."""
+    return (f"# {device_name(torch.device('cpu'))} | commit {git_commit()} | {utc_now()} | "
+            f"threads {threads} | load {load_average()}")
+
+
+def say(lines, text: str) -> None:
+    """One line of the run: printed now, and kept for --out."""
+    lines.append(text)
+    print(text, flush=True)
+
+
+def append_log(path, lines) -> None:
+    """The run's lines appended to the log file ``path`` (--out), if one was given."""
+    if path:
+        with open(path, "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
 def parse_classifier_shape(text: str):
     """``"Q,k,D,N"`` -> (Q, k, D, N), each >= 1."""
     try:
@@ -190,10 +209,9 @@ def classifier_rounds(args, libs):
     from bench_classifier import SHAPES, setup
     dev = torch.device("cpu")
     shapes = args.cls_shapes or [tuple(int(v) for v in s.split(",")) for s in SHAPES]
-    lines = [f"# {device_name(dev)} | commit {git_commit()} | {utc_now()} | threads "
-             f"{args.threads} | load {load_average()} | the classifier's distances"
-             + (f", against {args.against}" if args.against else "")]
-    print(lines[0], flush=True)
+    lines = []
+    say(lines, run_header(args.threads) + " | the classifier's distances"
+        + (f", against {args.against}" if args.against else ""))
     results, same = {}, {}
     for r in range(args.rounds):
         for shape in shapes:
@@ -208,23 +226,18 @@ def classifier_rounds(args, libs):
                 ms = time_ms(lambda: cpu.rel_sqdist(x, centres, idx, ref, torch.float32), dev,
                              iters=args.iters)
                 results.setdefault((name, shape), []).append(ms)
-                lines.append(f"round {r} | {name} | {','.join(map(str, shape))} | classifier "
-                             f"distances {ms:.3f} ms ({gb / ms:.1f} GB/s)")
-                print(lines[-1], flush=True)
+                say(lines, f"round {r} | {name} | {','.join(map(str, shape))} | classifier "
+                           f"distances {ms:.3f} ms ({gb / ms:.1f} GB/s)")
     lines.append("# medians over the rounds")
     for (name, shape), runs in results.items():
         base = statistics.median(results[(libs[0][0], shape)])
         ms = statistics.median(runs)
-        lines.append(f"{name} | {','.join(map(str, shape))} | classifier distances {ms:.3f} ms "
-                     f"| {base / ms:.2f}x {libs[0][0]}'s speed")
-        print(lines[-1], flush=True)
+        say(lines, f"{name} | {','.join(map(str, shape))} | classifier distances {ms:.3f} ms "
+                   f"| {base / ms:.2f}x {libs[0][0]}'s speed")
     for shape, ok in same.items():
-        lines.append(f"bits | {','.join(map(str, shape))} | every variant equal to "
-                     f"{libs[0][0]}'s: {ok}")
-        print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write("\n".join(lines) + "\n")
+        say(lines, f"bits | {','.join(map(str, shape))} | every variant equal to "
+                   f"{libs[0][0]}'s: {ok}")
+    append_log(args.out, lines)
     return results, same
 
 
@@ -273,12 +286,11 @@ def main(argv=None):
     kernel_calls = bool(args.against or args.kernel)
     modes = (("kernel forward", "kernel forward with grad_x") if kernel_calls
              else ("forward", "forward+backward"))
-    lines = [f"# {device_name(dev)} | commit {git_commit()} | {utc_now()} | threads "
-             f"{args.threads} | load {load_average()}"
-             + (f" | the kernel's calls, against {args.against}" if args.against else
-                " | the kernel's calls" if args.kernel else "")
-             + (" | with the gather limit" if args.gather else "")]
-    print(lines[0], flush=True)
+    lines = []
+    say(lines, run_header(args.threads)
+        + (f" | the kernel's calls, against {args.against}" if args.against else
+           " | the kernel's calls" if args.kernel else "")
+        + (" | with the gather limit" if args.gather else ""))
     results, gather = {}, {}  # gather: shape -> the gather limit's ms per round
     for r in range(args.rounds):
         for (B, K, D, N, dt) in grid:
@@ -302,35 +314,29 @@ def main(argv=None):
                 use(libs[0][1])
                 ms = time_ms(lambda: cpu.gather_read(centres, nb), dev, iters=args.iters)
                 gather.setdefault((B, K, D, dt), []).append(ms)
-                lines.append(f"round {r} | {GATHER} | {B},{K},{D},{dt} | read {ms:.3f} ms "
-                             f"({gb / ms:.1f} GB/s)")
-                print(lines[-1], flush=True)
+                say(lines, f"round {r} | {GATHER} | {B},{K},{D},{dt} | read {ms:.3f} ms "
+                           f"({gb / ms:.1f} GB/s)")
             for name, lib in libs:
                 use(lib)
                 with nnkloss.value_checks(False):
                     ms = [time_ms(f, dev, iters=args.iters) for f in calls]
                 results.setdefault((name, (B, K, D, dt)), []).append(ms)
-                lines.append(f"round {r} | {name} | {B},{K},{D},{dt} | {modes[0]} {ms[0]:.3f} "
-                             f"ms ({gb / ms[0]:.1f} GB/s) | {modes[1]} {ms[1]:.3f} ms "
-                             f"({gb / ms[1]:.1f} GB/s)")
-                print(lines[-1], flush=True)
+                say(lines, f"round {r} | {name} | {B},{K},{D},{dt} | {modes[0]} {ms[0]:.3f} "
+                           f"ms ({gb / ms[0]:.1f} GB/s) | {modes[1]} {ms[1]:.3f} ms "
+                           f"({gb / ms[1]:.1f} GB/s)")
     lines.append("# medians over the rounds")
     for shape, runs in gather.items():
-        lines.append(f"{GATHER} | {','.join(map(str, shape))} | read "
-                     f"{statistics.median(runs):.3f} ms")
-        print(lines[-1], flush=True)
+        say(lines, f"{GATHER} | {','.join(map(str, shape))} | read "
+                   f"{statistics.median(runs):.3f} ms")
     for (name, shape), runs in results.items():
         f, fb = (statistics.median(m[i] for m in runs) for i in (0, 1))
         pct = ""
         if shape in gather:
             gm = statistics.median(gather[shape])
             pct = f" | {100 * gm / f:.0f}% and {100 * gm / fb:.0f}% of the gather limit"
-        lines.append(f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
-                     f"{modes[1]} {fb:.3f} ms{pct}")
-        print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write("\n".join(lines) + "\n")
+        say(lines, f"{name} | {','.join(map(str, shape))} | {modes[0]} {f:.3f} ms | "
+                   f"{modes[1]} {fb:.3f} ms{pct}")
+    append_log(args.out, lines)
     results.update(((GATHER, shape), [[ms, ms] for ms in runs]) for shape, runs in gather.items())
     return results
 

@@ -1288,10 +1288,13 @@ struct EntryGrads {
 // at Q 2000, k 1000, D 64; 1.07x and 1.29x at Q 8192, k 100, D 128; 1.04x and 1.07x at Q 512,
 // k 256, D 512. (Items of ~4,096 entries, carrying the prefetch stream across queries, added
 // nothing to it: 0.95-1.03x.) The compile-time D against the run-time D on the 2-core AMD EPYC
-// family 26 (AVX-512; 2026-11-27, the builds alternating in one process, 5 rounds of 9 calls,
-// bit-equal outputs): 1.37x at D 64, 1.09x at D 128 (the run-time D's loop reloaded r and x_q
-// for every step of every group; one row at a time at the compile-time D was 1.23x and 1.06x).
-// Eight rows at a time at the run-time D: 1.02-1.04x, not kept.
+// family 26 (AVX-512; 2026-11-27, benchmarks/cpu_variants.py --classifier --against 3d371d2,
+// 5 rounds, at b9f2fef, log benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt):
+// 1.40x at Q 2000, k 1000, D 64, 1.13x at D 128, 1.01x at D 512 (not affected), bit-equal; in
+// ad hoc A/Bs before it 1.08x at D 256, 1.21x with bf16 rows of D 64, and built without
+// AVX-512 1.15x and 1.05x at D 64 and 128. The run-time D's loop had reloaded r and x_q at
+// every step of every group. One row at a time at the compile-time D was 1.23x and 1.06x;
+// eight rows at a time at the run-time D 1.02-1.04x; neither kept.
 template <int64_t DC, typename C, typename T>
 __attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* __restrict r,
                                                const T* centres, const int64_t* row,

@@ -21,10 +21,12 @@ governor off, as in bench_loss): peak memory of its first call above the RSS
 before it (CPU; ``torch.cuda.max_memory_allocated`` on a GPU), then the median time of the
 calls (``common.time_ms``); ``--rounds`` such processes per provider, the providers taking
 turns, the median round kept (all rounds in ``ms_rounds``; peak memory: the largest). Beside
-them, measured in the main process before each shape on
-the same threads: the machine's sequential read (``common.read_gbps``) and the gather of exactly
-the listed rows (``common.gather_gbps``, CPU only): "% of read" and "% of gather" are the bytes
-of the gathered rows (Q x k x D x 4) over the time, against those. One row per (shape, provider)
+the calls, in each measuring process before and after them on the same threads (the larger
+kept; a row takes its median round's, as bench_loss's rows do): the machine's sequential read
+(``common.read_gbps``, CPU; on a GPU the main process's read before each shape) and the gather
+of exactly the listed rows (``common.gather_gbps``, CPU only), ``common.process_limits``:
+"% of read" and "% of gather" are the bytes of the gathered rows (Q x k x D x 4) over the
+time, against those. One row per (shape, provider)
 is appended to ``benchmarks/results/classifier_<device>.csv`` with device, commit, date and
 load.
 """
@@ -38,8 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    gather_gbps, git_commit, load_average, parse_or_work, read_gbps,
-                    results_path, run_isolated, time_ms, utc_now, worker_reply)
+                    git_commit, load_average, max_limits, parse_or_work, process_limits,
+                    read_gbps, results_path, run_isolated, time_ms, utc_now, worker_reply)
 
 import torch  # noqa: E402
 
@@ -98,6 +100,7 @@ def worker(spec: dict) -> None:
     args = setup(*spec["shape"], device)
     fn = provider_fn(spec["provider"])
     fn(*args)  # before the measurements: compile, build or load the library, JIT the kernel
+    limits = process_limits(args[1], args[2], spec["read_bytes"])  # the bank, the lists
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -110,7 +113,14 @@ def worker(spec: dict) -> None:
         fn(*args)
         peak = meter.peak_mb()
     ms = time_ms(lambda: fn(*args), device, warmup=1, iters=spec["iters"])
-    worker_reply({"ms": ms, "peak_mb": peak})
+    limits = max_limits([limits, process_limits(args[1], args[2], spec["read_bytes"])])
+    worker_reply({"ms": ms, "peak_mb": peak, "limits": limits})
+
+
+def median_run(runs):
+    """The round whose ms is the median of a provider's rounds (the upper one for an even
+    count): its time and the limits measured in its own process go in the row together."""
+    return sorted(runs, key=lambda r: r["ms"])[len(runs) // 2]
 
 
 def main(argv=None) -> int:
@@ -139,36 +149,39 @@ def main(argv=None) -> int:
     with ResultsCsv(csv_path, COLUMNS) as out:
         for text in args.shapes:
             Q, k, D, N = (int(v) for v in text.split(","))
-            read = read_gbps(device, args.read_bytes)
-            x, centres, idx, ref = setup(Q, k, D, N, device)
-            gather = gather_gbps(centres, idx)
+            # on a GPU "% of read" is held against this read (the workers take none there)
+            main_read = read_gbps(device, args.read_bytes) if device.type != "cpu" else None
             nbytes = Q * k * D * 4
             runs = {p: [] for p in args.providers}
             loads = {p: [] for p in args.providers}
             for _ in range(args.rounds):  # the providers take turns, a fresh process each
                 for provider in args.providers:
                     spec = {"provider": provider, "shape": [Q, k, D, N],
-                            "device": str(device), "iters": args.iters}
+                            "device": str(device), "iters": args.iters,
+                            "read_bytes": args.read_bytes}
                     loads[provider].append(load_average().split(" ")[0])
                     runs[provider].append(run_isolated(os.path.abspath(__file__), spec,
                                                        timeout=args.timeout))
             for provider in args.providers:
                 row = {"operation": "classifier distances", "provider": provider, "Q": Q,
-                       "k": k, "D": D, "N": N, "read_gb_s": round(read, 2),
-                       "gather_gb_s": round(gather, 2) if gather else "",
-                       "threads": torch.get_num_threads(),
+                       "k": k, "D": D, "N": N, "threads": torch.get_num_threads(),
                        "load": " ".join(loads[provider]), "device": name, "commit": commit,
                        "date": utc_now()}
                 errors = [r["error"] for r in runs[provider] if "error" in r]
                 if errors:
                     row["error"] = errors[0]
                 else:
+                    med = median_run(runs[provider])
+                    read = med["limits"].get("read_gbps") or main_read
+                    gather = med["limits"].get("gather_gbps")
                     ms = sorted(r["ms"] for r in runs[provider])
-                    med = ms[len(ms) // 2]
-                    gbs = nbytes / med / 1e6
-                    row.update(ms=round(med, 3), ms_rounds=" ".join(f"{v:.3f}" for v in ms),
+                    gbs = nbytes / med["ms"] / 1e6
+                    row.update(ms=round(med["ms"], 3),
+                               ms_rounds=" ".join(f"{v:.3f}" for v in ms),
                                peak_mb=round(max(r["peak_mb"] for r in runs[provider]), 1),
-                               gb_s=round(gbs, 2), pct_of_read=round(100 * gbs / read),
+                               gb_s=round(gbs, 2), read_gb_s=round(read, 2),
+                               pct_of_read=round(100 * gbs / read),
+                               gather_gb_s=round(gather, 2) if gather else "",
                                pct_of_gather=round(100 * gbs / gather) if gather else "")
                 out.write(row)
     return 0

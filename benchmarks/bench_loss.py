@@ -55,9 +55,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    gather_gbps, git_commit, load_average, parse_or_work, read_gbps,
-                    results_path, run_isolated, tensor_read_gbps, time_ms, utc_now,
-                    wall_ms, worker_reply)
+                    git_commit, load_average, max_limits, parse_or_work, process_limits,
+                    read_gbps, results_path, run_isolated, time_ms, utc_now, wall_ms,
+                    worker_reply)
 
 import torch  # noqa: E402
 
@@ -325,7 +325,7 @@ def worker(spec):
                 out[mode] = {"ms": ms, "peak": peak, "first_ms": first}
             except torch.OutOfMemoryError:
                 out[mode] = {"oom": True}
-    limits = _max_limits([limits, _limits(inputs)])
+    limits = max_limits([limits, _limits(inputs)])
     worker_reply({"modes": out, "idx_dtype": str(inputs[4].dtype), "limits": limits})
 
 
@@ -335,26 +335,10 @@ PROCESS_READ_BYTES = 2 ** 30
 
 
 def _limits(inputs):
-    """{"read_gbps": ..., "bank_read_gbps": ..., "gather_gbps": ...}: the machine's sequential
-    read (``common.read_gbps``, far beyond the caches), and the shape's bank and lists (None
-    where not measurable, e.g. the gather limit off the CPU). The read is taken here, in the
-    process and within seconds of the calls it is held against: on the shared 2-core VM it
-    moved 29-45 GB/s within 20 s and 34-70 GB/s between runs (2026-11-26), so a read minutes
-    away measures another machine. On a GPU the run's own read serves: HBM's read held within
-    0.5% across a card's runs (H200 4131-4142, H100 2959-2976 GB/s, 2026-11-26), and a 1 GiB
-    read per provider and shape would add ~8 s to gpu_session.sh's timed steps."""
-    bank = inputs[2]
-    return {"read_gbps": read_gbps(bank.device, PROCESS_READ_BYTES) if bank.is_cpu else None,
-            "bank_read_gbps": tensor_read_gbps(bank),
-            "gather_gbps": gather_gbps(bank, inputs[4])}
-
-
-def _max_limits(all_limits):
-    """Per limit the largest of several measurements (None where none was taken)."""
-    all_limits = [lim or {} for lim in all_limits]
-    keys = {k for lim in all_limits for k in lim}
-    return {k: max((lim[k] for lim in all_limits if lim.get(k) is not None), default=None)
-            for k in keys}
+    """common.process_limits of the shape's bank and lists: the machine's read (CPU only; on a
+    GPU the run's own read serves, and a 1 GiB read per provider and shape would add ~8 s to
+    gpu_session.sh's timed steps), the bank's read and the gather limit."""
+    return process_limits(inputs[2], inputs[4], PROCESS_READ_BYTES)
 
 
 def measure_copy_gbps(device, nbytes=2 ** 31):
@@ -472,8 +456,8 @@ def combine_repeats(runs):
     """One provider's measurements of one shape over the rounds (each ``(per_mode, idx_dtype,
     limits)``, a round being one measuring process): per mode the median round's ms (the upper
     one for an even count) and the limits measured in that round's process (a figure and the
-    limit it is held against taken minutes apart would measure two machines: "% of read" in
-    _limits), the largest peak memory, the first round's first call; out of memory if any
+    limit it is held against taken minutes apart would measure two machines:
+    common.process_limits), the largest peak memory, the first round's first call; out of memory if any
     round was."""
     per_mode = {}
     for mode in runs[0][0]:

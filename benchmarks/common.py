@@ -383,6 +383,28 @@ def gather_gbps(bank, neighbours, iters: int = 21) -> Optional[float]:
     return rows * bank.shape[1] * bank.element_size() / ms / 1e6
 
 
+def process_limits(bank, lists, read_bytes: int = 2 ** 30) -> dict:
+    """The limits a gather-bound call is held against, measured where and when it runs (call
+    it in the measuring process, beside the calls, on their threads): ``read_gbps``, the
+    machine's sequential read (:func:`read_gbps` of ``read_bytes``; on CPU only, None on a GPU,
+    whose HBM read held within 0.5% across a card's runs: the run's own read serves there),
+    ``bank_read_gbps`` (a sequential read of ``bank`` where it lives) and ``gather_gbps`` (the
+    rows ``lists`` names, :func:`gather_gbps`; None off the CPU). On the shared 2-core VM the
+    read moved 29-45 GB/s within 20 s and 34-70 GB/s between runs (2026-11-26): a read taken
+    minutes away measures another machine."""
+    return {"read_gbps": read_gbps(bank.device, read_bytes) if bank.is_cpu else None,
+            "bank_read_gbps": tensor_read_gbps(bank),
+            "gather_gbps": gather_gbps(bank, lists)}
+
+
+def max_limits(all_limits) -> dict:
+    """Per limit the largest of several :func:`process_limits` (None where none was taken)."""
+    all_limits = [lim or {} for lim in all_limits]
+    keys = {k for lim in all_limits for k in lim}
+    return {k: max((lim[k] for lim in all_limits if lim.get(k) is not None), default=None)
+            for k in keys}
+
+
 def load_average() -> str:
     """The 1-, 5- and 15-minute load averages (what ``uptime`` shows), '' where unknown."""
     try:

@@ -50,3 +50,12 @@ def test_cpu_smoke_run_writes_a_row_per_provider(tmp_path):
         assert lo - 1e-9 <= float(r["gb_s"]) <= hi + 1e-9, (r["gb_s"], ms)
         assert r["pct_of_gather"] != "" and r["commit"] and r["date"]
         assert (r["Q"], r["k"], r["D"], r["N"]) == ("40", "9", "16", "300")
+
+
+def test_a_row_takes_the_median_rounds_time_and_its_own_limits():
+    """The row's ms and the limits it is held against come from one measuring process."""
+    runs = [{"ms": 3.0, "limits": {"read_gbps": 40.0}},
+            {"ms": 1.0, "limits": {"read_gbps": 70.0}},
+            {"ms": 2.0, "limits": {"read_gbps": 45.0}}]
+    assert bench_classifier.median_run(runs) is runs[2]
+    assert bench_classifier.median_run(runs[:2]) is runs[0]  # the upper of an even count

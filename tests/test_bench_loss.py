@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_loss  # noqa: E402
+import common  # noqa: E402
 
 import nnkloss  # noqa: E402
 
@@ -64,8 +65,9 @@ def test_cpu_smoke_run_writes_csv_and_plot(tmp_path, monkeypatch):
     # The run's own read (the "read" row) and the read each measuring process takes beside its
     # calls (_limits) told apart by their sizes: the rows are held against the latter.
     monkeypatch.setattr(bench_loss, "PROCESS_READ_BYTES", 2 ** 22)
-    monkeypatch.setattr(bench_loss, "read_gbps",
-                        lambda device, nbytes=2 ** 30: 40.0 if nbytes == 2 ** 22 else 25.0)
+    fake = lambda device, nbytes=2 ** 30: 40.0 if nbytes == 2 ** 22 else 25.0  # noqa: E731
+    monkeypatch.setattr(bench_loss, "read_gbps", fake)  # the run's own read
+    monkeypatch.setattr(common, "read_gbps", fake)  # common.process_limits' read
     path = bench_loss.main(["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N",
                             "40", "--dtype", "fp32", "bf16", "--providers", "fused", "eager",
                             "--no-isolate", "--out", str(tmp_path)])
@@ -534,3 +536,16 @@ def test_fused_compile_provider_runs_the_op_inside_torch_compile(tmp_path, monke
     assert seen == [{"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
     torch.testing.assert_close(results[1][0], results[0][0])
     torch.testing.assert_close(results[1][1], results[0][1])
+
+
+def test_process_limits_are_measured_where_they_are_called():
+    """common.process_limits: the machine's read (of read_bytes), the bank's and the gather of
+    the listed rows, all on CPU tensors; max_limits keeps each limit's largest."""
+    from nnkloss.ops import cpu
+    bank = torch.randn(50, 8)
+    lists = torch.randint(0, 50, (4, 3))
+    lim = common.process_limits(bank, lists, 2 ** 20)
+    assert set(lim) == {"read_gbps", "bank_read_gbps", "gather_gbps"}
+    assert lim["read_gbps"] > 0 and lim["bank_read_gbps"] > 0
+    assert (lim["gather_gbps"] > 0) if cpu.available() else lim["gather_gbps"] is None
+    assert common.max_limits([{"a": 1.0, "b": None}, {"a": 3.0}, None]) == {"a": 3.0, "b": None}

@@ -40,8 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    git_commit, load_average, max_limits, parse_or_work, process_limits,
-                    read_gbps, results_path, run_isolated, time_ms, utc_now, worker_reply)
+                    git_commit, load_average, max_limits, median_round, parse_or_work,
+                    process_limits, read_gbps, results_path, run_isolated, time_ms, utc_now,
+                    worker_reply)
 
 import torch  # noqa: E402
 
@@ -118,9 +119,9 @@ def worker(spec: dict) -> None:
 
 
 def median_run(runs):
-    """The round whose ms is the median of a provider's rounds (the upper one for an even
-    count): its time and the limits measured in its own process go in the row together."""
-    return sorted(runs, key=lambda r: r["ms"])[len(runs) // 2]
+    """The median round by ms of a provider's runs (common.median_round): its time and the
+    limits measured in its own process go in the row together."""
+    return median_round(runs, key=lambda r: r["ms"])
 
 
 def main(argv=None) -> int:

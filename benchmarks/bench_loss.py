@@ -55,9 +55,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    git_commit, load_average, max_limits, parse_or_work, process_limits,
-                    read_gbps, results_path, run_isolated, time_ms, utc_now, wall_ms,
-                    worker_reply)
+                    git_commit, load_average, max_limits, median_round, parse_or_work,
+                    process_limits, read_gbps, results_path, run_isolated, time_ms, utc_now,
+                    wall_ms, worker_reply)
 
 import torch  # noqa: E402
 
@@ -335,9 +335,9 @@ PROCESS_READ_BYTES = 2 ** 30
 
 
 def _limits(inputs):
-    """common.process_limits of the shape's bank and lists: the machine's read (CPU only; on a
-    GPU the run's own read serves, and a 1 GiB read per provider and shape would add ~8 s to
-    gpu_session.sh's timed steps), the bank's read and the gather limit."""
+    """common.process_limits of the shape's bank and lists (the machine's read on CPU only: on
+    a GPU the run's own read serves, and a 1 GiB read per provider and shape would add ~8 s to
+    gpu_session.sh's timed steps)."""
     return process_limits(inputs[2], inputs[4], PROCESS_READ_BYTES)
 
 
@@ -465,8 +465,7 @@ def combine_repeats(runs):
         if any(r.get("oom") for r in rs):
             per_mode[mode] = {"oom": True}
             continue
-        order = sorted(range(len(rs)), key=lambda i: rs[i]["ms"])
-        median = order[len(order) // 2]
+        median = median_round(range(len(rs)), key=lambda i: rs[i]["ms"])
         per_mode[mode] = {"ms": rs[median]["ms"], "peak": max(r["peak"] for r in rs),
                           "first_ms": rs[0]["first_ms"], "rounds": [r["ms"] for r in rs],
                           "limits": runs[median][2] or {}}

@@ -32,7 +32,8 @@ from nnkloss.atomic import atomic_write  # noqa: E402
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "cpu_name", "slug", "utc_now", "time_ms",
            "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
            "ResultsCsv", "migrate_csv", "results_path",
-           "read_gbps", "tensor_read_gbps", "gather_gbps", "load_average"]
+           "read_gbps", "tensor_read_gbps", "gather_gbps", "process_limits", "max_limits",
+           "median_round", "load_average"]
 
 
 def git_commit() -> str:
@@ -403,6 +404,12 @@ def max_limits(all_limits) -> dict:
     keys = {k for lim in all_limits for k in lim}
     return {k: max((lim[k] for lim in all_limits if lim.get(k) is not None), default=None)
             for k in keys}
+
+
+def median_round(rounds, key):
+    """The round whose ``key`` is the median of the rounds' (the upper one for an even count):
+    a benchmark's row takes that round's time and the limits measured in its own process."""
+    return sorted(rounds, key=key)[len(rounds) // 2]
 
 
 def load_average() -> str:

@@ -65,6 +65,8 @@ def value_checks(enabled: bool):
 # Looked up once: the op's every call asks (two getattr a call were ~0.2 us of its ~20 us of
 # Python at B 1; Dynamo knows the function by its object, however it is reached).
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)  # private: None = unknown
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def compiling() -> bool:
@@ -83,10 +85,6 @@ def plain_eager(*tensors) -> bool:
         if type(t) not in _PLAIN_TENSOR_TYPES:
             return False
     return True
-
-
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)  # private: None = unknown
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_integer_dtype(dtype: torch.dtype) -> bool:

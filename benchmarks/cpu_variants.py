@@ -10,7 +10,7 @@ item that starts with ``-`` is a compiler option added as it is (``-fno-tree-vec
 that starts with ``!`` removes an option of ``nnkloss.ops.cpu.FLAGS`` (``!-fno-trapping-math``). Every
 variant is built into a private temporary cache (the same verified build and load as users
 get), then for each of ``--rounds`` rounds and each shape of bench_loss's CPU grid the variants
-run in turn: the op's forward (embeddings that do not require grad) and forward+backward
+run in turn (each round's order rotated by one, see ``in_turn``): the op's forward (embeddings that do not require grad) and forward+backward
 (gradient to the embeddings), value checks off, the thread governors off (exactly
 ``--threads``). Prints one line per (round, variant, shape) with the median of ``--iters``
 calls and the gathered rows' GB/s, then each variant's median over the rounds; with ``--out``
@@ -201,6 +201,15 @@ def parse_classifier_shape(text: str):
     return shape
 
 
+def in_turn(libs, r: int):
+    """The variants in round r's order: the list rotated by r, so that over the rounds each
+    variant runs in every position equally often. In a fixed order the round's first variant
+    ran slower: two builds of the same source measured 0.383 against 0.361-0.363 ms (kernel
+    forward, B 256, K 100, D 512, bf16, 7 rounds, 2026-11-27), the first of four each round."""
+    k = r % len(libs)
+    return libs[k:] + libs[:k]
+
+
 def classifier_rounds(args, libs):
     """``--classifier``: per round, shape and variant the median of ``--iters`` calls of
     ``cpu.rel_sqdist`` (fp32, bench_classifier's inputs), then each variant's median over the
@@ -217,17 +226,18 @@ def classifier_rounds(args, libs):
         for shape in shapes:
             x, centres, idx, ref = setup(*shape, dev)
             gb = idx.numel() * shape[2] * 4 / 1e6
-            first = None
-            for name, lib in libs:
+            outs = {}
+            for name, lib in in_turn(libs, r):
                 use(lib)
-                out = cpu.rel_sqdist(x, centres, idx, ref, torch.float32)
-                first = out if first is None else first
-                same[shape] = same.get(shape, True) and torch.equal(out, first)
+                outs[name] = cpu.rel_sqdist(x, centres, idx, ref, torch.float32)
                 ms = time_ms(lambda: cpu.rel_sqdist(x, centres, idx, ref, torch.float32), dev,
                              iters=args.iters)
                 results.setdefault((name, shape), []).append(ms)
                 say(lines, f"round {r} | {name} | {','.join(map(str, shape))} | classifier "
                            f"distances {ms:.3f} ms ({gb / ms:.1f} GB/s)")
+            first = outs[libs[0][0]]
+            same[shape] = same.get(shape, True) and all(torch.equal(o, first)
+                                                        for o in outs.values())
     lines.append("# medians over the rounds")
     for (name, shape), runs in results.items():
         base = statistics.median(results[(libs[0][0], shape)])
@@ -316,7 +326,7 @@ def main(argv=None):
                 gather.setdefault((B, K, D, dt), []).append(ms)
                 say(lines, f"round {r} | {GATHER} | {B},{K},{D},{dt} | read {ms:.3f} ms "
                            f"({gb / ms:.1f} GB/s)")
-            for name, lib in libs:
+            for name, lib in in_turn(libs, r):
                 use(lib)
                 with nnkloss.value_checks(False):
                     ms = [time_ms(f, dev, iters=args.iters) for f in calls]

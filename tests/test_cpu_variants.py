@@ -85,6 +85,19 @@ def test_main_times_every_variant_and_shape_and_writes_the_log(private_tmp):
     assert text[0].startswith("# ") and "commit" in text[0] and "threads 2" in text[0]
     assert sum(line.startswith("round ") for line in text) == 4
     assert text.count("# medians over the rounds") == 1
+    # Each round's order is rotated: the variant that ran first in round 0 runs last in 1.
+    order = [line.split(" | ")[1] for line in text if line.startswith("round ")]
+    assert order == ["defaults", NTA, NTA, "defaults"]
+
+
+def test_in_turn_puts_every_variant_in_every_position_equally_often():
+    libs = [("a", 1), ("b", 2), ("c", 3)]
+    rounds = [cpu_variants.in_turn(libs, r) for r in range(6)]
+    assert rounds[0] == libs and rounds[1] == [("b", 2), ("c", 3), ("a", 1)]
+    for pos in range(3):
+        firsts = [order[pos][0] for order in rounds]
+        assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    assert all(sorted(order) == libs for order in rounds)
 
 
 def test_a_variant_that_does_not_build_stops_the_run_naming_it(private_tmp):

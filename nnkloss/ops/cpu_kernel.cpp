@@ -302,6 +302,14 @@ NNK_INLINE Lanes<float> load_lanes<float, float>(const float* __restrict p) {
 // forward 1.39x at B 256, K 100, D 512, 1.24x at B 512, K 64, D 256, with grad_x 1.08-1.28x;
 // benchmarks/results/cpu_variants_AMD_EPYC.txt).
 // NNK_GENERIC_BF16_WIDEN=1 keeps the generic form (for A/B on another compiler or CPU).
+// One instruction instead of two, tried on the 2-core AMD EPYC family 26 (AVX-512 VBMI2,
+// 2026-11-27, cpu_variants.py --kernel, not kept): vpexpandw from memory into the odd words
+// took 1.45x the forward's time and 2.8x with grad_x (microcoded there); from a register 1.14x
+// and 1.24x; vpermw with a zeroing mask into the odd words 0.96-0.99x the forward and
+// 0.95-1.02x with grad_x at four bf16 shapes, where a second build of the unchanged source
+// moved 0.99-1.07x (6 rounds, benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt):
+// the widening is not what the bf16 passes wait on. Nor is the second pass's reading of rows
+// from L2: prefetching them 4 or 8 entries ahead took 1.08x with grad_x (7 rounds, ad hoc).
 template <>
 NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
     Lanes<float> v;

@@ -7,7 +7,7 @@
 # on the H100's two calls at 52484b7 and 0646941, 30 s on the H200 at ea8736c, whose call held
 # 422 s of the 900: a second call of ~200 s fitted). In order of what the next GPU session
 # must learn (the first, on an H200, measured the
-# classifier's distances and the neighbour lists: README, "The GPU figures";
+# classifier's distances and the neighbour lists: docs/PERFORMANCE.md, "The GPU figures";
 # bench_classifier.py and bench_refresh.py still run them):
 #   1. correctness of the compiled CUDA kernels (the tests marked `cuda`; the whole suite and
 #      the interpreter checks run in CI on CPU and would not fit);

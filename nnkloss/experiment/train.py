@@ -207,7 +207,7 @@ class Trainer:
             for descheduled threads when other processes keep the cores busy; then one thread
             is faster, idle it is not (30-epoch digits demo on 2 cores, idle: 28.4 s at 2
             threads, 40.8 s at 1; beside a 2-thread matmul process a step at 2 threads took
-            27x one at 1: README "Threads on the CPU, measured"). On Linux, where the
+            27x one at 1: docs/PERFORMANCE.md, "Threads on the CPU, measured"). On Linux, where the
             machine's run queue is this process's CPUs (no cgroup quota, no pinning to a
             subset), it also reads the runnable threads of other processes
             (:class:`nnkloss.threads.RunQueue`, /proc, 40-130 us a step): while they leave the

@@ -62,8 +62,8 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cp
 # -fno-trapping-math: the kernel never reads the floating-point exception flags, and without it
 # GCC 12 keeps the row's exponentials (vexp: compares and selects) scalar on a CPU without
 # AVX-512's masks ("control flow in loop"); it changes no result (no reassociation, no
-# contraction beyond -O3's). Measured on the 2-core AMD EPYC (AVX2, 2026-11-25): see the
-# README's CPU section.
+# contraction beyond -O3's). Measured on the 2-core AMD EPYC (AVX2, 2026-11-25): see
+# benchmarks/results/HISTORY.md, "The CPU kernel on the 2-core AMD EPYC" (`aa60d9f`).
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-trapping-math", "-shared", "-fPIC"]
 # Whose threads (issue 21): torch's. Where torch's own intra-op pool is libgomp (torch's
 # parallel backend is OpenMP and a libgomp.so.1 is loaded in this process, as with the Linux

@@ -38,7 +38,7 @@ def resolve_search_backend(search_backend: str, device: torch.device) -> str:
 
     "auto" must give the same neighbours whether or not faiss is installed, so it does not
     depend on it: on the CPU the torch search is at least as fast as faiss's flat index (both
-    GEMM bound; a self-search computes only half the GEMM, README "Neighbour-list build") and it
+    GEMM bound; a self-search computes only half the GEMM, docs/PERFORMANCE.md, "The kNN graph") and it
     runs on every device. faiss (CPU or GPU index) is used when asked for by name.
     """
     check_search_backend(search_backend)

@@ -391,6 +391,14 @@ NNK_INLINE C tree_sum(const Lanes<C>& p) {
     return native_tree(h[0]);
 }
 
+// Each difference is scaled before it is squared (docs/MATHS.md, rule 1): one multiply an
+// element more than ||c - x||^2 / sigma^2. What the rule costs, measured on the 2-core AMD EPYC
+// family 26 (2026-11-27, cpu_variants.py --kernel, 6 rounds, a variant that squared the
+// unscaled differences and scaled each row's sum): the unscaled form took 0.98-1.00x the
+// forward's time at the three fp32 grid shapes, 0.94x with the bf16 bank, and 0.95-1.01x with
+// grad_x (benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt). The banks come
+// from L3 or memory there, so the arithmetic hides behind the reading; only a bank in L1 showed
+// the rule's 1.17x. Not worth an overflow / underflow fallback: the rule stays.
 template <typename C, typename T>
 NNK_INLINE C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
     typedef Lanes<C> V;

@@ -349,44 +349,90 @@ def measure_copy_gbps(device, nbytes=2 ** 31):
     return 2 * nbytes / ms / 1e6
 
 
-def plot(csv_path, png_path):
+MODE_HEAD = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
+
+
+def loss_rows(csv_path, commit, grads="emb"):
+    """The loss rows of one commit's runs that ``summary`` and ``plot`` show: the forward
+    rows and the backward / forward+backward rows whose gradients went to ``grads`` (rows
+    written before the CSV's "grads" column trained the embeddings only); per shape,
+    provider and mode the last such row (a later run at the same commit replaces it)."""
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
+                and r["ms"] not in ("oom", "")
+                and (r["mode"] == "fwd" or (r.get("grads") or "emb") == grads)]
+    last = {}
+    for r in rows:
+        last[(r["B"], r["K"], r["D"], r["dtype"], r["provider"], r["mode"])] = r
+    return list(last.values())
+
+
+def plot_data(rows):
+    """What ``plot`` draws from ``loss_rows``: the shapes in the rows' order, the modes and
+    providers present (in MODES and PROVIDERS order), and per (mode, provider) the ms and
+    the "% of read" of each shape (NaN where there is no row or no figure)."""
+    nan = float("nan")
+    shapes = list(dict.fromkeys((r["B"], r["K"], r["D"], r["dtype"]) for r in rows))
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    provs = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    at = {(r["B"], r["K"], r["D"], r["dtype"], r["provider"], r["mode"]): r for r in rows}
+    ms, pct = {}, {}
+    for m in modes:
+        for p in provs:
+            hits = [at.get(s + (p, m)) for s in shapes]
+            ms[m, p] = [float(h["ms"]) if h else nan for h in hits]
+            pct[m, p] = [float(h["pct_of_read"]) if h and h.get("pct_of_read") else nan
+                         for h in hits]
+    return shapes, modes, provs, ms, pct
+
+
+# The issue's goal for the op's reading (issue 21): 80% of the machine's read bandwidth.
+READ_GOAL_PCT = 80
+
+
+def plot(csv_path, png_path, commit, grads="emb"):
+    """One figure for one commit's rows (``loss_rows``): a row of panels per mode, grouped
+    bars per shape with a bar per provider; left the time (ms, log scale), right the gathered
+    rows' "% of read" (none for the backward, which reads no gathered rows) against the 80%
+    goal. Nothing is drawn where the commit has no rows."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    with open(csv_path) as f:
-        rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["ms"] != "oom"]
+    rows = loss_rows(csv_path, commit, grads)
     if not rows:
         return
-    def key(r):  # what took a gradient is part of a backward row's key (--also-grad)
-        extra = (r.get("grads") or "emb").replace("emb", "").strip("+")
-        mode = r["mode"] if r["mode"] == "fwd" or not extra else f"{r['mode']}+{extra}"
-        return (r["B"], r["K"], r["D"], r["dtype"], mode)
-    keys = sorted({key(r) for r in rows},
-                  key=lambda k: (k[4], k[3], int(k[2]), int(k[1]), int(k[0])))
-    providers = sorted({r["provider"] for r in rows})
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.35 * len(keys)), 8), sharex=True)
-    for p in providers:
-        ms, gb = [], []
-        for k in keys:
-            hit = [r for r in rows if r["provider"] == p and key(r) == k]
-            ms.append(float(hit[-1]["ms"]) if hit else float("nan"))
-            gb.append(float(hit[-1]["gbps"]) if hit else float("nan"))
-        axes[0].plot(range(len(keys)), ms, "o-", label=p)
-        axes[1].plot(range(len(keys)), gb, "o-", label=p)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("ms (median)")
-    axes[1].set_ylabel("GB/s (bytes the op must read)")
-    axes[1].set_xticks(range(len(keys)))
-    axes[1].set_xticklabels([f"{m} {dt} B{b} K{k} D{d}" for b, k, d, dt, m in keys],
-                            rotation=90, fontsize=7)
-    axes[0].legend()
-    axes[0].set_title(f"neighbour-kernel loss — {rows[-1]['device']} @ {rows[-1]['commit']}")
+    shapes, modes, provs, ms, pct = plot_data(rows)
+    n, w = len(shapes), 0.8 / max(1, len(provs))
+    fig, axes = plt.subplots(len(modes), 2, figsize=(max(9, 1.6 * n + 4), 3.2 * len(modes)),
+                             squeeze=False)
+    labels = [f"B {b}, K {k}\nD {d}, {dt}" for b, k, d, dt in shapes]
+    for i, m in enumerate(modes):
+        left, right = axes[i]
+        for j, p in enumerate(provs):
+            xs = [x + (j - (len(provs) - 1) / 2) * w for x in range(n)]
+            left.bar(xs, ms[m, p], w, label=p, color=f"C{j}")
+            if m != "bwd":
+                right.bar(xs, pct[m, p], w, label=p, color=f"C{j}")
+        left.set_yscale("log")
+        left.set_ylabel(f"{MODE_HEAD[m]}, ms")
+        if m == "bwd":
+            right.axis("off")
+            right.text(0.5, 0.5, "the backward reads no gathered rows", ha="center",
+                       va="center", transform=right.transAxes)
+        else:
+            right.axhline(READ_GOAL_PCT, color="k", ls="--", lw=1)
+            right.axhline(100, color="0.6", ls=":", lw=1)
+            right.set_ylabel(f"{MODE_HEAD[m]}, % of read")
+        for ax in (left, right):
+            ax.set_xticks(range(n))
+            ax.set_xticklabels(labels, fontsize=7)
+    axes[0][0].legend(fontsize=8)
+    extra = "" if grads == "emb" else f", gradients to {grads.replace('+', ', ')}"
+    fig.suptitle(f"neighbour-kernel loss: {rows[-1]['device']} @ {commit}, "
+                 f"{rows[-1]['date'][:10]}{extra} (dashed: the 80% goal)")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    fig.savefig(png_path, dpi=110)
     plt.close(fig)
-
-
-MODE_HEAD = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
 
 
 def grads_label(mode, also_grad) -> str:
@@ -408,10 +454,7 @@ def summary(csv_path, commit, mode=None, grads="emb"):
     mode). ``grads``: the backward and forward+backward rows whose gradients went to these
     inputs ("emb", "emb+sigma", ...: the CSV's "grads"; rows written before that column
     trained the embeddings only); the forward does not depend on it."""
-    with open(csv_path) as f:
-        rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
-                and r["ms"] not in ("oom", "")
-                and (r["mode"] == "fwd" or (r.get("grads") or "emb") == grads)]
+    rows = loss_rows(csv_path, commit, grads)
     modes = [m for m in MODES if any(r["mode"] == m for r in rows) and mode in (None, m)]
     by = {}
     for r in rows:
@@ -645,8 +688,9 @@ def _main(argv):
                 row[13] = "" if row[13] == "" else f"{100 * row[13] / row_read:.1f}"
                 row[14] = f"{row_read:.4g}"
             out.write(row, echo=False)
-    plot(csv_path, csv_path[:-4] + ".png")
-    print(summary(csv_path, commit, grads=grads_label("fwd_bwd", args.also_grad)))
+    grads = grads_label("fwd_bwd", args.also_grad)
+    plot(csv_path, csv_path[:-4] + ".png", commit, grads)
+    print(summary(csv_path, commit, grads=grads))
     return csv_path
 
 

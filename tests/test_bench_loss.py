@@ -2,6 +2,7 @@
 process and with every measurement in a fresh process), and the shared helpers work."""
 import argparse
 import csv
+import math
 import os
 import sys
 
@@ -549,3 +550,41 @@ def test_process_limits_are_measured_where_they_are_called():
     assert lim["read_gbps"] > 0 and lim["bank_read_gbps"] > 0
     assert (lim["gather_gbps"] > 0) if cpu.available() else lim["gather_gbps"] is None
     assert common.max_limits([{"a": 1.0, "b": None}, {"a": 3.0}, None]) == {"a": 3.0, "b": None}
+
+
+def test_plot_shows_one_commits_latest_rows_and_their_read_share(tmp_path):
+    """The plot and the table take the same rows: one commit's, the last per shape, provider
+    and mode (a later run at that commit replaces an earlier one), the forward and the
+    trained inputs' backward rows; "% of read" is empty for the backward."""
+    path = str(tmp_path / "loss.csv")
+
+    def row(commit, prov, mode, ms, pct, grads="emb", D="128"):
+        r = dict.fromkeys(bench_loss.COLUMNS, "")
+        r.update(op="loss", provider=prov, mode=mode, B="8", K="4", D=D, dtype="fp32",
+                 ms=str(ms), commit=commit, pct_of_read=pct, device="cpu X",
+                 date="2026-11-27T00:00:00+00:00", grads="" if mode == "fwd" else grads)
+        return r
+    rows = [row("new", "fused", "fwd", 2.0, "50"),              # replaced below
+            row("new", "fused", "fwd", 1.0, "90"),
+            row("new", "compile", "fwd", 3.0, "30"),
+            row("new", "fused", "bwd", 0.5, ""),
+            row("new", "fused", "bwd", 7.0, "", grads="emb+sigma"),  # another --also-grad
+            row("new", "fused", "fwd", 4.0, "20", D="64"),
+            row("old", "fused", "fwd", 9.0, "10")]                 # another commit, later
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=bench_loss.COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    shapes, modes, provs, ms, pct = bench_loss.plot_data(bench_loss.loss_rows(path, "new"))
+    assert shapes == [("8", "4", "128", "fp32"), ("8", "4", "64", "fp32")]
+    assert modes == ["fwd", "bwd"] and provs == ["fused", "compile"]
+    assert ms["fwd", "fused"] == [1.0, 4.0] and pct["fwd", "fused"] == [90.0, 20.0]
+    assert ms["fwd", "compile"][0] == 3.0 and math.isnan(ms["fwd", "compile"][1])
+    assert ms["bwd", "fused"][0] == 0.5 and math.isnan(pct["bwd", "fused"][0])
+    _, _, _, ms, _ = bench_loss.plot_data(bench_loss.loss_rows(path, "new", "emb+sigma"))
+    assert ms["bwd", "fused"][0] == 7.0
+    png = str(tmp_path / "loss.png")
+    bench_loss.plot(path, png, "new")
+    assert os.path.getsize(png) > 1000
+    bench_loss.plot(path, str(tmp_path / "none.png"), "absent")  # no rows: nothing drawn
+    assert not os.path.exists(tmp_path / "none.png")

@@ -103,6 +103,55 @@ def test_wide_rows(bank_dtype):
 
 
 @kernel
+@pytest.mark.parametrize("weights", ["none", "fp32", "fp64", "odd"])
+@pytest.mark.parametrize("idx_dtype,cl_dtype", [(torch.int32, torch.int32),
+                                                (torch.int64, torch.int64),
+                                                (torch.int32, torch.int64)])
+def test_logits_over_several_blocks_of_entries(weights, idx_dtype, cl_dtype):
+    """The logits are taken 64 entries at a time (list_logits_of's gathered weights and
+    labels): lists of 1, 63, 64, 65 and 200 entries with padding, entries past the bank and
+    zero, non-unit and uniform weights in every block give the fp64 contract's values, and a
+    row whose entry past the bank sits in its last block comes out NaN."""
+    for K in (1, 63, 64, 65, 200):
+        emb, labels, centres, cl, nb, _, s = make(B=6, K=K, D=8, N=300, idx_dtype=idx_dtype,
+                                                  cl_dtype=cl_dtype, seed=K)
+        g = torch.Generator().manual_seed(K)
+        w = None
+        if weights != "none":
+            w = torch.ones(300, dtype=torch.float64 if weights == "fp64" else torch.float32)
+            if weights == "odd":  # zero and non-unit weights scattered over the blocks
+                w = torch.rand(300, generator=g) + 0.5
+                w[nb[3].clamp_min(0)[::7]] = 0.0
+        nb = nb.clone()
+        nb[4, ::5] = -1  # padding in every block
+        check(cpu.forward(emb, labels, centres, cl, nb, w, s),
+              reference(emb, labels, centres, cl, nb, w, s), torch.float32)
+        nb[5, K - 1] = 300  # past the bank, in the last block: the row is NaN, the others not
+        out = cpu.forward(emb, labels, centres, cl, nb, w, s)
+        assert out[0][5].isnan() and not out[0][:5].isnan().any(), K
+
+
+@kernel
+def test_a_label_the_centre_labels_cannot_hold_matches_no_centre():
+    """int64 row labels against int32 centre labels: a label past int32's range has no
+    positive, though its low 32 bits equal a centre's label (the kernel compares in the centre
+    labels' type only where the label fits it)."""
+    emb, labels, centres, cl, nb, _, s = make(B=6, K=70, D=8, N=30, cl_dtype=torch.int32,
+                                              seed=2)
+    cl = torch.full_like(cl, 5)
+    wide = labels.clone()
+    wide[:] = 5
+    wide[1] = 2 ** 32 + 5  # 5 in its low 32 bits
+    # Unit weights: the SIMD pass decides every entry (non-unit ones are taken again one at
+    # a time, with the labels compared as int64).
+    for w in (None, torch.ones(30), torch.ones(30, dtype=torch.float64)):
+        out = cpu.forward(emb, wide, centres, cl, nb, w, s)
+        assert out[2][1] == float("-inf") and out[0][1] == 0.0  # no positive: loss 0
+        assert (out[2][[0, 2, 3, 4, 5]] > float("-inf")).all()
+        check(out, reference(emb, wide, centres, cl, nb, w, s), torch.float32)
+
+
+@kernel
 def test_k1_and_all_positive_rows():
     emb, labels, centres, cl, nb, w, s = make(B=6, K=1, N=10, weights=False, seed=4)
     check(cpu.forward(emb, labels, centres, cl, nb, w, s),

@@ -170,3 +170,22 @@ def test_bf16_rows_widen_with_one_instruction_per_register(disassembly, isa):
              and f"%{width}" in i]
     assert len(widen) >= (16 if isa == "avx2" else 8), (isa, len(widen))
     assert not [i for i in code if i.startswith(("vinserti128", "vinserti32x4"))], isa
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+def test_the_logits_are_simd_lanes_at_every_type(disassembly, isa):
+    """The logits of a row's entries (list_logits_of, 12 builds for fp32 rows: int32 / int64
+    lists and centre labels, no / fp32 / fp64 weights) run as SIMD lanes under the generic
+    tuning too: every build that is a function of its own has a loop on full-width registers,
+    and the fp32 builds have at least one such loop each. Before 2026-11-27 GCC found no vector
+    type for this loop under generic tuning at any type (and under this CPU's for the weighted
+    builds): 0 such loops."""
+    funcs = disassembly[isa]
+    width = "ymm" if isa == "avx2" else "zmm"
+    names = [k for k in funcs if k.startswith((
+        "bool (anonymous namespace)::list_logits_of<float,",
+        "bool (anonymous namespace)::Lists::logits<float>("))]
+    packed = {n: sum(1 for body in _loops(funcs, n) if any(f"%{width}" in i for i in body))
+              for n in names}
+    assert all(packed[n] > 0 for n in names if "list_logits_of" in n), (isa, packed)
+    assert sum(packed.values()) >= 12, (isa, packed)

@@ -753,30 +753,98 @@ void run_items(int64_t n, int nthreads, const Work& work) {
 //     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
 //     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
 //     entry cost ~13% of the forward at K = 32, D = 128.
+// Whether v is inf or NaN, from its exponent bits (all ones): an integer test, which a SIMD
+// loop can combine with its other integer masks (see list_logits_of).
+template <typename C>
+NNK_INLINE bool nonfinite_bits(C v) {
+    typedef typename std::conditional<sizeof(C) == 4, uint32_t, uint64_t>::type U;
+    U b;
+    std::memcpy(&b, &v, sizeof b);
+    constexpr U e = sizeof(C) == 4 ? (U)0x7f800000u : (U)0x7ff0000000000000ull;
+    return (b & e) == e;
+}
+
 template <typename C, typename I, typename L, typename W>
 bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, int64_t n_rows,
                     int64_t k0, int64_t a, int64_t e, int64_t R, const C* __restrict u,
                     C* __restrict lg, C* __restrict lpos) {
+    // Entries outside the bank read row 0's weight and label (unused: such an entry is not
+    // valid); an empty bank has no row 0, so they read a zero of 8 bytes instead.
+    static const int64_t zero8 = 0;
     const I* __restrict nb = (const I*)nbrs + k0;
-    const L* __restrict cls = (const L*)clabels;
-    const void* const wts = weights;
+    const L* __restrict cls = (const L*)(n_rows > 0 ? clabels : (const void*)&zero8);
+    const void* const wts = n_rows > 0 ? weights : (const void*)&zero8;
     const C ninf = -std::numeric_limits<C>::infinity();
-    const C big = std::numeric_limits<C>::max();
     int bad = 0, odd = 0;  // ints: a bool reduction kept the loop scalar
-#pragma omp simd reduction(| : bad, odd)
-    for (int64_t k = a; k < e; ++k) {  // branch-free (& not &&): one SIMD body
-        const int64_t j = (int64_t)nb[k];
-        const bool in = (j >= 0) & (j < n_rows);
-        const int64_t js = in ? j : 0;
+    // Written so that GCC 12 vectorises it at every type and tuning (tests/
+    // test_cpu_kernel_codegen.py): the weights and centre labels are gathered first, a block of
+    // up to 64 entries at a time, into two small buffers (in a loop of its own, which the
+    // compiler vectorises with gather instructions where its tuning uses them and leaves
+    // scalar where not), and the SIMD loop then reads them in order; it works in the lists' own
+    // integer type (the last bank row an entry may name as an I: n_rows - 1, or I's largest
+    // value where the bank has more rows than I can name, -1 for an empty bank; R as an L: a
+    // label L cannot hold matches no centre); an entry outside the bank is a zero weight; a
+    // non-finite distance is read from its exponent bits (nonfinite_bits), an integer test
+    // like `in`. Before (int64 indices, the gathers in the SIMD loop, `in & (w != 0)` and
+    // `in & !(|u| <= max)`: integer masks beside float compares) GCC found "no vector type"
+    // for the weighted builds and, under generic tuning, for all: they ran one entry at a
+    // time, the logits ~10% of the kernel's forward at B 1024, K 32, D 128 (perf). Measured
+    // against that (2026-11-27, cpu_variants.py --against, 8 rounds, the kernel's forward /
+    // with grad_x): 1.11x / 1.07x at B 1024, K 32, D 128 fp32, 1.12x / 1.09x with bf16 rows,
+    // 1.20x / 1.13x at B 128, K 1000, D 64 (the Fashion-MNIST step), 0.99-1.03x at D 2048 and
+    // with the bf16 bank of D 512; at D 512 fp32 0.95x / 0.98x, and 1.02x / 0.98x in a run of
+    // 20 rounds (the rounds' own spread: 0.95-1.03). The gathers inside the SIMD loop
+    // (vectorised under this CPU's tuning only) measured the same within 2% but for 1.06x at
+    // K 1000. Log: benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt.
+    const I last = n_rows - 1 > (int64_t)std::numeric_limits<I>::max()
+                       ? std::numeric_limits<I>::max() : (I)(n_rows - 1);
+    const bool r_fits = (int64_t)(L)R == R;
+    const L rl = (L)R;
+    // One entry's logits (into lg and lpos) from its list entry j, weight w and centre label
+    // c (read from row 0 where j is outside the bank: unused), and its two flags: bit 0 bad
+    // (past the bank, or a non-finite distance), bit 1 a weight other than 0 and 1.
+    auto entry = [=](int64_t k, I j, C w, L c) -> int {
+        const bool in = (j >= 0) & (j <= last);
         const C uk = u[k];
-        C w = 1;
-        if constexpr (!std::is_void<W>::value) w = (C)((const W*)wts)[js];
-        const bool valid = in & (w != (C)0);
+        const C wv = in ? w : (C)0;  // 0 outside the bank: not valid
+        const bool valid = wv != (C)0;
         const C l = valid ? (C)0 - uk * (C)0.5 : ninf;
         lg[k] = l;
-        lpos[k] = valid & ((int64_t)cls[js] == R) ? l : ninf;
-        bad |= (int)((j >= n_rows) | (in & !(std::fabs(uk) <= big)));
-        odd |= (int)(valid & (w != (C)1));
+        lpos[k] = valid & r_fits & (c == rl) ? l : ninf;
+        return (int)((j > last) | (in & nonfinite_bits(uk)))
+               | ((int)((wv != (C)0) & (wv != (C)1)) << 1);
+    };
+    auto weight = [=](I js) -> C {
+        if constexpr (std::is_void<W>::value) return (C)1;
+        else return (C)((const W*)wts)[js];
+    };
+    auto stand_in = [=](I j) -> I { return (j >= 0) & (j <= last) ? j : (I)0; };
+    // The one-pass fold's groups of four entries one at a time: the buffered SIMD pass below
+    // took 1.01-1.02x their time at B 256, K 100, D 512 fp32 with grad_x (2026-11-27, 10 and
+    // 14 rounds).
+    const bool few = e - a <= 4;
+    for (int64_t k = a; few && k < e; ++k) {
+        const I js = stand_in(nb[k]);
+        const int f = entry(k, nb[k], weight(js), cls[js]);
+        bad |= f & 1;
+        odd |= f >> 1;
+    }
+    constexpr int64_t CH = 64;
+    C wb[CH];
+    L cb[CH];
+    for (int64_t b0 = few ? e : a; b0 < e; b0 += CH) {
+        const int64_t n = e - b0 < CH ? e - b0 : CH;
+        for (int64_t t = 0; t < n; ++t) {  // the gathers (vector gathers where tuned for)
+            const I js = stand_in(nb[b0 + t]);
+            wb[t] = weight(js);
+            cb[t] = cls[js];
+        }
+#pragma omp simd reduction(| : bad, odd)
+        for (int64_t t = 0; t < n; ++t) {
+            const int f = entry(b0 + t, nb[b0 + t], wb[t], cb[t]);
+            bad |= f & 1;
+            odd |= f >> 1;
+        }
     }
     if constexpr (!std::is_void<W>::value) {
         if (!odd) return bad;

@@ -795,7 +795,11 @@ bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, 
     // with the bf16 bank of D 512; at D 512 fp32 0.95x / 0.98x, and 1.02x / 0.98x in a run of
     // 20 rounds (the rounds' own spread: 0.95-1.03). The gathers inside the SIMD loop
     // (vectorised under this CPU's tuning only) measured the same within 2% but for 1.06x at
-    // K 1000. Log: benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt.
+    // K 1000; the gather loop kept scalar (a compiler barrier in it) against its vector
+    // gathers: 1.00-1.04x (14 rounds), not kept. perf at B 1024, K 32, D 128 (the op's
+    // forward-only calls, steady state): the distances 49% of the samples, this function 13%
+    // (most of it the gathers), the rest of the row 11%, GOMP's waits 11%, Python 7%.
+    // Log: benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt.
     const I last = n_rows - 1 > (int64_t)std::numeric_limits<I>::max()
                        ? std::numeric_limits<I>::max() : (I)(n_rows - 1);
     const bool r_fits = (int64_t)(L)R == R;

@@ -1400,9 +1400,11 @@ __attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* 
             acc += (cv - rv) * ((cv + rv) - (xv + xv));
         }
         C tail = 0;
-        for (; d < Dn; ++d) {
-            const C cd = load<C>(c, d), rd = load<C>(r, d);
-            tail += (cd - rd) * ((cd + rd) - (xq[d] + xq[d]));
+        if (DC == 0 || DC % ACC != 0) {  // a compile-time D of whole lanes has no tail (said
+            for (; d < Dn; ++d) {        // outright: GCC 12 warned of the dead loop's bounds)
+                const C cd = load<C>(c, d), rd = load<C>(r, d);
+                tail += (cd - rd) * ((cd + rd) - (xq[d] + xq[d]));
+            }
         }
         return tree_sum(acc) + tail;
     };
@@ -1427,7 +1429,7 @@ __attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* 
             a3 += (v3 - rv) * ((v3 + rv) - x2);
         }
         C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-        for (; d < Dn; ++d) {
+        for (; (DC == 0 || DC % ACC != 0) && d < Dn; ++d) {  // no tail at a whole-lane DC
             const C rd = load<C>(r, d), x2d = xq[d] + xq[d];
             const C e0 = load<C>(c0, d), e1 = load<C>(c1, d);
             const C e2 = load<C>(c2, d), e3 = load<C>(c3, d);

@@ -797,8 +797,9 @@ bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, 
     // (vectorised under this CPU's tuning only) measured the same within 2% but for 1.06x at
     // K 1000; the gather loop kept scalar (a compiler barrier in it) against its vector
     // gathers: 1.00-1.04x (14 rounds), not kept. perf at B 1024, K 32, D 128 (the op's
-    // forward-only calls, steady state): the distances 49% of the samples, this function 13%
-    // (most of it the gathers), the rest of the row 11%, GOMP's waits 11%, Python 7%.
+    // forward-only calls, steady state, at a95cee9): the distances 49% of the samples, this
+    // function 13% (most of it the gathers), the rest of the row 11%, GOMP's waits 11%,
+    // Python 7%.
     // Log: benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt.
     const I last = n_rows - 1 > (int64_t)std::numeric_limits<I>::max()
                        ? std::numeric_limits<I>::max() : (I)(n_rows - 1);
@@ -826,28 +827,30 @@ bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, 
     // The one-pass fold's groups of four entries one at a time: the buffered SIMD pass below
     // took 1.01-1.02x their time at B 256, K 100, D 512 fp32 with grad_x (2026-11-27, 10 and
     // 14 rounds).
-    const bool few = e - a <= 4;
-    for (int64_t k = a; few && k < e; ++k) {
-        const I js = stand_in(nb[k]);
-        const int f = entry(k, nb[k], weight(js), cls[js]);
-        bad |= f & 1;
-        odd |= f >> 1;
-    }
-    constexpr int64_t CH = 64;
-    C wb[CH];
-    L cb[CH];
-    for (int64_t b0 = few ? e : a; b0 < e; b0 += CH) {
-        const int64_t n = e - b0 < CH ? e - b0 : CH;
-        for (int64_t t = 0; t < n; ++t) {  // the gathers (vector gathers where tuned for)
-            const I js = stand_in(nb[b0 + t]);
-            wb[t] = weight(js);
-            cb[t] = cls[js];
-        }
-#pragma omp simd reduction(| : bad, odd)
-        for (int64_t t = 0; t < n; ++t) {
-            const int f = entry(b0 + t, nb[b0 + t], wb[t], cb[t]);
+    if (e - a <= 4) {
+        for (int64_t k = a; k < e; ++k) {
+            const I js = stand_in(nb[k]);
+            const int f = entry(k, nb[k], weight(js), cls[js]);
             bad |= f & 1;
             odd |= f >> 1;
+        }
+    } else {
+        constexpr int64_t CH = 64;
+        C wb[CH];
+        L cb[CH];
+        for (int64_t b0 = a; b0 < e; b0 += CH) {
+            const int64_t n = e - b0 < CH ? e - b0 : CH;
+            for (int64_t t = 0; t < n; ++t) {  // the gathers (vector gathers where tuned for)
+                const I js = stand_in(nb[b0 + t]);
+                wb[t] = weight(js);
+                cb[t] = cls[js];
+            }
+#pragma omp simd reduction(| : bad, odd)
+            for (int64_t t = 0; t < n; ++t) {
+                const int f = entry(b0 + t, nb[b0 + t], wb[t], cb[t]);
+                bad |= f & 1;
+                odd |= f >> 1;
+            }
         }
     }
     if constexpr (!std::is_void<W>::value) {
@@ -1429,14 +1432,16 @@ __attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* 
             a3 += (v3 - rv) * ((v3 + rv) - x2);
         }
         C t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-        for (; (DC == 0 || DC % ACC != 0) && d < Dn; ++d) {  // no tail at a whole-lane DC
-            const C rd = load<C>(r, d), x2d = xq[d] + xq[d];
-            const C e0 = load<C>(c0, d), e1 = load<C>(c1, d);
-            const C e2 = load<C>(c2, d), e3 = load<C>(c3, d);
-            t0 += (e0 - rd) * ((e0 + rd) - x2d);
-            t1 += (e1 - rd) * ((e1 + rd) - x2d);
-            t2 += (e2 - rd) * ((e2 + rd) - x2d);
-            t3 += (e3 - rd) * ((e3 + rd) - x2d);
+        if (DC == 0 || DC % ACC != 0) {  // no tail at a whole-lane DC (as in `one`)
+            for (; d < Dn; ++d) {
+                const C rd = load<C>(r, d), x2d = xq[d] + xq[d];
+                const C e0 = load<C>(c0, d), e1 = load<C>(c1, d);
+                const C e2 = load<C>(c2, d), e3 = load<C>(c3, d);
+                t0 += (e0 - rd) * ((e0 + rd) - x2d);
+                t1 += (e1 - rd) * ((e1 + rd) - x2d);
+                t2 += (e2 - rd) * ((e2 + rd) - x2d);
+                t3 += (e3 - rd) * ((e3 + rd) - x2d);
+            }
         }
         o[j] = tree_sum(a0) + t0;
         o[j + 1] = tree_sum(a1) + t1;

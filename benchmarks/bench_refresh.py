@@ -16,17 +16,22 @@ HNSW); shapes predicted to exceed
 
 The limit: the search is an N x N x D GEMM, so its floor is ``sgemm_seconds`` = 2 N^2 D flops at
 the fp32 GEMM rate of this machine, measured in the same run just before each shape (median of
-5 products of a (2048, D) by (D, 16384) matrix, the search's own block shape class).
+5 products of a (2048, D) by (D, 16384) matrix, the search's own block shape class): the faster
+of ``torch.mm`` and, on the CPU, the search's own GEMM where the compiled library has one
+(``nnkloss.bank.search.torch_search.distance_tile``; column ``gemm`` names the one that set the
+bound, ``torch_mm_gflops`` is torch.mm's rate either way).
 ``x_sgemm`` = seconds / sgemm_seconds. The "torch" backend on the CPU with the compiled library
 searches the one tensor against itself with the symmetric self-search (each pair's distance
 computed once: about N^2 D flops, half the bound's), so its x_sgemm can be below 1; the bound
 keeps the N x N GEMM so that every backend is on one scale.
 
 Appends one row per measured shape to ``benchmarks/results/refresh_<device>.csv`` with columns
-``op,backend,N,D,k,seconds,device,commit,date,sgemm_gflops,sgemm_seconds,x_sgemm,load``
+``op,backend,N,D,k,seconds,device,commit,date,sgemm_gflops,sgemm_seconds,x_sgemm,load,gemm,
+torch_mm_gflops``
 (device: the CUDA device name or the CPU model from /proc/cpuinfo; commit: ``git rev-parse
 --short HEAD``; date: UTC ISO 8601; load: the 1-minute load average before the run, from
-/proc/loadavg: the machine may be shared). Rows of earlier versions have the last four empty.
+/proc/loadavg: the machine may be shared). Rows of earlier versions have the columns they
+predate empty (before 2026-11-27 the bound was torch.mm's rate).
 """
 from __future__ import annotations
 
@@ -44,9 +49,10 @@ from common import ResultsCsv, device_name, git_commit, results_path, utc_now  #
 import torch  # noqa: E402
 
 from nnkloss.bank.search import faiss_available, faiss_gpu_usable, knn  # noqa: E402
+from nnkloss.bank.search import torch_search as TS  # noqa: E402
 
 COLUMNS = ["op", "backend", "N", "D", "k", "seconds", "device", "commit", "date",
-           "sgemm_gflops", "sgemm_seconds", "x_sgemm", "load"]
+           "sgemm_gflops", "sgemm_seconds", "x_sgemm", "load", "gemm", "torch_mm_gflops"]
 APPROX = {"faiss-ivf": "ivf", "faiss-hnsw": "hnsw"}
 CALIBRATION_N = 4096
 
@@ -65,9 +71,11 @@ def available_bytes(device: torch.device) -> int:
 
 
 def label(backend: str, device: torch.device) -> str:
-    """The backend as it actually runs: faiss says whether its index is on the GPU or CPU."""
+    """The backend as it actually runs: faiss says whether its index is on the GPU or CPU; the
+    torch search says when its CPU tiles are computed by torch.mm (--torch-mm) instead of the
+    compiled library's GEMM."""
     if backend == "torch":
-        return "torch"
+        return "torch" if TS.COMPILED_GEMM or device.type != "cpu" else "torch (torch.mm)"
     gpu = device.type == "cuda" and faiss_gpu_usable(
         torch.cuda.current_device() if device.index is None else device.index)
     if backend == "faiss-hnsw":
@@ -91,22 +99,31 @@ def build_graph(x: torch.Tensor, k: int, backend: str) -> float:
     return time.perf_counter() - t0
 
 
-def sgemm_gflops(d: int, device: torch.device, reps: int = 5) -> float:
-    """fp32 GEMM rate (GFLOP/s) of this machine now: median of ``reps`` (2048, d) x (d, 16384)
-    products."""
+def gemm_rates(d: int, device: torch.device, reps: int = 5) -> dict:
+    """fp32 GEMM rates (GFLOP/s) of this machine now, median of ``reps`` (2048, d) x (d, 16384)
+    products: "torch.mm", and on the CPU "library" (the search's distance_tile with the
+    compiled library's GEMM) where the library has one."""
     g = torch.Generator(device="cpu").manual_seed(2)
     a = torch.randn(2048, d, generator=g).to(device)
     b = torch.randn(16384, d, generator=g).to(device)
     out = torch.empty(2048, 16384, device=device)
-    torch.mm(a, b.t(), out=out)  # warm-up
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b.t(), out=out)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * 2048 * 16384 * d / sorted(times)[reps // 2] / 1e9
+    products = {"torch.mm": lambda: torch.mm(a, b.t(), out=out)}
+    if device.type == "cpu" and TS.COMPILED_GEMM:
+        from nnkloss.ops import cpu
+        if cpu.gemm_nt(a, b, out):  # also the warm-up
+            products["library"] = lambda: cpu.gemm_nt(a, b, out)
+    rates = {}
+    for name, product in products.items():
+        product()  # warm-up
+        times = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            product()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        rates[name] = 2 * 2048 * 16384 * d / sorted(times)[reps // 2] / 1e9
+    return rates
 
 
 def loadavg() -> str:
@@ -142,7 +159,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=120.0,
                     help="skip shapes predicted to take longer than this (per backend)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--torch-mm", action="store_true",
+                    help="the torch search's CPU tiles by torch.mm, not the compiled library's "
+                         "GEMM (torch_search.COMPILED_GEMM = False): the A/B of the two")
     args = ap.parse_args(argv)
+    if args.torch_mm:
+        TS.COMPILED_GEMM = False
 
     device = torch.device(args.device)
     backends = args.backends or (["torch", "faiss"] if faiss_available() else ["torch"])
@@ -182,7 +204,9 @@ def main(argv=None) -> int:
                         continue
                     x = data(n, d, device)
                     load = loadavg()
-                    rate = sgemm_gflops(d, device)
+                    rates = gemm_rates(d, device)
+                    gemm = max(rates, key=rates.get)
+                    rate = rates[gemm]
                     floor = 2.0 * n * n * d / rate / 1e9
                     seconds = build_graph(x, args.k, backend)
                     del x
@@ -192,10 +216,12 @@ def main(argv=None) -> int:
                         "k": args.k, "seconds": f"{seconds:.4f}", "device": name,
                         "commit": commit, "date": utc_now(), "sgemm_gflops": f"{rate:.1f}",
                         "sgemm_seconds": f"{floor:.3f}", "x_sgemm": f"{seconds / floor:.2f}",
-                        "load": load,
+                        "load": load, "gemm": gemm,
+                        "torch_mm_gflops": f"{rates['torch.mm']:.1f}",
                     }, echo=False)
                     print(f"{tag}: {seconds:8.2f} s (predicted {guess:.1f} s; sgemm bound "
-                          f"{floor:.2f} s at {rate:.0f} GFLOP/s: x{seconds / floor:.2f}; "
+                          f"{floor:.2f} s at {rate:.0f} GFLOP/s ({gemm}; torch.mm "
+                          f"{rates['torch.mm']:.0f}): x{seconds / floor:.2f}; "
                           f"load {load})")
     return 0
 

@@ -414,6 +414,21 @@ def test_refresh_benchmark_writes_through_the_shared_helper(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == bench_refresh.COLUMNS
     assert rows[0]["N"] == "500" and float(rows[0]["seconds"]) > 0 and rows[0]["date"]
+    # the bound is the faster GEMM, torch.mm's rate kept beside it
+    assert rows[0]["gemm"] in ("torch.mm", "library")
+    assert float(rows[0]["sgemm_gflops"]) >= float(rows[0]["torch_mm_gflops"]) > 0
+
+
+def test_refresh_benchmark_times_torch_mm_on_request(tmp_path, monkeypatch):
+    import bench_refresh
+    monkeypatch.setattr(bench_refresh.TS, "COMPILED_GEMM", True)
+    assert bench_refresh.main(["--N", "300", "--D", "8", "--k", "5", "--backends", "torch",
+                               "--torch-mm", "--out", str(tmp_path)]) == 0
+    assert bench_refresh.TS.COMPILED_GEMM is False
+    (path,) = tmp_path.glob("refresh_*.csv")
+    with open(path) as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["backend"] == "torch (torch.mm)"
 
 
 def test_profile_step_reports_wall_and_host_time_per_mode(capsys):

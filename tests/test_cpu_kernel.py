@@ -1813,3 +1813,89 @@ def test_rel_sqdist_edges_and_what_it_leaves_to_the_caller():
     assert cpu.rel_sqdist(x, centres.t().contiguous().t(), idx.clamp(0, 9), idx[:, 0].clamp(0),
                           torch.float32) is None
     assert cpu.rel_sqdist(x, centres, idx.clamp(0, 9), idx[:, 0].clamp(0), torch.int32) is None
+
+
+# ------------------------------------------------------------------ the kNN search's GEMM
+def _has_gemm() -> bool:
+    return cpu.gemm_nt(torch.zeros(1, 1), torch.zeros(1, 1), torch.empty(1, 1))
+
+
+def _avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+gemm = pytest.mark.skipif(not (cpu.available() and _has_gemm()),
+                          reason="no compiled GEMM (no C++ compiler or no AVX-512)")
+
+
+@kernel
+def test_gemm_is_there_exactly_where_the_build_has_avx512():
+    """nnk_gemm_nt answers 1 (not built: the caller keeps torch.mm) only without AVX-512; a
+    -march=native build on a CPU with avx512f has it."""
+    assert _has_gemm() == _avx512()
+
+
+@gemm
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 13, 5), (8, 32, 8), (9, 33, 136),
+                                   (33, 65, 72), (100, 31, 200), (3, 70, 1), (5, 40, 0)])
+def test_gemm_matches_fp64(m, n, k):
+    """Every tail (rows past a panel of 8, columns past 32) and k = 0 (zeros); against fp64,
+    within k rounding errors of the terms' magnitudes; exact on small integers."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    out = torch.full((m, n), float("nan"))
+    assert cpu.gemm_nt(a, b, out)
+    ref = a.double() @ b.double().t()
+    scale = a.double().abs() @ b.double().abs().t()
+    assert ((out.double() - ref).abs() <= (k + 1) * 2.0 ** -24 * scale).all()
+    ai = torch.randint(-8, 9, (m, k), generator=g).float()
+    bi = torch.randint(-8, 9, (n, k), generator=g).float()
+    assert cpu.gemm_nt(ai, bi, out)
+    assert torch.equal(out, (ai.double() @ bi.double().t()).float())
+
+
+@gemm
+def test_gemm_bits_do_not_depend_on_the_tile_the_strides_or_the_threads():
+    """An element is one dot product of its two rows: the same bits computed in a whole tile,
+    in any sub-tile (other panel boundaries), through row-strided views, and at 1 or 2
+    threads. (A BLAS gives no such promise: the search's paths rely on this one.)"""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(300, 136, generator=g) * 50, torch.randn(517, 136, generator=g)
+    whole = torch.empty(300, 517)
+    assert cpu.gemm_nt(a, b, whole)
+    for r0, r1, c0, c1 in [(3, 250, 5, 517), (1, 2, 0, 1), (7, 300, 31, 100), (0, 17, 33, 66)]:
+        part = torch.empty(r1 - r0, c1 - c0)
+        assert cpu.gemm_nt(a[r0:r1], b[c0:c1], part)
+        assert torch.equal(part, whole[r0:r1, c0:c1])
+    # row-strided inputs (the first 136 of 200 columns) and output (a window of a wider buffer)
+    wa = torch.zeros(300, 200)
+    wa[:, :136] = a
+    buf = torch.full((300, 600), -1.0)
+    assert cpu.gemm_nt(wa[:, :136], b, buf[:, 40:557])
+    assert torch.equal(buf[:, 40:557], whole)
+    assert (buf[:, :40] == -1).all() and (buf[:, 557:] == -1).all(), "wrote outside the view"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.empty(300, 517)
+        assert cpu.gemm_nt(a, b, one)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, whole)
+
+
+@kernel
+def test_gemm_declines_what_it_cannot_read():
+    """Other dtypes, column strides, shapes that do not match, and rows that overlap: False
+    (the caller's torch.mm runs), nothing written."""
+    a, b = torch.randn(4, 6), torch.randn(5, 6)
+    out = torch.full((4, 5), 7.0)
+    for args in [(a.double(), b.double(), out.double()), (a.t().contiguous().t(), b, out),
+                 (a, b, torch.full((5, 4), 7.0).t()), (a, b[:, :5], out),
+                 (a, b, torch.empty(4, 4)), (a[:1].expand(4, 6), b, out)]:
+        assert not cpu.gemm_nt(*args)
+    assert (out == 7).all()

@@ -577,7 +577,8 @@ def test_compiled_selection_clamps_negative_distances(monkeypatch):
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
     assert (a[0].view(torch.int32) >= 0).all(), "no negative value and no -0.0"
     qa = TS._augment(queries, 24, query_side=True)
-    raw = qa @ TS._augment(base, 24, query_side=False).t()
+    # the distances as the search computes them (its GEMM: distance_tile)
+    raw = TS.distance_tile(qa, TS._augment(base, 24, query_side=False), torch.empty(9, 64))
     assert (raw < 0).any() and (raw == 0).any()  # the case under test does occur
     zeros = a[0] == 0
     assert lex_sorted(a[0], a[1]) and zeros.sum() >= (raw <= 0).sum()
@@ -867,3 +868,40 @@ def test_has_same_label_compiled_and_torch_forms_agree(monkeypatch):
     slow = has_same_label(nb, labels)
     assert torch.equal(fast, slow) and 0 < int(fast.sum()) < 300
     assert calls or not cpu.available()
+
+
+# ---------------------------------------------------------------------------- the tiles' GEMM
+def test_distance_tile_takes_the_compiled_gemm_where_there_is_one(monkeypatch):
+    """distance_tile: the library's GEMM on CPU tensors where it has one (its bits), torch.mm
+    with COMPILED_GEMM off or where it has none; the same distances either way to rounding."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(70, 30, generator=g), torch.randn(90, 30, generator=g)
+    qa, ba = TS._augment(x, 32, query_side=True), TS._augment(y, 32, query_side=False)
+    ours = TS.distance_tile(qa, ba, torch.empty(70, 90))
+    direct = torch.empty(70, 90)
+    if cpu.gemm_nt(qa, ba, direct):
+        assert torch.equal(ours, direct)
+    else:
+        assert torch.equal(ours, torch.mm(qa, ba.t()))
+    monkeypatch.setattr(TS, "COMPILED_GEMM", False)
+    called = []
+    monkeypatch.setattr(cpu, "gemm_nt", lambda *a: called.append(1) or True)
+    mm = TS.distance_tile(qa, ba, torch.empty(70, 90))
+    assert not called and torch.equal(mm, torch.mm(qa, ba.t()))
+    ref = torch.cdist(x.double(), y.double()).pow(2)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("compiled_gemm", [True, False])
+def test_every_cpu_path_is_exact_with_either_gemm(monkeypatch, compiled_gemm):
+    """The symmetric, blockwise-compiled and torch-selection paths, with the library's GEMM
+    and with torch.mm: the (distance, index) lists of tied small-integer points."""
+    monkeypatch.setattr(TS, "COMPILED_GEMM", compiled_gemm)
+    x = tied(n=300, d=4, seed=11)
+    ref = ref_lists(x, x, 25, exclude_self=True)
+    sym = knn(x, x, 25, "torch", exclude_self=True)
+    block = knn(x.clone(), x, 25, "torch", exclude_self=True)
+    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
+    fallback = knn(x.clone(), x, 25, "torch", exclude_self=True)
+    for got in (sym, block, fallback):
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])

@@ -56,7 +56,7 @@ from . import reference
 
 __all__ = ["available", "forward", "centre_grad", "scale_rows", "rel_sqdist", "gather_lists",
            "value_flags", "count_mismatched", "gather_read", "build_info", "library_path",
-           "knn_selection"]
+           "knn_selection", "gemm_nt"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 # -fno-trapping-math: the kernel never reads the floating-point exception flags, and without it
@@ -317,6 +317,8 @@ def _declare(lib):
     lib.nnk_knn_select_sym.restype = I
     lib.nnk_knn_finish.argtypes = [I64, I64, I64, P, P, P, P, I]
     lib.nnk_knn_finish.restype = I
+    lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
+    lib.nnk_gemm_nt.restype = I
     return lib
 
 
@@ -930,6 +932,49 @@ class KnnSelection:
         if rc != 0:
             raise RuntimeError(f"nnk_knn_finish failed (code {rc})")
         return dist, idx
+
+
+def gemm_nt(a, b, out) -> bool:
+    """``out = a @ b.T`` by the library's GEMM (``nnk_gemm_nt`` in cpu_kernel.cpp: each element
+    one fp32 dot product summed in column order with fused multiply-adds, the same bits whatever
+    the shapes and threads), for fp32 CPU matrices with unit column strides, ``out`` (m, n) not
+    overlapping the inputs. True when it ran; False where it cannot (the library unavailable or
+    built without AVX-512, or another dtype, device or layout): the caller then uses torch.mm.
+    """
+    lib = _lib()
+    mats = (a, b, out)
+    if (lib is None or any(t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2
+                           for t in mats)
+            or a.shape[1] != b.shape[1] or out.shape != (a.shape[0], b.shape[0])):
+        return False
+    lds = [_row_stride(t) for t in mats]
+    if None in lds:
+        return False
+    m, k = a.shape
+    n = b.shape[0]
+    rc = lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(), lds[2],
+                         m, n, k, _threads(m * n * max(k, 1) // GEMM_ELEMS_PER_WORK))
+    if rc == 1:
+        return False
+    if rc != 0:
+        raise RuntimeError(f"nnk_gemm_nt failed (code {rc})")
+    return True
+
+
+def _row_stride(t) -> Optional[int]:
+    """The row stride of a 2-D tensor whose rows are unit-stride and do not overlap (what the
+    library's GEMM reads and writes), or None."""
+    rows, cols = t.shape
+    if cols > 1 and t.stride(1) != 1:
+        return None
+    if rows <= 1:
+        return max(cols, 1)
+    return t.stride(0) if t.stride(0) >= max(cols, 1) else None
+
+
+# A GEMM's multiply-adds per element of _threads' work: one thread per 2^16 * 16 = 1M of them
+# (~5 us at one core's ~200 GFLOP/s), below which a parallel region would not repay itself.
+GEMM_ELEMS_PER_WORK = 16
 
 
 def knn_selection(rows: int, k: int, cap: int) -> Optional[KnnSelection]:

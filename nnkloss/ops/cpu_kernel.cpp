@@ -2234,3 +2234,131 @@ int nnk_knn_finish(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const i
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// The exact search's distance tiles (nnkloss/bank/search/torch_search.py, distance_tile):
+// C (m, n) = A (m, k) B (n, k)^T in fp32, A and B row-major (the augmented query and base
+// rows), every element ONE dot product of its two rows summed over p = 0 .. k-1 in that order
+// with fused multiply-adds from +0. So its bits depend on its two rows alone: not on the tile's
+// shape, the element's place in it or the thread count (a BLAS blocks and orders the sum as it
+// likes), and every path of the search that uses it computes the same distance for a pair.
+// AVX-512 builds only (nnk_gemm_nt returns 1 elsewhere and the search keeps torch.mm).
+//
+// Why: torch.mm (MKL 2024) on the 2-core AMD EPYC family 26 runs its AVX2 code, ~180 GFLOP/s
+// for the search's tiles (2048 x 4096 x 136), where this AVX-512 loop runs 360-440 (a prototype
+// in one process, 2026-11-27); the tiles' GEMM is most of the search's time at evaluation's k
+// (the figures: docs/PERFORMANCE.md, "The kNN graph" and "Evaluation at scale").
+//
+// How (the GotoBLAS layout, without k blocking: k is D + 2 rounded to 8, a few hundred):
+//   1. A is packed once into panels of GEMM_MR rows, element (row i, column p) of a panel at
+//      [p * GEMM_MR + i] (rows past m are zeros), so the micro-kernel broadcasts consecutive
+//      floats;
+//   2. each work item takes GEMM_GROUP panels of 32 B rows in turn, packs one ([p * 32 + j],
+//      rows past n zeros: 32 * k floats, in L1 at k <= 256) and runs the micro-kernel over
+//      every panel of A: GEMM_MR x 32 accumulators in 16 zmm registers, per p two loads of B,
+//      GEMM_MR broadcasts of A and 2 * GEMM_MR fused multiply-adds; the finished block is
+//      stored to C (the rows and columns that exist).
+// Memory traffic per call: A and B read once to pack; A's panels read again per 32 columns of
+// C (from L2 / L3: m * k * 4 bytes, 1.1 MB at m 2048, k 136); C written once (m * n * 4).
+#if defined(__AVX512F__)
+namespace {
+
+constexpr int64_t GEMM_MR = 8;
+constexpr int64_t GEMM_NR = 32;
+constexpr int64_t GEMM_GROUP = 4;
+
+void gemm_pack_a(const float* a, int64_t lda, int64_t m, int64_t k, int64_t panel,
+                 float* __restrict out) {
+    const int64_t i0 = panel * GEMM_MR;
+    for (int64_t p = 0; p < k; ++p)
+        for (int64_t i = 0; i < GEMM_MR; ++i)
+            out[p * GEMM_MR + i] = i0 + i < m ? a[(i0 + i) * lda + p] : 0.0f;
+}
+
+void gemm_pack_b(const float* b, int64_t ldb, int64_t n, int64_t k, int64_t panel,
+                 float* __restrict out) {
+    const int64_t j0 = panel * GEMM_NR;
+    const int64_t nn = std::min<int64_t>(GEMM_NR, n - j0);
+    for (int64_t j = 0; j < GEMM_NR; ++j) {  // row by row (contiguous reads), scattered writes
+        if (j < nn) {
+            const float* row = b + (j0 + j) * ldb;
+            for (int64_t p = 0; p < k; ++p) out[p * GEMM_NR + j] = row[p];
+        } else {
+            for (int64_t p = 0; p < k; ++p) out[p * GEMM_NR + j] = 0.0f;
+        }
+    }
+}
+
+// The GEMM_MR x 32 block of C at (i0, j0) from a packed panel of A and one of B; mm x nn of it
+// exist.
+NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict bp, int64_t k,
+                           float* c, int64_t ldc, int64_t mm, int64_t nn) {
+    __m512 acc[GEMM_MR][2];
+    for (int i = 0; i < GEMM_MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k; ++p) {
+        const __m512 b0 = _mm512_loadu_ps(bp + p * GEMM_NR);
+        const __m512 b1 = _mm512_loadu_ps(bp + p * GEMM_NR + 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < GEMM_MR; ++i) {
+            const __m512 av = _mm512_set1_ps(ap[p * GEMM_MR + i]);
+            acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+        }
+    }
+    // Stores at compile-time indices (unrolled; `i < mm` a test): a loop to mm would index acc
+    // at run time, and GCC then kept acc in memory, storing all 16 registers on every p
+    // (2.4x slower).
+    const __mmask16 k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
+    const __mmask16 k1 = (__mmask16)(nn >= 32 ? 0xffff : nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < GEMM_MR; ++i) {
+        if (i < mm) {
+            _mm512_mask_storeu_ps(c + i * ldc, k0, acc[i][0]);
+            _mm512_mask_storeu_ps(c + i * ldc + 16, k1, acc[i][1]);
+        }
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// C (m, n) = A (m, k) B (n, k)^T, fp32, row strides lda, ldb, ldc (unit column strides); C
+// must not overlap A or B. 0 on success, 1 where this build has no AVX-512 (nothing written),
+// 2 on bad sizes.
+int nnk_gemm_nt(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+                int64_t m, int64_t n, int64_t k, int nthreads) {
+#if defined(__AVX512F__)
+    if (m < 0 || n < 0 || k < 0 || (m > 0 && lda < k) || (n > 0 && ldb < k) ||
+        (m > 0 && ldc < n))
+        return 2;
+    if (m == 0 || n == 0) return 0;
+    const int64_t a_panels = (m + GEMM_MR - 1) / GEMM_MR;
+    const int64_t b_panels = (n + GEMM_NR - 1) / GEMM_NR;
+    std::vector<float> apack((size_t)(a_panels * GEMM_MR * k));
+    float* const ap = apack.data();
+    run_items(a_panels, nthreads, [=](int64_t i) {
+        gemm_pack_a(a, lda, m, k, i, ap + i * GEMM_MR * k);
+    });
+    const int64_t items = (b_panels + GEMM_GROUP - 1) / GEMM_GROUP;
+    run_items(items, nthreads, [=](int64_t it) {
+        std::vector<float> bpack((size_t)(GEMM_NR * k));
+        for (int64_t jp = it * GEMM_GROUP; jp < std::min(b_panels, (it + 1) * GEMM_GROUP); ++jp) {
+            gemm_pack_b(b, ldb, n, k, jp, bpack.data());
+            const int64_t nn = std::min<int64_t>(GEMM_NR, n - jp * GEMM_NR);
+            for (int64_t i = 0; i < a_panels; ++i)
+                gemm_block(ap + i * GEMM_MR * k, bpack.data(), k,
+                           c + i * GEMM_MR * ldc + jp * GEMM_NR, ldc,
+                           std::min<int64_t>(GEMM_MR, m - i * GEMM_MR), nn);
+        }
+    });
+    return 0;
+#else
+    (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc, (void)m, (void)n, (void)k,
+        (void)nthreads;
+    return 1;
+#endif
+}
+
+}  // extern "C"

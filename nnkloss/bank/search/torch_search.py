@@ -110,6 +110,9 @@ MIN_SAMPLE_COLUMNS = 256
 # Fewest query rows worth one (rows, N) block; below this the base is tiled too.
 _MIN_BLOCK_ROWS = 16
 _INT64_MAX = torch.iinfo(torch.int64).max
+# CPU distance tiles by the compiled library's GEMM where it has one (distance_tile); False:
+# torch.mm everywhere (for A/B timings and tests).
+COMPILED_GEMM = True
 # Compiled CPU path: largest (query rows, base rows) distance tile. 2048 x 4096 fp32 (32 MiB)
 # is read by the selection straight after the GEMM writes it, mostly from the last-level cache.
 # Smaller tiles (512 x 2048) run as fast on an idle 2-core machine, but every tile is one GEMM
@@ -152,6 +155,21 @@ def tile_sizes(q: int, n: int, d: int, k: int, budget: int) -> Tuple[int, int]:
             break
         tq = max(1, tq // 2)
     return tq, int(max(1, min(n, tb)))
+
+
+def distance_tile(qa: Tensor, ba: Tensor, out: Tensor) -> Tensor:
+    """``out`` (rows, cols) = the squared distances of augmented query rows ``qa`` (rows, width)
+    to augmented base rows ``ba`` (cols, width): their product ``qa @ ba.T``, every path's one
+    GEMM. On the CPU, where the compiled library has its own GEMM (AVX-512 builds;
+    :func:`nnkloss.ops.cpu.gemm_nt`) and COMPILED_GEMM is set, that one: each distance is then
+    one dot product summed in column order, the same bits for a pair whatever the tile, path
+    or thread count, and 2.0-2.4x torch.mm's speed on the 2-core AMD EPYC family 26 (MKL runs
+    its AVX2 code there; docs/PERFORMANCE.md, "The kNN graph"). Elsewhere ``torch.mm``."""
+    if COMPILED_GEMM and out.is_cpu:
+        from ...ops import cpu
+        if cpu.gemm_nt(qa, ba, out):
+            return out
+    return torch.mm(qa, ba.t(), out=out)
 
 
 def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
@@ -302,7 +320,7 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         for q0 in range(0, q, tq):
             qa = _augment(queries[q0:q0 + tq], width, query_side=True)
             block = buf[:qa.shape[0]]
-            torch.mm(qa, ba.t(), out=block)
+            distance_tile(qa, ba, block)
             dist, idx = _knn_block(block, k, s if use_sample else 0, sample_k, ids)
             yield q0, dist, idx
         return
@@ -375,7 +393,7 @@ def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel
         for j0 in range(i0, n, s):
             cols = min(s, n - j0)
             tile = buf[:rows * cols].view(rows, cols)
-            torch.mm(qa, ba[j0:j0 + cols].t(), out=tile)
+            distance_tile(qa, ba[j0:j0 + cols], tile)
             sel.add_symmetric(tile, i0, j0)
         dist, idx = sel.finish(i0, rows)
         yield i0, dist, idx
@@ -402,7 +420,7 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
         for b0 in range(0, n, tb):
             cols = min(tb, n - b0)
             tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
-            torch.mm(qa, ba[b0:b0 + cols].t(), out=tile)
+            distance_tile(qa, ba[b0:b0 + cols], tile)
             sel.add(tile, b0)
         dist, idx = sel.finish()
         yield q0, dist, idx
@@ -425,7 +443,7 @@ def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: i
             ba = _augment(base[b0:b0 + tb], width, query_side=False)
             cols = ba.shape[0]
             dist = buf[:rows, :cols]
-            torch.mm(qa, ba.t(), out=dist)
+            distance_tile(qa, ba, dist)
             ids = torch.arange(b0, b0 + cols, device=dev).expand(rows, cols)
             keys = _keys(dist, ids)
             top = keys.topk(min(k, cols), dim=1, largest=False, sorted=False).values

@@ -4,7 +4,10 @@ Recall@1/2/4/8 and MAP@R (and R-precision) of N x D embeddings in C equal classe
 by nnkloss (one exact search, reduced block by block: the default torch search, and
 ``search_backend="faiss"``, the flat index PML uses) and by pytorch-metric-learning's
 AccuracyCalculator (faiss flat index, ``k="max_bin_count"``; Recall@2/4/8 added as custom
-metrics on its neighbour labels, over all queries as nnkloss counts them). Each measurement runs
+metrics on its neighbour labels, over all queries as nnkloss counts them). Provider
+``nnkloss-torch-mm`` (not run by default) is the default search with its CPU distance tiles
+computed by torch.mm instead of the compiled library's GEMM (``torch_search.COMPILED_GEMM =
+False``): the A/B of the two GEMMs. Each measurement runs
 in a fresh process: wall time of the call and peak resident memory (VmHWM of the process, and
 the part above the RSS before the call).
 
@@ -54,8 +57,10 @@ def loadavg() -> float:
         return float(f.read().split()[0])
 
 
-def run_nnkloss(emb, labels, search_backend="auto") -> dict:
+def run_nnkloss(emb, labels, search_backend="auto", compiled_gemm=True) -> dict:
+    from nnkloss.bank.search import torch_search
     from nnkloss.evaluation import metrics
+    torch_search.COMPILED_GEMM = compiled_gemm  # a worker process of its own: no restore
     return metrics.evaluate(emb, labels, KS, search_backend=search_backend)
 
 
@@ -99,7 +104,7 @@ def worker(spec: dict) -> None:
         values = run_pml(emb, labels)
     else:
         values = run_nnkloss(emb, labels, "faiss" if spec["provider"] == "nnkloss-faiss"
-                             else "auto")
+                             else "auto", spec["provider"] != "nnkloss-torch-mm")
     seconds = time.perf_counter() - t0
     extra = meter.peak_mb()
     with open("/proc/self/status") as f:
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--providers", nargs="+", default=["nnkloss", "nnkloss-faiss", "pml"],
-                    choices=["nnkloss", "nnkloss-faiss", "pml"])
+                    choices=["nnkloss", "nnkloss-faiss", "nnkloss-torch-mm", "pml"])
     add_worker_args(ap, timeout=1800.0)
     args = parse_or_work(ap, argv, worker)
     if args is None:

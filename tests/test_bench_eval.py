@@ -47,3 +47,23 @@ def test_the_library_is_ready_before_the_timed_region(monkeypatch):
     for provider in ("nnkloss", "nnkloss-faiss", "pml"):
         bench_eval.worker({"provider": provider, "N": 60, "D": 4, "classes": 3})
     assert events == ["build", "timed", "build", "timed", "pml"]
+
+
+def test_the_torch_mm_provider_switches_the_gemm_only(monkeypatch):
+    """nnkloss-torch-mm: the default search with torch.mm tiles (the A/B of the two GEMMs);
+    the other nnkloss providers keep the library's GEMM."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_eval
+    finally:
+        sys.path.pop(0)
+    from nnkloss.bank.search import torch_search
+    from nnkloss.evaluation import metrics
+    seen = []
+    monkeypatch.setattr(torch_search, "COMPILED_GEMM", True)
+    monkeypatch.setattr(metrics, "evaluate", lambda *a, search_backend, **k: seen.append(
+        (search_backend, torch_search.COMPILED_GEMM)) or {})
+    monkeypatch.setattr(bench_eval, "worker_reply", lambda res: None)
+    for provider in ("nnkloss", "nnkloss-torch-mm", "nnkloss-faiss"):
+        bench_eval.worker({"provider": provider, "N": 60, "D": 4, "classes": 3})
+    assert seen == [("auto", True), ("auto", False), ("faiss", True)]

@@ -1,17 +1,22 @@
 """Exact k-nearest-neighbour search with torch GEMMs: a compiled selection on the CPU, a threshold
 selection in torch elsewhere.
 
-Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, produced by one GEMM (``torch.mm``) per
-tile of augmented rows (queries ``[q, ||q||^2, 1]``, base ``[-2b, 1, ||b||^2]``, zero-padded to
-a multiple of 8 columns), clamped at 0 (cancellation can make near-duplicates slightly negative;
--0.0 becomes +0.0). Neighbours come out in (distance, index) order: equal distances are ordered
-by base index, as faiss's flat index orders them, so both exact backends agree wherever they
-compute the same distances. Both selections below rank the same uint64/int64 keys
-``(float bits of the clamped distance << 32) | base index`` (non-negative floats order as their
-bits; keys are unique), so they return identical lists whenever their GEMMs give the same
-distance bits. With MKL they do on every shape tested (tests/test_search.py checks random data
-as well as exactly representable data with ties); a BLAS that rounds a product differently for
-another tile shape could swap neighbours whose distances differ by a rounding error. The
+Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, produced by one GEMM per tile of augmented
+rows (queries ``[q, ||q||^2, 1]``, base ``[-2b, 1, ||b||^2]``, zero-padded to a multiple of 8
+columns; :func:`distance_tile`), clamped at 0 (cancellation can make near-duplicates slightly
+negative; -0.0 becomes +0.0). The GEMM: on the CPU the compiled library's own where it has one
+(AVX-512 builds, ``nnk_gemm_nt``: each distance one dot product summed in column order, so its
+bits depend on the pair alone, whatever the tile, path or thread count; 2.0-2.4x torch.mm on
+the 2-core AMD EPYC family 26, where MKL runs its AVX2 code), else ``torch.mm``. Neighbours
+come out in (distance, index) order: equal distances are ordered by base index, as faiss's
+flat index orders them, so both exact backends agree wherever they compute the same
+distances. Both selections below rank the same uint64/int64 keys ``(float bits of the clamped
+distance << 32) | base index`` (non-negative floats order as their bits; keys are unique), so
+they return identical lists whenever their GEMMs give the same distance bits: always with the
+library's GEMM; with MKL on every shape tested (tests/test_search.py checks random data as
+well as exactly representable data with ties), though a BLAS that rounds a product
+differently for another tile shape could swap neighbours whose distances differ by a rounding
+error. The
 symmetric self-search below computes the distance of a pair once, with the point of the
 earlier block on the query side, for both points' lists: where the blockwise path computes
 it the other way round the bits can differ by a rounding error, so the lists are identical on

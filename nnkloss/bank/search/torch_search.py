@@ -47,7 +47,9 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
 Memory (CPU, compiled): the augmented base copy (N x width fp32, width = D + 2 rounded up to 8),
 one distance tile and, per query row of a tile, ``cap`` keys and the (k,) results:
 ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, kept within ``tile_bytes`` by shrinking the query
-tile, then the base tile (:func:`cpu_tile_sizes`). Never a (Q, N) matrix.
+tile, then the base tile (:func:`cpu_tile_sizes`). Never a (Q, N) matrix. The library's GEMM
+adds, for the length of each call, a packed copy of the query tile (``tq * width`` fp32, the
+size of the augmented tile itself: 1.1 MB at 2048 x 136) and 32 x width floats per thread.
 
 Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with the queries the same tensor
 as the base, :func:`same_tensor`, with or without ``exclude_self``): the distance matrix is

@@ -1899,3 +1899,40 @@ def test_gemm_declines_what_it_cannot_read():
                  (a, b, torch.empty(4, 4)), (a[:1].expand(4, 6), b, out)]:
         assert not cpu.gemm_nt(*args)
     assert (out == 7).all()
+
+
+@kernel
+def test_selection_finish_refuses_rows_short_of_k_and_sorts_whole_buffers():
+    """finish: a row holding fewer than k keys is an error (nothing decoded); otherwise the
+    k smallest of each row's buffer by (distance, index), stale slots past the count ignored
+    (they are padded with the largest key before the sort)."""
+    sel = cpu.knn_selection(3, 2, 5)
+    sel.reset(3)
+    sel.add(torch.tensor([[3.0, 1.0, 2.0]] * 3), 0)
+    sel.count[1] = 1  # as if row 1 had seen one candidate
+    with pytest.raises(RuntimeError, match="fewer than k"):
+        sel.finish()
+    sel.reset(3)
+    sel.keys.fill_(0)  # stale keys (distance 0, index 0) that the counts leave out
+    sel.add(torch.tensor([[3.0, 1.0, 2.0], [0.5, 0.5, 9.0], [7.0, 6.0, 5.0]]), 10)
+    d, i = sel.finish()
+    assert torch.equal(i, torch.tensor([[11, 12], [10, 11], [12, 11]]))
+    assert torch.equal(d, torch.tensor([[1.0, 2.0], [0.5, 0.5], [5.0, 6.0]]))
+
+
+@kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_sort_rows_in_threads_is_numpy_sort(monkeypatch, threads):
+    """The rows shared out to threads (down to one row each) sort as one numpy sort does."""
+    import numpy as np
+    monkeypatch.setattr(cpu, "SORT_MIN_KEYS", 1)
+    before = torch.get_num_threads()
+    rng = np.random.default_rng(threads)
+    a = rng.integers(0, 2**64 - 1, size=(7, 33), dtype=np.uint64)
+    want = np.sort(a, axis=1)
+    try:
+        torch.set_num_threads(threads)
+        cpu.sort_rows(a)
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(a, want)

@@ -1,6 +1,7 @@
 // Compiled CPU kernels: the neighbour-kernel loss op (see /CONTRACT.md: the forward contract)
 // and, at the end of the file, the exact kNN search's selection (nnk_knn_select,
-// nnk_knn_select_sym for a self-search, nnk_knn_finish).
+// nnk_knn_select_sym for a self-search, nnk_knn_pad) and its distance tiles' GEMM
+// (nnk_gemm_nt).
 //
 // No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
 // compiler (c++ -O3 -march=native -pthread -fopenmp -shared -fPIC where torch's pool is
@@ -1923,7 +1924,8 @@ int nnk_check_values(const void* nbrs, int nb64, int64_t n_idx, const void* emb,
 // Exact k-nearest-neighbour selection for nnkloss/bank/search/torch_search.py (its module
 // docstring is the spec). torch computes a (rows, cols) tile of fp32 squared distances by one
 // GEMM of augmented rows; nnk_knn_select folds the tile into a running per-row selection kept
-// across the base tiles, nnk_knn_finish sorts it. Keys are uint64
+// across the base tiles, and its rows are sorted at the end (nnk_knn_pad, then numpy's sort in
+// KnnSelection.finish). Keys are uint64
 // (float bits of the clamped distance << 32) | base index: non-negative floats order as their
 // bits, so keys order as (distance, index) and are unique. Per row, a buffer of `cap` > k keys
 // holds every candidate below `worst`, a key that at least k held keys are at or below
@@ -2209,27 +2211,15 @@ int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld
     return 0;
 }
 
-// The k smallest keys of each row, ascending: out_dist (rows, k) fp32 distances (from the key
-// bits) and out_index (rows, k) int64. 0 on success, 2 when a row holds fewer than k keys.
-int nnk_knn_finish(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count,
-                   float* out_dist, int64_t* out_index, int nthreads) {
+// The end of a selection (KnnSelection.finish in nnkloss/ops/cpu.py): every slot past a row's
+// count is set to kNoKey, so that a sort of the rows' whole buffers puts their k smallest keys
+// first (the sort is numpy's, SIMD where numpy has it: 4-8x std::sort here, see finish). 0 on
+// success, 2 when a row holds fewer than k keys (nothing written).
+int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count) {
     for (int64_t r = 0; r < rows; ++r)
-        if (count[r] < k) return 2;
-    int64_t per = std::max<int64_t>(1, kKnnItemElems / std::max<int64_t>(cap, 1));
-    int64_t items = (rows + per - 1) / per;
-    run_items(items, nthreads, [=](int64_t it) {
-        int64_t r1 = std::min(rows, (it + 1) * per);
-        for (int64_t r = it * per; r < r1; ++r) {
-            uint64_t* kr = keys + r * cap;
-            int64_t c = count[r];
-            if (c > k) std::nth_element(kr, kr + k, kr + c);
-            std::sort(kr, kr + k);
-            for (int64_t j = 0; j < k; ++j) {
-                out_dist[r * k + j] = knn_key_dist(kr[j]);
-                out_index[r * k + j] = (int64_t)(kr[j] & 0xffffffffu);
-            }
-        }
-    });
+        if (count[r] < k || count[r] > cap) return 2;
+    for (int64_t r = 0; r < rows; ++r)
+        std::fill(keys + r * cap + count[r], keys + (r + 1) * cap, kNoKey);
     return 0;
 }
 

@@ -319,6 +319,8 @@ def _declare(lib):
     lib.nnk_knn_select_sym.restype = I
     lib.nnk_knn_pad.argtypes = [I64, I64, I64, P, P]
     lib.nnk_knn_pad.restype = I
+    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P]
+    lib.nnk_knn_unkey.restype = I
     lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
     lib.nnk_gemm_nt.restype = I
     return lib
@@ -925,11 +927,11 @@ class KnnSelection:
 
         The rows' buffers are padded past their counts with the largest key
         (``nnk_knn_pad``), sorted whole in place (:func:`sort_rows`: numpy's sort), and their
-        first k keys decoded. Keys are unique, so any sort gives the same lists; numpy's is
-        SIMD on x86 (x86-simd-sort, AVX2 / AVX-512) and aarch64, and sorted the 1,000-3,000-key
-        buffers 4-8x faster than the nth_element and std::sort of the k smallest it replaced
-        (2026-11-27, the 2-core AMD EPYC family 26; docs/PERFORMANCE.md, "The kNN graph"). The
-        state's rows are left sorted and padded: finish them once."""
+        first k keys decoded (``nnk_knn_unkey``). Keys are unique, so any sort gives the same
+        lists; numpy's is SIMD on x86 (x86-simd-sort, AVX2 / AVX-512) and aarch64, and sorted
+        the 1,000-3,000-key buffers 4-8x faster than the nth_element and std::sort of the k
+        smallest it replaced (2026-11-27, the 2-core AMD EPYC family 26; docs/PERFORMANCE.md,
+        "The kNN graph"). The state's rows are left sorted and padded: finish them once."""
         k = self.k
         rows = self.rows - row0 if rows is None else int(rows)
         if row0 < 0 or rows < 0 or row0 + rows > self.rows:
@@ -941,8 +943,13 @@ class KnnSelection:
             raise RuntimeError(f"nnk_knn_pad failed (code {rc}): a row holds fewer than k "
                                "keys")
         sort_rows(keys.numpy().view(np.uint64))
-        best = keys[:, :k]  # all below 2**63 (a distance's bits <= inf's): int64 order
-        return (best >> 32).to(torch.int32).view(torch.float32), best & 0xFFFFFFFF
+        dist = torch.empty(rows, k, dtype=torch.float32)
+        idx = torch.empty(rows, k, dtype=torch.int64)
+        rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
+                                    idx.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"nnk_knn_unkey failed (code {rc})")
+        return dist, idx
 
 
 def sort_rows(a) -> None:

@@ -2223,6 +2223,21 @@ int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int6
     return 0;
 }
 
+// After the sort: the first k keys of each row (row stride cap) as out_dist (rows, k) fp32
+// distances (from the key bits) and out_index (rows, k) int64, written in place of the
+// (rows, k) temporaries that torch's shifts and masks would take.
+int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, float* out_dist,
+                  int64_t* out_index) {
+    if (k < 0 || cap < k) return 2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < k; ++j) {
+            const uint64_t key = keys[r * cap + j];
+            out_dist[r * k + j] = knn_key_dist(key);
+            out_index[r * k + j] = (int64_t)(key & 0xffffffffu);
+        }
+    return 0;
+}
+
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ exactly representable data (ties included) and otherwise equal up to such near-t
 still the exact k smallest by (distance, index) of the distances computed).
 
 CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`` /
-``nnk_knn_finish``; the default wherever the library builds):
+``nnk_knn_pad``; the default wherever the library builds):
 
 1. tiles of at most QUERY_TILE x BASE_TILE (2048 x 4096: 32 MiB of fp32, about the last-level
    cache) are computed one at a time, base tiles in ascending index order;
@@ -41,8 +41,10 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    base arrives in index order, a new key is below ``worst`` exactly when its distance is below
    ``worst``'s, so a vectorised prefilter compares 16 (AVX-512; 8 with AVX2) raw distances at a
    time with that float and only the chunks holding a candidate reach the scalar key path;
-3. after the last base tile each row's k smallest keys are sorted; distances come back from
-   the key bits, indices from the low 32 bits (the path needs N < 2**31).
+3. after the last base tile each row's whole buffer, padded past its count with the largest
+   key, is sorted by numpy (SIMD where numpy has it; :meth:`nnkloss.ops.cpu.KnnSelection.finish`)
+   and its first k keys are the result; distances come back from the key bits, indices from
+   the low 32 bits (the path needs N < 2**31).
 
 Memory (CPU, compiled): the augmented base copy (N x width fp32, width = D + 2 rounded up to 8),
 one distance tile and, per query row of a tile, ``cap`` keys and the (k,) results:

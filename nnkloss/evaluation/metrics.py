@@ -97,8 +97,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     symmetric self-search, which computes each pair once; see
     :mod:`nnkloss.bank.search.torch_search`),
     per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
-    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``521165c``): 1.05 GB peak RSS,
-    0.45 GB above the process before the call, 35 s (``benchmarks/bench_eval.py``,
+    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``82aa3eb``): 1.04 GB peak RSS,
+    0.45 GB above the process before the call, 34 s (``benchmarks/bench_eval.py``,
     docs/PERFORMANCE.md, "Evaluation at scale").
     """
     emb, labels = _embeddings_and_labels(emb, labels)

@@ -126,7 +126,11 @@ COMPILED_GEMM = True
 # is read by the selection straight after the GEMM writes it, mostly from the last-level cache.
 # Smaller tiles (512 x 2048) run as fast on an idle 2-core machine, but every tile is one GEMM
 # and one selection call, each a fork-join across the threads, and on a loaded machine each
-# join can wait a time slice for a descheduled thread: fewer, larger calls degrade less.
+# join can wait a time slice for a descheduled thread: fewer, larger calls degrade less. With
+# the library's GEMM (2026-11-27, the 2-core AMD EPYC family 26, evaluation's search at
+# k 1,499, ad hoc, in one process): 1024 x 2048 tiles took 5.84-5.99 s against 6.58-6.80 s at
+# N 60,000 idle (three rounds), but 7.71-7.98 s against 5.86-7.79 s at N 30,000 beside a
+# 2-thread matmul process: kept.
 QUERY_TILE = 2048
 BASE_TILE = 4096
 # Symmetric self-search (compiled CPU path, queries = base): square blocks of this many points,

@@ -1936,36 +1936,3 @@ def test_sort_rows_in_threads_is_numpy_sort(monkeypatch, threads):
     finally:
         torch.set_num_threads(before)
     assert np.array_equal(a, want)
-
-
-@gemm
-@pytest.mark.parametrize("rows,k", [(1, 1), (13, 5), (37, 40), (70, 300)])
-def test_fused_gemm_and_selection_gives_the_tiles_state(rows, k):
-    """add_product (the GEMM and the row scan in one pass, no tile) leaves the selection in
-    the state add(gemm_nt tile) leaves: the same lists, bit for bit, over several base tiles
-    with ragged widths (columns past a panel of 32, rows past a panel of 8), with compactions
-    (k small against the columns) and before any (k near the columns)."""
-    g = torch.Generator().manual_seed(rows * 7 + k)
-    qa = torch.randn(rows, 24, generator=g)
-    base = torch.randn(700, 24, generator=g)
-    cap = k + max(k, 64)
-    fused, tiled = cpu.knn_selection(rows, k, cap), cpu.knn_selection(rows, k, cap)
-    fused.reset(rows)
-    tiled.reset(rows)
-    for b0, b1 in [(0, 33), (33, 300), (300, 301), (301, 700)]:
-        assert fused.add_product(qa, base[b0:b1], b0)
-        tile = torch.empty(rows, b1 - b0)
-        assert cpu.gemm_nt(qa, base[b0:b1], tile)
-        tiled.add(tile, b0)
-    (d1, i1), (d2, i2) = fused.finish(), tiled.finish()
-    assert torch.equal(i1, i2) and torch.equal(d1, d2)
-
-
-@kernel
-def test_fused_gemm_and_selection_declines_what_it_cannot_read():
-    sel = cpu.knn_selection(4, 2, 70)
-    sel.reset(4)
-    a, b = torch.randn(4, 8), torch.randn(9, 8)
-    for qa, ba in [(a.double(), b.double()), (a.t().contiguous().t(), b), (a, b[:, :7])]:
-        assert not sel.add_product(qa, ba, 0)
-    assert (sel.count == 0).all()

@@ -463,22 +463,13 @@ class SelectionSpy:
     ``(shape, row0, col0)``."""
 
     def __init__(self, monkeypatch):
-        self.tiles, self.sym, self.fused = [], [], 0
+        self.tiles, self.sym = [], []
         real = cpu.KnnSelection.add
-        real_product = cpu.KnnSelection.add_product
         real_sym = cpu.KnnSelection.add_symmetric
 
         def add(sel, dist, col0):
             self.tiles.append((tuple(dist.shape), col0))
             return real(sel, dist, col0)
-
-        def add_product(sel, qa, ba, col0):  # a tile too, computed and folded in one pass
-            done = real_product(sel, qa, ba, col0)
-            if done:
-                self.tiles.append(((qa.shape[0], ba.shape[0]), col0))
-                self.fused += 1
-            return done
-        monkeypatch.setattr(cpu.KnnSelection, "add_product", add_product)
 
         def add_symmetric(sel, dist, row0, col0):
             self.sym.append((tuple(dist.shape), row0, col0))
@@ -909,13 +900,7 @@ def test_every_cpu_path_is_exact_with_either_gemm(monkeypatch, compiled_gemm):
     x = tied(n=300, d=4, seed=11)
     ref = ref_lists(x, x, 25, exclude_self=True)
     sym = knn(x, x, 25, "torch", exclude_self=True)
-    spy = SelectionSpy(monkeypatch)
     block = knn(x.clone(), x, 25, "torch", exclude_self=True)
-    if cpu.available():
-        # the blockwise path folds its tiles in one pass with the library's GEMM (where the
-        # build has it), else computes each tile first
-        has_gemm = cpu.gemm_nt(torch.zeros(1, 1), torch.zeros(1, 1), torch.empty(1, 1))
-        assert spy.tiles and (spy.fused == len(spy.tiles)) == (compiled_gemm and has_gemm)
     monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
     fallback = knn(x.clone(), x, 25, "torch", exclude_self=True)
     for got in (sym, block, fallback):

@@ -323,9 +323,6 @@ def _declare(lib):
     lib.nnk_knn_unkey.restype = I
     lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
     lib.nnk_gemm_nt.restype = I
-    lib.nnk_gemm_knn_select.argtypes = [P, I64, P, I64, I64, I64, I64, I64, I64, I64, P, P,
-                                        P, I]
-    lib.nnk_gemm_knn_select.restype = I
     return lib
 
 
@@ -904,30 +901,6 @@ class KnnSelection:
                                      _threads(rows * cols))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_select failed (code {rc})")
-
-    def add_product(self, qa, ba, col0: int) -> bool:
-        """Fold the distances ``qa @ ba.T`` of the (rows, width) query rows to the (cols,
-        width) base rows col0.. in, computed block by block and never stored as a tile
-        (``nnk_gemm_knn_select``: the library's GEMM, whose bits :func:`gemm_nt` gives, and
-        the row scan of :meth:`add`: the same state as ``add(gemm_nt(qa, ba), col0)``). True
-        when it ran; False where the GEMM is not there (no AVX-512) or the inputs are not
-        fp32 CPU matrices with unit column strides: the caller then computes the tile."""
-        if any(t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 for t in (qa, ba)):
-            return False
-        lda, ldb = _row_stride(qa), _row_stride(ba)
-        if lda is None or ldb is None or qa.shape[1] != ba.shape[1]:
-            return False
-        rows, width = qa.shape
-        cols = ba.shape[0]
-        rc = self.lib.nnk_gemm_knn_select(
-            qa.data_ptr(), lda, ba.data_ptr(), ldb, rows, cols, width, int(col0), self.k,
-            self.cap, self.keys.data_ptr(), self.count.data_ptr(), self.worst.data_ptr(),
-            _threads(rows * cols * max(width, 1) // GEMM_ELEMS_PER_WORK))
-        if rc == 1:
-            return False
-        if rc != 0:
-            raise RuntimeError(f"nnk_gemm_knn_select failed (code {rc})")
-        return True
 
     def add_symmetric(self, dist, row0: int, col0: int) -> None:
         """Fold the (rows, cols) fp32 CPU tile (row stride ``dist.stride(0)``, unit column

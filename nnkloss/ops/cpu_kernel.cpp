@@ -2271,12 +2271,6 @@ namespace {
 constexpr int64_t GEMM_MR = 8;
 constexpr int64_t GEMM_NR = 32;
 constexpr int64_t GEMM_GROUP = 4;
-// Query panels of a work item of the fused GEMM and selection (nnk_gemm_knn_select): their
-// packed rows (4 x 8 x k floats, 17 KB at k 136) stay in L1 beside one packed base panel.
-#ifndef NNK_GEMM_SELECT_PANELS
-#define NNK_GEMM_SELECT_PANELS 4
-#endif
-constexpr int64_t GEMM_SELECT_PANELS = NNK_GEMM_SELECT_PANELS;
 
 void gemm_pack_a(const float* a, int64_t lda, int64_t m, int64_t k, int64_t panel,
                  float* __restrict out) {
@@ -2368,85 +2362,6 @@ int nnk_gemm_nt(const float* a, int64_t lda, const float* b, int64_t ldb, float*
 #else
     (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)ldc, (void)m, (void)n, (void)k,
         (void)nthreads;
-    return 1;
-#endif
-}
-
-// The GEMM and the selection's row scan in one pass (the blockwise search's tiles,
-// KnnSelection.add_product): the distances of query rows a (m, k) to base rows b (n, k), base
-// columns col0 .. col0+n-1, folded into the per-row selection state (keys (m, cap), count,
-// worst: as nnk_knn_select) block by block, with no (m, n) tile. A work item takes
-// GEMM_SELECT_PANELS panels of GEMM_MR query rows and walks every packed panel of 32 base rows
-// in ascending order; each 8 x 32 block of distances (gemm_block, the same sums as
-// nnk_gemm_nt: the same bits) goes to a stack buffer, and each of its rows is compared 16 at a
-// time with that row's threshold, as KnnRow::scan compares a tile's row: the same candidates in
-// the same (ascending) order, so the same state. Saves writing the tile and reading it back
-// (32 MiB per 2048 x 4096 tile, from the last-level cache or memory). 0 on success, 1 where
-// this build has no AVX-512 (nothing done), 2 on bad sizes.
-int nnk_gemm_knn_select(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
-                        int64_t n, int64_t k, int64_t col0, int64_t kk, int64_t cap,
-                        uint64_t* keys, int64_t* count, uint64_t* worst, int nthreads) {
-#if defined(__AVX512F__)
-    if (m < 0 || n < 0 || k < 0 || (m > 0 && lda < k) || (n > 0 && ldb < k) || kk < 1 ||
-        cap <= kk || col0 < 0 || col0 + n > ((int64_t)1 << 32))
-        return 2;
-    if (m == 0 || n == 0) return 0;
-    const int64_t a_panels = (m + GEMM_MR - 1) / GEMM_MR;
-    const int64_t b_panels = (n + GEMM_NR - 1) / GEMM_NR;
-    std::vector<float> bpack((size_t)(b_panels * GEMM_NR * k));
-    float* const bp = bpack.data();
-    run_items(b_panels, nthreads, [=](int64_t j) {
-        gemm_pack_b(b, ldb, n, k, j, bp + j * GEMM_NR * k);
-    });
-    const int64_t items = (a_panels + GEMM_SELECT_PANELS - 1) / GEMM_SELECT_PANELS;
-    run_items(items, nthreads, [=](int64_t it) {
-        const int64_t p0 = it * GEMM_SELECT_PANELS;
-        const int64_t p1 = std::min(a_panels, p0 + GEMM_SELECT_PANELS);
-        std::vector<float> apack((size_t)((p1 - p0) * GEMM_MR * k));
-        KnnRow rows[GEMM_SELECT_PANELS * GEMM_MR];
-        for (int64_t p = p0; p < p1; ++p) {
-            gemm_pack_a(a, lda, m, k, p, apack.data() + (p - p0) * GEMM_MR * k);
-            for (int64_t i = 0; i < GEMM_MR && p * GEMM_MR + i < m; ++i) {
-                const int64_t r = p * GEMM_MR + i;
-                KnnRow& row = rows[(p - p0) * GEMM_MR + i];
-                row = KnnRow{keys + r * cap, count + r, worst + r, kk, cap, 0.0f};
-                row.thr = *row.worst == kNoKey ? std::numeric_limits<float>::infinity()
-                                                : knn_key_dist(*row.worst);
-            }
-        }
-        alignas(64) float blk[GEMM_MR * GEMM_NR];
-        for (int64_t jp = 0; jp < b_panels; ++jp) {
-            const int64_t nn = std::min<int64_t>(GEMM_NR, n - jp * GEMM_NR);
-            const __mmask16 k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
-            const __mmask16 k1 =
-                (__mmask16)(nn >= 32 ? 0xffff : nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
-            const int64_t c0 = col0 + jp * GEMM_NR;
-            for (int64_t p = p0; p < p1; ++p) {
-                const int64_t mm = std::min<int64_t>(GEMM_MR, m - p * GEMM_MR);
-                gemm_block(apack.data() + (p - p0) * GEMM_MR * k, bp + jp * GEMM_NR * k, k,
-                           blk, GEMM_NR, GEMM_MR, GEMM_NR);
-                for (int64_t i = 0; i < mm; ++i) {
-                    KnnRow& row = rows[(p - p0) * GEMM_MR + i];
-                    const float* d = blk + i * GEMM_NR;
-                    // thr is +inf until the first compaction: every column is then a candidate
-                    for (int h = 0; h < 2; ++h) {
-                        __mmask16 msk = _mm512_mask_cmp_ps_mask(
-                            h ? k1 : k0, _mm512_load_ps(d + 16 * h), _mm512_set1_ps(row.thr),
-                            _CMP_LT_OQ);
-                        while (msk) {
-                            const int t = __builtin_ctz((unsigned)msk);
-                            msk &= (__mmask16)(msk - 1);
-                            row.push(d[16 * h + t], c0 + 16 * h + t);
-                        }
-                    }
-                }
-            }
-        }
-    });
-    return 0;
-#else
-    (void)a, (void)lda, (void)b, (void)ldb, (void)m, (void)n, (void)k, (void)col0, (void)kk,
-        (void)cap, (void)keys, (void)count, (void)worst, (void)nthreads;
     return 1;
 #endif
 }

@@ -28,12 +28,8 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
 
 1. tiles of at most QUERY_TILE x BASE_TILE (2048 x 4096: 32 MiB of fp32, about the last-level
    cache) are computed one at a time, base tiles in ascending index order;
-2. each tile is folded into a per-row selection in C++ (rows shared out to the threads):
-   with the library's GEMM in the same pass (``KnnSelection.add_product``,
-   ``nnk_gemm_knn_select``: 8 x 32 blocks of distances scanned as they are computed, no tile
-   stored), else straight after the tile's GEMM (``distance_tile``, ``KnnSelection.add``); the
-   same candidates in the same order either way. Per query row a buffer of
-   ``cap = k + max(k, 64)`` keys holds every
+2. straight after its GEMM, each tile is folded into a per-row selection in C++ (rows shared
+   out to the threads): per query row a buffer of ``cap = k + max(k, 64)`` keys holds every
    candidate below ``worst``, a key that at least k held keys are at or below; when the buffer
    is full it is compacted: the keys above a new ``worst`` are dropped, ``worst`` being a key a
    little above the k-th smallest, picked from a 128-key sample of the buffer and checked by
@@ -55,9 +51,7 @@ one distance tile and, per query row of a tile, ``cap`` keys and the (k,) result
 ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes, kept within ``tile_bytes`` by shrinking the query
 tile, then the base tile (:func:`cpu_tile_sizes`). Never a (Q, N) matrix. The library's GEMM
 adds, for the length of each call, a packed copy of the query tile (``tq * width`` fp32, the
-size of the augmented tile itself: 1.1 MB at 2048 x 136) and 32 x width floats per thread;
-folded in the same pass (the blockwise path), no distance tile is stored at all, and the
-packed copy is of the base tile instead (``tb * width`` fp32, 2.2 MB at 4096 x 136).
+size of the augmented tile itself: 1.1 MB at 2048 x 136) and 32 x width floats per thread.
 
 Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with the queries the same tensor
 as the base, :func:`same_tensor`, with or without ``exclude_self``): the distance matrix is
@@ -431,17 +425,13 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
     q = queries.shape[0]
     n = base.shape[0]
     ba = _augment(base, width, query_side=False)
-    buf = None  # the distance tile, where the GEMM and the selection are not one pass
+    buf = torch.empty(tq * tb, dtype=torch.float32)
     for q0 in range(0, q, tq):
         qa = _augment(queries[q0:q0 + tq], width, query_side=True)
         rows = qa.shape[0]
         sel.reset(rows)
         for b0 in range(0, n, tb):
             cols = min(tb, n - b0)
-            if COMPILED_GEMM and sel.add_product(qa, ba[b0:b0 + cols], b0):
-                continue
-            if buf is None:
-                buf = torch.empty(tq * tb, dtype=torch.float32)
             tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
             distance_tile(qa, ba[b0:b0 + cols], tile)
             sel.add(tile, b0)

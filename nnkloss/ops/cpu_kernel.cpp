@@ -2294,6 +2294,33 @@ void gemm_pack_b(const float* b, int64_t ldb, int64_t n, int64_t k, int64_t pane
     }
 }
 
+// Every panel of one side packed, in parallel: the queries' (A, `base` false: panels of
+// GEMM_MR rows) or the base's (B: panels of GEMM_NR rows).
+std::vector<float> gemm_pack_all(const float* x, int64_t ld, int64_t rows, int64_t k, bool base,
+                                 int nthreads) {
+    const int64_t r = base ? GEMM_NR : GEMM_MR, panels = (rows + r - 1) / r;
+    std::vector<float> out((size_t)(panels * r * k));
+    float* const o = out.data();
+    run_items(panels, nthreads, [=](int64_t p) {
+        if (base)
+            gemm_pack_b(x, ld, rows, k, p, o + p * r * k);
+        else
+            gemm_pack_a(x, ld, rows, k, p, o + p * r * k);
+    });
+    return out;
+}
+
+// The lanes of a block's two 16-column halves that hold one of its nn (1 to 32) columns.
+NNK_INLINE void gemm_column_masks(int64_t nn, __mmask16& k0, __mmask16& k1) {
+    k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
+    k1 = (__mmask16)(nn >= 32 ? 0xffff : nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
+}
+
+// The operands' sizes and row strides make sense (a GEMM of m x k by n x k).
+inline bool gemm_sizes_ok(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb) {
+    return m >= 0 && n >= 0 && k >= 0 && (m == 0 || lda >= k) && (n == 0 || ldb >= k);
+}
+
 // The GEMM_MR x 32 block of C at (i0, j0) from a packed panel of A and one of B; mm x nn of it
 // exist.
 NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict bp, int64_t k,
@@ -2313,8 +2340,18 @@ NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict b
     // Stores at compile-time indices (unrolled; `i < mm` a test): a loop to mm would index acc
     // at run time, and GCC then kept acc in memory, storing all 16 registers on every p
     // (2.4x slower).
-    const __mmask16 k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
-    const __mmask16 k1 = (__mmask16)(nn >= 32 ? 0xffff : nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
+    if (nn == GEMM_NR) {  // whole blocks: plain stores
+#pragma GCC unroll 8
+        for (int i = 0; i < GEMM_MR; ++i) {
+            if (i < mm) {
+                _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+                _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+            }
+        }
+        return;
+    }
+    __mmask16 k0, k1;
+    gemm_column_masks(nn, k0, k1);
 #pragma GCC unroll 8
     for (int i = 0; i < GEMM_MR; ++i) {
         if (i < mm) {
@@ -2335,17 +2372,12 @@ extern "C" {
 int nnk_gemm_nt(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                 int64_t m, int64_t n, int64_t k, int nthreads) {
 #if defined(__AVX512F__)
-    if (m < 0 || n < 0 || k < 0 || (m > 0 && lda < k) || (n > 0 && ldb < k) ||
-        (m > 0 && ldc < n))
-        return 2;
+    if (!gemm_sizes_ok(m, n, k, lda, ldb) || (m > 0 && ldc < n)) return 2;
     if (m == 0 || n == 0) return 0;
     const int64_t a_panels = (m + GEMM_MR - 1) / GEMM_MR;
     const int64_t b_panels = (n + GEMM_NR - 1) / GEMM_NR;
-    std::vector<float> apack((size_t)(a_panels * GEMM_MR * k));
-    float* const ap = apack.data();
-    run_items(a_panels, nthreads, [=](int64_t i) {
-        gemm_pack_a(a, lda, m, k, i, ap + i * GEMM_MR * k);
-    });
+    const std::vector<float> apack = gemm_pack_all(a, lda, m, k, false, nthreads);
+    const float* const ap = apack.data();
     const int64_t items = (b_panels + GEMM_GROUP - 1) / GEMM_GROUP;
     run_items(items, nthreads, [=](int64_t it) {
         std::vector<float> bpack((size_t)(GEMM_NR * k));

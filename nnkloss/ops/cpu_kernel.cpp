@@ -2250,8 +2250,8 @@ int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, fl
 // AVX-512 builds only (nnk_gemm_nt returns 1 elsewhere and the search keeps torch.mm).
 //
 // Why: torch.mm (MKL 2024) on the 2-core AMD EPYC family 26 runs its AVX2 code, ~180 GFLOP/s
-// for the search's tiles (2048 x 4096 x 136), where this AVX-512 loop runs 360-440 (a prototype
-// in one process, 2026-11-27); the tiles' GEMM is most of the search's time at evaluation's k
+// for the search's tiles (2048 x 4096 x 136), where this AVX-512 loop runs ~475 (2026-11-27,
+// ad hoc); the tiles' GEMM is most of the search's time at evaluation's k
 // (the figures: docs/PERFORMANCE.md, "The kNN graph" and "Evaluation at scale").
 //
 // How (the GotoBLAS layout, without k blocking: k is D + 2 rounded to 8, a few hundred):
@@ -2294,31 +2294,10 @@ void gemm_pack_b(const float* b, int64_t ldb, int64_t n, int64_t k, int64_t pane
     }
 }
 
-// Every panel of one side packed, in parallel: the queries' (A, `base` false: panels of
-// GEMM_MR rows) or the base's (B: panels of GEMM_NR rows).
-std::vector<float> gemm_pack_all(const float* x, int64_t ld, int64_t rows, int64_t k, bool base,
-                                 int nthreads) {
-    const int64_t r = base ? GEMM_NR : GEMM_MR, panels = (rows + r - 1) / r;
-    std::vector<float> out((size_t)(panels * r * k));
-    float* const o = out.data();
-    run_items(panels, nthreads, [=](int64_t p) {
-        if (base)
-            gemm_pack_b(x, ld, rows, k, p, o + p * r * k);
-        else
-            gemm_pack_a(x, ld, rows, k, p, o + p * r * k);
-    });
-    return out;
-}
-
-// The lanes of a block's two 16-column halves that hold one of its nn (1 to 32) columns.
+// The lanes of a block's two 16-column halves that hold one of its nn (1 to 31) columns.
 NNK_INLINE void gemm_column_masks(int64_t nn, __mmask16& k0, __mmask16& k1) {
     k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
-    k1 = (__mmask16)(nn >= 32 ? 0xffff : nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
-}
-
-// The operands' sizes and row strides make sense (a GEMM of m x k by n x k).
-inline bool gemm_sizes_ok(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb) {
-    return m >= 0 && n >= 0 && k >= 0 && (m == 0 || lda >= k) && (n == 0 || ldb >= k);
+    k1 = (__mmask16)(nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
 }
 
 // The GEMM_MR x 32 block of C at (i0, j0) from a packed panel of A and one of B; mm x nn of it
@@ -2340,7 +2319,10 @@ NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict b
     // Stores at compile-time indices (unrolled; `i < mm` a test): a loop to mm would index acc
     // at run time, and GCC then kept acc in memory, storing all 16 registers on every p
     // (2.4x slower).
-    if (nn == GEMM_NR) {  // whole blocks: plain stores
+    // Whole blocks by plain stores: masked stores of every block (full masks) held the GEMM to
+    // 297-318 GFLOP/s at 2048 x 4096 x 136 on the 2-core AMD EPYC family 26, plain ones run
+    // 476-478 (2026-11-27, ad hoc); the last columns only by masked stores.
+    if (nn == GEMM_NR) {
 #pragma GCC unroll 8
         for (int i = 0; i < GEMM_MR; ++i) {
             if (i < mm) {
@@ -2372,12 +2354,17 @@ extern "C" {
 int nnk_gemm_nt(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                 int64_t m, int64_t n, int64_t k, int nthreads) {
 #if defined(__AVX512F__)
-    if (!gemm_sizes_ok(m, n, k, lda, ldb) || (m > 0 && ldc < n)) return 2;
+    if (m < 0 || n < 0 || k < 0 || (m > 0 && lda < k) || (n > 0 && ldb < k) ||
+        (m > 0 && ldc < n))
+        return 2;
     if (m == 0 || n == 0) return 0;
     const int64_t a_panels = (m + GEMM_MR - 1) / GEMM_MR;
     const int64_t b_panels = (n + GEMM_NR - 1) / GEMM_NR;
-    const std::vector<float> apack = gemm_pack_all(a, lda, m, k, false, nthreads);
-    const float* const ap = apack.data();
+    std::vector<float> apack((size_t)(a_panels * GEMM_MR * k));
+    float* const ap = apack.data();
+    run_items(a_panels, nthreads, [=](int64_t i) {
+        gemm_pack_a(a, lda, m, k, i, ap + i * GEMM_MR * k);
+    });
     const int64_t items = (b_panels + GEMM_GROUP - 1) / GEMM_GROUP;
     run_items(items, nthreads, [=](int64_t it) {
         std::vector<float> bpack((size_t)(GEMM_NR * k));

@@ -92,14 +92,13 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     One search for ``max(max(ks), largest R)`` neighbours feeds every metric. Memory: an fp32
     copy of the embeddings with up to 8 extra columns, the search's working set (at most
     ``tile_bytes``: on the CPU with the compiled selection one (2048, 4096) fp32 distance tile
-    (none where the library's AVX-512 GEMM folds it into the selection as it computes it) and
-    (K + max(K, 64)) x 8 + K x 12 bytes per query row of it, or, where the selection state
+    and (K + max(K, 64)) x 8 + K x 12 bytes per query row of it, or, where the selection state
     of all N rows fits the budget (N (cap x 8 + 16) bytes, cap = K + max(K, 64)), the
     symmetric self-search, which computes each pair once; see
     :mod:`nnkloss.bank.search.torch_search`),
     per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
-    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``c8ca245``): 0.96 GB peak RSS,
-    0.37 GB above the process before the call, 28 s (``benchmarks/bench_eval.py``,
+    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``dc21acc``): 0.99 GB peak RSS,
+    0.40 GB above the process before the call, 27 s (``benchmarks/bench_eval.py``,
     docs/PERFORMANCE.md, "Evaluation at scale").
     """
     emb, labels = _embeddings_and_labels(emb, labels)

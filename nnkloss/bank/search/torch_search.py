@@ -6,7 +6,7 @@ rows (queries ``[q, ||q||^2, 1]``, base ``[-2b, 1, ||b||^2]``, zero-padded to a 
 columns; :func:`distance_tile`), clamped at 0 (cancellation can make near-duplicates slightly
 negative; -0.0 becomes +0.0). The GEMM: on the CPU the compiled library's own where it has one
 (AVX-512 builds, ``nnk_gemm_nt``: each distance one dot product summed in column order, so its
-bits depend on the pair alone, whatever the tile, path or thread count; 2.0-2.4x torch.mm on
+bits depend on the pair alone, whatever the tile, path or thread count; 2.2-2.65x torch.mm on
 the 2-core AMD EPYC family 26, where MKL runs its AVX2 code), else ``torch.mm``. Neighbours
 come out in (distance, index) order: equal distances are ordered by base index, as faiss's
 flat index orders them, so both exact backends agree wherever they compute the same
@@ -176,7 +176,7 @@ def distance_tile(qa: Tensor, ba: Tensor, out: Tensor) -> Tensor:
     GEMM. On the CPU, where the compiled library has its own GEMM (AVX-512 builds;
     :func:`nnkloss.ops.cpu.gemm_nt`) and COMPILED_GEMM is set, that one: each distance is then
     one dot product summed in column order, the same bits for a pair whatever the tile, path
-    or thread count, and 2.0-2.4x torch.mm's speed on the 2-core AMD EPYC family 26 (MKL runs
+    or thread count, and 2.2-2.65x torch.mm's speed on the 2-core AMD EPYC family 26 (MKL runs
     its AVX2 code there; docs/PERFORMANCE.md, "The kNN graph"). Elsewhere ``torch.mm``."""
     if COMPILED_GEMM and out.is_cpu:
         from ...ops import cpu

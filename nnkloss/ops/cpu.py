@@ -957,7 +957,7 @@ def sort_rows(a) -> None:
     thread count in Python threads (numpy's sort releases the GIL) where each gets at least
     SORT_MIN_KEYS."""
     n_rows, width = a.shape
-    n = max(1, min(torch.get_num_threads(), n_rows, n_rows * width // SORT_MIN_KEYS))
+    n = min(_threads(n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
     if n == 1:
         a.sort(axis=1)
         return
@@ -990,7 +990,7 @@ def gemm_nt(a, b, out) -> bool:
     m, k = a.shape
     n = b.shape[0]
     rc = lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(), lds[2],
-                         m, n, k, _threads(m * n * max(k, 1) // GEMM_ELEMS_PER_WORK))
+                         m, n, k, _threads(m * n * max(k, 1), GEMM_MIN_MACS))
     if rc == 1:
         return False
     if rc != 0:
@@ -1009,9 +1009,9 @@ def _row_stride(t) -> Optional[int]:
     return t.stride(0) if t.stride(0) >= max(cols, 1) else None
 
 
-# A GEMM's multiply-adds per element of _threads' work: one thread per 2^16 * 16 = 1M of them
-# (~5 us at one core's ~200 GFLOP/s), below which a parallel region would not repay itself.
-GEMM_ELEMS_PER_WORK = 16
+# A GEMM thread's least share of multiply-adds (~5 us at one core's ~200 GFLOP/s), below which
+# a parallel region would not repay itself.
+GEMM_MIN_MACS = 1 << 20
 
 
 def knn_selection(rows: int, k: int, cap: int) -> Optional[KnnSelection]:

@@ -2294,12 +2294,6 @@ void gemm_pack_b(const float* b, int64_t ldb, int64_t n, int64_t k, int64_t pane
     }
 }
 
-// The lanes of a block's two 16-column halves that hold one of its nn (1 to 31) columns.
-NNK_INLINE void gemm_column_masks(int64_t nn, __mmask16& k0, __mmask16& k1) {
-    k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
-    k1 = (__mmask16)(nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
-}
-
 // The GEMM_MR x 32 block of C at (i0, j0) from a packed panel of A and one of B; mm x nn of it
 // exist.
 NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict bp, int64_t k,
@@ -2332,8 +2326,9 @@ NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict b
         }
         return;
     }
-    __mmask16 k0, k1;
-    gemm_column_masks(nn, k0, k1);
+    // the last columns (nn of 1 to 31): the lanes of the two 16-column halves that hold one
+    const __mmask16 k0 = (__mmask16)(nn >= 16 ? 0xffff : (1u << nn) - 1);
+    const __mmask16 k1 = (__mmask16)(nn <= 16 ? 0 : (1u << (nn - 16)) - 1);
 #pragma GCC unroll 8
     for (int i = 0; i < GEMM_MR; ++i) {
         if (i < mm) {

@@ -1969,34 +1969,66 @@ struct KnnRow {
         if (*count == cap) compact();
     }
 
+    // How many of the full buffer's keys are at or below piv.
+    int64_t count_at_most(uint64_t piv) const {
+        int64_t i = 0, m = 0;
+#if defined(__AVX512F__)
+        const __m512i p = _mm512_set1_epi64((long long)piv);
+        for (; i + 8 <= cap; i += 8)
+            m += __builtin_popcount(
+                (unsigned)_mm512_cmple_epu64_mask(_mm512_loadu_si512(keys + i), p));
+#endif
+        for (; i < cap; ++i) m += keys[i] <= piv;
+        return m;
+    }
+
+    // Moves the full buffer's keys at or below piv to its front, in their order (the slots
+    // past them are left stale: the count says where the buffer ends). With AVX-512 eight
+    // keys at a time: compressed in a register and stored whole, the store ending at most
+    // where the keys just loaded end, so it never overwrites a key not yet read.
+    void keep_at_most(uint64_t piv) {
+        int64_t i = 0, w = 0;
+#if defined(__AVX512F__)
+        const __m512i p = _mm512_set1_epi64((long long)piv);
+        for (; i + 8 <= cap; i += 8) {
+            const __m512i v = _mm512_loadu_si512(keys + i);
+            const __mmask8 keep = _mm512_cmple_epu64_mask(v, p);
+            _mm512_storeu_si512(keys + w, _mm512_maskz_compress_epi64(keep, v));
+            w += __builtin_popcount((unsigned)keep);
+        }
+#endif
+        for (; i < cap; ++i) {
+            const uint64_t v = keys[i];
+            keys[w] = v;
+            w += v <= piv;
+        }
+    }
+
     // The buffer is full: drop every key above a new `worst` that at least k kept keys are at
     // or below (a dropped key then has k smaller ones held: it cannot be among the k smallest,
     // now or later). First try a pivot from a sample: the keys at kKnnSample evenly spaced
-    // positions, sorted, taken a little above rank k / cap, then one counting pass and one
-    // partition that keeps the keys at or below it. That is several times cheaper than
-    // nth_element over the buffer (19 us for 2,002 keys on the 2-core AMD EPYC): the k-th key
-    // is not needed, only a threshold with k keys under it. Where the sample misleads (fewer
-    // than k keys at or below the pivot, or too few slots freed), nth_element as before; and
-    // for buffers under 1,024 keys, where nth_element is cheap and the looser threshold let
-    // more keys in (evaluation-like clusters at k 300: within noise, 0.94-1.06x).
+    // positions, the one a little above rank k / cap (selected, not sorted), then one counting
+    // pass and one partition that keep the keys at or below it (AVX-512: eight keys a step).
+    // That is several times cheaper than nth_element over the buffer (19 us for 2,002 keys on
+    // the 2-core AMD EPYC): the k-th key is not needed, only a threshold with k keys under it.
+    // Where the sample misleads (fewer than k keys at or below the pivot, or too few slots
+    // freed), nth_element as before (2% of the compactions at N 20,000, k 1,000; a second
+    // pivot from the sample before it was slower overall); and for buffers under 1,024 keys,
+    // where nth_element is cheap and the looser threshold let more keys in (evaluation-like
+    // clusters at k 300: within noise, 0.94-1.06x).
     void compact() {
         constexpr int64_t kKnnSample = 128;
         if (cap >= 8 * kKnnSample) {
             uint64_t sample[kKnnSample];
             for (int64_t i = 0; i < kKnnSample; ++i) sample[i] = keys[i * cap / kKnnSample];
-            std::sort(sample, sample + kKnnSample);
             const int64_t j = std::min<int64_t>(kKnnSample - 2,
                                                 (k * kKnnSample + cap - 1) / cap + 10);
+            // Only the sample's j-th key is needed: a selection, not a sort of the sample.
+            std::nth_element(sample, sample + j, sample + kKnnSample);
             const uint64_t piv = sample[j];
-            int64_t m = 0;
-            for (int64_t i = 0; i < cap; ++i) m += keys[i] <= piv;
+            const int64_t m = count_at_most(piv);
             if (m >= k && m <= k + (cap - k) / 2) {
-                int64_t w = 0;
-                for (int64_t i = 0; i < cap; ++i) {
-                    const uint64_t v = keys[i];
-                    keys[w] = v;
-                    w += v <= piv;
-                }
+                keep_at_most(piv);
                 *worst = piv;
                 *count = m;
                 thr = knn_key_dist(piv);
@@ -2009,42 +2041,65 @@ struct KnnRow {
         thr = knn_key_dist(*worst);
     }
 
+    // The row's count, worst key and threshold live in locals for the scan, written back
+    // around each compaction and at the end: as members reached through pointers, every key
+    // stored could alias them (uint64_t / int64_t) as far as the compiler knows, and it reloaded
+    // them at each push (evaluation-like clusters, N 20,000, k 1,000, one thread: the scan
+    // with its pushes was ~40% of the search).
     void scan(const float* __restrict d, int64_t cols, int64_t col0) {
-        thr = *worst == kNoKey ? std::numeric_limits<float>::infinity() : knn_key_dist(*worst);
+        uint64_t* const kb = keys;
+        const int64_t full = cap;
+        int64_t n = *count;
+        uint64_t w = *worst;
+        float t = w == kNoKey ? std::numeric_limits<float>::infinity() : knn_key_dist(w);
+        auto put = [&](float v, int64_t index) __attribute__((always_inline)) {
+            const uint64_t key = knn_key(v, index);
+            if (key >= w) return;
+            kb[n++] = key;
+            if (n == full) {
+                *count = n;
+                compact();  // sets *count, *worst and thr
+                n = *count;
+                w = *worst;
+                t = thr;
+            }
+        };
         int64_t j = 0;
         // Until the first compaction every column is a candidate (the buffer fills).
-        for (; j < cols && *worst == kNoKey; ++j) push(d[j], col0 + j);
+        for (; j < cols && w == kNoKey; ++j) put(d[j], col0 + j);
 #if defined(__AVX512F__)
         for (; j + 16 <= cols; j += 16) {
-            __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), _mm512_set1_ps(thr),
+            __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), _mm512_set1_ps(t),
                                              _CMP_LT_OQ);
             while (m) {
-                int t = __builtin_ctz((unsigned)m);
+                int i = __builtin_ctz((unsigned)m);
                 m &= (__mmask16)(m - 1);
-                push(d[j + t], col0 + j + t);
+                put(d[j + i], col0 + j + i);
             }
         }
 #elif defined(__AVX2__)
         for (; j + 8 <= cols; j += 8) {
             unsigned m = (unsigned)_mm256_movemask_ps(
-                _mm256_cmp_ps(_mm256_loadu_ps(d + j), _mm256_set1_ps(thr), _CMP_LT_OQ));
+                _mm256_cmp_ps(_mm256_loadu_ps(d + j), _mm256_set1_ps(t), _CMP_LT_OQ));
             while (m) {
-                int t = __builtin_ctz(m);
+                int i = __builtin_ctz(m);
                 m &= m - 1;
-                push(d[j + t], col0 + j + t);
+                put(d[j + i], col0 + j + i);
             }
         }
 #else
         for (; j + 16 <= cols; j += 16) {
             bool any = false;
-            for (int t = 0; t < 16; ++t) any |= d[j + t] < thr;
+            for (int i = 0; i < 16; ++i) any |= d[j + i] < t;
             if (!any) continue;
-            for (int t = 0; t < 16; ++t)
-                if (d[j + t] < thr) push(d[j + t], col0 + j + t);
+            for (int i = 0; i < 16; ++i)
+                if (d[j + i] < t) put(d[j + i], col0 + j + i);
         }
 #endif
         for (; j < cols; ++j)
-            if (d[j] < thr) push(d[j], col0 + j);
+            if (d[j] < t) put(d[j], col0 + j);
+        *count = n;
+        thr = t;
     }
 };
 

@@ -28,6 +28,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from nnkloss.atomic import atomic_write  # noqa: E402
+from nnkloss.experiment import reporting  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "cpu_name", "slug", "utc_now", "time_ms",
            "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
@@ -36,22 +37,11 @@ __all__ = ["HERE", "ROOT", "git_commit", "device_name", "cpu_name", "slug", "utc
            "median_round", "load_average"]
 
 
-def git_commit() -> str:
-    """Short hash of HEAD, with ``-dirty`` when tracked files differ from it; $NNKLOSS_COMMIT
-    where set (benchmarks/gpu_session.sh: the device machine's copy of the tree has no .git)."""
-    if os.environ.get("NNKLOSS_COMMIT"):
-        return os.environ["NNKLOSS_COMMIT"]
-    try:
-        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:
-        return "unknown"
-    try:
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=HERE,
-                               stderr=subprocess.DEVNULL).returncode == 1
-    except Exception:
-        dirty = False
-    return head + ("-dirty" if dirty else "")
+def git_commit(cwd: str = HERE) -> str:
+    """The commit a figure is labelled with (:func:`nnkloss.experiment.reporting.git_commit`:
+    ``-dirty`` for changed code, not for results files; $NNKLOSS_COMMIT where set), "unknown"
+    outside a checkout."""
+    return reporting.git_commit(cwd) or "unknown"
 
 
 def device_name(device: torch.device) -> str:

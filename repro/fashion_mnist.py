@@ -48,7 +48,6 @@ import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -65,7 +64,7 @@ from nnkloss.evaluation import metrics as M
 from nnkloss.experiment.datasets import IDXDataset, IndexedTensorDataset, stratified_split
 from nnkloss.experiment.evaluate import classification_metrics, extract_embeddings
 from nnkloss.experiment.models import SoftmaxHead
-from nnkloss.experiment.reporting import markdown_table, write_json, write_table
+from nnkloss.experiment.reporting import git_commit, markdown_table, write_json, write_table
 from nnkloss.experiment.setup import kernel_criterion
 from nnkloss.experiment.train import Trainer, seed_everything
 
@@ -426,15 +425,6 @@ def nearest_neighbour_accuracy(train_x, train_y, x, y) -> float:
 
 
 # ---------------------------------------------------------------------------- one run
-def _git_commit() -> Optional[str]:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, check=True,
-                              capture_output=True, text=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _load() -> List[float]:
     try:
         return [round(v, 2) for v in os.getloadavg()]
@@ -768,7 +758,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             write_json(cfg_path, {"config": cfg})
             rec = train_and_evaluate(method, seed, data, args, cfg, run_dir)
             rec["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            rec["commit"] = _git_commit()
+            rec["commit"] = git_commit(os.path.dirname(os.path.abspath(__file__)))
             rec["name"] = name
             write_json(rec_path, json.loads(json.dumps(rec, default=float)))
         rec["name"] = name
@@ -799,7 +789,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "device": args.device, "load_at_end": _load()},
-        "commit": _git_commit(),
+        "commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "runs_skipped_as_done": skipped,
         "total_wall_s_this_invocation": time.perf_counter() - t_start,

@@ -90,13 +90,3 @@ def test_a_rerun_runs_only_the_steps_named(tmp_path):
     assert scripts == ["-c", "benchmarks/bench_loss.py", "benchmarks/tune_loss.py"]
     summary = (tmp_path / "work" / "summary.txt").read_text()
     assert summary.count("== ") == 3 and "tests_cuda" not in summary
-
-
-def test_git_commit_reads_the_override(monkeypatch):
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import common
-    monkeypatch.setenv("NNKLOSS_COMMIT", "feedbee")
-    assert common.git_commit() == "feedbee"
-    monkeypatch.delenv("NNKLOSS_COMMIT")
-    assert common.git_commit() != "feedbee"

@@ -2052,25 +2052,56 @@ struct KnnRow {
         int64_t n = *count;
         uint64_t w = *worst;
         float t = w == kNoKey ? std::numeric_limits<float>::infinity() : knn_key_dist(w);
+        auto compact_full = [&]() {
+            *count = n;
+            compact();  // sets *count, *worst and thr
+            n = *count;
+            w = *worst;
+            t = thr;
+        };
         auto put = [&](float v, int64_t index) __attribute__((always_inline)) {
             const uint64_t key = knn_key(v, index);
             if (key >= w) return;
             kb[n++] = key;
-            if (n == full) {
-                *count = n;
-                compact();  // sets *count, *worst and thr
-                n = *count;
-                w = *worst;
-                t = thr;
-            }
+            if (n == full) compact_full();
         };
         int64_t j = 0;
         // Until the first compaction every column is a candidate (the buffer fills).
         for (; j < cols && w == kNoKey; ++j) put(d[j], col0 + j);
 #if defined(__AVX512F__)
+        const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+        // Eight candidates' keys at once: (clamped distance bits << 32) | index, those of the
+        // lanes in `pass` below the worst key compress-stored in column order at the count.
+        auto put8 = [&](__m256i bits, __mmask8 pass, int64_t index0)
+                        __attribute__((always_inline)) {
+            const __m512i key = _mm512_or_si512(
+                _mm512_slli_epi64(_mm512_cvtepu32_epi64(bits), 32),
+                _mm512_add_epi64(_mm512_set1_epi64(index0), lane));
+            const __mmask8 keep =
+                pass & _mm512_cmplt_epu64_mask(key, _mm512_set1_epi64((long long)w));
+            _mm512_storeu_si512(kb + n, _mm512_maskz_compress_epi64(keep, key));
+            n += __builtin_popcount((unsigned)keep);
+        };
+        // With room for all sixteen, the keys of a vector's candidates are built and stored as
+        // vectors whatever their number: one at a time only where the buffer may fill within
+        // the vector. Against one at a time for every candidate (one thread, clustered data,
+        // N 20,000, D 64, two rounds, ad hoc): the k 1,000 searches 1.1x faster; vectors only
+        // from 4 (8) candidates of 16 up, 1.0x (1.0x); evaluation at 150K 1.03x, k 300 and
+        // the k 100 graph within noise.
         for (; j + 16 <= cols; j += 16) {
-            __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(d + j), _mm512_set1_ps(t),
-                                             _CMP_LT_OQ);
+            const __m512 v = _mm512_loadu_ps(d + j);
+            __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_LT_OQ);
+            if (!m) continue;
+            if (n + 16 <= full) {
+                // Sign bit set (negative, -0.0): distance 0, as knn_key clamps.
+                const __m512i bits = _mm512_maskz_mov_epi32(
+                    _mm512_cmpge_epi32_mask(_mm512_castps_si512(v), _mm512_setzero_si512()),
+                    _mm512_castps_si512(v));
+                put8(_mm512_castsi512_si256(bits), (__mmask8)m, col0 + j);
+                put8(_mm512_extracti64x4_epi64(bits, 1), (__mmask8)(m >> 8), col0 + j + 8);
+                if (n == full) compact_full();
+                continue;
+            }
             while (m) {
                 int i = __builtin_ctz((unsigned)m);
                 m &= (__mmask16)(m - 1);

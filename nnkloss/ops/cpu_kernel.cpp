@@ -1935,7 +1935,7 @@ int nnk_check_values(const void* nbrs, int nb64, int64_t n_idx, const void* emb,
 // result needs is ever dropped. Base columns arrive in
 // ascending index order, so a new key is below worst iff its distance is below worst's
 // distance: the prefilter compares 16 raw distances at a time with that float and only chunks
-// holding a candidate go to the scalar key path. A self-search (queries = base) can compute
+// holding a candidate go on to the keys (KnnRow::scan). A self-search (queries = base) can compute
 // each pair once: nnk_knn_select_sym folds a tile into its rows' selections and, transposed
 // (a column scan, no copy), into its columns'.
 #if defined(__AVX512F__) || defined(__AVX2__)

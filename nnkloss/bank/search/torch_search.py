@@ -33,14 +33,15 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    candidate below ``worst``, a key that at least k held keys are at or below; when the buffer
    is full it is compacted: the keys above a new ``worst`` are dropped, ``worst`` being a key a
    little above the k-th smallest, picked from a 128-key sample of the buffer and checked by
-   counting (buffers of 1,024 keys and more; otherwise, or where the count finds fewer than k
-   keys under it, ``nth_element`` keeps the k smallest and ``worst`` becomes the largest of
-   them). A key at or above ``worst`` cannot be among the k smallest (k keys at most ``worst``
-   are held), so nothing the result needs is dropped: exact by construction whatever the
-   sample, one pass. As the
-   base arrives in index order, a new key is below ``worst`` exactly when its distance is below
-   ``worst``'s, so a vectorised prefilter compares 16 (AVX-512; 8 with AVX2) raw distances at a
-   time with that float and only the chunks holding a candidate reach the scalar key path;
+   counting (buffers of 1,024 keys and more; where the count finds fewer than k keys under
+   it, the sample's key 16 ranks higher; otherwise, or where that misleads too,
+   ``nth_element`` keeps the k smallest and ``worst`` becomes the largest of them). A key at
+   or above ``worst`` cannot be among the k smallest (k keys at most ``worst`` are held), so
+   nothing the result needs is dropped: exact by construction whatever the sample, one pass.
+   As the base arrives in index order, a new key is below ``worst`` exactly when its distance
+   is below ``worst``'s, so a vectorised prefilter compares 16 (AVX-512; 8 with AVX2) raw
+   distances at a time with that float and only the chunks holding a candidate reach the key
+   path (with AVX-512 the chunk's keys built and stored as vectors, one at a time elsewhere);
 3. after the last base tile each row's whole buffer, padded past its count with the largest
    key, is sorted by numpy (SIMD where numpy has it; :meth:`nnkloss.ops.cpu.KnnSelection.finish`)
    and its first k keys are the result; distances come back from the key bits, indices from

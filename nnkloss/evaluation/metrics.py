@@ -97,8 +97,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     symmetric self-search, which computes each pair once; see
     :mod:`nnkloss.bank.search.torch_search`),
     per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
-    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``784e89f``): 1.03 GB peak RSS,
-    0.44 GB above the process before the call, 25 s (``benchmarks/bench_eval.py``,
+    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``d7e5509``): 1.15 GB peak RSS,
+    0.56 GB above the process before the call, 22 s (``benchmarks/bench_eval.py``,
     docs/PERFORMANCE.md, "Evaluation at scale").
     """
     emb, labels = _embeddings_and_labels(emb, labels)

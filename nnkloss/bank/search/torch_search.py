@@ -34,8 +34,10 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    is full it is compacted: the keys above a new ``worst`` are dropped, ``worst`` being a key a
    little above the k-th smallest, picked from a 128-key sample of the buffer and checked by
    counting (buffers of 1,024 keys and more; where the count finds fewer than k keys under
-   it, the sample's key 16 ranks higher; otherwise, or where that misleads too,
-   ``nth_element`` keeps the k smallest and ``worst`` becomes the largest of them). A key at
+   it, the sample's key 16 ranks higher; in smaller buffers, with AVX-512, the one of 16
+   spaced keys with the fewest keys at or below it, at least k, each counted in the whole
+   buffer; where these mislead, or without AVX-512 in small buffers, ``nth_element`` keeps
+   the k smallest and ``worst`` becomes the largest of them). A key at
    or above ``worst`` cannot be among the k smallest (k keys at most ``worst`` are held), so
    nothing the result needs is dropped: exact by construction whatever the sample, one pass.
    As the base arrives in index order, a new key is below ``worst`` exactly when its distance

@@ -153,7 +153,9 @@ def main(argv=None) -> int:
                        "threads": torch.get_num_threads(), "device": name, "commit": commit,
                        "date": utc_now()}
                 if values:
-                    row.update({"seconds": f"{res['seconds']:.2f}",
+                    # four significant digits: a small N's search can take under 5 ms, which
+                    # two decimals wrote as 0.00
+                    row.update({"seconds": f"{res['seconds']:.4g}",
                                 "peak_rss_mb": f"{res['peak_rss_mb']:.0f}",
                                 "extra_mb": f"{res['extra_mb']:.0f}"})
                     row.update({m: repr(values[m]) for m in METRICS})

@@ -213,7 +213,9 @@ def main(argv=None) -> int:
                     known = (n, seconds)
                     writer.write({
                         "op": "knn_graph", "backend": label(backend, device), "N": n, "D": d,
-                        "k": args.k, "seconds": f"{seconds:.4f}", "device": name,
+                        # six significant digits: a small graph can take under 50 us,
+                        # which four decimals would write as 0.0000
+                        "k": args.k, "seconds": f"{seconds:.6g}", "device": name,
                         "commit": commit, "date": utc_now(), "sgemm_gflops": f"{rate:.1f}",
                         "sgemm_seconds": f"{floor:.3f}", "x_sgemm": f"{seconds / floor:.2f}",
                         "load": load, "gemm": gemm,

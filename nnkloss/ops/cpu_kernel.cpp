@@ -2038,7 +2038,7 @@ struct KnnRow {
     // where that misleads too, or too few slots would be freed, nth_element. Buffers under
     // 1,024 keys (k under 512) are too small for the sample: with AVX-512 the keys at 16
     // spaced positions are each counted in the whole buffer instead, and the pivot is the one
-    // with the fewest keys at or below it, at least k (expected ~cap / 32 above k). perf had
+    // with the fewest keys at or below it, at least k (on average ~cap / 17 above k). perf had
     // put nth_element over the 202-key buffers of a k 101 graph at 28% of the search; with
     // the counted keys (one thread, 2026-11-27, ad hoc, two rounds against the commit before):
     // the graph of N 30,000 at D 128 0.97-1.03 against 1.17-1.25 s, k 300 queries 0.36

@@ -6,6 +6,7 @@ in fp32).
 """
 import math
 import os
+import tempfile
 import threading
 import warnings
 
@@ -1458,6 +1459,55 @@ def test_symmetric_selection_is_the_same_on_two_threads(monkeypatch):
 
 
 @kernel
+def _selection_lists(lib, dist, k, cap, widths):
+    """The lists of KnnSelection on ``lib`` fed the (rows, n) tile ``dist`` in column tiles of
+    the given widths (cycled)."""
+    rows, n = dist.shape
+    sel = cpu.KnnSelection(lib, rows, k, cap)
+    sel.reset(rows)
+    c0, t = 0, 0
+    while c0 < n:
+        w = widths[t % len(widths)]
+        sel.add(dist[:, c0:c0 + w].contiguous(), c0)
+        c0, t = c0 + w, t + 1
+    return sel.finish()
+
+
+@kernel
+@pytest.mark.skipif(os.uname().machine != "x86_64" or "avx2" not in cpu._cpu_flags().split(),
+                    reason="an x86-64-v3 build needs an x86-64 CPU with AVX2")
+def test_selection_is_exact_in_an_avx2_build_too(tmp_path, monkeypatch):
+    """The selection's AVX-512 paths (the keys of a chunk as vectors, the compactions' counted
+    pivots, the eight-key count and partition) have AVX2 / scalar counterparts that the native
+    build of an AVX-512 machine never runs: an x86-64-v3 build (benchmarks/cpu_variants.py's
+    verified build with other flags) gives the lists of the (distance, index) sort, as the
+    native one does, with buffers compacted by nth_element (k 83) and by a sampled pivot
+    (k 600), on ties, -0.0, negatives and inf."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import cpu_variants
+    native = cpu._lib()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    try:
+        avx2 = cpu_variants.build("-march=x86-64-v3,!-march=native")
+    finally:
+        cpu._reset_for_tests()  # the next caller loads the native build again
+    assert avx2 is not native
+    g = torch.Generator().manual_seed(83)
+    for k, n in ((83, 997), (600, 7 * 600)):
+        dist = torch.randint(0, 40, (4, n), generator=g).float()
+        dist[0, 100:140] = -0.0
+        dist[1, ::7] = -1e-6
+        dist[2, n - 50:] = float("inf")
+        dist[3] = torch.rand(n, generator=g)
+        ref_d, ref_i = (dist.clamp_min(0.0) + 0.0).sort(dim=1, stable=True)
+        cap = k + max(k, 64)
+        for lib in (native, avx2):
+            d, i = _selection_lists(lib, dist, k, cap, [37, 16, 250, 1])
+            assert torch.equal(i, ref_i[:, :k])
+            assert torch.equal(d.view(torch.int32), ref_d[:, :k].view(torch.int32))
+
+
 def test_symmetric_selection_rejects_bad_tiles():
     sel = cpu.knn_selection(40, 3, 70)
     sel.reset(40)

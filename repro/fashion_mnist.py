@@ -732,6 +732,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
+    # the code this invocation runs: its runs and its results are labelled with it
+    commit = git_commit(os.path.dirname(os.path.abspath(__file__)))
     data = load_data(args)
     keys = RETRIEVAL_KEYS if args.protocol == "retrieval" else ("accuracy",)
     runs: Dict[str, Dict] = {}
@@ -758,7 +760,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             write_json(cfg_path, {"config": cfg})
             rec = train_and_evaluate(method, seed, data, args, cfg, run_dir)
             rec["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            rec["commit"] = git_commit(os.path.dirname(os.path.abspath(__file__)))
+            rec["commit"] = commit
             rec["name"] = name
             write_json(rec_path, json.loads(json.dumps(rec, default=float)))
         rec["name"] = name
@@ -789,7 +791,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "device": args.device, "load_at_end": _load()},
-        "commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
+        "commit": commit,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "runs_skipped_as_done": skipped,
         "total_wall_s_this_invocation": time.perf_counter() - t_start,

@@ -2026,6 +2026,14 @@ struct KnnRow {
         }
     }
 
+    // The new state once the m keys at or below piv are kept (piv the new worst key).
+    void drop_above(uint64_t piv, int64_t m) {
+        keep_at_most(piv);
+        *worst = piv;
+        *count = m;
+        thr = knn_key_dist(piv);
+    }
+
     // The buffer is full: drop every key above a new `worst` that at least k kept keys are at
     // or below (a dropped key then has k smaller ones held: it cannot be among the k smallest,
     // now or later). First try a pivot from a sample: the keys at kKnnSample evenly spaced
@@ -2054,13 +2062,7 @@ struct KnnRow {
                 const uint64_t piv = key_of_rank(sample, kKnnSample, j);
                 const int64_t m = count_at_most(piv);
                 if (m > k + (cap - k) / 2) break;
-                if (m >= k) {
-                    keep_at_most(piv);
-                    *worst = piv;
-                    *count = m;
-                    thr = knn_key_dist(piv);
-                    return;
-                }
+                if (m >= k) return drop_above(piv, m);
             }
         }
 #if defined(__AVX512F__)
@@ -2079,13 +2081,7 @@ struct KnnRow {
                     piv = c;
                 }
             }
-            if (best <= k + (cap - k) / 2) {
-                keep_at_most(piv);
-                *worst = piv;
-                *count = best;
-                thr = knn_key_dist(piv);
-                return;
-            }
+            if (best <= k + (cap - k) / 2) return drop_above(piv, best);
         }
 #endif
         std::nth_element(keys, keys + (k - 1), keys + cap);

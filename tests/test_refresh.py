@@ -83,6 +83,32 @@ def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
     assert again.overlap == pytest.approx(1.0) and again.mean_kernel is None
 
 
+def test_refresh_folds_batch_norm_and_leaves_the_model_alone(monkeypatch):
+    """The centres are the model's eval-mode embeddings computed with its BatchNorms folded
+    (nnkloss/inference.py): equal up to rounding, and the model, its statistics and its mode
+    unchanged."""
+    x, y = make_data()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, D))
+    model.train()
+    for _ in range(3):  # running statistics that are not the identity's
+        model(x * 3 + 1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = Refresher(make_bank(), model, make_loader(x, y), k=4, search_backend="torch",
+                    progress=False)
+    seen = []
+    bn_forward = nn.BatchNorm1d.forward
+    monkeypatch.setattr(nn.BatchNorm1d, "forward",
+                        lambda self, inp: seen.append(1) or bn_forward(self, inp))
+    ref.refresh()
+    assert seen == []  # the folded copy ran: no BatchNorm did
+    monkeypatch.undo()
+    assert model.training and all(m.training for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    torch.testing.assert_close(ref.bank.centres, eval_embeddings(model, x), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_refresh_restores_mixed_modes_and_eval_mode():
     x, y = make_data()
     model = make_model()

@@ -21,6 +21,7 @@ from .centre_bank import CentreBank
 from ..validation import all_finite, require_int, require_positive_int, require_sigma
 from .search import NeighbourLists, neighbour_lists
 from .. import distributed as _dist
+from ..inference import inference_model
 from . import exchange
 
 __all__ = ["Refresher", "RefreshSchedule", "RefreshStats"]
@@ -441,6 +442,9 @@ class Refresher:
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
+            # BatchNorms folded into the layers before them (a copy; the same embeddings up
+            # to rounding): nnkloss/inference.py.
+            net = inference_model(model)
             with torch.no_grad():
                 for batch in self._progress(self.loader):
                     if not isinstance(batch, (tuple, list)) or len(batch) != 3:
@@ -457,7 +461,7 @@ class Refresher:
                         idx = idx.to(dev)
                         out_of_range |= ((idx < 0) | (idx >= n)).any()
                         idx = idx.clamp(0, n - 1)
-                    emb = model(_to_device(inputs, device))
+                    emb = net(_to_device(inputs, device))
                     if not isinstance(emb, Tensor) or emb.shape != (idx.shape[0], d):
                         shape = tuple(emb.shape) if isinstance(emb, Tensor) else type(emb)
                         raise ValueError(f"model output has shape {shape}; expected "

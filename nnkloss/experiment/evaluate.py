@@ -20,6 +20,7 @@ from ..bank.centre_bank import CentreBank
 from ..evaluation.classifier import NeighbourKernelClassifier
 from ..losses.neighbour_kernel import NeighbourKernelLoss
 from ..evaluation.metrics import accuracy, evaluate, nmi
+from ..inference import inference_model
 
 __all__ = ["extract_embeddings", "retrieval_metrics", "kernel_accuracy", "softmax_accuracy",
            "classification_metrics", "RECALL_KS"]
@@ -49,9 +50,10 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
     use_amp = bool(amp) and device.type == "cuda"
     embs, labs, idxs = [], [], []
     try:
+        net = inference_model(model)  # BatchNorms folded (a copy): nnkloss/inference.py
         for x, y, idx in tqdm(loader, desc=desc, disable=not progress, leave=False):
             with torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
-                e = model(x.to(device, non_blocking=True))
+                e = net(x.to(device, non_blocking=True))
             embs.append(e.float().cpu())
             labs.append(torch.as_tensor(y).long().cpu())
             idxs.append(torch.as_tensor(idx).long().cpu())

@@ -1,0 +1,116 @@
+"""The network at inference: what embedding a whole data set runs (a bank's refresh, an
+evaluation), made cheaper without changing what it computes.
+
+:func:`inference_model` returns an eval-mode module whose forward is the model's own in eval
+mode, with every BatchNorm that directly follows a convolution or linear layer inside an
+``nn.Sequential`` folded into that layer's weights and bias. In eval mode a BatchNorm is the
+per-channel affine map ``y = (x - mean) / sqrt(var + eps) * gamma + beta`` with fixed
+statistics, so it composes with the layer before it into one layer
+(``torch.nn.utils.fusion``): one pass over the activations less per BatchNorm, and no
+(B, C, H, W) intermediate between the two. Measured on the 2-core AMD EPYC family 26, one
+thread, 2026-11-27: the Fashion-MNIST network of ``repro/fashion_mnist.py`` (three conv-BN-ReLU-
+pool blocks, channels_last) embedded 20,000 images in 0.85 s folded against 1.31 s as it is at
+batches of 512, and 0.69 against 0.85 s at batches of 128 (median of 4; the largest difference
+in the embeddings 2.7e-7).
+
+Only ``nn.Sequential`` containers are rewritten, because only there the layer's output is
+known to be the BatchNorm's input: a module's own ``forward`` may use the two in any order.
+A pair is folded only where each is of exactly one of torch's classes (a subclass may override
+``forward``), the container's ``forward`` is ``nn.Sequential``'s, neither module has a hook,
+and the BatchNorm uses running statistics in eval mode (``track_running_stats`` with its
+buffers present; otherwise it normalises with each batch's own statistics, which no weight can
+hold). Everything else runs as it is. The model itself is never modified: the folding happens
+in a copy, made only when there is a pair to fold. A model that holds a
+``DistributedDataParallel`` / ``DataParallel`` wrapper or a ``torch.compile``'d module runs as
+it is: a copy of the first would be a second process-group participant, and changing the
+modules under the second would make it compile again at every call of this function.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
+
+__all__ = ["inference_model", "foldable_pairs"]
+
+# (layer class, the BatchNorm class that may follow it): exact types only.
+_FOLDABLE = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d,
+             nn.Linear: nn.BatchNorm1d}
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None))
+
+
+def _folds(layer: nn.Module, bn: nn.Module) -> bool:
+    return (_FOLDABLE.get(type(layer)) is type(bn) and bn.track_running_stats
+            and bn.running_mean is not None and bn.running_var is not None
+            and not _hooked(layer) and not _hooked(bn))
+
+
+def _wrapped(model: nn.Module) -> bool:
+    """Whether the model holds a data-parallel wrapper or a torch.compile'd module (see the
+    module's docstring)."""
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    return any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
+
+
+def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:
+    """``(name of the nn.Sequential, index of the layer)`` of every (layer, BatchNorm) pair
+    that :func:`inference_model` folds, in module order (none in a wrapped model)."""
+    if _wrapped(model):
+        return []
+    pairs = []
+    for name, seq in model.named_modules():
+        if type(seq).forward is not nn.Sequential.forward or _hooked(seq):
+            continue
+        children = list(seq._modules.values())
+        i = 0
+        while i + 1 < len(children):
+            if _folds(children[i], children[i + 1]):
+                pairs.append((name, i))
+                i += 2
+            else:
+                i += 1
+    return pairs
+
+
+@torch.no_grad()
+def inference_model(model: nn.Module) -> nn.Module:
+    """An eval-mode module that computes what ``model.eval()`` computes, with each foldable
+    (layer, BatchNorm) pair of an ``nn.Sequential`` folded into the layer (see the module's
+    docstring); ``model`` itself, in whatever mode it is, where there is no such pair.
+
+    The result is a copy: the model, its parameters and its mode are left as they were, so
+    call this again after the weights change (each refresh, each evaluation). The copy's
+    parameters take no gradient. Its outputs equal the model's in eval mode up to rounding
+    (the folded weights are products, rounded once)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    pairs = foldable_pairs(model)
+    if not pairs:
+        return model
+    out = copy.deepcopy(model).eval()
+    modules = dict(out.named_modules())
+    for name, i in pairs:
+        seq = modules[name]
+        keys = list(seq._modules)
+        layer, bn = seq._modules[keys[i]], seq._modules[keys[i + 1]]
+        if isinstance(layer, nn.Linear):
+            fused = fuse_linear_bn_eval(layer, bn)
+        else:
+            fused = fuse_conv_bn_eval(layer, bn)
+            if layer.weight.dim() == 4 and layer.weight.is_contiguous(
+                    memory_format=torch.channels_last):
+                # Keep the layout the model chose (oneDNN's channels_last convolutions).
+                fused.weight.data = fused.weight.data.contiguous(
+                    memory_format=torch.channels_last)
+        seq._modules[keys[i]] = fused
+        seq._modules[keys[i + 1]] = nn.Identity()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out

@@ -105,3 +105,25 @@ def test_choose_sigma_without_a_same_class_neighbour_is_an_error():
 def test_exported():
     assert nnkloss.experiment.choose_sigma is choose_sigma
     assert "choose_sigma" in nnkloss.experiment.__all__
+
+
+def test_choose_sigma_embeds_with_batch_norm_folded(monkeypatch):
+    """The validation embeddings come from the folded copy (nnkloss/inference.py): the same
+    losses as the model's eval mode, no BatchNorm run, the model's statistics unchanged."""
+    model, crit, loader, x, y = setup()
+    model = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    for _ in range(3):  # running statistics that are not the identity's
+        model(x * 2 + 1)
+    Refresher(crit.bank, model, DataLoader(IndexedTensorDataset(x, y), batch_size=64), k=10,
+              search_backend="torch").refresh()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    bn_forward = nn.BatchNorm1d.forward
+    monkeypatch.setattr(nn.BatchNorm1d, "forward",
+                        lambda self, inp: seen.append(1) or bn_forward(self, inp))
+    _, losses = choose_sigma(model, crit, loader, [0.3, 1.0])
+    assert seen == []
+    monkeypatch.undo()
+    for s in (0.3, 1.0):
+        assert losses[s] == pytest.approx(reference_mean(model, crit.bank, x, y, s), rel=1e-5)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

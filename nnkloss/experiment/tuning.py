@@ -18,6 +18,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..inference import inference_model
 from ..losses.base import BankLoss
 from ..validation import require_sigma
 
@@ -95,11 +96,12 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
+        net = inference_model(model)  # BatchNorms folded (a copy): nnkloss/inference.py
         for batch in loader:
             if not isinstance(batch, (tuple, list)) or len(batch) != 3:
                 raise ValueError("loader must yield (inputs, labels, idx) triples")
             inputs, labels, idx = batch
-            emb = model(_to_device(inputs, device))
+            emb = net(_to_device(inputs, device))
             batches.append((emb.detach().float().to(bank_device),
                             torch.as_tensor(labels).to(bank_device),
                             torch.as_tensor(idx).to(bank_device)))

@@ -87,7 +87,9 @@ def inference_model(model: nn.Module) -> nn.Module:
 
     The result is a copy: the model, its parameters and its mode are left as they were, so
     call this again after the weights change (each refresh, each evaluation). The copy's
-    parameters take no gradient. Its outputs equal the model's in eval mode up to rounding
+    parameters take no gradient; while it lives it holds a second set of the model's
+    parameters and buffers, on the model's devices (the package's callers keep it for one
+    pass over a set). Its outputs equal the model's in eval mode up to rounding
     (the folded weights are products, rounded once)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -832,3 +832,29 @@ def test_async_refresh_of_an_unchanged_bank_is_swapped_in():
         want = model(loader.x)
     torch.testing.assert_close(bank.centres, want)
     assert bank.k == 4 and not (bank.neighbours == torch.arange(24)[:, None]).any()
+
+
+def test_async_refresh_of_a_batch_norm_model_matches_sync():
+    """In async mode the snapshot (the model's structure, its weights loaded at each request)
+    is folded for its pass as the live model is in a synchronous refresh
+    (nnkloss/inference.py): the same bank for the same weights, the snapshot reusable."""
+    x, y = make_data()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, D))
+    for _ in range(3):
+        model(x * 3 + 1)
+    sync_bank, async_bank = make_bank(), make_bank()
+    sync = Refresher(sync_bank, model, make_loader(x, y), k=6, search_backend="torch",
+                     progress=False)
+    ref = Refresher(async_bank, model, make_loader(x, y), k=6, search_backend="torch",
+                    progress=False, async_mode=True)
+    for _ in range(2):  # the second request reloads the live weights into the same snapshot
+        sync.refresh()
+        ref.request()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        ref.wait()
+        assert torch.equal(async_bank.centres, sync_bank.centres)
+        assert torch.equal(async_bank.neighbours, sync_bank.neighbours)
+    assert model.training

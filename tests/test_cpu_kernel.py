@@ -1743,6 +1743,62 @@ def test_has_same_label_is_the_torch_form(nb_dtype, cl_dtype):
                               cl.to(cl_dtype)).sum() == 0
 
 
+def _list_overlap_sets(new, old):
+    """The definition: per row, the new entries >= 0 that the old row holds, each counted."""
+    return torch.tensor([sum(1 for j in a.tolist() if j >= 0 and j in set(b.tolist()))
+                         for a, b in zip(new, old, strict=True)], dtype=torch.int64)
+
+
+@kernel
+@pytest.mark.parametrize("new_dtype", INDEX, ids=str)
+@pytest.mark.parametrize("old_dtype", INDEX, ids=str)
+def test_list_overlap_counts_the_shared_entries(new_dtype, old_dtype, monkeypatch):
+    """nnk_list_overlap: padding never shared, a repeated new entry counted each time, lists
+    of different lengths, rows that share all, none, and the bitmap's word edges (63, 64);
+    the refresh's torch form gives the same counts."""
+    g = torch.Generator().manual_seed(21)
+    n, kn, ko = 130, 11, 7
+    new = torch.randint(0, n, (n, kn), generator=g)
+    old = torch.randint(0, n, (n, ko), generator=g)
+    new[torch.rand(n, kn, generator=g) < 0.2] = -1
+    old[torch.rand(n, ko, generator=g) < 0.2] = -1
+    new[0, :ko] = old[0]                 # shares everything the old row holds
+    new[1] = -1                          # all padding
+    old[2] = -1                          # nothing to share
+    new[3], old[3] = 5, 5                # one entry, repeated: counted kn times
+    new[4, :3] = torch.tensor([63, 64, 0])
+    old[4, :3] = torch.tensor([64, 63, 127])
+    new[5, :3] = torch.tensor([129, 128, 127])
+    old[5] = torch.tensor([129, 127, -1, -1, 0, 1, 2])
+    got = cpu.list_overlap(new.to(new_dtype), old.to(old_dtype), n)
+    want = _list_overlap_sets(new, old)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got[3] == kn and got[1] == 0 and got[2] == 0 and got[4] >= 2 and got[5] >= 2
+    assert 0 < int(got.sum()) < int((new >= 0).sum())
+    # the refresh's statistic, by the library and by its torch form
+    from nnkloss.bank import refresh
+    valid = (new >= 0).sum(1).clamp_min(1)
+    assert refresh._list_overlap(new, old) == pytest.approx(float((want / valid).mean()))
+    monkeypatch.setattr(cpu, "list_overlap", lambda *args: None)
+    assert refresh._list_overlap(new, old) == pytest.approx(float((want / valid).mean()))
+    monkeypatch.undo()
+    assert cpu.list_overlap(new[:0], old[:0], n).shape == (0,)
+
+
+@kernel
+def test_list_overlap_leaves_what_it_does_not_take_to_the_torch_form():
+    new, old = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 2], [3, -1]])
+    assert cpu.list_overlap(new, old, 4).tolist() == [1, 1]
+    for bad in (4, -2):  # an entry outside [-1, rows): not counted here
+        far = old.clone()
+        far[1, 1] = bad
+        assert cpu.list_overlap(new, far, 4) is None
+        assert cpu.list_overlap(far, new, 4) is None
+    assert cpu.list_overlap(new, old[:1], 4) is None  # different row counts
+    assert cpu.list_overlap(new.t().contiguous().t(), old, 4) is None
+    assert cpu.list_overlap(new.float(), old, 4) is None
+
+
 @kernel
 def test_has_same_label_refuses_rows_outside_the_bank_and_leaves_other_cases():
     cl = torch.tensor([0, 1, 0, 1])

@@ -858,3 +858,24 @@ def test_async_refresh_of_a_batch_norm_model_matches_sync():
         assert torch.equal(async_bank.centres, sync_bank.centres)
         assert torch.equal(async_bank.neighbours, sync_bank.neighbours)
     assert model.training
+
+
+@pytest.mark.parametrize("elems", [8, 1 << 18])
+def test_refresh_distance_means_in_steps_equal_the_whole_tensor(monkeypatch, elems):
+    """The refresh statistics' means, taken a few rows at a time on CPU tensors (one step
+    here with the default, many with 8 elements a step: a ragged last step too), are those
+    of the whole tensor; padding (inf) and NaN entries are left out of both means."""
+    from nnkloss.bank import refresh as refresh_module
+    monkeypatch.setattr(refresh_module, "STATS_ELEMS", elems)
+    g = torch.Generator().manual_seed(5)
+    d = torch.rand(37, 5, generator=g, dtype=torch.float32) * 20
+    d[3, 4], d[10, :], d[36, 0] = float("inf"), float("inf"), float("nan")
+    finite = torch.isfinite(d)
+    vals = d[finite].double()
+    mean_d, mean_k = refresh_module._distance_means(d, 1.5)
+    assert mean_d == pytest.approx(float(vals.mean()), rel=1e-6)
+    assert mean_k == pytest.approx(float(torch.exp(-vals / (2 * 1.5 ** 2)).mean()), rel=1e-6)
+    assert refresh_module._distance_means(d, None) == (pytest.approx(mean_d), None)
+    none_finite = torch.full((4, 3), float("inf"))
+    assert refresh_module._distance_means(none_finite, 1.0) == (0.0, 0.0)
+    assert refresh_module._distance_means(d[:0], 1.0) == (0.0, 0.0)

@@ -12,7 +12,7 @@ import copy
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -61,27 +61,54 @@ class RefreshStats:
 def _list_overlap(new: Tensor, old: Tensor) -> float:
     """Mean per-row fraction of the new list's entries that the old list also holds.
 
-    Row-wise membership by a batched searchsorted into the sorted old lists: (N, K) work,
-    never an N x N (or N x K x K) tensor. -1 padding never counts as shared.
+    -1 padding never counts as shared. On CPU tensors the compiled library counts each row's
+    shared entries through a bitmap of the bank's rows (:func:`nnkloss.ops.cpu.list_overlap`:
+    at N 20,000, K 1000, one thread, 0.05 against 2.2 s for the form below, 2026-11-27);
+    elsewhere row-wise membership by a batched searchsorted into the sorted old lists. Both
+    (N, K) work, never an N x N (or N x K x K) tensor, and the same counts.
     """
-    old_sorted = old.to(new.device).sort(dim=1).values.contiguous()
-    pos = torch.searchsorted(old_sorted, new.contiguous()).clamp_max(old_sorted.shape[1] - 1)
-    shared = (old_sorted.gather(1, pos) == new) & (new >= 0)
+    from ..ops import cpu
+    old = old.to(new.device)
     valid = (new >= 0).sum(1).clamp_min(1)
-    return float((shared.sum(1).float() / valid).mean())
+    counts = cpu.list_overlap(new, old, new.shape[0])
+    if counts is None:
+        old_sorted = old.sort(dim=1).values.contiguous()
+        pos = torch.searchsorted(old_sorted, new.contiguous()).clamp_max(old_sorted.shape[1] - 1)
+        counts = ((old_sorted.gather(1, pos) == new) & (new >= 0)).sum(1)
+    return float((counts.float() / valid).mean())
+
+
+# Rows of distances per step of the statistics on CPU tensors: ~1 MiB of fp32 at K 1000, so
+# that the step's passes (finite, masked, exp) run in the L2 cache, not in memory. At N 20,000,
+# K 1000, one thread (2026-11-27): 0.075 against 0.33 s for the whole tensor at once.
+STATS_ELEMS = 1 << 18
+
+
+def _distance_means(d: Tensor, sigma) -> Tuple[float, Optional[float]]:
+    """The mean of the finite distances and, with sigma, of their kernel values
+    exp(-d / (2 sigma^2)) (non-finite entries: padding, left out of both), summed in fp64;
+    one host read."""
+    rows = d.shape[0]
+    step = max(1, STATS_ELEMS // max(1, d.shape[1])) if d.is_cpu else max(1, rows)
+    acc = torch.zeros(3, dtype=torch.float64, device=d.device)  # count, sum d, sum kernel
+    for r0 in range(0, rows, step):
+        x = d[r0:r0 + step]
+        finite = torch.isfinite(x)
+        x0 = x.masked_fill(~finite, 0.0)
+        acc[0] += finite.sum()
+        acc[1] += x0.sum(dtype=torch.float64)
+        if sigma is not None:
+            kern = torch.exp(x0 * (-0.5 / (sigma * sigma))).masked_fill_(~finite, 0.0)
+            acc[2] += kern.sum(dtype=torch.float64)
+    n, sum_d, sum_k = acc.tolist()
+    n = max(n, 1.0)
+    return sum_d / n, (None if sigma is None else sum_k / n)
 
 
 def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], sigma,
                 asynchronous: bool) -> RefreshStats:
     d = lists.distances
-    finite = torch.isfinite(d)
-    n_pairs = finite.sum().clamp_min(1)
-    d0 = d.masked_fill(~finite, 0.0)
-    mean_d = float(d0.sum() / n_pairs)
-    mean_kernel = None
-    if sigma is not None:
-        kern = torch.exp(-d0 / (2.0 * sigma * sigma)).masked_fill(~finite, 0.0)
-        mean_kernel = float(kern.sum() / n_pairs)
+    mean_d, mean_kernel = _distance_means(d, sigma)
     overlap = None
     if old is not None and old.shape[0] == d.shape[0] and old.shape[1] > 0:
         overlap = _list_overlap(lists.neighbours, old)

@@ -305,6 +305,8 @@ def _declare(lib):
     lib.nnk_count_mismatched.restype = I64
     lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
     lib.nnk_has_same_label.restype = I
+    lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P]
+    lib.nnk_list_overlap.restype = I
     lib.nnk_gathered_finite.argtypes = [P, I, I64, I64, P, I, I64, I]
     lib.nnk_gathered_finite.restype = I
     lib.nnk_gather_read.argtypes = [P, I64, I64, P, I, I64, I]
@@ -859,6 +861,29 @@ def has_same_label(neighbours, centre_labels):
     if rc != 0:
         raise RuntimeError(f"nnk_has_same_label failed (code {rc})")
     return out
+
+
+def list_overlap(new, old, num_rows: int):
+    """(rows,) int64: how many entries of each list of ``new`` (rows, K) its list in ``old``
+    (rows, K') also holds (-1 = padding, never shared; a repeated new entry counted each time),
+    by the compiled library (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists
+    index, O(K) a row); None where this is not done here: the library unavailable, non-CPU,
+    non-contiguous or non-int32/int64 tensors, lists of different row counts, or an entry
+    outside [-1, num_rows)."""
+    if (not (new.is_cpu and old.is_cpu) or new.dtype not in _INDEX_TYPES
+            or old.dtype not in _INDEX_TYPES or new.dim() != 2 or old.dim() != 2
+            or new.shape[0] != old.shape[0]
+            or not (new.is_contiguous() and old.is_contiguous())):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    rows = new.shape[0]
+    out = torch.empty(rows, dtype=torch.int64)
+    rc = lib.nnk_list_overlap(new.data_ptr(), _INDEX_TYPES[new.dtype], new.shape[1],
+                              old.data_ptr(), _INDEX_TYPES[old.dtype], old.shape[1], rows,
+                              int(num_rows), out.data_ptr())
+    return out if rc == 0 else None
 
 
 def forward_exp(x):

@@ -1770,9 +1770,10 @@ def test_list_overlap_counts_the_shared_entries(new_dtype, old_dtype, monkeypatc
     old[4, :3] = torch.tensor([64, 63, 127])
     new[5, :3] = torch.tensor([129, 128, 127])
     old[5] = torch.tensor([129, 127, -1, -1, 0, 1, 2])
-    got = cpu.list_overlap(new.to(new_dtype), old.to(old_dtype), n)
+    got, listed = cpu.list_overlap(new.to(new_dtype), old.to(old_dtype), n)
     want = _list_overlap_sets(new, old)
     assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(listed, (new >= 0).sum(1))
     assert got[3] == kn and got[1] == 0 and got[2] == 0 and got[4] >= 2 and got[5] >= 2
     assert 0 < int(got.sum()) < int((new >= 0).sum())
     # the refresh's statistic, by the library and by its torch form
@@ -1782,13 +1783,13 @@ def test_list_overlap_counts_the_shared_entries(new_dtype, old_dtype, monkeypatc
     monkeypatch.setattr(cpu, "list_overlap", lambda *args: None)
     assert refresh._list_overlap(new, old) == pytest.approx(float((want / valid).mean()))
     monkeypatch.undo()
-    assert cpu.list_overlap(new[:0], old[:0], n).shape == (0,)
+    assert cpu.list_overlap(new[:0], old[:0], n)[0].shape == (0,)
 
 
 @kernel
 def test_list_overlap_leaves_what_it_does_not_take_to_the_torch_form():
     new, old = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 2], [3, -1]])
-    assert cpu.list_overlap(new, old, 4).tolist() == [1, 1]
+    assert [t.tolist() for t in cpu.list_overlap(new, old, 4)] == [[1, 1], [2, 2]]
     for bad in (4, -2):  # an entry outside [-1, rows): not counted here
         far = old.clone()
         far[1, 1] = bad

@@ -305,7 +305,7 @@ def _declare(lib):
     lib.nnk_count_mismatched.restype = I64
     lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
     lib.nnk_has_same_label.restype = I
-    lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P]
+    lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P, P]
     lib.nnk_list_overlap.restype = I
     lib.nnk_gathered_finite.argtypes = [P, I, I64, I64, P, I, I64, I]
     lib.nnk_gathered_finite.restype = I
@@ -864,9 +864,9 @@ def has_same_label(neighbours, centre_labels):
 
 
 def list_overlap(new, old, num_rows: int):
-    """(rows,) int64: how many entries of each list of ``new`` (rows, K) its list in ``old``
-    (rows, K') also holds (-1 = padding, never shared; a repeated new entry counted each time),
-    by the compiled library (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists
+    """``(shared, listed)``, each (rows,) int64: how many entries of each list of ``new``
+    (rows, K) its list in ``old`` (rows, K') also holds (-1 = padding, never shared; a repeated
+    new entry counted each time) and how many are not padding, by the compiled library (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists
     index, O(K) a row); None where this is not done here: the library unavailable, non-CPU,
     non-contiguous or non-int32/int64 tensors, lists of different row counts, or an entry
     outside [-1, num_rows)."""
@@ -879,11 +879,11 @@ def list_overlap(new, old, num_rows: int):
     if lib is None:
         return None
     rows = new.shape[0]
-    out = torch.empty(rows, dtype=torch.int64)
+    out = torch.empty(2, rows, dtype=torch.int64)
     rc = lib.nnk_list_overlap(new.data_ptr(), _INDEX_TYPES[new.dtype], new.shape[1],
                               old.data_ptr(), _INDEX_TYPES[old.dtype], old.shape[1], rows,
-                              int(num_rows), out.data_ptr())
-    return out if rc == 0 else None
+                              int(num_rows), out[0].data_ptr(), out[1].data_ptr())
+    return (out[0], out[1]) if rc == 0 else None
 
 
 def forward_exp(x):

@@ -1562,12 +1562,13 @@ int has_same_label_impl(const void* nbrs, int nb64, int64_t N, int64_t K, const 
 
 // How many entries of each new list its old list also holds (bank/refresh.py, a refresh's
 // overlap statistic): out[i] = #{k : nw[i, k] >= 0 and nw[i, k] is some old[i, k']}, each
-// occurrence of a repeated new entry counted. Per row, the old entries' bits are set in a
+// occurrence of a repeated new entry counted, and valid[i] = #{k : nw[i, k] >= 0} (the
+// statistic's denominator, in the same read). Per row, the old entries' bits are set in a
 // bitmap of M bits (M: the rows the lists index), the new entries tested, the bits cleared:
 // O(K) a row, where torch's form sorts every old list and binary-searches every new entry
 // (2.2 s at N 20,000, K 1000, one thread, 2026-11-27). 3 when an entry is outside [-1, M).
 int list_overlap_impl(const void* nw, int nw64, int64_t kn, const void* old, int old64,
-                      int64_t ko, int64_t rows, int64_t M, int64_t* out) {
+                      int64_t ko, int64_t rows, int64_t M, int64_t* out, int64_t* valid) {
     std::vector<uint64_t> bits((size_t)((M + 63) / 64), 0);
     uint64_t* const b = bits.data();
     for (int64_t i = 0; i < rows; ++i) {
@@ -1576,13 +1577,17 @@ int list_overlap_impl(const void* nw, int nw64, int64_t kn, const void* old, int
             if (j < -1 || j >= M) return 3;
             if (j >= 0) b[j >> 6] |= (uint64_t)1 << (j & 63);
         }
-        int64_t shared = 0;
+        int64_t shared = 0, listed = 0;
         for (int64_t k = 0; k < kn; ++k) {
             const int64_t j = load_index(nw, nw64, i * kn + k);
             if (j < -1 || j >= M) return 3;
-            if (j >= 0) shared += (int64_t)((b[j >> 6] >> (j & 63)) & 1);
+            if (j >= 0) {
+                shared += (int64_t)((b[j >> 6] >> (j & 63)) & 1);
+                ++listed;
+            }
         }
         out[i] = shared;
+        valid[i] = listed;
         for (int64_t k = 0; k < ko; ++k) {
             const int64_t j = load_index(old, old64, i * ko + k);
             if (j >= 0) b[j >> 6] = 0;
@@ -1909,8 +1914,9 @@ int nnk_has_same_label(const void* nbrs, int nb64, int64_t N, int64_t K, const v
 
 // list_overlap_impl: int32 (0) / int64 (1) lists, new (rows, kn) and old (rows, ko).
 int nnk_list_overlap(const void* nw, int nw64, int64_t kn, const void* old, int old64,
-                     int64_t ko, int64_t rows, int64_t M, void* out) {
-    return list_overlap_impl(nw, nw64, kn, old, old64, ko, rows, M, (int64_t*)out);
+                     int64_t ko, int64_t rows, int64_t M, void* out, void* valid) {
+    return list_overlap_impl(nw, nw64, kn, old, old64, ko, rows, M, (int64_t*)out,
+                             (int64_t*)valid);
 }
 
 // gather_read_items: the benchmarks' gather limit (int32 (0) / int64 (1) list entries).

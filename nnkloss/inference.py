@@ -21,9 +21,11 @@ and the BatchNorm uses running statistics in eval mode (``track_running_stats`` 
 buffers present; otherwise it normalises with each batch's own statistics, which no weight can
 hold). Everything else runs as it is. The model itself is never modified: the folding happens
 in a copy, made only when there is a pair to fold. A model that holds a
-``DistributedDataParallel`` / ``DataParallel`` wrapper or a ``torch.compile``'d module runs as
-it is: a copy of the first would be a second process-group participant, and changing the
-modules under the second would make it compile again at every call of this function.
+``DistributedDataParallel`` / ``DataParallel`` wrapper, a ``torch.compile``'d module or a
+parameter of another class than ``nn.Parameter`` (FSDP's flat or sharded parameters, lazy
+modules) runs as it is: a copy of the first would be a second process-group participant,
+changing the modules under the second would make it compile again at every call of this
+function, and the third are not whole tensors that a fold could read.
 """
 from __future__ import annotations
 
@@ -53,10 +55,12 @@ def _folds(layer: nn.Module, bn: nn.Module) -> bool:
 
 
 def _wrapped(model: nn.Module) -> bool:
-    """Whether the model holds a data-parallel wrapper or a torch.compile'd module (see the
-    module's docstring)."""
+    """Whether the model holds a data-parallel wrapper, a torch.compile'd module, or a
+    parameter that is not a plain ``nn.Parameter`` (FSDP's flat or sharded parameters, a lazy
+    module's uninitialised ones, other subclasses): see the module's docstring."""
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-    return any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
+    return (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
+            or any(type(p) is not nn.Parameter for p in model.parameters()))
 
 
 def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:

@@ -140,6 +140,18 @@ def test_what_may_not_be_folded_runs_as_it_is(make):
     assert inference_model(model) is model
 
 
+class _OtherParameter(nn.Parameter):
+    """Stands for FSDP's flat / sharded parameters: not a plain nn.Parameter."""
+
+
+def test_a_model_with_parameters_of_another_class_runs_as_it_is():
+    model = _with_statistics(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2))).eval()
+    assert foldable_pairs(model) == [("", 0)]
+    model[0].weight = _OtherParameter(model[0].weight.detach().clone())
+    assert foldable_pairs(model) == []
+    assert inference_model(model) is model
+
+
 def test_a_compiled_module_runs_as_it_is():
     model = torch.compile(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2)))
     assert inference_model(model) is model

@@ -7,11 +7,12 @@ mode, with every BatchNorm that directly follows a convolution or linear layer i
 per-channel affine map ``y = (x - mean) / sqrt(var + eps) * gamma + beta`` with fixed
 statistics, so it composes with the layer before it into one layer
 (``torch.nn.utils.fusion``): one pass over the activations less per BatchNorm, and no
-(B, C, H, W) intermediate between the two. Measured on the 2-core AMD EPYC family 26, one
-thread, 2026-11-27: the Fashion-MNIST network of ``repro/fashion_mnist.py`` (three conv-BN-ReLU-
-pool blocks, channels_last) embedded 20,000 images in 0.85 s folded against 1.31 s as it is at
-batches of 512, and 0.69 against 0.85 s at batches of 128 (median of 4; the largest difference
-in the embeddings 2.7e-7).
+(B, C, H, W) intermediate between the two. Measured on the 2-core AMD EPYC family 26,
+2026-11-27, median of 3: the Fashion-MNIST network of ``repro/fashion_mnist.py`` (three
+conv-BN-ReLU-pool blocks, channels_last) embedded 20,000 images in 0.93 s folded against
+1.92 s as it is at batches of 512 and 0.62 against 0.83 s at batches of 128 at one thread;
+0.45 against 1.15 s and 0.34 against 0.43 s at two (the largest difference in the embeddings
+2.7e-7).
 
 Only ``nn.Sequential`` containers are rewritten, because only there the layer's output is
 known to be the BatchNorm's input: a module's own ``forward`` may use the two in any order.

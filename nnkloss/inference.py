@@ -50,8 +50,10 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _folds(layer: nn.Module, bn: nn.Module) -> bool:
+    # torch's linear fold needs the BatchNorm's affine parameters (its conv fold does not).
     return (_FOLDABLE.get(type(layer)) is type(bn) and bn.track_running_stats
             and bn.running_mean is not None and bn.running_var is not None
+            and (bn.affine or not isinstance(layer, nn.Linear))
             and not _hooked(layer) and not _hooked(bn))
 
 

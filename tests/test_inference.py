@@ -55,6 +55,20 @@ def test_the_folded_copy_computes_the_models_eval_outputs(dtype, tol, bias):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def test_batch_norm_without_affine_parameters():
+    """A conv's BatchNorm without affine parameters folds (scale 1, shift 0); a linear
+    layer's does not (torch's linear fold needs them) and runs as it is."""
+    torch.manual_seed(4)
+    model = _with_statistics(nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, affine=False), nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 5, bias=False), nn.BatchNorm1d(5, affine=False))).eval()
+    assert foldable_pairs(model) == [("", 0)]
+    x = torch.randn(4, 2, 6, 6)
+    net = inference_model(model)
+    assert isinstance(net[1], nn.Identity) and isinstance(net[4], nn.BatchNorm1d)
+    torch.testing.assert_close(net(x), model(x), rtol=2e-5, atol=2e-5)
+
+
 def test_the_model_is_left_as_it_was():
     torch.manual_seed(1)
     model = _with_statistics(_net())

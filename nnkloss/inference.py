@@ -26,7 +26,8 @@ in a copy, made only when there is a pair to fold. A model that holds a
 parameter of another class than ``nn.Parameter`` (FSDP's flat or sharded parameters, lazy
 modules) runs as it is: a copy of the first would be a second process-group participant,
 changing the modules under the second would make it compile again at every call of this
-function, and the third are not whole tensors that a fold could read.
+function, and the third are not whole tensors that a fold could read. So does a model that
+``copy.deepcopy`` cannot copy (a lock or an open file among its attributes).
 """
 from __future__ import annotations
 
@@ -103,7 +104,11 @@ def inference_model(model: nn.Module) -> nn.Module:
     pairs = foldable_pairs(model)
     if not pairs:
         return model
-    out = copy.deepcopy(model).eval()
+    try:
+        out = copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - e.g. a lock or an open file among its attributes
+        return model  # what cannot be copied runs as it is: the fold is only a speed-up
+    out.eval()
     modules = dict(out.named_modules())
     for name, i in pairs:
         seq = modules[name]

@@ -166,6 +166,15 @@ def test_a_model_with_parameters_of_another_class_runs_as_it_is():
     assert inference_model(model) is model
 
 
+def test_a_model_that_cannot_be_copied_runs_as_it_is():
+    import threading
+
+    model = _with_statistics(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2))).eval()
+    model.lock = threading.Lock()  # deepcopy cannot copy it
+    assert foldable_pairs(model) == [("", 0)]
+    assert inference_model(model) is model
+
+
 def test_a_compiled_module_runs_as_it_is():
     model = torch.compile(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2)))
     assert inference_model(model) is model

@@ -3,7 +3,8 @@ and the comparison at per-dtype tolerances (used by the CPU, interpreter and CUD
 arguments of the functional op; small banks (small_bank, random_bank, own_row_bank) and their
 weights, shared by the tests of several modules; the kernel classifier's relative distances in
 fp64 and their check, shared by the CPU library's and the Triton kernel's tests; the backward's
-per-entry terms' cases and checks (list_case, centre_weight_sigma_grads), likewise."""
+per-entry terms' cases and checks (list_case, centre_weight_sigma_grads), likewise; the spy on
+BatchNorm calls (spy_batch_norms) of the tests of the folded eval-mode passes."""
 import torch
 
 import nnkloss
@@ -170,6 +171,17 @@ def spy_need_grad_x(monkeypatch, backend):
         return type("Impl", (), {"forward": staticmethod(forward),
                                  "centre_grad": staticmethod(real(name).centre_grad)})
     monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+    return seen
+
+
+def spy_batch_norms(monkeypatch):
+    """A list that gets an entry per call of any BatchNorm's forward (``_BatchNorm.forward``,
+    which BatchNorm1d/2d/3d inherit) until ``monkeypatch.undo()``: empty after an eval-mode
+    pass that ran with its BatchNorms folded (nnkloss/inference.py)."""
+    seen = []
+    bn_forward = torch.nn.modules.batchnorm._BatchNorm.forward
+    monkeypatch.setattr(torch.nn.modules.batchnorm._BatchNorm, "forward",
+                        lambda self, inp: seen.append(1) or bn_forward(self, inp))
     return seen
 
 

@@ -9,6 +9,8 @@ from torch.utils.data import DataLoader
 from nnkloss.experiment.datasets import IndexedTensorDataset
 from nnkloss.experiment.evaluate import extract_embeddings
 
+from cases import spy_batch_norms
+
 
 def test_extract_embeddings_folds_batch_norm_and_restores_the_model(monkeypatch):
     torch.manual_seed(0)
@@ -23,10 +25,7 @@ def test_extract_embeddings_folds_batch_norm_and_restores_the_model(monkeypatch)
     with torch.no_grad():
         want = model(x)
     model.train()
-    seen = []
-    bn_forward = nn.BatchNorm2d.forward
-    monkeypatch.setattr(nn.BatchNorm2d, "forward",
-                        lambda self, inp: seen.append(1) or bn_forward(self, inp))
+    seen = spy_batch_norms(monkeypatch)
     emb, lab = extract_embeddings(model, DataLoader(IndexedTensorDataset(x, y), batch_size=16,
                                                     shuffle=True))
     assert seen == []  # the folded copy ran: no BatchNorm did

@@ -11,6 +11,8 @@ import nnkloss
 from nnkloss import CentreBank, Refresher, RefreshSchedule, RefreshStats
 from nnkloss.bank.search import faiss_available, neighbour_lists
 
+from cases import spy_batch_norms
+
 N, D_IN, D = 96, 6, 4
 
 
@@ -96,10 +98,7 @@ def test_refresh_folds_batch_norm_and_leaves_the_model_alone(monkeypatch):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref = Refresher(make_bank(), model, make_loader(x, y), k=4, search_backend="torch",
                     progress=False)
-    seen = []
-    bn_forward = nn.BatchNorm1d.forward
-    monkeypatch.setattr(nn.BatchNorm1d, "forward",
-                        lambda self, inp: seen.append(1) or bn_forward(self, inp))
+    seen = spy_batch_norms(monkeypatch)
     ref.refresh()
     assert seen == []  # the folded copy ran: no BatchNorm did
     monkeypatch.undo()

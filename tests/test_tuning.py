@@ -12,6 +12,8 @@ from nnkloss.experiment import choose_sigma
 from nnkloss.experiment.datasets import IndexedTensorDataset
 from nnkloss.experiment.models import SoftmaxHead
 
+from cases import spy_batch_norms
+
 CANDIDATES = [0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0]
 
 
@@ -117,10 +119,7 @@ def test_choose_sigma_embeds_with_batch_norm_folded(monkeypatch):
     Refresher(crit.bank, model, DataLoader(IndexedTensorDataset(x, y), batch_size=64), k=10,
               search_backend="torch").refresh()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    seen = []
-    bn_forward = nn.BatchNorm1d.forward
-    monkeypatch.setattr(nn.BatchNorm1d, "forward",
-                        lambda self, inp: seen.append(1) or bn_forward(self, inp))
+    seen = spy_batch_norms(monkeypatch)
     _, losses = choose_sigma(model, crit, loader, [0.3, 1.0])
     assert seen == []
     monkeypatch.undo()

@@ -167,11 +167,14 @@ def test_k1_and_all_positive_rows():
 
 # Gathered sets (K x D x element bytes per row) beyond the kernel's ONE_PASS_BYTES (128 KiB):
 # a forward with grad_x reads the rows once, folding them into running sums (cpu_kernel.cpp).
-# The last two: with grad_x these rows go through groups of four at a runtime D, without it one
-# at a time at a compile-time D (row_distances_fixed): the forward-only call must still give the
-# same bits.
+# (torch.float32, 264, 128) and (torch.bfloat16, 264, 256): with grad_x these rows go through
+# groups of four at a runtime D, without it one at a time at a compile-time D
+# (row_distances_fixed): the forward-only call must still give the same bits. The last: fp32
+# rows of at least NNK_FOLD_PREFETCH_MIN_ROW_BYTES (4 KiB), whose groups leave two rows'
+# prefetching to the fold (the loop's own branch), with a ragged end (1100 = 68 x 16 + 12).
 ONE_PASS = [(torch.float32, 40, 1000), (torch.float64, 24, 900), (torch.bfloat16, 40, 1700),
-            (torch.float16, 40, 1700), (torch.float32, 264, 128), (torch.bfloat16, 264, 256)]
+            (torch.float16, 40, 1700), (torch.float32, 264, 128), (torch.bfloat16, 264, 256),
+            (torch.float32, 40, 1100)]
 
 
 @kernel

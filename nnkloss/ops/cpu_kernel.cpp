@@ -212,6 +212,32 @@ constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 #define NNK_ONE_PASS_MIN_ROW_BYTES 512
 #endif
 
+// In one pass with fp32 rows of at least NNK_FOLD_PREFETCH_MIN_ROW_BYTES, the prefetches of the
+// four rows pf entries ahead are split: two rows' lines are requested during a group's distance
+// sweep, two during its fold (0: all four during the distance sweep, as for the other types and
+// shorter rows). The fold's sweep reads only L1 and made no request of its own, so memory sat
+// idle through it once the outstanding prefetches had landed: with grad_x the kernel took
+// 1.13-1.39x its forward-only time at D 1024-2048 fp32, 1.02-1.18x with this. Measured on the
+// 2-core AMD EPYC family 26, 2026-11-27 (log benchmarks/results/cpu_variants_
+// AMD_EPYC_family_26_model_2.txt): with grad_x at one thread against the kernel before it
+// (cpu_variants.py --against 85e7f64 --threads 1, 8 rounds) 1.14x faster at B 64, K 256, D 2048
+// (4.26 against 4.85 ms) and 1.21x at B 128, K 128, D 1024, the forward-only calls within 0.3%,
+// and the two-pass shapes (B 1024, K 32, D 128; B 128, K 1000, D 64; 10 rounds) within 0.6% in
+// both modes; at two threads against NNK_FOLD_PREFETCH=0 (cpu_variants.py --kernel, four runs
+// of 6-10 rounds, the last one logged) 1.06-1.13x at D 2048, 1.13-1.20x at D 1024, 1.05-1.12x
+// at D 1536. Not for the other types: bf16 rows of D 2048 (4 KiB) 0.96x and 1.01x, fp64 rows
+// 1.10x at D 512 and 0.97x at D 1024 (8 rounds, ad hoc), where the fold's arithmetic, not the
+// wait for memory, is what the kernel spends its time on; nor for fp32 rows of D 512 (0.84x in
+// the first run, rows of 2 KiB: those banks sit in or near L3). The same bits either way (a
+// prefetch changes no arithmetic). The mechanism takes every row type (two lines a step for
+// fp64, whole rows for fp16), so that the gate alone is the policy.
+#ifndef NNK_FOLD_PREFETCH
+#define NNK_FOLD_PREFETCH 1
+#endif
+#ifndef NNK_FOLD_PREFETCH_MIN_ROW_BYTES
+#define NNK_FOLD_PREFETCH_MIN_ROW_BYTES 4096
+#endif
+
 // The ACC lanes live in the CPU's own vector registers: NATIVE_BYTES wide (64 with AVX-512, 32
 // with AVX, else 16), so a set of lanes is P = ACC / (NATIVE_BYTES / sizeof(C)) native vectors
 // (fp32: one AVX-512 / two AVX2 registers; fp64: two / four). As one 64- or 128-byte GCC vector
@@ -591,12 +617,21 @@ NNK_INLINE void store_lanes(C* __restrict p, const Lanes<C>& v) {
 // (2026-11-26, when the logits became a shared function).
 template <int N, typename C, typename T>
 NNK_INLINE void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
-                               const C* a, int64_t D) {
+                               const C* a, int64_t D, const T* const* pf = nullptr) {
     typedef Lanes<C> V;
     V va[N];
     for (int i = 0; i < N; ++i) va[i] = splat<V>(a[i]);
     int64_t d = 0;
     for (; d + ACC <= D; d += ACC) {
+        if (pf) {  // two rows to prefetch, a line of each per step (see NNK_FOLD_PREFETCH)
+            const int64_t o = d * (int64_t)sizeof(T);
+            __builtin_prefetch((const char*)pf[0] + o, 0, NNK_PREFETCH_LOCALITY);
+            __builtin_prefetch((const char*)pf[1] + o, 0, NNK_PREFETCH_LOCALITY);
+            if (ACC * (int64_t)sizeof(T) > 64) {  // fp64 rows: two lines per step
+                __builtin_prefetch((const char*)pf[0] + o + 64, 0, NNK_PREFETCH_LOCALITY);
+                __builtin_prefetch((const char*)pf[1] + o + 64, 0, NNK_PREFETCH_LOCALITY);
+            }
+        }
         V acc = load_lanes<C>(g + d);
         const V xd = load_lanes<C>(x + d);
         for (int i = 0; i < N; ++i) acc += va[i] * (load_lanes<C>(c[i] + d) - xd);
@@ -620,9 +655,10 @@ NNK_INLINE void axpy_diff(C* __restrict g, const T* __restrict c, const C* __res
 template <typename C, typename T>
 NNK_INLINE void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __restrict c1,
                            const T* __restrict c2, const T* __restrict c3,
-                           const C* __restrict x, const C* a, int64_t D) {
+                           const C* __restrict x, const C* a, int64_t D,
+                           const T* const* pf = nullptr) {
     const T* const c[4] = {c0, c1, c2, c3};
-    axpy_diff_rows<4>(g, c, x, a, D);
+    axpy_diff_rows<4>(g, c, x, a, D, pf);
 }
 
 // fp16 rows: compilers do not vectorise the scalar half -> float conversion, so a row is
@@ -674,7 +710,12 @@ inline void scaled_sqdist4(const fp16* c0, const fp16* c1, const fp16* c2, const
 
 template <typename C>
 inline void axpy_diff4(C* __restrict g, const fp16* c0, const fp16* c1, const fp16* c2,
-                       const fp16* c3, const C* __restrict x, const C* a, int64_t D) {
+                       const fp16* c3, const C* __restrict x, const C* a, int64_t D,
+                       const fp16* const* pf = nullptr) {
+    if (pf) {  // whole rows, as this type's distances prefetch them
+        prefetch_row(pf[0], D);
+        prefetch_row(pf[1], D);
+    }
     axpy_diff(g, c0, x, a[0], D);  // converted a block at a time (see above)
     axpy_diff(g, c1, x, a[1], D);
     axpy_diff(g, c2, x, a[2], D);
@@ -993,8 +1034,9 @@ struct ForwardRow {
     // not counted), into the running sums: if an entry raises the running maximum, the sums so
     // far are rescaled by exp(old max - new max) first, then acc += e_j (c_j - x) with
     // e_j = exp(logit_j - max). The rows were just read by pass 1, so they come from L1.
+    // pf: two rows whose prefetching is left to this fold (NNK_FOLD_PREFETCH), or null.
     void fold(Online& o, C* __restrict acc, const C* l, const T* const* rows, int n,
-              const C* x) {
+              const C* x, const T* const* pf = nullptr) {
         const C ninf = -std::numeric_limits<C>::infinity();
         C mg = ninf;
         for (int t = 0; t < n; ++t) mg = l[t] > mg ? l[t] : mg;
@@ -1016,10 +1058,15 @@ struct ForwardRow {
         // Four rows in one sweep of acc when all four count (the common case for the
         // all-entries sums); otherwise only the rows that do (usually one for the class).
         if (n == 4 && e[0] != (C)0 && e[1] != (C)0 && e[2] != (C)0 && e[3] != (C)0) {
-            axpy_diff4(acc, rows[0], rows[1], rows[2], rows[3], x, e, D);
+            axpy_diff4(acc, rows[0], rows[1], rows[2], rows[3], x, e, D, pf);
+            pf = nullptr;
         } else {
             for (int t = 0; t < n; ++t)
                 if (e[t] != (C)0) axpy_diff(acc, rows[t], x, e[t], D);
+        }
+        if (pf) {  // the prefetches left to this fold, when it did not sweep four rows
+            prefetch_row(pf[0], D);
+            prefetch_row(pf[1], D);
         }
     }
 
@@ -1081,9 +1128,12 @@ struct ForwardRow {
         // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
         // cost, what bench_loss's "% of read" counts) + K * (index + label [+ weight]) + the
         // D * sizeof(C) embedding (cache-resident after the first row touches it).
-        auto fold_both = [&](int64_t k, const T* const* rows, int n) {
+        const bool fold_prefetch = NNK_FOLD_PREFETCH && std::is_same<T, float>::value
+                                   && D * (int64_t)sizeof(T) >= NNK_FOLD_PREFETCH_MIN_ROW_BYTES;
+        auto fold_both = [&](int64_t k, const T* const* rows, int n,
+                             const T* const* pf = nullptr) {
             nonfinite |= logits(k0, k, k + n, R, ub, lg, lpos);
-            fold(all, g, lg + k, rows, n, x);
+            fold(all, g, lg + k, rows, n, x, pf);
             fold(pos, gpos, lpos + k, rows, n, x);
         };
         auto ahead = [&](int64_t k) -> const T* {  // the row pf entries ahead, or null
@@ -1134,6 +1184,15 @@ struct ForwardRow {
                 rows[t] = bank + j[t] * D;
                 const T* a = ahead(k + t);
                 fut[t] = a ? a : rows[t];
+            }
+            if (one_pass && fold_prefetch) {
+                // Two of the four future rows are prefetched by the distance sweep (each
+                // named twice: its two slots request the same lines), two by the fold's, so
+                // that requests to memory go on during the fold (NNK_FOLD_PREFETCH).
+                const T* const fa[4] = {fut[0], fut[1], fut[0], fut[1]};
+                scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, ub + k, fa);
+                fold_both(k, rows, 4, fut + 2);
+                continue;
             }
             scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, ub + k, fut);
             if (one_pass) fold_both(k, rows, 4);

@@ -223,7 +223,9 @@ constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 // (cpu_variants.py --against 85e7f64 --threads 1, 8 rounds) 1.14x faster at B 64, K 256, D 2048
 // (4.26 against 4.85 ms) and 1.21x at B 128, K 128, D 1024, the forward-only calls within 0.3%,
 // and the two-pass shapes (B 1024, K 32, D 128; B 128, K 1000, D 64; 10 rounds) within 0.6% in
-// both modes; at two threads against NNK_FOLD_PREFETCH=0 (cpu_variants.py --kernel, four runs
+// both modes; again in the form below (one call of scaled_sqdist4, 8 rounds): 1.10x at D 2048
+// (4.48 against 4.94 ms), 1.19x at D 1024, forward-only within 0.9%, the two-pass shapes within
+// 0.5%; at two threads against NNK_FOLD_PREFETCH=0 (cpu_variants.py --kernel, four runs
 // of 6-10 rounds, the last one logged) 1.06-1.13x at D 2048, 1.13-1.20x at D 1024, 1.05-1.12x
 // at D 1536. Not for the other types: bf16 rows of D 2048 (4 KiB) 0.96x and 1.01x, fp64 rows
 // 1.10x at D 512 and 0.97x at D 1024 (8 rounds, ad hoc), where the fold's arithmetic, not the
@@ -1185,17 +1187,16 @@ struct ForwardRow {
                 const T* a = ahead(k + t);
                 fut[t] = a ? a : rows[t];
             }
-            if (one_pass && fold_prefetch) {
-                // Two of the four future rows are prefetched by the distance sweep (each
-                // named twice: its two slots request the same lines), two by the fold's, so
-                // that requests to memory go on during the fold (NNK_FOLD_PREFETCH).
-                const T* const fa[4] = {fut[0], fut[1], fut[0], fut[1]};
-                scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, ub + k, fa);
-                fold_both(k, rows, 4, fut + 2);
-                continue;
-            }
-            scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, ub + k, fut);
-            if (one_pass) fold_both(k, rows, 4);
+            // With a fold (NNK_FOLD_PREFETCH), two of the four future rows are prefetched by
+            // the distance sweep (each named twice: its two slots request the same lines) and
+            // two by the fold's, so that requests to memory go on during the fold. One call
+            // of scaled_sqdist4 either way: a second call site let GCC stop inlining it
+            // (tests/test_cpu_kernel_codegen.py reads the loop inside row()).
+            const bool split = one_pass && fold_prefetch;
+            const T* const fa[4] = {fut[0], fut[1], split ? fut[0] : fut[2],
+                                    split ? fut[1] : fut[3]};
+            scaled_sqdist4(rows[0], rows[1], rows[2], rows[3], x, inv_s, D, ub + k, fa);
+            if (one_pass) fold_both(k, rows, 4, split ? fut + 2 : nullptr);
         }
         for (; k < K; ++k) single(k, load_index(nbl, l64, k0 + k));
         if (!one_pass) nonfinite |= logits(k0, 0, K, R, ub, lg, lpos);

@@ -225,14 +225,15 @@ constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
 // and the two-pass shapes (B 1024, K 32, D 128; B 128, K 1000, D 64; 10 rounds) within 0.6% in
 // both modes; again in the form below (one call of scaled_sqdist4, 8 rounds): 1.10x at D 2048
 // (4.48 against 4.94 ms), 1.19x at D 1024, forward-only within 0.9%, the two-pass shapes within
-// 0.5%; at two threads against NNK_FOLD_PREFETCH=0 (cpu_variants.py --kernel, four runs
-// of 6-10 rounds, the last one logged) 1.06-1.13x at D 2048, 1.13-1.20x at D 1024, 1.05-1.12x
-// at D 1536. Not for the other types: bf16 rows of D 2048 (4 KiB) 0.96x and 1.01x, fp64 rows
-// 1.10x at D 512 and 0.97x at D 1024 (8 rounds, ad hoc), where the fold's arithmetic, not the
-// wait for memory, is what the kernel spends its time on; nor for fp32 rows of D 512 (0.84x in
-// the first run, rows of 2 KiB: those banks sit in or near L3). The same bits either way (a
-// prefetch changes no arithmetic). The mechanism takes every row type (two lines a step for
-// fp64, whole rows for fp16), so that the gate alone is the policy.
+// 0.5%; at two threads against NNK_FOLD_PREFETCH=0 (cpu_variants.py --kernel, four runs of 6-10
+// rounds, the last one logged) 1.06-1.13x at D 2048, 1.13-1.20x at D 1024, 1.05-1.12x at D
+// 1536. Not for the other types: bf16 rows of D 2048 (4 KiB) 0.96x and 1.01x, fp64 rows 1.10x
+// at D 512 and 0.97x at D 1024 (8 rounds, ad hoc), where the fold's arithmetic, not the wait
+// for memory, is what the kernel spends its time on; nor for fp32 rows of D 512 (0.84x in the
+// first run; with the gate at 2 KiB, at one thread, 8 rounds, ad hoc: 0.92x at K 100, 0.93x at
+// K 200, 1.80 against 1.95 ms and 3.78 against 4.06; those banks sit in or near L3). The same
+// bits either way (a prefetch changes no arithmetic). The mechanism takes every row type (two
+// lines a step for fp64, whole rows for fp16), so that the gate alone is the policy.
 #ifndef NNK_FOLD_PREFETCH
 #define NNK_FOLD_PREFETCH 1
 #endif

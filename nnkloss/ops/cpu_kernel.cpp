@@ -421,6 +421,18 @@ NNK_INLINE C tree_sum(const Lanes<C>& p) {
     return native_tree(h[0]);
 }
 
+// Prefetches the lines that the vector step at element d of a row reads: one line (ACC
+// elements of fp32, or fewer bytes), two for fp64 rows (ACC * 8 = 128 bytes). Used to spread a
+// future row's prefetches over the steps of a sweep over other rows (scaled_sqdist4, and the
+// fold's sweep in axpy_diff_rows) rather than issue them in a burst that fills the miss
+// buffers.
+template <typename T>
+NNK_INLINE void prefetch_step(const T* row, int64_t d) {
+    const char* p = (const char*)row + d * (int64_t)sizeof(T);
+    __builtin_prefetch(p, 0, NNK_PREFETCH_LOCALITY);
+    if (ACC * (int64_t)sizeof(T) > 64) __builtin_prefetch(p + 64, 0, NNK_PREFETCH_LOCALITY);
+}
+
 // Each difference is scaled before it is squared (docs/MATHS.md, rule 1): one multiply an
 // element more than ||c - x||^2 / sigma^2. What the rule costs, measured on the 2-core AMD EPYC
 // family 26 (2026-11-27, cpu_variants.py --kernel, 6 rounds, a variant that squared the
@@ -472,17 +484,7 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     const char* f3 = (const char*)fut[3];
     int64_t d = 0;
     for (; d + ACC <= D; d += ACC) {
-        const int64_t o = d * (int64_t)sizeof(T);
-        __builtin_prefetch(f0 + o, 0, NNK_PREFETCH_LOCALITY);
-        __builtin_prefetch(f1 + o, 0, NNK_PREFETCH_LOCALITY);
-        __builtin_prefetch(f2 + o, 0, NNK_PREFETCH_LOCALITY);
-        __builtin_prefetch(f3 + o, 0, NNK_PREFETCH_LOCALITY);
-        if (ACC * (int64_t)sizeof(T) > 64) {  // fp64 rows: two lines per step
-            __builtin_prefetch(f0 + o + 64, 0, NNK_PREFETCH_LOCALITY);
-            __builtin_prefetch(f1 + o + 64, 0, NNK_PREFETCH_LOCALITY);
-            __builtin_prefetch(f2 + o + 64, 0, NNK_PREFETCH_LOCALITY);
-            __builtin_prefetch(f3 + o + 64, 0, NNK_PREFETCH_LOCALITY);
-        }
+        for (int i = 0; i < 4; ++i) prefetch_step(fut[i], d);
         const V xd = load_lanes<C>(x + d);
         V z0 = (load_lanes<C>(c0 + d) - xd) * vs;
         V z1 = (load_lanes<C>(c1 + d) - xd) * vs;
@@ -626,14 +628,9 @@ NNK_INLINE void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __re
     for (int i = 0; i < N; ++i) va[i] = splat<V>(a[i]);
     int64_t d = 0;
     for (; d + ACC <= D; d += ACC) {
-        if (pf) {  // two rows to prefetch, a line of each per step (see NNK_FOLD_PREFETCH)
-            const int64_t o = d * (int64_t)sizeof(T);
-            __builtin_prefetch((const char*)pf[0] + o, 0, NNK_PREFETCH_LOCALITY);
-            __builtin_prefetch((const char*)pf[1] + o, 0, NNK_PREFETCH_LOCALITY);
-            if (ACC * (int64_t)sizeof(T) > 64) {  // fp64 rows: two lines per step
-                __builtin_prefetch((const char*)pf[0] + o + 64, 0, NNK_PREFETCH_LOCALITY);
-                __builtin_prefetch((const char*)pf[1] + o + 64, 0, NNK_PREFETCH_LOCALITY);
-            }
+        if (pf) {  // two rows to prefetch, a step of each per step (see NNK_FOLD_PREFETCH)
+            prefetch_step(pf[0], d);
+            prefetch_step(pf[1], d);
         }
         V acc = load_lanes<C>(g + d);
         const V xd = load_lanes<C>(x + d);

@@ -214,7 +214,8 @@ def test_short_rows_of_a_large_set_take_two_passes_and_match_fp64(bank_dtype, K,
 
 
 @kernel
-@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2] + [(torch.float32, 12, 128)])
+@pytest.mark.parametrize("bank_dtype,K,D",
+                         ONE_PASS[:2] + ONE_PASS[-1:] + [(torch.float32, 12, 128)])
 @pytest.mark.parametrize("scale", [1e-20, 1e-3, 1e3, 1e18])
 def test_one_pass_gradient_at_extreme_scales(bank_dtype, K, D, scale):
     """The single-pass gradient stays exact when embeddings, centres and sigma are scaled
@@ -236,7 +237,8 @@ def test_one_pass_gradient_at_extreme_scales(bank_dtype, K, D, scale):
 
 
 @kernel
-@pytest.mark.parametrize("bank_dtype,K,D", ONE_PASS[:2] + [(torch.float32, 8, 16)])
+@pytest.mark.parametrize("bank_dtype,K,D",
+                         ONE_PASS[:2] + ONE_PASS[-1:] + [(torch.float32, 8, 16)])
 def test_gradient_special_rows(bank_dtype, K, D):
     """On both gradient paths (single pass above ONE_PASS_BYTES, two passes below): one class
     only gives loss 0 and gradient 0 exactly (the two running sums take identical steps); a

@@ -213,6 +213,46 @@ def test_short_rows_of_a_large_set_take_two_passes_and_match_fp64(bank_dtype, K,
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
+# Row lengths for the second pass's column blocks (grad_pass in cpu_kernel.cpp: blocks of 16,
+# 8, 4, 2 and 1 sets of 16 lanes with AVX-512 fp32, half as many with fp64 or AVX2, then the
+# ragged end element by element): below one set, one set exactly and one over, every block
+# size once (496 = 256 + 128 + 64 + 32 + 16), and past the largest block with a ragged end.
+SECOND_PASS_D = [1, 15, 16, 17, 48, 112, 496, 529]
+
+
+@kernel
+@pytest.mark.parametrize("bank_dtype", FLOATS)
+@pytest.mark.parametrize("D", SECOND_PASS_D)
+def test_second_pass_blocks_match_fp64(bank_dtype, D):
+    """The two-pass gradient at every column block and ragged end, against the fp64 contract
+    (padding, duplicates, no positive and a zero weight: make), with the forward-only bits.
+    A row of a single class gives every entry a zero coefficient (no entry enters the pass):
+    gradient 0 exactly.
+
+    The coefficients of a row sum to 0 (p and p^R each sum to 1), so x's term cancels from
+    sum_j a_j (c_j - x) in exact arithmetic: only rounding shows which x a block subtracts.
+    With fp32 / fp64 banks every column is therefore shifted by its own large offset, embeddings
+    and centres alike (the distances keep their size): a block that took another block's
+    elements of x would sum terms of ~1e4 that cancel, far outside the tolerance."""
+    emb, labels, centres, cl, nb, w, s = make(B=9, K=11, D=D, N=40, bank_dtype=bank_dtype,
+                                              seed=53)
+    if bank_dtype in (torch.float32, torch.float64):
+        shift = 1e4 * ((torch.arange(D) * 5) % 11 + 1).float()
+        # in fp32 first: the kernel computes in fp32, the reference from the same values
+        emb, centres = emb + shift, (centres.float() + shift).to(bank_dtype)
+    full = cpu.forward(emb, labels, centres, cl, nb, w, s)
+    check(full, reference(emb, labels, centres, cl, nb, w, s), torch.float32)
+    fwd = cpu.forward(emb, labels, centres, cl, nb, w, s, need_grad_x=False)
+    for a, b in zip(full[:3] + full[4:], fwd[:3] + fwd[4:]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    emb64 = emb.double()
+    full = cpu.forward(emb64, labels, centres, cl, nb, w, s.double())
+    check(full, reference(emb64, labels, centres, cl, nb, w, s.double()), torch.float64)
+    out = cpu.forward(emb, torch.zeros_like(labels), centres, torch.zeros_like(cl),
+                      nb.clamp_min(0), None, s)
+    assert torch.equal(out[3], torch.zeros(9, D))
+
+
 @kernel
 @pytest.mark.parametrize("bank_dtype,K,D",
                          ONE_PASS[:2] + ONE_PASS[-1:] + [(torch.float32, 12, 128)])

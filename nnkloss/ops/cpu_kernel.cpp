@@ -723,6 +723,85 @@ inline void axpy_diff4(C* __restrict g, const fp16* c0, const fp16* c1, const fp
 }
 
 
+// The gradient's second pass over a row's gathered set: g += sum_i a_i (c_i - x) over the n
+// entries that carry a coefficient (rows[i], a[i]), a block of NB sets of lanes (NB * ACC
+// columns) at a time: the block's sums stay in registers while every entry adds its part, are
+// stored once, and the next block starts. axpy_diff4 (NNK_GRAD_BLOCKS=0, and fp16 rows) loads
+// and stores g once per four entries instead, and took 30-45% of the kernel's time with grad_x
+// at the two-pass shapes (a probe that skipped it, 2026-11-27). Per element the operations are
+// axpy_diff_rows' in the same order (g, then a_0 (c_0 - x), a_1 (c_1 - x), ...), so the bits
+// are the same (checked against it at 24 shapes and types, fp16 aside, with AVX-512 and AVX2
+// builds). Blocks of NB, then NB / 2, ... 1 sets, then the ragged end. NB is what the
+// registers hold beside x's block and a temporary: 16 native vectors with AVX-512 (32
+// registers), 8 with fewer (fp32: 256 columns with AVX-512, 64 with AVX2).
+//
+// x's term cancels in exact arithmetic (the a_i of a row sum to 0), but c_i - x is what keeps
+// the sum exact when embeddings and centres sit far from the origin (docs/MATHS.md section 4,
+// rule 4): sum a_i c_i - (sum a_i) x would cancel terms of the size of the coordinates.
+//
+// Measured on the 2-core AMD EPYC family 26 (AVX-512), 2026-11-27, the kernel with grad_x at
+// one thread against a0fc271 (cpu_variants.py --against, 8 rounds; log benchmarks/results/
+// cpu_variants_AMD_EPYC_family_26_model_2.txt): 1.14x at B 1024, K 32, D 128 (0.549 against
+// 0.624 ms), 1.19x at B 128, K 1000, D 64, 1.14x at B 256, K 100, D 256 and 1.06x with the bf16
+// bank of B 256, K 100, D 512; the one-pass shape (D 512 fp32) and the forward-only calls
+// within the run's noise. Built for x86-64-v3 (AVX2, blocks of 64 columns), against
+// NNK_GRAD_BLOCKS=0 built the same way (two runs of 5 rounds, the second logged): 1.04x and
+// 1.07x at D 128, 1.10x and 1.10x at K 1000, D 64, 1.01x and 0.97x with the bf16 bank.
+#ifndef NNK_GRAD_BLOCKS
+#define NNK_GRAD_BLOCKS 1
+#endif
+constexpr int GRAD_BLOCK_NATIVE = NATIVE_BYTES == 64 ? 16 : 8;
+
+template <int NB, typename C, typename T>
+NNK_INLINE void grad_columns(C* __restrict g, const T* const* rows, const C* a, int64_t n,
+                             const C* __restrict x, int64_t D, int64_t d) {
+    typedef Lanes<C> V;
+    for (; d + NB * ACC <= D; d += NB * ACC) {
+        V acc[NB];
+        for (int q = 0; q < NB; ++q) acc[q] = load_lanes<C>(g + d + q * ACC);
+        for (int64_t i = 0; i < n; ++i) {
+            const V va = splat<V>(a[i]);
+            const T* __restrict r = rows[i] + d;
+            for (int q = 0; q < NB; ++q)
+                acc[q] += va * (load_lanes<C>(r + q * ACC) - load_lanes<C>(x + d + q * ACC));
+        }
+        for (int q = 0; q < NB; ++q) store_lanes(g + d + q * ACC, acc[q]);
+    }
+    if constexpr (NB > 1) {
+        grad_columns<NB / 2>(g, rows, a, n, x, D, d);
+    } else {
+        // The ragged end entry by entry, a plain loop over its elements: as a loop over the
+        // entries per element, GCC vectorised it as an in-order reduction, products first and
+        // then the adds, which rounds differently from the contracted a (c - x) + g of every
+        // other element (and of axpy_diff_rows).
+        for (int64_t i = 0; i < n; ++i) {
+            const C ai = a[i];
+            const T* r = rows[i];
+            for (int64_t e = d; e < D; ++e) g[e] += ai * (load<C>(r, e) - x[e]);
+        }
+    }
+}
+
+// The second pass of row k0 / K: its entries with a nonzero coefficient a[i] (their rows into
+// `rows`, their coefficients moved to the front of `a`, in entry order), then the blocks. Not
+// inlined: inside row() its loops made the forward-only calls, which never reach it, slower.
+template <typename C, typename T>
+__attribute__((noinline)) void grad_pass(C* __restrict g, const T* bank, const void* nbl,
+                                         int l64, int64_t k0, int64_t K, C* __restrict a,
+                                         const T** __restrict rows, const C* __restrict x,
+                                         int64_t D) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < K; ++i) {
+        if (a[i] == (C)0) continue;
+        rows[n] = bank + load_index(nbl, l64, k0 + i) * D;
+        a[n++] = a[i];  // in place: n <= i
+    }
+    constexpr int NB = GRAD_BLOCK_NATIVE / Lanes<C>::P;
+    static_assert(NB >= 1, "a block holds at least one set of lanes");
+    grad_columns<NB>(g, rows, a, n, x, D, 0);
+}
+
+
 // Runs work(i) for every i in [0, n) on up to `nthreads` threads, each claiming items from a
 // shared counter (so a thread that starts late simply does fewer items); each thread works on
 // its own copy of `work` (its scratch buffers). Returns once every item is done.
@@ -1007,6 +1086,7 @@ struct ForwardRow {
     int store_dist;
     C *loss, *lse_all, *lse_pos, *grad_x, *dist;
     std::vector<C> logit, coef, epos, acc_pos, udist;
+    std::vector<const T*> grows;
     int64_t B = 0, chunk = 1;  // rows per work item
     int64_t pf_end = 0;        // flat (b * K + k) end of this item's entries: prefetch bound
 
@@ -1241,12 +1321,18 @@ struct ForwardRow {
             for (int64_t d = 0; d < D; ++d) g[d] = (g[d] / sa - gpos[d] / sp) * inv_s2;
             return;
         }
-        // Two passes: the coefficients as SIMD lanes, then the rows again, from L2 (the
-        // row's gathered set is at most ONE_PASS_BYTES), four at a time (axpy_diff4: g read
-        // and written once per four rows, the same arithmetic in the same order as one row at
-        // a time); rows with a zero coefficient are skipped.
+        // Two passes: the coefficients as SIMD lanes, then the rows again, from L1 or L2 (the
+        // row's gathered set is at most ONE_PASS_BYTES, or its rows are short), skipping rows
+        // with a zero coefficient: a block of g's columns in registers at a time (grad_pass);
+        // fp16 rows, converted a block at a time, four rows at a time (axpy_diff4: g read and
+        // written once per four rows). The same arithmetic in the same order either way.
 #pragma omp simd
         for (int64_t i = 0; i < K; ++i) ea[i] = (ea[i] / s_all - er[i] / s_pos) * inv_s2;
+        if (NNK_GRAD_BLOCKS && !std::is_same<T, fp16>::value) {
+            if ((int64_t)grows.size() < K) grows.resize(K);
+            grad_pass(g, bank, nbl, l64, k0, K, ea, grows.data(), x, D);
+            return;
+        }
         const T* rows[4];
         C as[4];
         int n = 0;
@@ -1274,7 +1360,7 @@ void forward_impl(const C* emb, const void* labels, int lab64, const T* centres,
     ForwardRow<C, T> row{emb, centres,
                          Lists{nbrs, nb64, labels, lab64, clabels, cl64, weights, wtype, N},
                          sigma, K, D, store_dist, loss, lse_all, lse_pos, grad_x, dist,
-                         {}, {}, {}, {}, {}, B, chunk, 0};
+                         {}, {}, {}, {}, {}, {}, B, chunk, 0};
     run_items((B + chunk - 1) / chunk, nthreads, row);
 }
 

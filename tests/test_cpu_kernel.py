@@ -165,15 +165,17 @@ def test_k1_and_all_positive_rows():
     assert torch.equal(out[0], torch.zeros(6)) and torch.equal(out[3], torch.zeros(6, 13))
 
 
-# Gathered sets (K x D x element bytes per row) beyond the kernel's ONE_PASS_BYTES (128 KiB):
-# a forward with grad_x reads the rows once, folding them into running sums (cpu_kernel.cpp).
-# (torch.float32, 264, 128) and (torch.bfloat16, 264, 256): with grad_x these rows go through
+# Gathered sets (K x D x element bytes per row) beyond the kernel's NNK_ONE_PASS_BYTES (512 KiB;
+# NNK_ONE_PASS_PREFETCHED_BYTES, 128 KiB, for fp32 rows of 4 KiB or more): a forward with
+# grad_x reads the rows once, folding them into running sums (cpu_kernel.cpp).
+# (torch.float32, 1100, 128) and (torch.bfloat16, 1100, 256): with grad_x these rows go through
 # groups of four at a runtime D, without it one at a time at a compile-time D
 # (row_distances_fixed): the forward-only call must still give the same bits. The last: fp32
 # rows of at least NNK_FOLD_PREFETCH_MIN_ROW_BYTES (4 KiB), whose groups leave two rows'
-# prefetching to the fold (the loop's own branch), with a ragged end (1100 = 68 x 16 + 12).
-ONE_PASS = [(torch.float32, 40, 1000), (torch.float64, 24, 900), (torch.bfloat16, 40, 1700),
-            (torch.float16, 40, 1700), (torch.float32, 264, 128), (torch.bfloat16, 264, 256),
+# prefetching to the fold (the loop's own branch), with a ragged end (1100 = 68 x 16 + 12),
+# in a set of 176 KiB: one pass from NNK_ONE_PASS_PREFETCHED_BYTES on.
+ONE_PASS = [(torch.float32, 140, 1000), (torch.float64, 80, 900), (torch.bfloat16, 160, 1700),
+            (torch.float16, 160, 1700), (torch.float32, 1100, 128), (torch.bfloat16, 1100, 256),
             (torch.float32, 40, 1100)]
 
 
@@ -1612,18 +1614,19 @@ def test_gather_lists_leaves_what_it_does_not_do_to_the_caller():
 
 
 @kernel
-@pytest.mark.parametrize("K,D", [(20, 16), (12, 128), (9, 96), (9, 300), (300, 304), (20, 37),
-                                 (300, 300)])
+@pytest.mark.parametrize("K,D", [(20, 16), (12, 128), (9, 96), (9, 300), (900, 304), (20, 37),
+                                 (900, 300)])
 def test_bf16_bank_is_the_fp32_bank_of_its_values(K, D):
     """bf16 centre rows are converted to fp32 a vector at a time (load_lanes<float, bf16>) and
     the gradient's row updates run ACC elements at a time with a ragged end one at a time
     (axpy_diff, axpy_diff4): a bf16 bank must give what an fp32 bank holding the same values
-    gives, on the two-pass path (K x D x 2 bytes up to 128 KiB, the fp32 bank's 4 bytes under
-    it too) and the one-pass path (K 300: above it for both). Bit for bit where the rows have
+    gives, on the two-pass path (K x D x 2 bytes up to 512 KiB, NNK_ONE_PASS_BYTES, the fp32
+    bank's 4 bytes under it too) and the one-pass path (K 900: above it for both). Bit for bit
+    where the rows have
     no ragged end within groups of four (D a multiple of 16, or rows distanced one at a time:
     K 9, D 300 is two groups and one single row, and the single row's tail is exact), and the
     loss always (CONTRACT.md 8: from the K logits). Where a group's rows end raggedly
-    (D 37, 300 with K 20, 300) the compiler may contract the ragged end's multiply-adds
+    (D 37, 300 with K 20, 900) the compiler may contract the ragged end's multiply-adds
     differently for the two element types (as before the vector paths): distances and grad_x
     then agree to a few fp32 ulps."""
     emb, labels, centres, cl, nb, w, s = make(B=11, K=K, D=D, N=400, bank_dtype=torch.bfloat16,

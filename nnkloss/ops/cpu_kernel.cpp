@@ -23,7 +23,7 @@
 // ~1 ulp), and the log-sum-exps follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
 // p^R_j = e^R_j / s_pos (normalised by the computed sums) is computed (not in the forward-only
 // path) in one of two ways: when a row's gathered set (K * D * element bytes) exceeds
-// ONE_PASS_BYTES and its rows are at least ONE_PASS_MIN_ROW_BYTES long, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
+// NNK_ONE_PASS_BYTES and its rows are at least ONE_PASS_MIN_ROW_BYTES long, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
 // for all entries and for the class, rescaled whenever the running maximum rises (the online
 // log-sum-exp of the Triton kernel), so the rows are read once; below it a second pass re-reads
 // the rows from L2 with coefficients computed as SIMD lanes, skipping zero coefficients. The
@@ -191,12 +191,25 @@ constexpr int64_t ACC = 16;
 
 // A forward with grad_x reads the gathered rows once (folding each into the gradient's running
 // sums while it is in L1) when a row's gathered set, K * D * sizeof(bank element), exceeds
-// this and its rows are at least NNK_ONE_PASS_MIN_ROW_BYTES long; otherwise a second pass
-// reads them again (see ForwardRow::row).
+// NNK_ONE_PASS_BYTES (NNK_ONE_PASS_PREFETCHED_BYTES for rows whose fold takes part of the
+// prefetching, NNK_FOLD_PREFETCH below) and its rows are at least NNK_ONE_PASS_MIN_ROW_BYTES
+// long; otherwise a second pass reads them again (see ForwardRow::row), from L2 at these sizes
+// (1 MiB of it on the machine measured). Since the second pass holds g's columns in registers
+// (grad_pass, 2026-11-27), two passes beat one up to 512 KiB sets but for the rows the fold
+// prefetches for: with grad_x at one thread (2026-11-27, cpu_variants.py --kernel, 4 rounds,
+// log benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt) two passes took 0.89x
+// one pass's time at K 100, D 512 fp32 (200 KiB), 0.93x at K 200, D 512 (400 KiB), 0.86x at
+// K 200, D 256 and 0.90x with bf16 rows of K 200, D 512, 0.93x and 0.89x with bf16 rows of
+// D 2048 at K 100 and 50; 1.02x at K 400, D 512 (800 KiB) and 0.97x at K 800, D 256; with fp64
+// rows 0.97x, 1.00x and 0.94x at 320-400 KiB sets, with fp16 rows 0.91x (ad hoc, 5 rounds).
+// For fp32 rows of 4 KiB and more one pass stays faster: two passes took 1.21x its time at
+// K 64, D 1024 (256 KiB), 1.18x at K 100, D 1024 and 1.05x at K 40, D 2048 (320 KiB).
 #ifndef NNK_ONE_PASS_BYTES
-#define NNK_ONE_PASS_BYTES (128 << 10)
+#define NNK_ONE_PASS_BYTES (512 << 10)
 #endif
-constexpr int64_t ONE_PASS_BYTES = NNK_ONE_PASS_BYTES;
+#ifndef NNK_ONE_PASS_PREFETCHED_BYTES
+#define NNK_ONE_PASS_PREFETCHED_BYTES (128 << 10)
+#endif
 // The fold's cost per entry (its logits, exponentials and running-maximum test) is paid per
 // row whatever the row's length, and short rows do not repay it: two passes were faster at
 // every short-row shape measured, even with gathered sets past L2 (2-core AMD EPYC,
@@ -1183,12 +1196,15 @@ struct ForwardRow {
         Online all{ninf, 0}, pos{ninf, 0};
         // With a gradient: one pass (fold, step 1) when the row's gathered set is too big to
         // stay in L2 until a second pass and its rows are long enough to repay the fold, else
-        // a second pass over the rows (step 3), whose coefficients are computed as SIMD lanes.
-        // Measured on the 2-core AMD machine, forward with grad_x: one pass 1.41x faster at
-        // K 256, D 2048 (2 MiB per row), 1.04x at K 100, D 512 fp32 (200 KiB), 0.91-0.98x at
-        // K 32, D 128 (16 KiB) and K 100, D 512 bf16 (100 KiB); short rows: see
-        // NNK_ONE_PASS_MIN_ROW_BYTES.
-        const bool one_pass = g && K * D * (int64_t)sizeof(T) > ONE_PASS_BYTES
+        // a second pass over the rows (step 3), whose coefficients are computed as SIMD lanes
+        // (the sizes: NNK_ONE_PASS_BYTES; short rows: NNK_ONE_PASS_MIN_ROW_BYTES). fp32 rows of
+        // 4 KiB and more split their prefetches with the fold (NNK_FOLD_PREFETCH), which makes
+        // one pass pay from smaller sets on.
+        const bool fold_prefetch = NNK_FOLD_PREFETCH && std::is_same<T, float>::value
+                                   && D * (int64_t)sizeof(T) >= NNK_FOLD_PREFETCH_MIN_ROW_BYTES;
+        const int64_t one_pass_above = fold_prefetch ? NNK_ONE_PASS_PREFETCHED_BYTES
+                                                     : NNK_ONE_PASS_BYTES;
+        const bool one_pass = g && K * D * (int64_t)sizeof(T) > one_pass_above
                               && D * (int64_t)sizeof(T) >= NNK_ONE_PASS_MIN_ROW_BYTES;
         if (g)  // rows that return early (no valid entry, no positive) keep a zero gradient
             for (int64_t d = 0; d < D; ++d) g[d] = 0;
@@ -1208,8 +1224,6 @@ struct ForwardRow {
         // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
         // cost, what bench_loss's "% of read" counts) + K * (index + label [+ weight]) + the
         // D * sizeof(C) embedding (cache-resident after the first row touches it).
-        const bool fold_prefetch = NNK_FOLD_PREFETCH && std::is_same<T, float>::value
-                                   && D * (int64_t)sizeof(T) >= NNK_FOLD_PREFETCH_MIN_ROW_BYTES;
         auto fold_both = [&](int64_t k, const T* const* rows, int n,
                              const T* const* pf = nullptr) {
             nonfinite |= logits(k0, k, k + n, R, ub, lg, lpos);
@@ -1322,7 +1336,7 @@ struct ForwardRow {
             return;
         }
         // Two passes: the coefficients as SIMD lanes, then the rows again, from L1 or L2 (the
-        // row's gathered set is at most ONE_PASS_BYTES, or its rows are short), skipping rows
+        // row's gathered set is at most NNK_ONE_PASS_BYTES, or its rows are short), skipping rows
         // with a zero coefficient: a block of g's columns in registers at a time (grad_pass);
         // fp16 rows, converted a block at a time, four rows at a time (axpy_diff4: g read and
         // written once per four rows). The same arithmetic in the same order either way.

@@ -379,6 +379,25 @@ NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
 #endif
     return v;
 }
+// fp16 -> fp32 with the CPU's own conversion (F16C's vcvtph2ps, 8 or 16 at a time), exact as
+// the scalar one is (every fp16 value is an fp32 value): the gradient's second pass reads fp16
+// rows through this (grad_pass). Without F16C the generic form above, one element at a time.
+#if defined(__F16C__)
+template <>
+NNK_INLINE Lanes<float> load_lanes<float, fp16>(const fp16* __restrict p) {
+    Lanes<float> v;
+#if defined(__AVX512F__)
+    const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    std::memcpy(&v, &w, sizeof v);
+#else
+    for (int q = 0; q < Lanes<float>::P; ++q) {
+        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8 * q)));
+        std::memcpy(&v.n[q], &w, sizeof w);
+    }
+#endif
+    return v;
+}
+#endif
 template <>
 NNK_INLINE Lanes<double> load_lanes<double, double>(const double* __restrict p) {
     return load_native(p);
@@ -739,12 +758,13 @@ inline void axpy_diff4(C* __restrict g, const fp16* c0, const fp16* c1, const fp
 // The gradient's second pass over a row's gathered set: g += sum_i a_i (c_i - x) over the n
 // entries that carry a coefficient (rows[i], a[i]), a block of NB sets of lanes (NB * ACC
 // columns) at a time: the block's sums stay in registers while every entry adds its part, are
-// stored once, and the next block starts. axpy_diff4 (NNK_GRAD_BLOCKS=0, and fp16 rows) loads
-// and stores g once per four entries instead, and took 30-45% of the kernel's time with grad_x
+// stored once, and the next block starts. axpy_diff4 (NNK_GRAD_BLOCKS=0) loads and stores g
+// once per four entries instead, and took 30-45% of the kernel's time with grad_x
 // at the two-pass shapes (a probe that skipped it, 2026-11-27). Per element the operations are
 // axpy_diff_rows' in the same order (g, then a_0 (c_0 - x), a_1 (c_1 - x), ...), so the bits
-// are the same (checked against it at 24 shapes and types, fp16 aside, with AVX-512 and AVX2
-// builds). Blocks of NB, then NB / 2, ... 1 sets, then the ragged end. NB is what the
+// are the same (checked against it at 30 shapes and the four types, with AVX-512 and AVX2
+// builds; fp16 rows are widened by F16C, load_lanes<float, fp16>, exactly as the old pass's
+// blocks were). Blocks of NB, then NB / 2, ... 1 sets, then the ragged end. NB is what the
 // registers hold beside x's block and a temporary: 16 native vectors with AVX-512 (32
 // registers), 8 with fewer (fp32: 256 columns with AVX-512, 64 with AVX2).
 //
@@ -759,7 +779,10 @@ inline void axpy_diff4(C* __restrict g, const fp16* c0, const fp16* c1, const fp
 // bank of B 256, K 100, D 512; the one-pass shape (D 512 fp32) and the forward-only calls
 // within the run's noise. Built for x86-64-v3 (AVX2, blocks of 64 columns), against
 // NNK_GRAD_BLOCKS=0 built the same way (two runs of 5 rounds, the second logged): 1.04x and
-// 1.07x at D 128, 1.10x and 1.10x at K 1000, D 64, 1.01x and 0.97x with the bf16 bank.
+// 1.07x at D 128, 1.10x and 1.10x at K 1000, D 64, 1.01x and 0.97x with the bf16 bank. fp16
+// rows (widened by F16C), against the old pass for them (on 40d989b, one thread, 5 rounds,
+// logged): 1.29x at B 1024, K 32, D 128, 1.37x at K 1000, D 64, 1.26x and 1.18x at K 100 and
+// 200, D 512.
 #ifndef NNK_GRAD_BLOCKS
 #define NNK_GRAD_BLOCKS 1
 #endif
@@ -1337,12 +1360,12 @@ struct ForwardRow {
         }
         // Two passes: the coefficients as SIMD lanes, then the rows again, from L1 or L2 (the
         // row's gathered set is at most NNK_ONE_PASS_BYTES, or its rows are short), skipping rows
-        // with a zero coefficient: a block of g's columns in registers at a time (grad_pass);
-        // fp16 rows, converted a block at a time, four rows at a time (axpy_diff4: g read and
-        // written once per four rows). The same arithmetic in the same order either way.
+        // with a zero coefficient: a block of g's columns in registers at a time (grad_pass;
+        // NNK_GRAD_BLOCKS=0: four rows at a time, axpy_diff4, g read and written once per four
+        // rows). The same arithmetic in the same order either way.
 #pragma omp simd
         for (int64_t i = 0; i < K; ++i) ea[i] = (ea[i] / s_all - er[i] / s_pos) * inv_s2;
-        if (NNK_GRAD_BLOCKS && !std::is_same<T, fp16>::value) {
+        if (NNK_GRAD_BLOCKS) {
             if ((int64_t)grows.size() < K) grows.resize(K);
             grad_pass(g, bank, nbl, l64, k0, K, ea, grows.data(), x, D);
             return;

@@ -88,7 +88,7 @@ def test_forward_scales(weights, sigma, offset, D, bank_dtype):
 @kernel
 @pytest.mark.parametrize("bank_dtype", FLOATS)
 def test_wide_rows(bank_dtype):
-    # D beyond the kernel's 256-element fp16 conversion block, with a ragged tail
+    # D 600: past the largest of the second pass's column blocks (256), with a ragged tail
     inputs = make(B=5, K=6, D=600, N=30, bank_dtype=bank_dtype, seed=13)
     check(cpu.forward(*inputs), reference(*inputs), torch.float32)
     emb, _, centres, _, nb, _, _ = inputs

@@ -166,8 +166,9 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
 // as the distance itself at D = 128 (measured).
 constexpr int64_t ACC = 16;
 
-// fp32 / bf16 rows of D 64, 128 or 256 of at most this many bytes are read one at a time at a
-// compile-time D (row_distances_fixed), longer ones in groups of four (0: never one at a time).
+// fp32 / bf16 / fp16 rows of D 64, 128 or 256 of at most this many bytes are read one at a
+// time at a compile-time D (row_distances_fixed), longer ones in groups of four (0: never one
+// at a time).
 // Which is faster depends on the CPU: the fixed rows were measured 1.06-1.16x faster at D 64,
 // 128 and 256 on a 2-core AMD EPYC (2026-11-24), but that was against groups whose partial sums
 // GCC kept in memory on AVX2 (see Lanes). With the lanes in registers, the 2-core AMD EPYC of
@@ -246,7 +247,7 @@ constexpr int64_t ACC = 16;
 // first run; with the gate at 2 KiB, at one thread, 8 rounds, ad hoc: 0.92x at K 100, 0.93x at
 // K 200, 1.80 against 1.95 ms and 3.78 against 4.06; those banks sit in or near L3). The same
 // bits either way (a prefetch changes no arithmetic). The mechanism takes every row type (two
-// lines a step for fp64, whole rows for fp16), so that the gate alone is the policy.
+// lines a step for fp64), so that the gate alone is the policy.
 #ifndef NNK_FOLD_PREFETCH
 #define NNK_FOLD_PREFETCH 1
 #endif
@@ -380,8 +381,15 @@ NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
     return v;
 }
 // fp16 -> fp32 with the CPU's own conversion (F16C's vcvtph2ps, 8 or 16 at a time), exact as
-// the scalar one is (every fp16 value is an fp32 value): the gradient's second pass reads fp16
-// rows through this (grad_pass). Without F16C the generic form above, one element at a time.
+// the scalar one is (every fp16 value is an fp32 value), so fp16 rows take the same vector
+// loops as the other types (distances, folds, both gradient passes). Without F16C the generic
+// form above, one element at a time. Until 2026-11-27 fp16 rows had loops of their own that
+// converted a row 256 elements at a time into a buffer and ran the fp32 loops on it; against
+// those (cpu_variants.py --kernel, one thread, 5 rounds, log benchmarks/results/cpu_variants_
+// AMD_EPYC_family_26_model_2.txt) the kernel's forward is 2.6x faster at B 1024, K 32, D 128,
+// 3.8x at K 1000, D 64, 2.9x at K 100, D 512 and 4.5x at K 256, D 2048 (with grad_x 2.1-3.7x).
+// The distances of rows longer than 256 are no longer summed a block at a time: their last
+// bits moved (the tests hold them to the fp64 contract, as before).
 #if defined(__F16C__)
 template <>
 NNK_INLINE Lanes<float> load_lanes<float, fp16>(const fp16* __restrict p) {
@@ -557,8 +565,8 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     out[3] = tree_sum(p3) + t3;
 }
 
-// Pass 1 of a row at a compile-time D (fp32 / bf16 rows of 64, 128 or 256 elements, at most
-// NNK_FIXED_ROW_BYTES long) when no gradient is folded in: one gathered row at a time (same
+// Pass 1 of a row at a compile-time D (fp32 / bf16 / fp16 rows of 64, 128 or 256 elements, at
+// most NNK_FIXED_ROW_BYTES long) when no gradient is folded in: one gathered row at a time (same
 // bits as in a group of four), the row pf entries ahead prefetched whole, the distances into
 // ub; the logits follow in one SIMD sweep (ForwardRow::logits). For small rows this beat the
 // groups of four with their per-group bookkeeping on the 2-core AMD machine of 2026-11-24
@@ -692,68 +700,6 @@ NNK_INLINE void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __r
     const T* const c[4] = {c0, c1, c2, c3};
     axpy_diff_rows<4>(g, c, x, a, D, pf);
 }
-
-// fp16 rows: compilers do not vectorise the scalar half -> float conversion, so a row is
-// converted a block at a time (F16C's vcvtph2ps where the CPU has it) and the float loops
-// above run on the block.
-constexpr int64_t HALF_BLOCK = 256;
-
-inline void half_block_to_float(const fp16* src, float* dst, int64_t n) {
-    int64_t i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
-#endif
-    for (; i < n; ++i) dst[i] = load<float>(src, i);
-}
-
-template <typename C>
-inline C scaled_sqdist(const fp16* c, const C* __restrict x, C inv_s, int64_t D) {
-    float buf[HALF_BLOCK];
-    C acc = 0;
-    for (int64_t d0 = 0; d0 < D; d0 += HALF_BLOCK) {
-        const int64_t n = std::min(HALF_BLOCK, D - d0);
-        half_block_to_float(c + d0, buf, n);
-        acc += scaled_sqdist<C, float>(buf, x + d0, inv_s, n);
-    }
-    return acc;
-}
-
-template <typename C>
-inline void axpy_diff(C* __restrict g, const fp16* c, const C* __restrict x, C a, int64_t D) {
-    float buf[HALF_BLOCK];
-    for (int64_t d0 = 0; d0 < D; d0 += HALF_BLOCK) {
-        const int64_t n = std::min(HALF_BLOCK, D - d0);
-        half_block_to_float(c + d0, buf, n);
-        axpy_diff<C, float>(g + d0, buf, x + d0, a, n);
-    }
-}
-
-template <typename C>
-inline void scaled_sqdist4(const fp16* c0, const fp16* c1, const fp16* c2, const fp16* c3,
-                           const C* __restrict x, C inv_s, int64_t D, C* out,
-                           const fp16* const* fut) {
-    for (int i = 0; i < 4; ++i) prefetch_row(fut[i], D);
-    out[0] = scaled_sqdist(c0, x, inv_s, D);  // converted a block at a time (see above)
-    out[1] = scaled_sqdist(c1, x, inv_s, D);
-    out[2] = scaled_sqdist(c2, x, inv_s, D);
-    out[3] = scaled_sqdist(c3, x, inv_s, D);
-}
-
-template <typename C>
-inline void axpy_diff4(C* __restrict g, const fp16* c0, const fp16* c1, const fp16* c2,
-                       const fp16* c3, const C* __restrict x, const C* a, int64_t D,
-                       const fp16* const* pf = nullptr) {
-    if (pf) {  // whole rows, as this type's distances prefetch them
-        prefetch_row(pf[0], D);
-        prefetch_row(pf[1], D);
-    }
-    axpy_diff(g, c0, x, a[0], D);  // converted a block at a time (see above)
-    axpy_diff(g, c1, x, a[1], D);
-    axpy_diff(g, c2, x, a[2], D);
-    axpy_diff(g, c3, x, a[3], D);
-}
-
 
 // The gradient's second pass over a row's gathered set: g += sum_i a_i (c_i - x) over the n
 // entries that carry a coefficient (rows[i], a[i]), a block of NB sets of lanes (NB * ACC
@@ -1269,8 +1215,12 @@ struct ForwardRow {
             if (one_pass) fold_both(k, &r, 1);
         };
         int64_t k = 0;
-        // Small fp32 / bf16 rows without a fold: one entry at a time (row_distances_fixed).
-        constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
+        // Small fp32 / bf16 / fp16 rows without a fold: one entry at a time
+        // (row_distances_fixed; fp16 since 2026-11-27: with grad_x at one thread 1.14x faster
+        // at B 1024, K 32, D 128, 1.07x at K 1000, D 64, 1.06x at K 100, D 256; forward
+        // 1.12-1.17x; the bf16 calls unchanged; 5 rounds, ad hoc).
+        constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value
+                               || std::is_same<T, fp16>::value;
         if (fixed && !one_pass && (D == 128 || D == 64 || D == 256)
             && D * (int64_t)sizeof(T) <= NNK_FIXED_ROW_BYTES) {
             if (D == 256)

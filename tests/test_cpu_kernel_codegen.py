@@ -208,3 +208,36 @@ def test_the_kernel_compiles_without_warnings(disassembly, isa):
     rows at a compile-time D kept a tail loop that could not run, and GCC 12 warned that its
     iteration 2**63 invoked undefined behaviour (-Waggressive-loop-optimizations)."""
     assert WARNINGS[isa] == [], WARNINGS[isa][:5]
+
+
+GRAD_PASS = "void (anonymous namespace)::grad_pass<float, {}>("
+VECTOR_STORE = re.compile(r"^vmov\w+\s+%[xyz]mm\d+,.*\(")
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+@pytest.mark.parametrize("row_type", ["float", "(anonymous namespace)::bf16",
+                                      "(anonymous namespace)::fp16"])
+def test_the_second_pass_keeps_its_block_in_registers(disassembly, isa, row_type):
+    """The gradient's second pass (grad_pass): per gathered row, one FMA per register of the
+    block of gradient columns, the block held in registers across the rows (before
+    2026-11-27 the pass loaded and stored the gradient once per four rows). The largest block
+    fills 16 registers with AVX-512 (GCC spills one row value to the stack there: one store)
+    and 8 with AVX2; the next one, 8 registers with AVX-512, stores nothing and touches no
+    stack. fp16 rows widen with F16C (vcvtph2ps), one per register."""
+    width = "%zmm" if isa == "avx512" else "%ymm"
+    # the block loops: packed FMAs only (the ragged end's loops hold scalar ones too)
+    loops = [b for b in _loops(disassembly[isa], GRAD_PASS.format(row_type), innermost=True)
+             if not [i for i in b if re.match(r"^vfmadd\w+ss\s", i)]]
+    fmas = [sum(i.startswith("vfmadd") and width in i for i in b) for b in loops]
+    full = 16 if isa == "avx512" else 8
+    big = [b for b, f in zip(loops, fmas) if f == full]
+    assert big, (isa, fmas)
+    assert all(len([i for i in b if VECTOR_STORE.match(i)]) <= 1 for b in big), isa
+    if isa == "avx512":
+        half = [b for b, f in zip(loops, fmas) if f == 8]
+        assert half, fmas
+        for b in half:
+            assert not [i for i in b if VECTOR_STORE.match(i)], b
+            assert not [i for i in b if "(%rsp)" in i or "(%rbp)" in i], b
+    if row_type.endswith("fp16"):
+        assert all(sum("vcvtph2ps" in i for i in b) == full for b in big), isa

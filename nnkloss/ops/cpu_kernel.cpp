@@ -704,8 +704,9 @@ NNK_INLINE void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __r
 // The gradient's second pass over a row's gathered set: g += sum_i a_i (c_i - x) over the n
 // entries that carry a coefficient (rows[i], a[i]), a block of NB sets of lanes (NB * ACC
 // columns) at a time: the block's sums stay in registers while every entry adds its part, are
-// stored once, and the next block starts. axpy_diff4 (NNK_GRAD_BLOCKS=0) loads and stores g
-// once per four entries instead, and took 30-45% of the kernel's time with grad_x
+// stored once, and the next block starts. The pass before it (until 2026-11-27; the variant
+// NNK_GRAD_BLOCKS=0 of the logs, since removed) went through axpy_diff4, which loads and stores
+// g once per four entries, and took 30-45% of the kernel's time with grad_x
 // at the two-pass shapes (a probe that skipped it, 2026-11-27). Per element the operations are
 // axpy_diff_rows' in the same order (g, then a_0 (c_0 - x), a_1 (c_1 - x), ...), so the bits
 // are the same (checked against it at 30 shapes and the four types, with AVX-512 and AVX2
@@ -729,9 +730,6 @@ NNK_INLINE void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __r
 // rows (widened by F16C), against the old pass for them (on 40d989b, one thread, 5 rounds,
 // logged): 1.29x at B 1024, K 32, D 128, 1.37x at K 1000, D 64, 1.26x and 1.18x at K 100 and
 // 200, D 512.
-#ifndef NNK_GRAD_BLOCKS
-#define NNK_GRAD_BLOCKS 1
-#endif
 constexpr int GRAD_BLOCK_NATIVE = NATIVE_BYTES == 64 ? 16 : 8;
 
 template <int NB, typename C, typename T>
@@ -1219,8 +1217,7 @@ struct ForwardRow {
         // (row_distances_fixed; fp16 since 2026-11-27: with grad_x at one thread 1.14x faster
         // at B 1024, K 32, D 128, 1.07x at K 1000, D 64, 1.06x at K 100, D 256; forward
         // 1.12-1.17x; the bf16 calls unchanged; 5 rounds, ad hoc).
-        constexpr bool fixed = std::is_same<T, float>::value || std::is_same<T, bf16>::value
-                               || std::is_same<T, fp16>::value;
+        constexpr bool fixed = !std::is_same<T, double>::value;  // fp32, bf16, fp16
         if (fixed && !one_pass && (D == 128 || D == 64 || D == 256)
             && D * (int64_t)sizeof(T) <= NNK_FIXED_ROW_BYTES) {
             if (D == 256)
@@ -1310,29 +1307,11 @@ struct ForwardRow {
         }
         // Two passes: the coefficients as SIMD lanes, then the rows again, from L1 or L2 (the
         // row's gathered set is at most NNK_ONE_PASS_BYTES, or its rows are short), skipping rows
-        // with a zero coefficient: a block of g's columns in registers at a time (grad_pass;
-        // NNK_GRAD_BLOCKS=0: four rows at a time, axpy_diff4, g read and written once per four
-        // rows). The same arithmetic in the same order either way.
+        // with a zero coefficient: a block of g's columns in registers at a time (grad_pass).
 #pragma omp simd
         for (int64_t i = 0; i < K; ++i) ea[i] = (ea[i] / s_all - er[i] / s_pos) * inv_s2;
-        if (NNK_GRAD_BLOCKS) {
-            if ((int64_t)grows.size() < K) grows.resize(K);
-            grad_pass(g, bank, nbl, l64, k0, K, ea, grows.data(), x, D);
-            return;
-        }
-        const T* rows[4];
-        C as[4];
-        int n = 0;
-        for (int64_t i = 0; i < K; ++i) {
-            if (ea[i] == (C)0) continue;
-            rows[n] = bank + load_index(nbl, l64, k0 + i) * D;
-            as[n] = ea[i];
-            if (++n == 4) {
-                axpy_diff4(g, rows[0], rows[1], rows[2], rows[3], x, as, D);
-                n = 0;
-            }
-        }
-        for (int i = 0; i < n; ++i) axpy_diff(g, rows[i], x, as[i], D);
+        if ((int64_t)grows.size() < K) grows.resize(K);
+        grad_pass(g, bank, nbl, l64, k0, K, ea, grows.data(), x, D);
     }
 };
 

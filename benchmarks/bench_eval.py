@@ -9,10 +9,15 @@ metrics on its neighbour labels, over all queries as nnkloss counts them). Provi
 computed by torch.mm instead of the compiled library's GEMM (``torch_search.COMPILED_GEMM =
 False``): the A/B of the two GEMMs. Each measurement runs
 in a fresh process: wall time of the call and peak resident memory (VmHWM of the process, and
-the part above the RSS before the call).
+the part above the RSS before the call). With ``--device cuda`` the nnkloss providers search on
+the GPU (the embeddings moved there before the clock starts, as a model's outputs already are,
+after one small untimed evaluation that initialises CUDA and cuBLAS) and ``gpu_peak_mb`` is the
+device's peak allocation above what the call started with; PML stays on the CPU, as it is
+configured here.
 
     python benchmarks/bench_eval.py                       # N = 30,000 and 150,000, D 128, C 100
     python benchmarks/bench_eval.py --N 30000 --providers nnkloss
+    python benchmarks/bench_eval.py --N 150000 --providers nnkloss --device cuda
 
 Appends one row per (N, provider) to ``benchmarks/results/eval_<device>.csv`` with the metric
 values, whether they equal PML's bit for bit (and the largest difference), the 1-minute load
@@ -37,7 +42,8 @@ import torch  # noqa: E402
 
 KS = (1, 2, 4, 8)
 METRICS = [f"recall@{k}" for k in KS] + ["map@r", "r_precision"]
-COLUMNS = (["provider", "N", "D", "classes", "search_k", "seconds", "peak_rss_mb", "extra_mb"]
+COLUMNS = (["provider", "N", "D", "classes", "search_k", "seconds", "peak_rss_mb", "extra_mb",
+            "gpu_peak_mb"]
            + METRICS + ["equal_to_pml", "max_abs_diff", "error", "load_before", "load_after",
                         "threads", "device", "commit", "date"])
 
@@ -98,19 +104,32 @@ def prepare(provider: str) -> None:
 def worker(spec: dict) -> None:
     emb, labels = setup(spec["N"], spec["D"], spec["classes"])
     prepare(spec["provider"])
+    device = torch.device(spec.get("device", "cpu"))
+    on_gpu = spec["provider"] != "pml" and device.type == "cuda"
+
+    def run(emb, labels):
+        if spec["provider"] == "pml":
+            return run_pml(emb, labels)
+        return run_nnkloss(emb, labels, "faiss" if spec["provider"] == "nnkloss-faiss"
+                           else "auto", spec["provider"] != "nnkloss-torch-mm")
+
+    if on_gpu:
+        emb, labels = emb.to(device), labels.to(device)
+        run(emb[:1000], labels[:1000])  # CUDA's context, cuBLAS's handles: not evaluation
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        gpu_base = torch.cuda.memory_allocated(device)
     meter = PeakRss().start()
     t0 = time.perf_counter()
-    if spec["provider"] == "pml":
-        values = run_pml(emb, labels)
-    else:
-        values = run_nnkloss(emb, labels, "faiss" if spec["provider"] == "nnkloss-faiss"
-                             else "auto", spec["provider"] != "nnkloss-torch-mm")
+    values = run(emb, labels)  # python floats: the GPU's work is done when they are
     seconds = time.perf_counter() - t0
     extra = meter.peak_mb()
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    worker_reply({"seconds": seconds, "extra_mb": extra, "peak_rss_mb": hwm / 1024,
-                  "values": values})
+    res = {"seconds": seconds, "extra_mb": extra, "peak_rss_mb": hwm / 1024, "values": values}
+    if on_gpu:
+        res["gpu_peak_mb"] = (torch.cuda.max_memory_allocated(device) - gpu_base) / 2 ** 20
+    worker_reply(res)
 
 
 def main(argv=None) -> int:
@@ -120,13 +139,18 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--providers", nargs="+", default=["nnkloss", "nnkloss-faiss", "pml"],
                     choices=["nnkloss", "nnkloss-faiss", "nnkloss-torch-mm", "pml"])
+    ap.add_argument("--device", default="cpu",
+                    help="where the nnkloss providers search (cpu, cuda); PML: the CPU")
     add_worker_args(ap, timeout=1800.0)
     args = parse_or_work(ap, argv, worker)
     if args is None:
         return 0
 
-    device = torch.device("cpu")
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     name, commit = device_name(device), git_commit()
+    cpu_name = device_name(torch.device("cpu"))  # PML's rows: it runs on the CPU
     csv_path = results_path(args.out, device, prefix="eval_")
     for provider in args.providers:
         prepare(provider)  # builds the library once, before any worker times a call
@@ -136,7 +160,8 @@ def main(argv=None) -> int:
         for n in args.N:
             results = {}
             for provider in args.providers:
-                spec = {"provider": provider, "N": n, "D": args.D, "classes": args.classes}
+                spec = {"provider": provider, "N": n, "D": args.D, "classes": args.classes,
+                        "device": str(device)}
                 before = loadavg()
                 try:
                     res = run_isolated(os.path.abspath(__file__), spec, timeout=args.timeout)
@@ -150,7 +175,8 @@ def main(argv=None) -> int:
                 row = {"provider": provider, "N": n, "D": args.D, "classes": args.classes,
                        "search_k": n // args.classes - 1, "error": res.get("error", ""),
                        "load_before": res["load_before"], "load_after": res["load_after"],
-                       "threads": torch.get_num_threads(), "device": name, "commit": commit,
+                       "threads": torch.get_num_threads(), "commit": commit,
+                       "device": cpu_name if provider == "pml" else name,
                        "date": utc_now()}
                 if values:
                     # four significant digits: a small N's search can take under 5 ms, which
@@ -158,6 +184,8 @@ def main(argv=None) -> int:
                     row.update({"seconds": f"{res['seconds']:.4g}",
                                 "peak_rss_mb": f"{res['peak_rss_mb']:.0f}",
                                 "extra_mb": f"{res['extra_mb']:.0f}"})
+                    if "gpu_peak_mb" in res:
+                        row["gpu_peak_mb"] = f"{res['gpu_peak_mb']:.0f}"
                     row.update({m: repr(values[m]) for m in METRICS})
                     if pml and provider != "pml":
                         diffs = [abs(values[m] - pml[m]) for m in METRICS]

@@ -115,6 +115,22 @@ step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N
     --dtype fp32 --providers fused compile --modes fwd fwd_bwd --timer wall --device cuda \
     --out "$dir/small"
 
+# Steps that run only when GPU_STEPS names them (the default run's limits already fill a call):
+# the kNN graph and the retrieval evaluation at 150K searched on this GPU, each against the
+# same search on this machine's CPU in the same call (2026-11-27 at 5eeaa8e on an H200: the
+# first of either on a GPU since the graph's at 496aa53).
+#     GPU_STEPS="tests_search bench_refresh bench_eval" bash benchmarks/gpu_session.sh
+extra() {  # extra NAME SECONDS CMD...: a step run only when GPU_STEPS names it
+    case " ${GPU_STEPS:-} " in *" $1 "*) step "$@" ;; esac
+}
+extra tests_search 60 python3 -m pytest -q -m cuda tests/test_bench_eval.py \
+    tests/test_search.py -p no:cacheprovider
+extra bench_refresh 90 python3 benchmarks/bench_refresh.py --device cuda --N 100000 1000000 \
+    --D 128 --k 100 --backends torch --out "$dir"
+extra bench_eval 150 bash -c "python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
+    --device cuda --out '$dir' && python3 benchmarks/bench_eval.py --N 150000 \
+    --providers nnkloss --out '$dir'"
+
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     tar czf "$OUT/gpu_session.tgz" -C "$dir" .

@@ -67,3 +67,33 @@ def test_the_torch_mm_provider_switches_the_gemm_only(monkeypatch):
     for provider in ("nnkloss", "nnkloss-torch-mm", "nnkloss-faiss"):
         bench_eval.worker({"provider": provider, "N": 60, "D": 4, "classes": 3})
     assert seen == [("auto", True), ("auto", False), ("faiss", True)]
+
+
+@pytest.mark.cuda
+def test_bench_eval_searches_on_the_gpu_with_the_cpus_values(tmp_path):
+    """--device cuda: the nnkloss provider's search runs on the GPU (its peak allocation is
+    reported) and gives the CPU's values (the same embeddings, the same exact search up to
+    the last bits of the distances)."""
+    if not torch_cuda():
+        pytest.skip("needs a CUDA device")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    rows = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        proc = subprocess.run([sys.executable, "benchmarks/bench_eval.py", "--N", "3000",
+                               "--classes", "10", "--providers", "nnkloss", "--device",
+                               device, "--out", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (path,) = [p for p in out.iterdir() if p.suffix == ".csv"]
+        (rows[device],) = list(csv.DictReader(open(path)))
+    assert not rows["cuda"]["error"]
+    assert rows["cpu"]["gpu_peak_mb"] == "" and float(rows["cuda"]["gpu_peak_mb"]) > 0
+    assert rows["cuda"]["device"] != rows["cpu"]["device"]
+    for key in ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision"):
+        assert float(rows["cuda"][key]) == pytest.approx(float(rows["cpu"][key]), abs=1e-3), key
+
+
+def torch_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()

@@ -303,6 +303,24 @@ def test_ties_are_ordered_by_index(tile_bytes):
     assert torch.equal(idx[::37], ref)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tile_bytes", [None, 6000])
+def test_the_gpu_search_gives_the_cpus_lists(tile_bytes):
+    """The torch search on a GPU (the default there, with or without FAISS) gives the CPU's
+    lists exactly where every distance is exact (small integers): the same selection, the same
+    ties by index, own rows excluded; on random points the same distances to fp32 rounding."""
+    x = tied(seed=10)
+    cpu_d, cpu_i = knn(x, x, 40, "torch", exclude_self=True, tile_bytes=tile_bytes)
+    gpu_d, gpu_i = knn(x.cuda(), x.cuda(), 40, "torch", exclude_self=True,
+                       tile_bytes=tile_bytes)
+    assert gpu_i.device.type == "cuda"
+    assert torch.equal(gpu_i.cpu(), cpu_i) and torch.equal(gpu_d.cpu(), cpu_d)
+    y = torch.randn(3000, 128, generator=torch.Generator().manual_seed(11))
+    cpu_d, _ = knn(y, y, 100, "torch", exclude_self=True)
+    gpu_d, _ = knn(y.cuda(), y.cuda(), 100, "torch", exclude_self=True)
+    torch.testing.assert_close(gpu_d.cpu(), cpu_d, rtol=1e-4, atol=1e-3)
+
+
 def test_auto_gives_the_same_neighbours_with_and_without_faiss(monkeypatch):
     """Issue 20: the digits demo's numbers changed when faiss was installed, because "auto"
     switched to faiss and the two searches broke distance ties differently."""

@@ -125,9 +125,9 @@ extra() {  # extra NAME SECONDS CMD...: a step run only when GPU_STEPS names it
 }
 extra tests_search 60 python3 -m pytest -q -m cuda tests/test_bench_eval.py \
     tests/test_search.py -p no:cacheprovider
-extra bench_refresh 90 python3 benchmarks/bench_refresh.py --device cuda --N 100000 1000000 \
+extra bench_refresh 60 python3 benchmarks/bench_refresh.py --device cuda --N 100000 1000000 \
     --D 128 --k 100 --backends torch --out "$dir"
-extra bench_eval 150 bash -c "python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
+extra bench_eval 120 bash -c "python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
     --device cuda --out '$dir' && python3 benchmarks/bench_eval.py --N 150000 \
     --providers nnkloss --out '$dir'"
 

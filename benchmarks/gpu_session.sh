@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, sized for the 15 minutes of device time a session is
 # lent (the machine's start, the transfers and the command together): the steps below have
-# timeouts that add up to 530 s (the whole run took 392 s on an H200 at ea8736c, 241 s on an
-# H100 at 52484b7 before the two small-batch steps were added; the forward-only sweep's 20 s
-# came after), so `run(command="...", timeout_s=570)` leaves room for the machine's start (30-40 s of the lease
+# timeouts that add up to 530 s (the whole run took 392 s on an H200 at ea8736c, 446 s on one
+# at 5eeaa8e, 241 s on an H100 at 52484b7 before the two small-batch steps were added). At
+# 5eeaa8e, on a fresh machine, tune_loss (3 of its 4 shapes in 35 s) and tune_small_d128 (none
+# in 25 s) ran out of time compiling their tiles, and took 37 s together rerun warm: their
+# limits are now 50 and 40 s, taken from steps that had ended 6-14 s early there. So
+# `run(command="...", timeout_s=570)` leaves room for the machine's start (30-40 s of the lease
 # on the H100's two calls at 52484b7 and 0646941, 30 s on the H200 at ea8736c, whose call held
 # 422 s of the 900: a second call of ~200 s fitted). In order of what the next GPU session
 # must learn (the first, on an H200, measured the
@@ -69,19 +72,19 @@ step bench_loss 100 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 51
     --dtype fp32 bf16 --providers fused eager compile fused_compile module_unchecked \
     --copy-bandwidth --timer wall --device cuda --out "$dir"
 # 3. Sigma and the centres trained too: the entry-terms kernel and the centre scatter.
-step bench_grads 25 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+step bench_grads 22 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers fused eager --modes fwd_bwd --also-grad sigma centres --timer wall \
     --device cuda --out "$dir/grads"
 # 4. CUDA graphs around the eager loss and around the op (the bank static), and around the
 #    module's call as a user would compile it (module_compile: never timed; on the H200 at
 #    ea8736c the eager step was host-bound, autograd's engine alone 120-180 us a backward).
-step bench_graphs 50 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
+step bench_graphs 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 --dtype fp32 \
     --providers compile fused_compile module_compile --modes fwd fwd_bwd \
     --compile-mode reduce-overhead \
     --timer wall --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
 #    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
-step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
+step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12 --providers fused module module_torch_lists --parts
 # 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on
 #    an H100 at B 4096) against 1, 2 and 4 warps on this card (training forward; tiles of 1, 2
@@ -95,11 +98,11 @@ step profile_step 40 python3 benchmarks/profile_step.py --device cuda --B 4096 -
 #    The sweeps time each
 #    kernel with the host taken out (tune_loss's default timer since bc82787; do_bench's
 #    figures of these 15-60 us kernels were the host's launch when it outlasted the flush).
-step tune_loss 35 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
+step tune_loss 50 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 \
     --D 128 512 --dtype fp32 bf16 --warps 1 2 4 --max-configs 9 --reps 30 --out "$dir"
 step tune_small 30 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 1000 --D 64 \
     --dtype fp32 --warps 2 4 8 --reps 30 --out "$dir"
-step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
+step tune_small_d128 40 python3 benchmarks/tune_loss.py --device cuda --B 128 --K 100 \
     --D 128 --dtype fp32 --warps 2 4 8 --reps 30 --out "$dir"
 #    The forward-only build at B 4096, D 128, where on the H200 at ea8736c compile's whole
 #    forward (0.075 ms, do_bench) was at or below the op's kernel time: a few tiles around
@@ -107,11 +110,11 @@ step tune_small_d128 25 python3 benchmarks/tune_loss.py --device cuda --B 128 --
 #    next tile's list entries prefetched (FwdConfig.prefetch_index, the rows with
 #    prefetch_index 1): the sm_90 binary shows the list loop unpipelined, each tile waiting on
 #    its entries and then on their rows.
-step tune_fwd 20 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 --D 128 \
+step tune_fwd 15 python3 benchmarks/tune_loss.py --device cuda --B 4096 --K 100 --D 128 \
     --dtype fp32 --forward-only --warps 1 2 --max-configs 8 --reps 30 --out "$dir"
 # 7. The loss at that small batch through the op, with the lengthened tiles as its default
 #    (0646941's one-warp tiles: 0.50x compile forward, 0.70x forward+backward).
-step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
+step bench_small 38 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N 1000000 \
     --dtype fp32 --providers fused compile --modes fwd fwd_bwd --timer wall --device cuda \
     --out "$dir/small"
 
@@ -123,7 +126,7 @@ step bench_small 45 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N
 extra() {  # extra NAME SECONDS CMD...: a step run only when GPU_STEPS names it
     case " ${GPU_STEPS:-} " in *" $1 "*) step "$@" ;; esac
 }
-extra tests_search 60 python3 -m pytest -q -m cuda tests/test_bench_eval.py \
+extra tests_search 150 python3 -m pytest -q -m cuda tests/test_bench_eval.py \
     tests/test_search.py -p no:cacheprovider
 extra bench_refresh 60 python3 benchmarks/bench_refresh.py --device cuda --N 100000 1000000 \
     --D 128 --k 100 --backends torch --out "$dir"

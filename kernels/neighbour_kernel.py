@@ -475,8 +475,12 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     default build keeps at least 16 with no spills (a small batch's build: as many as its
     launch places on an SM; the B 128 tiles of 64 elements at 4 warps take ~160 registers,
     12 resident warps, for a launch of 4 warps an SM). The same tiles at 8 warps take 101-119
-    registers and keep 16 (static report at 04638a4), untimed on a GPU: gpu_session.sh's B 128
-    sweeps time 2, 4 and 8 warps, and the rule moves to 8 only if they are at least as fast.
+    registers and keep 16 (static report at 04638a4), but ran slower on an H200 (tune_loss at
+    5eeaa8e, 2026-11-27, kernel alone, training forward, ms): K 1000, D 64, 128x64 at 4 / 8 / 2
+    warps 0.0489 / 0.0642 / 0.0666; K 100, D 128, 64x128 0.0148 / 0.0199 / 0.0193. So the
+    small batch keeps 4 warps: one program an SM leaves the registers nothing to limit. There
+    128x128 at 4 warps (the whole list of 100 in one tile, 128 elements a thread) took 0.0117,
+    1.27x the rule's tile, as at bc82787; not taken, ~3 us of a call the host holds for ~300.
     """
     block_d_full = pow2_ceil(D)
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d

@@ -90,3 +90,25 @@ def test_a_rerun_runs_only_the_steps_named(tmp_path):
     assert scripts == ["-c", "benchmarks/bench_loss.py", "benchmarks/tune_loss.py"]
     summary = (tmp_path / "work" / "summary.txt").read_text()
     assert summary.count("== ") == 3 and "tests_cuda" not in summary
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_the_search_steps_run_only_when_named(tmp_path):
+    """tests_search, bench_refresh and bench_eval are left out of the default run (its limits
+    already fill a call; the first test above lists every script it runs) and run when
+    GPU_STEPS names them: the search's cuda tests, the kNN graph on the GPU, and the evaluation
+    at 150K on the GPU and then on the CPU."""
+    calls, env = _stand_in_python(tmp_path)
+    env["GPU_STEPS"] = "tests_search bench_refresh bench_eval"
+    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    lines = calls.read_text().splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "-c", "-m", "benchmarks/bench_refresh.py", "benchmarks/bench_eval.py",
+        "benchmarks/bench_eval.py"]
+    assert "-m cuda" in lines[1] and "tests/test_search.py" in lines[1]
+    assert "--device cuda" in lines[2] and "--N 100000 1000000" in lines[2]
+    assert "--N 150000" in lines[3] and "--device cuda" in lines[3]
+    assert "--device" not in lines[4]
+    summary = (tmp_path / "work" / "summary.txt").read_text()
+    assert summary.count("== ") == 4 and "tests_cuda" not in summary

@@ -99,7 +99,9 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
     D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``d7e5509``): 1.15 GB peak RSS,
     0.56 GB above the process before the call, 22 s (``benchmarks/bench_eval.py``,
-    docs/PERFORMANCE.md, "Evaluation at scale").
+    docs/PERFORMANCE.md, "Evaluation at scale"). On CUDA the search's budget is a quarter of
+    the device's free memory, at most 4 GiB: the same call on an H200 (at ``654dba3``) took
+    0.42 s and 3.5 GB of GPU memory (docs/PERFORMANCE.md, "The GPU figures").
     """
     emb, labels = _embeddings_and_labels(emb, labels)
     check_search_backend(search_backend)

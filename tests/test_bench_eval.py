@@ -47,6 +47,11 @@ def test_the_library_is_ready_before_the_timed_region(monkeypatch):
     for provider in ("nnkloss", "nnkloss-faiss", "pml"):
         bench_eval.worker({"provider": provider, "N": 60, "D": 4, "classes": 3})
     assert events == ["build", "timed", "build", "timed", "pml"]
+    # a search on the GPU does not use the library: no build (device time on a fresh machine)
+    events.clear()
+    bench_eval.prepare("nnkloss", "cuda:0")
+    bench_eval.prepare("nnkloss", "cpu")
+    assert events == ["build"]
 
 
 def test_the_torch_mm_provider_switches_the_gemm_only(monkeypatch):

@@ -78,9 +78,7 @@ def test_the_torch_mm_provider_switches_the_gemm_only(monkeypatch):
 def test_bench_eval_searches_on_the_gpu_with_the_cpus_values(tmp_path):
     """--device cuda: the nnkloss provider's search runs on the GPU (its peak allocation is
     reported) and gives the CPU's values (the same embeddings, the same exact search up to
-    the last bits of the distances)."""
-    if not torch_cuda():
-        pytest.skip("needs a CUDA device")
+    the last bits of the distances). Skipped without a GPU (conftest: the cuda mark)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     rows = {}
     for device in ("cpu", "cuda"):
@@ -97,8 +95,3 @@ def test_bench_eval_searches_on_the_gpu_with_the_cpus_values(tmp_path):
     assert rows["cuda"]["device"] != rows["cpu"]["device"]
     for key in ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision"):
         assert float(rows["cuda"][key]) == pytest.approx(float(rows["cpu"][key]), abs=1e-3), key
-
-
-def torch_cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()

@@ -39,8 +39,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    git_commit, load_average, max_limits, median_round, parse_or_work,
+from common import (PeakRss, ResultsCsv, add_worker_args, device_name, git_commit,  # noqa: E402
+                    load_average, max_limits, median_round, parse_device, parse_or_work,
                     process_limits, read_gbps, results_path, run_isolated, time_ms, utc_now,
                     worker_reply)
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     if args is None:
         return 0
 
-    device = torch.device(args.device)
+    device = parse_device(ap, args.device)
     name, commit = device_name(device), git_commit()
     if device.type == "cpu":  # builds the library once, before any worker times a call
         from nnkloss.ops import cpu

@@ -34,9 +34,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    git_commit, parse_or_work, results_path, run_isolated, utc_now,
-                    worker_reply)
+from common import (PeakRss, ResultsCsv, add_worker_args, device_name, git_commit,  # noqa: E402
+                    parse_device, parse_or_work, results_path, run_isolated, utc_now, worker_reply)
 
 import torch  # noqa: E402
 
@@ -148,7 +147,7 @@ def main(argv=None) -> int:
     if args is None:
         return 0
 
-    device = torch.device(args.device)
+    device = parse_device(ap, args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     name, commit = device_name(device), git_commit()

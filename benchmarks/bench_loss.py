@@ -54,8 +54,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, add_worker_args, device_name,  # noqa: E402
-                    git_commit, load_average, max_limits, median_round, parse_or_work,
+from common import (PeakRss, ResultsCsv, add_worker_args, device_name, git_commit,  # noqa: E402
+                    load_average, max_limits, median_round, parse_device, parse_or_work,
                     process_limits, read_gbps, results_path, run_isolated, time_ms, utc_now,
                     wall_ms, worker_reply)
 
@@ -566,7 +566,7 @@ def _main(argv):
     args = parse_or_work(ap, argv, worker)
     if args is None:
         return 0
-    device = torch.device(args.device)
+    device = parse_device(ap, args.device)
     COMPILE_MODE["mode"] = args.compile_mode
     TIMER["timer"] = args.timer
     # the CSV's timer: CPU calls are each timed on their own (common.time_ms) whatever --timer

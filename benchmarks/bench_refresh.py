@@ -44,7 +44,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import ResultsCsv, device_name, git_commit, results_path, utc_now  # noqa: E402
+from common import (ResultsCsv, device_name, git_commit, parse_device,  # noqa: E402
+                    results_path, utc_now)
 
 import torch  # noqa: E402
 
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     if args.torch_mm:
         TS.COMPILED_GEMM = False
 
-    device = torch.device(args.device)
+    device = parse_device(ap, args.device)
     backends = args.backends or (["torch", "faiss"] if faiss_available() else ["torch"])
     for b in backends:
         if b not in ("torch", "faiss", *APPROX):

@@ -29,10 +29,11 @@ import torch  # noqa: E402
 
 from nnkloss.atomic import atomic_write  # noqa: E402
 from nnkloss.experiment import reporting  # noqa: E402
+from nnkloss.experiment.setup import resolve_device  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "device_name", "cpu_name", "slug", "utc_now", "time_ms",
            "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
-           "ResultsCsv", "migrate_csv", "results_path",
+           "ResultsCsv", "migrate_csv", "results_path", "parse_device",
            "read_gbps", "tensor_read_gbps", "gather_gbps", "process_limits", "max_limits",
            "median_round", "load_average"]
 
@@ -42,6 +43,16 @@ def git_commit(cwd: str = HERE) -> str:
     ``-dirty`` for changed code, not for results files; $NNKLOSS_COMMIT where set), "unknown"
     outside a checkout."""
     return reporting.git_commit(cwd) or "unknown"
+
+
+def parse_device(ap: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device`` checked before any work (:func:`nnkloss.experiment.setup.resolve_device`):
+    a name that is no device, or a CUDA device this machine lacks, ends the script with the
+    parser's error naming --device (torch's own came at the first tensor moved there)."""
+    try:
+        return resolve_device(name)
+    except (ValueError, RuntimeError) as exc:
+        ap.error(str(exc))
 
 
 def device_name(device: torch.device) -> str:

@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 
 import nnkloss  # noqa: E402
 from bench_loss import DTYPES, fused_loss, make_inputs, module_loss  # noqa: E402
-from common import device_name, git_commit, utc_now  # noqa: E402
+from common import device_name, git_commit, parse_device, utc_now  # noqa: E402
 
 
 def _sync(device):
@@ -169,7 +169,7 @@ def main(argv=None):
     ap.add_argument("--parts", action="store_true",
                     help="also time the pieces of the op's call on their own (part_steps)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    device = parse_device(ap, args.device)
     inputs = make_inputs(args.B, args.K, args.D, args.N, DTYPES[args.dtype], device)
     print(f"device {device_name(device)} | commit {git_commit()} | {utc_now()} | "
           f"B={args.B} K={args.K} D={args.D} N={args.N} {args.dtype}")

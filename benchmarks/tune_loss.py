@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_loss import DTYPES, bytes_needed, make_inputs, time_ms  # noqa: E402
-from common import device_name, git_commit, kernel_ms, migrate_csv  # noqa: E402
+from common import (device_name, git_commit, kernel_ms, migrate_csv,  # noqa: E402
+                    parse_device)
 from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 COLUMNS = ["B", "K", "D", "dtype", "block_k", "block_d", "num_warps", "num_stages", "ms", "gbps",
@@ -101,7 +102,7 @@ def main(argv=None):
     timer = kernel_ms if args.timer == "graph" else time_ms
     train = not args.forward_only
     kernels = _kernels()
-    device = torch.device(args.device)
+    device = parse_device(ap, args.device)
     name, commit = device_name(device), git_commit()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "tune_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".csv")

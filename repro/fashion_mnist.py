@@ -66,7 +66,7 @@ from nnkloss.experiment.datasets import IDXDataset, IndexedTensorDataset, strati
 from nnkloss.experiment.evaluate import classification_metrics, extract_embeddings
 from nnkloss.experiment.models import SoftmaxHead
 from nnkloss.experiment.reporting import git_commit, markdown_table, write_json, write_table
-from nnkloss.experiment.setup import kernel_criterion
+from nnkloss.experiment.setup import kernel_criterion, resolve_device
 from nnkloss.experiment.train import Trainer, seed_everything
 
 PML_METHODS = ("contrastive", "triplet", "multisimilarity", "nca", "proxyanchor",
@@ -162,7 +162,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "others (ablations in one --out folder)")
     p.add_argument("--classify-k", type=int, default=None,
                    help="neighbours of the kernel classifier (default: --nngk-k)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 is fastest on a busy 2-core machine)")
     p.add_argument("--no-progress", action="store_true")
@@ -179,6 +179,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.eval_per_class = 1000
     if args.epochs < 1:
         p.error(f"--epochs must be >= 1, got {args.epochs}")
+    try:  # before any data loads; "auto" becomes the device it names
+        args.device = str(resolve_device(args.device))
+    except (ValueError, RuntimeError) as exc:
+        p.error(str(exc))
     if args.nngk_sigma != "auto":
         try:
             if not float(args.nngk_sigma) > 0:

@@ -1,7 +1,10 @@
 """benchmarks/common.py: the commit a figure is labelled with (the rule itself:
-tests/test_reporting.py)."""
+tests/test_reporting.py), and the device every benchmark checks first."""
 import os
+import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -20,3 +23,16 @@ def test_git_commit_outside_a_checkout_is_unknown(tmp_path, monkeypatch):
     monkeypatch.delenv("NNKLOSS_COMMIT", raising=False)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     assert common.git_commit(str(tmp_path)) == "unknown"
+
+
+@pytest.mark.parametrize("script", ["bench_classifier", "bench_eval", "bench_loss",
+                                    "bench_refresh", "profile_step", "tune_loss"])
+def test_every_benchmark_checks_its_device_before_any_work(script):
+    """--device through common.parse_device: a name that is no device, or CUDA where there is
+    none, is the parser's error naming --device (exit 2), not torch's at the first tensor."""
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    for device, message in (("gpu", "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+                            ("cuda", "--device cuda: CUDA is not available")):
+        proc = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--device", device],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, (device, proc.stderr[-500:])

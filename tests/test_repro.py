@@ -335,9 +335,22 @@ def test_fashion_mnist_bad_arguments(idx_tree, tmp_path):
     base = ["--data-root", idx_tree, "--out", str(tmp_path)]
     for extra in (["--curve"], ["--train-classes", "0", "0"], ["--train-classes", "10"],
                   ["--epochs", "0"], ["--nngk-sigma", "-1"], ["--methods", "siamese"],
-                  ["--eval-on", "val", "--val-classes", "5"], ["--tag", "a/b"], ["--tag", ""]):
+                  ["--eval-on", "val", "--val-classes", "5"], ["--tag", "a/b"], ["--tag", ""],
+                  ["--device", "gpu"]):
         with pytest.raises(SystemExit):
             fm.parse_args(base + extra)
+    # the device is checked before any data loads, and "auto" names the one it chose
+    assert fm.parse_args(base + ["--device", "auto"]).device == str(
+        torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def test_fashion_mnist_refuses_a_cuda_device_the_machine_lacks(idx_tree, tmp_path, monkeypatch,
+                                                               capsys):
+    fm = load_script("fashion_mnist")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        fm.parse_args(["--data-root", idx_tree, "--out", str(tmp_path), "--device", "cuda"])
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
 
 
 def test_fashion_mnist_nngk_options_reach_the_trainer(idx_tree, tmp_path):

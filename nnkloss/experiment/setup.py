@@ -29,12 +29,23 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def resolve_device(name: Optional[str] = None) -> torch.device:
-    """``None``/"auto": CUDA when available, else CPU. Otherwise the named device, checked."""
+    """``None``/"auto": CUDA when available, else CPU. Otherwise the named device, checked:
+    ValueError naming ``--device`` for a name that is not a device ("gpu"), RuntimeError for a
+    CUDA device this machine does not have (no CUDA, or an index past its GPUs), before any
+    work starts (torch's own error came at the first tensor moved, after the data loaded)."""
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}"
+                         ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {name}: this machine has "
+                               f"{torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 

@@ -1,0 +1,30 @@
+"""nnkloss/experiment/setup.py: the device a script runs on, checked before any work starts."""
+import pytest
+import torch
+
+from nnkloss.experiment.setup import resolve_device
+
+
+def test_auto_and_named_devices():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None) == resolve_device("auto")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", ""])
+def test_a_name_that_is_no_device_names_the_argument(name):
+    with pytest.raises(ValueError, match=r"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        resolve_device(name)
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_up_front(monkeypatch):
+    """Without CUDA, or past the machine's GPUs: RuntimeError naming --device, before any data
+    loads (torch's own error came only at the first tensor moved there)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"--device cuda: CUDA is not available"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match=r"--device cuda:1: this machine has 1 CUDA device"):
+        resolve_device("cuda:1")

@@ -194,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 def _main(args) -> Dict:
-    start_run(args.device, args.out)  # torchrun: one process per device, gloo for CPU runs
+    # torchrun: one process per device, gloo for CPU runs; "auto" becomes the device it names
+    args.device = str(start_run(args.device, args.out))
     t_start = time.perf_counter()
     # Threads (issue 21): a number is used throughout; "auto" is one governor for the four
     # runs (nnkloss.threads.ThreadGovernor, the Trainer's options), so that later runs start

@@ -92,7 +92,7 @@ def run_pml(emb, labels) -> dict:
     return out
 
 
-def prepare(provider: str, device: str = "cpu") -> None:
+def prepare(provider: str, device="cpu") -> None:
     """Outside the timed region: nnkloss's compiled library built (the first use after a
     change of its source compiles it, ~20 s) and loaded; nothing for PML, nor for a search on
     the GPU, which does not use it (on a fresh GPU machine the build is device time spent on
@@ -104,8 +104,8 @@ def prepare(provider: str, device: str = "cpu") -> None:
 
 def worker(spec: dict) -> None:
     emb, labels = setup(spec["N"], spec["D"], spec["classes"])
-    prepare(spec["provider"], spec.get("device", "cpu"))
     device = torch.device(spec.get("device", "cpu"))
+    prepare(spec["provider"], device)
     on_gpu = spec["provider"] != "pml" and device.type == "cuda"
 
     def run(emb, labels):
@@ -148,8 +148,6 @@ def main(argv=None) -> int:
         return 0
 
     device = parse_device(ap, args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     name, commit = device_name(device), git_commit()
     cpu_name = device_name(torch.device("cpu"))  # PML's rows: it runs on the CPU
     csv_path = results_path(args.out, device, prefix="eval_")

@@ -58,6 +58,7 @@ print('commit', os.environ['NNKLOSS_COMMIT'], 'torch', torch.__version__, 'trito
       triton.__version__, 'device',
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 nvidia-smi -L >>"$dir/env.log" 2>&1 || true
+lscpu >>"$dir/env.log" 2>&1 || true  # the host's CPU: cores, SMT siblings, caches, model
 # 1. The CUDA tests: every kernel compiled for this GPU against the references (78 s at
 #    52484b7; at 0646941, with the small batches' longer tiles to compile, over 90 s; 117 s
 #    at ea8736c on the H200).
@@ -123,6 +124,10 @@ step bench_small 38 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N
 # same search on this machine's CPU in the same call (2026-11-27 at 5eeaa8e on an H200: the
 # first of either on a GPU since the graph's at 496aa53).
 #     GPU_STEPS="tests_search bench_refresh bench_eval" bash benchmarks/gpu_session.sh
+# eval_threads: the evaluation at 150K on this machine's CPU at 1 to 16 threads, the search's
+# parts timed (bench_eval --phases: GEMM, selection, each block's finish). On the H200's
+# 16-core Xeon at 654dba3 it took 16.1 s against 22 s on the project's 2-core EPYC (1.4x for
+# 8x the cores), unexplained; env.log's lscpu says whether those cores are SMT siblings.
 extra() {  # extra NAME SECONDS CMD...: a step run only when GPU_STEPS names it
     case " ${GPU_STEPS:-} " in *" $1 "*) step "$@" ;; esac
 }
@@ -133,6 +138,8 @@ extra bench_refresh 60 python3 benchmarks/bench_refresh.py --device cuda --N 100
 extra bench_eval 120 bash -c "python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
     --device cuda --out '$dir' && python3 benchmarks/bench_eval.py --N 150000 \
     --providers nnkloss --out '$dir'"
+extra eval_threads 240 python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
+    --threads 1 2 4 8 16 --phases --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -95,3 +95,27 @@ def test_bench_eval_searches_on_the_gpu_with_the_cpus_values(tmp_path):
     assert rows["cuda"]["device"] != rows["cpu"]["device"]
     for key in ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "r_precision"):
         assert float(rows["cuda"][key]) == pytest.approx(float(rows["cpu"][key]), abs=1e-3), key
+
+
+def test_bench_eval_runs_at_each_thread_count_and_splits_the_search(tmp_path):
+    """--threads 1 2: a row per count, run at that count (the worker reports the count it
+    read); --phases: the CPU search's GEMM, selection and finish each took time, within the
+    call's seconds. A count below 1 is refused by name."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    args = [sys.executable, "benchmarks/bench_eval.py", "--N", "600", "--classes", "6",
+            "--providers", "nnkloss", "--out", str(tmp_path)]
+    proc = subprocess.run(args + ["--threads", "1", "2", "--phases"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".csv"]
+    rows = list(csv.DictReader(open(path)))
+    assert [r["threads"] for r in rows] == ["1", "2"]
+    for row in rows:
+        assert not row["error"], row["error"]
+        parts = [float(row[key]) for key in ("gemm_s", "select_s", "finish_s")]
+        assert all(p > 0 for p in parts), parts
+        assert sum(parts) < float(row["seconds"])
+    assert rows[0]["map@r"] == rows[1]["map@r"]  # the same search at either count
+    bad = subprocess.run(args + ["--threads", "0"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--threads" in bad.stderr

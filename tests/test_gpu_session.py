@@ -112,3 +112,19 @@ def test_the_search_steps_run_only_when_named(tmp_path):
     assert "--device" not in lines[4]
     summary = (tmp_path / "work" / "summary.txt").read_text()
     assert summary.count("== ") == 4 and "tests_cuda" not in summary
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_the_cpu_evaluation_runs_at_1_to_16_threads_only_when_named(tmp_path):
+    """eval_threads: the evaluation at 150K on the device's CPU at 1-16 threads with its
+    search's parts timed, only when GPU_STEPS names it; env.log records the host's CPU."""
+    calls, env = _stand_in_python(tmp_path)
+    env["GPU_STEPS"] = "eval_threads"
+    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    lines = calls.read_text().splitlines()
+    assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_eval.py"]
+    assert "--threads 1 2 4 8 16 --phases" in lines[1] and "--N 150000" in lines[1]
+    assert "--device" not in lines[1]
+    if os.path.exists("/usr/bin/lscpu"):
+        assert "CPU(s):" in (tmp_path / "work" / "env.log").read_text()

@@ -2077,10 +2077,14 @@ def test_selection_finish_refuses_rows_short_of_k_and_sorts_whole_buffers():
 
 @kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_sort_rows_in_threads_is_numpy_sort(monkeypatch, threads):
-    """The rows shared out to threads (down to one row each) sort as one numpy sort does."""
+@pytest.mark.parametrize("library", [True, False])
+def test_sort_rows_in_threads_is_numpy_sort(monkeypatch, threads, library):
+    """The rows shared out to threads (down to one row each) sort as one numpy sort does, on
+    the library's threads (numpy called back) and on Python threads without the library."""
     import numpy as np
     monkeypatch.setattr(cpu, "SORT_MIN_KEYS", 1)
+    if not library:
+        monkeypatch.setattr(cpu, "_lib", lambda: None)
     before = torch.get_num_threads()
     rng = np.random.default_rng(threads)
     a = rng.integers(0, 2**64 - 1, size=(7, 33), dtype=np.uint64)
@@ -2091,3 +2095,49 @@ def test_sort_rows_in_threads_is_numpy_sort(monkeypatch, threads):
     finally:
         torch.set_num_threads(before)
     assert np.array_equal(a, want)
+
+
+@kernel
+def test_sort_rows_raises_what_a_share_raised(monkeypatch):
+    """An exception inside a share (called back from C, where it cannot propagate) is raised
+    by sort_rows, not printed and dropped: a read-only array cannot be sorted in place."""
+    import numpy as np
+    monkeypatch.setattr(cpu, "SORT_MIN_KEYS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    a = np.arange(20, 0, -1, dtype=np.uint64).reshape(4, 5)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        cpu.sort_rows(a)
+
+
+@kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [0, 1, 5, 100])
+def test_run_items_calls_back_every_item_once(threads, n):
+    """nnk_run_items: fn(i) once for every i in [0, n), on up to ``threads`` threads; a null
+    callback is refused."""
+    lib = cpu._lib()
+    seen = []
+    rc = lib.nnk_run_items(n, threads, cpu._ITEM_CALLBACK(seen.append))
+    assert rc == 0 and sorted(seen) == list(range(n))
+    assert lib.nnk_run_items(3, threads, cpu._ITEM_CALLBACK()) == 2
+
+
+@kernel
+def test_selection_finish_is_the_same_on_several_threads(monkeypatch):
+    """finish's pad and decode share out 64-row chunks (here 200 rows: four, the last short)
+    and its sort the rows: the lists do not depend on the thread count, and are the
+    (distance, index) order's k smallest."""
+    g = torch.Generator().manual_seed(3)
+    dist = torch.randint(0, 30, (200, 90), generator=g).float()  # many ties: index decides
+    lists = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMS", 1)
+        monkeypatch.setattr(cpu, "SORT_MIN_KEYS", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        lists.append(_selection_lists(cpu._lib(), dist, 7, 7 + 64, [40]))
+    key = dist.double() * 1000 + torch.arange(90).double()  # (distance, index) order
+    want_i = key.argsort(dim=1)[:, :7]
+    for d, i in lists:
+        assert torch.equal(i, want_i)
+        assert torch.equal(d, dist.gather(1, want_i))

@@ -319,12 +319,14 @@ def _declare(lib):
     lib.nnk_knn_select.restype = I
     lib.nnk_knn_select_sym.argtypes = [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, I]
     lib.nnk_knn_select_sym.restype = I
-    lib.nnk_knn_pad.argtypes = [I64, I64, I64, P, P]
+    lib.nnk_knn_pad.argtypes = [I64, I64, I64, P, P, I]
     lib.nnk_knn_pad.restype = I
-    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P]
+    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P, I]
     lib.nnk_knn_unkey.restype = I
     lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
     lib.nnk_gemm_nt.restype = I
+    lib.nnk_run_items.argtypes = [I64, I, _ITEM_CALLBACK]
+    lib.nnk_run_items.restype = I
     return lib
 
 
@@ -963,7 +965,7 @@ class KnnSelection:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
         keys = self.keys[row0:row0 + rows]
         rc = self.lib.nnk_knn_pad(rows, k, self.cap, keys.data_ptr(),
-                                  self.count[row0:].data_ptr())
+                                  self.count[row0:].data_ptr(), _threads(rows * self.cap))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_pad failed (code {rc}): a row holds fewer than k "
                                "keys")
@@ -971,7 +973,7 @@ class KnnSelection:
         dist = torch.empty(rows, k, dtype=torch.float32)
         idx = torch.empty(rows, k, dtype=torch.int64)
         rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
-                                    idx.data_ptr())
+                                    idx.data_ptr(), _threads(rows * k))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_unkey failed (code {rc})")
         return dist, idx
@@ -979,17 +981,40 @@ class KnnSelection:
 
 def sort_rows(a) -> None:
     """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to torch's
-    thread count in Python threads (numpy's sort releases the GIL) where each gets at least
-    SORT_MIN_KEYS."""
+    thread count where each gets at least SORT_MIN_KEYS: numpy's sort (which releases the GIL)
+    called back from the library's threads (``nnk_run_items``, torch's OpenMP team), or from
+    Python threads where the library is unavailable. Python threads straight after one of the
+    team's parallel regions (the search's GEMM and selection run just before) share the cores
+    with its workers, which spin for milliseconds: two sorted a (2048, 3064) block no faster
+    than one there (17 ms), and 1.8x faster 50 ms later (the 2-core AMD EPYC family 26)."""
     n_rows, width = a.shape
     n = min(_threads(n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
     if n == 1:
         a.sort(axis=1)
         return
     bounds = [n_rows * t // n for t in range(n + 1)]
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        list(pool.map(lambda t: a[bounds[t]:bounds[t + 1]].sort(axis=1), range(n)))
+    lib = _lib()
+    if lib is None:
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            list(pool.map(lambda t: a[bounds[t]:bounds[t + 1]].sort(axis=1), range(n)))
+        return
+    errors = []
 
+    def share(t):  # an exception cannot cross the C frames: kept, raised below
+        try:
+            a[bounds[t]:bounds[t + 1]].sort(axis=1)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    rc = lib.nnk_run_items(n, n, _ITEM_CALLBACK(share))
+    if errors:
+        raise errors[0]
+    if rc != 0:
+        raise RuntimeError(f"nnk_run_items failed (code {rc})")
+
+
+# The callback type of nnk_run_items: void fn(int64_t item).
+_ITEM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
 # Keys a sorting thread gets at least (~0.1 ms of numpy's SIMD sort, well above a thread's
 # start).

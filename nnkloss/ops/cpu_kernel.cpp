@@ -2499,30 +2499,52 @@ int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld
     return 0;
 }
 
+// Rows a thread claims at a time in nnk_knn_pad and nnk_knn_unkey (64 rows of the evaluation's
+// 3,000-key buffers: 1.5 MB).
+constexpr int64_t kKnnFinishRows = 64;
+
 // The end of a selection (KnnSelection.finish in nnkloss/ops/cpu.py): every slot past a row's
 // count is set to kNoKey, so that a sort of the rows' whole buffers puts their k smallest keys
 // first (the sort is numpy's, SIMD where numpy has it: 4-8x std::sort here, see finish). 0 on
-// success, 2 when a row holds fewer than k keys (nothing written).
-int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count) {
+// success, 2 when a row holds fewer than k keys (nothing written). On up to nthreads threads.
+int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count,
+                int nthreads) {
     for (int64_t r = 0; r < rows; ++r)
         if (count[r] < k || count[r] > cap) return 2;
-    for (int64_t r = 0; r < rows; ++r)
-        std::fill(keys + r * cap + count[r], keys + (r + 1) * cap, kNoKey);
+    run_items((rows + kKnnFinishRows - 1) / kKnnFinishRows, nthreads, [=](int64_t i) {
+        for (int64_t r = i * kKnnFinishRows; r < std::min(rows, (i + 1) * kKnnFinishRows); ++r)
+            std::fill(keys + r * cap + count[r], keys + (r + 1) * cap, kNoKey);
+    });
+    return 0;
+}
+
+// Runs fn(i) for every i in [0, n) on the kernel's threads (run_items): for Python work that
+// releases the GIL, a ctypes callback (sort_rows in nnkloss/ops/cpu.py: numpy's sort of a
+// share of the rows). Run by torch's OpenMP team rather than Python threads beside it, whose
+// workers spin for milliseconds after each parallel region (the search's GEMM and selection)
+// and take the cores from the Python threads: measured, two Python threads sorting straight
+// after a GEMM were no faster than one. 0 when every item ran.
+int nnk_run_items(int64_t n, int nthreads, void (*fn)(int64_t)) {
+    if (fn == nullptr) return 2;
+    run_items(n, nthreads, [fn](int64_t i) { fn(i); });
     return 0;
 }
 
 // After the sort: the first k keys of each row (row stride cap) as out_dist (rows, k) fp32
 // distances (from the key bits) and out_index (rows, k) int64, written in place of the
-// (rows, k) temporaries that torch's shifts and masks would take.
+// (rows, k) temporaries that torch's shifts and masks would take. On up to nthreads threads
+// (serial, it took 2 ms of each 2048-row block's 9 at two threads, 2026-11-27).
 int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, float* out_dist,
-                  int64_t* out_index) {
+                  int64_t* out_index, int nthreads) {
     if (k < 0 || cap < k) return 2;
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < k; ++j) {
-            const uint64_t key = keys[r * cap + j];
-            out_dist[r * k + j] = knn_key_dist(key);
-            out_index[r * k + j] = (int64_t)(key & 0xffffffffu);
-        }
+    run_items((rows + kKnnFinishRows - 1) / kKnnFinishRows, nthreads, [=](int64_t i) {
+        for (int64_t r = i * kKnnFinishRows; r < std::min(rows, (i + 1) * kKnnFinishRows); ++r)
+            for (int64_t j = 0; j < k; ++j) {
+                const uint64_t key = keys[r * cap + j];
+                out_dist[r * k + j] = knn_key_dist(key);
+                out_index[r * k + j] = (int64_t)(key & 0xffffffffu);
+            }
+    });
     return 0;
 }
 

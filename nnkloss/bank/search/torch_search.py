@@ -45,8 +45,9 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    distances at a time with that float and only the chunks holding a candidate reach the key
    path (with AVX-512 the chunk's keys built and stored as vectors, one at a time elsewhere);
 3. after the last base tile each row's whole buffer, padded past its count with the largest
-   key, is sorted by numpy (SIMD where numpy has it; :meth:`nnkloss.ops.cpu.KnnSelection.finish`)
-   and its first k keys are the result; distances come back from the key bits, indices from
+   key, is sorted by numpy (SIMD where numpy has it; :meth:`nnkloss.ops.cpu.KnnSelection.finish`;
+   the rows shared out to the library's threads, which call numpy back) and its first k keys
+   are the result; distances come back from the key bits, indices from
    the low 32 bits (the path needs N < 2**31).
 
 Memory (CPU, compiled): the augmented base copy (N x width fp32, width = D + 2 rounded up to 8),

@@ -8,6 +8,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 import warnings
 
 import pytest
@@ -787,7 +788,6 @@ def test_fresh_build_into_an_empty_cache(monkeypatch, fresh_state, tmp_path):
     """The whole first-use path, not the library this process loaded long ago: the cache
     directory is created, one keyed library lands in it, it is declared and loaded, and
     build_info reports it (each of forward, centre_grad and scale_rows then runs on it)."""
-    import time
     cache = tmp_path / "a" / "cache"
     cache.mkdir(parents=True)                           # an existing, empty cache directory
     monkeypatch.setenv("NNKLOSS_CACHE_DIR", str(cache))
@@ -2108,6 +2108,34 @@ def test_sort_rows_raises_what_a_share_raised(monkeypatch):
     a.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         cpu.sort_rows(a)
+
+
+@kernel
+def test_sort_rows_in_a_background_thread_beside_torch_work(monkeypatch):
+    """The neighbour refresher searches in a background thread while training runs torch's ops
+    on the main one: sort_rows' callbacks (which take the GIL on the library's threads) finish
+    beside them, with numpy's result, and so do the main thread's ops."""
+    import numpy as np
+    monkeypatch.setattr(cpu, "SORT_MIN_KEYS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 2**63, size=(64, 500), dtype=np.uint64) for _ in range(20)]
+    want = [np.sort(a, axis=1) for a in arrays]
+    done = []
+
+    def background():
+        for a in arrays:
+            cpu.sort_rows(a)
+        done.append(True)
+
+    worker = threading.Thread(target=background, daemon=True)
+    worker.start()
+    m = torch.randn(256, 256)
+    deadline = time.monotonic() + 60  # a deadlock fails the test rather than hanging it
+    while worker.is_alive() and time.monotonic() < deadline:
+        m = torch.tanh(m @ m.t() / 256)  # torch's ops on the main thread meanwhile
+    assert done == [True]
+    assert all(np.array_equal(a, w) for a, w in zip(arrays, want))
 
 
 @kernel

@@ -235,7 +235,14 @@ def test_equal_to_pytorch_metric_learning(search_backend):
     pytest.importorskip("faiss")
     rounded = data(n=300, classes=10, seed=10)
     rounded = (rounded[0].round(), rounded[1])  # integers: exact distances in both
-    for emb, labels in (tied_data(), rounded):
+    # classes of 2 to 60 members: R differs from row to row (the per-row ranks <= R mask)
+    g = torch.Generator().manual_seed(11)
+    uneven_labels = torch.repeat_interleave(torch.arange(8), torch.tensor([2, 3, 60, 5, 41, 2,
+                                                                          30, 17]))
+    uneven_labels = uneven_labels[torch.randperm(uneven_labels.numel(), generator=g)]
+    uneven = (torch.randint(0, 4, (uneven_labels.numel(), 3), generator=g).float()
+              + (uneven_labels[:, None] % 3), uneven_labels)
+    for emb, labels in (tied_data(), rounded, uneven):
         calc = pml.AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r",
                                                "r_precision"), k="max_bin_count",
                                       device=torch.device("cpu"))

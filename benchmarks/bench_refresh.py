@@ -111,8 +111,10 @@ def gemm_rates(d: int, device: torch.device, reps: int = 5) -> dict:
     products = {"torch.mm": lambda: torch.mm(a, b.t(), out=out)}
     if device.type == "cpu" and TS.COMPILED_GEMM:
         from nnkloss.ops import cpu
-        if cpu.gemm_nt(a, b, out):  # also the warm-up
-            products["library"] = lambda: cpu.gemm_nt(a, b, out)
+        # at torch's thread count, not its governor's choice of the moment
+        threads = torch.get_num_threads()
+        if cpu.gemm_nt(a, b, out, threads):  # also the warm-up
+            products["library"] = lambda: cpu.gemm_nt(a, b, out, threads)
     rates = {}
     for name, product in products.items():
         product()  # warm-up

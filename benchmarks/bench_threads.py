@@ -1,11 +1,12 @@
-"""Threads on a shared machine (issue 21): the digits demo and the CPU op at 1 thread, at 2
-threads and at the default (2 threads, governed), with the machine as it is ("idle") and beside
-a competing 2-thread process (a torch matmul loop), measured interleaved (1, 2, default, 1, 2,
-default, ...).
+"""Threads on a shared machine (issue 21): the digits demo, the CPU op and the retrieval
+evaluation at 1 thread, at 2 threads and at the default (2 threads, governed), with the machine
+as it is ("idle") and beside a competing 2-thread process (a torch matmul loop), measured
+interleaved (1, 2, default, 1, 2, default, ...).
 
     python benchmarks/bench_threads.py                        # demo at 5 epochs, op, 1 round
     python benchmarks/bench_threads.py --epochs 30 --rounds 2 # the README's demo (long)
     python benchmarks/bench_threads.py --parts op --loads matmul2
+    python benchmarks/bench_threads.py --parts eval --rounds 3
     python benchmarks/bench_threads.py --parts op --loads matmul2 --settings 1 default \
         --interleave-op --rounds 3              # the settings side by side in one process
 
@@ -20,7 +21,10 @@ of bench_loss.py (N bank rows as there). Beside a busy process one call's time s
 moves over seconds, so 40 calls in a process of their own can meet another moment of the load
 than the setting they are compared with: ``--interleave-op`` runs the settings in one process
 instead, taking turns of ``--op-block`` calls until each has ``--op-iters`` (default 120) per
-shape and mode.
+shape and mode. The evaluation (``eval``): the seconds of one ``nnkloss.metrics.evaluate``
+(Recall@1/2/4/8, MAP@R) of ``--eval-n`` points of bench_eval.py's data (30,000: its symmetric
+search, about a second at two threads), in a fresh process per setting: the search's GEMM and
+selection governed like the op, torch's own ops of each block at the governed count.
 
 Appends to ``benchmarks/results/threads_<device>.txt`` one line per measurement, each with the
 device, commit, UTC date and load average (``os.getloadavg``: 1, 5, 15 minutes) at its start
@@ -129,6 +133,24 @@ def _governor_report(cpu):
             "_pool": cpu.build_info().get("pool")}
 
 
+def eval_worker(setting, n):
+    """Wall ms of one evaluate of ``n`` points in this process (after one of 2,000, untimed:
+    the library loaded, first-call costs); prints one JSON line."""
+    if setting != "default":
+        torch.set_num_threads(int(setting))
+    from bench_eval import KS, setup
+    from nnkloss.evaluation import metrics
+    from nnkloss.ops import cpu
+    cpu.available()
+    emb, labels = setup(n, 128, 100)
+    metrics.evaluate(emb[:2000], labels[:2000], KS)
+    t0 = time.perf_counter()
+    metrics.evaluate(emb, labels, KS)
+    res = {f"evaluate N={n}": (time.perf_counter() - t0) * 1e3}
+    res.update(_governor_report(cpu))
+    print(json.dumps(res))
+
+
 def op_worker(setting, iters=40):
     """Median ms per (shape, mode) in this process; prints one JSON line."""
     if setting != "default":
@@ -206,6 +228,10 @@ def run_op(setting):
     return _op_worker_reply(["--op-worker", setting], setting)
 
 
+def run_eval(setting, n):
+    return _op_worker_reply(["--eval-worker", setting, "--eval-n", str(n)], setting)
+
+
 def run_op_interleaved(settings, iters, block):
     return _op_worker_reply(["--op-worker-interleaved", ",".join(settings), "--op-iters",
                              str(iters), "--op-block", str(block)], "default")
@@ -236,7 +262,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per load")
     p.add_argument("--settings", nargs="+", default=SETTINGS, choices=SETTINGS)
     p.add_argument("--loads", nargs="+", default=LOADS, choices=LOADS)
-    p.add_argument("--parts", nargs="+", default=["demo", "op"], choices=["demo", "op"])
+    p.add_argument("--parts", nargs="+", default=["demo", "op", "eval"],
+                   choices=["demo", "op", "eval"])
+    p.add_argument("--eval-n", type=int, default=30000, help="points of the eval part")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--interleave-op", action="store_true",
                    help="the op part runs every setting in one process, --op-block calls at a "
@@ -248,9 +276,14 @@ def main(argv=None):
     p.add_argument("--op-block", type=int, default=10, help="calls per turn (--interleave-op)")
     p.add_argument("--op-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--op-worker-interleaved", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--eval-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.op_iters is not None and args.op_iters < 1 or args.op_block < 1:
         p.error("--op-iters and --op-block must be >= 1")
+    if args.eval_n < 200:
+        p.error(f"--eval-n must be >= 200 (100 classes of two points at least), got {args.eval_n}")
+    if args.eval_worker:
+        return eval_worker(args.eval_worker, args.eval_n)
     if args.op_worker:
         return op_worker(args.op_worker, args.op_iters or 40)
     if args.op_worker_interleaved:
@@ -295,13 +328,15 @@ def main(argv=None):
                         else:
                             if together is not None:
                                 res, stamp = dict(together[setting]), stamp0
+                            elif part == "eval":
+                                res = run_eval(setting, args.eval_n)
                             else:
                                 res = run_op(setting)
                             extra = {k: res.pop(k) for k in ("_governors", "_pool",
                                                              "_by_signal")}
                             for key, ms in res.items():
                                 results.append((load, r, part, setting, key, ms))
-                            log(f"op load={load} round={r} threads={setting} "
+                            log(f"{part} load={load} round={r} threads={setting} "
                                 + " ".join(f"[{k}]={v:.3f}ms" for k, v in res.items())
                                 + f" pool={extra['_pool']} governors={extra['_governors']}"
                                 + f" by_signal/decisions={extra['_by_signal']}"

@@ -53,3 +53,27 @@ def test_bench_threads_refuses_bad_op_counts():
                            "--op-block", "0"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--op-block" in proc.stderr
+
+
+def test_bench_threads_eval_part_times_an_evaluation_per_setting(tmp_path):
+    """--parts eval: one evaluate per setting in a fresh process, a line each (the default's
+    line names the search's governors), and its summary against one thread."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_threads.py", "--parts", "eval",
+                           "--loads", "idle", "--settings", "1", "default", "--eval-n", "600",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".txt"]
+    lines = open(path).read().splitlines()
+    evals = [line for line in lines if line.startswith("eval load=idle")]
+    assert [re.search(r"threads=(\S+)", line).group(1) for line in evals] == ["1", "default"]
+    for line in evals:
+        (ms,) = re.findall(r"\[evaluate N=600\]=([0-9.]+)ms", line)
+        assert float(ms) > 0
+    assert "governors={}" in evals[0] and "'knn_select'" in evals[1] and "'gemm'" in evals[1]
+    assert any("threads=default load=idle eval:" in line for line in lines)
+    bad = subprocess.run([sys.executable, "benchmarks/bench_threads.py", "--parts", "eval",
+                          "--eval-n", "100"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--eval-n" in bad.stderr

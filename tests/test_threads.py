@@ -583,3 +583,120 @@ def test_the_ops_governors_start_at_the_full_count_on_an_idle_machine(monkeypatc
         monkeypatch.setitem(nthreads._run_queue, "rq", sig)
         monkeypatch.setattr(cpu, "_governors", {})
         assert cpu.governor("rel_sqdist").threads() == want, others
+
+
+# ------------------------------------------------------------------ the search's governors
+class _OneThread:
+    """A governor that has chosen one thread (records nothing)."""
+
+    def threads(self):
+        return 1
+
+
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_the_searchs_gemm_and_selection_are_governed(monkeypatch):
+    """A CPU search feeds the "gemm" and "knn_select" governors (its distance tiles and their
+    folds into the selections), which decide its threads as the op's decide the op's; the
+    lists are the same governed or not."""
+    from nnkloss.bank.search import knn
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")  # conftest turns the governors off
+    monkeypatch.setattr(cpu, "_governors", {})
+    monkeypatch.setattr(cpu, "GEMM_MIN_MACS", 1)
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    x = torch.randn(3000, 16, generator=torch.Generator().manual_seed(0))
+    governed = knn(x, x, 20, exclude_self=True, tile_bytes=1 << 20)
+    assert cpu._governors["gemm"].units > 0 and cpu._governors["knn_select"].units > 0
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "0")
+    fixed = knn(x, x, 20, exclude_self=True, tile_bytes=1 << 20)
+    assert torch.equal(governed.neighbours, fixed.neighbours)
+    assert torch.equal(governed.distances, fixed.distances)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_gemm_nt_with_a_thread_count_bypasses_its_governor(monkeypatch):
+    """gemm_nt(..., nthreads): exactly that count (a benchmark's rate of the machine), never
+    the governor's choice of the moment; without it, the governor's."""
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")
+    a, b = torch.randn(64, 24), torch.randn(96, 24)
+    out = torch.empty(64, 96)
+    seen = []
+    monkeypatch.setattr(cpu, "_run", lambda name, work, call, m=None: seen.append(name) or call(1))
+    if not cpu.gemm_nt(a, b, out, 2):
+        pytest.skip("the library's GEMM needs AVX-512")
+    assert seen == [] and torch.allclose(out, a @ b.t(), atol=1e-4)
+    assert cpu.gemm_nt(a, b, out) and seen == ["gemm"]
+
+
+def _following_counts(monkeypatch, items=3, stop=None):
+    """torch's thread count (and the library's full count) seen inside each item of
+    iter_following, with torch at 2 threads and the governor at one; then torch's count."""
+    torch.set_num_threads(2)
+    monkeypatch.setattr(cpu, "governor", lambda name: _OneThread())
+    seen = []
+    for i, _ in enumerate(cpu.iter_following(range(items), "knn_select")):
+        seen.append((torch.get_num_threads(), cpu.full_threads()))
+        if i == stop:
+            break
+    return seen, torch.get_num_threads()
+
+
+def test_iter_following_lowers_torchs_threads_within_each_item_only(monkeypatch):
+    """Within each item torch runs at the governor's count (one) while the library's calls
+    keep the full count (2); between items, after the last one, after a break and after an
+    exception in the caller, torch's count is back."""
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")
+    old = torch.get_num_threads()
+    try:
+        seen, after = _following_counts(monkeypatch)
+        assert seen == [(1, 2)] * 3 and after == 2
+        seen, after = _following_counts(monkeypatch, stop=0)
+        assert seen == [(1, 2)] and after == 2 and cpu.full_threads() == 2
+        gen = cpu.iter_following(range(3), "knn_select")
+        with pytest.raises(RuntimeError):
+            for _ in gen:
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("the caller's work failed")
+        gen.close()
+        assert torch.get_num_threads() == 2 and cpu.full_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_iter_following_leaves_torch_alone_off_the_main_thread_and_ungoverned(monkeypatch):
+    """torch's count is the process's: a background thread's search (the refresher's) does
+    not lower it under the training loop; nor does anything with NNKLOSS_GOVERN_THREADS=0."""
+    import threading
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")
+    old = torch.get_num_threads()
+    try:
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(r=_following_counts(monkeypatch)))
+        worker.start()
+        worker.join(timeout=60)
+        assert out["r"] == ([(2, 2)] * 3, 2)
+        monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "0")
+        assert _following_counts(monkeypatch) == ([(2, 2)] * 3, 2)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
+def test_evaluate_works_on_each_block_at_the_governed_count(monkeypatch):
+    """evaluate's metrics on each block of the CPU search run inside iter_following: at one
+    thread where the selection's governor chose one."""
+    from nnkloss.evaluation import metrics
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")
+    old = torch.get_num_threads()
+    seen = []
+    cumsum = torch.cumsum
+    monkeypatch.setattr(torch, "cumsum", lambda *a, **k: seen.append(
+        torch.get_num_threads()) or cumsum(*a, **k))
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(cpu, "governor", lambda name: _OneThread())
+        x = torch.randn(400, 8, generator=torch.Generator().manual_seed(1))
+        metrics.evaluate(x, torch.arange(400) % 4, (1,), tile_bytes=1 << 18)
+    finally:
+        torch.set_num_threads(old)
+    assert len(seen) > 1 and set(seen) == {1}

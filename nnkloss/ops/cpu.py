@@ -34,6 +34,7 @@ is: fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and neighbours. Anyt
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -496,18 +497,71 @@ def governing() -> bool:
 
 
 def governor(name: str) -> ThreadGovernor:
-    """The ThreadGovernor of one entry point ("forward", "centre_grad", "scale_rows")."""
+    """The ThreadGovernor of one entry point: the op's "forward", "centre_grad" and
+    "scale_rows"; the exact search's "gemm" (its distance tiles) and "knn_select" (their folds
+    into the selections, whose choice the finish follows)."""
     g = _governors.get(name)
     if g is None:
-        g = _governors.setdefault(name, ThreadGovernor(torch.get_num_threads,
-                                                       **GOVERNOR_OPTIONS))
+        g = _governors.setdefault(name, ThreadGovernor(full_threads, **GOVERNOR_OPTIONS))
     return g
 
 
 def _threads(work: int, min_elems: Optional[int] = None) -> int:
     """One thread per ``min_elems`` elements of work (default PARALLEL_MIN_ELEMS), at least
-    one, at most torch's count."""
-    return max(1, min(torch.get_num_threads(), work // (min_elems or PARALLEL_MIN_ELEMS)))
+    one, at most the full count (:func:`full_threads`)."""
+    return max(1, min(full_threads(), work // (min_elems or PARALLEL_MIN_ELEMS)))
+
+
+# The full thread count while iter_following has lowered torch's (per Python thread).
+_lowered = threading.local()
+
+
+def full_threads() -> int:
+    """torch's thread count, or, while :func:`iter_following` has lowered it for torch's own
+    ops, the count it had: what the library's calls and their governors take as full."""
+    return getattr(_lowered, "full", None) or torch.get_num_threads()
+
+
+def iter_following(blocks, name: str):
+    """Yield the items of the iterator ``blocks`` with torch's thread count, while each is
+    produced and while the caller works on it, lowered to the current choice of the governor
+    ``name`` (and restored between items and at the end): torch's own ops between the
+    library's governed calls (a search's augmented copies, the self-exclusion, evaluate's
+    metrics on each block) then run at the count the governor found best, one thread beside
+    a busy process. Measured on the 2-core AMD EPYC family 26 beside a 2-thread matmul loop
+    (2026-11-27), evaluation of 30,000 points: with the search's calls governed but torch's
+    ops at two threads, 4.4-4.7 s against 1.8-2.2 at one thread. The library's calls keep
+    the full count as theirs (:func:`full_threads`), so their governors go on timing and
+    probing it. Only on the main thread (torch's count is the process's: a background
+    thread's search, e.g. the refresher's, leaves it to the training loop) and where the
+    governors run (NNKLOSS_GOVERN_THREADS)."""
+    it = iter(blocks)
+    while True:
+        full = torch.get_num_threads()
+        lower = (full > 1 and governing() and getattr(_lowered, "full", None) is None
+                 and threading.current_thread() is threading.main_thread())
+        n = min(full, governor(name).threads()) if lower else full
+        if n < full:
+            _lowered.full = full
+            torch.set_num_threads(n)
+        try:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            yield item
+        finally:
+            if n < full:
+                torch.set_num_threads(full)
+                _lowered.full = None
+
+
+def _governed_threads(name: str, work: int, min_elems: Optional[int] = None) -> int:
+    """The count :func:`_threads` gives, or the governor's current choice when it is smaller
+    (the governor is not fed: for a call whose time is not a unit of its work, e.g. a
+    selection's finish, which follows the selection's governor)."""
+    n = _threads(work, min_elems)
+    return n if n <= 1 or not governing() else min(n, governor(name).threads())
 
 
 def _run(name: str, work: int, call, min_elems: Optional[int] = None) -> int:
@@ -922,10 +976,9 @@ class KnnSelection:
     def add(self, dist, col0: int) -> None:
         """Fold a contiguous (rows, cols) fp32 CPU tile of distances to base rows col0.. in."""
         rows, cols = dist.shape
-        rc = self.lib.nnk_knn_select(dist.data_ptr(), rows, cols, dist.stride(0), int(col0),
-                                     self.k, self.cap, self.keys.data_ptr(),
-                                     self.count.data_ptr(), self.worst.data_ptr(),
-                                     _threads(rows * cols))
+        rc = _run("knn_select", rows * cols, lambda n: self.lib.nnk_knn_select(
+            dist.data_ptr(), rows, cols, dist.stride(0), int(col0), self.k, self.cap,
+            self.keys.data_ptr(), self.count.data_ptr(), self.worst.data_ptr(), n))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_select failed (code {rc})")
 
@@ -941,10 +994,9 @@ class KnnSelection:
         if max(row0 + rows, col0 + cols) > self.rows:
             raise ValueError(f"tile rows {row0}..{row0 + rows} / columns {col0}..{col0 + cols} "
                              f"exceed the {self.rows} points of the state")
-        rc = self.lib.nnk_knn_select_sym(dist.data_ptr(), rows, cols, dist.stride(0),
-                                         int(row0), int(col0), self.k, self.cap,
-                                         self.keys.data_ptr(), self.count.data_ptr(),
-                                         self.worst.data_ptr(), _threads(2 * rows * cols))
+        rc = _run("knn_select", 2 * rows * cols, lambda n: self.lib.nnk_knn_select_sym(
+            dist.data_ptr(), rows, cols, dist.stride(0), int(row0), int(col0), self.k,
+            self.cap, self.keys.data_ptr(), self.count.data_ptr(), self.worst.data_ptr(), n))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_select_sym failed (code {rc})")
 
@@ -965,7 +1017,8 @@ class KnnSelection:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
         keys = self.keys[row0:row0 + rows]
         rc = self.lib.nnk_knn_pad(rows, k, self.cap, keys.data_ptr(),
-                                  self.count[row0:].data_ptr(), _threads(rows * self.cap))
+                                  self.count[row0:].data_ptr(),
+                                  _governed_threads("knn_select", rows * self.cap))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_pad failed (code {rc}): a row holds fewer than k "
                                "keys")
@@ -973,7 +1026,7 @@ class KnnSelection:
         dist = torch.empty(rows, k, dtype=torch.float32)
         idx = torch.empty(rows, k, dtype=torch.int64)
         rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
-                                    idx.data_ptr(), _threads(rows * k))
+                                    idx.data_ptr(), _governed_threads("knn_select", rows * k))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_unkey failed (code {rc})")
         return dist, idx
@@ -988,7 +1041,7 @@ def sort_rows(a) -> None:
     with its workers, which spin for milliseconds: two sorted a (2048, 3064) block no faster
     than one there (17 ms), and 1.8x faster 50 ms later (the 2-core AMD EPYC family 26)."""
     n_rows, width = a.shape
-    n = min(_threads(n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
+    n = min(_governed_threads("knn_select", n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
     if n == 1:
         a.sort(axis=1)
         return
@@ -1021,12 +1074,14 @@ _ITEM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 SORT_MIN_KEYS = 1 << 16
 
 
-def gemm_nt(a, b, out) -> bool:
+def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
     """``out = a @ b.T`` by the library's GEMM (``nnk_gemm_nt`` in cpu_kernel.cpp: each element
     one fp32 dot product summed in column order with fused multiply-adds, the same bits whatever
     the shapes and threads), for fp32 CPU matrices with unit column strides, ``out`` (m, n) not
     overlapping the inputs. True when it ran; False where it cannot (the library unavailable or
     built without AVX-512, or another dtype, device or layout): the caller then uses torch.mm.
+    Threads: the "gemm" governor's choice, or exactly ``nthreads`` (a benchmark's rate of the
+    machine, which a governor's probe at one thread would halve).
     """
     lib = _lib()
     mats = (a, b, out)
@@ -1039,8 +1094,11 @@ def gemm_nt(a, b, out) -> bool:
         return False
     m, k = a.shape
     n = b.shape[0]
-    rc = lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(), lds[2],
-                         m, n, k, _threads(m * n * max(k, 1), GEMM_MIN_MACS))
+    def call(t):
+        return lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(),
+                               lds[2], m, n, k, t)
+    rc = (call(max(1, int(nthreads))) if nthreads is not None
+          else _run("gemm", m * n * max(k, 1), call, GEMM_MIN_MACS))
     if rc == 1:
         return False
     if rc != 0:

@@ -700,3 +700,14 @@ def test_evaluate_works_on_each_block_at_the_governed_count(monkeypatch):
     finally:
         torch.set_num_threads(old)
     assert len(seen) > 1 and set(seen) == {1}
+
+
+def test_a_search_without_the_library_leaves_torchs_threads_as_they_are(monkeypatch):
+    """Without the compiled library no governor of the search is ever fed (its first choice
+    would hold for the process): the torch search runs at torch's count."""
+    from nnkloss.bank.search import knn
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu, "iter_following", lambda *a: pytest.fail("followed"))
+    x = torch.randn(300, 8, generator=torch.Generator().manual_seed(2))
+    assert knn(x, x, 5, exclude_self=True).neighbours.shape == (300, 5)

@@ -75,9 +75,11 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
                                 self_search=same_tensor(queries, base))
         if queries.device.type == "cpu":
             # torch's own ops of each block (and the caller's work on it: evaluate's metrics)
-            # at the thread count the compiled selection's governor chose
+            # at the thread count the compiled selection's governor chose (without the
+            # library no governor is fed: torch's count as it is)
             from ...ops import cpu
-            blocks = cpu.iter_following(blocks, "knn_select")
+            if cpu.available():
+                blocks = cpu.iter_following(blocks, "knn_select")
     for q0, dist, idx in blocks:
         if exclude_self:
             own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)

@@ -138,8 +138,8 @@ extra bench_refresh 60 python3 benchmarks/bench_refresh.py --device cuda --N 100
 extra bench_eval 120 bash -c "python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
     --device cuda --out '$dir' && python3 benchmarks/bench_eval.py --N 150000 \
     --providers nnkloss --out '$dir'"
-extra eval_threads 240 python3 benchmarks/bench_eval.py --N 150000 --providers nnkloss \
-    --threads 1 2 4 8 16 --phases --out "$dir"
+extra eval_threads 240 env NNKLOSS_GOVERN_THREADS=0 python3 benchmarks/bench_eval.py \
+    --N 150000 --providers nnkloss --threads 1 2 4 8 16 --phases --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -126,5 +126,7 @@ def test_the_cpu_evaluation_runs_at_1_to_16_threads_only_when_named(tmp_path):
     assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_eval.py"]
     assert "--threads 1 2 4 8 16 --phases" in lines[1] and "--N 150000" in lines[1]
     assert "--device" not in lines[1]
+    # fixed counts: the search's governors off
+    assert "NNKLOSS_GOVERN_THREADS=0" in open(SCRIPT).read().split("extra eval_threads")[1]
     if os.path.exists("/usr/bin/lscpu"):
         assert "CPU(s):" in (tmp_path / "work" / "env.log").read_text()

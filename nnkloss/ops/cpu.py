@@ -1033,8 +1033,9 @@ class KnnSelection:
 
 
 def sort_rows(a) -> None:
-    """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to torch's
-    thread count where each gets at least SORT_MIN_KEYS: numpy's sort (which releases the GIL)
+    """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to the
+    selection governor's count (at most torch's; one where it chose one) where each gets at
+    least SORT_MIN_KEYS: numpy's sort (which releases the GIL)
     called back from the library's threads (``nnk_run_items``, torch's OpenMP team), or from
     Python threads where the library is unavailable. Python threads straight after one of the
     team's parallel regions (the search's GEMM and selection run just before) share the cores
@@ -1094,6 +1095,7 @@ def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
         return False
     m, k = a.shape
     n = b.shape[0]
+
     def call(t):
         return lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(),
                                lds[2], m, n, k, t)

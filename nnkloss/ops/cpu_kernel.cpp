@@ -2427,6 +2427,19 @@ void knn_scan_columns(const float* __restrict d, int64_t rows, int64_t ld, int64
     }
 }
 
+// Rows a thread claims at a time in nnk_knn_pad and nnk_knn_unkey (64 rows of the evaluation's
+// 3,000-key buffers: 1.5 MB).
+constexpr int64_t kKnnFinishRows = 64;
+
+// row(r) for every r in [0, rows), in chunks of kKnnFinishRows on up to nthreads threads.
+template <typename Row>
+void run_row_chunks(int64_t rows, int nthreads, const Row& row) {
+    run_items((rows + kKnnFinishRows - 1) / kKnnFinishRows, nthreads, [=](int64_t i) {
+        for (int64_t r = i * kKnnFinishRows; r < std::min(rows, (i + 1) * kKnnFinishRows); ++r)
+            row(r);
+    });
+}
+
 }  // namespace
 
 extern "C" {
@@ -2499,10 +2512,6 @@ int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld
     return 0;
 }
 
-// Rows a thread claims at a time in nnk_knn_pad and nnk_knn_unkey (64 rows of the evaluation's
-// 3,000-key buffers: 1.5 MB).
-constexpr int64_t kKnnFinishRows = 64;
-
 // The end of a selection (KnnSelection.finish in nnkloss/ops/cpu.py): every slot past a row's
 // count is set to kNoKey, so that a sort of the rows' whole buffers puts their k smallest keys
 // first (the sort is numpy's, SIMD where numpy has it: 4-8x std::sort here, see finish). 0 on
@@ -2511,9 +2520,8 @@ int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int6
                 int nthreads) {
     for (int64_t r = 0; r < rows; ++r)
         if (count[r] < k || count[r] > cap) return 2;
-    run_items((rows + kKnnFinishRows - 1) / kKnnFinishRows, nthreads, [=](int64_t i) {
-        for (int64_t r = i * kKnnFinishRows; r < std::min(rows, (i + 1) * kKnnFinishRows); ++r)
-            std::fill(keys + r * cap + count[r], keys + (r + 1) * cap, kNoKey);
+    run_row_chunks(rows, nthreads, [=](int64_t r) {
+        std::fill(keys + r * cap + count[r], keys + (r + 1) * cap, kNoKey);
     });
     return 0;
 }
@@ -2537,13 +2545,12 @@ int nnk_run_items(int64_t n, int nthreads, void (*fn)(int64_t)) {
 int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, float* out_dist,
                   int64_t* out_index, int nthreads) {
     if (k < 0 || cap < k) return 2;
-    run_items((rows + kKnnFinishRows - 1) / kKnnFinishRows, nthreads, [=](int64_t i) {
-        for (int64_t r = i * kKnnFinishRows; r < std::min(rows, (i + 1) * kKnnFinishRows); ++r)
-            for (int64_t j = 0; j < k; ++j) {
-                const uint64_t key = keys[r * cap + j];
-                out_dist[r * k + j] = knn_key_dist(key);
-                out_index[r * k + j] = (int64_t)(key & 0xffffffffu);
-            }
+    run_row_chunks(rows, nthreads, [=](int64_t r) {
+        for (int64_t j = 0; j < k; ++j) {
+            const uint64_t key = keys[r * cap + j];
+            out_dist[r * k + j] = knn_key_dist(key);
+            out_index[r * k + j] = (int64_t)(key & 0xffffffffu);
+        }
     });
     return 0;
 }

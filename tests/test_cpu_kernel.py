@@ -1575,6 +1575,56 @@ def test_symmetric_selection_rejects_bad_tiles():
         bad.add_symmetric(tile, 0, 10)
 
 
+@kernel
+@pytest.mark.parametrize("k", [4, 1])
+def test_finish_drops_the_own_index_as_drop_self_does(k):
+    """KnnSelection.finish(self0=...) drops each row's own index in the decode
+    (nnk_knn_unkey): the lists of drop_self applied to the k + 1 of a plain finish, bit for
+    bit, with the own index first, inside, last (rank k + 1), absent behind more than k exact
+    ties of lower index (the last entry goes), and far away."""
+    from nnkloss.bank.search import drop_self
+    g = torch.Generator().manual_seed(97)
+    rows, n, self0 = 7, 60, 10
+    dist = torch.randint(1, 30, (rows, n), generator=g).float()
+    own = torch.arange(self0, self0 + rows)
+    r = torch.arange(rows)
+    dist[r, own] = 5.0
+    dist[0, own[0]] = 0.0                  # first
+    dist[1, :k + 3] = 0.0                  # k + 3 ties of lower index ahead of the own one
+    dist[1, own[1]] = 0.0
+    dist[2, own[2]] = 0.5                  # inside: below every other distance but one
+    dist[2, 40] = 0.25
+    dist[3, 20:20 + k] = 0.5               # last of the k + 1
+    dist[3, own[3]] = 0.75
+    dist[4, own[4]] = 1e6                  # far: not among the k + 1
+    sels = [cpu.knn_selection(rows, k + 1, k + 1 + 64) for _ in range(2)]
+    for sel in sels:
+        sel.reset(rows)
+        for c0 in range(0, n, 13):
+            sel.add(dist[:, c0:c0 + 13].contiguous(), c0)
+    plain_d, plain_i = sels[0].finish()
+    assert plain_i.shape == (rows, k + 1)
+    ref_d, ref_i = drop_self(plain_d, plain_i, own, k)
+    d, i = sels[1].finish(self0=self0)
+    assert i.shape == (rows, k) and d.shape == (rows, k)
+    assert torch.equal(i, ref_i) and torch.equal(d.view(torch.int32), ref_d.view(torch.int32))
+    assert not (i[[0, 2, 3, 4, 5, 6]] == own[[0, 2, 3, 4, 5, 6], None]).any()
+    assert (i[1] < own[1]).all()  # absent behind its ties: the first k kept
+    with pytest.raises(ValueError, match="self0 must be >= 0"):
+        sels[1].finish(self0=-1)
+    one = cpu.knn_selection(rows, 1, 65)
+    one.reset(rows)
+    with pytest.raises(ValueError, match="k >= 2"):
+        one.finish(self0=0)
+    # the library refuses a decode that would read past the buffer: k + 1 keys need cap > k
+    keys = torch.zeros(1, 4, dtype=torch.int64)
+    out_d, out_i = torch.empty(1, 4), torch.empty(1, 4, dtype=torch.int64)
+    assert cpu._lib().nnk_knn_unkey(1, 4, 4, keys.data_ptr(), out_d.data_ptr(),
+                                    out_i.data_ptr(), 0, 1) == 2
+    assert cpu._lib().nnk_knn_unkey(1, 4, 4, keys.data_ptr(), out_d.data_ptr(),
+                                    out_i.data_ptr(), -1, 1) == 0
+
+
 # ------------------------------------------------------------ the bank's lists (gather_lists)
 @kernel
 @pytest.mark.parametrize("table_dtype", INDEX, ids=str)

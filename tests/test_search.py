@@ -680,6 +680,27 @@ def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
 
 
 # ------------------------------------------------------------ symmetric self-search (issue 21)
+@compiled
+def test_compiled_paths_drop_the_own_row_in_their_decode(monkeypatch):
+    """With the compiled selection (blockwise and symmetric) the own row leaves each list in
+    the decode (KnnSelection.finish's self0), not through a drop_self over each block; the torch
+    selection still calls drop_self. The lists are the reference's on every path."""
+    x = tied(n=300, d=3, seed=81)
+    ref = ref_lists(x, x, 20, exclude_self=True)
+    calls = []
+    real = TS.drop_self
+    monkeypatch.setattr(TS, "drop_self", lambda *a: calls.append(1) or real(*a))
+    sym_blocks(monkeypatch, 64)
+    spy = SelectionSpy(monkeypatch)
+    for queries in (x, x.clone()):  # symmetric, then blockwise (an equal copy)
+        dist, idx = knn(queries, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
+        assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
+    assert spy.sym and spy.tiles and not calls
+    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)  # the torch selection
+    dist, idx = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
+    assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0]) and calls
+
+
 def sym_blocks(monkeypatch, s):
     """Blocks of s points in the symmetric self-search, so small data has several blocks."""
     monkeypatch.setattr(TS, "SYM_BLOCK", s)

@@ -322,7 +322,7 @@ def _declare(lib):
     lib.nnk_knn_select_sym.restype = I
     lib.nnk_knn_pad.argtypes = [I64, I64, I64, P, P, I]
     lib.nnk_knn_pad.restype = I
-    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P, I]
+    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P, I64, I]
     lib.nnk_knn_unkey.restype = I
     lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
     lib.nnk_gemm_nt.restype = I
@@ -1000,9 +1000,14 @@ class KnnSelection:
         if rc != 0:
             raise RuntimeError(f"nnk_knn_select_sym failed (code {rc})")
 
-    def finish(self, row0: int = 0, rows: Optional[int] = None):
+    def finish(self, row0: int = 0, rows: Optional[int] = None, self0: Optional[int] = None):
         """(rows, k) fp32 distances and int64 indices of state rows row0 .. row0 + rows - 1
         (default: all the rows of the last reset), ascending by (distance, index).
+
+        ``self0``: the rows are points ``self0 ..`` of a self-search (the state selected
+        ``k`` = the list length + 1): each row's own index leaves its list in the decode,
+        as :func:`nnkloss.bank.search.drop_self` would take it out (the same result), and the
+        lists are (rows, k - 1).
 
         The rows' buffers are padded past their counts with the largest key
         (``nnk_knn_pad``), sorted whole in place (:func:`sort_rows`: numpy's sort), and their
@@ -1011,12 +1016,15 @@ class KnnSelection:
         the 1,000-3,000-key buffers 4-8x faster than the nth_element and std::sort of the k
         smallest it replaced (2026-11-27, the 2-core AMD EPYC family 26; docs/PERFORMANCE.md,
         "The kNN graph"). The state's rows are left sorted and padded: finish them once."""
-        k = self.k
         rows = self.rows - row0 if rows is None else int(rows)
         if row0 < 0 or rows < 0 or row0 + rows > self.rows:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
+        if self0 is not None and (self0 < 0 or self.k < 2):
+            raise ValueError(f"self0 must be >= 0 with a selection of k >= 2, got self0 "
+                             f"{self0} and k {self.k}")
+        k = self.k if self0 is None else self.k - 1
         keys = self.keys[row0:row0 + rows]
-        rc = self.lib.nnk_knn_pad(rows, k, self.cap, keys.data_ptr(),
+        rc = self.lib.nnk_knn_pad(rows, self.k, self.cap, keys.data_ptr(),
                                   self.count[row0:].data_ptr(),
                                   _governed_threads("knn_select", rows * self.cap))
         if rc != 0:
@@ -1026,7 +1034,8 @@ class KnnSelection:
         dist = torch.empty(rows, k, dtype=torch.float32)
         idx = torch.empty(rows, k, dtype=torch.int64)
         rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
-                                    idx.data_ptr(), _governed_threads("knn_select", rows * k))
+                                    idx.data_ptr(), -1 if self0 is None else int(self0),
+                                    _governed_threads("knn_select", rows * k))
         if rc != 0:
             raise RuntimeError(f"nnk_knn_unkey failed (code {rc})")
         return dist, idx

@@ -3,7 +3,8 @@
 One job per module:
 
 * :mod:`.validation`: argument checks shared by every entry point;
-* :mod:`.exclusion`: :func:`drop_self`, the one self-exclusion (search ``k + 1``, drop own row);
+* :mod:`.exclusion`: :func:`drop_self`, the one self-exclusion rule (search ``k + 1``, drop
+  own row; the compiled CPU selection applies it in its decode);
 * :mod:`.torch_search`: exact tiled GEMM search with a threshold selection (any device);
 * :mod:`.faiss_search`: faiss indexes (exact flat on CPU/GPU, approximate IVF / HNSW);
 * :mod:`.knn`: the public :func:`knn` / :func:`iter_knn` and the backend choice;

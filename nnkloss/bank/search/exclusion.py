@@ -6,6 +6,11 @@ asks for ``k + 1`` neighbours, own row included, and passes them through :func:`
 Searches return neighbours ordered by (distance, index), so this gives the ``k`` nearest
 *other* rows in that order: when the own row is among the ``k + 1`` it is removed, and when it
 is not (more than ``k`` exact duplicates tie ahead of it) the last entry goes.
+
+The one exception applies this same rule earlier: the exact search's compiled CPU selection
+drops the own row while it decodes its keys (``KnnSelection.finish``'s ``self0``,
+``nnk_knn_unkey`` in nnkloss/ops/cpu_kernel.cpp), which spares a pass over each block
+(tests/test_cpu_kernel.py checks its lists against :func:`drop_self`'s).
 """
 from __future__ import annotations
 

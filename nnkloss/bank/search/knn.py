@@ -62,17 +62,20 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
                   exclude_self: bool, tile_bytes: Optional[int]
                   ) -> Iterator[SearchBlock]:
     used = resolve_search_backend(search_backend, queries.device)
-    kk = k + int(exclude_self)  # the own row is searched for, then dropped
     if queries.shape[0] == 0:
         return
-    if used == "faiss":
+    faiss = used == "faiss"
+    if faiss:
+        kk = k + int(exclude_self)  # the own row is searched for, then dropped below
         blocks = iter_search_index(build_flat(base, kk), queries, kk)
     else:
         # A search of one tensor against itself is symmetric, with or without exclude_self
         # (the own row is then one of its candidates): each pair's distance can be computed
-        # once.
-        blocks = iter_knn_torch(queries, base, kk, tile_bytes,
-                                self_search=same_tensor(queries, base))
+        # once. The torch search drops the own row itself (in the compiled selection's
+        # decode on the CPU: no pass over the block).
+        blocks = iter_knn_torch(queries, base, k, tile_bytes,
+                                self_search=same_tensor(queries, base),
+                                exclude_self=exclude_self)
         if queries.device.type == "cpu":
             # torch's own ops of each block (and the caller's work on it: evaluate's metrics)
             # at the thread count the compiled selection's governor chose (without the
@@ -81,7 +84,7 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
             if cpu.available():
                 blocks = cpu.iter_following(blocks, "knn_select")
     for q0, dist, idx in blocks:
-        if exclude_self:
+        if exclude_self and faiss:
             own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)
             dist, idx = drop_self(dist, idx, own, k)
         yield SearchBlock(q0, dist, idx)

@@ -48,7 +48,8 @@ CPU with the compiled library (``nnkloss/ops/cpu_kernel.cpp``, ``nnk_knn_select`
    key, is sorted by numpy (SIMD where numpy has it; :meth:`nnkloss.ops.cpu.KnnSelection.finish`;
    the rows shared out to the library's threads, which call numpy back) and its first k keys
    are the result; distances come back from the key bits, indices from
-   the low 32 bits (the path needs N < 2**31).
+   the low 32 bits (the path needs N < 2**31). With ``exclude_self`` k + 1 are selected and
+   the decode leaves each row's own index out (the rule of :func:`..exclusion.drop_self`).
 
 Memory (CPU, compiled): the augmented base copy (N x width fp32, width = D + 2 rounded up to 8),
 one distance tile and, per query row of a tile, ``cap`` keys and the (k,) results:
@@ -107,6 +108,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .exclusion import drop_self
 
 __all__ = ["knn_torch", "iter_knn_torch", "tile_budget", "tile_sizes", "same_tensor",
            "symmetric_block"]
@@ -288,35 +291,55 @@ def same_tensor(a: Tensor, b: Tensor) -> bool:
 
 
 def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None,
-                   self_search: bool = False) -> Iterator[Tuple[int, Tensor, Tensor]]:
+                   self_search: bool = False, exclude_self: bool = False
+                   ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
     blocks of query rows: the k nearest base rows of each, by (distance, index).
 
-    Arguments are assumed validated (:func:`..validation.validate`); no self-exclusion here.
+    Arguments are assumed validated (:func:`..validation.validate`).
     ``self_search``: the caller vouches that ``queries`` IS ``base`` (:func:`same_tensor`);
     on the CPU with the compiled library, when the state fits the budget
     (:func:`symmetric_block`), the symmetric search then computes each pair once.
+    ``exclude_self``: query row i is base row i (Q = N) and leaves its own list: k + 1 are
+    searched and the own index dropped as :func:`..exclusion.drop_self` drops it, by the
+    compiled selection's decode (``KnnSelection.finish``'s ``self0``) where it runs, by
+    drop_self elsewhere.
     """
     q, d = queries.shape
     n = base.shape[0]
     dev = queries.device
     if q == 0:
         return
+    kk = k + int(exclude_self)
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
     if dev.type == "cpu" and n < 2**31 and self_search:
-        s = symmetric_block(n, k, budget)
+        s = symmetric_block(n, kk, budget)
         if s:
-            sel = _compiled_selection(n, k, k + max(k, 64))
+            sel = _compiled_selection(n, kk, kk + max(kk, 64))
             if sel is not None:
-                yield from _iter_knn_symmetric(base, k, width, s, sel)
+                yield from _iter_knn_symmetric(base, kk, width, s, sel, exclude_self)
                 return
     if dev.type == "cpu" and n < 2**31:
-        tq, tb, cap = cpu_tile_sizes(q, n, k, budget)
-        sel = _compiled_selection(tq, k, cap)
+        tq, tb, cap = cpu_tile_sizes(q, n, kk, budget)
+        sel = _compiled_selection(tq, kk, cap)
         if sel is not None:
-            yield from _iter_knn_compiled(queries, base, k, width, tq, tb, sel)
+            yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self)
             return
+    for q0, dist, idx in _iter_knn_threshold(queries, base, kk, budget, width):
+        if exclude_self:
+            dist, idx = drop_self(dist, idx, torch.arange(q0, q0 + idx.shape[0], device=dev), k)
+        yield q0, dist, idx
+
+
+def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, width: int
+                        ) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """The torch selection (CUDA, or no compiled library): (rows, N) distance blocks and the
+    sampled threshold, or base tiles and a running top-k where such a block exceeds the
+    budget."""
+    q = queries.shape[0]
+    n = base.shape[0]
+    dev = queries.device
     s = min(SAMPLE_COLUMNS, n // 4)
     sample_k = _sample_rank(k, s, n) if s > 0 else k
     # The sample pays off when it is a small part of the row and its rank a small part of it.
@@ -378,14 +401,15 @@ def symmetric_block(n: int, k: int, budget: int) -> int:
     return s if state + s * (s * 4 + k * 12) <= budget else 0
 
 
-def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel
+def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self: bool
                         ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Self-search of the (N, D) points ``x`` (queries = base) with the compiled selection:
     only the tiles (I, J), J >= I, of square blocks of ``s`` points get a GEMM (about half the
     FLOPs of the blockwise path). Tile (I, J) feeds block I's rows (its columns are their
     candidates) and, off the diagonal, block J's rows (its rows, read down each column in C++:
     ``nnk_knn_select_sym``). Yields ``(row0, (rows, k) distances, (rows, k) indices)`` per
-    block, in ascending row order.
+    block, in ascending row order; (rows, k - 1) without each point's own index with
+    ``exclude_self``.
 
     Order (the selection's prefilter needs every point's candidates in ascending index order):
     with I outer and J inner, a point of block P receives block 0 .. P-1 from the column sides
@@ -412,7 +436,7 @@ def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel
             tile = buf[:rows * cols].view(rows, cols)
             distance_tile(qa, ba[j0:j0 + cols], tile)
             sel.add_symmetric(tile, i0, j0)
-        dist, idx = sel.finish(i0, rows)
+        dist, idx = sel.finish(i0, rows, self0=i0 if exclude_self else None)
         yield i0, dist, idx
 
 
@@ -422,10 +446,11 @@ def _compiled_selection(rows: int, k: int, cap: int):
 
 
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
-                       sel) -> Iterator[Tuple[int, Tensor, Tensor]]:
+                       sel, exclude_self: bool) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """CPU with the compiled library: (tq, tb) distance tiles, each folded into the per-row
     selection in C++ (nnkloss/ops/cpu_kernel.cpp) straight after its GEMM, while it is in
-    cache."""
+    cache. Lists of k, or k - 1 without each query's own index with ``exclude_self`` (query
+    row i is base row i)."""
     q = queries.shape[0]
     n = base.shape[0]
     ba = _augment(base, width, query_side=False)
@@ -439,7 +464,7 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
             tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
             distance_tile(qa, ba[b0:b0 + cols], tile)
             sel.add(tile, b0)
-        dist, idx = sel.finish()
+        dist, idx = sel.finish(self0=q0 if exclude_self else None)
         yield q0, dist, idx
 
 

@@ -85,6 +85,7 @@ def symmetric_tiles(monkeypatch):
         pytest.skip("no C++ compiler: torch selection only")
     monkeypatch.setattr(torch_search, "SYM_BLOCK", 32)
     monkeypatch.setattr(torch_search, "SYM_MIN_BLOCK", 1)
+    monkeypatch.setattr(torch_search, "SYM_MAX_K_PER_WIDTH", 10**6)  # small widths, any k
     calls = []
     real = cpu.KnnSelection.add_symmetric
     monkeypatch.setattr(cpu.KnnSelection, "add_symmetric",

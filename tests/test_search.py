@@ -702,9 +702,32 @@ def test_compiled_paths_drop_the_own_row_in_their_decode(monkeypatch):
 
 
 def sym_blocks(monkeypatch, s):
-    """Blocks of s points in the symmetric self-search, so small data has several blocks."""
+    """Blocks of s points in the symmetric self-search, so small data has several blocks, at
+    any k (the rule on k, tested on its own below, would send the small widths of these
+    tests' points to the blockwise path)."""
     monkeypatch.setattr(TS, "SYM_BLOCK", s)
     monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
+    monkeypatch.setattr(TS, "SYM_MAX_K_PER_WIDTH", 10**6)
+
+
+@compiled
+@pytest.mark.parametrize("exclude_self", [False, True])
+def test_symmetric_search_only_up_to_three_times_the_width(monkeypatch, exclude_self):
+    """The symmetric self-search runs for k + exclude_self (the k searched) up to
+    SYM_MAX_K_PER_WIDTH = 3 times the augmented width (D + 2 rounded up to 8), the blockwise
+    path above it (slower there: docs/PERFORMANCE.md); the lists are the reference's on
+    both sides of the bound."""
+    assert TS.SYM_MAX_K_PER_WIDTH == 3
+    monkeypatch.setattr(TS, "SYM_BLOCK", 64)
+    monkeypatch.setattr(TS, "SYM_MIN_BLOCK", 1)
+    x = tied(n=200, d=6, seed=85)  # width 8: k searched up to 24 symmetric
+    bound = 24 - int(exclude_self)
+    for k, symmetric in ((bound, True), (bound + 1, False)):
+        spy = SelectionSpy(monkeypatch)
+        dist, idx = knn(x, x, k, "torch", exclude_self=exclude_self)
+        assert bool(spy.sym) == symmetric and bool(spy.tiles) != symmetric, k
+        ref = ref_lists(x, x, k, exclude_self=exclude_self)
+        assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
 
 
 def upper_tiles(n, s):

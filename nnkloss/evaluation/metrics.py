@@ -75,8 +75,9 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
         search_backend: "auto" (= "torch"), "torch" or "faiss" (see :func:`nnkloss.knn`).
         tile_bytes: the search's working-memory budget per block (default: 1 GiB on the CPU,
             :func:`nnkloss.knn`'s default on CUDA). A budget that holds every row's selection
-            state runs the symmetric search (half the GEMM): faster at 30,000 points, slower
-            at 150,000 (24.7 against 22.7 s, 4.4 GB peak; docs/PERFORMANCE.md).
+            state runs the symmetric search (half the GEMM) where K is at most 3 x (D + 2
+            rounded up to 8): faster at 30,000 points (K 300, D 128), slower at 150,000
+            (24.7 against 22.7 s, 4.4 GB peak; docs/PERFORMANCE.md).
         progress: show a progress bar over the query rows (tqdm).
 
     Returns:
@@ -95,8 +96,9 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     copy of the embeddings with up to 8 extra columns, the search's working set (at most
     ``tile_bytes``: on the CPU with the compiled selection one (2048, 4096) fp32 distance tile
     and (K + max(K, 64)) x 8 + K x 12 bytes per query row of it, or, where the selection state
-    of all N rows fits the budget (N (cap x 8 + 16) bytes, cap = K + max(K, 64)), the
-    symmetric self-search, which computes each pair once; see
+    of all N rows fits the budget (N (cap x 8 + 16) bytes, cap = K + max(K, 64)) and K is at
+    most 3 x (D + 2 rounded up to 8), the symmetric self-search, which computes each pair
+    once; see
     :mod:`nnkloss.bank.search.torch_search`),
     per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
     D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``23e3042``): 1.17 GB peak RSS,

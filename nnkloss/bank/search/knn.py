@@ -110,7 +110,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
             Exact duplicates of row i are still returned (at distance 0). With or without
             it, pass the same tensor as ``queries`` and ``base`` for a self-search: on the CPU
             the "torch" backend then computes each pair's distance once (the symmetric
-            self-search, about half the GEMM work; see :mod:`.torch_search`).
+            self-search, about half the GEMM work, for k up to 3 x (D + 2 rounded up to 8),
+            when its state fits ``tile_bytes``; see :mod:`.torch_search`).
         approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
             ``IndexHNSWFlat``, CPU). Needs faiss; ``search_backend`` must then be "auto" or
             "faiss".

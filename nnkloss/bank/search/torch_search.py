@@ -59,8 +59,10 @@ adds, for the length of each call, a packed copy of the query tile (``tq * width
 size of the augmented tile itself: 1.1 MB at 2048 x 136) and 32 x width floats per thread.
 
 Symmetric self-search (CPU, compiled; :func:`..knn.iter_knn` with the queries the same tensor
-as the base, :func:`same_tensor`, with or without ``exclude_self``): the distance matrix is
-symmetric, so only the tiles on and above the diagonal need a GEMM, about half the FLOPs:
+as the base, :func:`same_tensor`, with or without ``exclude_self``; for k up to
+SYM_MAX_K_PER_WIDTH = 3 times the augmented width, above which it is slower): the distance
+matrix is symmetric, so only the tiles on and above the diagonal need a GEMM, about half the
+FLOPs:
 
 1. square blocks of S points (SYM_BLOCK = 2048); tiles (I, J), J >= I, I outer, J inner, one
    GEMM each (augmented block I against augmented block J, as above);
@@ -148,6 +150,16 @@ BASE_TILE = 4096
 # Its tile count, hence its count of fork-joins (see QUERY_TILE), equals the blockwise path's.
 SYM_BLOCK = 2048
 SYM_MIN_BLOCK = 512
+# ... and only for lists of at most this many neighbours per column of the augmented rows
+# (k <= SYM_MAX_K_PER_WIDTH * width, width = D + 2 rounded up to 8): the symmetric search saves
+# half the GEMM, whose work per pair grows with the width, and its column side adds fold work
+# per pair that grows with k (each point's first candidates, the fill and most insertions,
+# arrive there, on the states of other points). Measured crossovers (2026-11-27, the 2-core AMD
+# EPYC family 26, self-searches of N points, two threads, ad hoc, docs/PERFORMANCE.md,
+# "Evaluation at scale"): D 64 (width 72) at k 200-300 (N 20,000 and 60,000); D 128 (width
+# 136) at k 300-500 (20,000) and 500-1,000 (60,000); D 256 (width 264) at k 500-800; at k
+# 1,000, D 64 the symmetric search took 1.5x the blockwise one's time.
+SYM_MAX_K_PER_WIDTH = 3
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
@@ -299,7 +311,8 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
     Arguments are assumed validated (:func:`..validation.validate`).
     ``self_search``: the caller vouches that ``queries`` IS ``base`` (:func:`same_tensor`);
     on the CPU with the compiled library, when the state fits the budget
-    (:func:`symmetric_block`), the symmetric search then computes each pair once.
+    (:func:`symmetric_block`) and k is at most SYM_MAX_K_PER_WIDTH times the augmented
+    width, the symmetric search then computes each pair once.
     ``exclude_self``: query row i is base row i (Q = N) and leaves its own list: k + 1 are
     searched and the own index dropped as :func:`..exclusion.drop_self` drops it, by the
     compiled selection's decode (``KnnSelection.finish``'s ``self0``) where it runs, by
@@ -313,7 +326,8 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
     kk = k + int(exclude_self)
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
-    if dev.type == "cpu" and n < 2**31 and self_search:
+    if (dev.type == "cpu" and n < 2**31 and self_search
+            and kk <= SYM_MAX_K_PER_WIDTH * width):
         s = symmetric_block(n, kk, budget)
         if s:
             sel = _compiled_selection(n, kk, kk + max(kk, 64))

@@ -101,8 +101,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     once; see
     :mod:`nnkloss.bank.search.torch_search`),
     per-block (rows, K) temporaries and O(N) results; never N x N. Measured at N = 150,000,
-    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``23e3042``): 1.17 GB peak RSS,
-    0.56 GB above the process before the call, 22.6 s (``benchmarks/bench_eval.py``,
+    D = 128, K = 1,499 on the 2-core AMD EPYC family 26 (at ``44bdeda``): 0.94 GB peak RSS,
+    0.34 GB above the process before the call, 22.9 s (``benchmarks/bench_eval.py``,
     docs/PERFORMANCE.md, "Evaluation at scale"). On CUDA the search's budget is a quarter of
     the device's free memory, at most 4 GiB: the same call on an H200 (at ``654dba3``) took
     0.42 s and 3.5 GB of GPU memory (docs/PERFORMANCE.md, "The GPU figures").

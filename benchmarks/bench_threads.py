@@ -10,8 +10,8 @@ interleaved (1, 2, default, 1, 2, default, ...).
     python benchmarks/bench_threads.py --parts op --loads matmul2 --settings 1 default \
         --interleave-op --rounds 3              # the settings side by side in one process
 
-Settings: ``1`` and ``2`` are fixed counts (``repro/digits.py --threads N``; for the op
-``torch.set_num_threads(N)`` and ``NNKLOSS_GOVERN_THREADS=0``), ``default`` is what a user gets
+Settings: ``1`` and ``2`` (or any count N >= 1) are fixed counts (``repro/digits.py --threads N``;
+for the op ``torch.set_num_threads(N)`` and ``NNKLOSS_GOVERN_THREADS=0``), ``default`` is what a user gets
 without asking (the demo's ``--threads auto``: the Trainer's ThreadGovernor; the op at torch's
 default count with its per-entry governors). Every demo run and every op measurement is a fresh
 process. The op: median ms of 40 calls after 3 warm-ups of ``nnkloss.neighbour_kernel_loss``,
@@ -61,6 +61,20 @@ COMPETITOR = ("import torch\n"
               "a = torch.randn(1024, 1024); b = torch.randn(1024, 1024)\n"
               "while True:\n"
               "    a @ b\n")
+
+
+def setting_arg(text: str) -> str:
+    """``--settings`` item: "default" or a fixed thread count >= 1 (as its decimal string)."""
+    if text == "default":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a setting is 'default' or a thread count >= 1, "
+                                         f"got {text!r}")
+    return str(n)
 
 
 def _env(setting):
@@ -260,7 +274,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=5, help="demo epochs per run (README: 30)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per load")
-    p.add_argument("--settings", nargs="+", default=SETTINGS, choices=SETTINGS)
+    p.add_argument("--settings", nargs="+", default=SETTINGS, type=setting_arg,
+                   help="'default' or a fixed thread count (1, 2, ...; e.g. the machine's CPU "
+                        "count on a many-core machine)")
     p.add_argument("--loads", nargs="+", default=LOADS, choices=LOADS)
     p.add_argument("--parts", nargs="+", default=["demo", "op", "eval"],
                    choices=["demo", "op", "eval"])

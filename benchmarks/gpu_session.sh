@@ -128,6 +128,10 @@ step bench_small 38 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N
 # parts timed (bench_eval --phases: GEMM, selection, each block's finish). On the H200's
 # 16-core Xeon at 654dba3 it took 16.1 s against 22 s on the project's 2-core EPYC (1.4x for
 # 8x the cores), unexplained; env.log's lscpu says whether those cores are SMT siblings.
+# threads_room: the evaluation of 60,000 points on this machine's CPU idle and beside a 2-thread
+# matmul process, at 1 thread, at all the CPUs fixed and at the default (governed): with a few
+# busy threads the governors run the wide side on the CPUs left free (its "room"), where before
+# 2026-11-27 they fell to one thread on any machine (never measured on more than 2 cores).
 extra() {  # extra NAME SECONDS CMD...: a step run only when GPU_STEPS names it
     case " ${GPU_STEPS:-} " in *" $1 "*) step "$@" ;; esac
 }
@@ -140,6 +144,8 @@ extra bench_eval 120 bash -c "python3 benchmarks/bench_eval.py --N 150000 --prov
     --providers nnkloss --out '$dir'"
 extra eval_threads 240 env NNKLOSS_GOVERN_THREADS=0 python3 benchmarks/bench_eval.py \
     --N 150000 --providers nnkloss --threads 1 2 4 8 16 --phases --out "$dir"
+extra threads_room 150 python3 benchmarks/bench_threads.py --parts eval --loads idle matmul2 \
+    --settings 1 "$(nproc)" default --eval-n 60000 --out "$dir"
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"

@@ -53,6 +53,17 @@ spinning thread: 2 threads 1.5x slower than 1 at the median, 2.7x on average). T
 5. at the full count (holding or probing), two consecutive samples with no room drop to one
    thread at once (a probe in progress ends there) and start a hold of ``hold`` units.
 
+"No room" means fewer than two free CPUs. Where the others leave some, but fewer than the
+full count, the wide side runs on the free ones: ``cores - others`` threads, each on a CPU
+of its own (the "room"; the count is never above the full count). So a 16-core machine with one
+busy thread elsewhere runs 15 threads, not one, and a 2-core machine beside any busy thread
+runs one, as before. Before a probe the median's room sets the wide count; at the wide count
+two consecutive samples with less room than it uses narrow it (down to one thread, as in 5,
+where fewer than two CPUs are free), and two with more room than it uses, after a narrowing,
+widen it again (up to the full count). A narrowing or widening during a probe restarts that
+side's window (its timings were of another count). Both are ``events`` of the signal
+(``action`` "narrowed" / "widened", ``threads`` the new count).
+
 The samples are spaced so that they cost at most ``sample_budget`` of the recorded time (every
 unit for training steps; every few calls for the op), plus one per probe decision. On an idle
 machine the signal finds room and the probes decide by timing, as without it. Decisions of the
@@ -270,9 +281,10 @@ def run_queue() -> Optional[RunQueue]:
 
 
 class ThreadGovernor:
-    """Chooses between ``full`` threads and one by timing, and where it has a ``signal`` does
-    not probe or keep the full count while other processes leave it no room (see the module
-    docstring). Thread-safe: :meth:`record` may be called from several threads.
+    """Chooses between ``full`` threads (the wide side) and one by timing, and where it has a
+    ``signal`` runs the wide side on the CPUs other processes leave free (:attr:`wide`), and
+    does not probe or keep it while they leave fewer than two (see the module docstring).
+    Thread-safe: :meth:`record` may be called from several threads.
 
     Args:
         full: the full thread count (a number, or a callable read at each probe, e.g.
@@ -297,11 +309,12 @@ class ThreadGovernor:
         signal_samples: the decision to probe the full count takes the median of this many
             samples (the last ones of the window at one thread, the freshest last), so one
             momentary reading does not decide.
-        start: "one" (the default: the first units at one thread) or "auto" (at the full
-            count when the median of ``signal_samples`` samples of the signal, read when the
-            governor is built, leaves room for it; else one thread, and always without a
-            signal). Started at the full count, the warm-up is watched as a hold is: two
-            samples with no room drop to one thread at once.
+        start: "one" (the default: the first units at one thread) or "auto" (at the wide
+            count, the full count or the room if smaller, when the median of
+            ``signal_samples`` samples of the signal, read when the governor is built, leaves
+            room for more than one thread; else one thread, and always without a signal).
+            Started wide, the warm-up is watched as a hold is: two samples with no room drop
+            to one thread at once.
     """
 
     def __init__(self, full=2, *, warmup: int = 5, window: int = 6, hold: int = 64,
@@ -334,7 +347,9 @@ class ThreadGovernor:
         self._elapsed = 0.0              # seconds recorded so far (the signal's clock)
         self._sampled_at = None          # _elapsed at the last sample of the signal
         self._others: List[int] = []     # this probe's samples at one thread
-        self._busy = 0                   # consecutive samples at the full count with no room
+        self._busy = 0                   # consecutive samples at the wide count, less room
+        self._roomy = 0                  # consecutive samples at the wide count, more room
+        self._cap: Optional[int] = None  # the wide side's count, when the room set it
         self.others: Optional[int] = None  # the last sample
         self.phase, self.left = "warmup", self.warmup
         self.started = "one"             # the count of the first units: "one" / "full"
@@ -348,17 +363,47 @@ class ThreadGovernor:
         f = self._full() if callable(self._full) else self._full
         return max(1, int(f))
 
+    @property
+    def wide(self) -> int:
+        """The count of the wide side: the full count, or fewer where the signal's room (the
+        CPUs the other processes leave free) was smaller at the last look."""
+        return self.full if self._cap is None else max(1, min(self.full, self._cap))
+
     def threads(self) -> int:
         """The thread count for the next unit of work (the full count is read afresh)."""
-        return 1 if self._one else self.full
+        return 1 if self._one else self.wide
 
     def _set(self, one: bool):
         if one != self._one:
             self._one = one
             self._skip = True
-            self._busy = 0
+            self._busy = self._roomy = 0
             if self.apply is not None:
                 self.apply(self.threads())
+
+    def _resize(self, room: int, action: str, others: int) -> bool:
+        """Set the wide side's count to the ``room`` (at most the full count), at the wide
+        side or before a probe of it: an event when the count changes; at the wide side the
+        count is applied, the next unit is not timed and a probe's window there starts again
+        (its timings were of another count). True when the running count changed."""
+        before = self.wide
+        self._cap = int(room)
+        self._busy = self._roomy = 0
+        if self.wide == before:
+            return False
+        self.events.append({"unit": self.units, "full": self.full, "cost_full": None,
+                            "cost_one": None, "threads": self.wide, "hold": self.hold,
+                            "by": "signal", "action": action, "others": others,
+                            "cores": int(self.signal.cores)})
+        if self._one:
+            return False
+        self._skip = True  # an OpenMP team that changes size pays once
+        self._costs.pop("full", None)
+        if self.phase in ("current", "other"):
+            self.left = self.window
+        if self.apply is not None:
+            self.apply(self.threads())
+        return True
 
     # -------------------------------------------------------------- the signal
     def _sample(self, force: bool = False) -> Optional[int]:
@@ -384,22 +429,31 @@ class ThreadGovernor:
         return others
 
     def _room_at_start(self) -> bool:
-        """Whether the median of ``signal_samples`` fresh samples leaves room for the full
-        count (False without a signal, or when a sample is unknown)."""
+        """Whether the median of ``signal_samples`` fresh samples leaves room for more than one
+        thread (False without a signal, or when a sample is unknown); the wide count is then
+        the room."""
         samples = [self._sample(force=True) for _ in range(self.signal_samples)]
         if self.signal is None or any(s is None for s in samples):
             return False
-        return not self._no_room(self._median(samples))
+        others = self._median(samples)
+        if self._no_room(others):
+            return False
+        self._cap = self._room(others)
+        return True
+
+    def _room(self, others: Optional[int]) -> Optional[int]:
+        """The CPUs that ``others`` runnable threads of other processes leave free (None
+        without a signal or a sample)."""
+        if others is None or self.signal is None:
+            return None
+        return int(self.signal.cores) - int(others)
 
     def _no_room(self, others: Optional[int]) -> bool:
-        """Whether ``others`` runnable threads of other processes leave too few CPUs for the
-        full count: fewer than ``need`` free where ``need`` is the full count (at most the
-        CPUs we have)."""
-        if others is None or self.signal is None:
-            return False
-        cores = int(self.signal.cores)
-        need = min(self.full, cores)
-        return cores - others < need
+        """Whether ``others`` runnable threads of other processes leave fewer than two CPUs
+        free: more than one thread would then share a CPU with them (where the room holds
+        more, the wide side runs on it; see the module docstring)."""
+        room = self._room(others)
+        return room is not None and room < 2
 
     def _side(self) -> str:
         return "one" if self._one else "full"
@@ -443,21 +497,33 @@ class ThreadGovernor:
                 self._decide()
 
     def _watch(self) -> bool:
-        """Samples the signal where it can change a decision; returns True when it dropped the
-        full count. At the full count (holding or probing): two consecutive samples with no
-        room for it drop to one thread at once, which ends any probe and starts a normal hold
-        (one sample could be a moment's burst). At one thread, in a probe's window before the
-        full count: the samples the decision to probe it will take."""
+        """Samples the signal where it can change a decision; returns True when it changed the
+        running count (the unit just recorded is then not timed). At the wide count (holding or
+        probing): two consecutive samples with no room for more than one thread drop to one
+        at once, which ends any probe and starts a normal hold (one sample could be a moment's
+        burst); two with room for fewer threads than run, but at least two, narrow the count
+        to the room, and two with room for more, after a narrowing, widen it (up to the full
+        count). At one thread, in a probe's window before the wide count: the samples the
+        decision to probe it will take."""
         if not self._one:
             others = self._sample()
             if others is None:
                 return False
-            self._busy = self._busy + 1 if self._no_room(others) else 0
+            room = self._room(others)
+            wide = self.wide
+            less = room < wide
+            more = room > wide and self._cap is not None and wide < self.full
+            self._busy = self._busy + 1 if less else 0
+            self._roomy = self._roomy + 1 if more else 0
             if self._busy >= 2:
+                if room >= 2:  # fewer CPUs free than the wide count uses: run on those
+                    return self._resize(room, "narrowed", others)
                 self._signal_event("dropped", others, self.base_hold)
                 self.hold = self.base_hold
                 self._set(True)
                 return True
+            if self._roomy >= 2:  # CPUs freed since a narrowing: take them back
+                return self._resize(room, "widened", others)
         elif self.phase == "current":
             others = self._sample()
             if others is not None:
@@ -475,6 +541,8 @@ class ThreadGovernor:
         recent = (self._others + [fresh])[-self.signal_samples:]
         others = self._median(recent)
         if not self._no_room(others):
+            self._resize(self._room(others), "narrowed" if self._room(others) < self.wide
+                         else "widened", others)  # the probe's wide count: the room now
             return False
         self._signal_event("skipped", others, self.base_hold)
         return True
@@ -535,7 +603,8 @@ class ThreadGovernor:
                         self.max_hold)
         self.choice = choice
         self.events.append({"unit": self.units, "full": full, "cost_full": cost_full,
-                            "cost_one": cost_one, "threads": 1 if choice == "one" else full,
+                            "cost_one": cost_one,
+                            "threads": 1 if choice == "one" else self.wide,
                             "hold": self.hold, "by": "timing", "others": self.others})
         self.phase, self.left = "hold", self.hold
         self._set(choice == "one")

@@ -52,15 +52,22 @@ def test_bench_threads_refuses_bad_op_counts():
                            "--op-block", "0"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--op-block" in proc.stderr
+    for bad in ("0", "x", "-2"):
+        proc = subprocess.run([sys.executable, "benchmarks/bench_threads.py", "--settings", bad],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "thread count >= 1" in proc.stderr, bad
 
 
 def test_bench_threads_eval_part_times_an_evaluation_per_setting(tmp_path):
     """--parts eval: one evaluate per setting in a fresh process, a line each (the default's
-    line names the search's governors), and its summary against one thread."""
+    line names the search's governors), and its summary against one thread. A setting may be
+    any fixed count (gpu_session's threads_room passes the machine's CPU count)."""
     lines = run_bench_threads(tmp_path, "--parts", "eval", "--loads", "idle", "--settings", "1",
-                              "default", "--eval-n", "600")
+                              "default", "3", "--eval-n", "600")
     evals = [line for line in lines if line.startswith("eval load=idle")]
-    assert [re.search(r"threads=(\S+)", line).group(1) for line in evals] == ["1", "default"]
+    assert [re.search(r"threads=(\S+)", line).group(1) for line in evals] == ["1", "default",
+                                                                              "3"]
+    evals = evals[:2]
     for line in evals:
         (ms,) = re.findall(r"\[evaluate N=600\]=([0-9.]+)ms", line)
         assert float(ms) > 0

@@ -115,6 +115,21 @@ def test_the_search_steps_run_only_when_named(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_the_governors_room_is_timed_on_the_devices_cpu_only_when_named(tmp_path):
+    """threads_room: the evaluation of 60,000 points idle and beside a 2-thread process at one
+    thread, at the machine's CPU count fixed and governed, only when GPU_STEPS names it."""
+    calls, env = _stand_in_python(tmp_path)
+    env["GPU_STEPS"] = "threads_room"
+    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    lines = calls.read_text().splitlines()
+    assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_threads.py"]
+    cpus = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    assert f"--settings 1 {cpus} default" in lines[1] and "--parts eval" in lines[1]
+    assert "--loads idle matmul2" in lines[1] and "--eval-n 60000" in lines[1]
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_the_cpu_evaluation_runs_at_1_to_16_threads_only_when_named(tmp_path):
     """eval_threads: the evaluation at 150K on the device's CPU at 1-16 threads with its
     search's parts timed, only when GPU_STEPS names it; env.log records the host's CPU."""

@@ -573,6 +573,70 @@ def test_start_auto_begins_at_the_full_count_only_where_the_signal_shows_room():
         ThreadGovernor(2, start="full")
 
 
+def test_many_cores_beside_a_few_busy_threads_run_on_the_free_ones():
+    """16 cores, the full count 16: one other runnable thread leaves room for 15, which the
+    probe times against one thread and keeps (the work scales), where "no room" used to mean
+    one thread. 15 busy threads leave one CPU: no probe, one thread, as on 2 cores."""
+    scales = lambda n, u: 16.0 / n                                       # noqa: E731
+    applied = []
+    sig = FakeSignal(cores=16)
+    gov = ThreadGovernor(16, warmup=2, window=3, hold=10, signal=sig, apply=applied.append)
+    used = drive_loaded(gov, sig, lambda u: 1, scales, 80)
+    assert 16 not in used and used[-40:] == [15] * 40
+    narrowed = [e for e in gov.events if e.get("action") == "narrowed"]
+    assert narrowed and narrowed[0]["threads"] == 15 and narrowed[0]["others"] == 1
+    timing = [e for e in gov.events if e["by"] == "timing"]
+    assert timing[0]["threads"] == 15 and timing[0]["full"] == 16
+    assert applied == [15] and used[:5] == [1] * 5 and used[5] == 15  # warm-up, window, probe
+    assert gov.threads() == gov.wide == 15 and gov.full == 16
+    sig = FakeSignal(cores=16)
+    gov = ThreadGovernor(16, warmup=2, window=3, hold=10, signal=sig)
+    assert set(drive_loaded(gov, sig, lambda u: 15, scales, 80)) == {1}
+    # 14 busy: room for 2
+    sig = FakeSignal(cores=16)
+    gov = ThreadGovernor(16, warmup=2, window=3, hold=10, signal=sig)
+    assert drive_loaded(gov, sig, lambda u: 14, scales, 80)[-20:] == [2] * 20
+
+
+def test_the_wide_count_follows_the_room_narrowing_and_widening():
+    """At the wide count: two samples with less room narrow it to the room (one sample is a
+    blip), two with no room for two threads drop to one, and after a narrowing two samples
+    with more room widen it again, up to the full count; each change is a signal event, applied
+    at once, and the unit it lands on is not timed."""
+    scales = lambda n, u: 16.0 / n                                       # noqa: E731
+    applied = []
+    sig = FakeSignal(cores=16)
+    gov = ThreadGovernor(16, warmup=0, window=3, hold=1000, max_hold=1000, signal=sig,
+                         apply=applied.append)
+    load = lambda u: {100: 6}.get(u, 0 if u < 150 else 4 if u < 250 else 0)    # noqa: E731
+    used = drive_loaded(gov, sig, load, scales, 300)
+    assert used[20:150] == [16] * 130                            # the blip at 100: kept
+    assert used[152:250] == [12] * 98                            # narrowed at the second sample
+    assert used[252:] == [16] * 48                               # widened again
+    acts = [(e["action"], e["unit"], e["threads"]) for e in gov.events if e["by"] == "signal"]
+    assert acts == [("narrowed", 152, 12), ("widened", 252, 16)]
+    assert applied[-2:] == [12, 16]
+    # a competitor that fills all but one CPU: dropped to one thread, as on 2 cores
+    sig = FakeSignal(cores=16)
+    gov = ThreadGovernor(16, warmup=0, window=3, hold=1000, max_hold=1000, signal=sig)
+    used = drive_loaded(gov, sig, lambda u: 0 if u < 50 else 15, scales, 100)
+    assert used[20:50] == [16] * 30 and used[52:] == [1] * 48
+    assert [e["action"] for e in gov.events if e["by"] == "signal"][0] == "dropped"
+    # no signal: the full count, whatever the load
+    gov = ThreadGovernor(16, warmup=0, window=3, hold=1000)
+    assert drive(gov, scales, 60)[-30:] == [16] * 30
+
+
+def test_start_auto_on_many_cores_starts_on_the_room():
+    sig = FakeSignal(cores=16)
+    sig.now = 6
+    gov = ThreadGovernor(16, signal=sig, warmup=3, window=4, hold=10, start="auto")
+    assert gov.threads() == 10 and gov.summary()["started"] == "full"
+    sig.now = 15
+    assert ThreadGovernor(16, signal=sig, warmup=3, window=4, hold=10,
+                          start="auto").threads() == 1
+
+
 def test_the_ops_governors_start_at_the_full_count_on_an_idle_machine(monkeypatch):
     """An entry point called a few times per run (the classifier, evaluation) runs at the full
     count from its first call where the run queue shows room, at one thread where it does not."""

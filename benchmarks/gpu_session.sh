@@ -130,8 +130,9 @@ step bench_small 38 python3 benchmarks/bench_loss.py --B 128 --K 1000 --D 64 --N
 # 8x the cores), unexplained; env.log's lscpu says whether those cores are SMT siblings.
 # threads_room: the evaluation of 60,000 points on this machine's CPU idle and beside a 2-thread
 # matmul process, at 1 thread, at all the CPUs fixed and at the default (governed): with a few
-# busy threads the governors run the wide side on the CPUs left free (its "room"), where before
-# 2026-11-27 they fell to one thread on any machine (never measured on more than 2 cores).
+# busy threads the governors run the wide side on the CPUs left free (its "room"); before
+# 2026-11-27 any busy thread that left fewer CPUs free than the full count sent them to one
+# thread (never measured on more than 2 cores).
 extra() {  # extra NAME SECONDS CMD...: a step run only when GPU_STEPS names it
     case " ${GPU_STEPS:-} " in *" $1 "*) step "$@" ;; esac
 }

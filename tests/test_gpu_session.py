@@ -35,6 +35,16 @@ def _stand_in_python(tmp_path):
     return calls, dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", NNKLOSS_COMMIT="abc1234")
 
 
+def _named_steps(tmp_path, steps):
+    """The stand-in python3's calls (one line each) of a run with GPU_STEPS=``steps``, its
+    directory tmp_path / "work"."""
+    calls, env = _stand_in_python(tmp_path)
+    env["GPU_STEPS"] = steps
+    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    return calls.read_text().splitlines()
+
+
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_every_step_runs_and_two_files_come_back(tmp_path):
     """With python3 stood in, every step runs in order, each writes its log, and $OUT receives
@@ -98,11 +108,7 @@ def test_the_search_steps_run_only_when_named(tmp_path):
     already fill a call; the first test above lists every script it runs) and run when
     GPU_STEPS names them: the search's cuda tests, the kNN graph on the GPU, and the evaluation
     at 150K on the GPU and then on the CPU."""
-    calls, env = _stand_in_python(tmp_path)
-    env["GPU_STEPS"] = "tests_search bench_refresh bench_eval"
-    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
-                   capture_output=True, timeout=60)
-    lines = calls.read_text().splitlines()
+    lines = _named_steps(tmp_path, "tests_search bench_refresh bench_eval")
     assert [line.split()[1] for line in lines] == [
         "-c", "-m", "benchmarks/bench_refresh.py", "benchmarks/bench_eval.py",
         "benchmarks/bench_eval.py"]
@@ -118,11 +124,7 @@ def test_the_search_steps_run_only_when_named(tmp_path):
 def test_the_governors_room_is_timed_on_the_devices_cpu_only_when_named(tmp_path):
     """threads_room: the evaluation of 60,000 points idle and beside a 2-thread process at one
     thread, at the machine's CPU count fixed and governed, only when GPU_STEPS names it."""
-    calls, env = _stand_in_python(tmp_path)
-    env["GPU_STEPS"] = "threads_room"
-    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
-                   capture_output=True, timeout=60)
-    lines = calls.read_text().splitlines()
+    lines = _named_steps(tmp_path, "threads_room")
     assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_threads.py"]
     cpus = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     assert f"--settings 1 {cpus} default" in lines[1] and "--parts eval" in lines[1]
@@ -133,11 +135,7 @@ def test_the_governors_room_is_timed_on_the_devices_cpu_only_when_named(tmp_path
 def test_the_cpu_evaluation_runs_at_1_to_16_threads_only_when_named(tmp_path):
     """eval_threads: the evaluation at 150K on the device's CPU at 1-16 threads with its
     search's parts timed, only when GPU_STEPS names it; env.log records the host's CPU."""
-    calls, env = _stand_in_python(tmp_path)
-    env["GPU_STEPS"] = "eval_threads"
-    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
-                   capture_output=True, timeout=60)
-    lines = calls.read_text().splitlines()
+    lines = _named_steps(tmp_path, "eval_threads")
     assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_eval.py"]
     assert "--threads 1 2 4 8 16 --phases" in lines[1] and "--N 150000" in lines[1]
     assert "--device" not in lines[1]

@@ -59,10 +59,13 @@ of its own (the "room"; the count is never above the full count). So a 16-core m
 busy thread elsewhere runs 15 threads, not one, and a 2-core machine beside any busy thread
 runs one, as before. Before a probe the median's room sets the wide count; at the wide count
 two consecutive samples with less room than it uses narrow it (down to one thread, as in 5,
-where fewer than two CPUs are free), and two with more room than it uses, after a narrowing,
-widen it again (up to the full count). A narrowing or widening during a probe restarts that
-side's window (its timings were of another count). Both are ``events`` of the signal
-(``action`` "narrowed" / "widened", ``threads`` the new count).
+where fewer than two CPUs are free), and two with room for at least two more threads than it
+uses (or for the full count), after a narrowing, widen it again (up to the full count; the
+margin keeps a competitor that moves by one thread from resizing the team back and forth).
+A narrowing or widening during a probe restarts that side's window (its timings were of
+another count). They are counted (``resizes``, in :meth:`ThreadGovernor.summary`) and the
+last one kept (``last_resize``), not added to ``events``: a run queue that moves all the time
+would grow that list without bound.
 
 The samples are spaced so that they cost at most ``sample_budget`` of the recorded time (every
 unit for training steps; every few calls for the op), plus one per probe decision. On an idle
@@ -350,6 +353,8 @@ class ThreadGovernor:
         self._busy = 0                   # consecutive samples at the wide count, less room
         self._roomy = 0                  # consecutive samples at the wide count, more room
         self._cap: Optional[int] = None  # the wide side's count, when the room set it
+        self.resizes = {"narrowed": 0, "widened": 0}
+        self.last_resize: Optional[Dict] = None
         self.others: Optional[int] = None  # the last sample
         self.phase, self.left = "warmup", self.warmup
         self.started = "one"             # the count of the first units: "one" / "full"
@@ -381,20 +386,21 @@ class ThreadGovernor:
             if self.apply is not None:
                 self.apply(self.threads())
 
-    def _resize(self, room: int, action: str, others: int) -> bool:
+    def _resize(self, room: int, others: int) -> bool:
         """Set the wide side's count to the ``room`` (at most the full count), at the wide
-        side or before a probe of it: an event when the count changes; at the wide side the
-        count is applied, the next unit is not timed and a probe's window there starts again
-        (its timings were of another count). True when the running count changed."""
+        side or before a probe of it: counted in ``resizes`` and kept as ``last_resize`` when
+        the count changes; at the wide side the count is applied, the next unit is not timed
+        and a probe's window there starts again (its timings were of another count). True
+        when the running count changed."""
         before = self.wide
         self._cap = int(room)
         self._busy = self._roomy = 0
         if self.wide == before:
             return False
-        self.events.append({"unit": self.units, "full": self.full, "cost_full": None,
-                            "cost_one": None, "threads": self.wide, "hold": self.hold,
-                            "by": "signal", "action": action, "others": others,
-                            "cores": int(self.signal.cores)})
+        action = "narrowed" if self.wide < before else "widened"
+        self.resizes[action] += 1
+        self.last_resize = {"unit": self.units, "action": action, "threads": self.wide,
+                            "before": before, "others": others, "cores": int(self.signal.cores)}
         if self._one:
             return False
         self._skip = True  # an OpenMP team that changes size pays once
@@ -512,18 +518,19 @@ class ThreadGovernor:
             room = self._room(others)
             wide = self.wide
             less = room < wide
-            more = room > wide and self._cap is not None and wide < self.full
+            more = (self._cap is not None and wide < self.full
+                    and room >= min(self.full, wide + 2))
             self._busy = self._busy + 1 if less else 0
             self._roomy = self._roomy + 1 if more else 0
             if self._busy >= 2:
                 if room >= 2:  # fewer CPUs free than the wide count uses: run on those
-                    return self._resize(room, "narrowed", others)
+                    return self._resize(room, others)
                 self._signal_event("dropped", others, self.base_hold)
                 self.hold = self.base_hold
                 self._set(True)
                 return True
             if self._roomy >= 2:  # CPUs freed since a narrowing: take them back
-                return self._resize(room, "widened", others)
+                return self._resize(room, others)
         elif self.phase == "current":
             others = self._sample()
             if others is not None:
@@ -541,8 +548,7 @@ class ThreadGovernor:
         recent = (self._others + [fresh])[-self.signal_samples:]
         others = self._median(recent)
         if not self._no_room(others):
-            self._resize(self._room(others), "narrowed" if self._room(others) < self.wide
-                         else "widened", others)  # the probe's wide count: the room now
+            self._resize(self._room(others), others)  # the probe's wide count: the room now
             return False
         self._signal_event("skipped", others, self.base_hold)
         return True
@@ -624,11 +630,13 @@ class ThreadGovernor:
     def summary(self) -> Dict:
         """The current choice and the decisions so far (for a log): ``by_signal`` counts the
         decisions the signal made (probes skipped, full count dropped), ``signal`` says
-        whether there is one and ``others`` is its last sample."""
+        whether there is one and ``others`` is its last sample; ``wide`` is the wide side's
+        count now, ``narrowed`` / ``widened`` how often the room resized it."""
         with self._lock:
             last = self.events[-1] if self.events else None
             by_signal = [e for e in self.events if e.get("by") == "signal"]
-            return {"threads": self.threads(), "started": self.started,
+            return {"threads": self.threads(), "wide": self.wide, "started": self.started,
+                    "narrowed": self.resizes["narrowed"], "widened": self.resizes["widened"],
                     "decisions": len(self.events),
                     "by_signal": len(by_signal),
                     "skipped": sum(e["action"] == "skipped" for e in by_signal),

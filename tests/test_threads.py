@@ -583,10 +583,13 @@ def test_many_cores_beside_a_few_busy_threads_run_on_the_free_ones():
     gov = ThreadGovernor(16, warmup=2, window=3, hold=10, signal=sig, apply=applied.append)
     used = drive_loaded(gov, sig, lambda u: 1, scales, 80)
     assert 16 not in used and used[-40:] == [15] * 40
-    narrowed = [e for e in gov.events if e.get("action") == "narrowed"]
-    assert narrowed and narrowed[0]["threads"] == 15 and narrowed[0]["others"] == 1
-    timing = [e for e in gov.events if e["by"] == "timing"]
-    assert timing[0]["threads"] == 15 and timing[0]["full"] == 16
+    assert gov.resizes == {"narrowed": 1, "widened": 0}
+    assert gov.last_resize["threads"] == 15 and gov.last_resize["before"] == 16
+    assert gov.last_resize["others"] == 1 and gov.last_resize["unit"] == 5
+    assert all(e["by"] == "timing" for e in gov.events)          # resizes are not events
+    assert gov.events[0]["threads"] == 15 and gov.events[0]["full"] == 16
+    summary = gov.summary()
+    assert summary["wide"] == 15 and summary["narrowed"] == 1 and summary["widened"] == 0
     assert applied == [15] and used[:5] == [1] * 5 and used[5] == 15  # warm-up, window, probe
     assert gov.threads() == gov.wide == 15 and gov.full == 16
     sig = FakeSignal(cores=16)
@@ -601,8 +604,9 @@ def test_many_cores_beside_a_few_busy_threads_run_on_the_free_ones():
 def test_the_wide_count_follows_the_room_narrowing_and_widening():
     """At the wide count: two samples with less room narrow it to the room (one sample is a
     blip), two with no room for two threads drop to one, and after a narrowing two samples
-    with more room widen it again, up to the full count; each change is a signal event, applied
-    at once, and the unit it lands on is not timed."""
+    with room for two threads more (or the full count) widen it again, up to the full count;
+    each change is counted, applied at once, and the unit it lands on is not timed. A
+    competitor that moves by one thread narrows the team once and does not flap it."""
     scales = lambda n, u: 16.0 / n                                       # noqa: E731
     applied = []
     sig = FakeSignal(cores=16)
@@ -613,9 +617,16 @@ def test_the_wide_count_follows_the_room_narrowing_and_widening():
     assert used[20:150] == [16] * 130                            # the blip at 100: kept
     assert used[152:250] == [12] * 98                            # narrowed at the second sample
     assert used[252:] == [16] * 48                               # widened again
-    acts = [(e["action"], e["unit"], e["threads"]) for e in gov.events if e["by"] == "signal"]
-    assert acts == [("narrowed", 152, 12), ("widened", 252, 16)]
+    assert gov.resizes == {"narrowed": 1, "widened": 1}
+    assert gov.last_resize["action"] == "widened" and gov.last_resize["unit"] == 252
     assert applied[-2:] == [12, 16]
+    assert not [e for e in gov.events if e["by"] == "signal"]
+    # others flapping between 1 and 2 (room 15 / 14) for hundreds of samples: one narrowing
+    sig = FakeSignal(cores=16)
+    gov = ThreadGovernor(16, warmup=0, window=3, hold=1000, max_hold=1000, signal=sig)
+    used = drive_loaded(gov, sig, lambda u: 0 if u < 20 else 1 + (u // 2) % 2, scales, 600)
+    assert gov.resizes == {"narrowed": 2, "widened": 0}          # 16 -> 15 -> 14, then held
+    assert set(used[100:]) == {14}
     # a competitor that fills all but one CPU: dropped to one thread, as on 2 cores
     sig = FakeSignal(cores=16)
     gov = ThreadGovernor(16, warmup=0, window=3, hold=1000, max_hold=1000, signal=sig)

@@ -523,7 +523,7 @@ class ThreadGovernor:
             self._busy = self._busy + 1 if less else 0
             self._roomy = self._roomy + 1 if more else 0
             if self._busy >= 2:
-                if room >= 2:  # fewer CPUs free than the wide count uses: run on those
+                if not self._no_room(others):  # fewer CPUs free than it uses: run on those
                     return self._resize(room, others)
                 self._signal_event("dropped", others, self.base_hold)
                 self.hold = self.base_hold

@@ -34,7 +34,6 @@ is: fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and neighbours. Anyt
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging

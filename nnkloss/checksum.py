@@ -10,21 +10,30 @@ weights-only load and the validation of what it holds).
 
 The whole file is read into memory before it is checked (one extra copy of the payload while
 loading).
+
+Before any payload is unpickled, :func:`load_weights_only` also checks its zip archive's
+directory: ``torch.save`` stores its records uncompressed, but ``torch.load`` would inflate a
+compressed one to whatever size the archive declares (a file of 262 KB loaded as a 256 MB
+tensor when tried; a few tens of MB would exhaust this machine's memory and get the process
+killed). A compressed record, or records declaring more bytes than the file holds, are refused.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+import zipfile
 from typing import Any
 
 import torch
 
 from .atomic import atomic_write
 
-__all__ = ["save_checked", "load_checked", "UncheckedFileError"]
+__all__ = ["save_checked", "load_checked", "load_weights_only", "UncheckedFileError"]
 
 MAGIC = b"nnkloss-sha256\n"
+# The first bytes of a zip archive (a local file header), torch.load's own test for its format.
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 class UncheckedFileError(ValueError):
@@ -74,6 +83,52 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
     else:
         raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no "
                                  "checksum (written before checksums, or not an nnkloss file)")
+    return load_weights_only(source, map_location, where)
+
+
+def _check_archive(source, where: str) -> None:
+    """Refuse a zip archive that would inflate beyond its own size (see the module docstring):
+    a record stored compressed, or records whose declared sizes add up to more than the file.
+    ``source``: a path or a seekable binary file (its position is kept). Files of the legacy,
+    non-zip format are left to torch.load, which checks their storages' sizes against the
+    bytes it reads."""
+    if isinstance(source, (str, bytes, os.PathLike)):
+        size = os.path.getsize(source)
+        with open(source, "rb") as f:
+            head = f.read(len(ZIP_MAGIC))
+    else:
+        pos = source.tell()
+        head = source.read(len(ZIP_MAGIC))
+        size = source.seek(0, io.SEEK_END)
+        source.seek(pos)
+    if head != ZIP_MAGIC:
+        return
+    try:
+        with zipfile.ZipFile(source) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{where} cannot be read safely (not a readable zip archive: "
+                         f"{exc})") from None
+    finally:
+        if not isinstance(source, (str, bytes, os.PathLike)):
+            source.seek(pos)
+    declared = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(f"{where} cannot be read safely: its record {info.filename!r} is "
+                             f"compressed (to inflate to {info.file_size} bytes); torch.save "
+                             "stores every record uncompressed")
+        declared += info.file_size
+    if declared > size:
+        raise ValueError(f"{where} cannot be read safely: its records declare {declared} "
+                         f"bytes, more than the file's {size}")
+
+
+def load_weights_only(source, map_location=None, where: str = "file") -> Any:
+    """``torch.load(source, weights_only=True)`` after :func:`_check_archive`: no code runs
+    from the file and no record inflates beyond the file's size. ``source``: a path or a
+    seekable binary file. Every failure to read is a ValueError beginning with ``where``."""
+    _check_archive(source, where)
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as exc:  # foreign objects (refused by the weights-only unpickler), junk

@@ -140,6 +140,68 @@ def test_a_flipped_bit_anywhere_is_refused_naming_the_file(tmp_path):
     assert load_bank(path)[1] == 3
 
 
+def _rezipped(payload: bytes, deflate: bool) -> bytes:
+    """torch.save's zip archive ``payload`` with its records rewritten, compressed or not."""
+    import io
+    import zipfile
+    src = zipfile.ZipFile(io.BytesIO(payload))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            new = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            new.compress_type = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+            dst.writestr(new, src.read(info.filename))
+    return out.getvalue()
+
+
+def _with_checksum(payload: bytes) -> bytes:
+    import hashlib
+    from nnkloss.checksum import MAGIC
+    return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def test_a_record_that_inflates_is_refused_before_torch_reads_it(tmp_path, monkeypatch):
+    """torch.save stores its records uncompressed; torch.load would inflate a compressed one
+    to what the archive declares (a zip bomb: 4 MiB of centres from a file of a few KB here,
+    gigabytes from a few MB). Such a file, even behind a valid checksum, is refused naming the
+    file before torch.load runs; so is an archive whose records declare more bytes than it
+    holds. The same archive stored uncompressed loads."""
+    import io
+    bank = CentreBank(torch.zeros(1 << 17, 8), torch.zeros(1 << 17, dtype=torch.long))
+    path = tmp_path / "bank.pt"
+    save_bank(bank, path)
+    payload = path.read_bytes()[len(nnkloss.checksum.MAGIC) + 65:]
+    deflated = _rezipped(payload, deflate=True)
+    assert len(deflated) < len(payload) // 50
+    stored = _rezipped(payload, deflate=False)
+    # the central directory entry of the largest record declares 64 GiB (its size fields:
+    # compressed at offset 20, uncompressed at 24 of the entry)
+    import struct
+    import zipfile
+    archive = zipfile.ZipFile(io.BytesIO(stored))
+    big = max(archive.infolist(), key=lambda i: i.file_size)
+    at = archive.start_dir  # the central directory's first entry
+    while stored[at + 46:at + 46 + struct.unpack_from("<H", stored, at + 28)[0]] \
+            != big.filename.encode():
+        at = stored.index(b"PK\x01\x02", at + 4)
+    declared = bytearray(stored)
+    struct.pack_into("<I", declared, at + 24, 0xFFFFFFF0)
+    real_load = torch.load
+    for data, match in ((deflated, r"record '[^']+' is compressed \(to inflate to \d+ bytes\)"),
+                        (bytes(declared), r"records declare \d+ bytes, more than the file's")):
+        path.write_bytes(_with_checksum(data))
+
+        def not_reached(*a, **k):
+            raise AssertionError("torch.load reached")
+        monkeypatch.setattr(torch, "load", not_reached)
+        with pytest.raises(ValueError, match=match) as e:
+            load_bank(path)
+        assert str(path) in str(e.value) and "CentreBank checkpoint" in str(e.value)
+        monkeypatch.setattr(torch, "load", real_load)
+    path.write_bytes(_with_checksum(stored))
+    assert load_bank(path)[0].num_centres == 1 << 17
+
+
 def test_file_without_checksum_is_read_only_when_asked(tmp_path):
     """A checkpoint written before checksums: refused by default, read (weights-only and
     validated) with allow_unchecked=True."""

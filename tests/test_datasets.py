@@ -1,5 +1,7 @@
 """Dataset loaders on tiny trees fabricated in the official layouts."""
+import gzip
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -349,6 +351,57 @@ def test_idx_broken_gzip_stream(tmp_path):
         f.write(b"not gzip at all" * 10)
     with pytest.raises(DatasetFormatError, match="cannot read"):
         FashionMNIST(root)
+
+
+def _peak_traced(fn):
+    """(what fn raised, the peak bytes Python allocated meanwhile), by tracemalloc."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - returned for the test to check
+        raised = exc
+    else:
+        raised = None
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return raised, peak
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_header_declaring_too_much_is_refused_before_the_payload(tmp_path, gz):
+    """A header declaring more than max_bytes (default IDX_MAX_BYTES, 4 GiB) is refused before
+    any payload is read: 65536 x 65536 x 2 bytes of >i2 here, 8 GiB, from a file of 16 bytes."""
+    from nnkloss.experiment.datasets import IDX_MAX_BYTES
+    head = bytes([0, 0, 0x0B, 2]) + struct.pack(">II", 65536, 65536)
+    path = write_bytes(str(tmp_path / "huge"), head + b"\x00" * 4, gz)
+    raised, peak = _peak_traced(lambda: read_idx(path))
+    assert isinstance(raised, DatasetFormatError), raised
+    assert path in str(raised) and f"more than max_bytes = {IDX_MAX_BYTES}" in str(raised)
+    assert peak < 1 << 20
+    # max_bytes is the caller's: the real training images (47 MB) pass the default, and a
+    # smaller bound refuses them
+    good = write_idx(str(tmp_path / "img"), np.zeros((60, 28, 28), np.uint8), gz)
+    assert read_idx(good).shape == (60, 28, 28)
+    with pytest.raises(DatasetFormatError, match="47040 bytes of data, more than max_bytes"):
+        read_idx(good, max_bytes=47039)
+
+
+def test_idx_gzip_bomb_is_read_only_as_far_as_its_header(tmp_path):
+    """A gzip stream that inflates far beyond its header's payload (64 MiB of zeros behind a
+    header of 10 bytes, a 64 KB file) is refused after reading the payload and at most 16 MiB
+    more, in 1 MiB steps: Python's peak allocation stays a few MB (f.read() of the whole
+    stream, as before, held all 64 MiB)."""
+    path = str(tmp_path / "train-labels-idx1-ubyte.gz")
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(idx_bytes(np.arange(10, dtype=np.uint8)))
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    assert os.path.getsize(path) < 1 << 20
+    raised, peak = _peak_traced(lambda: read_idx(path))
+    assert isinstance(raised, DatasetFormatError), raised
+    assert f"10 bytes of data, the file holds more than {10 + (1 << 24)}" in str(raised)
+    assert peak < 8 << 20, peak
 
 
 def test_the_package_docstring_lists_every_loader():

@@ -163,6 +163,17 @@ def test_pretrained_weights_from_a_local_file(tmp_path):
     torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, bad)
     with pytest.raises(ValueError, match="resnet_for_googlenet.pth.*missing keys"):
         build_embedding_net("googlenet", dim=8, pretrained=str(bad))
+    # weights-only, and no record may inflate beyond the file (a zip bomb): the same weights
+    # with their records deflated are refused, naming the file
+    import zipfile
+    deflated = tmp_path / "deflated.pth"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(zipfile.ZipInfo(info.filename), src.read(info.filename),
+                         compress_type=zipfile.ZIP_DEFLATED)
+    with pytest.raises(ValueError, match=r"pretrained weights .*deflated.pth cannot be read "
+                                         r"safely: its record '[^']+' is compressed"):
+        build_embedding_net("googlenet", dim=8, pretrained=str(deflated))
 
 
 def test_metric_learning_small_test_split_keeps_the_run(tmp_path):

@@ -31,6 +31,7 @@ learning), in the order of the official class ids.
 from __future__ import annotations
 
 import csv
+import math
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -599,51 +600,85 @@ IDX_SETS = {
 }
 
 
-def read_idx(path: str, hint: str = "") -> np.ndarray:
+#: The largest IDX payload :func:`read_idx` reads by default (bytes). The MNIST family's
+#: files hold at most tens of MB (Fashion-MNIST's training images: 47 MB). A header declaring
+#: more is refused before anything is decompressed: a gzip stream inflates up to ~1000-fold, so
+#: a small file declaring a large payload could otherwise fill the memory.
+IDX_MAX_BYTES = 1 << 32
+# How far past the declared payload read_idx counts a file's surplus bytes for its message.
+_IDX_SURPLUS_COUNTED = 1 << 24
+
+
+def read_idx(path: str, hint: str = "", max_bytes: int = IDX_MAX_BYTES) -> np.ndarray:
     """Read one IDX file (gzipped if its name ends in ``.gz``) into a numpy array.
 
     The header (magic ``0x00 0x00 TYPE NDIM``, then NDIM big-endian uint32 sizes) is checked
-    against the file: known element type, at least one dimension, and a payload of exactly
-    ``prod(sizes) * itemsize`` bytes. Any mismatch, or a gzip stream that cannot be read,
-    raises :class:`DatasetFormatError` naming ``path`` (plus ``hint``, e.g. how to get a good
-    copy). Returns an array of the sizes in the header, native byte order.
+    against the file: known element type, at least one dimension, a payload of at most
+    ``max_bytes`` (checked before the payload is read), and exactly ``prod(sizes) * itemsize``
+    bytes of it. Any mismatch, or a gzip stream that cannot be read, raises
+    :class:`DatasetFormatError` naming ``path`` (plus ``hint``, e.g. how to get a good copy).
+    The stream is read only as far as the header's payload (and a little past it, to report
+    surplus bytes), so memory stays bounded by the declared size. Returns an array of the sizes
+    in the header, native byte order.
     """
     import gzip
     import zlib
 
     _require_file(path, "IDX file")
     try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            data = _read_idx_stream(f, path, hint, max_bytes)
     except (OSError, EOFError, zlib.error) as e:
         raise DatasetFormatError(f"{path}: cannot read ({e}){hint}") from None
-    if len(data) < 4:
-        raise DatasetFormatError(f"{path}: {len(data)} bytes, too short for an IDX header{hint}")
-    zero0, zero1, code, ndim = data[0], data[1], data[2], data[3]
+    dims, dtype, payload = data
+    arr = np.frombuffer(payload, dtype=dtype).reshape(dims)
+    return arr.astype(dtype.newbyteorder("="), copy=True)
+
+
+def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
+    """(dims, dtype, payload bytes) of the IDX stream ``f``, read as far as its header says."""
+    magic = f.read(4)
+    if len(magic) < 4:
+        raise DatasetFormatError(f"{path}: {len(magic)} bytes, too short for an IDX header{hint}")
+    zero0, zero1, code, ndim = magic[0], magic[1], magic[2], magic[3]
     if zero0 != 0 or zero1 != 0 or code not in IDX_DTYPES:
-        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{data[:4].hex()} (expected "
+        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{magic.hex()} (expected "
                                  f"0x0000 then a type byte in "
                                  f"{[hex(c) for c in IDX_DTYPES]} and the dimension count)"
                                  f"{hint}")
     if ndim < 1:
         raise DatasetFormatError(f"{path}: IDX header gives {ndim} dimensions{hint}")
-    head = 4 + 4 * ndim
-    if len(data) < head:
-        raise DatasetFormatError(f"{path}: {len(data)} bytes, too short for an IDX header of "
-                                 f"{ndim} dimensions{hint}")
-    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    sizes = f.read(4 * ndim)
+    if len(sizes) < 4 * ndim:
+        raise DatasetFormatError(f"{path}: {4 + len(sizes)} bytes, too short for an IDX header "
+                                 f"of {ndim} dimensions{hint}")
+    dims = tuple(int(d) for d in np.frombuffer(sizes, dtype=">u4"))
     dtype = IDX_DTYPES[code]
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if len(data) - head != expected:
+    expected = math.prod(dims) * dtype.itemsize  # Python ints: no overflow
+    if expected > max_bytes:
         raise DatasetFormatError(f"{path}: header says {dims} items of {dtype.itemsize} byte(s) "
-                                 f"= {expected} bytes of data, the file holds {len(data) - head}"
+                                 f"= {expected} bytes of data, more than max_bytes = "
+                                 f"{max_bytes} (not an IDX file of this family){hint}")
+    # In steps, so that memory follows the bytes the stream really holds, not what it declares.
+    payload = bytearray()
+    while len(payload) < expected:
+        chunk = f.read(min(expected - len(payload), 1 << 24))
+        if not chunk:
+            break
+        payload += chunk
+    surplus = 0
+    while surplus <= _IDX_SURPLUS_COUNTED:
+        chunk = f.read(1 << 20)
+        if not chunk:
+            break
+        surplus += len(chunk)
+    if len(payload) != expected or surplus:
+        held = (f"{len(payload) + surplus}" if surplus <= _IDX_SURPLUS_COUNTED
+                else f"more than {expected + _IDX_SURPLUS_COUNTED}")
+        raise DatasetFormatError(f"{path}: header says {dims} items of {dtype.itemsize} byte(s) "
+                                 f"= {expected} bytes of data, the file holds {held}"
                                  f" (truncated or not this file){hint}")
-    arr = np.frombuffer(data, dtype=dtype, offset=head).reshape(dims)
-    return arr.astype(dtype.newbyteorder("="), copy=True)
+    return dims, dtype, payload
 
 
 def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:

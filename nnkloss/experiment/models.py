@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checksum import load_weights_only
+
 __all__ = [
     "DigitsNet",
     "EmbeddingNet",
@@ -126,13 +128,13 @@ class SoftmaxHead(nn.Module):
 
 
 def load_state_dict_file(path: str) -> dict:
-    """Read a state dict saved with ``torch.save`` (raw, or under "state_dict"/"model")."""
+    """Read a state dict saved with ``torch.save`` (raw, or under "state_dict"/"model"),
+    weights-only and refusing records that would inflate beyond the file
+    (:func:`nnkloss.checksum.load_weights_only`); a file that cannot be read so is a
+    ValueError naming it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained weights file not found: {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read pretrained weights {path}: {e}") from None
+    obj = load_weights_only(path, "cpu", where=f"pretrained weights {path}")
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -15,7 +15,9 @@ Before any payload is unpickled, :func:`load_weights_only` also checks its zip a
 directory: ``torch.save`` stores its records uncompressed, but ``torch.load`` would inflate a
 compressed one to whatever size the archive declares (a file of 262 KB loaded as a 256 MB
 tensor when tried; a few tens of MB would exhaust this machine's memory and get the process
-killed). A compressed record, or records declaring more bytes than the file holds, are refused.
+killed). A compressed record, or records declaring more bytes than the file holds, are refused;
+so, after the load, is a tensor with more elements than its storage holds bytes for (a view
+with a stride of 0, whose first copy would allocate what the file never held).
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ class UncheckedFileError(ValueError):
 def save_checked(obj: Any, path, name: str = "path") -> str:
     """``torch.save(obj)`` behind its sha256, written atomically to ``path``; returns the path.
     ``name`` is the argument named when ``path``'s directory does not exist."""
+    # What load_checked would refuse is refused here, before anything is written.
+    _check_tensors(obj, f"{name} {os.fspath(path)!r}",
+                   failure="cannot be saved (load_checked would refuse it; save a contiguous "
+                           "copy)")
     buf = io.BytesIO()
     torch.save(obj, buf)
     payload = buf.getbuffer()
@@ -130,7 +136,37 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
     seekable binary file. Every failure to read is a ValueError beginning with ``where``."""
     _check_archive(source, where)
     try:
-        return torch.load(source, map_location=map_location, weights_only=True)
+        obj = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as exc:  # foreign objects (refused by the weights-only unpickler), junk
         raise ValueError(f"{where} cannot be read safely "
                          f"({type(exc).__name__}: {exc})") from exc
+    _check_tensors(obj, where)
+    return obj
+
+
+def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
+    """Refuse any tensor in ``obj`` (through dicts, lists and tuples) that is not a strided
+    tensor whose elements all have bytes of their own in its storage. The weights-only
+    unpickler rebuilds views as the file describes them: a view with a stride of 0 over one
+    stored value (``expand``) has as many elements as it declares (a CentreBank of 16.7M
+    centres loaded from a file of 2.5 KB when tried), and the first copy of it (``contiguous``,
+    a search, a clone) would allocate them all. ``torch.save`` of a tensor that is not such a
+    view writes every element's bytes."""
+    stack = [("", obj)]
+    while stack:
+        at, o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.layout != torch.strided:
+                raise ValueError(f"{where} {failure}: {at or 'its object'} is a "
+                                 f"{o.layout} tensor; only strided tensors are read")
+            need = o.numel() * o.element_size()
+            have = o.untyped_storage().nbytes() - o.storage_offset() * o.element_size()
+            if need > have:
+                raise ValueError(f"{where} {failure}: {at or 'its object'} of "
+                                 f"shape {tuple(o.shape)} and strides {o.stride()} covers "
+                                 f"{need} bytes, its storage holds {have}: a view whose "
+                                 "first copy would grow beyond the file")
+        elif isinstance(o, dict):
+            stack.extend((f"{at}[{k!r}]", v) for k, v in o.items())
+        elif isinstance(o, (list, tuple)):
+            stack.extend((f"{at}[{i}]", v) for i, v in enumerate(o))

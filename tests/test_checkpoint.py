@@ -202,6 +202,46 @@ def test_a_record_that_inflates_is_refused_before_torch_reads_it(tmp_path, monke
     assert load_bank(path)[0].num_centres == 1 << 17
 
 
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
+def test_a_view_larger_than_its_storage_is_refused(tmp_path):
+    """A file can describe a view with a stride of 0 over one stored value: 16.7M centres from
+    a file of a few KB, whose first copy would allocate them all. load_checked refuses any
+    tensor whose elements do not all have bytes in its storage, and any tensor that is not
+    strided (a sparse one densifies the same way); save_checked refuses to write one."""
+    import io
+    from nnkloss.checksum import load_checked, save_checked
+    path = tmp_path / "bank.pt"
+    save_bank(make_bank(), path)
+    state = load_checked(path)
+    n = 1 << 24
+    for key, value, match in (
+            ("centres", torch.zeros(1, 8).expand(n, 8),
+             r"\['centres'\] of shape \(16777216, 8\) and strides \(0, 1\) covers 536870912 "
+             r"bytes, its storage holds 32"),
+            ("log_weights", torch.zeros(5).as_strided((3, 3), (1, 1)),  # overlapping rows
+             r"\['log_weights'\] .* covers 36 bytes, its storage holds 20"),
+            ("centres", torch.zeros(60, 8).to_sparse(),
+             r"\['centres'\] is a torch.sparse_coo tensor")):
+        evil = dict(state, **{key: value})
+        buf = io.BytesIO()
+        torch.save(evil, buf)
+        path.write_bytes(_with_checksum(buf.getvalue()))
+        assert path.stat().st_size < 1 << 16
+        with pytest.raises(ValueError, match=f"{path}.*cannot be read safely: {match}"):
+            load_bank(path)
+        with pytest.raises(ValueError, match=f"cannot be saved .*: {match}"):
+            save_checked(evil, tmp_path / "other.pt")
+        assert not (tmp_path / "other.pt").exists()
+    with pytest.raises(ValueError, match=r"cannot be saved .*\['extra'\]\['mask'\]"):
+        save_bank(make_bank(), tmp_path / "b.pt", extra={"mask": torch.ones(1).expand(5)})
+    # views that own their bytes are fine: a slice, a transpose, a 0-element tensor
+    extra = {"slice": torch.arange(10.0)[2:5], "t": torch.ones(3, 2).t(),
+             "empty": torch.zeros(1).expand(0)}
+    save_bank(make_bank(), tmp_path / "b.pt", extra=extra)
+    got = load_bank(tmp_path / "b.pt")[2]
+    assert all(torch.equal(got[k], v) for k, v in extra.items())
+
+
 def test_file_without_checksum_is_read_only_when_asked(tmp_path):
     """A checkpoint written before checksums: refused by default, read (weights-only and
     validated) with allow_unchecked=True."""

@@ -321,6 +321,30 @@ def test_resume_on_other_data_is_refused_naming_what_differs(tmp_path):
     assert _data_run(tmp_path, epochs=2).epoch == 2                     # the same data resumes
 
 
+def test_optimiser_state_of_another_shape_is_refused_on_load(tmp_path):
+    """Optimizer.load_state_dict checks parameter groups, not the buffers: a momentum buffer of
+    another shape (its sha256 recomputed) loaded, then failed at the next step mid-run. Now
+    the resume is refused naming the buffer, and nothing is trained from it."""
+    from nnkloss.checksum import load_checked, save_checked
+    _data_run(tmp_path, epochs=1)
+    path = tmp_path / "checkpoint.pt"
+    good = load_checked(path)
+    state = good["optimizer"]["state"]
+    key = next(k for k in state[0] if state[0][k].dim() > 0)  # Adam's exp_avg
+    for bad in (torch.zeros(1), torch.zeros(2, *state[0][key].shape), state[0][key].t()):
+        state[0][key] = bad
+        save_checked(good, path)
+        saved = path.read_bytes()
+        with pytest.raises(ValueError, match=rf"checkpoint.pt'?, optimizer: the optimiser "
+                                             rf"state '{key}' of parameter 0 of its group has "
+                                             rf"shape \({bad.shape[0]},"):
+            _data_run(tmp_path, epochs=2)
+        assert path.read_bytes() == saved  # nothing trained, nothing written
+    state[0][key] = state[0][key].t().contiguous()
+    save_checked(good, path)
+    assert _data_run(tmp_path, epochs=2).epoch == 2
+
+
 def test_flipped_bit_in_a_trainer_checkpoint_is_refused(tmp_path):
     """torch does not check its zip CRCs: before issue 18 a flipped bit in a tensor loaded
     silently. Now any flipped bit is an error naming the file."""

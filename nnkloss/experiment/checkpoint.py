@@ -30,7 +30,7 @@ from ..bank.centre_bank import CentreBank
 from ..checksum import UncheckedFileError, load_checked, save_checked
 
 __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
-           "check_data"]
+           "check_data", "check_optimizer_state"]
 
 FORMAT = "nnkloss.trainer/3"
 
@@ -101,6 +101,23 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
     if problems:
         raise ValueError(f"{where} does not belong to this training data: "
                          + "; ".join(problems))
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer,
+                          what: str = "the optimiser state") -> None:
+    """ValueError unless every tensor of every parameter's state in ``optimizer`` (as
+    ``load_state_dict`` left it) is a 0-dim tensor (a step count) or has its parameter's shape,
+    as the optimisers the Trainer builds keep them (momentum buffers, Adam's moments).
+    ``Optimizer.load_state_dict`` checks the parameter groups, not these: a buffer of another
+    shape loaded and then failed at the next step, mid-run."""
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            for key, value in optimizer.state.get(p, {}).items():
+                if (isinstance(value, torch.Tensor) and value.dim() > 0
+                        and value.shape != p.shape):
+                    raise ValueError(f"{what} {key!r} of parameter {i} "
+                                     f"of its group has shape {tuple(value.shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
 
 
 # ---------------------------------------------------------------------------- the file

@@ -368,6 +368,8 @@ class Trainer:
                              ("optimizer", self.optimizer)):
             try:
                 target.load_state_dict(state[name])
+                if target is self.optimizer:
+                    _ckpt.check_optimizer_state(target)
             except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
                 raise type(exc)(f"{where}, {name}: {exc}") from exc
         if state.get("scaler"):

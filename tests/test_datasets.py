@@ -86,6 +86,36 @@ def test_cars(trees):
     assert boxed.load_image(0).size == (28, 22)  # x1=3..x2=30, y1=4..y2=25, 1-based inclusive
 
 
+def test_mat_files_inflate_within_a_bound(tmp_path, monkeypatch):
+    """scipy's loadmat inflates each compressed element of a MATLAB file whole: imagelabels.mat
+    with 64 MiB of zeros beside its labels is a file of ~70 KB. Its elements are inflated and
+    counted first, in bounded steps: past MAT_MAX_BYTES (8 MiB here) the file is refused, naming
+    it, before scipy reads it. The same annotation files compressed, as the official ones are,
+    load as the uncompressed ones do."""
+    import scipy.io
+    from nnkloss.experiment import datasets
+    root = make_flowers(str(tmp_path / "flowers"))
+    labels_path = os.path.join(root, "imagelabels.mat")
+    labels = scipy.io.loadmat(labels_path)["labels"]
+    want = torch.as_tensor(Flowers102(root, "test").labels)
+    for name in ("imagelabels.mat", "setid.mat"):   # compressed, as the official files
+        path = os.path.join(root, name)
+        scipy.io.savemat(path, {k: v for k, v in scipy.io.loadmat(path).items()
+                                if not k.startswith("__")}, do_compression=True)
+    assert torch.equal(torch.as_tensor(Flowers102(root, "test").labels), want)
+    monkeypatch.setattr(datasets, "MAT_MAX_BYTES", 8 << 20)
+    assert torch.equal(torch.as_tensor(Flowers102(root, "test").labels), want)
+    scipy.io.savemat(labels_path, {"labels": labels, "pad": np.zeros(64 << 20, np.uint8)},
+                     do_compression=True)
+    assert os.path.getsize(labels_path) < 1 << 20
+    raised, peak = _peak_traced(lambda: Flowers102(root, "test"))
+    assert isinstance(raised, DatasetFormatError), raised
+    assert f"{labels_path}: its compressed elements inflate to more than {8 << 20}" in str(raised)
+    assert peak < 16 << 20, peak
+    monkeypatch.setattr(datasets, "MAT_MAX_BYTES", 128 << 20)
+    assert torch.equal(torch.as_tensor(Flowers102(root, "test").labels), want)
+
+
 def test_flowers(trees):
     parts = {s: Flowers102(trees["flowers"], s) for s in ("train", "val", "trainval", "test")}
     assert [len(parts[s]) for s in ("train", "val", "trainval", "test")] == [6, 6, 12, 6]

@@ -146,8 +146,56 @@ def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable]) -> 
     return rows
 
 
+#: The most bytes the compressed elements of a MATLAB file may inflate to (:func:`_loadmat`).
+#: The annotation files read here inflate to a few MB (Cars196's cars_annos.mat: ~1 MB).
+MAT_MAX_BYTES = 1 << 28
+
+
+def _check_mat_inflation(path: str, max_bytes: int) -> None:
+    """Refuse a MATLAB v5 file whose compressed elements (miCOMPRESSED, zlib) inflate to more
+    than ``max_bytes`` in all: scipy's loadmat inflates each element whole, to what its header
+    declares, so a file of a few MB could fill the memory. The elements are inflated here first
+    in bounded steps, counting the bytes and keeping none. Other files (v4, v7.3/HDF5, junk)
+    are left to scipy, whose own reading of them is bounded by the file."""
+    import struct
+    import zlib
+    with open(path, "rb") as f:
+        head = f.read(128)
+        order = {b"IM": "<", b"MI": ">"}.get(head[126:128]) if len(head) == 128 else None
+        if order is None:
+            return
+        total = 0
+        while True:
+            tag = f.read(8)
+            if len(tag) < 8:
+                return
+            mtype, nbytes = struct.unpack(order + "II", tag)
+            if mtype >> 16:      # a small element: its data are in the tag
+                continue
+            if mtype != 15:      # miCOMPRESSED; anything else is read as stored
+                f.seek(nbytes, os.SEEK_CUR)
+                continue
+            inflate, left = zlib.decompressobj(), nbytes
+            while left > 0:
+                data = f.read(min(left, 1 << 20))
+                if not data:
+                    break
+                left -= len(data)
+                while data and total <= max_bytes:
+                    try:
+                        total += len(inflate.decompress(data, 1 << 22))
+                    except zlib.error:
+                        return   # scipy reports the damage
+                    data = inflate.unconsumed_tail
+                if total > max_bytes:
+                    raise DatasetFormatError(
+                        f"{path}: its compressed elements inflate to more than {max_bytes} "
+                        "bytes (max_bytes); not an annotation file of this data set")
+
+
 def _loadmat(path: str, what: str, keys: Sequence[str]) -> dict:
     _require_file(path, what)
+    _check_mat_inflation(path, MAT_MAX_BYTES)
     try:
         import scipy.io
     except ImportError as e:  # pragma: no cover - scipy is in the "vision" extra

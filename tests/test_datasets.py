@@ -116,6 +116,31 @@ def test_mat_files_inflate_within_a_bound(tmp_path, monkeypatch):
     assert torch.equal(torch.as_tensor(Flowers102(root, "test").labels), want)
 
 
+def test_images_beyond_pil_pixel_limit_are_refused_from_their_header(trees, monkeypatch):
+    """PIL refuses an image of more than twice Image.MAX_IMAGE_PIXELS, and only warns below:
+    the loaders refuse every image above the limit before decoding it (a small compressed file
+    can declare gigabytes of pixels), naming the file, whichever of the two it is. The fabricated
+    images are 40 x 30 = 1200 pixels."""
+    import warnings
+    from PIL import Image
+    ds = Flowers102(trees["flowers"], "test")
+    for limit, match in ((1000, "is 40 x 30 pixels, more than PIL's Image.MAX_IMAGE_PIXELS "
+                                "= 1000"),
+                         (500, "cannot read image .*exceeds limit")):
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+        with monkeypatch.context() as m, warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+
+            def not_decoded(*a, **k):
+                raise AssertionError("decoded")
+            m.setattr(Image.Image, "convert", not_decoded)
+            with pytest.raises(DatasetFormatError, match=match) as e:
+                ds[0]
+        assert ds.paths[0] in str(e.value)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1200)
+    assert ds[0][0].size == (40, 30)
+
+
 def test_flowers(trees):
     parts = {s: Flowers102(trees["flowers"], s) for s in ("train", "val", "trainval", "test")}
     assert [len(parts[s]) for s in ("train", "val", "trainval", "test")] == [6, 6, 12, 6]

@@ -260,16 +260,24 @@ class ImageListDataset(Dataset):
         return len(self.paths)
 
     def load_image(self, i: int):
-        """The RGB PIL image of item ``i``, box-cropped if boxes were given."""
+        """The RGB PIL image of item ``i``, box-cropped if boxes were given. An image of more
+        than PIL's ``Image.MAX_IMAGE_PIXELS`` (89.5M by default; PIL itself only warns up to
+        twice that) is refused from its header, before it is decoded: a small compressed
+        file can declare a picture of gigabytes, and a loader's batches hold many."""
         from PIL import Image
 
         path = self.paths[i]
         try:
             with Image.open(path) as im:
+                limit = Image.MAX_IMAGE_PIXELS
+                if limit is not None and im.width * im.height > limit:
+                    raise DatasetFormatError(
+                        f"image {path} is {im.width} x {im.height} pixels, more than PIL's "
+                        f"Image.MAX_IMAGE_PIXELS = {limit} (raise it to read such images)")
                 img = im.convert("RGB")
         except FileNotFoundError:
             raise FileNotFoundError(f"image not found: {path}") from None
-        except OSError as e:
+        except (OSError, Image.DecompressionBombError) as e:
             raise DatasetFormatError(f"cannot read image {path}: {e}") from None
         if self.boxes is not None:
             left, upper, right, lower = self.boxes[i]

@@ -113,8 +113,11 @@ def require_float(name, t, ndim, dtypes=FLOAT_DTYPES):
 
 
 def require_labelled(name, t, labels_name, labels, dtypes=FLOAT_DTYPES) -> int:
-    """``t`` (n, D) float with ``labels`` (n,) integer, one label per row; returns n."""
+    """``t`` (n, D) float, D >= 1, with ``labels`` (n,) integer, one label per row; returns
+    n. (With D = 0 every distance is 0 and every neighbour a tie: nothing to search.)"""
     require_float(name, t, 2, dtypes)
+    if t.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one column (D >= 1)")
     require_int(labels_name, labels, 1)
     n = t.shape[0]
     if labels.shape[0] != n:

@@ -287,6 +287,8 @@ def test_bank_growth_keeps_weights_and_clears_stale_lists():
     (dict(centres=torch.randn(4), centre_labels=torch.zeros(4, dtype=torch.long)), ValueError, "centres"),
     (dict(centres=torch.full((4, 3), float("nan")), centre_labels=torch.zeros(4, dtype=torch.long)),
      ValueError, "NaN"),
+    (dict(centres=torch.randn(4, 0), centre_labels=torch.zeros(4, dtype=torch.long)), ValueError,
+     r"^centres must have at least one column \(D >= 1\)$"),
     (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),
           weights=-torch.ones(4)), ValueError, "weights"),
     (dict(centres=torch.randn(4, 3), centre_labels=torch.zeros(4, dtype=torch.long),

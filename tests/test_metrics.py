@@ -144,6 +144,16 @@ def test_validation_errors():
         metrics.evaluate(emb, labels, (), map_at_r=False)
     with pytest.raises(ValueError, match="at least 2"):
         metrics.recall_at_k(emb[:1], labels[:1], (1,))
+    # a NaN is named as the argument the caller passed (the search below says "queries"), by
+    # every metric; an embedding of no column (every distance 0, every neighbour a tie) too
+    bad = emb.clone()
+    bad[7, 1] = float("nan")
+    for call in (lambda e: metrics.evaluate(e, labels), lambda e: metrics.recall_at_k(e, labels),
+                 lambda e: metrics.map_at_r(e, labels), lambda e: metrics.nmi(e, labels)):
+        with pytest.raises(ValueError, match=r"^emb contains NaN or inf \(first bad row: 7\)$"):
+            call(bad)
+        with pytest.raises(ValueError, match=r"^emb must have at least one column \(D >= 1\)$"):
+            call(emb[:, :0])
 
 
 def test_exported():

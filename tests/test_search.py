@@ -171,6 +171,8 @@ def test_bad_inputs(backend):
         knn(torch.randn(2, 3), bad, 2, search_backend=backend)
     with pytest.raises(ValueError, match="dimension"):
         knn(torch.randn(2, 4), base, 2, search_backend=backend)
+    with pytest.raises(ValueError, match=r"at least one column \(D >= 1\)"):
+        knn(torch.randn(2, 0), torch.randn(10, 0), 2, search_backend=backend)
     with pytest.raises(ValueError, match="exclude_self"):
         knn(torch.randn(2, 3), base, 1, search_backend=backend, exclude_self=True)
     with pytest.raises(TypeError, match="queries"):

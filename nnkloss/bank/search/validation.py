@@ -50,6 +50,8 @@ def validate(queries: Tensor, base: Tensor, k, exclude_self: bool) -> int:
     if queries.shape[1] != base.shape[1]:
         raise ValueError(f"queries have dimension {queries.shape[1]} but base has "
                          f"dimension {base.shape[1]}")
+    if queries.shape[1] == 0:
+        raise ValueError("queries and base must have at least one column (D >= 1)")
     if queries.device != base.device:
         raise ValueError(f"queries are on {queries.device} but base is on {base.device}")
     n = base.shape[0]

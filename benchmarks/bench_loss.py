@@ -54,6 +54,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from nnkloss.atomic import atomic_write  # noqa: E402
 from common import (PeakRss, ResultsCsv, add_worker_args, device_name, git_commit,  # noqa: E402
                     load_average, max_limits, median_round, parse_device, parse_or_work,
                     process_limits, read_gbps, results_path, run_isolated, time_ms, utc_now,
@@ -431,8 +432,10 @@ def plot(csv_path, png_path, commit, grads="emb"):
     fig.suptitle(f"neighbour-kernel loss: {rows[-1]['device']} @ {commit}, "
                  f"{rows[-1]['date'][:10]}{extra} (dashed: the 80% goal)")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(png_path, lambda f: fig.savefig(f, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def grads_label(mode, also_grad) -> str:

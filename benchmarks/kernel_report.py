@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from common import git_commit  # noqa: E402
+from nnkloss.atomic import atomic_write  # noqa: E402
 from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
 _kernels()
@@ -86,10 +88,11 @@ def main(argv=None):
     paths = []
     for a in archs:
         path = os.path.join(args.out, f"static_sm_{a}.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(COLUMNS)
-            w.writerows(rows_for(res["archs"][str(a)], sets, a, res["triton"], commit))
+        text = io.StringIO(newline="")
+        w = csv.writer(text)
+        w.writerow(COLUMNS)
+        w.writerows(rows_for(res["archs"][str(a)], sets, a, res["triton"], commit))
+        atomic_write(path, text.getvalue().encode())
         paths.append(path)
         print(f"sm_{a}: {len(sets)} builds in {res['archs'][str(a)]['seconds']} s -> {path}")
     print(f"triton {res['triton']} @ {commit}; total {time.time() - t0:.0f} s")

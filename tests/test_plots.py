@@ -51,6 +51,29 @@ def test_plot_recall_curve_writes_png(tmp_path):
     assert_png(tmp_path / "s.png")
 
 
+def test_a_plot_is_written_atomically(tmp_path, monkeypatch):
+    """A figure whose writing fails half-way (a full disk, a kill) leaves the previous file
+    as it was and no partial one; the format follows the extension."""
+    from matplotlib.figure import Figure
+    results = {"nngk": {1: 0.6, 2: 0.72, 4: 0.81}}
+    path = tmp_path / "r.png"
+    plots.plot_recall_curve(results, path)
+    before = path.read_bytes()
+    real = Figure.savefig
+
+    def torn(self, f, **kw):
+        real(self, f, **kw)
+        f.truncate(100)
+        raise OSError("disk full")
+    monkeypatch.setattr(Figure, "savefig", torn)
+    with pytest.raises(OSError, match="disk full"):
+        plots.plot_recall_curve({"other": {1: 0.1, 2: 0.2}}, path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["r.png"]
+    monkeypatch.undo()
+    plots.plot_recall_curve(results, tmp_path / "r.pdf")
+    assert (tmp_path / "r.pdf").read_bytes()[:5] == b"%PDF-"
+
+
 def test_plot_errors(tmp_path):
     emb, labels = blobs()
     with pytest.raises(ValueError, match="method"):

@@ -5,12 +5,14 @@ so importing nnkloss does not pull them in.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
+from ..atomic import atomic_write
 from ..validation import require_parent_dir
 
 __all__ = ["plot_embedding", "plot_recall_curve", "plot_training_curves", "METHODS"]
@@ -38,9 +40,14 @@ def _to_numpy(name: str, x) -> np.ndarray:
 
 
 def _save(plt, fig, path: str, dpi: int = 120) -> str:
+    """Write ``fig`` to ``path`` atomically (a killed run leaves the old file or none, never a
+    torn one), in the format of its extension (matplotlib's default where it has none)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    fmt = os.path.splitext(path)[1][1:].lower() or None
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
+    finally:
+        plt.close(fig)
     return path
 
 

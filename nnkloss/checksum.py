@@ -146,7 +146,8 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
 
 def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
     """Refuse any tensor in ``obj`` (through dicts, lists and tuples) that is not a strided
-    tensor whose elements all have bytes of their own in its storage. The weights-only
+    tensor with values (not on the meta device) whose elements all have bytes of their own in
+    its storage. The weights-only
     unpickler rebuilds views as the file describes them: a view with a stride of 0 over one
     stored value (``expand``) has as many elements as it declares (a CentreBank of 16.7M
     centres loaded from a file of 2.5 KB when tried), and the first copy of it (``contiguous``,
@@ -159,6 +160,9 @@ def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely")
             if o.layout != torch.strided:
                 raise ValueError(f"{where} {failure}: {at or 'its object'} is a "
                                  f"{o.layout} tensor; only strided tensors are read")
+            if o.is_meta:
+                raise ValueError(f"{where} {failure}: {at or 'its object'} is a tensor on "
+                                 "the meta device, which holds no values")
             need = o.numel() * o.element_size()
             have = o.untyped_storage().nbytes() - o.storage_offset() * o.element_size()
             if need > have:

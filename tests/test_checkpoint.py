@@ -207,7 +207,9 @@ def test_a_view_larger_than_its_storage_is_refused(tmp_path):
     """A file can describe a view with a stride of 0 over one stored value: 16.7M centres from
     a file of a few KB, whose first copy would allocate them all. load_checked refuses any
     tensor whose elements do not all have bytes in its storage, and any tensor that is not
-    strided (a sparse one densifies the same way); save_checked refuses to write one."""
+    strided (a sparse one densifies the same way), or that holds no values (the meta device:
+    load_bank raised RuntimeError "Tensor.item() cannot be called on meta tensors", naming
+    nothing); save_checked refuses to write one."""
     import io
     from nnkloss.checksum import load_checked, save_checked
     path = tmp_path / "bank.pt"
@@ -221,7 +223,9 @@ def test_a_view_larger_than_its_storage_is_refused(tmp_path):
             ("log_weights", torch.zeros(5).as_strided((3, 3), (1, 1)),  # overlapping rows
              r"\['log_weights'\] .* covers 36 bytes, its storage holds 20"),
             ("centres", torch.zeros(60, 8).to_sparse(),
-             r"\['centres'\] is a torch.sparse_coo tensor")):
+             r"\['centres'\] is a torch.sparse_coo tensor"),
+            ("centres", torch.empty(n, 8, device="meta"),   # a file of 1.7 KB
+             r"\['centres'\] is a tensor on the meta device, which holds no values")):
         evil = dict(state, **{key: value})
         buf = io.BytesIO()
         torch.save(evil, buf)

@@ -396,6 +396,25 @@ def test_sigma_has_one_representation_and_two_readers(learn):
     assert fn.log_values() == {"sigma": fn.kernel_sigma()}
 
 
+@pytest.mark.parametrize("cls", [nnkloss.NeighbourKernelLoss, nnkloss.ClassConditionalLoss])
+def test_a_loaded_sigma_is_checked_as_the_constructor_checks_it(cls):
+    """load_state_dict refuses a log_sigma whose exp (in the parameter's dtype, as the maths
+    takes it) is not positive and finite, as the constructor refuses such a sigma: an inf
+    log_sigma trained on a constant kernel without an error before; the loss keeps its sigma."""
+    fn = cls(make_bank(), sigma=2.5)
+    for bad, shown in ((float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "0.0"),
+                       (89.0, "inf"), (-104.0, "0.0")):
+        sd = fn.state_dict()
+        sd["log_sigma"] = torch.tensor(bad)
+        with pytest.raises(ValueError, match=rf"^sigma = exp\(log_sigma\) must be positive and "
+                                             rf"finite, got {shown}$"):
+            fn.load_state_dict(sd)
+        assert fn.kernel_sigma() == pytest.approx(2.5)
+    sd["log_sigma"] = torch.tensor(88.0)   # exp: 1.65e38, finite in fp32, as sigma=1.65e38 is
+    fn.load_state_dict(sd)
+    assert fn.kernel_sigma() == pytest.approx(float(torch.tensor(88.0).exp()))
+
+
 # -----------------------------------------------------------------------------------------------
 # Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 def test_loss_reports_its_sigma_for_logs_and_refresh_stats():

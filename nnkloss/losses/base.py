@@ -133,6 +133,22 @@ class BankLoss(nn.Module, abc.ABC):
         log_sigma = getattr(self, "log_sigma", None)
         return None if log_sigma is None else float(log_sigma.detach().exp())
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A loaded sigma is checked as the constructor checks its argument (require_sigma):
+        # exp(log_sigma) positive and finite. An inf log_sigma trained on a constant kernel
+        # (sigma inf) without an error; -inf (sigma 0) or NaN only as NaN losses later on.
+        key = prefix + "log_sigma"
+        value = state_dict.get(key)
+        if (isinstance(getattr(self, "log_sigma", None), nn.Parameter)
+                and isinstance(value, Tensor) and value.numel() == 1
+                and value.dtype.is_floating_point):
+            # exp in the parameter's dtype, as sigma_tensor computes it (fp32: inf above 88.7)
+            require_sigma(value.detach().to(self.log_sigma.dtype).exp(),
+                          name=f"sigma = exp({key})")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
         """The loss's parameters by role, for an optimiser: ``"sigma"`` (``log_sigma``),
         ``"weights"`` (the bank's ``log_weights``) and ``"other"`` (any other parameter of a

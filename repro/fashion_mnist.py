@@ -622,7 +622,10 @@ def _stored_runs(out_dir: str) -> List[Dict]:
                     rec = json.load(f)
             except (OSError, ValueError):
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("config"), dict):
+            # only this script's records (a damaged or foreign one is left out of the report)
+            if (isinstance(rec, dict) and isinstance(rec.get("config"), dict)
+                    and isinstance(rec.get("method"), str) and isinstance(rec.get("seed"), int)
+                    and isinstance(rec.get("metrics"), dict)):
                 recs.append(rec)
     return recs
 
@@ -736,7 +739,9 @@ def _same_config(path: str, cfg: Dict) -> Optional[Dict]:
             rec = json.load(f)
     except (OSError, ValueError):
         return None
-    return rec if rec.get("config") == json.loads(json.dumps(cfg)) else None
+    # a record of another shape (damaged, or not this script's) is not this run's: run it again
+    same = isinstance(rec, dict) and rec.get("config") == json.loads(json.dumps(cfg))
+    return rec if same else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:

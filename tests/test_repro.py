@@ -291,6 +291,26 @@ def test_fashion_mnist_network_memory_format(idx_tree, tmp_path):
     assert other["runs"]["softmax/s0"]["config"]["memory_format"] == "contiguous"
 
 
+def test_fashion_mnist_damaged_records_are_run_again_or_left_out(idx_tree, tmp_path):
+    """A run's result.json that is not a record of this script (a JSON list, a dict without
+    its fields, junk) is run again, not read; other folders' such files are left out of the
+    report. Before, a list as the run's own record raised AttributeError and a record without
+    "method" KeyError."""
+    fm = load_script("fashion_mnist")
+    out = tmp_path / "fm"
+    argv = ["--data-root", idx_tree, "--out", str(out), "--quick", "--methods", "softmax",
+            "--seeds", "0"] + FM_TINY
+    first = fm.main(argv)["runs"]["softmax/s0"]
+    (out / "runs" / "softmax-s0" / "result.json").write_text("[1, 2]")
+    for name, text in (("junk-s0", "{not json"), ("list-s0", "[]"),
+                       ("nomethod-s0", json.dumps({"config": first["config"], "seed": 0}))):
+        os.makedirs(out / "runs" / name)
+        (out / "runs" / name / "result.json").write_text(text)
+    again = fm.main(argv)
+    assert again["runs_skipped_as_done"] == 0 and set(again["runs"]) == {"softmax/s0"}
+    assert again["runs"]["softmax/s0"]["metrics"] == first["metrics"]
+
+
 def test_fashion_mnist_interrupted_run_resumes_from_its_checkpoint(idx_tree, tmp_path):
     fm = load_script("fashion_mnist")
     out = tmp_path / "fm"

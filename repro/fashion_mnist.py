@@ -348,7 +348,7 @@ def pml_criterion(method: str, num_classes: int, dim: int) -> PMLCriterion:
 def pml_settings(method: str) -> Dict:
     """The settings recorded in results.json (what :func:`pml_criterion` builds)."""
     import pytorch_metric_learning as pml
-    from pytorch_metric_learning import losses, miners
+    from pytorch_metric_learning import losses
 
     loss_cls = {"contrastive": losses.ContrastiveLoss, "triplet": losses.TripletMarginLoss,
                 "multisimilarity": losses.MultiSimilarityLoss, "nca": losses.NCALoss,

@@ -2,6 +2,7 @@
 self-exclusion, the threshold selection, the compiled CPU selection and its torch fallback,
 edge cases, errors, recall."""
 import dataclasses
+import importlib
 import math
 import types
 import warnings
@@ -701,6 +702,40 @@ def test_compiled_paths_drop_the_own_row_in_their_decode(monkeypatch):
     monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)  # the torch selection
     dist, idx = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
     assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0]) and calls
+
+
+@compiled
+def test_compiled_paths_decode_into_knns_result(monkeypatch):
+    """knn's result is allocated once: the compiled selection (blockwise and symmetric)
+    decodes every block into its rows (the blocks it yields are views of it, no copy); the
+    torch selection's blocks are its own and are copied in. The same lists on every path; a
+    result of the wrong shape, dtype or layout is refused by KnnSelection.finish."""
+    x = tied(n=300, d=3, seed=82)
+    ref = ref_lists(x, x, 20, exclude_self=True)
+    sym_blocks(monkeypatch, 64)
+    seen = []
+    real = TS.decoded_into
+    knn_module = importlib.import_module("nnkloss.bank.search.knn")  # the name is knn's
+    monkeypatch.setattr(knn_module, "decoded_into",
+                        lambda *a: seen.append(real(*a)) or seen[-1])
+    for queries, blocks in ((x, 5), (x.clone(), 1)):  # symmetric (blocks of 64), blockwise
+        seen.clear()
+        dist, idx = knn(queries, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
+        assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
+        assert len(seen) == blocks and all(seen)
+    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)  # the torch selection
+    seen.clear()
+    dist, idx = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
+    assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
+    assert seen and not any(seen)
+    sel = cpu.knn_selection(4, 3, 70)
+    sel.reset(4)
+    sel.add(torch.rand(4, 10), 0)
+    for bad in ((torch.empty(4, 2), torch.empty(4, 3, dtype=torch.long)),
+                (torch.empty(4, 3, dtype=torch.float64), torch.empty(4, 3, dtype=torch.long)),
+                (torch.empty(4, 3), torch.empty(3, 4, dtype=torch.long).t())):
+        with pytest.raises(ValueError, match=r"out must hold contiguous \(4, 3\) fp32 and int64"):
+            sel.finish(out=bad)
 
 
 def sym_blocks(monkeypatch, s):

@@ -999,7 +999,8 @@ class KnnSelection:
         if rc != 0:
             raise RuntimeError(f"nnk_knn_select_sym failed (code {rc})")
 
-    def finish(self, row0: int = 0, rows: Optional[int] = None, self0: Optional[int] = None):
+    def finish(self, row0: int = 0, rows: Optional[int] = None, self0: Optional[int] = None,
+               out=None):
         """(rows, k) fp32 distances and int64 indices of state rows row0 .. row0 + rows - 1
         (default: all the rows of the last reset), ascending by (distance, index).
 
@@ -1014,7 +1015,11 @@ class KnnSelection:
         lists; numpy's is SIMD on x86 (x86-simd-sort, AVX2 / AVX-512) and aarch64, and sorted
         the 1,000-3,000-key buffers 4-8x faster than the nth_element and std::sort of the k
         smallest it replaced (2026-11-27, the 2-core AMD EPYC family 26; docs/PERFORMANCE.md,
-        "The kNN graph"). The state's rows are left sorted and padded: finish them once."""
+        "The kNN graph"). The state's rows are left sorted and padded: finish them once.
+
+        ``out``: a (distances, indices) pair of contiguous (rows, k) fp32 / int64 CPU tensors
+        (k - 1 columns with ``self0``) to decode into, e.g. rows of the caller's whole result:
+        no block of its own then, and no copy of it (returned as given)."""
         rows = self.rows - row0 if rows is None else int(rows)
         if row0 < 0 or rows < 0 or row0 + rows > self.rows:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
@@ -1029,9 +1034,18 @@ class KnnSelection:
         if rc != 0:
             raise RuntimeError(f"nnk_knn_pad failed (code {rc}): a row holds fewer than k "
                                "keys")
+        if out is None:
+            dist = torch.empty(rows, k, dtype=torch.float32)
+            idx = torch.empty(rows, k, dtype=torch.int64)
+        else:
+            dist, idx = out
+            for t, dt in ((dist, torch.float32), (idx, torch.int64)):
+                if (t.shape != (rows, k) or t.dtype != dt or t.device.type != "cpu"
+                        or not t.is_contiguous()):
+                    raise ValueError(f"out must hold contiguous ({rows}, {k}) fp32 and int64 "
+                                     f"CPU tensors, got {tuple(t.shape)} {t.dtype} on "
+                                     f"{t.device}")
         sort_rows(keys.numpy().view(np.uint64))
-        dist = torch.empty(rows, k, dtype=torch.float32)
-        idx = torch.empty(rows, k, dtype=torch.int64)
         rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
                                     idx.data_ptr(), -1 if self0 is None else int(self0),
                                     _governed_threads("knn_select", rows * k))

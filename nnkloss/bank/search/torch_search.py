@@ -303,7 +303,8 @@ def same_tensor(a: Tensor, b: Tensor) -> bool:
 
 
 def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None,
-                   self_search: bool = False, exclude_self: bool = False
+                   self_search: bool = False, exclude_self: bool = False,
+                   out: Optional[Tuple[Tensor, Tensor]] = None
                    ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
     blocks of query rows: the k nearest base rows of each, by (distance, index).
@@ -317,6 +318,10 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
     searched and the own index dropped as :func:`..exclusion.drop_self` drops it, by the
     compiled selection's decode (``KnnSelection.finish``'s ``self0``) where it runs, by
     drop_self elsewhere.
+    ``out``: the caller's whole result, contiguous (Q, k) fp32 and int64 tensors on the
+    queries' device. The compiled selection decodes each block into its rows and yields those
+    rows (views of ``out``): the caller's copy of a block is then no copy at all. The other
+    paths yield blocks of their own: copy those (:func:`decoded_into`).
     """
     q, d = queries.shape
     n = base.shape[0]
@@ -332,13 +337,14 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         if s:
             sel = _compiled_selection(n, kk, kk + max(kk, 64))
             if sel is not None:
-                yield from _iter_knn_symmetric(base, kk, width, s, sel, exclude_self)
+                yield from _iter_knn_symmetric(base, kk, width, s, sel, exclude_self, out)
                 return
     if dev.type == "cpu" and n < 2**31:
         tq, tb, cap = cpu_tile_sizes(q, n, kk, budget)
         sel = _compiled_selection(tq, kk, cap)
         if sel is not None:
-            yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self)
+            yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self,
+                                          out)
             return
     for q0, dist, idx in _iter_knn_threshold(queries, base, kk, budget, width):
         if exclude_self:
@@ -415,7 +421,8 @@ def symmetric_block(n: int, k: int, budget: int) -> int:
     return s if state + s * (s * 4 + k * 12) <= budget else 0
 
 
-def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self: bool
+def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self: bool,
+                        out: Optional[Tuple[Tensor, Tensor]] = None
                         ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Self-search of the (N, D) points ``x`` (queries = base) with the compiled selection:
     only the tiles (I, J), J >= I, of square blocks of ``s`` points get a GEMM (about half the
@@ -450,8 +457,22 @@ def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self
             tile = buf[:rows * cols].view(rows, cols)
             distance_tile(qa, ba[j0:j0 + cols], tile)
             sel.add_symmetric(tile, i0, j0)
-        dist, idx = sel.finish(i0, rows, self0=i0 if exclude_self else None)
+        dist, idx = sel.finish(i0, rows, self0=i0 if exclude_self else None,
+                               out=_rows_of(out, i0, rows))
         yield i0, dist, idx
+
+
+def _rows_of(out: Optional[Tuple[Tensor, Tensor]], row0: int, rows: int):
+    """Rows row0 .. row0 + rows - 1 of the caller's result ``out`` (None: no result given)."""
+    return None if out is None else (out[0][row0:row0 + rows], out[1][row0:row0 + rows])
+
+
+def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tensor) -> bool:
+    """Whether the block (row0, dist, idx) that :func:`iter_knn_torch` yielded is already
+    the rows of ``out`` (the compiled selection decoded it there) rather than a block of its
+    own to copy in."""
+    return (dist.data_ptr() == out[0][row0].data_ptr()
+            and idx.data_ptr() == out[1][row0].data_ptr())
 
 
 def _compiled_selection(rows: int, k: int, cap: int):
@@ -460,7 +481,8 @@ def _compiled_selection(rows: int, k: int, cap: int):
 
 
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
-                       sel, exclude_self: bool) -> Iterator[Tuple[int, Tensor, Tensor]]:
+                       sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None
+                       ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """CPU with the compiled library: (tq, tb) distance tiles, each folded into the per-row
     selection in C++ (nnkloss/ops/cpu_kernel.cpp) straight after its GEMM, while it is in
     cache. Lists of k, or k - 1 without each query's own index with ``exclude_self`` (query
@@ -478,7 +500,7 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
             tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
             distance_tile(qa, ba[b0:b0 + cols], tile)
             sel.add(tile, b0)
-        dist, idx = sel.finish(self0=q0 if exclude_self else None)
+        dist, idx = sel.finish(self0=q0 if exclude_self else None, out=_rows_of(out, q0, rows))
         yield q0, dist, idx
 
 

@@ -147,15 +147,18 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
 def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
     """Refuse any tensor in ``obj`` (through dicts, lists and tuples) that is not a strided
     tensor with values (not on the meta device) whose elements all have bytes of their own in
-    its storage. The weights-only
-    unpickler rebuilds views as the file describes them: a view with a stride of 0 over one
-    stored value (``expand``) has as many elements as it declares (a CentreBank of 16.7M
-    centres loaded from a file of 2.5 KB when tried), and the first copy of it (``contiguous``,
-    a search, a clone) would allocate them all. ``torch.save`` of a tensor that is not such a
-    view writes every element's bytes."""
-    stack = [("", obj)]
+    its storage. The weights-only unpickler rebuilds views as the file describes them: a view
+    with a stride of 0 over one stored value (``expand``) has as many elements as it declares
+    (a CentreBank of 16.7M centres loaded from a file of 2.5 KB when tried), and the first copy
+    of it (``contiguous``, a search, a clone) would allocate them all. ``torch.save`` of a
+    tensor that is not such a view writes every element's bytes. Each object is visited once:
+    a pickle can make a list hold itself, or share one container many times over."""
+    stack, seen = [("", obj)], set()
     while stack:
         at, o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
         if isinstance(o, torch.Tensor):
             if o.layout != torch.strided:
                 raise ValueError(f"{where} {failure}: {at or 'its object'} is a "
@@ -170,7 +173,7 @@ def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely")
                                  f"shape {tuple(o.shape)} and strides {o.stride()} covers "
                                  f"{need} bytes, its storage holds {have}: a view whose "
                                  "first copy would grow beyond the file")
-        elif isinstance(o, dict):
-            stack.extend((f"{at}[{k!r}]", v) for k, v in o.items())
+        elif isinstance(o, dict):  # reversed: the first bad entry in order is reported
+            stack.extend(reversed([(f"{at}[{k!r}]", v) for k, v in o.items()]))
         elif isinstance(o, (list, tuple)):
-            stack.extend((f"{at}[{i}]", v) for i, v in enumerate(o))
+            stack.extend(reversed([(f"{at}[{i}]", v) for i, v in enumerate(o)]))

@@ -1,5 +1,7 @@
 """save_bank / load_bank: round trip, resuming gives the same loss, atomic writes."""
+import contextlib
 import os
+import signal
 
 import pytest
 import torch
@@ -202,6 +204,20 @@ def test_a_record_that_inflates_is_refused_before_torch_reads_it(tmp_path, monke
     assert load_bank(path)[0].num_centres == 1 << 17
 
 
+@contextlib.contextmanager
+def _within(seconds: float):
+    """TimeoutError if the block runs longer than ``seconds`` (SIGALRM: the main thread)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 @pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
 def test_a_view_larger_than_its_storage_is_refused(tmp_path):
     """A file can describe a view with a stride of 0 over one stored value: 16.7M centres from
@@ -238,6 +254,17 @@ def test_a_view_larger_than_its_storage_is_refused(tmp_path):
         assert not (tmp_path / "other.pt").exists()
     with pytest.raises(ValueError, match=r"cannot be saved .*\['extra'\]\['mask'\]"):
         save_bank(make_bank(), tmp_path / "b.pt", extra={"mask": torch.ones(1).expand(5)})
+    # a list that holds itself, and one list shared 2^40 times over (40 levels of pairs), are
+    # data a pickle can describe: checked once each, no endless walk
+    loop = []
+    loop.append(loop)
+    shared = [torch.zeros(2)]
+    for _ in range(40):
+        shared = [shared, shared]
+    with _within(20):  # a walk that forgot where it had been would never end: fail, not hang
+        save_bank(make_bank(), tmp_path / "b.pt", extra={"loop": loop, "shared": shared})
+        got = load_bank(tmp_path / "b.pt")[2]
+    assert got["loop"][0] is got["loop"] and got["shared"][0] is got["shared"][1]
     # views that own their bytes are fine: a slice, a transpose, a 0-element tensor
     extra = {"slice": torch.arange(10.0)[2:5], "t": torch.ones(3, 2).t(),
              "empty": torch.zeros(1).expand(0)}

@@ -37,21 +37,30 @@ _STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
 
 def _check_extra(value: Any, where: str = "extra") -> None:
-    """Refuse what ``torch.load(weights_only=True)`` could not read back (fail at save time)."""
-    if value is None or isinstance(value, (bool, numbers.Integral, float, str, torch.Tensor)):
-        return
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_extra(v, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, v in value.items():
-            if not isinstance(key, (str, numbers.Integral)):
-                raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int")
-            _check_extra(v, f"{where}[{key!r}]")
-        return
-    raise TypeError(f"{where} is a {type(value).__name__}; checkpoints hold only tensors, "
-                    "numbers, strings, None and lists/tuples/dicts of them")
+    """Refuse what ``torch.load(weights_only=True)`` could not read back (fail at save time).
+    Each container is visited once (one that holds itself, or is shared many times over, is
+    checked once)."""
+    stack, seen = [(where, value)], set()
+    while stack:
+        at, value = stack.pop()
+        if value is None or isinstance(value, (bool, numbers.Integral, float, str,
+                                               torch.Tensor)):
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, (list, tuple)):
+            # reversed: the stack then reports the first bad entry in the container's order
+            stack.extend(reversed([(f"{at}[{i}]", v) for i, v in enumerate(value)]))
+        elif isinstance(value, dict):
+            for key in value:
+                if not isinstance(key, (str, numbers.Integral)):
+                    raise TypeError(f"{at} has a key of type {type(key).__name__}; use str or "
+                                    "int")
+            stack.extend(reversed([(f"{at}[{key!r}]", v) for key, v in value.items()]))
+        else:
+            raise TypeError(f"{at} is a {type(value).__name__}; checkpoints hold only tensors, "
+                            "numbers, strings, None and lists/tuples/dicts of them")
 
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:

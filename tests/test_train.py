@@ -345,6 +345,46 @@ def test_optimiser_state_of_another_shape_is_refused_on_load(tmp_path):
     assert _data_run(tmp_path, epochs=2).epoch == 2
 
 
+def test_a_history_the_logs_cannot_write_is_refused_on_load(tmp_path):
+    """The history is written to log.json / log.csv after each epoch: a loaded one holding
+    what they cannot write (bytes, a tuple key, a list holding itself) failed at the first
+    write, mid-run, and one list shared 2^28 times over made that write all but endless;
+    json.dumps also fails on nesting 2,000 deep, and a history is refused beyond 32 levels
+    (40 here). Each is refused on load, naming the history; nested metrics as an eval_fn
+    returns them load and are written."""
+    from nnkloss.checksum import load_checked, save_checked
+    from nnkloss.experiment.checkpoint import check_history
+    _data_run(tmp_path, epochs=1)
+    path = tmp_path / "checkpoint.pt"
+    good = load_checked(path)
+    loop = []
+    loop.append(loop)
+    shared = [1.0]
+    for _ in range(28):
+        shared = [shared, shared]
+    deep = [1.0]
+    for _ in range(40):
+        deep = [deep]
+    for value, match in ((b"\x00", "holds a bytes"), ({(1, 2): 0.5}, "a key of type tuple"),
+                         (loop, r"holds itself \(a cycle\)"),
+                         (deep, "nests deeper than 32 levels"),
+                         (shared, "expands to more than 10000000 values")):
+        state = dict(good, history=[dict(good["history"][0], extra=value)])
+        save_checked(state, path)
+        with pytest.raises(ValueError, match=rf"checkpoint.pt'?, history .*{match}"):
+            _data_run(tmp_path, epochs=2)
+    for bad in ({"epoch": 1}, [[1]], [{1: 2}]):
+        with pytest.raises(ValueError, match="must be a list of dicts with str keys"):
+            check_history(bad)
+    nested = dict(good["history"][0], recall={1: 0.5, 2: torch.tensor(0.7)}, ks=(1, 2),
+                  twice=[[1.0, 2.0]] * 3)  # a small list shared three times: fine
+    save_checked(dict(good, history=[nested]), path)
+    run = _data_run(tmp_path, epochs=2)
+    assert run.epoch == 2 and run.history[0]["recall"][1] == 0.5
+    logged = json.load(open(tmp_path / "log.json"))[0]
+    assert logged["ks"] == [1, 2] and logged["recall"]["2"] == pytest.approx(0.7)
+
+
 def test_flipped_bit_in_a_trainer_checkpoint_is_refused(tmp_path):
     """torch does not check its zip CRCs: before issue 18 a flipped bit in a tensor loaded
     silently. Now any flipped bit is an error naming the file."""

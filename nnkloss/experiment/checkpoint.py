@@ -30,7 +30,7 @@ from ..bank.centre_bank import CentreBank
 from ..checksum import UncheckedFileError, load_checked, save_checked
 
 __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
-           "check_data", "check_optimizer_state"]
+           "check_data", "check_optimizer_state", "check_history"]
 
 FORMAT = "nnkloss.trainer/3"
 
@@ -118,6 +118,60 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
                     raise ValueError(f"{what} {key!r} of parameter {i} "
                                      f"of its group has shape {tuple(value.shape)}, the "
                                      f"parameter {tuple(p.shape)}")
+
+
+#: The most values (containers and leaves, each counted as often as it is referenced) a loaded
+#: history may expand to when the logs write it (a real run's: tens per epoch).
+HISTORY_MAX_VALUES = 10_000_000
+#: The deepest nesting of a loaded history (json.dumps and the logs recurse through it).
+HISTORY_MAX_DEPTH = 32
+_HISTORY_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
+_JSON_KEYS = (type(None), bool, int, float, str)
+
+
+def check_history(history: Any, what: str = "history") -> None:
+    """ValueError unless ``history`` is what the logs can write: a list of per-epoch dicts with
+    str keys, holding numbers, strings, None, tensors and lists / tuples / dicts of them (keys
+    that JSON writes), without a cycle, at most HISTORY_MAX_DEPTH deep, expanding to at most
+    HISTORY_MAX_VALUES values. A
+    weights-only load reads other things a pickle can describe: bytes or a tuple key (the first
+    write of log.json failed mid-run), a list holding itself (the same), one list shared 2^40
+    times over (the write would never end)."""
+    if not isinstance(history, list) or not all(
+            isinstance(r, dict) and all(isinstance(k, str) for k in r) for r in history):
+        raise ValueError(f"{what} must be a list of dicts with str keys (one per epoch)")
+    size: Dict[int, int] = {}   # id -> expanded value count of a finished container
+    active = set()              # containers on the current path: meeting one again is a cycle
+    stack = [(history, False, 0)]
+    while stack:
+        o, done, depth = stack.pop()
+        kids = list(o.values()) if isinstance(o, dict) else o
+        if done:
+            active.discard(id(o))
+            total = 1 + sum(size.get(id(c), 1) for c in kids)
+            if total > HISTORY_MAX_VALUES:
+                raise ValueError(f"{what} expands to more than {HISTORY_MAX_VALUES} values "
+                                 "(containers shared many times over)")
+            size[id(o)] = total
+            continue
+        if id(o) in size:
+            continue
+        if id(o) in active:
+            raise ValueError(f"{what} holds itself (a cycle): the logs cannot write it")
+        if depth > HISTORY_MAX_DEPTH:
+            raise ValueError(f"{what} nests deeper than {HISTORY_MAX_DEPTH} levels")
+        if isinstance(o, dict) and not all(isinstance(k, _JSON_KEYS) for k in o):
+            bad = next(k for k in o if not isinstance(k, _JSON_KEYS))
+            raise ValueError(f"{what} has a key of type {type(bad).__name__}, which the logs "
+                             "cannot write")
+        active.add(id(o))
+        stack.append((o, True, depth))
+        for c in kids:
+            if isinstance(c, (list, tuple, dict)):
+                stack.append((c, False, depth + 1))
+            elif not isinstance(c, _HISTORY_LEAVES):
+                raise ValueError(f"{what} holds a {type(c).__name__}, which the logs cannot "
+                                 "write")
 
 
 # ---------------------------------------------------------------------------- the file

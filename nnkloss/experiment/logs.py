@@ -27,9 +27,14 @@ LOG_JSON = "log.json"
 
 def json_safe(v):
     """``v`` as a value ``json.dumps`` writes: a 1-element tensor or a NumPy scalar as a Python
-    number, a larger tensor as a list, a non-finite float as None; anything else unchanged."""
+    number, a larger tensor as a list, a non-finite float as None, and so inside lists, tuples
+    and dicts (an eval_fn's nested metrics); anything else unchanged."""
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
     if isinstance(v, Tensor):
-        v = v.item() if v.numel() == 1 else v.tolist()
+        v = v.item() if v.numel() == 1 else json_safe(v.tolist())
     if isinstance(v, (np.floating, np.integer)):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):

@@ -375,6 +375,7 @@ class Trainer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        _ckpt.check_history(state["history"], f"{where}, history")
         self.history = list(state["history"])
         self.upkeep.bank_ready = bool(state.get("bank_ready", False))
         self.schedule.load_state_dict(state["schedule"])

@@ -385,6 +385,31 @@ def test_a_history_the_logs_cannot_write_is_refused_on_load(tmp_path):
     assert logged["ks"] == [1, 2] and logged["recall"]["2"] == pytest.approx(0.7)
 
 
+def test_an_amp_scaler_state_its_constructor_would_refuse_is_refused_on_load(tmp_path):
+    """GradScaler.load_state_dict takes any numbers: a NaN scale skipped every later step
+    without an error. The state is checked as the constructor checks its arguments (and the
+    scale finite and positive); a disabled scaler's empty state loads."""
+    from nnkloss.checksum import load_checked, save_checked
+    _data_run(tmp_path, epochs=1)
+    path = tmp_path / "checkpoint.pt"
+    good = load_checked(path)
+    assert good["scaler"] == {}   # CPU: AMP off
+    ok = torch.amp.GradScaler("cpu").state_dict()
+    for key, value, rule in (("scale", float("nan"), "finite and > 0"),
+                             ("scale", 0.0, "finite and > 0"),
+                             ("growth_factor", 1.0, "finite and > 1"),
+                             ("backoff_factor", 1.5, r"in \(0, 1\)"),
+                             ("growth_interval", 0, "an int >= 1"),
+                             ("_growth_tracker", -1, "an int >= 0"),
+                             ("scale", "big", "a number")):
+        save_checked(dict(good, scaler=dict(ok, **{key: value})), path)
+        with pytest.raises(ValueError, match=rf"checkpoint.pt'?, scaler\['{key}'\] must be "
+                                             rf"{rule}"):
+            _data_run(tmp_path, epochs=2)
+    save_checked(dict(good, scaler=ok), path)   # valid (unused by a CPU run)
+    assert _data_run(tmp_path, epochs=2).epoch == 2
+
+
 def test_flipped_bit_in_a_trainer_checkpoint_is_refused(tmp_path):
     """torch does not check its zip CRCs: before issue 18 a flipped bit in a tensor loaded
     silently. Now any flipped bit is an error naming the file."""

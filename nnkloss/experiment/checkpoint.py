@@ -17,6 +17,7 @@ are refused too, with an error that says so: start the run again.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 from typing import Any, Dict, Optional
@@ -30,7 +31,7 @@ from ..bank.centre_bank import CentreBank
 from ..checksum import UncheckedFileError, load_checked, save_checked
 
 __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
-           "check_data", "check_optimizer_state", "check_history"]
+           "check_data", "check_optimizer_state", "check_history", "check_scaler_state"]
 
 FORMAT = "nnkloss.trainer/3"
 
@@ -118,6 +119,32 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
                     raise ValueError(f"{what} {key!r} of parameter {i} "
                                      f"of its group has shape {tuple(value.shape)}, the "
                                      f"parameter {tuple(p.shape)}")
+
+
+def check_scaler_state(state: Any, what: str = "scaler") -> None:
+    """ValueError unless ``state`` is an AMP GradScaler's state as its constructor allows it:
+    empty (a disabled scaler's) or a finite positive scale, a growth factor above 1, a backoff
+    factor in (0, 1), a positive growth interval and a tracker >= 0. GradScaler.load_state_dict
+    takes any numbers: a NaN scale made every later step overflow, be skipped and keep the NaN
+    (no training, no error)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
+    if not state:
+        return
+    def num(key):
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{what}[{key!r}] must be a number, got {v!r}")
+        return float(v)
+    checks = (("scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
+              ("growth_factor", lambda v: math.isfinite(v) and v > 1, "finite and > 1"),
+              ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)"),
+              ("growth_interval", lambda v: v >= 1 and v == int(v), "an int >= 1"),
+              ("_growth_tracker", lambda v: v >= 0 and v == int(v), "an int >= 0"))
+    for key, ok, rule in checks:
+        v = num(key)
+        if not ok(v):
+            raise ValueError(f"{what}[{key!r}] must be {rule}, got {v}")
 
 
 #: The most values (containers and leaves, each counted as often as it is referenced) a loaded

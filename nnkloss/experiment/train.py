@@ -372,6 +372,7 @@ class Trainer:
                     _ckpt.check_optimizer_state(target)
             except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
                 raise type(exc)(f"{where}, {name}: {exc}") from exc
+        _ckpt.check_scaler_state(state.get("scaler", {}), f"{where}, scaler")
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = int(state["epoch"]), int(state["step"])

@@ -410,6 +410,28 @@ def test_an_amp_scaler_state_its_constructor_would_refuse_is_refused_on_load(tmp
     assert _data_run(tmp_path, epochs=2).epoch == 2
 
 
+def test_every_trainer_checkpoint_field_is_named_in_its_error(tmp_path):
+    """A missing or mistyped epoch, step, schedule or RNG state is a ValueError naming the file
+    and the field (a bare KeyError or int() message before), and nothing is loaded."""
+    from nnkloss.checksum import load_checked, save_checked
+    _data_run(tmp_path, epochs=1)
+    path = tmp_path / "checkpoint.pt"
+    good = load_checked(path)
+    for field, value, match in (("epoch", "2", "must be an int >= 0, got '2'"),
+                                ("step", -1, "must be an int >= 0, got -1"),
+                                ("epoch", True, "must be an int >= 0, got True"),
+                                ("schedule", {"epoch": 1}, "KeyError"),
+                                ("rng", {"python": None}, "TypeError"),
+                                ("rng", None, None)):
+        state = dict(good, **{field: value}) if value is not None else {
+            k: v for k, v in good.items() if k != field}
+        save_checked(state, path)
+        with pytest.raises(ValueError, match=rf"checkpoint.pt'?, {field}: .*{match or 'KeyError'}"):
+            _data_run(tmp_path, epochs=2)
+    save_checked(good, path)
+    assert _data_run(tmp_path, epochs=2).epoch == 2
+
+
 def test_flipped_bit_in_a_trainer_checkpoint_is_refused(tmp_path):
     """torch does not check its zip CRCs: before issue 18 a flipped bit in a tensor loaded
     silently. Now any flipped bit is an error naming the file."""

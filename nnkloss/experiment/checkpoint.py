@@ -121,6 +121,13 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
                                      f"parameter {tuple(p.shape)}")
 
 
+def count(value: Any) -> int:
+    """A checkpoint's epoch or step: an int >= 0 (bools and other types refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"must be an int >= 0, got {value!r}")
+    return value
+
+
 def check_scaler_state(state: Any, what: str = "scaler") -> None:
     """ValueError unless ``state`` is an AMP GradScaler's state as its constructor allows it:
     empty (a disabled scaler's) or a finite positive scale, a growth factor above 1, a backoff

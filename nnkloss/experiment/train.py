@@ -375,13 +375,21 @@ class Trainer:
         _ckpt.check_scaler_state(state.get("scaler", {}), f"{where}, scaler")
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
-        _ckpt.check_history(state["history"], f"{where}, history")
+        _ckpt.check_history(state.get("history"), f"{where}, history")
         self.history = list(state["history"])
+        # The remaining fields, each named in its error (a missing key or a value of another
+        # type raised a bare KeyError or int() message before).
+        for name, load in (
+                ("epoch", lambda v: setattr(self, "epoch", _ckpt.count(v))),
+                ("step", lambda v: setattr(self, "step", _ckpt.count(v))),
+                ("schedule", self.schedule.load_state_dict),
+                ("rng", _ckpt.set_rng_state)):
+            try:
+                load(state[name])
+            except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
+                raise ValueError(f"{where}, {name}: {exc!r}") from exc
         self.upkeep.bank_ready = bool(state.get("bank_ready", False))
-        self.schedule.load_state_dict(state["schedule"])
         self.upkeep.refresh_due = bool(state.get("refresh_due", False))
-        _ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
         """Write the full training state atomically, with its checksum; returns the path."""

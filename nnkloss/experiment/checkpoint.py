@@ -1,5 +1,7 @@
 """The Trainer's checkpoint file: its format, checksum, weights-only load, the check of a
-resumed run against its data, and the removal of temporary files of interrupted writes.
+resumed run against its data, the checks of the parts that PyTorch's own loaders take as they
+come (optimiser buffers, the AMP scaler, the history, epoch and step), and the removal of
+temporary files of interrupted writes.
 
 ``checkpoint.pt`` is a :mod:`nnkloss.checksum` file (sha256 of the payload, verified before the
 payload is read with ``torch.load(weights_only=True)``): no code runs from it, and a damaged file

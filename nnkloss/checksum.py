@@ -25,7 +25,7 @@ import hashlib
 import io
 import os
 import zipfile
-from typing import Any
+from typing import Any, Iterator, Tuple
 
 import torch
 
@@ -98,7 +98,8 @@ def _check_archive(source, where: str) -> None:
     ``source``: a path or a seekable binary file (its position is kept). Files of the legacy,
     non-zip format are left to torch.load, which checks their storages' sizes against the
     bytes it reads."""
-    if isinstance(source, (str, bytes, os.PathLike)):
+    is_path = isinstance(source, (str, bytes, os.PathLike))
+    if is_path:
         size = os.path.getsize(source)
         with open(source, "rb") as f:
             head = f.read(len(ZIP_MAGIC))
@@ -116,7 +117,7 @@ def _check_archive(source, where: str) -> None:
         raise ValueError(f"{where} cannot be read safely (not a readable zip archive: "
                          f"{exc})") from None
     finally:
-        if not isinstance(source, (str, bytes, os.PathLike)):
+        if not is_path:
             source.seek(pos)
     declared = 0
     for info in infos:
@@ -144,36 +145,48 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
     return obj
 
 
-def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
-    """Refuse any tensor in ``obj`` (through dicts, lists and tuples) that is not a strided
-    tensor with values (not on the meta device) whose elements all have bytes of their own in
-    its storage. The weights-only unpickler rebuilds views as the file describes them: a view
-    with a stride of 0 over one stored value (``expand``) has as many elements as it declares
-    (a CentreBank of 16.7M centres loaded from a file of 2.5 KB when tried), and the first copy
-    of it (``contiguous``, a search, a clone) would allocate them all. ``torch.save`` of a
-    tensor that is not such a view writes every element's bytes. Each object is visited once:
-    a pickle can make a list hold itself, or share one container many times over."""
-    stack, seen = [("", obj)], set()
+def iter_contents(obj: Any, root: str = "") -> Iterator[Tuple[str, Any]]:
+    """Yield ``(path, value)`` for ``obj`` and everything in it through dicts, lists and
+    tuples, depth first in each container's order (``path`` like ``root['key'][2]``). Each
+    container is visited once: a pickle can make a list hold itself, or share one container
+    many times over, and a walk that forgot where it had been would never end. The one walk of
+    the checkpoint checks (here and :mod:`nnkloss.bank.checkpoint`)."""
+    stack, seen = [(root, obj)], set()
     while stack:
         at, o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            if o.layout != torch.strided:
-                raise ValueError(f"{where} {failure}: {at or 'its object'} is a "
-                                 f"{o.layout} tensor; only strided tensors are read")
-            if o.is_meta:
-                raise ValueError(f"{where} {failure}: {at or 'its object'} is a tensor on "
-                                 "the meta device, which holds no values")
-            need = o.numel() * o.element_size()
-            have = o.untyped_storage().nbytes() - o.storage_offset() * o.element_size()
-            if need > have:
-                raise ValueError(f"{where} {failure}: {at or 'its object'} of "
-                                 f"shape {tuple(o.shape)} and strides {o.stride()} covers "
-                                 f"{need} bytes, its storage holds {have}: a view whose "
-                                 "first copy would grow beyond the file")
-        elif isinstance(o, dict):  # reversed: the first bad entry in order is reported
+        if isinstance(o, (dict, list, tuple)):
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+        yield at, o
+        # reversed onto the stack: the entries come off in the container's order
+        if isinstance(o, dict):
             stack.extend(reversed([(f"{at}[{k!r}]", v) for k, v in o.items()]))
         elif isinstance(o, (list, tuple)):
             stack.extend(reversed([(f"{at}[{i}]", v) for i, v in enumerate(o)]))
+
+
+def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
+    """Refuse any tensor in ``obj`` (:func:`iter_contents`) that is not a strided tensor with
+    values (not on the meta device) whose elements all have bytes of their own in its storage.
+    The weights-only unpickler rebuilds views as the file describes them: a view with a stride
+    of 0 over one stored value (``expand``) has as many elements as it declares (a CentreBank of
+    16.7M centres loaded from a file of 2.5 KB when tried), and the first copy of it
+    (``contiguous``, a search, a clone) would allocate them all. ``torch.save`` of a tensor that
+    is not such a view writes every element's bytes."""
+    for at, o in iter_contents(obj):
+        if not isinstance(o, torch.Tensor):
+            continue
+        if o.layout != torch.strided:
+            raise ValueError(f"{where} {failure}: {at or 'its object'} is a "
+                             f"{o.layout} tensor; only strided tensors are read")
+        if o.is_meta:
+            raise ValueError(f"{where} {failure}: {at or 'its object'} is a tensor on "
+                             "the meta device, which holds no values")
+        need = o.numel() * o.element_size()
+        have = o.untyped_storage().nbytes() - o.storage_offset() * o.element_size()
+        if need > have:
+            raise ValueError(f"{where} {failure}: {at or 'its object'} of "
+                             f"shape {tuple(o.shape)} and strides {o.stride()} covers "
+                             f"{need} bytes, its storage holds {have}: a view whose "
+                             "first copy would grow beyond the file")

@@ -21,7 +21,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..atomic import remove_stale_temps
-from ..checksum import UncheckedFileError, load_checked, save_checked
+from ..checksum import UncheckedFileError, iter_contents, load_checked, save_checked
 from .centre_bank import CentreBank, validate_bank_tensors
 
 __all__ = ["save_bank", "load_bank"]
@@ -38,29 +38,18 @@ _STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
 def _check_extra(value: Any, where: str = "extra") -> None:
     """Refuse what ``torch.load(weights_only=True)`` could not read back (fail at save time).
-    Each container is visited once (one that holds itself, or is shared many times over, is
-    checked once)."""
-    stack, seen = [(where, value)], set()
-    while stack:
-        at, value = stack.pop()
-        if value is None or isinstance(value, (bool, numbers.Integral, float, str,
-                                               torch.Tensor)):
+    Walked as the checkpoint checks walk (:func:`nnkloss.checksum.iter_contents`: each
+    container once, the first bad entry in order reported)."""
+    for at, v in iter_contents(value, where):
+        if v is None or isinstance(v, (bool, numbers.Integral, float, str, torch.Tensor, list,
+                                       tuple)):
             continue
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, (list, tuple)):
-            # reversed: the stack then reports the first bad entry in the container's order
-            stack.extend(reversed([(f"{at}[{i}]", v) for i, v in enumerate(value)]))
-        elif isinstance(value, dict):
-            for key in value:
-                if not isinstance(key, (str, numbers.Integral)):
-                    raise TypeError(f"{at} has a key of type {type(key).__name__}; use str or "
-                                    "int")
-            stack.extend(reversed([(f"{at}[{key!r}]", v) for key, v in value.items()]))
-        else:
-            raise TypeError(f"{at} is a {type(value).__name__}; checkpoints hold only tensors, "
+        if not isinstance(v, dict):
+            raise TypeError(f"{at} is a {type(v).__name__}; checkpoints hold only tensors, "
                             "numbers, strings, None and lists/tuples/dicts of them")
+        for key in v:
+            if not isinstance(key, (str, numbers.Integral)):
+                raise TypeError(f"{at} has a key of type {type(key).__name__}; use str or int")
 
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:

@@ -169,10 +169,11 @@ def check_history(history: Any, what: str = "history") -> None:
     """ValueError unless ``history`` is what the logs can write: a list of per-epoch dicts with
     str keys, holding numbers, strings, None, tensors and lists / tuples / dicts of them (keys
     that JSON writes), without a cycle, at most HISTORY_MAX_DEPTH deep, expanding to at most
-    HISTORY_MAX_VALUES values. A
-    weights-only load reads other things a pickle can describe: bytes or a tuple key (the first
-    write of log.json failed mid-run), a list holding itself (the same), one list shared 2^40
-    times over (the write would never end)."""
+    HISTORY_MAX_VALUES values. A weights-only load reads other things a pickle can describe:
+    bytes or a tuple key (the first write of log.json failed mid-run), a list holding itself
+    (the same), one list shared 2^28 times over (a write all but endless). A post-order walk
+    of its own (sizes and the path's containers), not :func:`nnkloss.checksum.iter_contents`,
+    which visits each container once and so sees neither the expansion nor the cycle."""
     if not isinstance(history, list) or not all(
             isinstance(r, dict) and all(isinstance(k, str) for k in r) for r in history):
         raise ValueError(f"{what} must be a list of dicts with str keys (one per epoch)")

@@ -374,6 +374,31 @@ def test_write_centres_bad_input_leaves_the_bank(idx, emb, kw, exc, match):
     assert torch.equal(bank.centres, before)
 
 
+def test_centres_that_share_memory_are_refused_where_given():
+    # An expand()-ed bank was accepted, and the first write_centres_ failed mid-training
+    # (torch refuses in-place writes into overlapping memory).
+    labels = torch.zeros(5, dtype=torch.long)
+    row = torch.randn(1, 6)
+    for shared in (row.expand(5, 6), torch.randn(10)[:6].as_strided((5, 6), (1, 1))):
+        with pytest.raises(ValueError, match=r"centres overlap in memory.*centres\.clone\(\)"):
+            nnkloss.CentreBank(shared, labels)
+    bank = nnkloss.CentreBank(torch.randn(5, 6), labels)
+    before = bank.centres.clone()
+    with pytest.raises(ValueError, match="centres overlap in memory"):
+        bank.update_(centres=row.expand(5, 6))
+    assert torch.equal(bank.centres, before)  # nothing changed
+    # The clone the error asks for trains; so do views that own their elements (a transpose,
+    # a column slice, a step), still kept, not copied.
+    bank = nnkloss.CentreBank(row.expand(5, 6).clone(), labels)
+    bank.write_centres_(torch.tensor([2]), torch.ones(1, 6))
+    assert torch.equal(bank.centres[2], torch.ones(6))
+    for view in (torch.randn(6, 5).t(), torch.randn(5, 12)[:, :6], torch.randn(5, 12)[:, ::2],
+                 torch.randn(1, 6).expand(1, 6)):
+        bank = nnkloss.CentreBank(view, torch.zeros(view.shape[0], dtype=torch.long))
+        bank.write_centres_(torch.tensor([0]), torch.full((1, 6), 3.0))
+        assert torch.equal(view[0], torch.full((6,), 3.0))  # the owner sees the write
+
+
 # ---------------------------------------------------------------------------------------------
 # CentreBank.rebuild_neighbours (moved from tests/test_refresh.py; issue 19).
 from nnkloss import CentreBank  # noqa: E402

@@ -39,6 +39,24 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     return weights
 
 
+def _require_own_memory(centres: Tensor, name: str = "centres") -> Tensor:
+    """Refuse centres whose elements share memory (an ``expand()``-ed or other stride-0 view):
+    the bank writes its centres in place (:meth:`CentreBank.write_centres_`), which torch
+    refuses on such a tensor, so the error is raised here, where the tensor is given, instead
+    of at the first write mid-training. Non-overlap is checked from the strides alone (no
+    read): sorted by stride, each dimension of size > 1 must step past everything the
+    dimensions before it span. Views of one buffer (a slice, a transpose) pass."""
+    span = 0  # elements past the first that the dimensions so far reach
+    for stride, size in sorted((abs(st), s) for s, st in zip(centres.shape, centres.stride())
+                               if s > 1):
+        if stride <= span:
+            raise ValueError(f"{name} overlap in memory (strides {tuple(centres.stride())} "
+                             f"for shape {tuple(centres.shape)}, e.g. an expand()-ed view): "
+                             f"the bank writes its centres in place; pass {name}.clone()")
+        span += (size - 1) * stride
+    return centres
+
+
 def _index_dtype(n: int) -> torch.dtype:
     """Indices into n rows (and -1): int32 while they fit."""
     return torch.int32 if n < 2 ** 31 else torch.int64
@@ -125,6 +143,7 @@ class CentreBank(nn.Module):
                              f"{centres.device}")
         if not all_finite(centres):
             raise ValueError("centres contain NaN or inf")
+        _require_own_memory(centres)
         self.register_buffer("centres", centres.detach())
         self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
         if neighbours is None:
@@ -208,6 +227,7 @@ class CentreBank(nn.Module):
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             if not all_finite(new_c):
                 raise ValueError("centres contain NaN or inf")
+            _require_own_memory(new_c)
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
         if centre_labels is not None:
             require_int("centre_labels", new_l, 1)

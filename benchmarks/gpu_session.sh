@@ -84,7 +84,9 @@ step bench_graphs 45 python3 benchmarks/bench_loss.py --B 4096 --K 100 --D 128 -
     --compile-mode reduce-overhead \
     --timer wall --device cuda --out "$dir/graphs"
 # 5. Where one step's time goes: the host's Python and launches, or the kernels; for the op
-#    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7).
+#    and for the module's call (1.5-2.6x the op's forward+backward at 52484b7). --parts times
+#    the mean's one launch (kernels/counted_mean.py) beside the four torch ops it replaced,
+#    and the counted mask's one comparison beside its two ops (not yet timed on a GPU).
 step profile_step 30 python3 benchmarks/profile_step.py --device cuda --B 4096 --K 100 \
     --D 128 --calls 100 --top 12 --providers fused module module_torch_lists --parts
 # 6. The launch rule (one warp a row up to 512 columns, two rows a training tile: measured on

@@ -147,7 +147,11 @@ def part_steps(inputs):
         ("backend forward, forward-only", lambda: _forward(*args, backend, False, False)),
         ("backend forward, training (grad_x)", lambda: _forward(*args, backend, False, True)),
         ("counted rows (lse_pos not -inf)", lambda: counted_rows(lse_pos)),
+        ("counted rows, isneginf + logical_not_", lambda: lse_pos.isneginf().logical_not_()),
+        # on CUDA one launch of kernels/counted_mean.py, beside the four ops it replaced there
         ("reduce_rows mean", lambda: reduce_rows(per_row, counted, "mean")),
+        ("mean by torch's ops (sum, count_nonzero, clamp_min, div)",
+         lambda: per_row.sum() / torch.count_nonzero(counted).clamp_min(1)),
         ("autograd: (x * 1).sum().backward()", torch_round_trip),
         ("autograd: identity Function, .sum().backward()", identity_round_trip),
     ]

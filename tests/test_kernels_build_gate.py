@@ -119,6 +119,8 @@ def test_aligned_rows_are_gathered_in_wide_loads(gate, arch, name):
         pytest.skip("no rows gathered: the per-entry terms read scalars of the list")
     if e["build"]["kernel"] == "batch_lists":
         pytest.skip("no centre rows gathered: the lists' rows are K entries, aligned as K is")
+    if e["build"]["kernel"] == "counted_mean":
+        pytest.skip("no rows gathered: the per-row losses are read in order")
     esize = sb.DTYPE_SIZES[e["build"]["bank"]]
     width = e["row_align"] * esize  # bytes the launcher promised per row start
     if width < 8:

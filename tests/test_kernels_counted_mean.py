@@ -1,0 +1,130 @@
+"""kernels/counted_mean.py: the losses' mean over their counted rows as one Triton launch,
+against the torch form of reduce_rows (Triton's interpreter on CPU tensors; the same checks on a
+GPU, where reduce_rows takes the kernel)."""
+import pytest
+import torch
+
+import nnkloss
+from nnkloss.ops import neighbour_kernel as op
+
+
+def _kernels():
+    return nnkloss.ops.backends.kernels()
+
+
+def _torch_form(per_row, counted):
+    return per_row.sum() / torch.count_nonzero(counted).clamp_min(1)
+
+
+def _rows(B, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    counted = torch.rand(B, generator=gen) < 0.7
+    per_row = torch.where(counted, torch.rand(B, generator=gen, dtype=dtype) * 5, 0.0)
+    return per_row.to(device), counted.to(device)
+
+
+def mean_checks(device):
+    k = _kernels()
+    top = k.COUNTED_MEAN_MAX_ROWS
+    for dtype in (torch.float32, torch.float64):
+        # one row, a ragged step, exactly one step, several steps, the most rows taken
+        for B in (1, 7, 2048, 2049, 5000, top):
+            per_row, counted = _rows(B, dtype, device, B)
+            mean, divisor = k.counted_mean(per_row, counted)
+            assert mean.shape == () and mean.dtype == dtype and divisor.dtype == dtype
+            assert divisor.item() == max(1, int(counted.sum()))
+            # the sum in another order than torch's: to its rounding, not bit for bit
+            torch.testing.assert_close(mean, _torch_form(per_row, counted),
+                                       rtol=1e-6 if dtype == torch.float32 else 1e-14, atol=0)
+    # No counted row: the mean is 0 and the divisor 1; no row at all, the same.
+    for B in (0, 9):
+        mean, divisor = k.counted_mean(torch.zeros(B, device=device),
+                                       torch.zeros(B, dtype=torch.bool, device=device))
+        assert mean.item() == 0.0 and divisor.item() == 1.0
+    # A NaN row is counted and reaches the mean; so does an inf.
+    per_row, counted = _rows(300, torch.float32, device, 1)
+    for bad in (float("nan"), float("inf")):
+        rows = per_row.clone()
+        rows[123], counted[123] = bad, True
+        mean = k.counted_mean(rows, counted)[0]
+        assert torch.equal(mean.isnan(), _torch_form(rows, counted).isnan())
+        assert not torch.isfinite(mean)
+    # Strided rows (a column of a (B, 2) tensor) are read as they are laid out.
+    per_row, counted = _rows(501, torch.float64, device, 2)
+    wide = torch.stack([per_row, -per_row], 1)
+    torch.testing.assert_close(k.counted_mean(wide[:, 0], counted)[0],
+                               _torch_form(per_row, counted), rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match=f"per_row has {top + 1} rows"):
+        k.counted_mean(torch.zeros(top + 1, device=device),
+                       torch.zeros(top + 1, dtype=torch.bool, device=device))
+
+
+def mean_gradient_checks(device):
+    """The autograd of the one-launch mean: every row's gradient g / max(count, 1), bit for bit
+    the torch form's (uncounted rows too: the op's backward zeroes them itself)."""
+    for B in (1, 37, 3000):
+        per_row, counted = _rows(B, torch.float32, device, B + 1)
+        got_x = per_row.clone().requires_grad_(True)
+        want_x = per_row.clone().requires_grad_(True)
+        got = op._CountedMean.apply(got_x, counted)
+        want = _torch_form(want_x, counted)
+        (got * 3.0).backward()
+        (want * 3.0).backward()
+        assert torch.equal(got_x.grad, want_x.grad)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # no counted row: the divisor is 1, as clamp_min(1) makes it
+    x = torch.zeros(4, device=device, requires_grad=True)
+    op._CountedMean.apply(x, torch.zeros(4, dtype=torch.bool, device=device)).backward()
+    assert torch.equal(x.grad, torch.ones(4, device=device))
+    per_row, counted = _rows(11, torch.float64, device, 5)
+    assert torch.autograd.gradcheck(lambda r: op._CountedMean.apply(r, counted),
+                                    (per_row.requires_grad_(True),))
+
+
+@pytest.mark.interpreter
+def test_counted_mean_matches_the_torch_form():
+    mean_checks("cpu")
+
+
+@pytest.mark.interpreter
+def test_counted_mean_gradient_is_the_torch_forms():
+    mean_gradient_checks("cpu")
+
+
+def test_cpu_tensors_keep_the_torch_form(monkeypatch):
+    """Only CUDA tensors take the launch: on a CPU the four ops cost ~2 us each, and the
+    interpreter would be far slower than them."""
+    monkeypatch.setattr(op._CountedMean, "apply", lambda *a: pytest.fail("kernel used"))
+    per_row, counted = _rows(50, torch.float32, "cpu", 3)
+    torch.testing.assert_close(op.reduce_rows(per_row.requires_grad_(True), counted, "mean"),
+                               _torch_form(per_row, counted), rtol=0, atol=0)
+    assert op._counted_mean_fused(per_row, counted) is None
+
+
+@pytest.mark.cuda
+def test_counted_mean_on_cuda():
+    mean_checks("cuda")
+    mean_gradient_checks("cuda")
+
+
+@pytest.mark.cuda
+def test_reduce_rows_takes_the_launch_on_cuda_and_not_when_compiled(monkeypatch):
+    """Eager CUDA means go through the kernel (forward-only and with a gradient), batches above
+    COUNTED_MEAN_MAX_ROWS and other reductions through torch; the values agree either way."""
+    calls = []
+    real = _kernels().counted_mean
+    monkeypatch.setattr(_kernels(), "counted_mean", lambda *a: calls.append(1) or real(*a))
+    per_row, counted = _rows(4096, torch.float32, "cuda", 7)
+    want = _torch_form(per_row, counted)
+    torch.testing.assert_close(op.reduce_rows(per_row, counted, "mean"), want, rtol=1e-6, atol=0)
+    x = per_row.clone().requires_grad_(True)
+    op.reduce_rows(x, counted, "mean").backward()
+    assert len(calls) == 2
+    assert torch.equal(x.grad, torch.full_like(x, 1.0 / int(counted.sum())))
+    big, big_counted = _rows(_kernels().COUNTED_MEAN_MAX_ROWS + 1, torch.float32, "cuda", 8)
+    op.reduce_rows(big, big_counted, "mean")
+    op.reduce_rows(per_row, counted, "sum")
+    assert len(calls) == 2
+    compiled = torch.compile(lambda r, c: op.reduce_rows(r, c, "mean"), fullgraph=True)
+    torch.testing.assert_close(compiled(per_row, counted), want, rtol=1e-6, atol=0)
+    assert len(calls) == 2

@@ -514,6 +514,26 @@ def test_entry_grads_double_backward_runs_the_torch_form(monkeypatch):
 
 
 @kernel
+def test_counted_mean_matches_the_torch_form_and_its_gradient():
+    """nnk_counted_mean: the checks of the Triton launch (the same contract), on the CPU
+    library's call: values against sum / count, NaN and inf rows, no counted row, the same
+    bits on every call, and the mean's gradient bit for bit the torch form's."""
+    from test_kernels_counted_mean import mean_checks, mean_gradient_checks
+    mean_checks(cpu.counted_mean, "cpu", None)
+    mean_gradient_checks(cpu.counted_mean, "cpu")
+
+
+@kernel
+def test_counted_mean_declines_what_it_does_not_take():
+    rows, flags = torch.rand(9), torch.rand(9) > 0.5
+    assert cpu.counted_mean(rows, flags) is not None
+    for r, f in [(rows.half(), flags), (rows, flags.int()), (rows[:8], flags),
+                 (torch.rand(9, 2)[:, 0], flags), (rows[None], flags[None]),
+                 (rows.to("meta"), flags.to("meta"))]:
+        assert cpu.counted_mean(r, f) is None
+
+
+@kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scale_rows(dtype):
     grad_x = torch.randn(300, 500, dtype=dtype)

@@ -55,6 +55,60 @@ def test_reductions(backend, reduction):
     compare(case, backend, emb_dtype=torch.float64, bank_dtype=torch.float64, reduction=reduction)
 
 
+def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
+    """reduce_rows's mean on CPU tensors: one call of the compiled library once it is loaded,
+    when no gradient is recorded; the torch form with a gradient (its C++ autograd costs less
+    than a Python Function's), where the library is not loaded, for other dtypes, and when
+    compiled."""
+    from nnkloss.ops import cpu
+    from nnkloss.ops import neighbour_kernel as op
+    assert cpu.available()
+    calls = []  # the calls that computed the mean
+    real = cpu.counted_mean
+
+    def spy(*args):
+        out = real(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(cpu, "counted_mean", spy)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.rand(300, generator=gen)
+    counted = rows > 0.4
+    rows = torch.where(counted, rows, 0.0)
+    want = rows.sum() / torch.count_nonzero(counted)
+    torch.testing.assert_close(op.reduce_rows(rows, counted, "mean"), want, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(op.reduce_rows(rows.requires_grad_(True), counted, "mean"),
+                                   want, rtol=1e-6, atol=0)
+    assert len(calls) == 2
+    x = rows.detach().clone().requires_grad_(True)
+    loss = op.reduce_rows(x, counted, "mean")
+    assert type(loss.grad_fn).__name__ == "DivBackward0" and len(calls) == 2
+    loss.backward()
+    assert torch.equal(x.grad, torch.full_like(x, 1.0) / torch.count_nonzero(counted))
+    rows = rows.detach()
+    # torch's form: the library not loaded (a mean never builds it), fp16, a compiled call
+    monkeypatch.setitem(cpu._state, "lib", None)
+    assert torch.equal(op.reduce_rows(rows, counted, "mean"), want)
+    monkeypatch.undo()  # the library back
+    monkeypatch.setattr(cpu, "counted_mean", spy)
+    half = rows.half()
+    assert torch.equal(op.reduce_rows(half, counted, "mean"),
+                       half.sum() / torch.count_nonzero(counted))
+    compiled = torch.compile(lambda r, c: op.reduce_rows(r, c, "mean"), fullgraph=True)
+    torch.testing.assert_close(compiled(rows, counted), want, rtol=1e-6, atol=0)
+    assert len(calls) == 2
+    # and the op's loss through it: NaN rows reach the mean
+    emb, labels, centres, cl, nb, w = make_case(7, 20, 5, 6, seed=3)
+    emb[2] = float("nan")
+    with nnkloss.value_checks(False):
+        out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w,
+                                                       backend="cpu")
+    assert len(calls) == 3 and torch.isnan(out.loss)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padding_all_padding_and_no_positive_rows(backend):
     emb, labels, centres, cl, nb, w = make_case(6, 12, 4, 5, seed=4)

@@ -57,8 +57,8 @@ from ..threads import ThreadGovernor
 from . import reference
 
 __all__ = ["available", "forward", "centre_grad", "scale_rows", "rel_sqdist", "gather_lists",
-           "value_flags", "count_mismatched", "gather_read", "build_info", "library_path",
-           "knn_selection", "gemm_nt"]
+           "value_flags", "counted_mean", "count_mismatched",
+           "gather_read", "build_info", "library_path", "knn_selection", "gemm_nt"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 # -fno-trapping-math: the kernel never reads the floating-point exception flags, and without it
@@ -301,6 +301,8 @@ def _declare(lib):
     lib.nnk_rel_sqdist.restype = I
     lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
     lib.nnk_gather_lists.restype = I
+    lib.nnk_counted_mean.argtypes = [I, P, P, I64, P, P]
+    lib.nnk_counted_mean.restype = I
     lib.nnk_count_mismatched.argtypes = [P, I, I64, P, I, P, I, I64]
     lib.nnk_count_mismatched.restype = I64
     lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
@@ -846,6 +848,28 @@ def value_flags(emb, neighbours, weights):
     if rc != 0:
         raise RuntimeError(f"nnk_check_values failed (code {rc})")
     return out[0], out[1], bool(out[2]), bool(out[3])
+
+
+def counted_mean(per_row, counted):
+    """``(mean, divisor)``: the sum of ``per_row`` divided by ``divisor = max(count, 1)``, the
+    number of True entries of ``counted``; 0-dim tensors of per_row's dtype (``nnk_counted_mean``:
+    one call in place of four torch ops). None where this is not done here: the library not
+    loaded (a mean never builds it), non-CPU tensors, per_row not (B,) fp32/fp64 or counted
+    not (B,) bool, either non-contiguous."""
+    lib = _state["lib"]
+    if (lib is None or not (per_row.is_cpu and counted.is_cpu)
+            or per_row.dtype not in (torch.float32, torch.float64)
+            or counted.dtype != torch.bool or per_row.dim() != 1
+            or counted.shape != per_row.shape
+            or not (per_row.is_contiguous() and counted.is_contiguous())):
+        return None
+    mean, divisor = per_row.new_empty(()), per_row.new_empty(())
+    rc = lib.nnk_counted_mean(int(per_row.dtype == torch.float64), per_row.data_ptr(),
+                              counted.data_ptr(), per_row.shape[0], mean.data_ptr(),
+                              divisor.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"nnk_counted_mean failed (code {rc})")
+    return mean, divisor
 
 
 def count_mismatched(centre_labels, idx, labels):

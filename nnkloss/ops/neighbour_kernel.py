@@ -340,14 +340,15 @@ class LossOutput(NamedTuple):
 
 
 class _CountedMean(torch.autograd.Function):
-    """reduce_rows's mean in one launch of ``kernels/counted_mean.py`` (CUDA tensors, eager).
-    The backward is the torch form's: every row's gradient ``g / max(count, 1)`` (an expanded
-    scalar, as autograd hands a mean's gradient on), from the divisor the kernel wrote."""
+    """reduce_rows's mean in one call of a fused pass (``impl``: the compiled CPU library's
+    :func:`nnkloss.ops.cpu.counted_mean` or ``kernels/counted_mean.py``'s launch, each giving
+    ``(mean, divisor)``). The backward is the torch form's: every row's gradient
+    ``g / max(count, 1)`` (an expanded scalar, as autograd hands a mean's gradient on), from
+    the divisor the pass wrote."""
 
     @staticmethod
-    def forward(ctx, per_row, counted):
-        from .backends import kernels
-        mean, divisor = kernels().counted_mean(per_row, counted)
+    def forward(ctx, per_row, counted, impl):
+        mean, divisor = impl(per_row, counted)
         ctx.save_for_backward(divisor)
         ctx.rows = per_row.shape[0]
         return mean
@@ -355,24 +356,37 @@ class _CountedMean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         divisor, = ctx.saved_tensors
-        return (g / divisor).expand(ctx.rows), None
+        return (g / divisor).expand(ctx.rows), None, None
 
 
 def _counted_mean_fused(per_row: Tensor, counted: Tensor) -> Optional[Tensor]:
-    """The mean of reduce_rows in one launch, or None where the torch form runs: only for
-    CUDA tensors with the Triton kernels installed, outside tracing (compile fuses the torch
-    form itself), of the op's dtypes and a batch's size (``COUNTED_MEAN_MAX_ROWS``: one
-    program walks the rows). On a GPU the forward is bound by the host, and this replaces
-    four launches (sum, count_nonzero, clamp_min, div); on a CPU those cost ~2 us each."""
-    if not per_row.is_cuda or per_row.dtype not in (torch.float32, torch.float64):
+    """The mean of reduce_rows in one call, or None where the torch form (sum, count_nonzero,
+    clamp_min, div) runs: outside tracing (compile fuses that form itself), for the op's
+    dtypes, and
+    - on CUDA tensors with the Triton kernels installed, up to a batch's size
+      (``COUNTED_MEAN_MAX_ROWS``: one program walks the rows), recorded or not: the forward
+      is bound by the host there, and the form's four launches took ~100 us of it on an H200;
+    - on CPU tensors once the compiled library is loaded, when no gradient is recorded
+      (forward-only calls: evaluation, the classifier, no_grad). After the forward's kernel
+      has swept the caches, the counted mask and the four ops took 41-44 us of a forward-only
+      call at B 1024, K 32, D 128, the mask and the one call 25 (the 2-core Intel Xeon,
+      2026-11-27; docs/PERFORMANCE.md, "The losses' mean in one call"); hot, both ~7 us.
+      With a gradient the torch form stays: a Python Function's backward cost up to 7 us
+      more a step there."""
+    recorded = per_row.requires_grad and torch.is_grad_enabled()
+    if (recorded and not per_row.is_cuda) or per_row.dtype not in (torch.float32, torch.float64) \
+            or not plain_eager(per_row, counted):
         return None
+    if not per_row.is_cuda:
+        from . import cpu
+        out = cpu.counted_mean(per_row, counted)
+        return None if out is None else out[0]
     from .backends import fused_pass
     kernels = fused_pass(per_row.device)
-    if (kernels is None or per_row.shape[0] > kernels.COUNTED_MEAN_MAX_ROWS
-            or not plain_eager(per_row, counted)):
+    if kernels is None or per_row.shape[0] > kernels.COUNTED_MEAN_MAX_ROWS:
         return None
-    if torch.is_grad_enabled() and per_row.requires_grad:
-        return _CountedMean.apply(per_row, counted)
+    if recorded:
+        return _CountedMean.apply(per_row, counted, kernels.counted_mean)
     return kernels.counted_mean(per_row, counted)[0]
 
 
@@ -381,7 +395,7 @@ def reduce_rows(per_row: Tensor, counted: Tensor, reduction: str) -> Tensor:
     (0 when none is counted). Shared by every loss of the package."""
     if reduction == "none":
         return per_row
-    if reduction == "mean" and per_row.is_cuda:
+    if reduction == "mean":
         fused = _counted_mean_fused(per_row, counted)
         if fused is not None:
             return fused

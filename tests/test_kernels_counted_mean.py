@@ -122,6 +122,9 @@ def test_reduce_rows_takes_the_launch_on_cuda_and_not_when_compiled(monkeypatch)
     assert torch.equal(x.grad, torch.full_like(x, 1.0 / int(counted.sum())))
     big, big_counted = _rows(_kernels().COUNTED_MEAN_MAX_ROWS + 1, torch.float32, "cuda", 8)
     op.reduce_rows(big, big_counted, "mean")
+    # a mask of another dtype (reduce_rows is public): torch's form, the same value
+    torch.testing.assert_close(op.reduce_rows(per_row, counted.int(), "mean"), want,
+                               rtol=1e-6, atol=0)
     op.reduce_rows(per_row, counted, "sum")
     assert len(calls) == 2
     compiled = torch.compile(lambda r, c: op.reduce_rows(r, c, "mean"), fullgraph=True)

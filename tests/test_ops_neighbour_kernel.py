@@ -97,6 +97,7 @@ def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
     half = rows.half()
     assert torch.equal(op.reduce_rows(half, counted, "mean"),
                        half.sum() / torch.count_nonzero(counted))
+    assert torch.equal(op.reduce_rows(rows, counted.int(), "mean"), want)  # another mask dtype
     compiled = torch.compile(lambda r, c: op.reduce_rows(r, c, "mean"), fullgraph=True)
     torch.testing.assert_close(compiled(rows, counted), want, rtol=1e-6, atol=0)
     assert len(calls) == 2

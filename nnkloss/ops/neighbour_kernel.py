@@ -374,8 +374,9 @@ def _counted_mean_fused(per_row: Tensor, counted: Tensor) -> Optional[Tensor]:
       With a gradient the torch form stays: a Python Function's backward cost up to 7 us
       more a step there."""
     recorded = per_row.requires_grad and torch.is_grad_enabled()
-    if (recorded and not per_row.is_cuda) or per_row.dtype not in (torch.float32, torch.float64) \
-            or not plain_eager(per_row, counted):
+    if ((recorded and not per_row.is_cuda) or per_row.dtype not in (torch.float32, torch.float64)
+            or counted.dtype != torch.bool or per_row.dim() != 1
+            or counted.shape != per_row.shape or not plain_eager(per_row, counted)):
         return None
     if not per_row.is_cuda:
         from . import cpu

@@ -1,5 +1,7 @@
 """nnkloss/bank/centre_bank.py: CentreBank (its checks and their messages, index and label widths,
 weights, state_dict loading, growth, neighbour lists)."""
+import warnings
+
 import pytest
 import torch
 
@@ -394,9 +396,29 @@ def test_centres_that_share_memory_are_refused_where_given():
     assert torch.equal(bank.centres[2], torch.ones(6))
     for view in (torch.randn(6, 5).t(), torch.randn(5, 12)[:, :6], torch.randn(5, 12)[:, ::2],
                  torch.randn(1, 6).expand(1, 6)):
-        bank = nnkloss.CentreBank(view, torch.zeros(view.shape[0], dtype=torch.long))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # not contiguous: test_strided_centres_warn
+            bank = nnkloss.CentreBank(view, torch.zeros(view.shape[0], dtype=torch.long))
         bank.write_centres_(torch.tensor([0]), torch.full((1, 6), 3.0))
         assert torch.equal(view[0], torch.full((6,), 3.0))  # the owner sees the write
+
+
+def test_strided_centres_warn_that_every_call_copies_them():
+    """A bank kept as a non-contiguous view works, but each loss call copies all of it: the
+    constructor and update_ say so once, naming the fix; contiguous centres pass silently."""
+    labels = torch.zeros(5, dtype=torch.long)
+    for strided in (torch.randn(6, 5).t(), torch.randn(5, 12)[:, :6]):
+        with pytest.warns(UserWarning, match=r"centres are not contiguous.*copy the whole "
+                                             r"bank.*centres\.contiguous\(\)"):
+            bank = nnkloss.CentreBank(strided, labels)
+        with pytest.warns(UserWarning, match="centres are not contiguous"):
+            bank.update_(centres=strided)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bank = nnkloss.CentreBank(torch.randn(5, 6), labels)
+        bank.update_(centres=torch.randn(5, 6))
+        nnkloss.CentreBank(torch.randn(1, 6).expand(1, 6), labels[:1])  # one row: contiguous
+        nnkloss.CentreBank(torch.randn(0, 6), labels[:0])
 
 
 # ---------------------------------------------------------------------------------------------

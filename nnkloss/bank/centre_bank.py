@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Optional
 
 import torch
@@ -55,6 +56,18 @@ def _require_own_memory(centres: Tensor, name: str = "centres") -> Tensor:
                              f"the bank writes its centres in place; pass {name}.clone()")
         span += (size - 1) * stride
     return centres
+
+
+def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:
+    """Warn where centres are not contiguous (a column slice, a transpose, a Fortran-ordered
+    array): the bank keeps the tensor it is given, and the op, the value checks and the
+    search read a contiguous bank, so every loss call would copy all N x D of it. The warning
+    names the cost once, where the tensor is given; the bank works as before."""
+    if centres.numel() and not centres.is_contiguous():
+        warnings.warn(f"{name} are not contiguous (strides {tuple(centres.stride())} for shape "
+                      f"{tuple(centres.shape)}): every loss call will copy the whole bank to "
+                      f"read its rows; pass {name}.contiguous() (the bank keeps, and writes "
+                      "into, the tensor it is given)", stacklevel=3)
 
 
 def _index_dtype(n: int) -> torch.dtype:
@@ -144,6 +157,7 @@ class CentreBank(nn.Module):
         if not all_finite(centres):
             raise ValueError("centres contain NaN or inf")
         _require_own_memory(centres)
+        _warn_if_strided(centres)
         self.register_buffer("centres", centres.detach())
         self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
         if neighbours is None:
@@ -228,6 +242,7 @@ class CentreBank(nn.Module):
             if not all_finite(new_c):
                 raise ValueError("centres contain NaN or inf")
             _require_own_memory(new_c)
+            _warn_if_strided(new_c)
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
         if centre_labels is not None:
             require_int("centre_labels", new_l, 1)

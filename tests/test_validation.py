@@ -219,6 +219,16 @@ def test_check_after_the_op_reads_the_centres_only_for_a_nan_row(monkeypatch):
         validation.check_gathered_centres_after_op(nan_row, centres, nb)
     # A row NaN for another reason, and the bad centre dropped from the lists: not read.
     validation.check_gathered_centres_after_op(nan_row, centres, nb.masked_fill(nb == 4, -1))
+    # The reduced loss stands for its rows (a NaN row makes the sum and the mean NaN): a
+    # finite one reads no centre, a NaN one reads them and names the bad centres.
+    reads.clear()
+    for reduced in (finite_rows.sum(), finite_rows.mean(), torch.tensor(float("inf"))):
+        validation.check_gathered_centres_after_op(reduced, centres, nb)
+    assert reads == []
+    for reduced in (nan_row.sum(), nan_row.mean()):
+        with pytest.raises(ValueError, match=GATHERED_MSG):
+            validation.check_gathered_centres_after_op(reduced, centres, nb)
+    assert reads == [1, 1]
 
 
 @pytest.mark.parametrize("backend", ["auto", "cpu", "torch"])

@@ -469,9 +469,12 @@ def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighb
                                     centres_after_op=True)
     per_row, counted = loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours,
                                            weights, sigma_t, backend)
+    loss = reduce_rows(per_row, counted, reduction)
     if centres_after_op:
-        check_gathered_centres_after_op(per_row, centres, neighbours)
-    return LossOutput(reduce_rows(per_row, counted, reduction), per_row, counted)
+        # the sum and the mean are NaN exactly when a row is: one number to read
+        check_gathered_centres_after_op(per_row if reduction == "none" else loss, centres,
+                                        neighbours)
+    return LossOutput(loss, per_row, counted)
 
 
 def neighbour_kernel_loss(emb, labels, centres, centre_labels, neighbours, weights=None,

@@ -40,7 +40,7 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     return weights
 
 
-def _require_own_memory(centres: Tensor, name: str = "centres") -> Tensor:
+def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
     """Refuse centres whose elements share memory (an ``expand()``-ed or other stride-0 view):
     the bank writes its centres in place (:meth:`CentreBank.write_centres_`), which torch
     refuses on such a tensor, so the error is raised here, where the tensor is given, instead
@@ -55,7 +55,6 @@ def _require_own_memory(centres: Tensor, name: str = "centres") -> Tensor:
                              f"for shape {tuple(centres.shape)}, e.g. an expand()-ed view): "
                              f"the bank writes its centres in place; pass {name}.clone()")
         span += (size - 1) * stride
-    return centres
 
 
 def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:

@@ -340,9 +340,10 @@ class LossOutput(NamedTuple):
 
 
 class _CountedMean(torch.autograd.Function):
-    """reduce_rows's mean in one call of a fused pass (``impl``: the compiled CPU library's
-    :func:`nnkloss.ops.cpu.counted_mean` or ``kernels/counted_mean.py``'s launch, each giving
-    ``(mean, divisor)``). The backward is the torch form's: every row's gradient
+    """reduce_rows's recorded mean in one call of a fused pass (``impl``, giving ``(mean,
+    divisor)``: ``kernels/counted_mean.py``'s launch on CUDA; the tests also pair it with the
+    CPU library's :func:`nnkloss.ops.cpu.counted_mean`, which has the same contract, to check
+    it without a GPU). The backward is the torch form's: every row's gradient
     ``g / max(count, 1)`` (an expanded scalar, as autograd hands a mean's gradient on), from
     the divisor the pass wrote."""
 
@@ -374,14 +375,16 @@ def _counted_mean_fused(per_row: Tensor, counted: Tensor) -> Optional[Tensor]:
       With a gradient the torch form stays: a Python Function's backward cost up to 7 us
       more a step there."""
     recorded = per_row.requires_grad and torch.is_grad_enabled()
-    if ((recorded and not per_row.is_cuda) or per_row.dtype not in (torch.float32, torch.float64)
-            or counted.dtype != torch.bool or per_row.dim() != 1
-            or counted.shape != per_row.shape or not plain_eager(per_row, counted)):
-        return None
     if not per_row.is_cuda:
+        if recorded or not plain_eager(per_row, counted):
+            return None
         from . import cpu
-        out = cpu.counted_mean(per_row, counted)
+        out = cpu.counted_mean(per_row, counted)  # None for what it does not take
         return None if out is None else out[0]
+    if (per_row.dtype not in (torch.float32, torch.float64) or counted.dtype != torch.bool
+            or per_row.dim() != 1 or counted.shape != per_row.shape
+            or not plain_eager(per_row, counted)):
+        return None
     from .backends import fused_pass
     kernels = fused_pass(per_row.device)
     if kernels is None or per_row.shape[0] > kernels.COUNTED_MEAN_MAX_ROWS:

@@ -49,7 +49,9 @@ spinning thread: 2 threads 1.5x slower than 1 at the median, 2.7x on average). T
 4. before a probe of the full count (at one thread, at the end of the probe's window), the
    median of the last ``signal_samples`` samples (those of the window and a fresh one) decides:
    no room, no probe; the governor stays at one thread and looks again after ``hold`` units
-   (the base hold, not the back-off one: a competitor that leaves is noticed within a hold);
+   (the base hold, not the back-off one: a competitor that leaves is noticed within a hold),
+   or after more where the units are so short that the probe's samples would cost more than
+   ``sample_budget`` of the time (below);
 5. at the full count (holding or probing), two consecutive samples with no room drop to one
    thread at once (a probe in progress ends there) and start a hold of ``hold`` units.
 
@@ -68,7 +70,8 @@ last one kept (``last_resize``), not added to ``events``: a run queue that moves
 would grow that list without bound.
 
 The samples are spaced so that they cost at most ``sample_budget`` of the recorded time (every
-unit for training steps; every few calls for the op), plus one per probe decision. On an idle
+unit for training steps; every few calls for the op), plus one per probe decision; a hold after
+a skipped probe lasts long enough to keep that one within the budget too. On an idle
 machine the signal finds room and the probes decide by timing, as without it. Decisions of the
 signal are ``events`` with ``by="signal"`` and ``action`` "skipped" (a probe) or "dropped" (the
 full count); those of timing have ``by="timing"``. Without a signal (elsewhere, or after a read
@@ -308,7 +311,8 @@ class ThreadGovernor:
             takes).
         sample_budget: the share of the time samples of the signal may cost: samples are at
             least ``cost / sample_budget`` seconds of recorded work apart (every unit when the
-            units are long), besides one at each decision to probe the full count.
+            units are long), besides one at each decision to probe the full count (a skipped
+            probe's hold is lengthened to keep it within the budget).
         signal_samples: the decision to probe the full count takes the median of this many
             samples (the last ones of the window at one thread, the freshest last), so one
             momentary reading does not decide.
@@ -350,6 +354,8 @@ class ThreadGovernor:
         self._elapsed = 0.0              # seconds recorded so far (the signal's clock)
         self._sampled_at = None          # _elapsed at the last sample of the signal
         self._others: List[int] = []     # this probe's samples at one thread
+        self._samples = 0                # samples of the signal taken so far
+        self._probe_from = (0.0, 0, 0)   # _elapsed, units, _samples when this probe began
         self._busy = 0                   # consecutive samples at the wide count, less room
         self._roomy = 0                  # consecutive samples at the wide count, more room
         self._cap: Optional[int] = None  # the wide side's count, when the room set it
@@ -423,6 +429,7 @@ class ThreadGovernor:
             if self._elapsed - self._sampled_at < gap:
                 return None
         self._sampled_at = self._elapsed
+        self._samples += 1
         try:
             others = sig.sample()
         except Exception:  # a signal that fails is no signal: timing alone, never an error
@@ -473,16 +480,17 @@ class ThreadGovernor:
             self._elapsed += max(float(seconds), 0.0)
             if threads is not None and threads != self.threads():
                 return
+            full = self.full  # read once: a callable full count costs a call per read
             # watched from the first unit at the full count (start="auto"), else after the
             # warm-up
-            if (self.signal is not None and self.full > 1
+            if (self.signal is not None and full > 1
                     and (self.phase != "warmup" or not self._one)):
                 if self._watch():
                     return
             if self._skip:
                 self._skip = False
                 return
-            if self.full <= 1:
+            if full <= 1:
                 return
             self.left -= 1
             if self.phase in ("current", "other"):
@@ -541,7 +549,8 @@ class ThreadGovernor:
         """At one thread, at the end of a probe's window: skip the probe of the full count when
         the median of the last samples (a fresh one included) leaves it no room; look again
         after a base hold (not the back-off hold: a competitor that leaves is noticed within
-        ``hold`` units). The back-off of timing decisions is left as it was."""
+        ``hold`` units), or a longer one where the units are short (:meth:`_skip_hold`). The
+        back-off of timing decisions is left as it was."""
         fresh = self._sample(force=True)
         if fresh is None:
             return False  # no signal now: timing decides, as without one
@@ -550,8 +559,28 @@ class ThreadGovernor:
         if not self._no_room(others):
             self._resize(self._room(others), others)  # the probe's wide count: the room now
             return False
-        self._signal_event("skipped", others, self.base_hold)
+        self._signal_event("skipped", others, self._skip_hold())
         return True
+
+    def _skip_hold(self) -> int:
+        """The hold after a skipped probe: the base hold, or as many units as keep this probe's
+        samples (its window's and the forced one) within ``sample_budget`` of the time from
+        the probe's start to the next one. Beside a busy process the governor skips a probe
+        every base hold, and a forced sample there is not spaced by its cost: with units of
+        0.25 ms and samples of 130 us (a read beside a busy 2-thread process on the 2-core VM)
+        the base hold of 50 units spent 1.9% of the time on samples, 0.95% at 0.5 ms
+        (counted with a fake signal, ``tests/test_threads.py``); a competitor that leaves is
+        then noticed within ``cost / sample_budget`` seconds per sample (26 ms there) rather
+        than within 50 units."""
+        elapsed, units, samples = self._probe_from
+        cost = float(getattr(self.signal, "cost", 0.0) or 0.0)
+        n = self.units - units
+        span = self._elapsed - elapsed
+        if cost <= 0.0 or n <= 0 or span <= 0.0:
+            return self.base_hold
+        need = (self._samples - samples) * cost / self.sample_budget  # seconds of work
+        hold = int(-(-(need * n / span - n) // 1))  # units after the window's n
+        return min(max(self.base_hold, hold), self.max_hold)
 
     def _signal_event(self, action: str, others: int, hold: int):
         cost_one = self._median(self._costs.get("one"))
@@ -573,6 +602,7 @@ class ThreadGovernor:
     def _start_probe(self):
         self._costs = {}
         self._others = []
+        self._probe_from = (self._elapsed, self.units, self._samples)
         self._current_side = self._side()
         self.phase, self.left = "current", self.window
 

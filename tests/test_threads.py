@@ -543,6 +543,32 @@ def test_samples_are_spaced_by_their_cost():
         ThreadGovernor(2, sample_budget=0.0)
 
 
+def test_skipped_probes_keep_their_samples_within_the_budget_when_units_are_short():
+    # 0.25 ms units and 130 us reads (a read beside a busy 2-thread process on the 2-core VM):
+    # a forced read per skipped probe every 50 + 5 units alone would be 1.9% of the time
+    unit = 0.25e-3
+    fast2 = lambda n, u: unit if n == 1 else unit / 1.8                  # noqa: E731
+    for budget in (0.01, 0.0025):
+        sig = FakeSignal(cost=130e-6)
+        gov = ThreadGovernor(2, warmup=3, window=5, hold=50, max_hold=3200, signal=sig,
+                             sample_budget=budget)
+        busy = 40000
+        used = drive_loaded(gov, sig, lambda u: 2, fast2, busy)
+        assert used.count(2) == 0
+        skips = [e for e in gov.events if e["action"] == "skipped"]
+        assert len(skips) > 10 and all(e["hold"] > 50 for e in skips)
+        assert sig.samples * sig.cost <= budget * busy * unit * 1.02
+        # the competitor leaves: the probe of 2 threads comes within the lengthened hold
+        longest = max(e["hold"] for e in skips)
+        used = drive_loaded(gov, sig, lambda u: 0, fast2, longest + 200)
+        assert 2 in used and used.index(2) <= longest + 5 + 2
+    # long units (5 ms): the base hold already keeps the reads within the budget
+    sig = FakeSignal(cost=130e-6)
+    gov = ThreadGovernor(2, warmup=3, window=5, hold=50, signal=sig, sample_budget=0.01)
+    drive_loaded(gov, sig, lambda u: 2, lambda n, u: 5e-3, 2000)
+    assert all(e["hold"] == 50 for e in gov.events)
+
+
 def test_start_auto_begins_at_the_full_count_only_where_the_signal_shows_room():
     fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
     kw = dict(warmup=3, window=4, hold=10, start="auto")

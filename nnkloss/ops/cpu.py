@@ -482,14 +482,18 @@ SCALE_MIN_ELEMS = 1 << 20
 # does. Where the machine's run queue describes our CPUs (Linux, nnkloss.threads.run_queue),
 # the governors also read other processes' runnable threads: no probe of the full count while
 # they leave it no room, and a drop to one thread when they arrive. A read costs 40-130 us, so
-# reads are spaced to ~1% of the op's time (sample_budget; ~4 ms apart at 40 us) plus one per
-# probe decision, never one per call (measured at the full count with 0.1 ms calls: record +
-# threads() 2.6 us per call with the signal, 1.1 us without). NNKLOSS_GOVERN_THREADS=0 turns
+# reads take at most 0.25% of the op's time (sample_budget; 16 ms of calls apart at 40 us, and
+# a skipped probe's hold lengthened to keep its reads within it), never one per call: beside a
+# busy process the default must not be slower than one thread (issue 21), and at 1% with one
+# forced read per skipped probe the reads alone cost 1-1.9% of 0.25-0.5 ms calls there. A
+# competitor that arrives is still seen within ~32 ms of calls, one that leaves within ~0.1 s
+# (record + threads() cost 2.6 us per call with the signal, 1.1 us without, at the full count
+# with 0.1 ms calls). NNKLOSS_GOVERN_THREADS=0 turns
 # the governors off (the full count always). Each starts at the full count where the run queue
 # shows room for it (start="auto"), else at one thread: entry points called a few times per run
 # (the classifier, evaluation) would otherwise run all their calls at one thread.
 GOVERNOR_OPTIONS = dict(warmup=3, window=5, hold=50, max_hold=3200, signal="auto",
-                        start="auto")
+                        start="auto", sample_budget=0.0025)
 _governors = {}
 
 

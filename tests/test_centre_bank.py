@@ -545,3 +545,33 @@ def test_check_rows_and_require_neighbours_name_what_is_wrong():
     empty = nnkloss.CentreBank(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))
     with pytest.raises(RuntimeError, match="no neighbour lists yet"):
         empty.require_neighbours()
+
+
+def test_load_state_dict_checks_values_in_the_banks_dtypes():
+    """A state dict is checked as the bank will store it (audit A): fp64 centres or log-weights
+    of 1e300 (finite in the file) were copied into the fp32 bank as inf, fp32 1e38 into an fp16
+    bank likewise, and a class id of 2**40 into the int32 labels wrapped around to 0."""
+    from nnkloss.bank.centre_bank import CentreBank
+
+    def bank(dtype=torch.float32):
+        return CentreBank(torch.randn(4, 3).to(dtype), torch.tensor([0, 1, 0, 1]))
+
+    for dtype, key, value in ((torch.float32, "centres", torch.full((4, 3), 1e300,
+                                                                    dtype=torch.float64)),
+                              (torch.float16, "centres", torch.full((4, 3), 1e38)),
+                              (torch.float32, "log_weights", torch.full((4,), 1e300,
+                                                                        dtype=torch.float64))):
+        b = bank(dtype)
+        before = {k: v.clone() for k, v in b.state_dict().items()}
+        sd = {**b.state_dict(), key: value}
+        with pytest.raises(ValueError, match=rf"^{key} contain NaN"):
+            b.load_state_dict(sd)
+        assert all(torch.equal(v, before[k]) for k, v in b.state_dict().items())
+    b = bank()
+    b.load_state_dict({**b.state_dict(), "centre_labels": torch.tensor([2 ** 40, 1, 0, 1])})
+    assert b.centre_labels.tolist() == [2 ** 40, 1, 0, 1]
+    # a resized bank keeps fp32 log-weights whatever the state dict's dtype
+    b.load_state_dict({"centres": torch.zeros(5, 3), "centre_labels": torch.zeros(5, dtype=int),
+                       "neighbours": torch.zeros(5, 0, dtype=int),
+                       "log_weights": torch.zeros(5, dtype=torch.float64)})
+    assert b.log_weights.dtype == torch.float32 and b.centre_labels.dtype == torch.int32

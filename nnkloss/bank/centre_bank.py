@@ -439,21 +439,33 @@ class CentreBank(nn.Module):
             # Not a tensor: PyTorch's own load error (raised by load_state_dict) names it.
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
+        # Checked as they will be stored: the copy below casts to the bank's dtypes, where a
+        # value finite in the state dict's dtype can overflow (fp64 1e300 in an fp32 bank, 1e38
+        # in an fp16 one: inf centres or log-weights), as update_ checks centres after the cast.
+        for name, dtype in (("centres", self.centres.dtype),
+                            ("log_weights", self.log_weights.dtype)):
+            if given[name].is_floating_point():
+                given[name] = given[name].detach().to(dtype)
         validate_bank_tensors(given["centres"], given["centre_labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
         # Banks change size (growth, other K): take the saved shapes instead of refusing them.
+        # Labels take the width update_ gives them: int64 where int32 cannot hold a class id
+        # (copied into an int32 buffer, 2**40 wrapped around to 0: another class, no error).
         for name in ("centres", "centre_labels", "neighbours"):
             key = prefix + name
             if key in state_dict:
                 src = state_dict[key]
                 cur = getattr(self, name)
-                if src.shape != cur.shape:
-                    setattr(self, name, torch.empty(src.shape, dtype=cur.dtype, device=cur.device))
+                dtype = _compact_labels(src).dtype if name == "centre_labels" else cur.dtype
+                if src.shape != cur.shape or dtype != cur.dtype:
+                    setattr(self, name, torch.empty(src.shape, dtype=dtype, device=cur.device))
         key = prefix + "log_weights"
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
-            # Same Parameter object, resized: optimisers holding it stay valid.
-            self.log_weights.data = torch.empty_like(state_dict[key],
-                                                     device=self.log_weights.device)
+            # Same Parameter object, resized (and of the dtype checked above): optimisers
+            # holding it stay valid.
+            self.log_weights.data = torch.empty(state_dict[key].shape,
+                                                dtype=self.log_weights.dtype,
+                                                device=self.log_weights.device)
             self.log_weights.grad = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

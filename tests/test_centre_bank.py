@@ -575,3 +575,18 @@ def test_load_state_dict_checks_values_in_the_banks_dtypes():
                        "neighbours": torch.zeros(5, 0, dtype=int),
                        "log_weights": torch.zeros(5, dtype=torch.float64)})
     assert b.log_weights.dtype == torch.float32 and b.centre_labels.dtype == torch.int32
+
+
+def test_log_weights_whose_weight_overflows_are_refused():
+    """A finite log-weight whose exp overflows is an infinite weight (audit A): a checkpoint
+    with a log-weight of 1000 loaded into a bank whose weights were inf."""
+    from nnkloss.bank.centre_bank import CentreBank, _validate_log_weights
+    with pytest.raises(ValueError, match=r"^lw hold a value whose weight exp\(lw\) overflows "
+                                         r"torch.float32 \(max 1000.0\)"):
+        _validate_log_weights(torch.tensor([0.0, 1000.0]), 2, learned=False, name="lw")
+    ok = torch.tensor([0.0, 88.0, 100.0], dtype=torch.float64)  # exp(100) fits fp64
+    assert _validate_log_weights(ok, 3, learned=True) is ok
+    bank = CentreBank(torch.randn(3, 2), torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match=r"^log_weights hold a value whose weight"):
+        bank.load_state_dict({**bank.state_dict(), "log_weights": torch.tensor([0.0, 89.0, 0.0])})
+    assert torch.equal(bank.weights, torch.ones(3))

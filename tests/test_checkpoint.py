@@ -508,3 +508,15 @@ def test_save_bank_removes_stale_temporaries_and_keeps_fresh_ones(tmp_path):
     nnkloss.save_bank(make_bank(), path)
     assert not stale.exists() and fresh.exists()
     assert nnkloss.load_bank(path)[0].num_centres == 60
+
+
+def test_load_bank_refuses_log_weights_whose_weight_overflows(tmp_path):
+    """A log-weight of 1000 (finite) is a weight of inf: refused on load (audit A)."""
+    from nnkloss.checksum import load_checked, save_checked
+    path = tmp_path / "b.pt"
+    save_bank(nnkloss.CentreBank(torch.randn(4, 3), torch.arange(4) % 2), path)
+    state = load_checked(path)
+    state["log_weights"] = torch.full((4,), 1000.0)
+    save_checked(state, path)
+    with pytest.raises(ValueError, match=r"log_weights hold a value whose weight"):
+        load_bank(path)

@@ -91,6 +91,11 @@ def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
     lw = log_w.detach()
     if torch.isnan(lw).any() or (lw == float("inf")).any():
         raise ValueError(f"{name} contain NaN or +inf: weights must be finite and non-negative")
+    if (lw.exp() == float("inf")).any():
+        # A finite log-weight above log(max) of its dtype (88.7 for fp32) is an infinite
+        # weight (the bank's weights are exp(log_weights)): an infinite loss, as +inf would be.
+        raise ValueError(f"{name} hold a value whose weight exp({name}) overflows {lw.dtype} "
+                         f"(max {lw.max().item()}): weights must be finite and non-negative")
     if learned and (lw == float("-inf")).any():
         raise ValueError(f"{name} hold zero weights (-inf), but learned weights must be "
                          "strictly positive")

@@ -520,3 +520,23 @@ def test_load_bank_refuses_log_weights_whose_weight_overflows(tmp_path):
     save_checked(state, path)
     with pytest.raises(ValueError, match=r"log_weights hold a value whose weight"):
         load_bank(path)
+
+
+def test_load_bank_refuses_a_learn_weights_or_extra_of_another_type(tmp_path):
+    """learn_weights is read as save_bank writes it, a bool (audit A): the string "False" loaded
+    a bank with learned weights, a tensor of two values failed with torch's "Boolean value of
+    Tensor" error; an extra that is not a dict (or None) was returned as it was."""
+    from nnkloss.checksum import load_checked, save_checked
+    path = tmp_path / "b.pt"
+    save_bank(nnkloss.CentreBank(torch.randn(4, 3), torch.arange(4) % 2), path)
+    good = load_checked(path)
+    for field, value, kind in (("learn_weights", "False", "str"),
+                               ("learn_weights", torch.tensor([True, False]), "Tensor"),
+                               ("learn_weights", None, "NoneType"),
+                               ("extra", [1, 2], "list")):
+        save_checked({**good, field: value}, path)
+        with pytest.raises(ValueError, match=rf"^checkpoint {field} must be a .*got {kind}$"):
+            load_bank(path)
+    save_checked({**good, "learn_weights": True, "extra": {"sigma": 2.0}}, path)
+    bank, _, extra = load_bank(path)
+    assert bank.learn_weights and extra == {"sigma": 2.0}

@@ -115,10 +115,19 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     missing = [k for k in _STATE_KEYS + ("learn_weights", "step") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}")
+    # A bool, as save_bank writes it: bool() of a string is True ("False" loaded a bank with
+    # learned weights), of a tensor of several values an error that named nothing.
+    if not isinstance(state["learn_weights"], bool):
+        raise ValueError(f"checkpoint learn_weights must be a bool, got "
+                         f"{type(state['learn_weights']).__name__}")
+    extra = state.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"checkpoint extra must be a dict or None (as save_bank writes it), "
+                         f"got {type(extra).__name__}")
     # The same rules as CentreBank.update_ (a NaN weight would act as 0, +inf would give an
     # infinite loss, an index >= N would gather another row or fail far from here).
     validate_bank_tensors(state["centres"], state["centre_labels"], state["neighbours"],
-                          state["log_weights"], learned=bool(state["learn_weights"]),
+                          state["log_weights"], learned=state["learn_weights"],
                           prefix="checkpoint ")
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
@@ -129,5 +138,5 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     # whether they are all one is derived from them there. (Files before this writer also held
     # a "uniform_weights" flag: the same fact, no longer read.)
     bank.load_state_dict({name: state[name] for name in _STATE_KEYS})
-    bank.log_weights.requires_grad_(bool(state["learn_weights"]))
-    return bank, int(step), state.get("extra")
+    bank.log_weights.requires_grad_(state["learn_weights"])
+    return bank, int(step), extra

@@ -411,8 +411,9 @@ def test_an_amp_scaler_state_its_constructor_would_refuse_is_refused_on_load(tmp
 
 
 def test_every_trainer_checkpoint_field_is_named_in_its_error(tmp_path):
-    """A missing or mistyped epoch, step, schedule or RNG state is a ValueError naming the file
-    and the field (a bare KeyError or int() message before), and nothing is loaded."""
+    """A missing or mistyped epoch, step, schedule or RNG state (or a bank_ready, refresh_due
+    that is not a bool) is a ValueError naming the file and the field (a bare KeyError or
+    int() message before; bool("False") was True), and nothing is loaded."""
     from nnkloss.checksum import load_checked, save_checked
     _data_run(tmp_path, epochs=1)
     path = tmp_path / "checkpoint.pt"
@@ -422,6 +423,8 @@ def test_every_trainer_checkpoint_field_is_named_in_its_error(tmp_path):
                                 ("epoch", True, "must be an int >= 0, got True"),
                                 ("schedule", {"epoch": 1}, "KeyError"),
                                 ("rng", {"python": None}, "TypeError"),
+                                ("bank_ready", "False", "must be a bool, got str"),
+                                ("refresh_due", torch.tensor([1, 0]), "must be a bool, got Tensor"),
                                 ("rng", None, None)):
         state = dict(good, **{field: value}) if value is not None else {
             k: v for k, v in good.items() if k != field}

@@ -388,8 +388,14 @@ class Trainer:
                 load(state[name])
             except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
-        self.upkeep.bank_ready = bool(state.get("bank_ready", False))
-        self.upkeep.refresh_due = bool(state.get("refresh_due", False))
+        # Bools, as state_dict writes them (bool() of the string "False" is True: a bank never
+        # built taken as ready), each named in its error.
+        for name in ("bank_ready", "refresh_due"):
+            if not isinstance(state.get(name, False), bool):
+                raise ValueError(f"{where}, {name}: must be a bool, got "
+                                 f"{type(state[name]).__name__}")
+        self.upkeep.bank_ready = state.get("bank_ready", False)
+        self.upkeep.refresh_due = state.get("refresh_due", False)
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
         """Write the full training state atomically, with its checksum; returns the path."""

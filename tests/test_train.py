@@ -423,6 +423,7 @@ def test_every_trainer_checkpoint_field_is_named_in_its_error(tmp_path):
                                 ("epoch", True, "must be an int >= 0, got True"),
                                 ("schedule", {"epoch": 1}, "KeyError"),
                                 ("rng", {"python": None}, "TypeError"),
+                                ("rng", dict(good["rng"], torch=[1, 2]), "AttributeError"),
                                 ("bank_ready", "False", "must be a bool, got str"),
                                 ("refresh_due", torch.tensor([1, 0]), "must be a bool, got Tensor"),
                                 ("rng", None, None)):
@@ -430,6 +431,10 @@ def test_every_trainer_checkpoint_field_is_named_in_its_error(tmp_path):
             k: v for k, v in good.items() if k != field}
         save_checked(state, path)
         with pytest.raises(ValueError, match=rf"checkpoint.pt'?, {field}: .*{match or 'KeyError'}"):
+            _data_run(tmp_path, epochs=2)
+    for value in ("x", dict(good["optimizer"], state={0: "x"})):
+        save_checked(dict(good, optimizer=value), path)
+        with pytest.raises(AttributeError, match=r"checkpoint.pt'?, optimizer: 'str' object"):
             _data_run(tmp_path, epochs=2)
     save_checked(good, path)
     assert _data_run(tmp_path, epochs=2).epoch == 2

@@ -370,7 +370,9 @@ class Trainer:
                 target.load_state_dict(state[name])
                 if target is self.optimizer:
                     _ckpt.check_optimizer_state(target)
-            except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
+            # AttributeError: a str or list where the loaders call a dict's methods
+            except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
+                    AttributeError) as exc:
                 raise type(exc)(f"{where}, {name}: {exc}") from exc
         _ckpt.check_scaler_state(state.get("scaler", {}), f"{where}, scaler")
         if state.get("scaler"):
@@ -386,7 +388,8 @@ class Trainer:
                 ("rng", _ckpt.set_rng_state)):
             try:
                 load(state[name])
-            except (ValueError, IndexError, TypeError, KeyError, RuntimeError) as exc:
+            except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
+                    AttributeError) as exc:  # e.g. a list where set_rng_state wants a tensor
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
         # Bools, as state_dict writes them (bool() of the string "False" is True: a bank never
         # built taken as ready), each named in its error.

@@ -345,6 +345,36 @@ def test_optimiser_state_of_another_shape_is_refused_on_load(tmp_path):
     assert _data_run(tmp_path, epochs=2).epoch == 2
 
 
+def test_optimiser_hyperparameters_the_constructor_would_refuse_are_refused_on_load(tmp_path):
+    """Optimizer.load_state_dict takes a group's lr, momentum, weight decay as they come: a NaN
+    one trained to NaN parameters without an error (audit A), a string failed mid-run. Each is
+    refused on load, naming the group and the key, and nothing is trained from it."""
+    from nnkloss.checksum import load_checked, save_checked
+    from nnkloss.experiment.checkpoint import check_optimizer_state
+    _data_run(tmp_path, epochs=1)
+    path = tmp_path / "checkpoint.pt"
+    good = load_checked(path)
+    for key, value in (("lr", float("nan")), ("lr", -1.0), ("lr", "0.1"), ("lr", None),
+                       ("momentum", float("nan")), ("weight_decay", float("inf"))):
+        groups = [dict(g, **{key: value}) for g in good["optimizer"]["param_groups"]]
+        save_checked(dict(good, optimizer=dict(good["optimizer"], param_groups=groups)), path)
+        saved = path.read_bytes()
+        with pytest.raises(ValueError, match=rf"checkpoint.pt'?, optimizer: .*parameter group 0's "
+                                             rf"'{key}' must be a number finite and >= 0"):
+            _data_run(tmp_path, epochs=2)
+        assert path.read_bytes() == saved
+    adam = torch.optim.Adam([nn.Parameter(torch.zeros(2))], lr=0.1)
+    check_optimizer_state(adam)  # its defaults (betas a tuple, amsgrad a bool) pass
+    adam.param_groups[0]["betas"] = (0.9, float("nan"))
+    with pytest.raises(ValueError, match=r"'betas' must be numbers finite and >= 0"):
+        check_optimizer_state(adam)
+    adam.param_groups[0]["betas"] = (0.9, 0.999)
+    adam.param_groups[0]["lr"] = torch.tensor(0.01)  # torch takes a tensor lr
+    check_optimizer_state(adam)
+    save_checked(good, path)
+    assert _data_run(tmp_path, epochs=2).epoch == 2
+
+
 def test_a_history_the_logs_cannot_write_is_refused_on_load(tmp_path):
     """The history is written to log.json / log.csv after each epoch: a loaded one holding
     what they cannot write (bytes, a tuple key, a list holding itself) failed at the first

@@ -112,7 +112,27 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
     ``load_state_dict`` left it) is a 0-dim tensor (a step count) or has its parameter's shape,
     as the optimisers the Trainer builds keep them (momentum buffers, Adam's moments).
     ``Optimizer.load_state_dict`` checks the parameter groups, not these: a buffer of another
-    shape loaded and then failed at the next step, mid-run."""
+    shape loaded and then failed at the next step, mid-run.
+
+    Every hyperparameter of every group whose default (``optimizer.defaults``) is a number or
+    a tuple of numbers (lr, momentum, weight_decay, eps, betas) must be that too, finite and
+    >= 0, as the constructors take them: ``load_state_dict`` takes the groups' values as they
+    come, and a NaN lr, momentum or weight decay trained to NaN parameters without an error
+    (a string failed at the next step)."""
+    for g, group in enumerate(optimizer.param_groups):
+        for key, default in optimizer.defaults.items():
+            value = group.get(key)
+            if _is_number(default):
+                ok = _nonnegative_number(value)
+            elif isinstance(default, tuple) and default and all(map(_is_number, default)):
+                ok = (isinstance(value, (tuple, list)) and len(value) == len(default)
+                      and all(map(_nonnegative_number, value)))
+            else:
+                continue
+            if not ok:
+                raise ValueError(f"{what}: parameter group {g}'s {key!r} must be "
+                                 f"{'a number' if _is_number(default) else 'numbers'} finite "
+                                 f"and >= 0 (default {default!r}), got {value!r}")
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
@@ -121,6 +141,19 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
                     raise ValueError(f"{what} {key!r} of parameter {i} "
                                      f"of its group has shape {tuple(value.shape)}, the "
                                      f"parameter {tuple(p.shape)}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _nonnegative_number(v: Any) -> bool:
+    """A finite number >= 0: a Python int or float, or a one-value float tensor (torch's
+    optimisers take a tensor lr)."""
+    if isinstance(v, torch.Tensor):
+        return (v.numel() == 1 and v.is_floating_point() and bool(torch.isfinite(v).all())
+                and float(v) >= 0)
+    return _is_number(v) and math.isfinite(v) and v >= 0
 
 
 def count(value: Any) -> int:

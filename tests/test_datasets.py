@@ -256,6 +256,36 @@ def test_malformed_files_are_named(trees, tmp_path):
         Leafsnap(leaf, "train")
 
 
+def test_non_finite_boxes_are_refused_when_the_dataset_is_built(trees, tmp_path):
+    """A nan or inf box (float() reads both) was taken, and every read of its image failed at
+    the crop with "cannot convert float NaN to integer", in a loader's worker (audit A). Now
+    the file is named, with the line or annotation."""
+    from nnkloss.experiment.datasets import ImageListDataset
+    import scipy.io
+    cub = _copy(trees["cub"], str(tmp_path / "CUB_200_2011"))
+    box_file = os.path.join(cub, "bounding_boxes.txt")
+    lines = open(box_file).read().splitlines()
+    for bad in ("nan", "inf"):
+        with open(box_file, "w") as f:
+            f.write("\n".join(lines[:2] + [f"3 {bad} 0 10 10"] + lines[3:]) + "\n")
+        with pytest.raises(DatasetFormatError, match=rf"bounding_boxes.txt, line 3: "
+                                                     rf"'{bad}' is not a finite number"):
+            CUB200(cub, "train", protocol="classification", bbox_crop=True)
+    CUB200(cub, "train", protocol="classification")  # boxes unused: not read
+    cars = _copy(trees["cars"], str(tmp_path / "cars"))
+    mat = scipy.io.loadmat(os.path.join(cars, "cars_annos.mat"))
+    mat["annotations"][0, 0]["bbox_x2"] = np.array([[np.nan]])
+    scipy.io.savemat(os.path.join(cars, "cars_annos.mat"),
+                     {k: v for k, v in mat.items() if not k.startswith("__")})
+    with pytest.raises(DatasetFormatError, match=r"cars_annos.mat: annotation 0 "
+                                                 r"\(car_ims/000001.jpg\) has a non-finite"):
+        Cars196(cars, "train", bbox_crop=True)
+    assert len(Cars196(cars, "train")) == 10
+    with pytest.raises(ValueError, match=r"boxes must be finite; item 1 \(b.jpg\)"):
+        ImageListDataset(["a.jpg", "b.jpg"], [0, 1], 2,
+                         boxes=[[0, 0, 5, 5], [0, 0, float("inf"), 5]])
+
+
 def test_bad_split_arguments(trees):
     with pytest.raises(ValueError, match="split"):
         CUB200(trees["cub"], "val", protocol="metric")

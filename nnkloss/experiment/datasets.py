@@ -118,6 +118,14 @@ def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: in
             for p in parts]
 
 
+def _finite_float(text: str) -> float:
+    """float() of a table field, refusing nan and inf (which float() reads)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
 def _remap(raw: Sequence, universe: Sequence) -> Tuple[np.ndarray, List]:
     """Labels as 0..C-1 in the order of ``universe`` (sorted official ids/names)."""
     order = list(universe)
@@ -247,6 +255,13 @@ class ImageListDataset(Dataset):
             boxes = np.asarray(boxes, dtype=np.float64)
             if boxes.shape != (len(self.paths), 4):
                 raise ValueError(f"boxes must have shape ({len(self.paths)}, 4), got {boxes.shape}")
+            # Checked here, not at the crop: int(round(nan)) failed there, item by item, in a
+            # loader's worker.
+            finite = np.isfinite(boxes).all(axis=1)
+            if not finite.all():
+                bad = int(np.flatnonzero(~finite)[0])
+                raise ValueError(f"boxes must be finite; item {bad} ({self.paths[bad]}) has "
+                                 f"{boxes[bad].tolist()}")
         self.boxes = boxes
         self.num_classes = int(num_classes)
         self.class_names = list(class_names) if class_names is not None else None
@@ -381,7 +396,8 @@ class CUB200(ImageListDataset):
         if bbox_crop:
             box_file = os.path.join(root, "bounding_boxes.txt")
             boxes = _read_table(box_file, 5, "CUB bounding_boxes.txt",
-                                (int, float, float, float, float))
+                                (int, _finite_float, _finite_float, _finite_float,
+                                 _finite_float))
             box_of = self._by_id([(r[0], r[1:]) for r in boxes], ids, box_file)
         cls = np.array([cls_of[i] for i in ids])
         is_train = np.array([train_of[i] == 1 for i in ids])
@@ -467,6 +483,13 @@ class Cars196(ImageListDataset):
         paths = [os.path.join(root, rel[p]) for p in pos]
         bxs = None
         if bbox_crop:
+            rows = np.flatnonzero(~np.isfinite(np.stack([col[f][pos] for f in
+                                                         self.FIELDS[1:5]], axis=1)).all(axis=1))
+            if len(rows):
+                bad = int(pos[rows[0]])
+                raise DatasetFormatError(f"{mat_path}: annotation {bad} ({rel[bad]}) has a "
+                                         f"non-finite bounding box "
+                                         f"{[float(col[f][bad]) for f in self.FIELDS[1:5]]}")
             # 1-based inclusive MATLAB pixel coordinates -> PIL's (left, upper, right, lower).
             bxs = np.stack([col["bbox_x1"][pos] - 1, col["bbox_y1"][pos] - 1,
                             col["bbox_x2"][pos], col["bbox_y2"][pos]], axis=1)

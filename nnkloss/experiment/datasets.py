@@ -133,12 +133,22 @@ def _remap(raw: Sequence, universe: Sequence) -> Tuple[np.ndarray, List]:
     return np.array([lut[c] for c in raw], dtype=np.int64), order
 
 
+def _text_lines(f, path: str):
+    """The lines of the text file ``f``: a byte that its encoding cannot decode is a
+    DatasetFormatError naming ``path`` (a bare UnicodeDecodeError named neither file nor
+    line). The file is decoded ahead of the lines read, so no line number is given."""
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise DatasetFormatError(f"{path}: not {f.encoding} text ({e})") from None
+
+
 def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable]) -> List[tuple]:
     """Whitespace-separated lines with exactly ``ncols`` fields, converted with ``types``."""
     _require_file(path, what)
     rows = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, line in enumerate(_text_lines(f, path), 1):
             if not line.strip():
                 continue
             fields = line.split()
@@ -577,19 +587,22 @@ class Leafsnap(ImageListDataset):
         index = _require_file(os.path.join(root, self.INDEX), "Leafsnap index file")
         rows = []
         with open(index, encoding="utf-8", newline="") as f:
-            reader = csv.reader(f, delimiter="\t")
-            header = next(reader, None)
-            if header is None or [h.strip() for h in header] != list(self.COLUMNS):
-                raise DatasetFormatError(f"{index}, line 1: expected the tab-separated header "
-                                         f"{list(self.COLUMNS)}, got {header}")
-            for lineno, r in enumerate(reader, 2):
-                if not r or not any(x.strip() for x in r):
-                    continue
-                if len(r) != len(self.COLUMNS):
-                    raise DatasetFormatError(f"{index}, line {lineno}: expected "
-                                             f"{len(self.COLUMNS)} tab-separated fields, got "
-                                             f"{len(r)}")
-                rows.append([x.strip() for x in r])
+            reader = csv.reader(_text_lines(f, index), delimiter="\t")
+            try:
+                header = next(reader, None)
+                if header is None or [h.strip() for h in header] != list(self.COLUMNS):
+                    raise DatasetFormatError(f"{index}, line 1: expected the tab-separated "
+                                             f"header {list(self.COLUMNS)}, got {header}")
+                for lineno, r in enumerate(reader, 2):
+                    if not r or not any(x.strip() for x in r):
+                        continue
+                    if len(r) != len(self.COLUMNS):
+                        raise DatasetFormatError(f"{index}, line {lineno}: expected "
+                                                 f"{len(self.COLUMNS)} tab-separated fields, "
+                                                 f"got {len(r)}")
+                    rows.append([x.strip() for x in r])
+            except csv.Error as e:  # e.g. a field beyond csv's field_size_limit
+                raise DatasetFormatError(f"{index}, line {reader.line_num}: {e}") from None
         rows = [r for r in rows if source == "all" or r[4] == source]
         if not rows:
             raise DatasetFormatError(f"{index} lists no images with source == {source!r}")

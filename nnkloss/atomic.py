@@ -39,18 +39,21 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
     ``lambda f: torch.save(obj, f)``) to ``path`` atomically. Returns the path.
 
     ``name`` is the argument named in the error when the target's directory does not exist.
-    The file keeps the target's permissions (or gets 0644 when new).
+    The file keeps the target's permissions (or gets 0644 less the umask when new: 0600 under
+    a private umask such as 077).
     """
     path = require_parent_dir(name, path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp",
                                dir=directory)
     try:
-        # mkstemp makes the file 0600; keep the target's mode (or a usual 0644) instead.
+        # mkstemp makes the file 0600; keep the target's mode (or a usual 0644) instead, less
+        # the umask (a fixed 0644 made a checkpoint written under umask 077 readable by all).
+        # Never group/other-writable, whatever the umask: cpu.py refuses such a sha256 record.
         try:
             mode = os.stat(path).st_mode & 0o777
         except FileNotFoundError:
-            mode = 0o644
+            mode = 0o644 & ~_umask()
         os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -68,6 +71,22 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
         raise
     _fsync_dir(directory)
     return path
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it (/proc/self/status, kernel 4.7 on):
+    os.umask can only read it by setting it, and a file another thread created meanwhile
+    would get the wrong mode."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _temp_prefix(path: str) -> str:

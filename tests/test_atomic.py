@@ -49,3 +49,25 @@ def test_atomic_write_of_bytes_keeps_the_target_mode(tmp_path):
     assert atomic_write(target, b"{}\n") == os.fspath(target)
     assert target.read_bytes() == b"{}\n"
     assert os.stat(target).st_mode & 0o7777 == 0o600
+
+
+def test_atomic_write_gives_a_new_file_0644_less_the_umask(tmp_path):
+    """A new file gets 0644 less the umask (audit A): a fixed 0644 made a checkpoint written
+    under umask 077 readable by every user. Never group-writable (umask 002): cpu.py refuses
+    a sha256 record that is."""
+    import os
+    from nnkloss.atomic import _umask, atomic_write
+
+    old = os.umask(0o077)
+    try:
+        assert _umask() == 0o077
+        atomic_write(tmp_path / "private.pt", b"x")
+        os.umask(0o022)
+        atomic_write(tmp_path / "usual.pt", b"x")
+        os.umask(0o002)
+        atomic_write(tmp_path / "group.pt", b"x")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "private.pt").st_mode & 0o7777 == 0o600
+    assert os.stat(tmp_path / "usual.pt").st_mode & 0o7777 == 0o644
+    assert os.stat(tmp_path / "group.pt").st_mode & 0o7777 == 0o644

@@ -105,6 +105,14 @@ def require_int(name, t, ndim):
         raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
 
 
+def as_index(t):
+    """The integer tensor ``t`` (already checked by :func:`require_int`) as torch indexes
+    with: int32 / int64 as it is, other integer dtypes as int64. Indexing reads a uint8 tensor
+    as a boolean mask (other rows, silently) and refuses int8 / int16 with an error that names
+    no argument."""
+    return t if t.dtype in (torch.int32, torch.int64) else t.long()
+
+
 def require_float(name, t, ndim, dtypes=FLOAT_DTYPES):
     require_tensor(name, t)
     if t.dim() != ndim:

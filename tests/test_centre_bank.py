@@ -590,3 +590,19 @@ def test_log_weights_whose_weight_overflows_are_refused():
     with pytest.raises(ValueError, match=r"^log_weights hold a value whose weight"):
         bank.load_state_dict({**bank.state_dict(), "log_weights": torch.tensor([0.0, 89.0, 0.0])})
     assert torch.equal(bank.weights, torch.ones(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_narrow_integer_idx_names_the_same_rows_as_int64(dtype):
+    """idx of any integer dtype names bank rows: torch's indexing reads a uint8 index as a
+    boolean mask (other rows, silently: here rows 0..3 instead of row 1 four times) and refuses
+    int8 / int16 with an error that names no argument."""
+    bank = make_bank(N=4, K=3)
+    idx = torch.ones(4, dtype=torch.long)
+    want = bank.neighbours_for(idx)
+    assert torch.equal(bank.neighbours_for(idx.to(dtype)), want)
+    wrote = make_bank(N=4, K=3)
+    wrote.write_centres_(torch.tensor([1], dtype=dtype), torch.ones(1, 6))
+    expected = make_bank(N=4, K=3).centres.clone()
+    expected[1] = 1.0
+    torch.testing.assert_close(wrote.centres, expected, rtol=0, atol=0)

@@ -693,3 +693,17 @@ def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(redu
                      fn.log_sigma.grad, ops])
     for a, b in zip(*runs, strict=True):
         assert a == b if isinstance(a, set) else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_narrow_integer_idx_gives_the_int64_loss(dtype):
+    """A bank loss reads idx of any integer dtype as bank rows (torch indexing would read uint8
+    as a boolean mask and refuse int8 / int16)."""
+    bank = make_bank(N=30, K=5)
+    idx = torch.tensor([3, 7, 7, 0, 29])
+    emb = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    labels = bank.centre_labels[idx]
+    for loss in (nnkloss.NeighbourKernelLoss(bank, sigma=1.5),
+                 nnkloss.ClassConditionalLoss(bank, k=2)):
+        torch.testing.assert_close(loss(emb, labels, idx.to(dtype)), loss(emb, labels, idx),
+                                   rtol=0, atol=0)

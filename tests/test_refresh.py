@@ -878,3 +878,20 @@ def test_refresh_distance_means_in_steps_equal_the_whole_tensor(monkeypatch, ele
     none_finite = torch.full((4, 3), float("inf"))
     assert refresh_module._distance_means(none_finite, 1.0) == (0.0, 0.0)
     assert refresh_module._distance_means(d[:0], 1.0) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+def test_refresh_reads_narrow_integer_idx_as_bank_rows(dtype):
+    """A loader's idx of any integer dtype names bank rows (torch's indexing would read uint8
+    as a boolean mask and refuse int16)."""
+    x, y = make_data()
+    model = make_model()
+    banks = []
+    for idx_dtype in (torch.long, dtype):
+        loader = [(x[i:i + 16], y[i:i + 16], torch.arange(i, i + 16).to(idx_dtype))
+                  for i in range(0, N, 16)]
+        bank = make_bank()
+        Refresher(bank, model, loader, k=4, search_backend="torch", progress=False).refresh()
+        banks.append(bank)
+    assert torch.equal(banks[0].centres, banks[1].centres)
+    assert torch.equal(banks[0].centre_labels, banks[1].centre_labels)

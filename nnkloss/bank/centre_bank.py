@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..validation import (all_finite, compiling, nonnegative_finite, plain_eager, require_float,
-                          require_int, require_labelled)
+from ..validation import (all_finite, as_index, compiling, nonnegative_finite, plain_eager,
+                          require_float, require_int, require_labelled)
 
 __all__ = ["CentreBank", "validate_bank_tensors"]
 
@@ -336,6 +336,7 @@ class CentreBank(nn.Module):
         copied, so its owner sees these writes. Returns the bank.
         """
         require_int("idx", idx, 1)
+        idx = as_index(idx)
         require_float("emb", emb, 2)
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
             raise TypeError(f"momentum must be a float in [0, 1), got {type(momentum).__name__}")
@@ -392,6 +393,7 @@ class CentreBank(nn.Module):
         """(B, K) lists of the bank rows ``idx``, with each row's own index replaced by -1."""
         self.require_neighbours()
         require_int("idx", idx, 1)
+        idx = as_index(idx)
         if self.neighbours.device.type == "cpu" and plain_eager(idx, self.neighbours):
             # One pass of the compiled CPU library (gather, own-index exclusion and the range
             # check; 4 against 55 us at B 1024, K 32); None leaves it to torch's ops below.

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .centre_bank import CentreBank
-from ..validation import all_finite, require_int, require_positive_int, require_sigma
+from ..validation import all_finite, as_index, require_int, require_positive_int, require_sigma
 from .search import NeighbourLists, neighbour_lists
 from .. import distributed as _dist
 from ..inference import inference_model
@@ -480,6 +480,7 @@ class Refresher:
                         raise ValueError("loader must yield (inputs, labels, idx) triples")
                     inputs, y, idx = batch
                     require_int("idx", idx, 1)
+                    idx = as_index(idx)
                     require_int("labels", y, 1)
                     if idx.device.type == "cpu":
                         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):

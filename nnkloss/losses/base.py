@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
 from ..ops.neighbour_kernel import LossOutput, reduce_rows
-from ..validation import (REDUCTIONS, check_batch, compiling, plain_eager, require_sigma,
-                          value_checks_enabled)
+from ..validation import (REDUCTIONS, as_index, check_batch, compiling, plain_eager,
+                          require_sigma, value_checks_enabled)
 
 __all__ = ["BankLoss", "BankLossStats"]
 
@@ -171,6 +171,7 @@ class BankLoss(nn.Module, abc.ABC):
 
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         check_batch(emb, labels, idx)
+        idx = as_index(idx)
         labels = labels.to(emb.device)
         one_launch = self._lists_in_one_launch(labels, idx)
         if one_launch is not None:

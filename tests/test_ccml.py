@@ -182,10 +182,9 @@ def test_validation_errors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_gathered_nonfinite_centre_is_refused_before_the_loss(value, dtype):
     """CCML keeps the check of the gathered centres before the loss, on the CPU too (the Eq. 3
-    op checks them after, from its NaN rows): its nearest-entry selection can leave a NaN/inf
-    centre out of a row's means, so the row comes out finite and a check after the loss would
-    not see it. Both halves are asserted: the finite row with the checks off, the error with
-    them on."""
+    op checks them after, from its NaN rows). With the checks off, every row that lists the
+    NaN/inf centre is NaN and counted, although its nearest-entry selection (k=1) would have
+    left the centre out of its means (it did, silently, before this was fixed)."""
     emb, labels, centres, centre_labels, nb = problem()
     centres = centres.to(dtype)
     j = int(nb[1, 0])
@@ -194,7 +193,8 @@ def test_gathered_nonfinite_centre_is_refused_before_the_loss(value, dtype):
         rows, counted = nnkloss.losses.ccml.class_conditional_loss_rows(
             emb, labels, centres, centre_labels, nb, k=1)
     gathered_by = (nb == j).any(1)
-    assert torch.isfinite(rows[gathered_by & counted]).any(), "a bad centre left out unseen"
+    assert torch.isnan(rows[gathered_by]).all() and counted[gathered_by].all()
+    assert torch.isfinite(rows[~gathered_by]).all()
     with pytest.raises(ValueError, match=r"^centres contain NaN or inf in rows that neighbours "
                        r"gathers$"):
         class_conditional_loss(emb, labels, centres, centre_labels, nb, k=1)
@@ -311,3 +311,27 @@ def test_an_unlisted_nonfinite_centre_stays_out_of_short_rows():
     assert torch.isfinite(c.grad[1:]).all() and (c.grad[0] == 0).all()
     ref, _ = reference_rows(emb, labels, centres, centre_labels, nb, 5, math.sqrt(0.5))
     torch.testing.assert_close(out.detach(), ref)
+
+
+@pytest.mark.parametrize("objective", ["accuracy", "nll"])
+def test_a_distance_beyond_the_compute_dtype_makes_its_row_nan(objective):
+    """A finite embedding whose squared distance to a list entry overflows fp32 (|x| ~ 1e20)
+    cannot be ranked (an inf distance read as "no entry"): its row is NaN and counted, so the
+    mean is NaN, as the Eq. 3 loss has it (ops/CONTRACT.md rule 6); it used to come out 0 and
+    be left out of the mean silently. The other rows and their gradients are unchanged."""
+    emb, labels, centres, centre_labels, nb = problem(dtype=torch.float32)
+    big = emb.clone()
+    big[2] = 1e20
+    e = big.clone().requires_grad_(True)
+    rows, counted = nnkloss.losses.ccml.class_conditional_loss_rows(
+        e, labels, centres, centre_labels, nb, k=3, objective=objective)
+    assert torch.isnan(rows[2]) and counted[2]
+    assert torch.isnan(class_conditional_loss(big, labels, centres, centre_labels, nb, k=3,
+                                              objective=objective))
+    keep = torch.arange(emb.shape[0]) != 2
+    ref, ref_counted = reference_rows(emb.double(), labels, centres.double(), centre_labels, nb,
+                                      3, math.sqrt(0.5), objective=objective)
+    torch.testing.assert_close(rows[keep].double(), ref[keep], rtol=1e-5, atol=1e-6)
+    assert torch.equal(counted[keep], ref_counted[keep])
+    rows[keep].sum().backward()
+    assert torch.isfinite(e.grad).all() and (e.grad[2] == 0).all()

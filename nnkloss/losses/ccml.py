@@ -13,7 +13,10 @@ Eq. 10): ``objective="accuracy"`` minimises ``1 - p``. ``objective="nll"`` minim
 
 Rows with fewer than k same-class (other-class) entries use the mean over those they have; a
 row with none on either side has no defined p: it gets loss 0 and no gradient, and is left out
-of the mean (the same policy as the Eq. 3 loss). Padding (-1) and centres of weight 0 are not
+of the mean (the same policy as the Eq. 3 loss). A row with a non-finite distance to a list
+entry (a squared distance beyond the compute dtype, or, with the value checks off, a NaN/inf
+embedding or centre) gets a NaN loss and is counted, so that the mean shows it (rule 6 of
+ops/CONTRACT.md); it passes no gradient on. Padding (-1) and centres of weight 0 are not
 entries. The nearest-entry selection is piecewise constant (no gradient through the choice, as
 in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
 
@@ -63,10 +66,12 @@ def _list_distances(emb, labels, centres, centre_labels, neighbours, weights) ->
 
 @torch.no_grad()
 def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
-            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The k nearest same-class and other-class list entries of each row: ``(pos, pos_dist,
-    neg, neg_dist)``, (B, min(k, K)) centre indices (-1 = none) and their ``||x_b - c_j||^2``
-    in the compute dtype (0 where there is none), nearest first."""
+    neg, neg_dist, bad)``, (B, min(k, K)) centre indices (-1 = none) and their
+    ``||x_b - c_j||^2`` in the compute dtype (0 where there is none), nearest first; ``bad``
+    (B,) bool marks the rows with a non-finite distance to a list entry (padding aside), which
+    the selection cannot rank (an inf reads as "no entry", a NaN sorts last)."""
     B, D = emb.shape
     K = neighbours.shape[1]
     kk = min(k, K)
@@ -74,7 +79,8 @@ def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
     out = [torch.full((B, kk), -1, dtype=torch.long, device=emb.device),
            torch.zeros((B, kk), dtype=cdt, device=emb.device),
            torch.full((B, kk), -1, dtype=torch.long, device=emb.device),
-           torch.zeros((B, kk), dtype=cdt, device=emb.device)]
+           torch.zeros((B, kk), dtype=cdt, device=emb.device),
+           torch.zeros(B, dtype=torch.bool, device=emb.device)]
     if B == 0:
         return tuple(out)
     dist = _list_distances(emb, labels, centres, centre_labels, neighbours, weights)
@@ -84,6 +90,7 @@ def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
         safe = nbr.clamp_min(0)
         d = dist[lo:lo + step]
         valid = nbr >= 0
+        out[4][lo:lo + step] = (~torch.isfinite(d) & valid).any(1)
         if weights is not None:
             valid = valid & (weights[safe] > 0)
         same = centre_labels[safe] == labels[lo:lo + step, None]
@@ -156,20 +163,25 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     sigma_t = check_sigma(sigma, emb.device)
     # The gathered centres are checked before the loss on every device (not deferred as the
-    # Eq. 3 op does on the CPU): this loss does not follow ops/CONTRACT.md rule 6. A NaN/inf
-    # centre gives a NaN/inf distance that the nearest-entry selection can leave out (topk
-    # puts NaN last, and an inf distance reads as "no entry"), so a row could come out finite
-    # and no NaN would tell the check after the loss that a centre was bad.
+    # Eq. 3 op does on the CPU, from its NaN rows). A NaN/inf centre gives a NaN/inf distance
+    # that the nearest-entry selection can leave out (topk puts NaN last, and an inf distance
+    # reads as "no entry"); the rows that list one are made NaN below (``bad``), which is what
+    # shows it with the checks off.
     check_values(emb, centres, neighbours, weights, sigma_t)
-    pos, pos_dist, neg, neg_dist = _select(emb, labels, centres, centre_labels, neighbours,
-                                           weights, k)
-    counted = (pos[:, 0] >= 0) & (neg[:, 0] >= 0)
+    pos, pos_dist, neg, neg_dist, bad = _select(emb, labels, centres, centre_labels,
+                                                neighbours, weights, k)
+    # A row with a non-finite distance (a squared distance beyond the compute dtype from finite
+    # values, or with the checks off a NaN/inf embedding or centre) is NaN and counted, as
+    # rule 6 of ops/CONTRACT.md has it for the Eq. 3 loss: the selection would have left the
+    # entry out, or the row out of the mean, silently.
+    counted = ((pos[:, 0] >= 0) & (neg[:, 0] >= 0)) | bad
     m_pos = _MeanSqDist.apply(emb, centres, pos, pos_dist)
     m_neg = _MeanSqDist.apply(emb, centres, neg, neg_dist)
     cdt = m_pos.dtype
     s = 0.5 / sigma_t.to(cdt) ** 2
     z = s * (m_pos - m_neg)  # -log p = softplus(z), 1 - p = sigmoid(z)
     rows = torch.sigmoid(z) if objective == "accuracy" else nn.functional.softplus(z)
+    rows = torch.where(bad, torch.full((), math.nan, dtype=cdt, device=rows.device), rows)
     # where() gives rows not counted an exact zero gradient too.
     return torch.where(counted, rows, torch.zeros((), dtype=cdt, device=rows.device)), counted
 

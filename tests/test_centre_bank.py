@@ -606,3 +606,26 @@ def test_narrow_integer_idx_names_the_same_rows_as_int64(dtype):
     expected = make_bank(N=4, K=3).centres.clone()
     expected[1] = 1.0
     torch.testing.assert_close(wrote.centres, expected, rtol=0, atol=0)
+
+
+def test_update_checks_its_arguments_before_casting_them_to_the_bank():
+    """update_ / set_neighbours check the tensors they are given, as the constructor does, not
+    their casts to the bank's dtypes: an int64 index past 2**31 wrapped into the bank's range
+    (2**32 + 3 became row 3), float or bool lists were truncated, integer centres were taken."""
+    bank = random_bank(N=5, D=2, K=1)
+    before = (bank.centres.clone(), bank.neighbours.clone())
+    with pytest.raises(IndexError, match=r"^neighbours holds index 4294967299 but the bank has "
+                       r"only 5 centres$"):
+        bank.update_(neighbours=torch.full((5, 1), 2 ** 32 + 3))
+    for bad in (torch.full((5, 1), 1.7), torch.ones(5, 1, dtype=torch.bool)):
+        with pytest.raises(TypeError, match=r"^neighbours must have an integer dtype"):
+            bank.set_neighbours(bad)
+    with pytest.raises(TypeError, match=r"^centres must have dtype in"):
+        bank.update_(centres=torch.ones(5, 2, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"^centres must be a torch.Tensor, got list"):
+        bank.update_(centres=[[1.0, 2.0]] * 5)
+    with pytest.raises(TypeError, match=r"^centre_labels must be a torch.Tensor, got list"):
+        bank.update_(centre_labels=[0] * 5)
+    assert torch.equal(bank.centres, before[0]) and torch.equal(bank.neighbours, before[1])
+    # int64 lists within range are still narrowed to the bank's index type
+    assert bank.set_neighbours(torch.full((5, 1), 3)).neighbours.dtype == torch.int32

@@ -237,10 +237,16 @@ class CentreBank(nn.Module):
         moved to the bank's device and dtype.
         """
         dev = self.centres.device
+        # Arguments are checked as given, before the casts to the bank's dtypes: those would
+        # take integer centres, truncate float lists and wrap an int64 index past 2**31 into
+        # the bank's range.
+        if centres is not None:
+            require_float("centres", centres, 2)
+        if centre_labels is not None:
+            require_int("centre_labels", centre_labels, 1)
         new_c = self.centres if centres is None else centres.detach().to(dev, self.centres.dtype)
         n = new_c.shape[0]
         if centres is not None:
-            require_float("centres", new_c, 2)
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             if not all_finite(new_c):
@@ -248,13 +254,11 @@ class CentreBank(nn.Module):
             _require_own_memory(new_c)
             _warn_if_strided(new_c)
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
-        if centre_labels is not None:
-            require_int("centre_labels", new_l, 1)
         if new_l.shape[0] != n:
             raise ValueError(f"centre_labels has length {new_l.shape[0]} but there are {n} "
                              "centres")
         if neighbours is not None:
-            new_nb = _validate_neighbours(neighbours.detach().to(dev, _index_dtype(n)), n)
+            new_nb = _validate_neighbours(neighbours, n).detach().to(dev, _index_dtype(n))
         elif self.neighbours.shape[0] == n:
             new_nb = self.neighbours
         else:

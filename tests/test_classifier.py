@@ -313,3 +313,19 @@ def test_cuda_distances_come_from_the_triton_kernel(monkeypatch, rule):
     got = clf.predict_proba(x.cuda())
     assert calls
     torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", ["nngk", "ccknn"])
+def test_a_negative_centre_label_is_refused_naming_centre_labels(rule):
+    """Column c of the probabilities is class c, so a bank with a negative centre label cannot
+    be classified with: refused, naming centre_labels. (The NNGK class sums raised torch's
+    out-of-bounds error; CCKNN wrote class -1 into the last class's column, silently: the query
+    on the label -1 centre came out class 0 with probability 1.)"""
+    centres = torch.tensor([[0.0, 0.0], [10.0, 0.0], [20.0, 0.0]])
+    bank = CentreBank(centres, torch.tensor([-1, 0, 1]))
+    clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0, search_backend="torch", rule=rule)
+    with pytest.raises(ValueError, match=r"^the bank's centre_labels must be >= 0 to classify "
+                       r"with \(column c of the probabilities is class c\), got -1$"):
+        clf.predict_proba(centres)
+    bank.update_(centre_labels=torch.tensor([2, 0, 1]))
+    assert clf.predict(centres).tolist() == [2, 0, 1]

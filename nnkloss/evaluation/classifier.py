@@ -165,6 +165,13 @@ class NeighbourKernelClassifier(nn.Module):
         bank = self.bank
         if bank.num_centres == 0:
             raise RuntimeError("the bank is empty: add centres before classifying")
+        lowest = int(bank.centre_labels.min())
+        if lowest < 0:
+            # Column c of the probabilities is class c: a negative label has no column (the
+            # class sums' scatter raised an error naming nothing; the CCKNN rule wrote the
+            # class into another class's column from the end, silently).
+            raise ValueError(f"the bank's centre_labels must be >= 0 to classify with (column "
+                             f"c of the probabilities is class c), got {lowest}")
         if emb.shape[1] != bank.dim:
             raise ValueError(f"emb has dimension {emb.shape[1]} but the bank's centres have "
                              f"dimension {bank.dim}")

@@ -106,10 +106,11 @@ def require_int(name, t, ndim):
 
 
 def as_index(t):
-    """The integer tensor ``t`` (already checked by :func:`require_int`) as torch indexes
-    with: int32 / int64 as it is, other integer dtypes as int64. Indexing reads a uint8 tensor
-    as a boolean mask (other rows, silently) and refuses int8 / int16 with an error that names
-    no argument."""
+    """The integer tensor ``t`` (already checked by :func:`require_int`: an index or labels)
+    as torch indexes and compares with: int32 / int64 as it is, other integer dtypes as int64.
+    Indexing reads a uint8 tensor as a boolean mask (other rows, silently) and refuses int8 /
+    int16, and comparisons refuse to promote uint16 / uint32 / uint64 against int32 / int64,
+    with errors that name no argument."""
     return t if t.dtype in (torch.int32, torch.int64) else t.long()
 
 

@@ -335,3 +335,14 @@ def test_a_distance_beyond_the_compute_dtype_makes_its_row_nan(objective):
     assert torch.equal(counted[keep], ref_counted[keep])
     rows[keep].sum().backward()
     assert torch.isfinite(e.grad).all() and (e.grad[2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.uint8])
+def test_labels_of_any_integer_dtype(dtype):
+    """Labels of any integer dtype, against int64 centre labels, give the int64 rows (torch's
+    comparison refused to promote uint32 against int64, naming no argument)."""
+    emb, labels, centres, centre_labels, nb = problem()
+    want = class_conditional_loss(emb, labels, centres, centre_labels, nb, k=3, reduction="none")
+    got = class_conditional_loss(emb, labels.to(dtype), centres, centre_labels, nb, k=3,
+                                 reduction="none")
+    torch.testing.assert_close(got, want)

@@ -707,3 +707,20 @@ def test_narrow_integer_idx_gives_the_int64_loss(dtype):
                  nnkloss.ClassConditionalLoss(bank, k=2)):
         torch.testing.assert_close(loss(emb, labels, idx.to(dtype)), loss(emb, labels, idx),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.uint16, torch.int8])
+def test_labels_of_any_integer_dtype_give_the_int64_loss(dtype):
+    """A bank loss compares labels of any integer dtype with the bank's int32 labels (torch
+    refused to promote uint16 / uint32 against them, naming no argument)."""
+    bank = make_bank(N=30, K=5)
+    idx = torch.tensor([3, 7, 7, 0, 29])
+    emb = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    labels = bank.centre_labels[idx].long()
+    for loss in (nnkloss.NeighbourKernelLoss(bank, sigma=1.5),
+                 nnkloss.ClassConditionalLoss(bank, k=2)):
+        want = loss(emb, labels, idx)
+        torch.testing.assert_close(loss(emb, labels.to(dtype), idx), want, rtol=0, atol=0)
+        with nnkloss.value_checks(False):
+            torch.testing.assert_close(loss(emb, labels.to(dtype), idx), want, rtol=0, atol=0)
+            assert loss.last_num_mismatched == 0

@@ -222,6 +222,24 @@ def test_int32_neighbours_and_labels(backend):
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint8, torch.int16])
+def test_labels_of_any_integer_dtype(backend, dtype):
+    """Labels and centre labels of any integer dtype give the int64 loss and gradient: the
+    torch backend's comparisons refused to promote uint16 / uint32 against int64 (a
+    RuntimeError naming no argument)."""
+    emb, labels, centres, cl, nb, w = make_case(5, 12, 4, 6, seed=10)
+    e = emb.clone().requires_grad_(True)
+    a = nnkloss.neighbour_kernel_loss(e, labels, centres, cl, nb, w, backend=backend)
+    a.backward()
+    for lab, c in ((labels.to(dtype), cl), (labels, cl.to(dtype)), (labels.to(dtype), cl.to(dtype))):
+        e2 = emb.clone().requires_grad_(True)
+        b = nnkloss.neighbour_kernel_loss(e2, lab, centres, c, nb, w, backend=backend)
+        b.backward()
+        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(e2.grad, e.grad)
+
+
 def test_sigma_float_and_tensor_agree():
     emb, labels, centres, cl, nb, w = make_case(5, 12, 4, 6, seed=11)
     a = nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, w, sigma=0.7)

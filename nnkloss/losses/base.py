@@ -172,7 +172,7 @@ class BankLoss(nn.Module, abc.ABC):
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
         check_batch(emb, labels, idx)
         idx = as_index(idx)
-        labels = labels.to(emb.device)
+        labels = as_index(labels).to(emb.device)  # compared with the bank's int32 / int64
         one_launch = self._lists_in_one_launch(labels, idx)
         if one_launch is not None:
             neighbours, num_mismatched = one_launch

@@ -38,7 +38,7 @@ from ..bank.centre_bank import CentreBank
 from ..ops.backends import resolve_backend
 from ..ops.neighbour_kernel import reduce_rows
 from ..ops.reference import compute_dtype, rows_per_chunk
-from ..validation import (REDUCTIONS, check_inputs, check_sigma, check_values,
+from ..validation import (REDUCTIONS, as_index, check_inputs, check_sigma, check_values,
                           require_positive_int)
 from .base import BankLoss
 
@@ -168,6 +168,8 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
     # reads as "no entry"); the rows that list one are made NaN below (``bad``), which is what
     # shows it with the checks off.
     check_values(emb, centres, neighbours, weights, sigma_t)
+    # as the Eq. 3 op reads them: int32 / int64 (torch does not compare uint32 with int64)
+    labels, centre_labels = as_index(labels), as_index(centre_labels)
     pos, pos_dist, neg, neg_dist, bad = _select(emb, labels, centres, centre_labels,
                                                 neighbours, weights, k)
     # A row with a non-finite distance (a squared distance beyond the compute dtype from finite

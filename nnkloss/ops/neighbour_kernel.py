@@ -22,8 +22,8 @@ from torch import Tensor
 
 from . import reference
 from .backends import implementation, resolve_backend
-from ..validation import (check_gathered_centres_after_op, check_inputs, check_sigma,
-                          check_values, plain_eager)
+from ..validation import (as_index, check_gathered_centres_after_op, check_inputs,
+                          check_sigma, check_values, plain_eager)
 
 __all__ = ["neighbour_kernel_loss", "neighbour_kernel_loss_with_stats", "LossOutput",
            "loss_rows_unchecked", "reduce_rows", "counted_rows"]
@@ -424,8 +424,10 @@ def loss_rows_unchecked(emb, labels, centres, centre_labels, neighbours, weights
     store_dist = grad_mode and (centres.requires_grad or sigma.requires_grad
                                 or (weights is not None and weights.requires_grad))
     need_grad_x = grad_mode and emb.requires_grad
-    args = (emb.contiguous(), labels.contiguous(), centres.contiguous(),
-            centre_labels.contiguous(), neighbours.contiguous(),
+    # Labels of another integer dtype as int64 (torch's comparisons refuse to promote uint16 /
+    # uint32 / uint64 against the other's int32 / int64).
+    args = (emb.contiguous(), as_index(labels).contiguous(), centres.contiguous(),
+            as_index(centre_labels).contiguous(), neighbours.contiguous(),
             None if weights is None else weights.contiguous(), sigma)
     # Traced (torch.compile, export), under a dispatch mode, or a tensor subclass among the
     # inputs: the custom op, as registered.

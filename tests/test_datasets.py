@@ -472,15 +472,18 @@ def _peak_traced(fn):
 
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_header_declaring_too_much_is_refused_before_the_payload(tmp_path, gz):
-    """A header declaring more than max_bytes (default IDX_MAX_BYTES, 4 GiB) is refused before
-    any payload is read: 65536 x 65536 x 2 bytes of >i2 here, 8 GiB, from a file of 16 bytes."""
+    """A header declaring more than max_bytes (default IDX_MAX_BYTES, 256 MiB) is refused before
+    any payload is read: 65536 x 65536 x 2 bytes of >i2 here, 8 GiB, from a file of 16 bytes,
+    and 512 MiB of bytes (a payload that would peak near 3 GiB once read and converted)."""
     from nnkloss.experiment.datasets import IDX_MAX_BYTES
-    head = bytes([0, 0, 0x0B, 2]) + struct.pack(">II", 65536, 65536)
-    path = write_bytes(str(tmp_path / "huge"), head + b"\x00" * 4, gz)
-    raised, peak = _peak_traced(lambda: read_idx(path))
-    assert isinstance(raised, DatasetFormatError), raised
-    assert path in str(raised) and f"more than max_bytes = {IDX_MAX_BYTES}" in str(raised)
-    assert peak < 1 << 20
+    assert 60000 * 28 * 28 <= IDX_MAX_BYTES <= 1 << 28
+    for name, code, dims in (("huge", 0x0B, (65536, 65536)), ("big", 0x08, (8192, 65536))):
+        head = bytes([0, 0, code, 2]) + struct.pack(">II", *dims)
+        path = write_bytes(str(tmp_path / name), head + b"\x00" * 4, gz)
+        raised, peak = _peak_traced(lambda: read_idx(path))
+        assert isinstance(raised, DatasetFormatError), raised
+        assert path in str(raised) and f"more than max_bytes = {IDX_MAX_BYTES}" in str(raised)
+        assert peak < 1 << 20
     # max_bytes is the caller's: the real training images (47 MB) pass the default, and a
     # smaller bound refuses them
     good = write_idx(str(tmp_path / "img"), np.zeros((60, 28, 28), np.uint8), gz)

@@ -692,11 +692,16 @@ IDX_SETS = {
 }
 
 
-#: The largest IDX payload :func:`read_idx` reads by default (bytes). The MNIST family's
-#: files hold at most tens of MB (Fashion-MNIST's training images: 47 MB). A header declaring
-#: more is refused before anything is decompressed: a gzip stream inflates up to ~1000-fold, so
-#: a small file declaring a large payload could otherwise fill the memory.
-IDX_MAX_BYTES = 1 << 32
+#: The largest IDX payload :func:`read_idx` reads by default (bytes): 256 MiB. The MNIST
+#: family's files hold at most tens of MB (Fashion-MNIST's training images: 47 MB). A header
+#: declaring more is refused before anything is decompressed: a gzip stream inflates up to
+#: ~1000-fold, so a small file declaring a large payload could otherwise fill the memory. The
+#: bound is that of the whole read, not of the payload alone: the payload is copied once into
+#: its array, and IDXDataset converts the images to float32 (4 bytes each), so a payload of P
+#: bytes peaks near 6 P. At the 4 GiB of before, a 4 MB gzip file reached ~24 GiB and would
+#: have had the process killed on the 24 GiB machine (audit of 2026-11-27); at 256 MiB, 1.5 GiB.
+#: Larger files of this format: pass ``max_bytes``.
+IDX_MAX_BYTES = 1 << 28
 # How far past the declared payload read_idx counts a file's surplus bytes for its message.
 _IDX_SURPLUS_COUNTED = 1 << 24
 

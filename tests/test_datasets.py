@@ -231,6 +231,15 @@ def test_malformed_files_are_named(trees, tmp_path):
     scipy.io.savemat(os.path.join(cars, "cars_annos.mat"), {"something_else": np.zeros(3)})
     with pytest.raises(DatasetFormatError, match="cars_annos.mat.*annotations"):
         Cars196(cars, "train")
+    # classes are integers from 1: 0 named the last class (class_names[-1]), 2.5 was truncated
+    for wrong in (0, 2.5):
+        mat = scipy.io.loadmat(os.path.join(trees["cars"], "cars_annos.mat"))
+        mat["annotations"][0, 3]["class"] = np.array([[wrong]])
+        scipy.io.savemat(os.path.join(cars, "cars_annos.mat"),
+                         {k: v for k, v in mat.items() if not k.startswith("__")})
+        with pytest.raises(DatasetFormatError, match=r"cars_annos.mat: annotation 3 \(car_ims/"
+                                                     r"000004.jpg\) has class .*integers from 1"):
+            Cars196(cars, "train")
     with open(os.path.join(cars, "cars_annos.mat"), "w") as f:
         f.write("not a mat file")
     with pytest.raises(DatasetFormatError, match="cars_annos.mat"):

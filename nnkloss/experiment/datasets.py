@@ -481,6 +481,13 @@ class Cars196(ImageListDataset):
         except (IndexError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
         cls = col["class"].astype(np.int64)
+        # Cars196 numbers its classes from 1 (class_names[c - 1] names class c): a class of 0
+        # or below named another class from the end of the list, a fraction was truncated.
+        wrong = np.flatnonzero((cls < 1) | (cls != col["class"]))
+        if len(wrong):
+            bad = int(wrong[0])
+            raise DatasetFormatError(f"{mat_path}: annotation {bad} ({rel[bad]}) has class "
+                                     f"{col['class'][bad]!r}; the classes are integers from 1")
         is_train = col["test"] == 0
         class_order = sorted(set(cls.tolist()))
         class_names = None

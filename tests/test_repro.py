@@ -163,6 +163,10 @@ def test_pretrained_weights_from_a_local_file(tmp_path):
     torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, bad)
     with pytest.raises(ValueError, match="resnet_for_googlenet.pth.*missing keys"):
         build_embedding_net("googlenet", dim=8, pretrained=str(bad))
+    int_keys = tmp_path / "int_keys.pth"  # a non-str key: an AttributeError naming nothing
+    torch.save({0: torch.zeros(1)}, int_keys)
+    with pytest.raises(ValueError, match=r"int_keys.pth does not hold a state dict of tensors"):
+        build_embedding_net("googlenet", dim=8, pretrained=str(int_keys))
     # weights-only, and no record may inflate beyond the file (a zip bomb): the same weights
     # with their records deflated are refused, naming the file
     import zipfile

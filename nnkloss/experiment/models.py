@@ -138,8 +138,10 @@ def load_state_dict_file(path: str) -> dict:
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors")
+    # str keys too: a non-str key failed at the prefix test below with an AttributeError
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in obj.items()):
+        raise ValueError(f"{path} does not hold a state dict of tensors (str keys)")
     # Checkpoints saved from DataParallel prefix every key with "module.".
     if obj and all(k.startswith("module.") for k in obj):
         obj = {k[len("module."):]: v for k, v in obj.items()}

@@ -156,6 +156,18 @@ def test_validation_errors():
             call(emb[:, :0])
 
 
+def test_rows_whose_distances_overflow_fp32_are_refused():
+    # fp64 rows beyond fp32's range became inf in the search's fp32 distances and gave a
+    # silently wrong number (recall 0.0 for a set whose every query's nearest is same-class)
+    emb = torch.tensor([[0.0, 0.0], [1.0, 1.0], [1e300, 0.0], [1e300, 1.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"^emb has a row of norm 1e\+300 \(first such row: 2\)"):
+        metrics.evaluate(emb, labels, (1,))
+    emb[2:, 0] = 1e10  # the same set within range
+    assert metrics.evaluate(emb, labels, (1,)) == {"recall@1": 1.0, "map@r": 1.0,
+                                                   "r_precision": 1.0}
+
+
 def test_exported():
     assert nnkloss.evaluation.metrics is metrics
 

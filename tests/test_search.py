@@ -182,6 +182,29 @@ def test_bad_inputs(backend):
         knn(torch.randn(3), base, 1, search_backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_whose_distances_overflow_fp32_are_refused(backend):
+    # Finite rows whose fp32 distances ||q||^2 - 2 q.b + ||b||^2 overflow (inf, or NaN as
+    # inf - inf) were ranked wrong without a sign: fp64 1e300 is inf once cast to fp32, fp32
+    # 1e20 squares to inf. Refused, naming the argument and the row.
+    base = torch.randn(6, 3)
+    big = base.clone()
+    big[2, 0] = 1e20
+    with pytest.raises(ValueError, match=r"queries has a row of norm 1e\+20 \(first such row: 2\)"):
+        knn(big, base, 2, search_backend=backend)
+    with pytest.raises(ValueError, match=r"base has a row of norm 1e\+20 \(first such row: 2\)"):
+        knn(base, big, 2, search_backend=backend)
+    huge = base.double()
+    huge[4, 1] = 1e300
+    with pytest.raises(ValueError, match=r"queries has a row of norm 1e\+300 \(first such row: 4\)"):
+        knn(huge, huge, 1, search_backend=backend, exclude_self=True)
+    # a large value in a row of small norm still passes where sqrt(D) max |value| would not
+    ok = torch.zeros(6, 64)
+    ok[:, 0] = torch.arange(6) * 2.0 ** 59  # norms up to 5 * 2**59 <= 2**62 < 8 * 5 * 2**59
+    dist, idx = knn(ok, ok, 1, search_backend=backend, exclude_self=True)
+    assert idx[:, 0].tolist() == [1, 0, 1, 2, 3, 4]
+
+
 def test_bad_options():
     base = torch.randn(10, 3)
     with pytest.raises(ValueError, match="backend"):

@@ -135,7 +135,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
 
     Raises:
         ValueError: k < 1 or k larger than the number of candidates (message names ``k``);
-            empty base; NaN/inf in ``queries`` or ``base`` (message names which); dimension or
+            empty base; NaN/inf in ``queries`` or ``base`` (message names which), or a row of
+            norm above 2**62 (its fp32 distances would overflow); dimension or
             device mismatch; exclude_self with Q != N; unknown search_backend/approximate.
         TypeError: non-tensor or non-float inputs, non-int k.
         ImportError: search_backend="faiss" or an approximate index without faiss installed.

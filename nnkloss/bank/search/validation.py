@@ -1,12 +1,13 @@
 """Argument checks shared by every search entry point (exact, approximate, lists, recall)."""
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 from torch import Tensor
 
-from ...validation import FLOAT_DTYPES, all_finite, require_float
+from ...validation import FLOAT_DTYPES, require_float
 
 __all__ = ["SEARCH_BACKENDS", "APPROXIMATE", "check_search_backend", "check_k", "check_finite",
            "validate"]
@@ -36,11 +37,36 @@ def check_k(k, available: int, exclude_self: bool) -> int:
     return k
 
 
+# Largest row norm a search accepts. Distances are ||q||^2 - 2 q.b + ||b||^2 in fp32 (one GEMM,
+# torch_search._augment; faiss's flat index computes the same): with rows of norm above this a
+# partial sum can overflow to inf, or to NaN as inf - inf, and neighbours are then ranked wrong
+# without a sign (fp64 rows beyond fp32's range become inf in the cast). At or below it every
+# partial sum stays under (2 * 2**62)**2 = 2**126, a quarter of fp32's maximum.
+MAX_ROW_NORM = 2.0 ** 62
+
+
 def check_finite(name: str, t: Tensor) -> None:
-    # One host synchronisation per argument: a search is a per-refresh call, not a per-step one.
-    if not all_finite(t):
+    """NaN / inf, or rows whose squared distances would overflow fp32 (norm > MAX_ROW_NORM)."""
+    if t.numel() == 0:
+        return
+    # One pass and one host synchronisation per argument where all is well (a search is a
+    # per-refresh call, not a per-step one): every row norm is at most sqrt(D) max |value|, and
+    # aminmax propagates NaN (which fails the comparison), so within the bound t is finite and
+    # fits. Otherwise the exact tests say which.
+    lo, hi = torch.aminmax(t.detach())
+    top = max(-float(lo), float(hi))
+    if top * math.sqrt(t.shape[1]) <= MAX_ROW_NORM:
+        return
+    if not bool(torch.isfinite(t.detach()).all()):
         bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0, 0])
         raise ValueError(f"{name} contains NaN or inf (first bad row: {bad})")
+    # scaled by the largest value: fp64 rows near its own maximum would square to inf
+    norms = torch.linalg.vector_norm(t.detach().double() / top, dim=1) * top
+    if bool((norms > MAX_ROW_NORM).any()):
+        bad = int((norms > MAX_ROW_NORM).nonzero()[0, 0])
+        raise ValueError(f"{name} has a row of norm {float(norms[bad]):.3g} (first such row: "
+                         f"{bad}): its squared distances would overflow fp32, in which the "
+                         f"search computes them; rows must have norm <= 2**62 (rescale)")
 
 
 def validate(queries: Tensor, base: Tensor, k, exclude_self: bool) -> int:

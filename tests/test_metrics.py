@@ -128,6 +128,9 @@ def test_validation_errors():
         metrics.recall_at_k(emb, labels, (1, 20))
     with pytest.raises(ValueError, match="ks"):
         metrics.recall_at_k(emb, labels, (0,))
+    for call in (metrics.recall_at_k, metrics.evaluate):  # ks=5 for (5,): named, not
+        with pytest.raises(TypeError, match=r"^ks must be an iterable of ints"):  # "not iterable"
+            call(emb, labels, 5)
     with pytest.raises(ValueError, match="labels"):
         metrics.recall_at_k(emb, labels[:5])
     with pytest.raises(TypeError, match="emb"):

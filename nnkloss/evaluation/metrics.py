@@ -55,8 +55,16 @@ def _embeddings_and_labels(emb, labels) -> Tuple[Tensor, Tensor]:
     return emb, labels.to(emb.device).long()
 
 
+def _ks_list(ks) -> list:
+    # ks=5 (for (5,)) would otherwise fail as "'int' object is not iterable", naming nothing
+    try:
+        return list(ks)
+    except TypeError:
+        raise TypeError(f"ks must be an iterable of ints, e.g. (1, 2, 4, 8), got {ks!r}") from None
+
+
 def _check_ks(ks, n: int) -> list:
-    ks = list(ks)
+    ks = _ks_list(ks)
     for k in ks:
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
             raise ValueError(f"every value of ks must be an int in 1..{n - 1} (N - 1), got {k!r}")
@@ -187,7 +195,7 @@ def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8),
         count as misses. One search (:func:`evaluate`); ask :func:`evaluate` for Recall@K and
         MAP@R together rather than calling this and :func:`map_at_r`.
     """
-    ks = list(ks)
+    ks = _ks_list(ks)
     if not ks:
         raise ValueError("ks is empty")
     res = evaluate(emb, labels, ks, map_at_r=False, search_backend=search_backend, **options)

@@ -205,6 +205,23 @@ def test_rows_whose_distances_overflow_fp32_are_refused(backend):
     assert idx[:, 0].tolist() == [1, 0, 1, 2, 3, 4]
 
 
+def test_bad_tile_bytes_are_named():
+    # 0 or a negative budget ran silently as one byte (one query row by one base row per tile:
+    # about 100x slower at N = 300); a string failed in int() without naming the argument
+    base = torch.randn(10, 3)
+    for bad in (0, -5, 0.5, "1GiB", True):
+        with pytest.raises(ValueError, match=r"^tile_bytes must be a positive number of bytes"):
+            knn(base, base, 2, search_backend="torch", tile_bytes=bad)
+    from nnkloss.evaluation import metrics
+    with pytest.raises(ValueError, match=r"^tile_bytes must be a positive number of bytes"):
+        metrics.evaluate(base, torch.arange(10) % 2, (1,), tile_bytes=0)
+    # the smallest budget, and a float one, still run
+    ref = knn(base, base, 2, search_backend="torch")
+    for ok in (1, 2000, 2e6):
+        got = knn(base, base, 2, search_backend="torch", tile_bytes=ok)
+        assert torch.equal(got.neighbours, ref.neighbours)
+
+
 def test_bad_options():
     base = torch.randn(10, 3)
     with pytest.raises(ValueError, match="backend"):

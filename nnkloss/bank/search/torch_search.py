@@ -106,6 +106,7 @@ budget (N in the millions), base tiles are merged with a running top-k over the 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -164,7 +165,14 @@ SYM_MAX_K_PER_WIDTH = 3
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
     if tile_bytes is not None:
-        return max(int(tile_bytes), 1)
+        # 0 or a negative budget ran as 1 byte (tiles of one query and one base row: 100x
+        # slower at N = 300, hours at N in the tens of thousands) and a string failed in int()
+        # without naming the argument.
+        if (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, numbers.Real)
+                or not tile_bytes >= 1):
+            raise ValueError(f"tile_bytes must be a positive number of bytes (None: the "
+                             f"default), got {tile_bytes!r}")
+        return int(tile_bytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(min(max(free * _CUDA_FREE_SHARE, 32 * 2**20), _CUDA_TILE_BYTES_MAX))

@@ -11,7 +11,10 @@ Neighbours are ranked by (distance, index), as faiss's flat index (and so pytorc
 learning's AccuracyCalculator) ranks them; the values are those of AccuracyCalculator's
 ``precision_at_1``, ``mean_average_precision_at_r`` and ``r_precision`` whenever both compute
 the same fp32 distances (always for ties of exactly representable distances; otherwise two
-neighbours whose distances differ by a rounding error may be ranked differently).
+neighbours whose distances differ by a rounding error may be ranked differently), with one
+difference of protocol: a query whose class has no other member counts as a miss in Recall@K
+here, where AccuracyCalculator leaves it out of ``precision_at_1`` (40 points with one such
+query: 0.125 here, 0.1282 there). Without such classes the recalls are equal.
 
 Inputs may be torch tensors (any device; the search runs there) or numpy arrays (CPU).
 """

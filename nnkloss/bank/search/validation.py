@@ -54,7 +54,7 @@ def check_finite(name: str, t: Tensor) -> None:
     # aminmax propagates NaN (which fails the comparison), so within the bound t is finite and
     # fits. Otherwise the exact tests say which.
     lo, hi = torch.aminmax(t.detach())
-    top = max(-float(lo), float(hi))
+    top = float(torch.maximum(-lo, hi))  # one read back, not two
     if top * math.sqrt(t.shape[1]) <= MAX_ROW_NORM:
         return
     if not bool(torch.isfinite(t.detach()).all()):

@@ -714,6 +714,21 @@ def test_the_searchs_gemm_and_selection_are_governed(monkeypatch):
     assert torch.equal(governed.distances, fixed.distances)
 
 
+def test_governing_follows_the_variable_as_the_process_changes_it(monkeypatch):
+    """cpu.governing() reads NNKLOSS_GOVERN_THREADS at every call (from os.environ's own
+    mapping, not through os.environ.get: 4.6 us a read after a kernel), so a change within the
+    process, as monkeypatch and the benchmarks make it, takes effect at the next call: only
+    "0" turns the governors off."""
+    for value, on in (("0", False), ("1", True), ("", True), ("00", True), (None, True)):
+        if value is None:
+            monkeypatch.delenv("NNKLOSS_GOVERN_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", value)
+        assert cpu.governing() is on, value
+    os.environ["NNKLOSS_GOVERN_THREADS"] = "0"  # os.environ itself, as bench_threads sets it
+    assert cpu.governing() is False
+
+
 @pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
 def test_gemm_nt_with_a_thread_count_bypasses_its_governor(monkeypatch):
     """gemm_nt(..., nthreads): exactly that count (a benchmark's rate of the machine), never

@@ -122,6 +122,25 @@ def test_accuracy():
         metrics.accuracy(torch.tensor([1.0]), torch.tensor([1]))
 
 
+def test_numpy_inputs_of_another_byte_order_read_only_or_without_a_torch_dtype():
+    """A big-endian array (read from a file of that order) and a read-only one (np.load's
+    memory map) evaluate as their native, writable copies, silently; a dtype torch has none of
+    is a TypeError naming the argument (torch.from_numpy's errors named none)."""
+    import warnings
+    emb, labels = data(n=40)
+    want = metrics.evaluate(emb, labels, (1, 2))
+    e, lab = emb.numpy(), labels.numpy()
+    big = e.astype(e.dtype.newbyteorder(">"))
+    frozen = e.copy()
+    frozen.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in ((big, lab), (frozen, lab), (e, lab.astype(lab.dtype.newbyteorder(">")))):
+            assert metrics.evaluate(x, y, (1, 2)) == want
+    with pytest.raises(TypeError, match=r"^labels has a numpy dtype torch cannot hold"):
+        metrics.evaluate(e, lab.astype(object), (1, 2))
+
+
 def test_validation_errors():
     emb, labels = data(n=20)
     with pytest.raises(ValueError, match="ks"):

@@ -41,7 +41,18 @@ _EVAL_CPU_TILE_BYTES = 1 << 30
 
 def _as_tensor(name: str, x) -> Tensor:
     if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(x))
+        # torch.from_numpy refuses a non-native byte order (a big-endian file's array) and
+        # dtypes it has none of, with errors that name no argument, and warns on a read-only
+        # array (np.load's memory map, np.frombuffer): those are converted or copied first.
+        if not x.dtype.isnative:
+            x = x.astype(x.dtype.newbyteorder("="))
+        if not x.flags.writeable:
+            x = np.array(x)
+        try:
+            return torch.from_numpy(np.ascontiguousarray(x))
+        except TypeError as exc:
+            raise TypeError(f"{name} has a numpy dtype torch cannot hold ({x.dtype}): "
+                            f"{exc}") from None
     if isinstance(x, Tensor):
         return x.detach()
     raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")

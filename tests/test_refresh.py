@@ -683,6 +683,20 @@ def test_refresh_names_what_the_loader_got_wrong(bad, exc, match):
         ref.refresh()
 
 
+@pytest.mark.parametrize("n_labels", [1, 7, 9])
+def test_refresh_refuses_labels_of_another_length_than_idx(n_labels):
+    """One label for a batch of 8 rows was broadcast over all of them into centre_labels (the
+    bank silently relabelled); another length now fails naming labels and idx, bank untouched."""
+    bank, model, _ = _refresh_setup(n=8)
+    before = bank_state(bank)
+    x, y = torch.randn(8, 5), torch.arange(9) % 3
+    ref = nnkloss.Refresher(bank, model, [(x, y[:n_labels], torch.arange(8))], k=2,
+                            search_backend="torch", progress=False)
+    with pytest.raises(ValueError, match=rf"^loader yielded {n_labels} labels for 8 idx"):
+        ref.refresh()
+    assert_bank_equal(bank, before)
+
+
 def test_refresh_out_of_range_idx_reports_the_range_and_the_culprits():
     """kills refresh Refresher._embed 61-63, 72, 73 (CPU idx: checked per batch, min and max
     named)."""

@@ -482,6 +482,10 @@ class Refresher:
                     require_int("idx", idx, 1)
                     idx = as_index(idx)
                     require_int("labels", y, 1)
+                    if y.shape[0] != idx.shape[0]:
+                        # centre_labels[idx] = y below would broadcast one label over the batch
+                        raise ValueError(f"loader yielded {y.shape[0]} labels for "
+                                         f"{idx.shape[0]} idx: one label per bank row")
                     if idx.device.type == "cpu":
                         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
                             raise IndexError(f"loader yielded idx outside the bank's rows "

@@ -241,6 +241,29 @@ def test_async_matches_sync_and_uses_a_snapshot():
     assert ref.poll() is None and ref.wait() is None  # nothing in flight any more
 
 
+def test_async_snapshot_follows_a_model_moved_or_cast_after_construction():
+    """The snapshot was made once, at construction: a model moved afterwards (Trainer(device=
+    "cuda") moves one built on the CPU) was embedded by a snapshot left on the old device and
+    every background refresh failed. Here the same with a cast (no GPU needed): the snapshot is
+    remade where the model now is, and the refresh equals a synchronous one."""
+    x, y = make_data()
+    model = make_model()
+    sync_bank, async_bank = make_bank(), make_bank()
+    ref = Refresher(async_bank, model, make_loader(x.double(), y), k=6, search_backend="torch",
+                    progress=False, async_mode=True)
+    model.double()
+    Refresher(sync_bank, model, make_loader(x.double(), y), k=6, search_backend="torch",
+              progress=False).refresh()
+    ref.refresh_async()
+    assert ref.wait() is not None
+    assert torch.equal(async_bank.centres, sync_bank.centres)
+    assert torch.equal(async_bank.neighbours, sync_bank.neighbours)
+    snap = ref._snapshot
+    ref.refresh_async()  # unchanged placement: the same snapshot is reused
+    ref.wait()
+    assert ref._snapshot is snap
+
+
 def test_async_poll_before_and_after_completion():
     x, y = make_data()
     gate = threading.Event()

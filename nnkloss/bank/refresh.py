@@ -220,6 +220,13 @@ def _module_device(model: nn.Module, fallback: torch.device) -> torch.device:
     return fallback
 
 
+def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``snap`` has the device and dtype of ``model``'s."""
+    a, b = snap.state_dict(), model.state_dict()
+    return a.keys() == b.keys() and all(
+        a[k].device == b[k].device and a[k].dtype == b[k].dtype for k in a)
+
+
 class _Result:
     """A refresh computed but not yet swapped in."""
 
@@ -362,7 +369,9 @@ class Refresher:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
         exchange.check_async_refresh()  # torch.distributed: refused (see nnkloss.bank.exchange)
         sig = self._sigma(sigma)
-        if self._snapshot is None:
+        if self._snapshot is None or not _same_placement(self._snapshot, self.model):
+            # Made at construction: a model moved or cast since (Trainer(device=...) moves a
+            # model built on the CPU) would be embedded by a copy left where it was.
             self._snapshot = self._make_snapshot()
         snap = self._snapshot
         device = self._device()

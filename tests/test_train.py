@@ -1067,6 +1067,25 @@ def test_resume_equals_straight_run(tmp_path, async_mode, learn):
     assert losses_b == pytest.approx(losses_a, rel=1e-6)
 
 
+def test_loading_a_checkpoint_settles_a_background_refresh_still_in_flight(tmp_path):
+    """A fit() that fails while a background refresh runs leaves it in flight; a resume in the
+    same process (fit() again, load_checkpoint) then had it swapped in at its first step, over
+    the loaded bank, with centres of the model before the load. The load finishes it first."""
+    tr, _ = kernel_trainer(seed=5, async_mode=True, out_dir=str(tmp_path))
+    tr.fit(1)
+    saved = {k: v.clone() for k, v in tr.criterion.state_dict().items()}
+    with torch.no_grad():  # the failed run trained on: its refresh embeds other weights
+        for p in tr.model.parameters():
+            p.add_(0.5)
+    tr.refresh(wait=False)
+    assert tr.refresher.in_flight
+    tr.load_checkpoint()
+    assert not tr.refresher.in_flight
+    tr.refresher.wait()  # nothing left to swap in over the loaded bank
+    for name, v in tr.criterion.state_dict().items():
+        assert torch.equal(v, saved[name]), name
+
+
 def test_trainer_keeps_training_the_weights_of_a_grown_bank():
     tr, ds = kernel_trainer(seed=7, learn=True, optimizer="sgd", lr=0.05, momentum=0.9,
                             weights_lr=0.5)

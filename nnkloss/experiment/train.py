@@ -350,12 +350,17 @@ class Trainer:
         size; ValueError naming what differs), then the criterion (its bank validated as
         ``CentreBank.update_`` validates), the model and the optimiser. All or nothing: when any
         part is refused, every part already loaded is put back as it was (from a copy of the
-        current state on the CPU, taken before anything changes) and the error is raised."""
+        current state on the CPU, taken before anything changes) and the error is raised.
+
+        A background refresh still in flight (a fit() that failed while one ran) is finished
+        first (its error, if it failed, is raised): it was computed for the state being
+        replaced, and swapped in later it would overwrite the loaded bank."""
         if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
             fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a Trainer checkpoint of format {_ckpt.FORMAT!r} "
                              f"(format {fmt!r})")
         _ckpt.check_data(state.get("data"), self._data, where)
+        self.upkeep.finish_async()
         before = _cpu_copy(self.state_dict())
         try:
             self._load_parts(state, where)

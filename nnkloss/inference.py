@@ -20,7 +20,9 @@ A pair is folded only where each is of exactly one of torch's classes (a subclas
 ``forward``), the container's ``forward`` is ``nn.Sequential``'s, neither module has a hook,
 and the BatchNorm uses running statistics in eval mode (``track_running_stats`` with its
 buffers present; otherwise it normalises with each batch's own statistics, which no weight can
-hold). Everything else runs as it is. The model itself is never modified: the folding happens
+hold). A Linear's BatchNorm1d must have one feature per output feature, and is folded for
+2-D inputs only: on a (B, C, L) input it normalises the C channels, not the Linear's outputs,
+and the pair runs unfolded. Everything else runs as it is. The model itself is never modified: the folding happens
 in a copy, made only when there is a pair to fold. A model that holds a
 ``DistributedDataParallel`` / ``DataParallel`` wrapper, a ``torch.compile``'d module or a
 parameter of another class than ``nn.Parameter`` (FSDP's flat or sharded parameters, lazy
@@ -35,6 +37,7 @@ import copy
 from typing import List, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
@@ -51,11 +54,37 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _folds(layer: nn.Module, bn: nn.Module) -> bool:
-    # torch's linear fold needs the BatchNorm's affine parameters (its conv fold does not).
+    # torch's linear fold needs the BatchNorm's affine parameters (its conv fold does not),
+    # and one BatchNorm feature per output feature (else the pair runs only on (B, C, L)
+    # inputs, which no fold holds: see _LinearBatchNorm; torch's fold asserted on it).
     return (_FOLDABLE.get(type(layer)) is type(bn) and bn.track_running_stats
             and bn.running_mean is not None and bn.running_var is not None
-            and (bn.affine or not isinstance(layer, nn.Linear))
+            and (not isinstance(layer, nn.Linear)
+                 or (bn.affine and layer.out_features == bn.num_features))
             and not _hooked(layer) and not _hooked(bn))
+
+
+class _LinearBatchNorm(nn.Module):
+    """A Linear and the BatchNorm1d after it, folded (``fused``) for 2-D inputs, the only
+    ones where the BatchNorm normalises the Linear's output features. On a (B, C, L) input
+    the Linear maps L and the BatchNorm normalises the C channels, which no Linear weight can
+    hold (where C equals the output features the fold ran and returned other embeddings):
+    such inputs run the Linear and then the BatchNorm's eval-mode map, unfolded."""
+
+    def __init__(self, fused: nn.Linear, layer: nn.Linear, bn: nn.BatchNorm1d):
+        super().__init__()
+        self.fused, self.layer, self.eps = fused, layer, bn.eps
+        for name in ("running_mean", "running_var", "weight", "bias"):
+            self.register_buffer(name, getattr(bn, name).detach())
+
+    def forward(self, x):
+        if x.dim() == 2:
+            return self.fused(x)
+        y = self.layer(x)
+        if y.dim() != 3:  # as BatchNorm1d refuses it
+            raise ValueError(f"expected 2D or 3D input (got {y.dim()}D input)")
+        return F.batch_norm(y, self.running_mean, self.running_var, self.weight, self.bias,
+                            False, 0.0, self.eps)
 
 
 def _wrapped(model: nn.Module) -> bool:
@@ -115,7 +144,7 @@ def inference_model(model: nn.Module) -> nn.Module:
         keys = list(seq._modules)
         layer, bn = seq._modules[keys[i]], seq._modules[keys[i + 1]]
         if isinstance(layer, nn.Linear):
-            fused = fuse_linear_bn_eval(layer, bn)
+            fused = _LinearBatchNorm(fuse_linear_bn_eval(layer, bn), layer, bn)
         else:
             fused = fuse_conv_bn_eval(layer, bn)
             if layer.weight.dim() == 4 and layer.weight.is_contiguous(

@@ -73,7 +73,9 @@ def gathered_rows_finite(centres: torch.Tensor, neighbours: torch.Tensor) -> tor
             rows >= N are the caller's to refuse: nothing is read for them here).
     """
     N, D = centres.shape
-    flat = neighbours.reshape(-1)
+    # The kernel reads the entries at unit stride; reshape gives a strided view where it can
+    # (a column slice such as table[:, :1] flattens to stride K): copied then, as on the CPU.
+    flat = neighbours.reshape(-1).contiguous()
     flag = torch.zeros(1, dtype=torch.int32, device=centres.device)
     n = flat.numel()
     if N == 0 or n == 0 or D == 0:

@@ -67,6 +67,19 @@ def test_large_doubles_are_finite_and_edges():
     assert not bool(k.gathered_rows_finite(c, torch.tensor([[7], [0]])))
 
 
+def test_a_list_that_flattens_to_a_strided_view_is_read_as_listed():
+    # table[:, :1] (the nearest entry only) flattens to a view of stride 3, not a copy: read at
+    # unit stride it listed rows 0, 1, 2 instead of 0, 5, 6, and the NaN of row 5 went unseen.
+    k = _kernels()
+    centres = torch.randn(8, 4)
+    centres[5, 2] = float("nan")
+    table = torch.tensor([[0, 1, 2], [5, 3, 4], [6, 7, 1]])
+    assert not bool(k.gathered_rows_finite(centres, table[:, :1]))
+    assert not _torch_form(centres, table[:, :1])
+    assert bool(k.gathered_rows_finite(centres, table[:, 1:2]))  # rows 1, 3, 7: all finite
+    assert _torch_form(centres, table[:, 1:2])
+
+
 @pytest.mark.parametrize("D", [1, 64, 300, 1000])
 def test_config_tiles_hold_at_most_the_tile(D):
     from nnkloss.kernels.gathered_finite import GATHERED_FINITE_TILE, gathered_finite_config

@@ -637,7 +637,8 @@ def centre_grad(emb, centres, neighbours, coef):
     """Scatter ``coef[b, k] * (emb[b] - centres[neighbours[b, k]])`` into an (N, D) gradient.
 
     Args:
-        emb: (B, D) float; centres: (N, D) float; neighbours: (B, K) int32/int64, -1 = padding;
+        emb: (B, D) float; centres: (N, D) float; neighbours: (B, K) int32/int64, -1 = padding
+            (any strides: the kernel reads rows at unit column stride, so others are copied);
         coef: (B, K) float, contiguous (zero entries are skipped; already holds 1/sigma^2).
 
     Returns:
@@ -650,6 +651,13 @@ def centre_grad(emb, centres, neighbours, coef):
     grad = torch.zeros(N, D, device=emb.device, dtype=cdt)
     if B == 0 or N == 0 or K == 0:
         return grad
+    # CCML's backward passes the caller's emb and centres as they are (a transposed view too).
+    if emb.stride(1) != 1:
+        emb = emb.contiguous()
+    if centres.stride(1) != 1:
+        centres = centres.contiguous()
+    if neighbours.stride(1) != 1:
+        neighbours = neighbours.contiguous()
     block_k, block_d = centre_grad_config(K, D)
     grid = (B, cdiv(D, block_d))
     _nk_centre_grad_kernel[grid](

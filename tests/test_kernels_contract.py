@@ -254,6 +254,18 @@ def test_centre_grad(idx_dtype):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_centre_grad_of_views_with_another_column_stride():
+    # CCML's backward hands the caller's emb and centres to centre_grad as they are: transposed
+    # views were read at unit column stride (another row's values: gradients off by ~2.5).
+    emb, labels, centres, cl, nb, w, s = make(B=5, N=12, D=9, K=6, seed=10)
+    coef = torch.randn(5, 6)
+    k = _kernels()
+    want = k.centre_grad(emb, centres, nb, coef)
+    got = k.centre_grad(emb.t().contiguous().t(), centres.t().contiguous().t(),
+                        nb.t().contiguous().t(), coef)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_row_align():
     k = _kernels()
     assert k.neighbour_kernel.row_align(1000, torch.empty(3, 1000)) == 4

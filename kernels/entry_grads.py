@@ -54,12 +54,13 @@ def _expm1(x):
 def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label,
                 HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
     """One tile of the row's list: the forward's logits (-inf where not valid), the same-class
-    mask, and what the weight terms need (the distances, padding, weights and class)."""
+    mask, and what the weight terms need (the distances, padding, in-bank entries, weights
+    and class)."""
     kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
         nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
     u = tl.load(u_ptr + row * stride_u + kk, mask=kmask, other=0.0).to(COMPUTE)
     logits = tl.where(valid, logw - 0.5 * u, float("-inf"))
-    return kmask, nonpad, safe, valid, same, u, logits
+    return kmask, nonpad, nonpad & ~past, safe, valid, same, u, logits
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _entry_grads_kernel(
     u_ref = zero
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs
-        kmask, nonpad, safe, valid, same, u, logits = _row_logits(
+        kmask, nonpad, inbank, safe, valid, same, u, logits = _row_logits(
             u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label, HAS_W,
             COMPUTE)
         m_all, _, _, s_all = _online_update(m_all, s_all, logits)
@@ -113,7 +114,7 @@ def _entry_grads_kernel(
     acc = zero
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs
-        kmask, nonpad, safe, valid, same, u, logits = _row_logits(
+        kmask, nonpad, inbank, safe, valid, same, u, logits = _row_logits(
             u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label, HAS_W,
             COMPUTE)
         p_all = tl.exp(logits - m_all) / s_all
@@ -126,8 +127,10 @@ def _entry_grads_kernel(
         if NEED_S:
             acc += tl.sum(tl.where(valid, dl * (u - u_ref), 0.0), axis=0)
         if NEED_Q:
-            w = tl.load(w_ptr + safe, mask=nonpad, other=1.0).to(COMPUTE)
-            clab = tl.load(clab_ptr + safe, mask=nonpad, other=0)
+            # An entry past the bank reads no weight or label (CONTRACT.md 9; an empty bank
+            # has none to read): its row is NaN, and so is its q.
+            w = tl.load(w_ptr + safe, mask=inbank, other=1.0).to(COMPUTE)
+            clab = tl.load(clab_ptr + safe, mask=inbank, other=0)
             at_zero_w = nonpad & (w == 0.0)
             base = -0.5 * u
             one_sided = tl.where(clab == label,

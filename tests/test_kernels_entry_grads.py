@@ -84,6 +84,24 @@ def test_only_the_asked_terms_and_no_weights(spy):
     assert [t.shape for t in empty] == [(0, K), (0, K), (0,)]
 
 
+def test_entries_past_the_bank_read_no_weight_or_label():
+    """Rule 9: an entry >= N (the value checks off) reads nothing. The weight terms read the
+    weight and label of bank row 0 in its place: out of an empty bank's (N 0) tensors, a
+    segmentation fault in the interpreter (an illegal address on a GPU)."""
+    k = _kernels()
+    nan, inf = float("nan"), float("inf")
+    u = torch.tensor([[nan, 0.0], [0.0, 0.0]])  # the forward's u: NaN past the bank
+    labels = torch.tensor([0, 1])
+    nb = torch.tensor([[0, -1], [-1, -1]])
+    lse = torch.tensor([nan, -inf])  # row 0 non-finite, row 1 all padding
+    coef, q, srow = k.entry_grads(u, labels, torch.empty(0, dtype=torch.int64), nb,
+                                  torch.empty(0), lse, lse, torch.ones(2), torch.tensor(1.0),
+                                  True, True, True)
+    assert torch.isnan(q[0, 0]) and (q[0, 1] == 0) and (q[1] == 0).all()
+    assert torch.isnan(coef[0]).all() and (coef[1] == 0).all()
+    assert torch.isnan(srow[0]) and srow[1] == 0
+
+
 def test_a_recorded_backward_runs_the_torch_form(spy):
     """create_graph=True: the torch form (differentiable), not the kernel; same first
     derivatives."""

@@ -588,8 +588,10 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
-    if N == 0 or K == 0:
-        # Every entry is padding: no neighbour, no positive; nothing to read.
+    if K == 0:
+        # No entry: no neighbour, no positive; nothing to read. An empty bank (N 0) is
+        # launched: its entries are padding or, with the checks off, past the bank, whose rows
+        # are NaN (CONTRACT.md 9); the kernel reads nothing through either.
         loss.zero_()
         lse_all.fill_(float("-inf"))
         lse_pos.fill_(float("-inf"))

@@ -185,6 +185,17 @@ def test_empty_bank_and_all_padding():
                                  torch.tensor(1.0))
     assert (out[0] == 0).all() and (out[2] == -math.inf).all() and (out[3] == 0).all()
     assert (out[4] == 0).all() and out[4].shape == (3, 4)
+    # An entry of an empty bank (the checks off) is past it: its row is NaN (rule 9), not
+    # "no positive", as on the CPU; the other rows as before.
+    nb = torch.full((3, 4), -1, dtype=torch.int32)
+    nb[1, 2] = 0
+    out = k.neighbour_kernel_fwd(emb, torch.zeros(3, dtype=torch.int32), torch.empty(0, 5),
+                                 torch.empty(0, dtype=torch.int64), nb, torch.empty(0),
+                                 torch.tensor(1.0))
+    for t in out[:4]:
+        assert torch.isnan(t[1]).all() and not torch.isnan(t[[0, 2]]).any()
+    assert torch.isnan(out[4][1, 2]) and (out[4][nb < 0] == 0).all()
+    assert (out[0][[0, 2]] == 0).all() and (out[2][[0, 2]] == -math.inf).all()
     # A non-empty bank with an all-padding row: same outputs, even for a NaN embedding.
     args = list(make(B=3, seed=8))
     args[0][1] = math.nan

@@ -160,3 +160,29 @@ def test_torch_path_chunks_agree(monkeypatch):
     assert torch_path.rows_per_chunk(5, 6) == 1
     chunked = compare(case, "torch", torch.float64, torch.float64)
     torch.testing.assert_close(full.per_row, chunked.per_row)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_padding_reads_nothing_into_the_embedding_gradient(backend, bad):
+    """CONTRACT.md 1 and 5: padding is not an entry, so a non-finite bank row that no list
+    names (a slot not filled yet) cannot reach a finite row, with the value checks on (they
+    read only the listed rows). The torch path gathered row 0 for padding and multiplied it by
+    the padding's zero coefficient in grad_x: 0 * NaN made the emb gradient NaN while the loss
+    stayed finite."""
+    g = torch.Generator().manual_seed(11)
+    emb = torch.randn(3, 4, generator=g, requires_grad=True)
+    centres = torch.randn(4, 4, generator=g)
+    labels, cl = torch.tensor([1, 1, 0]), torch.tensor([0, 1, 0, 1])
+    nb = torch.tensor([[1, 2, -1], [3, -1, -1], [2, 1, 3]])  # row 0 is never listed
+    grads = []
+    for row0 in (centres[0].clone(), torch.full((4,), bad)):
+        c = centres.clone()
+        c[0] = row0
+        loss = nnkloss.neighbour_kernel_loss(emb, labels, c, cl, nb, sigma=0.7,
+                                             backend=backend)
+        assert torch.isfinite(loss)
+        (ge,) = torch.autograd.grad(loss, [emb])
+        grads.append(ge)
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

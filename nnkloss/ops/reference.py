@@ -140,7 +140,9 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         if need_grad_x:
             # 4. dL/dx = (1/sigma^2) sum (p - p^R)(c - x) = (1/sigma) sum (p - p^R) z.
             coef = (t.all.p - t.pos.p) * (has_pos[:, None] * inv_sigma)
-            gx = torch.einsum("rk,rkd->rd", coef, z)
+            # Padding gathered row 0 as a stand-in: its coefficient is 0, but 0 times a NaN or
+            # inf of that row (a bank slot no list names) would make a finite row's grad_x NaN.
+            gx = torch.einsum("rk,rkd->rd", coef, z.masked_fill((nbr < 0)[:, :, None], 0.0))
             grad_x[lo:hi] = torch.where(t.bad[:, None], float("nan"), gx)
         if store_dist:
             dist[lo:hi] = u

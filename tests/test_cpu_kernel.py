@@ -2239,3 +2239,38 @@ def test_selection_finish_is_the_same_on_several_threads(monkeypatch):
     for d, i in lists:
         assert torch.equal(i, want_i)
         assert torch.equal(d, dist.gather(1, want_i))
+
+
+@kernel
+@pytest.mark.parametrize("wrong", ["labels", "centre_labels", "weights", "neighbours", "coef"])
+def test_shapes_that_disagree_are_refused_before_the_library_reads(wrong):
+    """The library reads B labels and list rows and N centre labels and weights through bare
+    pointers. The functional op checks the shapes (validation.check_inputs), but a direct call
+    of the custom ops (torch.ops.nnkloss.nk_forward / nk_centre_grad) reached the library with
+    any: a labels, centre_labels, weights or neighbours tensor shorter than its dimension was
+    read past its end (heap-buffer-overflow under AddressSanitizer, silent values otherwise).
+    Now a ValueError; the backward's per-entry pass falls back to the torch form instead."""
+    B, N, D, K = 4, 5, 8, 3
+    g = torch.Generator().manual_seed(12)
+    emb, centres = torch.randn(B, D, generator=g), torch.randn(N, D, generator=g)
+    args = dict(labels=torch.zeros(B, dtype=torch.long), centre_labels=torch.zeros(N, dtype=torch.long),
+                neighbours=torch.full((B, K), N - 1), weights=torch.ones(N))
+    if wrong == "coef":
+        with pytest.raises(ValueError, match="coef"):
+            torch.ops.nnkloss.nk_centre_grad(emb, centres, args["neighbours"],
+                                             torch.ones(1, K), "cpu")
+        with pytest.raises(ValueError, match="coef"):
+            torch.ops.nnkloss.nk_centre_grad(emb, centres, args["neighbours"][:1],
+                                             torch.ones(1, K), "cpu")
+        return
+    args[wrong] = args[wrong][:1]
+    with pytest.raises(ValueError, match="shapes disagree"):
+        torch.ops.nnkloss.nk_forward(emb, args["labels"], centres, args["centre_labels"],
+                                     args["neighbours"], args["weights"], torch.tensor(1.0),
+                                     "cpu", True, True)
+    if wrong != "neighbours":
+        u = torch.zeros(B, K)
+        lse = torch.zeros(B)
+        assert not cpu.entry_grads_supported(u, args["labels"], args["centre_labels"],
+                                             args["neighbours"], args["weights"], lse, lse,
+                                             torch.ones(B))

@@ -627,6 +627,12 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
+    # The library reads B labels and list rows, and N centre labels and weights, through bare
+    # pointers: shapes that disagree (a direct call of the custom op; the functional op checks
+    # them) would read past the tensors.
+    if (labels.shape != (B,) or neighbours.shape[0] != B or centre_labels.shape != (N,)
+            or (weights is not None and weights.shape != (N,))):
+        raise ValueError(_shape_error(emb, labels, centres, centre_labels, neighbours, weights))
     # Only pointers are passed, so nothing is detached (an autograd-free read); a tensor is
     # converted or copied only where its dtype or layout is not the library's.
     x = emb if emb.dtype == cdt and emb.is_contiguous() else emb.detach().to(cdt).contiguous()
@@ -653,6 +659,14 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     return loss, lse_all, lse_pos, grad_x, dist
 
 
+def _shape_error(emb, labels, centres, centre_labels, neighbours, weights) -> str:
+    shapes = [("emb", emb), ("labels", labels), ("centres", centres),
+              ("centre_labels", centre_labels), ("neighbours", neighbours), ("weights", weights)]
+    return ("forward: shapes disagree (emb (B, D), labels (B,), centres (N, D), centre_labels "
+            "(N,), neighbours (B, K), weights (N,) or None): "
+            + ", ".join(f"{n} {None if t is None else tuple(t.shape)}" for n, t in shapes))
+
+
 def centre_grad(emb, centres, neighbours, coef):
     """(N, D) in the compute dtype: grad[j] += coef[b, k] * (emb[b] - centres[j]) for every
     neighbours[b, k] = j >= 0 (coef already holds 1/sigma^2; zero entries are skipped)."""
@@ -663,6 +677,9 @@ def centre_grad(emb, centres, neighbours, coef):
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
+    if neighbours.shape[0] != B or coef.shape != neighbours.shape:  # read through pointers
+        raise ValueError(f"centre_grad: neighbours {tuple(neighbours.shape)} and coef "
+                         f"{tuple(coef.shape)} must both be ({B}, K) for emb {tuple(emb.shape)}")
     grad = torch.zeros(N, D, dtype=cdt)
     if B == 0 or K == 0 or N == 0:
         return grad
@@ -715,7 +732,11 @@ def entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all
             and neighbours.dtype in _INDEX_TYPES and labels.dtype in _INDEX_TYPES
             and centre_labels.dtype in _INDEX_TYPES
             and (weights is None or (weights.device.type == "cpu" and weights.dim() == 1))
-            and u.dim() == 2 and u.shape == neighbours.shape and g.shape == u.shape[:1])
+            and u.dim() == 2 and u.shape == neighbours.shape and g.shape == u.shape[:1]
+            # read through pointers: B labels and log-sum-exps, a weight per centre label
+            and labels.shape == g.shape and lse_all.shape == g.shape
+            and lse_pos.shape == g.shape and centre_labels.dim() == 1
+            and (weights is None or weights.shape == centre_labels.shape))
 
 
 def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,

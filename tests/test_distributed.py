@@ -6,6 +6,7 @@ must take the steps that one process takes with the whole batch, learned sigma a
 weights included; the Trainer under DDP must match its single-process run.
 """
 import os
+import time
 
 import pytest
 import torch
@@ -124,6 +125,50 @@ def worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run(worker, str(tmp_path_factory.mktemp("dist")))
+
+
+def resume_worker(rank, port, out_dir):
+    """fit(1) then fit(2) on one Trainer, rank 0 slow to write its checkpoints: the second
+    fit() reads the checkpoint of the first on every rank."""
+    from nnkloss.experiment import checkpoint as ckpt
+    from nnkloss.experiment.train import Trainer
+    torch.set_num_threads(1)
+    x, y = make_data()
+    join(rank, port)
+    if rank == 0:  # a slow disk: the other rank reaches the end of fit() first
+        save = ckpt.save
+
+        def slow_save(path, state):
+            time.sleep(2.0)
+            return save(path, state)
+        ckpt.save = slow_save
+    ds = IndexedTensorDataset(x[:36], y[:36])
+    model = make_model(dropout=False)
+    bank = CentreBank(torch.zeros(36, D), torch.zeros(36, dtype=torch.long))
+    crit = NeighbourKernelLoss(bank, sigma=0.8)
+    refresher = Refresher(bank, model, nkd.shard_loader(DataLoader(ds, batch_size=10),
+                                                        split_batch=False),
+                          K, search_backend="torch", progress=False)
+    trainer = Trainer(model, crit, nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH)),
+                      lr=0.2, refresher=refresher,
+                      schedule=nnkloss.RefreshSchedule(every_epochs=1),
+                      out_dir=os.path.join(out_dir, "run"), progress=False, threads=None)
+    trainer.fit(1)
+    results = {"checkpoint_after_fit": os.path.isfile(trainer.checkpoint_path)}
+    trainer.fit(2)
+    results.update(epoch=trainer.epoch, step=trainer.step, centres=bank.centres.clone(),
+                   weight=model[0].weight.detach().clone())
+    finish(results, rank, out_dir)
+
+
+def test_fit_after_fit_resumes_every_rank_from_rank_0s_last_checkpoint(tmp_path):
+    """Rank 0 alone writes checkpoints; a rank that left fit() before rank 0's write ended
+    resumed the next fit() from the checkpoint before (ranks an epoch apart: a collective
+    timeout) and removed rank 0's temporary file while rank 0 wrote it."""
+    results = run(resume_worker, str(tmp_path))
+    assert [r["checkpoint_after_fit"] for r in results] == [True, True]
+    assert [(r["epoch"], r["step"]) for r in results] == [(2, 6), (2, 6)]
+    _same(results[0], results[1])
 
 
 # ---------------------------------------------------------------------------- tests

@@ -606,9 +606,13 @@ class Trainer:
                 row.update(self.upkeep.finish_async())  # checkpoints hold a settled bank
             self.history.append(row)
             self.write_logs()
-            if (self.out_dir and (epoch % self.checkpoint_every == 0 or last)
-                    and _dist.is_main_process()):  # every rank holds the same state
-                self.save_checkpoint()
+            if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
+                if _dist.is_main_process():  # every rank holds the same state
+                    self.save_checkpoint()
+                # The other ranks wait for rank 0's write: else a fit() that follows reads the
+                # checkpoint before it (ranks resume from different epochs and hang) and its
+                # load removes the temporary file that rank 0 is still writing.
+                _dist.barrier()
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
 

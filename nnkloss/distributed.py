@@ -168,8 +168,9 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
 
     Args:
         loader: a :class:`~torch.utils.data.DataLoader` built with ``batch_size`` (not a
-            ``batch_sampler``); its dataset, workers, collate_fn, pin_memory, drop_last, ...
-            are kept.
+            ``batch_sampler``) over its whole dataset (``shuffle`` True or False, no
+            ``sampler`` of its own); its dataset, workers, collate_fn, pin_memory, drop_last,
+            ... are kept.
         shuffle: shuffle the share every epoch (default: whether ``loader`` shuffled, i.e. has
             a RandomSampler). Call :func:`set_sampler_epoch` every epoch (the Trainer does).
         split_batch: divide ``batch_size`` by the world size so that one step still consumes
@@ -178,12 +179,23 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     """
     if not is_distributed():
         return loader
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
     if not isinstance(loader, DataLoader):
         raise TypeError(f"shard_loader needs a torch DataLoader, got {type(loader).__name__}")
     if loader.batch_size is None:
         raise ValueError("shard_loader needs a DataLoader built with batch_size, not with a "
                          "batch_sampler: give that one a DistributedSampler yourself")
+    # The DistributedSampler below covers the whole dataset once per epoch: any other sampler
+    # (a subset, weights, draws with replacement) would be dropped without a word.
+    sampler = loader.sampler
+    whole = (type(sampler) is SequentialSampler or (
+        type(sampler) is RandomSampler and not sampler.replacement
+        and sampler.num_samples == len(loader.dataset)))
+    if not whole:
+        raise ValueError(f"shard_loader needs a loader over its whole dataset (shuffle=True or "
+                         f"False), got one with a {type(sampler).__name__}, which "
+                         f"DistributedSampler shares would not follow: give that loader a "
+                         f"sampler that shards it yourself")
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     batch = per_rank_batch_size(loader.batch_size) if split_batch else loader.batch_size

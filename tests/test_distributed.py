@@ -119,6 +119,16 @@ def worker(rank, port, out_dir):
     from nnkloss.experiment.bank_upkeep import write_fresh_centres
     write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
     results["uneven_write"] = bank.centres.clone()
+    # A loader over part of its dataset (a sampler of its own): refused, not widened to all.
+    results["sampler_errors"] = []
+    for sampler in (torch.utils.data.SubsetRandomSampler(range(6)),
+                    torch.utils.data.RandomSampler(range(N), num_samples=6),
+                    torch.utils.data.WeightedRandomSampler([1.0] * N, N)):
+        try:
+            nkd.shard_loader(DataLoader(list(range(N)), batch_size=2, sampler=sampler))
+            results["sampler_errors"].append(None)
+        except ValueError as exc:
+            results["sampler_errors"].append(str(exc))
     finish(results, rank, out_dir)
 
 
@@ -223,6 +233,16 @@ def test_fresh_centres_gather_uneven_batches_in_rank_order(results):
     expected[[3, 9]] = 2.0  # row 3 is in both ranks' batches: the higher rank wins
     for r in results:
         assert torch.equal(r["uneven_write"], expected)
+
+
+def test_shard_loader_refuses_a_loader_with_a_sampler_of_its_own(results):
+    """A DistributedSampler over the whole dataset took the place of a loader's own sampler: a
+    loader over rows 0..5 became one over all N rows, without a word."""
+    for r in results:
+        assert len(r["sampler_errors"]) == 3
+        for err, name in zip(r["sampler_errors"], ("SubsetRandomSampler", "RandomSampler",
+                                                   "WeightedRandomSampler")):
+            assert err is not None and "whole dataset" in err and name in err
 
 
 def test_single_process_helpers_are_no_ops(monkeypatch):

@@ -171,6 +171,46 @@ def resume_worker(rank, port, out_dir):
     finish(results, rank, out_dir)
 
 
+class _Draws(nn.Module):
+    """Identity that records one draw of torch's global RNG per training forward (what a
+    Dropout's mask is drawn from)."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = []
+
+    def forward(self, x):
+        if self.training:
+            self.draws.append(torch.rand(x.shape[0]))
+        return x
+
+
+def dropout_worker(rank, port, out_dir):
+    """One epoch of the Trainer; the random draws each rank's forwards made."""
+    from nnkloss.experiment.train import Trainer
+    from nnkloss.experiment.models import SoftmaxHead
+    torch.set_num_threads(1)
+    x, y = make_data()
+    join(rank, port)
+    ds = IndexedTensorDataset(x[:36], y[:36])
+    draws = _Draws()
+    model = nn.Sequential(make_model(dropout=False), draws)
+    trainer = Trainer(model, SoftmaxHead(D, CLASSES),
+                      nkd.shard_loader(DataLoader(ds, batch_size=GLOBAL_BATCH)), lr=0.1,
+                      progress=False, threads=None, seed=3)
+    trainer.fit(1)
+    finish({"draws": torch.cat(draws.draws)}, rank, out_dir)
+
+
+def test_trainer_draws_other_random_numbers_on_every_rank(tmp_path):
+    """Every rank reseeded from the same (seed, epoch): row j of every rank's batch got the
+    same dropout mask, so the global batch held each mask world-size times."""
+    results = run(dropout_worker, str(tmp_path))
+    a, b = results[0]["draws"], results[1]["draws"]
+    assert a.shape == b.shape == (18,)
+    assert not torch.equal(a, b)
+
+
 def test_fit_after_fit_resumes_every_rank_from_rank_0s_last_checkpoint(tmp_path):
     """Rank 0 alone writes checkpoints; a rank that left fit() before rank 0's write ended
     resumed the next fit() from the checkpoint before (ranks an epoch apart: a collective

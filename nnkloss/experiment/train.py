@@ -22,9 +22,9 @@ Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
 ``fit(..., resume=True)`` continues from ``checkpoint.pt``: same parameters, same bank, same
 optimiser state, the log continued where the checkpoint left it. A checkpoint of other data
 (another N, other centre labels, another embedding size) is refused, naming what differs. Every epoch
-reseeds the RNGs from ``(seed, epoch)`` so that shuffling and dropout of epoch e are the same
-whether or not the run was interrupted before it (leave the DataLoader's ``generator`` unset
-for this: it then draws from torch's global RNG).
+reseeds the RNGs from ``(seed, epoch)`` (and the rank, under torch.distributed) so that
+shuffling and dropout of epoch e are the same whether or not the run was interrupted before it
+(leave the DataLoader's ``generator`` unset for this: it then draws from torch's global RNG).
 
 Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
 per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
@@ -144,7 +144,8 @@ class Trainer:
             saved in checkpoints); default: every 10 epochs (the papers).
         amp: mixed precision (float16 autocast + GradScaler); used only on CUDA devices.
         out_dir: where logs and checkpoints go (None: no files).
-        seed: base seed; epoch e runs with RNGs seeded from (seed, e).
+        seed: base seed; epoch e runs with RNGs seeded from (seed, e) (and the rank, under
+            torch.distributed).
         progress: tqdm progress bars.
         eval_fn: ``eval_fn(model, criterion, epoch) -> dict`` of metrics, called in eval mode
             under no_grad every ``eval_every`` epochs and after the last; logged with the epoch.
@@ -581,7 +582,10 @@ class Trainer:
 
     def _run_epochs(self, epochs: int) -> None:
         for epoch in range(self.epoch + 1, int(epochs) + 1):
-            seed_everything(self.seed * 1_000_003 + epoch)
+            # Each rank its own stream (rank 0's is the single-process one): with one seed on
+            # every rank, row j of every rank's batch got the same dropout mask (and a loader
+            # worker the same augmentation draws). DistributedSampler shuffles by its own seed.
+            seed_everything(self.seed * 1_000_003 + epoch + 1_000_000_007 * _dist.rank())
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))

@@ -789,14 +789,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     bar.close()
     # Runs of other invocations into this folder with the same shared set-up (e.g. NNGK
     # variants under --tag, or other methods) are reported beside these.
+    # One name's seeds are one configuration: a stored run of another configuration under
+    # the same name (say seed 1 of an earlier --nngk-sigma, beside this invocation's seed 0)
+    # is left out. This invocation's names keep its configuration; another name, that of its
+    # newest run.
     shared = common_config(args, data)
     names = [run_name(m, args) for m in args.methods]
-    for rec in _stored_runs(args.out):
+    stored = _stored_runs(args.out)
+    name_cfg = {run_name(m, args): json.loads(json.dumps(method_config(m, args, data)))
+                for m in args.methods}
+    for rec in sorted(stored, key=lambda r: str(r.get("finished", "")), reverse=True):
+        name_cfg.setdefault(rec.get("name", rec["method"]), rec["config"])
+    for rec in stored:
         nm = rec.get("name", rec["method"])
         key = f"{nm}/s{rec['seed']}"
-        if key not in runs and all(rec["config"].get(k) == v for k, v in
-                                   json.loads(json.dumps(shared)).items()
-                                   if k in rec["config"]):
+        if key not in runs and rec["config"] == name_cfg[nm] and all(
+                rec["config"].get(k) == v for k, v in json.loads(json.dumps(shared)).items()
+                if k in rec["config"]):
             runs[key] = rec
             if nm not in names:
                 names.append(nm)

@@ -315,6 +315,24 @@ def test_fashion_mnist_damaged_records_are_run_again_or_left_out(idx_tree, tmp_p
     assert again["runs"]["softmax/s0"]["metrics"] == first["metrics"]
 
 
+def test_fashion_mnist_summary_never_mixes_configurations_of_one_name(idx_tree, tmp_path):
+    """A run of another configuration kept under the same name is not averaged in. Before,
+    nngk seeds 0 1 at sigma 0.2, then nngk seed 0 at sigma 0.5 into the same folder: the "nngk"
+    row was the mean of seed 0 at sigma 0.5 and seed 1 at sigma 0.2."""
+    fm = load_script("fashion_mnist")
+    out = tmp_path / "fm"
+    argv = ["--data-root", idx_tree, "--out", str(out), "--quick", "--methods", "nngk"] + FM_TINY
+    fm.main(argv + ["--seeds", "0", "1"])
+    res = fm.main(argv + ["--seeds", "0", "--nngk-sigma", "0.5"])
+    assert set(res["runs"]) == {"nngk/s0"}
+    assert res["summary"]["nngk"]["seeds"] == [0]
+    # another invocation's report shows each name's newest configuration only
+    other = fm.main(["--data-root", idx_tree, "--out", str(out), "--quick", "--methods",
+                     "pixels", "--seeds", "0"] + FM_TINY)
+    assert other["summary"]["nngk"]["seeds"] == [0]
+    assert other["runs"]["nngk/s0"]["config"]["nngk"]["sigma"] == "0.5"
+
+
 def test_fashion_mnist_interrupted_run_resumes_from_its_checkpoint(idx_tree, tmp_path):
     fm = load_script("fashion_mnist")
     out = tmp_path / "fm"

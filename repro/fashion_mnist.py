@@ -167,6 +167,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch threads (1 is fastest on a busy 2-core machine)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    # counts (a negative --train-per-class silently dropped one image per class)
+    for flag, least in (("train_per_class", 1), ("eval_per_class", 1), ("dim", 1), ("width", 1),
+                        ("batch_size", 1), ("shift", 0), ("nmi_inits", 1), ("nngk_k", 1),
+                        ("nngk_refresh_every", 0), ("nngk_refresh_steps", 1),
+                        ("nngk_neighbours_every_steps", 1), ("nngk_warm_start_steps", 0),
+                        ("classify_k", 1), ("threads", 1)):
+        v = getattr(args, flag)
+        if v is not None and v < least:
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}, got {v}")
     if args.methods is None:
         args.methods = (list(METHODS) if args.protocol == "retrieval"
                         else ["nngk", "softmax", "pixels"])
@@ -185,10 +194,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.nngk_sigma != "auto":
         try:
-            if not float(args.nngk_sigma) > 0:
+            if not 0 < float(args.nngk_sigma) < math.inf:
                 raise ValueError
         except ValueError:
             p.error(f"--nngk-sigma must be a positive number or 'auto', got {args.nngk_sigma!r}")
+    if not all(0 < s < math.inf for s in args.nngk_sigma_grid):
+        p.error(f"--nngk-sigma-grid must be positive numbers, got {args.nngk_sigma_grid}")
     tc = args.train_classes
     if len(set(tc)) != len(tc) or any(not 0 <= c < 10 for c in tc):
         p.error(f"--train-classes must be distinct classes in 0..9, got {tc}")

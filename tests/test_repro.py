@@ -398,6 +398,30 @@ def test_fashion_mnist_bad_arguments(idx_tree, tmp_path):
         torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def test_fashion_mnist_bad_counts_are_refused_by_name(idx_tree, tmp_path, capsys):
+    """Before, they were accepted: --train-per-class -1 kept all but one image of each class
+    (95 of 100, without a word), --quick --train-per-class 0 became 300, --nngk-sigma inf and
+    a negative --nngk-sigma-grid failed after the data loaded, --shift -1 in torch."""
+    fm = load_script("fashion_mnist")
+    base = ["--data-root", idx_tree, "--out", str(tmp_path)]
+    for flag, value in (("--train-per-class", "-1"), ("--train-per-class", "0"),
+                        ("--eval-per-class", "-2"), ("--batch-size", "0"), ("--dim", "0"),
+                        ("--width", "0"), ("--shift", "-1"), ("--nmi-inits", "0"),
+                        ("--nngk-k", "0"), ("--nngk-refresh-every", "-1"),
+                        ("--nngk-refresh-steps", "0"), ("--nngk-neighbours-every-steps", "0"),
+                        ("--nngk-warm-start-steps", "-1"), ("--classify-k", "0"),
+                        ("--threads", "0"), ("--nngk-sigma", "inf"),
+                        ("--nngk-sigma-grid", "-1")):
+        for quick in ([], ["--quick"]):
+            with pytest.raises(SystemExit):
+                fm.parse_args(base + quick + [flag, value])
+            assert flag in capsys.readouterr().err
+    # the boundaries are accepted
+    args = fm.parse_args(base + ["--shift", "0", "--nngk-refresh-every", "0",
+                                 "--train-per-class", "1"])
+    assert (args.shift, args.nngk_refresh_every, args.train_per_class) == (0, 0, 1)
+
+
 def test_fashion_mnist_refuses_a_cuda_device_the_machine_lacks(idx_tree, tmp_path, monkeypatch,
                                                                capsys):
     fm = load_script("fashion_mnist")

@@ -213,6 +213,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not 0 < args.val_fraction < 1:
         p.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     args.methods = list(dict.fromkeys(args.methods))
+    if args.protocol == "classification":
+        no_classifier = [m for m in args.methods if m in PML_METHODS]
+        if no_classifier:
+            p.error(f"--protocol classification has a classifier for nngk, softmax and pixels "
+                    f"only, not --methods {' '.join(no_classifier)}")
     if args.tag is not None and (not args.tag or not all(c.isalnum() or c in "._" for c in
                                                          args.tag)):
         p.error(f"--tag must be letters, digits, '.' or '_', got {args.tag!r}")

@@ -422,6 +422,21 @@ def test_fashion_mnist_bad_counts_are_refused_by_name(idx_tree, tmp_path, capsys
     assert (args.shift, args.nngk_refresh_every, args.train_per_class) == (0, 0, 1)
 
 
+def test_fashion_mnist_classification_refuses_methods_without_a_classifier(idx_tree, tmp_path,
+                                                                          capsys):
+    """Before, --protocol classification --methods contrastive trained the whole run and then
+    failed in its evaluation (StopIteration: the loss has no softmax layer)."""
+    fm = load_script("fashion_mnist")
+    base = ["--data-root", idx_tree, "--out", str(tmp_path / "c"), "--protocol",
+            "classification"]
+    for method in fm.PML_METHODS:
+        with pytest.raises(SystemExit):
+            fm.parse_args(base + ["--methods", "nngk", method])
+        assert f"--methods {method}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "c")
+    assert fm.parse_args(base).methods == ["nngk", "softmax", "pixels"]
+
+
 def test_fashion_mnist_refuses_a_cuda_device_the_machine_lacks(idx_tree, tmp_path, monkeypatch,
                                                                capsys):
     fm = load_script("fashion_mnist")

@@ -41,8 +41,9 @@ import torch
 from nnkloss import distributed as nkd
 from nnkloss.experiment.datasets import CUB200, Cars196, Flowers102, Leafsnap, as_tensor_labels
 from nnkloss.experiment.evaluate import classification_metrics
-from nnkloss.experiment.setup import (image_transforms, kernel_criterion, make_loader,
-                                start_run, softmax_criterion)
+from nnkloss.experiment.setup import (check_epochs, check_resume, image_transforms,
+                                      kernel_criterion, make_loader, run_settings, start_run,
+                                      softmax_criterion)
 from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.plots import plot_training_curves
@@ -139,6 +140,9 @@ def load_splits(args) -> Dict[str, object]:
 
 def run_one(args, loss: str, device: torch.device, splits) -> Dict:
     run_dir = os.path.join(args.out, loss)
+    sigma = args.sigma if args.sigma is not None else default_sigma(args.arch)
+    # a checkpoint of other settings is not resumed as if it were this run
+    check_resume(run_dir, run_settings(args, loss=loss, sigma=sigma), args.restart)
     seed_everything(args.seed)
     kernel = loss == "nngk"
     # The kernel loss reads FC7 without its ReLU (the papers); softmax keeps the standard one.
@@ -154,7 +158,6 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
     ordered = make_loader(splits["train_eval"], bs_eval, False, args.workers, device)
     val_loader = make_loader(splits["val"], bs_eval, False, args.workers, device)
     test_loader = make_loader(splits["test"], bs_eval, False, args.workers, device)
-    sigma = args.sigma if args.sigma is not None else default_sigma(args.arch)
     if kernel:
         # The refresh embeds this rank's share; evaluation keeps the full ``ordered``.
         criterion, refresher = kernel_criterion(
@@ -179,6 +182,7 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
                       desc=f"{args.dataset} {args.arch} {loss}", **extra)
     t0 = time.perf_counter()
     history = trainer.fit(args.epochs, resume=not args.restart)
+    check_epochs(trainer, args.epochs)
     last = history[-1]
     if last.get("val_accuracy") is not None and last.get("val_loss") is not None:
         val = {"accuracy": last["val_accuracy"], "loss": last["val_loss"]}  # the final model

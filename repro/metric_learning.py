@@ -37,7 +37,8 @@ import torch
 from nnkloss.experiment.datasets import CUB200, Cars196, as_tensor_labels
 from nnkloss.experiment.evaluate import RECALL_KS, extract_embeddings, retrieval_metrics
 from nnkloss import distributed as nkd
-from nnkloss.experiment.setup import image_transforms, kernel_criterion, make_loader, start_run
+from nnkloss.experiment.setup import (check_epochs, check_resume, image_transforms,
+                                      kernel_criterion, make_loader, run_settings, start_run)
 from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
 from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
 from nnkloss.bank.refresh import RefreshSchedule
@@ -117,6 +118,8 @@ def run_one(args, dim: int, device: torch.device, train_ds, train_eval_ds, test_
     """Train and evaluate one embedding size; returns its results entry."""
     sigma = args.sigma if args.sigma is not None else default_sigma(dim)
     run_dir = os.path.join(args.out, f"dim{dim}")
+    # a checkpoint of other settings is not resumed as if it were this run
+    check_resume(run_dir, run_settings(args, dim=dim, sigma=sigma), args.restart)
     seed_everything(args.seed)
     model = build_embedding_net("googlenet", dim=dim, dropout=0.0, pretrained=args.pretrained)
     progress = not args.no_progress
@@ -148,6 +151,7 @@ def run_one(args, dim: int, device: torch.device, train_ds, train_eval_ds, test_
                       desc=f"{args.dataset} dim {dim}")
     t0 = time.perf_counter()
     history = trainer.fit(args.epochs, resume=not args.restart)
+    check_epochs(trainer, args.epochs)
     last = history[-1]
     if "test_nmi" in last and latest:
         metrics = {k: last[f"test_{k}"] for k in RUN_KEYS}

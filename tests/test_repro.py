@@ -90,6 +90,40 @@ def test_metric_learning_one_epoch(trees, tmp_path, dataset):
         assert len(json.load(open(out / "dim16" / "log.json"))) == 1
 
 
+def test_metric_learning_and_classification_resume_only_their_own_settings(trees, tmp_path,
+                                                                          capsys):
+    """A checkpoint of other settings, or of more epochs, is not resumed as this run. Before,
+    metric_learning at --epochs 2, then again at --epochs 1 --sigma 3 into the same --out:
+    results.json said 1 epoch at sigma 3 for the 2-epoch sigma-10 model (the same numbers);
+    classification.py alike."""
+    ml = load_script("metric_learning")
+    out = tmp_path / "ml"
+    argv = ["--dataset", "cub", "--data-root", trees["cub"], "--out", str(out), "--dim", "16",
+            "--image-size", "32", "--embedding-plot", "none"] + TINY
+    ml.main(argv)
+    with pytest.raises(SystemExit, match=r"sigma: 10\.0, now 3\.0"):
+        ml.main(argv + ["--sigma", "3"])
+    with pytest.raises(SystemExit, match="--restart"):
+        ml.main(argv + ["--lr", "1e-3"])
+    # the default sigma named: the same setting, resumed; more epochs continue the run
+    again = ml.main(argv + ["--sigma", "10", "--epochs", "2"])
+    assert again["runs"][0]["epochs"] == 2
+    assert len(json.load(open(out / "dim16" / "log.json"))) == 2
+    with pytest.raises(SystemExit, match="2 epochs, more than --epochs 1"):
+        ml.main(argv)
+    assert ml.main(argv + ["--sigma", "3", "--restart"])["runs"][0]["sigma"] == 3.0
+    assert len(json.load(open(out / "dim16" / "log.json"))) == 1
+
+    cl = load_script("classification")
+    out = tmp_path / "cls"
+    argv = ["--dataset", "cub", "--data-root", trees["cub"], "--out", str(out), "--arch",
+            "resnet50", "--image-size", "32", "--loss", "softmax"] + TINY
+    cl.main(argv)
+    with pytest.raises(SystemExit, match="softmax_lr"):
+        cl.main(argv + ["--softmax-lr", "1e-2"])
+    assert cl.main(argv + ["--workers", "0", "--eval-every", "1"])["runs"]["softmax"]
+
+
 def test_metric_learning_sigma_default():
     ml = load_script("metric_learning")
     assert [ml.default_sigma(d) for d in (64, 128, 256, 512, 1024)] == [10, 15, 20, 25, 30]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+import json
 import os
 
 from .. import distributed as nkd
@@ -22,7 +23,8 @@ from .models import SoftmaxHead
 from ..bank.refresh import Refresher
 
 __all__ = ["resolve_device", "image_transforms", "make_loader", "kernel_criterion",
-           "softmax_criterion", "IMAGENET_MEAN", "IMAGENET_STD"]
+           "softmax_criterion", "run_settings", "check_resume", "check_epochs", "IMAGENET_MEAN",
+           "IMAGENET_STD"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -57,6 +59,53 @@ def start_run(device_name: Optional[str], out_dir: str) -> torch.device:
     nkd.init_from_env(dist_backend="gloo" if device.type == "cpu" else None)
     os.makedirs(out_dir, exist_ok=True)
     return device
+
+
+#: options of the reproduction scripts that do not change what a run trains (where it runs,
+#: how often it is evaluated, where the files are); its epochs are checked apart.
+NOT_SETTINGS = ("out", "data_root", "device", "workers", "no_progress", "restart",
+                "embedding_plot", "eval_every", "epochs")
+
+
+def run_settings(args, **run) -> dict:
+    """What one run of a reproduction script trains with: its parsed ``args`` less
+    :data:`NOT_SETTINGS` and the names in ``run``, updated with ``run`` (that run's own values:
+    its embedding size, its loss, its effective sigma), as JSON."""
+    out = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS and k not in run}
+    out.update(run)
+    return json.loads(json.dumps(out))
+
+
+def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
+    """Refuse to resume a checkpoint in ``run_dir`` trained with other settings than these
+    (SystemExit naming them: its results would be reported under the new ones), then record
+    ``settings`` in ``run_dir/settings.json`` (rank 0). A checkpoint without a record (made
+    before records were kept) is resumed."""
+    from .reporting import write_json
+
+    path = os.path.join(run_dir, "settings.json")
+    if not restart and os.path.isfile(os.path.join(run_dir, "checkpoint.pt")) \
+            and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        if differ:
+            raise SystemExit(f"{run_dir} holds a checkpoint trained with other settings ("
+                             + ", ".join(f"{k}: {old.get(k)!r}, now {settings.get(k)!r}"
+                                         for k in differ)
+                             + "): pass --restart to train it afresh, or another --out")
+    if nkd.is_main_process():
+        os.makedirs(run_dir, exist_ok=True)
+        write_json(path, settings)
+
+
+def check_epochs(trainer, epochs: int) -> None:
+    """SystemExit when the Trainer's (resumed) run is past ``epochs``: its model is not the
+    ``epochs``-epoch one the results would be reported as."""
+    if trainer.epoch > int(epochs):
+        raise SystemExit(f"{trainer.out_dir} holds a checkpoint of {trainer.epoch} epochs, more "
+                         f"than --epochs {epochs}: pass --restart to train it afresh, or "
+                         f"another --out")
 
 
 def image_transforms(image_size: int = 224, train: bool = True):

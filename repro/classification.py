@@ -112,6 +112,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--restart", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.epochs < 1:
+        p.error(f"--epochs must be >= 1, got {args.epochs}")
     if args.image_size < MIN_IMAGE_SIZE[args.arch]:
         p.error(f"--image-size must be >= {MIN_IMAGE_SIZE[args.arch]} for {args.arch}")
     return args

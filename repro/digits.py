@@ -99,6 +99,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = 2 if args.quick else 30
+    if args.epochs < 1:
+        p.error(f"--epochs must be >= 1, got {args.epochs}")
     if args.threads != "auto":
         try:
             args.threads = int(args.threads)

@@ -109,6 +109,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = DEFAULT_EPOCHS[args.dataset]
+    if args.epochs < 1:
+        p.error(f"--epochs must be >= 1, got {args.epochs}")
     if args.image_size < MIN_IMAGE_SIZE["googlenet"]:
         p.error(f"--image-size must be >= {MIN_IMAGE_SIZE['googlenet']} for GoogLeNet")
     return args

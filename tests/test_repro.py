@@ -124,6 +124,21 @@ def test_metric_learning_and_classification_resume_only_their_own_settings(trees
     assert cl.main(argv + ["--workers", "0", "--eval-every", "1"])["runs"]["softmax"]
 
 
+def test_scripts_refuse_epochs_below_one(tmp_path, capsys):
+    """Before, digits.py --epochs 0 (or -1) reported untrained networks as its results, and
+    metric_learning.py / classification.py failed after building everything (IndexError)."""
+    cases = {"digits": ["--out", str(tmp_path)],
+             "metric_learning": ["--dataset", "cub", "--data-root", "x", "--out", str(tmp_path)],
+             "classification": ["--dataset", "cub", "--data-root", "x", "--out", str(tmp_path)]}
+    for name, argv in cases.items():
+        script = load_script(name)
+        for epochs in ("0", "-1"):
+            with pytest.raises(SystemExit):
+                script.parse_args(argv + ["--epochs", epochs])
+            assert "--epochs must be >= 1" in capsys.readouterr().err, name
+        assert script.parse_args(argv + ["--epochs", "1"]).epochs == 1
+
+
 def test_metric_learning_sigma_default():
     ml = load_script("metric_learning")
     assert [ml.default_sigma(d) for d in (64, 128, 256, 512, 1024)] == [10, 15, 20, 25, 30]

@@ -235,9 +235,15 @@ def check_sigma(sigma, device):
         if sigma.device != device:
             raise ValueError(f"sigma is on {sigma.device} but emb is on {device}")
         return sigma if sigma.dim() == 0 else sigma.reshape(())
+    value = require_sigma(sigma)
+    if compiling():
+        # Traced, torch.full (and torch.tensor) specialise the graph on the float's value:
+        # under aot_eager / inductor a new sigma each call (a schedule) recompiled every time,
+        # then ran eagerly past the recompile limit. A product with it keeps it symbolic.
+        return torch.ones((), dtype=torch.float32, device=device).mul_(value)
     # torch.full fills on the device: torch.tensor(float, device="cuda") is a copy from host
     # memory, which waits for the stream (a host sync on every call of the functional op)
-    return torch.full((), require_sigma(sigma), dtype=torch.float32, device=device)
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend):

@@ -126,3 +126,28 @@ def test_forward_only_compiles_fullgraph(monkeypatch, compile_backend, backend):
         out = torch.compile(f, fullgraph=True, backend=compile_backend)(emb)
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert seen and not any(seen)
+
+
+def test_functional_op_with_a_changing_float_sigma_does_not_recompile_per_value():
+    """A Python float sigma that changes every call (a schedule) stays symbolic: torch.full
+    had specialised the graph on its value, so aot_eager / inductor recompiled on every new
+    sigma (and ran eagerly past the recompile limit)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    emb, labels, centres, cl, nb, w = make_case(6, 12, 4, 5, seed=1)
+    emb, centres, w = emb.float(), centres.float(), w.float()
+
+    def f(e, s):
+        return nnkloss.neighbour_kernel_loss(e, labels, centres, cl, nb, w, sigma=s)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    for s in (0.8, 0.9, 1.0, 1.1, 1.25):
+        e, e_ref = emb.clone().requires_grad_(True), emb.clone().requires_grad_(True)
+        out, ref = compiled(e, s), f(e_ref, s)
+        out.backward()
+        ref.backward()
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(e.grad, e_ref.grad)
+    # the first call specialises, the second makes sigma dynamic; none after that
+    assert counter.frame_count <= 2

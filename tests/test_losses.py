@@ -415,6 +415,25 @@ def test_a_loaded_sigma_is_checked_as_the_constructor_checks_it(cls):
     assert fn.kernel_sigma() == pytest.approx(float(torch.tensor(88.0).exp()))
 
 
+@pytest.mark.parametrize("cls", [nnkloss.NeighbourKernelLoss, nnkloss.ClassConditionalLoss])
+def test_an_integer_loaded_log_sigma_is_checked_too(cls):
+    """An integer log_sigma in a state dict is cast into the fp32 parameter by the load, so it
+    is checked as a float one is: int64 100 (sigma inf) and int32 -200 (sigma 0, NaN losses)
+    were loaded unchecked; a valid integer value still loads."""
+    fn = cls(make_bank(), sigma=2.5)
+    for bad, shown in ((torch.tensor(100), "inf"), (torch.tensor(-200, dtype=torch.int32), "0.0"),
+                       (torch.tensor([100]), "inf")):
+        sd = fn.state_dict()
+        sd["log_sigma"] = bad
+        with pytest.raises(ValueError, match=rf"^sigma = exp\(log_sigma\) must be positive and "
+                                             rf"finite, got {shown}$"):
+            fn.load_state_dict(sd)
+        assert fn.kernel_sigma() == pytest.approx(2.5)
+    sd["log_sigma"] = torch.tensor(1)
+    fn.load_state_dict(sd)
+    assert fn.kernel_sigma() == pytest.approx(float(torch.tensor(1.0).exp()))
+
+
 # -----------------------------------------------------------------------------------------------
 # Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 def test_loss_reports_its_sigma_for_logs_and_refresh_stats():

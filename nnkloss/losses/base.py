@@ -140,9 +140,11 @@ class BankLoss(nn.Module, abc.ABC):
         # (sigma inf) without an error; -inf (sigma 0) or NaN only as NaN losses later on.
         key = prefix + "log_sigma"
         value = state_dict.get(key)
+        # Integer (and bool) values too: the load casts them into the parameter (an int64
+        # log_sigma 100 was loaded unchecked as sigma inf, -200 as sigma 0).
         if (isinstance(getattr(self, "log_sigma", None), nn.Parameter)
                 and isinstance(value, Tensor) and value.numel() == 1
-                and value.dtype.is_floating_point):
+                and not value.dtype.is_complex):
             # exp in the parameter's dtype, as sigma_tensor computes it (fp32: inf above 88.7)
             require_sigma(value.detach().to(self.log_sigma.dtype).exp(),
                           name=f"sigma = exp({key})")

@@ -329,3 +329,15 @@ def test_a_negative_centre_label_is_refused_naming_centre_labels(rule):
         clf.predict_proba(centres)
     bank.update_(centre_labels=torch.tensor([2, 0, 1]))
     assert clf.predict(centres).tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("rule", ["nngk", "ccknn"])
+def test_an_empty_query_batch_gives_an_empty_distribution(rule):
+    """No query rows: (0, C) probabilities and (0,) predictions under both rules (CCKNN raised
+    torch.cat's error on its empty list of reference centres, naming nothing)."""
+    bank = make_bank()
+    clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0, search_backend="torch", rule=rule)
+    for dtype in (torch.float32, torch.float64):
+        p = clf.predict_proba(torch.empty(0, bank.dim, dtype=dtype))
+        assert p.shape == (0, bank.num_classes) and p.dtype == dtype
+        assert clf.predict(torch.empty(0, bank.dim, dtype=dtype)).shape == (0,)

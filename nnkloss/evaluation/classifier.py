@@ -255,6 +255,8 @@ class NeighbourKernelClassifier(nn.Module):
         num_classes = self.bank.num_classes
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
+        if x.shape[0] == 0:  # no query: (0, C), as the NNGK rule gives (the cat below needs one)
+            return out
         classes, inverse, counts = torch.unique(centre_labels, return_inverse=True,
                                                 return_counts=True)
         order = torch.argsort(inverse, stable=True)  # centre rows grouped by class

@@ -169,3 +169,17 @@ def test_loss_and_classifier_on_ncmc_bank_with_added_class():
     assert torch.isfinite(loss)
     pred = NeighbourKernelClassifier(bank, k=n, sigma=2.0).predict(emb)
     assert (pred == labels).double().mean() > 0.95
+
+
+def test_add_to_an_empty_bank_takes_the_new_dimension():
+    """An empty bank has no dimension to keep (add skips the check, as update_ does): its
+    first centres set it. The (0, D) centres were concatenated with the new ones, so centres of
+    another D raised torch.cat's size error, naming nothing."""
+    bank = CentreBank(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    new = torch.randn(3, 5, dtype=torch.float64)
+    bank.add(new, torch.tensor([0, 1, 1]), weights=torch.tensor([1.0, 2.0, 0.5]))
+    assert bank.dim == 5 and bank.num_centres == 3 and bank.centres.dtype == torch.float32
+    assert torch.equal(bank.centres, new.float()) and bank.centre_labels.tolist() == [0, 1, 1]
+    torch.testing.assert_close(bank.weights.detach(), torch.tensor([1.0, 2.0, 0.5]))
+    clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0, search_backend="torch")
+    assert clf.predict(new.float()[:1]).tolist() == [0]

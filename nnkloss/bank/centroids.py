@@ -207,6 +207,8 @@ def add_centres(bank, centres: Tensor, centre_labels: Tensor,
     if bank.has_neighbours:
         pad = torch.full((m, bank.k), -1, dtype=torch.long, device=dev)
         new_nb = torch.cat([bank.neighbours, pad])
-    new_c = torch.cat([bank.centres, centres.detach().to(dev, bank.centres.dtype)])
+    new_c = centres.detach().to(dev, bank.centres.dtype)
+    if bank.num_centres:  # an empty bank takes the new centres' dimension (checked above)
+        new_c = torch.cat([bank.centres, new_c])
     return bank.update_(centres=new_c, centre_labels=torch.cat([bank.centre_labels, labels]),
                         neighbours=new_nb, weights=new_w)

@@ -368,6 +368,14 @@ def _tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def unit_column_stride(*tensors: torch.Tensor):
+    """The 2-D ``tensors`` with their columns adjacent (stride(1) == 1), copied only where they
+    are not: the gathering kernels take a row stride and read each row at unit stride, and
+    some callers hand them views (CCML's backward: the caller's emb and centres, a transposed
+    one too)."""
+    return tuple(t if t.stride(1) == 1 else t.contiguous() for t in tensors)
+
+
 def row_align(D: int, t: torch.Tensor) -> int:
     """Largest alignment A (elements, a power of two, at most 16 bytes' worth) such that D, the
     row stride of ``t`` and its base address (in bytes, A * element size) are multiples of it:
@@ -653,13 +661,7 @@ def centre_grad(emb, centres, neighbours, coef):
     grad = torch.zeros(N, D, device=emb.device, dtype=cdt)
     if B == 0 or N == 0 or K == 0:
         return grad
-    # CCML's backward passes the caller's emb and centres as they are (a transposed view too).
-    if emb.stride(1) != 1:
-        emb = emb.contiguous()
-    if centres.stride(1) != 1:
-        centres = centres.contiguous()
-    if neighbours.stride(1) != 1:
-        neighbours = neighbours.contiguous()
+    emb, centres, neighbours = unit_column_stride(emb, centres, neighbours)
     block_k, block_d = centre_grad_config(K, D)
     grid = (B, cdiv(D, block_d))
     _nk_centre_grad_kernel[grid](

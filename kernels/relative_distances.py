@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .neighbour_kernel import (_aligned_row_offsets, _gather_rows, _tl_dtype, cdiv,
-                               pow2_ceil, row_align)
+                               pow2_ceil, row_align, unit_column_stride)
 
 # Elements of one gathered tile (block_k x block_d): 16 fp32 per thread at 4 warps, the
 # forward's 64 bytes per thread; the build gate holds every build at >= 16 warps per SM.
@@ -95,12 +95,7 @@ def rel_sqdist(x: torch.Tensor, centres: torch.Tensor, idx: torch.Tensor, ref: t
         raise ValueError(f"cdt must be torch.float32 or torch.float64, got {cdt}")
     Q, K = idx.shape
     D = x.shape[1]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if centres.stride(1) != 1:
-        centres = centres.contiguous()
-    if idx.stride(1) != 1:
-        idx = idx.contiguous()
+    x, centres, idx = unit_column_stride(x, centres, idx)
     ref = ref.contiguous()
     out = torch.empty(Q, K, dtype=cdt, device=x.device)
     if out.numel() == 0:

@@ -152,7 +152,10 @@ def bytes_needed(B, K, D, bank_dtype, idx_dtype, mode):
     gathered centre rows, list entries and centre labels (as a CentreBank stores them: the
     lists' integer width), weights (fp32), the embedding and label; grad_x, the loss and two
     log-sum-exps written. The (B, K) distances are not stored: the benchmarked gradient goes to
-    the embeddings only. fwd_bwd adds the backward's read of grad_x and write of d emb."""
+    the embeddings only. fwd_bwd adds the backward's read of grad_x and write of d emb; bwd
+    (the backward alone) is those two only."""
+    if mode == "bwd":
+        return B * D * 4 * 2
     esize = torch.tensor([], dtype=bank_dtype).element_size()
     isize = torch.tensor([], dtype=idx_dtype).element_size()
     per_entry = isize + isize + 4  # index, centre label, weight
@@ -657,8 +660,7 @@ def _main(argv):
                     limits = r["limits"]
                     bank_read, gather = limits.get("bank_read_gbps"), limits.get("gather_gbps")
                     process_read = limits.get("read_gbps")
-                    gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype,
-                                        "fwd_bwd" if mode != "fwd" else "fwd") / r["ms"] / 1e6
+                    gbps = bytes_needed(B, K, D, DTYPES[dt], idx_dtype, mode) / r["ms"] / 1e6
                     gathered = ("" if mode == "bwd" else
                                 gathered_bytes(B, K, D, DTYPES[dt]) / r["ms"] / 1e6)
                     results.append(["loss", prov, mode, B, K, D, dt, f"{r['ms']:.4g}",

@@ -609,3 +609,21 @@ def test_plot_shows_one_commits_latest_rows_and_their_read_share(tmp_path):
     assert os.path.getsize(png) > 1000
     bench_loss.plot(path, str(tmp_path / "none.png"), "absent")  # no rows: nothing drawn
     assert not os.path.exists(tmp_path / "none.png")
+
+
+def test_backward_rows_count_the_backwards_bytes(tmp_path, monkeypatch):
+    """A bwd row's gbps: the backward's own bytes (grad_x read, d emb written) over its time,
+    not the forward+backward's bytes over the backward's time (which counted the gathered
+    centres the backward never reads)."""
+    monkeypatch.setattr(bench_loss, "PROCESS_READ_BYTES", 2 ** 22)
+    monkeypatch.setattr(bench_loss, "read_gbps", lambda device, nbytes=2 ** 30: 25.0)
+    monkeypatch.setattr(common, "read_gbps", lambda device, nbytes=2 ** 30: 25.0)
+    B, K, D = 4, 3, 5
+    assert bench_loss.bytes_needed(B, K, D, torch.float32, torch.int32, "bwd") == B * D * 4 * 2
+    path = bench_loss.main(["--device", "cpu", "--B", str(B), "--K", str(K), "--D", str(D),
+                            "--N", "40", "--dtype", "fp32", "--providers", "fused",
+                            "--modes", "bwd", "--no-isolate", "--out", str(tmp_path)])
+    with open(path) as f:
+        (row,) = [r for r in csv.DictReader(f) if r["op"] == "loss"]
+    assert float(row["gbps"]) == pytest.approx(B * D * 4 * 2 / float(row["ms"]) / 1e6,
+                                               rel=1e-3)

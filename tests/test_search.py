@@ -312,6 +312,22 @@ def test_recall_is_low_when_the_index_is_starved():
         recall_against_exact(base, base, 5, sample=0)
 
 
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+@pytest.mark.parametrize("kind, name, bad", [
+    ("hnsw", "hnsw_m", 0), ("hnsw", "hnsw_m", 1), ("hnsw", "hnsw_m", -1),
+    ("hnsw", "ef_construction", 0), ("hnsw", "ef_search", -5),
+    ("ivf", "nprobe", 0), ("ivf", "nprobe", -1), ("ivf", "nlist", 1.5), ("ivf", "train_size", 0)])
+def test_approximate_index_parameters_are_checked(kind, name, bad):
+    # Left to faiss, hnsw_m 0 aborted the process, 1 crashed it and -1 hung it; nprobe 0 / -1
+    # failed in faiss's search with messages naming no argument; nlist 1.5 was truncated.
+    base = torch.randn(60, 4, generator=torch.Generator().manual_seed(0))
+    match = r"^hnsw_m must be >= 2" if (name, bad) == ("hnsw_m", 1) else rf"^{name} must be"
+    with pytest.raises(ValueError, match=match):
+        knn(base, base, 5, approximate=kind, **{name: bad})
+    with pytest.raises(ValueError, match=match):
+        recall_against_exact(base, base, 5, approximate=kind, sample=4, **{name: bad})
+
+
 def test_auto_backend_choice(monkeypatch):
     """"auto" is the torch search on every device, whatever faiss offers."""
     monkeypatch.setattr(FS, "faiss_gpu_usable", lambda index=0: True)

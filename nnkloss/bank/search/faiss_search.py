@@ -16,6 +16,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...validation import require_positive_int
+
 __all__ = ["faiss_available", "faiss_gpu_usable", "require_faiss", "use_faiss_gpu",
            "build_flat", "build_approximate", "search_index", "iter_search_index",
            "FAISS_GPU_MAX_K"]
@@ -131,6 +133,16 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
     """An ``IndexIVFFlat`` (kind "ivf") or ``IndexHNSWFlat`` (kind "hnsw") holding ``base``."""
     faiss = require_faiss()
     n, d = base.shape
+    # Checked here, not left to faiss: nprobe 0 fails in faiss's search with a message that
+    # names no argument, and hnsw_m 0 / 1 / negative aborts, crashes or hangs the process.
+    for name, v in (("nlist", nlist), ("nprobe", nprobe), ("train_size", train_size),
+                    ("ef_search", ef_search), ("ef_construction", ef_construction),
+                    ("hnsw_m", hnsw_m)):
+        if v is not None:
+            require_positive_int(name, v)
+    if hnsw_m < 2:
+        raise ValueError(f"hnsw_m must be >= 2 (links per node of faiss's HNSW graph), "
+                         f"got {hnsw_m}")
     if kind == "ivf":
         nlist = _default_nlist(n) if nlist is None else int(nlist)
         if not 1 <= nlist <= n:

@@ -660,6 +660,21 @@ def test_refresher_defaults_and_argument_errors(capsys):
         nnkloss.Refresher(bank, model, loader, k=0)
 
 
+@pytest.mark.parametrize("backend, options, exc, match", [
+    ("fiass", {}, ValueError, r"^search_backend must be one of"),
+    ("auto", {"aproximate": "ivf"}, TypeError,
+     r"^knn_options got unknown options \['aproximate'\]"),
+    ("auto", {"exclude_self": False}, TypeError, r"^knn_options got unknown options"),
+    ("auto", {"approximate": "IVF"}, ValueError, r"^knn_options\['approximate'\] must be one of"),
+    ("torch", {"approximate": "ivf"}, ValueError, r"search_backend must be 'auto' or 'faiss'")])
+def test_refresher_checks_search_options_at_construction(backend, options, exc, match):
+    """A bad search backend or knn option is refused by the constructor, not by the first
+    refresh after the whole set has been embedded (nor from an async refresh's thread)."""
+    bank, model, loader = _refresh_setup()
+    with pytest.raises(exc, match=match):
+        nnkloss.Refresher(bank, model, loader, k=4, search_backend=backend, knn_options=options)
+
+
 def test_refresher_limits_and_device_argument():
     """k = N - 1 is allowed, k = N is refused with the count of other centres; a non-iterable
     loader is named; device= is accepted; no stats before the first refresh (kills refresh

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from torch import Tensor, nn
 
 from .centre_bank import CentreBank
 from ..validation import all_finite, as_index, require_int, require_positive_int, require_sigma
-from .search import NeighbourLists, neighbour_lists
+from .search import APPROXIMATE, NeighbourLists, knn, neighbour_lists
+from .search.validation import check_search_backend
 from .. import distributed as _dist
 from ..inference import inference_model
 from . import exchange
@@ -236,6 +238,29 @@ class _Result:
         self.stream = stream
 
 
+# What knn_options may hold: knn's own options (the search's queries, base, k, backend and
+# self-exclusion are set by neighbour_lists).
+_KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
+    "queries", "base", "k", "search_backend", "exclude_self"}
+
+
+def _check_search_options(search_backend, knn_options: dict) -> None:
+    # At construction: a misspelt backend or option would otherwise surface only at the first
+    # refresh, after the whole set has been embedded (in async mode, from the background thread).
+    check_search_backend(search_backend)
+    unknown = set(knn_options) - _KNN_OPTIONS
+    if unknown:
+        raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
+                        f"{sorted(_KNN_OPTIONS)}")
+    approximate = knn_options.get("approximate")
+    if approximate not in APPROXIMATE:
+        raise ValueError(f"knn_options['approximate'] must be one of {APPROXIMATE}, got "
+                         f"{approximate!r}")
+    if approximate is not None and search_backend not in ("auto", "faiss"):
+        raise ValueError(f"knn_options['approximate']={approximate!r} uses faiss indexes; "
+                         f"search_backend must be 'auto' or 'faiss', got {search_backend!r}")
+
+
 class Refresher:
     """Re-embeds the whole training set and rebuilds the bank's neighbour lists.
 
@@ -316,6 +341,7 @@ class Refresher:
         self.async_mode = bool(async_mode)
         self._sigma_source = _sigma_source(sigma)
         self.knn_options = dict(knn_options or {})
+        _check_search_options(search_backend, self.knn_options)
         self.last_stats: Optional[RefreshStats] = None
         self._snapshot: Optional[nn.Module] = None
         self._thread: Optional[threading.Thread] = None

@@ -36,7 +36,7 @@ neither the wall time nor the kernels'), or ``--timer wall`` (``common.wall_ms``
 calls, one synchronisation per round, what a training loop sees), for the fwd and fwd_bwd modes
 (the CSV's ``timer``); peak = max_memory_allocated above the allocation before the measured
 call. On CPU every (provider, mode, shape) runs in a fresh process
-(``--isolate``, the default there) with ``--threads`` threads: the median of 7 calls after 2
+(``--isolate``, the default there) with ``--threads`` threads: the median of 21 calls after 2
 warm-ups (the first one compiles, for ``compile``), and ``peak_mem_mb`` = the peak RSS above
 the process's RSS after the inputs are set up and torch._dynamo is imported (torch imports it
 on the first call of any custom op, ~150 MB once per process), over the warm-ups and the timed

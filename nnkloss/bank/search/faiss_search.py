@@ -140,7 +140,7 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
                     ("hnsw_m", hnsw_m)):
         if v is not None:
             require_positive_int(name, v)
-    if hnsw_m < 2:
+    if hnsw_m is not None and hnsw_m < 2:
         raise ValueError(f"hnsw_m must be >= 2 (links per node of faiss's HNSW graph), "
                          f"got {hnsw_m}")
     if kind == "ivf":

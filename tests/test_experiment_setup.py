@@ -28,3 +28,17 @@ def test_a_cuda_device_this_machine_lacks_is_refused_up_front(monkeypatch):
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     with pytest.raises(RuntimeError, match=r"--device cuda:1: this machine has 1 CUDA device"):
         resolve_device("cuda:1")
+
+
+def test_check_resume_names_a_settings_record_it_cannot_read(tmp_path):
+    """A run folder's settings.json is read from disk: one that is not JSON (or not UTF-8, or
+    not an object) stops the script naming the file, not with a bare decoding error."""
+    import pytest
+    from nnkloss.experiment.setup import check_resume
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    for content in (b"{not json", b"\xff\xfe", b"[1, 2]"):
+        (tmp_path / "settings.json").write_bytes(content)
+        with pytest.raises(SystemExit, match=r"settings.json .*--restart"):
+            check_resume(str(tmp_path), {"sigma": 1.0}, restart=False)
+    (tmp_path / "settings.json").write_text('{"sigma": 1.0}')
+    check_resume(str(tmp_path), {"sigma": 1.0}, restart=False)  # the same settings: resumed

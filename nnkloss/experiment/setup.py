@@ -7,14 +7,13 @@ training; the same resize and a centre crop for evaluation. ``image_size`` scale
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-import json
-import os
 
 from .. import distributed as nkd
 from ..bank.centre_bank import CentreBank
@@ -86,8 +85,15 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
     path = os.path.join(run_dir, "settings.json")
     if not restart and os.path.isfile(os.path.join(run_dir, "checkpoint.pt")) \
             and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+            raise SystemExit(f"{path} cannot be read as the run's settings ({exc}): pass "
+                             f"--restart to train it afresh, or another --out") from None
+        if not isinstance(old, dict):
+            raise SystemExit(f"{path} holds {type(old).__name__}, not the run's settings: pass "
+                             f"--restart to train it afresh, or another --out")
         differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
         if differ:
             raise SystemExit(f"{run_dir} holds a checkpoint trained with other settings ("

@@ -1754,31 +1754,6 @@ def test_compiled_value_flags_match_the_torch_reductions(dtype, index_dtype):
 
 
 @kernel
-@pytest.mark.parametrize("cl_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("lab_dtype", [torch.int32, torch.int64], ids=str)
-def test_count_mismatched_is_the_torch_count(cl_dtype, idx_dtype, lab_dtype):
-    """nnk_count_mismatched: sum(centre_labels[idx] != labels) for every integer width, 0 for
-    aligned rows; None (the caller's torch path) for an idx outside the bank, lengths that
-    differ, a non-contiguous or non-integer tensor."""
-    g = torch.Generator().manual_seed(8)
-    cl = torch.randint(0, 5, (300,), generator=g).to(cl_dtype)
-    idx = torch.randint(0, 300, (77,), generator=g).to(idx_dtype)
-    labels = cl[idx.long()].to(lab_dtype)
-    assert cpu.count_mismatched(cl, idx, labels) == 0
-    labels[[0, 40, 76]] = (labels[[0, 40, 76]] + 1) % 5
-    assert cpu.count_mismatched(cl, idx, labels) == 3 == int((cl[idx.long()] != labels).sum())
-    assert cpu.count_mismatched(cl, idx[:0], labels[:0]) == 0
-    for bad in (300, -1):
-        far = idx.clone()
-        far[5] = bad
-        assert cpu.count_mismatched(cl, far, labels) is None
-    assert cpu.count_mismatched(cl, idx[:-1], labels) is None
-    assert cpu.count_mismatched(cl, idx, labels.float()) is None
-    assert cpu.count_mismatched(torch.stack([cl, cl], 1)[:, 0], idx, labels) is None
-
-
-@kernel
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("index_dtype", INDEX, ids=str)
 def test_gathered_rows_finite_reads_only_the_listed_rows(dtype, index_dtype, monkeypatch):

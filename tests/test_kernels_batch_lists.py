@@ -1,15 +1,33 @@
 """kernels/batch_lists.py: a batch's lists in one launch, against torch's gather, exclusion
-and drop (Triton's interpreter on CPU tensors)."""
+and drop (Triton's interpreter on CPU tensors); and its CPU twin of the same contract,
+nnkloss.ops.cpu.batch_lists (one call of the compiled library), by the same checks."""
 import pytest
 import torch
 
 import nnkloss
+from nnkloss.ops import cpu
 
 INTS = [torch.int32, torch.int64]
 
 
 def _kernels():
     return nnkloss.ops.backends.kernels()
+
+
+class _CpuLibrary:
+    """The compiled library's batch_lists where the Triton launcher's name is looked up."""
+    batch_lists = staticmethod(cpu.batch_lists)
+
+
+def _impl(name):
+    return _kernels() if name == "triton" else _CpuLibrary
+
+
+# Both implementations of the contract: the Triton kernel through the interpreter, the CPU
+# library where a compiler built it.
+IMPLS = [pytest.param("triton", marks=pytest.mark.interpreter),
+         pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(),
+                                                      reason="no C++ compiler: fallback only"))]
 
 
 def _torch_form(table, idx, labels, bank_labels, exclude_self):
@@ -41,16 +59,17 @@ def _case(B, N, K, table_dtype, label_dtype, seed):
     return table, idx, labels, bank_labels
 
 
-@pytest.mark.interpreter
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("table_dtype", INTS)
 @pytest.mark.parametrize("label_dtype", [torch.int16, torch.int32, torch.int64])
 @pytest.mark.parametrize("B,K", [(1, 1), (37, 7), (20, 300)])
 @pytest.mark.parametrize("exclude_self", [True, False])
-def test_lists_exclusion_and_drop_match_torch(table_dtype, label_dtype, B, K, exclude_self):
+def test_lists_exclusion_and_drop_match_torch(impl, table_dtype, label_dtype, B, K,
+                                              exclude_self):
     # K 300: chunks of 256 (the second ragged) in programs of 4 rows, five of them at B 20;
     # K 7: one program of 128 rows, 37 of them live.
     table, idx, labels, bank_labels = _case(B, 50, K, table_dtype, label_dtype, B + K)
-    k = _kernels()
+    k = _impl(impl)
     lists, counts = k.batch_lists(table, idx, labels, bank_labels, exclude_self)
     want, want_counts = _torch_form(table, idx, labels, bank_labels, exclude_self)
     assert lists.dtype == table_dtype and lists.shape == (B, K)
@@ -74,13 +93,13 @@ def test_lists_exclusion_and_drop_match_torch(table_dtype, label_dtype, B, K, ex
     assert counts.tolist() == [len({0, B - 1})] * 2
 
 
-@pytest.mark.interpreter
-def test_counts_add_up_over_programs_and_edges():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_counts_add_up_over_programs_and_edges(impl):
     # K 1: programs of 1024 rows, so 5000 rows are five, each dropping rows (the last partial).
     table, idx, labels, bank_labels = _case(5000, 40, 1, torch.int64, torch.int32, 3)
     labels[::7] += 1
     idx[::11] = 40
-    k = _kernels()
+    k = _impl(impl)
     lists, counts = k.batch_lists(table, idx, labels, bank_labels, True)
     want, want_counts = _torch_form(table, idx, labels, bank_labels, True)
     assert torch.equal(lists, want) and torch.equal(counts, want_counts)
@@ -114,3 +133,24 @@ def test_cuda_kernel_matches_torch(table_dtype, B, K):
     lists, counts = _kernels().batch_lists(table.cuda(), idx.cuda(), labels.cuda(),
                                            bank_labels.cuda(), True)
     assert torch.equal(lists.cpu(), want) and torch.equal(counts.cpu(), want_counts)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: fallback only")
+def test_cpu_twin_leaves_what_it_does_not_take_to_the_caller():
+    """None (the loss's torch route takes over) for float or bool labels or rows, labels whose
+    length is not the batch's or the bank's, a table that is not int32 / int64; without labels
+    only the rows outside the bank are dropped and counted."""
+    table, idx, labels, bank_labels = _case(30, 50, 6, torch.int64, torch.int64, 5)
+    for args in ((table, idx, labels.float(), bank_labels),
+                 (table, idx.float(), labels, bank_labels),
+                 (table, idx, labels.bool(), bank_labels),
+                 (table, idx, labels[:-1], bank_labels),
+                 (table, idx, labels, bank_labels[:-1]),
+                 (table.to(torch.int16), idx, labels, bank_labels)):
+        assert cpu.batch_lists(*args, True) is None
+    far = idx.clone()
+    far[[2, 9]] = torch.tensor([50, -1])
+    lists, counts = cpu.batch_lists(table, far, None, None, True)
+    want, _ = _torch_form(table, far, bank_labels[far.clamp(0, 49)], bank_labels, True)
+    assert torch.equal(lists, want) and counts.tolist() == [2, 2]
+    assert cpu.gather_lists(table, far, True) is None  # its caller's range check raises

@@ -163,31 +163,45 @@ def test_misaligned_idx_raises_naming_idx_and_labels(cls):
     assert int(fn.last_stats.num_mismatched) == 0 and int(fn.last_num_mismatched) == 0
 
 
-def test_checked_label_comparison_takes_one_compiled_pass_when_loaded(monkeypatch):
-    """With value checks on and CPU tensors, once the compiled library is loaded, the labels
-    are compared with the bank's in one pass (nnkloss.ops.cpu.count_mismatched): no (B,) mask
-    when all agree, and a disagreement still raises the message naming idx and labels."""
+def test_cpu_lists_and_label_comparison_are_one_compiled_call(monkeypatch):
+    """CPU tensors, the compiled library loaded: the batch's lists, the own-index exclusion and
+    the labels' comparison are one call (nnkloss.ops.cpu.batch_lists, the CPU twin of
+    kernels/batch_lists.py), value checks on or off. A disagreement raises the message naming
+    idx and labels with the checks on and is dropped and counted with them off; an idx outside
+    the bank raises IndexError naming idx either way (reading the counts is no sync on a
+    CPU)."""
     from nnkloss.ops import cpu
     if not cpu.available():
         pytest.skip("the compiled CPU kernel is unavailable here")
     counts = []
-    real = cpu.count_mismatched
+    real = cpu.batch_lists
 
     def spy(*args):
-        counts.append(real(*args))
-        return counts[-1]
-    monkeypatch.setattr(cpu, "count_mismatched", spy)
+        out = real(*args)
+        counts.append(out[1].tolist())
+        return out
+    spy.host_counts = real.host_counts
+    monkeypatch.setattr(cpu, "batch_lists", spy)
     bank = make_bank(N=30, C=3)
     fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0)
     emb, labels, idx = _aligned_batch(bank)
     fn(emb, labels, idx)
-    assert counts == [0] and int(fn.last_num_mismatched) == 0
+    assert counts == [[0, 0]] and int(fn.last_num_mismatched) == 0
     with pytest.raises(ValueError, match=r"labels disagree with the bank's centre_labels"):
         fn(emb, labels, (idx + 1) % bank.num_centres)
-    assert counts[1] > 0
+    assert counts[1][0] > 0
+    far = idx.clone()
+    far[2] = 30
+    for checks in (True, False):
+        with nnkloss.value_checks(checks), pytest.raises(IndexError, match="idx holds 30"):
+            fn(emb, labels, far)
+    assert counts[2:] == [[1, 1], [1, 1]]
+    bad = labels.clone()
+    bad[[0, 3]] = (bad[[0, 3]] + 1) % 3
     with nnkloss.value_checks(False):
-        fn(emb, labels, idx)  # checks off: counted too on a CPU (no sync), nothing to drop
-    assert counts[2:] == [0] and int(fn.last_num_mismatched) == 0
+        fn(emb, bad, idx)  # checks off: dropped and counted
+    assert counts[4:] == [[2, 0]] and int(fn.last_num_mismatched) == 2
+    assert not fn.last_stats.counted[[0, 3]].any()
 
 
 @pytest.mark.parametrize("cls", ["nngk", "ccml"])
@@ -524,10 +538,11 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 
 
 @contextlib.contextmanager
-def no_host_reads(allowed_callers=("neighbours_for",)):
+def no_host_reads(allowed_callers=("neighbours_for", "_lists_in_one_call")):
     """Every Tensor method that copies a value to the host raises, except when called from
     ``allowed_callers`` (the bank's CPU-only idx range check, free for CPU idx and skipped
-    for CUDA idx)."""
+    for CUDA idx; the bank loss's read of the CPU library's one-call list counts, host memory,
+    where the GPU's are read only with the checks on)."""
     import sys
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     calls = []
@@ -570,21 +585,21 @@ def forward_backward_without_sync(device, backend, guard):
     return loss
 
 
-@pytest.mark.parametrize("library_count", [True, False])
-def test_forward_and_backward_read_no_tensor_values_on_cpu(monkeypatch, library_count):
-    """No Tensor value reaches the host; without the CPU library's label count (False: as on a
-    GPU, where the misaligned rows' drop is built from torch ops) too."""
-    from nnkloss.ops import cpu
-    if not library_count:
-        monkeypatch.setattr(cpu, "count_mismatched", lambda *a: None)
+@pytest.mark.parametrize("library_lists", [True, False])
+def test_forward_and_backward_read_no_tensor_values_on_cpu(monkeypatch, library_lists):
+    """No Tensor value reaches the host; without the CPU library's one-call lists (False: as
+    where they do not run, e.g. traced, the misaligned rows' drop built from torch ops) too."""
+    from nnkloss.losses import base
+    if not library_lists:
+        monkeypatch.setattr(base, "_lists_kernel", lambda device: None)
     loss = forward_backward_without_sync("cpu", "torch", no_host_reads)
     assert torch.isfinite(loss)
 
 
-def test_with_checks_off_the_cpu_library_count_spares_the_drop(monkeypatch):
-    """Value checks off, CPU tensors: the library counts the disagreeing rows (no sync on a
-    CPU) and, when there are none, forward builds no drop (no fill of the lists); with some,
-    they are dropped as before."""
+def test_on_cpu_the_drop_is_part_of_the_one_call(monkeypatch):
+    """CPU tensors, the compiled library built: the lists of misaligned rows are emptied in the
+    library's one call, checks off, so forward fills no lists (no masked_fill) whether rows are
+    dropped or not; a dropped row has loss 0, is not counted and is counted as mismatched."""
     from nnkloss.ops import cpu
     if not cpu.available():
         pytest.skip("no compiled CPU kernel here")
@@ -599,10 +614,10 @@ def test_with_checks_off_the_cpu_library_count_spares_the_drop(monkeypatch):
                         lambda *a, **k: fills.append(1) or real_fill(*a, **k))
     with nnkloss.value_checks(False):
         fn(emb, labels, idx)
-        assert fills == [] and int(fn.last_num_mismatched) == 0
+        assert int(fn.last_num_mismatched) == 0
         labels[2] = labels[2] + 1
         fn(emb, labels, idx)
-    assert fills and int(fn.last_num_mismatched) == 1
+    assert fills == [] and int(fn.last_num_mismatched) == 1
     assert fn.last_stats.per_row[2] == 0 and not fn.last_stats.counted[2]
 
 
@@ -680,10 +695,11 @@ def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(redu
     """With value checks on, the labels have been read against the bank's (a mismatch raises),
     so a call whose rows all agree fills no lists and reports 0 mismatched rows; loss, per-row
     losses, counted rows, every gradient and the autograd graph equal the unchecked call's,
-    which fills the lists of no row where nothing is read (a GPU; here the CPU library's count
-    is taken away for it): the drop adds nothing to the graph (no WhereBackward)."""
-    from nnkloss.ops import cpu
-    real_count = cpu.count_mismatched
+    which fills the lists of no row where nothing is read (torch's route, as where the one-call
+    lists do not run; here the CPU library's is taken away for it): the drop adds nothing to
+    the graph (no WhereBackward)."""
+    from nnkloss.losses import base
+    real_lists = base._lists_kernel
     def graph_ops(t):
         seen, todo = set(), [t.grad_fn]
         while todo:
@@ -699,8 +715,8 @@ def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(redu
         g = torch.Generator().manual_seed(21)
         emb = torch.randn(7, 8, generator=g).requires_grad_(True)
         idx = torch.randint(0, 40, (7,), generator=g)
-        monkeypatch.setattr(cpu, "count_mismatched",
-                            real_count if checks else (lambda *a: None))
+        monkeypatch.setattr(base, "_lists_kernel",
+                            real_lists if checks else (lambda device: None))
         with nnkloss.value_checks(checks):
             loss = fn(emb, bank.centre_labels[idx].clone(), idx)
         ops = graph_ops(loss)

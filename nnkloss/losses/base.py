@@ -29,12 +29,14 @@ row without entries loss 0, no gradient and leaves it out of the mean (the contr
 nothing to the autograd graph (on a GPU four launches fewer a step than a ``where`` over the
 losses and an ``and`` over the counted rows, and none in backward).
 
-On CUDA tensors in eager mode the batch's lists, the own-index exclusion, the drop and its
-count are one launch (``kernels/batch_lists.py``, :meth:`BankLoss._lists_in_one_launch`)
-instead of seven. There an ``idx`` outside the bank raises IndexError with the checks on (the
-same host sync) and, with them off, is dropped and counted like a misaligned row (on CPU
-tensors it always raises; in a traced CUDA call torch's gather stops the CUDA context with a
-device-side assert).
+In eager mode the batch's lists, the own-index exclusion, the drop and its count are one
+call (:meth:`BankLoss._lists_in_one_call`): on CUDA tensors one launch
+(``kernels/batch_lists.py``) instead of seven, on CPU tensors one call of the compiled library
+(``nnkloss.ops.cpu.batch_lists``, the same contract) instead of two. On CUDA an ``idx``
+outside the bank raises IndexError with the checks on (the same host sync) and, with them off,
+is dropped and counted like a misaligned row; on CPU tensors it always raises (reading the
+counts there is no sync); in a traced CUDA call torch's gather stops the CUDA context with a
+device-side assert.
 """
 from __future__ import annotations
 
@@ -54,8 +56,14 @@ __all__ = ["BankLoss", "BankLossStats"]
 
 
 def _lists_kernel(device: torch.device):
-    """The launcher of ``kernels/batch_lists.py`` where it runs for tensors on ``device``: CUDA,
-    with the Triton kernels installed; None elsewhere."""
+    """The one-call lists of a batch for tensors on ``device`` (``(lists, counts) =
+    launch(table, idx, labels, bank_labels, exclude_self)``): on CUDA the launcher of
+    ``kernels/batch_lists.py`` (the Triton kernels installed), on the CPU the compiled library's
+    :func:`nnkloss.ops.cpu.batch_lists` (None from it leaves the batch to torch's ops); None
+    elsewhere."""
+    if device.type == "cpu":
+        from ..ops import cpu
+        return cpu.batch_lists
     if device.type != "cuda":
         return None
     from ..ops.backends import fused_pass
@@ -175,9 +183,9 @@ class BankLoss(nn.Module, abc.ABC):
         check_batch(emb, labels, idx)
         idx = as_index(idx)
         labels = as_index(labels).to(emb.device)  # compared with the bank's int32 / int64
-        one_launch = self._lists_in_one_launch(labels, idx)
-        if one_launch is not None:
-            neighbours, num_mismatched = one_launch
+        one_call = self._lists_in_one_call(labels, idx)
+        if one_call is not None:
+            neighbours, num_mismatched = one_call
         else:
             neighbours = self.bank.neighbours_for(idx, self.exclude_self)
             mismatched = self._mismatched(labels, idx)
@@ -194,21 +202,23 @@ class BankLoss(nn.Module, abc.ABC):
         self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted, num_mismatched)
         return loss
 
-    def _lists_in_one_launch(self, labels: Tensor, idx: Tensor
-                             ) -> Optional[Tuple[Tensor, Tensor]]:
-        """``(lists, num_mismatched)`` of the batch from one launch of the Triton kernel
-        ``kernels/batch_lists.py`` on CUDA tensors (not traced, no dispatch mode); None
-        elsewhere, where :meth:`CentreBank.neighbours_for` and :meth:`_mismatched` do the same
-        work (on a GPU in seven torch launches, each a few microseconds of host time in a
-        step the host bounds; on a CPU in two passes of the compiled library).
+    def _lists_in_one_call(self, labels: Tensor, idx: Tensor
+                           ) -> Optional[Tuple[Tensor, Tensor]]:
+        """``(lists, num_mismatched)`` of the batch from one call (:func:`_lists_kernel`: the
+        Triton kernel ``kernels/batch_lists.py`` on CUDA tensors, the compiled library on CPU
+        tensors; not traced, no dispatch mode); None elsewhere, where
+        :meth:`CentreBank.neighbours_for` and :meth:`_mismatched` do the same work (on a GPU in
+        seven torch launches, each a few microseconds of host time in a step the host bounds).
 
-        The kernel gathers the bank rows' lists, excludes each row's own index, empties the
+        The call gathers the bank rows' lists, excludes each row's own index, empties the
         lists of misaligned rows and counts them. It also empties and counts rows whose idx is
-        outside the bank, reading nothing for them: with value checks on, the counts are read
-        (the checks' one host sync) and such a batch raises IndexError naming ``idx``, as a
-        misaligned one raises ValueError; with them off nothing is read and those rows are
-        dropped like misaligned ones (counted in ``num_mismatched``), where torch's gather
-        would stop the CUDA context with a device-side assert."""
+        outside the bank, reading nothing for them. The counts are read with value checks on
+        (on a GPU the checks' one host sync) and always on a CPU (no sync there): a misaligned
+        batch raises ValueError naming ``idx`` and ``labels`` (checks on), an idx outside the
+        bank IndexError naming ``idx`` (on a GPU with the checks on; on a CPU always, as
+        :meth:`CentreBank.neighbours_for` raises). On a GPU with them off nothing is read and
+        such rows are dropped like misaligned ones (counted in ``num_mismatched``), where
+        torch's gather would stop the CUDA context with a device-side assert."""
         bank = self.bank
         table = bank.neighbours
         launch = _lists_kernel(table.device)
@@ -217,12 +227,18 @@ class BankLoss(nn.Module, abc.ABC):
             return None
         bank.require_neighbours()
         idx = idx.to(table.device)
-        lists, counts = launch(table, idx, labels, bank.centre_labels, self.exclude_self)
-        if value_checks_enabled():
-            dropped, outside = counts.tolist()  # the checks' one host sync
+        out = launch(table, idx, labels, bank.centre_labels, self.exclude_self)
+        if out is None:  # the CPU library unavailable, or tensors it does not take
+            return None
+        lists, counts = out
+        checks = value_checks_enabled()
+        # The CPU library's counts are host memory: read always (no sync); the GPU's with the
+        # checks on (their one host sync).
+        if checks or getattr(launch, "host_counts", False):
+            dropped, outside = counts.tolist()
             if outside:
                 bank.check_rows(idx)
-            if dropped:
+            if dropped and checks:
                 own = bank.centre_labels[idx]
                 _raise_misaligned(labels, idx, own, own != labels)
         return lists, counts[0]
@@ -232,20 +248,11 @@ class BankLoss(nn.Module, abc.ABC):
         was read and no row disagrees (forward then fills no lists). Raises with value checks
         on (one host sync on GPU; idx is in range: neighbours_for checked it on the CPU, and a
         CUDA gather with a bad index fails by itself). Read with the checks on, not while
-        compiling; with them off forward reads nothing on a GPU, while on CPU tensors the
-        compiled library's count (no sync there) still tells whether any row is to be
-        dropped."""
+        compiling; with them off nothing is read. The route of calls the one-call lists do not
+        take (:meth:`_lists_in_one_call`: traced, a dispatch mode, emb and bank on different
+        devices, the CPU library unavailable)."""
         bank_labels = self.bank.centre_labels
         checks = value_checks_enabled() and not compiling()
-        if labels.is_cpu and plain_eager(bank_labels, idx, labels):
-            # CPU tensors, the compiled library loaded: one pass, no (B,) mask when all agree.
-            # With the checks off too: on a CPU the count is a read without a sync, and it
-            # spares the torch ops that would drop nothing (gather, compare, then the drop; as a
-            # where and an and over the rows, ~0.1 ms of a call, they had made the module
-            # slower with the checks off than on).
-            from ..ops.cpu import count_mismatched
-            if count_mismatched(bank_labels, idx, labels) == 0:
-                return None
         own = bank_labels[idx.to(bank_labels.device)].to(labels.device)
         mismatched = own != labels
         if not checks:

@@ -56,9 +56,9 @@ from ..atomic import atomic_write
 from ..threads import ThreadGovernor
 from . import reference
 
-__all__ = ["available", "forward", "centre_grad", "scale_rows", "rel_sqdist", "gather_lists",
-           "value_flags", "counted_mean", "count_mismatched",
-           "gather_read", "build_info", "library_path", "knn_selection", "gemm_nt"]
+__all__ = ["available", "forward", "centre_grad", "scale_rows", "rel_sqdist", "batch_lists",
+           "gather_lists", "value_flags", "counted_mean", "gather_read", "build_info",
+           "library_path", "knn_selection", "gemm_nt"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cpp")
 # -fno-trapping-math: the kernel never reads the floating-point exception flags, and without it
@@ -299,12 +299,10 @@ def _declare(lib):
     lib.nnk_entry_grads.restype = I
     lib.nnk_rel_sqdist.argtypes = [I, I, P, P, I64, P, P, I64, I64, I64, P, I]
     lib.nnk_rel_sqdist.restype = I
-    lib.nnk_gather_lists.argtypes = [P, I, I64, I64, P, I, I64, I, P]
-    lib.nnk_gather_lists.restype = I
+    lib.nnk_batch_lists.argtypes = [P, I, I64, I64, P, I, P, I, P, I, I64, I, P, P]
+    lib.nnk_batch_lists.restype = I64
     lib.nnk_counted_mean.argtypes = [I, P, P, I64, P, P]
     lib.nnk_counted_mean.restype = I
-    lib.nnk_count_mismatched.argtypes = [P, I, I64, P, I, P, I, I64]
-    lib.nnk_count_mismatched.restype = I64
     lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
     lib.nnk_has_same_label.restype = I
     lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P, P]
@@ -823,25 +821,84 @@ def rel_sqdist(x, centres, idx, ref, cdt):
     return out
 
 
+def batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
+    """``(lists, counts)`` of a batch in one call (``nnk_batch_lists``): the CPU twin of
+    ``kernels/batch_lists.py``, with its contract (see there). ``lists`` (B, K) in the table's
+    dtype: ``table[idx[b]]``, each row's own index -1 when ``exclude_self``, all -1 for a
+    dropped row (its label not ``centre_labels[idx[b]]``, or its idx outside [0, N)); ``counts``
+    (2,) int64: rows dropped, and those of them outside the bank. ``table`` (N, K) int32/int64,
+    ``idx``, ``labels`` (B,) and ``centre_labels`` (N,) of any integer dtype, all CPU tensors;
+    ``labels`` None: no label comparison (``counts[0]`` counts the rows outside the bank).
+    None where this is not done here: the library unavailable, other dtypes or devices.
+
+    One call where there were two (the lists, then the labels' count) on a bank loss's every
+    CPU call, with the GPU's contract, so both devices take one route (losses/base.BankLoss).
+    Its time is the table's rows read on cold caches, not the calls: a module's call was not
+    measurably faster for it (2-core Intel Xeon, 2026-11-28)."""
+    out = _batch_lists(table, idx, labels, centre_labels, exclude_self)
+    return None if out is None else out[:2]
+
+
+def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
+    """:func:`batch_lists`'s ``(lists, counts)`` and the rows dropped as an int (the library's
+    answer: no read of ``counts``), or None."""
+    lib = _lib()
+    if (lib is None or table.device.type != "cpu" or table.dtype not in _INDEX_TYPES
+            or table.dim() != 2 or idx.dim() != 1
+            or any(t is not None and (t.device.type != "cpu" or t.is_floating_point()
+                                      or t.is_complex() or t.dtype == torch.bool)
+                   for t in (idx, labels, centre_labels))):
+        return None
+    N, K = table.shape
+    B = idx.shape[0]
+    if labels is not None and (labels.shape != (B,) or centre_labels.shape != (N,)):
+        return None
+    table = table.contiguous()
+    idx = _index_arg(idx)
+    out = torch.empty(B, K, dtype=table.dtype)
+    counts = torch.empty(2, dtype=torch.int64)
+    if labels is None:
+        lab = cl = None
+    else:
+        lab, cl = _index_arg(labels), _index_arg(centre_labels)
+    dropped = lib.nnk_batch_lists(
+        table.data_ptr(), _INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
+        _INDEX_TYPES[idx.dtype], _ptr(lab), _INDEX_TYPES.get(_dtype(lab), 0), _ptr(cl),
+        _INDEX_TYPES.get(_dtype(cl), 0), B, int(bool(exclude_self)), out.data_ptr(),
+        counts.data_ptr())
+    return out, counts, dropped
+
+
+# Its counts are host memory: a bank loss reads them on every call (no sync), where those of
+# the GPU's launcher are read only with the value checks on (losses/base.BankLoss).
+batch_lists.host_counts = True
+
+
+def _index_arg(t):
+    """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
+    if t.dtype not in _INDEX_TYPES:
+        t = t.long()
+    return t.contiguous()
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
+
+
 def gather_lists(table, idx, exclude_self: bool):
     """The bank's lists of rows ``idx``: ``table[idx]`` (B, K) with each row's own index
-    replaced by -1 when ``exclude_self``, in one pass (one call instead of torch's gather,
-    compare and fill: 4 against 55 us at B 1024, K 32, measured 2026-11-24). ``table`` (N, K)
-    and ``idx`` (B,) are CPU int32/int64 tensors, ``table`` contiguous. None where this is not
-    done here: the library unavailable, other dtypes or devices, or an idx outside [0, N) (the
-    caller's own check reports it)."""
-    lib = _lib()
-    if (lib is None or table.device.type != "cpu" or idx.device.type != "cpu"
-            or table.dtype not in _INDEX_TYPES or idx.dtype not in _INDEX_TYPES
+    replaced by -1 when ``exclude_self``, in one pass (:func:`batch_lists` without labels; one
+    call instead of torch's gather, compare and fill: 4 against 55 us at B 1024, K 32,
+    measured 2026-11-24). ``table`` (N, K) and ``idx`` (B,) are CPU int32/int64 tensors,
+    ``table`` contiguous. None where this is not done here: the library unavailable, other
+    dtypes or devices, or an idx outside [0, N) (the caller's own check reports it)."""
+    if (table.dtype not in _INDEX_TYPES or idx.dtype not in _INDEX_TYPES
             or not table.is_contiguous()):
         return None
-    idx = idx.contiguous()
-    N, K = table.shape
-    out = torch.empty(idx.shape[0], K, dtype=table.dtype)
-    rc = lib.nnk_gather_lists(table.data_ptr(), _INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
-                              _INDEX_TYPES[idx.dtype], idx.shape[0], int(bool(exclude_self)),
-                              out.data_ptr())
-    return out if rc == 0 else None
+    out = _batch_lists(table, idx, None, None, exclude_self)
+    if out is None or out[2]:  # without labels, the rows dropped are those outside the bank
+        return None
+    return out[0]
 
 
 def gather_read(bank, neighbours, nthreads: Optional[int] = None) -> Optional[int]:
@@ -910,26 +967,6 @@ def counted_mean(per_row, counted):
     if rc != 0:
         raise RuntimeError(f"nnk_counted_mean failed (code {rc})")
     return mean, divisor
-
-
-def count_mismatched(centre_labels, idx, labels):
-    """How many rows b have ``centre_labels[idx[b]] != labels[b]``, in one pass
-    (``nnk_count_mismatched``); None where this does not apply: the library not loaded yet (never
-    built here), non-CPU, non-contiguous or non-int32/int64 tensors, lengths that differ, or an
-    idx outside the bank (the caller's own path reports it)."""
-    lib = _state["lib"]
-    if (lib is None or not (centre_labels.is_cpu and idx.is_cpu and labels.is_cpu)
-            or centre_labels.dtype not in _INDEX_TYPES or idx.dtype not in _INDEX_TYPES
-            or labels.dtype not in _INDEX_TYPES or centre_labels.dim() != 1
-            or idx.dim() != 1 or labels.shape != idx.shape
-            or not (centre_labels.is_contiguous() and idx.is_contiguous()
-                    and labels.is_contiguous())):
-        return None
-    n = lib.nnk_count_mismatched(
-        centre_labels.data_ptr(), _INDEX_TYPES[centre_labels.dtype], centre_labels.shape[0],
-        idx.data_ptr(), _INDEX_TYPES[idx.dtype], labels.data_ptr(), _INDEX_TYPES[labels.dtype],
-        idx.shape[0])
-    return None if n < 0 else int(n)
 
 
 def gathered_rows_finite(centres, neighbours):

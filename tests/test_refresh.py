@@ -675,6 +675,25 @@ def test_refresher_checks_search_options_at_construction(backend, options, exc, 
         nnkloss.Refresher(bank, model, loader, k=4, search_backend=backend, knn_options=options)
 
 
+@pytest.mark.parametrize("backend, options, match", [
+    ("auto", {"approximate": "hnsw", "nprobe": 4},
+     r"^knn_options\['nprobe'\]=4 is an option of approximate='ivf' only; approximate='hnsw'"),
+    ("auto", {"approximate": "ivf", "ef_search": 64},
+     r"^knn_options\['ef_search'\]=64 is an option of approximate='hnsw' only"),
+    ("torch", {"nlist": 16}, r"^knn_options\['nlist'\]=16 is an option of approximate='ivf' "
+                             r"only; the exact search"),
+    ("auto", {"hnsw_m": 16}, r"^knn_options\['hnsw_m'\]=16 is an option of approximate='hnsw'"),
+    ("auto", {"approximate": "ivf", "nprobe": 0}, r"^knn_options\['nprobe'\] must be a positive"),
+    ("auto", {"approximate": "hnsw", "hnsw_m": 1}, r"^knn_options\['hnsw_m'\] must be >= 2")])
+def test_refresher_refuses_index_options_at_construction(backend, options, match):
+    """An index option the chosen index does not use was accepted and ignored by every
+    refresh; a bad value of one it uses failed only at the first refresh, after the whole set
+    had been embedded. The constructor refuses both, naming the knn_options entry."""
+    bank, model, loader = _refresh_setup()
+    with pytest.raises(ValueError, match=match):
+        nnkloss.Refresher(bank, model, loader, k=4, search_backend=backend, knn_options=options)
+
+
 def test_refresher_limits_and_device_argument():
     """k = N - 1 is allowed, k = N is refused with the count of other centres; a non-iterable
     loader is named; device= is accepted; no stats before the first refresh (kills refresh

@@ -328,6 +328,41 @@ def test_approximate_index_parameters_are_checked(kind, name, bad):
         recall_against_exact(base, base, 5, approximate=kind, sample=4, **{name: bad})
 
 
+@pytest.mark.parametrize("kind, name, value", [
+    ("hnsw", "nprobe", 3), ("hnsw", "nlist", 4), ("hnsw", "train_size", 50), ("hnsw", "seed", 1),
+    ("ivf", "ef_search", 100), ("ivf", "hnsw_m", 8), ("ivf", "ef_construction", 40),
+    (None, "nprobe", 3), (None, "nlist", 4), (None, "seed", 0), (None, "ef_search", 16),
+    (None, "hnsw_m", 32)])
+def test_index_options_of_another_index_are_refused(kind, name, value):
+    """An IVF option given for HNSW or the exact search, or an HNSW one for IVF or the exact
+    search, was ignored without a word (nprobe tuned nothing). Refused before faiss is asked
+    for, naming the option and the index that does not use it."""
+    base = torch.randn(60, 4, generator=torch.Generator().manual_seed(0))
+    used = "the exact search" if kind is None else f"approximate='{kind}'"
+    match = rf"^{name}={value!r} is an option of approximate='(ivf|hnsw)' only; {used}"
+    with pytest.raises(ValueError, match=match):
+        knn(base, base, 5, approximate=kind, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        K.neighbour_lists(base, torch.arange(60) % 3, 5, approximate=kind, **{name: value})
+    if kind is not None and name != "seed":  # recall's seed also picks its sample
+        with pytest.raises(ValueError, match=match):
+            recall_against_exact(base, base, 5, approximate=kind, sample=4, **{name: value})
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss missing")
+def test_index_options_of_the_chosen_index_are_used():
+    """Options of the index asked for still pass (defaults None: the documented values)."""
+    base = torch.randn(400, 4, generator=torch.Generator().manual_seed(0))
+    for kind, opts in (("ivf", dict(nlist=4, nprobe=4, train_size=200, seed=3)),
+                       ("hnsw", dict(hnsw_m=8, ef_construction=40, ef_search=50))):
+        dist, idx = knn(base, base, 5, approximate=kind, exclude_self=True, **opts)
+        assert idx.shape == (400, 5) and bool((idx >= 0).all())
+        assert recall_against_exact(base, base, 5, approximate=kind, sample=50, **opts) > 0.5
+    index = FS.build_approximate(base, "hnsw", None, None, None, None, None, 5, None, None)
+    assert index.hnsw.efConstruction == 64 and index.hnsw.efSearch == 64
+    assert index.hnsw.nb_neighbors(1) == 32  # hnsw_m's default
+
+
 def test_auto_backend_choice(monkeypatch):
     """"auto" is the torch search on every device, whatever faiss offers."""
     monkeypatch.setattr(FS, "faiss_gpu_usable", lambda index=0: True)

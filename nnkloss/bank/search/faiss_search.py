@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import warnings
 from typing import Iterator, Optional, Tuple
 
@@ -20,7 +21,7 @@ from ...validation import require_positive_int
 
 __all__ = ["faiss_available", "faiss_gpu_usable", "require_faiss", "use_faiss_gpu",
            "build_flat", "build_approximate", "search_index", "iter_search_index",
-           "FAISS_GPU_MAX_K"]
+           "check_index_options", "INDEX_OPTIONS", "FAISS_GPU_MAX_K"]
 
 # faiss GPU indexes select at most this many neighbours per query (GPU_MAX_SELECTION_K).
 FAISS_GPU_MAX_K = 2048
@@ -47,6 +48,43 @@ def require_faiss():
                           "package: `pip install faiss-cpu` (or a faiss GPU build), or use "
                           "search_backend='torch'")
     return faiss
+
+
+# The index options of each approximate kind; none applies to another kind or to the exact
+# search, where they would be ignored without a word (an nprobe given with approximate="hnsw"
+# tunes nothing). seed seeds the IVF training sample and k-means only.
+INDEX_OPTIONS = {"ivf": ("nlist", "nprobe", "train_size", "seed"),
+                 "hnsw": ("hnsw_m", "ef_construction", "ef_search")}
+
+
+def check_index_options(approximate: Optional[str], options: dict, arg: str = "{}") -> None:
+    """Refuse the index options in ``options`` (name -> value, None = not given) that the index
+    ``approximate`` (None: exact search, "ivf", "hnsw") does not use, and bad values of those it
+    does, with a ValueError naming the option. ``arg`` spells an option's name as the caller
+    passed it (``"knn_options[{!r}]"`` for the Refresher's dict)."""
+    for kind, names in INDEX_OPTIONS.items():
+        if kind == approximate:
+            continue
+        for name in names:
+            if options.get(name) is not None:
+                used = ("the exact search (approximate=None)" if approximate is None
+                        else f"approximate={approximate!r}")
+                raise ValueError(f"{arg.format(name)}={options[name]!r} is an option of "
+                                 f"approximate={kind!r} only; {used} does not use it")
+    # Checked here, not left to faiss: nprobe 0 fails in faiss's search with a message that
+    # names no argument, and hnsw_m 0 / 1 / negative aborts, crashes or hangs the process.
+    for name in INDEX_OPTIONS.get(approximate, ()):
+        v = options.get(name)
+        if v is not None and name != "seed":
+            require_positive_int(arg.format(name), v)
+    hnsw_m = options.get("hnsw_m")
+    if approximate == "hnsw" and hnsw_m is not None and hnsw_m < 2:
+        raise ValueError(f"{arg.format('hnsw_m')} must be >= 2 (links per node of faiss's HNSW "
+                         f"graph), got {hnsw_m}")
+    seed = options.get("seed")
+    if approximate == "ivf" and seed is not None and (isinstance(seed, bool)
+                                                      or not isinstance(seed, numbers.Integral)):
+        raise ValueError(f"{arg.format('seed')} must be an int, got {seed!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,21 +166,19 @@ def _default_nlist(n: int) -> int:
 
 
 def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Optional[int],
-                      hnsw_m: int, ef_construction: int, ef_search: Optional[int], k: int,
-                      train_size: Optional[int], seed: int):
-    """An ``IndexIVFFlat`` (kind "ivf") or ``IndexHNSWFlat`` (kind "hnsw") holding ``base``."""
+                      hnsw_m: Optional[int], ef_construction: Optional[int],
+                      ef_search: Optional[int], k: int, train_size: Optional[int],
+                      seed: Optional[int]):
+    """An ``IndexIVFFlat`` (kind "ivf") or ``IndexHNSWFlat`` (kind "hnsw") holding ``base``.
+
+    Options of the other kind must be None (ValueError naming them); None picks the default
+    (hnsw_m 32, ef_construction 64, seed 0, the rest as :func:`~.knn.knn` says)."""
     faiss = require_faiss()
     n, d = base.shape
-    # Checked here, not left to faiss: nprobe 0 fails in faiss's search with a message that
-    # names no argument, and hnsw_m 0 / 1 / negative aborts, crashes or hangs the process.
-    for name, v in (("nlist", nlist), ("nprobe", nprobe), ("train_size", train_size),
-                    ("ef_search", ef_search), ("ef_construction", ef_construction),
-                    ("hnsw_m", hnsw_m)):
-        if v is not None:
-            require_positive_int(name, v)
-    if hnsw_m is not None and hnsw_m < 2:
-        raise ValueError(f"hnsw_m must be >= 2 (links per node of faiss's HNSW graph), "
-                         f"got {hnsw_m}")
+    check_index_options(kind, {"nlist": nlist, "nprobe": nprobe, "train_size": train_size,
+                               "seed": seed, "hnsw_m": hnsw_m,
+                               "ef_construction": ef_construction, "ef_search": ef_search})
+    seed = 0 if seed is None else int(seed)
     if kind == "ivf":
         nlist = _default_nlist(n) if nlist is None else int(nlist)
         if not 1 <= nlist <= n:
@@ -164,8 +200,8 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
             index = faiss.index_cpu_to_gpu(_gpu_resources(dev), dev, index)
         return index
     # HNSW: CPU only in faiss.
-    index = faiss.IndexHNSWFlat(d, int(hnsw_m), faiss.METRIC_L2)
-    index.hnsw.efConstruction = int(ef_construction)
+    index = faiss.IndexHNSWFlat(d, 32 if hnsw_m is None else int(hnsw_m), faiss.METRIC_L2)
+    index.hnsw.efConstruction = 64 if ef_construction is None else int(ef_construction)
     _add_in_chunks(index, base)
     index.hnsw.efSearch = max(int(ef_search) if ef_search is not None else 64, 2 * k + 2)
     return index

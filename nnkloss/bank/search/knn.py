@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from .exclusion import drop_self
-from .faiss_search import (build_approximate, build_flat, iter_search_index, require_faiss,
-                           search_index)
+from .faiss_search import (build_approximate, build_flat, check_index_options,
+                           iter_search_index, require_faiss, search_index)
 from .torch_search import decoded_into, iter_knn_torch, same_tensor
 from .validation import APPROXIMATE, check_search_backend, validate
 
@@ -93,9 +93,9 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
 def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         exclude_self: bool = False, approximate: Optional[str] = None, *,
         tile_bytes: Optional[int] = None, nlist: Optional[int] = None,
-        nprobe: Optional[int] = None, hnsw_m: int = 32, ef_construction: int = 64,
-        ef_search: Optional[int] = None, train_size: Optional[int] = None, seed: int = 0
-        ) -> SearchResult:
+        nprobe: Optional[int] = None, hnsw_m: Optional[int] = None,
+        ef_construction: Optional[int] = None, ef_search: Optional[int] = None,
+        train_size: Optional[int] = None, seed: Optional[int] = None) -> SearchResult:
     """The ``k`` nearest base rows of every query row, by squared Euclidean distance.
 
     Args:
@@ -120,9 +120,12 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         nlist, nprobe, train_size: IVF lists (default ~4 sqrt(N), >= 39 points per list),
             lists probed per query (default max(8, nlist/8)), training sample (default
             256 nlist) -- more probes: higher recall, slower.
-        hnsw_m, ef_construction, ef_search: HNSW graph degree (32), build beam (64), search
-            beam (default 64, raised to at least 2k + 2).
-        seed: seed of the IVF training sample and k-means.
+        hnsw_m, ef_construction, ef_search: HNSW graph degree (default 32), build beam
+            (default 64), search beam (default 64, raised to at least 2k + 2).
+        seed: seed of the IVF training sample and k-means (default 0).
+        An index option left None takes its default; one given (not None) for an index
+        that does not use it (an IVF option with "hnsw" or the exact search, an HNSW one
+        with "ivf" or the exact search) is a ValueError naming it.
 
     Returns:
         :class:`SearchResult` ``(distances, neighbours)`` (a NamedTuple, the order of
@@ -137,7 +140,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         ValueError: k < 1 or k larger than the number of candidates (message names ``k``);
             empty base; NaN/inf in ``queries`` or ``base`` (message names which), or a row of
             norm above 2**62 (its fp32 distances would overflow); dimension or
-            device mismatch; exclude_self with Q != N; unknown search_backend/approximate.
+            device mismatch; exclude_self with Q != N; unknown search_backend/approximate; an
+            index option the chosen index does not use, or a non-positive one.
         TypeError: non-tensor or non-float inputs, non-int k.
         ImportError: search_backend="faiss" or an approximate index without faiss installed.
 
@@ -148,6 +152,9 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     if approximate not in APPROXIMATE:
         raise ValueError(f"approximate must be one of {APPROXIMATE}, got {approximate!r}")
     check_search_backend(search_backend)
+    options = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "seed": seed,
+               "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search}
+    check_index_options(approximate, options)
     if approximate is not None:
         k = validate(queries, base, k, exclude_self)
         if search_backend not in ("auto", "faiss"):

@@ -6,7 +6,8 @@ from torch import Tensor
 
 from ...validation import require_positive_int
 from .exclusion import drop_self
-from .faiss_search import build_approximate, require_faiss, search_index
+from .faiss_search import (build_approximate, check_index_options, require_faiss,
+                           search_index)
 from .knn import knn
 from .validation import validate
 
@@ -38,6 +39,8 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     if unknown:
         raise TypeError(f"recall_against_exact got unknown parameters {sorted(unknown)}; "
                         f"accepted: {sorted(_RECALL_PARAMS)}")
+    # before any work: an option of the other index kind would be ignored
+    check_index_options(approximate, params)
     k = validate(queries, base, k, exclude_self)
     require_faiss()
     q = queries.shape[0]
@@ -47,9 +50,12 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     rows = torch.randperm(q, generator=g)[:min(int(sample), q)].sort().values.to(queries.device)
     sub = queries[rows]
     kk = k + int(exclude_self)
+    # seed also picks the sample above, so it is given for either kind; only IVF's index
+    # uses it (build_approximate refuses an option of the other kind)
     index = build_approximate(base, approximate, params.get("nlist"), params.get("nprobe"),
-                              params.get("hnsw_m", 32), params.get("ef_construction", 64),
-                              params.get("ef_search"), k, params.get("train_size"), seed)
+                              params.get("hnsw_m"), params.get("ef_construction"),
+                              params.get("ef_search"), k, params.get("train_size"),
+                              seed if approximate == "ivf" else None)
     a_d, a_i = search_index(index, sub, min(kk, base.shape[0]))
     # Exact: the sampled rows against the whole base, own row dropped the same way.
     e_d, e_i = knn(sub, base, kk, exact_search_backend, tile_bytes=params.get("tile_bytes"))

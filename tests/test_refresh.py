@@ -694,6 +694,21 @@ def test_refresher_refuses_index_options_at_construction(backend, options, match
         nnkloss.Refresher(bank, model, loader, k=4, search_backend=backend, knn_options=options)
 
 
+@pytest.mark.parametrize("backend, options, match", [
+    ("faiss", {}, r"^search_backend='faiss' needs the faiss package"),
+    ("auto", {"approximate": "ivf"}, r"^knn_options\['approximate'\]='ivf' needs the faiss "),
+    ("faiss", {"approximate": "hnsw"}, r"^search_backend='faiss' needs the faiss package")])
+def test_refresher_reports_a_missing_faiss_at_construction(monkeypatch, backend, options, match):
+    """Without faiss, Refresher(search_backend="faiss") or an approximate knn option was
+    accepted and failed at the first refresh, after embedding the whole training set."""
+    import nnkloss.bank.search.faiss_search as FS
+    monkeypatch.setattr(FS, "_faiss_module", lambda: None)
+    bank, model, loader = _refresh_setup()
+    with pytest.raises(ImportError, match=match + r".*pip install faiss-cpu"):
+        nnkloss.Refresher(bank, model, loader, k=4, search_backend=backend, knn_options=options)
+    nnkloss.Refresher(bank, model, loader, k=4, search_backend="torch")  # no faiss needed
+
+
 def test_refresher_limits_and_device_argument():
     """k = N - 1 is allowed, k = N is refused with the count of other centres; a non-iterable
     loader is named; device= is accepted; no stats before the first refresh (kills refresh

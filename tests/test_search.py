@@ -244,6 +244,34 @@ def test_missing_faiss(monkeypatch):
     check_result(base, base, 2, dist, idx)
 
 
+def test_missing_faiss_is_reported_by_the_call_naming_the_argument(monkeypatch):
+    """Without faiss, search_backend="faiss" or an approximate index is refused where it is
+    asked for: iter_knn returned a generator that failed only at its first next(), the
+    classifier's constructor and evaluate accepted "faiss" and failed only at their search,
+    and knn checked (a pass over) the inputs before saying that faiss was missing."""
+    from nnkloss.bank.search.validation import check_search_backend
+    monkeypatch.setattr(FS, "_faiss_module", lambda: None)
+    base = torch.randn(10, 3)
+    install = r"needs the faiss package.*`pip install faiss-cpu`"
+    with pytest.raises(ImportError, match=r"^search_backend='faiss' " + install):
+        iter_knn(base, base, 2, "faiss")  # the call itself, no next()
+    with pytest.raises(ImportError, match=r"^search_backend='faiss' " + install):
+        check_search_backend("faiss")
+    assert check_search_backend("torch") == "torch"
+    with pytest.raises(ImportError, match=r"^search_backend='faiss' " + install):
+        nnkloss.NeighbourKernelClassifier(nnkloss.CentreBank(base, torch.arange(10) % 2), 2,
+                                          1.0, search_backend="faiss")
+    with pytest.raises(ImportError, match=r"^search_backend='faiss' " + install):
+        nnkloss.evaluation.metrics.evaluate(base, torch.arange(10) % 2, (1,), search_backend="faiss")
+    bad = base.clone()
+    bad[3, 1] = math.nan  # the missing package is reported first, not the inputs
+    for kind in ("ivf", "hnsw"):
+        with pytest.raises(ImportError, match=rf"^approximate='{kind}' " + install):
+            knn(bad, bad, 2, approximate=kind)
+        with pytest.raises(ImportError, match=rf"^approximate='{kind}' " + install):
+            recall_against_exact(bad, bad, 2, approximate=kind)
+
+
 def test_gpu_probe_failure_warns_once_and_falls_back(monkeypatch):
     """A faiss GPU build that cannot run on the device (e.g. no sm_90 code) -> one warning."""
     class BrokenIndex:

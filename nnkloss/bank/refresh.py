@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .centre_bank import CentreBank
 from ..validation import all_finite, as_index, require_int, require_positive_int, require_sigma
 from .search import APPROXIMATE, NeighbourLists, knn, neighbour_lists
-from .search.faiss_search import check_index_options
+from .search.faiss_search import check_index_options, require_faiss
 from .search.validation import check_search_backend
 from .. import distributed as _dist
 from ..inference import inference_model
@@ -246,8 +246,9 @@ _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
 
 
 def _check_search_options(search_backend, knn_options: dict) -> None:
-    # At construction: a misspelt backend or option would otherwise surface only at the first
-    # refresh, after the whole set has been embedded (in async mode, from the background thread).
+    # At construction: a misspelt backend or option, or a missing faiss, would otherwise
+    # surface only at the first refresh, after the whole set has been embedded (in async
+    # mode, from the background thread).
     check_search_backend(search_backend)
     unknown = set(knn_options) - _KNN_OPTIONS
     if unknown:
@@ -260,6 +261,8 @@ def _check_search_options(search_backend, knn_options: dict) -> None:
     if approximate is not None and search_backend not in ("auto", "faiss"):
         raise ValueError(f"knn_options['approximate']={approximate!r} uses faiss indexes; "
                          f"search_backend must be 'auto' or 'faiss', got {search_backend!r}")
+    if approximate is not None:
+        require_faiss(f"knn_options['approximate']={approximate!r}")
     # an option of another index kind (nprobe with "hnsw", ef_search with the exact search)
     # would be ignored by every refresh; a bad value would fail only at the first one
     check_index_options(approximate, knn_options, "knn_options[{!r}]")
@@ -277,8 +280,9 @@ class Refresher:
         k: neighbour-list length (<= N - 1).
         search_backend: "auto", "torch" or "faiss"; ``knn_options`` (e.g.
             ``{"approximate": "ivf"}``) go to :func:`nnkloss.bank.search.knn`. Checked here,
-            not at the first refresh: an unknown backend or option, and an index option the
-            chosen index does not use (``nprobe`` with "hnsw" or the exact search).
+            not at the first refresh: an unknown backend or option, an index option the
+            chosen index does not use (``nprobe`` with "hnsw" or the exact search), and
+            "faiss" or an approximate index without faiss installed (ImportError).
         ensure_positive: give rows without a same-label neighbour their nearest same-label
             centre (see :func:`nnkloss.bank.search.neighbour_lists`).
         device: where the model runs (default: the device of its first parameter/buffer, else

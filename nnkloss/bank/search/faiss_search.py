@@ -41,12 +41,14 @@ def faiss_available() -> bool:
     return _faiss_module() is not None
 
 
-def require_faiss():
+def require_faiss(asked: str = "search_backend='faiss' (and approximate search)"):
+    """The faiss module, or ImportError saying that ``asked`` (the argument that wants faiss,
+    as the caller spelt it, e.g. ``"approximate='ivf'"``) needs it and how to install it."""
     faiss = _faiss_module()
     if faiss is None:
-        raise ImportError("search_backend='faiss' (and approximate search) needs the faiss "
-                          "package: `pip install faiss-cpu` (or a faiss GPU build), or use "
-                          "search_backend='torch'")
+        raise ImportError(f"{asked} needs the faiss package, which is not installed (or does "
+                          f"not import): `pip install faiss-cpu` (or a faiss GPU build), or use "
+                          f"search_backend='torch' without an approximate index")
     return faiss
 
 
@@ -173,7 +175,7 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
 
     Options of the other kind must be None (ValueError naming them); None picks the default
     (hnsw_m 32, ef_construction 64, seed 0, the rest as :func:`~.knn.knn` says)."""
-    faiss = require_faiss()
+    faiss = require_faiss(f"approximate={kind!r}")
     n, d = base.shape
     check_index_options(kind, {"nlist": nlist, "nprobe": nprobe, "train_size": train_size,
                                "seed": seed, "hnsw_m": hnsw_m,

@@ -54,8 +54,11 @@ def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto"
     Memory: one block's working set (the tile budget), never the whole (Q, k) result; a
     self-search's symmetric path (below) holds every row's selection state, within that
     budget."""
+    # Not a generator itself: bad arguments (and a missing faiss) are reported by the call,
+    # not by the first next() (evaluate's caller would otherwise see them only mid-loop).
+    check_search_backend(search_backend)
     k = validate(queries, base, k, exclude_self)
-    yield from _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
+    return _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
 
 
 def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
@@ -143,7 +146,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
             device mismatch; exclude_self with Q != N; unknown search_backend/approximate; an
             index option the chosen index does not use, or a non-positive one.
         TypeError: non-tensor or non-float inputs, non-int k.
-        ImportError: search_backend="faiss" or an approximate index without faiss installed.
+        ImportError: search_backend="faiss" or an approximate index without faiss installed
+            (before any work on the inputs).
 
     Empty queries (Q = 0) give empty (0, k) results (after k has been checked against N).
     Memory: the torch search never forms a Q x N matrix (blocks of the budget above); faiss
@@ -151,16 +155,17 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     """
     if approximate not in APPROXIMATE:
         raise ValueError(f"approximate must be one of {APPROXIMATE}, got {approximate!r}")
-    check_search_backend(search_backend)
+    check_search_backend(search_backend)  # a missing faiss for "faiss" too
     options = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "seed": seed,
                "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search}
     check_index_options(approximate, options)
     if approximate is not None:
-        k = validate(queries, base, k, exclude_self)
         if search_backend not in ("auto", "faiss"):
             raise ValueError(f"approximate={approximate!r} uses faiss indexes; search_backend "
                              f"must be 'auto' or 'faiss', got {search_backend!r}")
-        require_faiss()
+        # before validate's passes over the inputs: the missing package is the first thing
+        require_faiss(f"approximate={approximate!r}")
+        k = validate(queries, base, k, exclude_self)
         dev = queries.device
         if queries.shape[0] == 0:
             return SearchResult(torch.empty(0, k, dtype=torch.float32, device=dev),

@@ -41,8 +41,8 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
                         f"accepted: {sorted(_RECALL_PARAMS)}")
     # before any work: an option of the other index kind would be ignored
     check_index_options(approximate, params)
+    require_faiss(f"approximate={approximate!r}")
     k = validate(queries, base, k, exclude_self)
-    require_faiss()
     q = queries.shape[0]
     if q == 0:
         raise ValueError("queries is empty: there is nothing to measure recall on")

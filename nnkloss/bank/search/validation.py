@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ...validation import FLOAT_DTYPES, require_float
+from .faiss_search import require_faiss
 
 __all__ = ["SEARCH_BACKENDS", "APPROXIMATE", "check_search_backend", "check_k", "check_finite",
            "validate"]
@@ -18,9 +19,14 @@ APPROXIMATE = (None, "ivf", "hnsw")
 
 
 def check_search_backend(search_backend) -> str:
+    """``search_backend`` if it names a backend that can run here: "faiss" without the faiss
+    package is an ImportError now, at the entry point or constructor that took it, not at
+    the first search (a Refresher's after the whole set has been embedded)."""
     if search_backend not in SEARCH_BACKENDS:
         raise ValueError(f"search_backend must be one of {SEARCH_BACKENDS}, "
                          f"got {search_backend!r}")
+    if search_backend == "faiss":
+        require_faiss("search_backend='faiss'")
     return search_backend
 
 

@@ -1596,6 +1596,53 @@ def test_symmetric_selection_rejects_bad_tiles():
 
 
 @kernel
+def test_selection_refuses_tiles_it_would_read_or_write_past():
+    """KnnSelection.add passed dist's pointer, its row stride and col0 to the library
+    unchecked: a tile of more rows than the state (or an add before reset, on uninitialised
+    counts) wrote keys past the state's buffers (a segfault, hence the fresh process), an
+    fp16 tile was read past its end, a strided or transposed one read as the wrong values,
+    and a col0 out of range failed as 'code 2' naming nothing."""
+    code = ("import torch\nfrom nnkloss.ops import cpu\nsel = cpu.knn_selection(4, 3, 8)\n"
+            "sel.reset(4)\ntry:\n    sel.add(torch.rand(5000, 40), 0)\n"
+            "except ValueError as e:\n    print(e)\n")
+    run = _in_fresh_process(code, {})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "dist has 5000 rows but the selection was reset to 4 rows" in run.stdout
+    sel = cpu.knn_selection(4, 3, 8)
+    d = torch.rand(4, 40, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^dist has 4 rows but the selection was reset to 0"):
+        sel.add(d, 0)  # no reset yet
+    with pytest.raises(ValueError, match=r"^rows must be in \[0, 4\]"):
+        sel.reset(5)
+    sel.reset(4)
+    for bad in (d.half(), d.double(), torch.rand(4, 80)[:, ::2], torch.rand(40, 4).t(),
+                d.to("meta")):
+        with pytest.raises(ValueError, match=r"^dist must be an fp32 CPU tile with unit column"):
+            sel.add(bad, 0)
+    with pytest.raises(ValueError, match=r"^dist must be a 2-D"):
+        sel.add(d[0], 0)
+    with pytest.raises(ValueError, match=r"^dist has 2 rows"):
+        sel.add(d[:2], 0)
+    with pytest.raises(ValueError, match=r"^col0 must be >= 0, got -3"):
+        sel.add(d, -3)
+    with pytest.raises(ValueError, match=r"^col0 must be in \[0, 2\*\*32 - 40\]"):
+        sel.add(d, 2**32 - 39)  # the last index would not fit a key's 32 bits
+    with pytest.raises(TypeError, match=r"^col0 must be an int"):
+        sel.add(d, 1.0)
+    sel.add(d[:, :20], 0)
+    with pytest.raises(ValueError, match=r"^col0 must be in \[20, "):
+        sel.add(d[:, 20:], 10)  # overlaps the columns already folded in
+    sel.add(d[:, 20:], 20)  # a column slice (row stride 40 > 20 columns) is read in place
+    dist, idx = sel.finish()
+    want = d.topk(3, largest=False)
+    assert torch.equal(idx, want.indices) and torch.equal(dist, want.values)
+    sel.reset(4)  # a reset starts the column order again
+    sel.add(d, 0)
+    with pytest.raises(ValueError, match=r"^row0 must be >= 0"):
+        sel.add_symmetric(torch.zeros(2, 2), -2, 2)  # was an offset before the state
+
+
+@kernel
 @pytest.mark.parametrize("k", [4, 1])
 def test_finish_drops_the_own_index_as_drop_self_does(k):
     """KnnSelection.finish(self0=...) drops each row's own index in the decode
@@ -1891,6 +1938,30 @@ def test_list_overlap_leaves_what_it_does_not_take_to_the_torch_form():
     assert cpu.list_overlap(new, old[:1], 4) is None  # different row counts
     assert cpu.list_overlap(new.t().contiguous().t(), old, 4) is None
     assert cpu.list_overlap(new.float(), old, 4) is None
+
+
+@kernel
+def test_list_overlap_refuses_a_bitmap_size_it_cannot_make():
+    """num_rows sizes the library's bitmap: a negative one became a size_t of about 2**64
+    (std::length_error through the C interface: the process aborted, hence the fresh
+    process), one too large to allocate threw std::bad_alloc the same way."""
+    code = ("import torch\nfrom nnkloss.ops import cpu\n"
+            "new, old = torch.tensor([[0, 1]]), torch.tensor([[1, -1]])\n"
+            "for m in (-1000, 2**62):\n    try:\n        cpu.list_overlap(new, old, m)\n"
+            "    except (ValueError, MemoryError) as e:\n        print(type(e).__name__, e)\n")
+    run = _in_fresh_process(code, {})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ValueError num_rows must be >= 0, got -1000" in run.stdout
+    assert "MemoryError list_overlap: no memory for a bitmap of num_rows=4611686018427387904" \
+        in run.stdout
+    new, old = torch.tensor([[0, 1]]), torch.tensor([[1, -1]])
+    with pytest.raises(ValueError, match=r"^num_rows must be >= 0, got -1$"):
+        cpu.list_overlap(new, old, -1)
+    with pytest.raises(TypeError, match=r"^num_rows must be an int"):
+        cpu.list_overlap(new, old, 2.0)
+    shared, listed = cpu.list_overlap(new[:, :0], old[:, 1:], 0)  # num_rows 0, padding only
+    assert shared.tolist() == [0] and listed.tolist() == [0]
+    assert cpu.list_overlap(new, old, 0) is None  # entries outside [-1, 0): the torch form
 
 
 @kernel

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import numbers
 import os
 import platform
 import shutil
@@ -1025,7 +1026,13 @@ def list_overlap(new, old, num_rows: int):
     new entry counted each time) and how many are not padding, by the compiled library (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists
     index, O(K) a row); None where this is not done here: the library unavailable, non-CPU,
     non-contiguous or non-int32/int64 tensors, lists of different row counts, or an entry
-    outside [-1, num_rows)."""
+    outside [-1, num_rows).
+
+    ``num_rows`` must be an int >= 0 (TypeError / ValueError naming it): the library sizes its
+    bitmap by it, and a negative count became a size_t of 2**64 - n, which aborted the process
+    (std::length_error through the C interface); a bitmap too large to allocate is a
+    MemoryError naming it."""
+    num_rows = _index_arg("num_rows", num_rows)
     if (not (new.is_cpu and old.is_cpu) or new.dtype not in _INDEX_TYPES
             or old.dtype not in _INDEX_TYPES or new.dim() != 2 or old.dim() != 2
             or new.shape[0] != old.shape[0]
@@ -1038,7 +1045,10 @@ def list_overlap(new, old, num_rows: int):
     out = torch.empty(2, rows, dtype=torch.int64)
     rc = lib.nnk_list_overlap(new.data_ptr(), _INDEX_TYPES[new.dtype], new.shape[1],
                               old.data_ptr(), _INDEX_TYPES[old.dtype], old.shape[1], rows,
-                              int(num_rows), out[0].data_ptr(), out[1].data_ptr())
+                              num_rows, out[0].data_ptr(), out[1].data_ptr())
+    if rc == 4:
+        raise MemoryError(f"list_overlap: no memory for a bitmap of num_rows={num_rows} rows "
+                          f"({(num_rows + 7) // 8} bytes)")
     return (out[0], out[1]) if rc == 0 else None
 
 
@@ -1067,15 +1077,39 @@ class KnnSelection:
         self.keys = torch.empty(rows, self.cap, dtype=torch.int64)
         self.count = torch.empty(rows, dtype=torch.int64)
         self.worst = torch.empty(rows, dtype=torch.int64)
+        # No row is live before reset(): the buffers above are uninitialised, and an add()
+        # on them would write keys at the garbage counts' offsets.
+        self.rows = 0
+        self._col_end = 0
 
     def reset(self, rows: int) -> None:
-        self.rows = int(rows)
+        """Start a selection of ``rows`` query rows (at most the rows allocated)."""
+        rows = _index_arg("rows", rows)
+        if not 0 <= rows <= self.keys.shape[0]:
+            raise ValueError(f"rows must be in [0, {self.keys.shape[0]}] (the rows the state "
+                             f"was allocated for), got {rows}")
+        self.rows = rows
+        self._col_end = 0
         self.count[:rows].zero_()
         self.worst[:rows].fill_(-1)  # UINT64_MAX: nothing kept yet
 
     def add(self, dist, col0: int) -> None:
-        """Fold a contiguous (rows, cols) fp32 CPU tile of distances to base rows col0.. in."""
+        """Fold a (rows, cols) fp32 CPU tile of distances to base rows col0.. in: ``rows`` the
+        rows of the last :meth:`reset`, unit column stride (row stride >= cols), tiles in
+        ascending, non-overlapping column order, col0 + cols <= 2**32 (a key's index)."""
+        # The library writes each tile row's keys into the state's row of that number and
+        # reads rows * row stride floats from dist's pointer: a tile of more rows than the
+        # state, of another dtype or device, or with strided columns would write past the
+        # state's buffers or read past (or around) the tile's.
+        _check_tile(dist, self.rows)
         rows, cols = dist.shape
+        col0 = _index_arg("col0", col0)
+        if col0 < self._col_end or col0 + cols > 1 << 32:
+            # earlier columns would break the prefilter's ascending-index rule (and repeat
+            # keys); indices past 2**32 do not fit a key's low half
+            raise ValueError(f"col0 must be in [{self._col_end}, 2**32 - {cols}] (after the "
+                             f"previous tile's columns; a key holds a 32-bit index), got {col0}")
+        self._col_end = col0 + cols
         rc = _run("knn_select", rows * cols, lambda n: self.lib.nnk_knn_select(
             dist.data_ptr(), rows, cols, dist.stride(0), int(col0), self.k, self.cap,
             self.keys.data_ptr(), self.count.data_ptr(), self.worst.data_ptr(), n))
@@ -1088,9 +1122,9 @@ class KnnSelection:
         point set into the rows' selections and, unless it is a diagonal tile (row0 == col0,
         rows == cols), into the columns' (``nnk_knn_select_sym``): the caller passes tiles so
         that every point's candidates arrive in ascending index order."""
+        _check_tile(dist)
         rows, cols = dist.shape
-        if dist.dtype != torch.float32 or dist.device.type != "cpu" or dist.stride(1) != 1:
-            raise ValueError("dist must be an fp32 CPU tile with unit column stride")
+        row0, col0 = _index_arg("row0", row0), _index_arg("col0", col0)
         if max(row0 + rows, col0 + cols) > self.rows:
             raise ValueError(f"tile rows {row0}..{row0 + rows} / columns {col0}..{col0 + cols} "
                              f"exceed the {self.rows} points of the state")
@@ -1153,6 +1187,34 @@ class KnnSelection:
         if rc != 0:
             raise RuntimeError(f"nnk_knn_unkey failed (code {rc})")
         return dist, idx
+
+
+def _index_arg(name: str, v) -> int:
+    """``v`` as an int >= 0, or TypeError / ValueError naming ``name``: it becomes a pointer
+    offset in the library."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return int(v)
+
+
+def _check_tile(dist, rows: Optional[int] = None) -> None:
+    """A distance tile the selection's library may read through its pointer: a 2-D fp32 CPU
+    tensor with unit column stride and a row stride of at least its columns (the library
+    reads row r at r * stride(0)), of ``rows`` rows where given."""
+    if not isinstance(dist, torch.Tensor):
+        raise TypeError(f"dist must be a tensor, got {type(dist).__name__}")
+    if dist.dim() != 2:
+        raise ValueError(f"dist must be a 2-D (rows, cols) tile, got shape {tuple(dist.shape)}")
+    r, c = dist.shape
+    if (dist.dtype != torch.float32 or dist.device.type != "cpu"
+            or (c > 1 and dist.stride(1) != 1) or (r > 1 and dist.stride(0) < c)):
+        raise ValueError(f"dist must be an fp32 CPU tile with unit column stride and a row "
+                         f"stride >= its columns, got {dist.dtype} on {dist.device}, strides "
+                         f"{tuple(dist.stride())}")
+    if rows is not None and r != rows:
+        raise ValueError(f"dist has {r} rows but the selection was reset to {rows} rows")
 
 
 def sort_rows(a) -> None:

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -1705,10 +1706,18 @@ int has_same_label_impl(const void* nbrs, int nb64, int64_t N, int64_t K, const 
 // statistic's denominator, in the same read). Per row, the old entries' bits are set in a
 // bitmap of M bits (M: the rows the lists index), the new entries tested, the bits cleared:
 // O(K) a row, where torch's form sorts every old list and binary-searches every new entry
-// (2.2 s at N 20,000, K 1000, one thread, 2026-11-27). 3 when an entry is outside [-1, M).
+// (2.2 s at N 20,000, K 1000, one thread, 2026-11-27). 3 when an entry is outside [-1, M),
+// 2 when M < 0, 4 when the bitmap cannot be allocated: an exception must not cross the C
+// interface (it would terminate the process; a negative M had cast to a huge size_t).
 int list_overlap_impl(const void* nw, int nw64, int64_t kn, const void* old, int old64,
                       int64_t ko, int64_t rows, int64_t M, int64_t* out, int64_t* valid) {
-    std::vector<uint64_t> bits((size_t)((M + 63) / 64), 0);
+    if (M < 0) return 2;
+    std::vector<uint64_t> bits;
+    try {
+        bits.assign((size_t)(M / 64 + 1), 0);
+    } catch (const std::exception&) {
+        return 4;
+    }
     uint64_t* const b = bits.data();
     for (int64_t i = 0; i < rows; ++i) {
         for (int64_t k = 0; k < ko; ++k) {

@@ -36,6 +36,12 @@ from .neighbour_kernel import (_aligned_row_offsets, _gather_rows, _tl_dtype, cd
 REL_SQDIST_TILE = 2048
 # Widest D chunk of a tile; wider rows are accumulated chunk by chunk.
 REL_SQDIST_MAX_BLOCK_D = 256
+# CUDA's grid limits: at most 2**31 - 1 programs along axis 0 and 65535 along axes 1 and 2.
+# The grid is (Q, list tiles): at D >= 256 a tile holds 8 entries, so a list longer than
+# 65535 * 8 = 524,280 entries would need more tiles than axis 1 allows and the launch would
+# fail; such a result is computed by several launches (rel_sqdist_launches).
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_Y = 65535
 
 
 @triton.jit
@@ -81,6 +87,23 @@ def rel_sqdist_config(K: int, D: int):
     return block_k, block_d
 
 
+def rel_sqdist_launches(Q: int, K: int, D: int):
+    """The launches of a (Q, K) result at width D: a list of ``(q0, q1, k0, k1, grid)``, each
+    computing rows [q0, q1) x list entries [k0, k1) with ``grid`` = (q1 - q0, list tiles)
+    within CUDA's limits (MAX_GRID_X, MAX_GRID_Y). One launch of grid (Q, cdiv(K, block_k))
+    unless Q or the tiles exceed them; every launch has the block sizes of the whole
+    (``rel_sqdist_config(K, D)``: one compiled kernel)."""
+    block_k, _ = rel_sqdist_config(K, D)
+    rows, cols = MAX_GRID_X, MAX_GRID_Y * block_k
+    out = []
+    for q0 in range(0, Q, rows):
+        q1 = min(Q, q0 + rows)
+        for k0 in range(0, K, cols):
+            k1 = min(K, k0 + cols)
+            out.append((q0, q1, k0, k1, (q1 - q0, cdiv(k1 - k0, block_k))))
+    return out
+
+
 def rel_sqdist(x: torch.Tensor, centres: torch.Tensor, idx: torch.Tensor, ref: torch.Tensor,
                cdt: torch.dtype) -> torch.Tensor:
     """(Q, K) ``||x_q - c_i||^2 - ||x_q - c_r||^2`` for i = idx[q, :], r = ref[q], in ``cdt``.
@@ -101,11 +124,15 @@ def rel_sqdist(x: torch.Tensor, centres: torch.Tensor, idx: torch.Tensor, ref: t
     if out.numel() == 0:
         return out
     block_k, block_d = rel_sqdist_config(K, D)
-    _rel_sqdist_kernel[(Q, cdiv(K, block_k))](
-        x, centres, idx, ref, out,
-        K, D,
-        x.stride(0), centres.stride(0), idx.stride(0), out.stride(0),
-        COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, BLOCK_D=block_d,
-        ROW_ALIGN=row_align(D, centres), X_ALIGN=row_align(D, x),
-    )
+    for q0, q1, k0, k1, grid in rel_sqdist_launches(Q, K, D):
+        # a part of the result: its rows' queries, references, lists and outputs, sliced (the
+        # row strides stay those of the whole; x's alignment is that of its first row here)
+        xs, ids, outs = x[q0:q1], idx[q0:q1, k0:k1], out[q0:q1, k0:k1]
+        _rel_sqdist_kernel[grid](
+            xs, centres, ids, ref[q0:q1], outs,
+            k1 - k0, D,
+            xs.stride(0), centres.stride(0), ids.stride(0), outs.stride(0),
+            COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, BLOCK_D=block_d,
+            ROW_ALIGN=row_align(D, centres), X_ALIGN=row_align(D, xs),
+        )
     return out

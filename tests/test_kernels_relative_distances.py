@@ -91,3 +91,76 @@ def test_config_tiles_hold_at_most_the_tile(K, D):
     assert bk & (bk - 1) == 0 and bd & (bd - 1) == 0
     assert bk * bd <= max(REL_SQDIST_TILE, bd) and bd <= 256
     assert bk <= max(1, 1 << (K - 1).bit_length())
+
+
+class _RecordingKernel:
+    """Stands in for _rel_sqdist_kernel: records each launch's grid and part of the result
+    (K, the lists' first entry) instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(x, centres, idx, ref, out, K, D, *strides, **meta):
+            self.launches.append((grid, x.shape[0], K, int(idx[0, 0]) if idx.numel() else None,
+                                  out.data_ptr(), meta["BLOCK_K"]))
+        return launch
+
+
+@pytest.mark.parametrize("K,D", [(524_281, 256), (524_281, 300), (2_000_000, 64),
+                                 (524_280, 256), (10, 256)])
+def test_grids_stay_within_cuda_limits(monkeypatch, K, D):
+    """The grid was (Q, cdiv(K, block_k)): at D >= 256 (tiles of 8 entries) a list longer than
+    524,280 entries asked for more than CUDA's 65535 programs along axis 1, and the launch
+    failed. Longer lists are now split into launches each within the limits (x: 2**31 - 1,
+    y / z: 65535) that together cover every entry once, with one block size."""
+    from nnkloss.kernels import relative_distances as rd
+    rec = _RecordingKernel()
+    monkeypatch.setattr(rd, "_rel_sqdist_kernel", rec)
+    Q = 2
+    x, centres = torch.zeros(Q, D), torch.zeros(3, D)
+    idx = torch.arange(K).repeat(Q, 1)  # entry j of a list is j: where each part starts
+    out = rd.rel_sqdist(x, centres, idx, idx[:, 0], torch.float32)
+    assert out.shape == (Q, K)
+    bk = rd.rel_sqdist_config(K, D)[0]
+    covered = 0
+    for grid, rows, k, first, ptr, block_k in rec.launches:
+        assert grid[0] == rows <= 2**31 - 1 and 1 <= grid[1] <= 65535 and len(grid) == 2
+        assert grid[1] == -(-k // bk) and block_k == bk
+        assert ptr == out[0, first].data_ptr()  # the part's output columns start at its lists'
+        covered += k
+    assert covered == K
+    assert len(rec.launches) == -(-K // (65535 * bk))
+    plan = rd.rel_sqdist_launches(Q, K, D)
+    assert [(k1 - k0, g) for _, _, k0, k1, g in plan] == [(k, g) for g, _, k, *_ in rec.launches]
+
+
+def test_query_rows_past_the_x_limit_are_split():
+    """Axis 0 (the query rows) holds 2**31 - 1 programs: more rows than that (not reachable
+    in memory today, checked on the host) are split too."""
+    from nnkloss.kernels import relative_distances as rd
+    plan = rd.rel_sqdist_launches(2**31 + 5, 3, 16)
+    assert [(q0, q1, k0, k1) for q0, q1, k0, k1, _ in plan] == [
+        (0, 2**31 - 1, 0, 3), (2**31 - 1, 2**31 + 5, 0, 3)]
+    assert all(g[0] <= 2**31 - 1 and g[1] <= 65535 for *_, g in plan)
+    assert rd.rel_sqdist_launches(0, 5, 4) == [] and rd.rel_sqdist_launches(4, 0, 4) == []
+
+
+def test_split_launches_compute_the_same_result(monkeypatch):
+    """The interpreter runs the parts: limits lowered so that a small result takes several
+    launches along both axes (rows and list tiles), each on its slices of x, ref, the lists
+    and the output; the result equals fp64 as one launch does."""
+    from nnkloss.kernels import relative_distances as rd
+    g = torch.Generator().manual_seed(8)
+    centres = torch.randn(40, 300, generator=g)
+    x = torch.randn(5, 300, generator=g)
+    idx = torch.randint(0, 40, (5, 37), generator=g)
+    ref = torch.randint(0, 40, (5,), generator=g)
+    whole = rd.rel_sqdist(x, centres, idx, ref, torch.float64)
+    monkeypatch.setattr(rd, "MAX_GRID_X", 2)
+    monkeypatch.setattr(rd, "MAX_GRID_Y", 2)
+    plan = rd.rel_sqdist_launches(5, 37, 300)
+    assert len(plan) == 3 * 3  # rows 2 + 2 + 1, entries 16 + 16 + 5 (tiles of 8)
+    split = rd.rel_sqdist(x, centres, idx, ref, torch.float64)
+    torch.testing.assert_close(split, rel_sqdist_fp64(x, centres, idx, ref), rtol=0, atol=1e-10)
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)

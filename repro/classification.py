@@ -109,7 +109,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0,
                    help="also log validation accuracy/loss every N epochs (0: at the end)")
     p.add_argument("--seed", type=int, default=0, help="training seed and split seed")
-    p.add_argument("--restart", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--restart", action="store_true",
+                   help="train afresh: remove the runs' old checkpoints first")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.epochs < 1:

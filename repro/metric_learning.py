@@ -104,7 +104,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also evaluate the test classes every N epochs (0: at the end only)")
     p.add_argument("--embedding-plot", default="tsne", choices=("tsne", "pca", "none"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--restart", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--restart", action="store_true",
+                   help="train afresh: remove the runs' old checkpoints first")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.epochs is None:

@@ -42,3 +42,20 @@ def test_check_resume_names_a_settings_record_it_cannot_read(tmp_path):
             check_resume(str(tmp_path), {"sigma": 1.0}, restart=False)
     (tmp_path / "settings.json").write_text('{"sigma": 1.0}')
     check_resume(str(tmp_path), {"sigma": 1.0}, restart=False)  # the same settings: resumed
+
+
+def test_restart_removes_the_old_checkpoint_before_recording_the_new_settings(tmp_path):
+    """--restart wrote the new run's settings and left the old checkpoint until the new run's
+    first epoch replaced it: a new run stopped before then, and a later invocation without
+    --restart found the new settings beside the OLD checkpoint and resumed it as the new run.
+    Now the old checkpoint is gone before the new settings are recorded."""
+    import json
+    from nnkloss.experiment.setup import check_resume
+    (tmp_path / "checkpoint.pt").write_bytes(b"the old run")
+    (tmp_path / "settings.json").write_text('{"sigma": 1.0}')
+    check_resume(str(tmp_path), {"sigma": 2.0}, restart=True)  # the new run stops here
+    assert not (tmp_path / "checkpoint.pt").exists()
+    assert json.loads((tmp_path / "settings.json").read_text()) == {"sigma": 2.0}
+    check_resume(str(tmp_path), {"sigma": 2.0}, restart=False)  # nothing of the old to resume
+    assert not (tmp_path / "checkpoint.pt").exists()
+    check_resume(str(tmp_path), {"sigma": 3.0}, restart=True)  # none to remove: no error

@@ -124,6 +124,34 @@ def test_metric_learning_and_classification_resume_only_their_own_settings(trees
     assert cl.main(argv + ["--workers", "0", "--eval-every", "1"])["runs"]["softmax"]
 
 
+def test_a_restart_stopped_before_its_first_epoch_does_not_leave_the_old_run_to_resume(
+        trees, tmp_path, monkeypatch):
+    """metric_learning --restart with other settings, stopped before its first epoch ended:
+    the next invocation (same settings, no --restart) resumed the OLD run's checkpoint as the
+    new run (the new settings.json stood beside it). Now it starts afresh."""
+    from nnkloss.experiment.train import Trainer
+    ml = load_script("metric_learning")
+    out = tmp_path / "ml"
+    argv = ["--dataset", "cub", "--data-root", trees["cub"], "--out", str(out), "--dim", "16",
+            "--image-size", "32", "--embedding-plot", "none"] + TINY
+    ml.main(argv)
+    fit = Trainer.fit
+
+    def stopped(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "fit", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        ml.main(argv + ["--sigma", "3", "--restart"])
+    monkeypatch.setattr(Trainer, "fit", fit)
+
+    def resumed(self, *a, **k):
+        raise AssertionError("the old run's checkpoint was resumed as the new run")
+
+    monkeypatch.setattr(Trainer, "load_checkpoint", resumed)
+    assert ml.main(argv + ["--sigma", "3"])["runs"][0]["sigma"] == 3.0
+
+
 def test_scripts_refuse_epochs_below_one(tmp_path, capsys):
     """Before, digits.py --epochs 0 (or -1) reported untrained networks as its results, and
     metric_learning.py / classification.py failed after building everything (IndexError)."""

@@ -79,12 +79,13 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
     """Refuse to resume a checkpoint in ``run_dir`` trained with other settings than these
     (SystemExit naming them: its results would be reported under the new ones), then record
     ``settings`` in ``run_dir/settings.json`` (rank 0). A checkpoint without a record (made
-    before records were kept) is resumed."""
+    before records were kept) is resumed. With ``restart`` the old run's checkpoint is removed
+    first (rank 0), before the new settings are recorded."""
     from .reporting import write_json
 
     path = os.path.join(run_dir, "settings.json")
-    if not restart and os.path.isfile(os.path.join(run_dir, "checkpoint.pt")) \
-            and os.path.isfile(path):
+    checkpoint = os.path.join(run_dir, "checkpoint.pt")
+    if not restart and os.path.isfile(checkpoint) and os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
                 old = json.load(f)
@@ -102,6 +103,17 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
                              + "): pass --restart to train it afresh, or another --out")
     if nkd.is_main_process():
         os.makedirs(run_dir, exist_ok=True)
+        if restart:
+            # Left for the new run's first checkpoint to replace, the old one outlived a new
+            # run stopped before its first epoch ended: a later invocation without --restart
+            # found the new settings beside it and resumed the OLD run as the new one. Removed
+            # before the settings are written (an unlink is atomic; atomic_write's directory
+            # fsync below makes both durable in this order), so no moment shows the new
+            # settings beside the old checkpoint.
+            try:
+                os.remove(checkpoint)
+            except FileNotFoundError:
+                pass
         write_json(path, settings)
 
 

@@ -137,7 +137,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # the kernel loss
     p.add_argument("--nngk-sigma", default="0.2",
                    help="kernel width, or 'auto': choose_sigma over --nngk-sigma-grid by the "
-                        "loss on held-out training images before training")
+                        "untrained network's loss on a fixed 10%% of the training images "
+                        "(also trained on afterwards; never the evaluation images)")
     p.add_argument("--nngk-sigma-grid", type=float, nargs="+",
                    default=[0.05, 0.1, 0.2, 0.3, 0.5, 1.0])
     p.add_argument("--nngk-learn-sigma", action="store_true", help="learn sigma")
@@ -589,8 +590,10 @@ def _curve_fn(args, plain_train, eval_loader, cfg, device):
 
 
 def choose_sigma_for(model, criterion, refresher, data, args, device):
-    """sigma by the loss on held-out training images (never the evaluation set), before
-    training: nnkloss.experiment.choose_sigma over --nngk-sigma-grid."""
+    """sigma by the untrained network's loss on a fixed 10% of the training images (never the
+    evaluation set), before training: nnkloss.experiment.choose_sigma over --nngk-sigma-grid.
+    The sample is not held out: those images are trained on afterwards like the rest (the
+    published runs chose their sigma this way; the choice is made before any training)."""
     try:
         from nnkloss.experiment import choose_sigma
     except ImportError:
@@ -598,7 +601,8 @@ def choose_sigma_for(model, criterion, refresher, data, args, device):
                          "(the NNGK options of issue 20)") from None
     tx, ty = data["train_x"], data["train_y"]
     refresher.refresh()  # the untrained network's bank: what the first steps train against
-    # A fixed 10% of the training images (seed 0) as the held-out sample.
+    # A fixed 10% of the training images (seed 0) as the sample, not held out: the training
+    # loader still holds them (the choice is made before training, by the untrained network).
     _, held = stratified_split(ty.numpy(), (0.9, 0.1), seed=0)
     held = torch.from_numpy(held)
     loader = DataLoader(_Rows(IndexedTensorDataset(tx, ty), held), batch_size=512)

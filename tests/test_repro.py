@@ -548,3 +548,20 @@ def test_fashion_mnist_nngk_options_reach_the_trainer(idx_tree, tmp_path):
     assert run["metrics"]["final_sigma"] != pytest.approx(float(search["chosen"]), rel=1e-6)
     log = json.load(open(out / "runs" / "nngk-all-s0" / "log.json"))
     assert log[0]["neighbours_rebuilds"] == hist["neighbours_rebuilds"]
+
+
+def test_fashion_mnist_sigma_sample_is_not_called_held_out(capsys):
+    """choose_sigma_for's docstring and --nngk-sigma's help called its 10% sample of the
+    training images "held-out", but those images are trained on afterwards (the choice is
+    made before training). The wording now says so; the procedure is unchanged."""
+    fm = load_script("fashion_mnist")
+    with pytest.raises(SystemExit):
+        fm.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    doc = " ".join(fm.choose_sigma_for.__doc__.split())
+    for text in (help_text, doc):
+        sigma_part = text[text.index("choose_sigma"):][:400]
+        assert "held-out" not in sigma_part and "held out" not in sigma_part.replace(
+            "not held out", "")
+    assert "also trained on afterwards" in help_text
+    assert "trained on afterwards" in doc and "not held out" in doc

@@ -1,5 +1,6 @@
 """Dataset loaders on tiny trees fabricated in the official layouts."""
 import gzip
+import re
 import os
 import struct
 
@@ -538,3 +539,51 @@ def test_the_package_docstring_lists_every_loader():
     assert {"CUB200", "IDXDataset", "FashionMNIST", "MNIST", "KMNIST"} <= set(loaders)
     missing = [n for n in loaders if n not in experiment.__doc__]
     assert not missing, f"not in nnkloss.experiment's docstring: {missing}"
+
+
+def test_index_entries_that_leave_the_dataset_folder_are_refused(trees, tmp_path):
+    """Image paths come from index files on disk: an absolute path, or one with '..'
+    components, was joined to the root and read a file outside the dataset (os.path.join
+    drops the root before an absolute path). Now refused, naming the file, line and entry."""
+    import scipy.io
+    outside = str(tmp_path / "outside.jpg")
+    cub = _copy(trees["cub"], str(tmp_path / "CUB_200_2011"))
+    images = os.path.join(cub, "images.txt")
+    lines = open(images).read().splitlines()
+    for entry in ("../../outside.jpg", outside, "001.Bird_1/../../../outside.jpg",
+                  "..\\..\\outside.jpg"):
+        with open(images, "w") as f:
+            f.write("\n".join(lines[:2] + [f"3 {entry}"] + lines[3:]) + "\n")
+        with pytest.raises(DatasetFormatError, match=r"images.txt, line 3: image path "
+                                                     + re.escape(repr(entry))):
+            CUB200(cub, "train", check_files=False)
+
+    cars = _copy(trees["cars"], str(tmp_path / "cars"))
+    for entry in ("../outside.jpg", outside):
+        mat = scipy.io.loadmat(os.path.join(trees["cars"], "cars_annos.mat"))
+        mat["annotations"][0, 2]["relative_im_path"] = np.array([entry])
+        scipy.io.savemat(os.path.join(cars, "cars_annos.mat"),
+                         {k: v for k, v in mat.items() if not k.startswith("__")})
+        with pytest.raises(DatasetFormatError, match=r"cars_annos.mat: annotation 2 "
+                                                     r"\(relative_im_path\): image path "
+                                                     + re.escape(repr(entry))):
+            Cars196(cars, "train", check_files=False)
+
+    leaf = _copy(trees["leafsnap"], str(tmp_path / "leaf"))
+    index = os.path.join(leaf, "leafsnap-dataset-images.txt")
+    lines = open(index).read().splitlines()
+    for entry in ("dataset/../../outside.jpg", outside):
+        row = lines[2].split("\t")
+        row[1] = entry
+        with open(index, "w") as f:
+            f.write("\n".join(lines[:2] + ["\t".join(row)] + lines[3:]) + "\n")
+        with pytest.raises(DatasetFormatError, match=r"leafsnap-dataset-images.txt, line 3 "
+                                                     r"\(image_path\): image path "
+                                                     + re.escape(repr(entry))):
+            Leafsnap(leaf, "train", check_files=False)
+    # names that merely contain dots stay allowed
+    with open(index, "w") as f:
+        row = lines[2].split("\t")
+        row[1] = row[1].replace(".jpg", "..jpg")
+        f.write("\n".join(lines[:2] + ["\t".join(row)] + lines[3:]) + "\n")
+    Leafsnap(leaf, "train", check_files=False)

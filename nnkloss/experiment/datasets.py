@@ -11,7 +11,9 @@ Every dataset here is a :class:`torch.utils.data.Dataset` whose items are
 
 Images are read with PIL on access (nothing is cached or downloaded). Index files are read and
 checked when the dataset is built; a missing or malformed file raises
-:class:`FileNotFoundError` / :class:`DatasetFormatError` naming the file (and line).
+:class:`FileNotFoundError` / :class:`DatasetFormatError` naming the file (and line). An image
+path an index file lists must stay inside the dataset folder: an absolute one or one with a
+``..`` component is a :class:`DatasetFormatError` naming the file, line and entry.
 
 Protocols (the ``protocol`` argument):
 
@@ -126,6 +128,27 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _inside_root(entry: str, where: str) -> str:
+    """``entry``, an image path read from an index file, if it stays inside the folder it is
+    joined to; else DatasetFormatError naming ``where`` (the file and line, or annotation) and
+    the entry. Index files come from disk and are not trusted: an absolute path (which
+    os.path.join takes over the root) or a ``..`` component read a file outside the dataset.
+    Both separators are checked, so a Windows-style entry is refused on any system. (A link
+    inside the tree that points out of it is the tree's owner's doing, not an entry's.)"""
+    if not entry:
+        raise DatasetFormatError(f"{where}: empty image path")
+    if "\0" in entry:
+        raise DatasetFormatError(f"{where}: image path {entry!r} holds a NUL byte")
+    parts = entry.replace("\\", "/").split("/")
+    if os.path.isabs(entry) or entry[:1] in ("/", "\\") or (entry[:1].isalpha() and entry[1:2] == ":"):
+        raise DatasetFormatError(f"{where}: image path {entry!r} is absolute; entries must be "
+                                 f"relative to the dataset folder")
+    if ".." in parts:
+        raise DatasetFormatError(f"{where}: image path {entry!r} has a '..' component; entries "
+                                 f"must stay inside the dataset folder")
+    return entry
+
+
 def _remap(raw: Sequence, universe: Sequence) -> Tuple[np.ndarray, List]:
     """Labels as 0..C-1 in the order of ``universe`` (sorted official ids/names)."""
     order = list(universe)
@@ -143,8 +166,11 @@ def _text_lines(f, path: str):
         raise DatasetFormatError(f"{path}: not {f.encoding} text ({e})") from None
 
 
-def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable]) -> List[tuple]:
-    """Whitespace-separated lines with exactly ``ncols`` fields, converted with ``types``."""
+def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable],
+                path_cols: Sequence[int] = ()) -> List[tuple]:
+    """Whitespace-separated lines with exactly ``ncols`` fields, converted with ``types``;
+    the fields at ``path_cols`` are image paths, checked to stay inside the dataset folder
+    (:func:`_inside_root`, naming the line)."""
     _require_file(path, what)
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -155,6 +181,8 @@ def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable]) -> 
             if len(fields) != ncols:
                 raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
                                          f"{len(fields)}: {line.strip()[:80]!r}")
+            for col in path_cols:
+                _inside_root(fields[col], f"{path}, line {lineno}")
             try:
                 rows.append(tuple(t(v) for t, v in zip(types, fields)))
             except ValueError as e:
@@ -393,7 +421,8 @@ class CUB200(ImageListDataset):
             root = os.path.join(root, "CUB_200_2011")
         _require_dir(root, "CUB_200_2011 folder")
         self.root = root
-        images = _read_table(os.path.join(root, "images.txt"), 2, "CUB images.txt", (int, str))
+        images = _read_table(os.path.join(root, "images.txt"), 2, "CUB images.txt", (int, str),
+                             path_cols=(1,))
         cls_rows = _read_table(os.path.join(root, "image_class_labels.txt"), 2,
                                "CUB image_class_labels.txt", (int, int))
         split_rows = _read_table(os.path.join(root, "train_test_split.txt"), 2,
@@ -475,6 +504,8 @@ class Cars196(ImageListDataset):
                for p in ann["relative_im_path"]]
         if any(not p for p in rel):
             raise DatasetFormatError(f"{mat_path}: empty relative_im_path entries")
+        for i, p in enumerate(rel):
+            _inside_root(p, f"{mat_path}: annotation {i} (relative_im_path)")
         try:
             col = {f: np.array([np.asarray(v).reshape(-1)[0] for v in ann[f]], dtype=np.float64)
                    for f in self.FIELDS[1:]}
@@ -608,6 +639,7 @@ class Leafsnap(ImageListDataset):
                                                  f"{len(self.COLUMNS)} tab-separated fields, "
                                                  f"got {len(r)}")
                     rows.append([x.strip() for x in r])
+                    _inside_root(rows[-1][1], f"{index}, line {lineno} (image_path)")
             except csv.Error as e:  # e.g. a field beyond csv's field_size_limit
                 raise DatasetFormatError(f"{index}, line {reader.line_num}: {e}") from None
         rows = [r for r in rows if source == "all" or r[4] == source]

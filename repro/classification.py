@@ -48,6 +48,7 @@ from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.plots import plot_training_curves
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
+from nnkloss.experiment.seeds import seed_arg
 from nnkloss.experiment.train import Trainer, seed_everything
 
 DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": Leafsnap}
@@ -108,7 +109,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--eval-every", type=int, default=0,
                    help="also log validation accuracy/loss every N epochs (0: at the end)")
-    p.add_argument("--seed", type=int, default=0, help="training seed and split seed")
+    p.add_argument("--seed", type=seed_arg, default=0, help="training seed and split seed")
     p.add_argument("--restart", action="store_true",
                    help="train afresh: remove the runs' old checkpoints first")
     p.add_argument("--no-progress", action="store_true")

@@ -54,6 +54,7 @@ from nnkloss.experiment.models import DigitsNet
 from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
+from nnkloss.experiment.seeds import seed_arg
 from nnkloss.experiment.train import GOVERNOR_OPTIONS, Trainer, seed_everything
 from nnkloss.threads import ThreadGovernor
 
@@ -89,7 +90,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
     p.add_argument("--shift", type=int, default=1,
                    help="training augmentation: random translation by up to this many pixels")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", default="auto",
                    help="CPU threads: 'auto' (torch's count or one, whichever the Trainer's "

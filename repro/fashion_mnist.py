@@ -67,6 +67,7 @@ from nnkloss.experiment.evaluate import classification_metrics, extract_embeddin
 from nnkloss.experiment.models import SoftmaxHead
 from nnkloss.experiment.reporting import git_commit, markdown_table, write_json, write_table
 from nnkloss.experiment.setup import kernel_criterion, resolve_device
+from nnkloss.experiment.seeds import seed_arg
 from nnkloss.experiment.train import Trainer, seed_everything
 
 PML_METHODS = ("contrastive", "triplet", "multisimilarity", "nca", "proxyanchor",
@@ -97,7 +98,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="retrieval: the classes trained on (the others are tested)")
     p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
                    help="default: all (retrieval) / nngk softmax (classification)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=seed_arg, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=None, help="default 4 (1 with --quick)")
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--quick", action="store_true",

@@ -43,6 +43,7 @@ from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
 from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
+from nnkloss.experiment.seeds import seed_arg
 from nnkloss.experiment.train import Trainer, seed_everything
 
 DATASETS = {"cub": CUB200, "cars": Cars196}
@@ -103,7 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0,
                    help="also evaluate the test classes every N epochs (0: at the end only)")
     p.add_argument("--embedding-plot", default="tsne", choices=("tsne", "pca", "none"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--restart", action="store_true",
                    help="train afresh: remove the runs' old checkpoints first")
     p.add_argument("--no-progress", action="store_true")

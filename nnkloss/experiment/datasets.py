@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .seeds import check_seed
+
 __all__ = [
     "DatasetFormatError",
     "ImageListDataset",
@@ -101,7 +103,8 @@ def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: in
     if fr.ndim != 1 or (fr < 0).any() or abs(fr.sum() - 1.0) > 1e-6:
         raise ValueError(f"fractions must be non-negative and sum to 1, got {list(fractions)}")
     labels = np.asarray(labels)
-    rng = np.random.default_rng(seed)
+    # default_rng refuses a negative seed with an error naming nothing
+    rng = np.random.default_rng(check_seed(seed))
     parts: List[List[np.ndarray]] = [[] for _ in fr]
     cum = np.cumsum(fr)
     for c in np.unique(labels):

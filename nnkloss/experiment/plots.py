@@ -14,6 +14,7 @@ import torch
 
 from ..atomic import atomic_write
 from ..validation import require_parent_dir
+from .seeds import check_seed
 
 __all__ = ["plot_embedding", "plot_recall_curve", "plot_training_curves", "METHODS"]
 
@@ -98,6 +99,8 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if max_points is not None and (isinstance(max_points, bool) or int(max_points) < 2):
         raise ValueError(f"max_points must be an int >= 2 or None, got {max_points!r}")
+    # sklearn's random_state and default_rng refuse other seeds with errors naming nothing
+    seed = check_seed(seed)
     path = require_parent_dir("path", path)
     if max_points is not None and x.shape[0] > max_points:
         keep = np.sort(np.random.default_rng(seed).choice(x.shape[0], int(max_points),

@@ -35,17 +35,16 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from . import checkpoint as _ckpt
 from .bank_upkeep import BankUpkeep
 from .logs import json_safe, write_logs
+from .seeds import check_seed, seed_everything
 from ..losses.base import BankLoss
 from ..threads import ThreadGovernor
 from ..validation import value_checks, value_checks_enabled
@@ -61,14 +60,6 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 # ---------------------------------------------------------------------------- utilities
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's (CPU and all CUDA devices) global RNGs."""
-    seed = int(seed) % (2 ** 32)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
                   sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
     """Network (+ softmax head) parameters decay; sigma and the bank weights get their own
@@ -144,7 +135,7 @@ class Trainer:
             saved in checkpoints); default: every 10 epochs (the papers).
         amp: mixed precision (float16 autocast + GradScaler); used only on CUDA devices.
         out_dir: where logs and checkpoints go (None: no files).
-        seed: base seed; epoch e runs with RNGs seeded from (seed, e) (and the rank, under
+        seed: base seed, an integer in [0, 2**32); epoch e runs with RNGs seeded from (seed, e) (and the rank, under
             torch.distributed).
         progress: tqdm progress bars.
         eval_fn: ``eval_fn(model, criterion, epoch) -> dict`` of metrics, called in eval mode
@@ -273,7 +264,7 @@ class Trainer:
         self.out_dir = out_dir
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)  # -1 and 2**32 - 1 were one stream (mod 2**32)
         self.progress = progress
         self.eval_fn = eval_fn
         self.eval_every = int(eval_every)
@@ -585,7 +576,9 @@ class Trainer:
             # Each rank its own stream (rank 0's is the single-process one): with one seed on
             # every rank, row j of every rank's batch got the same dropout mask (and a loader
             # worker the same augmentation draws). DistributedSampler shuffles by its own seed.
-            seed_everything(self.seed * 1_000_003 + epoch + 1_000_000_007 * _dist.rank())
+            # The stream of (seed, epoch, rank), not seed * 1_000_003 + epoch + 1_000_000_007 *
+            # rank mod 2**32: that gave seed s on rank 1 the streams of another seed on rank 0.
+            seed_everything(self.seed, epoch, _dist.rank())
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))

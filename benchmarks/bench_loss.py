@@ -8,11 +8,12 @@
 
 Appends one row per (provider, mode, shape) to ``benchmarks/results/<device>.csv`` with columns
 ``op,provider,mode,B,K,D,dtype,ms,gbps,peak_mem_mb,device,commit`` (and the limits, the load,
-the date, and ``grads``: what took a gradient, see ``--also-grad``) and draws
-``benchmarks/results/<device>.png`` (time and GB/s per shape). ``gbps`` counts the bytes the op
-must read (docs/MATHS.md section 9): the gathered centres ``B*K*D*sizeof(bank)`` plus the index,
-label and weight traffic and the embeddings, whatever the provider actually moves, so the
-providers compare on one scale. A row that ran out of memory is written with ms = "oom".
+the date, ``grads``: what took a gradient, see ``--also-grad``, ``compile_mode``: the
+``--compile-mode``, and ``run``: an id of the invocation, so that a table joins one run's rows)
+and draws ``benchmarks/results/<device>.png`` (time and GB/s per shape). ``gbps`` counts the
+bytes the op must read (docs/MATHS.md section 9): the gathered centres
+``B*K*D*sizeof(bank)`` plus the index, label and weight traffic and the embeddings, whatever the
+provider actually moves, so the providers compare on one scale. A row that ran out of memory is written with ms = "oom".
 
 Providers: ``fused`` (the op as users call it: the Triton kernels on CUDA, the compiled CPU
 kernel ``nnkloss.ops.cpu`` on CPU tensors; value checks off, as in a training loop after its
@@ -50,6 +51,7 @@ import itertools
 import os
 import sys
 import time
+import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -67,7 +69,10 @@ import nnkloss  # noqa: E402
 COLUMNS = ["op", "provider", "mode", "B", "K", "D", "dtype", "ms", "gbps", "peak_mem_mb",
            "device", "commit", "gathered_gbps", "pct_of_read", "read_gbps", "threads", "load",
            "date", "bank_read_gbps", "pct_of_bank_read", "gather_gbps", "pct_of_gather",
-           "grads", "timer"]
+           "grads", "timer", "compile_mode", "run"]
+# compile_mode: --compile-mode of the invocation (rows written before the column: "default",
+# see row_compile_mode); run: an id of the invocation that wrote the row, so that a table is
+# made of one run's rows ("" in rows written before the column).
 # Inputs besides the embeddings that may take a gradient in the bwd / fwd_bwd modes
 # (--also-grad): a learned sigma, learned weights, trainable centres. The CSV's "grads" column
 # names them ("emb", "emb+sigma", ...).
@@ -356,15 +361,30 @@ def measure_copy_gbps(device, nbytes=2 ** 31):
 MODE_HEAD = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
 
 
-def loss_rows(csv_path, commit, grads="emb"):
-    """The loss rows of one commit's runs that ``summary`` and ``plot`` show: the forward
+def row_compile_mode(row) -> str:
+    """A row's torch.compile mode: its "compile_mode", "default" where the row was written
+    before the column (or by a run that left it empty)."""
+    return row.get("compile_mode") or "default"
+
+
+def loss_rows(csv_path, commit, grads="emb", run=None):
+    """The loss rows of ONE run at ``commit`` that ``summary`` and ``plot`` show: the forward
     rows and the backward / forward+backward rows whose gradients went to ``grads`` (rows
     written before the CSV's "grads" column trained the embeddings only); per shape,
-    provider and mode the last such row (a later run at the same commit replaces it)."""
+    provider and mode the last such row (a repeated measurement within the run).
+
+    ``run``: the CSV's "run" id of the run; default the run of the last such row at that
+    commit. Rows of other runs at the same commit are left out: before, a later run's rows
+    replaced an earlier run's per shape, provider and mode, so that one table mixed, say, one
+    run's fused rows with another's reduce-overhead compile rows. Rows written before the
+    "run" column (run "") count as one run, as they did."""
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["op"] == "loss" and r["commit"] == commit
                 and r["ms"] not in ("oom", "")
                 and (r["mode"] == "fwd" or (r.get("grads") or "emb") == grads)]
+    if run is None and rows:
+        run = rows[-1].get("run") or ""
+    rows = [r for r in rows if (r.get("run") or "") == (run or "")]
     last = {}
     for r in rows:
         last[(r["B"], r["K"], r["D"], r["dtype"], r["provider"], r["mode"])] = r
@@ -394,7 +414,7 @@ def plot_data(rows):
 READ_GOAL_PCT = 80
 
 
-def plot(csv_path, png_path, commit, grads="emb"):
+def plot(csv_path, png_path, commit, grads="emb", run=None):
     """One figure for one commit's rows (``loss_rows``): a row of panels per mode, grouped
     bars per shape with a bar per provider; left the time (ms, log scale), right the gathered
     rows' "% of read" (none for the backward, which reads no gathered rows) against the 80%
@@ -402,7 +422,7 @@ def plot(csv_path, png_path, commit, grads="emb"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = loss_rows(csv_path, commit, grads)
+    rows = loss_rows(csv_path, commit, grads, run)
     if not rows:
         return
     shapes, modes, provs, ms, pct = plot_data(rows)
@@ -432,6 +452,9 @@ def plot(csv_path, png_path, commit, grads="emb"):
             ax.set_xticklabels(labels, fontsize=7)
     axes[0][0].legend(fontsize=8)
     extra = "" if grads == "emb" else f", gradients to {grads.replace('+', ', ')}"
+    compile_modes = sorted({row_compile_mode(r) for r in rows if r["provider"] in COMPILED})
+    if compile_modes and compile_modes != ["default"]:
+        extra += f", compile mode {', '.join(compile_modes)}"
     fig.suptitle(f"neighbour-kernel loss: {rows[-1]['device']} @ {commit}, "
                  f"{rows[-1]['date'][:10]}{extra} (dashed: the 80% goal)")
     fig.tight_layout()
@@ -448,7 +471,7 @@ def grads_label(mode, also_grad) -> str:
     return "+".join(["emb"] + [g for g in EXTRA_GRADS if g in also_grad])
 
 
-def summary(csv_path, commit, mode=None, grads="emb"):
+def summary(csv_path, commit, mode=None, grads="emb", run=None):
     """Markdown, in the style of Cut Cross-Entropy's tables: one table for the operation
     (the loss), a row per shape and provider, time and peak extra memory of forward / backward
     / forward+backward, and for forward and forward+backward the bytes gathered per second
@@ -459,8 +482,10 @@ def summary(csv_path, commit, mode=None, grads="emb"):
     speed-up over each other provider. ``mode``: only that mode's columns (default: every
     mode). ``grads``: the backward and forward+backward rows whose gradients went to these
     inputs ("emb", "emb+sigma", ...: the CSV's "grads"; rows written before that column
-    trained the embeddings only); the forward does not depend on it."""
-    rows = loss_rows(csv_path, commit, grads)
+    trained the embeddings only); the forward does not depend on it. ``run``: which run at
+    that commit (:func:`loss_rows`; default the latest). A compile mode other than the
+    default is said above the table."""
+    rows = loss_rows(csv_path, commit, grads, run)
     modes = [m for m in MODES if any(r["mode"] == m for r in rows) and mode in (None, m)]
     by = {}
     for r in rows:
@@ -473,6 +498,9 @@ def summary(csv_path, commit, mode=None, grads="emb"):
             + [f"{MODE_HEAD[m]} % of read" for m in pct_modes]
             + [f"{MODE_HEAD[m]} % of gather" for m in pct_modes])
     lines = [] if grads == "emb" else [f"Gradients to: {grads.replace('+', ', ')}.", ""]
+    compile_modes = sorted({row_compile_mode(r) for r in rows if r["provider"] in COMPILED})
+    if compile_modes and compile_modes != ["default"]:
+        lines = [f"torch.compile mode: {', '.join(compile_modes)}.", ""] + lines
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (B, K, D, dt), v in by.items():
         for p in provs:
@@ -582,6 +610,9 @@ def _main(argv):
     isolate = device.type == "cpu" if args.isolate is None else args.isolate
     name = device_name(device)
     commit = git_commit()
+    # This invocation's rows carry its id, so that the table and plot below (and any later
+    # summary) join only its rows, not another run's at the same commit.
+    run_id = f"{utc_now()}-{uuid.uuid4().hex[:8]}"
     csv_path = results_path(args.out, device, prefix="loss_")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -600,7 +631,8 @@ def _main(argv):
             row = {"op": "copy", "provider": "torch", "mode": "copy", "B": 0, "K": 0, "D": 0,
                    "dtype": "fp32", "gbps": f"{gbps:.1f}", "device": name, "commit": commit,
                    "threads": threads, "load": load_average(), "date": utc_now(),
-                   "timer": "do_bench" if device.type == "cuda" else "median"}
+                   "timer": "do_bench" if device.type == "cuda" else "median",
+                   "compile_mode": args.compile_mode, "run": run_id}
             out.write(row)
         for B, K, D, N, dt in grid:
             inputs = None
@@ -653,7 +685,8 @@ def _main(argv):
                     if r.get("oom"):
                         results.append(["loss", prov, mode, B, K, D, dt, "oom", "", "", name,
                                         commit, "", "", "", threads, load, utc_now(), "",
-                                        "", "", "", grads_label(mode, args.also_grad), timer])
+                                        "", "", "", grads_label(mode, args.also_grad), timer,
+                                        args.compile_mode, run_id])
                         continue
                     # the limits of the process that timed the median round ("% of read":
                     # the run's own read, below, where that process took none)
@@ -676,7 +709,7 @@ def _main(argv):
                                     grads_label(mode, args.also_grad),
                                     # bwd: each backward between two synchronisations
                                     "synced" if mode == "bwd" and device.type == "cuda"
-                                    else timer])
+                                    else timer, args.compile_mode, run_id])
                     rounds = r.get("rounds", [])
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: {r['ms']:.4g} ms "
                           f"(N={N}, first call {r['first_ms']:.1f} ms"
@@ -686,7 +719,7 @@ def _main(argv):
         read = max(read, read_gbps(device))
         out.write(["read", "torch", "read", 0, 0, 0, "fp32", "", f"{read:.4g}", "", name,
                    commit, "", "", f"{read:.4g}", threads, load_average(), utc_now(), "",
-                   "", "", "", "", ""])
+                   "", "", "", "", "", args.compile_mode, run_id])
         for row in results:
             if row[7] != "oom":
                 row_read = row[14] or read
@@ -694,8 +727,8 @@ def _main(argv):
                 row[14] = f"{row_read:.4g}"
             out.write(row, echo=False)
     grads = grads_label("fwd_bwd", args.also_grad)
-    plot(csv_path, csv_path[:-4] + ".png", commit, grads)
-    print(summary(csv_path, commit, grads=grads))
+    plot(csv_path, csv_path[:-4] + ".png", commit, grads, run=run_id)
+    print(summary(csv_path, commit, grads=grads, run=run_id))
     return csv_path
 
 

@@ -578,7 +578,7 @@ def test_process_limits_are_measured_where_they_are_called():
 
 def test_plot_shows_one_commits_latest_rows_and_their_read_share(tmp_path):
     """The plot and the table take the same rows: one commit's, the last per shape, provider
-    and mode (a later run at that commit replaces an earlier one), the forward and the
+    and mode (rows written before the "run" column count as one run), the forward and the
     trained inputs' backward rows; "% of read" is empty for the backward."""
     path = str(tmp_path / "loss.csv")
 
@@ -630,3 +630,71 @@ def test_backward_rows_count_the_backwards_bytes(tmp_path, monkeypatch):
         (row,) = [r for r in csv.DictReader(f) if r["op"] == "loss"]
     assert float(row["gbps"]) == pytest.approx(B * D * 4 * 2 / float(row["ms"]) / 1e6,
                                                rel=1e-3)
+
+
+def test_tables_join_one_runs_rows_and_rows_record_the_compile_mode(tmp_path):
+    """Two runs at one commit (fused and compile at the default mode, then compile alone with
+    reduce-overhead): loss_rows kept the last row per shape, provider and mode across runs, so
+    the table showed the first run's fused beside the second's compile, and no column told a
+    reduce-overhead row from a default one. Now rows carry the run and the compile mode, and a
+    table is one run's (the latest unless named)."""
+    path = str(tmp_path / "loss.csv")
+
+    def row(run, prov, ms, compile_mode):
+        r = dict.fromkeys(bench_loss.COLUMNS, "")
+        r.update(op="loss", provider=prov, mode="fwd", B="8", K="4", D="128", dtype="fp32",
+                 ms=str(ms), commit="c", device="cpu X", date="2026-11-27T00:00:00+00:00",
+                 compile_mode=compile_mode, run=run)
+        return r
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=bench_loss.COLUMNS)
+        w.writeheader()
+        w.writerows([row("A", "fused", 1.0, "default"), row("A", "compile", 3.0, "default"),
+                     row("B", "compile", 2.0, "reduce-overhead")])
+    latest = bench_loss.loss_rows(path, "c")
+    assert [(r["run"], r["provider"]) for r in latest] == [("B", "compile")]
+    first = bench_loss.loss_rows(path, "c", run="A")
+    assert sorted(r["provider"] for r in first) == ["compile", "fused"]
+    table = bench_loss.summary(path, "c")
+    assert table.splitlines()[0] == "torch.compile mode: reduce-overhead."
+    assert "| fused |" not in table and "| compile |" in table
+    assert "torch.compile mode" not in bench_loss.summary(path, "c", run="A")
+
+
+def test_an_older_csv_reads_its_compile_mode_as_default(tmp_path):
+    """A CSV written before the compile_mode and run columns is rewritten under the new header
+    (its rows keep their values); its rows read as the default mode and as one run."""
+    path = str(tmp_path / "loss.csv")
+    old_columns = bench_loss.COLUMNS[:bench_loss.COLUMNS.index("compile_mode")]
+    r = dict.fromkeys(old_columns, "")
+    r.update(op="loss", provider="compile", mode="fwd", B="8", K="4", D="128", dtype="fp32",
+             ms="3.0", commit="c", device="cpu X", date="2026-11-27T00:00:00+00:00")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        w.writerows([r, dict(r, provider="fused", ms="1.0")])
+    common.ResultsCsv(path, bench_loss.COLUMNS).close()
+    with open(path) as f:
+        assert next(csv.reader(f)) == bench_loss.COLUMNS
+    rows = bench_loss.loss_rows(path, "c")
+    assert sorted(x["provider"] for x in rows) == ["compile", "fused"]
+    assert {bench_loss.row_compile_mode(x) for x in rows} == {"default"}
+
+
+def test_each_invocation_writes_its_run_and_compile_mode_and_shows_only_its_rows(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_loss, "read_gbps", lambda device, nbytes=2 ** 30: 25.0)
+    monkeypatch.setattr(common, "read_gbps", lambda device, nbytes=2 ** 30: 25.0)
+    argv = ["--device", "cpu", "--B", "4", "--K", "3", "--D", "5", "--N", "40", "--dtype",
+            "fp32", "--modes", "fwd", "--no-isolate", "--out", str(tmp_path)]
+    path = bench_loss.main(argv + ["--providers", "fused", "eager"])
+    bench_loss.main(argv + ["--providers", "fused"])
+    out = capsys.readouterr().out
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    assert len(runs) == 2 and all(runs)
+    assert {r["compile_mode"] for r in rows} == {"default"}
+    assert [r["provider"] for r in bench_loss.loss_rows(path, rows[0]["commit"])] == ["fused"]
+    second = out[out.rindex("device: "):]  # what the second run printed: its table only
+    assert "| fused |" in second and "| eager |" not in second

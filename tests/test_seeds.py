@@ -75,6 +75,10 @@ def test_the_trainer_seeds_each_epoch_and_rank_its_own_stream(monkeypatch):
     run(5 + 482453229, 0)
     run(5, 0)
     assert len({s for *_, s in seeds}) == len(seeds) == 6
+    # rank 0 (a single process) keeps the streams the published runs trained with
+    for seed, rank, epoch, initial in seeds:
+        if rank == 0:
+            assert initial == (seed * 1_000_003 + epoch) % 2 ** 32
 
 
 def test_split_seed_is_checked_by_name():

@@ -7,11 +7,13 @@ a negative seed is its absolute value; torch: 64 bits, a negative one wrapped), 
 is checked to lie in [0, 2**32), where every one of them takes it unchanged. Taken modulo 2**32
 (as before) seed -1 was seed 2**32 - 1 and seed 2**32 was seed 0.
 
-A stream derived from a seed and further numbers (the Trainer's epoch and rank) is drawn from
-``np.random.SeedSequence`` over the whole key, of fixed length and each part below 2**32 (so
-that no two keys are one word list): distinct keys give distinct streams, where the former
-``seed * 1_000_003 + epoch + 1_000_000_007 * rank`` modulo 2**32 gave seed s on rank 1 the
-stream of seed s + 482453229 on rank 0, every epoch.
+A stream derived from a seed and further numbers (the Trainer's epoch and rank, on ranks
+other than 0) is drawn from ``np.random.SeedSequence`` over the whole key, of fixed length and
+each part below 2**32 (so that no two keys are one word list): distinct keys give distinct
+streams, where the former ``seed * 1_000_003 + epoch + 1_000_000_007 * rank`` modulo 2**32 gave
+seed s on rank 1 the stream of seed s + 482453229 on rank 0, every epoch. Rank 0 (and a single
+process) keeps ``seed * 1_000_003 + epoch`` modulo 2**32, the streams of the published runs
+(``nnkloss.experiment.train``).
 """
 from __future__ import annotations
 

@@ -576,9 +576,18 @@ class Trainer:
             # Each rank its own stream (rank 0's is the single-process one): with one seed on
             # every rank, row j of every rank's batch got the same dropout mask (and a loader
             # worker the same augmentation draws). DistributedSampler shuffles by its own seed.
-            # The stream of (seed, epoch, rank), not seed * 1_000_003 + epoch + 1_000_000_007 *
-            # rank mod 2**32: that gave seed s on rank 1 the streams of another seed on rank 0.
-            seed_everything(self.seed, epoch, _dist.rank())
+            # Rank 0 (and a single process) keeps seed * 1_000_003 + epoch mod 2**32, the
+            # stream the published runs trained with (they reproduce at this commit): two seeds
+            # share an epoch's stream there only when they differ by Δ / 1_000_003 mod 2**32 for
+            # an epoch offset Δ, never for seeds less than 4,295 apart within 100,000 epochs.
+            # Other ranks take the stream of (seed, epoch, rank) (seeds.seed_everything): the
+            # former + 1_000_000_007 * rank gave seed s on rank 1 the streams of seed
+            # s + 482453229 on rank 0.
+            rank = _dist.rank()
+            if rank == 0:
+                seed_everything((self.seed * 1_000_003 + epoch) % 2 ** 32)
+            else:
+                seed_everything(self.seed, epoch, rank)
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))

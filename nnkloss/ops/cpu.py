@@ -855,13 +855,13 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
     if labels is not None and (labels.shape != (B,) or centre_labels.shape != (N,)):
         return None
     table = table.contiguous()
-    idx = _index_arg(idx)
+    idx = _index_tensor(idx)
     out = torch.empty(B, K, dtype=table.dtype)
     counts = torch.empty(2, dtype=torch.int64)
     if labels is None:
         lab = cl = None
     else:
-        lab, cl = _index_arg(labels), _index_arg(centre_labels)
+        lab, cl = _index_tensor(labels), _index_tensor(centre_labels)
     dropped = lib.nnk_batch_lists(
         table.data_ptr(), _INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
         _INDEX_TYPES[idx.dtype], _ptr(lab), _INDEX_TYPES.get(_dtype(lab), 0), _ptr(cl),
@@ -875,7 +875,7 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
 batch_lists.host_counts = True
 
 
-def _index_arg(t):
+def _index_tensor(t):
     """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
     if t.dtype not in _INDEX_TYPES:
         t = t.long()

@@ -94,6 +94,8 @@ from typing import Callable, Dict, List, Optional
 
 __all__ = ["ThreadGovernor", "RunQueue", "run_queue", "run_queue_unavailable"]
 
+_INF = float("inf")
+
 
 # ------------------------------------------------------------------ other processes' demand
 # Timing a whole unit at each count is the only direct measure of which count is faster, but
@@ -474,10 +476,20 @@ class ThreadGovernor:
     def record(self, seconds: float, work: float = 1.0, threads: Optional[int] = None) -> None:
         """One unit of work took ``seconds`` (``work``: its size, so that units of different
         sizes compare per unit of work). ``threads``: the count it ran at, when the caller
-        knows it; a unit that ran at another count than the governor's is not timed."""
+        knows it; a unit that ran at another count than the governor's is not timed.
+        ``seconds`` must be finite and >= 0, ``work`` finite and > 0 (ValueError)."""
+        # Checked here, not where they are used: a NaN or infinite duration (or a cost
+        # seconds / 0) reached the medians and the hold's arithmetic, and record() raised
+        # "cannot convert float NaN to integer" units later; a negative one made its side
+        # look faster than free and chose it.
+        seconds, work = float(seconds), float(work)
+        if not 0.0 <= seconds < _INF:  # False for NaN too
+            raise ValueError(f"seconds must be a finite duration >= 0, got {seconds!r}")
+        if not 0.0 < work < _INF:
+            raise ValueError(f"work must be finite and > 0, got {work!r}")
         with self._lock:
             self.units += 1
-            self._elapsed += max(float(seconds), 0.0)
+            self._elapsed += seconds
             if (self.phase == "hold" and self._one and self.left > 1 and not self._skip
                     and (threads is None or threads == 1)):
                 # The steady state beside a busy process (and of one thread idle): a unit of a
@@ -507,7 +519,7 @@ class ThreadGovernor:
                 return
             self.left -= 1
             if self.phase in ("current", "other"):
-                cost = float(seconds) / max(float(work), 1e-30)
+                cost = seconds / work
                 self._costs.setdefault(self._side(), []).append(cost)
                 if self.phase == "other" and self._clearly_worse():
                     return self._decide()

@@ -101,6 +101,27 @@ def test_governor_ignores_units_at_another_count_and_a_single_thread():
         ThreadGovernor(2, window=1)
 
 
+def test_record_rejects_durations_and_work_it_cannot_time_by_name():
+    """A NaN or infinite duration, a negative one, or a work of 0 / NaN: a ValueError naming the
+    argument at the call, the governor unchanged. Before, NaN and inf reached the hold's
+    arithmetic (a ValueError "cannot convert float NaN to integer" at the decision, units
+    later), and a negative duration at the full count chose it with the longest hold."""
+    nan, inf = float("nan"), float("inf")
+    for bad in (nan, inf, -inf, -1.0):
+        gov = ThreadGovernor(2, warmup=0, window=3, hold=5)
+        with pytest.raises(ValueError, match="seconds"):
+            gov.record(bad)
+        assert gov.units == 0 and gov._elapsed == 0.0 and gov._costs == {}
+    for bad in (0, -1.0, nan, inf):
+        gov = ThreadGovernor(2, warmup=0, window=3, hold=5)
+        with pytest.raises(ValueError, match="work"):
+            gov.record(1.0, work=bad)
+        assert gov.units == 0 and gov._costs == {}
+    gov = ThreadGovernor(2, warmup=0, window=3, hold=5)
+    gov.record(0.0)                                              # a coarse clock's 0: a unit
+    assert gov.units == 1 and gov._costs == {"one": [0.0]}
+
+
 # ------------------------------------------------------------------ the op's pool
 @pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
 def test_the_kernel_runs_on_torchs_openmp_pool_when_torch_has_one():

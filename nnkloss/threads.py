@@ -601,11 +601,14 @@ class ThreadGovernor:
         cost = float(getattr(self.signal, "cost", 0.0) or 0.0)
         n = self.units - units
         span = self._elapsed - elapsed
-        if cost <= 0.0 or n <= 0 or span <= 0.0:
+        if not (cost > 0.0 and n > 0 and span > 0.0):  # "not >": a NaN cost or span too
             return self.base_hold
         need = (self._samples - samples) * cost / self.sample_budget  # seconds of work
-        hold = int(-(-(need * n / span - n) // 1))  # units after the window's n
-        return min(max(self.base_hold, hold), self.max_hold)
+        after = need * n / span - n  # units after the window's n
+        # A huge cost (or a span of ~0 s) overflows to inf, whose int() raised: capped first.
+        if after >= self.max_hold:
+            return self.max_hold
+        return max(self.base_hold, int(-(-after // 1)))
 
     def _signal_event(self, action: str, others: int, hold: int):
         cost_one = self._median(self._costs.get("one"))
@@ -679,7 +682,13 @@ class ThreadGovernor:
         win, lose = (cost_full, cost_one) if choice == "full" else (cost_one, cost_full)
         lost_side = "one" if choice == "full" else "full"
         units = len(self._costs.get(lost_side, [])) + 1
-        extra = units * max(lose / max(win, 1e-30) - 1.0, 0.0)
+        extra = units * (lose / max(win, 1e-30) - 1.0)
+        if not extra > 0.0:  # the loser cost no more (NaN: two infinite costs): no lengthening
+            return 0
+        # A winner of ~0 s against a long loser overflows the ratio to inf, whose int() raised:
+        # the hold is capped at max_hold anyway, so cap before converting.
+        if extra >= self.max_hold * self.probe_budget:
+            return self.max_hold
         return int(-(-extra // self.probe_budget))
 
     def summary(self) -> Dict:

@@ -590,6 +590,27 @@ def test_skipped_probes_keep_their_samples_within_the_budget_when_units_are_shor
     assert all(e["hold"] == 50 for e in gov.events)
 
 
+def test_holds_stay_within_max_hold_for_extreme_costs():
+    """Costs whose ratio overflows (a winner of ~0 s per unit of work against a long loser;
+    two infinite costs per unit of work) and a signal whose sample cost is huge, infinite or
+    NaN: the holds stay between 1 and max_hold, no exception. Before, int() of the inf or NaN
+    raised inside record() ("cannot convert float NaN to integer")."""
+    for one, full, work in ((1e-300, 1e300, 1.0), (1e300, 1e-300, 1.0), (1.0, 1e300, 1e-300),
+                            (1e300, 1e300, 1e-300), (0.0, 1.0, 1.0)):
+        gov = ThreadGovernor(2, warmup=0, window=3, hold=5, max_hold=400)
+        for _ in range(60):
+            gov.record(one if gov.threads() == 1 else full, work=work)
+        assert gov.events and all(1 <= e["hold"] <= 400 for e in gov.events), (one, full)
+        assert 1 <= gov.left <= 400
+    for cost in (1e308, float("inf"), float("nan")):
+        sig = FakeSignal(cost=cost)
+        sig.now = 2                                              # busy: skipped probes
+        gov = ThreadGovernor(2, warmup=0, window=3, hold=5, max_hold=400, signal=sig)
+        used = drive_loaded(gov, sig, lambda u: 2, lambda n, u: 1e-3, 200)
+        assert set(used) == {1} and gov.events, cost
+        assert all(e["action"] == "skipped" and 5 <= e["hold"] <= 400 for e in gov.events)
+
+
 def test_start_auto_begins_at_the_full_count_only_where_the_signal_shows_room():
     fast2 = lambda n, u: 1.0 if n == 2 else 1.8                          # noqa: E731
     kw = dict(warmup=3, window=4, hold=10, start="auto")

@@ -86,6 +86,7 @@ with fakes. The governor only chooses a number; who applies it is the caller's b
 """
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import threading
@@ -339,6 +340,17 @@ class ThreadGovernor:
         if start not in ("one", "auto"):
             raise ValueError(f"start must be 'one' or 'auto', got {start!r}")
         self.signal = run_queue() if isinstance(signal, str) and signal == "auto" else signal
+        if self.signal is not None:
+            # read as int(signal.cores) at every decision: a missing or bad value raised there,
+            # inside record(), instead of here
+            cores = getattr(self.signal, "cores", None)
+            try:
+                ok = not isinstance(cores, bool) and operator.index(cores) >= 1
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"signal.cores must be an int >= 1 (the CPUs this process may "
+                                 f"use), got {cores!r}")
         self.sample_budget, self.signal_samples = float(sample_budget), int(signal_samples)
         self.probe_budget = float(probe_budget)
         self._full = full
@@ -434,13 +446,18 @@ class ThreadGovernor:
         self._samples += 1
         try:
             others = sig.sample()
+            if others is not None:
+                # A count, taken here where a failure is caught: a NaN, inf or text reading
+                # raised from int() inside record(). Below 0 it is 0 (the RunQueue clamps
+                # its own race so): a negative count made room for more CPUs than there are.
+                others = max(int(others), 0)
         except Exception:  # a signal that fails is no signal: timing alone, never an error
             self.signal = None
             return None
         if others is None and getattr(sig, "failed", None):
             self.signal = None  # a RunQueue whose read failed stays failed
         if others is not None:
-            self.others = int(others)
+            self.others = others
         return others
 
     def _room_at_start(self) -> bool:

@@ -553,6 +553,34 @@ def test_a_signal_that_fails_leaves_the_governor_timing_alone(tmp_path):
     assert rq.failed and gov.signal is None and all(e["by"] == "timing" for e in gov.events)
 
 
+def test_a_signal_reading_that_is_not_a_count_is_a_failed_signal():
+    """sample() returning NaN, inf or text: the signal is dropped (timing alone), no exception
+    (before, int() of it raised inside record() and in the constructor with start="auto");
+    a negative reading is 0 (before, it made room for more CPUs than the machine has: the
+    wide count above the cores). A signal without a valid ``cores`` is refused when the
+    governor is built, by name (before, int(signal.cores) raised in record())."""
+    slow = lambda n, u: 1.0 if n == 1 else 27.0                          # noqa: E731
+    kw = dict(warmup=3, window=4, hold=10)
+    reference = drive(ThreadGovernor(2, **kw), slow, 200)
+    for bad in (float("nan"), float("inf"), "two"):
+        for start in ("one", "auto"):
+            sig = FakeSignal()
+            sig.now = bad
+            gov = ThreadGovernor(2, signal=sig, start=start, **kw)
+            assert gov.threads() == 1, (bad, start)
+            assert drive(gov, slow, 200) == reference, (bad, start)
+            assert gov.signal is None and not gov.summary()["signal"], (bad, start)
+    sig = FakeSignal(cores=2)
+    sig.now = -3                                                 # "room" for 5 on 2 cores
+    gov = ThreadGovernor(4, signal=sig, start="auto", **kw)
+    assert gov.threads() == 2 and gov.others == 0 and gov.summary()["others"] == 0
+    for cores in (None, 0, -2, 2.5, "2", True):
+        sig = FakeSignal(cores=cores)
+        with pytest.raises(ValueError, match="signal.cores"):
+            ThreadGovernor(2, signal=sig, **kw)
+    assert ThreadGovernor(2, signal=FakeSignal(cores=torch.tensor(2).item()), **kw).signal
+
+
 def test_samples_are_spaced_by_their_cost():
     sig = FakeSignal(cost=1e-3)       # a 1 ms read, 1% budget: one per 0.1 s of recorded work
     gov = ThreadGovernor(2, warmup=0, window=3, hold=1000, signal=sig, sample_budget=0.01)

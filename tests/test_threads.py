@@ -756,6 +756,40 @@ def test_the_ops_governors_start_at_the_full_count_on_an_idle_machine(monkeypatc
         assert cpu.governor("rel_sqdist").threads() == want, others
 
 
+def test_an_op_call_capped_by_its_work_feeds_the_governors_wide_side(monkeypatch):
+    """_run with calls whose work caps them below the governor's wide count (4 threads' work,
+    16 threads): the calls are units of the wide side, so the governor warms up, probes and
+    decides, and drops to one thread when other processes fill the CPUs. Before, each was a
+    unit at "another count" and dropped: the governor (started wide) never left its warm-up
+    and the calls ran at 4 threads beside 15 busy CPUs for good."""
+    import types
+    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    sig = FakeSignal(cores=16)
+    monkeypatch.setitem(nthreads._run_queue, "rq", sig)
+    monkeypatch.setattr(cpu, "_governors", {})
+    clock = [0.0]
+    monkeypatch.setattr(cpu, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    ran = []
+
+    def call(n):                                     # a fake clock: the work scales to 4
+        clock[0] += 1.0 / n
+        ran.append(n)
+        return 0
+
+    work = 4 * cpu.PARALLEL_MIN_ELEMS
+    assert cpu._threads(work) == 4
+    for u in range(300):
+        sig.now = 0 if u < 200 else 15
+        cpu._run("forward", work, call)
+    gov = cpu._governors["forward"]
+    timing = [e for e in gov.events if e["by"] == "timing"]
+    assert timing and timing[0]["unit"] < 200 and timing[0]["threads"] == 16
+    assert set(ran[:200]) == {1, 4} and ran[100:200].count(4) >= 95  # capped; probes of 1
+    assert [e["action"] for e in gov.events if e["by"] == "signal"][0] == "dropped"
+    assert ran[205:] == [1] * 95 and gov.threads() == 1
+
+
 # ------------------------------------------------------------------ the search's governors
 class _OneThread:
     """A governor that has chosen one thread (records nothing)."""

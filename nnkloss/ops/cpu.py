@@ -590,10 +590,17 @@ def _run(name: str, work: int, call, min_elems: Optional[int] = None) -> int:
     if n <= 1 or not governing():
         return call(n)
     gov = _governors.get(name) or governor(name)
-    n = min(n, gov.threads())
+    side = gov.threads()
+    n = min(n, side)
     t0 = time.perf_counter()
     rc = call(n)
-    gov.record(time.perf_counter() - t0, work, threads=n)
+    # Reported at the governor's count (its side), not at n: a call whose work caps it below
+    # the wide count runs the wide side as far as its work repays. Reported at n it was a unit
+    # at "another count", dropped whole: with such calls alone the governor never left its
+    # warm-up or probe, and its signal never dropped the count (16 threads' governor, calls at
+    # 4, beside 15 busy CPUs: 4 threads for good). A change of the governor's count between
+    # the read and the record (another thread's call) still leaves the unit untimed.
+    gov.record(time.perf_counter() - t0, work, threads=side)
     return rc
 
 

@@ -357,7 +357,9 @@ class ThreadGovernor:
         self.warmup, self.window, self.base_hold, self.max_hold = warmup, window, hold, max_hold
         self.margin, self.abandon = float(margin), float(abandon)
         self.apply = apply
-        self._lock = threading.Lock()
+        # Re-entrant: ``apply`` is called with the lock held (the count changes inside
+        # record()), and an apply that logs summary() or calls skip_next() deadlocked.
+        self._lock = threading.RLock()
         self.units = 0                   # units recorded so far
         self.events: List[Dict] = []     # one per decision
         self.hold = self.base_hold

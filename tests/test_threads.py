@@ -122,6 +122,21 @@ def test_record_rejects_durations_and_work_it_cannot_time_by_name():
     assert gov.units == 1 and gov._costs == {"one": [0.0]}
 
 
+def test_apply_may_call_back_into_the_governor():
+    """``apply`` runs inside record() (the count changes there): an apply that logs summary()
+    or calls skip_next() works. Before, record() held a plain lock and deadlocked on it."""
+    import threading
+    seen = []
+    gov = ThreadGovernor(2, warmup=0, window=2, hold=5)
+    gov.apply = lambda n: (seen.append((n, gov.summary()["threads"])), gov.skip_next())
+    worker = threading.Thread(target=lambda: drive(gov, lambda n, u: 1.0 if n == 1 else 2.0,
+                                                   20), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "record() deadlocked in apply"
+    assert seen[:2] == [(2, 2), (1, 1)] and gov.units == 20
+
+
 # ------------------------------------------------------------------ the op's pool
 @pytest.mark.skipif(not cpu.available(), reason="compiled CPU kernel unavailable")
 def test_the_kernel_runs_on_torchs_openmp_pool_when_torch_has_one():

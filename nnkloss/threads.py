@@ -454,13 +454,33 @@ class ThreadGovernor:
                 # its own race so): a negative count made room for more CPUs than there are.
                 others = max(int(others), 0)
         except Exception:  # a signal that fails is no signal: timing alone, never an error
-            self.signal = None
+            self._drop_signal()
             return None
         if others is None and getattr(sig, "failed", None):
-            self.signal = None  # a RunQueue whose read failed stays failed
+            self._drop_signal()  # a RunQueue whose read failed stays failed
         if others is not None:
             self.others = others
         return others
+
+    def _drop_signal(self) -> None:
+        """No signal from here on: timing alone, between the full count and one thread. The
+        room of the last samples no longer describes the machine: kept, it capped the wide
+        side at that room for good (12 of 16 threads after others of 4, whatever came after).
+        At the wide side the full count is applied, as a resize's is (the next unit is not
+        timed, a probe's window there starts again)."""
+        self.signal = None
+        if self._cap is None:
+            return
+        before = self.wide
+        self._cap = None
+        if self._one or self.wide == before:
+            return
+        self._skip = True
+        self._costs.pop("full", None)
+        if self.phase in ("current", "other"):
+            self.left = self.window
+        if self.apply is not None:
+            self.apply(self.threads())
 
     def _room_at_start(self) -> bool:
         """Whether the median of ``signal_samples`` fresh samples leaves room for more than one
@@ -564,9 +584,12 @@ class ThreadGovernor:
         count). At one thread, in a probe's window before the wide count: the samples the
         decision to probe it will take."""
         if not self._one:
+            cap = self._cap
             others = self._sample()
             if others is None:
-                return False
+                # the signal lost just now and the room's cap with it: the count changed
+                # where the cap was below the full count (_drop_signal applied the full one)
+                return cap is not None and self._cap is None and cap < self.full
             room = self._room(others)
             wide = self.wide
             less = room < wide

@@ -596,6 +596,37 @@ def test_a_signal_reading_that_is_not_a_count_is_a_failed_signal():
     assert ThreadGovernor(2, signal=FakeSignal(cores=torch.tensor(2).item()), **kw).signal
 
 
+def test_a_signal_lost_at_a_narrowed_count_gives_the_full_count_back():
+    """16 cores, others 4: the wide side runs on the 12 free CPUs; then the signal fails. From
+    there the governor times alone, between the full count and one thread: the full count is
+    applied at once (the unit after it not timed). Before, the room of the last samples
+    capped the wide side at 12 for good."""
+    scales = lambda n, u: 16.0 / n                                       # noqa: E731
+
+    class Fails(FakeSignal):
+        fail = False
+
+        def sample(self):
+            if self.fail:
+                raise OSError("no /proc")
+            return super().sample()
+
+    applied = []
+    sig = Fails(cores=16)
+    gov = ThreadGovernor(16, warmup=0, window=3, hold=1000, max_hold=1000, signal=sig,
+                         start="auto", apply=applied.append)
+    used = drive_loaded(gov, sig, lambda u: 4, scales, 100)
+    assert used[-50:] == [12] * 50 and gov.wide == 12
+    assert gov.phase == "hold" and gov.left > 100
+    sig.fail = True
+    units, left = gov.units, gov.left
+    used = drive(gov, scales, 100)
+    assert gov.signal is None and used == [12] + [16] * 99 and applied[-1] == 16
+    assert gov.wide == 16 and gov.summary()["wide"] == 16
+    assert gov.left == left - (100 - 2)          # the unit of the loss and the next: untimed
+    assert gov.units == units + 100
+
+
 def test_samples_are_spaced_by_their_cost():
     sig = FakeSignal(cost=1e-3)       # a 1 ms read, 1% budget: one per 0.1 s of recorded work
     gov = ThreadGovernor(2, warmup=0, window=3, hold=1000, signal=sig, sample_budget=0.01)

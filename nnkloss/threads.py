@@ -296,8 +296,12 @@ class ThreadGovernor:
     Thread-safe: :meth:`record` may be called from several threads.
 
     Args:
-        full: the full thread count (a number, or a callable read at each probe, e.g.
-            ``torch.get_num_threads``). With ``full <= 1`` there is nothing to choose: 1.
+        full: the full thread count (a number, or a callable read at each probe). With
+            ``full <= 1`` there is nothing to choose: 1. A callable must not read the count
+            that ``apply`` sets: ``torch.get_num_threads`` with ``apply=torch.set_num_threads``
+            reads 1 once one thread is applied, and the full count is lost for good (the CPU
+            op's governors read :func:`nnkloss.ops.cpu.full_threads`, which their callers
+            never lower; the Trainer passes a number).
         warmup, window, hold, max_hold: in units of work (see the module docstring).
         margin: the full count is kept only if its median cost is below ``(1 - margin)``
             times one thread's (ties go to one thread).

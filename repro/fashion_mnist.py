@@ -463,7 +463,15 @@ def _load() -> List[float]:
 
 
 def _loader(ds, batch_size, shuffle, drop_last=False):
-    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+    # The training loader (shuffle) draws from torch's global RNG, which the Trainer reseeds per
+    # epoch: every method then sees the same batches and the same augmentation draws. An
+    # ordered (inference) loader gets a generator of its own: every iter() of a DataLoader
+    # draws its base seed from its generator, the global RNG when it has none, so a bank
+    # refresh inside an epoch (NNGK's warm start, --nngk-refresh-steps) shifted the
+    # augmentation draws of every later batch of that epoch away from the other methods'.
+    gen = None if shuffle else torch.Generator()
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                      generator=gen)
 
 
 def _trainer_accepts(*names: str) -> bool:

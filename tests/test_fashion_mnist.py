@@ -1,8 +1,11 @@
-"""The kernel loss on real data: 1 epoch on a few thousand Fashion-MNIST images.
+"""repro/fashion_mnist.py: the kernel loss on real data (1 epoch on a few thousand Fashion-MNIST
+images), and the benchmark's fairness and record keeping on tiny fabricated IDX files.
 
-Needs the official files (``apt-get install dataset-fashion-mnist``, which ``.ci/run`` does
-where apt-get exists); ``FASHION_MNIST_ROOT`` points elsewhere. Skipped, saying so, without them.
+The real-data tests need the official files (``apt-get install dataset-fashion-mnist``, which
+``.ci/run`` does where apt-get exists); ``FASHION_MNIST_ROOT`` points elsewhere. They are
+skipped, saying so, without them; the fabricated ones always run.
 """
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,11 +28,12 @@ def _have_files() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(
+needs_files = pytest.mark.skipif(
     not _have_files(), reason=f"Fashion-MNIST files not found in {ROOT} (apt-get install "
                               "dataset-fashion-mnist, or set FASHION_MNIST_ROOT)")
 
 
+@needs_files
 def test_real_files_read_and_checked():
     from nnkloss.experiment.datasets import FashionMNIST
     te = FashionMNIST(ROOT, "test")
@@ -37,12 +41,18 @@ def test_real_files_read_and_checked():
     assert torch.bincount(te.labels).tolist() == [1000] * 10
 
 
-def test_one_epoch_on_real_images_beats_chance_by_far(tmp_path):
+def load_fm():
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repro",
                         "fashion_mnist.py")
     spec = importlib.util.spec_from_file_location("repro_fashion_mnist", path)
     fm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fm)
+    return fm
+
+
+@needs_files
+def test_one_epoch_on_real_images_beats_chance_by_far(tmp_path):
+    fm = load_fm()
     # 3,000 training images of classes 0-4, 1,000 test images of the unseen classes 5-9.
     res = fm.main(["--data-root", ROOT, "--out", str(tmp_path), "--methods", "nngk",
                    "--seeds", "0", "--epochs", "1", "--train-per-class", "600",
@@ -55,3 +65,65 @@ def test_one_epoch_on_real_images_beats_chance_by_far(tmp_path):
     assert m["recall@1"] > 0.7, m
     assert m["map@r"] > 0.25, m
     assert json.load(open(tmp_path / "results.json"))["runs"]["nngk/s0"]["metrics"] == m
+
+
+# ---------------------------------------------------------------------------- fabricated data
+@pytest.fixture(scope="module")
+def idx_tree(tmp_path_factory):
+    from fabricate_idx import make_idx_tree
+    return make_idx_tree(str(tmp_path_factory.mktemp("fmnist")), n_train=200, n_test=100)
+
+
+TINY = ["--quick", "--epochs", "1", "--batch-size", "16", "--nngk-k", "5", "--no-progress",
+        "--dim", "8", "--width", "4", "--nmi-inits", "2", "--seeds", "0"]
+
+
+def _record_batches(fm, monkeypatch):
+    """{method: [(idx list, md5 of the augmented images) per training batch]} of fm's runs."""
+    seen, current = {}, {}
+    loader = fm._loader
+
+    class Recording:
+        def __init__(self, dl):
+            self.dl = dl
+
+        def __len__(self):
+            return len(self.dl)
+
+        def __iter__(self):
+            for x, y, idx in self.dl:
+                seen.setdefault(current["method"], []).append(
+                    (idx.tolist(), hashlib.md5(x.contiguous().numpy().tobytes()).hexdigest()))
+                yield x, y, idx
+
+    def recording_loader(ds, batch_size, shuffle, drop_last=False):
+        dl = loader(ds, batch_size, shuffle, drop_last)
+        return Recording(dl) if shuffle else dl
+
+    run = fm.train_and_evaluate
+
+    def tracking_run(method, *a, **k):
+        current["method"] = method
+        return run(method, *a, **k)
+
+    monkeypatch.setattr(fm, "_loader", recording_loader)
+    monkeypatch.setattr(fm, "train_and_evaluate", tracking_run)
+    return seen
+
+
+@pytest.mark.parametrize("option", [["--nngk-warm-start-steps", "2"],
+                                    ["--nngk-refresh-steps", "2"]])
+def test_an_in_epoch_refresh_leaves_the_batches_those_of_the_other_methods(
+        idx_tree, tmp_path, monkeypatch, option):
+    """Every method trains on the same batches: the same rows in the same order AND the same
+    augmentation draws. Before, the refresh that NNGK's warm start (or --nngk-refresh-steps)
+    runs inside an epoch iterated an ordered DataLoader, which drew its base seed from torch's
+    global RNG: every batch after it got other random shifts and flips than contrastive's
+    (the same rows, other images from batch 3 on)."""
+    fm = load_fm()
+    seen = _record_batches(fm, monkeypatch)
+    fm.main(["--data-root", idx_tree, "--out", str(tmp_path / "fm"), "--methods", "contrastive",
+             "nngk"] + TINY + option)
+    assert len(seen["nngk"]) == len(seen["contrastive"]) == 6
+    assert [b[0] for b in seen["nngk"]] == [b[0] for b in seen["contrastive"]]
+    assert seen["nngk"] == seen["contrastive"]

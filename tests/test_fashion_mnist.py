@@ -127,3 +127,25 @@ def test_an_in_epoch_refresh_leaves_the_batches_those_of_the_other_methods(
     assert len(seen["nngk"]) == len(seen["contrastive"]) == 6
     assert [b[0] for b in seen["nngk"]] == [b[0] for b in seen["contrastive"]]
     assert seen["nngk"] == seen["contrastive"]
+
+
+def test_a_resumed_run_reports_no_training_time_of_a_whole_run(idx_tree, tmp_path):
+    """A run resumed from its checkpoint timed only the epochs after it: one killed after its
+    last checkpoint, before its result.json, reported its whole training as ~0 s (a method
+    looked as fast as it liked). Its time is now unknown (None, "-" in the table), the part
+    timed by the resuming process kept beside it."""
+    fm = load_fm()
+    out = tmp_path / "fm"
+    argv = ["--data-root", idx_tree, "--out", str(out), "--methods", "softmax"] + TINY
+    first = fm.main(argv)["runs"]["softmax/s0"]
+    assert first["train_time_s"] > 0 and "resumed_from_epoch" not in first
+    os.remove(out / "runs" / "softmax-s0" / "result.json")  # as if killed after training
+    res = fm.main(argv)
+    run = res["runs"]["softmax/s0"]
+    assert run["metrics"] == first["metrics"] and run["history"] == first["history"]
+    assert run["resumed_from_epoch"] == 1
+    assert run["train_time_s"] is None and run["wall_s"] is None
+    assert run["train_time_this_process_s"] >= 0 and run["wall_this_process_s"] >= 0
+    assert "train_time_s" not in res["summary"]["softmax"]
+    row = [r for r in open(out / "results.md").read().splitlines() if r.startswith("| softmax")]
+    assert row[0].rstrip(" |").endswith("-"), row

@@ -33,6 +33,10 @@ Outputs in ``--out``: ``runs/<method>-s<seed>/`` (the run's log, checkpoint and
 and the summary over seeds), ``summary.csv``, ``results.md`` and ``recall.png`` (Recall@K with
 error bars, MAP@R) or ``accuracy.png``.
 
+A run of another configuration found under a run's name is moved to
+``superseded/<name>-s<seed>.<n>/`` (without its checkpoint), never deleted, and listed under
+"superseded" in results.json: the record of every configuration tried in ``--out``.
+
 Resumable: a (method, seed) whose ``result.json`` holds the same configuration is not run
 again; an interrupted run continues from its last epoch checkpoint (its training and wall times
 are then None: only the part after the checkpoint was timed, kept as ``train_time_this_process_s``
@@ -49,7 +53,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -787,6 +790,53 @@ def _same_config(path: str, cfg: Dict) -> Optional[Dict]:
     return rec if same else None
 
 
+SUPERSEDED = "superseded"
+
+
+def _supersede(out_dir: str, run_dir: str) -> str:
+    """Move a run of another configuration out of ``runs/`` into ``superseded/`` instead of
+    deleting it: the record of what was tried (a search candidate, or a configuration run on
+    the test images and then replaced) stays, and results.json lists it. Its checkpoint goes
+    (the bulk of the folder, an NNGK bank with its lists; nothing resumes from it)."""
+    root = os.path.join(out_dir, SUPERSEDED)
+    os.makedirs(root, exist_ok=True)
+    base = os.path.basename(run_dir.rstrip(os.sep))
+    n = 1
+    while os.path.exists(os.path.join(root, f"{base}.{n}")):
+        n += 1
+    dest = os.path.join(root, f"{base}.{n}")
+    os.replace(run_dir, dest)
+    ckpt = os.path.join(dest, "checkpoint.pt")
+    if os.path.isfile(ckpt):
+        os.remove(ckpt)
+    return dest
+
+
+def _superseded_runs(out_dir: str) -> List[Dict]:
+    """What each superseded run folder holds: its configuration, and its metrics and times
+    where it finished (None where it was stopped before its result.json)."""
+    out = []
+    root = os.path.join(out_dir, SUPERSEDED)
+    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        entry = {"folder": os.path.join(SUPERSEDED, d), "config": None, "metrics": None}
+        for fname in ("config.json", "result.json"):
+            try:
+                with open(os.path.join(root, d, fname), encoding="utf-8") as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not isinstance(rec, dict):
+                continue
+            entry["config"] = rec.get("config", entry["config"])
+            if fname == "result.json":
+                for k in ("name", "method", "seed", "metrics", "train_time_s", "wall_s",
+                          "finished", "commit", "sigma_search"):
+                    if k in rec:
+                        entry[k] = rec[k]
+        out.append(entry)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -819,7 +869,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             # configuration keeps its checkpoint, so an interrupted run resumes mid-way.
             cfg_path = os.path.join(run_dir, "config.json")
             if os.path.isdir(run_dir) and _same_config(cfg_path, cfg) is None:
-                shutil.rmtree(run_dir)
+                _supersede(args.out, run_dir)
             os.makedirs(run_dir, exist_ok=True)
             write_json(cfg_path, {"config": cfg})
             rec = train_and_evaluate(method, seed, data, args, cfg, run_dir)
@@ -870,6 +920,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         "total_wall_s_this_invocation": time.perf_counter() - t_start,
         "summary": summary,
         "runs": runs,
+        # runs replaced by another configuration under their name: not in the summary, kept
+        # as the record of what was tried
+        "superseded": _superseded_runs(args.out),
     }
     write_json(os.path.join(args.out, "results.json"), json.loads(json.dumps(results,
                                                                             default=float)))

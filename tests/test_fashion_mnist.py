@@ -149,3 +149,27 @@ def test_a_resumed_run_reports_no_training_time_of_a_whole_run(idx_tree, tmp_pat
     assert "train_time_s" not in res["summary"]["softmax"]
     row = [r for r in open(out / "results.md").read().splitlines() if r.startswith("| softmax")]
     assert row[0].rstrip(" |").endswith("-"), row
+
+
+def test_a_run_of_another_configuration_is_kept_as_superseded_not_deleted(idx_tree, tmp_path):
+    """Running a name again with other settings replaced its folder: the earlier
+    configuration's record was deleted (a validation candidate lost from the search's record,
+    or a configuration run on the test images and then replaced leaving no trace). It is now
+    moved to superseded/ (without its checkpoint) and listed in results.json, not summarised."""
+    fm = load_fm()
+    out = tmp_path / "fm"
+    argv = ["--data-root", idx_tree, "--out", str(out), "--methods", "nngk"] + TINY
+    first = fm.main(argv)["runs"]["nngk/s0"]
+    res = fm.main(argv + ["--nngk-sigma", "0.5"])
+    assert res["runs"]["nngk/s0"]["config"]["nngk"]["sigma"] == "0.5"
+    assert res["summary"]["nngk"]["seeds"] == [0]
+    [old] = res["superseded"]
+    assert old["config"]["nngk"]["sigma"] == "0.2" and old["seed"] == 0
+    assert old["metrics"] == first["metrics"] and old["folder"] == "superseded/nngk-s0.1"
+    assert os.path.isfile(out / "superseded" / "nngk-s0.1" / "result.json")
+    assert not os.path.exists(out / "superseded" / "nngk-s0.1" / "checkpoint.pt")
+    # a third configuration: both earlier ones stay on record
+    res = fm.main(argv + ["--nngk-sigma", "0.3"])
+    assert [s["config"]["nngk"]["sigma"] for s in res["superseded"]] == ["0.2", "0.5"]
+    on_disk = json.load(open(out / "results.json"))
+    assert on_disk["superseded"] == json.loads(json.dumps(res["superseded"]))

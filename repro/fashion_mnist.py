@@ -691,9 +691,11 @@ def summarise(runs: Dict[str, Dict], methods: Sequence[str], keys: Sequence[str]
             continue
         s = {"seeds": sorted(r["seed"] for r in rs)}
         for key in list(keys) + ["train_time_s", "wall_s"]:
-            vals = [r["metrics"][key] if key in r["metrics"] else r[key] for r in rs
-                    if key in r["metrics"] or key in r]
-            if vals and all(v is not None for v in vals):
+            # Every run of the name or none: a mean over the runs that happen to hold a value
+            # would sit beside "seeds" naming them all (a run without it, e.g. a resumed run's
+            # unknown time, left the others' mean as the method's).
+            vals = [r["metrics"].get(key, r.get(key)) for r in rs]
+            if all(v is not None for v in vals):
                 mean, std = _mean_std(vals)
                 s[key] = {"mean": mean, "std": std}
         out[m] = s

@@ -173,3 +173,26 @@ def test_a_run_of_another_configuration_is_kept_as_superseded_not_deleted(idx_tr
     assert [s["config"]["nngk"]["sigma"] for s in res["superseded"]] == ["0.2", "0.5"]
     on_disk = json.load(open(out / "results.json"))
     assert on_disk["superseded"] == json.loads(json.dumps(res["superseded"]))
+
+
+def test_summary_is_over_every_run_of_a_name_or_none():
+    """A value missing from one run (a record without NMI, a time left None) left the mean
+    of the other runs as the method's, under "seeds" listing all of them."""
+    fm = load_fm()
+
+    def run(seed, **metrics):
+        return {"method": "nngk", "seed": seed, "metrics": metrics, "train_time_s": 1.0 + seed,
+                "wall_s": 2.0 + seed}
+
+    runs = {"nngk/s0": run(0, **{"recall@1": 0.5, "nmi": 0.1}),
+            "nngk/s1": run(1, **{"recall@1": 0.7, "nmi": 0.3}),
+            "nngk/s2": run(2, **{"recall@1": 0.9})}
+    runs["nngk/s1"]["wall_s"] = None
+    s = fm.summarise(runs, ["nngk"], ["recall@1", "nmi"])["nngk"]
+    assert s["seeds"] == [0, 1, 2]
+    assert s["recall@1"]["mean"] == pytest.approx(0.7)
+    assert s["recall@1"]["std"] == pytest.approx(0.2)  # sample std (n - 1)
+    assert s["train_time_s"]["mean"] == pytest.approx(2.0)
+    assert "nmi" not in s and "wall_s" not in s
+    assert fm.table_rows({"nngk": s}, ["recall@1", "nmi"])[0][:4] == [
+        "nngk", "3", "70.00 ± 20.00", "-"]

@@ -38,7 +38,17 @@ LIMITS = {
     100: dict(regs=65536, threads=2048, blocks=32, smem_kib=228, warps=64),
 }
 REG_ALLOC_UNIT = 256       # registers are allocated per warp in units of 256
+# The register file is split over the SM's 4 sub-partitions (one per warp scheduler), each
+# holding whole warps: the warps that fit are 4 x (16K registers // a warp's registers), not
+# 64K // a warp's registers (cuda_occupancy.h, cudaOccMaxBlocksPerSMRegsLimit and
+# cudaOccSubPartitionsPerMultiprocessor: 4 on sm_70 and later). At 104 registers a thread
+# (3328 a warp) that is 16 warps, not 19.
+REG_SUB_PARTITIONS = 4
+MAX_REGS_PER_THREAD = 255
 RESERVED_SMEM_PER_BLOCK = 1024
+# A block's shared memory (its own plus the reserved 1 KiB) is allocated in units of 128 bytes
+# on sm_80 and later (cudaOccSMemAllocationGranularity).
+SMEM_ALLOC_UNIT = 128
 MIN_RESIDENT_WARPS = 16    # the gate's floor
 
 DTYPE_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int32": 4, "int64": 8}
@@ -250,13 +260,23 @@ def tool_dir() -> Optional[str]:
     return d if ok else None
 
 
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
 def occupancy(arch: int, regs: int, smem_bytes: int, num_warps: int) -> Dict[str, int]:
-    """Resident blocks and warps per SM from registers/thread, shared memory and warps."""
+    """Resident blocks and warps per SM from registers/thread, shared memory and warps, as the
+    CUDA occupancy calculator computes them (cuda_occupancy.h: cudaOccMaxBlocksPerSMRegsLimit,
+    cudaOccMaxBlocksPerSMSmemLimit)."""
     lim = LIMITS[arch]
-    warp_regs = -(-max(regs, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
-    by_regs = (lim["regs"] // warp_regs) // num_warps
+    warp_regs = _round_up(max(regs, 1) * 32, REG_ALLOC_UNIT)
+    # The hardware's check that a block fits at all rounds its warps up to the sub-partitions.
+    fits = (regs <= MAX_REGS_PER_THREAD
+            and warp_regs * _round_up(num_warps, REG_SUB_PARTITIONS) <= lim["regs"])
+    per_partition = (lim["regs"] // REG_SUB_PARTITIONS) // warp_regs
+    by_regs = per_partition * REG_SUB_PARTITIONS // num_warps if fits else 0
     by_threads = lim["threads"] // (32 * num_warps)
-    smem = smem_bytes + RESERVED_SMEM_PER_BLOCK
+    smem = _round_up(smem_bytes + RESERVED_SMEM_PER_BLOCK, SMEM_ALLOC_UNIT)
     by_smem = (lim["smem_kib"] * 1024) // smem
     blocks = min(by_regs, by_threads, lim["blocks"], by_smem)
     limiter = min(("regs", by_regs), ("threads", by_threads), ("blocks", lim["blocks"]),

@@ -13,6 +13,9 @@ in the covering set. Duration on a 2-core CPU: see test_gate_duration (measured 
 of issue 21 with the machine shared).
 """
 import dataclasses
+import os
+import shutil
+import subprocess
 import time
 
 import pytest
@@ -140,3 +143,74 @@ def test_aligned_rows_are_gathered_in_wide_loads(gate, arch, name):
 def test_gate_duration(gate):
     print(f"build gate: {gate['wall_s']:.0f} s for targets {sorted(gate['archs'])}")
     assert gate["wall_s"] < 300
+
+
+# NVIDIA's own occupancy arithmetic (cuda_occupancy.h, shipped in Triton's wheel beside the
+# tools the gate uses), compiled as a little program: one query a line, the resident blocks.
+_OCC_CPP = r"""
+#include <cstdio>
+#include "cuda_occupancy.h"
+int main() {
+    int major, regs, smem, warps;
+    while (scanf("%d %d %d %d", &major, &regs, &smem, &warps) == 4) {
+        cudaOccDeviceProp p;
+        p.computeMajor = major; p.computeMinor = 0;
+        p.maxThreadsPerBlock = 1024; p.maxThreadsPerMultiprocessor = 2048;
+        p.regsPerBlock = 65536; p.regsPerMultiprocessor = 65536; p.warpSize = 32;
+        p.sharedMemPerBlock = 49152; p.numSms = 132; p.reservedSharedMemPerBlock = 1024;
+        p.sharedMemPerMultiprocessor = major == 8 ? 167936 : 233472;  /* A100, H100 */
+        p.sharedMemPerBlockOptin = major == 8 ? 166912 : 232448;
+        cudaOccFuncAttributes a;
+        a.maxThreadsPerBlock = 1024; a.numRegs = regs; a.sharedSizeBytes = 0;
+        a.shmemLimitConfig = FUNC_SHMEM_LIMIT_OPTIN;
+        a.maxDynamicSharedSizeBytes = p.sharedMemPerBlockOptin;
+        cudaOccDeviceState s;
+        cudaOccResult r;
+        cudaOccError e = cudaOccMaxActiveBlocksPerMultiprocessor(&r, &p, &a, &s, warps * 32,
+                                                                 smem);
+        printf("%d\n", e == CUDA_OCC_SUCCESS ? r.activeBlocksPerMultiprocessor : -1);
+    }
+    return 0;
+}
+"""
+
+
+def test_occupancy_rounds_registers_per_sub_partition():
+    """Registers are allocated to warps within each of the SM's 4 sub-partitions (16K
+    registers each), not from one 64K pool: 104 registers a thread (3328 a warp) keep
+    4 x 4 = 16 one-warp blocks, not 65536 // 3328 = 19; and a block's shared memory is
+    allocated in 128-byte units (45670 + 1 KiB reserved -> 46720 bytes: 4 blocks in 228 KiB,
+    not 5). Before, warps per SM were over-stated for every build whose warp registers do not
+    divide 16K (the report's 1-2 warp builds at 90-127 registers)."""
+    assert sb.occupancy(80, 104, 0, 1)["warps_per_sm"] == 16
+    assert sb.occupancy(90, 120, 0, 1)["warps_per_sm"] == 16
+    assert sb.occupancy(90, 90, 0, 1)["warps_per_sm"] == 20
+    assert sb.occupancy(90, 200, 0, 2)["warps_per_sm"] == 8
+    assert sb.occupancy(90, 32, 45670, 1)["blocks_per_sm"] == 4
+    assert sb.occupancy(90, 256, 0, 1)["blocks_per_sm"] == 0  # over 255 a thread: no launch
+
+
+def test_occupancy_matches_cuda_occupancy_h(tmp_path):
+    """sb.occupancy against NVIDIA's cuda_occupancy.h (compiled here) over every register
+    count, block size and a spread of shared memory, for sm_80 and sm_90."""
+    tools = sb.tool_dir()
+    header = tools and os.path.join(os.path.dirname(tools), "include", "cuda_occupancy.h")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not header or not os.path.exists(header) or not cxx:
+        pytest.skip("needs Triton's cuda_occupancy.h and a C++ compiler")
+    src = tmp_path / "occ.cpp"
+    src.write_text(_OCC_CPP)
+    exe = tmp_path / "occ"
+    subprocess.run([cxx, "-O1", "-I", os.path.dirname(header), str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    cases = [(arch, regs, smem, warps) for arch in (80, 90) for regs in range(1, 256)
+             for warps in (1, 2, 4, 8, 16, 32)
+             for smem in (0, 100, 4096, 45670, 70000, 120000, 166912)]
+    text = "".join(f"{arch // 10} {r} {s} {w}\n" for arch, r, s, w in cases)
+    got = subprocess.run([str(exe)], input=text, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert len(got) == len(cases)
+    wrong = [(c, int(g), sb.occupancy(c[0], c[1], c[2], c[3])["blocks_per_sm"])
+             for c, g in zip(cases, got)
+             if int(g) != sb.occupancy(c[0], c[1], c[2], c[3])["blocks_per_sm"]]
+    assert not wrong, (len(wrong), wrong[:10])

@@ -3,7 +3,9 @@
     python benchmarks/kernel_report.py                      # sm_90 and sm_80, builds + sweep
     python benchmarks/kernel_report.py --archs 90 --no-sweep
 
-Per kernel, target and configuration: registers/thread, spills (local memory bytes, STL count),
+Per kernel, target and configuration: registers/thread, spills (STL and LDL counts in the SASS;
+a spill's bytes are in the stack frame, ``stack_bytes``: cuobjdump's LOCAL, ``local_bytes``, stays
+0 for spills),
 shared memory, warps, resident blocks and warps per SM (occupancy from the Hopper / Ampere
 limits: 64K registers, 2048 threads, 32 blocks, 228 / 164 KiB shared per SM), the limiter,
 barriers and shared-memory accesses in the binary (what a reduction across warps costs),
@@ -38,7 +40,7 @@ from nnkloss.kernels import static_build  # noqa: E402
 
 COLUMNS = ["kernel", "build", "set", "K", "D", "bank", "emb", "weights", "idx", "store_dist",
            "grad_x", "prefetch", "block_k", "block_d", "num_warps", "num_stages", "rows", "single_pass", "row_align",
-           "regs", "local_bytes", "spill_stores", "static_smem", "dyn_smem", "blocks_per_sm",
+           "regs", "local_bytes", "stack_bytes", "spill_stores", "spill_loads", "static_smem", "dyn_smem", "blocks_per_sm",
            "warps_per_sm", "limiter", "bar_syncs", "smem_ops", "ldg128", "ldg64", "ldg32",
            "ldg16", "bytes_per_row",
            "bytes_in_flight_per_sm", "duplicate_of", "compile_s", "ok", "error", "target",
@@ -54,7 +56,8 @@ def rows_for(arch_result, sets, arch, triton_version, commit):
             b["bank"], b["emb"], int(b["weights"]), b["idx"], int(b["store_dist"]),
             int(b.get("grad_x", True)), int(b.get("prefetch", False)), cfg.get("block_k"), cfg.get("block_d"), e.get("num_warps"), e.get("num_stages"),
             cfg.get("rows"), int(bool(e.get("single_pass"))), e.get("row_align"), e.get("regs"),
-            e.get("local"), e.get("spill_stores"), e.get("static_smem"), e.get("dyn_smem"),
+            e.get("local"), e.get("stack"), e.get("spill_stores"), e.get("spill_loads"),
+            e.get("static_smem"), e.get("dyn_smem"),
             e.get("blocks_per_sm"), e.get("warps_per_sm"), e.get("limiter"),
             e.get("bar_syncs"), e.get("smem_ops"), ldg.get("128"),
             ldg.get("64"), ldg.get("32"), ldg.get("16"), e.get("bytes_per_row"),

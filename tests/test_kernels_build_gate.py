@@ -3,7 +3,8 @@ compiled for sm_80, sm_90 and sm_100 on a machine without a GPU, and its binary 
 
 The builds run once per session in a child process (kernels/static_build.py: TRITON_INTERPRET=0,
 a stand-in active driver reporting GPUTarget("cuda", arch, 32), launches turned into warmups).
-Asserted per build: it compiles; no spills (local memory 0, no STL); at least 16 resident
+Asserted per build: it compiles; no spills (no STL or LDL, local memory 0:
+static_build.spill_free) and no stack frame but the known ones; at least 16 resident
 warps per SM (registers, shared memory, warps and the per-SM limits), or for a small batch's
 build as many as its launch places on an SM (static_build.min_resident_warps); 128-bit
 gathers (or the 64-bit form when the rows are only 8-byte aligned) wherever the launcher found
@@ -15,6 +16,7 @@ of issue 21 with the machine shared).
 import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 import time
 
@@ -93,7 +95,10 @@ def test_compiles_without_spills_with_16_warps(gate, arch, name):
     an SM (sb.min_resident_warps: it never fills one)."""
     e = _entry(gate, arch, name)
     assert e["ok"], e.get("error")
-    assert e["local"] == 0 and e["spill_stores"] == 0, (e["regs"], e["local"])
+    assert sb.spill_free(e), (e["regs"], e["local"], e["spill_stores"], e["spill_loads"])
+    # A stack frame without STL / LDL is no spill, but only the known ones pass: a spill the
+    # instruction counts missed would show here.
+    assert e["stack"] == sb.KNOWN_STACK_FRAMES.get((arch, name), 0), e["stack"]
     assert e["warps_per_sm"] >= sb.min_resident_warps(e), (e["regs"], e["num_warps"],
                                                            e["limiter"])
 
@@ -214,3 +219,111 @@ def test_occupancy_matches_cuda_occupancy_h(tmp_path):
              for c, g in zip(cases, got)
              if int(g) != sb.occupancy(c[0], c[1], c[2], c[3])["blocks_per_sm"]]
     assert not wrong, (len(wrong), wrong[:10])
+
+
+# A kernel that must spill under a register cap: 64 values loaded, all live until their sum
+# is known, then each scaled and stored back. With 16 registers ptxas spills ~600 bytes.
+_SPILL_PTX = "\n".join(
+    [".version 7.0", ".target sm_80", ".address_size 64",
+     ".visible .entry spill(.param .u64 p)", "{", "  .reg .f32 f<64>;", "  .reg .f32 s;",
+     "  .reg .u64 rd<2>;", "  ld.param.u64 rd0, [p];", "  cvta.to.global.u64 rd1, rd0;"]
+    + [f"  ld.global.f32 f{i}, [rd1+{4 * i}];" for i in range(64)]
+    + ["  mov.f32 s, f0;"] + [f"  add.f32 s, s, f{i};" for i in range(1, 64)]
+    + [f"  mul.f32 f{i}, f{i}, s;" for i in range(64)]
+    + [f"  st.global.f32 [rd1+{4 * i}], f{i};" for i in range(64)]
+    + ["  ret;", "}", ""])
+
+
+def _ptxas(tmp_path, maxreg):
+    tools = sb.tool_dir()
+    if tools is None:
+        pytest.skip("Triton's NVIDIA tools are not installed")
+    ptx = tmp_path / "spill.ptx"
+    ptx.write_text(_SPILL_PTX)
+    out = tmp_path / f"spill{maxreg}.cubin"
+    subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_80", f"--maxrregcount={maxreg}",
+                    str(ptx), "-o", str(out)], check=True, capture_output=True)
+    return tools, out.read_bytes()
+
+
+def test_a_spilling_kernel_is_caught(tmp_path):
+    """ptxas puts spilled registers in the stack frame: cuobjdump reports STACK > 0 and
+    LOCAL 0 for them, so 'local == 0' (the gate's check before, beside the STL count) never
+    saw a spilled byte, and the report's local_bytes column is 0 for any spill. The spill is
+    caught by its STL and by its LDL (each alone), and its bytes are in ``stack``; the same
+    kernel with registers enough is spill-free and has no stack frame."""
+    tools, cubin = _ptxas(tmp_path, 16)
+    e = sb._inspect(cubin, tools, str(tmp_path), "spill16")
+    assert e["local"] == 0  # why LOCAL cannot be the spill measure
+    assert e["stack"] > 0 and e["spill_stores"] > 0 and e["spill_loads"] > 0, e
+    assert not sb.spill_free(e)
+    assert not sb.spill_free(dict(e, spill_stores=0))
+    assert not sb.spill_free(dict(e, spill_loads=0))
+    tools, cubin = _ptxas(tmp_path, 128)
+    e = sb._inspect(cubin, tools, str(tmp_path), "spill128")
+    assert sb.spill_free(e) and e["stack"] == 0, e
+
+
+def _fake_tools(tmp_path, res_usage, sass):
+    """A tool directory whose cuobjdump / nvdisasm print the given text."""
+    d = tmp_path / "tools"
+    d.mkdir()
+    for name, text in (("cuobjdump", res_usage), ("nvdisasm", sass)):
+        (d / f"{name}.txt").write_text(text)
+        script = d / name
+        script.write_text(f"#!/bin/sh\ncat '{d / name}.txt'\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(d)
+
+
+_SASS = "        /*0000*/                   MOV R1, c[0x0][0x28] ;\n        /*0010*/ EXIT ;\n"
+
+
+@pytest.mark.parametrize("res_usage", [
+    "",  # nothing printed
+    " Function k:\n  REGISTERS:40 STACK:0 SHARED:0 LOCAL:0\n",  # a renamed field
+    " Function k:\n  REG:40 SHARED:0 LOCAL:0\n",  # STACK missing
+    " Function a:\n  REG:40 STACK:0 SHARED:0 LOCAL:0\n"
+    " Function b:\n  REG:200 STACK:64 SHARED:0 LOCAL:0\n",  # which one was built?
+])
+def test_unreadable_resource_usage_is_an_error(tmp_path, res_usage):
+    """Before, a field the regular expression did not find read as 0 (0 registers: every
+    warp resident; 0 stack and local bytes: no spill), so a changed cuobjdump format passed
+    the gate silently; with two functions the last one's figures were taken."""
+    tools = _fake_tools(tmp_path, res_usage, _SASS)
+    with pytest.raises(ValueError, match="res-usage"):
+        sb._inspect(b"\0", tools, str(tmp_path), "fake")
+
+
+def test_a_disassembly_without_instructions_is_an_error(tmp_path):
+    """An empty disassembly counts no STL and no LDL: a spill-free verdict on nothing."""
+    tools = _fake_tools(tmp_path, " Function k:\n  REG:40 STACK:0 SHARED:0 LOCAL:0\n",
+                        "nvdisasm warning : something\n")
+    with pytest.raises(ValueError, match="no instructions"):
+        sb._inspect(b"\0", tools, str(tmp_path), "fake")
+    tools2 = _fake_tools(tmp_path / "ok", " Function k:\n  REG:40 STACK:0 SHARED:0 LOCAL:0\n",
+                         _SASS) if (tmp_path / "ok").mkdir() is None else None
+    assert sb._inspect(b"\0", tools2, str(tmp_path), "fake")["regs"] == 40
+
+
+def test_report_rows_carry_the_spill_bytes():
+    """The static report's CSV has a column per figure the gate reads: its spill bytes are
+    the stack frame's (the local_bytes column was the only byte count, 0 for any spill), and
+    the spill loads beside the stores."""
+    import importlib
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        report = importlib.import_module("kernel_report")
+    finally:
+        sys.path.remove(bench)
+    b = sb.Build("fwd", 100, 128)
+    e = dict(build=dataclasses.asdict(b), ok=True, regs=24, stack=576, local=0,
+             spill_stores=153, spill_loads=197, ldg={})
+    row, = report.rows_for({"builds": {b.name: e}}, {}, 90, "3.8.0", "abc")
+    got = dict(zip(report.COLUMNS, row))
+    assert len(row) == len(report.COLUMNS)
+    assert (got["stack_bytes"], got["spill_stores"], got["spill_loads"], got["local_bytes"]) \
+        == (576, 153, 197, 0)

@@ -142,8 +142,49 @@ def _covering_set() -> List[Build]:
                              (32, 128, "fp32", True), (100, 5000, "fp32", False),
                              (1, 1, "fp16", False)]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", dist, grad_x=False))
+    # fp64 embeddings: the forward computes in fp64 (COMPUTE fp64, twice the registers a
+    # value), with an fp64 bank (8 elements a thread: default_config's row_elems) or a 4-byte
+    # one (16 elements a thread, held in fp64); training, forward-only, the two-phase path, a
+    # one-warp row and a multi-warp one, and a small batch's lengthened tiles.
+    for K, D, bank, grad_x, B, sms in [(100, 128, "fp64", True, 8, None),
+                                       (100, 512, "fp64", True, 8, None),
+                                       (100, 2048, "fp64", True, 8, None),
+                                       (100, 128, "fp64", False, 8, None),
+                                       (100, 5000, "fp64", True, 8, None),
+                                       (100, 128, "fp32", True, 8, None),
+                                       (100, 1024, "fp32", True, 8, None),
+                                       (100, 256, "fp32", True, 8, None),
+                                       (100, 512, "bf16", True, 8, None),
+                                       (100, 128, "fp16", False, 8, None),
+                                       (100, 128, "fp16", True, 8, None),
+                                       (100, 128, "bf16", False, 8, None),
+                                       (100, 128, "fp32", False, 8, None),
+                                       (100, 5000, "fp32", False, 8, None),
+                                       (100, 5000, "fp32", True, 8, None),
+                                       (100, 5000, "bf16", True, 8, None),
+                                       (100, 5000, "bf16", False, 8, None),
+                                       (100, 5000, "fp16", False, 8, None),
+                                       (100, 5000, "fp16", True, 8, None),
+                                       (100, 5000, "fp64", False, 8, None),
+                                       (1000, 64, "fp64", True, 128, 132),
+                                       (100, 128, "fp64", False, 128, 132)]:
+        out.append(Build("fwd", K, D, bank, "fp64", True, "int64", False, B=B, sms=sms,
+                         grad_x=grad_x))
+    # An fp64 bank under fp32 embeddings (fp32 arithmetic, 8-byte rows) and fp16 embeddings.
+    for K, D, grad_x in [(100, 128, True), (100, 512, False), (100, 5000, True),
+                         (100, 5000, False)]:
+        out.append(Build("fwd", K, D, "fp64", "fp32", True, "int64", False, grad_x=grad_x))
+    out.append(Build("fwd", 100, 128, "fp32", "fp16", True, "int32", False))
+    # The two-phase path (D above the register tile) of 2-byte banks, forward-only and fp16.
+    for bank, grad_x in [("bf16", False), ("fp16", False), ("fp16", True)]:
+        out.append(Build("fwd", 100, 5000, bank, "fp32", True, "int32", False, grad_x=grad_x))
     for D, bank in [(64, "fp32"), (1000, "bf16"), (5000, "fp32")]:
         out.append(Build("centre_grad", 32, D, bank, "fp32", idx="int32"))
+    # The centre gradient in fp64 (fp64 embeddings: fp64 atomics and gradient).
+    for K, D, bank in [(100, 64, "fp64"), (100, 128, "fp32"), (32, 1000, "fp64"),
+                       (100, 128, "bf16"), (100, 128, "fp16")]:
+        out.append(Build("centre_grad", K, D, bank, "fp64", idx="int64"))
+    out.append(Build("centre_grad", 100, 128, "fp64", "fp32", idx="int64"))
     # The centre gradient's register-heaviest builds (found by a sweep of D <= 256 x bank x
     # index width x K): 130-168 registers and 12 warps per SM with 4096-element tiles.
     for K, D, bank, idx in [(100, 64, "fp32", "int64"), (100, 64, "bf16", "int64"),

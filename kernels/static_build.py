@@ -450,9 +450,8 @@ def _inspect(cubin: bytes, tools: str, workdir: str, tag: str) -> Dict:
 # Child process: the actual compiles
 # ------------------------------------------------------------------------------------------
 
-def _child(archs: List[int], names: List[str]) -> Dict:
+def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
     import importlib.util
-    import tempfile
 
     import torch
     import triton
@@ -520,7 +519,6 @@ def _child(archs: List[int], names: List[str]) -> Dict:
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
     out = {"triton": triton.__version__, "archs": {}, "tools": tools}
-    workdir = tempfile.mkdtemp(prefix="nk_static_")
     for arch in archs:
         triton.runtime.driver.set_active(StandInDriver(arch))
         rows, seen = {}, {}
@@ -672,7 +670,11 @@ def _main(argv=None):
     ap.add_argument("--names", nargs="+", default=[b.name for b in BUILDS])
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(args.archs, args.names)))
+        # The cubins are written for the tools to read, then removed with their directory
+        # (before, every gate run left one nk_static_* directory of cubins in the temp dir).
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="nk_static_") as workdir:
+            print(json.dumps(_child(args.archs, args.names, workdir)))
     else:
         print(json.dumps(compile_builds(args.archs, args.names), indent=1))
 

@@ -384,3 +384,13 @@ def test_every_dtype_and_mode_the_loss_launchers_take_is_built():
         elif b.kernel == "centre_grad":
             have.add(("centre_grad", "fp64" if b.emb == "fp64" else "fp32", b.bank))
     assert not want - have, sorted(want - have)
+
+
+def test_the_child_leaves_no_cubins_behind(tmp_path, monkeypatch):
+    """Each gate run wrote its cubins to a fresh nk_static_* directory and left it there."""
+    if sb.arch_support(90):
+        pytest.skip(sb.arch_support(90))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    out = sb.compile_builds([90], ["counted_mean-fp32"], timeout=300)
+    assert out["archs"]["90"]["builds"]["counted_mean-fp32"]["ok"]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("nk_static_")]

@@ -415,7 +415,7 @@ class FwdConfig:
 
 def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                    elem_size: int = 4, grad_x: bool = True, B: Optional[int] = None,
-                   sms: Optional[int] = None) -> FwdConfig:
+                   sms: Optional[int] = None, compute_size: int = 4) -> FwdConfig:
     """Launch rule, measured on an H100 (``benchmarks/tune_loss.py``; its CSV in
     benchmarks/results) and explained by the static build report (``kernels/static_build.py``,
     "sweep" rows of benchmarks/results/static_sm_*.csv).
@@ -489,7 +489,18 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     small batch keeps 4 warps: one program an SM leaves the registers nothing to limit. There
     128x128 at 4 warps (the whole list of 100 in one tile, 128 elements a thread) took 0.0117,
     1.27x the rule's tile, as at bc82787; not taken, ~3 us of a call the host holds for ~300.
+
+    fp64 embeddings (``compute_size`` 8: the kernel computes in fp64) size the tile as an fp64
+    bank does, whatever the bank's element size: the registers hold the gathered values in the
+    compute dtype. Sized by a 4- or 2-byte bank, their training forwards took 154-240
+    registers and kept 8-12 warps per SM on sm_80 and sm_90 (the build gate's fp64 builds,
+    2026-11-28); as an fp64 bank's tiles they meet its floor. Not timed on a GPU.
     """
+    # The bytes of one tile element as the rule counts them: the bank's (a 2-byte bank's 32
+    # elements a thread sit in fp32 registers by design: the measured rule), fp64's for fp64
+    # embeddings over a narrower bank.
+    if compute_size > 4:
+        elem_size = max(elem_size, compute_size)
     block_d_full = pow2_ceil(D)
     block_d = block_d_full if block_d_full <= max_block_d else max_block_d
     kp2 = pow2_ceil(K)
@@ -592,7 +603,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
     cfg = config if config is not None else default_config(
-        K, D, max_block_d, centres.element_size(), need_grad_x, B, sm_count(dev))
+        K, D, max_block_d, centres.element_size(), need_grad_x, B, sm_count(dev),
+        cdt.itemsize)
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist

@@ -541,7 +541,9 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
                     cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg
                            else nk.default_config(b.K, b.D, elem_size=cen.element_size(),
                                                  grad_x=b.grad_x,
-                                                 B=b.B if b.sms else None, sms=b.sms))
+                                                 B=b.B if b.sms else None, sms=b.sms,
+                                                 compute_size=emb.element_size()
+                                                 if emb.dtype == torch.float64 else 4))
                     cfg = dataclasses.replace(cfg, prefetch_index=b.prefetch)
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,

@@ -89,19 +89,6 @@ def test_every_target_the_issue_names_is_gated():
     assert {80, 90} <= set(ARCHS)
 
 
-# Builds below the 16-warp floor, found when the gate first built fp64 embeddings over
-# 4- and 2-byte banks (training): default_config sizes the tile by the bank's element size
-# (16-32 elements a thread for 64 bytes), but the forward holds them, z and the two weighted
-# sums in fp64 (COMPUTE), 154-240 registers, 8-12 warps per SM. A launcher rule's question
-# (kernels/neighbour_kernel.default_config), not the gate's; listed so that the gate holds
-# every other build and notices when these change.
-BELOW_FLOOR_FP64 = {(arch, name) for arch in ARCHS for name in (
-    "fwd-K100-D256-fp32-fp64-w-int64-nodist", "fwd-K100-D1024-fp32-fp64-w-int64-nodist",
-    "fwd-K100-D512-bf16-fp64-w-int64-nodist", "fwd-K100-D5000-bf16-fp64-w-int64-nodist",
-    "fwd-K100-D5000-fp16-fp64-w-int64-nodist")} | {
-    (80, "fwd-K100-D5000-fp32-fp64-w-int64-nodist")}
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_without_spills_with_16_warps(gate, arch, name):
@@ -114,14 +101,35 @@ def test_compiles_without_spills_with_16_warps(gate, arch, name):
     # instruction counts missed would show here.
     assert e["stack"] == sb.KNOWN_STACK_FRAMES.get((arch, name), 0), e["stack"]
     below = e["warps_per_sm"] < sb.min_resident_warps(e)
-    if (arch, name) in BELOW_FLOOR_FP64:
-        # Known and reported, not excused: fails here as soon as it meets the floor, so that
-        # the list cannot go stale.
-        assert below, f"{name} now keeps {e['warps_per_sm']} warps: drop it from the list"
-        pytest.xfail(f"{e['regs']} registers, {e['warps_per_sm']} warps per SM: "
-                     "default_config sizes the tile by the bank's element size, fp64 in "
-                     "registers")
     assert not below, (e["regs"], e["num_warps"], e["limiter"])
+
+
+@pytest.mark.parametrize("bank", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("grad_x", [True, False])
+def test_fp64_embeddings_take_an_fp64_banks_tiles(bank, grad_x):
+    """The registers hold the gathered values in the compute dtype: fp64 embeddings over a
+    4- or 2-byte bank take the tiles of an fp64 bank. Sized by the bank's bytes their training
+    forwards took 154-240 registers, 8-12 warps per SM on sm_80 and sm_90 (the gate's first
+    fp64 builds); fp32 embeddings keep the bank's rule."""
+    nk = _kernels().neighbour_kernel
+    for K, D, B, sms in ((100, 256, None, None), (100, 1024, None, None),
+                         (100, 5000, None, None), (1000, 64, 128, 132), (100, 128, 600, 132)):
+        size = sb.DTYPE_SIZES[bank]
+        assert nk.default_config(K, D, elem_size=size, grad_x=grad_x, B=B, sms=sms,
+                                 compute_size=8) == \
+            nk.default_config(K, D, elem_size=8, grad_x=grad_x, B=B, sms=sms)
+        assert nk.default_config(K, D, elem_size=size, grad_x=grad_x, B=B, sms=sms,
+                                 compute_size=4) == \
+            nk.default_config(K, D, elem_size=size, grad_x=grad_x, B=B, sms=sms)
+    # fp32 computation keeps the bank's bytes: a 2-byte bank's 32 elements a thread (8 rows of
+    # 128), an fp32 bank's 16 (4 rows); fp64's 8 (2 rows)
+    C = nk.FwdConfig
+    assert nk.default_config(100, 128, elem_size=2, grad_x=False, compute_size=4) == \
+        C(8, 128, 1, 2, 1)
+    assert nk.default_config(100, 128, elem_size=4, grad_x=False, compute_size=4) == \
+        C(4, 128, 1, 2, 1)
+    assert nk.default_config(100, 128, elem_size=2, grad_x=False, compute_size=8) == \
+        C(2, 128, 1, 2, 1)
 
 
 def test_only_small_batch_builds_have_a_lower_floor():
@@ -371,7 +379,8 @@ def test_every_dtype_and_mode_the_loss_launchers_take_is_built():
             for grad_x in (True, False):
                 for D in (128, nk.MAX_SINGLE_PASS_BLOCK_D + 904):
                     cfg = nk.default_config(100, D, elem_size=sb.DTYPE_SIZES[bank],
-                                            grad_x=grad_x)
+                                            grad_x=grad_x,
+                                            compute_size=8 if emb == "fp64" else 4)
                     want.add(("fwd",) + _fwd_mode(emb, bank, grad_x, cfg.single_pass(D)))
             want.add(("centre_grad", "fp64" if emb == "fp64" else "fp32", bank))
     have = set()
@@ -379,7 +388,8 @@ def test_every_dtype_and_mode_the_loss_launchers_take_is_built():
         if b.kernel == "fwd":
             cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg else
                    nk.default_config(b.K, b.D, elem_size=sb.DTYPE_SIZES[b.bank],
-                                     grad_x=b.grad_x))
+                                     grad_x=b.grad_x,
+                                     compute_size=8 if b.emb == "fp64" else 4))
             have.add(("fwd",) + _fwd_mode(b.emb, b.bank, b.grad_x, cfg.single_pass(b.D)))
         elif b.kernel == "centre_grad":
             have.add(("centre_grad", "fp64" if b.emb == "fp64" else "fp32", b.bank))

@@ -24,7 +24,7 @@ def force_blocks(monkeypatch):
 
     def force(block_k, block_d):
         def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4, grad_x=True,
-                B=None, sms=None):
+                B=None, sms=None, compute_size=4):
             seen.append((K, D))
             return nk.FwdConfig(block_k, block_d, num_warps=2)
         monkeypatch.setattr(nk, "default_config", cfg)
@@ -188,8 +188,8 @@ def test_default_config_lengthens_tiles_for_batches_too_small_to_fill_the_gpu():
 
 
 def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
-    """neighbour_kernel_fwd asks default_config with B and the device's SMs (None off CUDA:
-    the interpreter has no SMs)."""
+    """neighbour_kernel_fwd asks default_config with B, the device's SMs (None off CUDA: the
+    interpreter has no SMs) and the compute dtype's bytes (8 for fp64 embeddings)."""
     nk = kernels().neighbour_kernel
     seen = []
     real = nk.default_config
@@ -199,6 +199,9 @@ def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
         return real(*args)
     monkeypatch.setattr(nk, "default_config", spy)
     emb, labels, centres, cl, nb, w = far_first_case(5, 30, 6, 7, seed=2, spread=1.0, pad=0.0)
-    nk.neighbour_kernel_fwd(emb, labels, centres, cl, nb, w, torch.tensor(1.0))
-    assert seen and seen[-1][5:] == (5, None)
+    centres = centres.float()
+    nk.neighbour_kernel_fwd(emb.float(), labels, centres, cl, nb, w, torch.tensor(1.0))
+    assert seen and seen[-1][5:] == (5, None, 4)  # B, SMs, the compute dtype's bytes (fp32)
+    nk.neighbour_kernel_fwd(emb.double(), labels, centres, cl, nb, w, torch.tensor(1.0))
+    assert seen[-1][3] == 4 and seen[-1][7] == 8  # an fp32 bank computed in fp64
     assert nk.sm_count(torch.device("cpu")) is None

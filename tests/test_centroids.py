@@ -176,7 +176,10 @@ def test_add_to_an_empty_bank_takes_the_new_dimension():
     first centres set it. The (0, D) centres were concatenated with the new ones, so centres of
     another D raised torch.cat's size error, naming nothing."""
     bank = CentreBank(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
-    new = torch.randn(3, 5, dtype=torch.float64)
+    # Seeded and spread out: with unseeded unit-scale centres the prediction at centre 0 went
+    # to class 1 (weights 2 + 0.5 against 1) in about 1 draw of 100.
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(3, 5, dtype=torch.float64, generator=g) * 10
     bank.add(new, torch.tensor([0, 1, 1]), weights=torch.tensor([1.0, 2.0, 0.5]))
     assert bank.dim == 5 and bank.num_centres == 3 and bank.centres.dtype == torch.float32
     assert torch.equal(bank.centres, new.float()) and bank.centre_labels.tolist() == [0, 1, 1]

@@ -186,3 +186,38 @@ def test_add_to_an_empty_bank_takes_the_new_dimension():
     torch.testing.assert_close(bank.weights.detach(), torch.tensor([1.0, 2.0, 0.5]))
     clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0, search_backend="torch")
     assert clf.predict(new.float()[:1]).tolist() == [0]
+
+
+def test_add_with_weights_keeps_the_old_log_weights_bit_for_bit():
+    """add(weights=) passed exp(log_weights) of the old rows back through update_, which took
+    their log again: learned log-weights moved by an ulp (about 1 in 8), and one trained below
+    fp32's exp range (weight 0 in fp32, e.g. -110) came back -inf and the add was refused as
+    "learnable weights must start strictly positive". Only the new rows' weights are logged."""
+    g = torch.Generator().manual_seed(0)
+    lw = torch.randn(1000, generator=g) * 3
+    lw[7] = -110.0
+    bank = CentreBank(torch.randn(1000, 3, generator=g), torch.zeros(1000, dtype=torch.long),
+                      weights=torch.ones(1000), learn_weights=True,
+                      neighbours=torch.zeros(1000, 2, dtype=torch.long).add_(1))
+    bank.log_weights.data.copy_(lw)
+    param = bank.log_weights
+    bank.add(torch.randn(2, 3, generator=g), torch.tensor([1, 1]),
+             weights=torch.tensor([0.5, 2.0], dtype=torch.float64))
+    assert bank.log_weights is param and param.requires_grad and param.shape == (1002,)
+    assert torch.equal(param.detach()[:1000], lw)
+    torch.testing.assert_close(bank.weights.detach()[1000:], torch.tensor([0.5, 2.0]))
+    assert bank.weights_for_loss() is not None
+    assert bank.neighbours.tolist()[1000:] == [[-1, -1], [-1, -1]]
+    # Validation of the new weights still names them, and leaves the bank as it was.
+    with pytest.raises(ValueError, match="^learnable weights must start strictly positive"):
+        bank.add(torch.randn(1, 3), torch.tensor([1]), weights=torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="^weights must be finite and non-negative$"):
+        bank.add(torch.randn(1, 3), torch.tensor([1]), weights=torch.tensor([float("nan")]))
+    assert bank.num_centres == 1002 and torch.equal(param.detach()[:1000], lw)
+    # A fixed-weight bank: new rows take the given weights, uniform banks stop being uniform
+    # only when rows with weights are added.
+    plain = CentreBank(torch.randn(3, 3), torch.tensor([0, 1, 2]))
+    plain.add(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), weights=torch.zeros(0))
+    assert plain.weights_for_loss() is None
+    plain.add(torch.randn(1, 3), torch.tensor([3]), weights=torch.tensor([0.0]))
+    assert plain.weights.detach().tolist() == [1.0, 1.0, 1.0, 0.0]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..validation import all_finite, require_float, require_labelled, require_positive_int
+from .centre_bank import _validate_weights
 
 __all__ = ["kmeans", "class_centroids", "add_centres"]
 
@@ -196,13 +197,20 @@ def add_centres(bank, centres: Tensor, centre_labels: Tensor,
     labels = centre_labels.to(dev).long()
     if m and int(labels.min()) < 0:
         raise ValueError(f"centre_labels must be >= 0, got {int(labels.min())}")
-    new_w = None
+    new_lw = None
     if weights is not None:
         require_float("weights", weights, 1)
         if weights.shape[0] != m:
             raise ValueError(f"weights has length {weights.shape[0]} but there are {m} new "
                              "centres")
-        new_w = torch.cat([bank.weights.detach(), weights.detach().to(dev, torch.float32)])
+        # Only the new rows' weights are validated and logged: the old rows keep their
+        # log-weights bit for bit. Passing exp(log_weights) of the old rows back through
+        # update_(weights=) re-took their log: an ulp off for about 1 learned weight in 8,
+        # and a learned log-weight below fp32's exp range (-104: weight 0 in fp32) came back
+        # -inf, refused as "learnable weights must start strictly positive".
+        w = weights.detach().to(dev, torch.float32)
+        _validate_weights(w, m, positive=bank.learn_weights)
+        new_lw = torch.log(w)
     new_nb = None
     if bank.has_neighbours:
         pad = torch.full((m, bank.k), -1, dtype=torch.long, device=dev)
@@ -210,5 +218,13 @@ def add_centres(bank, centres: Tensor, centre_labels: Tensor,
     new_c = centres.detach().to(dev, bank.centres.dtype)
     if bank.num_centres:  # an empty bank takes the new centres' dimension (checked above)
         new_c = torch.cat([bank.centres, new_c])
-    return bank.update_(centres=new_c, centre_labels=torch.cat([bank.centre_labels, labels]),
-                        neighbours=new_nb, weights=new_w)
+    n_old = bank.num_centres
+    # update_ pads the log-weights of the new rows with 0 (weight 1) on the same Parameter;
+    # given weights then go into those rows. Everything was validated before update_, so
+    # nothing can fail between the two writes.
+    bank.update_(centres=new_c, centre_labels=torch.cat([bank.centre_labels, labels]),
+                 neighbours=new_nb)
+    if new_lw is not None and m:
+        bank.log_weights.data[n_old:] = new_lw
+        bank._uniform_weights = False
+    return bank

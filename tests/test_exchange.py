@@ -158,3 +158,31 @@ def test_single_process_is_the_single_process_search():
                                                    ensure_positive=ensure_positive)
         assert torch.equal(got.neighbours, want.neighbours) and got.num_patched == want.num_patched
     exchange.check_async_refresh()
+
+
+def test_exchange_arguments_are_checked_before_any_collective():
+    """Mistakes in the arguments are the same on every rank, so they are raised before the
+    first collective (no process group is needed to see them). Before: gather_batch_rows took
+    its row count from idx, so an emb with fewer rows was padded with zeros that every rank
+    wrote into the bank, one with more rows lost rows, float idx were truncated; gather_bank_rows
+    read a (N, 1) written as rows (i, 0, j, 0, ...) and a longer written or shorter labels
+    raised an IndexError naming nothing."""
+    assert not nkd.is_distributed()
+    idx, emb = torch.tensor([3, 1, 2]), torch.ones(3, 2)
+    for bad_idx, bad_emb, exc, match in [
+            (idx, emb[:2], ValueError, r"^emb has 2 rows but idx has 3"),
+            (idx[:2], emb, ValueError, r"^emb has 3 rows but idx has 2"),
+            (idx.float(), emb, TypeError, r"^idx must have an integer dtype"),
+            (idx[:, None], emb, ValueError, r"^idx must be 1-D"),
+            (idx, emb.flatten(), ValueError, r"^emb must be 2-D")]:
+        with pytest.raises(exc, match=match):
+            exchange.gather_batch_rows(bad_idx, bad_emb)
+    centres, labels = torch.zeros(6, 2), torch.zeros(6, dtype=torch.long)
+    written = torch.ones(6, dtype=torch.bool)
+    for bad_labels, bad_written, exc, match in [
+            (labels, written[:, None], ValueError, r"^written must have shape \(6,\)"),
+            (labels, torch.ones(7, dtype=torch.bool), ValueError, r"^written must have shape"),
+            (labels, torch.arange(6), TypeError, r"^written must be a bool tensor"),
+            (labels[:5], written, ValueError, r"^centre_labels has length 5 but centres has 6")]:
+        with pytest.raises(exc, match=match):
+            exchange.gather_bank_rows(centres, bad_labels, bad_written)

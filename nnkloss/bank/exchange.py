@@ -84,7 +84,17 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
 # ============================================================================ bank rows
 def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Tensor]:
     """Every rank's batch rows ``(idx (B_r,), emb (B_r, D))``, concatenated in rank order, on
-    every rank (the fresh-centre writes of the Trainer: every rank's bank gets the same rows)."""
+    every rank (the fresh-centre writes of the Trainer: every rank's bank gets the same rows).
+
+    idx (B_r,) integer and emb (B_r, D) float are checked before any collective (the same call
+    on every rank makes the same mistake, so every rank raises): the rows sent are counted from
+    idx, so an emb with fewer rows was padded with zeros that every rank then wrote into the
+    bank, one with more rows lost its extra rows, and float idx were truncated, all silently."""
+    require_int("idx", idx, 1)
+    require_float("emb", emb, 2)
+    if emb.shape[0] != idx.shape[0]:
+        raise ValueError(f"emb has {emb.shape[0]} rows but idx has {idx.shape[0]}: one "
+                         "embedding per bank row")
     comm = comm_device(group, emb.device)
     size = torch.tensor([idx.shape[0]], dtype=torch.int64, device=comm)
     counts = [int(c) for c in _all_gather_same(size, group)]  # NCCL: one host sync
@@ -140,6 +150,9 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     rank ends with the same bytes even where two ranks' embeddings of a row differ in the last
     bits (different batch compositions). Only the owning rank sends a row's values.
 
+    Raises before any exchange (on the rank that was given them): TypeError / ValueError for
+    centre_labels or written that do not fit ``centres`` (naming the argument).
+
     Raises (on every rank, the bank's previous contents untouched by the caller):
         ValueError: no rank wrote some rows; NaN/inf embeddings; two ranks gave one row
             different labels; the ranks' banks differ in N, D or dtype.
@@ -148,6 +161,20 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     require_int("centre_labels", centre_labels, 1)
     labels = centre_labels
     n, d = centres.shape
+    # Checked before any collective (a caller's mistake is the same on every rank, so every
+    # rank raises): a written of shape (N, 1) was read through nonzero().flatten() as rows
+    # (i, 0, j, 0, ...), claiming row 0 for this rank; a longer one, or labels shorter than
+    # the bank, raised an IndexError that named neither; an integer mask was taken as one.
+    if centre_labels.shape[0] != n:
+        raise ValueError(f"centre_labels has length {centre_labels.shape[0]} but centres has "
+                         f"{n} rows")
+    if not isinstance(written, Tensor) or written.dtype != torch.bool:
+        got = written.dtype if isinstance(written, Tensor) else type(written).__name__
+        raise TypeError(f"written must be a bool tensor (the mask of the rows this rank "
+                        f"wrote), got {got}")
+    if written.shape != (n,):
+        raise ValueError(f"written must have shape ({n},) (one flag per bank row), got "
+                         f"{tuple(written.shape)}")
     dev = centres.device
     w, me = world_size(group), rank(group)
     comm = comm_device(group, dev)

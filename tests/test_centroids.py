@@ -221,3 +221,31 @@ def test_add_with_weights_keeps_the_old_log_weights_bit_for_bit():
     assert plain.weights_for_loss() is None
     plain.add(torch.randn(1, 3), torch.tensor([3]), weights=torch.tensor([0.0]))
     assert plain.weights.detach().tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_centres_beyond_their_dtype_and_unsquarable_points_raise_naming_emb():
+    """fp64 embeddings beyond fp32's range gave inf class means (fp64 gives fp32 centres)
+    without an error; k-means of rows whose squared distances overflow (1e20 in fp32, 1e300
+    in fp64) or underflow to 0 (distinct rows 1e-30 apart in fp32) failed in
+    torch.multinomial ("invalid multinomial distribution"), naming nothing."""
+    big = torch.tensor([[1e300, 0.0], [1e300, 1.0]], dtype=torch.float64)
+    for per_class in (1, 2):  # the mean, and the distinct rows of a small class
+        with pytest.raises(ValueError, match=r"^emb holds torch.float64 values whose centres "
+                                             r"overflow torch.float32"):
+            class_centroids(big, torch.tensor([0, 0]), per_class=per_class)
+    cases = [(torch.tensor([[1e300, 0], [-1e300, 0], [1e300, 1]], dtype=torch.float64),
+              "too large to square in torch.float64"),
+             (torch.tensor([[1e20, 0], [-1e20, 0], [1e20, 1]]), "too large to square"),
+             (torch.tensor([[0.0], [1e-30], [2e-30]]), "underflow to 0 when squared")]
+    for x, what in cases:
+        with pytest.raises(ValueError, match=r"^emb \(the rows of class 4\) .*" + what):
+            class_centroids(x, torch.tensor([4, 4, 4]), per_class=2)
+        with pytest.raises(ValueError, match=r"^x .*" + what):
+            kmeans(x, 2)
+    # Large but squarable values, and a small class of huge fp32 rows (no k-means), still work.
+    c, _ = class_centroids(torch.tensor([[1e15, 0], [-1e15, 0], [1e15, 1]]),
+                           torch.tensor([0, 0, 0]), per_class=2)
+    assert torch.isfinite(c).all() and c.shape == (2, 2)
+    c, _ = class_centroids(torch.tensor([[3e38, 0], [-3e38, 0]]), torch.tensor([0, 0]),
+                           per_class=2)
+    assert torch.equal(c, torch.tensor([[-3e38, 0], [3e38, 0]]))

@@ -43,6 +43,16 @@ def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
     return (d * d).sum(1)
 
 
+def _require_squarable(name: str, x: Tensor) -> None:
+    """Raise ValueError naming ``name`` where squared distances between rows of ``x`` (N, D)
+    could overflow its dtype: |a - b|^2 <= 4 max |row|^2, the bound checked. k-means++ then
+    sampled from inf / inf = NaN probabilities, and torch.multinomial's error named nothing."""
+    if x.numel() and not bool(torch.isfinite(4 * (x * x).sum(1).amax())):
+        raise ValueError(f"{name} holds rows too large to square in {x.dtype} (largest "
+                         f"|value| {float(x.abs().max()):.3g}): k-means compares squared "
+                         f"distances; scale them down")
+
+
 def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: float = 1e-7,
            search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Lloyd's k-means with greedy k-means++ seeding (as scikit-learn seeds it).
@@ -58,9 +68,16 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
     Returns:
         centroids (n_clusters, D) in the compute dtype, assignment (N,) int64.
     """
+    require_float("x", x, 2)
+    return _kmeans(x, n_clusters, iters, seed, tol, search_backend, "x")
+
+
+def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, search_backend: str,
+            name: str) -> Tuple[Tensor, Tensor]:
+    """:func:`kmeans`, its errors about the points naming them ``name`` (class_centroids
+    names the class whose rows they are)."""
     from .search import knn  # lazily: the search backends pull in faiss when available
 
-    require_float("x", x, 2)
     n_clusters = require_positive_int("n_clusters", n_clusters)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"iters must be a non-negative int, got {iters!r}")
@@ -68,10 +85,12 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     x = x.to(cdt)
     if not all_finite(x):
-        raise ValueError("x contains NaN or inf")
+        raise ValueError(f"{name} contains NaN or inf")
     n_distinct = torch.unique(x, dim=0).shape[0] if n else 0
     if n_clusters > n_distinct:
-        raise ValueError(f"n_clusters={n_clusters} but x has only {n_distinct} distinct rows")
+        raise ValueError(f"n_clusters={n_clusters} but {name} has only {n_distinct} distinct "
+                         "rows")
+    _require_squarable(name, x)
     gen = torch.Generator().manual_seed(int(seed))
 
     # Greedy k-means++: sample a few candidates with probability proportional to D^2 and keep
@@ -82,6 +101,11 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
     closest = _sq_dist_to(x, x[first])
     for _ in range(1, n_clusters):
         p = closest.double().cpu()
+        if not bool(p.sum() > 0):
+            # Rows distinct but closer than the dtype can square (differences below ~1e-23
+            # in fp32): every remaining distance is 0 and there is nothing to sample from.
+            raise ValueError(f"{name} has {n_distinct} distinct rows, but their differences "
+                             f"underflow to 0 when squared in {cdt}: scale them up")
         cand = torch.multinomial(p / p.sum(), n_local, replacement=True, generator=gen)
         best_pot, best_d, best_i = None, None, None
         for i in cand.tolist():
@@ -152,7 +176,7 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         sums = torch.zeros(classes.shape[0], emb.shape[1], dtype=torch.float64, device=emb.device)
         sums.index_add_(0, inverse, emb.double())
         means = sums / counts[:, None].double()
-        return means.to(out_dtype), classes
+        return _finite_centres(means.to(out_dtype), emb), classes
 
     order = torch.argsort(inverse, stable=True)  # rows grouped by class, one sort for all
     starts = torch.cumsum(counts, 0) - counts
@@ -164,11 +188,23 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         if distinct.shape[0] <= per_class:
             cents = distinct
         else:
-            cents, _ = kmeans(pts, per_class, iters=iters, seed=seed + ci,
-                               search_backend=search_backend)
+            cents, _ = _kmeans(pts, per_class, iters, seed + ci, 1e-7, search_backend,
+                               f"emb (the rows of class {int(classes[ci])})")
         centres.append(cents)
         centre_labels.append(classes[ci].expand(cents.shape[0]))
-    return torch.cat(centres).to(out_dtype), torch.cat(centre_labels)
+    return _finite_centres(torch.cat(centres).to(out_dtype), emb), torch.cat(centre_labels)
+
+
+def _finite_centres(centres: Tensor, emb: Tensor) -> Tensor:
+    """``centres`` after the cast to their dtype, or ValueError naming ``emb`` where a centre
+    overflowed it: fp64 embeddings beyond fp32's range (3.4e38) gave inf centres silently
+    (fp64 centres are fp32, the bank's widest dtype); a mean of finite values in their own
+    dtype never overflows."""
+    if not all_finite(centres):
+        raise ValueError(f"emb holds {emb.dtype} values whose centres overflow {centres.dtype} "
+                         f"(largest |value| {float(emb.abs().max()):.3g}): the centres of "
+                         f"{emb.dtype} embeddings are {centres.dtype}; scale emb down")
+    return centres
 
 
 def add_centres(bank, centres: Tensor, centre_labels: Tensor,

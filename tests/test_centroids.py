@@ -249,3 +249,18 @@ def test_centres_beyond_their_dtype_and_unsquarable_points_raise_naming_emb():
     c, _ = class_centroids(torch.tensor([[3e38, 0], [-3e38, 0]]), torch.tensor([0, 0]),
                            per_class=2)
     assert torch.equal(c, torch.tensor([[-3e38, 0], [3e38, 0]]))
+
+
+def test_seed_must_be_an_int_torch_takes():
+    """A float seed was truncated (1.5 and 1.7 gave the same centroids) and one past 64 bits
+    failed in torch's manual_seed ("Overflow when unpacking long long"), naming nothing."""
+    emb, labels = blobs()
+    for seed in (1.5, True, 2 ** 64 - 1, -2 ** 63 - 1, "0"):
+        with pytest.raises(ValueError, match=r"^seed must be an int"):
+            class_centroids(emb, labels, per_class=2, seed=seed)
+        with pytest.raises(ValueError, match=r"^seed must be an int"):
+            kmeans(emb, 2, seed=seed)
+    a = class_centroids(emb, labels, per_class=2, seed=np.int64(3))
+    b = class_centroids(emb, labels, per_class=2, seed=3)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert class_centroids(emb, labels, per_class=2, seed=-5)[0].shape == (6, 4)

@@ -10,6 +10,7 @@ around :func:`class_centroids` and :func:`add_centres`.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Tuple
 
 import numpy as np
@@ -53,6 +54,16 @@ def _require_squarable(name: str, x: Tensor) -> None:
                          f"distances; scale them down")
 
 
+def _require_seed(seed) -> None:
+    """ValueError naming ``seed`` unless it is an int torch's generator takes (class i of
+    class_centroids is seeded with seed + i, below 2**64 too). A float seed was truncated
+    (1.5 and 1.7 the same stream) and one past 64 bits failed in manual_seed with "Overflow
+    when unpacking long long", naming nothing."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
+            or not -2 ** 63 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed!r}")
+
+
 def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: float = 1e-7,
            search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Lloyd's k-means with greedy k-means++ seeding (as scikit-learn seeds it).
@@ -69,6 +80,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
         centroids (n_clusters, D) in the compute dtype, assignment (N,) int64.
     """
     require_float("x", x, 2)
+    _require_seed(seed)
     return _kmeans(x, n_clusters, iters, seed, tol, search_backend, "x")
 
 
@@ -164,6 +176,7 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
     if emb.shape[0] == 0:
         raise ValueError("emb is empty: no class to compute centroids for")
     per_class = require_positive_int("per_class", per_class)
+    _require_seed(seed)
     if not all_finite(emb):
         raise ValueError("emb contains NaN or inf")
     labels = labels.long()

@@ -1,4 +1,5 @@
 """Centre refresh: rebuild_neighbours, Refresher (sync and async), RefreshSchedule."""
+import contextlib
 import threading
 
 import pytest
@@ -981,3 +982,90 @@ def test_refresh_reads_narrow_integer_idx_as_bank_rows(dtype):
         banks.append(bank)
     assert torch.equal(banks[0].centres, banks[1].centres)
     assert torch.equal(banks[0].centre_labels, banks[1].centre_labels)
+
+
+class _FakeCudaStream:
+    """A stand-in ``torch.cuda.Stream`` (CPU-only machines): records what waited on what."""
+
+    def __init__(self, device=None, name="side"):
+        self.device = torch.device(device)
+        self.name = name
+        self.waited_for = []
+
+    def wait_stream(self, other):
+        self.waited_for.append(other)
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def fake_cuda_streams(monkeypatch):
+    """torch.cuda's streams stood in for, as torch answers them: current_stream refuses a
+    non-CUDA device (ValueError "Expected a cuda device"), record_stream a tensor that is not
+    on the stream's device (a CPU tensor: torch has no CPU kernel for it). Yields the main
+    streams handed out (device -> stream) and the record_stream calls."""
+    mains, recorded = {}, []
+
+    def current_stream(device=None):
+        device = torch.device("cuda" if device is None else device)
+        if device.type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        return mains.setdefault(device, _FakeCudaStream(device, "main"))
+
+    def record_stream(self, stream):
+        if self.device != stream.device:
+            raise NotImplementedError("record_stream: the tensor is not on the stream's device")
+        recorded.append((self, stream))
+
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeCudaStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    return mains, recorded
+
+
+def test_async_refresh_of_a_cpu_bank_beside_a_cuda_model_is_swapped_in(monkeypatch,
+                                                                       fake_cuda_streams):
+    """A model on a GPU (the Refresher's device) embeds on a side stream of that GPU; the bank
+    may stay on the CPU (embeddings are stored on the bank's device). The swap asked for the
+    current stream of the centres' device, the CPU, and torch refused it: every background
+    refresh of such a bank failed at poll()/wait(). The training stream now waits for the side
+    stream of the model's device, and only tensors on that device are recorded on it. The
+    GPU is stood in for (CUDA stand-ins: fake_cuda_streams; the inputs stay where they are);
+    tests/test_refresh.py's cuda test below runs the same on a GPU."""
+    from nnkloss.bank import refresh as refresh_mod
+    monkeypatch.setattr(refresh_mod, "_to_device", lambda inputs, device: inputs)
+    mains, recorded = fake_cuda_streams
+    x, y = make_data()
+    model = make_model()
+    sync_bank, async_bank = make_bank(), make_bank()
+    Refresher(sync_bank, model, make_loader(x, y), k=6, search_backend="torch",
+              progress=False).refresh()
+    ref = Refresher(async_bank, model, make_loader(x, y), k=6, search_backend="torch",
+                    progress=False, device="cuda", async_mode=True)
+    ref.request()
+    side = ref._thread and ref._thread._args[3]
+    assert isinstance(side, _FakeCudaStream) and side.device == torch.device("cuda")
+    assert ref.wait() is not None
+    assert torch.equal(async_bank.centres, sync_bank.centres)
+    assert torch.equal(async_bank.neighbours, sync_bank.neighbours)
+    assert mains[torch.device("cuda")].waited_for[-1] is side  # training waits for the side
+    assert recorded == []  # CPU tensors: nothing for the GPU's allocator
+
+
+@pytest.mark.cuda
+def test_async_refresh_of_a_cpu_bank_beside_a_cuda_model_on_a_gpu():
+    """The stand-in test above on a GPU: a CUDA model, a CPU bank, a background refresh."""
+    x, y = make_data()
+    model = make_model()
+    sync_bank, async_bank = make_bank(), make_bank()
+    Refresher(sync_bank, model, make_loader(x, y), k=6, search_backend="torch",
+              progress=False).refresh()
+    model.cuda()
+    ref = Refresher(async_bank, model, make_loader(x, y), k=6, search_backend="torch",
+                    progress=False, async_mode=True)
+    ref.request()
+    assert ref.wait() is not None
+    assert async_bank.centres.device.type == "cpu"
+    torch.testing.assert_close(async_bank.centres, sync_bank.centres, rtol=1e-4, atol=1e-5)

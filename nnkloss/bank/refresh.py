@@ -579,11 +579,16 @@ class Refresher:
             raise RuntimeError(f"the bank changed size during the refresh ({result.centres.shape[0]}"
                                f" -> {bank.num_centres} rows); the new bank was discarded")
         if result.stream is not None:
-            main = torch.cuda.current_stream(result.centres.device)
+            # The side stream is on the model's device; the bank, and so these tensors, may be
+            # elsewhere (a CPU bank beside a CUDA model: asked for the CPU's current stream,
+            # torch refused and every background refresh failed here).
+            main = torch.cuda.current_stream(result.stream.device)
             main.wait_stream(result.stream)
-            # Made on the side stream, used and freed on this one: tell the caching allocator.
+            # Made on the side stream, used and freed on this one: tell the caching allocator
+            # (only tensors of that device: a CPU copy waited for the stream when it was made).
             for t in (result.centres, result.centre_labels, result.lists.neighbours):
-                t.record_stream(main)
+                if t.device == main.device:
+                    t.record_stream(main)
         bank.update_(centres=result.centres, centre_labels=result.centre_labels,
                      neighbours=result.lists.neighbours)
         self.last_stats = result.stats

@@ -287,6 +287,31 @@ def test_checkpoint_loads_weights_only():
     assert state["data"]["num_centres"] == 16 and state["data"]["embedding_dim"] == 6
 
 
+def test_cuda_rng_states_of_gpus_this_machine_lacks_are_left_out(monkeypatch):
+    """A checkpoint holds the CUDA RNG state of every GPU its writer saw (rank 0 of an 8-GPU
+    job: eight). torch.cuda.set_rng_state_all sets device i's state for the i-th one, and on a
+    machine with fewer GPUs device i does not exist (torch: IndexError from its
+    default_generators, raised at once where CUDA is initialised, at CUDA's initialisation
+    otherwise): the resume was refused. The GPUs are stood in for here (torch's
+    set_rng_state_all as written, over a set_rng_state that refuses a device past the count)."""
+    set_devices = []
+
+    def set_one(new_state, device):
+        if device >= 2:
+            raise IndexError("tuple index out of range")
+        set_devices.append(device)
+
+    state = ckpt.rng_state()  # this machine's (no GPU: no "cuda" entry)
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_one)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: [set_one(s, i) for i, s in enumerate(states)])
+    ckpt.set_rng_state(state)
+    assert set_devices == [0, 1]
+
+
 def _data_run(out_dir, n_per=24, dim=6, permute=False, epochs=1):
     x, y = blobs(n_per=n_per, seed=2)
     if permute:

@@ -68,7 +68,11 @@ def set_rng_state(state: Dict[str, Any]) -> None:
                          int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        # One state per GPU its writer saw; those of GPUs this machine lacks are left out
+        # (set_rng_state_all set device i for the i-th state: IndexError past the count, and
+        # a resume on a machine with fewer GPUs than the writer's was refused).
+        for i, s in enumerate(list(state["cuda"])[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.cpu(), i)
 
 
 # ---------------------------------------------------------------------------- the data

@@ -77,6 +77,19 @@ def worker(rank, port, out_dir):
     lists = exchange.neighbour_lists(x, y, K, search_backend="torch", chunk_bytes=5 * K * 8)
     results["lists_small_rounds"] = lists.neighbours
 
+    # Ranks whose embeddings differ in size or dtype: a clear error on every rank.
+    for key, emb in (("size_error", torch.zeros(3, D + rank)),
+                     ("dtype_error", torch.zeros(3, D, dtype=(torch.float64 if rank
+                                                              else torch.float32)))):
+        try:
+            exchange.gather_batch_rows(torch.arange(3), emb)
+            results[key] = None
+        except ValueError as exc:
+            results[key] = str(exc)
+    all_idx, all_emb = exchange.gather_batch_rows(torch.arange(2) + 10 * rank,
+                                                  torch.full((2, D), float(rank)))
+    results["batch_rows"] = (all_idx, all_emb)
+
     # Rows that no rank embeds: a clear error on every rank, the bank untouched.
     sub = torch.utils.data.Subset(ds, list(range(N - 3)))
     loader = DataLoader(sub, batch_size=5, sampler=nkd.distributed_sampler(sub, shuffle=False))
@@ -141,6 +154,19 @@ def test_rows_nobody_embedded_raise_on_every_rank(results):
         assert r["missing_error"] is not None and "no rank's loader yielded 3" in r["missing_error"]
         assert "[34, 35, 36]" in r["missing_error"]
         assert r["missing_untouched"]
+
+
+def test_embeddings_of_another_size_or_dtype_on_one_rank_raise_on_every_rank(results):
+    """gather_batch_rows exchanges each rank's (rows, D, dtype) first: ranks that disagree
+    raise, naming each rank's, instead of exchanging row buffers of different sizes."""
+    for r in results:
+        assert r["size_error"] is not None and "emb differs across ranks" in r["size_error"]
+        assert f"0: (3, {D}, torch.float32), 1: (3, {D + 1}, torch.float32)" in r["size_error"]
+        assert r["dtype_error"] is not None and "1: (3, 8, torch.float64)".replace(
+            "8", str(D)) in r["dtype_error"]
+        idx, emb = r["batch_rows"]
+        assert idx.tolist() == [0, 1, 10, 11]
+        assert torch.equal(emb, torch.tensor([0., 0., 1., 1.])[:, None].expand(4, D))
 
 
 def test_async_refresh_refused(results):

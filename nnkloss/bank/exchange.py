@@ -96,8 +96,18 @@ def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Ten
         raise ValueError(f"emb has {emb.shape[0]} rows but idx has {idx.shape[0]}: one "
                          "embedding per bank row")
     comm = comm_device(group, emb.device)
-    size = torch.tensor([idx.shape[0]], dtype=torch.int64, device=comm)
-    counts = [int(c) for c in _all_gather_same(size, group)]  # NCCL: one host sync
+    # Each rank's rows, embedding size and dtype in one all_gather: ranks that disagree on the
+    # size or dtype (another model or autocast on one rank) raise on every rank, where the row
+    # gathers below would have exchanged buffers of different sizes.
+    head = torch.tensor([idx.shape[0], emb.shape[1], FLOAT_DTYPES.index(emb.dtype)],
+                        dtype=torch.int64, device=comm)
+    heads = torch.stack(_all_gather_same(head, group)).tolist()  # NCCL: one host sync
+    if len({(d, t) for _, d, t in heads}) > 1:
+        raise ValueError("emb differs across ranks: (rows, D, dtype) per rank "
+                         + ", ".join(f"{r}: ({b}, {d}, {FLOAT_DTYPES[t]})"
+                                     for r, (b, d, t) in enumerate(heads))
+                         + "; every rank must send embeddings of one size and dtype")
+    counts = [b for b, _, _ in heads]
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)

@@ -264,3 +264,20 @@ def test_seed_must_be_an_int_torch_takes():
     b = class_centroids(emb, labels, per_class=2, seed=3)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert class_centroids(emb, labels, per_class=2, seed=-5)[0].shape == (6, 4)
+
+
+def test_a_class_centroids_depend_on_its_own_rows_and_the_seed_only():
+    """Each class's k-means is seeded from (seed, its label). It was seed + the class's position
+    among the classes of the call: class 2 alone got other centroids than class 2 among all
+    (position 0 against 2), and seed s's class 1 took seed s + 1's class 0 stream."""
+    emb, labels = blobs(per_class=(40, 40, 40), spread=1.0)   # overlapping: seeds matter
+    per = 4
+    cents, cl = class_centroids(emb, labels, per_class=per, seed=7)
+    alone, alone_cl = class_centroids(emb[labels == 2], labels[labels == 2], per_class=per,
+                                      seed=7)
+    assert torch.equal(alone_cl, cl[cl == 2]) and torch.equal(alone, cents[cl == 2])
+    # another seed, another start for every class (k-means++ picks other first points)
+    other, _ = class_centroids(emb, labels, per_class=per, seed=8)
+    assert not torch.equal(other, cents)
+    again, _ = class_centroids(emb, labels, per_class=per, seed=7)
+    assert torch.equal(again, cents)

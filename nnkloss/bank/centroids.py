@@ -55,8 +55,8 @@ def _require_squarable(name: str, x: Tensor) -> None:
 
 
 def _require_seed(seed) -> None:
-    """ValueError naming ``seed`` unless it is an int torch's generator takes (class i of
-    class_centroids is seeded with seed + i, below 2**64 too). A float seed was truncated
+    """ValueError naming ``seed`` unless it is an int torch's generator takes (kmeans seeds
+    with it; class_centroids' classes with :func:`_class_seed` of it). A float seed was truncated
     (1.5 and 1.7 the same stream) and one past 64 bits failed in manual_seed with "Overflow
     when unpacking long long", naming nothing."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
@@ -161,7 +161,8 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         per_class: centroids per class. 1 gives the exact class means (accumulated in fp64).
             Above 1, k-means runs inside each class; a class with fewer distinct examples than
             ``per_class`` gets one centroid per distinct example.
-        seed: k-means++ seed.
+        seed: k-means++ seed. Each class's k-means is seeded from ``(seed, its label)``
+            (:func:`_class_seed`): a class's centroids depend on the seed and its own rows only.
         iters: maximum Lloyd iterations per class.
         search_backend: search backend of the k-means assignment step.
 
@@ -201,11 +202,23 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         if distinct.shape[0] <= per_class:
             cents = distinct
         else:
-            cents, _ = _kmeans(pts, per_class, iters, seed + ci, 1e-7, search_backend,
+            cents, _ = _kmeans(pts, per_class, iters, _class_seed(seed, int(classes[ci])),
+                               1e-7, search_backend,
                                f"emb (the rows of class {int(classes[ci])})")
         centres.append(cents)
         centre_labels.append(classes[ci].expand(cents.shape[0]))
     return _finite_centres(torch.cat(centres).to(out_dtype), emb), torch.cat(centre_labels)
+
+
+def _class_seed(seed: int, label: int) -> int:
+    """The k-means seed of class ``label`` (>= 0) for a call seeded with ``seed``: 64 bits of
+    numpy's SeedSequence over (seed, label). It was seed + the class's position among the
+    classes present, so a class's centroids changed with the other classes of the call (class
+    3 alone against class 3 among all), and seeds s and s + 1 shared all but one class's
+    stream (the rule of nnkloss.experiment.seeds: two seeds never name one stream)."""
+    words = np.random.SeedSequence([int(seed) & (2 ** 64 - 1), int(label)]).generate_state(
+        2, np.uint32)
+    return int(words[0]) | (int(words[1]) << 32)
 
 
 def _finite_centres(centres: Tensor, emb: Tensor) -> Tensor:

@@ -281,3 +281,17 @@ def test_a_class_centroids_depend_on_its_own_rows_and_the_seed_only():
     assert not torch.equal(other, cents)
     again, _ = class_centroids(emb, labels, per_class=per, seed=7)
     assert torch.equal(again, cents)
+
+
+def test_adding_centres_beyond_the_banks_dtype_names_the_overflow():
+    """fp32 centres of 1e5 added to an fp16 bank (largest 65504) were refused as "centres
+    contain NaN or inf", which they did not: the cast to the bank's dtype made them inf."""
+    bank = CentreBank(torch.zeros(3, 2, dtype=torch.float16), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"centres hold values beyond the bank's dtype "
+                                         r"torch.float16 \(largest 65504\)"):
+        bank.add(torch.full((1, 2), 1e5), torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"^centres contain NaN or inf$"):
+        bank.add(torch.full((1, 2), float("nan")), torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"beyond the bank's dtype torch.float16"):
+        bank.update_(centres=torch.full((3, 2), -7e4))             # update_ as add
+    assert bank.num_centres == 3 and bool((bank.centres == 0).all())

@@ -102,6 +102,18 @@ def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
     return log_w
 
 
+def _require_finite_cast(given: Tensor, cast: Tensor) -> None:
+    """ValueError unless ``cast`` (``given`` cast to the bank's dtype) is finite, saying which
+    it was: NaN / inf as given, or finite values beyond the bank's dtype (fp32 1e5 into an
+    fp16 bank, largest 65504), which the cast made inf. Reads ``given`` only on failure."""
+    if all_finite(cast):
+        return
+    if all_finite(given):
+        raise ValueError(f"centres hold values beyond the bank's dtype {cast.dtype} (largest "
+                         f"{torch.finfo(cast.dtype).max:.6g}): they would be inf in the bank")
+    raise ValueError("centres contain NaN or inf")
+
+
 def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
                           log_weights: Tensor, learned: bool, prefix: str = "") -> None:
     """What :meth:`CentreBank.update_` checks, for a whole bank read from disk (a state dict or
@@ -249,8 +261,7 @@ class CentreBank(nn.Module):
         if centres is not None:
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
-            if not all_finite(new_c):
-                raise ValueError("centres contain NaN or inf")
+            _require_finite_cast(centres, new_c)
             _require_own_memory(new_c)
             _warn_if_strided(new_c)
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..validation import all_finite, require_float, require_labelled, require_positive_int
-from .centre_bank import _validate_weights
+from .centre_bank import _require_finite_cast, _validate_weights
 
 __all__ = ["kmeans", "class_centroids", "add_centres"]
 
@@ -278,6 +278,7 @@ def add_centres(bank, centres: Tensor, centre_labels: Tensor,
         pad = torch.full((m, bank.k), -1, dtype=torch.long, device=dev)
         new_nb = torch.cat([bank.neighbours, pad])
     new_c = centres.detach().to(dev, bank.centres.dtype)
+    _require_finite_cast(centres, new_c)  # before the concatenation hides which rows
     if bank.num_centres:  # an empty bank takes the new centres' dimension (checked above)
         new_c = torch.cat([bank.centres, new_c])
     n_old = bank.num_centres

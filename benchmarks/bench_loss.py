@@ -367,6 +367,13 @@ def row_compile_mode(row) -> str:
     return row.get("compile_mode") or "default"
 
 
+def compile_modes_note(rows) -> str:
+    """The torch.compile modes of the compiled providers' ``rows``, comma-separated, or "" when
+    they are the default (said above the table and in the plot's title only then)."""
+    modes = sorted({row_compile_mode(r) for r in rows if r["provider"] in COMPILED})
+    return "" if modes in ([], ["default"]) else ", ".join(modes)
+
+
 def loss_rows(csv_path, commit, grads="emb", run=None):
     """The loss rows of ONE run at ``commit`` that ``summary`` and ``plot`` show: the forward
     rows and the backward / forward+backward rows whose gradients went to ``grads`` (rows
@@ -452,9 +459,9 @@ def plot(csv_path, png_path, commit, grads="emb", run=None):
             ax.set_xticklabels(labels, fontsize=7)
     axes[0][0].legend(fontsize=8)
     extra = "" if grads == "emb" else f", gradients to {grads.replace('+', ', ')}"
-    compile_modes = sorted({row_compile_mode(r) for r in rows if r["provider"] in COMPILED})
-    if compile_modes and compile_modes != ["default"]:
-        extra += f", compile mode {', '.join(compile_modes)}"
+    modes_note = compile_modes_note(rows)
+    if modes_note:
+        extra += f", compile mode {modes_note}"
     fig.suptitle(f"neighbour-kernel loss: {rows[-1]['device']} @ {commit}, "
                  f"{rows[-1]['date'][:10]}{extra} (dashed: the 80% goal)")
     fig.tight_layout()
@@ -498,9 +505,9 @@ def summary(csv_path, commit, mode=None, grads="emb", run=None):
             + [f"{MODE_HEAD[m]} % of read" for m in pct_modes]
             + [f"{MODE_HEAD[m]} % of gather" for m in pct_modes])
     lines = [] if grads == "emb" else [f"Gradients to: {grads.replace('+', ', ')}.", ""]
-    compile_modes = sorted({row_compile_mode(r) for r in rows if r["provider"] in COMPILED})
-    if compile_modes and compile_modes != ["default"]:
-        lines = [f"torch.compile mode: {', '.join(compile_modes)}.", ""] + lines
+    modes_note = compile_modes_note(rows)
+    if modes_note:
+        lines = [f"torch.compile mode: {modes_note}.", ""] + lines
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (B, K, D, dt), v in by.items():
         for p in provs:

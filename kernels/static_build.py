@@ -143,8 +143,8 @@ def _covering_set() -> List[Build]:
                              (1, 1, "fp16", False)]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", dist, grad_x=False))
     # fp64 embeddings: the forward computes in fp64 (COMPUTE fp64, twice the registers a
-    # value), with an fp64 bank (8 elements a thread: default_config's row_elems) or a 4-byte
-    # one (16 elements a thread, held in fp64); training, forward-only, the two-phase path, a
+    # value), with an fp64 bank or a 4- or 2-byte one, all at an fp64 bank's tiles (8 elements
+    # a thread: default_config's compute_size); training, forward-only, the two-phase path, a
     # one-warp row and a multi-warp one, and a small batch's lengthened tiles.
     for K, D, bank, grad_x, B, sms in [(100, 128, "fp64", True, 8, None),
                                        (100, 512, "fp64", True, 8, None),

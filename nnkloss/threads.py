@@ -429,13 +429,19 @@ class ThreadGovernor:
                             "before": before, "others": others, "cores": int(self.signal.cores)}
         if self._one:
             return False
-        self._skip = True  # an OpenMP team that changes size pays once
+        self._wide_changed()
+        return True
+
+    def _wide_changed(self) -> None:
+        """The wide side's count changed while it runs: applied, the next unit is not timed
+        (an OpenMP team that changes size pays once), and a probe's costs and window there
+        start again (its timings were of another count)."""
+        self._skip = True
         self._costs.pop("full", None)
         if self.phase in ("current", "other"):
             self.left = self.window
         if self.apply is not None:
             self.apply(self.threads())
-        return True
 
     # -------------------------------------------------------------- the signal
     def _sample(self, force: bool = False) -> Optional[int]:
@@ -477,14 +483,8 @@ class ThreadGovernor:
             return
         before = self.wide
         self._cap = None
-        if self._one or self.wide == before:
-            return
-        self._skip = True
-        self._costs.pop("full", None)
-        if self.phase in ("current", "other"):
-            self.left = self.window
-        if self.apply is not None:
-            self.apply(self.threads())
+        if not self._one and self.wide != before:
+            self._wide_changed()
 
     def _room_at_start(self) -> bool:
         """Whether the median of ``signal_samples`` fresh samples leaves room for more than one

@@ -20,9 +20,8 @@ from torch import Tensor, nn
 
 from .centre_bank import CentreBank
 from ..validation import all_finite, as_index, require_int, require_positive_int, require_sigma
-from .search import APPROXIMATE, NeighbourLists, knn, neighbour_lists
-from .search.faiss_search import check_index_options, require_faiss
-from .search.validation import check_search_backend
+from .search import NeighbourLists, knn, neighbour_lists
+from .search.knn import check_search_arguments
 from .. import distributed as _dist
 from ..inference import inference_model
 from . import exchange
@@ -246,26 +245,16 @@ _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
 
 
 def _check_search_options(search_backend, knn_options: dict) -> None:
-    # At construction: a misspelt backend or option, or a missing faiss, would otherwise
+    # At construction: a misspelt backend or option, an option of another index kind (nprobe
+    # with "hnsw", ignored by every refresh), a bad value or a missing faiss would otherwise
     # surface only at the first refresh, after the whole set has been embedded (in async
     # mode, from the background thread).
-    check_search_backend(search_backend)
     unknown = set(knn_options) - _KNN_OPTIONS
     if unknown:
         raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
                         f"{sorted(_KNN_OPTIONS)}")
-    approximate = knn_options.get("approximate")
-    if approximate not in APPROXIMATE:
-        raise ValueError(f"knn_options['approximate'] must be one of {APPROXIMATE}, got "
-                         f"{approximate!r}")
-    if approximate is not None and search_backend not in ("auto", "faiss"):
-        raise ValueError(f"knn_options['approximate']={approximate!r} uses faiss indexes; "
-                         f"search_backend must be 'auto' or 'faiss', got {search_backend!r}")
-    if approximate is not None:
-        require_faiss(f"knn_options['approximate']={approximate!r}")
-    # an option of another index kind (nprobe with "hnsw", ef_search with the exact search)
-    # would be ignored by every refresh; a bad value would fail only at the first one
-    check_index_options(approximate, knn_options, "knn_options[{!r}]")
+    check_search_arguments(search_backend, knn_options.get("approximate"), knn_options,
+                           "knn_options[{!r}]")
 
 
 class Refresher:

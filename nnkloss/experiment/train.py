@@ -135,8 +135,8 @@ class Trainer:
             saved in checkpoints); default: every 10 epochs (the papers).
         amp: mixed precision (float16 autocast + GradScaler); used only on CUDA devices.
         out_dir: where logs and checkpoints go (None: no files).
-        seed: base seed, an integer in [0, 2**32); epoch e runs with RNGs seeded from (seed, e) (and the rank, under
-            torch.distributed).
+        seed: base seed, an integer in [0, 2**32); epoch e runs with RNGs seeded from
+            (seed, e) (and the rank, under torch.distributed).
         progress: tqdm progress bars.
         eval_fn: ``eval_fn(model, criterion, epoch) -> dict`` of metrics, called in eval mode
             under no_grad every ``eval_every`` epochs and after the last; logged with the epoch.

@@ -865,15 +865,15 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
     idx = _index_tensor(idx)
     out = torch.empty(B, K, dtype=table.dtype)
     counts = torch.empty(2, dtype=torch.int64)
-    if labels is None:
-        lab = cl = None
-    else:
+    lab = cl = None
+    lab64 = cl64 = 0
+    if labels is not None:
         lab, cl = _index_tensor(labels), _index_tensor(centre_labels)
+        lab64, cl64 = _INDEX_TYPES[lab.dtype], _INDEX_TYPES[cl.dtype]
     dropped = lib.nnk_batch_lists(
         table.data_ptr(), _INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
-        _INDEX_TYPES[idx.dtype], _ptr(lab), _INDEX_TYPES.get(_dtype(lab), 0), _ptr(cl),
-        _INDEX_TYPES.get(_dtype(cl), 0), B, int(bool(exclude_self)), out.data_ptr(),
-        counts.data_ptr())
+        _INDEX_TYPES[idx.dtype], _ptr(lab), lab64, _ptr(cl), cl64, B, int(bool(exclude_self)),
+        out.data_ptr(), counts.data_ptr())
     return out, counts, dropped
 
 
@@ -887,10 +887,6 @@ def _index_tensor(t):
     if t.dtype not in _INDEX_TYPES:
         t = t.long()
     return t.contiguous()
-
-
-def _dtype(t):
-    return None if t is None else t.dtype
 
 
 def gather_lists(table, idx, exclude_self: bool):

@@ -13,7 +13,8 @@ from .faiss_search import (build_approximate, build_flat, check_index_options,
 from .torch_search import decoded_into, iter_knn_torch, same_tensor
 from .validation import APPROXIMATE, check_search_backend, validate
 
-__all__ = ["knn", "iter_knn", "resolve_search_backend", "SearchResult", "SearchBlock"]
+__all__ = ["knn", "iter_knn", "check_search_arguments", "resolve_search_backend",
+           "SearchResult", "SearchBlock"]
 
 
 class SearchResult(NamedTuple):
@@ -93,6 +94,25 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
         yield SearchBlock(q0, dist, idx)
 
 
+def check_search_arguments(search_backend, approximate, options: dict, arg: str = "{}") -> None:
+    """:func:`knn`'s checks of what it is asked to search with, before any work on the inputs
+    (the Refresher makes them at construction, on its ``knn_options``): the backend (a missing
+    faiss for "faiss" is an ImportError), the index kind, its options (one of another kind is
+    refused: it would be ignored), and faiss for an approximate index. ``arg`` spells an
+    option's name as the caller passed it (``"knn_options[{!r}]"`` for the Refresher's)."""
+    if approximate not in APPROXIMATE:
+        raise ValueError(f"{arg.format('approximate')} must be one of {APPROXIMATE}, got "
+                         f"{approximate!r}")
+    check_search_backend(search_backend)
+    check_index_options(approximate, options, arg)
+    if approximate is not None:
+        asked = f"{arg.format('approximate')}={approximate!r}"
+        if search_backend not in ("auto", "faiss"):
+            raise ValueError(f"{asked} uses faiss indexes; search_backend must be 'auto' or "
+                             f"'faiss', got {search_backend!r}")
+        require_faiss(asked)
+
+
 def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         exclude_self: bool = False, approximate: Optional[str] = None, *,
         tile_bytes: Optional[int] = None, nlist: Optional[int] = None,
@@ -153,18 +173,11 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     Memory: the torch search never forms a Q x N matrix (blocks of the budget above); faiss
     holds a copy of the base in its index (fp32, N x D x 4 bytes).
     """
-    if approximate not in APPROXIMATE:
-        raise ValueError(f"approximate must be one of {APPROXIMATE}, got {approximate!r}")
-    check_search_backend(search_backend)  # a missing faiss for "faiss" too
     options = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "seed": seed,
                "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search}
-    check_index_options(approximate, options)
+    # before validate's passes over the inputs: a missing package is the first thing said
+    check_search_arguments(search_backend, approximate, options)
     if approximate is not None:
-        if search_backend not in ("auto", "faiss"):
-            raise ValueError(f"approximate={approximate!r} uses faiss indexes; search_backend "
-                             f"must be 'auto' or 'faiss', got {search_backend!r}")
-        # before validate's passes over the inputs: the missing package is the first thing
-        require_faiss(f"approximate={approximate!r}")
         k = validate(queries, base, k, exclude_self)
         dev = queries.device
         if queries.shape[0] == 0:

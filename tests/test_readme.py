@@ -1,4 +1,5 @@
-"""The README's training-loop example runs as written (on CPU, with tiny data)."""
+"""The README's examples run as written (on CPU, with tiny data), and its figures are those of
+the results files they cite."""
 # Cross-cutting suite (tests/test_layout.py CROSS_CUTTING): the README's examples as written.
 import os
 import re
@@ -69,3 +70,118 @@ def test_functional_op_example_runs():
               centres=centres, centre_labels=centre_labels, neighbours=neighbours)
     exec(compile("import nnkloss\n" + code, "README.md", "exec"), ns)
     assert ns["out"].shape == () and torch.isfinite(ns["out"])
+
+
+# The README draft (README.draft.md until it replaces README.md): its CPU example runs as
+# printed, and its headline figures are those of the results files they cite.
+DRAFT = os.path.join(os.path.dirname(__file__), "..", "README.draft.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def draft_blocks(heading):
+    text = open(DRAFT, encoding="utf-8").read()
+    section = text[text.index(heading):]
+    section = section[:section.find("\n## ", 1)]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def draft_table(caption):
+    """The rows of the markdown table that follows ``caption`` in the draft, as dicts."""
+    text = open(DRAFT, encoding="utf-8").read()
+    lines = text[text.index(caption):].splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    table = []
+    for ln in lines[first:]:
+        if not ln.startswith("|"):
+            break
+        table.append([c.strip() for c in ln.strip("|").split("|")])
+    header, body = table[0], table[2:]
+    return [dict(zip(header, r)) for r in body]
+
+
+def test_draft_cpu_example_runs_as_printed(capsys):
+    (code,) = draft_blocks("## A first run on the CPU")[:1]
+    ns = {}
+    exec(compile(code, "README.draft.md", "exec"), ns)
+    assert torch.isfinite(ns["loss"])
+    assert ns["accuracy"] > 0.8  # six separable classes: the kernel classifier learns them
+    assert ns["bank"].has_neighbours and ns["bank"].k == 50
+    assert "test accuracy" in capsys.readouterr().out
+
+
+def test_draft_index_wrapper_yields_the_index():
+    code = draft_blocks("## A first run on the CPU")[1]
+    ns = {"torch": torch}
+    exec(compile(code, "README.draft.md", "exec"), ns)
+    base = [(torch.tensor([float(i)]), i % 3) for i in range(5)]
+    x, y, i = ns["Indexed"](base)[4]
+    assert (float(x), y, i) == (4.0, 1, 4) and len(ns["Indexed"](base)) == 5
+
+
+LOSS_FILES = {"NVIDIA H200": "loss_NVIDIA_H200.csv",
+              "NVIDIA H100": "loss_NVIDIA_H100_80GB_HBM3.csv",
+              "2-core AMD EPYC family 26": "loss_AMD_EPYC_family_26_model_2.csv"}
+
+
+def results_rows(name):
+    import csv
+    with open(os.path.join(ROOT, "benchmarks", "results", name), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_draft_speed_figures_are_those_of_the_results_files():
+    rows = (draft_table("**GPU** (B 4096, K 100, forward+backward")
+            + draft_table("**CPU** (2 threads, forward+backward"))
+    assert len(rows) == 9
+    for r in rows:
+        if "B, K, D, bank" in r:
+            b, k, d, dtype = (v.strip() for v in r["B, K, D, bank"].split(","))
+        else:  # the GPU table's caption gives B 4096, K 100
+            b, k = "4096", "100"
+            d, dtype = (v.strip() for v in r["D, bank"].split(","))
+        commit = r["commit"].strip("`")
+        found = {}
+        for row in results_rows(LOSS_FILES[r["device"]]):
+            if (row["commit"] == commit and row["op"] == "loss" and row["mode"] == "fwd_bwd"
+                    and (row["B"], row["K"], row["D"], row["dtype"]) == (b, k, d, dtype)
+                    and (row.get("grads") or "emb") == "emb"
+                    and row.get("step", "bench_loss") == "bench_loss"):
+                found.setdefault(row["provider"], row)
+        fused, comp = found["fused"], found["compile"]
+        assert float(r["fused ms"]) == float(fused["ms"]), r
+        assert float(r["torch.compile ms"]) == float(comp["ms"]), r
+        assert r["x compile"] == f"{float(comp['ms']) / float(fused['ms']):.2f}x", r
+        assert r["date"] == fused["date"][:10]
+        if "timer" in r:
+            assert r["timer"] == (fused.get("timer") or "do_bench"), r
+            mem = [float(fused["peak_mem_mb"]), float(comp["peak_mem_mb"])]
+        else:  # the CPU's cold figure is the forward's (the modes share a process)
+            fwd = {row["provider"]: row for row in results_rows(LOSS_FILES[r["device"]])
+                   if row["commit"] == commit and row["mode"] == "fwd"
+                   and (row["B"], row["K"], row["D"], row["dtype"]) == (b, k, d, dtype)}
+            mem = [float(fwd["fused"]["peak_mem_mb"]), float(fwd["compile"]["peak_mem_mb"])]
+        mb = [c for c in r if c.startswith("MB fused / compile")][0]
+        assert [float(v) for v in r[mb].split("/")] == mem, r
+
+
+def test_draft_real_data_figures_are_those_of_the_published_runs():
+    import csv
+    rows = draft_table("**Real data** (Fashion-MNIST")
+    summary = {}
+    for protocol in ("classification", "retrieval"):
+        path = os.path.join(ROOT, "repro", "results", "fashion_mnist", protocol, "summary.csv")
+        with open(path, newline="") as f:
+            summary[protocol] = {row["method"]: row for row in csv.DictReader(f)}
+
+    def pct(row, metric):
+        return f"{100 * float(row[metric + '_mean']):.2f} +- {100 * float(row[metric + '_std']):.2f}"
+
+    metric = {"accuracy": "accuracy", "R@1": "recall@1", "MAP@R": "map@r"}
+    for r in rows:
+        protocol = r["protocol"].split(",")[0].split()[0]
+        key = next(v for k, v in metric.items() if k in r["protocol"])
+        table = summary[protocol]
+        assert r["NNGK"] == pct(table["nngk"], key), r
+        best, figure = r["best other"].split(" ", 1)
+        assert figure == pct(table[best.lower()], key), r
+        assert r["raw pixels"] == f"{100 * float(table['pixels'][key + '_mean']):.2f}", r

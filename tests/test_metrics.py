@@ -258,7 +258,7 @@ def test_nmi_runs_n_init_kmeans(monkeypatch):
         seeds.append(seed)
         return real_torch(x, n, seed=seed, **kw)
 
-    monkeypatch.setattr(centroids, "kmeans", torch_spy)
+    monkeypatch.setattr(metrics, "kmeans", torch_spy)
     metrics.nmi(emb, labels, seed=5, n_init=4, kmeans_backend="torch")
     assert seeds == [5, 6, 7, 8]
 

@@ -4,7 +4,7 @@
 - :mod:`.search`: exact / approximate k-nearest-neighbour search (FAISS or tiled torch);
 - :mod:`.refresh`: :class:`Refresher` (re-embed, rebuild lists, swap) and its schedule;
 - :mod:`.checkpoint`: atomic, validated bank files;
-- :mod:`.centroids`: class-mean / k-means banks and growing a bank;
+- :mod:`.centroids`: class-mean / k-means banks;
 - :mod:`.exchange`: the refresh under ``torch.distributed`` (row exchange, sharded list search).
 """
 from .centre_bank import CentreBank

@@ -10,6 +10,8 @@ from torch import Tensor, nn
 
 from ..validation import (all_finite, as_index, compiling, nonnegative_finite, plain_eager,
                           require_float, require_int, require_labelled)
+from .centroids import class_centroids
+from .search import neighbour_lists
 
 __all__ = ["CentreBank", "validate_bank_tensors"]
 
@@ -323,7 +325,6 @@ class CentreBank(nn.Module):
             distances (N, k), neighbours (N, k), has_positive (N,), num_patched, search
             seconds, search_backend.
         """
-        from .search import neighbour_lists  # only needed here: keeps bank import-light
         lists = neighbour_lists(self.centres, self.centre_labels, k,
                                 search_backend=search_backend, ensure_positive=ensure_positive,
                                 **knn_options)
@@ -431,17 +432,56 @@ class CentreBank(nn.Module):
         """A bank of class centroids (NCM for ``per_class=1``, NCMC above; see
         :func:`nnkloss.bank.centroids.class_centroids`). emb (N, D) float, labels (N,) int >= 0,
         tensors or numpy arrays; the bank lives on emb's device, without neighbour lists."""
-        from .centroids import class_centroids
         centres, centre_labels = class_centroids(emb, labels, per_class=per_class, seed=seed)
         return cls(centres, centre_labels)
 
+    @torch.no_grad()
     def add(self, centres: Tensor, centre_labels: Tensor, weights: Optional[Tensor] = None
             ) -> "CentreBank":
-        """Append centres (M, D) with their centre_labels (M,) and optional weights (M,) in
-        place, without retraining (see :func:`nnkloss.bank.centroids.add_centres`). Returns the
-        bank."""
-        from .centroids import add_centres
-        return add_centres(self, centres, centre_labels, weights)
+        """Append centres (M, D) with their centre_labels (M,) >= 0 and optional weights (M,)
+        (None: weight 1) in place, without retraining; new classes take new label values.
+        Returns the bank.
+
+        Existing rows keep their lists; the new rows get all -1 (padding) lists, so rebuild
+        the lists to make them reachable. The classifier searches the bank itself and sees
+        them at once. Validated before anything changes; learned weights stay the same
+        ``log_weights`` parameter, resized (an optimiser's per-parameter state of the old size
+        must be padded, as the Trainer does), and the old rows' log-weights are kept bit for
+        bit (only the new rows' weights are logged).
+        """
+        m = require_labelled("centres", centres, "centre_labels", centre_labels)
+        if self.num_centres and centres.shape[1] != self.dim:
+            raise ValueError(f"centres have dimension {centres.shape[1]}, the bank has {self.dim}")
+        dev = self.centres.device
+        labels = centre_labels.to(dev).long()
+        if m and int(labels.min()) < 0:
+            raise ValueError(f"centre_labels must be >= 0, got {int(labels.min())}")
+        new_lw = None
+        if weights is not None:
+            require_float("weights", weights, 1)
+            if weights.shape[0] != m:
+                raise ValueError(f"weights has length {weights.shape[0]} but there are {m} new "
+                                 "centres")
+            w = weights.detach().to(dev, torch.float32)
+            _validate_weights(w, m, positive=self.learn_weights)
+            new_lw = torch.log(w)
+        new_nb = None
+        if self.has_neighbours:
+            pad = torch.full((m, self.k), -1, dtype=torch.long, device=dev)
+            new_nb = torch.cat([self.neighbours, pad])
+        new_c = centres.detach().to(dev, self.centres.dtype)
+        _require_finite_cast(centres, new_c)  # before the concatenation hides which rows
+        if self.num_centres:  # an empty bank takes the new centres' dimension
+            new_c = torch.cat([self.centres, new_c])
+        n_old = self.num_centres
+        # update_ pads the new rows' log-weights with 0 on the same Parameter; given weights
+        # then go into those rows (all validated above: nothing fails between the writes).
+        self.update_(centres=new_c, centre_labels=torch.cat([self.centre_labels, labels]),
+                     neighbours=new_nb)
+        if new_lw is not None and m:
+            self.log_weights.data[n_old:] = new_lw
+            self._uniform_weights = False
+        return self
 
     # ---------------------------------------------------------------- state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -1,11 +1,11 @@
-"""Centroid banks: class means (NCM), k-means centroids per class (NCMC), growing a bank.
+"""Centroid banks: class means (NCM) and k-means centroids per class (NCMC).
 
 Mensink et al. (2013) classify with one mean per class (NCM) or a few k-means centroids per
-class (NCMC); new classes are added at near-zero cost by computing their means. With such a
-bank, Eq. 3 of Meyer et al. with ``K`` = all centres and ``1/(2 sigma^2) = 1/2`` is exactly the
-NCM / NCMC posterior, so the loss and :class:`~nnkloss.NeighbourKernelClassifier` run on these
-banks unchanged. :meth:`CentreBank.from_class_means` and :meth:`CentreBank.add` are thin wrappers
-around :func:`class_centroids` and :func:`add_centres`.
+class (NCMC); new classes are added at near-zero cost by computing their means
+(:meth:`CentreBank.add`). With such a bank, Eq. 3 of Meyer et al. with ``K`` = all centres and
+``1/(2 sigma^2) = 1/2`` is exactly the NCM / NCMC posterior, so the loss and
+:class:`~nnkloss.NeighbourKernelClassifier` run on these banks unchanged
+(:meth:`CentreBank.from_class_means` wraps :func:`class_centroids`).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from ..validation import all_finite, require_float, require_labelled, require_positive_int
-from .centre_bank import _require_finite_cast, _validate_weights
+from .search import knn
 
-__all__ = ["kmeans", "class_centroids", "add_centres"]
+__all__ = ["kmeans", "class_centroids"]
 
 _BANK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -88,8 +88,6 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
             name: str) -> Tuple[Tensor, Tensor]:
     """:func:`kmeans`, its errors about the points naming them ``name`` (class_centroids
     names the class whose rows they are)."""
-    from .search import knn  # lazily: the search backends pull in faiss when available
-
     n_clusters = require_positive_int("n_clusters", n_clusters)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"iters must be a non-negative int, got {iters!r}")
@@ -231,63 +229,3 @@ def _finite_centres(centres: Tensor, emb: Tensor) -> Tensor:
                          f"(largest |value| {float(emb.abs().max()):.3g}): the centres of "
                          f"{emb.dtype} embeddings are {centres.dtype}; scale emb down")
     return centres
-
-
-def add_centres(bank, centres: Tensor, centre_labels: Tensor,
-                weights: Optional[Tensor] = None):
-    """Append centres to a :class:`~nnkloss.CentreBank` in place (no retraining).
-
-    Args:
-        bank: the CentreBank to grow.
-        centres: (M, D) floating-point centres (cast to the bank's dtype and device).
-        centre_labels: (M,) integer labels of the new centres; new classes simply take new
-            label values.
-        weights: (M,) non-negative weights of the new centres, or None for weight 1.
-
-    The new rows get all -1 (padding) neighbour lists when the bank has lists, so existing
-    rows' lists are untouched; rebuild the lists to make the new centres reachable from old
-    rows' lists. The classifier searches the bank itself, so it sees new centres at once.
-    Growth goes through ``bank.update_`` (validated, swapped in atomically); learned weights
-    stay the same ``log_weights`` parameter, resized, so an optimiser holding it keeps training
-    it (its per-parameter state of the old size, e.g. momentum, must be reset or padded: the
-    Trainer pads it with zeros).
-    """
-    m = require_labelled("centres", centres, "centre_labels", centre_labels)
-    if bank.num_centres and centres.shape[1] != bank.dim:
-        raise ValueError(f"centres have dimension {centres.shape[1]}, the bank has {bank.dim}")
-    dev = bank.centres.device
-    labels = centre_labels.to(dev).long()
-    if m and int(labels.min()) < 0:
-        raise ValueError(f"centre_labels must be >= 0, got {int(labels.min())}")
-    new_lw = None
-    if weights is not None:
-        require_float("weights", weights, 1)
-        if weights.shape[0] != m:
-            raise ValueError(f"weights has length {weights.shape[0]} but there are {m} new "
-                             "centres")
-        # Only the new rows' weights are validated and logged: the old rows keep their
-        # log-weights bit for bit. Passing exp(log_weights) of the old rows back through
-        # update_(weights=) re-took their log: an ulp off for about 1 learned weight in 8,
-        # and a learned log-weight below fp32's exp range (-104: weight 0 in fp32) came back
-        # -inf, refused as "learnable weights must start strictly positive".
-        w = weights.detach().to(dev, torch.float32)
-        _validate_weights(w, m, positive=bank.learn_weights)
-        new_lw = torch.log(w)
-    new_nb = None
-    if bank.has_neighbours:
-        pad = torch.full((m, bank.k), -1, dtype=torch.long, device=dev)
-        new_nb = torch.cat([bank.neighbours, pad])
-    new_c = centres.detach().to(dev, bank.centres.dtype)
-    _require_finite_cast(centres, new_c)  # before the concatenation hides which rows
-    if bank.num_centres:  # an empty bank takes the new centres' dimension (checked above)
-        new_c = torch.cat([bank.centres, new_c])
-    n_old = bank.num_centres
-    # update_ pads the log-weights of the new rows with 0 (weight 1) on the same Parameter;
-    # given weights then go into those rows. Everything was validated before update_, so
-    # nothing can fail between the two writes.
-    bank.update_(centres=new_c, centre_labels=torch.cat([bank.centre_labels, labels]),
-                 neighbours=new_nb)
-    if new_lw is not None and m:
-        bank.log_weights.data[n_old:] = new_lw
-        bank._uniform_weights = False
-    return bank

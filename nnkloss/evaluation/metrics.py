@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..bank.centroids import kmeans
 from ..bank.search import iter_knn
 from ..bank.search.validation import check_finite, check_search_backend
 from ..validation import require_int, require_labelled, require_positive_int
@@ -260,12 +261,10 @@ def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "skl
         clusters = KMeans(n_clusters=n_classes, n_init=n_init, random_state=seed).fit_predict(
             x.numpy())
     else:
-        from ..bank.centroids import kmeans as torch_kmeans
-
         x = emb.float()
         best = None
         for i in range(n_init):
-            cents, assign = torch_kmeans(x, n_classes, seed=seed + i)
+            cents, assign = kmeans(x, n_classes, seed=seed + i)
             inertia = float((x - cents[assign]).pow(2).sum())
             if best is None or inertia < best[0]:
                 best = (inertia, assign)

@@ -129,14 +129,6 @@ def test_load_state_dict_refuses_nonfinite_log_weights():
         loss_fn.load_state_dict(state)
 
 
-def test_classifier_k_beyond_the_bank_uses_every_centre():
-    """Documented result: k is clamped to the usable centres."""
-    bank, emb, *_ = setup()
-    a = nnkloss.NeighbourKernelClassifier(bank, k=100, sigma=1.0).predict_proba(emb)
-    b = nnkloss.NeighbourKernelClassifier(bank, k=10, sigma=1.0).predict_proba(emb)
-    torch.testing.assert_close(a, b)
-
-
 def _bank20():
     g = torch.Generator().manual_seed(4)
     bank = nnkloss.CentreBank(torch.randn(20, 3, generator=g), torch.arange(20) % 3)

@@ -96,7 +96,7 @@ def test_class_centroids_validation():
 def test_added_class_is_predicted_at_its_centre():
     emb, labels = blobs()
     bank = CentreBank.from_class_means(emb, labels)
-    clf = NeighbourKernelClassifier(bank, k=10, sigma=1.0)
+    clf = NeighbourKernelClassifier(bank, k=3, sigma=1.0)
     new_centre = torch.full((1, 4), 40.0)
     out = bank.add(new_centre, torch.tensor([3]))
     assert out is bank and bank.num_centres == 4 and bank.num_classes == 4

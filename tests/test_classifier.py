@@ -7,6 +7,7 @@ import torch
 
 import nnkloss
 from nnkloss import CentreBank, NeighbourKernelClassifier
+from nnkloss.evaluation.classifier import RULES
 from nnkloss.bank.search import faiss_available
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])
@@ -122,14 +123,28 @@ def test_zero_weight_centre_is_not_a_neighbour():
     assert p[0].tolist() == [0.0, 1.0, 0.0]
 
 
-def test_k_larger_than_bank_means_all_centres():
+def test_k_of_every_centre_means_all_centres_and_beyond_is_refused_naming_k():
+    """k = N uses every centre (the NCM case); k > N is a ValueError naming k, as knn,
+    rebuild_neighbours and the Refresher refuse it (it was clamped to N without a word):
+    at construction, and at a call where the bank has shrunk or its centres of weight > 0
+    are fewer than k."""
     bank = make_bank(n=12)
     x = torch.randn(5, 6)
-    p = NeighbourKernelClassifier(bank, k=1000, sigma=1.5, search_backend="torch").predict_proba(x)
+    p = NeighbourKernelClassifier(bank, k=12, sigma=1.5, search_backend="torch").predict_proba(x)
     ref = ref_nngk_proba(x, bank.centres, bank.centre_labels, bank.weights.detach(), 12, 1.5,
                          bank.num_classes)
     torch.testing.assert_close(p.double(), ref, atol=1e-5, rtol=1e-4)
-
+    for rule in RULES:
+        with pytest.raises(ValueError, match=r"k=13 is larger than the bank's 12 centres"):
+            NeighbourKernelClassifier(bank, k=13, sigma=1.0, rule=rule)
+    clf = NeighbourKernelClassifier(bank, k=12, sigma=1.0, search_backend="torch")
+    bank.update_(weights=torch.cat([torch.zeros(2), torch.ones(10)]))
+    with pytest.raises(ValueError, match=r"k=12 is larger than the bank's 10 centres of weight > 0"):
+        clf.predict(x)
+    bank.update_(centres=bank.centres[:8], centre_labels=bank.centre_labels[:8],
+                 weights=torch.ones(8))
+    with pytest.raises(ValueError, match=r"k=12 is larger than the bank's 8 centres"):
+        clf.predict(x, neighbours=torch.zeros(5, 12, dtype=torch.long))
 
 def test_absent_labels_get_zero_probability():
     bank = CentreBank(torch.tensor([[0.0], [2.0]]), torch.tensor([0, 3]))

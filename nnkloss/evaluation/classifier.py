@@ -83,16 +83,25 @@ def _torch_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
     return out
 
 
+def _check_k(k: int, available: int, which: str = "") -> None:
+    """ValueError naming k where it exceeds the bank's ``available`` centres (``which``: the
+    kind counted), as :func:`nnkloss.knn` refuses more neighbours than candidates."""
+    if k > available:
+        raise ValueError(f"k={k} is larger than the bank's {available} centres{which}")
+
+
 class NeighbourKernelClassifier(nn.Module):
     """Classify embeddings with a :class:`CentreBank` (training features, class means, ...).
 
     Args:
         bank: the CentreBank (a submodule; its weights are used as they are at call time, so a
             bank grown with :meth:`CentreBank.add` is used at once).
-        k: neighbours per query. Clamped to the number of usable centres, so ``k >= N`` means
-            "all centres" (with a class-mean bank and ``1/(2 sigma^2) = 1/2`` that is the NCM
-            classifier of Mensink et al.). For ``rule="ccknn"`` it is the number of neighbours
-            taken from *each* class.
+        k: neighbours per query, at most the bank's centres of weight > 0 (ValueError naming
+            k otherwise, here and at each call, as :func:`nnkloss.knn` raises);
+            ``k = bank.num_centres`` uses every centre (with a class-mean bank and
+            ``1/(2 sigma^2) = 1/2`` that is the NCM classifier of Mensink et al.). For
+            ``rule="ccknn"`` it is the number of neighbours taken from *each* class (a class
+            with fewer centres uses all of its own).
         sigma: kernel width (> 0).
         search_backend: "auto", "torch" or "faiss" (see :func:`nnkloss.knn`).
         batch_size: query rows per search call (bounds the search and gather temporaries).
@@ -118,6 +127,7 @@ class NeighbourKernelClassifier(nn.Module):
         batch_size = require_positive_int("batch_size", batch_size)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        _check_k(k, bank.num_centres)
         self.bank = bank
         self.k = int(k)
         self.sigma = float(sigma)
@@ -131,7 +141,7 @@ class NeighbourKernelClassifier(nn.Module):
         """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1.
 
         ``neighbours``: optional (B, K) int64 bank rows of each query's nearest centres,
-        nearest first, K >= min(k, bank.num_centres), from a search already made (e.g.
+        nearest first, K >= k, from a search already made (e.g.
         ``nnkloss.knn(emb, bank.centres, k).neighbours``): the classifier then does not search again and
         uses the first k columns. Centres of weight 0 among them contribute nothing. Only for
         ``rule="nngk"`` (CCKNN searches each class separately).
@@ -172,6 +182,7 @@ class NeighbourKernelClassifier(nn.Module):
             # class into another class's column from the end, silently).
             raise ValueError(f"the bank's centre_labels must be >= 0 to classify with (column "
                              f"c of the probabilities is class c), got {lowest}")
+        _check_k(self.k, bank.num_centres)
         if emb.shape[1] != bank.dim:
             raise ValueError(f"emb has dimension {emb.shape[1]} but the bank's centres have "
                              f"dimension {bank.dim}")
@@ -187,8 +198,7 @@ class NeighbourKernelClassifier(nn.Module):
         if isinstance(neighbours, np.ndarray):
             neighbours = torch.from_numpy(np.ascontiguousarray(neighbours))
         require_int("neighbours", neighbours, 2)
-        n = self.bank.num_centres
-        k = min(self.k, n)
+        n, k = self.bank.num_centres, self.k
         if neighbours.shape[0] != b or neighbours.shape[1] < k:
             raise ValueError(f"neighbours must have shape (B={b}, K >= {k}), got "
                              f"{tuple(neighbours.shape)}")
@@ -212,6 +222,7 @@ class NeighbourKernelClassifier(nn.Module):
             return bank.centres, bank.centre_labels, log_w
         if not bool(keep.any()):
             raise RuntimeError("every centre of the bank has weight 0: nothing to classify with")
+        _check_k(self.k, int(keep.sum()), " of weight > 0")
         return bank.centres[keep], bank.centre_labels[keep], log_w[keep]
 
     def _log_scores_nngk(self, x: Tensor, cdt, neighbours: Optional[Tensor] = None) -> Tensor:
@@ -223,7 +234,7 @@ class NeighbourKernelClassifier(nn.Module):
             centres, centre_labels, log_w = (bank.centres, bank.centre_labels,
                                              bank.log_weights.detach())
         num_classes = self.bank.num_classes
-        k = min(self.k, centres.shape[0])
+        k = self.k
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
         for lo in range(0, x.shape[0], self.batch_size):

@@ -39,7 +39,13 @@ ZIP_MAGIC = b"PK\x03\x04"
 
 
 class UncheckedFileError(ValueError):
-    """The file has no checksum header (written by an older nnkloss, or not an nnkloss file)."""
+    """The file has no checksum header (written by an older nnkloss, or not an nnkloss file).
+    ``archive``: whether it is a torch.save archive at all (only then can it be an older
+    nnkloss file)."""
+
+    def __init__(self, message: str, archive: bool):
+        super().__init__(message)
+        self.archive = archive
 
 
 def save_checked(obj: Any, path, name: str = "path") -> str:
@@ -86,9 +92,13 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
         source = io.BytesIO(payload)
     elif allow_unchecked:
         source = io.BytesIO(data)
-    else:
+    elif data.startswith(ZIP_MAGIC):
         raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no "
-                                 "checksum (written before checksums, or not an nnkloss file)")
+                                 "checksum (written before checksums, or not an nnkloss file)",
+                                 archive=True)
+    else:
+        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no checksum "
+                                 "and is not a torch.save archive", archive=False)
     return load_weights_only(source, map_location, where)
 
 

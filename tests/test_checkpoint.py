@@ -286,6 +286,19 @@ def test_file_without_checksum_is_read_only_when_asked(tmp_path):
     assert step == 4 and torch.equal(loaded.centres, bank.centres)
 
 
+@pytest.mark.parametrize("content", [b"junk", b"", b"\x80\x02 a legacy pickle", b"nnkloss-sha25"])
+def test_a_file_that_is_no_archive_is_not_offered_the_unchecked_read(tmp_path, content):
+    """allow_unchecked=True is suggested only for a torch.save archive without a checksum
+    (what nnkloss wrote before checksums), never for a file that is none: it was suggested for
+    any file without the header, junk included."""
+    (tmp_path / "junk.pt").write_bytes(content)
+    with pytest.raises(ValueError, match="not a torch.save archive") as info:
+        load_bank(tmp_path / "junk.pt")
+    assert "allow_unchecked" not in str(info.value)
+    with pytest.raises(ValueError, match="cannot be read safely"):
+        load_bank(tmp_path / "junk.pt", allow_unchecked=True)
+
+
 # -----------------------------------------------------------------------------------------------
 # Moved from tests/test_mutation_kills.py (issue 14 mutation runs, tests/MUTATION.md; issue 19).
 from cases import small_bank  # noqa: E402

@@ -98,9 +98,12 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
         state = load_checked(path, map_location, what="CentreBank checkpoint",
                              allow_unchecked=allow_unchecked)
     except UncheckedFileError as exc:
-        raise ValueError(f"{exc}. It is not an nnkloss CentreBank checkpoint of this version; "
-                         "pass allow_unchecked=True to read one written before checksums"
-                         ) from None
+        # Reading without the checksum is offered only for what an older nnkloss could have
+        # written (a torch.save archive), never for a file that is none.
+        hint = ("; if it is a CentreBank checkpoint written before checksums, "
+                "allow_unchecked=True reads it" if exc.archive else "")
+        raise ValueError(f"{exc}. It is not an nnkloss CentreBank checkpoint of this version"
+                         f"{hint}") from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise ValueError(f"{path!r} is not an nnkloss CentreBank checkpoint")
     version = state.get("version", 0)

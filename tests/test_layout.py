@@ -29,13 +29,23 @@ def test_every_module_has_one_path():
                  "nnkloss.bank.distributed"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(name)
-    for name in ("metrics", "search", "plots", "train", "nope"):
+    for name in ("search", "plots", "train", "nope"):
         with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
             getattr(nnkloss, name)
     assert nnkloss.distributed.__file__ == os.path.join(root, "distributed.py")
     assert nnkloss.bank.exchange.__file__ == os.path.join(root, "bank", "exchange.py")
     assert nnkloss.knn is nnkloss.bank.search.knn
     assert nnkloss.experiment.Trainer is importlib.import_module("nnkloss.experiment.train").Trainer
+
+
+@pytest.mark.xfail(strict=True, reason="nnkloss/__init__.py needs `from .evaluation import "
+                   "metrics` and 'metrics' in __all__: delete this mark with that line")
+def test_the_evaluation_metrics_are_nnkloss_metrics():
+    """Users reach for nnkloss.metrics (an AttributeError before): it is the one metrics
+    module, nnkloss.evaluation.metrics, as an attribute of the package, not a second path."""
+    assert "metrics" in nnkloss.__all__
+    from nnkloss import metrics
+    assert metrics is nnkloss.evaluation.metrics and metrics.evaluate is nnkloss.metrics.evaluate
 
 
 def test_setup_py_ships_every_subpackage():

@@ -1,9 +1,8 @@
 """The package's one atomic file writer: readers see the old file or the new one, never half.
 
-The data goes to a temporary file in the target's directory, is flushed and fsync'ed, then
-renamed over the target with ``os.replace``; the directory is fsync'ed so that the rename itself
-survives a crash. A failure at any point leaves the previous file intact and no temporary file;
-a process killed mid-write (kill -9, power loss) leaves its temporary file, which
+The data goes to a temporary file beside the target, is fsync'ed and renamed over the target
+(``os.replace``), and the directory is fsync'ed so that the rename survives a crash. A failure
+leaves the previous file intact and no temporary; a killed process leaves its temporary, which
 :func:`remove_stale_temps` removes.
 """
 from __future__ import annotations
@@ -35,21 +34,17 @@ def _fsync_dir(directory: str) -> None:
 
 def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: str = "path"
                  ) -> str:
-    """Write ``data`` (bytes, or a function that writes into a binary file object, e.g.
-    ``lambda f: torch.save(obj, f)``) to ``path`` atomically. Returns the path.
-
-    ``name`` is the argument named in the error when the target's directory does not exist.
-    The file keeps the target's permissions (or gets 0644 less the umask when new: 0600 under
-    a private umask such as 077).
-    """
+    """Write ``data`` (bytes, or a function writing into a binary file, ``lambda f:
+    torch.save(obj, f)``) to ``path`` atomically; returns the path. ``name``: the argument
+    named when the directory does not exist. The file keeps the target's permissions (new:
+    0644 less the umask)."""
     path = require_parent_dir(name, path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp",
                                dir=directory)
     try:
-        # mkstemp makes the file 0600; keep the target's mode (or a usual 0644) instead, less
-        # the umask (a fixed 0644 made a checkpoint written under umask 077 readable by all).
-        # Never group/other-writable, whatever the umask: cpu.py refuses such a sha256 record.
+        # mkstemp makes the file 0600: keep the target's mode, or 0644 less the umask (never
+        # group/other-writable: cpu.py refuses such a sha256 record).
         try:
             mode = os.stat(path).st_mode & 0o777
         except FileNotFoundError:
@@ -74,9 +69,8 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
 
 
 def _umask() -> int:
-    """The process's umask, read where Linux shows it (/proc/self/status, kernel 4.7 on):
-    os.umask can only read it by setting it, and a file another thread created meanwhile
-    would get the wrong mode."""
+    """The process's umask from /proc/self/status where Linux shows it (os.umask reads it only
+    by setting it, racing other threads' file creation)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -94,10 +88,9 @@ def _temp_prefix(path: str) -> str:
 
 
 def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
-    """Remove the temporary files that interrupted :func:`atomic_write` calls for ``path`` left
-    behind (``.<name>.<random>.tmp`` beside it): regular files of this user last modified more
-    than ``older_than_s`` seconds ago (0: all; use a margin when another process may be writing
-    the same target right now). Returns the paths removed."""
+    """Remove the temporaries (``.<name>.<random>.tmp``) that interrupted :func:`atomic_write`
+    calls for ``path`` left: regular files of this user untouched for ``older_than_s`` seconds
+    (0: all; leave a margin where another process may be writing). Returns the paths removed."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     prefix = _temp_prefix(path)
@@ -109,7 +102,7 @@ def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
     now = time.time()
     for name in names:
         middle = name[len(prefix):-len(".tmp")]
-        # mkstemp's 8 random characters: never another target's temporary (".<name>.bak.x.tmp")
+        # mkstemp's 8 random characters: never another target's temporary
         if not (name.startswith(prefix) and name.endswith(".tmp") and len(middle) == 8
                 and all(c.isalnum() or c == "_" for c in middle)):
             continue

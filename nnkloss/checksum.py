@@ -3,21 +3,16 @@ the payload is unpickled (weights-only), so a flipped bit or a torn copy is an e
 file, never a silently different bank or model.
 
 Layout: the line ``nnkloss-sha256``, the 64 hex digits of the payload's sha256 and a newline,
-then the payload: ``torch.save`` of the object. The file is written with
-:func:`nnkloss.atomic.atomic_write`. The checksum detects damage, not forgery: whoever can write
-the file can write a matching checksum (what such a file can still do is bounded by the
-weights-only load and the validation of what it holds).
+then the payload, ``torch.save`` of the object, written with :func:`nnkloss.atomic.atomic_write`
+(the whole file is read into memory to check it). The checksum detects damage, not forgery:
+what a file with a matching checksum can do is bounded by the weights-only load and the
+validation of what it holds.
 
-The whole file is read into memory before it is checked (one extra copy of the payload while
-loading).
-
-Before any payload is unpickled, :func:`load_weights_only` also checks its zip archive's
-directory: ``torch.save`` stores its records uncompressed, but ``torch.load`` would inflate a
-compressed one to whatever size the archive declares (a file of 262 KB loaded as a 256 MB
-tensor when tried; a few tens of MB would exhaust this machine's memory and get the process
-killed). A compressed record, or records declaring more bytes than the file holds, are refused;
-so, after the load, is a tensor with more elements than its storage holds bytes for (a view
-with a stride of 0, whose first copy would allocate what the file never held).
+Before a payload is unpickled, :func:`load_weights_only` refuses a zip archive with a
+compressed record (``torch.save`` writes none, and ``torch.load`` would inflate one to
+whatever size it declares) or records declaring more bytes than the file holds; after the load,
+a tensor with more elements than its storage holds bytes for (a stride-0 view, whose first copy
+would allocate what the file never held).
 """
 from __future__ import annotations
 
@@ -103,11 +98,9 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
 
 
 def _check_archive(source, where: str) -> None:
-    """Refuse a zip archive that would inflate beyond its own size (see the module docstring):
-    a record stored compressed, or records whose declared sizes add up to more than the file.
-    ``source``: a path or a seekable binary file (its position is kept). Files of the legacy,
-    non-zip format are left to torch.load, which checks their storages' sizes against the
-    bytes it reads."""
+    """Refuse a zip archive that would inflate beyond its own size (see the module docstring).
+    ``source``: a path or a seekable binary file (its position is kept). Legacy non-zip files
+    are left to torch.load, which checks their storages against the bytes it reads."""
     is_path = isinstance(source, (str, bytes, os.PathLike))
     if is_path:
         size = os.path.getsize(source)
@@ -157,10 +150,8 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
 
 def iter_contents(obj: Any, root: str = "") -> Iterator[Tuple[str, Any]]:
     """Yield ``(path, value)`` for ``obj`` and everything in it through dicts, lists and
-    tuples, depth first in each container's order (``path`` like ``root['key'][2]``). Each
-    container is visited once: a pickle can make a list hold itself, or share one container
-    many times over, and a walk that forgot where it had been would never end. The one walk of
-    the checkpoint checks (here and :mod:`nnkloss.bank.checkpoint`)."""
+    tuples, depth first in order (``path`` like ``root['key'][2]``), each container once (a
+    pickle can make a list hold itself). The one walk of the checkpoint checks."""
     stack, seen = [(root, obj)], set()
     while stack:
         at, o = stack.pop()
@@ -177,13 +168,9 @@ def iter_contents(obj: Any, root: str = "") -> Iterator[Tuple[str, Any]]:
 
 
 def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
-    """Refuse any tensor in ``obj`` (:func:`iter_contents`) that is not a strided tensor with
-    values (not on the meta device) whose elements all have bytes of their own in its storage.
-    The weights-only unpickler rebuilds views as the file describes them: a view with a stride
-    of 0 over one stored value (``expand``) has as many elements as it declares (a CentreBank of
-    16.7M centres loaded from a file of 2.5 KB when tried), and the first copy of it
-    (``contiguous``, a search, a clone) would allocate them all. ``torch.save`` of a tensor that
-    is not such a view writes every element's bytes."""
+    """Refuse any tensor in ``obj`` that is not a strided tensor with values (not meta) whose
+    elements all have bytes of their own in its storage: the weights-only unpickler rebuilds a
+    stride-0 view as declared, and its first copy would allocate every element."""
     for at, o in iter_contents(obj):
         if not isinstance(o, torch.Tensor):
             continue

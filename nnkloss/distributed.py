@@ -1,43 +1,20 @@
 """The ``torch.distributed`` runtime: process group, sharded loaders, DDP helpers, reductions.
 
 One process per GPU, launched by torchrun. Everything here is a no-op (or returns its input)
-when no process group is initialised or the world has one process, so single-process code can
-call it unconditionally. The bank's own collectives (exchanging embedded rows, the sharded
-neighbour-list search) are :mod:`nnkloss.bank.exchange`, built on this module.
+without a process group or in a world of one, so single-process code calls it unconditionally.
+The bank's own collectives are :mod:`nnkloss.bank.exchange`.
 
-Process group:
-    :func:`init_from_env` (reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-    MASTER_PORT; NCCL when CUDA is available, else gloo), :func:`is_distributed`, :func:`rank`,
-    :func:`world_size`, :func:`local_rank`, :func:`is_main_process`, :func:`local_device`,
-    :func:`barrier`, :func:`shutdown`; :func:`comm_device` (where a collective's tensors live).
+Loss semantics under DDP: DDP averages gradients over ranks, so per-rank mean losses train on
+the mean of per-rank means, and the kernel loss's per-rank means are over counts that differ
+between ranks. :func:`global_mean` rescales each rank's mean by ``world_size * count /
+total_count`` (one all-reduce of a scalar, no host sync) so that the averaged gradient IS the
+gradient of the mean over the global batch: single-process and DDP runs take the same steps.
 
-Data:
-    :func:`shard_loader` (the same DataLoader over this rank's DistributedSampler share),
-    :func:`distributed_sampler` (a DistributedSampler, or None in a single process),
-    :func:`set_sampler_epoch`, :func:`per_rank_batch_size`.
-
-Training (the embedding network in DistributedDataParallel, the loss module NOT wrapped):
-    :func:`wrap_model`; :func:`global_mean` (loss semantics, below); :func:`sync_loss_parameters`
-    (average the gradients of sigma and the bank weights after ``backward()``, before the
-    optimiser step); :func:`broadcast_buffers`; :func:`sum_over_ranks` / :func:`mean_over_ranks`
-    (totals for logs).
-
-Loss semantics under DDP. DDP averages gradients over ranks, so plain per-rank mean losses
-train on the MEAN OF PER-RANK MEANS. With the kernel loss the per-rank means are over the rows
-that have a same-class neighbour, whose count differs between ranks, so this differs from the
-mean over the global batch that one process with the same global batch computes.
-:func:`global_mean` rescales each rank's mean by ``world_size * count / total_count`` (one
-all-reduce of a scalar, no host synchronisation) so that the averaged gradient IS the gradient
-of the mean over all counted rows of the global batch: single-process and DDP runs then take the
-same steps. The value it returns on one rank is not the global mean; the average over ranks is.
-
-Why the loss module is not wrapped in DDP: DDP broadcasts a module's buffers from rank 0 at
-every forward, and the loss module's buffers are the (N, D) bank. The bank is instead kept
-identical on every rank by the refresh (every rank ends it with the same bytes, see
-:mod:`nnkloss.bank.exchange`), and its two kinds of trainable parameters
-(``bank.log_weights`` (N,) and ``loss.log_sigma``) are kept in sync by
-:func:`sync_loss_parameters`: identical starting values + identical averaged gradients + the
-same optimiser = identical values.
+The loss module is not wrapped in DDP, which would broadcast its buffers (the (N, D) bank) from
+rank 0 at every forward. The refresh keeps the bank identical on every rank instead
+(:mod:`nnkloss.bank.exchange`), and :func:`sync_loss_parameters` averages the gradients of its
+trainable parameters (``bank.log_weights``, ``loss.log_sigma``): identical starting values,
+averaged gradients and the same optimiser keep them identical.
 """
 from __future__ import annotations
 
@@ -65,16 +42,10 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def init_from_env(dist_backend: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
     """Initialise the default process group from torchrun's environment, if launched by it.
 
-    Args:
-        dist_backend: the ``torch.distributed`` backend, "nccl", "gloo", ... (default: "nccl"
-            when CUDA is available, else "gloo"). Not the op's ``backend`` nor a
-            ``search_backend``.
-        timeout_s: how long a collective may wait for the other ranks before failing.
-
-    With NCCL the current CUDA device is set to ``cuda:LOCAL_RANK`` first (collectives use the
-    current device). Returns :func:`is_distributed` (False with no torchrun variables set: a
-    plain single-process run; also False under ``torchrun --nproc-per-node 1``). Idempotent:
-    a group that is already initialised is kept.
+    ``dist_backend``: the ``torch.distributed`` backend (default "nccl" with CUDA, else
+    "gloo"); ``timeout_s``: how long a collective may wait for the other ranks. With NCCL the
+    current CUDA device is set to ``cuda:LOCAL_RANK`` first. Returns :func:`is_distributed`
+    (False without torchrun's variables, or in a world of one). An initialised group is kept.
     """
     if not dist.is_available():
         return False
@@ -148,12 +119,8 @@ def shutdown() -> None:
 # ============================================================================ data
 def distributed_sampler(dataset, shuffle: bool, seed: int = 0, drop_last: bool = False):
     """A :class:`~torch.utils.data.DistributedSampler` over ``dataset``, or None in a single
-    process (then use the DataLoader's own ``shuffle``).
-
-    Each rank gets ``ceil(len / world)`` indices; the sampler repeats indices to pad the last
-    ranks (``drop_last=False``), so the refresh sees some rows twice (handled) and an epoch of
-    training sees them twice too. Call :func:`set_sampler_epoch` every epoch when shuffling.
-    """
+    process. Each rank gets ``ceil(len / world)`` indices, some repeated to pad the last ranks
+    (the refresh handles that). Call :func:`set_sampler_epoch` every epoch when shuffling."""
     if not is_distributed():
         return None
     from torch.utils.data import DistributedSampler
@@ -166,16 +133,11 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     """The same DataLoader, but over this rank's DistributedSampler share (single process:
     ``loader`` itself, untouched).
 
-    Args:
-        loader: a :class:`~torch.utils.data.DataLoader` built with ``batch_size`` (not a
-            ``batch_sampler``) over its whole dataset (``shuffle`` True or False, no
-            ``sampler`` of its own); its dataset, workers, collate_fn, pin_memory, drop_last,
-            ... are kept.
-        shuffle: shuffle the share every epoch (default: whether ``loader`` shuffled, i.e. has
-            a RandomSampler). Call :func:`set_sampler_epoch` every epoch (the Trainer does).
-        split_batch: divide ``batch_size`` by the world size so that one step still consumes
-            ``batch_size`` rows in all (training); False keeps it per rank (embedding passes).
-        seed: the DistributedSampler's shuffle seed (the same on every rank).
+    ``loader``: a DataLoader built with ``batch_size`` over its whole dataset (``shuffle``
+    True or False, no sampler of its own); its other settings are kept. ``shuffle``: default
+    whether ``loader`` shuffled (call :func:`set_sampler_epoch` every epoch). ``split_batch``:
+    divide ``batch_size`` by the world size so that one step consumes ``batch_size`` rows in
+    all (training); False keeps it per rank (embedding passes). ``seed``: the shuffle seed.
     """
     if not is_distributed():
         return loader
@@ -185,8 +147,7 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     if loader.batch_size is None:
         raise ValueError("shard_loader needs a DataLoader built with batch_size, not with a "
                          "batch_sampler: give that one a DistributedSampler yourself")
-    # The DistributedSampler below covers the whole dataset once per epoch: any other sampler
-    # (a subset, weights, draws with replacement) would be dropped without a word.
+    # The DistributedSampler covers the whole dataset: another sampler would be dropped.
     sampler = loader.sampler
     whole = (type(sampler) is SequentialSampler or (
         type(sampler) is RandomSampler and not sampler.replacement
@@ -240,13 +201,9 @@ def comm_device(group, data_device: torch.device) -> torch.device:
 # ============================================================================ training
 def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_options) -> nn.Module:
     """``DistributedDataParallel(model)`` under torch.distributed, else ``model`` itself.
-
-    ``device``: where the model lives (default: its first parameter's device); for CUDA the
-    wrapper gets ``device_ids=[device.index]``. ``ddp_options`` go to DDP (e.g.
-    ``find_unused_parameters=True``). Keep the unwrapped ``model`` for ``state_dict()`` (no
-    "module." prefix) and for the Refresher (it embeds in eval mode under no_grad, where DDP
-    adds nothing). Wrap only the embedding network, not the loss module (see the module doc).
-    """
+    ``device``: where the model lives (default: its first parameter's); ``ddp_options`` go to
+    DDP. Keep the unwrapped ``model`` for ``state_dict()`` and the Refresher; wrap only the
+    embedding network, not the loss module (see the module doc)."""
     if not is_distributed():
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -265,15 +222,10 @@ def global_mean(loss: Tensor, count, group=None) -> Tensor:
     """Rescale a per-rank mean loss so that DDP's gradient average is the gradient of the mean
     over the whole global batch.
 
-    Args:
-        loss: 0-dim mean over ``count`` rows of this rank's batch (e.g. a NeighbourKernelLoss
-            with reduction="mean"; its ``last_num_counted`` is the count).
-        count: rows in that mean, a 0-dim tensor or int (0 allowed: the loss is then 0).
-
-    Returns ``loss * world_size * count / total_count`` (``loss`` itself in a single process).
-    One all-reduce of a scalar on the loss's stream, no host synchronisation. Averaged over
-    ranks (what DDP does to the gradients, and what a log should show) it equals
-    ``sum of all ranks' row losses / total_count``.
+    ``loss``: 0-dim mean over ``count`` rows of this rank's batch (a NeighbourKernelLoss's
+    ``last_num_counted``); ``count``: a 0-dim tensor or int (0 allowed). Returns ``loss *
+    world_size * count / total_count`` (``loss`` itself in one process), whose average over
+    ranks is ``sum of all ranks' row losses / total_count``. One all-reduce, no host sync.
     """
     if not is_distributed(group):
         return loss
@@ -289,15 +241,10 @@ def global_mean(loss: Tensor, count, group=None) -> Tensor:
 def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
     """Average the gradients of ``loss_module``'s trainable parameters over the ranks.
 
-    Call after ``backward()`` and before gradient clipping and ``optimizer.step()``, on every
-    rank, every step. For a NeighbourKernelLoss these are ``log_sigma`` (when learned) and
-    ``bank.log_weights`` (when learned; an (N,) gradient); any other criterion's parameters
-    (a softmax head) work the same way. The embedding network's gradients are DDP's business.
-
-    Semantics match DDP's: every rank's gradient becomes ``sum over ranks / world_size`` (a rank
-    whose gradient is None contributes zeros); a parameter without a gradient on every rank
-    keeps None. All gradients travel in one flat all-reduce (cost per step: the parameters'
-    size, N x 4 bytes for learned bank weights). No host synchronisation on NCCL.
+    Call after ``backward()`` and before clipping and ``optimizer.step()``, on every rank,
+    every step (for a NeighbourKernelLoss: learned ``log_sigma`` and ``bank.log_weights``).
+    As DDP: every gradient becomes ``sum over ranks / world_size`` (a rank's None counts as
+    zeros); None on every rank stays None. One flat all-reduce; no host sync on NCCL.
     """
     if not is_distributed(group):
         return
@@ -318,8 +265,7 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
         g = flat[offset:offset + p.numel()].view(p.shape)
         offset += p.numel()
         if p.grad is None:
-            # None on every rank keeps None (an unused parameter stays untouched by SGD etc.);
-            # reading the flag syncs, but only for parameters that had no gradient here.
+            # reading the flag syncs, only for parameters without a gradient here
             if bool(flags[i] > 0):
                 p.grad = g.to(p.device, p.dtype).clone()
         else:
@@ -350,10 +296,9 @@ def mean_over_ranks(value):
 
 @torch.no_grad()
 def broadcast_buffers(module: nn.Module, src: int = 0, group=None) -> None:
-    """Overwrite every buffer of ``module`` (BatchNorm running statistics, ...) with rank
-    ``src``'s. DDP broadcasts buffers at the START of each forward, so after the last step the
-    ranks' running statistics differ by their last local update; a refresh syncs them first so
-    that every rank embeds with the same model."""
+    """Overwrite every buffer of ``module`` (BatchNorm statistics, ...) with rank ``src``'s:
+    DDP broadcasts them at the start of each forward, so after the last step they differ by
+    the last local update; a refresh syncs them so that every rank embeds alike."""
     if not is_distributed(group):
         return
     for buf in module.buffers():

@@ -1,12 +1,6 @@
-"""The bank of centres and what keeps it current.
-
-- :mod:`.centre_bank`: :class:`CentreBank` (centres, centre_labels, weights, neighbour lists);
-- :mod:`.search`: exact / approximate k-nearest-neighbour search (FAISS or tiled torch);
-- :mod:`.refresh`: :class:`Refresher` (re-embed, rebuild lists, swap) and its schedule;
-- :mod:`.checkpoint`: atomic, validated bank files;
-- :mod:`.centroids`: class-mean / k-means banks;
-- :mod:`.exchange`: the refresh under ``torch.distributed`` (row exchange, sharded list search).
-"""
+"""The bank of centres and what keeps it current: :class:`CentreBank`, the neighbour search
+(:mod:`.search`), the :class:`Refresher`, bank files (:mod:`.checkpoint`), centroid banks
+(:mod:`.centroids`) and the refresh under ``torch.distributed`` (:mod:`.exchange`)."""
 from .centre_bank import CentreBank
 from .checkpoint import load_bank, save_bank
 from .refresh import Refresher, RefreshSchedule, RefreshStats

@@ -1,16 +1,11 @@
 """Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
 
-A checkpoint holds the bank's ``state_dict()`` (centres, centre labels, log-weights, neighbour
-lists), whether the weights are learned and a step counter, plus an optional ``extra`` dict (sigma, a schedule's
-``state_dict()``, ...). It is written with :func:`nnkloss.atomic.atomic_write` behind a sha256
-of its payload (:mod:`nnkloss.checksum`): a crash or error mid-write leaves the previous
+A checkpoint holds the bank's ``state_dict()``, whether the weights are learned, a step counter
+and an optional ``extra`` dict (sigma, a schedule's ``state_dict()``, ...), written atomically
+behind a sha256 of its payload (:mod:`nnkloss.checksum`): a crash mid-write leaves the previous
 checkpoint intact, and a damaged file is refused on load. The bank read back is validated as
-:meth:`CentreBank.update_` validates writes (shapes, index ranges, label count, finite centres,
-weights) before it is built.
-
-Format versions: 2 stores the centre labels as ``centre_labels``; version 1 (and files without
-a version) stored the same tensor as ``labels`` and are read by taking it under its new name
-(the only difference between the two versions), then validated like any other file.
+:meth:`CentreBank.update_` validates writes before it is built. Format version 1 (or none)
+stored the centre labels as ``labels``, read as ``centre_labels``.
 """
 from __future__ import annotations
 
@@ -28,18 +23,16 @@ __all__ = ["save_bank", "load_bank"]
 
 _FORMAT = "nnkloss.CentreBank"
 _VERSION = 2
-# Temporary files of interrupted save_bank calls (a killed process leaves its .tmp beside the
-# target) are removed once untouched this long: another process may be writing the same file
-# right now, and a write in progress keeps its temporary fresh.
+# Temporaries of interrupted save_bank calls are removed once untouched this long (another
+# process may be writing the same file right now: its temporary stays fresh).
 STALE_TEMP_SECONDS = 3600.0
 # The tensors of a bank file: the keys of CentreBank.state_dict().
 _STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
 
 def _check_extra(value: Any, where: str = "extra") -> None:
-    """Refuse what ``torch.load(weights_only=True)`` could not read back (fail at save time).
-    Walked as the checkpoint checks walk (:func:`nnkloss.checksum.iter_contents`: each
-    container once, the first bad entry in order reported)."""
+    """Refuse, at save time, what ``torch.load(weights_only=True)`` could not read back (the
+    first bad entry, in :func:`nnkloss.checksum.iter_contents` order)."""
     for at, v in iter_contents(value, where):
         if v is None or isinstance(v, (bool, numbers.Integral, float, str, torch.Tensor, list,
                                        tuple)):
@@ -53,16 +46,10 @@ def _check_extra(value: Any, where: str = "extra") -> None:
 
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:
-    """Write ``bank`` (and ``step``, ``extra``) to ``path`` atomically. Temporary files that
-    interrupted writes of ``path`` left behind are removed first, once an hour old
-    (``STALE_TEMP_SECONDS``: a write in progress by another process keeps its own fresh).
-
-    Args:
-        bank: the :class:`CentreBank`; its tensors are copied to the CPU for the file.
-        path: target file (str or os.PathLike); its directory must exist.
-        step: training step (int >= 0) to resume from.
-        extra: optional dict of tensors / numbers / strings / None / nested lists and dicts of
-            those (what a weights-only load can read), e.g. ``{"sigma": 10.0}``.
+    """Write ``bank`` (its tensors copied to the CPU), ``step`` (int >= 0) and ``extra`` (a
+    dict of tensors / numbers / strings / None / nested lists and dicts of those, e.g.
+    ``{"sigma": 10.0}``) to ``path`` atomically; its directory must exist. Temporaries that
+    interrupted writes of ``path`` left are removed first, once ``STALE_TEMP_SECONDS`` old.
     """
     if not isinstance(bank, CentreBank):
         raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
@@ -71,9 +58,8 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
     _check_extra(extra)
-    # The bank's own state_dict (centres, centre_labels, neighbours, log_weights) is the file's
-    # payload, beside whether the weights are learned: one description of a bank's state for
-    # both ways of saving it (load_bank reads it back through load_state_dict).
+    # The bank's own state_dict is the payload: one description of its state for both ways
+    # of saving it (load_bank reads it back through load_state_dict).
     remove_stale_temps(path, older_than_s=STALE_TEMP_SECONDS)
     payload = {"format": _FORMAT, "version": _VERSION}
     payload.update((name, t.detach().cpu()) for name, t in bank.state_dict().items())
@@ -85,13 +71,11 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
               ) -> Tuple[CentreBank, int, Optional[dict]]:
     """Read a checkpoint written by :func:`save_bank`: returns ``(bank, step, extra)``.
 
-    The payload's sha256 is verified first (a damaged file is a ValueError naming it), then it
-    is read with ``torch.load(weights_only=True)`` (no code runs from the file), and the bank is
-    validated like :meth:`CentreBank.update_` (an error naming the field, e.g.
-    ``checkpoint neighbours``). ``map_location`` as in ``torch.load`` (None: the CPU, where
-    :func:`save_bank` put the tensors; e.g. "cuda" to load straight onto the GPU).
-    ``allow_unchecked=True`` also reads files written before checkpoints had a checksum
-    (weights-only and validated, but damage to them cannot be detected).
+    The payload's sha256 is verified (a damaged file is a ValueError naming it), then read with
+    ``torch.load(weights_only=True)`` (no code runs from the file), and the bank is validated
+    like :meth:`CentreBank.update_` (errors naming the field, ``checkpoint neighbours``).
+    ``map_location`` as in ``torch.load`` (None: the CPU). ``allow_unchecked=True`` also reads
+    files written before checksums (weights-only and validated; damage goes undetected).
     """
     path = os.fspath(path)
     try:
@@ -113,13 +97,11 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
         raise ValueError(f"checkpoint version {version} is newer than this nnkloss "
                          f"reads ({_VERSION}); upgrade nnkloss")
     if version < 2 and "labels" in state and "centre_labels" not in state:
-        # Version 1 wrote the centre labels as "labels": same tensor, new name.
         state["centre_labels"] = state.pop("labels")
     missing = [k for k in _STATE_KEYS + ("learn_weights", "step") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}")
-    # A bool, as save_bank writes it: bool() of a string is True ("False" loaded a bank with
-    # learned weights), of a tensor of several values an error that named nothing.
+    # A bool, as save_bank writes it (bool("False") is True).
     if not isinstance(state["learn_weights"], bool):
         raise ValueError(f"checkpoint learn_weights must be a bool, got "
                          f"{type(state['learn_weights']).__name__}")
@@ -127,8 +109,6 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"checkpoint extra must be a dict or None (as save_bank writes it), "
                          f"got {type(extra).__name__}")
-    # The same rules as CentreBank.update_ (a NaN weight would act as 0, +inf would give an
-    # infinite loss, an index >= N would gather another row or fail far from here).
     validate_bank_tensors(state["centres"], state["centre_labels"], state["neighbours"],
                           state["log_weights"], learned=state["learn_weights"],
                           prefix="checkpoint ")
@@ -136,10 +116,7 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
     bank = CentreBank(state["centres"], state["centre_labels"], neighbours=state["neighbours"])
-    # Through the bank's own load_state_dict (as a Trainer checkpoint's bank is restored): the
-    # log-weights come back exactly as saved (not via weights=exp(.), which would round) and
-    # whether they are all one is derived from them there. (Files before this writer also held
-    # a "uniform_weights" flag: the same fact, no longer read.)
+    # Through the bank's own load_state_dict: the log-weights come back exactly as saved.
     bank.load_state_dict({name: state[name] for name in _STATE_KEYS})
     bank.log_weights.requires_grad_(state["learn_weights"])
     return bank, int(step), extra

@@ -1,20 +1,11 @@
 """k-nearest-neighbour search: for the centres' neighbour lists, the classifier and the metrics.
 
-One job per module:
-
-* :mod:`.validation`: argument checks shared by every entry point;
-* :mod:`.exclusion`: :func:`drop_self`, the one self-exclusion rule (search ``k + 1``, drop
-  own row; the compiled CPU selection applies it in its decode);
-* :mod:`.torch_search`: exact tiled GEMM search with a threshold selection (any device);
-* :mod:`.faiss_search`: faiss indexes (exact flat on CPU/GPU, approximate IVF / HNSW);
-* :mod:`.knn`: the public :func:`knn` / :func:`iter_knn` and the backend choice;
-* :mod:`.lists`: :func:`neighbour_lists` (self excluded, optional positive per row);
-* :mod:`.recall`: :func:`recall_against_exact` for approximate indexes.
-
-All results are ``(distances, neighbours)``, in that order (as ``torch.topk`` and faiss return
-them): squared L2 distances in ascending order (fp32), equal distances ordered by index, and
-int64 base-row indices (:class:`SearchResult`, :class:`SearchBlock`, the first two fields of
-:class:`NeighbourLists`).
+:mod:`.knn` holds the public :func:`knn` / :func:`iter_knn` and the backend choice;
+:mod:`.torch_search` the exact tiled GEMM search, :mod:`.faiss_search` faiss's indexes,
+:mod:`.lists` :func:`neighbour_lists`, :mod:`.exclusion` the one self-exclusion rule,
+:mod:`.recall` the recall of approximate indexes, :mod:`.validation` the shared checks. All
+results are ``(distances, neighbours)``: fp32 squared L2 distances ascending, ties ordered by
+index, and int64 base rows.
 """
 from .exclusion import drop_self
 from .faiss_search import faiss_available, faiss_gpu_usable

@@ -1,16 +1,11 @@
 """Self-exclusion: the one place where a query's own row leaves its neighbour list.
 
-Every search that must exclude self (exact torch or faiss, approximate indexes, the sharded
-search, the same-class search of :func:`~.lists.patch_positives` and the evaluation metrics)
-asks for ``k + 1`` neighbours, own row included, and passes them through :func:`drop_self`.
-Searches return neighbours ordered by (distance, index), so this gives the ``k`` nearest
-*other* rows in that order: when the own row is among the ``k + 1`` it is removed, and when it
-is not (more than ``k`` exact duplicates tie ahead of it) the last entry goes.
-
-The one exception applies this same rule earlier: the exact search's compiled CPU selection
-drops the own row while it decodes its keys (``KnnSelection.finish``'s ``self0``,
-``nnk_knn_unkey`` in nnkloss/ops/cpu_kernel.cpp), which spares a pass over each block
-(tests/test_cpu_kernel.py checks its lists against :func:`drop_self`'s).
+Every search that excludes self asks for ``k + 1`` neighbours, own row included, and passes
+them through :func:`drop_self`. Searches return neighbours ordered by (distance, index), so
+this gives the ``k`` nearest *other* rows in that order: the own row is removed when it is
+among the ``k + 1``, the last entry otherwise (more than ``k`` exact duplicates tie ahead of
+it). The compiled CPU selection applies the same rule in its decode, sparing a pass over each
+block (tests/test_cpu_kernel.py checks its lists against :func:`drop_self`'s).
 """
 from __future__ import annotations
 
@@ -32,10 +27,8 @@ def drop_self(distances: Tensor, neighbours: Tensor, self_ids: Tensor, k: int
         self_ids: (Q,) int64, the base row of each query.
         k: the list length to return (``ids.shape[1] - 1``, or fewer columns).
 
-    The order of the remaining entries is kept (no re-sort): O(Q k) work. Entry j of a row is
-    its entry j before the own index and entry j + 1 from there on, so the result is one
-    ``where`` of two shifted views (no boolean indexing: 0.28-0.38 against 1.1-1.6 s at
-    Q 20,000, k 1,000 on one CPU thread, 2026-11-25).
+    The order is kept (no re-sort): entry j of a row is its entry j before the own index and
+    entry j + 1 from there on, one ``where`` of two shifted views (no boolean indexing).
     """
     dist, ids = distances, neighbours
     q, width = ids.shape

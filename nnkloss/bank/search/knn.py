@@ -35,13 +35,9 @@ class SearchBlock(NamedTuple):
 
 
 def resolve_search_backend(search_backend: str, device: torch.device) -> str:
-    """The exact implementation a ``search_backend`` runs: "auto" is always "torch".
-
-    "auto" must give the same neighbours whether or not faiss is installed, so it does not
-    depend on it: on the CPU the torch search is at least as fast as faiss's flat index (both
-    GEMM bound; a self-search computes only half the GEMM, docs/PERFORMANCE.md, "The kNN graph") and it
-    runs on every device. faiss (CPU or GPU index) is used when asked for by name.
-    """
+    """The exact implementation a ``search_backend`` runs: "auto" is always "torch", so that
+    the neighbours never depend on whether faiss is installed (the torch search runs on every
+    device and is at least as fast on the CPU; faiss runs when asked for by name)."""
     check_search_backend(search_backend)
     return "torch" if search_backend == "auto" else search_backend
 
@@ -50,13 +46,9 @@ def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto"
              exclude_self: bool = False, *, tile_bytes: Optional[int] = None
              ) -> Iterator[SearchBlock]:
     """Exact search, yielded as :class:`SearchBlock` ``(row0, distances (rows, k), neighbours
-    (rows, k))`` for consecutive blocks of query rows; arguments and results as in :func:`knn`
-    (exact only).
-    Memory: one block's working set (the tile budget), never the whole (Q, k) result; a
-    self-search's symmetric path (below) holds every row's selection state, within that
-    budget."""
-    # Not a generator itself: bad arguments (and a missing faiss) are reported by the call,
-    # not by the first next() (evaluate's caller would otherwise see them only mid-loop).
+    (rows, k))`` for consecutive blocks of query rows; arguments and results as in :func:`knn`.
+    Memory: one block's working set (the tile budget), never the whole (Q, k) result."""
+    # Not a generator itself: bad arguments are reported by the call, not the first next().
     check_search_backend(search_backend)
     k = validate(queries, base, k, exclude_self)
     return _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
@@ -73,17 +65,12 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
         kk = k + int(exclude_self)  # the own row is searched for, then dropped below
         blocks = iter_search_index(build_flat(base, kk), queries, kk)
     else:
-        # A search of one tensor against itself is symmetric, with or without exclude_self
-        # (the own row is then one of its candidates): each pair's distance can be computed
-        # once. The torch search drops the own row itself (in the compiled selection's
-        # decode on the CPU: no pass over the block).
+        # A search of one tensor against itself can compute each pair's distance once.
         blocks = iter_knn_torch(queries, base, k, tile_bytes,
                                 self_search=same_tensor(queries, base),
                                 exclude_self=exclude_self, out=out)
         if queries.device.type == "cpu":
-            # torch's own ops of each block (and the caller's work on it: evaluate's metrics)
-            # at the thread count the compiled selection's governor chose (without the
-            # library no governor is fed: torch's count as it is)
+            # the blocks' torch ops (and the caller's) at the selection's thread count
             from ...ops import cpu
             if cpu.available():
                 blocks = cpu.iter_following(blocks, "knn_select")
@@ -95,11 +82,10 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
 
 
 def check_search_arguments(search_backend, approximate, options: dict, arg: str = "{}") -> None:
-    """:func:`knn`'s checks of what it is asked to search with, before any work on the inputs
-    (the Refresher makes them at construction, on its ``knn_options``): the backend (a missing
-    faiss for "faiss" is an ImportError), the index kind, its options (one of another kind is
-    refused: it would be ignored), and faiss for an approximate index. ``arg`` spells an
-    option's name as the caller passed it (``"knn_options[{!r}]"`` for the Refresher's)."""
+    """:func:`knn`'s checks of what it searches with, before any work on the inputs (the
+    Refresher makes them at construction): the backend, the index kind, its options (one of
+    another kind would be ignored: refused) and faiss where needed (ImportError). ``arg``
+    spells an option's name as the caller passed it (``"knn_options[{!r}]"``)."""
     if approximate not in APPROXIMATE:
         raise ValueError(f"{arg.format('approximate')} must be one of {APPROXIMATE}, got "
                          f"{approximate!r}")
@@ -129,12 +115,10 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
             (exact ``IndexFlatL2``; a GPU index for CUDA inputs when faiss's GPU support works
             on that device, else the CPU index), or "auto" (= "torch", whether or not faiss is
             installed, so that results never depend on it).
-        exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i.
-            Exact duplicates of row i are still returned (at distance 0). With or without
-            it, pass the same tensor as ``queries`` and ``base`` for a self-search: on the CPU
-            the "torch" backend then computes each pair's distance once (the symmetric
-            self-search, about half the GEMM work, for k up to 3 x (D + 2 rounded up to 8),
-            when its state fits ``tile_bytes``; see :mod:`.torch_search`).
+        exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i
+            (exact duplicates of it still do, at distance 0). Pass the same tensor as
+            ``queries`` and ``base`` for a self-search: on the CPU the "torch" backend can then
+            compute each pair's distance once (:mod:`.torch_search`).
         approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
             ``IndexHNSWFlat``, CPU). Needs faiss; ``search_backend`` must then be "auto" or
             "faiss".
@@ -146,36 +130,30 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         hnsw_m, ef_construction, ef_search: HNSW graph degree (default 32), build beam
             (default 64), search beam (default 64, raised to at least 2k + 2).
         seed: seed of the IVF training sample and k-means (default 0).
-        An index option left None takes its default; one given (not None) for an index
-        that does not use it (an IVF option with "hnsw" or the exact search, an HNSW one
-        with "ivf" or the exact search) is a ValueError naming it.
+        An index option given for an index that does not use it is a ValueError naming it.
 
     Returns:
         :class:`SearchResult` ``(distances, neighbours)`` (a NamedTuple, the order of
         ``torch.topk`` and faiss), both (Q, k) on the queries' device: fp32 squared L2
         distances in ascending order, equal distances ordered by index (both exact backends),
         and int64 row indices into ``base``. Approximate search may find fewer than k
-        neighbours for a query; the missing slots are index -1 at distance inf. With the "torch" backend and
-        CUDA inputs, matmuls follow PyTorch's TF32 setting (off by default); TF32 perturbs
-        distances by ~1e-3 relative and may reorder near ties.
+        neighbours (index -1 at distance inf). On CUDA the "torch" backend follows PyTorch's
+        TF32 setting (off by default; on, it perturbs distances by ~1e-3 relative).
 
     Raises:
-        ValueError: k < 1 or k larger than the number of candidates (message names ``k``);
-            empty base; NaN/inf in ``queries`` or ``base`` (message names which), or a row of
-            norm above 2**62 (its fp32 distances would overflow); dimension or
-            device mismatch; exclude_self with Q != N; unknown search_backend/approximate; an
-            index option the chosen index does not use, or a non-positive one.
+        ValueError: k < 1 or more than the candidates (naming ``k``); empty base; NaN/inf in
+            ``queries`` or ``base``, or a row of norm above 2**62 (naming which); dimension or
+            device mismatch; exclude_self with Q != N; an unknown search_backend, approximate
+            or index option, or a non-positive one.
         TypeError: non-tensor or non-float inputs, non-int k.
         ImportError: search_backend="faiss" or an approximate index without faiss installed
             (before any work on the inputs).
 
-    Empty queries (Q = 0) give empty (0, k) results (after k has been checked against N).
-    Memory: the torch search never forms a Q x N matrix (blocks of the budget above); faiss
-    holds a copy of the base in its index (fp32, N x D x 4 bytes).
+    Empty queries give (0, k) results. The torch search never forms a Q x N matrix; faiss holds
+    an fp32 copy of the base in its index.
     """
     options = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "seed": seed,
                "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search}
-    # before validate's passes over the inputs: a missing package is the first thing said
     check_search_arguments(search_backend, approximate, options)
     if approximate is not None:
         k = validate(queries, base, k, exclude_self)
@@ -194,10 +172,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     q = queries.shape[0]
     out = (torch.empty(q, k, dtype=torch.float32, device=queries.device),
            torch.empty(q, k, dtype=torch.long, device=queries.device))
-    # The compiled selection decodes each block straight into these rows; blocks of the
-    # other paths are copied in. No block buffers (24.6 MB each at k = 1,000) and no copy:
-    # Q = N = 20,000, D 64, k = 1,000 took 0.75-0.78 s against 0.78-0.82 at one thread
-    # (docs/PERFORMANCE.md, "The kNN graph").
+    # The compiled selection decodes each block straight into these rows (no block buffer,
+    # no copy); blocks of the other paths are copied in.
     for q0, dist, idx in _iter_checked(queries, base, k, search_backend, exclude_self,
                                        tile_bytes, out):
         if not decoded_into(out, q0, dist, idx):

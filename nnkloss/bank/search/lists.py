@@ -18,17 +18,15 @@ __all__ = ["NeighbourLists", "neighbour_lists", "patch_positives", "has_same_lab
 
 @dataclass
 class NeighbourLists:
-    """Neighbour lists of a set of centres, as built by :func:`neighbour_lists`; the first two
-    fields are :func:`~.knn.knn`'s ``(distances, neighbours)``, in that order.
+    """What :func:`neighbour_lists` builds; the first two fields are :func:`~.knn.knn`'s.
 
-    distances: (N, k) fp32 squared distances matching ``neighbours`` (inf for padding).
-    neighbours: (N, k) int64 rows of the centres, own row excluded, nearest first (-1 =
-        padding, only from approximate search): what :meth:`CentreBank.update_` installs as
-        ``bank.neighbours``.
-    has_positive: (N,) bool, the list holds a centre with the row's own centre label.
-    num_patched: rows whose last entry was replaced by their nearest same-label centre.
-    seconds: wall time of the search (CUDA work synchronised before the clock is read).
-    search_backend: the search that ran ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
+    distances: (N, k) fp32 squared distances (inf for padding).
+    neighbours: (N, k) int64 rows, own row excluded, nearest first (-1 = padding, approximate
+        search only): what ``bank.neighbours`` takes.
+    has_positive: (N,) bool, the list holds a centre of the row's own label.
+    num_patched: rows whose last entry became their nearest same-label centre.
+    seconds: wall time of the search (CUDA synchronised); search_backend: the search that ran
+        ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
     """
     distances: Tensor
     neighbours: Tensor
@@ -39,10 +37,9 @@ class NeighbourLists:
 
 
 def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
-    """(N,) bool: row i's list ``neighbours[i]`` (N, K), -1 = padding, holds a row with centre
-    label ``centre_labels[i]`` (N,). On CPU tensors one compiled pass that reads each list up
-    to its first same-label entry (:func:`nnkloss.ops.cpu.has_same_label`: 1-2 ms against
-    0.3 s at N 20,000, K 1000); elsewhere the (N, K) gather of labels below."""
+    """(N,) bool: row i's list ``neighbours[i]`` (-1 = padding) holds a row of label
+    ``centre_labels[i]``. On the CPU one compiled pass that stops at the first such entry;
+    elsewhere the (N, K) gather of labels."""
     if plain_eager(neighbours, centre_labels):
         from ...ops import cpu
         out = cpu.has_same_label(neighbours, centre_labels)
@@ -62,11 +59,9 @@ def synchronize(device: torch.device) -> None:
 def patch_positives(centres: Tensor, centre_labels: Tensor, rows_offset: int,
                     distances: Tensor, neighbours: Tensor, has_positive: Tensor,
                     search_backend: str, knn_options: dict) -> int:
-    """``ensure_positive`` of :func:`neighbour_lists`, in place, for the slice of query rows that
-    starts at bank row ``rows_offset`` (``distances``, ``neighbours``, ``has_positive`` hold
-    that slice): a row without a same-label entry gets its nearest same-label centre (other
-    than itself) in its last slot, found among that class's members only. Returns the number
-    of rows patched."""
+    """``ensure_positive`` of :func:`neighbour_lists`, in place, on the slice of rows from bank
+    row ``rows_offset`` that ``distances``, ``neighbours`` and ``has_positive`` hold. Returns
+    the number of rows patched."""
     labels, dist_, ids, has_pos = centre_labels, distances, neighbours, has_positive
     approximate = knn_options.get("approximate")
     exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
@@ -78,7 +73,6 @@ def patch_positives(centres: Tensor, centre_labels: Tensor, rows_offset: int,
         members = (labels == cls).nonzero().flatten()  # ascending
         if members.numel() < 2:  # the only centre of its class: nothing to add
             continue
-        # The two nearest members, the row itself included, then self-exclusion as everywhere.
         m_d, m_i = knn(centres[rows], centres[members], 2,
                        search_backend if approximate is None else "auto", **exact)
         own = torch.searchsorted(members, rows)
@@ -98,15 +92,11 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
                     ensure_positive: bool = False, **knn_options) -> NeighbourLists:
     """The k nearest other centres of every centre (self excluded), optionally with a positive.
 
-    Args:
-        centres: (N, D) float tensor; centre_labels: (N,) int tensor on the same device.
-        k: list length, 1 <= k <= N - 1.
-        search_backend, knn_options: as in :func:`knn` (``approximate=``, ``tile_bytes=``, ...).
-        ensure_positive: a row whose k neighbours hold no centre of its own label gets its
-            nearest same-label centre (other than itself) in place of its last entry, when one
-            exists. Found by one search per class that has such rows, among that class's
-            members only (never an N x N matrix). Without a positive the loss of that row is
-            undefined (it has no same-class term), so this keeps every row trainable.
+    ``centres`` (N, D) float, ``centre_labels`` (N,) int; ``k``: 1 <= k <= N - 1;
+    ``search_backend``, ``knn_options``: as in :func:`knn`. ``ensure_positive``: a row whose
+    list holds no centre of its own label (whose loss would have no same-class term) gets its
+    nearest same-label centre in its last slot, where one exists, found by one search per such
+    class among its members (never an N x N matrix).
     """
     require_labelled("centres", centres, "centre_labels", centre_labels)
     labels = centre_labels.to(centres.device).long()

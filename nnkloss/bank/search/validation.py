@@ -19,9 +19,8 @@ APPROXIMATE = (None, "ivf", "hnsw")
 
 
 def check_search_backend(search_backend) -> str:
-    """``search_backend`` if it names a backend that can run here: "faiss" without the faiss
-    package is an ImportError now, at the entry point or constructor that took it, not at
-    the first search (a Refresher's after the whole set has been embedded)."""
+    """``search_backend`` if it names a backend that can run here ("faiss" without faiss is an
+    ImportError where it is given, not at the first search)."""
     if search_backend not in SEARCH_BACKENDS:
         raise ValueError(f"search_backend must be one of {SEARCH_BACKENDS}, "
                          f"got {search_backend!r}")
@@ -43,11 +42,9 @@ def check_k(k, available: int, exclude_self: bool) -> int:
     return k
 
 
-# Largest row norm a search accepts. Distances are ||q||^2 - 2 q.b + ||b||^2 in fp32 (one GEMM,
-# torch_search._augment; faiss's flat index computes the same): with rows of norm above this a
-# partial sum can overflow to inf, or to NaN as inf - inf, and neighbours are then ranked wrong
-# without a sign (fp64 rows beyond fp32's range become inf in the cast). At or below it every
-# partial sum stays under (2 * 2**62)**2 = 2**126, a quarter of fp32's maximum.
+# Largest row norm a search accepts: distances are ||q||^2 - 2 q.b + ||b||^2 in fp32 (faiss's
+# too), and above it a partial sum can overflow to inf or NaN, ranking neighbours wrong without
+# a sign. At or below it every partial sum stays under (2 * 2**62)**2 = 2**126.
 MAX_ROW_NORM = 2.0 ** 62
 
 
@@ -55,10 +52,8 @@ def check_finite(name: str, t: Tensor) -> None:
     """NaN / inf, or rows whose squared distances would overflow fp32 (norm > MAX_ROW_NORM)."""
     if t.numel() == 0:
         return
-    # One pass and one host synchronisation per argument where all is well (a search is a
-    # per-refresh call, not a per-step one): every row norm is at most sqrt(D) max |value|, and
-    # aminmax propagates NaN (which fails the comparison), so within the bound t is finite and
-    # fits. Otherwise the exact tests say which.
+    # One pass where all is well: every row norm is at most sqrt(D) max |value|, and aminmax
+    # propagates NaN (failing the comparison). Otherwise the exact tests say which.
     lo, hi = torch.aminmax(t.detach())
     top = float(torch.maximum(-lo, hi))  # one read back, not two
     if top * math.sqrt(t.shape[1]) <= MAX_ROW_NORM:

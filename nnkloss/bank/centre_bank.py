@@ -43,12 +43,10 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
 
 
 def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
-    """Refuse centres whose elements share memory (an ``expand()``-ed or other stride-0 view):
-    the bank writes its centres in place (:meth:`CentreBank.write_centres_`), which torch
-    refuses on such a tensor, so the error is raised here, where the tensor is given, instead
-    of at the first write mid-training. Non-overlap is checked from the strides alone (no
-    read): sorted by stride, each dimension of size > 1 must step past everything the
-    dimensions before it span. Views of one buffer (a slice, a transpose) pass."""
+    """Refuse centres whose elements share memory (an ``expand()``-ed view), where they are
+    given rather than at the first in-place write (:meth:`CentreBank.write_centres_`) mid-
+    training. From the strides alone: sorted by stride, each dimension of size > 1 must step
+    past everything the ones before it span (a slice or a transpose passes)."""
     span = 0  # elements past the first that the dimensions so far reach
     for stride, size in sorted((abs(st), s) for s, st in zip(centres.shape, centres.stride())
                                if s > 1):
@@ -60,10 +58,8 @@ def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
 
 
 def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:
-    """Warn where centres are not contiguous (a column slice, a transpose, a Fortran-ordered
-    array): the bank keeps the tensor it is given, and the op, the value checks and the
-    search read a contiguous bank, so every loss call would copy all N x D of it. The warning
-    names the cost once, where the tensor is given; the bank works as before."""
+    """Warn once, where they are given, that strided centres cost every loss call a copy of
+    the whole bank (the bank keeps the tensor it is given; its readers want it contiguous)."""
     if centres.numel() and not centres.is_contiguous():
         warnings.warn(f"{name} are not contiguous (strides {tuple(centres.stride())} for shape "
                       f"{tuple(centres.shape)}): every loss call will copy the whole bank to "
@@ -85,17 +81,14 @@ def _compact_labels(labels: Tensor) -> Tensor:
 
 def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
                           name: str = "log_weights") -> Tensor:
-    """What :func:`_validate_weights` checks, on log-weights (checkpoints store those):
-    weights = exp(log_w) finite and non-negative, strictly positive when learned."""
+    """:func:`_validate_weights` on log-weights (what checkpoints store)."""
     require_float(name, log_w, 1)
     if log_w.shape[0] != n:
         raise ValueError(f"{name} has length {log_w.shape[0]} but the bank has {n} centres")
     lw = log_w.detach()
     if torch.isnan(lw).any() or (lw == float("inf")).any():
         raise ValueError(f"{name} contain NaN or +inf: weights must be finite and non-negative")
-    if (lw.exp() == float("inf")).any():
-        # A finite log-weight above log(max) of its dtype (88.7 for fp32) is an infinite
-        # weight (the bank's weights are exp(log_weights)): an infinite loss, as +inf would be.
+    if (lw.exp() == float("inf")).any():  # finite, but an infinite weight
         raise ValueError(f"{name} hold a value whose weight exp({name}) overflows {lw.dtype} "
                          f"(max {lw.max().item()}): weights must be finite and non-negative")
     if learned and (lw == float("-inf")).any():
@@ -105,9 +98,8 @@ def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
 
 
 def _require_finite_cast(given: Tensor, cast: Tensor) -> None:
-    """ValueError unless ``cast`` (``given`` cast to the bank's dtype) is finite, saying which
-    it was: NaN / inf as given, or finite values beyond the bank's dtype (fp32 1e5 into an
-    fp16 bank, largest 65504), which the cast made inf. Reads ``given`` only on failure."""
+    """ValueError unless ``cast`` (``given`` in the bank's dtype) is finite, saying whether
+    ``given`` held NaN / inf or values beyond the bank's dtype (made inf by the cast)."""
     if all_finite(cast):
         return
     if all_finite(given):
@@ -118,10 +110,8 @@ def _require_finite_cast(given: Tensor, cast: Tensor) -> None:
 
 def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
                           log_weights: Tensor, learned: bool, prefix: str = "") -> None:
-    """What :meth:`CentreBank.update_` checks, for a whole bank read from disk (a state dict or
-    a checkpoint): centres (N, D) float and finite, centre_labels (N,) integer, lists
-    (N, K) integer in -1..N-1, log-weights (N,) float (see :func:`_validate_log_weights`).
-    Raises an error that names the field (``prefix`` + name, e.g. ``bank.neighbours``)."""
+    """What :meth:`CentreBank.update_` checks, for a whole bank read from disk (a state dict
+    or a checkpoint), with errors naming the field (``prefix`` + name, ``bank.neighbours``)."""
     for name, t in (("centres", centres), ("centre_labels", centre_labels),
                     ("neighbours", neighbours),
                     ("log_weights", log_weights)):
@@ -147,19 +137,14 @@ class CentreBank(nn.Module):
         centre_labels: (N,) int32 (int64 for class ids beyond int32): the centres' labels
             (a batch's labels are ``labels`` in the losses' ``forward(emb, labels, idx)``).
         neighbours: (N, K) int32 (int64 from N = 2**31 on), -1 = padding; (N, 0) until lists
-            are set. Four bytes per index and per label instead of eight: the loss reads both
-            for every neighbour of every row.
+            are set (four bytes per index and label: the loss reads both per neighbour).
     Parameter:
-        log_weights: (N,) fp32; ``weights = exp(log_weights)`` is always non-negative. It
-            requires grad only with ``learn_weights=True`` (the paper learns weights for
-            classification and keeps them at 1 for metric learning).
+        log_weights: (N,) fp32, ``weights = exp(log_weights)``; it requires grad only with
+            ``learn_weights=True`` (learned for classification, 1 for metric learning).
 
     Writes go through :meth:`update_`, which validates everything first and then swaps the new
-    tensors in together, so readers never see a half-written bank.
-
-    State dicts are versioned (``_version``, PyTorch's per-module mechanism): version 2 names
-    the centre labels ``centre_labels``; a state dict of version 1 (or without version metadata)
-    that holds them as ``labels`` is read as if the key were ``centre_labels``.
+    tensors in together: readers never see a half-written bank. State dicts are versioned:
+    version 1 (or none) named the centre labels ``labels``, read as ``centre_labels``.
     """
 
     _version = 2
@@ -245,15 +230,11 @@ class CentreBank(nn.Module):
                 neighbours: Optional[Tensor] = None, weights: Optional[Tensor] = None
                 ) -> "CentreBank":
         """Validate the new tensors, then swap them all in at once (nothing changes on error).
-
-        Shapes may change (a bank can grow), as long as centres, centre_labels, weights and
-        lists end up consistent. A change of N without new lists clears the lists. Tensors are
-        moved to the bank's device and dtype.
+        Shapes may change (a bank can grow) as long as everything ends up consistent; a change
+        of N without new lists clears the lists. Tensors move to the bank's device and dtype.
         """
         dev = self.centres.device
-        # Arguments are checked as given, before the casts to the bank's dtypes: those would
-        # take integer centres, truncate float lists and wrap an int64 index past 2**31 into
-        # the bank's range.
+        # Checked as given, before the casts (which would hide integer centres or float lists).
         if centres is not None:
             require_float("centres", centres, 2)
         if centre_labels is not None:
@@ -294,10 +275,8 @@ class CentreBank(nn.Module):
         if new_lw is not None:
             if new_lw.shape == self.log_weights.shape:
                 self.log_weights.data.copy_(new_lw)  # keeps optimiser references valid
-            else:  # the bank grew (or shrank): resize the SAME parameter, so an optimiser
-                # that holds it keeps training every weight, old and new (a new Parameter
-                # would silently drop out of it). Per-parameter optimiser state of the old
-                # size (momentum, Adam moments) no longer fits: the Trainer pads it.
+            else:  # resize the SAME parameter: an optimiser holding it keeps training it (its
+                # per-parameter state of the old size no longer fits: the Trainer pads it)
                 self.log_weights.data = new_lw
                 self.log_weights.grad = None
             if weights is not None:
@@ -312,18 +291,9 @@ class CentreBank(nn.Module):
                            **knn_options):
         """Recompute the (N, k) lists from the current centres (own row excluded) and set them.
 
-        Args:
-            k: list length, 1 <= k <= N - 1 (ValueError naming k otherwise).
-            search_backend: "auto", "torch" or "faiss" (see :func:`nnkloss.bank.search.knn`); ``knn_options``
-                go to it too (``approximate="ivf"``, ``tile_bytes=``, ...).
-            ensure_positive: a row whose list holds no centre of its own label gets its nearest
-                same-label centre (other than itself) in place of its last entry, when one
-                exists (per-class searches; no N x N matrix).
-
-        Returns:
-            The :class:`nnkloss.bank.search.NeighbourLists` that was installed: squared
-            distances (N, k), neighbours (N, k), has_positive (N,), num_patched, search
-            seconds, search_backend.
+        ``k``: 1 <= k <= N - 1 (ValueError naming k otherwise); ``search_backend``,
+        ``ensure_positive`` and ``knn_options`` as in :func:`nnkloss.bank.search.neighbour_lists`.
+        Returns the :class:`nnkloss.bank.search.NeighbourLists` that was installed.
         """
         lists = neighbour_lists(self.centres, self.centre_labels, k,
                                 search_backend=search_backend, ensure_positive=ensure_positive,
@@ -336,20 +306,14 @@ class CentreBank(nn.Module):
         """Overwrite the centres of rows ``idx`` in place with fresh embeddings (no re-embedding
         pass): ``centres[idx] = momentum * centres[idx] + (1 - momentum) * emb``.
 
-        Args:
-            idx: (B,) int bank rows, on any device (moved to the bank's).
-            emb: (B, D) float embeddings of those rows, on the bank's device; detached and
-                cast to the bank's dtype (the blend is computed in fp32 first).
-            momentum: in [0, 1): the share of the old centre kept (0: plain overwrite).
-
-        A row that appears several times in ``idx`` is written once, from its LAST occurrence
-        (the rule a Refresher's loader follows too); the result does not depend on the
-        device's scatter order. Centre labels, lists and weights are left as they are. No host
-        synchronisation: ``idx`` is range-checked only when it is on the CPU (as in
-        :meth:`neighbours_for`) and the values of ``emb`` are not checked, so a non-finite
-        embedding lands in the bank and shows in the loss of every row that lists it.
-        In place: a centres tensor given to the constructor or :meth:`update_` is kept, not
-        copied, so its owner sees these writes. Returns the bank.
+        ``idx`` (B,) int bank rows on any device; ``emb`` (B, D) float on the bank's device
+        (blended in fp32, stored in the bank's dtype); ``momentum`` in [0, 1): the share of the
+        old centre kept. A row repeated in ``idx`` is written from its LAST occurrence (as a
+        Refresher's loader), whatever the device's scatter order. Labels, lists and weights
+        stay. No host sync: ``idx`` is range-checked only on the CPU and ``emb``'s values not
+        at all (a non-finite embedding shows in the loss of every row that lists it). In
+        place: the owner of a centres tensor given to the bank sees the writes. Returns the
+        bank.
         """
         require_int("idx", idx, 1)
         idx = as_index(idx)
@@ -365,18 +329,14 @@ class CentreBank(nn.Module):
         if emb.device != self.centres.device:
             raise ValueError(f"emb is on {emb.device} but the bank's centres are on "
                              f"{self.centres.device}")
-        if idx.device.type == "cpu" and idx.numel() and not compiling():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.num_centres:
-                bad = lo if lo < 0 else hi
-                raise IndexError(f"idx holds {bad} but the bank has rows 0..{self.num_centres - 1}")
+        if idx.device.type == "cpu" and not compiling():
+            self.check_rows(idx)
         if idx.numel() == 0:
             return self
         idx = idx.to(self.centres.device)
-        # Duplicates: every occurrence of a row writes the value of the row's last occurrence,
-        # so the scatter below writes identical values whatever order the device applies them
-        # in. A stable sort groups equal rows in their original order; within each group the
-        # last position wins (a reverse running minimum over the groups' end positions).
+        # Every occurrence of a row writes its last occurrence's value, so the scatter's order
+        # does not matter: a stable sort groups equal rows, and a reverse running minimum over
+        # the groups' end positions picks each group's last.
         rows, order = torch.sort(idx, stable=True)
         b = rows.shape[0]
         pos = torch.arange(b, device=rows.device)
@@ -411,8 +371,8 @@ class CentreBank(nn.Module):
         require_int("idx", idx, 1)
         idx = as_index(idx)
         if self.neighbours.device.type == "cpu" and plain_eager(idx, self.neighbours):
-            # One pass of the compiled CPU library (gather, own-index exclusion and the range
-            # check; 4 against 55 us at B 1024, K 32); None leaves it to torch's ops below.
+            # One pass of the compiled CPU library (gather, exclusion, range check); None
+            # leaves it to torch's ops below.
             from ..ops.cpu import gather_lists
             nb = gather_lists(self.neighbours, idx, exclude_self)
             if nb is not None:
@@ -486,33 +446,28 @@ class CentreBank(nn.Module):
     # ---------------------------------------------------------------- state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # The whole bank is validated before anything changes, as update_ would: shapes, index
-        # ranges, label count, finite centres, log-weights (a field the state dict lacks is
-        # checked as the bank holds it). A bad bank is refused naming the field.
+        # The whole bank is validated before anything changes, as update_ would (a field the
+        # state dict lacks is checked as the bank holds it), naming the field.
         version = local_metadata.get("version")
         old_key, new_key = prefix + "labels", prefix + "centre_labels"
         if (version is None or version < 2) and old_key in state_dict \
                 and new_key not in state_dict:
-            # Version 1 called the centre labels "labels": the same tensor under its new name.
             state_dict[new_key] = state_dict.pop(old_key)
         names = ("centres", "centre_labels", "neighbours", "log_weights")
         given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
         if not all(isinstance(t, Tensor) for t in given.values()):
-            # Not a tensor: PyTorch's own load error (raised by load_state_dict) names it.
+            # Not a tensor: PyTorch's own load error names it.
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
-        # Checked as they will be stored: the copy below casts to the bank's dtypes, where a
-        # value finite in the state dict's dtype can overflow (fp64 1e300 in an fp32 bank, 1e38
-        # in an fp16 one: inf centres or log-weights), as update_ checks centres after the cast.
+        # Checked as they will be stored: the cast to the bank's dtypes can overflow.
         for name, dtype in (("centres", self.centres.dtype),
                             ("log_weights", self.log_weights.dtype)):
             if given[name].is_floating_point():
                 given[name] = given[name].detach().to(dtype)
         validate_bank_tensors(given["centres"], given["centre_labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
-        # Banks change size (growth, other K): take the saved shapes instead of refusing them.
-        # Labels take the width update_ gives them: int64 where int32 cannot hold a class id
-        # (copied into an int32 buffer, 2**40 wrapped around to 0: another class, no error).
+        # Banks change size: take the saved shapes. Labels take the width update_ gives them
+        # (int64 where int32 cannot hold a class id, which would wrap around silently).
         for name in ("centres", "centre_labels", "neighbours"):
             key = prefix + name
             if key in state_dict:
@@ -523,8 +478,7 @@ class CentreBank(nn.Module):
                     setattr(self, name, torch.empty(src.shape, dtype=dtype, device=cur.device))
         key = prefix + "log_weights"
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
-            # Same Parameter object, resized (and of the dtype checked above): optimisers
-            # holding it stay valid.
+            # the same Parameter, resized: optimisers holding it stay valid
             self.log_weights.data = torch.empty(state_dict[key].shape,
                                                 dtype=self.log_weights.dtype,
                                                 device=self.log_weights.device)

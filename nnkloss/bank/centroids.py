@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 import torch
@@ -20,34 +20,41 @@ from torch import Tensor
 from ..validation import all_finite, require_float, require_labelled, require_positive_int
 from .search import knn
 
-__all__ = ["kmeans", "class_centroids"]
+__all__ = ["kmeans", "class_centroids", "as_tensor"]
 
 _BANK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _as_tensor(name: str, x, device=None) -> Tensor:
-    """Torch tensor from a tensor or numpy array (numpy arrays land on ``device`` or CPU)."""
+def as_tensor(name: str, x) -> Tensor:
+    """A detached tensor from a tensor or a numpy array (on the CPU), TypeError naming ``name``
+    for anything else."""
     if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
-    return x if device is None else x.to(device)
+        # torch.from_numpy refuses a non-native byte order and foreign dtypes naming nothing,
+        # and warns on a read-only array: those are converted or copied first.
+        if not x.dtype.isnative:
+            x = x.astype(x.dtype.newbyteorder("="))
+        if not x.flags.writeable:
+            x = np.array(x)
+        try:
+            return torch.from_numpy(np.ascontiguousarray(x))
+        except TypeError as exc:
+            raise TypeError(f"{name} has a numpy dtype torch cannot hold ({x.dtype}): "
+                            f"{exc}") from None
+    if isinstance(x, Tensor):
+        return x.detach()
+    raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
 
 
 def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
-    """(N,) squared distances of the rows of ``x`` (N, D) to one point ``c`` (D,).
-
-    Direct differences rather than the matmul expansion: exact for duplicates (distance 0),
-    which k-means++ relies on to never pick the same point twice.
-    """
+    """(N,) squared distances of the rows of ``x`` to ``c``, by direct differences: exact for
+    duplicates (distance 0), which k-means++ relies on never to pick a point twice."""
     d = x - c
     return (d * d).sum(1)
 
 
 def _require_squarable(name: str, x: Tensor) -> None:
-    """Raise ValueError naming ``name`` where squared distances between rows of ``x`` (N, D)
-    could overflow its dtype: |a - b|^2 <= 4 max |row|^2, the bound checked. k-means++ then
-    sampled from inf / inf = NaN probabilities, and torch.multinomial's error named nothing."""
+    """ValueError naming ``name`` where squared distances between rows of ``x`` could
+    overflow its dtype (|a - b|^2 <= 4 max |row|^2): k-means++ would sample from NaN."""
     if x.numel() and not bool(torch.isfinite(4 * (x * x).sum(1).amax())):
         raise ValueError(f"{name} holds rows too large to square in {x.dtype} (largest "
                          f"|value| {float(x.abs().max()):.3g}): k-means compares squared "
@@ -55,10 +62,8 @@ def _require_squarable(name: str, x: Tensor) -> None:
 
 
 def _require_seed(seed) -> None:
-    """ValueError naming ``seed`` unless it is an int torch's generator takes (kmeans seeds
-    with it; class_centroids' classes with :func:`_class_seed` of it). A float seed was truncated
-    (1.5 and 1.7 the same stream) and one past 64 bits failed in manual_seed with "Overflow
-    when unpacking long long", naming nothing."""
+    """ValueError naming ``seed`` unless it is an int torch's generator takes (a float was
+    truncated; one past 64 bits failed in manual_seed naming nothing)."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
             or not -2 ** 63 <= seed < 2 ** 63:
         raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed!r}")
@@ -68,16 +73,12 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
            search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Lloyd's k-means with greedy k-means++ seeding (as scikit-learn seeds it).
 
-    Args:
-        x: (N, D) floating-point points (any device; math in fp32, fp64 for fp64 input).
-        n_clusters: number of clusters, 1 <= n_clusters <= number of distinct rows of ``x``.
-        iters: maximum Lloyd iterations.
-        seed: seed of the k-means++ sampling (results are deterministic for a given seed).
-        tol: stop when the relative decrease of the inertia falls below this.
-        search_backend: neighbour-search backend for the assignment step (see :func:`nnkloss.knn`).
-
-    Returns:
-        centroids (n_clusters, D) in the compute dtype, assignment (N,) int64.
+    ``x``: (N, D) float points (any device; math in fp32, fp64 for fp64 input);
+    ``n_clusters``: at most the distinct rows of ``x``; ``iters``: most Lloyd iterations;
+    ``seed``: of the k-means++ sampling (deterministic); ``tol``: stop when the inertia's
+    relative decrease falls below it; ``search_backend``: of the assignment step
+    (:func:`nnkloss.knn`). Returns centroids (n_clusters, D) in the compute dtype and the
+    assignment (N,) int64.
     """
     require_float("x", x, 2)
     _require_seed(seed)
@@ -86,8 +87,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
 
 def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, search_backend: str,
             name: str) -> Tuple[Tensor, Tensor]:
-    """:func:`kmeans`, its errors about the points naming them ``name`` (class_centroids
-    names the class whose rows they are)."""
+    """:func:`kmeans`, its errors naming the points ``name``."""
     n_clusters = require_positive_int("n_clusters", n_clusters)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"iters must be a non-negative int, got {iters!r}")
@@ -112,8 +112,7 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
     for _ in range(1, n_clusters):
         p = closest.double().cpu()
         if not bool(p.sum() > 0):
-            # Rows distinct but closer than the dtype can square (differences below ~1e-23
-            # in fp32): every remaining distance is 0 and there is nothing to sample from.
+            # distinct rows whose differences underflow when squared: nothing to sample
             raise ValueError(f"{name} has {n_distinct} distinct rows, but their differences "
                              f"underflow to 0 when squared in {cdt}: scale them up")
         cand = torch.multinomial(p / p.sum(), n_local, replacement=True, generator=gen)
@@ -136,8 +135,7 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
         counts = torch.bincount(assign, minlength=n_clusters)
         empty = counts == 0
         if empty.any():
-            # Re-seed empty clusters at the points farthest from their centroid, which are
-            # distinct from every other centroid.
+            # Re-seed empty clusters at the points farthest from their centroids.
             far = torch.argsort(d[:, 0], descending=True)[: int(empty.sum())]
             sums[empty] = x[far]
             counts = counts.masked_fill(empty, 1)
@@ -153,24 +151,17 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
                     search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Centres for an NCM / NCMC bank: the class means, or k-means centroids in each class.
 
-    Args:
-        emb: (N, D) floating-point embeddings (tensor or numpy array).
-        labels: (N,) integer class labels, >= 0 (tensor or numpy array).
-        per_class: centroids per class. 1 gives the exact class means (accumulated in fp64).
-            Above 1, k-means runs inside each class; a class with fewer distinct examples than
-            ``per_class`` gets one centroid per distinct example.
-        seed: k-means++ seed. Each class's k-means is seeded from ``(seed, its label)``
-            (:func:`_class_seed`): a class's centroids depend on the seed and its own rows only.
-        iters: maximum Lloyd iterations per class.
-        search_backend: search backend of the k-means assignment step.
+    ``emb`` (N, D) float and ``labels`` (N,) int >= 0: tensors or numpy arrays.
+    ``per_class``: 1 gives the exact class means (accumulated in fp64); above, k-means runs
+    inside each class (a class with fewer distinct rows gets one centroid per distinct row),
+    seeded from ``(seed, its label)``: a class's centroids depend on the seed and its own rows
+    only. ``iters``, ``search_backend``: as in :func:`kmeans`.
 
-    Returns:
-        centres (M, D) in emb's dtype (fp32 for fp64 input, the bank's widest dtype), on emb's
-        device; centre_labels (M,) int64, sorted by class. Only classes present in ``labels``
-        get centres.
+    Returns centres (M, D) in emb's dtype (fp32 for fp64, the bank's widest) on emb's device
+    and centre_labels (M,) int64, sorted by class, for the classes present in ``labels``.
     """
-    emb = _as_tensor("emb", emb)
-    labels = _as_tensor("labels", labels, emb.device)
+    emb = as_tensor("emb", emb)
+    labels = as_tensor("labels", labels).to(emb.device)
     require_labelled("emb", emb, "labels", labels)
     if emb.shape[0] == 0:
         raise ValueError("emb is empty: no class to compute centroids for")
@@ -209,11 +200,9 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
 
 
 def _class_seed(seed: int, label: int) -> int:
-    """The k-means seed of class ``label`` (>= 0) for a call seeded with ``seed``: 64 bits of
-    numpy's SeedSequence over (seed, label). It was seed + the class's position among the
-    classes present, so a class's centroids changed with the other classes of the call (class
-    3 alone against class 3 among all), and seeds s and s + 1 shared all but one class's
-    stream (the rule of nnkloss.experiment.seeds: two seeds never name one stream)."""
+    """The k-means seed of class ``label`` for a call seeded with ``seed``: 64 bits of numpy's
+    SeedSequence over (seed, label), so no two (seed, class) pairs share a stream and a class's
+    centroids do not depend on the other classes of the call."""
     words = np.random.SeedSequence([int(seed) & (2 ** 64 - 1), int(label)]).generate_state(
         2, np.uint32)
     return int(words[0]) | (int(words[1]) << 32)
@@ -221,9 +210,7 @@ def _class_seed(seed: int, label: int) -> int:
 
 def _finite_centres(centres: Tensor, emb: Tensor) -> Tensor:
     """``centres`` after the cast to their dtype, or ValueError naming ``emb`` where a centre
-    overflowed it: fp64 embeddings beyond fp32's range (3.4e38) gave inf centres silently
-    (fp64 centres are fp32, the bank's widest dtype); a mean of finite values in their own
-    dtype never overflows."""
+    overflowed it (fp64 embeddings beyond fp32's range)."""
     if not all_finite(centres):
         raise ValueError(f"emb holds {emb.dtype} values whose centres overflow {centres.dtype} "
                          f"(largest |value| {float(emb.abs().max()):.3g}): the centres of "

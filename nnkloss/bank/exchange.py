@@ -1,20 +1,14 @@
 """The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
 
-Called by :class:`nnkloss.bank.refresh.Refresher` when a process group is initialised (the
-process group itself, loaders and DDP helpers are :mod:`nnkloss.distributed`). In a single
-process :func:`neighbour_lists` is :func:`nnkloss.bank.search.neighbour_lists`.
+Called by :class:`nnkloss.bank.refresh.Refresher` when a process group is initialised.
+:func:`gather_bank_rows` exchanges the rows every rank embedded so that every rank holds the
+same complete bank, byte for byte; :func:`neighbour_lists` splits the queries of the
+single-process search across the ranks and gathers the lists.
 
-- :func:`gather_bank_rows`: every rank embedded its share of the training set; exchange the
-  rows so that every rank holds the same complete bank, byte for byte.
-- :func:`neighbour_lists`: each rank searches its slice of the query rows against the full bank
-  with the single-process search (:mod:`nnkloss.bank.search`); the lists are gathered.
-- :func:`check_async_refresh`: a background refresh is refused under ``torch.distributed``.
-
-Failure mode to know: the exchange is collective. If one rank raises before reaching it (a
-loader error, a bad idx), the other ranks wait in it until the process group's timeout
-(``nnkloss.distributed.init_from_env(timeout_s=...)``). Errors detected during the exchange
-itself (rows nobody embedded, NaN embeddings, conflicting labels, different bank shapes) are
-raised on every rank.
+The exchange is collective: if one rank raises before reaching it, the others wait in it until
+the process group's timeout (``nnkloss.distributed.init_from_env(timeout_s=...)``). Errors
+found during the exchange (rows nobody embedded, NaN embeddings, conflicting labels, banks of
+different shapes) are raised on every rank.
 """
 from __future__ import annotations
 
@@ -38,8 +32,6 @@ __all__ = ["gather_bank_rows", "gather_batch_rows", "neighbour_lists", "check_as
 # Bound on the per-rank send buffer of one all_gather round (the receive side is world_size
 # times this): the exchange of an (N, D) bank never needs a second (N, D) buffer.
 GATHER_CHUNK_BYTES = 64 * 2**20
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
 # ============================================================================ communication
@@ -81,24 +73,28 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
                 place(r, c0, bufs[r][:got])
 
 
+def _placer(out: Tensor, starts: Sequence[int]) -> Callable[[int, int, Tensor], None]:
+    """The ``place`` of :func:`_all_gather_rows` that writes rank r's rows into ``out`` from
+    row ``starts[r]`` on."""
+    def place(r: int, first: int, rows: Tensor) -> None:
+        a = starts[r] + first
+        out[a:a + rows.shape[0]] = rows.to(out.device, out.dtype)
+    return place
+
+
 # ============================================================================ bank rows
 def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Tensor]:
     """Every rank's batch rows ``(idx (B_r,), emb (B_r, D))``, concatenated in rank order, on
-    every rank (the fresh-centre writes of the Trainer: every rank's bank gets the same rows).
-
-    idx (B_r,) integer and emb (B_r, D) float are checked before any collective (the same call
-    on every rank makes the same mistake, so every rank raises): the rows sent are counted from
-    idx, so an emb with fewer rows was padded with zeros that every rank then wrote into the
-    bank, one with more rows lost its extra rows, and float idx were truncated, all silently."""
+    every rank (the Trainer's fresh-centre writes). idx (B_r,) integer and emb (B_r, D) float
+    are checked before any collective (the rows sent are counted from idx: a mismatch would
+    pad or drop rows silently); ranks whose emb differ in D or dtype raise on every rank."""
     require_int("idx", idx, 1)
     require_float("emb", emb, 2)
     if emb.shape[0] != idx.shape[0]:
         raise ValueError(f"emb has {emb.shape[0]} rows but idx has {idx.shape[0]}: one "
                          "embedding per bank row")
     comm = comm_device(group, emb.device)
-    # Each rank's rows, embedding size and dtype in one all_gather: ranks that disagree on the
-    # size or dtype (another model or autocast on one rank) raise on every rank, where the row
-    # gathers below would have exchanged buffers of different sizes.
+    # Each rank's rows, embedding size and dtype in one all_gather.
     head = torch.tensor([idx.shape[0], emb.shape[1], FLOAT_DTYPES.index(emb.dtype)],
                         dtype=torch.int64, device=comm)
     heads = torch.stack(_all_gather_same(head, group)).tolist()  # NCCL: one host sync
@@ -113,25 +109,14 @@ def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Ten
         offsets.append(offsets[-1] + c)
     all_idx = torch.empty(offsets[-1], dtype=torch.int64, device=emb.device)
     all_emb = torch.empty(offsets[-1], emb.shape[1], dtype=emb.dtype, device=emb.device)
-
-    def placer(out: Tensor):
-        def place(r: int, first: int, rows: Tensor) -> None:
-            out[offsets[r] + first: offsets[r] + first + rows.shape[0]] = rows.to(out.device)
-        return place
-
-    _all_gather_rows(idx.long(), counts, placer(all_idx), group, comm)
-    _all_gather_rows(emb.contiguous(), counts, placer(all_emb), group, comm)
+    _all_gather_rows(idx.long(), counts, _placer(all_idx, offsets), group, comm)
+    _all_gather_rows(emb.contiguous(), counts, _placer(all_emb, offsets), group, comm)
     return all_idx, all_emb
 
 
 def check_async_refresh() -> None:
-    """Refuse a background refresh under torch.distributed.
-
-    Its collectives would run on a side thread concurrently with DDP's gradient all-reduces
-    (collectives must be issued in the same order on every rank), and each rank would swap the
-    new bank in at whatever step its own thread finished, so ranks would train on different
-    banks. Use synchronous ``refresh()``: its cost is split across the ranks.
-    """
+    """Refuse a background refresh under torch.distributed: its collectives would race DDP's
+    on a side thread, and each rank would swap the new bank in at another step."""
     if is_distributed():
         raise RuntimeError("asynchronous refresh is not supported under torch.distributed "
                            "(ranks would swap banks at different steps, and its collectives "
@@ -143,38 +128,24 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
                      chunk_bytes: int = GATHER_CHUNK_BYTES) -> Tuple[Tensor, Tensor]:
     """Complete a bank from every rank's share: afterwards all ranks hold identical tensors.
 
-    Args:
-        centres: (N, D) float, this rank's embeddings in the rows it wrote (others: anything).
-        centre_labels: (N,) int64, likewise.
-        written: (N,) bool, the rows this rank wrote (its DistributedSampler share; a row that
-            its loader yielded twice holds the embedding written last, as in one process).
-        group: process group (default: the world).
-        chunk_bytes: per-rank send size of one all_gather round (bounds extra memory).
+    ``centres`` (N, D) float and ``centre_labels`` (N,) int hold this rank's rows where
+    ``written`` (N,) bool is set; they are filled in place with every rank's rows and
+    returned. ``chunk_bytes``: the per-rank send size of one all_gather round.
 
-    Returns:
-        ``(centres, centre_labels)``: the same tensors, filled in place with every rank's rows.
+    A row written by several ranks (DistributedSampler pads with repeats) is taken from the
+    LOWEST rank that wrote it, a rule every rank applies to the same gathered indices, so all
+    end with the same bytes even where two ranks' embeddings of a row differ in the last bits.
 
-    Rows written by several ranks (DistributedSampler repeats indices to give every rank the
-    same count; a loader without a sampler repeats all of them) are taken from the LOWEST
-    rank that wrote them: a rule every rank evaluates on the same gathered indices, so every
-    rank ends with the same bytes even where two ranks' embeddings of a row differ in the last
-    bits (different batch compositions). Only the owning rank sends a row's values.
-
-    Raises before any exchange (on the rank that was given them): TypeError / ValueError for
-    centre_labels or written that do not fit ``centres`` (naming the argument).
-
-    Raises (on every rank, the bank's previous contents untouched by the caller):
-        ValueError: no rank wrote some rows; NaN/inf embeddings; two ranks gave one row
-            different labels; the ranks' banks differ in N, D or dtype.
+    Raises before any exchange: TypeError / ValueError naming centre_labels or written where
+    they do not fit ``centres``. On every rank: ValueError where no rank wrote some rows, for
+    NaN/inf embeddings, where two ranks gave one row different labels, or where the ranks'
+    banks differ in N, D or dtype.
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
     require_int("centre_labels", centre_labels, 1)
     labels = centre_labels
     n, d = centres.shape
-    # Checked before any collective (a caller's mistake is the same on every rank, so every
-    # rank raises): a written of shape (N, 1) was read through nonzero().flatten() as rows
-    # (i, 0, j, 0, ...), claiming row 0 for this rank; a longer one, or labels shorter than
-    # the bank, raised an IndexError that named neither; an integer mask was taken as one.
+    # Checked before any collective: a caller's mistake is the same on every rank.
     if centre_labels.shape[0] != n:
         raise ValueError(f"centre_labels has length {centre_labels.shape[0]} but centres has "
                          f"{n} rows")
@@ -193,7 +164,7 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     bad_rows = int((~torch.isfinite(local_rows)).any(1).sum()) if local_rows.numel() else 0
 
     # 1. Shapes, counts and NaN counts of every rank (one small fixed-size all_gather).
-    header = torch.tensor([n, d, _DTYPE_CODES.get(centres.dtype, -1), local_idx.numel(), bad_rows],
+    header = torch.tensor([n, d, FLOAT_DTYPES.index(centres.dtype), local_idx.numel(), bad_rows],
                           dtype=torch.long, device=comm)
     headers = torch.stack(_all_gather_same(header, group)).tolist()
     if any(h[:3] != headers[0][:3] for h in headers):
@@ -257,12 +228,8 @@ def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
 
 def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, search_backend: str,
                            knn_options: dict) -> Tuple[Tensor, Tensor]:
-    """The k nearest other centres of rows start..stop-1, against the full bank.
-
-    Searches k + 1 and removes each row's own index (or, where more than k exact duplicates
-    crowd it out, the farthest entry) -- how :func:`nnkloss.bank.search.knn`'s faiss backends
-    exclude self. Only exact ties can order differently from a one-process ``exclude_self`` search.
-    """
+    """The k nearest other centres of rows start..stop-1 against the full bank: k + 1
+    searched and the own row dropped (:func:`nnkloss.bank.search.drop_self`)."""
     n = centres.shape[0]
     dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), search_backend,
                       **knn_options)
@@ -275,14 +242,11 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
     """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
 
-    Every rank must pass the same (N, D) ``centres`` and (N,) ``centre_labels`` (as
-    :func:`gather_bank_rows` leaves them). Rank r searches rows ``r*N//W .. (r+1)*N//W - 1``
-    against the full bank with :func:`nnkloss.bank.search.knn` (``search_backend``,
-    ``knn_options`` as there; an approximate index is built over the full bank on every rank,
-    with the same seed), then the (N, k) distances and neighbours, ``has_positive`` and
-    ``num_patched`` are gathered, so every rank returns the same
-    :class:`~nnkloss.bank.search.NeighbourLists`. ``seconds`` covers the search and the
-    exchange. In a single process this is :func:`nnkloss.bank.search.neighbour_lists` itself.
+    Every rank passes the same ``centres`` and ``centre_labels`` (as :func:`gather_bank_rows`
+    leaves them); rank r searches rows ``r*N//W .. (r+1)*N//W - 1`` against the full bank
+    (an approximate index is built on every rank, with the same seed) and every rank returns
+    the same gathered :class:`~nnkloss.bank.search.NeighbourLists` (``seconds`` covers the
+    exchange). In a single process this is :func:`nnkloss.bank.search.neighbour_lists`.
     """
     if not is_distributed(group):
         return single_process_lists(centres, centre_labels, k, search_backend,
@@ -314,16 +278,11 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     out_i = torch.empty(n, k, dtype=torch.long, device=dev)
     out_d = torch.empty(n, k, dtype=torch.float32, device=dev)
     out_p = torch.empty(n, dtype=torch.bool, device=dev)
-
-    def placer(out: Tensor) -> Callable[[int, int, Tensor], None]:
-        def place(r: int, first: int, rows: Tensor) -> None:
-            a = slices[r][0] + first
-            out[a:a + rows.shape[0]] = rows.to(dev, out.dtype)
-        return place
-
-    _all_gather_rows(ids, counts, placer(out_i), group, comm, chunk_bytes)
-    _all_gather_rows(dist_.float(), counts, placer(out_d), group, comm, chunk_bytes)
-    _all_gather_rows(has_pos.to(torch.uint8), counts, placer(out_p), group, comm, chunk_bytes)
+    starts = [a for a, _ in slices]
+    _all_gather_rows(ids, counts, _placer(out_i, starts), group, comm, chunk_bytes)
+    _all_gather_rows(dist_.float(), counts, _placer(out_d, starts), group, comm, chunk_bytes)
+    _all_gather_rows(has_pos.to(torch.uint8), counts, _placer(out_p, starts), group, comm,
+                     chunk_bytes)
     total = torch.tensor([patched], dtype=torch.long, device=comm)
     dist.all_reduce(total, group=group)
     synchronize(dev)

@@ -1,27 +1,27 @@
 """NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference, or the CCKNN rule (CCML Eq. 14).
 
-``rule="nngk"``: the k nearest centres of a query x (searched with :func:`nnkloss.knn`, no
-self-exclusion: queries are outside the bank) vote with their Gaussian kernel values,
+``rule="nngk"``: the k nearest centres of a query x (:func:`nnkloss.knn`, no self-exclusion)
+vote with their Gaussian kernel values,
 
     Pr(class Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} w_j exp(-d_j / (2 sigma^2))
 
-``rule="ccknn"``: class-conditional k-NN (Eq. 14 of the CCML paper): each class C contributes
-its *own* k nearest centres, and the predicted class is ``argmin_C sum_{j<=k} ||x - NN^C_j(x)||^2``.
+``rule="ccknn"``: each class C contributes its *own* k nearest centres, and the predicted class
+is ``argmin_C sum_{j<=k} ||x - NN^C_j(x)||^2``.
 
-Both are computed with a max shift (log-sum-exp), so queries far from every centre give a proper
+Both normalise with a max shift (log-sum-exp), so queries far from every centre give a proper
 distribution, never NaN. The search only selects neighbours: the distances entering the kernel
-are recomputed from the centres, relative to each query's nearest centre (the shift cancels in
-the normalisation) and in a form that keeps their differences precise however far the query is.
+are recomputed relative to each query's nearest centre (the shift cancels), in a form that
+keeps their differences precise however far the query is (:func:`_sq_dist_minus_ref`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
+from ..bank.centroids import as_tensor
 from ..validation import (all_finite, plain_eager, require_float, require_int,
                           require_positive_int, require_sigma)
 from ..bank.search import knn
@@ -32,17 +32,14 @@ __all__ = ["NeighbourKernelClassifier", "RULES"]
 
 RULES = ("nngk", "ccknn")
 
-# Largest gathered (rows, k, D) block of the torch form (where no fused pass runs): 2**22
-# elements (16 MiB fp32).
+# Largest gathered (rows, k, D) block of the torch form (where no fused pass runs).
 _GATHER_ELEMS = 1 << 22
 
 
 def _fused_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Optional[Tensor]:
-    """:func:`_sq_dist_minus_ref` in one pass over the gathered rows, or None where none runs:
-    CPU tensors through the compiled library (:func:`nnkloss.ops.cpu.rel_sqdist`), CUDA
-    tensors through the Triton kernel (``nnkloss.kernels.rel_sqdist``) when triton is there
-    (:func:`nnkloss.ops.backends.fused_pass`)."""
+    """:func:`_sq_dist_minus_ref` in one fused pass of the device's backend (the compiled CPU
+    library, or Triton on CUDA), or None where none runs."""
     impl = fused_pass(x.device)
     return None if impl is None else impl.rel_sqdist(x, centres, idx, ref, cdt)
 
@@ -51,14 +48,10 @@ def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Tensor:
     """(Q, k) ``||x_q - c_j||^2 - ||x_q - c_r||^2`` for j = idx[q, :], r = ref[q], in ``cdt``.
 
-    Written as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``: for a query far from every centre the two
-    squared distances are huge and nearly equal, and subtracting them loses everything that
-    decides the vote (at |x| = 1e4, fp32 distances are ~1e8 with a spacing of 8); the product
-    form keeps their difference to full relative precision. On CPU and on CUDA (with triton)
-    one fused pass computes it without a (rows, k, D) block (:func:`_fused_rel_sqdist`; on the
-    CPU 0.03 against 1.3 s for 2,000 queries, k 1000, D 64, measured 2026-11-25). Elsewhere
-    (traced, another device, no triton) the torch form below, chunked over rows so that the
-    gathered block stays below ``_GATHER_ELEMS`` elements.
+    Written as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``: for a far query the two squared
+    distances are huge and nearly equal, and their difference would lose what decides the
+    vote; the product form keeps it to full relative precision. One fused pass where a backend
+    has one (no (rows, k, D) block), else the torch form in row chunks of ``_GATHER_ELEMS``.
     """
     if plain_eager(x, centres, idx, ref):
         out = _fused_rel_sqdist(x, centres, idx, ref, cdt)
@@ -94,8 +87,7 @@ class NeighbourKernelClassifier(nn.Module):
     """Classify embeddings with a :class:`CentreBank` (training features, class means, ...).
 
     Args:
-        bank: the CentreBank (a submodule; its weights are used as they are at call time, so a
-            bank grown with :meth:`CentreBank.add` is used at once).
+        bank: the CentreBank (a submodule, read as it is at call time: grown banks at once).
         k: neighbours per query, at most the bank's centres of weight > 0 (ValueError naming
             k otherwise, here and at each call, as :func:`nnkloss.knn` raises);
             ``k = bank.num_centres`` uses every centre (with a class-mean bank and
@@ -107,13 +99,10 @@ class NeighbourKernelClassifier(nn.Module):
         batch_size: query rows per search call (bounds the search and gather temporaries).
         rule: "nngk" (Eq. 3, default) or "ccknn" (CCML Eq. 14).
 
-    Centres with weight 0 do not exist for the classifier (they are left out of the search, so
-    the k neighbours are k centres that count). ``rule="ccknn"`` does not use the weights
-    otherwise: Eq. 14 has none.
-
-    Methods take emb (B, D) float (tensor or numpy array; moved to the bank's device) and run
-    without autograd. Probabilities are fp32 (fp64 for fp64 emb); C = ``bank.num_classes``
-    (max centre label + 1); labels absent from the bank get probability 0.
+    Centres of weight 0 are left out of the search (``rule="ccknn"`` uses no other weight:
+    Eq. 14 has none). Methods take emb (B, D) float (tensor or numpy array) and run without
+    autograd; probabilities are fp32 (fp64 for fp64 emb), C = ``bank.num_classes`` columns,
+    0 for labels absent from the bank.
     """
 
     def __init__(self, bank: CentreBank, k: int, sigma: float, search_backend: str = "auto",
@@ -140,11 +129,10 @@ class NeighbourKernelClassifier(nn.Module):
     def predict_proba(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
         """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1.
 
-        ``neighbours``: optional (B, K) int64 bank rows of each query's nearest centres,
-        nearest first, K >= k, from a search already made (e.g.
-        ``nnkloss.knn(emb, bank.centres, k).neighbours``): the classifier then does not search again and
-        uses the first k columns. Centres of weight 0 among them contribute nothing. Only for
-        ``rule="nngk"`` (CCKNN searches each class separately).
+        ``neighbours``: optional (B, K >= k) bank rows of each query's nearest centres, nearest
+        first, from a search already made (``nnkloss.knn(emb, bank.centres, k).neighbours``):
+        the first k columns are used, without a search. Centres of weight 0 among them count
+        nothing. ``rule="nngk"`` only (CCKNN searches each class separately).
         """
         x = self._check_emb(emb)
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -169,17 +157,13 @@ class NeighbourKernelClassifier(nn.Module):
 
     # ---------------------------------------------------------------- internals
     def _check_emb(self, emb) -> Tensor:
-        if isinstance(emb, np.ndarray):
-            emb = torch.from_numpy(np.ascontiguousarray(emb))
+        emb = as_tensor("emb", emb)
         require_float("emb", emb, 2)
         bank = self.bank
         if bank.num_centres == 0:
             raise RuntimeError("the bank is empty: add centres before classifying")
         lowest = int(bank.centre_labels.min())
         if lowest < 0:
-            # Column c of the probabilities is class c: a negative label has no column (the
-            # class sums' scatter raised an error naming nothing; the CCKNN rule wrote the
-            # class into another class's column from the end, silently).
             raise ValueError(f"the bank's centre_labels must be >= 0 to classify with (column "
                              f"c of the probabilities is class c), got {lowest}")
         _check_k(self.k, bank.num_centres)
@@ -195,8 +179,7 @@ class NeighbourKernelClassifier(nn.Module):
         if self.rule != "nngk":
             raise ValueError(f"neighbours can only be given with rule='nngk' (rule={self.rule!r} "
                              f"searches each class's centres separately)")
-        if isinstance(neighbours, np.ndarray):
-            neighbours = torch.from_numpy(np.ascontiguousarray(neighbours))
+        neighbours = as_tensor("neighbours", neighbours)
         require_int("neighbours", neighbours, 2)
         n, k = self.bank.num_centres, self.k
         if neighbours.shape[0] != b or neighbours.shape[1] < k:
@@ -256,11 +239,9 @@ class NeighbourKernelClassifier(nn.Module):
         """(B, C) class scores ``-(1/k) sum_{j<=k} ||x - NN^C_j(x)||^2 / (2 sigma^2)`` (up to a
         per-row constant, which the softmax removes).
 
-        Eq. 14 picks the class with the smallest sum of its k nearest squared distances; the
-        soft version (CCML Eq. 10) normalises ``exp(-(1/k) sum ...)``, so softmax of these
-        scores is Eq. 10 with distances scaled by ``1/(2 sigma^2)`` (``sigma = 1/sqrt 2`` gives
-        Eq. 10 exactly) and its argmax is Eq. 14. A class with n_C < k centres uses the mean
-        over all n_C of them, which equals ``sum / k`` whenever n_C >= k.
+        Their softmax is CCML Eq. 10 with distances scaled by ``1/(2 sigma^2)`` (exactly Eq. 10
+        at ``sigma = 1/sqrt 2``) and their argmax Eq. 14. A class with n_C < k centres uses the
+        mean over all n_C of them.
         """
         centres, centre_labels, _ = self._usable()
         num_classes = self.bank.num_classes
@@ -272,9 +253,8 @@ class NeighbourKernelClassifier(nn.Module):
                                                 return_counts=True)
         order = torch.argsort(inverse, stable=True)  # centre rows grouped by class
         starts = (torch.cumsum(counts, 0) - counts).tolist()
-        # One reference centre per query (its nearest), shared by all classes: scores are mean
-        # distances minus the reference distance, which cancels in the softmax and keeps far
-        # queries precise (see _sq_dist_minus_ref).
+        # One reference centre per query (its nearest), shared by all classes: it cancels in
+        # the softmax and keeps far queries precise (see _sq_dist_minus_ref).
         ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1,
                              search_backend=self.search_backend).neighbours
                          for lo in range(0, x.shape[0], self.batch_size)])[:, 0]

@@ -1,10 +1,7 @@
-"""FAISS indexes: exact ``IndexFlatL2`` (CPU, or GPU where faiss's GPU support works on the
-device) and the approximate ``IndexIVFFlat`` / ``IndexHNSWFlat``. faiss is optional: every
-function here imports it lazily and :func:`faiss_available` says whether it can.
-
-faiss orders equal distances by index (its heaps compare (distance, id)), as the torch search
-does. Results are fp32 squared L2 distances, clamped at 0, and int64 indices (-1 and inf for
-"not found", approximate indexes only).
+"""FAISS indexes: exact ``IndexFlatL2`` (CPU, or GPU where faiss's GPU support works) and the
+approximate ``IndexIVFFlat`` / ``IndexHNSWFlat``. faiss is optional and imported lazily. It
+orders equal distances by index, as the torch search does; results are fp32 squared distances
+clamped at 0 and int64 indices (-1 at inf for "not found", approximate indexes only).
 """
 from __future__ import annotations
 
@@ -52,18 +49,16 @@ def require_faiss(asked: str = "search_backend='faiss' (and approximate search)"
     return faiss
 
 
-# The index options of each approximate kind; none applies to another kind or to the exact
-# search, where they would be ignored without a word (an nprobe given with approximate="hnsw"
-# tunes nothing). seed seeds the IVF training sample and k-means only.
+# The index options of each approximate kind (seed: the IVF training sample and k-means).
 INDEX_OPTIONS = {"ivf": ("nlist", "nprobe", "train_size", "seed"),
                  "hnsw": ("hnsw_m", "ef_construction", "ef_search")}
 
 
 def check_index_options(approximate: Optional[str], options: dict, arg: str = "{}") -> None:
-    """Refuse the index options in ``options`` (name -> value, None = not given) that the index
-    ``approximate`` (None: exact search, "ivf", "hnsw") does not use, and bad values of those it
-    does, with a ValueError naming the option. ``arg`` spells an option's name as the caller
-    passed it (``"knn_options[{!r}]"`` for the Refresher's dict)."""
+    """ValueError naming the option for an option in ``options`` (name -> value, None = not
+    given) that the index ``approximate`` (None: exact, "ivf", "hnsw") does not use (it would
+    be ignored without a word), or a bad value of one it does. ``arg`` spells an option's name
+    as the caller passed it."""
     for kind, names in INDEX_OPTIONS.items():
         if kind == approximate:
             continue
@@ -73,8 +68,7 @@ def check_index_options(approximate: Optional[str], options: dict, arg: str = "{
                         else f"approximate={approximate!r}")
                 raise ValueError(f"{arg.format(name)}={options[name]!r} is an option of "
                                  f"approximate={kind!r} only; {used} does not use it")
-    # Checked here, not left to faiss: nprobe 0 fails in faiss's search with a message that
-    # names no argument, and hnsw_m 0 / 1 / negative aborts, crashes or hangs the process.
+    # Not left to faiss: nprobe 0 fails there naming nothing; hnsw_m < 2 crashes or hangs.
     for name in INDEX_OPTIONS.get(approximate, ()):
         v = options.get(name)
         if v is not None and name != "seed":
@@ -95,14 +89,19 @@ def _gpu_resources(device_index: int):
     return faiss.StandardGpuResources()
 
 
+def _gpu_flat(device_index: int, d: int):
+    faiss = _faiss_module()
+    cfg = faiss.GpuIndexFlatConfig()
+    cfg.device = device_index
+    return faiss.GpuIndexFlatL2(_gpu_resources(device_index), d, cfg)
+
+
 @functools.lru_cache(maxsize=None)
 def faiss_gpu_usable(device_index: int = 0) -> bool:
-    """True when faiss has GPU support that actually runs on CUDA device ``device_index``.
-
-    pip faiss GPU wheels ship no code for some architectures (no sm_90: H100/H200 fail at the
-    first search, not at import), so a tiny search is tried once per device and cached; on
-    failure a one-line warning is issued and callers fall back (faiss CPU index).
-    """
+    """True when faiss has GPU support that actually runs on CUDA device ``device_index``:
+    some faiss GPU wheels ship no code for some architectures and fail at the first search,
+    not at import, so a tiny search is tried once per device (cached); on failure a one-line
+    warning, and callers fall back to the CPU index."""
     faiss = _faiss_module()
     if faiss is None or not hasattr(faiss, "StandardGpuResources"):
         return False
@@ -110,9 +109,7 @@ def faiss_gpu_usable(device_index: int = 0) -> bool:
         if faiss.get_num_gpus() <= device_index or not torch.cuda.is_available():
             return False
         import numpy as np
-        cfg = faiss.GpuIndexFlatConfig()
-        cfg.device = device_index
-        index = faiss.GpuIndexFlatL2(_gpu_resources(device_index), 4, cfg)
+        index = _gpu_flat(device_index, 4)
         x = np.arange(32, dtype="float32").reshape(8, 4)
         index.add(x)
         _, ids = index.search(x[:2], 1)
@@ -151,10 +148,7 @@ def build_flat(base: Tensor, k: int):
     faiss = require_faiss()
     d = base.shape[1]
     if use_faiss_gpu(base.device, k):
-        idx = _cuda_index(base.device)
-        cfg = faiss.GpuIndexFlatConfig()
-        cfg.device = idx
-        index = faiss.GpuIndexFlatL2(_gpu_resources(idx), d, cfg)
+        index = _gpu_flat(_cuda_index(base.device), d)
     else:
         index = faiss.IndexFlatL2(d)
     _add_in_chunks(index, base)

@@ -295,3 +295,24 @@ def test_adding_centres_beyond_the_banks_dtype_names_the_overflow():
     with pytest.raises(ValueError, match=r"beyond the bank's dtype torch.float16"):
         bank.update_(centres=torch.full((3, 2), -7e4))             # update_ as add
     assert bank.num_centres == 3 and bool((bank.centres == 0).all())
+
+
+def test_numpy_inputs_of_any_byte_order_or_read_only():
+    """class_centroids and the classifier take numpy arrays as the metrics do (one
+    conversion, centroids.as_tensor): a big-endian or read-only array gave torch.from_numpy's
+    error, which names no argument, or its warning."""
+    import warnings
+    emb, labels = blobs()
+    big = np.asarray(emb).astype(">f4")
+    frozen = np.asarray(labels).copy()
+    frozen.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        centres, centre_labels = class_centroids(big, frozen)
+        want, _ = class_centroids(emb, labels)
+        assert torch.equal(centres, want)
+        bank = CentreBank(centres, centre_labels)
+        pred = NeighbourKernelClassifier(bank, k=3, sigma=1.0).predict(big)
+    assert torch.equal(pred, NeighbourKernelClassifier(bank, k=3, sigma=1.0).predict(emb))
+    with pytest.raises(TypeError, match="emb must be a torch.Tensor or numpy array"):
+        NeighbourKernelClassifier(bank, k=3, sigma=1.0).predict([[0.0] * 4])

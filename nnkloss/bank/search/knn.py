@@ -108,22 +108,19 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     """The ``k`` nearest base rows of every query row, by squared Euclidean distance.
 
     Args:
-        queries: (Q, D) float tensor (fp16/bf16/fp32/fp64; distances are computed in fp32).
-        base: (N, D) float tensor on the same device.
+        queries, base: (Q, D) and (N, D) float tensors on one device (distances in fp32).
         k: neighbours per query, ``1 <= k <= N`` (``<= N - 1`` with ``exclude_self``).
-        search_backend: "torch" (tiled GEMM + threshold selection, any device), "faiss"
-            (exact ``IndexFlatL2``; a GPU index for CUDA inputs when faiss's GPU support works
-            on that device, else the CPU index), or "auto" (= "torch", whether or not faiss is
-            installed, so that results never depend on it).
+        search_backend: "torch" (tiled GEMM, any device), "faiss" (exact ``IndexFlatL2``, on
+            the GPU for CUDA inputs where faiss's GPU support works) or "auto" (= "torch",
+            so that results never depend on whether faiss is installed).
         exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i
             (exact duplicates of it still do, at distance 0). Pass the same tensor as
             ``queries`` and ``base`` for a self-search: on the CPU the "torch" backend can then
             compute each pair's distance once (:mod:`.torch_search`).
         approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
-            ``IndexHNSWFlat``, CPU). Needs faiss; ``search_backend`` must then be "auto" or
-            "faiss".
-        tile_bytes: torch search working-memory budget per block (default: 256 MiB on CPU, a
-            quarter of the free memory on CUDA, at most 4 GiB).
+            ``IndexHNSWFlat``, CPU), with ``search_backend`` "auto" or "faiss".
+        tile_bytes: the torch search's working memory (default: 256 MiB on the CPU, a quarter
+            of the free memory on CUDA, at most 4 GiB).
         nlist, nprobe, train_size: IVF lists (default ~4 sqrt(N), >= 39 points per list),
             lists probed per query (default max(8, nlist/8)), training sample (default
             256 nlist) -- more probes: higher recall, slower.
@@ -133,12 +130,10 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         An index option given for an index that does not use it is a ValueError naming it.
 
     Returns:
-        :class:`SearchResult` ``(distances, neighbours)`` (a NamedTuple, the order of
-        ``torch.topk`` and faiss), both (Q, k) on the queries' device: fp32 squared L2
-        distances in ascending order, equal distances ordered by index (both exact backends),
-        and int64 row indices into ``base``. Approximate search may find fewer than k
-        neighbours (index -1 at distance inf). On CUDA the "torch" backend follows PyTorch's
-        TF32 setting (off by default; on, it perturbs distances by ~1e-3 relative).
+        :class:`SearchResult` ``(distances, neighbours)``, both (Q, k) on the queries' device:
+        fp32 squared L2 distances ascending, ties ordered by index, and int64 rows of ``base``
+        (-1 at inf where an approximate search finds fewer than k). On CUDA the "torch"
+        backend follows PyTorch's TF32 setting (off by default).
 
     Raises:
         ValueError: k < 1 or more than the candidates (naming ``k``); empty base; NaN/inf in

@@ -22,15 +22,11 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
                          exact_search_backend: str = "auto", **params) -> float:
     """Recall@k of an approximate index against exact search, on a random sample of queries.
 
-    Builds the approximate index over all of ``base`` (as :func:`knn` would), searches
-    ``min(sample, Q)`` random query rows with it and with exact search, and returns the mean
-    over sampled rows of (approximate neighbours found that are as close as the exact k-th
-    neighbour) / k -- a float in [0, 1]. Counting by distance rather than by index means
-    ties (duplicate points) are not penalised. ``params`` are :func:`knn`'s index parameters
-    (nlist, nprobe, train_size, hnsw_m, ef_construction, ef_search; tile_bytes for the exact
-    torch search); ``seed`` picks the sample and seeds the IVF training. With
-    ``exclude_self`` the queries are the base rows and each sampled row excludes its own
-    index, as in :func:`knn`.
+    The index is built over all of ``base`` as :func:`knn` builds it; ``min(sample, Q)`` random
+    query rows are searched with it and exactly, and the result is the mean over them of the
+    share of the k found that are as close as the exact k-th neighbour (by distance: ties are
+    not penalised), in [0, 1]. ``params``: :func:`knn`'s index options and ``tile_bytes``;
+    ``seed`` picks the sample and seeds IVF's training; ``exclude_self`` as in :func:`knn`.
     """
     if approximate not in ("ivf", "hnsw"):
         raise ValueError(f"approximate must be 'ivf' or 'hnsw', got {approximate!r}")

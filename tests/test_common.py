@@ -27,7 +27,7 @@ def test_git_commit_outside_a_checkout_is_unknown(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("script", ["bench_classifier", "bench_eval", "bench_loss",
-                                    "bench_refresh", "profile_step"])
+                                    "bench_refresh", "bench_train_step", "profile_step"])
 def test_every_benchmark_checks_its_device_before_any_work(script):
     """--device through common.parse_device: a name that is no device, or CUDA where there is
     none, is the parser's error naming --device (exit 2), not torch's at the first tensor."""

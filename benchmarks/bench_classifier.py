@@ -36,7 +36,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, add_worker_args, device_name, git_commit,  # noqa: E402
+from common import (PeakMemory, add_worker_args, device_name, git_commit,  # noqa: E402
                     graph_ms, load_average, median_round, parse_device, parse_or_work,
                     read_gbps, run_isolated, table_csv, table_row, time_ms, worker_reply)
 
@@ -97,17 +97,9 @@ def worker(spec: dict) -> None:
     fn(*args)  # before the measurements: compile, build or load the library, JIT the kernel
     cpu = device.type == "cpu"
     reads = [read_gbps(device, spec["read_bytes"])] if cpu else []
-    if not cpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn(*args)
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    else:
-        meter = PeakRss().start()
-        fn(*args)
-        peak = meter.peak_mb()
+    meter = PeakMemory(device).start()
+    fn(*args)
+    peak = meter.peak_mb()
     ms = time_ms(lambda: fn(*args), device, warmup=1, iters=spec["iters"])
     kernel = None if cpu else graph_ms(lambda: fn(*args), device)
     if cpu:

@@ -17,8 +17,8 @@ Times: ``wall_ms``, what a loop of calls sees (CUDA: ``common.wall_ms``, back-to
 the backward: each between two synchronisations; CPU: the median of 21 calls after 2
 warm-ups), and on CUDA ``kernel_ms``, the kernels alone (``common.graph_ms``: calls captured
 in one CUDA graph and replayed; the backward's is both's minus a training forward's). Peak
-memory above the allocation (CUDA) or the RSS (CPU, ``common.PeakRss``, over the warm-ups and
-timed calls) before the calls. The bytes read are the gathered centre rows, B x K x D x the
+memory (``common.PeakMemory``): above the allocation before one call (CUDA), or above the RSS
+before the warm-ups and timed calls (CPU). The bytes read are the gathered centre rows, B x K x D x the
 bank's element size, for forward and both (the fused backward gathers none), against a 1 GiB
 read measured in the run (``--read-mb``; on CPU in each measuring process, beside its calls).
 
@@ -46,12 +46,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PASSES, PeakRss, add_worker_args, cuda_peak_mb, device_name,  # noqa: E402
+from common import (PASSES, PeakMemory, add_worker_args, device_name,  # noqa: E402
                     git_commit, graph_ms, load_average, markdown, median_round, parse_device,
                     parse_or_work, plot, read_gbps, run_isolated, table_csv, table_row,
                     time_ms, wall_ms, worker_reply)
 
 import torch  # noqa: E402
+# torch imports torch._dynamo at the first call of a custom op or torch.compile, a large RSS
+# once per process: imported here, before any memory baseline.
+import torch._dynamo  # noqa: E402
 
 import nnkloss  # noqa: E402
 
@@ -176,9 +179,6 @@ def run_one(provider, mode, inputs, device, reps=100, also_grad=()):
         sigma, w, centres = (t.detach().clone().requires_grad_(name in also_grad)
                              for name, t in zip(EXTRA_GRADS, (sigma, w, centres)))
         leaves = [t for t in (sigma, w, centres) if t.requires_grad]
-    # torch imports torch._dynamo (~150 MB RSS, once per process) on the first call of any
-    # custom op and in torch.compile: imported before every memory baseline.
-    import torch._dynamo  # noqa: F401
     fn = provider_fn(provider, inputs)
     x = emb.detach().clone().requires_grad_(mode != "fwd")
     cuda = device.type == "cuda"
@@ -195,20 +195,22 @@ def run_one(provider, mode, inputs, device, reps=100, also_grad=()):
     step = forward if mode == "fwd" else both
     if mode == "bwd":
         wall, peak, first = _time_backward(forward, [x] + leaves, device)
-    elif cuda:
-        t0 = time.perf_counter()
-        step()  # compiles outside the measured calls
-        torch.cuda.synchronize(device)
-        first = (time.perf_counter() - t0) * 1e3
-        peak = cuda_peak_mb(step, device)
-        wall = wall_ms(step, device, reps)
     else:
-        rss = PeakRss().start()
+        # the peak: on CUDA of one call after the first, on CPU over the warm-ups and the calls
+        meter = PeakMemory(device).start()
         t0 = time.perf_counter()
-        step()  # the first of the two warm-ups (compiles, for torch.compile)
+        step()  # the first call compiles, for torch.compile
+        if cuda:
+            torch.cuda.synchronize(device)
         first = (time.perf_counter() - t0) * 1e3
-        wall = time_ms(step, device, reps, warmup=1, iters=CPU_ITERS)
-        peak = rss.peak_mb()
+        if cuda:
+            meter.start()
+            step()
+            peak = meter.peak_mb()
+            wall = wall_ms(step, device, reps)
+        else:
+            wall = time_ms(step, device, reps, warmup=1, iters=CPU_ITERS)
+            peak = meter.peak_mb()
     kernel, note = None, ""
     if cuda:
         calls = max(1, min(20, int(2.0 / max(wall, 1e-3))))  # a replay of about 2 ms or more
@@ -233,19 +235,13 @@ def _time_backward(forward, leaves, device, warmup=2, iters=None):
         loss = forward()
         for t in leaves:
             t.grad = None
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            rss = PeakRss().start()
+        meter = PeakMemory(device).start()
         t = time.perf_counter()
         loss.backward()
         if cuda:
             torch.cuda.synchronize(device)
         ms = (time.perf_counter() - t) * 1e3
-        peak = max(peak, (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20 if cuda
-                   else rss.peak_mb())
+        peak = max(peak, meter.peak_mb())
         first = ms if first is None else first
         if i >= warmup:
             times.append(ms)

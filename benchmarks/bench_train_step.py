@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_loss import eager_loss  # noqa: E402
-from common import (PeakRss, device_name, git_commit, markdown,  # noqa: E402
+from common import (PeakMemory, device_name, git_commit, markdown,  # noqa: E402
                     parse_device, table_csv, table_row)
 
 import torch  # noqa: E402
@@ -83,25 +83,16 @@ def make_losses(args, device):
 def time_steps(step, device, warmup, steps):
     """(ms per step over ``steps`` back-to-back steps after ``warmup``, their peak MiB above
     what was allocated before them)."""
-    cuda = device.type == "cuda"
     for _ in range(warmup):
         step()
-    if cuda:
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        rss = PeakRss().start()
+    meter = PeakMemory(device).start()
     t = time.perf_counter()
     for _ in range(steps):
         step()
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
     ms = (time.perf_counter() - t) * 1e3 / steps
-    peak = ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20 if cuda
-            else rss.peak_mb())
-    return ms, peak
-
+    return ms, meter.peak_mb()
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

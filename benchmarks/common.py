@@ -33,7 +33,7 @@ from nnkloss.experiment import reporting  # noqa: E402
 from nnkloss.experiment.setup import resolve_device  # noqa: E402
 
 __all__ = ["HERE", "ROOT", "git_commit", "parse_device", "device_name", "cpu_name", "slug",
-           "utc_now", "results_path", "time_ms", "wall_ms", "graph_ms", "cuda_peak_mb", "PeakRss",
+           "utc_now", "results_path", "time_ms", "wall_ms", "graph_ms", "PeakRss", "PeakMemory",
            "worker_reply", "add_worker_args", "parse_or_work", "run_isolated", "ResultsCsv",
            "TABLE_COLUMNS", "PASSES", "table_row", "table_csv", "markdown", "plot", "read_gbps",
            "tensor_read_gbps", "median_round", "load_average"]
@@ -175,16 +175,6 @@ def graph_ms(fn, device, reps=100, calls=10) -> Optional[float]:
     return sorted(times[1:])[len(times[1:]) // 2] / calls  # the first replay uploads the graph
 
 
-def cuda_peak_mb(fn, device) -> float:
-    """MiB that one ``fn()`` allocates on a CUDA device above what was allocated before it."""
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
-
-
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -244,6 +234,32 @@ class PeakRss:
             peak = max(self._max, _status_kb("VmRSS"))
             self._stop.set()
         return (peak - self._base) / 1024
+
+
+class PeakMemory:
+    """Peak memory above what was in use at ``start()``, in MiB, on ``device``: on CUDA the
+    allocator's peak above its allocation at the start (synchronised at both ends), elsewhere
+    the process's RSS (:class:`PeakRss`)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._rss = None
+        self._base = 0
+
+    def start(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._rss = PeakRss().start()
+        return self
+
+    def peak_mb(self) -> float:
+        if self.device.type != "cuda":
+            return self._rss.peak_mb()
+        torch.cuda.synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2 ** 20
 
 
 def worker_reply(result: dict) -> None:

@@ -158,10 +158,6 @@ def test_a_failed_measurement_is_a_row_that_says_why(tmp_path, monkeypatch):
     assert row["note"] == "out of memory" and row["wall_ms"] == ""
 
 
-class _FakeCuda:
-    type = "cuda"
-
-
 def _stand_in_cuda(monkeypatch, graph):
     """run_one's CUDA branch on CPU tensors: synchronisation and memory stood in, wall_ms a
     constant, graph_ms the given function."""
@@ -169,7 +165,6 @@ def _stand_in_cuda(monkeypatch, graph):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
     for name in ("memory_allocated", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
-    monkeypatch.setattr(bench_loss, "cuda_peak_mb", lambda fn, device: fn() and 0.0)
     monkeypatch.setattr(bench_loss, "wall_ms", lambda fn, device, reps: 1.0)
     monkeypatch.setattr(bench_loss, "graph_ms", graph)
 
@@ -191,7 +186,7 @@ def test_on_cuda_each_pass_times_its_kernels_in_a_graph(monkeypatch):
         return 5.0 if backwards else 2.0
     _stand_in_cuda(monkeypatch, graph)
     with nnkloss.value_checks(False):
-        got = {mode: bench_loss.run_one("fused", mode, inputs, _FakeCuda(), reps=1)
+        got = {mode: bench_loss.run_one("fused", mode, inputs, torch.device("cuda"), reps=1)
                for mode in ("fwd", "bwd", "fwd_bwd")}
     assert {m: r["kernel_ms"] for m, r in got.items()} == {"fwd": 2.0, "bwd": 3.0,
                                                          "fwd_bwd": 5.0}
@@ -201,7 +196,7 @@ def test_on_cuda_each_pass_times_its_kernels_in_a_graph(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
     monkeypatch.setattr(bench_loss, "graph_ms", refuses)
     with nnkloss.value_checks(False):
-        r = bench_loss.run_one("module_unchecked", "fwd_bwd", inputs, _FakeCuda(), reps=1)
+        r = bench_loss.run_one("module_unchecked", "fwd_bwd", inputs, torch.device("cuda"), reps=1)
     assert r["kernel_ms"] is None and r["wall_ms"] == 1.0
     assert r["note"] == "no CUDA graph: operation not permitted when stream is capturing"
 

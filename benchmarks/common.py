@@ -302,7 +302,8 @@ def run_isolated(script: str, spec: dict, timeout: float = 1800) -> dict:
 class ResultsCsv:
     """One run's CSV with a fixed header: the file a run writes replaces the last run's (git
     keeps the history). Rows go to ``<path>.partial`` and are flushed as they are written, so
-    an interrupted run keeps what it measured there; ``close()`` moves the file into place."""
+    an interrupted run keeps what it measured there; closing a complete run moves the file
+    into place."""
 
     def __init__(self, path: str, columns):
         self.path = path
@@ -323,15 +324,18 @@ class ResultsCsv:
         if echo:
             print(",".join(str(v) for v in row), flush=True)
 
-    def close(self):
+    def close(self, complete=True):
+        """Close the file; a complete run's replaces the last run's, an incomplete one stays
+        ``<path>.partial``."""
         self._f.close()
-        os.replace(self.path + ".partial", self.path)
+        if complete:
+            os.replace(self.path + ".partial", self.path)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(complete=exc_type is None)
 
 
 # The benchmarks' table, one CSV per device and benchmark: operation x provider x pass

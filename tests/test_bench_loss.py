@@ -305,3 +305,22 @@ def test_profile_step_parts_time_each_piece_of_the_call(capsys):
     assert all(f"| {name} |" in table for name in parts)
 
 
+
+
+def test_the_compile_provider_compiles_the_eager_loss_once_a_process():
+    """compile: torch.compile of the user's loss, built once and shared by the passes; its
+    loss and gradient are eager's."""
+    inputs = bench_loss.make_inputs(8, 4, 16, 100, torch.float32, torch.device("cpu"))
+    bench_loss._COMPILED.clear()
+    fn = bench_loss.provider_fn("compile", inputs)
+    assert bench_loss.provider_fn("compile", inputs) is fn
+    results = []
+    for f in (bench_loss.eager_loss, fn):
+        x = inputs[0].clone().requires_grad_(True)
+        loss = f(x, *inputs[1:])
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+    r = bench_loss.run_one("compile", "fwd_bwd", inputs, torch.device("cpu"), reps=1)
+    assert r["wall_ms"] > 0 and r["kernel_ms"] is None

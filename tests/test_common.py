@@ -68,8 +68,8 @@ def test_peak_rss_sees_an_allocation():
 
 
 def test_a_results_csv_is_one_runs_and_keeps_its_rows_as_they_come(tmp_path):
-    """Each run's file replaces the last run's; until it closes, the rows written so far are
-    on disk in <path>.partial (what a run stopped by its time limit leaves)."""
+    """Each complete run's file replaces the last run's; until then the rows written so far
+    are on disk in <path>.partial (what a run stopped by its time limit or an error leaves)."""
     path = str(tmp_path / "x.csv")
     for i in range(2):
         with common.ResultsCsv(path, ["a", "b"]) as out:
@@ -81,7 +81,13 @@ def test_a_results_csv_is_one_runs_and_keeps_its_rows_as_they_come(tmp_path):
         assert f.read().splitlines() == ["a,b", "1,x", "1,y"]
     assert not os.path.exists(path + ".partial")
     with pytest.raises(AssertionError), common.ResultsCsv(path, ["a"]) as out:
-        out.write({"a": 1, "typo": 2})
+        out.write({"a": 2}, echo=False)
+        out.write({"a": 3, "typo": 4})
+    # a run that failed leaves its rows beside the last complete run's file, not over it
+    with open(path + ".partial") as f:
+        assert f.read().splitlines() == ["a", "2"]
+    with open(path) as f:
+        assert f.read().splitlines() == ["a,b", "1,x", "1,y"]
 
 
 def test_a_table_row_holds_both_times_against_the_read():

@@ -29,9 +29,10 @@
 set -uo pipefail
 smoke=0
 if [ "${1:-}" = "--smoke" ]; then smoke=1; shift; fi
-cd "$(dirname "$0")/.."
 dir=${1:-$(mktemp -d)}
 mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+cd "$(dirname "$0")/.."
 : >"$dir/summary.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NNKLOSS_COMMIT=${NNKLOSS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -53,7 +54,7 @@ if [ $smoke = 1 ]; then
           --providers fused module_unchecked eager)
     long=(--B 4 --K 12 --D 32 --N 200 --dtype bf16 --no-isolate --read-mb 8
           --providers fused module_unchecked eager)
-    train=(--arch resnet18 --batch 2 --image 32 --N 200 --K 8 --D 16 --warmup 1 --steps 1
+    train=(--arch resnet18 --batch 2 --image 32 --N 200 --K 8 --D 16 --warmup 0 --steps 1
            --providers none fused eager pml)
 else
     dev=(--device cuda)

@@ -18,9 +18,10 @@ the backward: each between two synchronisations; CPU: the median of 21 calls aft
 warm-ups), and on CUDA ``kernel_ms``, the kernels alone (``common.graph_ms``: calls captured
 in one CUDA graph and replayed; the backward's is both's minus a training forward's). Peak
 memory (``common.PeakMemory``): above the allocation before one call (CUDA), or above the RSS
-before the warm-ups and timed calls (CPU). The bytes read are the gathered centre rows, B x K x D x the
-bank's element size, for forward and both (the fused backward gathers none), against a 1 GiB
-read measured in the run (``--read-mb``; on CPU in each measuring process, beside its calls).
+before the warm-ups and timed calls (CPU). The bytes read are the gathered centre rows,
+B x K x D x the bank's element size, for forward and both (the fused backward gathers none),
+against a 1 GiB read measured in the run (``--read-mb``; on CPU in each measuring process,
+beside its calls).
 
 Providers: ``fused`` (``nnkloss.neighbour_kernel_loss``: the Triton kernels on CUDA, the
 compiled CPU kernel on CPU tensors, value checks off as in a training loop after its first

@@ -36,8 +36,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakMemory, add_worker_args, device_name, git_commit,  # noqa: E402
-                    graph_ms, load_average, median_round, parse_device, parse_or_work,
+from common import (PeakMemory, add_worker_args, command_line, device_name,  # noqa: E402
+                    git_commit, graph_ms, load_average, median_round, parse_device, parse_or_work,
                     read_gbps, run_isolated, table_csv, table_row, time_ms, worker_reply)
 
 import torch  # noqa: E402
@@ -125,6 +125,7 @@ def main(argv=None) -> int:
 
     device = parse_device(ap, args.device)
     name, commit = device_name(device), git_commit()
+    command = command_line(__file__, argv)
     print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
     with table_csv(args.out, "classifier", device) as out:
         print(f"writing {out.path}")
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
                                     read_bytes=Q * k * D * 4,
                                     read_gbps=med["read_gbps"] or main_read,
                                     note=f"rounds {ms}; load {' '.join(loads[provider])}")
-                row.update(threads=torch.get_num_threads(), device=name, commit=commit)
+                row.update(threads=torch.get_num_threads(), device=name, commit=commit,
+                           command=command)
                 out.write(row)
     return 0
 

@@ -47,10 +47,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PASSES, PeakMemory, add_worker_args, device_name,  # noqa: E402
-                    git_commit, graph_ms, load_average, markdown, median_round, parse_device,
-                    parse_or_work, plot, read_gbps, run_isolated, table_csv, table_row,
-                    time_ms, wall_ms, worker_reply)
+from common import (PASSES, PeakMemory, add_worker_args, command_line,  # noqa: E402
+                    device_name, git_commit, graph_ms, load_average, markdown, median_round,
+                    parse_device, parse_or_work, plot, read_gbps, run_isolated, table_csv,
+                    table_row, time_ms, wall_ms, worker_reply)
 
 import torch  # noqa: E402
 # torch imports torch._dynamo at the first call of a custom op or torch.compile, a large RSS
@@ -334,6 +334,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     name, commit = device_name(device), git_commit()
+    command = command_line(__file__, argv)
     # the read every row is held against on CUDA, on CPU where its process took none
     run_read = read_gbps(device, args.read_mb << 20)
     print(f"device: {name} | commit {commit} | threads {threads} | "
@@ -366,7 +367,7 @@ def main(argv=None):
                 for mode in args.modes:
                     row = _row(prov, mode, runs[prov], (B, K, D, N, dt), run_read,
                                args.also_grad)
-                    row.update(threads=threads, device=name, commit=commit)
+                    row.update(threads=threads, device=name, commit=commit, command=command)
                     out.write(row, echo=False)
                     rows.append(row)
                     print(f"    {prov} {mode} B={B} K={K} D={D} {dt}: wall {row['wall_ms']} ms,"

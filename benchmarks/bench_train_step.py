@@ -34,8 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_loss import eager_loss  # noqa: E402
-from common import (PeakMemory, device_name, git_commit, markdown,  # noqa: E402
-                    parse_device, table_csv, table_row)
+from common import (PeakMemory, command_line, device_name, git_commit,  # noqa: E402
+                    markdown, parse_device, table_csv, table_row)
 
 import torch  # noqa: E402
 
@@ -118,6 +118,7 @@ def main(argv=None):
     images = torch.randn(args.batch, 3, args.image, args.image, device=device)
     losses, labels, idx = make_losses(args, device)
     name, commit = device_name(device), git_commit()
+    command = command_line(__file__, argv)
     shape = f"{args.arch} B={args.batch} px={args.image} N={args.N} K={args.K} D={args.D}"
     print(f"device: {name} | commit {commit} | {shape} | threads {torch.get_num_threads()}")
     rows, step_ms = [], {}
@@ -140,7 +141,7 @@ def main(argv=None):
                 share = (f"loss share {100 * (1 - step_ms['none'] / ms):.1f}%"
                          if "none" in step_ms and prov != "none" else "")
                 row = table_row(**row, wall_ms=ms, peak_mb=peak, note=share)
-            row.update(threads=torch.get_num_threads(), device=name, commit=commit)
+            row.update(threads=torch.get_num_threads(), device=name, commit=commit, command=command)
             out.write(row, echo=False)
             rows.append(row)
             print(f"    {prov}: step {row['wall_ms'] or '-'} ms, peak {row['peak_mb'] or '-'} MB"

@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -35,8 +36,8 @@ from nnkloss.experiment.setup import resolve_device  # noqa: E402
 __all__ = ["HERE", "ROOT", "git_commit", "parse_device", "device_name", "cpu_name", "slug",
            "utc_now", "results_path", "time_ms", "wall_ms", "graph_ms", "PeakRss", "PeakMemory",
            "worker_reply", "add_worker_args", "parse_or_work", "run_isolated", "ResultsCsv",
-           "TABLE_COLUMNS", "PASSES", "table_row", "table_csv", "markdown", "plot", "read_gbps",
-           "tensor_read_gbps", "median_round", "load_average"]
+           "TABLE_COLUMNS", "PASSES", "table_row", "command_line", "table_csv", "markdown",
+           "plot", "read_gbps", "tensor_read_gbps", "median_round", "load_average"]
 
 
 def git_commit(cwd: str = HERE) -> str:
@@ -342,10 +343,10 @@ class ResultsCsv:
 # (forward, backward, both), each row with its wall time (what a loop of calls sees), the
 # kernels' time alone (one CUDA graph replayed; empty off CUDA), peak memory above what was
 # allocated before, and the bytes read per call against the device's read bandwidth measured
-# in the same run, for either time.
+# in the same run, for either time; and the command that made the row.
 TABLE_COLUMNS = ["operation", "provider", "pass", "shape", "dtype", "wall_ms", "kernel_ms",
                  "peak_mb", "read_gb", "read_gbps", "pct_read_wall", "pct_read_kernel",
-                 "threads", "device", "commit", "date", "note"]
+                 "threads", "device", "commit", "date", "command", "note"]
 PASSES = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "both"}
 
 
@@ -364,6 +365,13 @@ def table_row(operation, provider, pass_, shape, dtype, wall_ms=None, kernel_ms=
                 read_gb=fmt(read_bytes and read_bytes / 1e9, ".4g"),
                 read_gbps=fmt(read_gbps, ".4g"), pct_read_wall=pct(wall_ms),
                 pct_read_kernel=pct(kernel_ms), date=utc_now(), note=note, **fields)
+
+
+def command_line(script: str, argv) -> str:
+    """The command that makes a benchmark's rows, as a row records it (``argv``: its
+    arguments, ``sys.argv[1:]`` where None)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python3", os.path.relpath(os.path.abspath(script), ROOT), *argv])
 
 
 def table_csv(out_dir: str, benchmark: str, device: torch.device) -> ResultsCsv:

@@ -41,6 +41,7 @@ def test_cpu_smoke_run_writes_a_row_per_provider(tmp_path):
     assert [r["provider"] for r in rows] == ["fused", "torch"]
     for r in rows:
         assert r["note"].startswith("rounds "), r["note"]
+        assert r["command"].startswith("python3 benchmarks/bench_classifier.py --shapes")
         assert float(r["wall_ms"]) > 0 and float(r["read_gbps"]) > 0 and r["kernel_ms"] == ""
         # the gathered rows' bytes over the time, against the read of the median round
         gbps = 40 * 9 * 16 * 4 / float(r["wall_ms"]) / 1e6

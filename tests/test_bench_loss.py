@@ -87,6 +87,7 @@ def test_cpu_smoke_run_writes_the_table_and_plot(tmp_path, monkeypatch):
     for r in rows:
         assert float(r["wall_ms"]) > 0 and float(r["peak_mb"]) >= 0 and r["kernel_ms"] == ""
         assert r["shape"] == "B=4 K=3 D=5 N=40" and r["operation"] == "loss" and r["date"]
+        assert r["command"].startswith("python3 benchmarks/bench_loss.py --device cpu --B 4 ")
         if r["pass"] == "backward":
             assert r["pct_read_wall"] == r["read_gb"] == ""
             continue

@@ -127,6 +127,7 @@ def test_the_training_step_writes_a_row_per_provider(tmp_path, monkeypatch):
     assert os.path.basename(path).startswith("train_step_") and list(rows) == [
         "none", "fused", "eager", "pml"]
     assert rows["none"]["shape"] == "resnet18 B=2 px=32 N=50 K=4 D=8"
+    assert rows["pml"]["command"].startswith("python3 benchmarks/bench_train_step.py --device")
     for prov in ("none", "fused", "eager"):
         assert float(rows[prov]["wall_ms"]) > 0 and float(rows[prov]["peak_mb"]) >= 0
         assert rows[prov]["pass"] == "both" and rows[prov]["kernel_ms"] == ""

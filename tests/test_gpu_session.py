@@ -133,8 +133,9 @@ def test_the_training_step_writes_a_row_per_provider(tmp_path, monkeypatch):
         assert rows[prov]["pass"] == "both" and rows[prov]["kernel_ms"] == ""
     for prov in ("fused", "eager"):
         share = float(re.fullmatch(r"loss share (-?[\d.]+)%", rows[prov]["note"]).group(1))
-        want = 100 * (1 - float(rows["none"]["wall_ms"]) / float(rows[prov]["wall_ms"]))
-        assert share == pytest.approx(want, abs=0.1)
+        ratio = float(rows["none"]["wall_ms"]) / float(rows[prov]["wall_ms"])
+        # the times are written to 4 digits (each 0.05% off at most), the share to 0.1
+        assert share == pytest.approx(100 * (1 - ratio), abs=0.05 + 0.1 * ratio)
     try:
         import pytorch_metric_learning  # noqa: F401
         assert float(rows["pml"]["wall_ms"]) > 0

@@ -325,3 +325,18 @@ def test_the_compile_provider_compiles_the_eager_loss_once_a_process():
     torch.testing.assert_close(results[1][1], results[0][1])
     r = bench_loss.run_one("compile", "fwd_bwd", inputs, torch.device("cpu"), reps=1)
     assert r["wall_ms"] > 0 and r["kernel_ms"] is None
+
+
+@pytest.mark.cuda
+def test_the_op_and_the_module_are_captured_whole_in_a_cuda_graph():
+    """On a GPU every pass of the op's and the module's (checks off) call is captured in one
+    CUDA graph: a host synchronisation or a host-side tensor on that path would leave the
+    row's kernel time empty and its note saying why."""
+    device = torch.device("cuda")
+    inputs = bench_loss.make_inputs(64, 8, 32, 1000, torch.float32, device)
+    with nnkloss.value_checks(False):
+        for prov in ("fused", "module_unchecked", "eager"):
+            for mode in ("fwd", "bwd", "fwd_bwd"):
+                r = bench_loss.run_one(prov, mode, inputs, device, reps=5)
+                assert r["note"] == "" and r["kernel_ms"] is not None, (prov, mode, r)
+                assert r["wall_ms"] > 0

@@ -19,16 +19,13 @@ in fp32. It has no gradient, so the table's only mode is the forward. Providers:
 Each (shape, provider) runs in a fresh process, on torch's threads (the library's thread
 governor off, as in bench_loss): peak memory of its first call above the RSS
 before it (CPU; ``torch.cuda.max_memory_allocated`` on a GPU), then the median time of the
-calls (``common.time_ms``); ``--rounds`` such processes per provider, the providers taking
-turns, the median round kept (all rounds in ``ms_rounds``; peak memory: the largest). Beside
-the calls, in each measuring process before and after them on the same threads (the larger
-kept; a row takes its median round's, as bench_loss's rows do): the machine's sequential read
-(``common.read_gbps``, CPU; on a GPU the main process's read before each shape) and the gather
-of exactly the listed rows (``common.gather_gbps``, CPU only), ``common.process_limits``:
-"% of read" and "% of gather" are the bytes of the gathered rows (Q x k x D x 4) over the
-time, against those. One row per (shape, provider)
-is appended to ``benchmarks/results/classifier_<device>.csv`` with device, commit, date and
-load.
+calls (``common.time_ms``), and on a GPU the kernels alone (``common.graph_ms``);
+``--rounds`` such processes per provider, the providers taking turns, the median round kept
+(all rounds in the note; peak memory: the largest). The read share is the bytes of the
+gathered rows (Q x k x D x 4) over each time against the machine's sequential read
+(``common.read_gbps``: on CPU in each measuring process, before and after its calls, the
+larger kept; on a GPU the main process's, before each shape). One row per (shape, provider)
+in ``benchmarks/results/classifier_<device>.csv`` (``common.TABLE_COLUMNS``, pass "forward").
 """
 from __future__ import annotations
 
@@ -39,10 +36,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import (PeakRss, ResultsCsv, add_worker_args, device_name, git_commit,  # noqa: E402
-                    load_average, max_limits, median_round, parse_device, parse_or_work,
-                    process_limits, read_gbps, results_path, run_isolated, time_ms, utc_now,
-                    worker_reply)
+from common import (PeakMemory, add_worker_args, command_line, device_name,  # noqa: E402
+                    git_commit, graph_ms, load_average, median_round, parse_device, parse_or_work,
+                    read_gbps, run_isolated, table_csv, table_row, time_ms, worker_reply)
 
 import torch  # noqa: E402
 
@@ -51,9 +47,7 @@ PROVIDERS = ["fused", "torch", "compile"]
 # slices of its 10,000 test images against 20,000 training embeddings, k 1000, D 64), an
 # evaluation-like batch, and wide rows.
 SHAPES = ["2000,1000,64,20000", "8192,100,128,50000", "512,256,512,50000"]
-COLUMNS = ["operation", "provider", "Q", "k", "D", "N", "ms", "ms_rounds", "peak_mb", "gb_s",
-           "read_gb_s", "pct_of_read", "gather_gb_s", "pct_of_gather", "error", "threads", "load",
-           "device", "commit", "date"]
+
 
 
 def setup(Q: int, k: int, D: int, N: int, device):
@@ -101,27 +95,17 @@ def worker(spec: dict) -> None:
     args = setup(*spec["shape"], device)
     fn = provider_fn(spec["provider"])
     fn(*args)  # before the measurements: compile, build or load the library, JIT the kernel
-    limits = process_limits(args[1], args[2], spec["read_bytes"])  # the bank, the lists
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn(*args)
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    else:
-        meter = PeakRss().start()
-        fn(*args)
-        peak = meter.peak_mb()
+    cpu = device.type == "cpu"
+    reads = [read_gbps(device, spec["read_bytes"])] if cpu else []
+    meter = PeakMemory(device).start()
+    fn(*args)
+    peak = meter.peak_mb()
     ms = time_ms(lambda: fn(*args), device, warmup=1, iters=spec["iters"])
-    limits = max_limits([limits, process_limits(args[1], args[2], spec["read_bytes"])])
-    worker_reply({"ms": ms, "peak_mb": peak, "limits": limits})
-
-
-def median_run(runs):
-    """The median round by ms of a provider's runs (common.median_round): its time and the
-    limits measured in its own process go in the row together."""
-    return median_round(runs, key=lambda r: r["ms"])
+    kernel = None if cpu else graph_ms(lambda: fn(*args), device)
+    if cpu:
+        reads.append(read_gbps(device, spec["read_bytes"]))
+    worker_reply({"ms": ms, "kernel_ms": kernel, "peak_mb": peak,
+                  "read_gbps": max(reads, default=None)})
 
 
 def main(argv=None) -> int:
@@ -141,18 +125,14 @@ def main(argv=None) -> int:
 
     device = parse_device(ap, args.device)
     name, commit = device_name(device), git_commit()
-    if device.type == "cpu":  # builds the library once, before any worker times a call
-        from nnkloss.ops import cpu
-        cpu.available()
-    csv_path = results_path(args.out, device, prefix="classifier_")
+    command = command_line(__file__, argv)
     print(f"device: {name} | torch threads: {torch.get_num_threads()} | commit {commit}")
-    print(f"writing {csv_path}")
-    with ResultsCsv(csv_path, COLUMNS) as out:
+    with table_csv(args.out, "classifier", device) as out:
+        print(f"writing {out.path}")
         for text in args.shapes:
             Q, k, D, N = (int(v) for v in text.split(","))
-            # on a GPU "% of read" is held against this read (the workers take none there)
+            # on a GPU the read share is held against this read (the workers take none there)
             main_read = read_gbps(device, args.read_bytes) if device.type != "cpu" else None
-            nbytes = Q * k * D * 4
             runs = {p: [] for p in args.providers}
             loads = {p: [] for p in args.providers}
             for _ in range(args.rounds):  # the providers take turns, a fresh process each
@@ -164,26 +144,21 @@ def main(argv=None) -> int:
                     runs[provider].append(run_isolated(os.path.abspath(__file__), spec,
                                                        timeout=args.timeout))
             for provider in args.providers:
-                row = {"operation": "classifier distances", "provider": provider, "Q": Q,
-                       "k": k, "D": D, "N": N, "threads": torch.get_num_threads(),
-                       "load": " ".join(loads[provider]), "device": name, "commit": commit,
-                       "date": utc_now()}
+                row = ("classifier distances", provider, "forward", f"Q={Q} k={k} D={D} N={N}",
+                       "fp32")
                 errors = [r["error"] for r in runs[provider] if "error" in r]
                 if errors:
-                    row["error"] = errors[0]
+                    row = table_row(*row, note=errors[0])
                 else:
-                    med = median_run(runs[provider])
-                    read = med["limits"].get("read_gbps") or main_read
-                    gather = med["limits"].get("gather_gbps")
-                    ms = sorted(r["ms"] for r in runs[provider])
-                    gbs = nbytes / med["ms"] / 1e6
-                    row.update(ms=round(med["ms"], 3),
-                               ms_rounds=" ".join(f"{v:.3f}" for v in ms),
-                               peak_mb=round(max(r["peak_mb"] for r in runs[provider]), 1),
-                               gb_s=round(gbs, 2), read_gb_s=round(read, 2),
-                               pct_of_read=round(100 * gbs / read),
-                               gather_gb_s=round(gather, 2) if gather else "",
-                               pct_of_gather=round(100 * gbs / gather) if gather else "")
+                    med = median_round(runs[provider], key=lambda r: r["ms"])
+                    ms = " ".join(f"{r['ms']:.3f}" for r in runs[provider])
+                    row = table_row(*row, wall_ms=med["ms"], kernel_ms=med["kernel_ms"],
+                                    peak_mb=max(r["peak_mb"] for r in runs[provider]),
+                                    read_bytes=Q * k * D * 4,
+                                    read_gbps=med["read_gbps"] or main_read,
+                                    note=f"rounds {ms}; load {' '.join(loads[provider])}")
+                row.update(threads=torch.get_num_threads(), device=name, commit=commit,
+                           command=command)
                 out.write(row)
     return 0
 

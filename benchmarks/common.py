@@ -1,5 +1,6 @@
-"""What every benchmark shares: the import path, the device measured and the commit, timing,
-peak-memory measurement, running one measurement in a fresh process, and the results CSV.
+"""What every benchmark shares: the import path, the device measured and the commit, timing
+(wall, and the kernels alone through a CUDA graph), peak memory, running one measurement in a
+fresh process, and the results table (one CSV per device and benchmark).
 
 A benchmark script is then only its set-up (inputs, providers, grid) and a call to these.
 Importing this module puts the repository root on ``sys.path`` (the scripts run from a
@@ -11,10 +12,10 @@ import argparse
 import csv
 import ctypes
 import datetime
-import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -32,11 +33,11 @@ from nnkloss.atomic import atomic_write  # noqa: E402
 from nnkloss.experiment import reporting  # noqa: E402
 from nnkloss.experiment.setup import resolve_device  # noqa: E402
 
-__all__ = ["HERE", "ROOT", "git_commit", "device_name", "cpu_name", "slug", "utc_now", "time_ms",
-           "kernel_ms", "wall_ms", "PeakRss", "run_isolated", "worker_reply", "add_worker_args", "parse_or_work",
-           "ResultsCsv", "migrate_csv", "results_path", "parse_device",
-           "read_gbps", "tensor_read_gbps", "gather_gbps", "process_limits", "max_limits",
-           "median_round", "load_average"]
+__all__ = ["HERE", "ROOT", "git_commit", "parse_device", "device_name", "cpu_name", "slug",
+           "utc_now", "results_path", "time_ms", "wall_ms", "graph_ms", "PeakRss", "PeakMemory",
+           "worker_reply", "add_worker_args", "parse_or_work", "run_isolated", "ResultsCsv",
+           "TABLE_COLUMNS", "PASSES", "table_row", "command_line", "table_csv", "markdown",
+           "plot", "read_gbps", "tensor_read_gbps", "median_round", "load_average"]
 
 
 def git_commit(cwd: str = HERE) -> str:
@@ -69,9 +70,8 @@ def device_name(device: torch.device) -> str:
 
 def cpu_name(cpuinfo: str) -> str:
     """The first CPU's model name, with its family and model numbers where /proc/cpuinfo gives
-    them: a VM may show only "AMD EPYC", and two machines of that name (an AVX2 part with 512
-    KiB of L2 a core, and a family 26 part with AVX-512) ran the op's forward 1.3-4.8x apart,
-    so the numbers keep their results files apart. "cpu" where there is no model name."""
+    them (a VM may show only the vendor's family name for two quite different machines), so
+    that their results files stay apart. "cpu" where there is no model name."""
     fields = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -118,11 +118,10 @@ def time_ms(fn, device, reps=100, warmup=2, iters=7) -> float:
 def wall_ms(fn, device, reps=100, min_rounds=5) -> float:
     """Milliseconds a call of ``fn()`` adds to a loop of back-to-back calls (CUDA): what a
     training loop sees, the host's time where the host bounds the call and the device's where
-    the device does, with no flush between calls (a loop's next step finds the caches as the
-    last left them). Rounds of ``n`` calls, one synchronisation at the end of each, ``n`` such
-    that a round takes about 2 ms; rounds for about ``reps`` ms (at least ``min_rounds``); the
-    median round's time over ``n``. Elsewhere :func:`time_ms` (each call timed on its own: on
-    a CPU the call returns when its work is done)."""
+    the device does. Rounds of ``n`` calls (``n`` such that a round takes about 2 ms), one
+    synchronisation at the end of each, for about ``reps`` ms (at least ``min_rounds``); the
+    median round's time over ``n``. Elsewhere :func:`time_ms` (on a CPU a call returns when
+    its work is done)."""
     device = torch.device(device)
     if device.type != "cuda":
         return time_ms(fn, device, reps)
@@ -145,56 +144,36 @@ def wall_ms(fn, device, reps=100, min_rounds=5) -> float:
     return sorted(rounds)[len(rounds) // 2]
 
 
-def kernel_ms(fn, device, reps=100, calls=20, flush_mb=256) -> float:
-    """Device milliseconds of one ``fn()`` with the host's time taken out (CUDA), for kernel
-    against kernel comparisons (tune_loss.py); elsewhere :func:`time_ms`.
-
-    do_bench flushes the L2 before each call and times the call between two events; when the
-    host takes longer to launch the call than the GPU takes to flush (a Triton launch ~60 us
-    of Python on an H200's host, the flush ~62 us), the GPU waits on the host between the
-    events and the figure is the host's. On an H200 (``a53e2f6``) the same 20-60 us kernel
-    (B 128, K 100, D 128) measured 0.017 and 0.061 ms in two processes this way. Here ``calls``
-    calls, each after the same flush, are captured in one CUDA graph, and so are the flushes
-    alone; both graphs are replayed in turn for about ``reps`` ms, and the figure is the
-    difference of their median replay times, per call. The host's Python never runs on a
-    replay, so ``fn`` must be capturable (no host sync, no CPU work the result depends on).
-    """
+def graph_ms(fn, device, reps=100, calls=10) -> Optional[float]:
+    """Device milliseconds of one ``fn()`` with the host taken out (the kernels alone):
+    ``calls`` back-to-back calls captured in one CUDA graph, replayed for about ``reps`` ms,
+    the median replay over ``calls``. ``fn`` may run a backward (autograd's kernels are
+    captured with the forward's) but must be capturable: no host synchronisation. The warm-up
+    calls run on a side stream, as capture requires. None off CUDA: there is no graph."""
     device = torch.device(device)
     if device.type != "cuda":
-        return time_ms(fn, device, reps)
-    cache = torch.empty(flush_mb << 20, dtype=torch.int8, device=device)
+        return None
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up (compiles, allocator) off the capturing stream
+    with torch.cuda.stream(side):
         for _ in range(3):
-            cache.zero_()
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
-    both, flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(both):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(calls):
-            cache.zero_()
             fn()
-    with torch.cuda.graph(flush):
-        for _ in range(calls):
-            cache.zero_()
-
-    def replay_ms(graph):
+    times = []
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < reps or len(times) < 5:
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
-
-    replay_ms(both), replay_ms(flush)  # first replays: uploads, clocks
-    t_both, t_flush = [], []
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < reps or len(t_both) < 5:
-        t_both.append(replay_ms(both))
-        t_flush.append(replay_ms(flush))
-    med = lambda t: sorted(t)[len(t) // 2]  # noqa: E731
-    return max(0.0, med(t_both) - med(t_flush)) / calls
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times[1:])[len(times[1:]) // 2] / calls  # the first replay uploads the graph
 
 
 def _status_kb(key: str) -> int:
@@ -221,8 +200,7 @@ class PeakRss:
     clear_refs cannot be written, a thread samples VmRSS every millisecond instead (may miss
     short peaks); ``method`` says which. Before the baseline the C heap's free memory goes
     back to the system (glibc's ``malloc_trim``): memory an earlier call freed but the heap
-    kept resident would otherwise serve the measured call without raising the RSS (a
-    warmed-up call's 3.8 MiB output read 0.0 MiB).
+    kept resident would otherwise serve the measured call without raising the RSS.
     """
 
     def __init__(self):
@@ -257,6 +235,32 @@ class PeakRss:
             peak = max(self._max, _status_kb("VmRSS"))
             self._stop.set()
         return (peak - self._base) / 1024
+
+
+class PeakMemory:
+    """Peak memory above what was in use at ``start()``, in MiB, on ``device``: on CUDA the
+    allocator's peak above its allocation at the start (synchronised at both ends), elsewhere
+    the process's RSS (:class:`PeakRss`)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._rss = None
+        self._base = 0
+
+    def start(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._rss = PeakRss().start()
+        return self
+
+    def peak_mb(self) -> float:
+        if self.device.type != "cuda":
+            return self._rss.peak_mb()
+        torch.cuda.synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2 ** 20
 
 
 def worker_reply(result: dict) -> None:
@@ -296,51 +300,24 @@ def run_isolated(script: str, spec: dict, timeout: float = 1800) -> dict:
     return {"error": f"worker exited {proc.returncode}: {tail}"}
 
 
-def migrate_csv(path: str, columns, fill: Optional[dict] = None) -> None:
-    """Rewrite, atomically, a CSV written with other columns under ``columns``: its rows keep
-    their values, and a column they lack takes ``fill[column]`` ("" where fill names none).
-    Nothing is written when the header is already ``columns``."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames == list(columns):
-            return
-        old = list(reader)
-    fill = fill or {}
-    missing = [c for c in columns if c not in (reader.fieldnames or [])]
-    for r in old:
-        r.update((c, fill.get(c, "")) for c in missing)
-
-    def rows(out):
-        text = io.StringIO()
-        w = csv.DictWriter(text, columns, extrasaction="ignore", restval="")
-        w.writeheader()
-        w.writerows(old)
-        out.write(text.getvalue().encode())
-    atomic_write(path, rows)
-
-
 class ResultsCsv:
-    """Append-only CSV with a fixed header (written once, when the file is new); every row is
-    flushed as it is written so an interrupted run keeps what it measured. A file written
-    with other columns (an older version of the script) is first rewritten, atomically, under
-    the new header: its rows keep their values, columns they lack are left empty."""
+    """One run's CSV with a fixed header: the file a run writes replaces the last run's (git
+    keeps the history). Rows go to ``<path>.partial`` and are flushed as they are written, so
+    an interrupted run keeps what it measured there; closing a complete run moves the file
+    into place."""
 
     def __init__(self, path: str, columns):
         self.path = path
         self.columns = list(columns)
-        new = not os.path.exists(path) or os.path.getsize(path) == 0
-        if not new:
-            self._migrate()
-        self._f = open(path, "a", newline="")
+        self._f = open(path + ".partial", "w", newline="")
         self._w = csv.writer(self._f)
-        if new:
-            self._w.writerow(self.columns)
-
-    def _migrate(self):
-        migrate_csv(self.path, self.columns)
+        self._w.writerow(self.columns)
+        self._f.flush()
 
     def write(self, row, echo=True):
         if isinstance(row, dict):
+            unknown = set(row) - set(self.columns)
+            assert not unknown, (unknown, self.columns)
             row = [row.get(c, "") for c in self.columns]
         assert len(row) == len(self.columns), (row, self.columns)
         self._w.writerow(row)
@@ -348,14 +325,106 @@ class ResultsCsv:
         if echo:
             print(",".join(str(v) for v in row), flush=True)
 
-    def close(self):
+    def close(self, complete=True):
+        """Close the file; a complete run's replaces the last run's, an incomplete one stays
+        ``<path>.partial``."""
         self._f.close()
+        if complete:
+            os.replace(self.path + ".partial", self.path)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(complete=exc_type is None)
+
+
+# The benchmarks' table, one CSV per device and benchmark: operation x provider x pass
+# (forward, backward, both), each row with its wall time (what a loop of calls sees), the
+# kernels' time alone (one CUDA graph replayed; empty off CUDA), peak memory above what was
+# allocated before, and the bytes read per call against the device's read bandwidth measured
+# in the same run, for either time; and the command that made the row.
+TABLE_COLUMNS = ["operation", "provider", "pass", "shape", "dtype", "wall_ms", "kernel_ms",
+                 "peak_mb", "read_gb", "read_gbps", "pct_read_wall", "pct_read_kernel",
+                 "threads", "device", "commit", "date", "command", "note"]
+PASSES = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "both"}
+
+
+def table_row(operation, provider, pass_, shape, dtype, wall_ms=None, kernel_ms=None,
+              peak_mb=None, read_bytes=None, read_gbps=None, note="", **fields) -> dict:
+    """A row of TABLE_COLUMNS; the percentages of the read bandwidth are the bytes read per
+    call over each time, against ``read_gbps`` (empty where a figure is missing)."""
+    def pct(ms):
+        if not (ms and read_bytes and read_gbps):
+            return ""
+        return f"{100 * read_bytes / ms / 1e6 / read_gbps:.1f}"
+    fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    return dict(operation=operation, provider=provider, **{"pass": pass_}, shape=shape,
+                dtype=dtype, wall_ms=fmt(wall_ms, ".4g"), kernel_ms=fmt(kernel_ms, ".4g"),
+                peak_mb=fmt(peak_mb, ".1f"),
+                read_gb=fmt(read_bytes and read_bytes / 1e9, ".4g"),
+                read_gbps=fmt(read_gbps, ".4g"), pct_read_wall=pct(wall_ms),
+                pct_read_kernel=pct(kernel_ms), date=utc_now(), note=note, **fields)
+
+
+def command_line(script: str, argv) -> str:
+    """The command that makes a benchmark's rows, as a row records it (``argv``: its
+    arguments, ``sys.argv[1:]`` where None)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python3", os.path.relpath(os.path.abspath(script), ROOT), *argv])
+
+
+def table_csv(out_dir: str, benchmark: str, device: torch.device) -> ResultsCsv:
+    """The run's table, ``<out_dir>/<benchmark>_<device>.csv``."""
+    return ResultsCsv(results_path(out_dir, device, prefix=f"{benchmark}_"), TABLE_COLUMNS)
+
+
+def markdown(rows) -> str:
+    """The rows of a table as markdown, one line per operation, shape, provider and pass."""
+    head = ["operation", "shape", "dtype", "provider", "pass", "wall ms", "kernel ms",
+            "peak MB", "% of read (wall)", "% of read (kernel)", "note"]
+    keys = ["operation", "shape", "dtype", "provider", "pass", "wall_ms", "kernel_ms",
+            "peak_mb", "pct_read_wall", "pct_read_kernel", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows, png_path: str, title: str) -> None:
+    """A panel per pass, grouped bars per shape (a bar per provider, wall ms, log scale) with
+    the kernels' time marked on each bar where there is one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r.get("wall_ms")]
+    if not rows:
+        return
+    passes = list(dict.fromkeys(r["pass"] for r in rows))
+    shapes = list(dict.fromkeys((r["shape"], r["dtype"]) for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    at = {(r["pass"], r["shape"], r["dtype"], r["provider"]): r for r in rows}
+    w = 0.8 / len(provs)
+    fig, axes = plt.subplots(len(passes), 1, figsize=(max(8, 1.8 * len(shapes) + 3),
+                                                      3 * len(passes)), squeeze=False)
+    for ax, p in zip(axes[:, 0], passes):
+        for j, prov in enumerate(provs):
+            xs = [i + (j - (len(provs) - 1) / 2) * w for i in range(len(shapes))]
+            hits = [at.get((p, s, dt, prov)) for s, dt in shapes]
+            ax.bar(xs, [float(h["wall_ms"]) if h else 0 for h in hits], w, label=prov,
+                   color=f"C{j}")
+            ax.scatter(xs, [float(h["kernel_ms"]) if h and h.get("kernel_ms") else float("nan")
+                            for h in hits], marker="_", color="k", s=200, zorder=3)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{p}, ms")
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"{s}\n{dt}" for s, dt in shapes], fontsize=7)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"{title} (bars: wall; black marks: kernels alone)")
+    fig.tight_layout()
+    try:
+        atomic_write(png_path, lambda f: fig.savefig(f, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def read_gbps(device, nbytes: int = 2 ** 30, iters: int = 7) -> float:
@@ -378,46 +447,6 @@ def tensor_read_gbps(t, iters: int = 21) -> Optional[float]:
     flat = raw[:raw.numel() // 4 * 4].view(torch.float32)
     ms = time_ms(lambda: flat.sum(), t.device, reps=200, warmup=2, iters=iters)
     return flat.numel() * 4 / ms / 1e6
-
-
-def gather_gbps(bank, neighbours, iters: int = 21) -> Optional[float]:
-    """GB/s of the gather limit: the rows of ``bank`` that ``neighbours`` names, read in their
-    order the way the op's first pass reads them (``nnkloss.ops.cpu.gather_read``: the same
-    prefetching, no arithmetic but an XOR), on torch's threads: median of ``iters`` calls after
-    2 warm-ups, bytes = the non-padding entries times the row's bytes. What a random row gather
-    of that shape can reach where the bank lives (a sequential read, ``read_gbps``, is faster on
-    a machine whose random accesses cost more than its streaming does). None without the
-    compiled library or off the CPU."""
-    from nnkloss.ops import cpu
-    if not bank.is_cpu or not cpu.available():
-        return None
-    rows = int((neighbours >= 0).sum())
-    if rows == 0:
-        return None
-    ms = time_ms(lambda: cpu.gather_read(bank, neighbours), bank.device, warmup=2, iters=iters)
-    return rows * bank.shape[1] * bank.element_size() / ms / 1e6
-
-
-def process_limits(bank, lists, read_bytes: int = 2 ** 30) -> dict:
-    """The limits a gather-bound call is held against, measured where and when it runs (call
-    it in the measuring process, beside the calls, on their threads): ``read_gbps``, the
-    machine's sequential read (:func:`read_gbps` of ``read_bytes``; on CPU only, None on a GPU,
-    whose HBM read held within 0.5% across a card's runs: the run's own read serves there),
-    ``bank_read_gbps`` (a sequential read of ``bank`` where it lives) and ``gather_gbps`` (the
-    rows ``lists`` names, :func:`gather_gbps`; None off the CPU). On the shared 2-core VM the
-    read moved 29-45 GB/s within 20 s and 34-70 GB/s between runs (2026-11-26): a read taken
-    minutes away measures another machine."""
-    return {"read_gbps": read_gbps(bank.device, read_bytes) if bank.is_cpu else None,
-            "bank_read_gbps": tensor_read_gbps(bank),
-            "gather_gbps": gather_gbps(bank, lists)}
-
-
-def max_limits(all_limits) -> dict:
-    """Per limit the largest of several :func:`process_limits` (None where none was taken)."""
-    all_limits = [lim or {} for lim in all_limits]
-    keys = {k for lim in all_limits for k in lim}
-    return {k: max((lim[k] for lim in all_limits if lim.get(k) is not None), default=None)
-            for k in keys}
 
 
 def median_round(rounds, key):

@@ -36,26 +36,29 @@ def test_cpu_smoke_run_writes_a_row_per_provider(tmp_path):
                                 "--out", str(tmp_path)])
     assert rc == 0
     (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".csv"]
+    assert path.name.startswith("classifier_")
     rows = list(csv.DictReader(open(path)))
     assert [r["provider"] for r in rows] == ["fused", "torch"]
     for r in rows:
-        assert not r["error"], r["error"]
-        assert float(r["ms"]) > 0 and float(r["read_gb_s"]) > 0
-        # the gathered rows' bytes over the time: gb_s is rounded to 2 decimals and ms to 3
-        # (at ~0.05 ms that alone moves the quotient by 1%), so gb_s must lie within the
-        # quotients of the times that round to ms, widened by gb_s's own rounding
-        ms = float(r["ms"])
-        lo = 40 * 9 * 16 * 4 / (ms + 0.0005) / 1e6 - 0.005
-        hi = 40 * 9 * 16 * 4 / max(ms - 0.0005, 1e-9) / 1e6 + 0.005
-        assert lo - 1e-9 <= float(r["gb_s"]) <= hi + 1e-9, (r["gb_s"], ms)
-        assert r["pct_of_gather"] != "" and r["commit"] and r["date"]
-        assert (r["Q"], r["k"], r["D"], r["N"]) == ("40", "9", "16", "300")
+        assert r["note"].startswith("rounds "), r["note"]
+        assert r["command"].startswith("python3 benchmarks/bench_classifier.py --shapes")
+        assert float(r["wall_ms"]) > 0 and float(r["read_gbps"]) > 0 and r["kernel_ms"] == ""
+        # the gathered rows' bytes over the time, against the read of the median round
+        gbps = 40 * 9 * 16 * 4 / float(r["wall_ms"]) / 1e6
+        assert float(r["pct_read_wall"]) == pytest.approx(100 * gbps / float(r["read_gbps"]),
+                                                          rel=2e-3, abs=0.06)
+        assert (r["shape"], r["pass"], r["commit"] != "") == ("Q=40 k=9 D=16 N=300", "forward",
+                                                             True)
 
 
-def test_a_row_takes_the_median_rounds_time_and_its_own_limits():
-    """The row's ms and the limits it is held against come from one measuring process."""
-    runs = [{"ms": 3.0, "limits": {"read_gbps": 40.0}},
-            {"ms": 1.0, "limits": {"read_gbps": 70.0}},
-            {"ms": 2.0, "limits": {"read_gbps": 45.0}}]
-    assert bench_classifier.median_run(runs) is runs[2]
-    assert bench_classifier.median_run(runs[:2]) is runs[0]  # the upper of an even count
+def test_a_row_takes_the_median_rounds_time_and_its_own_read(tmp_path, monkeypatch):
+    """The row's time and the read it is held against come from one measuring process."""
+    replies = iter([{"ms": 3.0, "kernel_ms": None, "peak_mb": 1.0, "read_gbps": 40.0},
+                    {"ms": 1.0, "kernel_ms": None, "peak_mb": 5.0, "read_gbps": 70.0},
+                    {"ms": 2.0, "kernel_ms": None, "peak_mb": 2.0, "read_gbps": 45.0}])
+    monkeypatch.setattr(bench_classifier, "run_isolated", lambda *a, **k: next(replies))
+    bench_classifier.main(["--shapes", "40,9,16,300", "--providers", "torch", "--rounds", "3",
+                           "--out", str(tmp_path)])
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".csv"]
+    (row,) = list(csv.DictReader(open(path)))
+    assert (row["wall_ms"], row["read_gbps"], row["peak_mb"]) == ("2", "45", "5.0")

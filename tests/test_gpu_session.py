@@ -1,54 +1,59 @@
-"""benchmarks/gpu_session.sh: one device call's work, within a session's GPU time, bringing back
-what a device call can bring back (a few files in $OUT)."""
+"""benchmarks/gpu_session.sh: one device call's work within its time, each step under its own
+limit, bringing back what a device call can bring back (two files in $OUT); its smoke run on
+the CPU; and bench_train_step.py, the training step it times."""
+import csv
 import os
 import re
 import stat
 import subprocess
+import sys
 import tarfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_train_step  # noqa: E402
+
+STEPS = ["env", "tests_cuda", "loss", "train_step", "long_lists"]
+needs_bash = pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 
 
-def test_the_steps_time_out_within_530_seconds():
-    """Within a device call's 570 s, and with a machine's start (30-40 s on the H100, up to 2
-    minutes) over a quarter of the session's 15 minutes left (the whole run took 392 s of its
-    then 510 s of limits on an H200 at ea8736c)."""
+def _limits():
+    """{step: seconds} of the GPU run (the smoke run's stand-in step left out)."""
     text = open(SCRIPT).read()
-    limits = [int(s) for s in re.findall(r"^step \w+ (\d+) ", text, flags=re.M)]
-    assert len(limits) >= 5 and sum(limits) <= 530, limits
+    return {name: int(secs) for name, secs, cmd in
+            re.findall(r"^\s*step (\w+) (\d+) (\S+)", text, flags=re.M) if cmd != "echo"}
 
 
-@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_the_limits_fit_a_device_call_with_room_to_spare():
+    """The limits add up to at most 420 s, 70% of a 600-second call (the machine's start and
+    the transfers beside them), and the cuda tests have the largest share."""
+    limits = _limits()
+    assert list(limits) == STEPS
+    assert sum(limits.values()) <= 420, limits
+    assert limits["tests_cuda"] == max(limits.values()) >= 200
+
+
 def _stand_in_python(tmp_path):
     """A python3 that records its arguments, one line per call (its own newlines made spaces)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.txt"
     fake = bin_dir / "python3"
-    # one line per call, the arguments' own newlines (python3 -c "...") made spaces
     fake.write_text(f"#!/bin/sh\necho \"$NNKLOSS_COMMIT $*\" | tr '\\n' ' ' >> {calls}\n"
                     f"echo >> {calls}\necho ran\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     return calls, dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", NNKLOSS_COMMIT="abc1234")
 
 
-def _named_steps(tmp_path, steps):
-    """The stand-in python3's calls (one line each) of a run with GPU_STEPS=``steps``, its
-    directory tmp_path / "work"."""
-    calls, env = _stand_in_python(tmp_path)
-    env["GPU_STEPS"] = steps
-    subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
-                   capture_output=True, timeout=60)
-    return calls.read_text().splitlines()
-
-
-@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
-def test_every_step_runs_and_two_files_come_back(tmp_path):
-    """With python3 stood in, every step runs in order, each writes its log, and $OUT receives
-    the packed directory and the summary only."""
+@needs_bash
+def test_every_step_runs_in_order_and_two_files_come_back(tmp_path):
+    """With python3 stood in: the cuda tests, then the loss at the benchmark shapes, the
+    training step at its defaults, K 1000 at D 2048 over a bf16 bank; each on CUDA, each with
+    its log, the two bench_loss runs under two names; $OUT gets the packed directory and the
+    summary only."""
     calls, env = _stand_in_python(tmp_path)
     out, work = tmp_path / "out", tmp_path / "work"
     env["OUT"] = str(out)
@@ -57,89 +62,119 @@ def test_every_step_runs_and_two_files_come_back(tmp_path):
     assert sorted(os.listdir(out)) == ["gpu_session.tgz", "summary.txt"]
     lines = calls.read_text().splitlines()
     assert all(line.startswith("abc1234 ") for line in lines)
-    scripts = [line.split()[1] for line in lines]
-    assert scripts == ["-c", "-m", "benchmarks/bench_loss.py", "benchmarks/bench_loss.py",
-                       "benchmarks/bench_loss.py", "benchmarks/profile_step.py",
-                       "benchmarks/tune_loss.py", "benchmarks/tune_loss.py",
-                       "benchmarks/tune_loss.py", "benchmarks/tune_loss.py",
-                       "benchmarks/bench_loss.py"]
-    assert all("--device cuda" in line for line in lines[2:])
-    # every bench_loss step times as a training loop sees it (common.wall_ms)
-    assert all("--timer wall" in line for line in lines if "bench_loss.py" in line)
-    assert "--also-grad sigma centres" in lines[3] and "reduce-overhead" in lines[4]
-    # the module's call under CUDA graphs beside the op's and the eager loss's
-    assert "--providers compile fused_compile module_compile" in lines[4]
-    # the module's lists by the one-launch kernel and by torch's ops, in the same run
-    assert "--providers fused module module_torch_lists" in lines[5]
-    # four runs of bench_loss: four folders, so that their CSVs do not mix
-    bench = [line for line in lines if "bench_loss.py" in line]
-    assert len({line.split("--out ")[1].split()[0] for line in bench}) == 4
+    assert [line.split()[1] for line in lines] == [
+        "-c", "-m", "benchmarks/bench_loss.py", "benchmarks/bench_train_step.py",
+        "benchmarks/bench_loss.py"]
+    tests, loss, train, long = lines[1:]
+    assert "pytest -q -m cuda tests" in tests
+    assert all("--device cuda" in line for line in (loss, train, long))
+    assert "--B 4096 --K 100 --D 128 512 --dtype fp32 bf16 --N 1000000" in loss
+    assert "--providers fused module_unchecked compile eager" in loss
+    assert "--modes fwd bwd fwd_bwd --name loss" in loss
+    assert "--K 1000 --D 2048 --dtype bf16" in long and "--name long_lists" in long
+    assert "--providers fused module_unchecked compile eager" in long
+    assert train.split()[2:] == ["--device", "cuda", "--out", str(work)]  # its defaults
     with tarfile.open(out / "gpu_session.tgz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
-    for step in ("env", "tests_cuda", "bench_loss", "bench_grads", "bench_graphs",
-                 "profile_step", "tune_loss", "tune_small", "tune_small_d128", "tune_fwd",
-                 "bench_small"):
-        assert f"{step}.log" in names
+    assert {f"{step}.log" for step in STEPS} <= names
     summary = (out / "summary.txt").read_text()
-    assert summary.count("== ") == 11 and "exit 0" in summary
-    # the small batch of the real-data protocol, swept and then timed through the op
-    assert "--B 128 --K 1000" in lines[-4] and "--B 128 --K 1000" in lines[-1]
-    # the B 128 sweeps take 8 warps (16 per SM on sm_80/90 at the same tiles) beside 2 and 4
-    assert all("--warps 2 4 8" in line for line in lines[-4:-2])
-    # the forward-only build swept at the large batch
-    assert "--forward-only" in lines[-2] and "--B 4096" in lines[-2]
+    assert summary.count("== ") == len(STEPS) and "exit 0" in summary
 
 
-@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_the_training_steps_defaults_are_the_sessions_shape():
+    import argparse
+    seen = {}
+    real = argparse.ArgumentParser.parse_args
+
+    def stop(self, argv=None, namespace=None):
+        seen.update(vars(real(self, argv, namespace)))
+        raise SystemExit(0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", stop)
+        with pytest.raises(SystemExit):
+            bench_train_step.main([])
+    assert {k: seen[k] for k in ("arch", "batch", "image", "N", "K", "D")} == dict(
+        arch="resnet50", batch=128, image=224, N=1_000_000, K=100, D=512)
+    assert seen["providers"] == ["none", "fused", "compile", "eager", "pml"]
+
+
+@needs_bash
 def test_a_rerun_runs_only_the_steps_named(tmp_path):
     calls, env = _stand_in_python(tmp_path)
-    env["GPU_STEPS"] = "bench_loss tune_loss"
+    env["GPU_STEPS"] = "loss long_lists"
     subprocess.run(["bash", SCRIPT, str(tmp_path / "work")], env=env, check=True,
                    capture_output=True, timeout=60)
     scripts = [line.split()[1] for line in calls.read_text().splitlines()]
-    assert scripts == ["-c", "benchmarks/bench_loss.py", "benchmarks/tune_loss.py"]
+    assert scripts == ["-c", "benchmarks/bench_loss.py", "benchmarks/bench_loss.py"]
     summary = (tmp_path / "work" / "summary.txt").read_text()
     assert summary.count("== ") == 3 and "tests_cuda" not in summary
 
 
-@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
-def test_the_search_steps_run_only_when_named(tmp_path):
-    """tests_search, bench_refresh and bench_eval are left out of the default run (its limits
-    already fill a call; the first test above lists every script it runs) and run when
-    GPU_STEPS names them: the search's cuda tests, the kNN graph on the GPU, and the evaluation
-    at 150K on the GPU and then on the CPU."""
-    lines = _named_steps(tmp_path, "tests_search bench_refresh bench_eval")
-    assert [line.split()[1] for line in lines] == [
-        "-c", "-m", "benchmarks/bench_refresh.py", "benchmarks/bench_eval.py",
-        "benchmarks/bench_eval.py"]
-    assert "-m cuda" in lines[1] and "tests/test_search.py" in lines[1]
-    assert "--device cuda" in lines[2] and "--N 100000 1000000" in lines[2]
-    assert "--N 150000" in lines[3] and "--device cuda" in lines[3]
-    assert "--device" not in lines[4]
-    summary = (tmp_path / "work" / "summary.txt").read_text()
-    assert summary.count("== ") == 4 and "tests_cuda" not in summary
+def _csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
-@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
-def test_the_governors_room_is_timed_on_the_devices_cpu_only_when_named(tmp_path):
-    """threads_room: the evaluation of 60,000 points idle and beside a 2-thread process at one
-    thread, at the machine's CPU count fixed and governed, only when GPU_STEPS names it."""
-    lines = _named_steps(tmp_path, "threads_room")
-    assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_threads.py"]
-    cpus = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    assert f"--settings 1 {cpus} default" in lines[1] and "--parts eval" in lines[1]
-    assert "--loads idle matmul2" in lines[1] and "--eval-n 60000" in lines[1]
+def test_the_training_step_writes_a_row_per_provider(tmp_path, monkeypatch):
+    """A tiny step on the CPU: every provider's row with its time, peak memory and (beside the
+    backbone alone) the loss's share; pml's row says it was skipped where the package is
+    missing."""
+    path = bench_train_step.main(["--device", "cpu", "--arch", "resnet18", "--batch", "2",
+                                  "--image", "32", "--N", "50", "--K", "4", "--D", "8",
+                                  "--warmup", "0", "--steps", "1", "--providers", "none",
+                                  "fused", "eager", "pml", "--out", str(tmp_path)])
+    rows = {r["provider"]: r for r in _csv(path)}
+    assert os.path.basename(path).startswith("train_step_") and list(rows) == [
+        "none", "fused", "eager", "pml"]
+    assert rows["none"]["shape"] == "resnet18 B=2 px=32 N=50 K=4 D=8"
+    assert rows["pml"]["command"].startswith("python3 benchmarks/bench_train_step.py --device")
+    for prov in ("none", "fused", "eager"):
+        assert float(rows[prov]["wall_ms"]) > 0 and float(rows[prov]["peak_mb"]) >= 0
+        assert rows[prov]["pass"] == "both" and rows[prov]["kernel_ms"] == ""
+    for prov in ("fused", "eager"):
+        share = float(re.fullmatch(r"loss share (-?[\d.]+)%", rows[prov]["note"]).group(1))
+        ratio = float(rows["none"]["wall_ms"]) / float(rows[prov]["wall_ms"])
+        # the times are written to 4 digits (each 0.05% off at most), the share to 0.1
+        assert share == pytest.approx(100 * (1 - ratio), abs=0.05 + 0.1 * ratio)
+    try:
+        import pytorch_metric_learning  # noqa: F401
+        assert float(rows["pml"]["wall_ms"]) > 0
+    except ImportError:
+        assert rows["pml"]["note"] == "skipped: pytorch-metric-learning is not installed"
 
 
-@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
-def test_the_cpu_evaluation_runs_at_1_to_16_threads_only_when_named(tmp_path):
-    """eval_threads: the evaluation at 150K on the device's CPU at 1-16 threads with its
-    search's parts timed, only when GPU_STEPS names it; env.log records the host's CPU."""
-    lines = _named_steps(tmp_path, "eval_threads")
-    assert [line.split()[1] for line in lines] == ["-c", "benchmarks/bench_eval.py"]
-    assert "--threads 1 2 4 8 16 --phases" in lines[1] and "--N 150000" in lines[1]
-    assert "--device" not in lines[1]
-    # fixed counts: the search's governors off
-    assert "NNKLOSS_GOVERN_THREADS=0" in open(SCRIPT).read().split("extra eval_threads")[1]
-    if os.path.exists("/usr/bin/lscpu"):
-        assert "CPU(s):" in (tmp_path / "work" / "env.log").read_text()
+def test_the_training_steps_losses_agree_on_the_bank():
+    """The fused module and the user's eager and compiled loss compute one loss over the
+    bank's lists (the compile provider checked for its inputs, not compiled here)."""
+    import argparse
+
+    import torch
+    args = argparse.Namespace(N=60, K=5, D=8, batch=6)
+    losses, labels, idx = bench_train_step.make_losses(args, torch.device("cpu"))
+    emb = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    import nnkloss
+    with nnkloss.value_checks(False):
+        fused = losses["fused"](emb, labels, idx)
+    torch.testing.assert_close(losses["eager"](emb, labels, idx), fused, rtol=1e-5, atol=1e-6)
+    assert losses["none"](emb, labels, idx) == emb.square().mean()
+
+
+@pytest.mark.slow
+@needs_bash
+def test_the_smoke_run_runs_every_step_on_the_cpu(tmp_path):
+    """--smoke: every benchmark step runs on the CPU at tiny shapes and writes its CSV; what
+    needs a GPU (the cuda tests, the kernels alone through CUDA graphs) says it was skipped."""
+    work = tmp_path / "work"
+    proc = subprocess.run(["bash", SCRIPT, "--smoke", str(work)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, NNKLOSS_COMMIT="abc"))
+    assert proc.returncode == 0, proc.stderr
+    summary = (work / "summary.txt").read_text()
+    assert summary.count("exit 0") == len(STEPS), summary
+    assert "tests_cuda: skipped" in (work / "tests_cuda.log").read_text()
+    for bench in ("loss", "long_lists", "train_step"):
+        (path,) = work.glob(f"{bench}_*.csv")
+        rows = _csv(path)
+        assert rows and all(r["wall_ms"] or r["note"].startswith("skipped") for r in rows)
+        assert {r["commit"] for r in rows} == {"abc"}
+    assert "kernel_ms: skipped" in (work / "loss.log").read_text()
+    assert {r["dtype"] for r in _csv(next(work.glob("long_lists_*.csv")))} == {"bf16"}

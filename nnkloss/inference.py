@@ -7,12 +7,8 @@ mode, with every BatchNorm that directly follows a convolution or linear layer i
 per-channel affine map ``y = (x - mean) / sqrt(var + eps) * gamma + beta`` with fixed
 statistics, so it composes with the layer before it into one layer
 (``torch.nn.utils.fusion``): one pass over the activations less per BatchNorm, and no
-(B, C, H, W) intermediate between the two. Measured on the 2-core AMD EPYC family 26,
-2026-11-27, median of 3: the Fashion-MNIST network of ``repro/fashion_mnist.py`` (three
-conv-BN-ReLU-pool blocks, channels_last) embedded 20,000 images in 0.93 s folded against
-1.92 s as it is at batches of 512 and 0.62 against 0.83 s at batches of 128 at one thread;
-0.45 against 1.15 s and 0.34 against 0.43 s at two (the largest difference in the embeddings
-2.7e-7).
+(B, C, H, W) intermediate between the two. The folded statistics are the running ones: a
+bank's refresh recalibrates them first (:func:`nnkloss.bank.refresh.recalibrate_batch_norms`).
 
 Only ``nn.Sequential`` containers are rewritten, because only there the layer's output is
 known to be the BatchNorm's input: a module's own ``forward`` may use the two in any order.
@@ -22,8 +18,9 @@ and the BatchNorm uses running statistics in eval mode (``track_running_stats`` 
 buffers present; otherwise it normalises with each batch's own statistics, which no weight can
 hold). A Linear's BatchNorm1d must have one feature per output feature, and is folded for
 2-D inputs only: on a (B, C, L) input it normalises the C channels, not the Linear's outputs,
-and the pair runs unfolded. Everything else runs as it is. The model itself is never modified: the folding happens
-in a copy, made only when there is a pair to fold. A model that holds a
+and the pair runs unfolded. Everything else runs as it is. The model itself is never
+modified: the folding happens in a copy, made only when there is a pair to fold. A model that
+holds a
 ``DistributedDataParallel`` / ``DataParallel`` wrapper, a ``torch.compile``'d module or a
 parameter of another class than ``nn.Parameter`` (FSDP's flat or sharded parameters, lazy
 modules) runs as it is: a copy of the first would be a second process-group participant,

@@ -84,10 +84,8 @@ RETRIEVAL_KEYS = tuple(f"recall@{k}" for k in RECALL_KS) + ("map@r", "nmi")
 RUN_FORMAT = "nnkloss.fashion_mnist/1"
 # The batch of the inference passes over whole sets (the bank's refresh, the evaluation's
 # embeddings; the training batch is --batch-size): at 128 images the network's largest
-# activations (16 x 28 x 28 fp32, 6.4 MB) stay in the caches, at 512 they do not. Embedding
-# 20,000 images with the BatchNorms folded (nnkloss/inference.py) took 0.62 s at 128 against
-# 0.93 s at 512, one thread, and 0.34 against 0.45 s at two (2-core AMD EPYC family 26,
-# 2026-11-27, median of 3). The same embeddings either way, up to rounding.
+# activations (16 x 28 x 28 fp32, 6.4 MB) stay in the caches, at 512 they do not. The same
+# embeddings either way, up to rounding.
 INFERENCE_BATCH = 128
 
 

@@ -38,7 +38,7 @@ def test_initial_bank_warm_start_lists_and_fresh_centres():
     assert up.needs_initial_bank
     up.before_fit(more_epochs=True)
     assert ref.refreshes == [2.0] and up.bank_ready and not up.needs_initial_bank
-    assert up.take_pending()["refresh_sigma"] == 2.0 and up.take_pending() == {}
+    assert up.take_pending()["start_refresh_sigma"] == 2.0 and up.take_pending() == {}
     up.start_epoch()
     for step in range(1, 5):
         idx = torch.tensor([step % 6])
@@ -49,7 +49,7 @@ def test_initial_bank_warm_start_lists_and_fresh_centres():
     row = up.epoch_columns()
     assert row["neighbours_rebuilds"] == 2 and row["neighbours_overlap"] == 0.5
     assert row["refresh_k"] == 3 and "refresh_search_backend" not in row  # numbers only
-    assert up.end_epoch(last=False)["refresh_sigma"] == 2.0 and not up.refresh_due
+    assert up.end_epoch(last=False)["end_refresh_sigma"] == 2.0 and not up.refresh_due
     assert up.end_epoch(last=True) == {} and up.refresh_due  # skipped, due at the next fit
     up.before_fit(more_epochs=True)
     assert len(ref.refreshes) == 4 and not up.refresh_due

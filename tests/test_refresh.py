@@ -1,5 +1,6 @@
 """Centre refresh: rebuild_neighbours, Refresher (sync and async), RefreshSchedule."""
 import contextlib
+import copy
 import threading
 
 import pytest
@@ -88,8 +89,8 @@ def test_refresh_writes_eval_embeddings_at_idx(bank_dtype):
 
 def test_refresh_folds_batch_norm_and_leaves_the_model_alone(monkeypatch):
     """The centres are the model's eval-mode embeddings computed with its BatchNorms folded
-    (nnkloss/inference.py): equal up to rounding, and the model, its statistics and its mode
-    unchanged."""
+    (nnkloss/inference.py): equal up to rounding, and, without the recalibration, the model,
+    its statistics and its mode unchanged."""
     x, y = make_data()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D_IN, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, D))
@@ -98,7 +99,7 @@ def test_refresh_folds_batch_norm_and_leaves_the_model_alone(monkeypatch):
         model(x * 3 + 1)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref = Refresher(make_bank(), model, make_loader(x, y), k=4, search_backend="torch",
-                    progress=False)
+                    progress=False, recalibrate_bn=False)
     seen = spy_batch_norms(monkeypatch)
     ref.refresh()
     assert seen == []  # the folded copy ran: no BatchNorm did
@@ -1069,3 +1070,76 @@ def test_async_refresh_of_a_cpu_bank_beside_a_cuda_model_on_a_gpu():
     assert ref.wait() is not None
     assert async_bank.centres.device.type == "cpu"
     torch.testing.assert_close(async_bank.centres, sync_bank.centres, rtol=1e-4, atol=1e-5)
+
+
+# ============================================================================ BatchNorm recalibration
+def _conv_bn_net(seed=0, dim=8):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(8 * 9, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, dim))
+
+
+def _images(n=256, seed=4):
+    """Fabricated 12x12 images in [0, 1] (as pixels are), a bright class-dependent square."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = torch.rand(n, 1, 12, 12, generator=g) * 0.5
+    for c in range(4):
+        r, col = divmod(c, 2)
+        x[y == c, :, 6 * r:6 * r + 6, 6 * col:6 * col + 6] += 0.5
+    return x, y
+
+
+def _train_mode_cosine(model, bank, x, y, batch_size=32):
+    """Mean cosine between each row's training-mode embedding (batch statistics, shuffled
+    batches as training draws them) and its bank centre; the model is left as it was."""
+    probe = copy.deepcopy(model).train()
+    cos = []
+    with torch.no_grad():
+        for _, _, idx in make_loader(x, y, shuffle=True, batch_size=batch_size):
+            cos.append(nn.functional.cosine_similarity(probe(x[idx]), bank.centres[idx]))
+    return float(torch.cat(cos).mean())
+
+
+@pytest.mark.parametrize("recalibrate", [True, 4, False])
+def test_refresh_bank_lives_in_the_training_networks_space(recalibrate):
+    """At step 0 of a from-scratch BatchNorm network the bank's centres agree with the rows'
+    training-mode embeddings (mean cosine >= 0.95) when the refresh recalibrates the running
+    statistics (whole loader, or its first 4 batches); off, the eval-mode network normalises
+    with the identity statistics and the bank lives elsewhere."""
+    x, y = _images()
+    model = _conv_bn_net()
+    bank = make_bank(len(y), 8)
+    ref = Refresher(bank, model, make_loader(x, y, shuffle=False, batch_size=32), k=8,
+                    search_backend="torch", recalibrate_bn=recalibrate)
+    stats = ref.refresh()
+    cosine = _train_mode_cosine(model, bank, x, y)
+    if recalibrate:
+        assert cosine >= 0.95 and stats.recalibrate_seconds > 0
+        assert all(m.momentum == 0.1 for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    else:
+        assert cosine < 0.9 and stats.recalibrate_seconds == 0
+    assert model.training and all(m.training for m in model.modules())
+
+
+def test_recalibration_is_the_average_of_batch_statistics_and_spares_frozen_norms():
+    """The running mean is the mean of the loader's batch means (momentum None meanwhile,
+    then restored); a BatchNorm in eval mode (frozen) keeps its statistics."""
+    from nnkloss.bank.refresh import recalibrate_batch_norms
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 5), nn.BatchNorm1d(5), nn.Linear(5, 3),
+                          nn.BatchNorm1d(3, momentum=0.3))
+    model[3].eval()
+    frozen = model[3].running_mean.clone()
+    x, y = make_data()
+    loader = make_loader(x, y, shuffle=False, batch_size=32)
+    assert recalibrate_batch_norms(model, loader, torch.device("cpu")) == 1
+    with torch.no_grad():
+        means = torch.stack([model[0](x[i:i + 32]).mean(0) for i in range(0, N, 32)])
+    torch.testing.assert_close(model[1].running_mean, means.mean(0))
+    assert model[1].momentum == 0.1 and model[3].momentum == 0.3
+    assert torch.equal(model[3].running_mean, frozen)
+    with pytest.raises(ValueError, match="recalibrate_bn"):
+        Refresher(make_bank(), model, loader, k=4, recalibrate_bn=0)

@@ -60,8 +60,11 @@ def test_kernel_loss_decreases_and_logs(tmp_path):
     assert [r["epoch"] for r in h] == list(range(1, 7))
     assert h[-1]["loss"] < 0.5 * h[0]["loss"]
     assert calls == [2, 4, 6]
-    assert "refresh_time_s" in h[0] and "refresh_positive_share" in h[0]  # initial build
-    assert "refresh_time_s" in h[1] and "refresh_time_s" not in h[-1]  # not after the last
+    # Each refresh its own columns: the initial build's are not overwritten by the epoch's.
+    assert "start_refresh_time_s" in h[0] and "start_refresh_positive_share" in h[0]
+    assert h[0]["start_refresh_recalibrate_seconds"] == 0  # a network without BatchNorm
+    assert all("start_refresh_time_s" not in r for r in h[1:])
+    assert "end_refresh_time_s" in h[0] and "end_refresh_time_s" not in h[-1]  # not the last
     assert 0 < h[0]["counted_frac"] <= 1 and h[0]["sigma"] == pytest.approx(1.0)
     rows = json.load(open(tmp_path / "log.json"))
     assert len(rows) == 6 and rows[-1]["emb_norm"] > 0
@@ -632,7 +635,9 @@ def test_warm_start_refreshes_after_the_given_steps(async_mode):
         assert [r.get("refresh_asynchronous") for r in h].count(True) == 1
     else:
         assert syncs == [0, 3] and starts == []
-    assert "refresh_time_s" in h[0] and "refresh_time_s" not in h[1]
+    assert "start_refresh_time_s" in h[0] and "refresh_time_s" not in h[1]
+    if not async_mode:  # the warm start's columns beside the initial build's
+        assert "refresh_time_s" in h[0]
 
 
 def test_warm_start_steps_zero_changes_nothing():

@@ -26,7 +26,7 @@ from .. import distributed as _dist
 from ..inference import inference_model
 from . import exchange
 
-__all__ = ["Refresher", "RefreshSchedule", "RefreshStats"]
+__all__ = ["Refresher", "RefreshSchedule", "RefreshStats", "recalibrate_batch_norms"]
 
 
 # ============================================================================ stats
@@ -45,6 +45,7 @@ class RefreshStats:
         bank had no lists of the same N before (how much the lists moved since last time).
     search_backend: the search backend that ran.
     asynchronous: computed by :meth:`Refresher.refresh_async`.
+    recalibrate_seconds: wall time of the BatchNorm recalibration pass (0 without one).
     """
     embed_seconds: float
     search_seconds: float
@@ -58,16 +59,16 @@ class RefreshStats:
     overlap: Optional[float]
     search_backend: str
     asynchronous: bool = False
+    recalibrate_seconds: float = 0.0
 
 
 def _list_overlap(new: Tensor, old: Tensor) -> float:
     """Mean per-row fraction of the new list's entries that the old list also holds.
 
     -1 padding never counts as shared. On CPU tensors the compiled library counts each row's
-    shared entries through a bitmap of the bank's rows (:func:`nnkloss.ops.cpu.list_overlap`:
-    at N 20,000, K 1000, one thread, 0.03-0.06 against 2.2 s for the form below, 2026-11-27);
-    elsewhere row-wise membership by a batched searchsorted into the sorted old lists. Both
-    (N, K) work, never an N x N (or N x K x K) tensor, and the same counts.
+    shared entries through a bitmap of the bank's rows (:func:`nnkloss.ops.cpu.list_overlap`,
+    much faster: docs/PERFORMANCE.md); elsewhere row-wise membership by a batched searchsorted
+    into the sorted old lists. Both (N, K) work, never an N x N tensor, and the same counts.
     """
     from ..ops import cpu
     old = old.to(new.device)
@@ -83,8 +84,7 @@ def _list_overlap(new: Tensor, old: Tensor) -> float:
 
 
 # Rows of distances per step of the statistics on CPU tensors: ~1 MiB of fp32 at K 1000, so
-# that the step's passes (finite, masked, exp) run in the L2 cache, not in memory. At N 20,000,
-# K 1000, one thread (2026-11-27): 0.075 against 0.33 s for the whole tensor at once.
+# that the step's passes (finite, masked, exp) run in the L2 cache, not in memory.
 STATS_ELEMS = 1 << 18
 
 
@@ -110,7 +110,7 @@ def _distance_means(d: Tensor, sigma) -> Tuple[float, Optional[float]]:
 
 
 def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], sigma,
-                asynchronous: bool) -> RefreshStats:
+                asynchronous: bool, recalibrate_s: float = 0.0) -> RefreshStats:
     d = lists.distances
     mean_d, mean_kernel = _distance_means(d, sigma)
     overlap = None
@@ -118,7 +118,7 @@ def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], si
         overlap = _list_overlap(lists.neighbours, old)
     return RefreshStats(embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel,
                         sigma, float(lists.has_positive.float().mean()), lists.num_patched,
-                        overlap, lists.search_backend, asynchronous)
+                        overlap, lists.search_backend, asynchronous, recalibrate_s)
 
 
 def _check_sigma(sigma) -> Optional[float]:
@@ -229,6 +229,35 @@ def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
         a[k].device == b[k].device and a[k].dtype == b[k].dtype for k in a)
 
 
+def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.device,
+                           batches: Optional[int] = None) -> int:
+    """Set the running statistics of ``model``'s BatchNorms in training mode to the average
+    of their batch statistics over ``loader`` (its first ``batches`` batches if given): a
+    no-grad forward in the model's current modes, momentum None meanwhile (torch's cumulative
+    average). Returns how many were set. The eval-mode network (the bank's) then normalises
+    as the training one does in expectation, not with a new network's identity statistics or
+    a momentum average that lags the weights; frozen (eval-mode) BatchNorms are left alone."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+           and m.training and m.track_running_stats and m.running_mean is not None]
+    if not bns:
+        return 0
+    momenta = [m.momentum for m in bns]
+    try:
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if batches is not None and i >= batches:
+                    break
+                model(_to_device(batch[0] if isinstance(batch, (tuple, list)) else batch,
+                                 device))
+    finally:
+        for m, momentum in zip(bns, momenta):
+            m.momentum = momentum
+    return len(bns)
+
+
 class _Result:
     """A refresh computed but not yet swapped in."""
 
@@ -286,6 +315,10 @@ class Refresher:
             ``sigma=criterion``) or a zero-argument callable to have every refresh read the
             loss's CURRENT sigma (a learned sigma moves); a 0-dim tensor is read at each
             refresh too; a float is fixed.
+        recalibrate_bn: first recalibrate the BatchNorms' running statistics over the loader
+            (:func:`recalibrate_batch_norms`: the bank in the training network's space); True
+            (default): the whole loader, an int: its first that many batches, False: off. The
+            live model's in a synchronous refresh, the snapshot's in an asynchronous one.
 
     Synchronous use: ``stats = refresher.refresh()``. The model runs in eval mode (no dropout:
     the paper's stored centres have none) under ``torch.no_grad()``; every module's previous
@@ -317,7 +350,8 @@ class Refresher:
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
                  search_backend: str = "auto", ensure_positive: bool = False,
                  device: Optional[torch.device] = None, progress: bool = False,
-                 async_mode: bool = False, sigma=None, knn_options: Optional[dict] = None):
+                 async_mode: bool = False, sigma=None, knn_options: Optional[dict] = None,
+                 recalibrate_bn=True):
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
         if not isinstance(model, nn.Module):
@@ -340,6 +374,9 @@ class Refresher:
         self.async_mode = bool(async_mode)
         self._sigma_source = _sigma_source(sigma)
         self.knn_options = dict(knn_options or {})
+        if not isinstance(recalibrate_bn, bool):
+            recalibrate_bn = require_positive_int("recalibrate_bn", recalibrate_bn)
+        self.recalibrate_bn = recalibrate_bn
         _check_search_options(search_backend, self.knn_options)
         self.last_stats: Optional[RefreshStats] = None
         self._snapshot: Optional[nn.Module] = None
@@ -404,6 +441,8 @@ class Refresher:
         # already queued and before any later optimiser update, so the snapshot is consistent.
         with torch.no_grad():
             snap.load_state_dict(self.model.state_dict())
+        for s_mod, m in zip(snap.modules(), self.model.modules()):  # which BatchNorms train
+            s_mod.training = m.training
         stream = None
         if device.type == "cuda":
             stream = torch.cuda.Stream(device=device)
@@ -472,28 +511,33 @@ class Refresher:
         bank = self.bank
         n, d = bank.num_centres, bank.dim
         old_lists = bank.neighbours if bank.has_neighbours else None
-        distributed = _dist.is_distributed()
-        if distributed:  # every rank embeds with rank 0's buffers (BatchNorm statistics, ...)
-            _dist.broadcast_buffers(model)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
+            t0, recalibrate_s = time.perf_counter(), 0.0
+            if self.recalibrate_bn and recalibrate_batch_norms(
+                    model, self.loader, device,
+                    None if self.recalibrate_bn is True else self.recalibrate_bn):
+                recalibrate_s = time.perf_counter() - t0
+            if _dist.is_distributed():  # every rank embeds with rank 0's buffers (BatchNorm
+                _dist.broadcast_buffers(model)  # statistics, ...)
             t0 = time.perf_counter()
             centres, centre_labels = self._embed(model, device, n, d)
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
             lists, stats = self._build_lists(centres, centre_labels, embed_s, old_lists, sigma,
-                                             asynchronous)
+                                             asynchronous, recalibrate_s)
         return _Result(centres, centre_labels, lists, stats, stream)
 
     def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float,
-                     old_lists: Optional[Tensor], sigma, asynchronous: bool):
+                     old_lists: Optional[Tensor], sigma, asynchronous: bool,
+                     recalibrate_s: float = 0.0):
         """The (N, k) lists of ``centres`` with this refresher's k / search backend /
         ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
         lists = search(centres, centre_labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
-        return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous)
+        return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous, recalibrate_s)
 
     def _embed(self, model: nn.Module, device: torch.device, n: int, d: int):
         bank = self.bank

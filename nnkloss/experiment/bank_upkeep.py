@@ -13,8 +13,10 @@
   ``warm_start_steps`` (one extra full refresh early on); see :class:`nnkloss.experiment.Trainer`.
 
 It owns the state a checkpoint must carry for that (``bank_ready``, ``refresh_due``; the
-schedule keeps its own) and the refresh columns of the epoch log. Without a refresher (a
-softmax head) every method is a no-op that returns an empty log.
+schedule keeps its own) and the refresh columns of the epoch log, one set per moment so that
+none overwrites another: ``start_refresh_*`` (before the epoch's first step: the initial
+bank), ``refresh_*`` (the epoch's last refresh during its steps) and ``end_refresh_*`` (after
+its last step). Without a refresher (a softmax head) every method returns an empty log.
 """
 from __future__ import annotations
 
@@ -75,8 +77,8 @@ def write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None
     bank.write_centres_(idx, emb, momentum)
 
 
-def refresh_columns(stats) -> Dict[str, Any]:
-    """Numeric fields of whatever a Refresher's ``refresh()`` returns, as ``refresh_*`` log
+def refresh_columns(stats, prefix: str = "refresh_") -> Dict[str, Any]:
+    """Numeric fields of whatever a Refresher's ``refresh()`` returns, as ``prefix*`` log
     columns."""
     if stats is None:
         return {}
@@ -90,7 +92,7 @@ def refresh_columns(stats) -> Dict[str, Any]:
     for k, v in stats.items():
         v = json_safe(v)
         if isinstance(v, (int, float, bool)) and not isinstance(v, list):
-            out[f"refresh_{k}"] = v
+            out[f"{prefix}{k}"] = v
     return out
 
 
@@ -179,7 +181,7 @@ class BankUpkeep:
     def finish_async(self) -> Dict[str, Any]:
         """Swap in a background refresh still in flight (before checkpoints and at the end)."""
         if self.refresher is not None and self.is_async and self.refresher.in_flight:
-            return refresh_columns(self.refresher.wait())
+            return refresh_columns(self.refresher.wait(), "end_refresh_")
         return {}
 
     @property
@@ -199,9 +201,10 @@ class BankUpkeep:
             self.refresh_due = False
 
     def take_pending(self) -> Dict[str, Any]:
-        """The log of a refresh done before the epoch's first step (once), else {}."""
+        """The log of a refresh done before the epoch's first step (once, as
+        ``start_refresh_*``), else {}."""
         out, self._pending = self._pending, {}
-        return out
+        return {f"start_{k}": v for k, v in out.items()}
 
     # ------------------------------------------------------------------ per step / epoch
     def start_epoch(self) -> None:
@@ -252,4 +255,4 @@ class BankUpkeep:
         due = self.schedule.epoch_end() and self.refresher is not None
         out = self.refresh(wait=False) if due and not last else {}
         self.refresh_due = due and last
-        return out
+        return {f"end_{k}": v for k, v in out.items()}

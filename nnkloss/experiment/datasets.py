@@ -740,9 +740,8 @@ IDX_SETS = {
 #: ~1000-fold, so a small file declaring a large payload could otherwise fill the memory. The
 #: bound is that of the whole read, not of the payload alone: the payload is copied once into
 #: its array, and IDXDataset converts the images to float32 (4 bytes each), so a payload of P
-#: bytes peaks near 6 P. At the 4 GiB of before, a 4 MB gzip file reached ~24 GiB and would
-#: have had the process killed on the 24 GiB machine (audit of 2026-11-27); at 256 MiB, 1.5 GiB.
-#: Larger files of this format: pass ``max_bytes``.
+#: bytes peaks near 6 P (1.5 GiB at the default). Larger files of this format: pass
+#: ``max_bytes``.
 IDX_MAX_BYTES = 1 << 28
 # How far past the declared payload read_idx counts a file's surplus bytes for its message.
 _IDX_SURPLUS_COUNTED = 1 << 24

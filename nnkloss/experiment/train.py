@@ -554,8 +554,10 @@ class Trainer:
             if self.upkeep.needs_initial_bank:
                 # The initial bank: centres from the untrained model, before the first step.
                 seed_everything(self.seed)
-            self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
+            # The initial bank from the network in the modes it trains in (its BatchNorms'
+            # statistics are recalibrated for it: nnkloss.bank.refresh.recalibrate_batch_norms).
             self.model.train()
+            self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
             self._check_next_step = True  # each fit()'s first step runs with value checks
             if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
                 from tqdm.auto import tqdm
@@ -573,16 +575,10 @@ class Trainer:
 
     def _run_epochs(self, epochs: int) -> None:
         for epoch in range(self.epoch + 1, int(epochs) + 1):
-            # Each rank its own stream (rank 0's is the single-process one): with one seed on
-            # every rank, row j of every rank's batch got the same dropout mask (and a loader
-            # worker the same augmentation draws). DistributedSampler shuffles by its own seed.
-            # Rank 0 (and a single process) keeps seed * 1_000_003 + epoch mod 2**32, the
-            # stream the published runs trained with (they reproduce at this commit): two seeds
-            # share an epoch's stream there only when they differ by Δ / 1_000_003 mod 2**32 for
-            # an epoch offset Δ, never for seeds less than 4,295 apart within 100,000 epochs.
-            # Other ranks take the stream of (seed, epoch, rank) (seeds.seed_everything): the
-            # former + 1_000_000_007 * rank gave seed s on rank 1 the streams of seed
-            # s + 482453229 on rank 0.
+            # Each rank its own stream (else row j of every rank's batch got the same dropout
+            # mask). Rank 0 (and a single process) keeps seed * 1_000_003 + epoch mod 2**32,
+            # the published runs' stream (no two seeds less than 4,295 apart share an epoch's
+            # stream within 100,000 epochs); other ranks take that of (seed, epoch, rank).
             rank = _dist.rank()
             if rank == 0:
                 seed_everything((self.seed * 1_000_003 + epoch) % 2 ** 32)
@@ -591,9 +587,8 @@ class Trainer:
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))
-            # A refresh before the epoch's first step (the initial bank build) is logged here.
-            for k, v in self.upkeep.take_pending().items():
-                row.setdefault(k, v)
+            # A refresh before the epoch's first step (the initial bank build): start_refresh_*.
+            row.update(self.upkeep.take_pending())
             row["time_s"] = time.perf_counter() - t0
             last = epoch == int(epochs)
             if self.eval_fn is not None and (epoch % self.eval_every == 0 or last):

@@ -41,7 +41,7 @@ import torch
 from nnkloss import distributed as nkd
 from nnkloss.experiment.datasets import CUB200, Cars196, Flowers102, Leafsnap, as_tensor_labels
 from nnkloss.experiment.evaluate import classification_metrics
-from nnkloss.experiment.setup import (check_epochs, check_resume, image_transforms,
+from nnkloss.experiment.setup import (HelpFormatter, check_epochs, check_resume, image_transforms,
                                       kernel_criterion, make_loader, run_settings, start_run,
                                       softmax_criterion)
 from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
@@ -74,7 +74,7 @@ def default_sigma(arch: str) -> float:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--dataset", required=True, choices=sorted(DATASETS))
     p.add_argument("--data-root", required=True, help="the dataset's folder (official layout)")
     p.add_argument("--out", required=True)

@@ -18,15 +18,16 @@ The kernel loss runs on the real stack: CentreBank + NeighbourKernelLoss (the fu
 Triton on a GPU) + Refresher (initial bank before the first step, then every
 ``--refresh-every`` epochs) + NeighbourKernelClassifier + the metrics module.
 
-Outputs in ``--out``: results.json (schema below, fractions in [0, 1]), results.md (the same
-as a table, also printed), embedding_nngk.png / embedding_softmax.png (test classes 5-9),
+Beside the trained networks, the raw pixels (no training: 1-nearest neighbour for
+classification) give the floor. Outputs in ``--out`` (its path is printed at the end):
+results.json (schema below, fractions in [0, 1]), results.md (the same as a table, also printed), embedding_nngk.png / embedding_softmax.png (test classes 5-9),
 recall.png, training_curves.png, and one sub-folder per run with its log.csv/log.json and
 checkpoint.
 
     {"metric_learning": {"nngk": {"recall@1", "recall@2", "recall@4", "recall@8", "map@r",
                                   "r_precision", "nmi"},
-                         "softmax": {... same keys}},
-     "classification": {"nngk": {"accuracy"}, "softmax": {"accuracy"}}}
+                         "softmax": {...}, "pixels": {...}},
+     "classification": {"nngk": {"accuracy"}, "softmax": {"accuracy"}, "pixels": {"accuracy"}}}
 
 Several processes: ``torchrun --nproc-per-node 2 repro/digits.py --out OUT --quick`` (gloo on
 the CPU; with ``--device cuda``, NCCL and one GPU per process). ``--batch-size`` stays the
@@ -46,10 +47,12 @@ from torch.utils.data import DataLoader
 
 from nnkloss import distributed as nkd
 from nnkloss.experiment.datasets import IndexedTensorDataset, stratified_split
-from nnkloss.experiment.evaluate import (extract_embeddings, kernel_accuracy, retrieval_metrics,
-                                softmax_accuracy)
+from nnkloss.experiment.evaluate import (extract_embeddings, kernel_accuracy,
+                                         nearest_neighbour_accuracy, retrieval_metrics,
+                                         softmax_accuracy)
 from nnkloss.evaluation.metrics import recall_at_k
-from nnkloss.experiment.setup import kernel_criterion, softmax_criterion, start_run
+from nnkloss.experiment.setup import (HelpFormatter, kernel_criterion, softmax_criterion,
+                                      start_run)
 from nnkloss.experiment.models import DigitsNet
 from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
 from nnkloss.bank.refresh import RefreshSchedule
@@ -63,7 +66,7 @@ METRIC_KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi")
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 2 epochs, PCA instead of t-SNE for the picture")
@@ -229,6 +232,8 @@ def _main(args) -> Dict:
         metric[loss] = retrieval_metrics(emb, lab, seed=args.seed)
         test_emb[loss] = emb
         histories[f"metric {loss}"] = tr.history
+    # The floor a trained network must beat: the raw pixels, no training.
+    metric["pixels"] = retrieval_metrics(x_te.flatten(1), y_te, seed=args.seed)
 
     # ---------------------------------------------------------------- classification
     tr_pos, te_pos = stratified_split(y.numpy(), (0.7, 0.3), seed=args.seed)
@@ -253,6 +258,8 @@ def _main(args) -> Dict:
     emb, _ = _embed(model, x_cte, y_cte, args)
     classification["softmax"] = {"accuracy": softmax_accuracy(crit, emb, y_cte)}
     histories["classification softmax"] = tr.history
+    classification["pixels"] = {"accuracy": nearest_neighbour_accuracy(
+        x_ctr.flatten(1), y_ctr, x_cte.flatten(1), y_cte)}
 
     results = {"metric_learning": metric, "classification": classification}
     if not nkd.is_main_process():  # every rank has the same results; rank 0 writes them
@@ -263,11 +270,12 @@ def _main(args) -> Dict:
     table = markdown_table(
         ["Loss", "R@1", "R@2", "R@4", "R@8", "MAP@R", "NMI"],
         [[loss] + [percent(metric[loss][k]) for k in METRIC_KEYS] for loss in metric],
-        title=f"Metric learning on held-out digits 5-9 (trained on 0-4), dim {args.dim}")
+        title=f"Metric learning on held-out digits 5-9 (trained on 0-4), dim {args.dim}; "
+              f"pixels: the raw 64 pixels, untrained (the floor)")
     table += "\n" + markdown_table(
         ["Loss", "Test accuracy"],
         [[loss, percent(classification[loss]["accuracy"])] for loss in classification],
-        title="Classification, all ten digits (70/30 split)")
+        title="Classification, all ten digits (70/30 split); pixels: 1-nearest neighbour")
     elapsed = time.perf_counter() - t_start
     threads = (f"threads governed (last choice {args.governor.threads()}, "
                f"{len(args.governor.events)} decisions)"
@@ -288,6 +296,8 @@ def _main(args) -> Dict:
     plot_training_curves(histories, os.path.join(args.out, "training_curves.png"),
                          keys=("loss", "test_recall@1", "test_accuracy"),
                          title="digits: training loss and test metrics per epoch")
+    print(f"Files written to {os.path.abspath(args.out)}: results.json, results.md, "
+          f"recall.png, training_curves.png, embedding_*.png, and a folder per run.")
     return results
 
 

@@ -67,10 +67,11 @@ from nnkloss.atomic import atomic_write
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.evaluation import metrics as M
 from nnkloss.experiment.datasets import IDXDataset, IndexedTensorDataset, stratified_split
-from nnkloss.experiment.evaluate import classification_metrics, extract_embeddings
+from nnkloss.experiment.evaluate import (classification_metrics, extract_embeddings,
+                                         nearest_neighbour_accuracy)
 from nnkloss.experiment.models import SoftmaxHead
 from nnkloss.experiment.reporting import git_commit, markdown_table, write_json, write_table
-from nnkloss.experiment.setup import kernel_criterion, resolve_device
+from nnkloss.experiment.setup import HelpFormatter, kernel_criterion, resolve_device
 from nnkloss.experiment.seeds import seed_arg
 from nnkloss.experiment.train import Trainer, seed_everything
 
@@ -92,7 +93,7 @@ INFERENCE_BATCH = 128
 # ---------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--data-root", required=True,
                    help="folder with the four IDX files (flat, or torchvision's layout)")
     p.add_argument("--protocol", choices=("retrieval", "classification"), default="retrieval")
@@ -447,13 +448,6 @@ def retrieval_scores(emb: torch.Tensor, labels: torch.Tensor, seed: int, n_init:
     out["map@r"] = float(scores["map@r"])
     out["nmi"] = float(M.nmi(emb, labels, seed=seed, n_init=n_init))
     return out
-
-
-def nearest_neighbour_accuracy(train_x, train_y, x, y) -> float:
-    from nnkloss.bank.search import knn
-
-    _, idx = knn(x.float(), train_x.float(), 1)
-    return M.accuracy(train_y[idx[:, 0]], y)
 
 
 # ---------------------------------------------------------------------------- one run

@@ -37,7 +37,7 @@ import torch
 from nnkloss.experiment.datasets import CUB200, Cars196, as_tensor_labels
 from nnkloss.experiment.evaluate import RECALL_KS, extract_embeddings, retrieval_metrics
 from nnkloss import distributed as nkd
-from nnkloss.experiment.setup import (check_epochs, check_resume, image_transforms,
+from nnkloss.experiment.setup import (HelpFormatter, check_epochs, check_resume, image_transforms,
                                       kernel_criterion, make_loader, run_settings, start_run)
 from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
 from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
@@ -73,7 +73,7 @@ def default_sigma(dim: int) -> float:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--dataset", required=True, choices=sorted(DATASETS))
     p.add_argument("--data-root", required=True,
                    help="CUB: the CUB_200_2011 folder (or its parent); Cars: the folder with "

@@ -1,6 +1,7 @@
 """The reproduction scripts end to end, in-process through their main(argv), on tiny inputs."""
 import importlib.util
 import json
+import re
 import os
 
 import pytest
@@ -26,7 +27,7 @@ def _fraction(v):
     return isinstance(v, float) and 0.0 <= v <= 1.0
 
 
-def test_digits_quick(tmp_path):
+def test_digits_quick(tmp_path, capsys):
     digits = load_script("digits")
     out = tmp_path / "digits"
     # --device auto: the device start_run chose reaches the runs ("auto" itself crashed there)
@@ -34,8 +35,11 @@ def test_digits_quick(tmp_path):
     on_disk = json.load(open(out / "results.json"))
     assert on_disk == results
     assert set(on_disk) == {"metric_learning", "classification"}
-    assert set(on_disk["metric_learning"]) == {"nngk", "softmax"}
-    for loss in ("nngk", "softmax"):
+    # The raw-pixel floor beside the trained networks, in the files and the printed table.
+    assert set(on_disk["metric_learning"]) == {"nngk", "softmax", "pixels"}
+    printed = capsys.readouterr().out
+    assert re.search(r"\| pixels +\|", printed) and f"Files written to {out}" in printed
+    for loss in ("nngk", "softmax", "pixels"):
         assert set(on_disk["metric_learning"][loss]) == METRIC_KEYS
         assert all(_fraction(v) for v in on_disk["metric_learning"][loss].values())
         assert set(on_disk["classification"][loss]) == {"accuracy"}
@@ -583,3 +587,17 @@ def test_scripts_refuse_seeds_outside_the_range_by_name(capsys):
                 script.parse_args(argv + [opt, bad])
             assert f"argument {opt}: must be an integer in [0, 2**32)" in capsys.readouterr().err
         assert script.parse_args(argv + [opt, str(2 ** 32 - 1)])
+
+
+@pytest.mark.parametrize("name", ["digits", "metric_learning", "classification", "fashion_mnist"])
+def test_help_prints_each_default_once(name, capsys):
+    """--epochs' help named its default and argparse appended '(default: None)' after it:
+    each option's help now says its default at most once, and never None."""
+    with pytest.raises(SystemExit):
+        load_script(name).parse_args(["--help"])
+    text = capsys.readouterr().out
+    options = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    assert len(options) > 5
+    for opt in options:
+        assert opt.count("default") <= 1 and "(default: None)" not in opt, opt
+    assert "(default: " in text

@@ -118,6 +118,14 @@ def kernel_accuracy(train_emb: Tensor, train_labels: Tensor, emb: Tensor, labels
     return accuracy(clf.predict(emb.float()), labels)
 
 
+def nearest_neighbour_accuracy(train_emb: Tensor, train_labels: Tensor, emb: Tensor,
+                               labels: Tensor) -> float:
+    """Accuracy of the 1-nearest-neighbour classifier (raw pixels: the floor of the scripts)."""
+    from ..bank.search import knn
+    _, idx = knn(emb.float(), train_emb.float(), 1)
+    return accuracy(train_labels[idx[:, 0]], labels)
+
+
 @torch.no_grad()
 def softmax_accuracy(head: nn.Module, emb: Tensor, labels: Tensor) -> float:
     """Accuracy of a softmax head (``head.predict(emb) -> (B,)``) on embeddings (B, D)."""

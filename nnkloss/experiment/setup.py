@@ -7,6 +7,7 @@ training; the same resize and a centre crop for evaluation. ``image_size`` scale
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Iterable, Optional, Tuple
@@ -21,12 +22,22 @@ from ..losses.neighbour_kernel import NeighbourKernelLoss
 from .models import SoftmaxHead
 from ..bank.refresh import Refresher
 
-__all__ = ["resolve_device", "image_transforms", "make_loader", "kernel_criterion",
+__all__ = ["HelpFormatter", "resolve_device", "image_transforms", "make_loader", "kernel_criterion",
            "softmax_criterion", "run_settings", "check_resume", "check_epochs", "IMAGENET_MEAN",
            "IMAGENET_STD"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The scripts' ``--help``: each default once (not where the help names it, nor None or
+    False, which say nothing)."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def resolve_device(name: Optional[str] = None) -> torch.device:

@@ -163,8 +163,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nngk-warm-start-steps", type=int, default=0,
                    help="first full refresh after this many steps")
     p.add_argument("--tag", default=None,
-                   help="name this NNGK variant: its runs are kept as nngk-TAG beside the "
-                        "others (ablations in one --out folder)")
+                   help="name this variant: its runs are kept as METHOD-TAG beside the "
+                        "others (ablations and search trials in one --out folder)")
+    p.add_argument("--method-args", type=json.loads, default={},
+                   help="JSON object of the PML loss's own keyword arguments (its documented "
+                        "knobs, e.g. '{\"margin\": 0.2}'), over PML's defaults")
+    p.add_argument("--nngk-learn-weights", action="store_true",
+                   help="learn the per-centre weights (the longer paper's classifier)")
+    p.add_argument("--nngk-weights-lr", type=float, default=1e-2,
+                   help="learning rate of the learned per-centre weights")
+    p.add_argument("--nngk-recalibrate", default="all",
+                   help="BatchNorm statistics recalibrated before each bank embedding "
+                        "(nnkloss.Refresher's recalibrate_bn): 'all' batches of the training "
+                        "set, a number of batches, or 'off'")
     p.add_argument("--classify-k", type=int, default=None,
                    help="neighbours of the kernel classifier (default: --nngk-k)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
@@ -226,12 +237,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.tag is not None and (not args.tag or not all(c.isalnum() or c in "._" for c in
                                                          args.tag)):
         p.error(f"--tag must be letters, digits, '.' or '_', got {args.tag!r}")
+    if not isinstance(args.method_args, dict):
+        p.error(f"--method-args must be a JSON object, got {args.method_args!r}")
+    if args.method_args and any(m not in PML_METHODS for m in args.methods):
+        p.error("--method-args are a PML loss's: give them with one PML method")
+    try:
+        args.nngk_recalibrate = {"all": True, "off": False}.get(args.nngk_recalibrate) \
+            if args.nngk_recalibrate in ("all", "off") else int(args.nngk_recalibrate)
+        if args.nngk_recalibrate is not True and args.nngk_recalibrate is not False \
+                and args.nngk_recalibrate < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--nngk-recalibrate must be 'all', 'off' or a number of batches >= 1, got "
+                f"{args.nngk_recalibrate!r}")
     return args
 
 
 def run_name(method: str, args) -> str:
-    """The name a method's runs are kept and reported under (NNGK variants: nngk-TAG)."""
-    return f"nngk-{args.tag}" if method == "nngk" and args.tag else method
+    """The name a method's runs are kept and reported under (variants: METHOD-TAG)."""
+    return f"{method}-{args.tag}" if args.tag else method
 
 
 # ---------------------------------------------------------------------------- data
@@ -343,30 +367,31 @@ class PMLCriterion(nn.Module):
         return self.loss(emb, labels, pairs)
 
 
-def pml_criterion(method: str, num_classes: int, dim: int) -> PMLCriterion:
+def pml_criterion(method: str, num_classes: int, dim: int, loss_args=None) -> PMLCriterion:
     """PML's standard settings (its defaults; triplet: margin 0.2 for loss and miner, as in
-    PML's examples)."""
+    PML's examples), with ``loss_args`` (the loss's own knobs) over them."""
     from pytorch_metric_learning import losses, miners
 
+    kw = dict(loss_args or {})
     if method == "contrastive":
-        return PMLCriterion(losses.ContrastiveLoss())
+        return PMLCriterion(losses.ContrastiveLoss(**kw))
     if method == "triplet":
-        return PMLCriterion(losses.TripletMarginLoss(margin=0.2),
+        return PMLCriterion(losses.TripletMarginLoss(**{"margin": 0.2, **kw}),
                             miners.TripletMarginMiner(margin=0.2, type_of_triplets="semihard"))
     if method == "multisimilarity":
-        return PMLCriterion(losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner())
+        return PMLCriterion(losses.MultiSimilarityLoss(**kw), miners.MultiSimilarityMiner())
     if method == "nca":
-        return PMLCriterion(losses.NCALoss())
+        return PMLCriterion(losses.NCALoss(**kw))
     if method == "proxyanchor":
-        return PMLCriterion(losses.ProxyAnchorLoss(num_classes, dim))
+        return PMLCriterion(losses.ProxyAnchorLoss(num_classes, dim, **kw))
     if method == "normsoftmax":
-        return PMLCriterion(losses.NormalizedSoftmaxLoss(num_classes, dim))
+        return PMLCriterion(losses.NormalizedSoftmaxLoss(num_classes, dim, **kw))
     if method == "arcface":
-        return PMLCriterion(losses.ArcFaceLoss(num_classes, dim))
+        return PMLCriterion(losses.ArcFaceLoss(num_classes, dim, **kw))
     raise ValueError(f"not a PML method: {method!r}")
 
 
-def pml_settings(method: str) -> Dict:
+def pml_settings(method: str, loss_args=None) -> Dict:
     """The settings recorded in results.json (what :func:`pml_criterion` builds)."""
     import pytorch_metric_learning as pml
     from pytorch_metric_learning import losses
@@ -380,6 +405,8 @@ def pml_settings(method: str) -> Dict:
     out = {"pml_version": pml.__version__, "loss": loss_cls.__name__, "loss_args": defaults}
     if method == "triplet":
         out["loss_args"]["margin"] = 0.2
+    out["loss_args"].update(loss_args or {})
+    if method == "triplet":
         out["miner"] = "TripletMarginMiner"
         out["miner_args"] = {"margin": 0.2, "type_of_triplets": "semihard"}
     elif method == "multisimilarity":
@@ -423,7 +450,10 @@ def method_config(method: str, args, data) -> Dict:
                        "neighbours_every_steps": args.nngk_neighbours_every_steps,
                        "warm_start_steps": args.nngk_warm_start_steps,
                        "ensure_positive": True,
-                       "learn_weights": False}
+                       "learn_weights": args.nngk_learn_weights,
+                       "recalibrate_bn": args.nngk_recalibrate}
+        if args.nngk_learn_weights:
+            cfg["nngk"]["weights_lr"] = args.nngk_weights_lr
         if args.nngk_sigma == "auto":
             cfg["nngk"]["sigma_grid"] = list(args.nngk_sigma_grid)
         if args.protocol == "classification":
@@ -432,7 +462,7 @@ def method_config(method: str, args, data) -> Dict:
     elif method == "softmax":
         cfg["eval_normalised"] = False
     else:
-        cfg["pml"] = pml_settings(method)
+        cfg["pml"] = pml_settings(method, args.method_args)
         cfg["eval_normalised"] = True  # PML's losses compare L2-normalised embeddings
         if method in PROXY_METHODS:
             cfg["loss_lr"] = args.loss_lr
@@ -517,7 +547,8 @@ def train_and_evaluate(method: str, seed: int, data: Dict, args, cfg: Dict, run_
         sigma = 1.0 if args.nngk_sigma == "auto" else float(args.nngk_sigma)
         criterion, refresher = kernel_criterion(
             model, plain_train, ty, args.dim, sigma, args.nngk_k, device,
-            learn_sigma=args.nngk_learn_sigma, ensure_positive=True, progress=False)
+            learn_sigma=args.nngk_learn_sigma, ensure_positive=True, progress=False,
+            learn_weights=args.nngk_learn_weights, recalibrate_bn=args.nngk_recalibrate)
         if args.nngk_sigma == "auto":
             sigma, losses = choose_sigma_for(model, criterion, refresher, data, args, device)
             extra["sigma_search"] = {"candidates": list(args.nngk_sigma_grid),
@@ -535,12 +566,13 @@ def train_and_evaluate(method: str, seed: int, data: Dict, args, cfg: Dict, run_
         every = args.nngk_refresh_every or None
         schedule = RefreshSchedule(every_epochs=every, every_steps=args.nngk_refresh_steps)
         trainer = Trainer(model, criterion, train_loader, refresher=refresher,
-                          schedule=schedule, sigma_lr=args.nngk_sigma_lr, **options, **kw)
+                          schedule=schedule, sigma_lr=args.nngk_sigma_lr,
+                          weights_lr=args.nngk_weights_lr, **options, **kw)
     elif method == "softmax":
         criterion = SoftmaxHead(args.dim, n_classes)
         trainer = Trainer(model, criterion, train_loader, **kw)
     else:
-        criterion = pml_criterion(method, n_classes, args.dim)
+        criterion = pml_criterion(method, n_classes, args.dim, args.method_args)
         trainer = Trainer(model, criterion, train_loader, **kw)
         if method in PROXY_METHODS:
             # The losses' own parameters: same optimiser, their own learning rate (PML's docs

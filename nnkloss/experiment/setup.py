@@ -173,7 +173,8 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
                      sigma: float, k: int, device, learn_weights: bool = False,
                      learn_sigma: bool = False, ensure_positive: bool = False,
                      search_backend: str = "auto", progress: bool = True,
-                     async_mode: bool = False) -> Tuple[NeighbourKernelLoss, Refresher]:
+                     async_mode: bool = False, recalibrate_bn=True
+                     ) -> Tuple[NeighbourKernelLoss, Refresher]:
     """The kernel loss over a bank of the training set, and the Refresher that fills it.
 
     Args:
@@ -185,7 +186,8 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
         learn_weights: as in :class:`CentreBank` (learned per-centre weights).
         k: neighbour-list length; clamped to N - 1 (tiny sets).
         device: where the bank lives (the model's device).
-        ensure_positive, search_backend, progress, async_mode: passed to the :class:`Refresher`.
+        ensure_positive, search_backend, progress, async_mode, recalibrate_bn: passed to the
+            :class:`Refresher`.
     Returns:
         (criterion, refresher). The bank starts as zeros: the Trainer refreshes it before the
         first step.
@@ -200,7 +202,8 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
     refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1),
                           search_backend=search_backend,
                           ensure_positive=ensure_positive, device=device, progress=progress,
-                          async_mode=async_mode, sigma=criterion)  # its current sigma
+                          async_mode=async_mode, sigma=criterion,  # its current sigma
+                          recalibrate_bn=recalibrate_bn)
     return criterion, refresher
 
 

@@ -19,14 +19,11 @@ buffers present; otherwise it normalises with each batch's own statistics, which
 hold). A Linear's BatchNorm1d must have one feature per output feature, and is folded for
 2-D inputs only: on a (B, C, L) input it normalises the C channels, not the Linear's outputs,
 and the pair runs unfolded. Everything else runs as it is. The model itself is never
-modified: the folding happens in a copy, made only when there is a pair to fold. A model that
-holds a
-``DistributedDataParallel`` / ``DataParallel`` wrapper, a ``torch.compile``'d module or a
-parameter of another class than ``nn.Parameter`` (FSDP's flat or sharded parameters, lazy
-modules) runs as it is: a copy of the first would be a second process-group participant,
-changing the modules under the second would make it compile again at every call of this
-function, and the third are not whole tensors that a fold could read. So does a model that
-``copy.deepcopy`` cannot copy (a lock or an open file among its attributes).
+modified: the folding happens in a copy, made only when there is a pair to fold. Run as they
+are: models holding a (Distributed)DataParallel wrapper (a copy would be a second process-group
+participant), a ``torch.compile``'d module (it would compile again at every call), a parameter
+that is not a plain ``nn.Parameter`` (FSDP's, lazy ones: not whole tensors a fold could read),
+or anything ``copy.deepcopy`` cannot copy.
 """
 from __future__ import annotations
 
@@ -38,11 +35,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
-__all__ = ["inference_model", "foldable_pairs"]
+__all__ = ["inference_model", "foldable_pairs", "to_device"]
 
 # (layer class, the BatchNorm class that may follow it): exact types only.
 _FOLDABLE = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d,
              nn.Linear: nn.BatchNorm1d}
+
+
+def to_device(inputs, device):
+    """A batch's inputs (a tensor, or tuples / lists / dicts of them) on ``device``."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device, non_blocking=True)
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(to_device(x, device) for x in inputs)
+    if isinstance(inputs, dict):
+        return {key: to_device(v, device) for key, v in inputs.items()}
+    return inputs
 
 
 def _hooked(m: nn.Module) -> bool:

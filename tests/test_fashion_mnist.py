@@ -42,10 +42,10 @@ def test_real_files_read_and_checked():
     assert torch.bincount(te.labels).tolist() == [1000] * 10
 
 
-def load_fm():
+def load_fm(name="fashion_mnist"):
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repro",
-                        "fashion_mnist.py")
-    spec = importlib.util.spec_from_file_location("repro_fashion_mnist", path)
+                        f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"repro_{name}", path)
     fm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fm)
     return fm
@@ -200,22 +200,13 @@ def test_summary_is_over_every_run_of_a_name_or_none():
 
 
 # ---------------------------------------------------------------------------- the benchmark
-def load_bench():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repro",
-                        "fashion_benchmark.py")
-    spec = importlib.util.spec_from_file_location("repro_fashion_benchmark", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_benchmark_end_to_end_on_fabricated_files(idx_tree, tmp_path):
     """tune -> test -> extra -> report on tiny fabricated files: every method the same number
     of validation trials; epochs and knobs by the best validation epoch; test runs paired by
     seed on both splits, the NCA control at NNGK's sigma, the pixels; dims and classification;
     a report with CIs, paired differences, verdicts and the compute; a second run of a stage
     runs nothing again."""
-    bench = load_bench()
+    bench = load_fm("fashion_benchmark")
     out = str(tmp_path / "bench")
     common = ["--data-root", idx_tree, "--out", out, "--methods", "nngk", "contrastive",
               "softmax", "--trials", "2", "--max-epochs", "2", "--seeds", "0", "1",
@@ -267,7 +258,7 @@ def test_benchmark_end_to_end_on_fabricated_files(idx_tree, tmp_path):
 def test_power_analysis_of_the_published_runs(tmp_path):
     """The published 3-seed runs: NNGK - ProxyAnchor's paired sd gives a detectable
     difference near issue 56's 2.9 R@1 / 4.0 MAP@R, and 1.5 points needs more seeds."""
-    bench = load_bench()
+    bench = load_fm("fashion_benchmark")
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repro",
                         "results", "fashion_mnist", "retrieval")
     res = bench.main(["power", "--out", str(tmp_path), "--runs", root])[root]["proxyanchor"]

@@ -1036,7 +1036,7 @@ def test_async_refresh_of_a_cpu_bank_beside_a_cuda_model_is_swapped_in(monkeypat
     GPU is stood in for (CUDA stand-ins: fake_cuda_streams; the inputs stay where they are);
     tests/test_refresh.py's cuda test below runs the same on a GPU."""
     from nnkloss.bank import refresh as refresh_mod
-    monkeypatch.setattr(refresh_mod, "_to_device", lambda inputs, device: inputs)
+    monkeypatch.setattr(refresh_mod, "to_device", lambda inputs, device: inputs)
     mains, recorded = fake_cuda_streams
     x, y = make_data()
     model = make_model()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ..validation import all_finite, as_index, require_int, require_positive_int
 from .search import NeighbourLists, knn, neighbour_lists
 from .search.knn import check_search_arguments
 from .. import distributed as _dist
-from ..inference import inference_model
+from ..inference import inference_model, to_device
 from . import exchange
 
 __all__ = ["Refresher", "RefreshSchedule", "RefreshStats", "recalibrate_batch_norms"]
@@ -156,17 +157,11 @@ def _read_sigma(source) -> Optional[float]:
 class RefreshSchedule:
     """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
 
-    Two ways to use it from any training loop:
-
-    * stateless -- ``should_refresh(epoch=e)`` / ``should_refresh(step=s)`` with the number of
-      epochs / optimiser steps completed so far (1 after the first one). True when a given count
-      is a positive multiple of its interval; either interval firing is enough.
-    * stateful -- call ``step()`` after every optimiser step and ``epoch_end()`` after every
-      epoch; each returns True when a refresh is due at that point. ``state_dict()`` /
-      ``load_state_dict()`` carry the counters across a checkpoint.
-
-    Plain integer arithmetic: no tensors, no host synchronisation, fine in the step loop.
-    The paper's update interval is 1-10 epochs (10 in its experiments).
+    Stateless: ``should_refresh(epoch=e)`` / ``should_refresh(step=s)`` with the epochs / steps
+    completed so far: True when a count is a positive multiple of its interval. Stateful:
+    ``step()`` after every optimiser step and ``epoch_end()`` after every epoch return whether a
+    refresh is due; ``state_dict()`` / ``load_state_dict()`` carry the counters. Plain integer
+    arithmetic (no host sync). The paper's update interval is 1-10 epochs (10 in its runs).
     """
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
@@ -231,12 +226,11 @@ def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
 
 def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.device,
                            batches: Optional[int] = None) -> int:
-    """Set the running statistics of ``model``'s BatchNorms in training mode to the average
-    of their batch statistics over ``loader`` (its first ``batches`` batches if given): a
-    no-grad forward in the model's current modes, momentum None meanwhile (torch's cumulative
-    average). Returns how many were set. The eval-mode network (the bank's) then normalises
-    as the training one does in expectation, not with a new network's identity statistics or
-    a momentum average that lags the weights; frozen (eval-mode) BatchNorms are left alone."""
+    """Set the running statistics of ``model``'s BatchNorms in training mode (frozen ones are
+    left alone) to the average of their batch statistics over ``loader`` (its first
+    ``batches``): a no-grad forward, momentum None meanwhile. Returns how many were set. The
+    eval-mode network then normalises as the training one does, not with a new network's
+    identity statistics or a momentum average that lags the weights."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
            and m.training and m.track_running_stats and m.running_mean is not None]
     if not bns:
@@ -247,11 +241,8 @@ def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.de
             m.reset_running_stats()
             m.momentum = None
         with torch.no_grad():
-            for i, batch in enumerate(loader):
-                if batches is not None and i >= batches:
-                    break
-                model(_to_device(batch[0] if isinstance(batch, (tuple, list)) else batch,
-                                 device))
+            for batch in itertools.islice(loader, batches):
+                model(to_device(batch[0] if isinstance(batch, (tuple, list)) else batch, device))
     finally:
         for m, momentum in zip(bns, momenta):
             m.momentum = momentum
@@ -274,10 +265,8 @@ _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
 
 
 def _check_search_options(search_backend, knn_options: dict) -> None:
-    # At construction: a misspelt backend or option, an option of another index kind (nprobe
-    # with "hnsw", ignored by every refresh), a bad value or a missing faiss would otherwise
-    # surface only at the first refresh, after the whole set has been embedded (in async
-    # mode, from the background thread).
+    # At construction: a misspelt backend or option, an option of another index kind, a bad
+    # value or a missing faiss would otherwise surface only after the first embedding pass.
     unknown = set(knn_options) - _KNN_OPTIONS
     if unknown:
         raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
@@ -315,19 +304,15 @@ class Refresher:
             ``sigma=criterion``) or a zero-argument callable to have every refresh read the
             loss's CURRENT sigma (a learned sigma moves); a 0-dim tensor is read at each
             refresh too; a float is fixed.
-        recalibrate_bn: first recalibrate the BatchNorms' running statistics over the loader
-            (:func:`recalibrate_batch_norms`: the bank in the training network's space); True
-            (default): the whole loader, an int: its first that many batches, False: off. The
-            live model's in a synchronous refresh, the snapshot's in an asynchronous one.
+        recalibrate_bn: first set the BatchNorms' running statistics over the loader (the
+            live model's, or the async snapshot's: :func:`recalibrate_batch_norms`): True
+            (default) the whole loader, an int its first that many batches, False off.
 
-    Synchronous use: ``stats = refresher.refresh()``. The model runs in eval mode (no dropout:
-    the paper's stored centres have none) under ``torch.no_grad()``; every module's previous
-    train/eval flag is restored afterwards, also on error. Embeddings go into a NEW (N, D)
-    tensor, the lists are built from it, and only then ``bank.update_(centres=,
-    centre_labels=, neighbours=)`` swaps all three in at once: training never sees a
-    half-written bank, and a refresh that fails (loader error, rows never yielded, NaN
-    embeddings) leaves the old bank untouched. The loader's labels become the bank's
-    ``centre_labels``.
+    Synchronous use: ``stats = refresher.refresh()``. The model embeds in eval mode (no
+    dropout: the paper's stored centres have none) under ``torch.no_grad()``, its modes restored
+    after, also on error. The embeddings go into a NEW (N, D) tensor, and only with the lists
+    built ``bank.update_`` swaps centres, labels (the loader's) and lists in at once: training
+    never sees a half-written bank, and a failed refresh leaves the old one untouched.
 
     Asynchronous use: ``refresher.refresh_async()`` then, from the training loop,
     ``stats = refresher.poll()`` (None until ready; swaps and returns the stats when done) or
@@ -335,13 +320,9 @@ class Refresher:
     taken at the call (so the optimiser may keep updating the live model) and, on CUDA, runs on
     a side stream.
 
-    * Costs: a second copy of the model (parameters and buffers) kept for snapshots; a second
-      (N, D) centres buffer (plus the (N, k) lists) alive until the swap; the background
-      embedding and search contend with training for the GPU (or CPU cores and the GIL), so
-      steps run slower meanwhile; the new centres are as stale as the snapshot, i.e. a refresh
-      interval's worth of steps older at swap time than a synchronous refresh would give.
-    * Saves: training does not stall for the refresh (embedding N examples plus an N x k
-      search, minutes on large sets).
+    It costs a second copy of the model and a second (N, D) bank until the swap, and steps
+    slow down meanwhile (shared GPU or cores); the centres are as old as the snapshot. It saves
+    the stall of the refresh (an embedding pass and an N x k search).
 
     The loader must not be iterated by the training loop at the same time from the same
     iterator (separate ``iter(loader)`` calls are fine).
@@ -530,8 +511,7 @@ class Refresher:
         return _Result(centres, centre_labels, lists, stats, stream)
 
     def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float,
-                     old_lists: Optional[Tensor], sigma, asynchronous: bool,
-                     recalibrate_s: float = 0.0):
+                     old_lists: Optional[Tensor], sigma, asynchronous: bool, recalibrate_s=0.0):
         """The (N, k) lists of ``centres`` with this refresher's k / search backend /
         ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
@@ -573,7 +553,7 @@ class Refresher:
                         idx = idx.to(dev)
                         out_of_range |= ((idx < 0) | (idx >= n)).any()
                         idx = idx.clamp(0, n - 1)
-                    emb = net(_to_device(inputs, device))
+                    emb = net(to_device(inputs, device))
                     if not isinstance(emb, Tensor) or emb.shape != (idx.shape[0], d):
                         shape = tuple(emb.shape) if isinstance(emb, Tensor) else type(emb)
                         raise ValueError(f"model output has shape {shape}; expected "
@@ -626,13 +606,3 @@ class Refresher:
                      neighbours=result.lists.neighbours)
         self.last_stats = result.stats
         return result.stats
-
-
-def _to_device(inputs, device: torch.device):
-    if isinstance(inputs, Tensor):
-        return inputs.to(device, non_blocking=True)
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_to_device(x, device) for x in inputs)
-    if isinstance(inputs, dict):
-        return {key: _to_device(v, device) for key, v in inputs.items()}
-    return inputs

@@ -2,21 +2,17 @@
 
 :class:`BankUpkeep` drives a Refresher (:mod:`nnkloss.bank.refresh`) for the training loop:
 
-* the initial bank, built before the first step (and a refresh that a finished run skipped
-  after its last epoch, done before a continuing run's first step);
-* the refreshes of the :class:`nnkloss.RefreshSchedule` (after optimiser steps and after
-  epochs), synchronous or, with an ``async_mode`` refresher, started in the background, polled
-  after every step (a thread liveness check: no sync) and swapped in when ready; one still in
-  flight is waited for before a checkpoint and at the end of a run;
-* the options for a network that moves fast: ``fresh_centres`` (the step's embeddings written
-  into the bank), ``neighbours_every_steps`` (lists rebuilt from the bank's current centres) and
-  ``warm_start_steps`` (one extra full refresh early on); see :class:`nnkloss.experiment.Trainer`.
+* the initial bank before the first step (or the refresh a finished run skipped after its
+  last epoch, before a continuing run's first step);
+* the :class:`nnkloss.RefreshSchedule`'s refreshes, synchronous or in the background (polled
+  after every step without a sync, swapped in when ready, waited for before a checkpoint);
+* ``fresh_centres``, ``neighbours_every_steps`` and ``warm_start_steps`` (see
+  :class:`nnkloss.experiment.Trainer`).
 
-It owns the state a checkpoint must carry for that (``bank_ready``, ``refresh_due``; the
-schedule keeps its own) and the refresh columns of the epoch log, one set per moment so that
-none overwrites another: ``start_refresh_*`` (before the epoch's first step: the initial
-bank), ``refresh_*`` (the epoch's last refresh during its steps) and ``end_refresh_*`` (after
-its last step). Without a refresher (a softmax head) every method returns an empty log.
+It owns the state a checkpoint carries for that (``bank_ready``, ``refresh_due``) and the
+epoch log's refresh columns, one set per moment so that none overwrites another:
+``start_refresh_*`` (before the epoch's first step), ``refresh_*`` (the last during its steps)
+and ``end_refresh_*`` (after its last step). Without a refresher every method is a no-op.
 """
 from __future__ import annotations
 

@@ -11,10 +11,8 @@ numbers, strings, None, lists / tuples / dicts of them. The RNG states are store
 the run was started on (its bank's N, embedding size and a sha256 of its centre labels); a
 resume on other data is refused, naming what differs.
 
-Format 1 (nnkloss before issue 18) pickled the RNG states and was read with
-``weights_only=False``; such files are refused, not read. Format 2 (before issue 19) named the
-bank's centre labels ``labels`` (in the criterion's state dict and the data record); such files
-are refused too, with an error that says so: start the run again.
+Files of formats 1 and 2 (pickled RNG states; centre labels named ``labels``) are refused
+with an error that says so: start the run again.
 """
 from __future__ import annotations
 

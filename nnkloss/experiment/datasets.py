@@ -734,14 +734,10 @@ IDX_SETS = {
 }
 
 
-#: The largest IDX payload :func:`read_idx` reads by default (bytes): 256 MiB. The MNIST
-#: family's files hold at most tens of MB (Fashion-MNIST's training images: 47 MB). A header
-#: declaring more is refused before anything is decompressed: a gzip stream inflates up to
-#: ~1000-fold, so a small file declaring a large payload could otherwise fill the memory. The
-#: bound is that of the whole read, not of the payload alone: the payload is copied once into
-#: its array, and IDXDataset converts the images to float32 (4 bytes each), so a payload of P
-#: bytes peaks near 6 P (1.5 GiB at the default). Larger files of this format: pass
-#: ``max_bytes``.
+#: The largest IDX payload :func:`read_idx` reads by default (bytes): 256 MiB, far above the
+#: MNIST family's tens of MB. A header declaring more is refused before anything is
+#: decompressed (a small gzip file could declare a payload that fills the memory); a payload
+#: of P bytes peaks near 6 P in IDXDataset (float32 images). Larger files: pass ``max_bytes``.
 IDX_MAX_BYTES = 1 << 28
 # How far past the declared payload read_idx counts a file's surplus bytes for its message.
 _IDX_SURPLUS_COUNTED = 1 << 24

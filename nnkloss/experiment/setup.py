@@ -115,12 +115,9 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
     if nkd.is_main_process():
         os.makedirs(run_dir, exist_ok=True)
         if restart:
-            # Left for the new run's first checkpoint to replace, the old one outlived a new
-            # run stopped before its first epoch ended: a later invocation without --restart
-            # found the new settings beside it and resumed the OLD run as the new one. Removed
-            # before the settings are written (an unlink is atomic; atomic_write's directory
-            # fsync below makes both durable in this order), so no moment shows the new
-            # settings beside the old checkpoint.
+            # Removed before the new settings are written (both durable in this order), so
+            # that no moment shows them beside the old checkpoint, which a later invocation
+            # without --restart would resume as the new run.
             try:
                 os.remove(checkpoint)
             except FileNotFoundError:

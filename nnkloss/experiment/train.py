@@ -19,12 +19,10 @@ Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
   weights, sigma), optimiser, AMP scaler, epoch, step, RNG states, the log so far and a record
   of the training data; checksummed and read weights-only (:mod:`nnkloss.experiment.checkpoint`).
 
-``fit(..., resume=True)`` continues from ``checkpoint.pt``: same parameters, same bank, same
-optimiser state, the log continued where the checkpoint left it. A checkpoint of other data
-(another N, other centre labels, another embedding size) is refused, naming what differs. Every epoch
-reseeds the RNGs from ``(seed, epoch)`` (and the rank, under torch.distributed) so that
-shuffling and dropout of epoch e are the same whether or not the run was interrupted before it
-(leave the DataLoader's ``generator`` unset for this: it then draws from torch's global RNG).
+``fit(..., resume=True)`` continues from ``checkpoint.pt`` (a checkpoint of other data is
+refused, naming what differs). Every epoch reseeds the RNGs from ``(seed, epoch)`` (and the
+rank) so that epoch e shuffles and drops out alike whether or not the run was interrupted
+(leave the DataLoader's ``generator`` unset: it then draws from torch's global RNG).
 
 Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
 per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
@@ -144,34 +142,23 @@ class Trainer:
         log_every: steps between progress-bar updates (each reads the running loss: one sync).
         grad_clip: clip the gradient norm of all trained parameters to this (None: off).
 
-    Value checks (:func:`nnkloss.value_checks`): the first step of every :meth:`fit` runs the
-    criterion with them as the caller set them (on by default: a loader whose ``idx`` does not
-    give each example's own bank row raises there, naming ``idx`` and ``labels``); every later
-    step runs with them off, so that the step does not synchronise with the host for them on a
-    GPU. Nothing is lost for the bank, which is validated whenever it is written (refresh,
-    ``update_``, checkpoint load). Rows whose labels disagree with the bank's in a later step are
-    dropped by the loss and counted without a sync (``last_num_mismatched``); the epoch's count
-    is read once at its end, and a non-zero count raises ValueError before the epoch is
-    logged or checkpointed.
+    Value checks (:func:`nnkloss.value_checks`) run as the caller set them in the first step of
+    every :meth:`fit` (a loader whose ``idx`` is not each example's bank row raises there) and
+    off afterwards (no host sync per step; the bank is validated whenever it is written). Rows
+    whose labels disagree with the bank's later are dropped by the loss and counted without a
+    sync; a non-zero count at the epoch's end raises ValueError before it is logged.
 
     Keeping a bank loss current on a network that moves fast (training from scratch), where
     the centres of a periodic refresh go stale within an epoch:
 
         fresh_centres: None (off) or a momentum in [0, 1): after each optimiser step, the
-            step's embeddings are written into the bank at their ``idx``
+            step's embeddings (those the loss saw: train mode, augmented inputs, before the
+            update; under AMP the fp32 copy) are written into the bank at their ``idx``
             (:meth:`nnkloss.CentreBank.write_centres_`: ``momentum * old + (1 - momentum) *
-            new``; a row twice in a batch keeps its last occurrence). They are the embeddings
-            the loss saw in that step's forward: the network in train mode (dropout, batch
-            statistics) on the training loader's (augmented) inputs, before the step's update;
-            under AMP the fp32 copy of the autocast output that the loss ran on, cast to the
-            bank's dtype. Rows not in the batch keep their centres. Under torch.distributed
-            every rank all-gathers every rank's (idx, embeddings) and writes all of them in
-            rank order (rank 0's first, so a row in two ranks' batches ends with the higher
-            rank's embedding): the banks stay identical. Costs per step there: an all-gather of
-            the batch sizes (one host sync on NCCL) and of the B x D embeddings. A background
-            (async) refresh swapped in later replaces every centre, including rows written
-            since its snapshot, with its re-embedded (older) ones; a scheduled synchronous
-            refresh at the same step runs after the write and replaces it too.
+            new``; a row twice in a batch keeps its last). Under torch.distributed every rank
+            writes every rank's rows in rank order (an all-gather per step): the banks stay
+            identical. A later refresh (a background one swapped in, a synchronous one at
+            the same step) replaces every centre, these included.
         neighbours_every_steps: None (off) or N: every N optimiser steps (counted over the whole
             run, so a resumed run rebuilds at the same steps) the neighbour lists are rebuilt
             from the bank's current centres with the refresher's k, search backend,
@@ -554,9 +541,7 @@ class Trainer:
             if self.upkeep.needs_initial_bank:
                 # The initial bank: centres from the untrained model, before the first step.
                 seed_everything(self.seed)
-            # The initial bank from the network in the modes it trains in (its BatchNorms'
-            # statistics are recalibrated for it: nnkloss.bank.refresh.recalibrate_batch_norms).
-            self.model.train()
+            self.model.train()  # the initial bank from the network in its training modes
             self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
             self._check_next_step = True  # each fit()'s first step runs with value checks
             if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
@@ -587,8 +572,7 @@ class Trainer:
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))
-            # A refresh before the epoch's first step (the initial bank build): start_refresh_*.
-            row.update(self.upkeep.take_pending())
+            row.update(self.upkeep.take_pending())  # start_refresh_*: the initial bank's
             row["time_s"] = time.perf_counter() - t0
             last = epoch == int(epochs)
             if self.eval_fn is not None and (epoch % self.eval_every == 0 or last):

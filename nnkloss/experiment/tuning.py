@@ -18,7 +18,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..inference import inference_model
+from ..inference import inference_model, to_device
 from ..losses.base import BankLoss
 from ..validation import require_sigma
 
@@ -35,16 +35,6 @@ def _candidates(candidates) -> list:
     if not out:
         raise ValueError("candidates is empty: give at least one sigma to try")
     return out
-
-
-def _to_device(inputs, device):
-    if isinstance(inputs, Tensor):
-        return inputs.to(device)
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_to_device(x, device) for x in inputs)
-    if isinstance(inputs, dict):
-        return {key: _to_device(v, device) for key, v in inputs.items()}
-    return inputs
 
 
 @torch.no_grad()
@@ -101,7 +91,7 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
             if not isinstance(batch, (tuple, list)) or len(batch) != 3:
                 raise ValueError("loader must yield (inputs, labels, idx) triples")
             inputs, labels, idx = batch
-            emb = net(_to_device(inputs, device))
+            emb = net(to_device(inputs, device))
             batches.append((emb.detach().float().to(bank_device),
                             torch.as_tensor(labels).to(bank_device),
                             torch.as_tensor(idx).to(bank_device)))

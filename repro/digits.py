@@ -20,9 +20,9 @@ Triton on a GPU) + Refresher (initial bank before the first step, then every
 
 Beside the trained networks, the raw pixels (no training: 1-nearest neighbour for
 classification) give the floor. Outputs in ``--out`` (its path is printed at the end):
-results.json (schema below, fractions in [0, 1]), results.md (the same as a table, also printed), embedding_nngk.png / embedding_softmax.png (test classes 5-9),
-recall.png, training_curves.png, and one sub-folder per run with its log.csv/log.json and
-checkpoint.
+results.json (schema below, fractions in [0, 1]), results.md (the same as a table, also
+printed), embedding_nngk.png / embedding_softmax.png (test classes 5-9), recall.png,
+training_curves.png, and one sub-folder per run with its log.csv/log.json and checkpoint.
 
     {"metric_learning": {"nngk": {"recall@1", "recall@2", "recall@4", "recall@8", "map@r",
                                   "r_precision", "nmi"},

@@ -257,7 +257,7 @@ def extra_jobs(args) -> List[Job]:
     classes = SPLITS["a"]
     for dim in args.dims:
         out = os.path.join(args.out, "dims", f"a-d{dim}")
-        for seed in args.seeds:
+        for seed in args.seeds[:args.extra_seeds]:
             for method in ["nngk"] + best_competitors(args):
                 knobs, epochs, _ = choose(args, "a", method)
                 jobs.append(Job("dims", out, method, seed, _common(args) + [
@@ -266,7 +266,7 @@ def extra_jobs(args) -> List[Job]:
                     "--nmi-inits", str(args.nmi_inits)] + knob_flags(method, knobs)))
     for per_class in _sizes(args):
         out = os.path.join(args.out, "classify", f"{per_class or 'full'}")
-        for seed in args.seeds:
+        for seed in args.seeds[:args.extra_seeds]:
             for method in ("nngk", "softmax", "pixels"):
                 argv = _classify_argv(args, out, method, per_class) + ["--seeds", str(seed)]
                 if method != "pixels":
@@ -372,7 +372,7 @@ def compare(runs, keys, reference: str = "nngk") -> dict:
             d = mean_ci(paired(runs, reference, m, k))
             d["verdict"] = verdict(d) if d["n"] > 1 else "n/a"
             diffs[m][k] = d
-    trained = [m for m in runs if m not in (reference, "pixels") and table[m]["wall_s"]]
+    trained = [m for m in runs if m not in (reference, "pixels", CONTROL) and table[m]["wall_s"]]
     fastest = min(trained, key=lambda m: table[m]["wall_s"]) if trained else None
     ratio = (table[reference]["wall_s"] / table[fastest]["wall_s"]
              if fastest and reference in table and table[reference]["wall_s"] else None)
@@ -485,8 +485,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--data-root", default="/usr/share/datasets/fashion-mnist",
                    help="folder with the four Fashion-MNIST IDX files")
     p.add_argument("--out", required=True, help="the benchmark's folder (resumable)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(8)),
-                   help="test seeds, paired across methods (the power analysis: 8)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)),
+                   help="test seeds, paired across methods (the power analysis: repro/README.md)")
+    p.add_argument("--extra-seeds", type=int, default=5,
+                   help="the extra stage (sizes, classification) runs the first this many seeds")
     p.add_argument("--train-per-class", type=int, default=2000,
                    help="training images per class (0: all)")
     p.add_argument("--max-epochs", type=int, default=8,

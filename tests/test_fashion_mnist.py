@@ -211,7 +211,7 @@ def test_benchmark_end_to_end_on_fabricated_files(idx_tree, tmp_path):
     common = ["--data-root", idx_tree, "--out", out, "--methods", "nngk", "contrastive",
               "softmax", "--trials", "2", "--max-epochs", "2", "--seeds", "0", "1",
               "--train-per-class", "12", "--dims", "16", "--per-class", "8", "0",
-              "--nmi-inits", "1",
+              "--extra-seeds", "1", "--nmi-inits", "1",
               "--fm-args", "--batch-size 16 --nngk-k 5 --dim 8 --width 4 --eval-per-class 10"]
     with pytest.raises(SystemExit, match="tuning of nngk on split a is not finished"):
         bench.main(common + ["run", "--stage", "test"])
@@ -243,6 +243,7 @@ def test_benchmark_end_to_end_on_fabricated_files(idx_tree, tmp_path):
         1 / (2 * sigma ** 2))
     assert res["retrieval"]["pooled"]["nngk_minus"]["softmax"]["recall@1"]["n"] == 4
     assert set(res["dims"]) == {"a-d16"} and set(res["classification"]) == {"8", "full"}
+    assert res["dims"]["a-d16"]["methods"]["nngk"]["recall@1"]["n"] == 1  # --extra-seeds
     assert set(res["classification"]["8"]["methods"]) == {"nngk", "softmax", "pixels"}
     nngk_cls = json.load(open(os.path.join(out, "classify", "8", "runs", "nngk-s0",
                                            "result.json")))

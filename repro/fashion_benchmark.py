@@ -165,8 +165,11 @@ def classify_tune_jobs(args) -> List[Job]:
     for per_class in _sizes(args):
         out = os.path.join(args.out, "tune", f"classify-{per_class or 'full'}")
         for method in ("nngk", "softmax"):
+            # A scarce set gets the steps of --train-per-class images (more epochs).
+            scale = (args.train_per_class or 0) // per_class if per_class else 1
+            epochs = args.max_epochs * max(1, scale)
             argv = _classify_argv(args, out, method, per_class) + [
-                "--eval-on", "val", "--curve", "--epochs", str(args.max_epochs),
+                "--eval-on", "val", "--curve", "--epochs", str(epochs),
                 "--seeds", str(TUNE_SEED)] + knob_flags(method, classify_knobs(args, method))
             jobs.append(Job("tune", out, method, TUNE_SEED, argv))
     return jobs
@@ -380,6 +383,41 @@ def compare(runs, keys, reference: str = "nngk") -> dict:
             "wall_ratio_to_fastest": ratio}
 
 
+def _pool(entries: List[dict]) -> dict:
+    """The splits' estimates combined, each split a stratum: the mean of their means, its
+    standard error sqrt(sum sd^2 / n) / J, Student t with sum(n - 1) degrees of freedom (the
+    splits' fixed difference is not noise)."""
+    if any(e["n"] < 2 for e in entries):
+        return {"n": sum(e["n"] for e in entries), "mean": math.nan, "sd": math.nan,
+                "ci": math.inf}
+    se = math.sqrt(sum(e["sd"] ** 2 / e["n"] for e in entries)) / len(entries)
+    df = sum(e["n"] - 1 for e in entries)
+    from scipy import stats
+    return {"n": sum(e["n"] for e in entries), "mean": float(np.mean([e["mean"] for e in
+                                                                       entries])),
+            "sd": se * math.sqrt(sum(e["n"] for e in entries)),
+            "ci": float(stats.t.ppf(0.975, df)) * se}
+
+
+def pool_splits(comps: List[dict]) -> dict:
+    """:func:`compare`'s result over several splits, each a stratum (:func:`_pool`)."""
+    methods = [m for m in comps[0]["methods"] if all(m in c["methods"] for c in comps)]
+    out = {"methods": {}, "nngk_minus": {}}
+    for m in methods:
+        out["methods"][m] = {k: _pool([c["methods"][m][k] for c in comps]) for k in METRICS}
+        walls = [c["methods"][m]["wall_s"] for c in comps]
+        out["methods"][m]["wall_s"] = None if None in walls else float(np.mean(walls))
+        if m != "nngk":
+            out["nngk_minus"][m] = {k: _pool([c["nngk_minus"][m][k] for c in comps])
+                                    for k in METRICS}
+            for d in out["nngk_minus"][m].values():
+                d["verdict"] = verdict(d)
+    ratios = [c["wall_ratio_to_fastest"] for c in comps]
+    out["fastest_competitor"] = comps[0]["fastest_competitor"]
+    out["wall_ratio_to_fastest"] = None if None in ratios else float(np.mean(ratios))
+    return out
+
+
 def power(args) -> dict:
     """Paired sd of NNGK's difference to each competitor in stored runs, and the seeds needed
     for a 95% CI half-width of --target points."""
@@ -417,15 +455,10 @@ def report(args) -> dict:
         res["choices"][split] = {m: dict(zip(("knobs", "epochs", "val_map@r"),
                                              choose(args, split, m)))
                                  for m in args.methods if _tuned(args, split, m)}
-    pooled = {}
-    for split in res["retrieval"]:
-        for m, rs in _runs(os.path.join(args.out, "test", split)).items():
-            for seed, r in rs.items():
-                pooled.setdefault(m, {})[f"{split}{seed}"] = r
     if len(res["retrieval"]) > 1:
-        res["retrieval"]["pooled"] = comp = compare(pooled, METRICS)
-        md.append(_table(comp, METRICS, "Retrieval, both splits pooled (paired by split and "
-                                        "seed), mean ± 95% CI"))
+        res["retrieval"]["pooled"] = comp = pool_splits(list(res["retrieval"].values()))
+        md.append(_table(comp, METRICS, "Retrieval, both splits (the mean of the splits' "
+                                        "means, split as a stratum), mean ± 95% CI"))
     for folder in sorted(glob.glob(os.path.join(args.out, "dims", "*"))):
         res["dims"][os.path.basename(folder)] = comp = compare(_runs(folder), METRICS)
         md.append(_table(comp, METRICS, f"Embedding size, {os.path.basename(folder)}"))
@@ -485,7 +518,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--data-root", default="/usr/share/datasets/fashion-mnist",
                    help="folder with the four Fashion-MNIST IDX files")
     p.add_argument("--out", required=True, help="the benchmark's folder (resumable)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)),
+    p.add_argument("--seeds", type=int, nargs="+", default=list(range(12)),
                    help="test seeds, paired across methods (the power analysis: repro/README.md)")
     p.add_argument("--extra-seeds", type=int, default=5,
                    help="the extra stage (sizes, classification) runs the first this many seeds")
@@ -498,7 +531,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--per-class", type=int, nargs="+", default=[100, 500, 0],
                    help="classification: training images per class (0: the full set)")
     p.add_argument("--nmi-inits", type=int, default=10)
-    p.add_argument("--recalibrate", default="40",
+    p.add_argument("--recalibrate", default="10",
                    help="NNGK's BatchNorm recalibration: 'all', 'off' or a number of batches")
     p.add_argument("--target", type=float, default=1.5, help="power: detectable points")
     p.add_argument("--runs", nargs="+", default=["repro/results/fashion_mnist/retrieval"],

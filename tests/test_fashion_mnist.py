@@ -241,7 +241,10 @@ def test_benchmark_end_to_end_on_fabricated_files(idx_tree, tmp_path):
     sigma = float(res["choices"]["a"]["nngk"]["knobs"]["sigma"])
     assert ctl["config"]["pml"]["loss_args"]["softmax_scale"] == pytest.approx(
         1 / (2 * sigma ** 2))
-    assert res["retrieval"]["pooled"]["nngk_minus"]["softmax"]["recall@1"]["n"] == 4
+    pooled = res["retrieval"]["pooled"]["nngk_minus"]["softmax"]["recall@1"]
+    per_split = [res["retrieval"][s]["nngk_minus"]["softmax"]["recall@1"] for s in "ab"]
+    assert pooled["n"] == 4  # the splits are strata: the mean of their means
+    assert pooled["mean"] == pytest.approx((per_split[0]["mean"] + per_split[1]["mean"]) / 2)
     assert set(res["dims"]) == {"a-d16"} and set(res["classification"]) == {"8", "full"}
     assert res["dims"]["a-d16"]["methods"]["nngk"]["recall@1"]["n"] == 1  # --extra-seeds
     assert set(res["classification"]["8"]["methods"]) == {"nngk", "softmax", "pixels"}
@@ -268,3 +271,16 @@ def test_power_analysis_of_the_published_runs(tmp_path):
     assert res["map@r"]["seeds_needed"] > 3
     # t(3) 3.18 / sqrt(4) = 1.59 > 1.5 at n = 4; t(4) 2.78 / sqrt(5) = 1.24 at n = 5
     assert bench.seeds_needed(1.0, 1.5) == 5
+
+
+def test_splits_pool_as_strata():
+    """Pooled over splits, the estimate is the mean of the splits' means with the standard
+    error of that mean (the splits' fixed difference is not noise): two splits of 3 seeds,
+    means 1 and 3, sd 1 each -> mean 2, se sqrt(1/3 + 1/3) / 2, t with 4 degrees of freedom."""
+    bench = load_fm("fashion_benchmark")
+    pooled = bench._pool([{"n": 3, "mean": 1.0, "sd": 1.0}, {"n": 3, "mean": 3.0, "sd": 1.0}])
+    assert pooled["mean"] == pytest.approx(2.0) and pooled["n"] == 6
+    assert pooled["ci"] == pytest.approx(2.7764451 * (2 / 3) ** 0.5 / 2, rel=1e-6)
+    assert bench.verdict({"mean": 2.0, "ci": 1.9}) == "win"
+    assert bench.verdict({"mean": -2.0, "ci": 1.9}) == "loss"
+    assert bench.verdict({"mean": 2.0, "ci": 2.1}) == "tie"

@@ -232,7 +232,7 @@ def best_competitors(args, split: str = "a", n: int = 2) -> List[str]:
     return sorted(scores, key=scores.get, reverse=True)[:n]
 
 
-def test_jobs(args) -> List[Job]:
+def evaluation_jobs(args) -> List[Job]:
     jobs = []
     for split, classes in SPLITS.items():
         out = os.path.join(args.out, "test", split)
@@ -279,7 +279,7 @@ def extra_jobs(args) -> List[Job]:
     return jobs
 
 
-STAGES = {"tune": tune_jobs, "test": test_jobs, "extra": extra_jobs}
+STAGES = {"tune": tune_jobs, "test": evaluation_jobs, "extra": extra_jobs}
 
 
 def run_stage(args) -> None:
@@ -494,6 +494,12 @@ def _table(comp: dict, keys, title: str) -> str:
     ratio = comp["wall_ratio_to_fastest"]
     note = ("" if ratio is None else f" NNGK's wall time is {ratio:.2f}x the fastest "
             f"competitor's ({comp['fastest_competitor']}).")
+    trained = [m for m in comp["nngk_minus"] if m not in ("pixels", CONTROL)]
+    if trained:  # the half-width the design reached: the difference it can detect
+        note += " Detectable difference reached (largest 95% CI half-width over the " \
+                "competitors): " + ", ".join(
+                    f"{heads[k]} {max(comp['nngk_minus'][m][k]['ci'] for m in trained):.2f}"
+                    for k in keys) + "."
     return markdown_table(["method", "seeds"] + [heads[k] for k in keys]
                           + [f"NNGK - it, {heads[k]}" for k in keys] + ["wall s"], rows,
                           title=title) + note + "\n"

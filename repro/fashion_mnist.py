@@ -26,7 +26,9 @@ Methods (same network, optimiser, batches, augmentation and epochs for all):
 ``nngk``; from pytorch-metric-learning with its standard settings: ``contrastive``, ``triplet``
 (+ semi-hard TripletMarginMiner), ``multisimilarity`` (+ MultiSimilarityMiner), ``nca``,
 ``proxyanchor``, ``normsoftmax``, ``arcface``; ``softmax`` (linear layer + cross-entropy on the
-embedding); ``pixels`` (no training: the raw 784 pixels, a floor).
+embedding); ``pixels`` (no training: the raw 784 pixels, a floor). ``--method-args`` sets a
+PML loss's own knobs, ``--tag`` keeps a variant as METHOD-TAG: ``repro/fashion_benchmark.py``
+tunes every method that way and runs the paired, two-split benchmark (repro/README.md).
 
 Outputs in ``--out``: ``runs/<method>-s<seed>/`` (the run's log, checkpoint and
 ``result.json``), ``results.json`` (every run: metrics, wall times, configuration, machine load;

@@ -284,3 +284,24 @@ def test_splits_pool_as_strata():
     assert bench.verdict({"mean": 2.0, "ci": 1.9}) == "win"
     assert bench.verdict({"mean": -2.0, "ci": 1.9}) == "loss"
     assert bench.verdict({"mean": 2.0, "ci": 2.1}) == "tie"
+
+
+def test_method_args_and_recalibration_options_are_checked_by_name(capsys):
+    """--method-args must be a JSON object for PML methods only; --nngk-recalibrate 'all',
+    'off' or a positive number of batches; each reaches the run's configuration."""
+    fm = load_fm()
+    base = ["--data-root", "x", "--out", "y"]
+    for argv, message in (
+            (["--methods", "contrastive", "--method-args", "[1]"], "--method-args must be"),
+            (["--methods", "nngk", "--method-args", '{"margin": 1}'], "a PML loss's"),
+            (["--nngk-recalibrate", "0"], "--nngk-recalibrate must be"),
+            (["--nngk-recalibrate", "some"], "--nngk-recalibrate must be")):
+        with pytest.raises(SystemExit):
+            fm.parse_args(base + argv)
+        assert message in capsys.readouterr().err
+    args = fm.parse_args(base + ["--methods", "contrastive", "--method-args",
+                                 '{"neg_margin": 0.8}', "--nngk-recalibrate", "10"])
+    assert args.nngk_recalibrate == 10
+    assert fm.pml_settings("contrastive", args.method_args)["loss_args"]["neg_margin"] == 0.8
+    assert fm.pml_criterion("contrastive", 5, 8, args.method_args).loss.neg_margin == 0.8
+    assert fm.parse_args(base + ["--nngk-recalibrate", "off"]).nngk_recalibrate is False

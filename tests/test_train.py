@@ -1,4 +1,5 @@
 """Trainer: the loss goes down on easy data; resume continues the log and the state exactly."""
+import copy
 import functools
 import json
 import os
@@ -1162,3 +1163,33 @@ def test_load_state_dict_is_all_or_nothing(tmp_path):
     assert not all(torch.equal(v, before[k]) for k, v in other.model.state_dict().items())
     tr.load_state_dict(other.state_dict())                            # a good one still loads
     assert tr.epoch == other.epoch and tr.step == other.step
+
+
+@pytest.mark.parametrize("recalibrate", [True, False])
+def test_initial_bank_of_a_batch_norm_network_is_in_its_training_space(recalibrate):
+    """The Trainer's initial bank of a from-scratch BatchNorm network left in eval mode by its
+    owner: built from the network in its training modes with its BatchNorm statistics
+    recalibrated, so that a row's training-mode embedding and its centre agree (mean cosine
+    >= 0.95); without the recalibration they do not. The weights barely move (lr 1e-12) and
+    no refresh follows the last epoch: the bank is the initial one. Its statistics are the
+    first row's start_refresh_* columns."""
+    x, y = blobs()
+    x = x * 3 + 5  # inputs far from the identity statistics (mean 0, var 1)
+    ds = IndexedTensorDataset(x, y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 6))
+    model.eval()
+    bank = CentreBank(torch.zeros(len(ds), 6), ds.labels.clone())
+    refresher = Refresher(bank, model, DataLoader(ds, batch_size=32), k=12,
+                          search_backend="torch", recalibrate_bn=recalibrate)
+    tr = Trainer(model, NeighbourKernelLoss(bank, sigma=1.0), DataLoader(ds, batch_size=16,
+                 shuffle=True), refresher=refresher, schedule=RefreshSchedule(every_epochs=1),
+                 optimizer="sgd", lr=1e-12, progress=False, threads=None)
+    h = tr.fit(1)
+    with torch.no_grad():
+        train_mode = copy.deepcopy(model).train()
+        cosine = float(torch.cat([nn.functional.cosine_similarity(
+            train_mode(x[idx]), bank.centres[idx]) for idx in torch.randperm(len(ds)).split(16)
+        ]).mean())
+    assert (cosine >= 0.95) if recalibrate else (cosine < 0.9)
+    assert (h[0]["start_refresh_recalibrate_seconds"] > 0) == recalibrate

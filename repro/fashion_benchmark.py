@@ -50,6 +50,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from nnkloss.experiment.reporting import markdown_table, write_json, write_table
+from nnkloss.experiment.seeds import seed_arg
 from nnkloss.experiment.setup import HelpFormatter
 
 #: the two class splits: the published one and a random 5/5 split of a fixed seed.
@@ -524,7 +525,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--data-root", default="/usr/share/datasets/fashion-mnist",
                    help="folder with the four Fashion-MNIST IDX files")
     p.add_argument("--out", required=True, help="the benchmark's folder (resumable)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(12)),
+    p.add_argument("--seeds", type=seed_arg, nargs="+", default=list(range(12)),
                    help="test seeds, paired across methods (the power analysis: repro/README.md)")
     p.add_argument("--extra-seeds", type=int, default=5,
                    help="the extra stage (sizes, classification) runs the first this many seeds")
@@ -554,14 +555,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("command", choices=("power", "plan", "run", "report"))
     args = p.parse_args(argv)
-    if not 0 <= args.worker < args.workers:
-        p.error(f"--worker must be in 0..{args.workers - 1}, got {args.worker}")
-    if args.max_epochs < 1 or args.trials < 1:
-        p.error(f"--max-epochs and --trials must be >= 1, got {args.max_epochs}, "
-                f"{args.trials}")
+    for flag in ("max_epochs", "trials", "extra_seeds", "workers"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if "nngk" not in args.methods or len(args.methods) < 3:
         p.error("--methods must hold nngk and at least two competitors")
     args.methods = ["nngk"] + [m for m in args.methods if m != "nngk"]
+    if not 0 <= args.worker < args.workers:
+        p.error(f"--worker must be in 0..{args.workers - 1}, got {args.worker}")
     return args
 
 

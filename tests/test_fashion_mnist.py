@@ -305,3 +305,14 @@ def test_method_args_and_recalibration_options_are_checked_by_name(capsys):
     assert fm.pml_settings("contrastive", args.method_args)["loss_args"]["neg_margin"] == 0.8
     assert fm.pml_criterion("contrastive", 5, 8, args.method_args).loss.neg_margin == 0.8
     assert fm.parse_args(base + ["--nngk-recalibrate", "off"]).nngk_recalibrate is False
+
+
+def test_benchmark_options_are_checked_by_name(capsys):
+    bench = load_fm("fashion_benchmark")
+    for argv, message in ((["--trials", "0"], "--trials must be >= 1"),
+                          (["--worker", "2", "--workers", "2"], "--worker must be in 0..1"),
+                          (["--methods", "nngk", "nca"], "at least two competitors"),
+                          (["--seeds", "-1"], "--seeds: must be an integer")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["plan", "--out", "x"] + argv)
+        assert message in capsys.readouterr().err

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .neighbour_kernel import cdiv, pow2_ceil
+from .neighbour_kernel import cdiv, pow2_ceil, ticket
 
 # Entries of one tile (rows x list entries): 8 a thread at 4 warps.
 BATCH_LISTS_TILE = 1024
@@ -37,7 +37,7 @@ BATCH_LISTS_MAX_BLOCK_K = 256
 
 @triton.jit
 def _batch_lists_kernel(
-    table_ptr, idx_ptr, labels_ptr, bank_labels_ptr, out_ptr, counts_ptr,
+    table_ptr, idx_ptr, labels_ptr, bank_labels_ptr, out_ptr, counts_ptr, ticket_ptr,
     B, N, K, stride_t,
     EXCLUDE_SELF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -62,12 +62,19 @@ def _batch_lists_kernel(
             nb = tl.where(nb == i[:, None], -1, nb)
         tl.store(out_ptr + rows[:, None] * K + kk[None, :], nb,
                  mask=rmask[:, None] & kmask[None, :])
-    # 4. The counts (dropped rows, and those of them outside the bank), written only by a
-    #    program that drops a row: no atomics in the usual batch.
-    n_drop = tl.sum(drop.to(tl.int64), axis=0)
+    # 4. The counts (dropped rows, and those of them outside the bank), added into the
+    #    ticket's two accumulators only by a program that drops a row; the last program to take
+    #    a ticket moves them to counts and leaves the accumulators and the ticket at 0, so the
+    #    counts need no cleared buffer (no other launch).
+    n_drop = tl.sum(drop.to(tl.int32), axis=0)
     if n_drop > 0:
-        tl.atomic_add(counts_ptr, n_drop)
-        tl.atomic_add(counts_ptr + 1, tl.sum((rmask & ~in_bank).to(tl.int64), axis=0))
+        tl.atomic_add(ticket_ptr + 1, n_drop, sem="acq_rel")
+        tl.atomic_add(ticket_ptr + 2, tl.sum((rmask & ~in_bank).to(tl.int32), axis=0),
+                      sem="acq_rel")
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.store(counts_ptr, tl.atomic_xchg(ticket_ptr + 1, 0).to(tl.int64))
+        tl.store(counts_ptr + 1, tl.atomic_xchg(ticket_ptr + 2, 0).to(tl.int64))
+        tl.atomic_xchg(ticket_ptr, 0)
 
 
 def batch_lists_config(K: int) -> Tuple[int, int]:
@@ -97,15 +104,15 @@ def batch_lists(table: torch.Tensor, idx: torch.Tensor, labels: torch.Tensor,
     N, K = table.shape
     B = idx.shape[0]
     out = torch.empty(B, K, dtype=table.dtype, device=table.device)
-    counts = torch.zeros(2, dtype=torch.int64, device=table.device)
+    counts = torch.empty(2, dtype=torch.int64, device=table.device)
     if B == 0:
-        return out, counts
+        return out, counts.zero_()
     if table.stride(1) != 1:
         table = table.contiguous()
     block_b, block_k = batch_lists_config(K)
     _batch_lists_kernel[(cdiv(B, block_b),)](
         table, idx.contiguous(), labels.contiguous(), bank_labels.contiguous(), out, counts,
-        B, N, K, table.stride(0),
+        ticket(table.device, 1), B, N, K, table.stride(0),
         EXCLUDE_SELF=bool(exclude_self), BLOCK_B=block_b, BLOCK_K=block_k,
     )
     return out, counts

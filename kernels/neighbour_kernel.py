@@ -42,6 +42,8 @@ BYTES_PER_THREAD = 64
 # TRAIN_MIN_ELEMS_PER_THREAD elements a thread (see default_config).
 TRAIN_ROWS = 2
 TRAIN_MIN_ELEMS_PER_THREAD = 8
+# Partials the last program of a MEAN launch reads per step.
+MEAN_BLOCK = tl.constexpr(1024)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,17 +153,22 @@ def _lse(m, s):
 def _nk_fwd_kernel(
     emb_ptr, lab_ptr, cen_ptr, clab_ptr, nbr_ptr, w_ptr, sigma_ptr,
     loss_ptr, lse_all_ptr, lse_pos_ptr, gx_ptr, dist_ptr,
+    counted_ptr, part_ptr, part_n_ptr, ticket_ptr, mean_ptr, divisor_ptr,
     B, K, D, N,
     stride_eb, stride_cn, stride_nb, stride_gb, stride_db,
     HAS_W: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE_PASS: tl.constexpr,
     STORE_DIST: tl.constexpr, ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
     ROWS: tl.constexpr, GRAD_X: tl.constexpr, PREFETCH_INDEX: tl.constexpr,
+    MEAN: tl.constexpr,
 ):
     """ROWS query rows per program (grid = cdiv(B, ROWS)). GRAD_X False is the forward-only
     build: no weighted sums of z, no grad_x store, no second phase (gx_ptr is not touched).
     PREFETCH_INDEX: step 1 loads the next tile's list entries while this tile's rows are
     gathered (the same values, other load order; see FwdConfig.prefetch_index).
+    MEAN: also the counted rows (counted_ptr, bool) and their mean (mean_ptr: mean, divisor),
+    step 5: each program's partial sum and count, summed in a fixed order by the last program
+    to finish (a ticket that it resets), so the mean is deterministic and needs no other launch.
 
     Memory traffic per row (the figure the kernel is measured against):
         reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
@@ -182,8 +189,11 @@ def _nk_fwd_kernel(
     # masks are constant over whole vectors of centre / embedding elements.
     Dc = (D // ROW_ALIGN) * ROW_ALIGN
     De = (D // EMB_ALIGN) * EMB_ALIGN
+    part = tl.sum(tl.zeros([BLOCK_K], dtype=COMPUTE), axis=0)
+    part_n = tl.sum(tl.zeros([BLOCK_K], dtype=tl.int32), axis=0)
     for r in range(ROWS):
         row = tl.minimum(tl.program_id(0).to(tl.int64) * ROWS + r, B - 1)
+        in_batch = tl.program_id(0).to(tl.int64) * ROWS + r < B
         label = tl.load(lab_ptr + row)
         erow = _aligned_row_offsets(row, stride_eb, EMB_ALIGN)
 
@@ -257,6 +267,12 @@ def _nk_fwd_kernel(
         tl.store(lse_all_ptr + row, tl.where(is_bad, float("nan"), lse_all))
         tl.store(lse_pos_ptr + row, tl.where(is_bad, float("nan"), lse_pos))
         tl.store(loss_ptr + row, tl.where(is_bad, float("nan"), loss))
+        if MEAN:
+            # A counted row has a same-class entry or is non-finite (its NaN reaches the mean).
+            counted = is_bad | has_pos
+            tl.store(counted_ptr + row, counted.to(tl.int8))
+            part += tl.where(in_batch, tl.where(is_bad, float("nan"), loss), 0.0)
+            part_n += (in_batch & counted).to(tl.int32)
         grow = row * stride_gb
 
         # Step 4: grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j (not in the forward-only build).
@@ -297,6 +313,28 @@ def _nk_fwd_kernel(
                     g += tl.sum(coef[:, None] * zc, axis=0)
                 g = g * inv_sigma
                 tl.store(gx_ptr + grow + dd, tl.where(is_bad, float("nan"), g), mask=dd < D)
+
+    # Step 5: the counted mean. The last program to take a ticket sums every program's partial
+    # in program order (the acq_rel ticket makes their stores visible) and resets the ticket.
+    if MEAN:
+        pid = tl.program_id(0)
+        tl.store(part_ptr + pid, part)
+        tl.store(part_n_ptr + pid, part_n)
+        tl.debug_barrier()
+        programs = tl.num_programs(0)
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == programs - 1:
+            offs = tl.arange(0, MEAN_BLOCK)
+            total = tl.zeros([MEAN_BLOCK], dtype=COMPUTE)
+            count = tl.zeros([MEAN_BLOCK], dtype=tl.int32)
+            for p0 in range(0, programs, MEAN_BLOCK):
+                pm = p0 + offs < programs
+                total += tl.load(part_ptr + p0 + offs, mask=pm, other=0.0, volatile=True)
+                count += tl.load(part_n_ptr + p0 + offs, mask=pm, other=0, volatile=True)
+            divisor = tl.maximum(tl.sum(count, axis=0), 1).to(COMPUTE)
+            tl.store(mean_ptr, tl.sum(total, axis=0) / divisor)
+            tl.store(divisor_ptr, divisor)
+            tl.atomic_xchg(ticket_ptr, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -564,7 +602,7 @@ def _check_config(cfg: FwdConfig):
 def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                          max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                          config: Optional[FwdConfig] = None, store_dist: bool = True,
-                         need_grad_x: bool = True):
+                         need_grad_x: bool = True, mean: bool = False):
     """Launch the fused forward (nnkloss/ops/CONTRACT.md).
 
     Args:
@@ -584,13 +622,16 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
             centre reads, under 0.1%, and simpler than recomputing K distances.
         need_grad_x: compute grad_x; False launches the forward-only build (no gradient terms,
             no second phase, no scratch) and returns an empty (B, 0) grad_x.
+        mean: also return ``counted`` (B,) bool (the rows with a same-class entry, and the
+            non-finite ones), and ``mean``, ``divisor``: 0-dim, the sum of the losses over
+            ``max(count, 1)``, computed by the same launch (deterministic: a fixed order).
 
     Returns:
         loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
         dist (B, K) or (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no
         same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite rows are NaN.
         ``dist`` holds u_j = ||c_j - x||^2 / sigma^2 of every non-padding entry (zero-weight
-        ones too) and 0 for padding.
+        ones too) and 0 for padding. With ``mean``: those five, then counted, mean, divisor.
     """
     B, D = emb.shape
     K = neighbours.shape[1]
@@ -606,9 +647,15 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         K, D, max_block_d, centres.element_size(), need_grad_x, B, sm_count(dev),
         cdt.itemsize)
     _check_config(cfg)
-    if B == 0:
-        return loss, lse_all, lse_pos, grad_x, dist
-    if K == 0:
+    out = (loss, lse_all, lse_pos, grad_x, dist)
+    programs = cdiv(B, cfg.rows)
+    if mean:
+        counted = torch.empty(B, device=dev, dtype=torch.bool)
+        parts = torch.empty(programs * 2, device=dev, dtype=cdt)  # sums, then counts
+        part_n = parts[programs:].view(torch.int32)[:programs]
+        out = out + (counted, torch.empty((), device=dev, dtype=cdt),
+                     torch.empty((), device=dev, dtype=cdt))
+    if B == 0 or K == 0:
         # No entry: no neighbour, no positive; nothing to read. An empty bank (N 0) is
         # launched: its entries are padding or, with the checks off, past the bank, whose rows
         # are NaN (CONTRACT.md 9); the kernel reads nothing through either.
@@ -617,16 +664,22 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         lse_pos.fill_(float("-inf"))
         grad_x.zero_()
         dist.zero_()
-        return loss, lse_all, lse_pos, grad_x, dist
+        if mean:
+            counted.zero_()
+            out[6].zero_()
+            out[7].fill_(1.0)
+        return out
     single = cfg.single_pass(D)
     write_dist = store_dist or (need_grad_x and not single)  # the two-phase scratch
     dbuf = dist if store_dist else (torch.empty(B, K, device=dev, dtype=cdt) if write_dist
                                     else dist)
     w = weights if weights is not None else centres  # dummy pointer when HAS_W is False
     gx = grad_x if need_grad_x else loss  # dummy pointer, never written without GRAD_X
-    _nk_fwd_kernel[(cdiv(B, cfg.rows),)](
+    _nk_fwd_kernel[(programs,)](
         emb, labels, centres, centre_labels, neighbours, w, sigma,
         loss, lse_all, lse_pos, gx, dbuf,
+        *((counted.view(torch.int8), parts, part_n, ticket(dev), out[6], out[7]) if mean
+          else (loss,) * 6),
         B, K, D, N,
         emb.stride(0), centres.stride(0), neighbours.stride(0), gx.stride(0),
         dbuf.stride(0) if write_dist else 0,
@@ -634,9 +687,23 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=single,
         STORE_DIST=write_dist, ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
         ROWS=cfg.rows, GRAD_X=need_grad_x, PREFETCH_INDEX=bool(cfg.prefetch_index),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MEAN=bool(mean), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return loss, lse_all, lse_pos, grad_x, dist
+    return out
+
+
+_TICKETS: dict = {}
+
+
+def ticket(device: torch.device, slot: int = 0) -> torch.Tensor:
+    """A zeroed int32 counter on ``device``, one per ``slot`` (0: the forward's mean, 1: the
+    batch lists' counts), made once: a launch that takes tickets leaves it at 0 again, so no
+    launch clears it. Launches sharing a slot must not run concurrently (one stream)."""
+    key = (device, slot)
+    t = _TICKETS.get(key)
+    if t is None:
+        t = _TICKETS[key] = torch.zeros(4, dtype=torch.int32, device=device)
+    return t
 
 
 # Elements of one centre-gradient tile. Each element is an atomic add with its own 64-bit

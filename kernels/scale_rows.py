@@ -33,10 +33,11 @@ SCALE_ROWS_MAX_BLOCK_D = 1024
 
 @triton.jit
 def _scale_rows_kernel(
-    gx_ptr, g_ptr, lse_pos_ptr, out_ptr,
+    gx_ptr, g_ptr, lse_pos_ptr, divisor_ptr, out_ptr,
     B, D,
     stride_gx, stride_g, stride_out,
-    HAS_LSE_POS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LSE_POS: tl.constexpr, DIVIDE: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # 1. This program's rows and columns.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -45,7 +46,10 @@ def _scale_rows_kernel(
     mask = rmask[:, None] & (cols < D)[None, :]
     # 2. Each row's factor and whether it takes a gradient at all (g read in grad_x's dtype,
     #    as the torch form casts it).
-    g = tl.load(g_ptr + rows * stride_g, mask=rmask, other=0.0).to(gx_ptr.dtype.element_ty)
+    g = tl.load(g_ptr + rows * stride_g, mask=rmask, other=0.0)
+    if DIVIDE:  # a mean's gradient: g / divisor in the divisor's dtype, as torch divides it
+        g = g / tl.load(divisor_ptr)
+    g = g.to(gx_ptr.dtype.element_ty)
     takes = g != 0
     if HAS_LSE_POS:
         lse_pos = tl.load(lse_pos_ptr + rows, mask=rmask, other=float("-inf"))
@@ -66,14 +70,18 @@ def scale_rows_config(D: int):
 
 
 def scale_rows(grad_x: torch.Tensor, g: torch.Tensor, lse_pos: Optional[torch.Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None,
+               divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``g[:, None] * grad_x``, 0 in every row where ``g == 0`` or ``lse_pos == -inf``.
 
     Args:
         grad_x: (B, D) fp32/fp64, unit column stride.
-        g: (B,) float, any stride (an expanded scalar after a mean is read as it is).
+        g: (B,) float, any stride (an expanded scalar after a mean is read as it is), or a
+            0-dim tensor (every row's).
         lse_pos: (B,) in grad_x's dtype, or None (then only ``g == 0`` rows are zeroed).
         out_dtype: the result's dtype (the embeddings'); default grad_x's.
+        divisor: a 0-dim tensor or None: with it every row's factor is ``g / divisor`` (the
+            gradient of a counted mean, without a launch for the division).
 
     Returns:
         (B, D) tensor of ``out_dtype`` on grad_x's device.
@@ -89,9 +97,11 @@ def scale_rows(grad_x: torch.Tensor, g: torch.Tensor, lse_pos: Optional[torch.Te
     block_r, block_d = scale_rows_config(D)
     grid = (cdiv(B, block_r), cdiv(D, block_d))
     _scale_rows_kernel[grid](
-        grad_x, g, lse_pos if lse_pos is not None else grad_x, out,
+        grad_x, g, lse_pos if lse_pos is not None else grad_x,
+        divisor if divisor is not None else grad_x, out,
         B, D,
-        grad_x.stride(0), g.stride(0), out.stride(0),
-        HAS_LSE_POS=lse_pos is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        grad_x.stride(0), g.stride(0) if g.dim() else 0, out.stride(0),
+        HAS_LSE_POS=lse_pos is not None, DIVIDE=divisor is not None, BLOCK_R=block_r,
+        BLOCK_D=block_d,
     )
     return out

@@ -5,9 +5,10 @@
 
 The package, by layer (each imports only the ones above it):
 
-- ``nnkloss.ops``: the op -- custom-op registration, host backward, functional API, backends
-  (the Triton kernels are ``kernels/`` at the repository's top, installed as
-  ``nnkloss.kernels``; the plain PyTorch reference is ``nnkloss.ops.reference``);
+- ``nnkloss.ops``: the op -- one autograd definition, the functional API, and the interface
+  of its passes with one implementation per backend (the Triton kernels are ``kernels/`` at
+  the repository's top, installed as ``nnkloss.kernels``; the plain PyTorch reference is
+  ``nnkloss.ops.reference``);
 - ``nnkloss.distributed``: the ``torch.distributed`` runtime (process group, sharded loaders,
   DDP helpers), a no-op in a single process;
 - ``nnkloss.bank``: :class:`CentreBank`, neighbour search, refresh, checkpoints, centroids,

@@ -3,27 +3,14 @@
 Shape, dtype and device checks cost nothing and always run. Value checks (index range,
 negative weights, sigma <= 0, non-finite embeddings and gathered centres, a batch's labels
 against its bank rows) read tensor contents; on a GPU that is one host synchronisation, so a
-hot loop can switch them off for a block with the one public switch, the context manager
-``nnkloss.value_checks(False)`` (the bank is validated whenever it is written, so a loss over a
-bank loses little). :func:`value_checks_enabled` is the package's reader of that switch. They
-are skipped under ``torch.compile``.
+hot loop can switch them off with ``nnkloss.value_checks(False)``. They are skipped under
+``torch.compile``.
 
-The gathered centres of the functional op, on CPU tensors, are checked after the op rather than
-before it (:func:`check_values` with ``centres_after_op=True``, then
-:func:`check_gathered_centres_after_op`): reading every gathered row (B x K x D values) only to
-see that it is finite cost an order of magnitude more than the op itself on the CPU, and the
-op already marks each row that gathers a non-finite centre value with a NaN loss
-(ops/CONTRACT.md, rule 6). So the rows are read only when some row came out NaN, to tell a
-non-finite centre (raised, naming ``centres``, as before) from an fp32 overflow (not an error:
-the NaN propagates; such a call pays the read, as every checked call did before). On a GPU the
-gathered rows are still checked before the op, in the one host synchronisation of the checks:
-there the read is asynchronous device work, while the check after the op would be a second
-synchronisation per checked call (see :func:`defers_gathered_centres`). Either way the same
-call raises the same error. The CCML loss keeps the check before the loss on every device: it
-does not follow rule 6 (see :mod:`nnkloss.losses.ccml`).
-
-Sigma is checked in one place, :func:`require_sigma` (a positive finite float);
-:func:`check_sigma` builds on it for the functional op, which also takes a 0-dim tensor.
+This module imports nothing of the package: the op hands the value checks its backend's
+one-pass reads (``fused``: ``gathered_rows_finite``, ``value_flags``), where the torch forms
+here would read more. On CPU tensors the functional op checks the gathered centres after the
+op, from its per-row losses (ops/CONTRACT.md rule 6: a row that gathers a non-finite centre
+value is NaN), and reads them only when some row is NaN (:func:`defers_gathered_centres`).
 """
 from __future__ import annotations
 
@@ -63,8 +50,7 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = old
 
 
-# Looked up once: the op's every call asks (two getattr a call were ~0.2 us of its ~20 us of
-# Python at B 1; Dynamo knows the function by its object, however it is reached).
+# Looked up once: the op asks on every call (Dynamo knows the function by its object).
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)  # private: None = unknown
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -82,7 +68,7 @@ def plain_eager(*tensors) -> bool:
     but the time."""
     if _dispatch_modes is None or compiling() or _dispatch_modes() != 0:
         return False
-    for t in tensors:  # a loop, not all(<generator>): ~0.5 us less a call
+    for t in tensors:  # a loop, not all(<generator>): cheaper a call
         if type(t) not in _PLAIN_TENSOR_TYPES:
             return False
     return True
@@ -158,8 +144,7 @@ def maybe_nonfinite(t) -> torch.Tensor:
     It is the sum, accumulated in fp32 (fp64 for fp64), that is tested: any NaN or inf makes an
     IEEE sum NaN or inf, so a finite sum proves them absent. A sum can also overflow with
     finite values (|values| near the dtype's maximum), hence "perhaps". One vectorised read
-    instead of ``isfinite(t).all()``'s elementwise pass and bool tensor: on the 2-core CPU,
-    1024 x 128 fp32, 4.5 against 96 us (measured 2026-11-24)."""
+    instead of ``isfinite(t).all()``'s elementwise pass and bool tensor."""
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     return ~torch.isfinite(t.detach().sum(dtype=acc))
 
@@ -179,8 +164,7 @@ def _every_value_finite(t) -> bool:
 def negative_or_nonfinite(w) -> torch.Tensor:
     """0-dim bool tensor, without a host read: whether the float tensor ``w`` holds a negative,
     NaN or infinite value. Exact, from its minimum and maximum in one pass (``aminmax``
-    propagates NaN, which fails both comparisons): on the 2-core CPU, 50,000 fp32, 5 against
-    62 us for ``(w < 0).any() | ~isfinite(w).all()`` (measured 2026-11-24)."""
+    propagates NaN, which fails both comparisons)."""
     if w.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=w.device)
     lo, hi = torch.aminmax(w.detach())
@@ -192,14 +176,26 @@ def nonnegative_finite(w) -> bool:
     return not bool(negative_or_nonfinite(w))
 
 
-def check_batch(emb, labels, idx):
-    """The batch of a loss over a bank: emb (B, D) float, labels (B,) int, idx (B,) int rows."""
+def check_batch(emb, labels, idx, centres):
+    """The batch of a loss over a bank whose centres are ``centres``: emb (B, D) float on the
+    centres' device and of their dimension, labels (B,) int, idx (B,) int rows. Returns labels
+    and idx as torch indexes with them (:func:`as_index`), labels on emb's device."""
     require_float("emb", emb, 2)
     require_int("labels", labels, 1)
     require_int("idx", idx, 1)
     for name, t in (("labels", labels), ("idx", idx)):
         if t.shape[0] != emb.shape[0]:
             raise ValueError(f"{name} has length {t.shape[0]} but emb has {emb.shape[0]} rows")
+    if centres.shape[1] != emb.shape[1]:
+        raise ValueError(f"centres have dimension {centres.shape[1]} but emb has dimension "
+                         f"{emb.shape[1]}")
+    if emb.device != centres.device:
+        raise ValueError(f"emb is on {emb.device} but the bank is on {centres.device}; "
+                         "move all inputs to one device")
+    if emb.device.type == "meta":
+        raise ValueError("emb is on the meta device: a loss over a bank reads its batch's "
+                         "lists and labels, which meta tensors do not hold")
+    return as_index(labels).to(emb.device), as_index(idx)
 
 
 def require_sigma(sigma, name: str = "sigma") -> float:
@@ -285,14 +281,14 @@ def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduc
                              "move all inputs to one device")
 
 
-def _gathered_rows_finite(centres, neighbours):
+def _gathered_rows_finite(centres, neighbours, fused=None):
     """0-dim bool: every centre row that ``neighbours`` gathers is finite. Reads only those
-    rows (O(B*K*D)), never the whole (N, D) bank: in one pass over them on CPU and CUDA
-    tensors (:func:`_fused_gathered_rows_finite`), elsewhere torch gathers in chunks of
-    bounded size."""
-    fused = _fused_gathered_rows_finite(centres, neighbours)
-    if fused is not None:
-        return fused
+    rows (O(B*K*D)), never the whole (N, D) bank: in one pass by ``fused`` where it takes
+    them (plain eager tensors), elsewhere by torch in chunks of bounded size."""
+    if fused is not None and plain_eager(centres, neighbours):
+        out = fused.gathered_rows_finite(centres, neighbours)
+        if out is not None:
+            return out
     N, D = centres.shape
     flat = neighbours.reshape(-1)
     ok = torch.ones((), dtype=torch.bool, device=centres.device)
@@ -309,57 +305,37 @@ def _gathered_rows_finite(centres, neighbours):
 _CENTRES_NOT_FINITE = "centres contain NaN or inf in rows that neighbours gathers"
 
 
-def _fused_gathered_rows_finite(centres, neighbours):
-    """One pass over the listed rows, or None: on CPU tensors the compiled library's
-    (:func:`nnkloss.ops.cpu.gathered_rows_finite`; 3.5 against 46-103 ms for torch's form at
-    B 256, K 100, D 512, fp32, 2 threads, 2026-11-26), on CUDA tensors the Triton kernel's
-    (triton installed): :func:`nnkloss.ops.backends.fused_pass`; neither when traced. Imported
-    here, not at the top: the ops layer sits below this module."""
-    if not plain_eager(centres, neighbours):
-        return None
-    if centres.device.type == "cpu" and not _COMPILED_CHECKS:  # the tests' switch to torch's
-        return None
-    from .ops.backends import fused_pass
-    impl = fused_pass(centres.device)
-    return None if impl is None else impl.gathered_rows_finite(centres.detach(), neighbours)
-
-
 def defers_gathered_centres(device) -> bool:
     """Whether :func:`check_values` (asked with ``centres_after_op=True``) leaves the gathered
-    centres to :func:`check_gathered_centres_after_op`: on CPU tensors only.
-
-    On the CPU the op has finished when it returns, so reading its (B,) losses afterwards
-    costs one reduction, while the B x K x D read cost an order of magnitude more than the op
-    (B 256, K 100, D 512, fp32 bank, 2 cores: ~37 ms against ~1.7 ms). On a GPU (any other
-    device) the read before the op is queued device work whose result joins the one host
-    synchronisation the checks make anyway; a check after the op would be a second one per
-    checked call, stalling the host until the op has run instead of letting it queue the
-    backward. Which costs a training step more there has not been measured, so the GPU keeps
-    the documented one synchronisation."""
+    centres to :func:`check_gathered_centres_after_op`: on CPU tensors only. There the op has
+    finished when it returns, so reading its (B,) losses costs one reduction, where the
+    B x K x D read costs more than the op. On a GPU the read before the op joins the checks'
+    one host synchronisation; a check after the op would be a second one."""
     return torch.device(device).type == "cpu"
 
 
-def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=False) -> bool:
+def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=False,
+                 fused=None) -> bool:
     """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling.
 
     Non-finite values are refused, naming the argument (centres: only the gathered rows are
     read). With the checks off they propagate instead: the rows they touch get a NaN loss.
+    ``fused``: the op's backend, whose one-pass reads (``value_flags``,
+    ``gathered_rows_finite``) serve where they apply.
 
-    ``centres_after_op=True`` (the caller's op follows ops/CONTRACT.md rule 6: a row that
-    gathers a non-finite centre value gets a NaN loss) lets CPU tensors skip the read of the
-    gathered centres here (see :func:`defers_gathered_centres`); the caller must then pass the
-    op's (B,) losses to :func:`check_gathered_centres_after_op`, which raises the same error.
-    Returns True exactly when it did so (checks on, not compiling, CPU tensors). The index
-    range, ``emb``, ``sigma`` and ``weights`` are always checked here, before the op (an index
-    out of range must never reach a kernel).
+    ``centres_after_op=True`` (the caller's op follows ops/CONTRACT.md rule 6) lets CPU tensors
+    skip the read of the gathered centres here; the caller must then pass the op's losses to
+    :func:`check_gathered_centres_after_op`, which raises the same error. Returns True exactly
+    when it did so. The index range, ``emb``, ``sigma`` and ``weights`` are always checked
+    before the op (an index out of range must never reach a kernel).
     """
     if not _VALUE_CHECKS or compiling():
         return False
     defer = bool(centres_after_op) and defers_gathered_centres(centres.device)
     N = centres.shape[0]
-    compiled = _compiled_value_flags(emb, neighbours, weights)
-    if compiled is not None:  # CPU tensors, the compiled kernel already loaded: one call
-        lo, hi, emb_bad, weights_bad = compiled
+    flags = None if fused is None else fused.value_flags(emb, neighbours, weights)
+    if flags is not None:  # CPU tensors, the compiled library loaded: one call
+        lo, hi, emb_bad, weights_bad = flags
         s = float(sigma.detach())  # a CPU tensor: read, no synchronisation
         listed = neighbours.numel() > 0
         out_of_range = listed and (hi >= N or lo < -1)
@@ -367,7 +343,7 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
         # error is raised below, naming the index.
         bad = [listed and hi >= N, listed and lo < -1, emb_bad, not (0 < s < float("inf")),
                not (defer or out_of_range)
-               and not bool(_gathered_rows_finite(centres, neighbours))]
+               and not bool(_gathered_rows_finite(centres, neighbours, fused))]
         if weights is not None:
             bad.append(weights_bad)
     else:
@@ -378,11 +354,10 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
             (lo < -1) if lo is not None else no,
             maybe_nonfinite(emb),  # "perhaps": settled exactly below when set
             ~((sigma.detach() > 0) & (sigma.detach() < float("inf"))),  # NaN fails both
-            no if defer else ~_gathered_rows_finite(centres, neighbours),
+            no if defer else ~_gathered_rows_finite(centres, neighbours, fused),
         ]
         if weights is not None:
-            wd = weights.detach()
-            flags.append(negative_or_nonfinite(wd))
+            flags.append(negative_or_nonfinite(weights.detach()))
         bad = torch.stack([f.reshape(()).to(emb.device) for f in flags]).tolist()
     if bad[0]:
         raise IndexError(f"neighbours holds index {int(hi)} but there are only "
@@ -398,44 +373,24 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
     # Deferred or not, non-finite centres are named before bad weights, as they always were:
     # on that (failing) path the gathered rows are read here after all.
     if bad[4] or (defer and has_bad_weights
-                  and not bool(_gathered_rows_finite(centres, neighbours))):
+                  and not bool(_gathered_rows_finite(centres, neighbours, fused))):
         raise ValueError(_CENTRES_NOT_FINITE)
     if has_bad_weights:
         raise ValueError("weights must be finite and non-negative (a zero weight removes a centre)")
     return defer
 
 
-def _compiled_value_flags(emb, neighbours, weights):
-    """``(lo, hi, emb_bad, weights_bad)`` of :func:`check_values` from the compiled CPU
-    kernel in one call (:func:`nnkloss.ops.cpu.value_flags`: the list entries' range, a NaN/inf
-    in emb, a negative or non-finite weight), or None: not CPU tensors, the library not loaded
-    (a value check never builds it), or inputs it does not take. Same answers as the torch
-    reductions below it (tests/test_validation.py runs the check tests on both)."""
-    if not _COMPILED_CHECKS:
-        return None
-    from .ops import cpu
-    return cpu.value_flags(emb, neighbours, weights)
-
-
-# Off: check_values always takes the torch path (tests compare the two).
-_COMPILED_CHECKS = True
-
-
-def check_gathered_centres_after_op(per_row, centres, neighbours) -> None:
+def check_gathered_centres_after_op(per_row, centres, neighbours, fused=None) -> None:
     """The deferred half of :func:`check_values` (call it only when that returned True), with
-    the op's (B,) per-row losses, or their 0-dim sum or mean. Rule 6 of ops/CONTRACT.md makes
-    every row that gathers a non-finite centre value NaN, so when no row is NaN (one reduction
-    of B numbers) no centre is read. A finite row's loss is finite and >= 0, so the sum and
-    the mean are NaN exactly when a row is: given one, this reads one number (a reduction and
-    a test of the (B,) losses cost ~20 us after the forward's kernel has swept the caches, at
-    B 1024 on the 2-core Intel Xeon, 2026-11-27). Otherwise the gathered rows are read to find
-    the cause: non-finite centres raise the ValueError :func:`check_values` raises for them;
-    any other cause (a scaled distance beyond fp32, which rule 6 also turns into a NaN row) is
-    not an error: the NaN propagates, as with the checks off."""
+    the op's (B,) per-row losses, or their 0-dim sum or mean (NaN exactly when a row is: a
+    finite row's loss is finite and >= 0). When no row is NaN no centre is read. Otherwise the
+    gathered rows are read to find the cause: non-finite centres raise the ValueError of
+    :func:`check_values`; any other cause (a scaled distance beyond fp32) is not an error: the
+    NaN propagates, as with the checks off."""
     if per_row.dim() == 0:
         if not math.isnan(float(per_row.detach())):
             return
     elif not bool(torch.isnan(per_row.detach()).any()):
         return
-    if not bool(_gathered_rows_finite(centres, neighbours)):
+    if not bool(_gathered_rows_finite(centres, neighbours, fused)):
         raise ValueError(_CENTRES_NOT_FINITE)

@@ -155,23 +155,25 @@ SHAPES = [
 ]
 
 
-def spy_need_grad_x(monkeypatch, backend):
-    """Records the need_grad_x each call of the backend's forward receives (a list that fills
-    as the op runs); the backend's centre_grad is passed through."""
+def spy_backend_forward(monkeypatch, record=lambda name, args: name):
+    """A list that gets ``record(backend name, forward's arguments)`` for each call of a
+    backend's forward as the op runs."""
     from nnkloss.ops import backends
     seen = []
-    real = backends.implementation
+    for name in ("torch", "cpu", "triton"):
+        impl = backends.by_name(name)
 
-    def impl(name):
-        fwd = real(name).forward
-
-        def forward(*args, need_grad_x=True, **kwargs):
-            seen.append(need_grad_x)
-            return fwd(*args, need_grad_x=need_grad_x, **kwargs)
-        return type("Impl", (), {"forward": staticmethod(forward),
-                                 "centre_grad": staticmethod(real(name).centre_grad)})
-    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
+        def forward(*args, _real=impl.forward, _name=name):
+            seen.append(record(_name, args))
+            return _real(*args)
+        monkeypatch.setattr(impl, "forward", forward, raising=False)
     return seen
+
+
+def spy_need_grad_x(monkeypatch, backend):
+    """The need_grad_x of each call of the backend's forward (a list that fills as the op
+    runs)."""
+    return spy_backend_forward(monkeypatch, lambda name, args: args[8])
 
 
 def spy_batch_norms(monkeypatch):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import nnkloss
-from cases import BACKENDS, SHAPES, check_rows_close, compare, make_case, run_op, run_ref
+from cases import (BACKENDS, SHAPES, check_rows_close, compare, make_case, run_op, run_ref,
+                   spy_backend_forward)
 from reference import reference_loss, reference_loss_rows
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -56,10 +57,9 @@ def test_reductions(backend, reduction):
 
 
 def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
-    """reduce_rows's mean on CPU tensors: one call of the compiled library once it is loaded,
-    when no gradient is recorded; the torch form with a gradient (its C++ autograd costs less
-    than a Python Function's), where the library is not loaded, for other dtypes, and when
-    compiled."""
+    """The op's mean on CPU tensors: computed in its forward by one call of the compiled
+    library (with a gradient too: the op's one autograd Function divides it in the backward);
+    reduce_rows, the other losses' mean, is torch's form (compiled too), any mask dtype."""
     from nnkloss.ops import cpu
     from nnkloss.ops import neighbour_kernel as op
     assert cpu.available()
@@ -79,35 +79,35 @@ def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
     rows = torch.where(counted, rows, 0.0)
     want = rows.sum() / torch.count_nonzero(counted)
     torch.testing.assert_close(op.reduce_rows(rows, counted, "mean"), want, rtol=1e-6, atol=0)
-    with torch.no_grad():
-        torch.testing.assert_close(op.reduce_rows(rows.requires_grad_(True), counted, "mean"),
-                                   want, rtol=1e-6, atol=0)
-    assert len(calls) == 2
     x = rows.detach().clone().requires_grad_(True)
     loss = op.reduce_rows(x, counted, "mean")
-    assert type(loss.grad_fn).__name__ == "DivBackward0" and len(calls) == 2
+    assert type(loss.grad_fn).__name__ == "DivBackward0"
     loss.backward()
     assert torch.equal(x.grad, torch.full_like(x, 1.0) / torch.count_nonzero(counted))
-    rows = rows.detach()
-    # torch's form: the library not loaded (a mean never builds it), fp16, a compiled call
-    monkeypatch.setitem(cpu._state, "lib", None)
-    assert torch.equal(op.reduce_rows(rows, counted, "mean"), want)
-    monkeypatch.undo()  # the library back
-    monkeypatch.setattr(cpu, "counted_mean", spy)
     half = rows.half()
     assert torch.equal(op.reduce_rows(half, counted, "mean"),
                        half.sum() / torch.count_nonzero(counted))
     assert torch.equal(op.reduce_rows(rows, counted.int(), "mean"), want)  # another mask dtype
     compiled = torch.compile(lambda r, c: op.reduce_rows(r, c, "mean"), fullgraph=True)
     torch.testing.assert_close(compiled(rows, counted), want, rtol=1e-6, atol=0)
-    assert len(calls) == 2
-    # and the op's loss through it: NaN rows reach the mean
+    assert calls == []
+    # the op's loss: one call, NaN rows reach the mean; with a gradient, g / count per row
     emb, labels, centres, cl, nb, w = make_case(7, 20, 5, 6, seed=3)
     emb[2] = float("nan")
     with nnkloss.value_checks(False):
         out = nnkloss.neighbour_kernel_loss_with_stats(emb, labels, centres, cl, nb, w,
                                                        backend="cpu")
-    assert len(calls) == 3 and torch.isnan(out.loss)
+    assert len(calls) == 1 and torch.isnan(out.loss)
+    e = make_case(7, 20, 5, 6, seed=3)[0].float().requires_grad_(True)
+    loss = nnkloss.neighbour_kernel_loss(e, labels, centres.float(), cl, nb, backend="cpu")
+    rows = nnkloss.neighbour_kernel_loss_with_stats(e, labels, centres.float(), cl, nb,
+                                                    reduction="none", backend="cpu")
+    assert len(calls) == 2
+    want = rows.per_row.sum() / rows.counted.sum()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    (g_loss,) = torch.autograd.grad(loss, e)
+    (g_want,) = torch.autograd.grad(want, e)
+    torch.testing.assert_close(g_loss, g_want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -415,7 +415,7 @@ def test_triton_backward_scales_rows_in_one_kernel(monkeypatch, emb_dtype):
                                              backend=backend)
         (x_mean,) = torch.autograd.grad(mean, x)
         grads[backend] = (x.grad, x_mean)
-    assert len(calls) == 2 and calls[1][1].stride(0) == 0  # the mean's expanded gradient
+    assert len(calls) == 2 and calls[1][4] is not None  # the mean's gradient and divisor
     assert grads["triton"][0].dtype == emb_dtype
     assert (grads["triton"][0][[3, 5]] == 0).all() and grads["triton"][0].abs().sum() > 0
     tol = dict(rtol=2e-2, atol=1e-3) if emb_dtype == torch.bfloat16 else {}
@@ -474,24 +474,6 @@ def gathered_case(bank_dtype=torch.float32, seed=20):
     cl = torch.arange(9) % 3
     nb = torch.tensor([[0, 1, 2], [3, 5, 1], [4, 7, 0], [6, 3, -1], [1, 7, 5], [2, 0, 6]])
     return emb, labels, centres, cl, nb
-
-
-def spy_forward(monkeypatch):
-    """Records each call of the backend's forward (a list that fills as the op runs)."""
-    from nnkloss.ops import backends
-    calls = []
-    real = backends.implementation
-
-    def impl(name):
-        fwd = real(name).forward
-
-        def forward(*args, **kwargs):
-            calls.append(name)
-            return fwd(*args, **kwargs)
-        return type("Impl", (), {"forward": staticmethod(forward),
-                                 "centre_grad": staticmethod(real(name).centre_grad)})
-    monkeypatch.setattr("nnkloss.ops.neighbour_kernel.implementation", impl)
-    return calls
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -594,7 +576,7 @@ def test_on_cpu_tensors_the_op_runs_before_the_gathered_centres_raise(monkeypatc
     from nnkloss import validation
     emb, labels, centres, cl, nb = gathered_case()
     centres[4, 0] = float("nan")
-    calls = spy_forward(monkeypatch)
+    calls = spy_backend_forward(monkeypatch)
     with pytest.raises(ValueError, match=GATHERED_MSG):
         nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb, backend=backend)
     assert len(calls) == 1
@@ -617,7 +599,7 @@ def test_on_cuda_the_gathered_centres_are_checked_before_the_op(monkeypatch):
     checks (a check after the op would be a second sync): the op never runs on them."""
     emb, labels, centres, cl, nb = (t.cuda() for t in gathered_case())
     centres[4, 0] = float("nan")
-    calls = spy_forward(monkeypatch)
+    calls = spy_backend_forward(monkeypatch)
     with pytest.raises(ValueError, match=GATHERED_MSG):
         nnkloss.neighbour_kernel_loss(emb, labels, centres, cl, nb)
     assert calls == []
@@ -660,9 +642,9 @@ def test_the_functional_op_with_a_float_sigma_never_syncs_on_cuda():
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backend):
-    """A forward-only call in eager mode on plain tensors runs the backend directly (the
-    custom op's dispatch cost ~8 us per call): same outputs as through the op. With a gradient
-    to record, or under a dispatch mode (here fake tensors), the op runs."""
+    """A forward-only call in eager mode on plain tensors runs without the custom op's
+    dispatch (the op's autograd Function carries it): same outputs as through the op. Traced,
+    or under a dispatch mode (here fake tensors), the op runs."""
     from nnkloss.ops import neighbour_kernel as nk
     g = torch.Generator().manual_seed(16)
     args = (torch.randn(5, 4, generator=g), torch.tensor([0, 1, 0, 1, 1]),
@@ -673,7 +655,7 @@ def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backe
     real = torch.ops.nnkloss.nk_forward
 
     def spy(*a):
-        via_op.append(a[-1])  # need_grad_x
+        via_op.append(a[-2])  # need_grad_x
         return real(*a)
     monkeypatch.setattr(torch.ops.nnkloss, "nk_forward", spy)
     direct = nk.loss_rows_unchecked(*args, backend=backend)
@@ -700,7 +682,7 @@ def test_forward_only_eager_calls_skip_the_custom_op_dispatch(monkeypatch, backe
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_recorded_eager_calls_run_the_op_as_an_autograd_function(monkeypatch, backend):
     """With a gradient to record, an eager call on plain tensors runs the op's forward,
-    setup_context and backward through ``_EagerForward`` (no custom-op dispatch); traced, the
+    setup_context and backward through ``NeighbourKernelFunction`` (no custom-op dispatch); traced, the
     custom op runs. Both carriers give the same loss and the same gradients for emb, centres,
     weights and sigma, bit for bit."""
     from nnkloss.ops import neighbour_kernel as nk
@@ -710,17 +692,17 @@ def test_recorded_eager_calls_run_the_op_as_an_autograd_function(monkeypatch, ba
     rest = (torch.tensor([0, 1, 0, 1, 2, 2]), torch.tensor([0, 1, 0, 1, 2, 0, 1, 2, 2]),
             torch.tensor([[0, 1, 2], [1, 3, 4], [2, 5, 0], [4, 3, -1], [8, 7, 6], [6, 5, 4]]))
     via_op, via_function = [], []
-    real_op, real_apply = torch.ops.nnkloss.nk_forward, nk._EagerForward.apply
+    real_op, real_apply = torch.ops.nnkloss.nk_forward, nk.NeighbourKernelFunction.apply
 
     def spy_op(*a):
-        via_op.append(a[-1])
+        via_op.append(a[-2])
         return real_op(*a)
 
     def spy_apply(*a):
-        via_function.append(a[-1])
+        via_function.append(a[-2])
         return real_apply(*a)
     monkeypatch.setattr(torch.ops.nnkloss, "nk_forward", spy_op)
-    monkeypatch.setattr(nk._EagerForward, "apply", spy_apply)
+    monkeypatch.setattr(nk.NeighbourKernelFunction, "apply", spy_apply)
 
     def grads():
         leaves = [t.clone().requires_grad_(True) for t in (emb, centres, w, s)]
@@ -738,7 +720,7 @@ def test_recorded_eager_calls_run_the_op_as_an_autograd_function(monkeypatch, ba
     assert all(t.abs().sum() > 0 for t in eager[1:])
     monkeypatch.undo()
     monkeypatch.setattr(torch.ops.nnkloss, "nk_forward", spy_op)
-    monkeypatch.setattr(nk._EagerForward, "apply", spy_apply)
+    monkeypatch.setattr(nk.NeighbourKernelFunction, "apply", spy_apply)
 
     class Sub(torch.Tensor):  # a tensor subclass among the inputs: the custom op runs
         pass
@@ -753,47 +735,19 @@ def test_recorded_eager_calls_run_the_op_as_an_autograd_function(monkeypatch, ba
     assert torch.equal(x.grad.as_subclass(torch.Tensor), eager[1])
 
 
-def test_cpu_backward_scales_rows_without_the_custom_op_dispatch_in_eager(monkeypatch):
-    """Eager CPU backward: the kernel's row scaling is called directly (the custom op's
-    dispatch cost ~8 us of a ~90 us backward), with the gradient the op gives."""
-    from nnkloss.ops import neighbour_kernel as nk
-    g = torch.Generator().manual_seed(17)
-    args = (torch.tensor([0, 1, 0, 1]), torch.randn(6, 5, generator=g),
-            torch.tensor([0, 1, 0, 1, 1, 0]),
-            torch.tensor([[0, 1, 2], [1, 3, 4], [2, 5, 0], [4, 3, -1]]))
-    x = torch.randn(4, 5, generator=g)
-    via_op = []
-    real = torch.ops.nnkloss.nk_scale_rows
-
-    def spy(*a):
-        via_op.append(a[0].shape)
-        return real(*a)
-    monkeypatch.setattr(torch.ops.nnkloss, "nk_scale_rows", spy)
-
-    def grad():
-        e = x.clone().requires_grad_(True)
-        nnkloss.neighbour_kernel_loss(e, *args, sigma=0.7, backend="cpu").backward()
-        return e.grad
-    direct = grad()
-    assert via_op == []
-    monkeypatch.setattr(nk, "plain_eager", lambda *t: False)
-    through = grad()
-    assert via_op == [(4, 5)]
-    assert torch.equal(direct, through) and direct.abs().sum() > 0
-
-
-def test_recorded_cpu_backward_keeps_the_custom_op():
-    """create_graph=True records the backward: the row scaling then goes through the op, whose
-    missing double-backward formula is an error naming it, never a silent zero."""
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_second_backward_is_an_error_never_a_silent_zero(backend):
+    """create_graph=True records the backward (the torch forms run); a second backward through
+    it reaches grad_x, for which the op has no formula: an error naming the op."""
     g = torch.Generator().manual_seed(18)
     x = torch.randn(4, 5, generator=g, requires_grad=True)
     loss = nnkloss.neighbour_kernel_loss(
         x, torch.tensor([0, 1, 0, 1]), torch.randn(6, 5, generator=g),
         torch.tensor([0, 1, 0, 1, 1, 0]),
-        torch.tensor([[0, 1, 2], [1, 3, 4], [2, 5, 0], [4, 3, -1]]), backend="cpu")
+        torch.tensor([[0, 1, 2], [1, 3, 4], [2, 5, 0], [4, 3, -1]]), backend=backend)
     (gx,) = torch.autograd.grad(loss, x, create_graph=True)
     assert gx.requires_grad
-    with pytest.raises(RuntimeError, match="nk_scale_rows"):
+    with pytest.raises(RuntimeError, match="nk_forward has no double-backward"):
         gx.sum().backward()
 
 

@@ -30,13 +30,10 @@ nothing to the autograd graph (on a GPU four launches fewer a step than a ``wher
 losses and an ``and`` over the counted rows, and none in backward).
 
 In eager mode the batch's lists, the own-index exclusion, the drop and its count are one
-call (:meth:`BankLoss._lists_in_one_call`): on CUDA tensors one launch
-(``kernels/batch_lists.py``) instead of seven, on CPU tensors one call of the compiled library
-(``nnkloss.ops.cpu.batch_lists``, the same contract) instead of two. On CUDA an ``idx``
-outside the bank raises IndexError with the checks on (the same host sync) and, with them off,
-is dropped and counted like a misaligned row; on CPU tensors it always raises (reading the
-counts there is no sync); in a traced CUDA call torch's gather stops the CUDA context with a
-device-side assert.
+backend call (``batch_lists``: one launch on CUDA tensors, one call of the compiled library on
+CPU tensors). On CUDA an ``idx`` outside the bank raises IndexError with the checks on (the
+same host sync) and, with them off, is dropped and counted like a misaligned row; on CPU
+tensors it always raises (reading the counts there is no sync).
 """
 from __future__ import annotations
 
@@ -48,27 +45,19 @@ import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
+from ..ops.backends import backend
 from ..ops.neighbour_kernel import LossOutput, reduce_rows
-from ..validation import (REDUCTIONS, as_index, check_batch, compiling, plain_eager,
-                          require_sigma, value_checks_enabled)
+from ..validation import (REDUCTIONS, check_batch, compiling, plain_eager, require_sigma,
+                          value_checks_enabled)
 
 __all__ = ["BankLoss", "BankLossStats"]
 
 
 def _lists_kernel(device: torch.device):
-    """The one-call lists of a batch for tensors on ``device`` (``(lists, counts) =
-    launch(table, idx, labels, bank_labels, exclude_self)``): on CUDA the launcher of
-    ``kernels/batch_lists.py`` (the Triton kernels installed), on the CPU the compiled library's
-    :func:`nnkloss.ops.cpu.batch_lists` (None from it leaves the batch to torch's ops); None
-    elsewhere."""
-    if device.type == "cpu":
-        from ..ops import cpu
-        return cpu.batch_lists
-    if device.type != "cuda":
-        return None
-    from ..ops.backends import fused_pass
-    kernels = fused_pass(device)
-    return None if kernels is None else kernels.batch_lists
+    """The backend's one-call lists of a batch for tensors on ``device`` (``(lists, counts) =
+    launch(table, idx, labels, bank_labels, exclude_self)``, None from it leaves the batch to
+    torch's ops), or None where there is none."""
+    return backend("auto", device, torch.int64).batch_lists
 
 
 def _raise_misaligned(labels: Tensor, idx: Tensor, own: Tensor, mismatched: Tensor) -> None:
@@ -132,8 +121,16 @@ class BankLoss(nn.Module, abc.ABC):
 
     def sigma_tensor(self) -> Tensor:
         """Sigma as a 0-dim tensor on the loss's device, differentiable when learned (no host
-        read: what the maths uses)."""
-        return self.log_sigma.exp()
+        read: what the maths uses). A fixed sigma is computed once per value of
+        ``log_sigma`` (its version counter and storage), not once per call."""
+        log_sigma = self.log_sigma
+        if (log_sigma.requires_grad and torch.is_grad_enabled()) or compiling():
+            return log_sigma.exp()
+        key = (log_sigma._version, log_sigma.data_ptr(), log_sigma.device)
+        cached = self.__dict__.get("_fixed_sigma")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_fixed_sigma"] = (key, log_sigma.detach().exp())
+        return cached[1]
 
     def kernel_sigma(self) -> Optional[float]:
         """Sigma as a float (one host read on GPU: for logs and refresh statistics, not the
@@ -179,15 +176,21 @@ class BankLoss(nn.Module, abc.ABC):
         whose list is all padding must come out with loss 0, no gradient and not counted
         (forward drops misaligned rows so, whatever their embedding holds)."""
 
+    def loss_rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(loss, per_row, counted)``: :meth:`rows` and the reduction; a loss whose op
+        reduces in the same call overrides this."""
+        per_row, counted = self.rows(emb, labels, neighbours)
+        return reduce_rows(per_row, counted, self.reduction), per_row, counted
+
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
-        check_batch(emb, labels, idx)
-        idx = as_index(idx)
-        labels = as_index(labels).to(emb.device)  # compared with the bank's int32 / int64
-        one_call = self._lists_in_one_call(labels, idx)
-        if one_call is not None:
-            neighbours, num_mismatched = one_call
+        bank = self.bank
+        labels, idx = check_batch(emb, labels, idx, bank.centres)
+        lists = self._lists_in_one_call(labels, idx)
+        if lists is not None:
+            neighbours, num_mismatched = lists
         else:
-            neighbours = self.bank.neighbours_for(idx, self.exclude_self)
+            neighbours = bank.neighbours_for(idx, self.exclude_self)
             mismatched = self._mismatched(labels, idx)
             if mismatched is None:  # read, and none: nothing to drop
                 num_mismatched = torch.zeros((), dtype=torch.int64, device=emb.device)
@@ -197,38 +200,33 @@ class BankLoss(nn.Module, abc.ABC):
                 mismatched = mismatched.to(neighbours.device)
                 neighbours = neighbours.masked_fill(mismatched[:, None], -1)
                 num_mismatched = mismatched.sum().to(emb.device)
-        per_row, counted = self.rows(emb, labels, neighbours)
-        loss = reduce_rows(per_row, counted, self.reduction)
+        loss, per_row, counted = self.loss_rows(emb, labels, neighbours)
         self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted, num_mismatched)
         return loss
 
     def _lists_in_one_call(self, labels: Tensor, idx: Tensor
                            ) -> Optional[Tuple[Tensor, Tensor]]:
-        """``(lists, num_mismatched)`` of the batch from one call (:func:`_lists_kernel`: the
-        Triton kernel ``kernels/batch_lists.py`` on CUDA tensors, the compiled library on CPU
-        tensors; not traced, no dispatch mode); None elsewhere, where
-        :meth:`CentreBank.neighbours_for` and :meth:`_mismatched` do the same work (on a GPU in
-        seven torch launches, each a few microseconds of host time in a step the host bounds).
+        """``(lists, num_mismatched)`` of the batch from the backend's one call (not traced,
+        no dispatch mode); None elsewhere, where :meth:`CentreBank.neighbours_for` and
+        :meth:`_mismatched` do the same work in torch's ops.
 
         The call gathers the bank rows' lists, excludes each row's own index, empties the
-        lists of misaligned rows and counts them. It also empties and counts rows whose idx is
-        outside the bank, reading nothing for them. The counts are read with value checks on
-        (on a GPU the checks' one host sync) and always on a CPU (no sync there): a misaligned
-        batch raises ValueError naming ``idx`` and ``labels`` (checks on), an idx outside the
-        bank IndexError naming ``idx`` (on a GPU with the checks on; on a CPU always, as
-        :meth:`CentreBank.neighbours_for` raises). On a GPU with them off nothing is read and
-        such rows are dropped like misaligned ones (counted in ``num_mismatched``), where
-        torch's gather would stop the CUDA context with a device-side assert."""
+        lists of misaligned rows and of rows whose idx is outside the bank, and counts them.
+        The counts are read with value checks on (on a GPU the checks' one host sync) and
+        always on a CPU (no sync there): a misaligned batch raises ValueError naming ``idx``
+        and ``labels`` (checks on), an idx outside the bank IndexError naming ``idx``. On a
+        GPU with the checks off nothing is read and such rows are dropped like misaligned
+        ones, where torch's gather would stop the CUDA context with a device-side assert."""
         bank = self.bank
         table = bank.neighbours
         launch = _lists_kernel(table.device)
         if (launch is None or labels.device != table.device
-                or not plain_eager(table, idx, labels, bank.centre_labels)):
+                or not plain_eager(table, idx, labels)):
             return None
         bank.require_neighbours()
         idx = idx.to(table.device)
         out = launch(table, idx, labels, bank.centre_labels, self.exclude_self)
-        if out is None:  # the CPU library unavailable, or tensors it does not take
+        if out is None:  # tensors it does not take
             return None
         lists, counts = out
         checks = value_checks_enabled()

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ..bank.centre_bank import CentreBank
-from ..ops.backends import resolve_backend
+from ..ops.backends import backend, resolve_backend
 from ..ops.neighbour_kernel import reduce_rows
 from ..ops.reference import compute_dtype, rows_per_chunk
 from ..validation import (REDUCTIONS, as_index, check_inputs, check_sigma, check_values,
@@ -56,12 +56,12 @@ def _list_distances(emb, labels, centres, centre_labels, neighbours, weights) ->
     On CPU and CUDA tensors that is one fused pass over the gathered rows (the compiled
     library, the Triton kernel) instead of (rows, K, D) blocks in torch."""
     one = torch.ones((), dtype=torch.float32, device=emb.device)
-    backend = resolve_backend("auto", emb.device)
-    *_, dist = torch.ops.nnkloss.nk_forward(
+    out = torch.ops.nnkloss.nk_forward(
         emb.detach().contiguous(), labels.contiguous(), centres.detach().contiguous(),
         centre_labels.contiguous(), neighbours.contiguous(),
-        None if weights is None else weights.detach().contiguous(), one, backend, True, False)
-    return dist
+        None if weights is None else weights.detach().contiguous(), one,
+        resolve_backend("auto", emb.device), True, False, False)
+    return out[4]
 
 
 @torch.no_grad()
@@ -167,7 +167,8 @@ def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours,
     # that the nearest-entry selection can leave out (topk puts NaN last, and an inf distance
     # reads as "no entry"); the rows that list one are made NaN below (``bad``), which is what
     # shows it with the checks off.
-    check_values(emb, centres, neighbours, weights, sigma_t)
+    check_values(emb, centres, neighbours, weights, sigma_t,
+                 fused=backend("auto", emb.device, emb.dtype))
     # as the Eq. 3 op reads them: int32 / int64 (torch does not compare uint32 with int64)
     labels, centre_labels = as_index(labels), as_index(centre_labels)
     pos, pos_dist, neg, neg_dist, bad = _select(emb, labels, centres, centre_labels,

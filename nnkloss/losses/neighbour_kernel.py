@@ -6,8 +6,9 @@ from typing import Tuple
 from torch import Tensor
 
 from ..bank.centre_bank import CentreBank
-from ..ops.neighbour_kernel import loss_rows_unchecked
-from ..validation import BACKENDS, check_inputs
+from ..ops.backends import backend
+from ..ops.neighbour_kernel import loss_rows
+from ..validation import BACKENDS
 from .base import BankLoss
 
 __all__ = ["NeighbourKernelLoss"]
@@ -22,19 +23,29 @@ class NeighbourKernelLoss(BankLoss):
         learn_sigma: learn sigma (stored as ``log_sigma``, so it stays positive; read it with
             :meth:`kernel_sigma` or :meth:`sigma_tensor`).
         reduction: "mean" (over rows with a same-class neighbour), "sum" or "none".
-        backend: "auto", "triton" or "torch" (see :func:`nnkloss.neighbour_kernel_loss`).
+        backend: "auto", "triton", "cpu" or "torch" (see
+            :func:`nnkloss.neighbour_kernel_loss`).
         exclude_self: drop each example's own centre from its list (the paper's rule).
 
     ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
     batch examples. The per-centre weights are the bank's: learned when the bank's
-    ``learn_weights`` is True (``CentreBank(..., learn_weights=True)``; the paper learns them for
-    classification and fixes them for metric learning). After each call ``last_stats`` holds the :class:`LossOutput` (per-row
-    losses, which rows are counted, ``num_nonfinite``); ``last_num_counted`` is the count of
-    counted rows as a 0-dim tensor. A NaN/inf embedding (or a distance beyond fp32) makes its
-    row's loss NaN and so the mean NaN: a diverging run shows. ``labels`` must equal
-    ``bank.centre_labels[idx]`` (see :class:`BankLoss`): checked with value checks on (one host
-    sync for CUDA tensors); with ``nnkloss.value_checks(False)`` no host synchronisation happens in
-    ``forward`` and disagreeing rows are dropped and counted.
+    ``learn_weights`` is True (``CentreBank(..., learn_weights=True)``; the paper learns them
+    for classification and fixes them for metric learning). After each call ``last_stats``
+    holds the :class:`LossOutput` (per-row losses, which rows are counted,
+    ``num_nonfinite``); ``last_num_counted`` is the count of counted rows as a 0-dim tensor.
+
+    A NaN/inf embedding (or a distance beyond fp32) makes its row's loss NaN and so the mean
+    NaN, with value checks on too, where the functional op raises: the module's embeddings are
+    a model's outputs, and a diverging run must show as a NaN loss that the training loop
+    sees (``last_stats.num_nonfinite``), not as an exception halfway through a step; checking
+    them would also cost a host sync per step on a GPU. The bank's contents were checked when
+    written and sigma is exp(log_sigma) > 0. ``labels`` must equal ``bank.centre_labels[idx]``
+    (see :class:`BankLoss`): checked with value checks on (one host sync for CUDA tensors);
+    with ``nnkloss.value_checks(False)`` no host synchronisation happens in ``forward`` and
+    disagreeing rows are dropped and counted.
+
+    The call is: the batch's checks, its lists (one backend call), and one autograd Function
+    whose forward also gives the counted mean (:mod:`nnkloss.ops.neighbour_kernel`).
     """
 
     def __init__(self, bank: CentreBank, sigma: float = 1.0, learn_sigma: bool = False,
@@ -45,15 +56,16 @@ class NeighbourKernelLoss(BankLoss):
         self._init_sigma(sigma, learn_sigma)
         self.backend = backend
 
-    def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
+    def loss_rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
         bank = self.bank
-        weights = bank.weights_for_loss()
-        check_inputs(emb, labels, bank.centres, bank.centre_labels, neighbours, weights,
-                     self.reduction, self.backend)
-        # Bank contents were validated when written and sigma is exp(.) > 0, so no value
-        # checks (and no host sync) here.
-        return loss_rows_unchecked(emb, labels, bank.centres, bank.centre_labels, neighbours,
-                                   weights, self.sigma_tensor().reshape(()), self.backend)
+        name = backend(self.backend, emb.device, emb.dtype).name
+        return loss_rows(emb, labels, bank.centres, bank.centre_labels, neighbours,
+                         bank.weights_for_loss(), self.sigma_tensor(), name, self.reduction)
+
+    def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:
+        _, per_row, counted = self.loss_rows(emb, labels, neighbours)
+        return per_row, counted
 
     def extra_repr(self) -> str:
         return (f"sigma={self.kernel_sigma():.4g}, learn_sigma={self.log_sigma.requires_grad}, "

@@ -1,11 +1,9 @@
 """The op: the fused neighbour-kernel loss, forward and backward, on every backend.
 
-- :mod:`.neighbour_kernel`: custom-op registration, the host backward, the functional API;
-- :mod:`.backends`: backend names and choice; the Triton kernels live in ``kernels/`` at the
-  top of the repository (installed as ``nnkloss.kernels``);
-- :mod:`.cpu`: the compiled CPU kernel (``cpu_kernel.cpp``, built on first use);
-- :mod:`.reference`: the plain chunked PyTorch implementation, the reference the others are
-  tested against.
+- :mod:`.neighbour_kernel`: the one autograd definition, its custom op, the functional API;
+- :mod:`.backends`: the interface of the op's passes and its implementations (the Triton
+  kernels of ``kernels/``, installed as ``nnkloss.kernels``; the compiled CPU library
+  :mod:`.cpu`; the plain PyTorch reference :mod:`.reference`, the oracle of the others).
 
 Every backend follows one forward contract, ``nnkloss/ops/CONTRACT.md``. Nothing here knows
 of banks, refreshes or training.

@@ -1,43 +1,171 @@
-"""Where the op runs: backend names, their choice for a device, and their implementations.
+"""Where the op runs: one interface for its passes, one implementation per backend.
 
-Every backend implements the same two functions with the same contract
-(``forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist)`` and
-``centre_grad(emb, centres, neighbours, coef)``, see :mod:`nnkloss.ops.reference`):
+Every backend offers the same passes (ops/CONTRACT.md):
 
-- ``"triton"``: the fused kernels of ``kernels/`` (installed as ``nnkloss.kernels``); CUDA
-  tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``);
-- ``"cpu"``: the compiled CPU kernel (:mod:`nnkloss.ops.cpu`, C++ built on first use); it
-  runs the plain path itself, after a one-line notice, where no compiler is found;
-- ``"torch"``: the plain chunked PyTorch path (:mod:`nnkloss.ops.reference`), any device.
+- ``forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist,
+  need_grad_x, mean)``: the contract's five outputs, and with ``mean`` also ``counted``, the
+  counted mean and its divisor;
+- ``scale_rows``: the embedding gradient; ``entry_grads``: the per-entry terms of the centre,
+  weight and sigma gradients; ``centre_grad``: their scatter into the centres;
+- ``batch_lists``: a batch's lists from the bank's table in one call, or None where the
+  backend has none (the bank's torch route then runs);
+- ``counted_mean``; ``gathered_rows_finite`` and ``value_flags``: the value checks' reads
+  (None: the checks' torch form).
 
-"auto" picks "triton" for CUDA tensors and "cpu" for CPU tensors. The choice is made from the
-device alone (nothing is built or probed here), so it is the same inside ``torch.compile``.
+The implementations: :class:`TorchBackend` (``"torch"``, :mod:`nnkloss.ops.reference`, any
+device, the fp64 oracle the others are tested against), :class:`TritonBackend` (``"triton"``,
+the kernels of ``kernels/``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
+:class:`CpuBackend` (``"cpu"``, the compiled CPU library, which runs the torch path itself
+where it cannot). The fused passes fall back to the torch forms where a fused call cannot
+serve: traced (torch.compile fuses the torch form), under a dispatch mode, or a backward that
+is itself recorded (create_graph=True needs it differentiable).
+
+:func:`backend` resolves a choice ("auto": Triton for CUDA tensors, the CPU library for CPU
+tensors, torch elsewhere) once per (device, dtype, choice); nothing is built or probed there,
+so it is the same inside torch.compile.
 """
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
-import sys
-from types import SimpleNamespace
 
 import torch
 
-from . import reference
+from . import cpu, reference
+from ..validation import BACKENDS, plain_eager
 
-from ..validation import BACKENDS
+__all__ = ["BACKENDS", "backend", "by_name", "resolve_backend", "kernels", "fused_pass",
+           "TorchBackend", "TritonBackend", "CpuBackend"]
 
-__all__ = ["BACKENDS", "resolve_backend", "implementation", "fused_pass"]
+
+def _fused(*tensors) -> bool:
+    """Whether a fused pass may serve: plain eager tensors, outside a recorded backward."""
+    return not torch.is_grad_enabled() and plain_eager(*tensors)
+
+
+class TorchBackend:
+    """The plain PyTorch implementation of every pass (:mod:`nnkloss.ops.reference`)."""
+    name = "torch"
+    batch_lists = None
+
+    def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                store_dist=True, need_grad_x=True, mean=False):
+        out = self._forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                            store_dist=store_dist, need_grad_x=need_grad_x)
+        if not mean:
+            return out
+        counted = reference.counted_rows(out[2])
+        return out + (counted,) + tuple(self.counted_mean(out[0], counted))
+
+    def _forward(self, *args, **kwargs):
+        return reference.forward(*args, **kwargs)
+
+    counted_mean = staticmethod(reference.counted_mean)
+    centre_grad = staticmethod(reference.centre_grad)
+    entry_grads = staticmethod(reference.entry_grads)
+    scale_rows = staticmethod(reference.scale_rows)
+
+    def gathered_rows_finite(self, centres, neighbours):
+        return None
+
+    def value_flags(self, emb, neighbours, weights):
+        return None
+
+
+class CpuBackend(TorchBackend):
+    """The compiled CPU library (``nnkloss.ops.cpu``, built on first use)."""
+    name = "cpu"
+
+    @property
+    def batch_lists(self):  # its counts are host memory (``host_counts``)
+        return cpu.batch_lists
+
+    def _forward(self, *args, **kwargs):
+        return cpu.forward(*args, **kwargs)
+
+    def counted_mean(self, per_row, counted):
+        out = cpu.counted_mean(per_row, counted) if plain_eager(per_row) else None
+        return reference.counted_mean(per_row, counted) if out is None else out
+
+    def centre_grad(self, emb, centres, neighbours, coef):
+        return cpu.centre_grad(emb, centres, neighbours, coef)
+
+    def scale_rows(self, grad_x, g, lse_pos, out_dtype, divisor=None):
+        if not _fused(grad_x, g):
+            return reference.scale_rows(grad_x, g, lse_pos, out_dtype, divisor)
+        if divisor is not None:
+            g = g / divisor
+        return cpu.scale_rows(grad_x, g.expand(grad_x.shape[:1]), lse_pos).to(out_dtype)
+
+    def entry_grads(self, u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
+                    sigma, need_c, need_w, need_s):
+        out = None
+        if _fused(u, lse_pos, g):
+            out = cpu.entry_grads(u, labels, centre_labels, neighbours, weights, lse_all,
+                                  lse_pos, g, sigma, need_c, need_w, need_s)
+        if out is None:
+            out = reference.entry_grads(u, labels, centre_labels, neighbours, weights,
+                                        lse_all, lse_pos, g, sigma, need_c, need_w, need_s)
+        return out
+
+    def gathered_rows_finite(self, centres, neighbours):
+        return cpu.gathered_rows_finite(centres.detach(), neighbours)
+
+    def value_flags(self, emb, neighbours, weights):
+        return cpu.value_flags(emb, neighbours, weights)
+
+
+class TritonBackend(TorchBackend):
+    """The Triton kernels of ``kernels/`` (``nnkloss.kernels``)."""
+    name = "triton"
+
+    def __init__(self):
+        self.k = kernels()
+
+    @property
+    def batch_lists(self):
+        return self.k.batch_lists
+
+    def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                store_dist=True, need_grad_x=True, mean=False):
+        return self.k.neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours,
+                                           weights, sigma, store_dist=store_dist,
+                                           need_grad_x=need_grad_x, mean=mean)
+
+    def counted_mean(self, per_row, counted):
+        if (per_row.dim() == 1 and per_row.dtype in (torch.float32, torch.float64)
+                and counted.dtype == torch.bool and counted.shape == per_row.shape
+                and per_row.shape[0] <= self.k.COUNTED_MEAN_MAX_ROWS
+                and plain_eager(per_row, counted)):
+            return self.k.counted_mean(per_row, counted)
+        return reference.counted_mean(per_row, counted)
+
+    def centre_grad(self, emb, centres, neighbours, coef):
+        return self.k.centre_grad(emb, centres, neighbours, coef)
+
+    def scale_rows(self, grad_x, g, lse_pos, out_dtype, divisor=None):
+        if not _fused(grad_x, g):
+            return reference.scale_rows(grad_x, g, lse_pos, out_dtype, divisor)
+        return self.k.scale_rows(grad_x, g, lse_pos, out_dtype, divisor)
+
+    def entry_grads(self, u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
+                    sigma, need_c, need_w, need_s):
+        args = (u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,
+                need_c, need_w, need_s)
+        if _fused(u, labels, centre_labels, neighbours, lse_all, lse_pos, g, sigma):
+            return self.k.entry_grads(*args)
+        return reference.entry_grads(*args)
+
+    def gathered_rows_finite(self, centres, neighbours):
+        return self.k.gathered_rows_finite(centres.detach(), neighbours)
 
 
 _TRITON_IMPORTABLE: list = []  # the answer, once known
 
 
 def _triton_importable() -> bool:
-    """Whether triton imports here, asked once per process. Plain code that torch.compile
-    traces as it is (the op's "auto" is resolved inside compiled code: an lru_cache there
-    drew Dynamo's warning on every compiled loss, seen on the first GPU run; marking it
-    constant would import torch._dynamo, and with it triton, at ``import nnkloss``)."""
+    """Whether triton imports here, asked once per process (plain code that torch.compile
+    traces as it is: an lru_cache drew Dynamo's warning on every compiled loss)."""
     if not _TRITON_IMPORTABLE:
         try:
             import triton  # noqa: F401
@@ -52,15 +180,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map "auto" to a concrete backend and refuse combinations that cannot run."""
-    if backend == "auto":
+def resolve_backend(choice: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend name and refuse combinations that cannot run."""
+    if choice == "auto":
         if device.type == "cuda" and _triton_importable():
             return "triton"
         return "cpu" if device.type == "cpu" else "torch"
-    if backend == "cpu" and device.type != "cpu":
+    if choice == "cpu" and device.type != "cpu":
         raise RuntimeError(f"backend='cpu' needs CPU tensors, got {device}")
-    if backend == "triton":
+    if choice == "triton":
         if not _triton_importable():
             raise RuntimeError("backend='triton' needs the triton package; install it or use "
                                "backend='torch'")
@@ -69,60 +197,45 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                                "interpreter: set TRITON_INTERPRET=1 before importing nnkloss")
         if device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"backend='triton' does not support device {device}")
-    return backend
+    return choice
+
+
+_IMPLS = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend}
+_BY_NAME: dict = {}
+_RESOLVED: dict = {}
+
+
+def by_name(name: str) -> TorchBackend:
+    """The implementation of a concrete backend name (one instance each)."""
+    impl = _BY_NAME.get(name)
+    if impl is None:
+        if name not in _IMPLS:
+            raise ValueError(f"backend must be one of {BACKENDS[1:]} here, got {name!r}")
+        impl = _BY_NAME[name] = _IMPLS[name]()
+    return impl
+
+
+def backend(choice: str, device: torch.device, dtype: torch.dtype) -> TorchBackend:
+    """The implementation for tensors of ``device`` and ``dtype`` under ``choice``, resolved
+    once per (device, dtype, choice)."""
+    key = (device, dtype, choice)
+    impl = _RESOLVED.get(key)
+    if impl is None or impl.name == "triton" and device.type == "cpu":  # the interpreter's
+        impl = _RESOLVED[key] = by_name(resolve_backend(choice, device))  # switch: re-read
+    return impl
 
 
 def kernels():
-    """The ``nnkloss.kernels`` package (imported lazily: triton is only needed there)."""
-    try:
-        return importlib.import_module("nnkloss.kernels")
-    except ModuleNotFoundError as exc:
-        if exc.name != "nnkloss.kernels":
-            raise
-        return _source_tree_kernels()
-
-
-def _source_tree_kernels():
-    """Running from a source checkout that was not pip-installed (PYTHONPATH=.): kernels/ sits
-    beside nnkloss/ and is mapped to nnkloss.kernels the way setup.py's package_dir does."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.join(os.path.dirname(os.path.dirname(here)), "kernels")
-    init = os.path.join(root, "__init__.py")
-    if not os.path.exists(init):
-        raise ModuleNotFoundError("nnkloss.kernels is missing: reinstall nnkloss "
-                                  "(pip install -e .)", name="nnkloss.kernels")
-    spec = importlib.util.spec_from_file_location("nnkloss.kernels", init,
-                                                  submodule_search_locations=[root])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nnkloss.kernels"] = module
-    spec.loader.exec_module(module)
-    import nnkloss
-    nnkloss.kernels = module
-    return module
-
-
-def implementation(backend: str):
-    """The ``forward`` / ``centre_grad`` pair of a concrete backend name."""
-    if backend == "triton":
-        k = kernels()
-        return SimpleNamespace(forward=k.neighbour_kernel_fwd, centre_grad=k.centre_grad)
-    if backend == "cpu":
-        from . import cpu
-        return cpu
-    if backend == "torch":
-        return reference
-    raise ValueError(f"backend must be one of {BACKENDS[1:]} here, got {backend!r}")
+    """The ``nnkloss.kernels`` package, imported on first use (only it needs triton)."""
+    return importlib.import_module("nnkloss.kernels")
 
 
 def fused_pass(device: torch.device):
-    """Where the one-pass helpers beside the op run for tensors on ``device``, or None: the
-    compiled CPU library (:mod:`nnkloss.ops.cpu`) for CPU tensors, the Triton kernels
-    (``nnkloss.kernels``) for CUDA tensors when triton is installed. Both offer the same names
-    (``rel_sqdist``: the classifier's distances; ``gathered_rows_finite``: the value check of
-    the gathered centres); the CPU's return None where they do not apply (the library not
-    built, other dtypes), the caller's torch form then runs."""
+    """Where the one-pass helpers beside the op (``rel_sqdist``, ``gathered_rows_finite``) run
+    for tensors on ``device``: the compiled CPU library for CPU tensors, the Triton kernels for
+    CUDA tensors with triton installed; None elsewhere. The CPU's return None where they do
+    not apply (the library not built, other dtypes): the caller's torch form then runs."""
     if device.type == "cpu":
-        from . import cpu
         return cpu
     if resolve_backend("auto", device) == "triton":
         return kernels()

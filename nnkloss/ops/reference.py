@@ -168,3 +168,71 @@ def centre_grad(emb, centres, neighbours, coef):
         contrib = torch.where((c != 0)[:, :, None], contrib, 0.0)
         grad.index_add_(0, safe.reshape(-1), contrib.reshape(-1, D))
     return grad
+
+
+def counted_rows(lse_pos: Tensor) -> Tensor:
+    """(B,) bool: the rows a mean counts, those whose lse_pos is not -inf (a same-class entry,
+    or NaN: a non-finite row's NaN must reach the mean)."""
+    return lse_pos.isneginf().logical_not_()
+
+
+def counted_mean(per_row: Tensor, counted: Tensor):
+    """``(mean, divisor)``: the sum of ``per_row`` over ``divisor = max(count, 1)``."""
+    divisor = torch.count_nonzero(counted).clamp_min(1).to(per_row.dtype)
+    return per_row.sum() / divisor, divisor
+
+
+def scale_rows(grad_x: Tensor, g: Tensor, lse_pos: Tensor, out_dtype, divisor=None) -> Tensor:
+    """``g[:, None] * grad_x`` (g / divisor with a divisor), 0 in rows where g == 0 or
+    lse_pos == -inf: a row that takes no gradient passes none on, even a NaN one."""
+    if divisor is not None:
+        g = g / divisor
+    g = g.to(grad_x.dtype).expand(grad_x.shape[:1])
+    takes = (g != 0) & (lse_pos != float("-inf"))
+    return torch.where(takes[:, None], g[:, None] * grad_x, 0.0).to(out_dtype)
+
+
+def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,
+                need_c: bool, need_w: bool, need_s: bool):
+    """The backward's per-entry terms ``(coef, q, srow)`` from the forward's saved distances
+    ``u`` (B, K), each None unless asked for (q also without weights): coef = (p - p^R) g /
+    sigma^2, the centre gradient's coefficients; q = (p - p^R) g / w, the weight gradient's
+    terms; srow (B,), whose sum over rows divided by sigma is sigma's gradient. ``g`` (B,) may
+    be an expanded scalar. Rows without a same-class entry or with g == 0 give zeros; a
+    non-finite row that takes a gradient gives NaN."""
+    cdt = u.dtype
+    g = torch.where(lse_pos != float("-inf"), g.to(cdt), torch.zeros((), dtype=cdt,
+                                                                      device=u.device))
+    takes = (g != 0)[:, None]
+    inv_sigma = 1.0 / sigma.to(cdt)
+    t = row_terms(neighbours, u, labels, centre_labels, weights)
+    bad = torch.isnan(lse_pos)[:, None] & takes
+    dl = torch.where(takes, (t.all.p - t.pos.p) * g[:, None], 0.0)  # dLoss/dlogit_j * g
+    dl = torch.where(bad, float("nan"), dl)
+    coef = q = srow = None
+    if need_s:
+        # dlogit_j/dsigma = u_j / sigma. sum_j dl_j = 0 in every row, so u_j is shifted by the
+        # row's largest logit's before the sum: huge terms no longer cancel. Rows that take no
+        # gradient are left out (0 times a non-finite u_j - ref would be NaN).
+        ref = u.gather(1, t.logits.masked_fill(~t.valid, float("-inf")).argmax(1, keepdim=True))
+        srow = (dl * torch.where(t.valid & takes, u - ref, torch.zeros_like(u))).sum(1)
+    if need_c:
+        # dlogit_j/dc_j = (x - c_j) / sigma^2 (docs/MATHS.md section 3)
+        coef = dl * (inv_sigma * inv_sigma)
+    if need_w and weights is not None:
+        # dL/dw_j = (p_j - p^R_j) / w_j. For a zero weight (a removed centre) the one-sided
+        # derivative exp(-u_j/2 - lse_all) - [same class] exp(-u_j/2 - lse_pos), whose same-class
+        # difference is taken in one piece, -exp(-u_j/2 - lse_pos + log(1 - exp(lse_pos -
+        # lse_all))), since both terms can overflow where the difference does not.
+        nonpad, w = t.nonpad, t.w
+        zero = nonpad & (w == 0)
+        base = u * -0.5
+        la, lp = t.all.lse[:, None], t.pos.lse[:, None]
+        at_zero = torch.where(t.same_class,
+                              -torch.exp(base - lp + torch.log(-torch.expm1(lp - la))),
+                              torch.exp(base - la))
+        q = torch.where(zero, at_zero, (t.all.p - t.pos.p) / torch.where(zero, 1.0, w))
+        q = torch.where(nonpad, q, 0.0)
+        q = torch.where(bad, float("nan"), torch.where(takes, q * g[:, None], 0.0))
+        q = torch.where(nonpad, q, 0.0)
+    return coef, q, srow

@@ -68,7 +68,7 @@ def lists_route(provider):
     from nnkloss.losses import base
     real = base._lists_kernel
     if provider == "module_torch_lists":
-        base._lists_kernel = lambda device: None
+        base._lists_kernel = lambda device, choice="auto": None
     try:
         yield
     finally:
@@ -127,12 +127,13 @@ def part_steps(inputs):
     host ms of a whole call can be read against its pieces (the Python and launch cost of each
     on this host: on CUDA the forward of B 4096, K 100, D 128 is host-bound, 0.19 ms for an
     0.08 ms kernel on an H200 at ea8736c)."""
-    from nnkloss.ops.neighbour_kernel import _forward, counted_rows, reduce_rows
+    from nnkloss.ops.neighbour_kernel import _forward, reduce_rows
+    from nnkloss.ops.reference import counted_rows
     from nnkloss.ops.backends import resolve_backend
     emb, labels, centres, cl, nb, w, sigma = inputs
     backend = resolve_backend("auto", emb.device)
     args = (emb.contiguous(), labels, centres, cl, nb, w, sigma)
-    per_row, _, lse_pos, _, _ = _forward(*args, backend, False, False)
+    per_row, _, lse_pos, *_ = _forward(*args, backend, False, False, False)
     counted = counted_rows(lse_pos)
     x = emb.detach().clone().requires_grad_()
 
@@ -144,8 +145,9 @@ def part_steps(inputs):
 
     return [
         ("one torch op (per_row + 1)", lambda: per_row + 1),
-        ("backend forward, forward-only", lambda: _forward(*args, backend, False, False)),
-        ("backend forward, training (grad_x)", lambda: _forward(*args, backend, False, True)),
+        ("backend forward, forward-only", lambda: _forward(*args, backend, False, False, False)),
+        ("backend forward, training (grad_x)",
+         lambda: _forward(*args, backend, False, True, False)),
         ("counted rows (lse_pos not -inf)", lambda: counted_rows(lse_pos)),
         ("counted rows, isneginf + logical_not_", lambda: lse_pos.isneginf().logical_not_()),
         # on CUDA one launch of kernels/counted_mean.py, beside the four ops it replaced there

@@ -1,4 +1,5 @@
-"""Triton kernels of nnkloss (importable as ``nnkloss.kernels``).
+"""Triton kernels of nnkloss (installed as ``nnkloss.kernels``; in a source tree
+``nnkloss/kernels`` links here).
 
 Plain tensors in, plain tensors out: no autograd, banks or training here.
 """

@@ -271,7 +271,7 @@ def test_profile_step_times_the_module_with_the_lists_by_torch(capsys, monkeypat
     from nnkloss.losses import base
     calls = []
 
-    def stand_in(device):
+    def stand_in(device, choice="auto"):
         def launch(table, idx, labels, bank_labels, exclude_self):
             calls.append(1)
             nb = table[idx.long()]

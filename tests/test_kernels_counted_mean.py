@@ -1,12 +1,11 @@
 """kernels/counted_mean.py: the losses' mean over their counted rows as one Triton launch,
 against the torch form of reduce_rows (Triton's interpreter on CPU tensors; the same checks on a
-GPU, where reduce_rows takes the kernel). The checks take the launcher as an argument:
+GPU). The checks take the launcher as an argument:
 tests/test_cpu_kernel.py runs them on the CPU library's counted_mean, the same contract."""
 import pytest
 import torch
 
 import nnkloss
-from nnkloss.ops import neighbour_kernel as op
 
 
 def _kernels():
@@ -65,14 +64,32 @@ def mean_checks(counted_mean, device, top):
                      torch.zeros(top + 1, dtype=torch.bool, device=device))
 
 
+class _MeanFromLaunch(torch.autograd.Function):
+    """A launcher's mean with the op's backward of it: every row's gradient g / divisor, from
+    the divisor the launch wrote (nnkloss/ops/neighbour_kernel.py folds that division into its
+    embedding gradient)."""
+
+    @staticmethod
+    def forward(ctx, per_row, counted, counted_mean):
+        mean, divisor = counted_mean(per_row, counted)
+        ctx.save_for_backward(divisor)
+        ctx.rows = per_row.shape[0]
+        return mean
+
+    @staticmethod
+    def backward(ctx, g):
+        divisor, = ctx.saved_tensors
+        return (g / divisor).expand(ctx.rows), None, None
+
+
 def mean_gradient_checks(counted_mean, device):
-    """The autograd of the one-call mean: every row's gradient g / max(count, 1), bit for bit
-    the torch form's (uncounted rows too: the op's backward zeroes them itself)."""
+    """The divisor of the one-call mean gives every row's gradient g / max(count, 1), bit for
+    bit the torch form's (uncounted rows too: the op's backward zeroes them itself)."""
     for B in (1, 37, 3000):
         per_row, counted = _rows(B, torch.float32, device, B + 1)
         got_x = per_row.clone().requires_grad_(True)
         want_x = per_row.clone().requires_grad_(True)
-        got = op._CountedMean.apply(got_x, counted, counted_mean)
+        got = _MeanFromLaunch.apply(got_x, counted, counted_mean)
         want = _torch_form(want_x, counted)
         (got * 3.0).backward()
         (want * 3.0).backward()
@@ -80,11 +97,11 @@ def mean_gradient_checks(counted_mean, device):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     # no counted row: the divisor is 1, as clamp_min(1) makes it
     x = torch.zeros(4, device=device, requires_grad=True)
-    op._CountedMean.apply(x, torch.zeros(4, dtype=torch.bool, device=device),
+    _MeanFromLaunch.apply(x, torch.zeros(4, dtype=torch.bool, device=device),
                           counted_mean).backward()
     assert torch.equal(x.grad, torch.ones(4, device=device))
     per_row, counted = _rows(11, torch.float64, device, 5)
-    assert torch.autograd.gradcheck(lambda r: op._CountedMean.apply(r, counted, counted_mean),
+    assert torch.autograd.gradcheck(lambda r: _MeanFromLaunch.apply(r, counted, counted_mean),
                                     (per_row.requires_grad_(True),))
 
 
@@ -104,29 +121,3 @@ def test_counted_mean_on_cuda():
     k = _kernels()
     mean_checks(k.counted_mean, "cuda", k.COUNTED_MEAN_MAX_ROWS)
     mean_gradient_checks(k.counted_mean, "cuda")
-
-
-@pytest.mark.cuda
-def test_reduce_rows_takes_the_launch_on_cuda_and_not_when_compiled(monkeypatch):
-    """Eager CUDA means go through the kernel (forward-only and with a gradient), batches above
-    COUNTED_MEAN_MAX_ROWS and other reductions through torch; the values agree either way."""
-    calls = []
-    real = _kernels().counted_mean
-    monkeypatch.setattr(_kernels(), "counted_mean", lambda *a: calls.append(1) or real(*a))
-    per_row, counted = _rows(4096, torch.float32, "cuda", 7)
-    want = _torch_form(per_row, counted)
-    torch.testing.assert_close(op.reduce_rows(per_row, counted, "mean"), want, rtol=1e-6, atol=0)
-    x = per_row.clone().requires_grad_(True)
-    op.reduce_rows(x, counted, "mean").backward()
-    assert len(calls) == 2
-    assert torch.equal(x.grad, torch.full_like(x, 1.0 / int(counted.sum())))
-    big, big_counted = _rows(_kernels().COUNTED_MEAN_MAX_ROWS + 1, torch.float32, "cuda", 8)
-    op.reduce_rows(big, big_counted, "mean")
-    # a mask of another dtype (reduce_rows is public): torch's form, the same value
-    torch.testing.assert_close(op.reduce_rows(per_row, counted.int(), "mean"), want,
-                               rtol=1e-6, atol=0)
-    op.reduce_rows(per_row, counted, "sum")
-    assert len(calls) == 2
-    compiled = torch.compile(lambda r, c: op.reduce_rows(r, c, "mean"), fullgraph=True)
-    torch.testing.assert_close(compiled(per_row, counted), want, rtol=1e-6, atol=0)
-    assert len(calls) == 2

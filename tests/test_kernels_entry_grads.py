@@ -67,8 +67,8 @@ def test_only_the_asked_terms_and_no_weights(spy):
     k = _kernels()
     B, K = nb.shape
     with torch.no_grad(), nnkloss.value_checks(False):
-        loss, lse_all, lse_pos, _, u = ops_nk._forward(
-            emb, labels, centres, cl, nb, w, torch.tensor(s), "torch", True, False)
+        loss, lse_all, lse_pos, _, u, *_ = ops_nk._forward(
+            emb, labels, centres, cl, nb, w, torch.tensor(s), "torch", True, False, False)
     g = torch.full((), 0.5).expand(B)
     full = k.entry_grads(u, labels, cl, nb, w, lse_all, lse_pos, g, torch.tensor(s),
                          True, True, True)

@@ -257,7 +257,7 @@ def _lists_kernel_stand_in(calls):
     def spy(*args):
         calls.append(1)
         return launch(*args)
-    return lambda device: spy
+    return lambda device, choice="auto": spy
 
 
 def _both_routes(fn, emb, labels, idx, patch):
@@ -591,7 +591,7 @@ def test_forward_and_backward_read_no_tensor_values_on_cpu(monkeypatch, library_
     where they do not run, e.g. traced, the misaligned rows' drop built from torch ops) too."""
     from nnkloss.losses import base
     if not library_lists:
-        monkeypatch.setattr(base, "_lists_kernel", lambda device: None)
+        monkeypatch.setattr(base, "_lists_kernel", lambda device, choice="auto": None)
     loss = forward_backward_without_sync("cpu", "torch", no_host_reads)
     assert torch.isfinite(loss)
 
@@ -716,7 +716,7 @@ def test_checked_call_with_every_label_aligned_drops_nothing_from_the_graph(redu
         emb = torch.randn(7, 8, generator=g).requires_grad_(True)
         idx = torch.randint(0, 40, (7,), generator=g)
         monkeypatch.setattr(base, "_lists_kernel",
-                            real_lists if checks else (lambda device: None))
+                            real_lists if checks else (lambda device, choice="auto": None))
         with nnkloss.value_checks(checks):
             loss = fn(emb, bank.centre_labels[idx].clone(), idx)
         ops = graph_ops(loss)

@@ -94,7 +94,7 @@ def test_contract_no_positive_row_and_padding_distances(backend):
     ops.reference row_softmax 37 (an empty softmax's 0/0 made grad_x NaN for a row without a
     positive) and forward 62 (padding distances stored as 1)."""
     from nnkloss.ops import backends
-    impl = backends.implementation(backend)
+    impl = backends.by_name(backend)
     g = torch.Generator().manual_seed(10)
     emb, centres = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
     loss, lse_all, lse_pos, grad_x, dist = impl.forward(
@@ -137,7 +137,7 @@ def test_forward_outputs_are_in_the_compute_dtype(backend, emb_dtype):
     (B, 0) without store_dist. Kills ops.reference empty_outputs 9, 11, 13, 15 (lse buffers in
     the embedding's half dtype) and 29, 30 (dist (B, K) or (B, 1) without store_dist)."""
     from nnkloss.ops import backends
-    impl = backends.implementation(backend)
+    impl = backends.by_name(backend)
     g = torch.Generator().manual_seed(14)
     emb = torch.randn(3, 4, generator=g).to(emb_dtype)
     centres = torch.randn(5, 4, generator=g)

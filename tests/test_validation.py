@@ -5,17 +5,21 @@ import torch
 
 import nnkloss
 from cases import good_op_args as good
+from nnkloss.ops.backends import by_name
+
+CPU = by_name("cpu")  # the backend whose one-pass reads the op hands the value checks
 
 
 @pytest.fixture(params=["torch", "compiled"])
 def checks_path(request, monkeypatch):
     """check_values by its torch reductions, or by the compiled CPU kernel's one call
-    (nnkloss.ops.cpu.value_flags, taken once the library is loaded). Yields the list of the
-    compiled calls made (True: taken); the compiled run asserts that each was taken."""
-    from nnkloss import validation
-    from nnkloss.ops import cpu
+    (nnkloss.ops.cpu.value_flags, taken once the library is loaded: the CPU backend's, which
+    the op hands the checks). Yields the list of the compiled calls made (True: taken); the
+    compiled run asserts that each was taken."""
+    from nnkloss.ops import backends, cpu
     if request.param == "torch":
-        monkeypatch.setattr(validation, "_COMPILED_CHECKS", False)
+        for name in ("value_flags", "gathered_rows_finite"):
+            monkeypatch.setattr(backends.CpuBackend, name, lambda self, *a: None)
         yield None
         return
     if not cpu.available():
@@ -194,7 +198,7 @@ def test_errors_keep_their_order_when_the_centres_are_deferred(after, case, exc,
     range, then emb, sigma, centres, weights), so the deferral changes no error."""
     from nnkloss.validation import check_values
     with pytest.raises(exc, match=match):
-        check_values(*value_args(**case), centres_after_op=after)
+        check_values(*value_args(**case), centres_after_op=after, fused=CPU)
     assert checks_path is None or checks_path == [True]
 
 
@@ -305,14 +309,14 @@ def test_checks_accept_finite_values_whose_sum_overflows(checks_path):
     e, c, nb, w, s = value_args()
     e = torch.full_like(e, 3e38)
     w = torch.full_like(w, 3e38)
-    assert check_values(e, c, nb, w, s) is False
+    assert check_values(e, c, nb, w, s, fused=CPU) is False
     e[1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"^emb contains NaN or inf$"):
-        check_values(e, c, nb, w, s)
+        check_values(e, c, nb, w, s, fused=CPU)
     e[1, 2] = 0.0
     w[3] = -1.0
     with pytest.raises(ValueError, match=r"^weights must be finite and non-negative"):
-        check_values(e, c, nb, w, s)
+        check_values(e, c, nb, w, s, fused=CPU)
     assert checks_path is None or checks_path == [True] * 3
 
 
@@ -323,19 +327,19 @@ def test_check_before_the_op_with_the_triton_read(monkeypatch, centre):
     interpreter on CPU tensors in place of torch's chunks: the same answers, the same error."""
     from nnkloss import validation
     kernels = nnkloss.ops.backends.kernels()
+    triton = nnkloss.ops.backends.by_name("triton")  # the device path, on the CPU
     calls = []
-    monkeypatch.setattr(validation, "_fused_gathered_rows_finite",
-                        lambda c, nb: calls.append(1) or kernels.gathered_rows_finite(c, nb))
-    monkeypatch.setattr(validation, "_COMPILED_CHECKS", False)  # the device path, on the CPU
+    real = kernels.gathered_rows_finite
+    monkeypatch.setattr(kernels, "gathered_rows_finite", lambda *a: calls.append(1) or real(*a))
     args = value_args(centre=centre)
     if centre is None:
-        validation.check_values(*args)
+        validation.check_values(*args, fused=triton)
     else:
         with pytest.raises(ValueError, match=GATHERED_MSG):
-            validation.check_values(*args)
+            validation.check_values(*args, fused=triton)
     assert calls
     emb, centres, nb, w, s = value_args(centre=float("nan"))
-    validation.check_values(emb, centres, nb.masked_fill(nb == 4, -1), w, s)  # not gathered
+    validation.check_values(emb, centres, nb.masked_fill(nb == 4, -1), w, s, fused=triton)
 
 
 @pytest.mark.cuda

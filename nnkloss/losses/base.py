@@ -53,11 +53,11 @@ from ..validation import (REDUCTIONS, check_batch, compiling, plain_eager, requi
 __all__ = ["BankLoss", "BankLossStats"]
 
 
-def _lists_kernel(device: torch.device):
-    """The backend's one-call lists of a batch for tensors on ``device`` (``(lists, counts) =
-    launch(table, idx, labels, bank_labels, exclude_self)``, None from it leaves the batch to
-    torch's ops), or None where there is none."""
-    return backend("auto", device, torch.int64).batch_lists
+def _lists_kernel(device: torch.device, choice: str = "auto"):
+    """The one-call lists of a batch for tensors on ``device`` from the backend ``choice``
+    resolves to (``(lists, counts) = launch(table, idx, labels, bank_labels, exclude_self)``,
+    None from it leaves the batch to torch's ops), or None where it has none."""
+    return backend(choice, device, torch.int64).batch_lists
 
 
 def _raise_misaligned(labels: Tensor, idx: Tensor, own: Tensor, mismatched: Tensor) -> None:
@@ -201,7 +201,9 @@ class BankLoss(nn.Module, abc.ABC):
                 neighbours = neighbours.masked_fill(mismatched[:, None], -1)
                 num_mismatched = mismatched.sum().to(emb.device)
         loss, per_row, counted = self.loss_rows(emb, labels, neighbours)
-        self.last_stats = BankLossStats(loss.detach(), per_row.detach(), counted, num_mismatched)
+        # a plain attribute (nn.Module's __setattr__ would look for a parameter of that name)
+        self.__dict__["last_stats"] = BankLossStats(loss.detach(), per_row.detach(), counted,
+                                                    num_mismatched)
         return loss
 
     def _lists_in_one_call(self, labels: Tensor, idx: Tensor
@@ -219,7 +221,8 @@ class BankLoss(nn.Module, abc.ABC):
         ones, where torch's gather would stop the CUDA context with a device-side assert."""
         bank = self.bank
         table = bank.neighbours
-        launch = _lists_kernel(table.device)
+        choice = getattr(self, "backend", "auto")  # the loss's op's, so one route on a device
+        launch = _lists_kernel(table.device, "auto" if choice == "torch" else choice)
         if (launch is None or labels.device != table.device
                 or not plain_eager(table, idx, labels)):
             return None

@@ -132,14 +132,6 @@ class TritonBackend(TorchBackend):
                                            weights, sigma, store_dist=store_dist,
                                            need_grad_x=need_grad_x, mean=mean)
 
-    def counted_mean(self, per_row, counted):
-        if (per_row.dim() == 1 and per_row.dtype in (torch.float32, torch.float64)
-                and counted.dtype == torch.bool and counted.shape == per_row.shape
-                and per_row.shape[0] <= self.k.COUNTED_MEAN_MAX_ROWS
-                and plain_eager(per_row, counted)):
-            return self.k.counted_mean(per_row, counted)
-        return reference.counted_mean(per_row, counted)
-
     def centre_grad(self, emb, centres, neighbours, coef):
         return self.k.centre_grad(emb, centres, neighbours, coef)
 

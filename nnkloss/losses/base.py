@@ -25,9 +25,7 @@ used, because a row's list and its own-centre exclusion come from the bank row `
 for a misaligned row they belong to another example, so its loss would train on the wrong
 centres. The drop empties those rows' lists (all padding) before the maths: every loss gives a
 row without entries loss 0, no gradient and leaves it out of the mean (the contract of
-:meth:`BankLoss.rows`), so the drop costs a fill of the (B, K) lists and a count, and adds
-nothing to the autograd graph (on a GPU four launches fewer a step than a ``where`` over the
-losses and an ``and`` over the counted rows, and none in backward).
+:meth:`BankLoss.rows`), so it adds nothing to the autograd graph.
 
 In eager mode the batch's lists, the own-index exclusion, the drop and its count are one
 backend call (``batch_lists``: one launch on CUDA tensors, one call of the compiled library on

@@ -21,10 +21,8 @@ entries. The nearest-entry selection is piecewise constant (no gradient through 
 in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
 
 Memory: the (B, K) distances that select the entries come from the Eq. 3 op's forward (one
-fused pass over the gathered rows on CPU and CUDA tensors: :func:`_list_distances`), and so do
-the means m_pos, m_neg (the selected entries' distances); the mean centres that the gradient
-needs are summed one selected column at a time ((B, D) gathers), and autograd keeps only
-(B, D) mean centres and (B, k) indices: neither a (B, K, D) nor a (B, k, D) tensor is built.
+fused pass over the gathered rows), and so do the means m_pos, m_neg; the mean centres that the
+gradient needs are summed one selected column at a time: no (B, K, D) or (B, k, D) tensor.
 """
 from __future__ import annotations
 

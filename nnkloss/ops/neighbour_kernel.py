@@ -28,7 +28,7 @@ Outputs = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 def _forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor,
              neighbours: Tensor, weights: Optional[Tensor], sigma: Tensor, backend: str,
-             store_dist: bool, need_grad_x: bool, mean: bool) -> Outputs:
+             store_dist: bool, need_grad_x: bool, mean: bool = False) -> Outputs:
     """loss, lse_all, lse_pos, grad_x, dist (the contract), counted (B,) bool, and the counted
     mean and its divisor (0-dim; zeros without ``mean``)."""
     impl = by_name(backend)
@@ -45,7 +45,7 @@ _nk_forward = torch.library.custom_op("nnkloss::nk_forward", _forward, mutates_a
 
 @_nk_forward.register_fake
 def _nk_forward_fake(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend,
-                     store_dist, need_grad_x, mean):
+                     store_dist, need_grad_x, mean=False):
     out = reference.empty_outputs(emb, neighbours.shape[1], store_dist, need_grad_x)
     return out + (emb.new_empty(emb.shape[0], dtype=torch.bool), out[0].new_empty(()),
                   out[0].new_empty(()))
@@ -63,10 +63,15 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, _, _, mean = inputs
+    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, *_ = inputs
+    mean = len(inputs) > 10 and inputs[10]  # the op's mean defaults to False
     _, lse_all, lse_pos, grad_x, dist, _, _, divisor = output
-    ctx.save_for_backward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                          lse_all, lse_pos, grad_x, dist, divisor)
+    need = ctx.needs_input_grad
+    # The embedding gradient needs three tensors; the per-entry terms of the others, all.
+    terms = (emb, labels, centres, centre_labels, neighbours, weights, sigma, lse_all, dist)
+    ctx.save_for_backward(grad_x, lse_pos, divisor,
+                          *(terms if need[2] or need[5] or need[6] else ()))
+    ctx.emb = (emb.dtype, emb.shape[1])
     ctx.backend = backend
     ctx.mean = mean  # without it the mean and divisor outputs are constant zeros
     # Only the loss's and the mean's gradients are used: the others arrive as None instead of
@@ -80,8 +85,7 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist, _g_counte
         g_mean = None
     if g_loss is None and g_mean is None:
         return (None,) * 11
-    (emb, labels, centres, centre_labels, neighbours, weights, sigma,
-     lse_all, lse_pos, grad_x, u, divisor) = ctx.saved_tensors
+    grad_x, lse_pos, divisor, *terms = ctx.saved_tensors
     impl = by_name(ctx.backend)
     need = ctx.needs_input_grad
     need_emb, need_c, need_w, need_s = need[0], need[2], need[5], need[6]
@@ -91,14 +95,16 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist, _g_counte
         g = g_loss + g_mean / divisor
     grad_emb = grad_c = grad_w = grad_s = None
     if need_emb:
-        if grad_x.shape[1] != emb.shape[1]:
+        emb_dtype, D = ctx.emb
+        if grad_x.shape[1] != D:
             raise RuntimeError("nnkloss::nk_forward was called with need_grad_x=False, so it "
                                "cannot give emb a gradient")
         # One pass that applies the row rule too: rows with lse_pos -inf or g 0 take nothing.
-        grad_emb = impl.scale_rows(grad_x, g, lse_pos, emb.dtype, div)
+        grad_emb = impl.scale_rows(grad_x, g, lse_pos, emb_dtype, div)
         if torch.is_grad_enabled():  # create_graph=True: a second derivative is an error
             grad_emb = _FirstOrderOnly.apply(grad_emb)
     if need_c or need_w or need_s:
+        emb, labels, centres, centre_labels, neighbours, weights, sigma, lse_all, u = terms
         g_rows = (g if div is None else g / div).expand(lse_pos.shape)
         coef, q, srow = impl.entry_grads(u, labels, centre_labels, neighbours, weights,
                                          lse_all, lse_pos, g_rows, sigma, need_c, need_w,

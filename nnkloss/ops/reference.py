@@ -1,17 +1,11 @@
-"""The plain PyTorch implementation of the fused op, chunked over rows: the reference path.
+"""The plain PyTorch implementation of every pass of the op, chunked over rows: the torch
+backend and the fp64 oracle the others are tested against.
 
-It returns exactly what the Triton kernel returns (see ``nnkloss.kernels.neighbour_kernel``),
-so one autograd definition serves both. Gathered centres are processed ``rows_per_chunk`` rows at
-a time, so the largest temporary is (rows_per_chunk, K, D), never (B, K, D).
-
-Numerics (docs/MATHS.md section 4, "Numerical rules"):
-- distances are scaled before they are squared, ``u_j = ||(c_j - x) / sigma||^2``, so they
-  overflow only where the logit itself does;
-- probabilities are normalised by the computed sums (``e_j / sum e``), never formed as
-  ``exp(l_j - lse)``, which loses eps * |lse| and stops them summing to one;
-- a row touched by a non-finite value (NaN/inf in its embedding, a gathered centre or a
-  log-weight, or a distance that overflows) gets a NaN loss, NaN lse's and a NaN gradient; it is
-  never turned into a row "without a positive".
+Its forward returns exactly what the Triton kernel returns (ops/CONTRACT.md); gathered centres
+are processed ``rows_per_chunk`` rows at a time, so the largest temporary is (rows, K, D),
+never (B, K, D). Numerics (docs/MATHS.md section 4): distances are scaled before they are
+squared; probabilities are normalised by the computed sums, never ``exp(l_j - lse)``; a row
+touched by a non-finite value gets NaN loss, lse's and gradient, never "no positive".
 """
 from __future__ import annotations
 

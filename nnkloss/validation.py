@@ -198,6 +198,16 @@ def check_batch(emb, labels, idx, centres):
     return as_index(labels).to(emb.device), as_index(idx)
 
 
+def _sigma_tensor(sigma, name: str):
+    """``sigma`` if it is a one-element float tensor (shape, dtype), else the error naming it."""
+    if sigma.numel() != 1 or sigma.dim() > 1:
+        raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape "
+                         f"{tuple(sigma.shape)}")
+    if not sigma.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {sigma.dtype}")
+    return sigma
+
+
 def require_sigma(sigma, name: str = "sigma") -> float:
     """``sigma`` as a positive finite float: the package's one sigma check.
 
@@ -205,12 +215,7 @@ def require_sigma(sigma, name: str = "sigma") -> float:
     TypeError for anything else (bools and strings included) and ValueError for <= 0, inf or
     NaN, naming ``name``."""
     if isinstance(sigma, torch.Tensor):
-        if sigma.numel() != 1 or sigma.dim() > 1:
-            raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape "
-                             f"{tuple(sigma.shape)}")
-        if not sigma.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got {sigma.dtype}")
-        sigma = float(sigma.detach())
+        sigma = float(_sigma_tensor(sigma, name).detach())
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
         raise TypeError(f"{name} must be a float or a 0-dim tensor, got {type(sigma).__name__}")
     sigma = float(sigma)
@@ -224,10 +229,7 @@ def check_sigma(sigma, device):
     :func:`require_sigma`; a tensor's shape, dtype and device are checked here (free) and its
     value by :func:`check_values` (with the other value checks, one sync)."""
     if isinstance(sigma, torch.Tensor):
-        if sigma.numel() != 1 or sigma.dim() > 1:
-            raise ValueError(f"sigma must be a float or a 0-dim tensor, got shape {tuple(sigma.shape)}")
-        if not sigma.dtype.is_floating_point:
-            raise TypeError(f"sigma must be a floating-point tensor, got {sigma.dtype}")
+        _sigma_tensor(sigma, "sigma")
         if sigma.device != device:
             raise ValueError(f"sigma is on {sigma.device} but emb is on {device}")
         return sigma if sigma.dim() == 0 else sigma.reshape(())

@@ -759,3 +759,14 @@ def test_labels_of_any_integer_dtype_give_the_int64_loss(dtype):
         with nnkloss.value_checks(False):
             torch.testing.assert_close(loss(emb, labels.to(dtype), idx), want, rtol=0, atol=0)
             assert loss.last_num_mismatched == 0
+
+
+def test_a_module_call_on_the_meta_device_names_emb():
+    """Meta tensors hold no values, and a bank loss reads its batch's lists and labels: the
+    call is refused naming emb (it failed inside Tensor.item(), naming nothing)."""
+    bank = small_bank().to("meta")
+    fn = nnkloss.NeighbourKernelLoss(bank, sigma=1.0)
+    idx = torch.arange(3, device="meta")
+    with pytest.raises(ValueError, match="^emb is on the meta device"):
+        fn(torch.empty(3, bank.centres.shape[1], device="meta"),
+           torch.zeros(3, dtype=torch.int64, device="meta"), idx)

@@ -90,7 +90,7 @@ def time_phases() -> dict:
     up; what a call spends outside them is its seconds less their sum. Each wrapper costs a
     clock read or two per call (~3,000 calls at N = 150,000)."""
     from nnkloss.bank.search import torch_search
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     spent = dict.fromkeys(PHASES, 0.0)
 
     def timed(key, fn):
@@ -150,7 +150,7 @@ def prepare(provider: str, device="cpu") -> None:
     the GPU, which does not use it (on a fresh GPU machine the build is device time spent on
     nothing)."""
     if provider != "pml" and torch.device(device).type == "cpu":
-        from nnkloss.ops import cpu
+        from nnkloss import cpu
         cpu.available()
 
 

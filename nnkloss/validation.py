@@ -413,7 +413,7 @@ def _compiled_value_flags(emb, neighbours, weights):
     reductions below it (tests/test_validation.py runs the check tests on both)."""
     if not _COMPILED_CHECKS:
         return None
-    from .ops import cpu
+    from . import cpu
     return cpu.value_flags(emb, neighbours, weights)
 
 

@@ -141,7 +141,7 @@ def test_source_checkout_without_install_finds_the_kernels(tmp_path):
 def test_fused_pass_by_device_offers_the_same_helpers():
     """fused_pass: the compiled CPU library for CPU tensors, the Triton kernels on CUDA (with
     triton), none elsewhere; both with the helpers the classifier and the value checks call."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     from nnkloss.ops.backends import fused_pass, kernels
     assert fused_pass(torch.device("cpu")) is cpu
     assert fused_pass(torch.device("meta")) is None

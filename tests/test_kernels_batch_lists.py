@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import nnkloss
-from nnkloss.ops import cpu
+from nnkloss import cpu
 
 INTS = [torch.int32, torch.int64]
 

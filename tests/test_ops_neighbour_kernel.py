@@ -60,7 +60,7 @@ def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
     when no gradient is recorded; the torch form with a gradient (its C++ autograd costs less
     than a Python Function's), where the library is not loaded, for other dtypes, and when
     compiled."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     from nnkloss.ops import neighbour_kernel as op
     assert cpu.available()
     calls = []  # the calls that computed the mean
@@ -90,7 +90,7 @@ def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
     assert torch.equal(x.grad, torch.full_like(x, 1.0) / torch.count_nonzero(counted))
     rows = rows.detach()
     # torch's form: the library not loaded (a mean never builds it), fp16, a compiled call
-    monkeypatch.setitem(cpu._state, "lib", None)
+    monkeypatch.setitem(cpu.build._state, "lib", None)
     assert torch.equal(op.reduce_rows(rows, counted, "mean"), want)
     monkeypatch.undo()  # the library back
     monkeypatch.setattr(cpu, "counted_mean", spy)
@@ -346,7 +346,7 @@ def test_backward_scales_rows_on_the_kernel_threads_only_for_the_cpu_backend(mon
                                                                               backend):
     """Kills ops.neighbour_kernel _backward 32-34 (g * grad_x sent through nk_scale_rows for
     the wrong backends or for none: same numbers, other threads)."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     calls = []
     real = cpu.scale_rows
 
@@ -804,7 +804,7 @@ def test_entries_past_the_bank_with_checks_off_give_the_cpu_s_nan_rows_on_triton
     then gives the CPU's loss, per-row losses and every gradient (NaN where the CPU's is), and
     the weight gradient's scatter stays inside the weights. Before, the kernels read (and the
     centre gradient wrote) past the bank: this very case crashed the process."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("no compiled CPU library to compare with")
     emb, labels, centres, cl, nb, w = make_case(6, 20, 8, 5, seed=21, pad=0.1)

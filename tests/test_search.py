@@ -15,7 +15,7 @@ import nnkloss.bank.search as K
 import nnkloss.bank.search.faiss_search as FS
 import nnkloss.bank.search.torch_search as TS
 from nnkloss.bank.search import drop_self, iter_knn, knn, recall_against_exact
-from nnkloss.ops import cpu
+from nnkloss import cpu
 
 HAVE_FAISS = K.faiss_available()
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,
@@ -792,14 +792,14 @@ def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
     x = tied(n=400, d=3, seed=80)
     ref = ref_lists(x, x, 30, exclude_self=True)
     monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
-    cpu._reset_for_tests()
+    cpu.build._reset_for_tests()
     try:
         with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
             dist, idx = knn(x, x, 30, "torch", exclude_self=True)
         assert TS._compiled_selection(4, 30, 94) is None
     finally:
         monkeypatch.delenv("NNKLOSS_CPU_KERNEL")
-        cpu._reset_for_tests()
+        cpu.build._reset_for_tests()
     assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
 
 

@@ -13,7 +13,7 @@ def checks_path(request, monkeypatch):
     (nnkloss.ops.cpu.value_flags, taken once the library is loaded). Yields the list of the
     compiled calls made (True: taken); the compiled run asserts that each was taken."""
     from nnkloss import validation
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if request.param == "torch":
         monkeypatch.setattr(validation, "_COMPILED_CHECKS", False)
         yield None

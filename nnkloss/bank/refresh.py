@@ -71,7 +71,7 @@ def _list_overlap(new: Tensor, old: Tensor) -> float:
     much faster: docs/PERFORMANCE.md); elsewhere row-wise membership by a batched searchsorted
     into the sorted old lists. Both (N, K) work, never an N x N tensor, and the same counts.
     """
-    from ..ops import cpu
+    from .. import cpu
     old = old.to(new.device)
     both = cpu.list_overlap(new, old, new.shape[0])
     if both is not None:

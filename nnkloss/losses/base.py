@@ -62,7 +62,7 @@ def _lists_kernel(device: torch.device):
     :func:`nnkloss.ops.cpu.batch_lists` (None from it leaves the batch to torch's ops); None
     elsewhere."""
     if device.type == "cpu":
-        from ..ops import cpu
+        from .. import cpu
         return cpu.batch_lists
     if device.type != "cuda":
         return None

@@ -107,7 +107,7 @@ def implementation(backend: str):
         k = kernels()
         return SimpleNamespace(forward=k.neighbour_kernel_fwd, centre_grad=k.centre_grad)
     if backend == "cpu":
-        from . import cpu
+        from .. import cpu
         return cpu
     if backend == "torch":
         return reference
@@ -122,7 +122,7 @@ def fused_pass(device: torch.device):
     the gathered centres); the CPU's return None where they do not apply (the library not
     built, other dtypes), the caller's torch form then runs."""
     if device.type == "cpu":
-        from . import cpu
+        from .. import cpu
         return cpu
     if resolve_backend("auto", device) == "triton":
         return kernels()

@@ -64,7 +64,7 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
 def _nk_scale_rows(grad_x: Tensor, g: Tensor, lse_pos: Tensor) -> Tensor:
     """``g[:, None] * grad_x``, 0 where g == 0 or lse_pos == -inf, by the compiled CPU
     kernel's threads (:func:`nnkloss.ops.cpu.scale_rows`)."""
-    from . import cpu
+    from .. import cpu
     return cpu.scale_rows(grad_x, g, lse_pos)
 
 
@@ -78,7 +78,7 @@ def _scale_rows_cpu(grad_x, g, lse_pos):
     directly, without the custom op's dispatch (~8 us of a ~90 us backward), unless this
     backward is itself recorded (create_graph=True: grad mode is on here)."""
     if not torch.is_grad_enabled() and plain_eager(grad_x, g):
-        from . import cpu
+        from .. import cpu
         return cpu.scale_rows(grad_x, g, lse_pos)
     return torch.ops.nnkloss.nk_scale_rows(grad_x, g, lse_pos)
 
@@ -103,7 +103,7 @@ def _nk_entry_grads(u: Tensor, labels: Tensor, centre_labels: Tensor, neighbours
                     need_s: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """The CPU backend's per-entry backward terms (:func:`nnkloss.ops.cpu.entry_grads`) as a
     custom op: ``(coef, q, srow)``, each empty (0,) where not asked for."""
-    from . import cpu
+    from .. import cpu
     out = cpu.entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
                           sigma, need_c, need_w, need_s)
     if out is None:
@@ -128,7 +128,7 @@ def _entry_grads_cpu(u, labels, centre_labels, neighbours, weights, lse_all, lse
     custom op otherwise (traced, a dispatch mode, a subclass: the same compiled pass, the same
     bits); None where the torch form below must run: the library cannot, or this backward is
     itself recorded (create_graph=True: grad mode is on here)."""
-    from . import cpu
+    from .. import cpu
     if torch.is_grad_enabled():
         return None
     if plain_eager(u, lse_pos, g):  # None where the library does not take these tensors
@@ -378,7 +378,7 @@ def _counted_mean_fused(per_row: Tensor, counted: Tensor) -> Optional[Tensor]:
     if not per_row.is_cuda:
         if recorded or not plain_eager(per_row, counted):
             return None
-        from . import cpu
+        from .. import cpu
         out = cpu.counted_mean(per_row, counted)  # None for what it does not take
         return None if out is None else out[0]
     if (per_row.dtype not in (torch.float32, torch.float64) or counted.dtype != torch.bool

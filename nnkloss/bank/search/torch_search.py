@@ -98,7 +98,7 @@ def distance_tile(qa: Tensor, ba: Tensor, out: Tensor) -> Tensor:
     one dot product in column order: the same bits whatever the tile, path or threads), else
     ``torch.mm``."""
     if COMPILED_GEMM and out.is_cpu:
-        from ...ops import cpu
+        from ... import cpu
         if cpu.gemm_nt(qa, ba, out):
             return out
     return torch.mm(qa, ba.t(), out=out)
@@ -340,7 +340,7 @@ def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tenso
 
 
 def _compiled_selection(rows: int, k: int, cap: int):
-    from ...ops import cpu  # the compiled library (built on first use) or None
+    from ... import cpu  # the compiled library (built on first use) or None
     return cpu.knn_selection(rows, k, cap)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch

@@ -5,7 +5,6 @@ values the kernel actually receives (emb converted to the compute dtype; bank va
 in fp32).
 """
 import math
-import time
 import warnings
 
 import pytest

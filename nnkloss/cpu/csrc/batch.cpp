@@ -1,4 +1,6 @@
-// BATCH_HEADER
+// The batch's passes outside the op's kernels: its lists (batch_lists, the CPU twin of
+// kernels/batch_lists.py), the counted mean, the value checks' reads and the benchmarks'
+// gather limit.
 #include "common.h"
 
 namespace {
@@ -10,11 +12,7 @@ namespace {
 // is not its bank row's (clabels[idx[b]] != labels[b]), is dropped: its list all -1, nothing
 // of the table read for it. counts[0] = rows dropped, counts[1] = those of them outside
 // [0, N). I: the table's index type; idx, labels and clabels int32 or int64 (the *64 flags).
-// One pass in place of two (the gather with its exclusion, then the label count), and the
-// CPU's lists take the GPU's route and contract. Not measurably faster in a module's call: on
-// caches the forward's kernel has swept, this pass took 54-63 us at B 1024, K 33 (the table's
-// rows are cache and TLB misses; prefetching 16 rows ahead gained nothing), a call of 8 rows
-// 12 us (2-core Intel Xeon, 2026-11-28).
+// One pass in place of two, so that the CPU's lists take the GPU's route and contract.
 template <typename I>
 int64_t batch_lists_impl(const I* table, int64_t N, int64_t K, const void* idx, int idx64,
                       const void* labels, int lab64, const void* clabels, int cl64, int64_t B,
@@ -50,9 +48,7 @@ int64_t batch_lists_impl(const I* table, int64_t N, int64_t K, const void* idx, 
 // whose flag is set; both in the rows' type T. The sum runs in double over eight lanes in a
 // fixed order (the same bits on every run), then is rounded to T and divided in T, as torch's
 // form divides its sum by the count. A NaN or inf row reaches the mean. One call in place of
-// torch's sum, count_nonzero, clamp_min and div: after the forward's kernel has swept the
-// caches, the counted mask and those four took 41-44 us of a forward-only call at B 1024,
-// the mask and this call 25 (2-core Intel Xeon, 2026-11-27).
+// torch's sum, count_nonzero, clamp_min and div.
 template <class T>
 void counted_mean_impl(const T* rows, const uint8_t* counted, int64_t B, T* mean,
                        T* divisor) {
@@ -73,8 +69,8 @@ void counted_mean_impl(const T* rows, const uint8_t* counted, int64_t B, T* mean
 // Whether each of the N lists holds a centre of its own row's label (bank/search/lists.py,
 // has_same_label): out[i] = 1 when some entry j >= 0 of row i has clabels[j] == clabels[i].
 // A row is read only up to its first such entry, which in a list sorted nearest first is
-// usually the first: about N label reads instead of the N x K gather of torch's form (0.32 s
-// at N 20,000, K 1000). Every entry read is checked: 3 when one is outside [-1, N).
+// usually the first: about N label reads instead of the N x K gather of torch's form. Every
+// entry read is checked: 3 when one is outside [-1, N).
 int has_same_label_impl(const void* nbrs, int nb64, int64_t N, int64_t K, const void* clabels,
                         int cl64, uint8_t* out) {
     for (int64_t i = 0; i < N; ++i) {
@@ -163,9 +159,7 @@ inline uint64_t xor_rest(const char* r, int64_t o, int64_t e) {
 // an XOR of the rows' 8-byte words (returned, so that the reads stay). Bytes read per second is
 // what the machine gives a random row gather of that shape, where the bank lives, without the
 // op's arithmetic. Entries are shared out in items of 512; the XOR does not depend on the
-// thread count. Measured against the same loop written in C in one process (2-core AMD EPYC,
-// 2026-11-25): equal at D 128, 512 and 2048 on one and two threads; copying each line into a
-// local array first (through the stack) had made it 1.4-2x slower.
+// thread count.
 template <typename I>
 uint64_t gather_read_items(const char* bank, int64_t n_rows, int64_t row_bytes, const I* nb,
                            int64_t n, int nthreads) {
@@ -223,8 +217,7 @@ uint64_t gather_read_items(const char* bank, int64_t n_rows, int64_t row_bytes, 
 // listed row tested with any_bad_value, the rows pf entries ahead prefetched. Padding (-1)
 // and entries outside [0, N) are not rows: skipped, nothing is read through them (the value
 // checks refuse such an index themselves, naming it). 0: all finite, 1: a NaN or inf. Items
-// of 512 entries over the threads; one pass, no gathered copy (torch's form wrote 16-MiB
-// blocks of rows).
+// of 512 entries over the threads; one pass, no gathered copy.
 template <typename T, typename I>
 int gathered_finite_items(const char* bank, int64_t N, int64_t D, const I* nb, int64_t n,
                           int nthreads) {

@@ -22,42 +22,18 @@
 #include <immintrin.h>
 #endif
 
-#ifndef NNK_GENERIC_BF16_WIDEN
-#define NNK_GENERIC_BF16_WIDEN 0
-#endif
-
-// How many bytes of gathered centre rows pass 1 prefetches ahead of the rows it reads (0: no
-// software prefetch): the distance in rows is this over the row's size, 4 to 16 rows. A random
-// gather defeats the hardware prefetcher, within a row too: prefetching only every second or
-// fourth line of a row measured 1.2-1.7x slower than every line (AMD EPYC, 2026-11-23).
+// How many bytes of gathered rows pass 1 prefetches ahead of the rows it reads (0: none), 4 to
+// NNK_PREFETCH_MAX_ROWS rows: a random gather defeats the hardware prefetcher, so every line of
+// a row is requested. Locality 3 (prefetcht0): the non-temporal hint was a few percent faster
+// on one vendor and several times slower on another (docs/PERFORMANCE.md, "The CPU library's
+// build-time choices").
 #ifndef NNK_PREFETCH_BYTES
 #define NNK_PREFETCH_BYTES 8192
 #endif
-// Their locality hint: 3 (prefetcht0, into every level). The non-temporal hint 0 (prefetchnta)
-// was measured 1.02-1.05x faster on the 2-core AMD EPYC machine (2026-11-24, forward at B 1024,
-// K 32, D 128, other shapes within noise) but 2.2-4.7x slower (forward) on a 2-core Intel Xeon
-// with AMX (2026-11-24, 3 interleaved rounds, banks resident in its last-level cache: 5.55
-// against 1.19 ms at B 256, K 100, D 512; benchmarks/results/cpu_variants_Intel_Xeon.txt):
-// what a CPU does with an NTA hint is its own choice, and a cliff on one vendor outweighs a few
-// percent on the other.
-// On that Xeon, hints 1 and 2 (into L2 / L3 only) were 1.03-1.2x slower than 3 (within noise at
-// D 2048), and distances of 4, 8 and 16 KiB within noise of each other. On a 2-core AMD EPYC
-// family 26 with AVX-512 (2026-11-26, cpu_variants.py --kernel, 3 rounds, forward, against the
-// defaults; benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): 16 KiB 0.90x at
-// D 512 fp32, 0.98-1.02x at D 128 and 2048, 1.14x with bf16 rows; 32 KiB (32 rows) 0.81-0.97x
-// but bf16 1.10x; 2 and 4 KiB 0.80-1.02x; hint 2 0.81-0.99x. None faster at every shape.
-// Hints 0 and 1 again there (5 rounds, the op's whole calls, at ef6e8be), to see whether rows
-// that leave the caches less swept make the Python after the kernel faster (a backward timed
-// after a 64 MiB read of other memory took 192 against 68 us at B 1024, K 32, D 128): hint 0
-// took 1.01, 0.98 and 1.01 times the default's forward+backward time (D 512, D 128, bf16
-// D 512): within noise; hint 1 1.17 and 1.13 times (0.98 with bf16).
 #ifndef NNK_PREFETCH_LOCALITY
 #define NNK_PREFETCH_LOCALITY 3
 #endif
 
-// The most rows it runs ahead, however small they are. On the 2-core Intel Xeon (2026-11-24,
-// benchmarks/cpu_variants.py, 3 rounds) 16 KiB / 32 rows and 32 KiB / 64 rows were within noise
-// of 8 KiB / 16 rows at the four bench_loss CPU shapes, or slower (bf16: 1.04-1.08x).
 #ifndef NNK_PREFETCH_MAX_ROWS
 #define NNK_PREFETCH_MAX_ROWS 16
 #endif
@@ -131,23 +107,14 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
 
 
 // Runs work(i) for every i in [0, n) on up to `nthreads` threads, each claiming items from a
-// shared counter (so a thread that starts late simply does fewer items); each thread works on
-// its own copy of `work` (its scratch buffers). Returns once every item is done.
+// shared counter; each thread works on its own copy of `work` (its scratch buffers). Returns
+// once every item is done; nthreads <= 1 runs inline, no parallel region at all.
 //
-// Whose threads (issue 21): built with -fopenmp (cpu.py does so where torch's intra-op pool is
-// the libgomp loaded in the process), the threads are an OpenMP team of that same libgomp:
-// torch's own worker threads, so torch's ops and this kernel share one pool and never spin
-// against each other. Measured on the 2-core machine, idle, forward+backward of the op at 2
-// threads vs 1: 1.6-1.9x faster this way; with the kernel's own std::threads beside torch's
-// spinning OpenMP workers it was 0.3-1.0x (slower than one thread). The price: the team's
-// closing barrier waits for every thread, and beside another busy process a descheduled one can
-// stall the call for a time slice; cpu.py's ThreadGovernor measures that and drops to one
-// thread when it is faster (nthreads <= 1 runs inline, no parallel region at all).
-//
-// Without OpenMP (another runtime in torch, or a compiler without -fopenmp): the caller and
-// nthreads - 1 detached helper std::threads; the caller never waits for a helper that has not
-// claimed an item (a late helper finds nothing left and exits), and everything a late helper
-// touches is kept alive by a shared_ptr.
+// Built with -fopenmp (where torch's intra-op pool is the libgomp loaded in the process) the
+// threads are an OpenMP team of that libgomp: torch's own workers, so torch's ops and the
+// library share one pool and never spin against each other. Otherwise the caller and
+// nthreads - 1 detached std::threads; the caller never waits for a helper that has not claimed
+// an item, and everything a late helper touches is kept alive by a shared_ptr.
 struct Progress {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};

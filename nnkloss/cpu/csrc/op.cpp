@@ -1,44 +1,22 @@
-// OP_HEADER
-// Compiled CPU kernels: the neighbour-kernel loss op (see /CONTRACT.md: the forward contract)
-// and, at the end of the file, the exact kNN search's selection (nnk_knn_select,
-// nnk_knn_select_sym for a self-search, nnk_knn_pad) and its distance tiles' GEMM
-// (nnk_gemm_nt).
+// The neighbour-kernel loss op on the CPU (nnkloss/ops/CONTRACT.md: the forward contract), its
+// backward terms and the classifier's distances.
 //
-// No torch headers: nnkloss/ops/cpu.py compiles this file on first use with the system
-// compiler (c++ -O3 -march=native -pthread -fopenmp -shared -fPIC where torch's pool is
-// libgomp, so that the parallel loops run on torch's OpenMP team; else -fopenmp-simd and own
-// std::threads: see run_items), loads it with ctypes and passes tensor data pointers. Every
-// array is contiguous.
+// Forward, per row b (ForwardRow::row's numbered steps): pass 1 gathers the K centre rows once,
+// four at a time (one at a time for short rows at a compile-time D), and computes the scaled
+// squared distances u_j = sum_d ((c_j[d] - x[d]) / sigma)^2; from those K numbers in cache the
+// logits, the two maxima, the exponentials (vexp) and the two sums run as SIMD lanes over K,
+// and the log-sum-exps follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) (not in the
+// forward-only path) is computed in one of two ways: for a large gathered set of long rows
+// (NNK_ONE_PASS_BYTES) pass 1 folds each row, while it is in L1, into running sums rescaled
+// when the running maximum rises (the online log-sum-exp of the Triton kernel); otherwise a
+// second pass re-reads the rows from L2, skipping zero coefficients. The loss and
+// log-sum-exps come from the K logits either way (the same bits with and without grad_x).
 //
-// Types: C is the compute type (float, or double for fp64 embeddings), T the bank element
-// type (float, double, bf16 or fp16 stored as uint16_t bits). Integer arrays (neighbours,
-// labels, centre labels) are int32 or int64, chosen at run time by a flag. emb is already in
-// the compute type (the Python wrapper converts it).
-//
-// Forward, per row b (rows shared out among threads by run_items; ForwardRow::row's numbered
-// steps): pass 1 gathers the K centre rows once, four at a time (one at a time for fp32 / bf16
-// rows of D 64, 128 or 256, at a compile-time D), and computes the scaled squared distances
-// u_j = sum_d ((c_j[d] - x[d]) / sigma)^2 (times 1/sigma, before squaring); then, from those K
-// numbers in cache, the logits (the weights and centre labels gathered), the two maxima, the
-// exponentials and the two sums run as SIMD lanes over K (vexp, a vectorisable exp within
-// ~1 ulp), and the log-sum-exps follow. grad_x = (1/sigma^2) sum_j (p_j - p^R_j)(c_j - x) with p_j = e_j / s_all,
-// p^R_j = e^R_j / s_pos (normalised by the computed sums) is computed (not in the forward-only
-// path) in one of two ways: when a row's gathered set (K * D * element bytes) exceeds
-// NNK_ONE_PASS_BYTES and its rows are at least ONE_PASS_MIN_ROW_BYTES long, pass 1 folds each row, while it is in L1, into running sums of e_j (c_j - x)
-// for all entries and for the class, rescaled whenever the running maximum rises (the online
-// log-sum-exp of the Triton kernel), so the rows are read once; below it a second pass re-reads
-// the rows from L2 with coefficients computed as SIMD lanes, skipping zero coefficients. The
-// loss and log-sum-exps come from the K logits either way (the same bits with and without
-// grad_x). The only temporaries are a few K-vectors and one D-vector per thread.
-//
-// Backward (CPU backend, nnkloss/ops/neighbour_kernel.py _backward): the embedding gradient is
-// one scaling of grad_x's rows (scale_rows_impl); when centres, weights or sigma take a
-// gradient, their per-entry terms (p_j - p^R_j, from the saved distances) come from one pass
-// per row (EntryGrads), and the centres' from the scatter below.
-//
-// Centre gradient: grad[j] += coef[b,k] * (emb[b] - centres[j]). The threads share out ranges
-// of bank rows, so no two threads write the same row and every row is accumulated in the same
-// (b, k) order whatever the thread count: the result is deterministic.
+// Backward (nnkloss/ops/neighbour_kernel.py): the embedding gradient is one scaling of grad_x's
+// rows (scale_rows_impl); the centres', weights' and sigma's per-entry terms come from one pass
+// per row (EntryGrads), the centres' then from the scatter (centre_grad_impl), whose threads
+// own ranges of bank rows: every row is summed in the same (b, k) order whatever the thread
+// count.
 #include "common.h"
 
 #ifndef NNK_GENERIC_BF16_WIDEN
@@ -47,29 +25,15 @@
 
 namespace {
 
-// ACC = 16 independent partial sums per row (one AVX-512 / two AVX2 fp32 vectors: Lanes below):
-// one running sum is a chain of dependent adds (4 cycles each), which for a row already in
-// cache is the bottleneck; the partials are then added pairwise (no less accurate than one
-// running sum). They are GCC/Clang vector types rather than arrays: as arrays the compiler kept
-// them on the stack and added the 16 lanes with scalar adds through memory, which cost as much
-// as the distance itself at D = 128 (measured).
+// ACC = 16 independent partial sums per row (one AVX-512 / two AVX2 fp32 vectors: Lanes): one
+// running sum is a chain of dependent adds, the bottleneck for a row in cache; the partials are
+// then added pairwise (no less accurate than one running sum).
 constexpr int64_t ACC = 16;
 
 // fp32 / bf16 / fp16 rows of D 64, 128 or 256 of at most this many bytes are read one at a
 // time at a compile-time D (row_distances_fixed), longer ones in groups of four (0: never one
-// at a time).
-// Which is faster depends on the CPU: the fixed rows were measured 1.06-1.16x faster at D 64,
-// 128 and 256 on a 2-core AMD EPYC (2026-11-24), but that was against groups whose partial sums
-// GCC kept in memory on AVX2 (see Lanes). With the lanes in registers, the 2-core AMD EPYC of
-// 2026-11-25 (AVX2, benchmarks/cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=0, 3 runs of 5
-// rounds, benchmarks/results/cpu_variants_AMD_EPYC.txt) measured the groups 1.25-1.43x faster
-// at D 256 fp32 (1 KiB rows), and both within noise of each other at D 64 and 128 fp32 and with
-// bf16 rows of D 128 and 256 (256-512 bytes). So: up to 512 bytes without AVX-512, up to
-// 1 KiB (every D 64 / 128 / 256, as measured before) with it. Re-measured with AVX-512 on a
-// 2-core AMD EPYC family 26 (2026-11-26, cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=256,
-// 3 rounds, benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): one row at a time
-// 1.29x faster at D 128 fp32 (forward; 1.17x with grad_x), 1.12x at D 256 (1.03x), equal at
-// D 64.
+// at a time). Which is faster depends on the vector width: docs/PERFORMANCE.md, "The CPU
+// library's build-time choices".
 #ifndef NNK_FIXED_ROW_BYTES
 #if defined(__AVX512F__)
 #define NNK_FIXED_ROW_BYTES 1024
@@ -82,18 +46,9 @@ constexpr int64_t ACC = 16;
 // A forward with grad_x reads the gathered rows once (folding each into the gradient's running
 // sums while it is in L1) when a row's gathered set, K * D * sizeof(bank element), exceeds
 // NNK_ONE_PASS_BYTES (NNK_ONE_PASS_PREFETCHED_BYTES for rows whose fold takes part of the
-// prefetching, NNK_FOLD_PREFETCH below) and its rows are at least NNK_ONE_PASS_MIN_ROW_BYTES
-// long; otherwise a second pass reads them again (see ForwardRow::row), from L2 at these sizes
-// (1 MiB of it on the machine measured). Since the second pass holds g's columns in registers
-// (grad_pass, 2026-11-27), two passes beat one up to 512 KiB sets but for the rows the fold
-// prefetches for: with grad_x at one thread (2026-11-27, cpu_variants.py --kernel, 4 rounds,
-// log benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt) two passes took 0.89x
-// one pass's time at K 100, D 512 fp32 (200 KiB), 0.93x at K 200, D 512 (400 KiB), 0.86x at
-// K 200, D 256 and 0.90x with bf16 rows of K 200, D 512, 0.93x and 0.89x with bf16 rows of
-// D 2048 at K 100 and 50; 1.02x at K 400, D 512 (800 KiB) and 0.97x at K 800, D 256; with fp64
-// rows 0.97x, 1.00x and 0.94x at 320-400 KiB sets, with fp16 rows 0.91x (ad hoc, 5 rounds).
-// For fp32 rows of 4 KiB and more one pass stays faster: two passes took 1.21x its time at
-// K 64, D 1024 (256 KiB), 1.18x at K 100, D 1024 and 1.05x at K 40, D 2048 (320 KiB).
+// prefetching, NNK_FOLD_PREFETCH) and its rows are at least NNK_ONE_PASS_MIN_ROW_BYTES long;
+// otherwise a second pass reads them again from L2, which holds g's columns in registers and
+// is the faster up to such sets.
 #ifndef NNK_ONE_PASS_BYTES
 #define NNK_ONE_PASS_BYTES (512 << 10)
 #endif
@@ -101,16 +56,7 @@ constexpr int64_t ACC = 16;
 #define NNK_ONE_PASS_PREFETCHED_BYTES (128 << 10)
 #endif
 // The fold's cost per entry (its logits, exponentials and running-maximum test) is paid per
-// row whatever the row's length, and short rows do not repay it: two passes were faster at
-// every short-row shape measured, even with gathered sets past L2 (2-core AMD EPYC,
-// 2026-11-25, benchmarks/cpu_variants.py --kernel, 5 rounds, forward with grad_x: 1.72x at
-// K 1000, D 64 fp32 (250 KB a row), 1.52x at K 2000, D 32, 1.25x at K 4000, D 64 (1 MB), 1.07x
-// at K 1000, D 100); one pass stays faster from 512-byte rows on (1.07x at K 1000, D 128, 1.14x
-// at K 100, D 512 fp32). Re-measured on the 2-core AMD EPYC family 26 (1 MiB of L2; 2026-11-26,
-// cpu_variants.py --kernel with NNK_ONE_PASS_BYTES at 64 KiB, 0 and 1 GiB, 5 rounds, log
-// benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt): no threshold faster at every
-// shape. One pass at B 1024, K 32, D 128 (16 KB a row's set) took 0.44 against 0.32 ms; the
-// bf16 rows of K 100, D 512 (100 KB) were within the run's noise either way.
+// row whatever the row's length: short rows do not repay it, even with sets past L2.
 #ifndef NNK_ONE_PASS_MIN_ROW_BYTES
 #define NNK_ONE_PASS_MIN_ROW_BYTES 512
 #endif
@@ -118,25 +64,9 @@ constexpr int64_t ACC = 16;
 // In one pass with fp32 rows of at least NNK_FOLD_PREFETCH_MIN_ROW_BYTES, the prefetches of the
 // four rows pf entries ahead are split: two rows' lines are requested during a group's distance
 // sweep, two during its fold (0: all four during the distance sweep, as for the other types and
-// shorter rows). The fold's sweep reads only L1 and made no request of its own, so memory sat
-// idle through it once the outstanding prefetches had landed: with grad_x the kernel took
-// 1.13-1.39x its forward-only time at D 1024-2048 fp32, 1.02-1.18x with this. Measured on the
-// 2-core AMD EPYC family 26, 2026-11-27 (log benchmarks/results/cpu_variants_
-// AMD_EPYC_family_26_model_2.txt): with grad_x at one thread against the kernel before it
-// (cpu_variants.py --against 85e7f64 --threads 1, 8 rounds) 1.14x faster at B 64, K 256, D 2048
-// (4.26 against 4.85 ms) and 1.21x at B 128, K 128, D 1024, the forward-only calls within 0.3%,
-// and the two-pass shapes (B 1024, K 32, D 128; B 128, K 1000, D 64; 10 rounds) within 0.6% in
-// both modes; again in the form below (one call of scaled_sqdist4, 8 rounds): 1.10x at D 2048
-// (4.48 against 4.94 ms), 1.19x at D 1024, forward-only within 0.9%, the two-pass shapes within
-// 0.5%; at two threads against NNK_FOLD_PREFETCH=0 (cpu_variants.py --kernel, four runs of 6-10
-// rounds, the last one logged) 1.06-1.13x at D 2048, 1.13-1.20x at D 1024, 1.05-1.12x at D
-// 1536. Not for the other types: bf16 rows of D 2048 (4 KiB) 0.96x and 1.01x, fp64 rows 1.10x
-// at D 512 and 0.97x at D 1024 (8 rounds, ad hoc), where the fold's arithmetic, not the wait
-// for memory, is what the kernel spends its time on; nor for fp32 rows of D 512 (0.84x in the
-// first run; with the gate at 2 KiB, at one thread, 8 rounds, ad hoc: 0.92x at K 100, 0.93x at
-// K 200, 1.80 against 1.95 ms and 3.78 against 4.06; those banks sit in or near L3). The same
-// bits either way (a prefetch changes no arithmetic). The mechanism takes every row type (two
-// lines a step for fp64), so that the gate alone is the policy.
+// shorter rows). The fold's sweep reads only L1, so memory would sit idle through it. Where the
+// fold's arithmetic, not memory, is the wait (other types, shorter rows) it does not pay. The
+// same bits either way (a prefetch changes no arithmetic).
 #ifndef NNK_FOLD_PREFETCH
 #define NNK_FOLD_PREFETCH 1
 #endif
@@ -145,19 +75,11 @@ constexpr int64_t ACC = 16;
 #endif
 
 // The ACC lanes live in the CPU's own vector registers: NATIVE_BYTES wide (64 with AVX-512, 32
-// with AVX, else 16), so a set of lanes is P = ACC / (NATIVE_BYTES / sizeof(C)) native vectors
-// (fp32: one AVX-512 / two AVX2 registers; fp64: two / four). As one 64- or 128-byte GCC vector
-// on a CPU whose registers are narrower, GCC 12 kept the lanes in memory: the four-row distance
-// loop moved its partial sums through the stack and general registers (vmovq / vpinsrq) at every
-// step, and `s * v` was built from ACC scalar stores and wider reloads (a store-forwarding stall
-// per row). Lane i of the set is lane i % L of native vector i / L, so every operation is the
-// same per lane and tree_sum adds the lanes in the same order (the same bits as before, but for
-// the last bit of fp64 rows with a ragged tail, where the compiler's FMA contraction of the tail
-// loop changed). Measured on the 2-core AMD EPYC (AVX2, 2026-11-25, benchmarks/cpu_variants.py
-// --against, 5 rounds): kernel forward 1.44x at B 256, K 100, D 512, 1.45x at D 2048, 1.85x
-// with the bf16 bank, with grad_x 1.40-1.64x; D 128 (row_distances_fixed) within noise. With
-// AVX-512 a set is one register (compiled for Sapphire Rapids, the four-row loop is the same
-// instructions as before).
+// with AVX, else 16), so a set of lanes is P = ACC / (NATIVE_BYTES / sizeof(C)) native vectors.
+// As one 64-byte GCC vector on a CPU whose registers are narrower, GCC kept the lanes in memory
+// (the partial sums through the stack at every step). Lane i of the set is lane i % L of native
+// vector i / L, so every operation is the same per lane and tree_sum adds the lanes in a fixed
+// order.
 #if defined(__AVX512F__)
 constexpr int NATIVE_BYTES = 64;
 #elif defined(__AVX__)
@@ -220,26 +142,11 @@ template <>
 NNK_INLINE Lanes<float> load_lanes<float, float>(const float* __restrict p) {
     return load_native(p);
 }
-// bf16 -> fp32 is the 16 bits shifted into the top half: written as whole-vector operations
-// (widen, shift, reinterpret), one native vector at a time, rather than whatever the compiler
-// makes of 16 scalar conversions. With AVX-512 the widening is spelled out as one vpmovzxwd from
-// memory: GCC 12 compiles __builtin_convertvector(u16 x 16 -> u32 x 16) as two 256-bit
-// widenings plus an extract and an insert (four shuffle-port operations instead of one per 16
-// elements), which made the bf16 gradient pass half as fast per element as the fp32 one (2-core
-// Intel Xeon, 2026-11-25, one thread, B 256, K 100, D 512: 12.4 against 26.3 G elements/s).
-// With AVX2 likewise, one vpmovzxwd ymm from memory per register: the generic form had become
-// two 128-bit widenings, a byte shift and an insert (2-core AMD EPYC, 2026-11-25, 5 rounds:
-// forward 1.39x at B 256, K 100, D 512, 1.24x at B 512, K 64, D 256, with grad_x 1.08-1.28x;
-// benchmarks/results/cpu_variants_AMD_EPYC.txt).
-// NNK_GENERIC_BF16_WIDEN=1 keeps the generic form (for A/B on another compiler or CPU).
-// One instruction instead of two, tried on the 2-core AMD EPYC family 26 (AVX-512 VBMI2,
-// 2026-11-27, cpu_variants.py --kernel, not kept): vpexpandw from memory into the odd words
-// took 1.45x the forward's time and 2.8x with grad_x (microcoded there); from a register 1.14x
-// and 1.24x; vpermw with a zeroing mask into the odd words 0.96-0.99x the forward and
-// 0.95-1.02x with grad_x at four bf16 shapes, where a second build of the unchanged source
-// moved 0.99-1.07x (6 rounds, benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt):
-// the widening is not what the bf16 passes wait on. Nor is the second pass's reading of rows
-// from L2: prefetching them 4 or 8 entries ahead took 1.08x with grad_x (7 rounds, ad hoc).
+// bf16 -> fp32 is the 16 bits shifted into the top half, as whole-vector operations (widen,
+// shift, reinterpret), one native vector at a time. With AVX-512 / AVX2 the widening is spelled
+// out as one vpmovzxwd from memory per register: GCC's generic form took two widenings plus
+// shuffles, which halved the bf16 passes' speed. NNK_GENERIC_BF16_WIDEN=1 keeps the generic
+// form (for an A/B on another compiler or CPU).
 template <>
 NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
     Lanes<float> v;
@@ -267,15 +174,8 @@ NNK_INLINE Lanes<float> load_lanes<float, bf16>(const bf16* __restrict p) {
     return v;
 }
 // fp16 -> fp32 with the CPU's own conversion (F16C's vcvtph2ps, 8 or 16 at a time), exact as
-// the scalar one is (every fp16 value is an fp32 value), so fp16 rows take the same vector
-// loops as the other types (distances, folds, both gradient passes). Without F16C the generic
-// form above, one element at a time. Until 2026-11-27 fp16 rows had loops of their own that
-// converted a row 256 elements at a time into a buffer and ran the fp32 loops on it; against
-// those (cpu_variants.py --kernel, one thread, 5 rounds, log benchmarks/results/cpu_variants_
-// AMD_EPYC_family_26_model_2.txt) the kernel's forward is 2.6x faster at B 1024, K 32, D 128,
-// 3.8x at K 1000, D 64, 2.9x at K 100, D 512 and 4.5x at K 256, D 2048 (with grad_x 2.1-3.7x).
-// The distances of rows longer than 256 are no longer summed a block at a time: their last
-// bits moved (the tests hold them to the fp64 contract, as before).
+// the scalar one is, so fp16 rows take the same vector loops as the other types. Without F16C
+// the generic form above, one element at a time.
 #if defined(__F16C__)
 template <>
 NNK_INLINE Lanes<float> load_lanes<float, fp16>(const fp16* __restrict p) {
@@ -298,10 +198,8 @@ NNK_INLINE Lanes<double> load_lanes<double, double>(const double* __restrict p) 
 }
 
 // A set of lanes all equal to s, for every product of a scalar with lanes: one broadcast
-// register (an initializer of L equal elements, which GCC 12 makes one vbroadcastss both with
-// AVX2 and AVX-512; `s * v` on a vector wider than the registers went through the stack, see
-// Lanes, and a lane-by-lane fill became 16 masked moves per use with AVX-512). The products are
-// the same IEEE operations.
+// register (an initializer of L equal elements: one vbroadcastss with AVX2 and AVX-512, where
+// `s * v` on a vector wider than the registers went through the stack).
 template <typename N, typename C, std::size_t... I>
 NNK_INLINE N broadcast_native(C s, std::index_sequence<I...>) {
     return N{((void)I, s)...};
@@ -360,13 +258,7 @@ NNK_INLINE void prefetch_step(const T* row, int64_t d) {
 }
 
 // Each difference is scaled before it is squared (docs/MATHS.md, rule 1): one multiply an
-// element more than ||c - x||^2 / sigma^2. What the rule costs, measured on the 2-core AMD EPYC
-// family 26 (2026-11-27, cpu_variants.py --kernel, 6 rounds, a variant that squared the
-// unscaled differences and scaled each row's sum): the unscaled form took 0.98-1.00x the
-// forward's time at the three fp32 grid shapes, 0.94x with the bf16 bank, and 0.95-1.01x with
-// grad_x (benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt). The banks come
-// from L3 or memory there, so the arithmetic hides behind the reading; only a bank in L1 showed
-// the rule's 1.17x. Not worth an overflow / underflow fallback: the rule stays.
+// element more than ||c - x||^2 / sigma^2, hidden behind the reading of the rows.
 template <typename C, typename T>
 NNK_INLINE C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s, int64_t D) {
     typedef Lanes<C> V;
@@ -388,14 +280,12 @@ NNK_INLINE C scaled_sqdist(const T* __restrict c, const C* __restrict x, C inv_s
 }
 
 // The distances of four gathered rows at once: per row the same operations in the same order
-// as scaled_sqdist (so the same bits: a row's distance does not depend on whether it was
-// computed in a group), but x is loaded once per four rows, the four rows' dependent add
-// chains interleave (one chain per row keeps an FMA unit waiting for its own latency), and
-// four rows stream from memory at once (measured: 1.4x faster at D = 2048).
+// as scaled_sqdist (the same bits), but x is loaded once per four rows, the four rows' add
+// chains interleave, and four rows stream from memory at once.
 //
-// fut: four rows to prefetch (the group `pf` entries ahead; pass the current rows when there
-// is none), one cache line of each per ACC elements read, so that the prefetches are spread
-// over the computation instead of issued in a burst that fills the miss buffers and stalls.
+// fut: four rows to prefetch (the group `pf` entries ahead; the current rows when there is
+// none), one line of each per ACC elements read, spread over the computation instead of a
+// burst that fills the miss buffers.
 template <typename C, typename T>
 inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
                            const T* __restrict c2, const T* __restrict c3,
@@ -451,24 +341,11 @@ inline void scaled_sqdist4(const T* __restrict c0, const T* __restrict c1,
     out[3] = tree_sum(p3) + t3;
 }
 
-// Pass 1 of a row at a compile-time D (fp32 / bf16 / fp16 rows of 64, 128 or 256 elements, at
-// most NNK_FIXED_ROW_BYTES long) when no gradient is folded in: one gathered row at a time (same
-// bits as in a group of four), the row pf entries ahead prefetched whole, the distances into
-// ub; the logits follow in one SIMD sweep (ForwardRow::logits). For small rows this beat the
-// groups of four with their per-group bookkeeping on the 2-core AMD machine of 2026-11-24
-// (2 threads, A/B in one process, L3-resident banks of 50,000 rows: forward 1.16x at B 1024,
-// K 32, D 128 fp32, 1.09x bf16, 1.14x at D 64, 1.16x at D 256 (1.06x bf16); with grad_x
-// 1.07-1.12x; rows of 70 elements (runtime D) within noise), before the groups' partial sums
-// were kept in registers on AVX2: see NNK_FIXED_ROW_BYTES for what holds since. At D 512 the
-// groups of four stay: one at a time was 0.87-0.93x there (2 KB rows from memory, where four
-// streams at once win). The loop unrolls whole at the
-// compile-time D, and as a function of its own its pointers keep their registers (inlined
-// into row(), GCC had kept the prefetch pointers in vector registers). Groups of four at the
-// compile-time D (scaled_sqdist4 with D a constant, its prefetching; the same bits) were
-// slower on the AMD EPYC family 26 (2026-11-27, kernel forward, the builds alternating in
-// one process, 5 rounds, ad hoc): 0.90x at B 1024, K 32, D 128, 0.95x at D 64 and D 256,
-// 0.88x with bf16 rows; the classifier's pass, with more arithmetic a row, gained from the
-// same change (rel_sqdist_rows).
+// Pass 1 of a row at a compile-time D (short fp32 / bf16 / fp16 rows, NNK_FIXED_ROW_BYTES) when
+// no gradient is folded in: one gathered row at a time (the same bits as in a group of four),
+// the row pf entries ahead prefetched whole, the distances into ub; the logits follow in one
+// SIMD sweep. The loop unrolls whole at the compile-time D, and as a function of its own its
+// pointers keep their registers.
 template <int64_t DC, typename C, typename T>
 __attribute__((noinline)) void row_distances_fixed(const T* bank, int64_t n_rows,
                                                    const void* nbl, int l64, int64_t k0,
@@ -487,17 +364,14 @@ __attribute__((noinline)) void row_distances_fixed(const T* bank, int64_t n_rows
     }
 }
 
-// exp(x) for the row's softmax, vectorisable: the K exponentials of a row run as SIMD lanes
-// (a call to the C library's exp per entry cost as much as the entry's 128-wide distance).
-// fp32: Cody-Waite range reduction x = n ln2 + r (|r| <= ln2 / 2 up to rounding, ln2 split in
-// two so n ln2 is exact), a degree-7 polynomial for e^r (Cephes' expf coefficients: within 1 ulp of exp on
-// [-ln2/2, ln2/2]) and 2^n applied as two exact power-of-two factors so that results down to
-// the subnormal range round once. x = -inf (an invalid entry) gives 0, x <= -104 gives 0 (exp
-// underflows there in fp32 too), NaN stays NaN. fp64 keeps the C library's exp.
-// always_inline: a call inside the omp simd loop would make it scalar again. Its compares and
-// selects vectorise without AVX-512's masks (AVX2) only under -fno-trapping-math, which
-// nnkloss/ops/cpu.py builds with: GCC 12 left the loop scalar otherwise ("control flow in
-// loop"), the same bits either way.
+// exp(x) for the row's softmax, vectorisable: the K exponentials of a row run as SIMD lanes (a
+// call to the C library's exp per entry cost as much as the entry's distance). fp32:
+// Cody-Waite range reduction x = n ln2 + r (ln2 split in two so n ln2 is exact), a degree-7
+// polynomial for e^r (Cephes' expf coefficients: within 1 ulp of exp on [-ln2/2, ln2/2]) and 2^n
+// applied as two exact power-of-two factors so that results down to the subnormal range round
+// once. x = -inf (an invalid entry) gives 0, x <= -104 gives 0, NaN stays NaN. fp64 keeps the C
+// library's exp. always_inline: a call inside the omp simd loop would make it scalar; its
+// compares and selects vectorise without AVX-512's masks only under -fno-trapping-math.
 __attribute__((always_inline)) inline float vexp(float x) {
     const float lo = -104.0f, hi = 88.72283935546875f;
     float xc = x < lo ? lo : (x > hi ? hi : x);
@@ -530,22 +404,16 @@ __attribute__((always_inline)) inline float vexp(float x) {
 inline double vexp(double x) { return std::exp(x); }
 
 // g += sum_i a_i (c_i - x) over a row for N gathered rows c_i, in the order i = 0..N-1: ACC
-// elements at a time as vector types (load_lanes converts bf16 rows with whole-vector
-// operations), the ragged end one element at a time; per element the same operations in the
-// same order either way, so the bits do not depend on N or on where the row ends. g and x are
-// loaded, and g stored, once per N rows. Against the `omp simd` loops over scalar loads that
-// this replaced (kept under a macro for the A/B, then removed): forward+backward 1.03-1.07x
-// faster at the four bench_loss CPU shapes, forward 1.00-1.04x (2-core Intel Xeon, 2026-11-24,
-// 3 rounds, benchmarks/results/cpu_variants_Intel_Xeon.txt).
+// elements at a time as vector types, the ragged end one element at a time; per element the
+// same operations in the same order either way, so the bits do not depend on N or on where the
+// row ends. g and x are loaded, and g stored, once per N rows.
 template <typename C>
 NNK_INLINE void store_lanes(C* __restrict p, const Lanes<C>& v) {
     for (int q = 0; q < Lanes<C>::P; ++q) std::memcpy(p + q * Lanes<C>::L, &v.n[q], NATIVE_BYTES);
 }
 
-// Always inlined: as a call from the second pass (the row's g and x reloaded, the four
-// coefficients splat again per group) the forward with grad_x at K 1000, D 64 measured
-// 0.85-0.92x in three runs, which is what GCC chose once row()'s inlining budget moved
-// (2026-11-26, when the logits became a shared function).
+// Always inlined: as a call from the second pass (g and x reloaded, the coefficients splat
+// again per group) the forward with grad_x was slower.
 template <int N, typename C, typename T>
 NNK_INLINE void axpy_diff_rows(C* __restrict g, const T* const* c, const C* __restrict x,
                                const C* a, int64_t D, const T* const* pf = nullptr) {
@@ -590,32 +458,14 @@ NNK_INLINE void axpy_diff4(C* __restrict g, const T* __restrict c0, const T* __r
 // The gradient's second pass over a row's gathered set: g += sum_i a_i (c_i - x) over the n
 // entries that carry a coefficient (rows[i], a[i]), a block of NB sets of lanes (NB * ACC
 // columns) at a time: the block's sums stay in registers while every entry adds its part, are
-// stored once, and the next block starts. The pass before it (until 2026-11-27; the variant
-// NNK_GRAD_BLOCKS=0 of the logs, since removed) went through axpy_diff4, which loads and stores
-// g once per four entries, and took 30-45% of the kernel's time with grad_x
-// at the two-pass shapes (a probe that skipped it, 2026-11-27). Per element the operations are
-// axpy_diff_rows' in the same order (g, then a_0 (c_0 - x), a_1 (c_1 - x), ...), so the bits
-// are the same (checked against it at 30 shapes and the four types, with AVX-512 and AVX2
-// builds; fp16 rows are widened by F16C, load_lanes<float, fp16>, exactly as the old pass's
-// blocks were). Blocks of NB, then NB / 2, ... 1 sets, then the ragged end. NB is what the
-// registers hold beside x's block and a temporary: 16 native vectors with AVX-512 (32
-// registers), 8 with fewer (fp32: 256 columns with AVX-512, 64 with AVX2).
+// stored once, and the next block starts. Per element the operations are axpy_diff_rows' in
+// the same order, so the bits are the same. Blocks of NB, then NB / 2, ... 1 sets, then the
+// ragged end; NB is what the registers hold beside x's block and a temporary (16 native
+// vectors with AVX-512, 8 with fewer).
 //
 // x's term cancels in exact arithmetic (the a_i of a row sum to 0), but c_i - x is what keeps
 // the sum exact when embeddings and centres sit far from the origin (docs/MATHS.md section 4,
 // rule 4): sum a_i c_i - (sum a_i) x would cancel terms of the size of the coordinates.
-//
-// Measured on the 2-core AMD EPYC family 26 (AVX-512), 2026-11-27, the kernel with grad_x at
-// one thread against a0fc271 (cpu_variants.py --against, 8 rounds; log benchmarks/results/
-// cpu_variants_AMD_EPYC_family_26_model_2.txt): 1.14x at B 1024, K 32, D 128 (0.549 against
-// 0.624 ms), 1.19x at B 128, K 1000, D 64, 1.14x at B 256, K 100, D 256 and 1.06x with the bf16
-// bank of B 256, K 100, D 512; the one-pass shape (D 512 fp32) and the forward-only calls
-// within the run's noise. Built for x86-64-v3 (AVX2, blocks of 64 columns), against
-// NNK_GRAD_BLOCKS=0 built the same way (two runs of 5 rounds, the second logged): 1.04x and
-// 1.07x at D 128, 1.10x and 1.10x at K 1000, D 64, 1.01x and 0.97x with the bf16 bank. fp16
-// rows (widened by F16C), against the old pass for them (on 40d989b, one thread, 5 rounds,
-// logged): 1.29x at B 1024, K 32, D 128, 1.37x at K 1000, D 64, 1.26x and 1.18x at K 100 and
-// 200, D 512.
 constexpr int GRAD_BLOCK_NATIVE = NATIVE_BYTES == 64 ? 16 : 8;
 
 template <int NB, typename C, typename T>
@@ -672,14 +522,11 @@ __attribute__((noinline)) void grad_pass(C* __restrict g, const T* bank, const v
 //     labels gathered): logit_j = log w_j - u_j / 2, -inf for padding, out-of-range entries and
 //     zero weights; the same-class logit (-inf for other classes) into lpos; and the non-finite
 //     rule (CONTRACT.md 6): true when an entry's distance is NaN/inf or its index is past the
-//     bank. I, L: the list and centre-label integer types; W: the weight type (void: none, all
-//     ones; wtype 1 fp32, 2 fp64), converted to C before the log as the torch path does
-//     (weights[idx].to(compute dtype)). Called at the run-time types by Lists::logits.
-//     log w is taken only for the rare entries with w != 1 (a non-unit, negative or
-//     non-finite weight), by a scalar pass afterwards: log(1) is exactly 0, and a log per
-//     entry cost ~13% of the forward at K = 32, D = 128.
+//     bank. I, L: the list and centre-label integer types; W: the weight type (void: none;
+//     wtype 1 fp32, 2 fp64), converted to C before the log as the torch path does. log w is
+//     taken only for the rare entries with w != 1, by a scalar pass afterwards (log(1) is 0).
 // Whether v is inf or NaN, from its exponent bits (all ones): an integer test, which a SIMD
-// loop can combine with its other integer masks (see list_logits_of).
+// loop can combine with its other integer masks.
 template <typename C>
 NNK_INLINE bool nonfinite_bits(C v) {
     typedef typename std::conditional<sizeof(C) == 4, uint32_t, uint64_t>::type U;
@@ -701,31 +548,15 @@ bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, 
     const void* const wts = n_rows > 0 ? weights : (const void*)&zero8;
     const C ninf = -std::numeric_limits<C>::infinity();
     int bad = 0, odd = 0;  // ints: a bool reduction kept the loop scalar
-    // Written so that GCC 12 vectorises it at every type and tuning (tests/
-    // test_cpu_kernel_codegen.py): the weights and centre labels are gathered first, a block of
-    // up to 64 entries at a time, into two small buffers (in a loop of its own, which the
-    // compiler vectorises with gather instructions where its tuning uses them and leaves
-    // scalar where not), and the SIMD loop then reads them in order; it works in the lists' own
-    // integer type (the last bank row an entry may name as an I: n_rows - 1, or I's largest
-    // value where the bank has more rows than I can name, -1 for an empty bank; R as an L: a
-    // label L cannot hold matches no centre); an entry outside the bank is a zero weight; a
-    // non-finite distance is read from its exponent bits (nonfinite_bits), an integer test
-    // like `in`. Before (int64 indices, the gathers in the SIMD loop, `in & (w != 0)` and
-    // `in & !(|u| <= max)`: integer masks beside float compares) GCC found "no vector type"
-    // for the weighted builds and, under generic tuning, for all: they ran one entry at a
-    // time, the logits ~10% of the kernel's forward at B 1024, K 32, D 128 (perf). Measured
-    // against that (2026-11-27, cpu_variants.py --against, 8 rounds, the kernel's forward /
-    // with grad_x): 1.11x / 1.07x at B 1024, K 32, D 128 fp32, 1.12x / 1.09x with bf16 rows,
-    // 1.20x / 1.13x at B 128, K 1000, D 64 (the Fashion-MNIST step), 0.99-1.03x at D 2048 and
-    // with the bf16 bank of D 512; at D 512 fp32 0.95x / 0.98x, and 1.02x / 0.98x in a run of
-    // 20 rounds (the rounds' own spread: 0.95-1.03). The gathers inside the SIMD loop
-    // (vectorised under this CPU's tuning only) measured the same within 2% but for 1.06x at
-    // K 1000; the gather loop kept scalar (a compiler barrier in it) against its vector
-    // gathers: 1.00-1.04x (14 rounds), not kept. perf at B 1024, K 32, D 128 (the op's
-    // forward-only calls, steady state, at a95cee9): the distances 49% of the samples, this
-    // function 13% (most of it the gathers), the rest of the row 11%, GOMP's waits 11%,
-    // Python 7%.
-    // Log: benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt.
+    // Written so that GCC vectorises it at every type and tuning (tests/test_cpu_csrc_codegen.py):
+    // the weights and centre labels are gathered first, up to 64 entries at a time, into two
+    // small buffers (a loop of its own, with gather instructions where the tuning uses them),
+    // and the SIMD loop then reads them in order. It works in the lists' own integer type (the
+    // last bank row an entry may name as an I: n_rows - 1, or I's largest value where the bank
+    // has more rows than I can name, -1 for an empty bank; R as an L: a label L cannot hold
+    // matches no centre); an entry outside the bank is a zero weight; a non-finite distance is
+    // read from its exponent bits (nonfinite_bits), an integer test like `in`. Mixed integer
+    // and float masks had left the loop scalar.
     const I last = n_rows - 1 > (int64_t)std::numeric_limits<I>::max()
                        ? std::numeric_limits<I>::max() : (I)(n_rows - 1);
     const bool r_fits = (int64_t)(L)R == R;
@@ -749,9 +580,8 @@ bool list_logits_of(const void* nbrs, const void* clabels, const void* weights, 
         else return (C)((const W*)wts)[js];
     };
     auto stand_in = [=](I j) -> I { return (j >= 0) & (j <= last) ? j : (I)0; };
-    // The one-pass fold's groups of four entries one at a time: the buffered SIMD pass below
-    // took 1.01-1.02x their time at B 256, K 100, D 512 fp32 with grad_x (2026-11-27, 10 and
-    // 14 rounds).
+    // The one-pass fold's groups of four entries one at a time (the buffered pass gains
+    // nothing there).
     if (e - a <= 4) {
         for (int64_t k = a; k < e; ++k) {
             const I js = stand_in(nb[k]);
@@ -1012,9 +842,6 @@ struct ForwardRow {
         //    compute in one pass, the group's logits (1b) and its fold into the gradient's
         //    running sums while the rows are in L1, so the rows are read once in both modes.
         //    Otherwise the K logits follow in one SIMD sweep (1b) after the distances.
-        // Bytes it must move per row b: K * D * sizeof(T) (the gathered rows: the op's whole
-        // cost, what bench_loss's "% of read" counts) + K * (index + label [+ weight]) + the
-        // D * sizeof(C) embedding (cache-resident after the first row touches it).
         auto fold_both = [&](int64_t k, const T* const* rows, int n,
                              const T* const* pf = nullptr) {
             nonfinite |= logits(k0, k, k + n, R, ub, lg, lpos);
@@ -1038,9 +865,7 @@ struct ForwardRow {
         };
         int64_t k = 0;
         // Small fp32 / bf16 / fp16 rows without a fold: one entry at a time
-        // (row_distances_fixed; fp16 since 2026-11-27: with grad_x at one thread 1.14x faster
-        // at B 1024, K 32, D 128, 1.07x at K 1000, D 64, 1.06x at K 100, D 256; forward
-        // 1.12-1.17x; the bf16 calls unchanged; 5 rounds, ad hoc).
+        // (row_distances_fixed).
         constexpr bool fixed = !std::is_same<T, double>::value;  // fp32, bf16, fp16
         if (fixed && !one_pass && (D == 128 || D == 64 || D == 256)
             && D * (int64_t)sizeof(T) <= NNK_FIXED_ROW_BYTES) {
@@ -1077,7 +902,7 @@ struct ForwardRow {
             // the distance sweep (each named twice: its two slots request the same lines) and
             // two by the fold's, so that requests to memory go on during the fold. One call
             // of scaled_sqdist4 either way: a second call site let GCC stop inlining it
-            // (tests/test_cpu_kernel_codegen.py reads the loop inside row()).
+            // (tests/test_cpu_csrc_codegen.py reads the loop inside row()).
             const bool split = one_pass && fold_prefetch;
             const T* const fa[4] = {fut[0], fut[1], split ? fut[0] : fut[2],
                                     split ? fut[1] : fut[3]};
@@ -1200,10 +1025,10 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, 
     run_items(B, nthreads, row);
 }
 
-// The backward's per-entry terms for the centre, weight and sigma gradients (the CPU backend's;
-// nnkloss/ops/neighbour_kernel.py _backward holds the torch form, which every other backend
-// runs), from the forward's saved distances u (B, K) and log-sum-exps. For row b with incoming
-// gradient g_b (read with stride gs: 0 for a reduced loss's expanded scalar):
+// The backward's per-entry terms for the centre, weight and sigma gradients (the torch form is
+// nnkloss/ops/neighbour_kernel.py's), from the forward's saved distances u (B, K) and
+// log-sum-exps. For row b with incoming gradient g_b (read with stride gs: 0 for a reduced
+// loss's expanded scalar):
 //   p_j, p^R_j: the row's softmax over its valid / same-class logits (Lists::logits; -inf: 0)
 //   dl_j = (p_j - p^R_j) g_b
 //   coef[b, j] = dl_j / sigma^2      (the centre gradient's coefficients, centre_grad_impl)
@@ -1215,12 +1040,9 @@ void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, 
 // The torch form's row rules: a row with no same-class entry (lse_pos -inf) or g_b == 0 takes
 // no gradient and passes none on, NaN or not (zeros); a non-finite row (lse_pos NaN) that takes
 // one gives NaN to every entry (q: to its non-padding entries) and to srow.
-// p is e_j / s with e_j = exp(logit_j - row max) and s their sum, as in the forward and the
-// torch form's row softmax, not exp(logit - lse): far from every centre (distances ~1e3,
-// sigma 10, fp32) lse's rounding scales every p alike, and the centre gradient, a sum of
-// (p_j - p^R_j)(x - c_j) whose terms cancel, came out 2% off (tests/test_numerics.py). The
-// exponentials run as SIMD lanes (vexp). Bytes per row: K * (u + index + label [+ weight])
-// read, up to 2 K written.
+// p is e_j / s with e_j = exp(logit_j - row max) and s their sum, as in the forward, not
+// exp(logit - lse): far from every centre lse's rounding scales every p alike, and the centre
+// gradient, a sum of terms that cancel, came out visibly off (tests/test_numerics.py).
 template <typename C>
 struct EntryGrads {
     const C* u;
@@ -1309,18 +1131,7 @@ struct EntryGrads {
 // whole and the ragged ends compile away; DC = 0 reads D at run time. The same operations per
 // element and the same tree per row either way, so the same bits. Rows four at a time: four
 // independent sums in flight (the same bits as one at a time); the rows pf entries ahead
-// prefetched. Four at a time against one at a time, at run-time D, on the 2-core AMD EPYC
-// (2026-11-26, the builds alternating in one process, 7 calls each, twice): 1.43x and 1.48x
-// at Q 2000, k 1000, D 64; 1.07x and 1.29x at Q 8192, k 100, D 128; 1.04x and 1.07x at Q 512,
-// k 256, D 512. (Items of ~4,096 entries, carrying the prefetch stream across queries, added
-// nothing to it: 0.95-1.03x.) The compile-time D against the run-time D on the 2-core AMD EPYC
-// family 26 (AVX-512; 2026-11-27, benchmarks/cpu_variants.py --classifier --against 3d371d2,
-// 5 rounds, at b9f2fef, log benchmarks/results/cpu_variants_AMD_EPYC_family_26_model_2.txt):
-// 1.40x at Q 2000, k 1000, D 64, 1.13x at D 128, 1.01x at D 512 (not affected), bit-equal; in
-// ad hoc A/Bs before it 1.08x at D 256, 1.21x with bf16 rows of D 64, and built without
-// AVX-512 1.15x and 1.05x at D 64 and 128. The run-time D's loop had reloaded r and x_q at
-// every step of every group. One row at a time at the compile-time D was 1.23x and 1.06x;
-// eight rows at a time at the run-time D 1.02-1.04x; neither kept.
+// prefetched.
 template <int64_t DC, typename C, typename T>
 __attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* __restrict r,
                                                const T* centres, const int64_t* row,
@@ -1393,10 +1204,8 @@ __attribute__((noinline)) void rel_sqdist_rows(const C* __restrict xq, const T* 
 // out[q, j] = ||x_q - c_i||^2 - ||x_q - c_r||^2 for i = idx[q, j], r = ref[q], in the product
 // form (c_i - c_r) . ((c_i + c_r) - 2 x_q), which keeps their difference to full relative
 // precision for a query far from every centre (the operations of the torch form, per element;
-// the sum in lanes). One pass over the gathered rows, the next rows prefetched, no (Q, K, D)
-// intermediate. Returns 3 if an index is outside [0, N) (nothing is read through it).
-// Bytes it must move per query: K * D * sizeof(T) (the gathered rows) + the reference row and
-// x_q (D elements each) + K indices and K outputs.
+// the sum in lanes). One pass over the gathered rows, no (Q, K, D) intermediate. Returns 3 if
+// an index is outside [0, N) (nothing is read through it).
 template <typename C, typename T>
 int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
                     const int64_t* ref, int64_t Q, int64_t K, int64_t D, C* out,

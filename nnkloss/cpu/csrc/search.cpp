@@ -1,22 +1,21 @@
-// SEARCH_HEADER
+// The exact search's compiled parts: the top-k selection folded into each distance tile, the
+// selection's finish, the refresh's list overlap and the tiles' GEMM.
 #include "common.h"
-// ---------------------------------------------------------------------------------------------
+
 // Exact k-nearest-neighbour selection for nnkloss/bank/search/torch_search.py (its module
 // docstring is the spec). torch computes a (rows, cols) tile of fp32 squared distances by one
 // GEMM of augmented rows; nnk_knn_select folds the tile into a running per-row selection kept
 // across the base tiles, and its rows are sorted at the end (nnk_knn_pad, then numpy's sort in
-// KnnSelection.finish). Keys are uint64
-// (float bits of the clamped distance << 32) | base index: non-negative floats order as their
+// KnnSelection.finish). Keys are uint64 (float bits of the clamped distance << 32) | base index: non-negative floats order as their
 // bits, so keys order as (distance, index) and are unique. Per row, a buffer of `cap` > k keys
 // holds every candidate below `worst`, a key that at least k held keys are at or below
 // (UINT64_MAX before the first compaction): when the buffer is full, KnnRow::compact drops the
 // keys above a new `worst` (a sampled pivot, else the k-th key by nth_element). A key >= worst
 // cannot be among the k smallest (k keys <= worst are already held), so nothing the exact
-// result needs is ever dropped. Base columns arrive in
-// ascending index order, so a new key is below worst iff its distance is below worst's
-// distance: the prefilter compares 16 raw distances at a time with that float and only chunks
-// holding a candidate go on to the keys (KnnRow::scan). A self-search (queries = base) can compute
-// each pair once: nnk_knn_select_sym folds a tile into its rows' selections and, transposed
+// result needs is ever dropped. Base columns arrive in ascending index order, so a new key is
+// below worst iff its distance is below worst's distance: the prefilter compares 16 raw
+// distances at a time with that float and only chunks holding a candidate go on to the keys
+// (KnnRow::scan). A self-search (queries = base) can compute each pair once: nnk_knn_select_sym folds a tile into its rows' selections and, transposed
 // (a column scan, no copy), into its columns'.
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -29,8 +28,8 @@ namespace {
 // occurrence of a repeated new entry counted, and valid[i] = #{k : nw[i, k] >= 0} (the
 // statistic's denominator, in the same read). Per row, the old entries' bits are set in a
 // bitmap of M bits (M: the rows the lists index), the new entries tested, the bits cleared:
-// O(K) a row, where torch's form sorts every old list and binary-searches every new entry
-// (2.2 s at N 20,000, K 1000, one thread, 2026-11-27). 3 when an entry is outside [-1, M),
+// O(K) a row, where torch's form sorts every old list and binary-searches every new entry.
+// 3 when an entry is outside [-1, M),
 // 2 when M < 0, 4 when the bitmap cannot be allocated: an exception must not cross the C
 // interface (it would terminate the process; a negative M had cast to a huge size_t).
 int list_overlap_impl(const void* nw, int nw64, int64_t kn, const void* old, int old64,
@@ -96,9 +95,8 @@ struct KnnRow {
 
     // The key of rank j (0-based) among the n distinct keys s[0..n) (a scratch array: other
     // builds reorder it): the one with exactly j keys below it. With AVX-512 (n a multiple of
-    // 8) each key's rank is counted eight keys a step until the one sought: ~0.3 against
-    // ~0.9 us for nth_element over the 128-key sample of a compaction (perf, N 20,000,
-    // k 1,000, where the selection of the sample had become 10% of the search).
+    // 8) each key's rank is counted eight keys a step until the one sought, cheaper than
+    // nth_element over the sample of a compaction.
     static uint64_t key_of_rank(uint64_t* s, int64_t n, int64_t j) {
 #if defined(__AVX512F__)
         if (n % 8 == 0) {
@@ -164,18 +162,13 @@ struct KnnRow {
     // now or later). First try a pivot from a sample: the keys at kKnnSample evenly spaced
     // positions, the one a little above rank k / cap (key_of_rank: no sort of the sample),
     // then one counting pass and one partition that keep the keys at or below it (AVX-512:
-    // eight keys a step). That is several times cheaper than nth_element over the buffer
-    // (19 us for 2,002 keys on the 2-core AMD EPYC): the k-th key is not needed, only a
-    // threshold with k keys under it. Where fewer than k keys are at or below the pivot (2% of
-    // the compactions at N 20,000, k 1,000), once more with the sample's key 16 ranks higher;
+    // eight keys a step). That is several times cheaper than nth_element over the buffer: the
+    // k-th key is not needed, only a threshold with k keys under it. Where fewer than k keys
+    // are at or below the pivot (rare), once more with the sample's key 16 ranks higher;
     // where that misleads too, or too few slots would be freed, nth_element. Buffers under
     // 1,024 keys (k under 512) are too small for the sample: with AVX-512 the keys at 16
     // spaced positions are each counted in the whole buffer instead, and the pivot is the one
-    // with the fewest keys at or below it, at least k (on average ~cap / 17 above k). perf had
-    // put nth_element over the 202-key buffers of a k 101 graph at 28% of the search; with
-    // the counted keys (one thread, 2026-11-27, ad hoc, two rounds against the commit before):
-    // the graph of N 30,000 at D 128 0.97-1.03 against 1.17-1.25 s, k 300 queries 0.36
-    // against 0.48 s; at two threads, N 1e5, 4.41-4.55 against 4.97-4.99 s.
+    // with the fewest keys at or below it, at least k (on average ~cap / 17 above k).
     void compact() {
         constexpr int64_t kKnnSample = 128;
         if (cap >= 8 * kKnnSample) {
@@ -218,8 +211,7 @@ struct KnnRow {
     // The row's count, worst key and threshold live in locals for the scan, written back
     // around each compaction and at the end: as members reached through pointers, every key
     // stored could alias them (uint64_t / int64_t) as far as the compiler knows, and it reloaded
-    // them at each push (evaluation-like clusters, N 20,000, k 1,000, one thread: the scan
-    // with its pushes was ~40% of the search).
+    // them at each push.
     void scan(const float* __restrict d, int64_t cols, int64_t col0) {
         uint64_t* const kb = keys;
         const int64_t full = cap;
@@ -258,10 +250,7 @@ struct KnnRow {
         };
         // With room for all sixteen, the keys of a vector's candidates are built and stored as
         // vectors whatever their number: one at a time only where the buffer may fill within
-        // the vector. Against one at a time for every candidate (one thread, clustered data,
-        // N 20,000, D 64, two rounds, ad hoc): the k 1,000 searches 1.1x faster; vectors only
-        // from 4 (8) candidates of 16 up, 1.0x (1.0x); evaluation at 150K 1.03x, k 300 and
-        // the k 100 graph within noise.
+        // the vector.
         for (; j + 16 <= cols; j += 16) {
             const __m512 v = _mm512_loadu_ps(d + j);
             __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_LT_OQ);
@@ -316,11 +305,8 @@ constexpr int64_t kKnnItemElems = 1 << 14;
 // AVX2, 16 scalar) and vectors per row: an item is kKnnColGroup contiguous columns, walked
 // down the tile's rows (each row a contiguous read of the group's floats, no transposed copy),
 // with a software prefetch NNK_KNN_COL_PREFETCH rows ahead: consecutive reads are a row stride
-// apart, a page or more for the search's tiles, which the hardware prefetchers do not follow.
-// Measured on the 2-core AMD EPYC (AVX-512), one thread, column side of a 2048 x 2048 tile of
-// a k = 101 search: 1 vector per row (16 columns), no prefetch 1.5 ms; 4 vectors 1.2 ms; 4 with
-// prefetch 8 rows ahead 1.0 ms; 8 with prefetch 0.85 ms (the row side of the same tile 0.68
-// ms). Prefetch with 1 vector per row was slower (1.7 ms): one line used per prefetch.
+// apart, a page or more for the search's tiles, which the hardware prefetchers do not follow;
+// 8 vectors a row make each prefetched line serve 8 lanes.
 #if defined(__AVX512F__)
 constexpr int kKnnLanes = 16;
 #elif defined(__AVX2__)
@@ -484,9 +470,9 @@ int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld
     return 0;
 }
 
-// The end of a selection (KnnSelection.finish in nnkloss/ops/cpu.py): every slot past a row's
-// count is set to kNoKey, so that a sort of the rows' whole buffers puts their k smallest keys
-// first (the sort is numpy's, SIMD where numpy has it: 4-8x std::sort here, see finish). 0 on
+// The end of a selection (KnnSelection.finish in nnkloss/cpu/search.py): every slot past a
+// row's count is set to kNoKey, so that a sort of the rows' whole buffers puts their k smallest
+// keys first (the sort is numpy's, SIMD where numpy has it). 0 on
 // success, 2 when a row holds fewer than k keys (nothing written). On up to nthreads threads.
 int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count,
                 int nthreads) {
@@ -499,11 +485,10 @@ int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int6
 }
 
 // Runs fn(i) for every i in [0, n) on the kernel's threads (run_items): for Python work that
-// releases the GIL, a ctypes callback (sort_rows in nnkloss/ops/cpu.py: numpy's sort of a
+// releases the GIL, a ctypes callback (sort_rows in nnkloss/cpu/search.py: numpy's sort of a
 // share of the rows). Run by torch's OpenMP team rather than Python threads beside it, whose
 // workers spin for milliseconds after each parallel region (the search's GEMM and selection)
-// and take the cores from the Python threads: measured, two Python threads sorting straight
-// after a GEMM were no faster than one. 0 when every item ran.
+// and would take the cores from the Python threads. 0 when every item ran.
 int nnk_run_items(int64_t n, int nthreads, void (*fn)(int64_t)) {
     if (fn == nullptr) return 2;
     run_items(n, nthreads, [fn](int64_t i) { fn(i); });
@@ -517,9 +502,8 @@ int nnk_run_items(int64_t n, int nthreads, void (*fn)(int64_t)) {
 // here, as exclusion.py's drop_self takes it out afterwards elsewhere, with the same result:
 // the first k of its k + 1 keys that are not its own, or, where its own index is not among
 // them (more than k exact duplicates tie ahead of it), its first k. That spares drop_self's
-// compare over the (rows, k + 1) block, its argmax and its two wheres (0.39 s of evaluation's
-// 22.5 at 150,000 points, k 1,500, 2026-11-27). On up to nthreads threads (serial, it took
-// 2 ms of each 2048-row block's 9 at two threads, 2026-11-27). 0 on success, 2 on bad sizes.
+// compare over the (rows, k + 1) block, its argmax and its two wheres. On up to nthreads
+// threads. 0 on success, 2 on bad sizes.
 int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, float* out_dist,
                   int64_t* out_index, int64_t self0, int nthreads) {
     if (k < 0 || cap < k + (self0 >= 0 ? 1 : 0)) return 2;
@@ -556,10 +540,9 @@ int nnk_list_overlap(const void* nw, int nw64, int64_t kn, const void* old, int 
 // likes), and every path of the search that uses it computes the same distance for a pair.
 // AVX-512 builds only (nnk_gemm_nt returns 1 elsewhere and the search keeps torch.mm).
 //
-// Why: torch.mm (MKL 2024) on the 2-core AMD EPYC family 26 runs its AVX2 code, ~180 GFLOP/s
-// for the search's tiles (2048 x 4096 x 136), where this AVX-512 loop runs ~475 (2026-11-27,
-// ad hoc); the tiles' GEMM is most of the search's time at evaluation's k
-// (the figures: docs/PERFORMANCE.md, "The kNN graph" and "Evaluation at scale").
+// Why: where torch.mm's BLAS runs narrower code than the CPU has (MKL's AVX2 path on AMD), this
+// AVX-512 loop is the faster, and the tiles' GEMM is most of the search's time at evaluation's
+// k (docs/PERFORMANCE.md, "The kNN graph" and "Evaluation at scale").
 //
 // How (the GotoBLAS layout, without k blocking: k is D + 2 rounded to 8, a few hundred):
 //   1. A is packed once into panels of GEMM_MR rows, element (row i, column p) of a panel at
@@ -618,11 +601,9 @@ NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict b
         }
     }
     // Stores at compile-time indices (unrolled; `i < mm` a test): a loop to mm would index acc
-    // at run time, and GCC then kept acc in memory, storing all 16 registers on every p
-    // (2.4x slower).
-    // Whole blocks by plain stores: masked stores of every block (full masks) held the GEMM to
-    // 297-318 GFLOP/s at 2048 x 4096 x 136 on the 2-core AMD EPYC family 26, plain ones run
-    // 476-478 (2026-11-27, ad hoc); the last columns only by masked stores.
+    // at run time, and GCC then kept acc in memory, storing all 16 registers on every p.
+    // Whole blocks by plain stores (masked stores of every block were much slower); the last
+    // columns only by masked stores.
     if (nn == GEMM_NR) {
 #pragma GCC unroll 8
         for (int i = 0; i < GEMM_MR; ++i) {

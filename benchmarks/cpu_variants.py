@@ -129,7 +129,7 @@ def source_at(rev: str) -> dict:
     def git(*a):
         return subprocess.check_output(["git", *a], cwd=HERE, stderr=subprocess.PIPE, text=True)
     try:
-        names = git("ls-tree", "--name-only", f"{rev}:nnkloss/cpu/csrc").split()
+        names = git("ls-tree", "--full-tree", "--name-only", f"{rev}:nnkloss/cpu/csrc").split()
         return {n: git("show", f"{rev}:nnkloss/cpu/csrc/{n}") for n in names}
     except (OSError, subprocess.CalledProcessError):
         pass

@@ -90,7 +90,8 @@ def test_source_checkout_maps_kernels_dir_in_process(monkeypatch, tmp_path):
 def test_implementation_table():
     """Kills ops.backends implementation 1-8, 15, 16 (the Triton branch is otherwise exercised
     only by the interpreter tests, which the mutation runs leave out)."""
-    from nnkloss.ops import backends, cpu, reference
+    from nnkloss import cpu
+    from nnkloss.ops import backends, reference
     k = backends.kernels()
     tri = backends.implementation("triton")
     assert tri.forward is k.neighbour_kernel_fwd and tri.centre_grad is k.centre_grad

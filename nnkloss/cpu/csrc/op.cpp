@@ -1246,10 +1246,6 @@ int rel_sqdist_impl(const C* x, const T* centres, int64_t N, const int64_t* idx,
 
 extern "C" {
 
-int nnk_abi_version() { return 1; }
-
-int nnk_threaded() { return 1; }
-
 // 1: run_items uses an OpenMP team (built with -fopenmp: torch's libgomp); 0: own std::threads.
 int nnk_openmp() {
 #if defined(_OPENMP) && !defined(NNK_OWN_THREADS)

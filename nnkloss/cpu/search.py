@@ -134,8 +134,8 @@ class KnnSelection:
         (``nnk_knn_pad``), sorted whole in place (:func:`sort_rows`: numpy's sort), and their
         first k keys decoded (``nnk_knn_unkey``). Keys are unique, so any sort gives the same
         lists; numpy's is SIMD on x86 (x86-simd-sort, AVX2 / AVX-512) and aarch64, several times
-        faster than a partial selection in C++ (docs/PERFORMANCE.md, "The kNN graph"). The
-        state's rows are left sorted and padded: finish them once.
+        faster than a partial selection in C++ (docs/PERFORMANCE.md, "The CPU library's
+        build-time choices"). The state's rows are left sorted and padded: finish them once.
 
         ``out``: a (distances, indices) pair of contiguous (rows, k) fp32 / int64 CPU tensors
         (k - 1 columns with ``self0``) to decode into, e.g. rows of the caller's whole result:

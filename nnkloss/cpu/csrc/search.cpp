@@ -542,7 +542,7 @@ int nnk_list_overlap(const void* nw, int nw64, int64_t kn, const void* old, int 
 //
 // Why: where torch.mm's BLAS runs narrower code than the CPU has (MKL's AVX2 path on AMD), this
 // AVX-512 loop is the faster, and the tiles' GEMM is most of the search's time at evaluation's
-// k (docs/PERFORMANCE.md, "The kNN graph" and "Evaluation at scale").
+// k (docs/PERFORMANCE.md, "The CPU library's build-time choices").
 //
 // How (the GotoBLAS layout, without k blocking: k is D + 2 rounded to 8, a few hundred):
 //   1. A is packed once into panels of GEMM_MR rows, element (row i, column p) of a panel at

@@ -16,8 +16,7 @@ device's peak allocation above what the call started with; PML stays on the CPU,
 configured here.
 
 ``--threads`` runs every provider at each of the given thread counts (torch's, and faiss's
-OpenMP threads where faiss is imported; the search's thread governors may still choose one
-thread, so for exactly those counts set ``NNKLOSS_GOVERN_THREADS=0``); ``--phases`` splits an nnkloss CPU search's seconds
+OpenMP threads where faiss is imported); ``--phases`` splits an nnkloss CPU search's seconds
 into its parts (columns ``gemm_s``: the distance tiles' GEMM; ``select_s``: folding each tile
 into the rows' selections; ``finish_s``: each block's pad, sort and decode; the rest of
 ``seconds`` is the metrics' torch ops and the tiles' augmented copies), timed by wrappers

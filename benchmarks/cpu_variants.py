@@ -7,13 +7,14 @@
 Each ``-D`` is one variant: macros of ``nnkloss/cpu/csrc`` (comma-separated, e.g.
 ``NNK_PREFETCH_LOCALITY=3,NNK_PREFETCH_BYTES=16384``; ``""`` is the source's defaults); an
 item that starts with ``-`` is a compiler option added as it is (``-fno-tree-vectorize``), one
-that starts with ``!`` removes an option of ``nnkloss.cpu.build.FLAGS`` (``!-fno-trapping-math``). Every
-variant is built into a private temporary cache (the same verified build and load as users
-get), then for each of ``--rounds`` rounds and each shape of bench_loss's CPU grid the variants
-run in turn (each round's order rotated by one, see ``in_turn``): the op's forward (embeddings that do not require grad) and forward+backward
-(gradient to the embeddings), value checks off, at ``--threads``. Prints one line per (round, variant, shape) with the median of ``--iters``
-calls and the gathered rows' GB/s, then each variant's median over the rounds; with ``--out``
-the lines also go to a log file headed by device, commit, date and load.
+that starts with ``!`` removes an option of ``nnkloss.cpu.build.FLAGS``
+(``!-fno-trapping-math``). Every variant is built into a private temporary cache (the same
+verified build and load as users get), then for each of ``--rounds`` rounds and each shape of
+bench_loss's CPU grid the variants run in turn (each round's order rotated by one, see
+``in_turn``): the op's forward (embeddings that do not require grad) and forward+backward
+(gradient to the embeddings), value checks off, at ``--threads``. Prints one line per (round,
+variant, shape) with the median of ``--iters`` calls and the gathered rows' GB/s, then each
+variant's median over the rounds; with ``--out`` the lines also go to a log file headed by device, commit, date and load.
 
 Variants share one process so that the machine's drift (the 2-core VM's memory read moved
 1.7x within hours) hits them alike; the rounds show what is left of the noise.

@@ -1,4 +1,5 @@
-"""The op's passes on the CPU library (nnkloss/cpu/op.py) against an fp64 computation of nnkloss/ops/CONTRACT.md.
+"""The op's passes on the CPU library (nnkloss/cpu/op.py) against an fp64 computation of
+nnkloss/ops/CONTRACT.md.
 
 The reference is the tests' fp64 one (tests/reference.py ``forward``), row by row from the
 values the kernel actually receives (emb converted to the compute dtype; bank values are exact
@@ -12,7 +13,8 @@ import torch
 
 from nnkloss import cpu
 from nnkloss.cpu import build
-from cases import (centre_weight_sigma_grads, check_entry_terms_of_nan_rows, check_rel_sqdist, list_case, rel_sqdist_fp64)
+from cases import (centre_weight_sigma_grads, check_entry_terms_of_nan_rows, check_rel_sqdist,
+                   list_case, rel_sqdist_fp64)
 from reference import forward as reference
 
 with warnings.catch_warnings():

@@ -322,9 +322,9 @@ def _index_tensor(t):
 def gather_lists(table, idx, exclude_self: bool):
     """The bank's lists of rows ``idx``: ``table[idx]`` (B, K) with each row's own index
     replaced by -1 when ``exclude_self``, in one pass (:func:`batch_lists` without labels; one
-    call instead of torch's gather, compare and fill). ``table`` (N, K) and ``idx`` (B,) are CPU int32/int64 tensors,
-    ``table`` contiguous. None where this is not done here: the library unavailable, other
-    dtypes or devices, or an idx outside [0, N) (the caller's own check reports it)."""
+    call instead of torch's gather, compare and fill). ``table`` (N, K) and ``idx`` (B,) are
+    CPU int32/int64 tensors, ``table`` contiguous. None where this is not done here: the
+    library unavailable, other dtypes or devices, or an idx outside [0, N) (the caller's own check reports it)."""
     if (table.dtype not in INDEX_TYPES or idx.dtype not in INDEX_TYPES
             or not table.is_contiguous()):
         return None

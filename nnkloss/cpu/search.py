@@ -20,8 +20,9 @@ __all__ = ["KnnSelection", "knn_selection", "gemm_nt", "sort_rows", "list_overla
 def list_overlap(new, old, num_rows: int):
     """``(shared, listed)``, each (rows,) int64: how many entries of each list of ``new``
     (rows, K) its list in ``old`` (rows, K') also holds (-1 = padding, never shared; a repeated
-    new entry counted each time) and how many are not padding, by the compiled library (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists
-    index, O(K) a row); None where this is not done here: the library unavailable, non-CPU,
+    new entry counted each time) and how many are not padding, by the compiled library
+    (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists index, O(K) a row);
+    None where this is not done here: the library unavailable, non-CPU,
     non-contiguous or non-int32/int64 tensors, lists of different row counts, or an entry
     outside [-1, num_rows).
 

@@ -10,7 +10,7 @@ import torch
 
 from nnkloss import cpu
 from nnkloss.cpu import build
-from cases import list_case
+from cases import in_fresh_process, list_case
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the fallback tests below check the notice
@@ -344,17 +344,6 @@ def _record(path):
         f.write(digest + "\n")
 
 
-def _in_fresh_process(code, env_extra, timeout=240):
-    """Run ``code`` in a new interpreter (a SIGBUS or a foreign constructor there shows as a
-    failed test, not a dead pytest)."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, **env_extra)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=root)
-
-
 def _compile_c(tmp_path, name, source):
     c = tmp_path / f"{name}.c"
     c.write_text(source)
@@ -400,7 +389,7 @@ def test_truncated_library_is_rebuilt_never_loaded(tmp_path):
     with open(target, "wb") as f:
         f.write(data)
     _record(target)                                   # the record of the complete library
-    proc = _in_fresh_process(code, {"NNKLOSS_CACHE_DIR": str(cache), "NNKLOSS_CXX": cxx})
+    proc = in_fresh_process(code, {"NNKLOSS_CACHE_DIR": str(cache), "NNKLOSS_CXX": cxx})
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     import json
     assert json.loads(proc.stdout.splitlines()[-1]) == [[True, True]] * 3
@@ -426,7 +415,7 @@ def test_planted_library_in_a_shared_cache_never_runs(tmp_path):
     _record(planted)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = _in_fresh_process(_REPORT, {"NNKLOSS_CACHE_DIR": str(shared), "NNKLOSS_CXX": cxx,
+    proc = in_fresh_process(_REPORT, {"NNKLOSS_CACHE_DIR": str(shared), "NNKLOSS_CXX": cxx,
                                        "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not marker.exists()
@@ -462,7 +451,7 @@ def test_foreign_library_or_directory_is_refused(tmp_path):
     tmp.mkdir()
     import json
     for d, where in ((cache, cache), (theirs, tmp / f"nnkloss-{os.getuid()}")):
-        proc = _in_fresh_process(_REPORT, {"NNKLOSS_CACHE_DIR": str(d), "NNKLOSS_CXX": cxx,
+        proc = in_fresh_process(_REPORT, {"NNKLOSS_CACHE_DIR": str(d), "NNKLOSS_CXX": cxx,
                                            "TMPDIR": str(tmp)})
         assert proc.returncode == 0, proc.stderr[-2000:]
         ok, info = json.loads(proc.stdout.splitlines()[-1])

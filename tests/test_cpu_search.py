@@ -11,6 +11,7 @@ import torch
 
 from nnkloss import cpu
 from nnkloss.cpu import build
+from cases import in_fresh_process
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the fallback tests below check the notice
@@ -182,7 +183,7 @@ def test_selection_refuses_tiles_it_would_read_or_write_past():
     code = ("import torch\nfrom nnkloss import cpu\nsel = cpu.knn_selection(4, 3, 8)\n"
             "sel.reset(4)\ntry:\n    sel.add(torch.rand(5000, 40), 0)\n"
             "except ValueError as e:\n    print(e)\n")
-    run = _in_fresh_process(code, {})
+    run = in_fresh_process(code, {})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "dist has 5000 rows but the selection was reset to 4 rows" in run.stdout
     sel = cpu.knn_selection(4, 3, 8)
@@ -335,7 +336,7 @@ def test_list_overlap_refuses_a_bitmap_size_it_cannot_make():
             "new, old = torch.tensor([[0, 1]]), torch.tensor([[1, -1]])\n"
             "for m in (-1000, 2**62):\n    try:\n        cpu.list_overlap(new, old, m)\n"
             "    except (ValueError, MemoryError) as e:\n        print(type(e).__name__, e)\n")
-    run = _in_fresh_process(code, {})
+    run = in_fresh_process(code, {})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ValueError num_rows must be >= 0, got -1000" in run.stdout
     assert "MemoryError list_overlap: no memory for a bitmap of num_rows=4611686018427387904" \

@@ -354,6 +354,16 @@ def _compile_c(tmp_path, name, source):
     return str(out)
 
 
+def _evil_library(tmp_path):
+    """(marker, library, compiler): a library whose constructor creates ``marker``, and a copy
+    of the compiler that built the real library (so that the cache key is the real one's)."""
+    marker = tmp_path / "pwned"
+    evil = _compile_c(tmp_path, "evil", "#include <stdio.h>\n"
+                      "__attribute__((constructor)) static void run(void) {\n"
+                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    return marker, evil, _copy_compiler(tmp_path / "copycxx", cpu.library_path())
+
+
 _REPORT = ("import warnings, json\n"
            "warnings.simplefilter('ignore')\n"
            "from nnkloss import cpu\nfrom nnkloss.cpu import build\n"
@@ -400,12 +410,7 @@ def test_planted_library_in_a_shared_cache_never_runs(tmp_path):
     """A world-writable cache directory (or one owned by someone else) is not used: a library
     planted there under the computable key, with a matching record, never runs its
     constructor; the kernel is built in the private fallback directory instead."""
-    real = cpu.library_path()
-    marker = tmp_path / "pwned"
-    evil = _compile_c(tmp_path, "evil", "#include <stdio.h>\n"
-                      "__attribute__((constructor)) static void run(void) {\n"
-                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
-    cxx = _copy_compiler(tmp_path / "copycxx", real)
+    marker, evil, cxx = _evil_library(tmp_path)
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)                               # like a shared /tmp directory
@@ -429,12 +434,7 @@ def test_planted_library_in_a_shared_cache_never_runs(tmp_path):
 def test_foreign_library_or_directory_is_refused(tmp_path):
     """A library (or its record) owned by another user is rebuilt, even in our own private
     directory; a cache directory owned by another user is not used at all."""
-    real = cpu.library_path()
-    marker = tmp_path / "pwned"
-    evil = _compile_c(tmp_path, "evil", "#include <stdio.h>\n"
-                      "__attribute__((constructor)) static void run(void) {\n"
-                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
-    cxx = _copy_compiler(tmp_path / "copycxx", real)
+    marker, evil, cxx = _evil_library(tmp_path)
     import shutil
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
@@ -458,7 +458,7 @@ def test_foreign_library_or_directory_is_refused(tmp_path):
         assert ok and os.path.dirname(info["path"]) == str(where)
         assert not marker.exists()
     assert os.stat(planted).st_uid == os.geteuid()            # replaced by our own build
-    assert open(planted, "rb").read() == open(real, "rb").read()
+    assert open(planted, "rb").read() == open(cpu.library_path(), "rb").read()
 
 
 @kernel

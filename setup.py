@@ -10,11 +10,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["nnkloss", "nnkloss.ops", "nnkloss.bank", "nnkloss.bank.search", "nnkloss.losses",
-              "nnkloss.evaluation", "nnkloss.experiment", "nnkloss.kernels"],
+    packages=["nnkloss", "nnkloss.cpu", "nnkloss.ops", "nnkloss.bank", "nnkloss.bank.search",
+              "nnkloss.losses", "nnkloss.evaluation", "nnkloss.experiment", "nnkloss.kernels"],
     package_dir={"nnkloss": "nnkloss", "nnkloss.kernels": "kernels"},
-    # the compiled CPU path builds this source on first use (nnkloss/ops/cpu.py)
-    package_data={"nnkloss.ops": ["cpu_kernel.cpp"]},
+    # the CPU backend builds these sources on first use (nnkloss/cpu/build.py)
+    package_data={"nnkloss.cpu": ["csrc/*.cpp", "csrc/*.h"]},
     install_requires=["torch>=2.4", "numpy", "tqdm", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
         "triton": ["triton>=3.0"],

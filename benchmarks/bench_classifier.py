@@ -6,7 +6,7 @@ of k bank rows and a reference row (its nearest), the (Q, k) ``(c_i - c_r) . (c_
 in fp32. It has no gradient, so the table's only mode is the forward. Providers:
 
 - ``fused``: what the classifier runs: the compiled library's pass on CPU tensors
-  (``nnkloss.ops.cpu.rel_sqdist``), the Triton kernel on CUDA tensors
+  (``nnkloss.cpu.rel_sqdist``), the Triton kernel on CUDA tensors
   (``nnkloss.kernels.rel_sqdist``);
 - ``torch``: the classifier's torch form (gathered (rows, k, D) blocks of at most 16 MiB), what
   runs where no fused pass does;
@@ -16,8 +16,8 @@ in fp32. It has no gradient, so the table's only mode is the forward. Providers:
     python benchmarks/bench_classifier.py                  # the three shapes below, CPU
     python benchmarks/bench_classifier.py --device cuda    # on a GPU
 
-Each (shape, provider) runs in a fresh process, on torch's threads (the library's thread
-governor off, as in bench_loss): peak memory of its first call above the RSS
+Each (shape, provider) runs in a fresh process, on torch's threads: peak memory of its first
+call above the RSS
 before it (CPU; ``torch.cuda.max_memory_allocated`` on a GPU), then the median time of the
 calls (``common.time_ms``), and on a GPU the kernels alone (``common.graph_ms``);
 ``--rounds`` such processes per provider, the providers taking turns, the median round kept
@@ -86,11 +86,7 @@ def provider_fn(provider: str):
 
 
 def worker(spec: dict) -> None:
-    """One provider and shape in this (fresh) process. The CPU library's thread governor is
-    off (NNKLOSS_GOVERN_THREADS=0), as in bench_loss: its first calls run at one thread by
-    design (benchmarks/bench_threads.py measures the governed default), so a short median
-    would mix the two counts."""
-    os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
+    """One provider and shape in this (fresh) process."""
     device = torch.device(spec["device"])
     args = setup(*spec["shape"], device)
     fn = provider_fn(spec["provider"])

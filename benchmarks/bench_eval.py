@@ -16,8 +16,7 @@ device's peak allocation above what the call started with; PML stays on the CPU,
 configured here.
 
 ``--threads`` runs every provider at each of the given thread counts (torch's, and faiss's
-OpenMP threads where faiss is imported; the search's thread governors may still choose one
-thread, so for exactly those counts set ``NNKLOSS_GOVERN_THREADS=0``); ``--phases`` splits an nnkloss CPU search's seconds
+OpenMP threads where faiss is imported); ``--phases`` splits an nnkloss CPU search's seconds
 into its parts (columns ``gemm_s``: the distance tiles' GEMM; ``select_s``: folding each tile
 into the rows' selections; ``finish_s``: each block's pad, sort and decode; the rest of
 ``seconds`` is the metrics' torch ops and the tiles' augmented copies), timed by wrappers
@@ -90,7 +89,7 @@ def time_phases() -> dict:
     up; what a call spends outside them is its seconds less their sum. Each wrapper costs a
     clock read or two per call (~3,000 calls at N = 150,000)."""
     from nnkloss.bank.search import torch_search
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     spent = dict.fromkeys(PHASES, 0.0)
 
     def timed(key, fn):
@@ -150,7 +149,7 @@ def prepare(provider: str, device="cpu") -> None:
     the GPU, which does not use it (on a fresh GPU machine the build is device time spent on
     nothing)."""
     if provider != "pml" and torch.device(device).type == "cpu":
-        from nnkloss.ops import cpu
+        from nnkloss import cpu
         cpu.available()
 
 

@@ -276,9 +276,7 @@ def measure(spec, inputs=None):
 
 
 def worker(spec):
-    """One provider and shape in this (fresh) process, at exactly ``threads`` threads (the
-    CPU library's thread governing, where there is one, off)."""
-    os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
+    """One provider and shape in this (fresh) process, at exactly ``threads`` threads."""
     torch.set_num_threads(spec["threads"])
     worker_reply(measure(spec))
 

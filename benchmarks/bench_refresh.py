@@ -110,8 +110,7 @@ def gemm_rates(d: int, device: torch.device, reps: int = 5) -> dict:
     out = torch.empty(2048, 16384, device=device)
     products = {"torch.mm": lambda: torch.mm(a, b.t(), out=out)}
     if device.type == "cpu" and TS.COMPILED_GEMM:
-        from nnkloss.ops import cpu
-        # at torch's thread count, not its governor's choice of the moment
+        from nnkloss import cpu
         threads = torch.get_num_threads()
         if cpu.gemm_nt(a, b, out, threads):  # also the warm-up
             products["library"] = lambda: cpu.gemm_nt(a, b, out, threads)

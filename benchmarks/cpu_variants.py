@@ -4,24 +4,24 @@
     python benchmarks/cpu_variants.py -D NNK_ONE_PASS_BYTES=16384 -D "" --rounds 5
     python benchmarks/cpu_variants.py -D "" -D NNK_FIXED_ROW_BYTES=0 --shape 512,64,256,50000,fp32
 
-Each ``-D`` is one variant: macros of ``nnkloss/ops/cpu_kernel.cpp`` (comma-separated, e.g.
+Each ``-D`` is one variant: macros of ``nnkloss/cpu/csrc`` (comma-separated, e.g.
 ``NNK_PREFETCH_LOCALITY=3,NNK_PREFETCH_BYTES=16384``; ``""`` is the source's defaults); an
 item that starts with ``-`` is a compiler option added as it is (``-fno-tree-vectorize``), one
-that starts with ``!`` removes an option of ``nnkloss.ops.cpu.FLAGS`` (``!-fno-trapping-math``). Every
-variant is built into a private temporary cache (the same verified build and load as users
-get), then for each of ``--rounds`` rounds and each shape of bench_loss's CPU grid the variants
-run in turn (each round's order rotated by one, see ``in_turn``): the op's forward (embeddings that do not require grad) and forward+backward
-(gradient to the embeddings), value checks off, the thread governors off (exactly
-``--threads``). Prints one line per (round, variant, shape) with the median of ``--iters``
-calls and the gathered rows' GB/s, then each variant's median over the rounds; with ``--out``
-the lines also go to a log file headed by device, commit, date and load.
+that starts with ``!`` removes an option of ``nnkloss.cpu.build.FLAGS``
+(``!-fno-trapping-math``). Every variant is built into a private temporary cache (the same
+verified build and load as users get), then for each of ``--rounds`` rounds and each shape of
+bench_loss's CPU grid the variants run in turn (each round's order rotated by one, see
+``in_turn``): the op's forward (embeddings that do not require grad) and forward+backward
+(gradient to the embeddings), value checks off, at ``--threads``. Prints one line per (round,
+variant, shape) with the median of ``--iters`` calls and the gathered rows' GB/s, then each
+variant's median over the rounds; with ``--out`` the lines also go to a log file headed by device, commit, date and load.
 
 Variants share one process so that the machine's drift (the 2-core VM's memory read moved
 1.7x within hours) hits them alike; the rounds show what is left of the noise.
 
-``--against REV`` adds the kernel as it was at a git revision (its ``cpu_kernel.cpp``, built the
-same way with the same -D flags as the defaults), and times the kernel's calls themselves
-(``nnkloss.ops.cpu.forward`` without and with grad_x, no autograd) instead of the op, since the
+``--against REV`` adds the kernel as it was at a git revision (its sources, built the same way
+with the same -D flags as the defaults), and times the kernel's calls themselves
+(``nnkloss.cpu.forward`` without and with grad_x, no autograd) instead of the op, since the
 library's other entry points (the backward's row scaling, the checks) may take other arguments
 at another revision. ``nnk_forward``'s own parameter list must read the same in both sources,
 else the run stops naming it::
@@ -29,7 +29,7 @@ else the run stops naming it::
     python benchmarks/cpu_variants.py -D "" --against 12c891b --rounds 5
     python benchmarks/cpu_variants.py -D "" --kernel --gather    # the kernel against its limit
 
-``--classifier`` times the kernel classifier's distances (``nnkloss.ops.cpu.rel_sqdist``, fp32,
+``--classifier`` times the kernel classifier's distances (``nnkloss.cpu.rel_sqdist``, fp32,
 bench_classifier's shapes or ``--classifier-shape Q,k,D,N``) instead of the loss, and checks
 that every variant (and ``--against``'s revision) gives the first one's output bit for bit::
 
@@ -56,7 +56,8 @@ import torch  # noqa: E402
 
 import nnkloss  # noqa: E402
 from bench_loss import CPU_GRID, DTYPES, gathered_bytes, make_inputs  # noqa: E402
-from nnkloss.ops import cpu  # noqa: E402
+from nnkloss import cpu  # noqa: E402
+from nnkloss.cpu import build as cpu_build  # noqa: E402
 
 
 GATHER = "gather limit"
@@ -76,29 +77,33 @@ def variant_flags(defines: str, base):
             + [d if d.startswith("-") else f"-D{d}" for d in items if not d.startswith("!")])
 
 
-def build(defines: str, source: str = None):
+def build(defines: str, source: dict = None):
     """The library with ``-D`` flags for the comma-separated ``defines``, in its own private
-    cache directory (cpu.py's verified build and load); returns the loaded handle. ``source``:
-    the text of another ``cpu_kernel.cpp`` to build instead of the package's (``--against``);
-    only the symbols it has are declared."""
-    saved = (cpu.FLAGS, os.environ.get("NNKLOSS_CACHE_DIR"), cpu.SOURCE, cpu._declare)
-    cpu.FLAGS = variant_flags(defines, saved[0])
+    cache directory (nnkloss.cpu.build's verified build and load); returns the loaded handle.
+    ``source``: {file name: text} of another revision's sources to build instead of the
+    package's (``--against``); only the symbols it has are declared."""
+    b = cpu_build
+    saved = (b.FLAGS, os.environ.get("NNKLOSS_CACHE_DIR"), b.SOURCES, b._declare)
+    b.FLAGS = variant_flags(defines, saved[0])
     cache = tempfile.mkdtemp(prefix="nnk_variant_")
     os.environ["NNKLOSS_CACHE_DIR"] = cache
     if source is not None:
-        cpu.SOURCE = os.path.join(cache, "cpu_kernel.cpp")
-        with open(cpu.SOURCE, "w") as fh:
-            fh.write(source)
-        cpu._declare = lambda lib: (saved[3](_Declared(lib)), lib)[1]
+        src = os.path.join(cache, "src")
+        os.mkdir(src)
+        for name, text in source.items():
+            with open(os.path.join(src, name), "w") as fh:
+                fh.write(text)
+        b.SOURCES = [os.path.join(src, n) for n in sorted(source) if n.endswith(".cpp")]
+        b._declare = lambda lib: (saved[3](_Declared(lib)), lib)[1]
     try:
-        cpu._reset_for_tests()
+        b._reset_for_tests()
         if not cpu.available():
             raise SystemExit(f"variant {defines!r} did not build: {cpu.build_info()['error']}")
-        return cpu._state["lib"]
+        return b._state["lib"]
     finally:
-        # loaded through its open descriptor (cpu._load), so the files can go now
+        # loaded through its open descriptor (build._load), so the files can go now
         shutil.rmtree(cache, ignore_errors=True)
-        cpu.FLAGS, _, cpu.SOURCE, cpu._declare = saved
+        b.FLAGS, _, b.SOURCES, b._declare = saved
         if saved[1] is None:
             os.environ.pop("NNKLOSS_CACHE_DIR", None)
         else:
@@ -106,7 +111,7 @@ def build(defines: str, source: str = None):
 
 
 class _Declared:
-    """A library for cpu._declare that takes the declarations of the symbols it has and lets
+    """A library for build._declare that takes the declarations of the symbols it has and lets
     those of the others fall on the floor (another revision's kernel may lack them)."""
 
     def __init__(self, lib):
@@ -119,13 +124,20 @@ class _Declared:
             return types.SimpleNamespace()
 
 
-def source_at(rev: str) -> str:
-    """``nnkloss/ops/cpu_kernel.cpp`` as it was at git revision ``rev``."""
+def source_at(rev: str) -> dict:
+    """The library's sources as they were at git revision ``rev``: {file name: text}, the files
+    of ``nnkloss/cpu/csrc``, or the one ``nnkloss/ops/cpu_kernel.cpp`` of earlier revisions."""
+    def git(*a):
+        return subprocess.check_output(["git", *a], cwd=HERE, stderr=subprocess.PIPE, text=True)
     try:
-        return subprocess.check_output(["git", "show", f"{rev}:nnkloss/ops/cpu_kernel.cpp"],
-                                       cwd=HERE, stderr=subprocess.PIPE, text=True)
+        names = git("ls-tree", "--full-tree", "--name-only", f"{rev}:nnkloss/cpu/csrc").split()
+        return {n: git("show", f"{rev}:nnkloss/cpu/csrc/{n}") for n in names}
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        return {"op.cpp": git("show", f"{rev}:nnkloss/ops/cpu_kernel.cpp")}
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise SystemExit(f"--against {rev}: no cpu_kernel.cpp there "
+        raise SystemExit(f"--against {rev}: no library sources there "
                          f"({getattr(exc, 'stderr', '') or exc})".strip()) from None
 
 
@@ -138,12 +150,20 @@ def forward_parameters(source: str, name: str = "nnk_forward") -> str:
     return " ".join(m.group(1).split())
 
 
-def check_same_forward(rev: str, source: str, name: str = "nnk_forward") -> None:
+def source_text(source) -> str:
+    """The sources' texts as one: a {name: text} of :func:`source_at`, or a text."""
+    return "\n".join(source.values()) if isinstance(source, dict) else source
+
+
+def check_same_forward(rev: str, source, name: str = "nnk_forward") -> None:
     """Stop unless the entry point ``name`` takes the same parameters at ``rev`` as now (the
     calls pass today's arguments to both libraries)."""
-    with open(cpu.SOURCE) as fh:
-        now = forward_parameters(fh.read(), name)
-    then = forward_parameters(source, name)
+    now = ""
+    for path in cpu_build.SOURCES:
+        with open(path) as fh:
+            now += fh.read()
+    now = forward_parameters(now, name)
+    then = forward_parameters(source_text(source), name)
     if then != now:
         raise SystemExit(f"--against {rev}: {name}'s parameters differ ({then!r} there, "
                          f"{now!r} now)")
@@ -166,8 +186,8 @@ def parse_shape(text: str):
 
 
 def use(lib) -> None:
-    """Make ``lib`` the library the op calls (cpu._lib() returns the loaded handle)."""
-    cpu._state["lib"] = lib
+    """Make ``lib`` the library the op calls (build.lib() returns the loaded handle)."""
+    cpu_build._state["lib"] = lib
 
 
 def run_header(threads: int) -> str:
@@ -268,7 +288,7 @@ def main(argv=None):
                     help="time the kernel's calls (forward without and with grad_x) instead of "
                          "the op (as --against does)")
     ap.add_argument("--gather", action="store_true",
-                    help="also time the gather limit (nnkloss.ops.cpu.gather_read: the rows "
+                    help="also time the gather limit (nnkloss.cpu.gather_read: the rows "
                          "the lists name, read as the forward reads them) per round and shape, "
                          "and give each variant's figures as %% of it")
     ap.add_argument("--against", metavar="REV",
@@ -280,7 +300,6 @@ def main(argv=None):
                     type=parse_classifier_shape, default=[], metavar="Q,k,D,N",
                     help="a classifier shape of its own (default: bench_classifier's)")
     args = ap.parse_args(argv)
-    os.environ["NNKLOSS_GOVERN_THREADS"] = "0"
     torch.set_num_threads(args.threads)
     dev = torch.device("cpu")
     libs = [(v or "defaults", build(v)) for v in args.variants]

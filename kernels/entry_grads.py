@@ -18,7 +18,7 @@ l_j = log w_j - u_j / 2. From dl the kernel writes what each gradient asked for:
 
 In torch this is dozens of (B, K) launches (nnkloss/ops/neighbour_kernel.py, ``_backward``'s
 torch form, which stays for traced and recorded backwards); it is the twin of the CPU
-library's ``EntryGrads`` (:func:`nnkloss.ops.cpu.entry_grads`), with the same row rules: a
+library's ``EntryGrads`` (:func:`nnkloss.cpu.entry_grads`), with the same row rules: a
 row without a same-class entry or whose incoming gradient is 0 gets zeros; a non-finite row
 (lse_pos NaN) that takes a gradient gets NaN (q only at its list entries).
 
@@ -158,7 +158,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
                 need_q: bool, need_srow: bool):
     """``(coef, q, srow)``: coef and q (B, K), srow (B,), in u's dtype, each None unless asked
     for (q also None without weights). Same arguments and results as
-    :func:`nnkloss.ops.cpu.entry_grads`.
+    :func:`nnkloss.cpu.entry_grads`.
 
     Args:
         u: (B, K) fp32/fp64 scaled distances saved by the forward (0 at padding).

@@ -7,7 +7,7 @@ none on, even where grad_x is NaN (0 * NaN would be NaN: a caller may train on t
 of reduction="none"). In torch that is a chain of five launches (ne, where, ne, mul, where)
 plus a cast, each a host round trip; on a GPU the op's training step is bound by the host's
 time (docs/PERFORMANCE.md, "The GPU figures"), so this is one launch. It is the twin of the CPU
-library's ``nnk_scale_rows`` (:func:`nnkloss.ops.cpu.scale_rows`), with the same arguments.
+library's ``nnk_scale_rows`` (:func:`nnkloss.cpu.scale_rows`), with the same arguments.
 
 Memory traffic for a (B, D) grad_x:
     reads   B x D x sizeof(grad_x)    grad_x

@@ -58,8 +58,7 @@ from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_tra
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
 from nnkloss.experiment.seeds import seed_arg
-from nnkloss.experiment.train import GOVERNOR_OPTIONS, Trainer, seed_everything
-from nnkloss.threads import ThreadGovernor
+from nnkloss.experiment.train import Trainer, seed_everything
 
 METRIC_KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi")
 
@@ -95,23 +94,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="training augmentation: random translation by up to this many pixels")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", default="auto",
-                   help="CPU threads: 'auto' (torch's count or one, whichever the Trainer's "
-                        "governor measures to be faster; shared by the four runs) or a number "
-                        "(that count throughout: reproducible)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads throughout (default: torch's setting)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = 2 if args.quick else 30
     if args.epochs < 1:
         p.error(f"--epochs must be >= 1, got {args.epochs}")
-    if args.threads != "auto":
-        try:
-            args.threads = int(args.threads)
-        except ValueError:
-            p.error(f"--threads must be 'auto' or a number, got {args.threads!r}")
-        if args.threads < 1:
-            p.error("--threads must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
     return args
 
 
@@ -148,7 +140,7 @@ def train_run(name: str, loss: str, x: torch.Tensor, y: torch.Tensor, num_classe
     augmented = IndexedTensorDataset(x, y, transform=RandomShift(args.shift) if args.shift else None)
     train_loader = DataLoader(augmented, batch_size=args.batch_size, shuffle=True)
     train_loader = nkd.shard_loader(train_loader, seed=args.seed)  # torchrun: this rank's share
-    kw = dict(device=args.device, optimizer=args.optimizer, lr=args.lr, threads=args.governor,
+    kw = dict(device=args.device, optimizer=args.optimizer, lr=args.lr, threads=args.threads,
               weight_decay=args.weight_decay,
               out_dir=os.path.join(args.out, name), seed=args.seed,
               progress=not args.no_progress, eval_fn=eval_fn, desc=name)
@@ -168,9 +160,6 @@ def train_run(name: str, loss: str, x: torch.Tensor, y: torch.Tensor, num_classe
         trainer = Trainer(model, softmax_criterion(args.dim, num_classes), train_loader, **kw)
     # A fresh run each time (the demo is short; resume is for the long scripts).
     trainer.fit(args.epochs, resume=False)
-    if isinstance(args.governor, ThreadGovernor):
-        # the evaluation after training runs at the count the governor chose last
-        torch.set_num_threads(args.governor.threads())
     return model, trainer.criterion, trainer
 
 
@@ -203,14 +192,8 @@ def _main(args) -> Dict:
     # torchrun: one process per device, gloo for CPU runs; "auto" becomes the device it names
     args.device = str(start_run(args.device, args.out))
     t_start = time.perf_counter()
-    # Threads (issue 21): a number is used throughout; "auto" is one governor for the four
-    # runs (nnkloss.threads.ThreadGovernor, the Trainer's options), so that later runs start
-    # from what earlier ones measured. Its choices are in each run's log (threads_* columns).
-    args.governor = args.threads
-    if args.threads != "auto":
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    elif torch.device(args.device).type == "cpu" and torch.get_num_threads() > 1:
-        args.governor = ThreadGovernor(torch.get_num_threads(), **GOVERNOR_OPTIONS)
     x, y = load_digits_tensors()
 
     # ---------------------------------------------------------------- metric learning
@@ -277,10 +260,7 @@ def _main(args) -> Dict:
         [[loss, percent(classification[loss]["accuracy"])] for loss in classification],
         title="Classification, all ten digits (70/30 split); pixels: 1-nearest neighbour")
     elapsed = time.perf_counter() - t_start
-    threads = (f"threads governed (last choice {args.governor.threads()}, "
-               f"{len(args.governor.events)} decisions)"
-               if isinstance(args.governor, ThreadGovernor) else
-               f"{torch.get_num_threads()} threads")
+    threads = f"{torch.get_num_threads()} threads"
     table += (f"\n{args.epochs} epochs per run, total time {elapsed:.0f} s on {args.device}, "
               f"{threads}.\n")
     write_table(os.path.join(args.out, "results.md"), table)

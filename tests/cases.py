@@ -4,7 +4,8 @@ arguments of the functional op; small banks (small_bank, random_bank, own_row_ba
 weights, shared by the tests of several modules; the kernel classifier's relative distances in
 fp64 and their check, shared by the CPU library's and the Triton kernel's tests; the backward's
 per-entry terms' cases and checks (list_case, centre_weight_sigma_grads), likewise; the spy on
-BatchNorm calls (spy_batch_norms) of the tests of the folded eval-mode passes."""
+BatchNorm calls (spy_batch_norms) of the tests of the folded eval-mode passes; a fresh
+interpreter for code that may crash it (in_fresh_process, the CPU library's tests)."""
 import torch
 
 import nnkloss
@@ -310,3 +311,15 @@ def check_entry_terms_of_nan_rows(backend):
             assert torch.isfinite(got[3]).all() and torch.isfinite(got[4])
         else:
             assert torch.isnan(got[4]) and torch.isnan(got[3][nb[4]]).all()
+
+
+def in_fresh_process(code, env_extra, timeout=240):
+    """Run ``code`` in a new interpreter from the repository root (a SIGBUS or a foreign
+    constructor there shows as a failed test, not a dead pytest)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=root)

@@ -9,12 +9,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The Trainer's thread governor (threads="auto", nnkloss/threads.py) picks torch's thread count
-# from step timings, which changes the summation order of torch's reductions: runs the tests
-# compare bit for bit (a straight run against a resumed one) must not depend on timing. Tests of
-# the governor set the variable themselves (tests/test_threads.py).
-os.environ.setdefault("NNKLOSS_GOVERN_THREADS", "0")
-
 import pytest  # noqa: E402
 
 
@@ -80,7 +74,7 @@ def symmetric_tiles(monkeypatch):
     compiled selection is unavailable. Shared by the tests of the search's callers (the bank's
     list rebuild, the metrics)."""
     from nnkloss.bank.search import torch_search
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("no C++ compiler: torch selection only")
     monkeypatch.setattr(torch_search, "SYM_BLOCK", 32)

@@ -34,15 +34,15 @@ fi
 # test_compile_and_cuda.py) live in the files of the modules they test: each list names every
 # file that now holds a test of the module's old list that runs the module's code
 # (tests/MUTATION.md, "Where the tests named here live now").
-# (ops/cpu.py writes its library with atomic.py: the one test of test_cpu_kernel.py that the old
+# (cpu/build.py writes its library with atomic.py: the one test of test_cpu_build.py that the old
 # checkpoint list ran, from test_mutation_kills.py, is named alone.)
 tests_for() {
     case "$1" in
         bank)       echo "tests/test_centre_bank.py tests/test_losses.py tests/test_centroids.py tests/test_checkpoint.py tests/test_atomic.py tests/test_refresh.py tests/test_bad_input.py" ;;
         refresh)    echo "tests/test_refresh.py" ;;
-        checkpoint) echo "tests/test_checkpoint.py tests/test_atomic.py tests/test_bad_input.py tests/test_cpu_kernel.py::test_cpu_library_is_built_once_per_process" ;;
+        checkpoint) echo "tests/test_checkpoint.py tests/test_atomic.py tests/test_bad_input.py tests/test_cpu_build.py::test_cpu_library_is_built_once_per_process" ;;
         losses)     echo "tests/test_losses.py tests/test_centre_bank.py tests/test_validation.py tests/test_ccml.py tests/test_layout.py tests/test_bad_input.py tests/test_numerics.py" ;;
-        op)         echo "tests/test_ops_neighbour_kernel.py tests/test_ops_reference.py tests/test_backends.py tests/test_validation.py tests/test_losses.py tests/test_numerics.py tests/test_compile.py tests/test_cpu_kernel.py tests/test_kernels_launch.py tests/test_bad_input.py" ;;
+        op)         echo "tests/test_ops_neighbour_kernel.py tests/test_ops_reference.py tests/test_backends.py tests/test_validation.py tests/test_losses.py tests/test_numerics.py tests/test_compile.py tests/test_cpu_op.py tests/test_cpu_build.py tests/test_kernels_launch.py tests/test_bad_input.py" ;;
         reference)  echo "tests/test_ops_reference.py tests/test_ops_neighbour_kernel.py tests/test_losses.py tests/test_numerics.py" ;;
         *) echo "unknown module $1" >&2; exit 2 ;;
     esac
@@ -55,7 +55,7 @@ files_for() {
         refresh)    echo "bank/refresh.py" ;;
         checkpoint) echo "bank/checkpoint.py atomic.py" ;;
         losses)     echo "losses/base.py losses/neighbour_kernel.py" ;;
-        op)         echo "ops/neighbour_kernel.py ops/backends.py ops/cpu.py" ;;
+        op)         echo "ops/neighbour_kernel.py ops/backends.py cpu/op.py cpu/build.py" ;;
         reference)  echo "ops/reference.py" ;;
     esac
 }

@@ -87,7 +87,7 @@ def test_one_interface_one_implementation_per_backend(monkeypatch):
         assert impl.name == name and backends.by_name(name) is impl
         assert all(callable(getattr(impl, p)) for p in PASSES)
     assert impls["torch"].batch_lists is None
-    assert impls["cpu"].batch_lists is nnkloss.ops.cpu.batch_lists
+    assert impls["cpu"].batch_lists is nnkloss.cpu.batch_lists
     assert impls["triton"].batch_lists is backends.kernels().batch_lists
     cpu_dev = torch.device("cpu")
     assert backends.backend("auto", cpu_dev, torch.float32) is impls["cpu"]
@@ -139,7 +139,7 @@ def test_source_checkout_without_install_finds_the_kernels(tmp_path):
 def test_fused_pass_by_device_offers_the_same_helpers():
     """fused_pass: the compiled CPU library for CPU tensors, the Triton kernels on CUDA (with
     triton), none elsewhere; both with the helpers the classifier and the value checks call."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     from nnkloss.ops.backends import fused_pass, kernels
     assert fused_pass(torch.device("cpu")) is cpu
     assert fused_pass(torch.device("meta")) is None

@@ -13,7 +13,7 @@ from cases import rel_sqdist_fp64  # noqa: E402
 
 
 def test_providers_compute_the_relative_distances():
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     args = bench_classifier.setup(30, 7, 12, 90, torch.device("cpu"))
     want = rel_sqdist_fp64(*args)
     fns = {"torch": bench_classifier.provider_fn("torch"), "user": bench_classifier.user_form}
@@ -28,7 +28,7 @@ def test_providers_compute_the_relative_distances():
 
 
 def test_cpu_smoke_run_writes_a_row_per_provider(tmp_path):
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("no C++ compiler: no fused provider")
     rc = bench_classifier.main(["--shapes", "40,9,16,300", "--providers", "fused", "torch",

@@ -37,7 +37,7 @@ def test_the_library_is_ready_before_the_timed_region(monkeypatch):
         import bench_eval
     finally:
         sys.path.pop(0)
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     events = []
     monkeypatch.setattr(cpu, "available", lambda: events.append("build") or True)
     monkeypatch.setattr(bench_eval, "run_nnkloss",

@@ -260,7 +260,7 @@ def test_profile_step_profiles_the_module_call_too(capsys):
     module_part = out.split("== module fwd")[1]
     # the bank's lists of the batch: one call of the CPU library (batch_lists), where it is
     # built; torch's route (neighbours_for) without it
-    lists = "batch_lists" if nnkloss.ops.cpu.available() else "neighbours_for"
+    lists = "batch_lists" if nnkloss.cpu.available() else "neighbours_for"
     assert lists in module_part and lists not in out.split("== module")[0]
 
 

@@ -245,7 +245,7 @@ def test_selection_distances_are_the_fused_forwards(monkeypatch, dtype):
     sigma 1, forward-only (on CPU tensors the compiled library: one pass, no (rows, K, D)
     block): ||x - c_j||^2 for every entry, 0 for padding, to the compute dtype's precision."""
     from nnkloss.losses import ccml
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     emb, labels, centres, centre_labels, nb = problem(B=9, N=40, D=13, K=11, seed=7,
                                                       dtype=dtype)
     calls = []

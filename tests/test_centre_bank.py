@@ -517,7 +517,7 @@ def test_neighbours_for_gives_the_same_lists_with_and_without_the_cpu_library(mo
                                                                               exclude_self):
     """The compiled one-pass gather (CPU banks, eager) and torch's ops give equal lists; the
     range errors stay the bank's own."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     bank = random_bank(N=40, K=6)
     bank.set_neighbours(torch.cat([torch.arange(40)[:, None], bank.neighbours[:, 1:].long()], 1))
     idx = torch.tensor([3, 0, 39, 3, 17])

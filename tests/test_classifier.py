@@ -284,7 +284,7 @@ def test_fused_distances_give_the_torch_forms_probabilities(monkeypatch, rule, f
     library's; and the pass CUDA tensors take (kernels/relative_distances.py), run here
     through Triton's interpreter on CPU tensors in place of the library's."""
     from nnkloss.evaluation import classifier as clf_mod
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if fused == "cpu":
         if not cpu.available():
             pytest.skip("no C++ compiler: the torch form only")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nnkloss
-from nnkloss.ops import cpu
+from nnkloss import cpu
 from cases import make_case, spy_need_grad_x
 
 

@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import cpu_variants  # noqa: E402
 
 import nnkloss  # noqa: E402
-from nnkloss.ops import cpu  # noqa: E402
+from nnkloss import cpu  # noqa: E402
+from nnkloss.cpu import build as cpu_build  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no compiled CPU kernel here")
 
@@ -31,7 +32,7 @@ def built_once():
     real, libs = cpu_variants.build, {}
 
     def build(defines, source=None):
-        key = (defines, source)
+        key = (defines, None if source is None else tuple(sorted(source.items())))
         if key not in libs:
             libs[key] = real(defines, source)
         return libs[key]
@@ -44,11 +45,10 @@ def private_tmp(tmp_path, monkeypatch, built_once):
     outlives its files); the process's own library afterwards."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(cpu_variants, "build", built_once)
-    monkeypatch.setenv("NNKLOSS_GOVERN_THREADS", os.environ.get("NNKLOSS_GOVERN_THREADS", "1"))
     threads = torch.get_num_threads()
     yield tmp_path
     torch.set_num_threads(threads)
-    cpu._reset_for_tests()
+    cpu_build._reset_for_tests()
 
 
 def test_variants_are_separate_builds_and_the_op_runs_on_each(private_tmp):
@@ -65,7 +65,7 @@ def test_variants_are_separate_builds_and_the_op_runs_on_each(private_tmp):
     results = []
     for lib in (default, nta):  # 50 x 40 x 4 bytes > 1024: the second one folds in one pass
         cpu_variants.use(lib)
-        assert cpu._lib() is lib
+        assert cpu_build.lib() is lib
         x = emb.clone().requires_grad_(True)
         loss = nnkloss.neighbour_kernel_loss(x, labels, centres, cl, nb, sigma=3.0)
         loss.backward()
@@ -124,7 +124,7 @@ def test_against_a_revision_times_the_kernel_calls_of_both(private_tmp):
 def test_against_refuses_a_revision_whose_forward_takes_other_parameters():
     """The calls pass today's arguments to both libraries: a kernel whose nnk_forward reads
     another parameter list is refused, naming both; an unknown revision too."""
-    with open(cpu.SOURCE) as fh:
+    with open(cpu_build.SOURCES[0]) as fh:  # op.cpp: nnk_forward and nnk_rel_sqdist
         now = fh.read()
     cpu_variants.check_same_forward("HEAD", now)  # the same: no error
     spaced = now.replace("int nnk_forward(", "int  nnk_forward (", 1)
@@ -139,7 +139,7 @@ def test_against_refuses_a_revision_whose_forward_takes_other_parameters():
     assert other != now
     with pytest.raises(SystemExit, match=r"nnk_rel_sqdist's parameters differ"):
         cpu_variants.check_same_forward("old", other, "nnk_rel_sqdist")
-    with pytest.raises(SystemExit, match=r"--against no-such-rev: no cpu_kernel.cpp there"):
+    with pytest.raises(SystemExit, match=r"--against no-such-rev: no library sources there"):
         cpu_variants.source_at("no-such-rev")
 
 
@@ -165,7 +165,7 @@ def test_classifier_mode_times_rel_sqdist_per_variant_and_compares_the_bits(priv
 
     def off_by_one_ulp_on_nta(*a):
         out = real(*a)
-        return torch.nextafter(out, out + 1) if cpu._lib() is nta else out
+        return torch.nextafter(out, out + 1) if cpu_build.lib() is nta else out
     monkeypatch.setattr(cpu, "rel_sqdist", off_by_one_ulp_on_nta)
     _, same = cpu_variants.main(argv)
     assert same == {s: False for s in shapes}
@@ -215,7 +215,7 @@ def test_variant_items_are_macros_added_options_or_removed_options():
         "-O3", "-shared", "-DA=1", "-fno-tree-vectorize"]
     with pytest.raises(SystemExit, match=r"\['-ffast-math'\] not among the compiler options"):
         cpu_variants.variant_flags("!-ffast-math", base)
-    assert "-fno-trapping-math" in cpu.FLAGS  # the kernel's exponentials vectorise on AVX2
+    assert "-fno-trapping-math" in cpu_build.FLAGS  # the kernel's exponentials vectorise on AVX2
 
 
 def test_gather_option_times_the_limit_and_gives_each_variant_as_a_share_of_it(private_tmp):

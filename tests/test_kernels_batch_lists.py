@@ -1,11 +1,11 @@
 """kernels/batch_lists.py: a batch's lists in one launch, against torch's gather, exclusion
 and drop (Triton's interpreter on CPU tensors); and its CPU twin of the same contract,
-nnkloss.ops.cpu.batch_lists (one call of the compiled library), by the same checks."""
+nnkloss.cpu.batch_lists (one call of the compiled library), by the same checks."""
 import pytest
 import torch
 
 import nnkloss
-from nnkloss.ops import cpu
+from nnkloss import cpu
 
 INTS = [torch.int32, torch.int64]
 

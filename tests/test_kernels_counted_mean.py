@@ -1,7 +1,7 @@
 """kernels/counted_mean.py: the losses' mean over their counted rows as one Triton launch,
 against the torch form of reduce_rows (Triton's interpreter on CPU tensors; the same checks on a
 GPU). The checks take the launcher as an argument:
-tests/test_cpu_kernel.py runs them on the CPU library's counted_mean, the same contract."""
+tests/test_cpu_op.py runs them on the CPU library's counted_mean, the same contract."""
 import pytest
 import torch
 

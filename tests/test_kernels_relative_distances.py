@@ -59,7 +59,7 @@ def test_strided_inputs_int32_lists_and_long_lists():
 
 
 def test_agrees_with_the_cpu_library():
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("no C++ compiler")
     g = torch.Generator().manual_seed(5)

@@ -80,7 +80,7 @@ def test_the_repository_cites_nothing_outside_itself():
 
 # Test files mirror the code (issue 19). tests/test_<name>.py names the module or package it
 # tests: <name> is a module, source file or package of nnkloss/, kernels/, benchmarks/ or repro/,
-# bare ("metrics", "cpu_kernel" for ops/cpu_kernel.cpp) or with its package path where the bare
+# bare ("metrics", "cpu_op" for cpu/op.py) or with its package path where the bare
 # name is ambiguous ("ops_reference", "ops_neighbour_kernel"), optionally followed by an aspect
 # ("kernels_tiles", "kernels_cuda"). Shared helpers live in tests/cases.py, tests/fabricate*.py
 # and tests/reference.py (the one fp64 reference). The only other test files are the
@@ -118,7 +118,7 @@ def _code_names(root):
 def test_every_test_file_names_a_module_or_is_a_documented_cross_cutting_suite():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = _code_names(root)
-    assert {"metrics", "ops_reference", "cpu_kernel", "kernels", "bench_loss", "repro"} <= names
+    assert {"metrics", "ops_reference", "cpu_op", "kernels", "bench_loss", "repro"} <= names
     files = sorted(f for f in os.listdir(os.path.join(root, "tests"))
                    if f.startswith("test_") and f.endswith(".py"))
     stray = [f for f in files if f not in CROSS_CUTTING

@@ -165,12 +165,12 @@ def test_misaligned_idx_raises_naming_idx_and_labels(cls):
 
 def test_cpu_lists_and_label_comparison_are_one_compiled_call(monkeypatch):
     """CPU tensors, the compiled library loaded: the batch's lists, the own-index exclusion and
-    the labels' comparison are one call (nnkloss.ops.cpu.batch_lists, the CPU twin of
+    the labels' comparison are one call (nnkloss.cpu.batch_lists, the CPU twin of
     kernels/batch_lists.py), value checks on or off. A disagreement raises the message naming
     idx and labels with the checks on and is dropped and counted with them off; an idx outside
     the bank raises IndexError naming idx either way (reading the counts is no sync on a
     CPU)."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("the compiled CPU kernel is unavailable here")
     counts = []
@@ -600,7 +600,7 @@ def test_on_cpu_the_drop_is_part_of_the_one_call(monkeypatch):
     """CPU tensors, the compiled library built: the lists of misaligned rows are emptied in the
     library's one call, checks off, so forward fills no lists (no masked_fill) whether rows are
     dropped or not; a dropped row has loss 0, is not counted and is counted as mismatched."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("no compiled CPU kernel here")
     bank = random_bank(N=40, D=8, K=6)

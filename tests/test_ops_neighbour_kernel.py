@@ -60,7 +60,7 @@ def test_the_mean_is_one_call_of_the_cpu_library_in_eager_mode(monkeypatch):
     """The op's mean on CPU tensors: computed in its forward by one call of the compiled
     library (with a gradient too: the op's one autograd Function divides it in the backward);
     reduce_rows, the other losses' mean, is torch's form (compiled too), any mask dtype."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     from nnkloss.ops import neighbour_kernel as op
     assert cpu.available()
     calls = []  # the calls that computed the mean
@@ -346,7 +346,7 @@ def test_backward_scales_rows_on_the_kernel_threads_only_for_the_cpu_backend(mon
                                                                               backend):
     """Kills ops.neighbour_kernel _backward 32-34 (g * grad_x sent through nk_scale_rows for
     the wrong backends or for none: same numbers, other threads)."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     calls = []
     real = cpu.scale_rows
 
@@ -758,7 +758,7 @@ def test_entries_past_the_bank_with_checks_off_give_the_cpu_s_nan_rows_on_triton
     then gives the CPU's loss, per-row losses and every gradient (NaN where the CPU's is), and
     the weight gradient's scatter stays inside the weights. Before, the kernels read (and the
     centre gradient wrote) past the bank: this very case crashed the process."""
-    from nnkloss.ops import cpu
+    from nnkloss import cpu
     if not cpu.available():
         pytest.skip("no compiled CPU library to compare with")
     emb, labels, centres, cl, nb, w = make_case(6, 20, 8, 5, seed=21, pad=0.1)

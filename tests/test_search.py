@@ -15,7 +15,7 @@ import nnkloss.bank.search as K
 import nnkloss.bank.search.faiss_search as FS
 import nnkloss.bank.search.torch_search as TS
 from nnkloss.bank.search import drop_self, iter_knn, knn, recall_against_exact
-from nnkloss.ops import cpu
+from nnkloss import cpu
 
 HAVE_FAISS = K.faiss_available()
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not HAVE_FAISS,
@@ -757,7 +757,7 @@ def test_selection_state_orders_keys_exactly():
 @pytest.mark.parametrize("k", [600, 1001, 1023])
 def test_selection_compaction_with_a_sampled_pivot_is_exact(order, k):
     """Buffers of at least 1,024 keys are compacted around a pivot from a sample of the buffer
-    (cpu_kernel.cpp, KnnRow::compact), falling back to nth_element where the sample misleads:
+    (csrc/search.cpp, KnnRow::compact), falling back to nth_element where the sample misleads:
     many compactions per row (N many times the buffer), in orders that make the sample
     representative (random), stale (ascending: the buffer keeps the first keys; descending:
     every key is a candidate) or tied (four distances: keys differ by index only), and one
@@ -792,14 +792,14 @@ def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
     x = tied(n=400, d=3, seed=80)
     ref = ref_lists(x, x, 30, exclude_self=True)
     monkeypatch.setenv("NNKLOSS_CPU_KERNEL", "0")
-    cpu._reset_for_tests()
+    cpu.build._reset_for_tests()
     try:
         with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
             dist, idx = knn(x, x, 30, "torch", exclude_self=True)
         assert TS._compiled_selection(4, 30, 94) is None
     finally:
         monkeypatch.delenv("NNKLOSS_CPU_KERNEL")
-        cpu._reset_for_tests()
+        cpu.build._reset_for_tests()
     assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
 
 

@@ -88,6 +88,28 @@ def test_softmax_head_decreases():
     assert any(p is head.fc.weight for p in tr.optimizer.param_groups[0]["params"])
 
 
+def test_threads_set_torchs_count_for_the_run_and_restore_it():
+    """Trainer(threads=n) runs fit at n torch threads (the initial steps included) and gives
+    torch its count back; None leaves it; anything else is refused naming threads."""
+    x, y = blobs(seed=1)
+    ds = IndexedTensorDataset(x, y)
+    seen = []
+
+    class Probe(SoftmaxHead):
+        def forward(self, emb, labels, idx=None):
+            seen.append(torch.get_num_threads())
+            return super().forward(emb, labels, idx)
+    saved = torch.get_num_threads()
+    for threads, want in ((1, 1), (None, saved)):
+        seen.clear()
+        Trainer(mlp(seed=1), Probe(6, 4), DataLoader(ds, batch_size=16), progress=False,
+                threads=threads).fit(1)
+        assert seen and set(seen) == {want} and torch.get_num_threads() == saved
+    for bad in ("auto", 0, True, 1.5):
+        with pytest.raises(ValueError, match="threads must be None or a positive int"):
+            Trainer(mlp(), SoftmaxHead(6, 4), DataLoader(ds), progress=False, threads=bad)
+
+
 def test_sigma_and_weight_groups():
     x, y = blobs()
     ds = IndexedTensorDataset(x, y)

@@ -13,10 +13,11 @@ CPU = by_name("cpu")  # the backend whose one-pass reads the op hands the value 
 @pytest.fixture(params=["torch", "compiled"])
 def checks_path(request, monkeypatch):
     """check_values by its torch reductions, or by the compiled CPU kernel's one call
-    (nnkloss.ops.cpu.value_flags, taken once the library is loaded: the CPU backend's, which
+    (nnkloss.cpu.value_flags, taken once the library is loaded: the CPU backend's, which
     the op hands the checks). Yields the list of the compiled calls made (True: taken); the
     compiled run asserts that each was taken."""
-    from nnkloss.ops import backends, cpu
+    from nnkloss import cpu
+    from nnkloss.ops import backends
     if request.param == "torch":
         for name in ("value_flags", "gathered_rows_finite"):
             monkeypatch.setattr(backends.CpuBackend, name, lambda self, *a: None)

@@ -373,7 +373,7 @@ class CentreBank(nn.Module):
         if self.neighbours.device.type == "cpu" and plain_eager(idx, self.neighbours):
             # One pass of the compiled CPU library (gather, exclusion, range check); None
             # leaves it to torch's ops below.
-            from ..ops.cpu import gather_lists
+            from ..cpu import gather_lists
             nb = gather_lists(self.neighbours, idx, exclude_self)
             if nb is not None:
                 return nb

@@ -67,11 +67,11 @@ def _list_overlap(new: Tensor, old: Tensor) -> float:
     """Mean per-row fraction of the new list's entries that the old list also holds.
 
     -1 padding never counts as shared. On CPU tensors the compiled library counts each row's
-    shared entries through a bitmap of the bank's rows (:func:`nnkloss.ops.cpu.list_overlap`,
+    shared entries through a bitmap of the bank's rows (:func:`nnkloss.cpu.list_overlap`,
     much faster: docs/PERFORMANCE.md); elsewhere row-wise membership by a batched searchsorted
     into the sorted old lists. Both (N, K) work, never an N x N tensor, and the same counts.
     """
-    from ..ops import cpu
+    from .. import cpu
     old = old.to(new.device)
     both = cpu.list_overlap(new, old, new.shape[0])
     if both is not None:

@@ -44,7 +44,6 @@ from .bank_upkeep import BankUpkeep
 from .logs import json_safe, write_logs
 from .seeds import check_seed, seed_everything
 from ..losses.base import BankLoss
-from ..threads import ThreadGovernor
 from ..validation import value_checks, value_checks_enabled
 from .. import distributed as _dist
 
@@ -172,38 +171,11 @@ class Trainer:
             the network does not train for a whole interval against centres of its random
             initialisation. Runs the refresher's way (in the background with ``async_mode``).
 
-    Threads (issue 21):
+    Threads:
 
-        threads: "auto" (default), None, an int, or a :class:`nnkloss.threads.ThreadGovernor`.
-            "auto" on a CPU device with more than one torch thread: a governor times the
-            training steps (wall time from one step's end to the next's: loading, forward,
-            backward, optimiser, bank upkeep) at torch's thread count and at one thread, keeps
-            the faster (``torch.set_num_threads``; ties: one thread) and re-probes with
-            back-off (starts at one thread: 5 warm-up steps, then windows of 6 steps, a far
-            slower side given up after 1 step and a clearly slower one after 2, holds of 64
-            steps doubling to 4096 while confirmed and long enough to keep probing within 5%
-            of the time). Most of a CPU step is torch's own ops, whose OpenMP barriers wait
-            for descheduled threads when other processes keep the cores busy; then one thread
-            is faster, idle it is not (30-epoch digits demo on 2 cores, idle: 28.4 s at 2
-            threads, 40.8 s at 1; beside a 2-thread matmul process a step at 2 threads took
-            27x one at 1: docs/PERFORMANCE.md, "Threads on the CPU, measured"). On Linux, where the
-            machine's run queue is this process's CPUs (no cgroup quota, no pinning to a
-            subset), it also reads the runnable threads of other processes
-            (:class:`nnkloss.threads.RunQueue`, /proc, 40-130 us a step): while they leave the
-            full count no free CPU for each of its threads (``cores - others < threads``), it
-            does not probe the full count (it looks again after 64 steps) and, at the full
-            count, drops to one thread after two such steps in a row. Its decisions go to the
-            epoch log: ``threads`` (the count at the epoch's end), ``threads_decisions``,
-            ``threads_by_signal`` (how many of them the run queue made),
-            ``threads_step_ms_full`` / ``threads_step_ms_one`` (the last decision's medians;
-            empty for a side it did not time). Nothing is printed. The count changes the summation
-            order of torch's parallel reductions, so a governed run is not bit-reproducible
-            across machines or loads: pass an int (that count for the run) or None (torch's
-            setting untouched) for that. A governor instance may be shared by several
-            Trainers (the demo does), so that later runs start from what earlier ones learned.
-            The count (the governor's, or the int) applies from the start of :meth:`fit`, the
-            initial bank's build included; torch's thread count is restored when :meth:`fit`
-            returns.
+        threads: None (default: torch's setting untouched) or an int, the count
+            (``torch.set_num_threads``) from the start of :meth:`fit`, the initial bank's
+            build included; torch's count is restored when :meth:`fit` returns.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -216,7 +188,7 @@ class Trainer:
                  eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
                  grad_clip: Optional[float] = None, desc: str = "train",
                  fresh_centres: Optional[float] = None, neighbours_every_steps: Optional[int] = None,
-                 warm_start_steps: int = 0, threads="auto"):
+                 warm_start_steps: int = 0, threads: Optional[int] = None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not lr > 0:
@@ -264,18 +236,10 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []
         self._bar = None
         self._check_next_step = True
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):
+            raise ValueError(f"threads must be None or a positive int, got {threads!r}")
         self.threads = threads
-        self.governor: Optional[ThreadGovernor] = None
-        if isinstance(threads, ThreadGovernor):
-            self.governor = threads
-        elif threads == "auto":
-            if (self.device.type == "cpu" and torch.get_num_threads() > 1
-                    and os.environ.get("NNKLOSS_GOVERN_THREADS", "1") != "0"):
-                self.governor = ThreadGovernor(torch.get_num_threads(), **GOVERNOR_OPTIONS)
-        elif threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                      or threads < 1):
-            raise ValueError(f"threads must be 'auto', None, a positive int or a "
-                             f"ThreadGovernor, got {threads!r}")
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
 
@@ -447,10 +411,6 @@ class Trainer:
         upkeep = self.upkeep
         upkeep.start_epoch()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        gov = self.governor
-        if gov is not None:
-            gov.skip_next()  # the first interval holds the loader's start and the last epoch's
-        t_step = time.perf_counter()
         bar = self._bar
         if bar is not None:
             bar.set_description(f"{self.desc} epoch {epoch}/{total_epochs}")
@@ -494,10 +454,6 @@ class Trainer:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
             # Fresh centres, a finished background refresh, list rebuilds, due refreshes.
             upkeep.after_step(self.step, idx, emb)
-            if gov is not None:  # times this step; may change torch's thread count
-                now = time.perf_counter()
-                gov.record(now - t_step)
-                t_step = now
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
         mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
@@ -516,8 +472,6 @@ class Trainer:
             row["counted_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
         row.update(upkeep.epoch_columns())
-        if gov is not None:
-            row.update(_governor_columns(gov))
         return row
 
     def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:
@@ -528,13 +482,9 @@ class Trainer:
         """
         if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
             self.load_checkpoint()
-        # The run's thread count from here on, the initial bank's build included (at the
-        # caller's count it ran at 2 threads beside a busy process, the slow case of issue 21).
+        # The run's thread count from here on, the initial bank's build included.
         saved_threads = torch.get_num_threads()
-        if self.governor is not None:
-            self.governor.apply = torch.set_num_threads
-            torch.set_num_threads(self.governor.threads())
-        elif isinstance(self.threads, int):
+        if self.threads is not None:
             torch.set_num_threads(self.threads)
         self._bar = None
         try:
@@ -602,11 +552,6 @@ class Trainer:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
 
 
-#: The Trainer's governor: units are training steps.
-GOVERNOR_OPTIONS = dict(warmup=5, window=6, hold=64, max_hold=4096, signal="auto",
-                        start="auto")
-
-
 def _cpu_copy(obj):
     """A copy of a (nested) state on the CPU: tensors detached and cloned, containers rebuilt,
     anything else deep-copied."""
@@ -620,15 +565,6 @@ def _cpu_copy(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def _governor_columns(gov: ThreadGovernor) -> Dict[str, Any]:
-    last = gov.events[-1] if gov.events else {}
-    ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
-    return {"threads": gov.threads(), "threads_decisions": len(gov.events),
-            "threads_by_signal": sum(e.get("by") == "signal" for e in gov.events),
-            "threads_step_ms_full": ms(last.get("cost_full")),
-            "threads_step_ms_one": ms(last.get("cost_one"))}
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

@@ -31,7 +31,8 @@ import os
 
 import torch
 
-from . import cpu, reference
+from .. import cpu
+from . import reference
 from ..validation import BACKENDS, plain_eager
 
 __all__ = ["BACKENDS", "backend", "by_name", "resolve_backend", "kernels", "fused_pass",
@@ -73,7 +74,7 @@ class TorchBackend:
 
 
 class CpuBackend(TorchBackend):
-    """The compiled CPU library (``nnkloss.ops.cpu``, built on first use)."""
+    """The compiled CPU library (``nnkloss.cpu``, built on first use)."""
     name = "cpu"
 
     @property

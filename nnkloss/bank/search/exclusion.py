@@ -5,7 +5,7 @@ them through :func:`drop_self`. Searches return neighbours ordered by (distance,
 this gives the ``k`` nearest *other* rows in that order: the own row is removed when it is
 among the ``k + 1``, the last entry otherwise (more than ``k`` exact duplicates tie ahead of
 it). The compiled CPU selection applies the same rule in its decode, sparing a pass over each
-block (tests/test_cpu_kernel.py checks its lists against :func:`drop_self`'s).
+block (tests/test_cpu_search.py checks its lists against :func:`drop_self`'s).
 """
 from __future__ import annotations
 

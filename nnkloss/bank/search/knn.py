@@ -69,11 +69,6 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
         blocks = iter_knn_torch(queries, base, k, tile_bytes,
                                 self_search=same_tensor(queries, base),
                                 exclude_self=exclude_self, out=out)
-        if queries.device.type == "cpu":
-            # the blocks' torch ops (and the caller's) at the selection's thread count
-            from ...ops import cpu
-            if cpu.available():
-                blocks = cpu.iter_following(blocks, "knn_select")
     for q0, dist, idx in blocks:
         if exclude_self and faiss:
             own = torch.arange(q0, q0 + idx.shape[0], device=idx.device)

@@ -41,7 +41,7 @@ def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
     ``centre_labels[i]``. On the CPU one compiled pass that stops at the first such entry;
     elsewhere the (N, K) gather of labels."""
     if plain_eager(neighbours, centre_labels):
-        from ...ops import cpu
+        from ... import cpu
         out = cpu.has_same_label(neighbours, centre_labels)
         if out is not None:
             return out

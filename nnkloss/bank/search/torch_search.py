@@ -98,7 +98,7 @@ def distance_tile(qa: Tensor, ba: Tensor, out: Tensor) -> Tensor:
     one dot product in column order: the same bits whatever the tile, path or threads), else
     ``torch.mm``."""
     if COMPILED_GEMM and out.is_cpu:
-        from ...ops import cpu
+        from ... import cpu
         if cpu.gemm_nt(qa, ba, out):
             return out
     return torch.mm(qa, ba.t(), out=out)
@@ -340,7 +340,7 @@ def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tenso
 
 
 def _compiled_selection(rows: int, k: int, cap: int):
-    from ...ops import cpu  # the compiled library (built on first use) or None
+    from ... import cpu  # the compiled library (built on first use) or None
     return cpu.knn_selection(rows, k, cap)
 
 
@@ -348,7 +348,7 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
                        sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None
                        ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """CPU with the compiled library: (tq, tb) distance tiles, each folded into the per-row
-    selection in C++ (nnkloss/ops/cpu_kernel.cpp) straight after its GEMM, while it is in
+    selection in C++ (nnkloss/cpu/csrc/search.cpp) straight after its GEMM, while it is in
     cache. Lists of k, or k - 1 without each query's own index with ``exclude_self`` (query
     row i is base row i)."""
     q = queries.shape[0]

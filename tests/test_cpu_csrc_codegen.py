@@ -1,15 +1,14 @@
-"""A static gate for the compiled CPU kernel's machine code (nnkloss/ops/cpu_kernel.cpp), on
-both x86 vector widths whatever this machine has: the source is compiled as nnkloss/ops/cpu.py
+"""A static gate for the compiled CPU kernel's machine code (nnkloss/cpu/csrc/op.cpp), on
+both x86 vector widths whatever this machine has: the source is compiled as nnkloss/cpu/build.py
 compiles it, for x86-64-v3 (AVX2 and FMA: the AMD EPYC this project has run on) and x86-64-v4
 (AVX-512: the Intel Xeon), and the hot functions' instructions are read back (objdump).
 
 Why: GCC's code for the kernel differed by ISA in ways no test on one machine saw. On AVX2 the
 16 lanes, kept as one 64-byte vector, went through the stack at every step, `s * v` was built
 from 16 scalar stores, the row's exponentials stayed scalar and bf16 rows widened in four
-operations (2026-11-25: forward 1.2-1.9x slower than now); the first fix for `s * v` then
-became 16 masked moves per gathered row with AVX-512, on a machine nobody could time. Each
-assertion below is one of those regressions, and was seen to fail on the source that had it
-(5836f8e's: the three AVX2 ones; 7c0c242's: the AVX-512 broadcast; cpu.FLAGS without
+operations (the forward much slower); the first fix for `s * v` then became 16 masked moves
+per gathered row with AVX-512, on a machine nobody could time. Each assertion below is one of
+those regressions, and was seen to fail on the source that had it (build.FLAGS without
 -fno-trapping-math: the AVX2 exponentials). GCC 12's code; another compiler may need its own
 calibration.
 """
@@ -23,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nnkloss.ops import cpu
+from nnkloss.cpu import build
 
 TARGETS = {"avx2": "x86-64-v3", "avx512": "x86-64-v4"}
 
 
 def _gcc():
-    cxx = cpu._compiler()
+    cxx = build._compiler()
     if cxx is None or shutil.which("objdump") is None or shutil.which("c++filt") is None:
         return None
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -42,8 +41,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _flags(march):
-    """cpu.py's flags with -march=native replaced, an object file instead of a library."""
-    flags = [f for f in cpu.FLAGS if f not in ("-march=native", "-shared")]
+    """build.py's flags with -march=native replaced, an object file instead of a library."""
+    flags = [f for f in build.FLAGS if f not in ("-march=native", "-shared")]
     return flags + [f"-march={march}", "-fopenmp", "-c"]
 
 
@@ -57,10 +56,10 @@ def disassembly():
     cxx = _gcc()
     tmp = tempfile.mkdtemp(prefix="nnk_codegen_")
 
-    def build(item):
+    def compile_for(item):
         isa, march = item
         obj = os.path.join(tmp, f"{isa}.o")
-        res = subprocess.run([cxx] + _flags(march) + [cpu.SOURCE, "-o", obj],
+        res = subprocess.run([cxx] + _flags(march) + [build.SOURCES[0], "-o", obj],
                              capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-2000:]
         WARNINGS[isa] = [ln for ln in res.stderr.splitlines() if "warning:" in ln]
@@ -70,7 +69,7 @@ def disassembly():
 
     try:
         with ThreadPoolExecutor(2) as pool:
-            return dict(pool.map(build, TARGETS.items()))
+            return dict(pool.map(compile_for, TARGETS.items()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

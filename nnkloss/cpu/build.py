@@ -1,0 +1,461 @@
+"""Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes.
+
+The sources are compiled once per machine with the system compiler into one library::
+
+    c++ -O3 -march=native -std=c++17 -fno-trapping-math -shared -fPIC -pthread -fopenmp \
+        csrc/op.cpp csrc/batch.cpp csrc/search.cpp -o <cache>/nnk_cpu_<hash>.so
+
+(``-fopenmp`` where torch's own pool is the libgomp loaded in the process, so that the library
+runs on torch's OpenMP team; ``-fopenmp-simd`` and the library's own std::threads otherwise;
+see OPENMP_FLAGS) into a per-user cache directory (``$NNKLOSS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/nnkloss``, else ``~/.cache/nnkloss``; if that is unusable,
+``<tmp>/nnkloss-<uid>``), keyed by a hash of the sources, the compiler's version, the flags and
+the CPU's feature flags, written to a temporary file, fsync'ed and renamed into place (two
+processes that race both produce a complete library; the last rename wins), its sha256 then
+recorded beside it (``<library>.sha256``, written the same way).
+
+Nothing found on disk is loaded unchecked. A cache directory is used only if it is owned by
+this user and not writable by group or others (a missing one is created with mode 0700). A
+library is loaded only if it is a regular file owned by this user, not writable by group or
+others, and its bytes match the recorded sha256; the check and the load use the same open file
+(``/proc/self/fd``), so the file cannot be swapped in between. A truncated, corrupt, foreign or
+unrecorded library is rebuilt, never loaded. Any failure (no compiler, a failed build, no
+private cache directory, a library that does not load or lacks a symbol, or
+``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: a one-line warning is issued once, and
+the op's passes run the plain torch path.
+
+Threads are torch's setting (``torch.get_num_threads()``); :func:`threads` keeps small calls on
+fewer of them.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from ..atomic import atomic_write
+
+__all__ = ["available", "build_info", "library_path", "cache_dir", "threads"]
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# One library from the translation units of each job; common.h is included by all three.
+SOURCES = [os.path.join(CSRC, f) for f in ("op.cpp", "batch.cpp", "search.cpp")]
+# -fno-trapping-math: the library never reads the floating-point exception flags, and without
+# it GCC keeps the row's exponentials (vexp) scalar on a CPU without AVX-512's masks; it changes
+# no result (no reassociation, no contraction beyond -O3's).
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-trapping-math", "-shared", "-fPIC"]
+# Where torch's intra-op pool is libgomp (torch's parallel backend is OpenMP and a libgomp.so.1
+# is loaded, as with the Linux wheels), the parallel loops are `#pragma omp parallel` regions
+# on the libgomp torch already loaded (same soname): one pool for torch's ops and the library,
+# never two sets of threads spinning against each other.
+OPENMP_FLAGS = ["-pthread", "-fopenmp"]
+# Elsewhere (another OpenMP runtime would be a second pool) the library's own claim-based
+# std::threads (run_items), OpenMP pragmas as simd hints only.
+THREAD_FLAGS = ["-pthread", "-fopenmp-simd"]
+PLAIN_FLAGS = ["-pthread"]  # a compiler without -fopenmp-simd: the loops still auto-vectorise
+
+BANK_TYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+INDEX_TYPES = {torch.int32: 0, torch.int64: 1}
+
+_lock = threading.Lock()
+_state = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
+          "warned": False, "pool": None}
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("NNKLOSS_CXX"), os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name:
+            found = shutil.which(name)
+            if found:
+                return found
+    return None
+
+
+def cache_dir() -> str:
+    d = os.environ.get("NNKLOSS_CACHE_DIR")
+    if not d:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        d = os.path.join(base, "nnkloss")
+    return d
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_key(cxx: str, flags) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h = hashlib.sha256()
+    for name in _source_files():
+        with open(name, "rb") as f:
+            h.update(os.path.basename(name).encode() + b"\0" + f.read())
+    for part in (cxx, version, " ".join(flags), _cpu_flags(), platform.machine()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:20]
+
+
+def _source_files() -> list:
+    """SOURCES and the headers beside them: everything the library is built from."""
+    dirs = sorted({os.path.dirname(p) for p in SOURCES})
+    headers = [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".h")]
+    return list(SOURCES) + headers
+
+
+class _Untrusted(Exception):
+    """A cached library (or its recorded checksum) that must not be loaded: rebuild it."""
+
+
+def _fallback_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")
+
+
+def _private_dir(d: str) -> str:
+    """``d`` if this user owns it and neither group nor others can write to it (created with mode
+    0700 when missing); otherwise OSError saying why. Another user who can write to the
+    directory could plant a library there (the cache key is computable by anyone)."""
+    try:
+        os.makedirs(d, mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.stat(d)  # follows a symlink: what matters is the directory the files land in
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{d} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{d} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise PermissionError(f"{d} is writable by group or others "
+                              f"(mode {oct(st.st_mode & 0o777)})")
+    return d
+
+
+def _usable_cache_dir() -> str:
+    """The configured cache directory, else ``<tmp>/nnkloss-<uid>``, whichever is private first;
+    RuntimeError naming both and why when neither is (the plain path runs then)."""
+    reasons = []
+    for d in (cache_dir(), _fallback_dir()):
+        try:
+            return _private_dir(d)
+        except OSError as exc:
+            reasons.append(str(exc) if not exc.filename else f"{d}: {exc.strerror}")
+    raise RuntimeError("no private cache directory (" + "; ".join(reasons) + ")")
+
+
+def _check_owned_file(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise _Untrusted(f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise _Untrusted(f"{path} is owned by uid {st.st_uid}, not by this user")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{path} is writable by group or others")
+
+
+def _sha256_of(f) -> str:
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _recorded_sha256(path: str) -> str:
+    """The sha256 written beside ``path`` at build time (the record passes the owner checks)."""
+    record = path + ".sha256"
+    try:
+        fd = os.open(record, _OPEN_FLAGS)
+    except OSError as exc:
+        raise _Untrusted(f"{record}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_owned_file(os.fstat(f.fileno()), record)
+        text = f.read(100).decode("ascii", "replace").strip()
+    if len(text) != 64 or text.strip("0123456789abcdef"):
+        raise _Untrusted(f"{record} does not hold a sha256")
+    return text
+
+
+def _open_verified(path: str) -> int:
+    """A file descriptor open on ``path`` once its owner, mode and sha256 have been checked on
+    that same descriptor (what gets loaded is what was checked); _Untrusted otherwise.
+    Reading, unlike mapping, a truncated file cannot raise SIGBUS."""
+    expected = _recorded_sha256(path)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise _Untrusted(f"{path}: {exc.strerror}") from None
+    try:
+        _check_owned_file(os.fstat(fd), path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(0)
+            digest = _sha256_of(f)
+        if digest != expected:
+            raise _Untrusted(f"{path} does not match the sha256 recorded when it was built "
+                             "(truncated or modified)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _first_error(stderr: str) -> str:
+    """The line of a compiler's stderr that says what failed: the first one with "error"
+    (GCC and Clang end a diagnostic with source and caret lines, which say nothing alone),
+    else the last line, else "?"."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line), lines[-1] if lines else "?")
+
+
+def _compile(cxx: str, flags, out_dir: str) -> str:
+    """Compile to a temporary file in ``out_dir``, fsync it, rename it to its keyed name and
+    record its sha256 beside it. A library already there is reused only if it verifies
+    (:func:`_open_verified`); a missing, truncated, modified or foreign one is rebuilt."""
+    path = os.path.join(out_dir, f"nnk_cpu_{_cache_key(cxx, flags)}.so")
+    try:
+        os.close(_open_verified(path))
+        return path
+    except _Untrusted:
+        pass  # build it afresh; the rename below replaces whatever is there
+    fd, tmp = tempfile.mkstemp(prefix=".nnk_cpu_", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *flags, *SOURCES, "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(cxx)} failed: {_first_error(proc.stderr)}")
+        os.chmod(tmp, 0o755)  # whatever the umask: group/other-writable would be refused
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the bytes reach the disk before the name does
+            digest = _sha256_of(f)
+        os.replace(tmp, path)  # atomic: a racing process sees the old name or the whole file
+        # Recorded after the rename: a reader that finds the new library with an older record
+        # (a racing build) refuses it and rebuilds; it never loads unrecorded bytes.
+        atomic_write(path + ".sha256", digest.encode("ascii") + b"\n")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+# Descriptors of loaded libraries stay open: dlopen knows a library by the name it was given
+# (/proc/self/fd/<n>) and must never meet that name again for another file.
+_loaded_fds = []
+
+
+def _load(path: str):
+    """Load the verified library at ``path`` through the descriptor that was checked."""
+    fd = _open_verified(path)
+    target = f"/proc/self/fd/{fd}"
+    if os.path.exists(target):
+        _loaded_fds.append(fd)
+    else:  # no /proc: by name (the private directory keeps others from swapping the file)
+        os.close(fd)
+        target = path
+    return _declare(ctypes.CDLL(target))
+
+
+def _declare(lib):
+    P, I, I64, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+    lib.nnk_forward.argtypes = [I, I, P, P, I, P, P, I, P, I, P, I, D, I64, I64, I64, I64, I,
+                                P, P, P, P, P, I]
+    lib.nnk_forward.restype = I
+    lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
+    lib.nnk_centre_grad.restype = I
+    lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, I64, I64, P, I]
+    lib.nnk_scale_rows.restype = I
+    lib.nnk_entry_grads.argtypes = [I, P, P, I, P, I, P, I, P, I, P, P, P, I64, I64, I64, I64,
+                                    D, P, P, P, I]
+    lib.nnk_entry_grads.restype = I
+    lib.nnk_rel_sqdist.argtypes = [I, I, P, P, I64, P, P, I64, I64, I64, P, I]
+    lib.nnk_rel_sqdist.restype = I
+    lib.nnk_batch_lists.argtypes = [P, I, I64, I64, P, I, P, I, P, I, I64, I, P, P]
+    lib.nnk_batch_lists.restype = I64
+    lib.nnk_counted_mean.argtypes = [I, P, P, I64, P, P]
+    lib.nnk_counted_mean.restype = I
+    lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
+    lib.nnk_has_same_label.restype = I
+    lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P, P]
+    lib.nnk_list_overlap.restype = I
+    lib.nnk_gathered_finite.argtypes = [P, I, I64, I64, P, I, I64, I]
+    lib.nnk_gathered_finite.restype = I
+    lib.nnk_gather_read.argtypes = [P, I64, I64, P, I, I64, I]
+    lib.nnk_gather_read.restype = ctypes.c_uint64
+    lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
+    lib.nnk_check_values.restype = I
+    lib.nnk_vexp.argtypes = [P, P, I64]
+    lib.nnk_vexp.restype = I
+    lib.nnk_knn_select.argtypes = [P, I64, I64, I64, I64, I64, I64, P, P, P, I]
+    lib.nnk_knn_select.restype = I
+    lib.nnk_knn_select_sym.argtypes = [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, I]
+    lib.nnk_knn_select_sym.restype = I
+    lib.nnk_knn_pad.argtypes = [I64, I64, I64, P, P, I]
+    lib.nnk_knn_pad.restype = I
+    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P, I64, I]
+    lib.nnk_knn_unkey.restype = I
+    lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
+    lib.nnk_gemm_nt.restype = I
+    lib.nnk_run_items.argtypes = [I64, I, ITEM_CALLBACK]
+    lib.nnk_run_items.restype = I
+    return lib
+
+
+def _build_and_load():
+    if os.environ.get("NNKLOSS_CPU_KERNEL", "1") == "0":
+        raise RuntimeError("disabled by NNKLOSS_CPU_KERNEL=0")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    out_dir = _usable_cache_dir()
+    t0 = time.perf_counter()
+    errors = []
+    for extra in flag_choices():
+        try:
+            before = _loaded_libgomp()
+            path = _compile(cxx, FLAGS + extra, out_dir)
+            lib = _load(path)
+            if extra is OPENMP_FLAGS and _loaded_libgomp() != before:
+                # never a second OpenMP runtime (a second pool) brought in by the kernel
+                raise RuntimeError(f"{path} loaded another libgomp: {_loaded_libgomp()}")
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError, _Untrusted) as exc:
+            errors.append(str(exc))
+        except AttributeError as exc:  # a library without one of the kernel's symbols
+            errors.append(f"{path}: {exc}")
+    else:
+        raise RuntimeError("; ".join(errors))
+    _state.update(path=path, compile_s=time.perf_counter() - t0,
+                  pool="torch-openmp" if lib.nnk_openmp() else "own-threads")
+    return lib
+
+
+def _loaded_libgomp() -> list:
+    """Paths of the libgomp libraries mapped into this process (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f
+                           if os.path.basename(line.split()[-1]).startswith("libgomp")})
+    except OSError:
+        return []
+
+
+def torch_libgomp() -> Optional[str]:
+    """The libgomp torch's intra-op pool runs on, if torch's parallel backend is OpenMP: the
+    ``libgomp.so.1`` in torch's own lib directory (the wheels'), else the only libgomp loaded;
+    None otherwise (the kernel then uses its own threads). Other packages' renamed copies
+    (``libgomp-<hash>.so``, e.g. scikit-learn's) have other sonames: a -fopenmp library, which
+    asks for ``libgomp.so.1``, binds to torch's."""
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        return None
+    found = _loaded_libgomp()
+    torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    for path in found:
+        if (os.path.basename(path) == "libgomp.so.1"
+                and os.path.dirname(os.path.realpath(path)) == torch_lib):
+            return path
+    return found[0] if len(found) == 1 else None
+
+
+def flag_choices() -> list:
+    """The thread flags tried, in order (each after FLAGS): torch's OpenMP team where torch's
+    pool is libgomp, then own threads, then plain."""
+    return ([OPENMP_FLAGS] if torch_libgomp() else []) + [THREAD_FLAGS, PLAIN_FLAGS]
+
+
+# The callback type of nnk_run_items: void fn(int64_t item).
+ITEM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+def lib():
+    """The loaded library, built on the first call; None where it is unavailable."""
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _state["lib"] = _build_and_load()
+            except Exception as exc:  # any failure: the plain torch path runs instead
+                _state["error"] = str(exc)
+            _state["tried"] = True
+            _build_notice()
+    if _state["lib"] is None and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(f"nnkloss: compiled CPU kernel unavailable ({_state['error']}); "
+                      "using the plain PyTorch path", RuntimeWarning, stacklevel=3)
+    return _state["lib"]
+
+
+# A build slower than this was a compile (loading a cached library takes milliseconds).
+NOTICE_AFTER_S = 1.0
+
+
+def _build_notice():
+    """One line, once per process, when this process compiled the kernel (the first CPU call
+    waits for it, ~5 s); nothing when the cached library was loaded."""
+    spent = _state["compile_s"]
+    if _state["lib"] is not None and spent is not None and spent >= NOTICE_AFTER_S:
+        logging.getLogger("nnkloss").warning(
+            "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
+            spent, os.path.dirname(_state["path"]))
+
+
+def available() -> bool:
+    """True when the compiled CPU kernel is built and loaded (builds it on the first call)."""
+    return lib() is not None
+
+
+def build_info() -> dict:
+    """Library path, build/load seconds of this process's first call, error, and whose
+    threads the kernel runs on ("torch-openmp": torch's OpenMP team; "own-threads")."""
+    lib()
+    return {k: _state[k] for k in ("path", "compile_s", "error", "pool")}
+
+
+def library_path() -> Optional[str]:
+    return build_info()["path"]
+
+
+def _reset_for_tests():
+    with _lock:
+        _state.update(lib=None, tried=False, error=None, path=None, compile_s=None,
+                      warned=False, pool=None)
+
+
+
+
+# Each thread gets at least this many elements of work (the op's gathered B*K*D): a parallel
+# region costs microseconds, which smaller shares would not repay.
+PARALLEL_MIN_ELEMS = 1 << 16
+
+
+def threads(work: int, min_elems: Optional[int] = None) -> int:
+    """torch's thread count, but at most one thread per ``min_elems`` (default
+    PARALLEL_MIN_ELEMS) elements of ``work``, and at least one."""
+    return max(1, min(torch.get_num_threads(), work // (min_elems or PARALLEL_MIN_ELEMS)))
+
+
+def ptr(t) -> Optional[int]:
+    """A tensor's data pointer for the library, None for None."""
+    return None if t is None else t.data_ptr()

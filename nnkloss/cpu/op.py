@@ -1,0 +1,467 @@
+"""The op's passes on the CPU library: the forward contract (nnkloss/ops/CONTRACT.md), the
+backward's terms, the batch's lists and the value checks' reads.
+
+Inputs the host converts cheaply are converted here (emb to the compute dtype, labels to
+int64, a half-precision weight vector to fp32); the bank (centres, centre_labels) is read as it
+is: fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and neighbours. Anything else
+(other dtypes, non-contiguous bank, non-CPU tensors) runs the plain torch path, or returns None
+where the caller has its own.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from ..ops import reference
+from . import build
+from .build import BANK_TYPES, INDEX_TYPES, ptr
+
+__all__ = ["forward", "centre_grad", "scale_rows", "entry_grads", "entry_grads_supported",
+           "rel_sqdist", "batch_lists", "gather_lists", "gather_read", "value_flags",
+           "counted_mean", "gathered_rows_finite", "has_same_label", "forward_exp"]
+
+
+def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
+    # is_cpu, not device.type: no torch.device object per tensor
+    return (emb.is_cpu and centres.is_cpu and centre_labels.is_cpu and neighbours.is_cpu
+            and (weights is None or weights.is_cpu)
+            and emb.dtype in BANK_TYPES and centres.dtype in BANK_TYPES
+            and centres.is_contiguous() and centre_labels.is_contiguous()
+            and centre_labels.dtype in INDEX_TYPES and neighbours.dtype in INDEX_TYPES
+            and (weights is None or weights.is_floating_point())
+            and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
+
+
+# scale_rows streams B*D elements once with one multiply each: a thread's share must be far
+# bigger than the gathering passes' to repay a parallel region.
+SCALE_MIN_ELEMS = 1 << 20
+
+
+def _weights_arg(weights):
+    """(weights as the library reads them, their type code): None, 0 without weights; else
+    fp32 (1) or fp64 (2), other float dtypes as fp32, contiguous."""
+    if weights is None:
+        return None, 0
+    w = weights.detach()
+    if w.dtype not in (torch.float32, torch.float64):
+        w = w.float()
+    return w.contiguous(), 1 if w.dtype == torch.float32 else 2
+
+
+def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
+            need_grad_x=True):
+    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D)
+    and dist (B, K); grad_x is (B, 0) when ``need_grad_x`` is False (the kernel's forward-only
+    path: one pass over the gathered rows, no gradient terms), dist (B, 0) when ``store_dist``
+    is False; all in the compute dtype."""
+    lib = build.lib()
+    if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
+        return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
+                                 sigma, store_dist=store_dist, need_grad_x=need_grad_x)
+    cdt = reference.compute_dtype(emb)
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    N = centres.shape[0]
+    # The library reads B labels and list rows, and N centre labels and weights, through bare
+    # pointers: shapes that disagree (a direct call of the custom op; the functional op checks
+    # them) would read past the tensors.
+    if (labels.shape != (B,) or neighbours.shape[0] != B or centre_labels.shape != (N,)
+            or (weights is not None and weights.shape != (N,))):
+        raise ValueError(_shape_error(emb, labels, centres, centre_labels, neighbours, weights))
+    # Only pointers are passed, so nothing is detached (an autograd-free read); a tensor is
+    # converted or copied only where its dtype or layout is not the library's.
+    x = emb if emb.dtype == cdt and emb.is_contiguous() else emb.detach().to(cdt).contiguous()
+    lab = labels
+    if lab.dtype not in INDEX_TYPES:  # int32 / int64 are read as they are (no copy)
+        lab = lab.to(torch.int64)
+    lab = lab.contiguous()
+    nb = neighbours.contiguous()
+    w, wtype = _weights_arg(weights)
+    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
+    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist,
+                                                                   need_grad_x)
+    if B == 0:
+        return loss, lse_all, lse_pos, grad_x, dist
+    rc = lib.nnk_forward(
+        int(cdt == torch.float64), BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(),
+        int(lab.dtype == torch.int64),
+        centres.data_ptr(), centre_labels.data_ptr(), int(centre_labels.dtype == torch.int64),
+        nb.data_ptr(), int(nb.dtype == torch.int64), ptr(w), wtype, s, B, K, D, N,
+        int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
+        grad_x.data_ptr() if need_grad_x else None, dist.data_ptr() if store_dist else None,
+        build.threads(B * K * D))
+    if rc != 0:
+        raise RuntimeError(f"nnk_forward failed (code {rc})")
+    return loss, lse_all, lse_pos, grad_x, dist
+
+
+def _shape_error(emb, labels, centres, centre_labels, neighbours, weights) -> str:
+    shapes = [("emb", emb), ("labels", labels), ("centres", centres),
+              ("centre_labels", centre_labels), ("neighbours", neighbours), ("weights", weights)]
+    return ("forward: shapes disagree (emb (B, D), labels (B,), centres (N, D), centre_labels "
+            "(N,), neighbours (B, K), weights (N,) or None): "
+            + ", ".join(f"{n} {None if t is None else tuple(t.shape)}" for n, t in shapes))
+
+
+def centre_grad(emb, centres, neighbours, coef):
+    """(N, D) in the compute dtype: grad[j] += coef[b, k] * (emb[b] - centres[j]) for every
+    neighbours[b, k] = j >= 0 (coef already holds 1/sigma^2; zero entries are skipped)."""
+    lib = build.lib()
+    if lib is None or not _supported(emb, centres, neighbours, neighbours, None):
+        return reference.centre_grad(emb, centres, neighbours, coef.contiguous())
+    cdt = reference.compute_dtype(emb)
+    B, D = emb.shape
+    K = neighbours.shape[1]
+    N = centres.shape[0]
+    if neighbours.shape[0] != B or coef.shape != neighbours.shape:  # read through pointers
+        raise ValueError(f"centre_grad: neighbours {tuple(neighbours.shape)} and coef "
+                         f"{tuple(coef.shape)} must both be ({B}, K) for emb {tuple(emb.shape)}")
+    grad = torch.zeros(N, D, dtype=cdt)
+    if B == 0 or K == 0 or N == 0:
+        return grad
+    x = emb.detach().to(cdt).contiguous()
+    c = coef.detach().to(cdt).contiguous()
+    nb = neighbours.detach().contiguous()
+    rc = lib.nnk_centre_grad(
+        int(cdt == torch.float64), BANK_TYPES[centres.dtype], x.data_ptr(), centres.data_ptr(),
+        nb.data_ptr(), int(nb.dtype == torch.int64), c.data_ptr(), B, K, D, N, grad.data_ptr(),
+        build.threads(B * K * D))
+    if rc != 0:
+        raise RuntimeError(f"nnk_centre_grad failed (code {rc})")
+    return grad
+
+
+def scale_rows(grad_x, g, lse_pos=None):
+    """``g[:, None] * grad_x`` (the backward's embedding gradient) in one pass on the kernel's
+    threads. A row takes no gradient, and passes none on (NaN rows
+    too), where ``g == 0`` or, when ``lse_pos`` (B,) is given, where ``lse_pos == -inf`` (no
+    same-class neighbour): the kernel applies that rule itself, so the backward builds no mask.
+    ``g`` (B,) may be an expanded scalar (stride 0, as autograd passes a reduced loss's
+    gradient): it is read as it is. One call instead of torch's ne / where / mul chain."""
+    lib = build.lib()
+    g = g.to(grad_x.dtype)
+    if lse_pos is not None:
+        lse_pos = lse_pos.to(grad_x.dtype).contiguous()
+    if (lib is None or grad_x.device.type != "cpu" or not grad_x.is_contiguous()
+            or grad_x.dtype not in (torch.float32, torch.float64)
+            or g.shape != grad_x.shape[:1]
+            or (lse_pos is not None and lse_pos.shape != grad_x.shape[:1])):
+        takes = g != 0 if lse_pos is None else (g != 0) & (lse_pos != float("-inf"))
+        return torch.where(takes[:, None], g[:, None] * grad_x, 0.0)
+    B, D = grad_x.shape
+    out = torch.empty_like(grad_x)
+    rc = lib.nnk_scale_rows(
+        int(grad_x.dtype == torch.float64), grad_x.data_ptr(), g.data_ptr(), g.stride(0),
+        ptr(lse_pos), B, D, out.data_ptr(), build.threads(B * D, SCALE_MIN_ELEMS))
+    if rc != 0:
+        raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
+    return out
+
+
+def entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
+                          g) -> bool:
+    """Whether :func:`entry_grads` runs here for these tensors (their dtypes, devices and
+    shapes only: it reads no data, so it answers for fake tensors too)."""
+    return (build.lib() is not None and u.dtype in (torch.float32, torch.float64)
+            and all(t.device.type == "cpu" for t in (u, labels, centre_labels, neighbours,
+                                                      lse_all, lse_pos, g))
+            and neighbours.dtype in INDEX_TYPES and labels.dtype in INDEX_TYPES
+            and centre_labels.dtype in INDEX_TYPES
+            and (weights is None or (weights.device.type == "cpu" and weights.dim() == 1))
+            and u.dim() == 2 and u.shape == neighbours.shape and g.shape == u.shape[:1]
+            # read through pointers: B labels and log-sum-exps, a weight per centre label
+            and labels.shape == g.shape and lse_all.shape == g.shape
+            and lse_pos.shape == g.shape and centre_labels.dim() == 1
+            and (weights is None or weights.shape == centre_labels.shape))
+
+
+def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,
+                need_coef: bool, need_q: bool, need_srow: bool):
+    """The backward's per-entry terms for the centre, weight and sigma gradients in one pass
+    (``EntryGrads`` in csrc/op.cpp: the torch form of ``_backward`` per entry, from the
+    forward's saved distances ``u`` (B, K) and log-sum-exps): ``(coef, q, srow)``, coef and q
+    (B, K) and srow (B,) in u's dtype, each None unless asked for (q also without weights).
+    coef = (p - p^R) g / sigma^2 (the centre gradient's coefficients), q = (p - p^R) g / w (a
+    zero weight's one-sided derivative there), srow = sum_j (p_j - p^R_j) g (u_j - u_ref),
+    whose sum over rows times 1 / sigma is sigma's gradient. ``g`` (B,) may be an expanded
+    scalar (read as it is). The row rules are the torch form's (rows with no same-class entry
+    or g == 0: zeros; non-finite rows that take a gradient: NaN). None where
+    :func:`entry_grads_supported` says no: the caller runs the torch form."""
+    if not entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all,
+                                 lse_pos, g):
+        return None
+    lib = build.lib()
+    cdt = u.dtype
+    B, K = u.shape
+    w, wtype = _weights_arg(weights)
+    uc = u.detach().contiguous()
+    nb = neighbours.detach().contiguous()
+    lab = labels.detach().contiguous()
+    cl = centre_labels.detach().contiguous()
+    la = lse_all.detach().to(cdt).contiguous()
+    lp = lse_pos.detach().to(cdt).contiguous()
+    gg = g.detach().to(cdt)
+    if gg.stride(0) != 0:
+        gg = gg.contiguous()
+    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
+    coef = torch.empty(B, K, dtype=cdt) if need_coef else None
+    q = torch.empty(B, K, dtype=cdt) if need_q and w is not None else None
+    srow = torch.empty(B, dtype=cdt) if need_srow else None
+    if B * K == 0:
+        return (None if coef is None else coef.zero_(), None if q is None else q.zero_(),
+                None if srow is None else srow.zero_())
+    inv = 1.0 / s
+    # An entry costs about what 16 gathered elements of the forward do (two exponentials, a
+    # few gathered loads): the same threshold for going parallel.
+    rc = lib.nnk_entry_grads(
+        int(cdt == torch.float64), uc.data_ptr(), nb.data_ptr(), int(nb.dtype == torch.int64),
+        lab.data_ptr(), int(lab.dtype == torch.int64), cl.data_ptr(),
+        int(cl.dtype == torch.int64), ptr(w), wtype, la.data_ptr(), lp.data_ptr(),
+        gg.data_ptr(), gg.stride(0), B, K, cl.shape[0], inv * inv, ptr(coef), ptr(q),
+        ptr(srow), build.threads(B * K * 16))
+    if rc != 0:
+        raise RuntimeError(f"nnk_entry_grads failed (code {rc})")
+    return coef, q, srow
+
+
+def rel_sqdist(x, centres, idx, ref, cdt):
+    """(Q, K) ``||x_q - c_i||^2 - ||x_q - c_r||^2`` for i = idx[q, :], r = ref[q], in ``cdt``
+    (fp32 / fp64), in the product form of the classifier
+    (:func:`nnkloss.evaluation.classifier._sq_dist_minus_ref`), one pass over the gathered
+    rows on the kernel's threads, without its (Q, K, D) blocks.
+    ``x`` (Q, D) float, ``centres`` (N, D) fp32 / fp64 / bf16 / fp16, ``idx`` (Q, K) and
+    ``ref`` (Q,) integer bank rows. None where this is not done here: the library
+    unavailable, non-CPU tensors, other dtypes, a non-contiguous bank. An index outside
+    [0, N) raises IndexError."""
+    lib = build.lib()
+    if (lib is None or not (x.is_cpu and centres.is_cpu and idx.is_cpu and ref.is_cpu)
+            or cdt not in (torch.float32, torch.float64) or centres.dtype not in BANK_TYPES
+            or not centres.is_contiguous() or centres.dim() != 2 or x.dim() != 2
+            or idx.dim() != 2 or x.shape[1] != centres.shape[1]
+            or ref.shape != idx.shape[:1] or x.shape[0] != idx.shape[0]):
+        return None
+    Q, K = idx.shape
+    D = x.shape[1]
+    xc = x.detach().to(cdt).contiguous()
+    ic = idx.detach().to(torch.int64).contiguous()
+    rf = ref.detach().to(torch.int64).contiguous()
+    out = torch.empty(Q, K, dtype=cdt)
+    if out.numel() == 0:
+        return out
+    rc = lib.nnk_rel_sqdist(
+        int(cdt == torch.float64), BANK_TYPES[centres.dtype], xc.data_ptr(),
+        centres.data_ptr(), centres.shape[0], ic.data_ptr(), rf.data_ptr(), Q, K, D,
+        out.data_ptr(), build.threads(Q * K * D))
+    if rc == 3:
+        raise IndexError(f"idx and ref must be bank rows in [0, {centres.shape[0]})")
+    if rc != 0:
+        raise RuntimeError(f"nnk_rel_sqdist failed (code {rc})")
+    return out
+
+
+def batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
+    """``(lists, counts)`` of a batch in one call (``nnk_batch_lists``): the CPU twin of
+    ``kernels/batch_lists.py``, with its contract (see there). ``lists`` (B, K) in the table's
+    dtype: ``table[idx[b]]``, each row's own index -1 when ``exclude_self``, all -1 for a
+    dropped row (its label not ``centre_labels[idx[b]]``, or its idx outside [0, N)); ``counts``
+    (2,) int64: rows dropped, and those of them outside the bank. ``table`` (N, K) int32/int64,
+    ``idx``, ``labels`` (B,) and ``centre_labels`` (N,) of any integer dtype, all CPU tensors;
+    ``labels`` None: no label comparison (``counts[0]`` counts the rows outside the bank).
+    None where this is not done here: the library unavailable, other dtypes or devices.
+
+    One call where there were two (the lists, then the labels' count), with the GPU's
+    contract, so that both devices take one route (losses/base.BankLoss)."""
+    out = _batch_lists(table, idx, labels, centre_labels, exclude_self)
+    return None if out is None else out[:2]
+
+
+def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
+    """:func:`batch_lists`'s ``(lists, counts)`` and the rows dropped as an int (the library's
+    answer: no read of ``counts``), or None."""
+    lib = build.lib()
+    if (lib is None or table.device.type != "cpu" or table.dtype not in INDEX_TYPES
+            or table.dim() != 2 or idx.dim() != 1
+            or any(t is not None and (t.device.type != "cpu" or t.is_floating_point()
+                                      or t.is_complex() or t.dtype == torch.bool)
+                   for t in (idx, labels, centre_labels))):
+        return None
+    N, K = table.shape
+    B = idx.shape[0]
+    if labels is not None and (labels.shape != (B,) or centre_labels.shape != (N,)):
+        return None
+    table = table.contiguous()
+    idx = _index_tensor(idx)
+    out = torch.empty(B, K, dtype=table.dtype)
+    counts = torch.empty(2, dtype=torch.int64)
+    lab = cl = None
+    lab64 = cl64 = 0
+    if labels is not None:
+        lab, cl = _index_tensor(labels), _index_tensor(centre_labels)
+        lab64, cl64 = INDEX_TYPES[lab.dtype], INDEX_TYPES[cl.dtype]
+    dropped = lib.nnk_batch_lists(
+        table.data_ptr(), INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
+        INDEX_TYPES[idx.dtype], ptr(lab), lab64, ptr(cl), cl64, B, int(bool(exclude_self)),
+        out.data_ptr(), counts.data_ptr())
+    return out, counts, dropped
+
+
+# Its counts are host memory: a bank loss reads them on every call (no sync), where those of
+# the GPU's launcher are read only with the value checks on (losses/base.BankLoss).
+batch_lists.host_counts = True
+
+
+def _index_tensor(t):
+    """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
+    if t.dtype not in INDEX_TYPES:
+        t = t.long()
+    return t.contiguous()
+
+
+def gather_lists(table, idx, exclude_self: bool):
+    """The bank's lists of rows ``idx``: ``table[idx]`` (B, K) with each row's own index
+    replaced by -1 when ``exclude_self``, in one pass (:func:`batch_lists` without labels; one
+    call instead of torch's gather, compare and fill). ``table`` (N, K) and ``idx`` (B,) are
+    CPU int32/int64 tensors, ``table`` contiguous. None where this is not done here: the
+    library unavailable, other dtypes or devices, or an idx outside [0, N) (the caller's own check reports it)."""
+    if (table.dtype not in INDEX_TYPES or idx.dtype not in INDEX_TYPES
+            or not table.is_contiguous()):
+        return None
+    out = _batch_lists(table, idx, None, None, exclude_self)
+    if out is None or out[2]:  # without labels, the rows dropped are those outside the bank
+        return None
+    return out[0]
+
+
+def gather_read(bank, neighbours, nthreads: Optional[int] = None) -> Optional[int]:
+    """The benchmarks' gather limit (``nnk_gather_read``): reads the rows of ``bank`` (N, D),
+    any dtype, that ``neighbours`` (int32 / int64, -1 = padding) names, in their order, as the
+    forward's first pass reads them, and nothing else; returns the XOR of the rows' 8-byte
+    words (0 for none), a number the reads cannot be skipped for. ``nthreads``: default
+    torch's count. None where the library is unavailable or the tensors are not contiguous CPU
+    tensors of those types; entries outside [-1, N) raise."""
+    lib = build.lib()
+    if (lib is None or not bank.is_cpu or not neighbours.is_cpu or bank.dim() != 2
+            or not bank.is_contiguous() or neighbours.dtype not in INDEX_TYPES):
+        return None
+    nb = neighbours.contiguous().reshape(-1)
+    if nb.numel():
+        lo, hi = (int(v) for v in torch.aminmax(nb))
+        if lo < -1 or hi >= bank.shape[0]:
+            raise IndexError(f"neighbours must lie in [-1, {bank.shape[0]}), got [{lo}, {hi}]")
+    row_bytes = bank.shape[1] * bank.element_size()
+    n = torch.get_num_threads() if nthreads is None else max(1, int(nthreads))
+    return int(lib.nnk_gather_read(bank.data_ptr(), bank.shape[0], row_bytes, nb.data_ptr(),
+                                   int(nb.dtype == torch.int64), nb.numel(), n))
+
+
+def value_flags(emb, neighbours, weights):
+    """The value checks' reads of CPU tensors in one call (``nnk_check_values``): ``(lo, hi,
+    emb_bad, weights_bad)``, the smallest and largest list entry (0, 0 when there is none),
+    whether emb holds a NaN or inf, whether weights (None: no weights) hold a negative value,
+    NaN or inf. None where this does not apply: the library not loaded yet (a check never
+    builds it), non-CPU or non-contiguous tensors, dtypes it does not read."""
+    lib = build._state["lib"]
+    if (lib is None or not emb.is_cpu or not neighbours.is_cpu
+            or emb.dtype not in BANK_TYPES or neighbours.dtype not in INDEX_TYPES
+            or not emb.is_contiguous() or not neighbours.is_contiguous()
+            or (weights is not None and (not weights.is_cpu or weights.dtype not in BANK_TYPES
+                                         or not weights.is_contiguous()))):
+        return None
+    out = (ctypes.c_int64 * 4)()
+    rc = lib.nnk_check_values(
+        neighbours.data_ptr(), int(neighbours.dtype == torch.int64), neighbours.numel(),
+        emb.data_ptr(), BANK_TYPES[emb.dtype], emb.numel(), ptr(weights),
+        BANK_TYPES[weights.dtype] if weights is not None else 0,
+        0 if weights is None else weights.numel(), out)
+    if rc != 0:
+        raise RuntimeError(f"nnk_check_values failed (code {rc})")
+    return out[0], out[1], bool(out[2]), bool(out[3])
+
+
+def counted_mean(per_row, counted):
+    """``(mean, divisor)``: the sum of ``per_row`` divided by ``divisor = max(count, 1)``, the
+    number of True entries of ``counted``; 0-dim tensors of per_row's dtype (``nnk_counted_mean``:
+    one call in place of four torch ops). None where this is not done here: the library not
+    loaded (a mean never builds it), non-CPU tensors, per_row not (B,) fp32/fp64 or counted
+    not (B,) bool, either non-contiguous."""
+    lib = build._state["lib"]
+    if (lib is None or not (per_row.is_cpu and counted.is_cpu)
+            or per_row.dtype not in (torch.float32, torch.float64)
+            or counted.dtype != torch.bool or per_row.dim() != 1
+            or counted.shape != per_row.shape
+            or not (per_row.is_contiguous() and counted.is_contiguous())):
+        return None
+    mean, divisor = per_row.new_empty(()), per_row.new_empty(())
+    rc = lib.nnk_counted_mean(int(per_row.dtype == torch.float64), per_row.data_ptr(),
+                              counted.data_ptr(), per_row.shape[0], mean.data_ptr(),
+                              divisor.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"nnk_counted_mean failed (code {rc})")
+    return mean, divisor
+
+
+def gathered_rows_finite(centres, neighbours):
+    """0-dim bool: every row of ``centres`` (N, D) that ``neighbours`` (any shape, -1 =
+    padding) lists is finite, in one pass over the listed rows on the kernel's threads
+    (``nnk_gathered_finite``: no gathered copy). Entries outside [0, N) are not read (the value
+    checks report them, naming the index). None where this is not done here: the library not
+    loaded yet (a value check never builds it), non-CPU tensors, a bank dtype it does not read,
+    a non-contiguous bank."""
+    lib = build._state["lib"]
+    if (lib is None or not (centres.is_cpu and neighbours.is_cpu) or centres.dim() != 2
+            or centres.dtype not in BANK_TYPES or neighbours.dtype not in INDEX_TYPES
+            or not centres.is_contiguous()):
+        return None
+    N, D = centres.shape
+    flat = neighbours.detach().reshape(-1).contiguous()
+    n = flat.numel()
+    if n == 0 or N == 0 or D == 0:
+        return torch.ones((), dtype=torch.bool)
+    rc = lib.nnk_gathered_finite(
+        centres.data_ptr(), BANK_TYPES[centres.dtype], N, D, flat.data_ptr(),
+        INDEX_TYPES[flat.dtype], n, build.threads(n * D))
+    if rc not in (0, 1):
+        raise RuntimeError(f"nnk_gathered_finite failed (code {rc})")
+    return torch.tensor(rc == 0)
+
+
+def has_same_label(neighbours, centre_labels):
+    """(N,) bool: list i of ``neighbours`` (N, K), -1 = padding, holds a row of label
+    ``centre_labels[i]``, each row read up to its first such entry (``nnk_has_same_label``);
+    None where this is not done here: the library unavailable, non-CPU, non-contiguous or
+    non-int32/int64 tensors, a table whose rows are not the N centres. An entry read outside
+    [-1, N) raises IndexError."""
+    lib = build.lib()
+    if (lib is None or not (neighbours.is_cpu and centre_labels.is_cpu)
+            or neighbours.dtype not in INDEX_TYPES or centre_labels.dtype not in INDEX_TYPES
+            or neighbours.dim() != 2 or centre_labels.dim() != 1
+            or neighbours.shape[0] != centre_labels.shape[0]
+            or not (neighbours.is_contiguous() and centre_labels.is_contiguous())):
+        return None
+    N, K = neighbours.shape
+    out = torch.empty(N, dtype=torch.bool)
+    rc = lib.nnk_has_same_label(neighbours.data_ptr(), INDEX_TYPES[neighbours.dtype], N, K,
+                                centre_labels.data_ptr(), INDEX_TYPES[centre_labels.dtype],
+                                out.data_ptr())
+    if rc == 3:
+        raise IndexError(f"neighbours must hold rows in [0, {N}) or -1 (padding)")
+    if rc != 0:
+        raise RuntimeError(f"nnk_has_same_label failed (code {rc})")
+    return out
+
+
+def forward_exp(x):
+    """The exponential the compiled forward uses for its softmax (``vexp`` in
+    csrc/op.cpp: vectorised, within ~1 ulp of exp), applied to an fp32 CPU tensor; for
+    tests. None when the library is unavailable."""
+    lib = build.lib()
+    if lib is None:
+        return None
+    x = x.detach().to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    lib.nnk_vexp(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+

@@ -25,6 +25,7 @@ from .bank.centre_bank import CentreBank
 from .bank.checkpoint import load_bank, save_bank
 from .bank.refresh import Refresher, RefreshSchedule, RefreshStats
 from .bank.search import knn
+from .evaluation import metrics
 from .evaluation.classifier import NeighbourKernelClassifier
 from .losses import BankLoss, ClassConditionalLoss, NeighbourKernelLoss, class_conditional_loss
 from .ops import LossOutput, neighbour_kernel_loss, neighbour_kernel_loss_with_stats
@@ -58,6 +59,7 @@ __all__ = [
     "save_bank",
     "load_bank",
     "NeighbourKernelClassifier",
+    "metrics",
     "ClassConditionalLoss",
     "class_conditional_loss",
     "distributed",

@@ -38,8 +38,6 @@ def test_every_module_has_one_path():
     assert nnkloss.experiment.Trainer is importlib.import_module("nnkloss.experiment.train").Trainer
 
 
-@pytest.mark.xfail(strict=True, reason="nnkloss/__init__.py needs `from .evaluation import "
-                   "metrics` and 'metrics' in __all__: delete this mark with that line")
 def test_the_evaluation_metrics_are_nnkloss_metrics():
     """Users reach for nnkloss.metrics (an AttributeError before): it is the one metrics
     module, nnkloss.evaluation.metrics, as an attribute of the package, not a second path."""

@@ -5,89 +5,24 @@ import os
 import re
 
 import torch
-from torch.utils.data import DataLoader
 
-from nnkloss.experiment.datasets import IndexedTensorDataset
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
-def readme_block(heading):
-    text = open(README, encoding="utf-8").read()
-    section = text[text.index(heading):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def test_training_loop_example_runs():
-    code = readme_block("### The loss in a training loop")
-    code = code.replace('device = "cuda"', 'device = "cpu"')
-    torch.manual_seed(0)
-    n, d_in, d = 40, 5, 3
-    x = torch.randn(n, d_in)
-    y = torch.randint(0, 4, (n,))
-    ds = IndexedTensorDataset(x, y)
-    model = torch.nn.Sequential(torch.nn.Linear(d_in, 8), torch.nn.ReLU(), torch.nn.Linear(8, d))
-    ns = dict(N=n, D=d, train_labels=y, model=model, epochs=2,
-              eval_loader=DataLoader(ds, batch_size=16),
-              train_loader=DataLoader(ds, batch_size=8, shuffle=True))
-    code = code.replace("k=100", "k=10")
-    with torch.no_grad():
-        initial = model(x)  # the refresh runs before the first step
-    exec(compile(code, "README.md", "exec"), ns)
-    assert torch.isfinite(ns["loss"])
-    bank = ns["bank"]
-    assert bank.has_neighbours and bank.k == 10
-    torch.testing.assert_close(bank.centres, initial)
-    assert any(p.grad is not None for p in model.parameters())
-
-
-def test_opening_example_runs():
-    """The first example: a bank from centres and their centre_labels, a batch with its
-    labels and bank rows."""
-    code = readme_block("# nnkloss").replace("k=100", "k=10")
-    g = torch.Generator().manual_seed(1)
-    n, d = 60, 4
-    centres = torch.randn(n, d, generator=g)
-    centre_labels = torch.arange(n) % 3
-    idx = torch.tensor([0, 5, 7, 31])
-    emb = (centres[idx] + 0.1 * torch.randn(4, d, generator=g)).requires_grad_()
-    ns = dict(centres=centres, centre_labels=centre_labels, emb=emb,
-              labels=centre_labels[idx], idx=idx)
-    exec(compile(code, "README.md", "exec"), ns)
-    assert torch.equal(ns["bank"].centre_labels, centre_labels.int())
-    assert ns["bank"].k == 10 and torch.isfinite(ns["loss"])
-    ns["loss"].backward()
-    assert emb.grad is not None and bool(emb.grad.abs().sum() > 0)
-
-
-def test_functional_op_example_runs():
-    code = readme_block("### The functional op")
-    g = torch.Generator().manual_seed(2)
-    centres = torch.randn(30, 4, generator=g)
-    centre_labels = torch.arange(30) % 3
-    neighbours = torch.randint(0, 30, (5, 6), generator=g)
-    ns = dict(emb=torch.randn(5, 4, generator=g), labels=torch.tensor([0, 1, 2, 0, 1]),
-              centres=centres, centre_labels=centre_labels, neighbours=neighbours)
-    exec(compile("import nnkloss\n" + code, "README.md", "exec"), ns)
-    assert ns["out"].shape == () and torch.isfinite(ns["out"])
-
-
-# The README draft (README.draft.md until it replaces README.md): its CPU example runs as
-# printed, and its headline figures are those of the results files they cite.
-DRAFT = os.path.join(os.path.dirname(__file__), "..", "README.draft.md")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def draft_blocks(heading):
-    text = open(DRAFT, encoding="utf-8").read()
+def readme_blocks(heading):
+    text = open(README, encoding="utf-8").read()
     section = text[text.index(heading):]
     section = section[:section.find("\n## ", 1)]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-def draft_table(caption):
-    """The rows of the markdown table that follows ``caption`` in the draft, as dicts."""
-    text = open(DRAFT, encoding="utf-8").read()
+def readme_table(caption):
+    """The rows of the markdown table that follows ``caption`` in the README, as dicts."""
+    text = open(README, encoding="utf-8").read()
     lines = text[text.index(caption):].splitlines()
     first = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
     table = []
@@ -99,20 +34,20 @@ def draft_table(caption):
     return [dict(zip(header, r)) for r in body]
 
 
-def test_draft_cpu_example_runs_as_printed(capsys):
-    (code,) = draft_blocks("## A first run on the CPU")[:1]
+def test_readme_cpu_example_runs_as_printed(capsys):
+    (code,) = readme_blocks("## A first run on the CPU")[:1]
     ns = {}
-    exec(compile(code, "README.draft.md", "exec"), ns)
+    exec(compile(code, "README.md", "exec"), ns)
     assert torch.isfinite(ns["loss"])
     assert ns["accuracy"] > 0.8  # six separable classes: the kernel classifier learns them
     assert ns["bank"].has_neighbours and ns["bank"].k == 50
     assert "test accuracy" in capsys.readouterr().out
 
 
-def test_draft_index_wrapper_yields_the_index():
-    code = draft_blocks("## A first run on the CPU")[1]
+def test_readme_index_wrapper_yields_the_index():
+    code = readme_blocks("## A first run on the CPU")[1]
     ns = {"torch": torch}
-    exec(compile(code, "README.draft.md", "exec"), ns)
+    exec(compile(code, "README.md", "exec"), ns)
     base = [(torch.tensor([float(i)]), i % 3) for i in range(5)]
     x, y, i = ns["Indexed"](base)[4]
     assert (float(x), y, i) == (4.0, 1, 4) and len(ns["Indexed"](base)) == 5
@@ -129,9 +64,9 @@ def results_rows(name):
         return list(csv.DictReader(f))
 
 
-def test_draft_speed_figures_are_those_of_the_results_files():
-    rows = (draft_table("**GPU** (B 4096, K 100, forward+backward")
-            + draft_table("**CPU** (2 threads, forward+backward"))
+def test_readme_speed_figures_are_those_of_the_results_files():
+    rows = (readme_table("**GPU** (B 4096, K 100, forward+backward")
+            + readme_table("**CPU** (2 threads, forward+backward"))
     assert len(rows) == 9
     for r in rows:
         if "B, K, D, bank" in r:
@@ -164,9 +99,9 @@ def test_draft_speed_figures_are_those_of_the_results_files():
         assert [float(v) for v in r[mb].split("/")] == mem, r
 
 
-def test_draft_real_data_figures_are_those_of_the_published_runs():
+def test_readme_real_data_figures_are_those_of_the_published_runs():
     import csv
-    rows = draft_table("**Real data** (Fashion-MNIST")
+    rows = readme_table("**Real data** (Fashion-MNIST")
     summary = {}
     for protocol in ("classification", "retrieval"):
         path = os.path.join(ROOT, "repro", "results", "fashion_mnist", protocol, "summary.csv")

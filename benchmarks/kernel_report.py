@@ -31,12 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import static_build  # noqa: E402
 from common import git_commit  # noqa: E402
 from nnkloss.atomic import atomic_write  # noqa: E402
-from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
-
-_kernels()
-from nnkloss.kernels import static_build  # noqa: E402
 
 COLUMNS = ["kernel", "build", "set", "K", "D", "bank", "emb", "weights", "idx", "store_dist",
            "grad_x", "prefetch", "block_k", "block_d", "num_warps", "num_stages", "rows", "single_pass", "row_align",

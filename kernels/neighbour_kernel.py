@@ -513,6 +513,14 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     rows = 4 if K * D <= per_thread * 32 else 1
     if grad_x and num_warps == 1 and elem_size <= 4 and rows == 1:
         block_k = min(kp2, max(TRAIN_ROWS, TRAIN_MIN_ELEMS_PER_THREAD * 32 // block_d))
+    if block_d < D:
+        # The two-phase path: rows of 8-16 warps, tiles not lengthened for small batches. A
+        # training tile spreads a row over 8 columns a thread and holds 16 elements a thread.
+        if grad_x and elem_size <= 4:
+            while num_warps < 16 and block_d > 8 * 32 * num_warps:
+                num_warps *= 2
+            block_k = max(1, min(kp2, 16 * 32 * num_warps // block_d))
+        return FwdConfig(block_k, block_d, num_warps, 2, rows)
     warps_per_sm = cdiv(B, rows) * num_warps / sms if B is not None and sms else math.inf
     if warps_per_sm < SMALL_BATCH_WARPS_PER_SM:
         # 1. Tiles of 64 elements a thread (32 for fp64) where warps are few; half from 2/SM.

@@ -187,6 +187,24 @@ def test_default_config_lengthens_tiles_for_batches_too_small_to_fill_the_gpu():
     assert cfg(100, 4096, B=8, sms=132).num_warps == cfg(100, 4096).num_warps
 
 
+def test_default_config_two_phase_training_tiles_spread_rows_over_16_warps():
+    """Issue 58: the two-phase training tile of a 2-byte bank, 2 x 4096 at 8 warps (32
+    elements a thread), spilled on sm_80 and sm_90, as did an fp32 bank's 1 x 4096 at 8 warps
+    on sm_90; at 16 warps (8 columns, 16 elements a thread) neither does. Forward-only tiles
+    keep the rule; no two-phase tile lengthens for a small batch (4 x 4096 at 8 warps spilled)."""
+    nk = kernels().neighbour_kernel
+    cfg, C = nk.default_config, nk.FwdConfig
+    assert cfg(100, 5000) == cfg(100, 5000, elem_size=2) == C(2, 4096, 16, 2, 1)
+    assert cfg(100, 5000, elem_size=8) == C(1, 4096, 16, 2, 1)
+    assert cfg(100, 5000, grad_x=False) == C(1, 4096, 8, 2, 1)
+    assert cfg(100, 5000, elem_size=2, grad_x=False) == C(2, 4096, 8, 2, 1)
+    assert cfg(1, 5000) == C(1, 4096, 16, 2, 1)
+    for e in (2, 4, 8):
+        for grad_x in (True, False):
+            assert cfg(100, 5000, elem_size=e, grad_x=grad_x, B=4, sms=132) == \
+                cfg(100, 5000, elem_size=e, grad_x=grad_x)
+
+
 def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
     """neighbour_kernel_fwd asks default_config with B, the device's SMs (None off CUDA: the
     interpreter has no SMs) and the compute dtype's bytes (8 for fp64 embeddings)."""

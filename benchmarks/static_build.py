@@ -1,7 +1,7 @@
-"""Compile the package's Triton kernels for CUDA targets without a GPU, and inspect the binaries.
+"""Compile the Triton kernels (kernels/) for CUDA targets without a GPU; inspect the binaries.
 
-Shared by the build gate (tests/test_kernels_build_gate.py) and the static report
-(benchmarks/kernel_report.py). Nothing here runs a kernel.
+A developer tool, shared by the build gate (tests/test_kernels_build_gate.py) and the static
+report (benchmarks/kernel_report.py). Nothing here runs a kernel.
 
 How: Triton decides between its interpreter and the compiler when ``@triton.jit`` decorates a
 function (``TRITON_INTERPRET`` read at decoration), and the test process has it set. So the

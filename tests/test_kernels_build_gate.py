@@ -1,17 +1,15 @@
-"""Build gate (issue 11): every Triton kernel of the package, through its real launcher,
-compiled for sm_80, sm_90 and sm_100 on a machine without a GPU, and its binary inspected.
+"""Build gate: every Triton kernel of the package, through its real launcher, compiled for
+sm_80, sm_90 and sm_100 on a machine without a GPU, and its binary inspected.
 
-The builds run once per session in a child process (kernels/static_build.py: TRITON_INTERPRET=0,
-a stand-in active driver reporting GPUTarget("cuda", arch, 32), launches turned into warmups).
-Asserted per build: it compiles; no spills (no STL or LDL, local memory 0:
-static_build.spill_free) and no stack frame but the known ones; at least 16 resident
-warps per SM (registers, shared memory, warps and the per-SM limits), or for a small batch's
-build as many as its launch places on an SM (static_build.min_resident_warps); 128-bit
-gathers (or the 64-bit form when the rows are only 8-byte aligned) wherever the launcher found
-the centre rows aligned. A target this Triton cannot build, or missing NVIDIA tools, is a clean skip.
-Forward-only builds (need_grad_x=False) and the centre gradient's register-heaviest builds are
-in the covering set. Duration on a 2-core CPU: see test_gate_duration (measured in the report
-of issue 21 with the machine shared).
+The builds run once per session in a child process (benchmarks/static_build.py:
+TRITON_INTERPRET=0, a stand-in active driver reporting GPUTarget("cuda", arch, 32), launches
+turned into warmups). Asserted per build: it compiles; no spills (no STL or LDL, local memory 0:
+static_build.spill_free) and no stack frame but the known ones; at least 16 resident warps per
+SM, or for a small batch's build as many as its launch places on an SM
+(static_build.min_resident_warps); 128-bit gathers (or the 64-bit form when the rows are only
+8-byte aligned) wherever the launcher found the centre rows aligned. The forward's builds
+cover its launch axes pairwise on each of its four paths (test_every_pair_...). A target this
+Triton cannot build, or missing NVIDIA tools, is a clean skip.
 """
 import dataclasses
 import os

@@ -37,7 +37,7 @@ NAMES = [b.name for b in sb.BUILDS]
 def gate():
     archs = [a for a in ARCHS if sb.arch_support(a) is None]
     if not archs:
-        return {"archs": {}, "wall_s": 0.0}
+        return {"archs": {}, "wall_s": 0.0, "cpu_s": 0.0}
     t0 = time.time()
     out = sb.compile_builds(archs, NAMES, timeout=900)
     out["wall_s"] = time.time() - t0
@@ -191,9 +191,8 @@ def test_compiles_without_spills_with_16_warps(gate, arch, name):
 @pytest.mark.parametrize("grad_x", [True, False])
 def test_fp64_embeddings_take_an_fp64_banks_tiles(bank, grad_x):
     """The registers hold the gathered values in the compute dtype: fp64 embeddings over a
-    4- or 2-byte bank take the tiles of an fp64 bank. Sized by the bank's bytes their training
-    forwards took 154-240 registers, 8-12 warps per SM on sm_80 and sm_90 (the gate's first
-    fp64 builds); fp32 embeddings keep the bank's rule."""
+    4- or 2-byte bank take the tiles of an fp64 bank (sized by the bank's bytes their training
+    forwards fell below 16 warps per SM); fp32 embeddings keep the bank's rule."""
     nk = _kernels().neighbour_kernel
     for K, D, B, sms in ((100, 256, None, None), (100, 1024, None, None),
                          (100, 5000, None, None), (1000, 64, 128, 132), (100, 128, 600, 132)):
@@ -259,8 +258,10 @@ def test_aligned_rows_are_gathered_in_wide_loads(gate, arch, name):
 
 
 def test_gate_duration(gate):
-    print(f"build gate: {gate['wall_s']:.0f} s for targets {sorted(gate['archs'])}")
-    assert gate["wall_s"] < 300
+    """Its CPU time, which other work on the machine does not stretch as it does the wall."""
+    print(f"build gate: {len(NAMES)} builds a target, {gate['wall_s']:.0f} s wall, "
+          f"{gate['cpu_s']:.0f} s CPU, for targets {sorted(gate['archs'])}")
+    assert gate["cpu_s"] < 400
 
 
 # NVIDIA's own occupancy arithmetic (cuda_occupancy.h, shipped in Triton's wheel beside the

@@ -116,7 +116,7 @@ def test_default_config_is_one_tile_for_short_lists():
 
 
 def test_default_config_splits_columns_over_warps_never_the_list():
-    """The rule (measured on an H100): the fewest warps whose threads hold one gathered row in
+    """The rule (kernels/config.py): the fewest warps whose threads hold one gathered row in
     at most 16 elements each (8 for fp64), and the rows that give each thread 64 bytes of the
     bank (the forward-only build; the training build at one warp: below)."""
     nk = kernels().neighbour_kernel
@@ -148,7 +148,7 @@ def test_default_config_splits_columns_over_warps_never_the_list():
 
 def test_default_config_gives_one_warp_training_tiles_two_rows():
     """The training build (grad_x, the default) of an fp32 or 2-byte bank at one warp: two
-    rows a tile (the fastest or within 2% of it at the H100's five measured shapes), at least
+    rows a tile (docs/PERFORMANCE.md, "The launch rule and its evidence"), at least
     8 elements a thread; more warps, an fp64 bank, or a list that one tile holds: the 64-byte
     rule."""
     nk = kernels().neighbour_kernel

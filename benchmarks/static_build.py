@@ -544,7 +544,9 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
                                                  grad_x=b.grad_x,
                                                  B=b.B if b.sms else None, sms=b.sms,
                                                  compute_size=emb.element_size()
-                                                 if emb.dtype == torch.float64 else 4))
+                                                 if emb.dtype == torch.float64 else 4,
+                                                 aligned=nk.row_align(b.D, cen)
+                                                 * cen.element_size() >= 4))
                     cfg = dataclasses.replace(cfg, prefetch_index=b.prefetch)
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,

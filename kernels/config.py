@@ -69,7 +69,8 @@ class FwdConfig:
 
 def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                    elem_size: int = 4, grad_x: bool = True, B: Optional[int] = None,
-                   sms: Optional[int] = None, compute_size: int = 4) -> FwdConfig:
+                   sms: Optional[int] = None, compute_size: int = 4,
+                   aligned: bool = True) -> FwdConfig:
     """The forward's tile for lists of K entries of D columns, a bank of ``elem_size`` bytes.
 
     1. The whole row in registers up to D = 4096, on the fewest warps whose threads hold at
@@ -79,17 +80,21 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     2. block_k: the rows that give each thread BYTES_PER_THREAD of the bank; 4 rows a program
        when one warp's tile holds the whole list. A one-warp training tile (grad_x: it also
        holds two weighted sums of z) of a 4- or 2-byte bank takes TRAIN_ROWS rows instead.
-    3. Two-phase (D > 4096): a training row spreads over 16 warps, 16 elements a thread (at
-       32, or at 8 warps, ptxas spills); its tiles never lengthen.
+    3. Two-phase (D > 4096): at most 16 elements a thread, and a training row spreads over
+       16 warps (at 32 elements, or a training row at 8 warps, ptxas spills); its tiles never
+       lengthen.
     4. A batch whose programs give an SM (``sms`` of them) under SMALL_BATCH_WARPS_PER_SM
        warps lengthens its tiles: each program walks its list alone, and the time goes by
        tiles, each waiting on its entries and then on their rows.
 
     fp64 computation (``compute_size`` 8) sizes the tile as an fp64 bank does: registers hold
-    the gathered values in the compute dtype.
+    the gathered values in the compute dtype. Rows not ``aligned`` to 4 bytes (a 2-byte bank
+    at odd D: one load an element) size it as a 4-byte bank does.
     """
     if compute_size > 4:
         elem_size = max(elem_size, compute_size)
+    if not aligned:
+        elem_size = max(elem_size, 4)
     block_d = min(pow2_ceil(D), max_block_d)
     kp2 = pow2_ceil(K)
     row_elems = 8 if elem_size > 4 else 16  # of one row, a thread
@@ -105,7 +110,8 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
         if grad_x and elem_size <= 4:
             while num_warps < 16 and block_d > 8 * 32 * num_warps:
                 num_warps *= 2
-            block_k = max(1, min(kp2, 16 * 32 * num_warps // block_d))
+            block_k = 16 * 32 * num_warps // block_d
+        block_k = max(1, min(block_k, kp2, 16 * 32 * num_warps // block_d))
         return FwdConfig(block_k, block_d, num_warps, 2, rows)
     warps_per_sm = cdiv(B, rows) * num_warps / sms if B is not None and sms else math.inf
     if warps_per_sm < SMALL_BATCH_WARPS_PER_SM:

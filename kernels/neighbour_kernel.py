@@ -412,9 +412,10 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     lse_pos = torch.empty(B, device=dev, dtype=cdt)
     grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
+    align = row_align(D, centres)
     cfg = config if config is not None else default_config(
         K, D, max_block_d, centres.element_size(), need_grad_x, B, sm_count(dev),
-        cdt.itemsize)
+        cdt.itemsize, align * centres.element_size() >= 4)
     _check_config(cfg)
     if B == 0:
         return loss, lse_all, lse_pos, grad_x, dist
@@ -442,7 +443,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         dbuf.stride(0) if write_dist else 0,
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
         BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=single,
-        STORE_DIST=write_dist, ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
+        STORE_DIST=write_dist, ROW_ALIGN=align, EMB_ALIGN=row_align(D, emb),
         ROWS=cfg.rows, GRAD_X=need_grad_x, PREFETCH_INDEX=bool(cfg.prefetch_index),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

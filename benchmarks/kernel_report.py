@@ -10,13 +10,14 @@ shared memory, warps, resident blocks and warps per SM (occupancy from the Hoppe
 limits: 64K registers, 2048 threads, 32 blocks, 228 / 164 KiB shared per SM), the limiter,
 barriers and shared-memory accesses in the binary (what a reduction across warps costs),
 global-load widths in the SASS (LDG.E.128 / .64 / 32-bit counts), bytes one query row must move
-(the model in kernels/static_build.bytes_per_row) and bytes in flight per SM (resident blocks x
+(the model in static_build.bytes_per_row) and bytes in flight per SM (resident blocks x
 one gathered centre tile). Rows go to ``benchmarks/results/static_sm_<arch>.csv`` (overwritten)
-with the Triton version and the commit. The compile/inspect code is kernels/static_build.py,
+with the Triton version and the commit. The compile/inspect code is benchmarks/static_build.py,
 shared with the build gate (tests/test_kernels_build_gate.py).
 
 The "sweep" rows (configuration suffix ``-cfg<block_k>x<block_d>w<warps>r<rows>``) are the
-evidence for kernels.default_config: see its docstring.
+static evidence for the launch rule (kernels/config.py; docs/PERFORMANCE.md, "The launch rule
+and its evidence").
 """
 from __future__ import annotations
 
@@ -31,20 +32,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import static_build  # noqa: E402
 from common import git_commit  # noqa: E402
 from nnkloss.atomic import atomic_write  # noqa: E402
-from nnkloss.ops.backends import kernels as _kernels  # noqa: E402
 
-_kernels()
-from nnkloss.kernels import static_build  # noqa: E402
-
-COLUMNS = ["kernel", "build", "set", "K", "D", "bank", "emb", "weights", "idx", "store_dist",
-           "grad_x", "prefetch", "block_k", "block_d", "num_warps", "num_stages", "rows", "single_pass", "row_align",
-           "regs", "local_bytes", "stack_bytes", "spill_stores", "spill_loads", "static_smem", "dyn_smem", "blocks_per_sm",
+COLUMNS = ["kernel", "build", "set", "K", "D", "bank", "emb", "weights", "idx", "lab", "clab",
+           "store_dist", "grad_x", "prefetch", "block_k", "block_d", "num_warps", "num_stages",
+           "rows", "single_pass", "row_align", "regs", "local_bytes", "stack_bytes",
+           "spill_stores", "spill_loads", "static_smem", "dyn_smem", "blocks_per_sm",
            "warps_per_sm", "limiter", "bar_syncs", "smem_ops", "ldg128", "ldg64", "ldg32",
-           "ldg16", "bytes_per_row",
-           "bytes_in_flight_per_sm", "duplicate_of", "compile_s", "ok", "error", "target",
-           "triton", "commit"]
+           "ldg16", "bytes_per_row", "bytes_in_flight_per_sm", "duplicate_of", "compile_s",
+           "ok", "error", "target", "triton", "commit"]
 
 
 def rows_for(arch_result, sets, arch, triton_version, commit):
@@ -53,8 +51,9 @@ def rows_for(arch_result, sets, arch, triton_version, commit):
         b, cfg, ldg = e["build"], e.get("config", {}), e.get("ldg", {})
         out.append([
             e.get("kernel_name", b["kernel"]), name, sets.get(name, "gate"), b["K"], b["D"],
-            b["bank"], b["emb"], int(b["weights"]), b["idx"], int(b["store_dist"]),
-            int(b.get("grad_x", True)), int(b.get("prefetch", False)), cfg.get("block_k"), cfg.get("block_d"), e.get("num_warps"), e.get("num_stages"),
+            b["bank"], b["emb"], int(b["weights"]), b["idx"], b.get("lab"), b.get("clab"),
+            int(b["store_dist"]), int(b.get("grad_x", True)), int(b.get("prefetch", False)),
+            cfg.get("block_k"), cfg.get("block_d"), e.get("num_warps"), e.get("num_stages"),
             cfg.get("rows"), int(bool(e.get("single_pass"))), e.get("row_align"), e.get("regs"),
             e.get("local"), e.get("stack"), e.get("spill_stores"), e.get("spill_loads"),
             e.get("static_smem"), e.get("dyn_smem"),

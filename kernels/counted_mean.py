@@ -3,10 +3,10 @@
 ``reduction="mean"`` divides the sum of the per-row losses by the number of counted rows (at
 least 1; nnkloss/ops/CONTRACT.md). In torch that is four small launches (sum, count_nonzero,
 clamp_min, div), each a host round trip; on a GPU the op's forward is bound by the host's
-time, and on the H200 those launches and the counted mask took 137 of the forward's 287 us of
-host (docs/PERFORMANCE.md, "The GPU figures"), more than the op's own launch. Here they are
-one launch of one program: the rows are few (a batch), and one program sums them in a fixed
-order, so the mean is the same from run to run (atomics across programs would not be).
+time, and those launches cost more of it than the op's own (docs/PERFORMANCE.md, "The GPU
+figures"). Here they are one launch of one program: the rows are few (a batch), and one
+program sums them in a fixed order, so the mean is the same from run to run (atomics across
+programs would not be).
 
 The launcher also writes the divisor, ``max(count, 1)`` as a float, for the backward (the
 gradient of every row is ``g / divisor``, as torch's division gives it).

@@ -19,32 +19,20 @@ tile). A row with a non-finite u_j (NaN/inf in x or a gathered centre, fp32 over
 non-finite log-weight comes out NaN everywhere (a separate "bad" count, not NaN propagation
 through max, which the hardware does not guarantee); it never looks like "no positive".
 
-Launch configurations: :func:`default_config`, measured on a GPU (``benchmarks/tune_loss.py``)
-and explained by the static build report (``benchmarks/kernel_report.py``; figures in its
-docstring and in ``benchmarks/results``).
+Launch configurations: kernels/config.py.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-# Largest power-of-two D held in registers for the single-pass path; larger D uses the
-# two-phase path (distances first, then the weighted sums chunk by chunk over D).
-MAX_SINGLE_PASS_BLOCK_D = 4096
-# Bytes of the gathered centre tile each thread holds (see default_config).
-BYTES_PER_THREAD = 64
-# Rows of a one-warp training tile (grad_x computed; fp32 / 2-byte banks), at least
-# TRAIN_MIN_ELEMS_PER_THREAD elements a thread (see default_config).
-TRAIN_ROWS = 2
-TRAIN_MIN_ELEMS_PER_THREAD = 8
+from .config import (MAX_SINGLE_PASS_BLOCK_D, FwdConfig, cdiv, centre_grad_config,  # noqa: F401
+                     default_config, pow2_ceil, sm_count)
 # Partials the last program of a MEAN launch reads per step.
 MEAN_BLOCK = tl.constexpr(1024)
-
 
 # ----------------------------------------------------------------------------------------------
 # Helpers (inlined by Triton)
@@ -213,8 +201,8 @@ def _nk_fwd_kernel(
         # logsumexp of all / same-class logits (and, single pass, the weighted sums of z).
         # Each tile's rows, labels and weights wait on its entries (a dependent load); with
         # PREFETCH_INDEX the entries of tile t + 1 are loaded during tile t, so a tile waits on
-        # one round trip to memory instead of two (Triton does not pipeline this loop: the
-        # sm_90 binary has no LDGSTS at num_stages 2 to 4).
+        # one round trip to memory instead of two (Triton does not pipeline this loop: its
+        # binary has no asynchronous copies, whatever num_stages).
         if PREFETCH_INDEX:
             idx_next = _list_entries(nbr_ptr, row, stride_nb, offs_k, K)
         for k0 in range(0, K, BLOCK_K):
@@ -388,20 +376,6 @@ def _compute_dtype(emb: torch.Tensor) -> torch.dtype:
     return torch.float64 if emb.dtype == torch.float64 else torch.float32
 
 
-# The launchers' integer helpers in plain Python. Triton's ``next_power_of_2`` and ``cdiv`` are
-# constexpr functions whose call wrapper costs 3.6-4.2 us a call on the host (2-core AMD EPYC,
-# 2026-11-26; a plain expression 0.01 us): default_config's two took 9.1 -> 5.3 us, and every
-# launch sizes its tiles and grid with them, on a GPU whose training step the host bounds.
-def pow2_ceil(n: int) -> int:
-    """The smallest power of two >= max(n, 1) (``triton.next_power_of_2(max(n, 1))``)."""
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for integers, b > 0 (``triton.cdiv``)."""
-    return -(-a // b)
-
-
 def _tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -426,170 +400,6 @@ def row_align(D: int, t: torch.Tensor) -> int:
             return a
         a //= 2
     return 1
-
-
-@dataclass(frozen=True)
-class FwdConfig:
-    """Launch configuration of the forward kernel.
-
-    block_k: neighbours per tile (power of two); block_d: columns per tile (power of two; the
-    single-pass path when it covers D); num_warps / num_stages: as for any Triton launch;
-    rows: query rows per program (for rows too small to fill a tile); prefetch_index: see the
-    field.
-    """
-    block_k: int
-    block_d: int
-    num_warps: int = 4
-    num_stages: int = 2
-    rows: int = 1
-    # Load the next tile's list entries during this one (the kernel's PREFETCH_INDEX): a tile
-    # then waits on one dependent load instead of two. The same outputs bit for bit; not yet
-    # timed on a GPU, so off by default (benchmarks/tune_loss.py times the default with it).
-    prefetch_index: bool = False
-
-    def single_pass(self, D: int) -> bool:
-        return self.block_d >= D
-
-
-def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
-                   elem_size: int = 4, grad_x: bool = True, B: Optional[int] = None,
-                   sms: Optional[int] = None, compute_size: int = 4) -> FwdConfig:
-    """Launch rule, measured on an H100 (``benchmarks/tune_loss.py``; its CSV in
-    benchmarks/results) and explained by the static build report (``kernels/static_build.py``,
-    "sweep" rows of benchmarks/results/static_sm_*.csv).
-
-    Rule: the whole row in registers up to D = 4096 (block_d = next power of two of D); the
-    fewest warps (a power of two) whose threads hold one gathered row in at most 16 elements
-    each (8 for an fp64 bank; registers hold them in the compute dtype), so that warps split
-    a row's columns and never the list; block_k = the rows that give each thread
-    BYTES_PER_THREAD = 64 bytes of the bank (at most the next power of two of K); 4 rows per
-    program when one warp's tile holds the whole list. One warp up to 512 columns; 2, 4, 8
-    warps for 1024, 2048, 4096. The training forward (``grad_x``) of an fp32 or 2-byte bank
-    at one warp takes TRAIN_ROWS = 2 rows a tile instead (at least 8 elements a thread: 4 rows
-    at D 64), whatever the bytes, unless one tile holds the whole list: it also holds the two
-    weighted sums of z, and in the H100's sweep two rows were the fastest or within 2% of it
-    at every shape (below).
-
-    Small batches: given the batch ``B`` and the GPU's ``sms`` (the launcher passes both on
-    CUDA), a batch whose programs would hold fewer than SMALL_BATCH_WARPS_PER_SM = 8 warps per
-    SM lengthens its tiles: 64 elements a thread (32 for fp64) under FEW_WARPS_PER_SM = 2
-    warps per SM, with up to 4 warps a row there while the list has rows for them; 32 from 2
-    to 8 warps per SM, at the rule's warps. At B 128 an H100 holds about one warp per SM, each
-    walking its list alone: the time goes by tiles, each waiting on its indices and then on
-    their rows, so the fewest tiles win, and the barriers of more warps a row matter less.
-    H100, K 1000, D 64, fp32, B 128 (tune_loss at 0646941, 2026-11-26, one sweep of 24
-    tiles, ms, training / forward-only): 128x64 at 4 warps 0.052 / 0.057 (the best of both),
-    128x64 w2 0.064 / 0.068, 64x64 w2 0.078, 32x64 w1 0.114 / 0.185; the previous widening's
-    tiles 16x64 w4 (training) 0.196 and 32x64 w4 (forward-only) 0.114. K 100, D 128, fp32,
-    training: B 128, 64x128 w2 0.022 (the best of 16; w4 not swept), 16x128 w1 0.043, 2x128
-    w1 (no lengthening) 0.046; B 600, 8x128 w1 0.043 (the best), 2x128 w1 0.055; B 1024,
-    4x128 w1 0.053 (the best), 8x128 w1 0.054, 2x128 w1 0.058. bf16 D 128 at B 128: 32x128
-    w2 0.030 (the best), 4x128 w1 0.040. The sweeps are noisy (single outliers up to 10x);
-    64x128 and 16x512 at 4 warps, the rule's tiles at B 128 for D 128 and D 512, were not
-    timed.
-
-    Why: every tile reduces over the list's axis six times (the two running maxima, the two
-    sums, and with grad_x the two weighted sums of z, each a [BLOCK_D] vector). Where the
-    tile's rows spread over several warps each of those goes through shared memory between
-    barriers, on every tile: 20-35 barriers in the binary (sm_90) against 0 at one warp and
-    2-5 where warps split only the columns (the sum of u over D). Registers and bytes in
-    flight decided little once no spill occurs.
-
-    Measured (H100, Triton 3.6.0, B 4096, K 100, banks of 1M rows, commit ed1df81,
-    2026-11-26; training forward / forward-only, ms; "64 B": the 64-byte tile):
-
-      fp32 D 128   4x128 w1 (64 B) 0.101 / 0.096; 16x128 w4 (the previous rule) 0.238 / 0.114
-      fp32 D 512   1x512 w1 (64 B) 0.336 / 0.318; best 2x512 w1 0.324 / 0.316; 4x512 w4
-                   (previous) 0.361 / 0.357
-      bf16 D 128   8x128 w1 (64 B) 0.093 / 0.068 (the best forward-only); best training
-                   2x128 w1 0.084; 32x128 w4 (previous) 0.233 / 0.076
-      bf16 D 512   2x512 w1 (64 B) 0.2005 (the best of 18, commit bf0897c) / 0.172 (the
-                   best); 1x512 w4 (the previous measured tile) 0.376 / 8x512 w4 0.235
-
-    At bf0897c the rule was 1.15x off at D 256 bf16 (4x256 w1 0.147 against 2x256 w1 0.128)
-    and 1.03x at D 2048 bf16 (2x2048 w4 0.842 against 4x2048 w2 0.816), training forward.
-    Two rows a one-warp training tile, from the same sweeps (training forward, ms; the
-    64-byte tile, then two rows): fp32 D 128 4x128 0.101, 2x128 0.103; fp32 D 512 1x512 0.336,
-    2x512 0.324 (the best); bf16 D 128 8x128 0.093, 2x128 0.084 (the best); bf16 D 256 4x256
-    0.147, 2x256 0.128 (the best); bf16 D 512 2x512 0.2005 both. The forward-only build keeps
-    the 64-byte tile: the best or within 1% at its four shapes. One GPU, one sweep per shape;
-    D 64 and other K are unmeasured.
-
-    The previous rule (64 bytes a thread at 4-16 warps) came from the static report alone: it
-    kept more warps resident per SM, which the GPU did not reward. At 1 warp a program, 32
-    programs (the per-SM block limit) give 32 resident warps; the build gate checks that every
-    default build keeps at least 16 with no spills (a small batch's build: as many as its
-    launch places on an SM; the B 128 tiles of 64 elements at 4 warps take ~160 registers,
-    12 resident warps, for a launch of 4 warps an SM). The same tiles at 8 warps take 101-119
-    registers and keep 16 (static report at 04638a4), but ran slower on an H200 (tune_loss at
-    5eeaa8e, 2026-11-27, kernel alone, training forward, ms): K 1000, D 64, 128x64 at 4 / 8 / 2
-    warps 0.0489 / 0.0642 / 0.0666; K 100, D 128, 64x128 0.0148 / 0.0199 / 0.0193. So the
-    small batch keeps 4 warps: one program an SM leaves the registers nothing to limit. There
-    128x128 at 4 warps (the whole list of 100 in one tile, 128 elements a thread) took 0.0117,
-    1.27x the rule's tile, as at bc82787; not taken, ~3 us of a call the host holds for ~300.
-
-    fp64 embeddings (``compute_size`` 8: the kernel computes in fp64) size the tile as an fp64
-    bank does, whatever the bank's element size: the registers hold the gathered values in the
-    compute dtype. Sized by a 4- or 2-byte bank, their training forwards took 154-240
-    registers and kept 8-12 warps per SM on sm_80 and sm_90 (the build gate's fp64 builds,
-    2026-11-28); as an fp64 bank's tiles they meet its floor. Not timed on a GPU.
-    """
-    # The bytes of one tile element as the rule counts them: the bank's (a 2-byte bank's 32
-    # elements a thread sit in fp32 registers by design: the measured rule), fp64's for fp64
-    # embeddings over a narrower bank.
-    if compute_size > 4:
-        elem_size = max(elem_size, compute_size)
-    block_d_full = pow2_ceil(D)
-    block_d = block_d_full if block_d_full <= max_block_d else max_block_d
-    kp2 = pow2_ceil(K)
-    row_elems = 8 if elem_size > 4 else 16  # of one row, a thread
-    num_warps = 1
-    while num_warps < 16 and block_d > row_elems * 32 * num_warps:
-        num_warps *= 2
-    per_thread = max(1, BYTES_PER_THREAD // elem_size)  # of the tile, a thread
-    block_k = max(1, min(kp2, per_thread * 32 * num_warps // block_d))
-    rows = 4 if K * D <= per_thread * 32 else 1
-    if grad_x and num_warps == 1 and elem_size <= 4 and rows == 1:
-        block_k = min(kp2, max(TRAIN_ROWS, TRAIN_MIN_ELEMS_PER_THREAD * 32 // block_d))
-    warps_per_sm = cdiv(B, rows) * num_warps / sms if B is not None and sms else math.inf
-    if warps_per_sm < SMALL_BATCH_WARPS_PER_SM:
-        # 1. Tiles of 64 elements a thread (32 for fp64) where warps are few; half from 2/SM.
-        elems = SMALL_BATCH_ELEMS_PER_THREAD * row_elems // 16
-        if warps_per_sm >= FEW_WARPS_PER_SM:
-            elems //= 2
-        # 2. Under 2 warps per SM, up to 4 warps a row while the list has rows for them.
-        while (num_warps < 4 and warps_per_sm < FEW_WARPS_PER_SM
-               and elems * 32 * num_warps // block_d < kp2):
-            num_warps *= 2
-            warps_per_sm *= 2
-        block_k = min(kp2, max(block_k, elems * 32 * num_warps // block_d))
-    return FwdConfig(block_k, block_d, num_warps, 2, rows)
-
-
-# Warps per SM below which a batch's tiles lengthen (default_config). Little's law: an H100
-# moves ~3 TB/s at ~0.6 us of latency, ~14 KB in flight per SM; one-warp tiles hold 2 KB a
-# warp (64 bytes a thread), so about 8 warps per SM are needed to keep its memory busy.
-SMALL_BATCH_WARPS_PER_SM = 8
-# Elements of the gathered tile a thread holds in such a batch's tiles (half for an fp64
-# bank; half again from FEW_WARPS_PER_SM up): each program walks its list in fewer, longer
-# tiles. Below FEW_WARPS_PER_SM warps per SM a row also takes up to 4 warps (more rows a tile).
-SMALL_BATCH_ELEMS_PER_THREAD = 64
-FEW_WARPS_PER_SM = 2
-
-
-def sm_count(device: torch.device) -> Optional[int]:
-    """Streaming multiprocessors of a CUDA device (None elsewhere: the interpreter), asked
-    once per device."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SMS.get(index)
-    if n is None:
-        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
-
-
-_SMS: dict = {}
 
 
 def _check_config(cfg: FwdConfig):
@@ -643,9 +453,10 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     lse_pos = torch.empty(B, device=dev, dtype=cdt)
     grad_x = torch.empty(B, D if need_grad_x else 0, device=dev, dtype=cdt)
     dist = torch.empty(B, K if store_dist else 0, device=dev, dtype=cdt)
+    align = row_align(D, centres)
     cfg = config if config is not None else default_config(
         K, D, max_block_d, centres.element_size(), need_grad_x, B, sm_count(dev),
-        cdt.itemsize)
+        cdt.itemsize, align * centres.element_size() >= 4)
     _check_config(cfg)
     out = (loss, lse_all, lse_pos, grad_x, dist)
     programs = cdiv(B, cfg.rows)
@@ -685,7 +496,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         dbuf.stride(0) if write_dist else 0,
         HAS_W=weights is not None, COMPUTE=_tl_dtype(cdt),
         BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, SINGLE_PASS=single,
-        STORE_DIST=write_dist, ROW_ALIGN=row_align(D, centres), EMB_ALIGN=row_align(D, emb),
+        STORE_DIST=write_dist, ROW_ALIGN=align, EMB_ALIGN=row_align(D, emb),
         ROWS=cfg.rows, GRAD_X=need_grad_x, PREFETCH_INDEX=bool(cfg.prefetch_index),
         MEAN=bool(mean), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -704,22 +515,6 @@ def ticket(device: torch.device, slot: int = 0) -> torch.Tensor:
     if t is None:
         t = _TICKETS[key] = torch.zeros(4, dtype=torch.int32, device=device)
     return t
-
-
-# Elements of one centre-gradient tile. Each element is an atomic add with its own 64-bit
-# address, so registers grow with the tile: 4096 (32 per thread at 4 warps) took 130-168
-# registers on sm_80 and up to 167 on sm_90 at D <= 128 (12 resident warps per SM); 2048
-# holds every build at >= 16 warps (benchmarks/results/static_sm_*.csv).
-CENTRE_GRAD_TILE = 2048
-
-
-def centre_grad_config(K: int, D: int):
-    """(block_k, block_d) of the centre-gradient scatter: D blocks of up to 256 columns (a grid
-    dimension, so wide rows spread over programs), at most CENTRE_GRAD_TILE elements per
-    tile."""
-    block_d = min(pow2_ceil(D), 256)
-    block_k = max(1, min(pow2_ceil(K), CENTRE_GRAD_TILE // block_d, 64))
-    return block_k, block_d
 
 
 def centre_grad(emb, centres, neighbours, coef):

@@ -24,7 +24,7 @@ def force_blocks(monkeypatch):
 
     def force(block_k, block_d):
         def cfg(K, D, max_block_d=nk.MAX_SINGLE_PASS_BLOCK_D, elem_size=4, grad_x=True,
-                B=None, sms=None, compute_size=4):
+                B=None, sms=None, compute_size=4, aligned=True):
             seen.append((K, D))
             return nk.FwdConfig(block_k, block_d, num_warps=2)
         monkeypatch.setattr(nk, "default_config", cfg)
@@ -116,7 +116,7 @@ def test_default_config_is_one_tile_for_short_lists():
 
 
 def test_default_config_splits_columns_over_warps_never_the_list():
-    """The rule (measured on an H100): the fewest warps whose threads hold one gathered row in
+    """The rule (kernels/config.py): the fewest warps whose threads hold one gathered row in
     at most 16 elements each (8 for fp64), and the rows that give each thread 64 bytes of the
     bank (the forward-only build; the training build at one warp: below)."""
     nk = kernels().neighbour_kernel
@@ -148,7 +148,7 @@ def test_default_config_splits_columns_over_warps_never_the_list():
 
 def test_default_config_gives_one_warp_training_tiles_two_rows():
     """The training build (grad_x, the default) of an fp32 or 2-byte bank at one warp: two
-    rows a tile (the fastest or within 2% of it at the H100's five measured shapes), at least
+    rows a tile (docs/PERFORMANCE.md, "The launch rule and its evidence"), at least
     8 elements a thread; more warps, an fp64 bank, or a list that one tile holds: the 64-byte
     rule."""
     nk = kernels().neighbour_kernel
@@ -187,6 +187,36 @@ def test_default_config_lengthens_tiles_for_batches_too_small_to_fill_the_gpu():
     assert cfg(100, 4096, B=8, sms=132).num_warps == cfg(100, 4096).num_warps
 
 
+def test_default_config_two_phase_training_tiles_spread_rows_over_16_warps():
+    """Issue 58: the two-phase training tile of a 2-byte bank, 2 x 4096 at 8 warps (32
+    elements a thread), spilled on sm_80 and sm_90, as did an fp32 bank's 1 x 4096 at 8 warps
+    on sm_90; at 16 warps (8 columns, 16 elements a thread) neither does. Forward-only tiles
+    keep the rule; no two-phase tile lengthens for a small batch (4 x 4096 at 8 warps spilled)."""
+    nk = kernels().neighbour_kernel
+    cfg, C = nk.default_config, nk.FwdConfig
+    assert cfg(100, 5000) == cfg(100, 5000, elem_size=2) == C(2, 4096, 16, 2, 1)
+    assert cfg(100, 5000, elem_size=8) == C(1, 4096, 16, 2, 1)
+    assert cfg(100, 5000, grad_x=False) == C(1, 4096, 8, 2, 1)
+    assert cfg(1, 5000) == C(1, 4096, 16, 2, 1)
+    assert cfg(100, 5000, elem_size=2, grad_x=False) == C(1, 4096, 8, 2, 1)  # 16 a thread
+    for e in (2, 4, 8):
+        for grad_x in (True, False):
+            assert cfg(100, 5000, elem_size=e, grad_x=grad_x, B=4, sms=132) == \
+                cfg(100, 5000, elem_size=e, grad_x=grad_x)
+
+
+def test_default_config_sizes_rows_under_4_byte_alignment_as_4_byte_elements():
+    """A 2-byte bank at odd D is read one element a load: its 2 x 1024 tile at 2 warps (32
+    elements a thread) took 134-137 registers on sm_100 (12 warps per SM); at 16, as a
+    4-byte bank's, the floor holds."""
+    nk = kernels().neighbour_kernel
+    cfg = nk.default_config
+    assert cfg(32, 513, elem_size=2, aligned=False) == cfg(32, 513, elem_size=4)
+    assert cfg(32, 513, elem_size=2, aligned=False).block_k == 1
+    assert cfg(32, 512, elem_size=2).block_k == 2
+    assert cfg(32, 513, elem_size=4, aligned=False) == cfg(32, 513, elem_size=4)
+
+
 def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
     """neighbour_kernel_fwd asks default_config with B, the device's SMs (None off CUDA: the
     interpreter has no SMs) and the compute dtype's bytes (8 for fp64 embeddings)."""
@@ -201,7 +231,8 @@ def test_the_launcher_passes_the_batch_and_the_sm_count(monkeypatch):
     emb, labels, centres, cl, nb, w = far_first_case(5, 30, 6, 7, seed=2, spread=1.0, pad=0.0)
     centres = centres.float()
     nk.neighbour_kernel_fwd(emb.float(), labels, centres, cl, nb, w, torch.tensor(1.0))
-    assert seen and seen[-1][5:] == (5, None, 4)  # B, SMs, the compute dtype's bytes (fp32)
+    # B, SMs, the compute dtype's bytes (fp32), rows aligned to 4 bytes (D 6 of fp32)
+    assert seen and seen[-1][5:] == (5, None, 4, True)
     nk.neighbour_kernel_fwd(emb.double(), labels, centres, cl, nb, w, torch.tensor(1.0))
     assert seen[-1][3] == 4 and seen[-1][7] == 8  # an fp32 bank computed in fp64
     assert nk.sm_count(torch.device("cpu")) is None

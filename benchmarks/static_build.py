@@ -1,7 +1,7 @@
-"""Compile the package's Triton kernels for CUDA targets without a GPU, and inspect the binaries.
+"""Compile the Triton kernels (kernels/) for CUDA targets without a GPU; inspect the binaries.
 
-Shared by the build gate (tests/test_kernels_build_gate.py) and the static report
-(benchmarks/kernel_report.py). Nothing here runs a kernel.
+A developer tool, shared by the build gate (tests/test_kernels_build_gate.py) and the static
+report (benchmarks/kernel_report.py). Nothing here runs a kernel.
 
 How: Triton decides between its interpreter and the compiler when ``@triton.jit`` decorates a
 function (``TRITON_INTERPRET`` read at decoration), and the test process has it set. So the
@@ -18,6 +18,7 @@ cases that map to the same binary are reported once (``duplicate_of``).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import json
 import os
@@ -28,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Per-SM limits (CUDA occupancy calculator): registers, threads, blocks, shared memory (KiB,
 # usable per SM; 1 KiB per block is reserved by the driver on sm_80+).
@@ -83,6 +84,9 @@ class Build:
     sms: Optional[int] = None
     # FwdConfig.prefetch_index (the next tile's list entries loaded during each tile).
     prefetch: bool = False
+    # The forward's query and centre label dtypes.
+    lab: str = "int64"
+    clab: str = "int64"
 
     @property
     def name(self) -> str:
@@ -104,80 +108,87 @@ class Build:
         tail += "" if self.grad_x else "-fwdonly"
         tail += "-pf" if self.prefetch else ""
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
-                f"-{self.idx}-{'dist' if self.store_dist else 'nodist'}{tail}")
+                f"-{self.idx}-l{self.lab[3:]}c{self.clab[3:]}"
+                f"-{'dist' if self.store_dist else 'nodist'}{tail}")
+
+
+# The forward's launch axes: what neighbour_kernel_fwd specialises its build on besides the
+# tile (dtypes of its pointers, HAS_W, ROW_ALIGN as bytes of a centre row's alignment).
+# (The axes' order and the alignments' order are the greedy's: the one giving the fewest builds.)
+FWD_AXES = dict(align=[2, 4, 8, 16], emb=["fp32", "bf16", "fp16", "fp64"],
+                bank=["fp32", "bf16", "fp16", "fp64"], weights=[True, False],
+                idx=["int32", "int64"], clab=["int32", "int64"])
+# Its paths: (single pass, grad_x), with the D of each (a multiple of 16 elements, so every
+# row alignment is D plus a few elements) and the list widths cycled through.
+FWD_PATHS = {(True, True): ([128, 512, 64, 2048, 256, 1024], [100, 32, 256, 1000, 7]),
+             (True, False): ([512, 128, 1024, 64, 2048, 256], [100, 256, 32, 7, 1000]),
+             (False, True): ([5008, 4608], [100, 32, 7]),
+             (False, False): ([4608, 5008], [100, 7, 32])}
+
+
+def feasible(values: Dict) -> bool:
+    """A row is aligned to at least its own element (an fp64 row to 8 bytes)."""
+    return "align" not in values or "bank" not in values or \
+        values["align"] >= DTYPE_SIZES[values["bank"]]
+
+
+def pairwise(axes: Dict[str, list]) -> List[Dict]:
+    """A small set of value combinations in which every feasible pair of values of any two
+    axes appears (greedy: each step takes the combination covering most uncovered pairs)."""
+    names = list(axes)
+
+    def pairs(combo):
+        return {((a, combo[a]), (b, combo[b])) for i, a in enumerate(names)
+                for b in names[i + 1:]}
+    combos = [c for c in (dict(zip(names, v)) for v in itertools.product(*axes.values()))
+              if feasible(c)]
+    todo = set().union(*(pairs(c) for c in combos))
+    out = []
+    while todo:
+        best = max(combos, key=lambda c: len(pairs(c) & todo))
+        out.append(best)
+        todo -= pairs(best)
+    return out
+
+
+def aligned_d(base: int, bank: str, align: int) -> int:
+    """A D past ``base`` (a multiple of 16) whose rows of ``bank`` are ``align`` bytes aligned."""
+    return base + (0 if align == 16 else align // DTYPE_SIZES[bank])
 
 
 def _covering_set() -> List[Build]:
-    """Every value of every axis appears at least once (not the full product): D drives the
-    list, the other axes cycle with co-prime-ish periods; then the cases the gate needs in
-    particular (D not a multiple of 16 for every bank dtype: the aligned-row builds)."""
-    Ks = [1, 32, 100, 256]
-    Ds = [1, 64, 300, 512, 1000, 2048, 4096, 5000]
-    banks = ["fp32", "bf16", "fp16"]
-    embs = ["fp32", "bf16"]
-    idxs = ["int32", "int64"]
+    """The forward's axes pairwise on each of its paths, then the cases the gate needs in
+    particular, then the other kernels' builds."""
     out = []
-    for i, D in enumerate(Ds):
-        out.append(Build("fwd", Ks[i % 4], D, banks[i % 3], embs[(i // 2) % 2],
-                         weights=i % 2 == 0, idx=idxs[(i // 4) % 2] if i % 3 else idxs[i % 2],
-                         store_dist=(i // 3) % 2 == 0))
-    for bank in banks:  # row stride a 16-byte multiple although D is not a multiple of 16
-        out.append(Build("fwd", 100, 1000, bank, "fp32", True, "int32", False))
-    out.append(Build("fwd", 32, 300, "bf16", "bf16", True, "int32", False))  # 8-byte rows
-    out.append(Build("fwd", 100, 999, "fp32", "fp32", True, "int32", False))  # fallback build
-    out.append(Build("fwd", 100, 5000, "fp32", "fp32", True, "int32", False))  # two-phase scratch
-    out.append(Build("fwd", 256, 512, "bf16", "fp32", True, "int32", False))  # production-like
-    # The measured shapes (default_config): 2-byte banks at 2-4 KB rows, D 128 both banks.
+    for (single, grad_x), (bases, Ks) in FWD_PATHS.items():
+        for i, c in enumerate(pairwise(FWD_AXES)):
+            out.append(Build("fwd", Ks[i % len(Ks)], aligned_d(bases[i % len(bases)], c["bank"],
+                                                                c["align"]),
+                             c["bank"], c["emb"], c["weights"], c["idx"], i % 3 == 0,
+                             grad_x=grad_x, lab=c["idx"], clab=c["clab"]))
+    # Tiles the rule gives in particular: a list of 1 (4 rows a program), a tiny one, the
+    # measured shapes (2-byte banks at 2-4 KB rows, D 128 both banks, a production one).
+    out.append(Build("fwd", 1, 1, "fp32", "fp32", True, "int32", True))
+    out.append(Build("fwd", 3, 8, "fp16", "fp32", True, "int32", False, grad_x=False))
     for K, D, bank in [(100, 256, "bf16"), (100, 2048, "bf16"), (100, 128, "fp32"),
-                       (100, 128, "bf16")]:
+                       (100, 128, "bf16"), (256, 512, "bf16")]:
         out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False))
     # The tiles a small batch lengthens to on a GPU (default_config with B and sms, an H100's
     # 132 SMs): the real-data protocol's lists of 1000 at D 64, and measured shapes; 64
-    # elements a thread and 4 warps at B 128, 32 at B 600.
+    # elements a thread and 4 warps at B 128, 32 at B 600; fp64 computation's at B 128.
     for K, D, bank in [(1000, 64, "fp32"), (100, 128, "fp32"), (100, 512, "bf16")]:
         for B in (128, 600):
             out.append(Build("fwd", K, D, bank, "fp32", True, "int32", False, B=B, sms=132))
-    # Forward-only builds (no grad_x): single pass, two-phase (then one phase), 2-byte bank.
-    for K, D, bank, dist in [(100, 512, "fp32", False), (256, 512, "bf16", False),
-                             (32, 128, "fp32", True), (100, 5000, "fp32", False),
-                             (1, 1, "fp16", False)]:
-        out.append(Build("fwd", K, D, bank, "fp32", True, "int32", dist, grad_x=False))
-    # fp64 embeddings: the forward computes in fp64 (COMPUTE fp64, twice the registers a
-    # value), with an fp64 bank or a 4- or 2-byte one, all at an fp64 bank's tiles (8 elements
-    # a thread: default_config's compute_size); training, forward-only, the two-phase path, a
-    # one-warp row and a multi-warp one, and a small batch's lengthened tiles.
-    for K, D, bank, grad_x, B, sms in [(100, 128, "fp64", True, 8, None),
-                                       (100, 512, "fp64", True, 8, None),
-                                       (100, 2048, "fp64", True, 8, None),
-                                       (100, 128, "fp64", False, 8, None),
-                                       (100, 5000, "fp64", True, 8, None),
-                                       (100, 128, "fp32", True, 8, None),
-                                       (100, 1024, "fp32", True, 8, None),
-                                       (100, 256, "fp32", True, 8, None),
-                                       (100, 512, "bf16", True, 8, None),
-                                       (100, 128, "fp16", False, 8, None),
-                                       (100, 128, "fp16", True, 8, None),
-                                       (100, 128, "bf16", False, 8, None),
-                                       (100, 128, "fp32", False, 8, None),
-                                       (100, 5000, "fp32", False, 8, None),
-                                       (100, 5000, "fp32", True, 8, None),
-                                       (100, 5000, "bf16", True, 8, None),
-                                       (100, 5000, "bf16", False, 8, None),
-                                       (100, 5000, "fp16", False, 8, None),
-                                       (100, 5000, "fp16", True, 8, None),
-                                       (100, 5000, "fp64", False, 8, None),
-                                       (1000, 64, "fp64", True, 128, 132),
-                                       (100, 128, "fp64", False, 128, 132)]:
-        out.append(Build("fwd", K, D, bank, "fp64", True, "int64", False, B=B, sms=sms,
+    for K, D, grad_x in [(1000, 64, True), (100, 128, False)]:
+        out.append(Build("fwd", K, D, "fp64", "fp64", True, "int64", False, B=128, sms=132,
                          grad_x=grad_x))
-    # An fp64 bank under fp32 embeddings (fp32 arithmetic, 8-byte rows) and fp16 embeddings.
-    for K, D, grad_x in [(100, 128, True), (100, 512, False), (100, 5000, True),
-                         (100, 5000, False)]:
-        out.append(Build("fwd", K, D, "fp64", "fp32", True, "int64", False, grad_x=grad_x))
-    out.append(Build("fwd", 100, 128, "fp32", "fp16", True, "int32", False))
-    # The two-phase path (D above the register tile) of 2-byte banks, forward-only and fp16.
-    for bank, grad_x in [("bf16", False), ("fp16", False), ("fp16", True)]:
-        out.append(Build("fwd", 100, 5000, bank, "fp32", True, "int32", False, grad_x=grad_x))
+    # The two-phase training call of 2-byte banks with weights and int64 lists that spilled,
+    # and two-phase small batches (whose tiles once lengthened and spilled).
+    for bank in ("bf16", "fp16"):
+        out.append(Build("fwd", 100, 5000, bank, "fp32", True, "int64", False, B=4))
+    for D, bank, grad_x in [(5000, "bf16", True), (4609, "fp32", False), (4609, "bf16", False)]:
+        out.append(Build("fwd", 100, D, bank, "fp32", True, "int64", False, B=4, sms=132,
+                         grad_x=grad_x))
     for D, bank in [(64, "fp32"), (1000, "bf16"), (5000, "fp32")]:
         out.append(Build("centre_grad", 32, D, bank, "fp32", idx="int32"))
     # The centre gradient in fp64 (fp64 embeddings: fp64 atomics and gradient).
@@ -451,8 +462,6 @@ def _inspect(cubin: bytes, tools: str, workdir: str, tag: str) -> Dict:
 # ------------------------------------------------------------------------------------------
 
 def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
-    import importlib.util
-
     import torch
     import triton
     from triton.backends import DriverBase
@@ -501,20 +510,12 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
         return k
 
     JITFunction.run = compile_only
-    # kernels/ loaded as a package of its own (its modules import one another), not through
-    # nnkloss: nothing else of the library is needed to compile
-    spec = importlib.util.spec_from_file_location("_nk_static", os.path.join(HERE, "__init__.py"),
-                                                  submodule_search_locations=[HERE])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = pkg
-    spec.loader.exec_module(pkg)
-    nk = sys.modules["_nk_static.neighbour_kernel"]
-    rs = sys.modules["_nk_static.relative_distances"]
-    gf = sys.modules["_nk_static.gathered_finite"]
-    sr = sys.modules["_nk_static.scale_rows"]
-    eg = sys.modules["_nk_static.entry_grads"]
-    bl = sys.modules["_nk_static.batch_lists"]
-    cm = sys.modules["_nk_static.counted_mean"]
+    # kernels/ imported as the plain package it is (nothing of nnkloss is needed to compile);
+    # its modules by name, since the package's own names are their functions.
+    sys.path.insert(0, ROOT)
+    nk, rs, gf, sr, eg, bl, cm = (importlib.import_module(f"kernels.{m}") for m in (
+        "neighbour_kernel", "relative_distances", "gathered_finite", "scale_rows", "entry_grads",
+        "batch_lists", "counted_mean"))
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
@@ -535,15 +536,17 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
             entry = dict(build=asdict(b))
             try:
                 if b.kernel == "fwd":
-                    lab = torch.zeros(b.B, dtype=tdtypes[b.idx])
-                    cl = torch.zeros(N, dtype=torch.int64)
+                    lab = torch.zeros(b.B, dtype=tdtypes[b.lab])
+                    cl = torch.zeros(N, dtype=tdtypes[b.clab])
                     w = torch.ones(N) if b.weights else None
                     cfg = (nk.FwdConfig(b.cfg[0], b.cfg[1], b.cfg[2], 2, b.cfg[3]) if b.cfg
                            else nk.default_config(b.K, b.D, elem_size=cen.element_size(),
                                                  grad_x=b.grad_x,
                                                  B=b.B if b.sms else None, sms=b.sms,
                                                  compute_size=emb.element_size()
-                                                 if emb.dtype == torch.float64 else 4))
+                                                 if emb.dtype == torch.float64 else 4,
+                                                 aligned=nk.row_align(b.D, cen)
+                                                 * cen.element_size() >= 4))
                     cfg = dataclasses.replace(cfg, prefetch_index=b.prefetch)
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,
@@ -648,7 +651,7 @@ def compile_builds(archs, names=None, timeout=600, cache_dir=None) -> Dict:
     env = dict(os.environ, TRITON_INTERPRET="0")
     if cache_dir:
         env["TRITON_CACHE_DIR"] = cache_dir
-    t0 = time.time()
+    t0, cpu0 = time.time(), _children_cpu()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", "--archs",
          *map(str, archs), "--names", *names],
@@ -656,8 +659,15 @@ def compile_builds(archs, names=None, timeout=600, cache_dir=None) -> Dict:
     if proc.returncode != 0:
         raise RuntimeError(f"static build child failed:\n{proc.stderr[-4000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["wall_s"] = round(time.time() - t0, 1)
+    # CPU seconds (the child and its tools): the gate's cost whatever else the machine runs.
+    out.update(wall_s=round(time.time() - t0, 1), cpu_s=round(_children_cpu() - cpu0, 1))
     return out
+
+
+def _children_cpu() -> float:
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def all_archs():

@@ -31,8 +31,9 @@ import triton.language as tl
 
 from .config import (MAX_SINGLE_PASS_BLOCK_D, FwdConfig, cdiv, centre_grad_config,  # noqa: F401
                      default_config, pow2_ceil, sm_count)
-# Partials the last program of a MEAN launch reads per step.
-MEAN_BLOCK = tl.constexpr(1024)
+# Partials the last program of a MEAN launch reads per step: 8 a thread of a one-warp program
+# (at 32, its sums and loads took more registers than the rest of the kernel).
+MEAN_BLOCK = tl.constexpr(256)
 
 # ----------------------------------------------------------------------------------------------
 # Helpers (inlined by Triton)
@@ -177,11 +178,8 @@ def _nk_fwd_kernel(
     # masks are constant over whole vectors of centre / embedding elements.
     Dc = (D // ROW_ALIGN) * ROW_ALIGN
     De = (D // EMB_ALIGN) * EMB_ALIGN
-    part = tl.sum(tl.zeros([BLOCK_K], dtype=COMPUTE), axis=0)
-    part_n = tl.sum(tl.zeros([BLOCK_K], dtype=tl.int32), axis=0)
     for r in range(ROWS):
         row = tl.minimum(tl.program_id(0).to(tl.int64) * ROWS + r, B - 1)
-        in_batch = tl.program_id(0).to(tl.int64) * ROWS + r < B
         label = tl.load(lab_ptr + row)
         erow = _aligned_row_offsets(row, stride_eb, EMB_ALIGN)
 
@@ -257,10 +255,7 @@ def _nk_fwd_kernel(
         tl.store(loss_ptr + row, tl.where(is_bad, float("nan"), loss))
         if MEAN:
             # A counted row has a same-class entry or is non-finite (its NaN reaches the mean).
-            counted = is_bad | has_pos
-            tl.store(counted_ptr + row, counted.to(tl.int8))
-            part += tl.where(in_batch, tl.where(is_bad, float("nan"), loss), 0.0)
-            part_n += (in_batch & counted).to(tl.int32)
+            tl.store(counted_ptr + row, (is_bad | has_pos).to(tl.int8))
         grow = row * stride_gb
 
         # Step 4: grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j (not in the forward-only build).
@@ -302,10 +297,17 @@ def _nk_fwd_kernel(
                 g = g * inv_sigma
                 tl.store(gx_ptr + grow + dd, tl.where(is_bad, float("nan"), g), mask=dd < D)
 
-    # Step 5: the counted mean. The last program to take a ticket sums every program's partial
-    # in program order (the acq_rel ticket makes their stores visible) and resets the ticket.
+    # Step 5: the counted mean. Each program sums its own rows' losses and counted flags, read
+    # back (no running sums held through steps 1-4, whose registers they would add to); the
+    # last program to take a ticket sums every program's partial in program order (the acq_rel
+    # ticket makes their stores visible) and resets the ticket.
     if MEAN:
         pid = tl.program_id(0)
+        tl.debug_barrier()  # this program's stores of loss and counted, visible to its threads
+        own = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        mine = own < B
+        part = tl.sum(tl.load(loss_ptr + own, mask=mine, other=0.0), axis=0)
+        part_n = tl.sum(tl.load(counted_ptr + own, mask=mine, other=0).to(tl.int32), axis=0)
         tl.store(part_ptr + pid, part)
         tl.store(part_n_ptr + pid, part_n)
         tl.debug_barrier()

@@ -306,3 +306,32 @@ def test_forward_only_build(cfg, store_dist):
     assert torch.isnan(fwd[0][2])
     ref = contract_forward(*args)
     check(fwd[:3] + (ref[3].float(),) + fwd[4:], ref, store_dist)
+
+
+@pytest.mark.parametrize("B, cfg", [(7, dict(block_k=2, block_d=16)),
+                                    (7, dict(block_k=2, block_d=16, rows=4)),
+                                    (7, dict(block_k=4, block_d=4)),
+                                    (None, dict(block_k=16, block_d=16))])
+@pytest.mark.parametrize("need_grad_x", [True, False])
+def test_the_mean_on_every_path(B, cfg, need_grad_x):
+    """mean=True (the MEAN build): the five outputs bit for bit the plain launch's, counted
+    as the reference counts, the mean over them and its divisor; single pass and two-phase,
+    training and forward-only, several rows a program (B not a multiple), and more programs
+    than the last one reads in one step (B None: MEAN_BLOCK + 45 rows)."""
+    from nnkloss.ops import reference
+    k = _kernels()
+    B = B or k.neighbour_kernel.MEAN_BLOCK.value + 45
+    emb, labels, centres, cl, nb, w, s = make(B=B, D=12, K=9, seed=12, idx_dtype=torch.int32)
+    # The row without a positive first: the last row, which a program's rows past B repeat,
+    # is counted (counted twice, it would show).
+    args = (emb.roll(1, 0), labels.roll(1, 0), centres, cl, nb.roll(1, 0), w, s)
+    config = k.FwdConfig(num_warps=1, **cfg)
+    plain = k.neighbour_kernel_fwd(*args, config=config, need_grad_x=need_grad_x)
+    out = k.neighbour_kernel_fwd(*args, config=config, need_grad_x=need_grad_x, mean=True)
+    for a, b in zip(plain, out[:5]):
+        assert torch.equal(a, b)
+    counted = reference.counted_rows(plain[2])
+    assert torch.equal(out[5], counted) and 0 < int(counted.sum()) < B and counted[-1]
+    assert float(out[7]) == int(counted.sum())
+    torch.testing.assert_close(out[6].double(), plain[0].double().sum() / counted.sum(),
+                               rtol=1e-6, atol=0)

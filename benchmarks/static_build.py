@@ -61,7 +61,7 @@ class Build:
     (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64),
     'gathered_finite' (the value check of the gathered centres; K list entries a row) or
     'scale_rows' (the backward's embedding gradient: ``bank`` is grad_x's dtype, ``emb`` the
-    output's; K unused) or 'entry_grads' (the backward's per-entry terms: ``bank`` is the
+    output's, ``mean`` a mean's gradient: one g over a divisor; K unused) or 'entry_grads' (the backward's per-entry terms: ``bank`` is the
     compute dtype of the saved distances, every term asked for; D unused) or 'batch_lists' (a
     batch's lists from the bank's table, own index excluded: ``bank`` and ``idx`` are the
     table's dtype, K its width; D unused) or 'counted_mean' (the losses' mean over their
@@ -87,6 +87,8 @@ class Build:
     # The forward's query and centre label dtypes.
     lab: str = "int64"
     clab: str = "int64"
+    # The forward's counted mean (the launcher's mean: MEAN); scale_rows' divisor (DIVIDE).
+    mean: bool = False
 
     @property
     def name(self) -> str:
@@ -95,7 +97,7 @@ class Build:
         if self.kernel == "gathered_finite":
             return f"{self.kernel}-K{self.K}-D{self.D}-{self.bank}-{self.idx}"
         if self.kernel == "scale_rows":
-            return f"{self.kernel}-D{self.D}-{self.bank}-{self.emb}"
+            return f"{self.kernel}-D{self.D}-{self.bank}-{self.emb}{'-mean' if self.mean else ''}"
         if self.kernel == "batch_lists":
             return f"{self.kernel}-K{self.K}-{self.idx}"
         if self.kernel == "counted_mean":
@@ -107,17 +109,19 @@ class Build:
         tail += f"-B{self.B}sms{self.sms}" if self.sms else ""
         tail += "" if self.grad_x else "-fwdonly"
         tail += "-pf" if self.prefetch else ""
+        tail += "-mean" if self.mean else ""
         return (f"fwd-K{self.K}-D{self.D}-{self.bank}-{self.emb}-{'w' if self.weights else 'now'}"
                 f"-{self.idx}-l{self.lab[3:]}c{self.clab[3:]}"
                 f"-{'dist' if self.store_dist else 'nodist'}{tail}")
 
 
 # The forward's launch axes: what neighbour_kernel_fwd specialises its build on besides the
-# tile (dtypes of its pointers, HAS_W, ROW_ALIGN as bytes of a centre row's alignment).
+# tile (dtypes of its pointers, HAS_W, ROW_ALIGN as bytes of a centre row's alignment, MEAN:
+# reduction "mean" on every path).
 # (The axes' order and the alignments' order are the greedy's: the one giving the fewest builds.)
 FWD_AXES = dict(align=[2, 4, 8, 16], emb=["fp32", "bf16", "fp16", "fp64"],
                 bank=["fp32", "bf16", "fp16", "fp64"], weights=[True, False],
-                idx=["int32", "int64"], clab=["int32", "int64"])
+                idx=["int32", "int64"], clab=["int32", "int64"], mean=[True, False])
 # Its paths: (single pass, grad_x), with the D of each (a multiple of 16 elements, so every
 # row alignment is D plus a few elements) and the list widths cycled through.
 FWD_PATHS = {(True, True): ([128, 512, 64, 2048, 256, 1024], [100, 32, 256, 1000, 7]),
@@ -165,7 +169,7 @@ def _covering_set() -> List[Build]:
             out.append(Build("fwd", Ks[i % len(Ks)], aligned_d(bases[i % len(bases)], c["bank"],
                                                                 c["align"]),
                              c["bank"], c["emb"], c["weights"], c["idx"], i % 3 == 0,
-                             grad_x=grad_x, lab=c["idx"], clab=c["clab"]))
+                             grad_x=grad_x, lab=c["idx"], clab=c["clab"], mean=c["mean"]))
     # Tiles the rule gives in particular: a list of 1 (4 rows a program), a tiny one, the
     # measured shapes (2-byte banks at 2-4 KB rows, D 128 both banks, a production one).
     out.append(Build("fwd", 1, 1, "fp32", "fp32", True, "int32", True))
@@ -182,10 +186,13 @@ def _covering_set() -> List[Build]:
     for K, D, grad_x in [(1000, 64, True), (100, 128, False)]:
         out.append(Build("fwd", K, D, "fp64", "fp64", True, "int64", False, B=128, sms=132,
                          grad_x=grad_x))
-    # The two-phase training call of 2-byte banks with weights and int64 lists that spilled,
-    # and two-phase small batches (whose tiles once lengthened and spilled).
+    # The two-phase training call of 2-byte banks with weights and int64 lists that spilled
+    # (with and without the mean: reduction "mean", the losses' default, launches MEAN), and
+    # two-phase small batches (whose tiles once lengthened and spilled).
     for bank in ("bf16", "fp16"):
-        out.append(Build("fwd", 100, 5000, bank, "fp32", True, "int64", False, B=4))
+        for mean in (False, True):
+            out.append(Build("fwd", 100, 5000, bank, "fp32", True, "int64", False, B=4,
+                             mean=mean))
     for D, bank, grad_x in [(5000, "bf16", True), (4609, "fp32", False), (4609, "bf16", False)]:
         out.append(Build("fwd", 100, D, bank, "fp32", True, "int64", False, B=4, sms=132,
                          grad_x=grad_x))
@@ -218,10 +225,12 @@ def _covering_set() -> List[Build]:
                             (7, 13, "fp32", "int64")]:
         out.append(Build("gathered_finite", K, D, bank, "fp32", idx=idx))
     # The backward's embedding gradient: fp32 / fp64 grad_x, output in the embeddings' dtype,
-    # one and several column blocks, an unaligned D.
-    for D, gx, emb in [(64, "fp32", "fp32"), (512, "fp32", "bf16"), (2048, "fp64", "fp64"),
-                       (13, "fp32", "fp16")]:
-        out.append(Build("scale_rows", 1, D, gx, emb))
+    # one and several column blocks, an unaligned D; a mean's gradient (DIVIDE: one g over
+    # the divisor) in both grad_x dtypes.
+    for D, gx, emb, mean in [(64, "fp32", "fp32", False), (512, "fp32", "bf16", False),
+                             (2048, "fp64", "fp64", False), (13, "fp32", "fp16", False),
+                             (512, "fp32", "bf16", True), (2048, "fp64", "fp64", True)]:
+        out.append(Build("scale_rows", 1, D, gx, emb, mean=mean))
     # The backward's per-entry terms: one tile and several, fp32 and fp64, with and without
     # weights, both list widths.
     for K, cdt, w, idx in [(100, "fp32", True, "int32"), (1000, "fp32", False, "int64"),
@@ -550,7 +559,7 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
                     cfg = dataclasses.replace(cfg, prefetch_index=b.prefetch)
                     nk.neighbour_kernel_fwd(emb, lab, cen, cl, nb, w, torch.tensor(1.0),
                                             config=cfg, store_dist=b.store_dist,
-                                            need_grad_x=b.grad_x)
+                                            need_grad_x=b.grad_x, mean=b.mean)
                     entry.update(config=asdict(cfg), single_pass=cfg.single_pass(b.D),
                                  tile_elems=cfg.block_k * cfg.block_d)
                     entry["bytes_per_row"] = bytes_per_row(b, cfg.block_d, cfg.single_pass(b.D))
@@ -562,7 +571,9 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
                     entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "scale_rows":
                     gx = emb.to(tdtypes[b.bank])
-                    sr.scale_rows(gx, gx[:, 0], gx[:, 0].contiguous(), tdtypes[b.emb])
+                    # A mean's gradient: one g (0-dim) over the mean's divisor.
+                    g_rows, div = (gx[0, 0], gx[0, 1]) if b.mean else (gx[:, 0], None)
+                    sr.scale_rows(gx, g_rows, gx[:, 0].contiguous(), tdtypes[b.emb], div)
                     br, bd = sr.scale_rows_config(b.D)
                     entry.update(config=dict(block_k=br, block_d=bd, num_warps=4, num_stages=3,
                                              rows=br), single_pass=bd >= b.D, tile_elems=br * bd)

@@ -54,9 +54,12 @@ def _entry(gate, arch, name):
 # Every parameter of the forward kernel, by what sets its build: a launch axis of the gate's
 # pairwise set (static_build.FWD_AXES), the labels' dtype, the path, the tile, or nothing the
 # build specialises on that the gate varies (outputs and sigma in the compute dtype, sizes).
+# The mean's buffers are the outputs' dummies without MEAN, so they go with it.
 _FWD_PARAMS = dict(
     emb_ptr="emb", COMPUTE="emb", cen_ptr="bank", nbr_ptr="idx", clab_ptr="clab",
     w_ptr="weights", HAS_W="weights", ROW_ALIGN="align", EMB_ALIGN="align", lab_ptr="labels",
+    MEAN="mean", counted_ptr="mean", part_ptr="mean", part_n_ptr="mean", ticket_ptr="mean",
+    mean_ptr="mean", divisor_ptr="mean",
     SINGLE_PASS="path", GRAD_X="path", STORE_DIST="tile", BLOCK_K="tile", BLOCK_D="tile",
     ROWS="tile", PREFETCH_INDEX="tile", sigma_ptr="fixed", loss_ptr="fixed",
     lse_all_ptr="fixed", lse_pos_ptr="fixed", gx_ptr="fixed", dist_ptr="fixed", B="fixed",
@@ -73,7 +76,7 @@ def _fwd_axes(b):
                             compute_size=8 if b.emb == "fp64" else 4)
     bank = torch.empty(2, b.D, dtype=getattr(torch, _TORCH[b.bank]))
     values = dict(emb=b.emb, bank=b.bank, weights=b.weights, idx=b.idx, clab=b.clab,
-                  align=nk.row_align(b.D, bank) * bank.element_size())
+                  align=nk.row_align(b.D, bank) * bank.element_size(), mean=b.mean)
     return (cfg.single_pass(b.D), b.grad_x), values
 
 
@@ -92,13 +95,14 @@ def test_every_parameter_of_the_forward_kernel_is_an_axis_or_says_why_not():
 
 
 def test_the_axes_hold_every_value_the_launcher_takes():
-    """Both float axes every float dtype, both list widths, weights or none, and every row
-    alignment row_align gives (bytes; an fp64 row at least 8, an fp32 row at least 4)."""
+    """Both float axes every float dtype, both list widths, weights or none, the mean or
+    none, and every row alignment row_align gives (bytes; an fp64 row at least 8, an fp32 row
+    at least 4)."""
     import torch
     nk = _kernels().neighbour_kernel
     assert set(sb.FWD_AXES["emb"]) == set(sb.FWD_AXES["bank"]) == set(_TORCH)
     assert set(sb.FWD_AXES["idx"]) == set(sb.FWD_AXES["clab"]) == {"int32", "int64"}
-    assert set(sb.FWD_AXES["weights"]) == {True, False}
+    assert set(sb.FWD_AXES["weights"]) == set(sb.FWD_AXES["mean"]) == {True, False}
     seen = {(name, nk.row_align(D, t) * t.element_size())
             for name, dt in _TORCH.items() for D in range(1, 65)
             for t in [torch.empty(3, D, dtype=getattr(torch, dt))]}
@@ -131,9 +135,40 @@ def test_every_pair_of_axis_values_is_built_on_every_path():
 
 
 def test_the_two_phase_call_of_issue_58_is_built():
-    """fp32 embeddings, a 2-byte bank, weights, int64 lists, D above the register tile."""
-    assert {b.bank for b in sb.BUILDS if b.kernel == "fwd" and b.D > 4096 and b.weights
-            and b.idx == "int64" and b.emb == "fp32" and b.grad_x} >= {"bf16", "fp16"}
+    """fp32 embeddings, a 2-byte bank, weights, int64 lists, D above the register tile;
+    with the mean (the losses' default reduction) and without."""
+    assert {(b.bank, b.mean) for b in sb.BUILDS if b.kernel == "fwd" and b.D > 4096
+            and b.weights and b.idx == "int64" and b.emb == "fp32" and b.grad_x} >= \
+        {(bank, mean) for bank in ("bf16", "fp16") for mean in (True, False)}
+
+
+def test_the_mean_is_built_on_every_path_and_with_rows_per_program():
+    """The op asks the forward for the mean (reduction "mean") whatever it computes: MEAN
+    on each path, and where a program walks several rows (the rows past B left out of it)."""
+    nk = _kernels().neighbour_kernel
+    paths, rows = set(), set()
+    for b in sb.BUILDS:
+        if b.kernel == "fwd" and b.mean and not b.cfg:
+            path, _ = _fwd_axes(b)
+            paths.add(path)
+            rows.add(nk.default_config(b.K, b.D, elem_size=sb.DTYPE_SIZES[b.bank],
+                                       grad_x=b.grad_x, B=b.B if b.sms else None, sms=b.sms,
+                                       compute_size=8 if b.emb == "fp64" else 4).rows)
+    assert paths == {(True, True), (True, False), (False, True), (False, False)}
+    assert rows >= {1, 4}, rows
+
+
+def test_every_specialisation_of_scale_rows_is_built():
+    """Its constexprs: the tile (BLOCK_R, BLOCK_D), lse_pos given (the op always gives it,
+    as the builds do) and DIVIDE (a mean's gradient), built both ways."""
+    import importlib
+    import inspect
+    fn = importlib.import_module("nnkloss.kernels.scale_rows")._scale_rows_kernel
+    params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
+    assert {p.name for p in params if "constexpr" in str(p.annotation)} == \
+        {"HAS_LSE_POS", "DIVIDE", "BLOCK_R", "BLOCK_D"}
+    built = {(b.bank, b.mean) for b in sb.BUILDS if b.kernel == "scale_rows"}
+    assert built >= {(gx, mean) for gx in ("fp32", "fp64") for mean in (True, False)}, built
 
 
 def test_centre_grad_builds_cover_its_heaviest_tiles():

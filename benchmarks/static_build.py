@@ -61,8 +61,9 @@ class Build:
     (the classifier's distances; ``emb`` is the query dtype, fp64 queries compute in fp64),
     'gathered_finite' (the value check of the gathered centres; K list entries a row) or
     'scale_rows' (the backward's embedding gradient: ``bank`` is grad_x's dtype, ``emb`` the
-    output's, ``mean`` a mean's gradient: one g over a divisor; K unused) or 'entry_grads' (the backward's per-entry terms: ``bank`` is the
-    compute dtype of the saved distances, every term asked for; D unused) or 'batch_lists' (a
+    output's, ``mean`` a mean's gradient: one g over a divisor; K unused) or 'entry_grads'
+    (the backward's per-entry terms: ``bank`` is the compute dtype of the saved distances,
+    every term asked for; D unused) or 'batch_lists' (a
     batch's lists from the bank's table, own index excluded: ``bank`` and ``idx`` are the
     table's dtype, K its width; D unused) or 'counted_mean' (the losses' mean over their
     counted rows: ``bank`` is the per-row losses' dtype; K and D unused)."""

@@ -336,8 +336,7 @@ class CentreBank(nn.Module):
                                "(rebuild_neighbours / set_neighbours / a Refresher)")
 
     def check_rows(self, idx: Tensor) -> None:
-        """Raise IndexError, naming ``idx``, where an entry of ``idx`` is not a bank row (reads
-        idx: one host sync for a CUDA tensor)."""
+        """IndexError naming ``idx`` where an entry is not a bank row (a sync for CUDA idx)."""
         if idx.numel():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.num_centres:
@@ -364,8 +363,7 @@ class CentreBank(nn.Module):
 
     @classmethod
     def from_class_means(cls, emb, labels, per_class: int = 1, seed: int = 0) -> "CentreBank":
-        """A bank of class centroids (:func:`nnkloss.bank.centroids.class_centroids`) on emb's
-        device, without lists."""
+        """A bank of :func:`nnkloss.bank.centroids.class_centroids`, without lists."""
         centres, centre_labels = class_centroids(emb, labels, per_class=per_class, seed=seed)
         return cls(centres, centre_labels)
 

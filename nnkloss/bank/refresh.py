@@ -129,13 +129,6 @@ def _sigma_source(sigma):
     return _check_sigma(sigma)
 
 
-def _read_sigma(source) -> Optional[float]:
-    if source is None or isinstance(source, float):
-        return source
-    if isinstance(source, Tensor):
-        return _check_sigma(source)
-    return _check_sigma(source())
-
 
 class RefreshSchedule:
     """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
@@ -188,13 +181,6 @@ class RefreshSchedule:
                 f", epoch={self.epoch}, global_step={self.global_step})")
 
 
-def _module_device(model: nn.Module, fallback: torch.device) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return fallback
-
 
 def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
     """Whether every parameter and buffer of ``snap`` has the device and dtype of ``model``'s."""
@@ -239,15 +225,6 @@ class _Result:
 _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
     "queries", "base", "k", "search_backend", "exclude_self"}
 
-
-def _check_search_options(search_backend, knn_options: dict) -> None:
-    # At construction, not after the first embedding pass.
-    unknown = set(knn_options) - _KNN_OPTIONS
-    if unknown:
-        raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
-                        f"{sorted(_KNN_OPTIONS)}")
-    check_search_arguments(search_backend, knn_options.get("approximate"), knn_options,
-                           "knn_options[{!r}]")
 
 
 class Refresher:
@@ -311,7 +288,13 @@ class Refresher:
         if not isinstance(recalibrate_bn, bool):
             recalibrate_bn = require_positive_int("recalibrate_bn", recalibrate_bn)
         self.recalibrate_bn = recalibrate_bn
-        _check_search_options(search_backend, self.knn_options)
+        # Search options are checked now, not after the first embedding pass.
+        unknown = set(self.knn_options) - _KNN_OPTIONS
+        if unknown:
+            raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
+                            f"{sorted(_KNN_OPTIONS)}")
+        check_search_arguments(search_backend, self.knn_options.get("approximate"),
+                               self.knn_options, "knn_options[{!r}]")
         self.last_stats: Optional[RefreshStats] = None
         self._snapshot: Optional[nn.Module] = None
         self._thread: Optional[threading.Thread] = None
@@ -397,7 +380,10 @@ class Refresher:
     @property
     def sigma(self) -> Optional[float]:
         """The statistics' default sigma, read now from what ``sigma=`` was."""
-        return _read_sigma(self._sigma_source)
+        source = self._sigma_source
+        if source is None or isinstance(source, float):
+            return source
+        return _check_sigma(source if isinstance(source, Tensor) else source())
 
     def _sigma(self, sigma) -> Optional[float]:
         return self.sigma if sigma is None else _check_sigma(sigma)
@@ -405,7 +391,9 @@ class Refresher:
     def _device(self) -> torch.device:
         if self.device is not None:
             return self.device
-        return _module_device(self.model, self.bank.centres.device)
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            return t.device
+        return self.bank.centres.device
 
     def _make_snapshot(self) -> nn.Module:
         snap = copy.deepcopy(self.model)

@@ -480,8 +480,7 @@ def _cpu_copy(obj):
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,
         resume: bool = True, **kwargs) -> Trainer:
-    """Build a :class:`Trainer` (``kwargs`` are its options), train ``epochs`` epochs, and
-    return it (``.history`` holds the log)."""
+    """A :class:`Trainer` of ``kwargs``, trained ``epochs`` epochs (``.history``: the log)."""
     trainer = Trainer(model, criterion, train_loader, **kwargs)
     trainer.fit(epochs, resume=resume)
     return trainer

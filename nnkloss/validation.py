@@ -63,9 +63,6 @@ def plain_eager(*tensors) -> bool:
     return True
 
 
-def is_integer_dtype(dtype: torch.dtype) -> bool:
-    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
-
 
 def require_tensor(name, t):
     if not isinstance(t, torch.Tensor):
@@ -76,7 +73,7 @@ def require_int(name, t, ndim):
     require_tensor(name, t)
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not is_integer_dtype(t.dtype):
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
 
 

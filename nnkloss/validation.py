@@ -63,7 +63,6 @@ def plain_eager(*tensors) -> bool:
     return True
 
 
-
 def require_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -197,7 +197,6 @@ def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
     return r * n // w, (r + 1) * n // w
 
 
-
 @torch.no_grad()
 def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backend: str = "auto",
                     ensure_positive: bool = False, group=None,

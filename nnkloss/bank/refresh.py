@@ -129,7 +129,6 @@ def _sigma_source(sigma):
     return _check_sigma(sigma)
 
 
-
 class RefreshSchedule:
     """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
 
@@ -181,7 +180,6 @@ class RefreshSchedule:
                 f", epoch={self.epoch}, global_step={self.global_step})")
 
 
-
 def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
     """Whether every parameter and buffer of ``snap`` has the device and dtype of ``model``'s."""
     a, b = snap.state_dict(), model.state_dict()
@@ -224,7 +222,6 @@ class _Result:
 # knn's options that neighbour_lists does not set itself.
 _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
     "queries", "base", "k", "search_backend", "exclude_self"}
-
 
 
 class Refresher:

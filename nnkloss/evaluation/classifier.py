@@ -1,15 +1,9 @@
 """NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference, or the CCKNN rule (CCML Eq. 14).
 
-``rule="nngk"``: the k nearest centres of a query x (:func:`nnkloss.knn`, no self-exclusion)
-vote with their Gaussian kernel values,
-
-    Pr(class Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} w_j exp(-d_j / (2 sigma^2))
-
-``rule="ccknn"``: each class C contributes its *own* k nearest centres, and the predicted class
-is ``argmin_C sum_{j<=k} ||x - NN^C_j(x)||^2``.
-
-Both normalise with a max shift, so far queries give a proper distribution, never NaN; the
-distances are taken relative to each query's nearest centre (:func:`_sq_dist_minus_ref`).
+``rule="nngk"``: the k nearest centres of x vote with their kernel values,
+``Pr(Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} (same)``.
+``rule="ccknn"``: the class minimising the summed distance to its own k nearest centres.
+Both normalise with a max shift relative to each query's nearest centre: never NaN.
 """
 from __future__ import annotations
 

@@ -43,7 +43,6 @@ def _ks_list(ks) -> list:
         raise TypeError(f"ks must be an iterable of ints, e.g. (1, 2, 4, 8), got {ks!r}") from None
 
 
-
 def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = True,
              search_backend: str = "auto", *, tile_bytes: Optional[int] = None,
              progress: bool = False) -> Dict[str, float]:

@@ -82,7 +82,6 @@ def refresh_columns(stats, prefix: str = "refresh_") -> Dict[str, Any]:
     return out
 
 
-
 class BankUpkeep:
     """The bank maintenance of one training run.
 

@@ -149,7 +149,6 @@ def build_flat(base: Tensor, k: int):
     return index
 
 
-
 def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Optional[int],
                       hnsw_m: Optional[int], ef_construction: Optional[int],
                       ef_search: Optional[int], k: int, train_size: Optional[int],

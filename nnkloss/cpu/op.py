@@ -86,27 +86,28 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         lab = lab.contiguous()
     nb = neighbours if neighbours.is_contiguous() else neighbours.contiguous()
     w, wtype = _weights_arg(weights)
-    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
-    loss, lse_all, lse_pos = torch.empty(B, dtype=cdt), torch.empty(B, dtype=cdt), \
-        torch.empty(B, dtype=cdt)
-    grad_x = torch.empty(B, D if need_grad_x else 0, dtype=cdt)
-    dist = torch.empty(B, K if store_dist else 0, dtype=cdt)
-    out = (loss, lse_all, lse_pos, grad_x, dist)
+    empty = torch.empty
+    loss, lse_all, lse_pos = empty(B, dtype=cdt), empty(B, dtype=cdt), empty(B, dtype=cdt)
+    grad_x = empty(B, D if need_grad_x else 0, dtype=cdt)
+    dist = empty(B, K if store_dist else 0, dtype=cdt)
     if mean:
-        out += (torch.empty(B, dtype=torch.bool), torch.empty((), dtype=cdt),
-                torch.empty((), dtype=cdt))
+        counted, mean_, divisor = (empty(B, dtype=torch.bool), empty((), dtype=cdt),
+                                   empty((), dtype=cdt))
+        extra = (counted.data_ptr(), mean_.data_ptr(), divisor.data_ptr())
+    else:
+        extra = (None, None, None)
     rc = lib.nnk_forward(
-        int(f64), BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(),
-        int(lab.dtype == torch.int64),
-        centres.data_ptr(), centre_labels.data_ptr(), int(centre_labels.dtype == torch.int64),
-        nb.data_ptr(), int(nb.dtype == torch.int64), ptr(w), wtype, s, B, K, D, N,
-        int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
+        f64, BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(), lab.dtype == torch.int64,
+        centres.data_ptr(), centre_labels.data_ptr(), centre_labels.dtype == torch.int64,
+        nb.data_ptr(), nb.dtype == torch.int64, ptr(w), wtype, float(sigma), B, K, D, N,
+        bool(store_dist), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
         grad_x.data_ptr() if need_grad_x else None, dist.data_ptr() if store_dist else None,
-        *((out[5].data_ptr(), out[6].data_ptr(), out[7].data_ptr()) if mean else (None,) * 3),
-        build.threads(B * K * D))
+        *extra, build.threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")
-    return out
+    if mean:
+        return loss, lse_all, lse_pos, grad_x, dist, counted, mean_, divisor
+    return loss, lse_all, lse_pos, grad_x, dist
 
 
 def _shape_error(emb, labels, centres, centre_labels, neighbours, weights) -> str:
@@ -317,6 +318,7 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
             return None
         lab, cl = _index_tensor(labels), _index_tensor(centre_labels)
         lab64, cl64 = INDEX_TYPES[lab.dtype], INDEX_TYPES[cl.dtype]
+        lab, cl = lab.data_ptr(), cl.data_ptr()
     if not table.is_contiguous():
         table = table.contiguous()
     idx = _index_tensor(idx)
@@ -324,8 +326,8 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
     counts = torch.empty(2, dtype=torch.int64)
     dropped = lib.nnk_batch_lists(
         table.data_ptr(), INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
-        INDEX_TYPES[idx.dtype], ptr(lab), lab64, ptr(cl), cl64, B, int(bool(exclude_self)),
-        out.data_ptr(), counts.data_ptr())
+        INDEX_TYPES[idx.dtype], lab, lab64, cl, cl64, B, bool(exclude_self), out.data_ptr(),
+        counts.data_ptr())
     return out, counts, dropped
 
 
@@ -340,9 +342,9 @@ _INTEGER = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 
 def _index_tensor(t):
     """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
-    if t.dtype not in INDEX_TYPES:
-        t = t.long()
-    return t if t.is_contiguous() else t.contiguous()
+    if t.dtype in INDEX_TYPES and t.is_contiguous():
+        return t
+    return t.long().contiguous() if t.dtype not in INDEX_TYPES else t.contiguous()
 
 
 def gather_lists(table, idx, exclude_self: bool):

@@ -86,13 +86,13 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         lab = lab.contiguous()
     nb = neighbours if neighbours.is_contiguous() else neighbours.contiguous()
     w, wtype = _weights_arg(weights)
-    empty = torch.empty
-    loss, lse_all, lse_pos = empty(B, dtype=cdt), empty(B, dtype=cdt), empty(B, dtype=cdt)
-    grad_x = empty(B, D if need_grad_x else 0, dtype=cdt)
-    dist = empty(B, K if store_dist else 0, dtype=cdt)
+    loss, lse_all, lse_pos = (torch.empty(B, dtype=cdt), torch.empty(B, dtype=cdt),
+                              torch.empty(B, dtype=cdt))
+    grad_x = torch.empty(B, D if need_grad_x else 0, dtype=cdt)
+    dist = torch.empty(B, K if store_dist else 0, dtype=cdt)
     if mean:
-        counted, mean_, divisor = (empty(B, dtype=torch.bool), empty((), dtype=cdt),
-                                   empty((), dtype=cdt))
+        counted, mean_, divisor = (torch.empty(B, dtype=torch.bool), torch.empty((), dtype=cdt),
+                                   torch.empty((), dtype=cdt))
         extra = (counted.data_ptr(), mean_.data_ptr(), divisor.data_ptr())
     else:
         extra = (None, None, None)
@@ -318,7 +318,6 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
             return None
         lab, cl = _index_tensor(labels), _index_tensor(centre_labels)
         lab64, cl64 = INDEX_TYPES[lab.dtype], INDEX_TYPES[cl.dtype]
-        lab, cl = lab.data_ptr(), cl.data_ptr()
     if not table.is_contiguous():
         table = table.contiguous()
     idx = _index_tensor(idx)
@@ -326,8 +325,8 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
     counts = torch.empty(2, dtype=torch.int64)
     dropped = lib.nnk_batch_lists(
         table.data_ptr(), INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
-        INDEX_TYPES[idx.dtype], lab, lab64, cl, cl64, B, bool(exclude_self), out.data_ptr(),
-        counts.data_ptr())
+        INDEX_TYPES[idx.dtype], ptr(lab), lab64, ptr(cl), cl64, B, bool(exclude_self),
+        out.data_ptr(), counts.data_ptr())
     return out, counts, dropped
 
 
@@ -342,9 +341,9 @@ _INTEGER = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 
 def _index_tensor(t):
     """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
-    if t.dtype in INDEX_TYPES and t.is_contiguous():
-        return t
-    return t.long().contiguous() if t.dtype not in INDEX_TYPES else t.contiguous()
+    if t.dtype not in INDEX_TYPES:
+        t = t.long()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def gather_lists(table, idx, exclude_self: bool):

@@ -1,9 +1,8 @@
 """The package's one atomic file writer: readers see the old file or the new one, never half.
 
-The data goes to a temporary file beside the target, is fsync'ed and renamed over the target
-(``os.replace``), and the directory is fsync'ed so that the rename survives a crash. A failure
-leaves the previous file intact and no temporary; a killed process leaves its temporary, which
-:func:`remove_stale_temps` removes.
+A temporary file beside the target is fsync'ed, renamed over it and the directory fsync'ed. A
+failure leaves the previous file and no temporary; a killed process's temporary is removed by
+:func:`remove_stale_temps`.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ __all__ = ["atomic_write", "remove_stale_temps"]
 
 
 def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable. Not possible on every platform/filesystem: best effort.
+    # Makes the rename durable; best effort.
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -34,17 +33,14 @@ def _fsync_dir(directory: str) -> None:
 
 def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: str = "path"
                  ) -> str:
-    """Write ``data`` (bytes, or a function writing into a binary file, ``lambda f:
-    torch.save(obj, f)``) to ``path`` atomically; returns the path. ``name``: the argument
-    named when the directory does not exist. The file keeps the target's permissions (new:
-    0644 less the umask)."""
+    """Write ``data`` (bytes, or a function writing into a binary file) to ``path``
+    atomically; returns the path. ``name`` names ``path`` in errors. The target's mode is kept
+    (new: 0644 less the umask)."""
     path = require_parent_dir(name, path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp",
                                dir=directory)
     try:
-        # mkstemp makes the file 0600: keep the target's mode, or 0644 less the umask (never
-        # group/other-writable: cpu.py refuses such a sha256 record).
         try:
             mode = os.stat(path).st_mode & 0o777
         except FileNotFoundError:
@@ -69,8 +65,7 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
 
 
 def _umask() -> int:
-    """The process's umask from /proc/self/status where Linux shows it (os.umask reads it only
-    by setting it, racing other threads' file creation)."""
+    """The umask from /proc/self/status (os.umask reads it only by setting it)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -88,9 +83,8 @@ def _temp_prefix(path: str) -> str:
 
 
 def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
-    """Remove the temporaries (``.<name>.<random>.tmp``) that interrupted :func:`atomic_write`
-    calls for ``path`` left: regular files of this user untouched for ``older_than_s`` seconds
-    (0: all; leave a margin where another process may be writing). Returns the paths removed."""
+    """Remove this user's temporaries of interrupted :func:`atomic_write` calls for ``path``
+    untouched for ``older_than_s`` seconds; returns the paths removed."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     prefix = _temp_prefix(path)
@@ -102,7 +96,6 @@ def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
     now = time.time()
     for name in names:
         middle = name[len(prefix):-len(".tmp")]
-        # mkstemp's 8 random characters: never another target's temporary
         if not (name.startswith(prefix) and name.endswith(".tmp") and len(middle) == 8
                 and all(c.isalnum() or c == "_" for c in middle)):
             continue
@@ -113,6 +106,6 @@ def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
                     and now - st.st_mtime >= older_than_s):
                 os.unlink(tmp)
                 removed.append(tmp)
-        except FileNotFoundError:  # removed meanwhile (a writer finishing)
+        except FileNotFoundError:
             pass
     return removed

@@ -1,18 +1,10 @@
-"""Checkpoint files with a checksum: a sha256 of the payload stored before it, verified before
-the payload is unpickled (weights-only), so a flipped bit or a torn copy is an error naming the
-file, never a silently different bank or model.
+"""Checkpoint files with a checksum, verified before the weights-only load: damage is an
+error naming the file, never a silently different bank or model.
 
-Layout: the line ``nnkloss-sha256``, the 64 hex digits of the payload's sha256 and a newline,
-then the payload, ``torch.save`` of the object, written with :func:`nnkloss.atomic.atomic_write`
-(the whole file is read into memory to check it). The checksum detects damage, not forgery:
-what a file with a matching checksum can do is bounded by the weights-only load and the
-validation of what it holds.
-
-Before a payload is unpickled, :func:`load_weights_only` refuses a zip archive with a
-compressed record (``torch.save`` writes none, and ``torch.load`` would inflate one to
-whatever size it declares) or records declaring more bytes than the file holds; after the load,
-a tensor with more elements than its storage holds bytes for (a stride-0 view, whose first copy
-would allocate what the file never held).
+Layout: ``nnkloss-sha256\\n``, the payload's sha256 in hex and a newline, then the
+``torch.save`` payload, written atomically. The checksum detects damage, not forgery.
+:func:`load_weights_only` also refuses compressed or oversized zip records before the load,
+and tensors whose elements lack bytes of their own after it.
 """
 from __future__ import annotations
 
@@ -29,14 +21,12 @@ from .atomic import atomic_write
 __all__ = ["save_checked", "load_checked", "load_weights_only", "UncheckedFileError"]
 
 MAGIC = b"nnkloss-sha256\n"
-# The first bytes of a zip archive (a local file header), torch.load's own test for its format.
+# The first bytes of a zip archive, torch.load's own test for its format.
 ZIP_MAGIC = b"PK\x03\x04"
 
 
 class UncheckedFileError(ValueError):
-    """The file has no checksum header (written by an older nnkloss, or not an nnkloss file).
-    ``archive``: whether it is a torch.save archive at all (only then can it be an older
-    nnkloss file)."""
+    """The file has no checksum header; ``archive``: whether it is a torch.save archive."""
 
     def __init__(self, message: str, archive: bool):
         super().__init__(message)
@@ -45,8 +35,7 @@ class UncheckedFileError(ValueError):
 
 def save_checked(obj: Any, path, name: str = "path") -> str:
     """``torch.save(obj)`` behind its sha256, written atomically to ``path``; returns the path.
-    ``name`` is the argument named when ``path``'s directory does not exist."""
-    # What load_checked would refuse is refused here, before anything is written.
+    What :func:`load_checked` would refuse is refused first; ``name`` names ``path``."""
     _check_tensors(obj, f"{name} {os.fspath(path)!r}",
                    failure="cannot be saved (load_checked would refuse it; save a contiguous "
                            "copy)")
@@ -64,12 +53,10 @@ def save_checked(obj: Any, path, name: str = "path") -> str:
 
 def load_checked(path, map_location=None, what: str = "checkpoint",
                  allow_unchecked: bool = False, name: str = "path") -> Any:
-    """Verify the checksum of the file at ``path``, then ``torch.load(weights_only=True)`` its
-    payload. Every failure is a ValueError naming the file (FileNotFoundError when it does not
-    exist); the messages say ``name`` (the argument) and ``what`` (the kind of file).
-
-    ``allow_unchecked``: read a file without the checksum header as a plain weights-only
-    ``torch.save`` file (files written before checksums); otherwise UncheckedFileError.
+    """Verify the checksum at ``path``, then load the payload weights-only. Failures are
+    ValueErrors naming ``name``, the file and ``what`` (FileNotFoundError where it is missing).
+    ``allow_unchecked``: read a file without a checksum header as a plain ``torch.save`` file;
+    otherwise UncheckedFileError.
     """
     path = os.fspath(path)
     where = f"{name} {path!r} ({what})"
@@ -98,9 +85,8 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
 
 
 def _check_archive(source, where: str) -> None:
-    """Refuse a zip archive that would inflate beyond its own size (see the module docstring).
-    ``source``: a path or a seekable binary file (its position is kept). Legacy non-zip files
-    are left to torch.load, which checks their storages against the bytes it reads."""
+    """Refuse a zip archive (path or seekable file, position kept) that would inflate beyond
+    its size; non-zip files are left to torch.load."""
     is_path = isinstance(source, (str, bytes, os.PathLike))
     if is_path:
         size = os.path.getsize(source)
@@ -135,9 +121,8 @@ def _check_archive(source, where: str) -> None:
 
 
 def load_weights_only(source, map_location=None, where: str = "file") -> Any:
-    """``torch.load(source, weights_only=True)`` after :func:`_check_archive`: no code runs
-    from the file and no record inflates beyond the file's size. ``source``: a path or a
-    seekable binary file. Every failure to read is a ValueError beginning with ``where``."""
+    """``torch.load(source, weights_only=True)`` after the archive and tensor checks;
+    ``source``: a path or seekable binary file. Failures: ValueError beginning with ``where``."""
     _check_archive(source, where)
     try:
         obj = torch.load(source, map_location=map_location, weights_only=True)
@@ -149,9 +134,8 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
 
 
 def iter_contents(obj: Any, root: str = "") -> Iterator[Tuple[str, Any]]:
-    """Yield ``(path, value)`` for ``obj`` and everything in it through dicts, lists and
-    tuples, depth first in order (``path`` like ``root['key'][2]``), each container once (a
-    pickle can make a list hold itself). The one walk of the checkpoint checks."""
+    """Yield ``(path, value)`` for ``obj`` and everything in its dicts, lists and tuples, depth
+    first (``path`` like ``root['key'][2]``), each container once."""
     stack, seen = [(root, obj)], set()
     while stack:
         at, o = stack.pop()
@@ -160,7 +144,6 @@ def iter_contents(obj: Any, root: str = "") -> Iterator[Tuple[str, Any]]:
                 continue
             seen.add(id(o))
         yield at, o
-        # reversed onto the stack: the entries come off in the container's order
         if isinstance(o, dict):
             stack.extend(reversed([(f"{at}[{k!r}]", v) for k, v in o.items()]))
         elif isinstance(o, (list, tuple)):
@@ -168,9 +151,8 @@ def iter_contents(obj: Any, root: str = "") -> Iterator[Tuple[str, Any]]:
 
 
 def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely") -> None:
-    """Refuse any tensor in ``obj`` that is not a strided tensor with values (not meta) whose
-    elements all have bytes of their own in its storage: the weights-only unpickler rebuilds a
-    stride-0 view as declared, and its first copy would allocate every element."""
+    """Refuse any tensor in ``obj`` that is not strided, is meta, or whose elements lack bytes
+    of their own in its storage (a stride-0 view would grow at its first copy)."""
     for at, o in iter_contents(obj):
         if not isinstance(o, torch.Tensor):
             continue

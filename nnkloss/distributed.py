@@ -1,20 +1,12 @@
 """The ``torch.distributed`` runtime: process group, sharded loaders, DDP helpers, reductions.
 
-One process per GPU, launched by torchrun. Everything here is a no-op (or returns its input)
-without a process group or in a world of one, so single-process code calls it unconditionally.
-The bank's own collectives are :mod:`nnkloss.bank.exchange`.
+One process per GPU, launched by torchrun. Without a process group, or in a world of one,
+everything here is a no-op (or returns its input). The bank's collectives are
+:mod:`nnkloss.bank.exchange`.
 
-Loss semantics under DDP: DDP averages gradients over ranks, so per-rank mean losses train on
-the mean of per-rank means, and the kernel loss's per-rank means are over counts that differ
-between ranks. :func:`global_mean` rescales each rank's mean by ``world_size * count /
-total_count`` (one all-reduce of a scalar, no host sync) so that the averaged gradient IS the
-gradient of the mean over the global batch: single-process and DDP runs take the same steps.
-
-The loss module is not wrapped in DDP, which would broadcast its buffers (the (N, D) bank) from
-rank 0 at every forward. The refresh keeps the bank identical on every rank instead
-(:mod:`nnkloss.bank.exchange`), and :func:`sync_loss_parameters` averages the gradients of its
-trainable parameters (``bank.log_weights``, ``loss.log_sigma``): identical starting values,
-averaged gradients and the same optimiser keep them identical.
+:func:`global_mean` makes DDP's averaged gradient that of the mean over the global batch.
+The loss module is not wrapped in DDP (which would broadcast the bank every forward): the
+refresh keeps banks identical, and :func:`sync_loss_parameters` averages the loss's gradients.
 """
 from __future__ import annotations
 
@@ -38,14 +30,12 @@ __all__ = [
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-# ============================================================================ process group
 def init_from_env(dist_backend: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
     """Initialise the default process group from torchrun's environment, if launched by it.
 
-    ``dist_backend``: the ``torch.distributed`` backend (default "nccl" with CUDA, else
-    "gloo"); ``timeout_s``: how long a collective may wait for the other ranks. With NCCL the
-    current CUDA device is set to ``cuda:LOCAL_RANK`` first. Returns :func:`is_distributed`
-    (False without torchrun's variables, or in a world of one). An initialised group is kept.
+    ``dist_backend``: default "nccl" with CUDA (current device set to ``cuda:LOCAL_RANK``),
+    else "gloo"; ``timeout_s``: a collective's wait. Returns :func:`is_distributed`; an
+    initialised group is kept.
     """
     if not dist.is_available():
         return False
@@ -116,11 +106,9 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-# ============================================================================ data
 def distributed_sampler(dataset, shuffle: bool, seed: int = 0, drop_last: bool = False):
-    """A :class:`~torch.utils.data.DistributedSampler` over ``dataset``, or None in a single
-    process. Each rank gets ``ceil(len / world)`` indices, some repeated to pad the last ranks
-    (the refresh handles that). Call :func:`set_sampler_epoch` every epoch when shuffling."""
+    """A :class:`~torch.utils.data.DistributedSampler` over ``dataset`` (None in one process);
+    call :func:`set_sampler_epoch` every epoch when shuffling."""
     if not is_distributed():
         return None
     from torch.utils.data import DistributedSampler
@@ -130,14 +118,11 @@ def distributed_sampler(dataset, shuffle: bool, seed: int = 0, drop_last: bool =
 
 def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = True,
                  seed: int = 0):
-    """The same DataLoader, but over this rank's DistributedSampler share (single process:
-    ``loader`` itself, untouched).
+    """``loader`` (a DataLoader with ``batch_size`` over its whole dataset) over this rank's
+    DistributedSampler share, other settings kept; ``loader`` itself in one process.
 
-    ``loader``: a DataLoader built with ``batch_size`` over its whole dataset (``shuffle``
-    True or False, no sampler of its own); its other settings are kept. ``shuffle``: default
-    whether ``loader`` shuffled (call :func:`set_sampler_epoch` every epoch). ``split_batch``:
-    divide ``batch_size`` by the world size so that one step consumes ``batch_size`` rows in
-    all (training); False keeps it per rank (embedding passes). ``seed``: the shuffle seed.
+    ``shuffle``: default whether ``loader`` shuffled. ``split_batch``: divide ``batch_size`` by
+    the world size (training); False keeps it per rank (embedding passes).
     """
     if not is_distributed():
         return loader
@@ -147,7 +132,6 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     if loader.batch_size is None:
         raise ValueError("shard_loader needs a DataLoader built with batch_size, not with a "
                          "batch_sampler: give that one a DistributedSampler yourself")
-    # The DistributedSampler covers the whole dataset: another sampler would be dropped.
     sampler = loader.sampler
     whole = (type(sampler) is SequentialSampler or (
         type(sampler) is RandomSampler and not sampler.replacement
@@ -172,8 +156,7 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
 
 
 def set_sampler_epoch(loader, epoch: int) -> None:
-    """``loader.sampler.set_epoch(epoch)`` when the loader has a sampler with that method (a
-    DistributedSampler reshuffles only when told the epoch); otherwise nothing."""
+    """``loader.sampler.set_epoch(epoch)`` where the sampler has it."""
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(int(epoch))
@@ -189,21 +172,17 @@ def per_rank_batch_size(global_batch: int) -> int:
 
 
 def comm_device(group, data_device: torch.device) -> torch.device:
-    """Where tensors must live for collectives on ``group`` (None: the world): NCCL needs the
-    current CUDA device, gloo takes CPU tensors; a mixed "cpu:gloo,cuda:nccl" group follows
-    the data on ``data_device``."""
+    """Where tensors must live for collectives on ``group``: the current CUDA device for NCCL,
+    the CPU for gloo; a mixed group follows ``data_device``."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and ("gloo" not in backend or data_device.type == "cuda"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-# ============================================================================ training
 def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_options) -> nn.Module:
-    """``DistributedDataParallel(model)`` under torch.distributed, else ``model`` itself.
-    ``device``: where the model lives (default: its first parameter's); ``ddp_options`` go to
-    DDP. Keep the unwrapped ``model`` for ``state_dict()`` and the Refresher; wrap only the
-    embedding network, not the loss module (see the module doc)."""
+    """``DistributedDataParallel(model, **ddp_options)`` under torch.distributed, else
+    ``model``. Wrap only the embedding network; keep ``model`` for state dicts."""
     if not is_distributed():
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -219,13 +198,9 @@ def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_op
 
 
 def global_mean(loss: Tensor, count, group=None) -> Tensor:
-    """Rescale a per-rank mean loss so that DDP's gradient average is the gradient of the mean
-    over the whole global batch.
-
-    ``loss``: 0-dim mean over ``count`` rows of this rank's batch (a NeighbourKernelLoss's
-    ``last_num_counted``); ``count``: a 0-dim tensor or int (0 allowed). Returns ``loss *
-    world_size * count / total_count`` (``loss`` itself in one process), whose average over
-    ranks is ``sum of all ranks' row losses / total_count``. One all-reduce, no host sync.
+    """``loss * world_size * count / total_count`` for a rank's mean ``loss`` over ``count``
+    rows (tensor or int), so that DDP's gradient average is that of the global-batch mean.
+    One all-reduce, no host sync.
     """
     if not is_distributed(group):
         return loss
@@ -239,12 +214,9 @@ def global_mean(loss: Tensor, count, group=None) -> Tensor:
 
 @torch.no_grad()
 def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
-    """Average the gradients of ``loss_module``'s trainable parameters over the ranks.
-
-    Call after ``backward()`` and before clipping and ``optimizer.step()``, on every rank,
-    every step (for a NeighbourKernelLoss: learned ``log_sigma`` and ``bank.log_weights``).
-    As DDP: every gradient becomes ``sum over ranks / world_size`` (a rank's None counts as
-    zeros); None on every rank stays None. One flat all-reduce; no host sync on NCCL.
+    """Average ``loss_module``'s trainable gradients over the ranks, as DDP does (a rank's
+    None counts as zeros; None everywhere stays None). Call on every rank after ``backward()``,
+    before clipping and the step. One flat all-reduce.
     """
     if not is_distributed(group):
         return
@@ -265,7 +237,6 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
         g = flat[offset:offset + p.numel()].view(p.shape)
         offset += p.numel()
         if p.grad is None:
-            # reading the flag syncs, only for parameters without a gradient here
             if bool(flags[i] > 0):
                 p.grad = g.to(p.device, p.dtype).clone()
         else:
@@ -274,8 +245,7 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
 
 @torch.no_grad()
 def sum_over_ranks(value):
-    """The sum of ``value`` (a number or a tensor) over all ranks, the same type back (the
-    value itself in a single process). For logs: one all-reduce; a host sync for numbers."""
+    """The sum of ``value`` (number or tensor) over all ranks, of the same type."""
     if not is_distributed():
         return value
     if isinstance(value, Tensor):
@@ -296,9 +266,7 @@ def mean_over_ranks(value):
 
 @torch.no_grad()
 def broadcast_buffers(module: nn.Module, src: int = 0, group=None) -> None:
-    """Overwrite every buffer of ``module`` (BatchNorm statistics, ...) with rank ``src``'s:
-    DDP broadcasts them at the start of each forward, so after the last step they differ by
-    the last local update; a refresh syncs them so that every rank embeds alike."""
+    """Overwrite every buffer of ``module`` with rank ``src``'s, so that ranks embed alike."""
     if not is_distributed(group):
         return
     for buf in module.buffers():

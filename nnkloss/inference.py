@@ -1,29 +1,13 @@
-"""The network at inference: what embedding a whole data set runs (a bank's refresh, an
-evaluation), made cheaper without changing what it computes.
+"""The network at inference (a refresh's or an evaluation's embedding pass), made cheaper
+without changing what it computes.
 
-:func:`inference_model` returns an eval-mode module whose forward is the model's own in eval
-mode, with every BatchNorm that directly follows a convolution or linear layer inside an
-``nn.Sequential`` folded into that layer's weights and bias. In eval mode a BatchNorm is the
-per-channel affine map ``y = (x - mean) / sqrt(var + eps) * gamma + beta`` with fixed
-statistics, so it composes with the layer before it into one layer
-(``torch.nn.utils.fusion``): one pass over the activations less per BatchNorm, and no
-(B, C, H, W) intermediate between the two. The folded statistics are the running ones: a
-bank's refresh recalibrates them first (:func:`nnkloss.bank.refresh.recalibrate_batch_norms`).
-
-Only ``nn.Sequential`` containers are rewritten, because only there the layer's output is
-known to be the BatchNorm's input: a module's own ``forward`` may use the two in any order.
-A pair is folded only where each is of exactly one of torch's classes (a subclass may override
-``forward``), the container's ``forward`` is ``nn.Sequential``'s, neither module has a hook,
-and the BatchNorm uses running statistics in eval mode (``track_running_stats`` with its
-buffers present; otherwise it normalises with each batch's own statistics, which no weight can
-hold). A Linear's BatchNorm1d must have one feature per output feature, and is folded for
-2-D inputs only: on a (B, C, L) input it normalises the C channels, not the Linear's outputs,
-and the pair runs unfolded. Everything else runs as it is. The model itself is never
-modified: the folding happens in a copy, made only when there is a pair to fold. Run as they
-are: models holding a (Distributed)DataParallel wrapper (a copy would be a second process-group
-participant), a ``torch.compile``'d module (it would compile again at every call), a parameter
-that is not a plain ``nn.Parameter`` (FSDP's, lazy ones: not whole tensors a fold could read),
-or anything ``copy.deepcopy`` cannot copy.
+:func:`inference_model` folds every eval-mode BatchNorm that directly follows a convolution or
+linear layer inside an ``nn.Sequential`` into that layer (``torch.nn.utils.fusion``), in a copy.
+A pair folds only where both are exactly torch's classes, the container's ``forward`` is
+``nn.Sequential``'s, neither has a hook and the BatchNorm tracks running statistics; a
+Linear's BatchNorm1d folds for 2-D inputs only. Models holding a data-parallel wrapper, a
+``torch.compile``'d module, non-plain parameters, or that cannot be deep-copied run as they
+are.
 """
 from __future__ import annotations
 
@@ -59,9 +43,7 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _folds(layer: nn.Module, bn: nn.Module) -> bool:
-    # torch's linear fold needs the BatchNorm's affine parameters (its conv fold does not),
-    # and one BatchNorm feature per output feature (else the pair runs only on (B, C, L)
-    # inputs, which no fold holds: see _LinearBatchNorm; torch's fold asserted on it).
+    # torch's linear fold needs an affine BatchNorm of one feature per output feature.
     return (_FOLDABLE.get(type(layer)) is type(bn) and bn.track_running_stats
             and bn.running_mean is not None and bn.running_var is not None
             and (not isinstance(layer, nn.Linear)
@@ -70,11 +52,8 @@ def _folds(layer: nn.Module, bn: nn.Module) -> bool:
 
 
 class _LinearBatchNorm(nn.Module):
-    """A Linear and the BatchNorm1d after it, folded (``fused``) for 2-D inputs, the only
-    ones where the BatchNorm normalises the Linear's output features. On a (B, C, L) input
-    the Linear maps L and the BatchNorm normalises the C channels, which no Linear weight can
-    hold (where C equals the output features the fold ran and returned other embeddings):
-    such inputs run the Linear and then the BatchNorm's eval-mode map, unfolded."""
+    """A Linear and its BatchNorm1d: folded (``fused``) for 2-D inputs; a (B, C, L) input,
+    where the BatchNorm normalises the channels, runs the two unfolded."""
 
     def __init__(self, fused: nn.Linear, layer: nn.Linear, bn: nn.BatchNorm1d):
         super().__init__()
@@ -93,9 +72,8 @@ class _LinearBatchNorm(nn.Module):
 
 
 def _wrapped(model: nn.Module) -> bool:
-    """Whether the model holds a data-parallel wrapper, a torch.compile'd module, or a
-    parameter that is not a plain ``nn.Parameter`` (FSDP's flat or sharded parameters, a lazy
-    module's uninitialised ones, other subclasses): see the module's docstring."""
+    """Whether the model holds a data-parallel wrapper, a compiled module or a parameter that
+    is not a plain ``nn.Parameter``."""
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     return (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
             or any(type(p) is not nn.Parameter for p in model.parameters()))
@@ -123,16 +101,9 @@ def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:
 
 @torch.no_grad()
 def inference_model(model: nn.Module) -> nn.Module:
-    """An eval-mode module that computes what ``model.eval()`` computes, with each foldable
-    (layer, BatchNorm) pair of an ``nn.Sequential`` folded into the layer (see the module's
-    docstring); ``model`` itself, in whatever mode it is, where there is no such pair.
-
-    The result is a copy: the model, its parameters and its mode are left as they were, so
-    call this again after the weights change (each refresh, each evaluation). The copy's
-    parameters take no gradient; while it lives it holds a second set of the model's
-    parameters and buffers, on the model's devices (the package's callers keep it for one
-    pass over a set). Its outputs equal the model's in eval mode up to rounding
-    (the folded weights are products, rounded once)."""
+    """An eval-mode copy of ``model`` with its foldable pairs folded (equal to ``model.eval()``
+    up to rounding, no gradients), or ``model`` itself where nothing folds. ``model`` is left
+    as it was; call again after its weights change."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     pairs = foldable_pairs(model)
@@ -140,8 +111,8 @@ def inference_model(model: nn.Module) -> nn.Module:
         return model
     try:
         out = copy.deepcopy(model)
-    except Exception:  # noqa: BLE001 - e.g. a lock or an open file among its attributes
-        return model  # what cannot be copied runs as it is: the fold is only a speed-up
+    except Exception:  # noqa: BLE001 - e.g. a lock among its attributes
+        return model  # the fold is only a speed-up
     out.eval()
     modules = dict(out.named_modules())
     for name, i in pairs:
@@ -154,7 +125,6 @@ def inference_model(model: nn.Module) -> nn.Module:
             fused = fuse_conv_bn_eval(layer, bn)
             if layer.weight.dim() == 4 and layer.weight.is_contiguous(
                     memory_format=torch.channels_last):
-                # Keep the layout the model chose (oneDNN's channels_last convolutions).
                 fused.weight.data = fused.weight.data.contiguous(
                     memory_format=torch.channels_last)
         seq._modules[keys[i]] = fused

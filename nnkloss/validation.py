@@ -1,16 +1,9 @@
 """Argument checks of the whole package: clear errors that name the argument, never garbage.
 
-Shape, dtype and device checks cost nothing and always run. Value checks (index range,
-negative weights, sigma <= 0, non-finite embeddings and gathered centres, a batch's labels
-against its bank rows) read tensor contents; on a GPU that is one host synchronisation, so a
-hot loop can switch them off with ``nnkloss.value_checks(False)``. They are skipped under
-``torch.compile``.
-
-This module imports nothing of the package: the op hands the value checks its backend's
-one-pass reads (``fused``: ``gathered_rows_finite``, ``value_flags``), where the torch forms
-here would read more. On CPU tensors the functional op checks the gathered centres after the
-op, from its per-row losses (ops/CONTRACT.md rule 6: a row that gathers a non-finite centre
-value is NaN), and reads them only when some row is NaN (:func:`defers_gathered_centres`).
+Shape, dtype and device checks are free and always run. Value checks read tensor contents
+(one host sync on a GPU): ``nnkloss.value_checks(False)`` switches them off; they are skipped
+under ``torch.compile``. This module imports nothing of the package: the op passes its
+backend's one-pass reads in as ``fused``.
 """
 from __future__ import annotations
 
@@ -36,9 +29,7 @@ def value_checks_enabled() -> bool:
 @contextlib.contextmanager
 def value_checks(enabled: bool):
     """``with nnkloss.value_checks(False): ...`` runs the block without the data-dependent
-    checks (no host synchronisation for them on a GPU); the previous setting comes back on
-    exit, exceptions included. On by default. Nestable; not thread-local (one switch for the
-    process, as a hot loop wants)."""
+    checks; the previous setting returns on exit. On by default; nestable; process-wide."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
     global _VALUE_CHECKS
@@ -62,20 +53,14 @@ def compiling() -> bool:
 
 
 def plain_eager(*tensors) -> bool:
-    """True outside torch.compile / export tracing, with no dispatch mode active (fake
-    tensors, FlopCounterMode, ...), for tensors of the plain Tensor type: where calling a
-    compiled CPU routine directly, instead of a custom op or torch's own ops, changes nothing
-    but the time."""
+    """True outside tracing, with no dispatch mode active, for plain Tensors: where a direct
+    call of a compiled routine changes nothing but the time."""
     if _dispatch_modes is None or compiling() or _dispatch_modes() != 0:
         return False
     for t in tensors:  # a loop, not all(<generator>): cheaper a call
         if type(t) not in _PLAIN_TENSOR_TYPES:
             return False
     return True
-
-
-def is_integer_dtype(dtype: torch.dtype) -> bool:
-    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
 def require_tensor(name, t):
@@ -87,16 +72,13 @@ def require_int(name, t, ndim):
     require_tensor(name, t)
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not is_integer_dtype(t.dtype):
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
 
 
 def as_index(t):
-    """The integer tensor ``t`` (already checked by :func:`require_int`: an index or labels)
-    as torch indexes and compares with: int32 / int64 as it is, other integer dtypes as int64.
-    Indexing reads a uint8 tensor as a boolean mask (other rows, silently) and refuses int8 /
-    int16, and comparisons refuse to promote uint16 / uint32 / uint64 against int32 / int64,
-    with errors that name no argument."""
+    """The integer tensor ``t`` as int32 / int64 (others as int64): torch indexes with a uint8
+    tensor as a mask and refuses some other integer dtypes with errors that name nothing."""
     return t if t.dtype in (torch.int32, torch.int64) else t.long()
 
 
@@ -109,8 +91,7 @@ def require_float(name, t, ndim, dtypes=FLOAT_DTYPES):
 
 
 def require_labelled(name, t, labels_name, labels, dtypes=FLOAT_DTYPES) -> int:
-    """``t`` (n, D) float, D >= 1, with ``labels`` (n,) integer, one label per row; returns
-    n. (With D = 0 every distance is 0 and every neighbour a tie: nothing to search.)"""
+    """``t`` (n, D) float, D >= 1, with ``labels`` (n,) integer; returns n."""
     require_float(name, t, 2, dtypes)
     if t.shape[1] == 0:
         raise ValueError(f"{name} must have at least one column (D >= 1)")
@@ -138,33 +119,25 @@ def require_positive_int(name, v) -> int:
 
 
 def maybe_nonfinite(t) -> torch.Tensor:
-    """0-dim bool tensor on t's device, without a host read: False proves every value of the
-    float tensor ``t`` finite; True means "perhaps not" (ask :func:`all_finite`).
-
-    It is the sum, accumulated in fp32 (fp64 for fp64), that is tested: any NaN or inf makes an
-    IEEE sum NaN or inf, so a finite sum proves them absent. A sum can also overflow with
-    finite values (|values| near the dtype's maximum), hence "perhaps". One vectorised read
-    instead of ``isfinite(t).all()``'s elementwise pass and bool tensor."""
+    """0-dim bool tensor, without a host read: False proves every value of ``t`` finite (its
+    sum is); True means "perhaps not" (a sum of finite values can overflow)."""
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     return ~torch.isfinite(t.detach().sum(dtype=acc))
 
 
 def all_finite(t) -> bool:
-    """Whether every value of the float tensor ``t`` is finite (one host read): the sum's test
-    of :func:`maybe_nonfinite`, and the exact elementwise test only where that is inconclusive
-    (a non-finite value, or a finite sum that overflowed)."""
+    """Whether every value of ``t`` is finite: :func:`maybe_nonfinite`, settled elementwise
+    only where it is inconclusive."""
     return not bool(maybe_nonfinite(t)) or _every_value_finite(t)
 
 
 def _every_value_finite(t) -> bool:
-    """The exact elementwise test (one host read): where the sum's test is inconclusive."""
     return bool(torch.isfinite(t.detach()).all())
 
 
 def negative_or_nonfinite(w) -> torch.Tensor:
-    """0-dim bool tensor, without a host read: whether the float tensor ``w`` holds a negative,
-    NaN or infinite value. Exact, from its minimum and maximum in one pass (``aminmax``
-    propagates NaN, which fails both comparisons)."""
+    """0-dim bool tensor, without a host read: whether ``w`` holds a negative, NaN or infinite
+    value (from ``aminmax``, which propagates NaN)."""
     if w.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=w.device)
     lo, hi = torch.aminmax(w.detach())
@@ -172,14 +145,13 @@ def negative_or_nonfinite(w) -> torch.Tensor:
 
 
 def nonnegative_finite(w) -> bool:
-    """Whether every value of the float tensor ``w`` is finite and >= 0 (one host read)."""
+    """Whether every value of ``w`` is finite and >= 0 (one host read)."""
     return not bool(negative_or_nonfinite(w))
 
 
 def check_batch(emb, labels, idx, centres):
-    """The batch of a loss over a bank whose centres are ``centres``: emb (B, D) float on the
-    centres' device and of their dimension, labels (B,) int, idx (B,) int rows. Returns labels
-    and idx as torch indexes with them (:func:`as_index`), labels on emb's device."""
+    """Check a bank loss's batch (emb (B, D) float on the centres' device, labels and idx
+    (B,) int); returns labels (on emb's device) and idx through :func:`as_index`."""
     require_float("emb", emb, 2)
     require_int("labels", labels, 1)
     require_int("idx", idx, 1)
@@ -199,7 +171,7 @@ def check_batch(emb, labels, idx, centres):
 
 
 def _sigma_tensor(sigma, name: str):
-    """``sigma`` if it is a one-element float tensor (shape, dtype), else the error naming it."""
+    """``sigma`` if it is a one-element float tensor, else the error naming ``name``."""
     if sigma.numel() != 1 or sigma.dim() > 1:
         raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape "
                          f"{tuple(sigma.shape)}")
@@ -209,11 +181,8 @@ def _sigma_tensor(sigma, name: str):
 
 
 def require_sigma(sigma, name: str = "sigma") -> float:
-    """``sigma`` as a positive finite float: the package's one sigma check.
-
-    Takes a real number or a one-element tensor (read once: a host sync on GPU). Raises
-    TypeError for anything else (bools and strings included) and ValueError for <= 0, inf or
-    NaN, naming ``name``."""
+    """``sigma`` (a real number or one-element tensor) as a positive finite float; TypeError
+    or ValueError naming ``name``. The package's one sigma check."""
     if isinstance(sigma, torch.Tensor):
         sigma = float(_sigma_tensor(sigma, name).detach())
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
@@ -225,9 +194,8 @@ def require_sigma(sigma, name: str = "sigma") -> float:
 
 
 def check_sigma(sigma, device):
-    """Sigma for the functional op: a 0-dim tensor on ``device``. A float is checked by
-    :func:`require_sigma`; a tensor's shape, dtype and device are checked here (free) and its
-    value by :func:`check_values` (with the other value checks, one sync)."""
+    """Sigma for the functional op as a 0-dim tensor on ``device``; a tensor's value is left to
+    :func:`check_values`."""
     if isinstance(sigma, torch.Tensor):
         _sigma_tensor(sigma, "sigma")
         if sigma.device != device:
@@ -235,12 +203,9 @@ def check_sigma(sigma, device):
         return sigma if sigma.dim() == 0 else sigma.reshape(())
     value = require_sigma(sigma)
     if compiling():
-        # Traced, torch.full (and torch.tensor) specialise the graph on the float's value:
-        # under aot_eager / inductor a new sigma each call (a schedule) recompiled every time,
-        # then ran eagerly past the recompile limit. A product with it keeps it symbolic.
+        # torch.full would specialise the graph on the value (a recompile per sigma).
         return torch.ones((), dtype=torch.float32, device=device).mul_(value)
-    # torch.full fills on the device: torch.tensor(float, device="cuda") is a copy from host
-    # memory, which waits for the stream (a host sync on every call of the functional op)
+    # torch.full fills on the device; torch.tensor would copy from the host (a sync).
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
@@ -284,9 +249,7 @@ def check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduc
 
 
 def _gathered_rows_finite(centres, neighbours, fused=None):
-    """0-dim bool: every centre row that ``neighbours`` gathers is finite. Reads only those
-    rows (O(B*K*D)), never the whole (N, D) bank: in one pass by ``fused`` where it takes
-    them (plain eager tensors), elsewhere by torch in chunks of bounded size."""
+    """0-dim bool: every centre row ``neighbours`` gathers is finite; reads only those rows."""
     if fused is not None and plain_eager(centres, neighbours):
         out = fused.gathered_rows_finite(centres, neighbours)
         if out is not None:
@@ -308,11 +271,9 @@ _CENTRES_NOT_FINITE = "centres contain NaN or inf in rows that neighbours gather
 
 
 def defers_gathered_centres(device) -> bool:
-    """Whether :func:`check_values` (asked with ``centres_after_op=True``) leaves the gathered
-    centres to :func:`check_gathered_centres_after_op`: on CPU tensors only. There the op has
-    finished when it returns, so reading its (B,) losses costs one reduction, where the
-    B x K x D read costs more than the op. On a GPU the read before the op joins the checks'
-    one host synchronisation; a check after the op would be a second one."""
+    """Whether :func:`check_values` (with ``centres_after_op=True``) leaves the gathered
+    centres to :func:`check_gathered_centres_after_op`: on CPU tensors, where reading the op's
+    losses is cheaper than the gather; on a GPU it would be a second sync."""
     return torch.device(device).type == "cpu"
 
 
@@ -320,16 +281,11 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
                  fused=None) -> bool:
     """Data-dependent checks, one host synchronisation in all. No-op when disabled or compiling.
 
-    Non-finite values are refused, naming the argument (centres: only the gathered rows are
-    read). With the checks off they propagate instead: the rows they touch get a NaN loss.
-    ``fused``: the op's backend, whose one-pass reads (``value_flags``,
-    ``gathered_rows_finite``) serve where they apply.
-
-    ``centres_after_op=True`` (the caller's op follows ops/CONTRACT.md rule 6) lets CPU tensors
-    skip the read of the gathered centres here; the caller must then pass the op's losses to
-    :func:`check_gathered_centres_after_op`, which raises the same error. Returns True exactly
-    when it did so. The index range, ``emb``, ``sigma`` and ``weights`` are always checked
-    before the op (an index out of range must never reach a kernel).
+    Non-finite values are refused naming the argument (with the checks off they propagate as
+    NaN losses). ``fused``: the op's backend, whose one-pass reads serve where they apply.
+    With ``centres_after_op=True`` (ops/CONTRACT.md rule 6) CPU tensors defer the gathered
+    centres to :func:`check_gathered_centres_after_op`; returns True exactly then. The index
+    range is always checked before the op.
     """
     if not _VALUE_CHECKS or compiling():
         return False
@@ -341,8 +297,7 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
         s = float(sigma.detach())  # a CPU tensor: read, no synchronisation
         listed = neighbours.numel() > 0
         out_of_range = listed and (hi >= N or lo < -1)
-        # No centre row is read through a list that holds an index outside the bank: that
-        # error is raised below, naming the index.
+        # No centre is read through an out-of-range index: that error is raised below.
         bad = [listed and hi >= N, listed and lo < -1, emb_bad, not (0 < s < float("inf")),
                not (defer or out_of_range)
                and not bool(_gathered_rows_finite(centres, neighbours, fused))]
@@ -372,8 +327,7 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
     if bad[3]:
         raise ValueError(f"sigma must be positive and finite, got {float(sigma)}")
     has_bad_weights = len(bad) > 5 and bad[5]
-    # Deferred or not, non-finite centres are named before bad weights, as they always were:
-    # on that (failing) path the gathered rows are read here after all.
+    # Non-finite centres are named before bad weights, deferred or not.
     if bad[4] or (defer and has_bad_weights
                   and not bool(_gathered_rows_finite(centres, neighbours, fused))):
         raise ValueError(_CENTRES_NOT_FINITE)
@@ -383,12 +337,9 @@ def check_values(emb, centres, neighbours, weights, sigma, centres_after_op=Fals
 
 
 def check_gathered_centres_after_op(per_row, centres, neighbours, fused=None) -> None:
-    """The deferred half of :func:`check_values` (call it only when that returned True), with
-    the op's (B,) per-row losses, or their 0-dim sum or mean (NaN exactly when a row is: a
-    finite row's loss is finite and >= 0). When no row is NaN no centre is read. Otherwise the
-    gathered rows are read to find the cause: non-finite centres raise the ValueError of
-    :func:`check_values`; any other cause (a scaled distance beyond fp32) is not an error: the
-    NaN propagates, as with the checks off."""
+    """The deferred half of :func:`check_values` (only when that returned True), given the
+    op's (B,) losses or their sum or mean. Only when one is NaN are the gathered rows read:
+    non-finite centres raise :func:`check_values`'s error; another cause propagates."""
     if per_row.dim() == 0:
         if not math.isnan(float(per_row.detach())):
             return

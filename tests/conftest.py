@@ -16,7 +16,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors, which "
                             "needs TRITON_INTERPRET=1 (set here when there is no GPU)")
-    config.addinivalue_line("markers", "slow: longer end-to-end tests")
+    config.addinivalue_line("markers", "slow: the slow tier (builds, the gate, several "
+                            "processes, real data): python -m pytest -q -m slow tests")
+
+
+# The slow tier: C++ builds of the CPU library, the Triton build gate, runs of several
+# processes, real data and the longest sweeps. `python -m pytest -q tests` leaves it out
+# (pytest.ini); `python -m pytest -q -m slow tests` runs it; CI runs both.
+SLOW_FILES = {
+    "test_kernels_build_gate.py",   # every gated build through Triton's compiler and ptxas
+    "test_cpu_build.py",            # fresh builds of the CPU library, racing and planted ones
+    "test_cpu_csrc_codegen.py",     # the library built and disassembled per instruction set
+    "test_cpu_variants.py",         # one build per compile-time variant
+    "test_distributed.py",          # process groups of two processes
+    "test_exchange.py",             # the refresh split over two processes
+}
+SLOW_TESTS = (
+    "test_fashion_mnist.py::test_one_epoch_on_real_images",
+    "test_cpu_search.py::test_selection_is_exact_in_an_avx2_build_too",
+    "test_kernels_entry_grads.py::test_entry_terms_match_the_torch_form[700-",
+)
+
+
+def _is_slow(item) -> bool:
+    path = item.nodeid.split("::", 1)[0]
+    name = os.path.basename(path) + item.nodeid[len(path):]
+    return os.path.basename(path) in SLOW_FILES or name.startswith(SLOW_TESTS)
 
 
 def _uses_cpu_triton(item) -> bool:
@@ -28,8 +53,14 @@ def _uses_cpu_triton(item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers added here
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
         if _uses_cpu_triton(item):
             item.add_marker(pytest.mark.interpreter)
+            # numpy's overflow / invalid-value warnings of the interpreter's exp and max on
+            # the -inf and NaN rows the tests feed on purpose
+            item.add_marker(pytest.mark.filterwarnings(
+                "ignore::RuntimeWarning:triton.runtime.interpreter"))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:

@@ -1,4 +1,5 @@
 """Class-conditional loss (CCML Eq. 15) against a plain per-row reference, values and gradients."""
+import inspect
 import math
 
 import pytest
@@ -252,7 +253,9 @@ def test_selection_distances_are_the_fused_forwards(monkeypatch, dtype):
     real = cpu.forward
 
     def spy(*a, **kw):
-        calls.append((kw.get("store_dist"), kw.get("need_grad_x")))
+        bound = inspect.signature(real).bind(*a, **kw)
+        bound.apply_defaults()
+        calls.append((bound.arguments["store_dist"], bound.arguments["need_grad_x"]))
         return real(*a, **kw)
     monkeypatch.setattr(cpu, "forward", spy)
     d = ccml._list_distances(emb, labels, centres, centre_labels, nb, None)

@@ -568,6 +568,63 @@ def test_scale_rows_applies_the_row_rule_of_lse_pos_and_reads_an_expanded_g(dtyp
 
 
 @kernel
+@pytest.mark.parametrize("emb_dtype", [torch.float32, torch.float64])
+def test_forward_with_mean_writes_counted_and_their_mean_in_the_same_call(emb_dtype, recorded):
+    """``mean=True``: one nnk_forward call also gives counted (lse_pos not -inf: a NaN row
+    counts) and the counted mean and divisor, with the bits of the separate pass
+    (nnk_counted_mean) and within rounding of torch's sum / count; an empty batch: 0 and 1."""
+    from nnkloss.ops import reference as ops_ref
+    emb, labels, centres, cl, nb, w, s = make(B=11, K=6, D=9, N=30, emb_dtype=emb_dtype,
+                                              seed=21)
+    emb[5, 0] = float("nan")
+    for weights in (w, None):
+        five = cpu.forward(emb, labels, centres, cl, nb, weights, s)
+        recorded.calls.clear()
+        out = cpu.forward(emb, labels, centres, cl, nb, weights, s, mean=True)
+        assert recorded.names() == ["nnk_forward"] and len(out) == 8
+        for a, b in zip(out[:5], five):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        counted, mean, divisor = out[5:]
+        assert torch.equal(counted, ops_ref.counted_rows(out[2])) and counted[5]
+        assert not counted[2]  # no positive
+        sep = cpu.counted_mean(out[0], counted)
+        assert torch.equal(divisor, sep[1]) and divisor.item() == counted.sum().item()
+        assert mean.isnan() and sep[0].isnan()
+    ok = torch.ones(11, dtype=torch.bool)
+    ok[5] = False
+    out = cpu.forward(emb[ok], labels[ok], centres, cl, nb[ok], w, s, mean=True)
+    want = ops_ref.counted_mean(out[0].double(), out[5])[0]
+    assert torch.equal(out[6], cpu.counted_mean(out[0], out[5])[0])
+    torch.testing.assert_close(out[6].double(), want, rtol=1e-6, atol=0)
+    empty = cpu.forward(emb[:0], labels[:0], centres, cl, nb[:0], w, s, mean=True)
+    assert empty[6].item() == 0 and empty[7].item() == 1 and empty[5].shape == (0,)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scale_rows_divides_a_mean_gradient_with_the_bits_of_torchs_division(dtype, recorded):
+    """A 0-dim g and the mean's divisor are read as they are (one call, no scalar built
+    first) and give the bits of torch's ``g / divisor`` then the scaling; a g or divisor of
+    another dtype is divided first in its own dtype, as torch's form does."""
+    from nnkloss.ops import reference as ops_ref
+    gen = torch.Generator().manual_seed(5)
+    grad_x = torch.randn(13, 7, dtype=dtype, generator=gen)
+    lse_pos = torch.randn(13, dtype=dtype, generator=gen)
+    lse_pos[4] = float("-inf")
+    for g, divisor in ((torch.tensor(0.3, dtype=dtype), torch.tensor(7.0, dtype=dtype)),
+                       (torch.randn(13, dtype=dtype, generator=gen),
+                        torch.tensor(3.0, dtype=dtype)),
+                       (torch.tensor(0.3, dtype=torch.float64),
+                        torch.tensor(7.0, dtype=torch.float64)),
+                       (torch.tensor(0.3, dtype=dtype), None)):
+        recorded.calls.clear()
+        got = cpu.scale_rows(grad_x, g, lse_pos, divisor)
+        assert recorded.names() == ["nnk_scale_rows"]
+        assert torch.equal(got, ops_ref.scale_rows(grad_x, g, lse_pos, dtype, divisor))
+        assert not got[4].any()
+
+
+@kernel
 def test_op_nan_row_reaches_the_mean_on_the_cpu_backend():
     emb, labels, centres, cl, nb, w, s = make(B=6, K=4, D=5, N=12, seed=12)
     emb = emb.clone()

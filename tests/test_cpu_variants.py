@@ -101,6 +101,7 @@ def test_in_turn_puts_every_variant_in_every_position_equally_often():
     assert all(sorted(order) == libs for order in rounds)
 
 
+@pytest.mark.filterwarnings("ignore:nnkloss. compiled CPU kernel unavailable:RuntimeWarning")
 def test_a_variant_that_does_not_build_stops_the_run_naming_it(private_tmp):
     with pytest.raises(SystemExit, match=r"NNK_PREFETCH_BYTES=\)"):
         cpu_variants.build("NNK_PREFETCH_BYTES=)")  # a syntax error where it is used

@@ -1045,8 +1045,16 @@ def test_async_refresh_of_a_cpu_bank_beside_a_cuda_model_is_swapped_in(monkeypat
               progress=False).refresh()
     ref = Refresher(async_bank, model, make_loader(x, y), k=6, search_backend="torch",
                     progress=False, device="cuda", async_mode=True)
+    thread_args = []
+
+    class Thread(threading.Thread):  # the side stream handed to the worker, kept by the test
+        def __init__(self, *a, **kw):  # (a finished Thread drops its own _args)
+            thread_args.append(kw.get("args"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(refresh_mod.threading, "Thread", Thread)
     ref.request()
-    side = ref._thread and ref._thread._args[3]
+    side = thread_args[-1][3]
     assert isinstance(side, _FakeCudaStream) and side.device == torch.device("cuda")
     assert ref.wait() is not None
     assert torch.equal(async_bank.centres, sync_bank.centres)

@@ -43,10 +43,9 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
 
 
 def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
-    """Refuse centres whose elements share memory (an ``expand()``-ed view), where they are
-    given rather than at the first in-place write (:meth:`CentreBank.write_centres_`) mid-
-    training. From the strides alone: sorted by stride, each dimension of size > 1 must step
-    past everything the ones before it span (a slice or a transpose passes)."""
+    """Refuse centres whose elements share memory (an ``expand()``-ed view) when given, not at
+    the first in-place write: sorted by stride, each dimension must step past what the ones
+    before it span."""
     span = 0  # elements past the first that the dimensions so far reach
     for stride, size in sorted((abs(st), s) for s, st in zip(centres.shape, centres.stride())
                                if s > 1):
@@ -58,8 +57,7 @@ def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
 
 
 def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:
-    """Warn once, where they are given, that strided centres cost every loss call a copy of
-    the whole bank (the bank keeps the tensor it is given; its readers want it contiguous)."""
+    """Warn, when given, that strided centres cost every loss call a copy of the bank."""
     if centres.numel() and not centres.is_contiguous():
         warnings.warn(f"{name} are not contiguous (strides {tuple(centres.stride())} for shape "
                       f"{tuple(centres.shape)}): every loss call will copy the whole bank to "
@@ -110,8 +108,8 @@ def _require_finite_cast(given: Tensor, cast: Tensor) -> None:
 
 def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
                           log_weights: Tensor, learned: bool, prefix: str = "") -> None:
-    """What :meth:`CentreBank.update_` checks, for a whole bank read from disk (a state dict
-    or a checkpoint), with errors naming the field (``prefix`` + name, ``bank.neighbours``)."""
+    """:meth:`CentreBank.update_`'s checks for a whole bank read from disk; errors name the
+    field as ``prefix`` + name."""
     for name, t in (("centres", centres), ("centre_labels", centre_labels),
                     ("neighbours", neighbours),
                     ("log_weights", log_weights)):
@@ -132,19 +130,16 @@ def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Te
 class CentreBank(nn.Module):
     """Kernel centres of a training set, one row per example (or per class centroid).
 
-    Buffers (all move with ``.to(device)`` and are saved by ``state_dict()``):
+    Buffers:
         centres: (N, D) fp32/bf16/fp16.
-        centre_labels: (N,) int32 (int64 for class ids beyond int32): the centres' labels
-            (a batch's labels are ``labels`` in the losses' ``forward(emb, labels, idx)``).
-        neighbours: (N, K) int32 (int64 from N = 2**31 on), -1 = padding; (N, 0) until lists
-            are set (four bytes per index and label: the loss reads both per neighbour).
+        centre_labels: (N,) int32 (int64 for class ids beyond int32).
+        neighbours: (N, K) int32 (int64 from N = 2**31 on), -1 = padding; (N, 0) until set.
     Parameter:
-        log_weights: (N,) fp32, ``weights = exp(log_weights)``; it requires grad only with
-            ``learn_weights=True`` (learned for classification, 1 for metric learning).
+        log_weights: (N,) fp32, ``weights = exp(log_weights)``; requires grad only with
+            ``learn_weights=True``.
 
-    Writes go through :meth:`update_`, which validates everything first and then swaps the new
-    tensors in together: readers never see a half-written bank. State dicts are versioned:
-    version 1 (or none) named the centre labels ``labels``, read as ``centre_labels``.
+    :meth:`update_` validates everything, then swaps the tensors in together. State dict
+    version 1 (or none) named ``centre_labels`` ``labels``; it is read as such.
     """
 
     _version = 2
@@ -176,7 +171,6 @@ class CentreBank(nn.Module):
         self.log_weights = nn.Parameter(log_w, requires_grad=learn_weights)
         self._uniform_weights = weights is None
 
-    # ---------------------------------------------------------------- properties
     @property
     def num_centres(self) -> int:
         return self.centres.shape[0]
@@ -224,17 +218,15 @@ class CentreBank(nn.Module):
             return None
         return self.weights
 
-    # ---------------------------------------------------------------- writing
     @torch.no_grad()
     def update_(self, centres: Optional[Tensor] = None, centre_labels: Optional[Tensor] = None,
                 neighbours: Optional[Tensor] = None, weights: Optional[Tensor] = None
                 ) -> "CentreBank":
         """Validate the new tensors, then swap them all in at once (nothing changes on error).
-        Shapes may change (a bank can grow) as long as everything ends up consistent; a change
-        of N without new lists clears the lists. Tensors move to the bank's device and dtype.
-        """
+        N may change; a new N without new lists clears the lists. Tensors move to the bank's
+        device and dtype."""
         dev = self.centres.device
-        # Checked as given, before the casts (which would hide integer centres or float lists).
+        # Checked as given: the casts would hide integer centres.
         if centres is not None:
             require_float("centres", centres, 2)
         if centre_labels is not None:
@@ -268,15 +260,13 @@ class CentreBank(nn.Module):
                 raise ValueError("the bank shrank: pass weights for the new set of centres")
             new_lw = torch.cat([self.log_weights.detach(),
                                 torch.zeros(grow, device=dev, dtype=torch.float32)])
-        # Everything is valid: swap in together.
         self.centres = new_c
         self.centre_labels = _compact_labels(new_l)
         self.neighbours = new_nb
         if new_lw is not None:
             if new_lw.shape == self.log_weights.shape:
                 self.log_weights.data.copy_(new_lw)  # keeps optimiser references valid
-            else:  # resize the SAME parameter: an optimiser holding it keeps training it (its
-                # per-parameter state of the old size no longer fits: the Trainer pads it)
+            else:  # the same Parameter, resized: optimisers keep training it
                 self.log_weights.data = new_lw
                 self.log_weights.grad = None
             if weights is not None:
@@ -289,12 +279,8 @@ class CentreBank(nn.Module):
 
     def rebuild_neighbours(self, k: int, search_backend: str = "auto", ensure_positive: bool = False,
                            **knn_options):
-        """Recompute the (N, k) lists from the current centres (own row excluded) and set them.
-
-        ``k``: 1 <= k <= N - 1 (ValueError naming k otherwise); ``search_backend``,
-        ``ensure_positive`` and ``knn_options`` as in :func:`nnkloss.bank.search.neighbour_lists`.
-        Returns the :class:`nnkloss.bank.search.NeighbourLists` that was installed.
-        """
+        """Recompute and set the (N, k) lists from the current centres, 1 <= k <= N - 1; options
+        as in :func:`nnkloss.bank.search.neighbour_lists`. Returns the NeighbourLists set."""
         lists = neighbour_lists(self.centres, self.centre_labels, k,
                                 search_backend=search_backend, ensure_positive=ensure_positive,
                                 **knn_options)
@@ -303,17 +289,12 @@ class CentreBank(nn.Module):
 
     @torch.no_grad()
     def write_centres_(self, idx: Tensor, emb: Tensor, momentum: float = 0.0) -> "CentreBank":
-        """Overwrite the centres of rows ``idx`` in place with fresh embeddings (no re-embedding
-        pass): ``centres[idx] = momentum * centres[idx] + (1 - momentum) * emb``.
+        """In place: ``centres[idx] = momentum * centres[idx] + (1 - momentum) * emb``.
 
-        ``idx`` (B,) int bank rows on any device; ``emb`` (B, D) float on the bank's device
-        (blended in fp32, stored in the bank's dtype); ``momentum`` in [0, 1): the share of the
-        old centre kept. A row repeated in ``idx`` is written from its LAST occurrence (as a
-        Refresher's loader), whatever the device's scatter order. Labels, lists and weights
-        stay. No host sync: ``idx`` is range-checked only on the CPU and ``emb``'s values not
-        at all (a non-finite embedding shows in the loss of every row that lists it). In
-        place: the owner of a centres tensor given to the bank sees the writes. Returns the
-        bank.
+        ``idx`` (B,) int rows on any device; ``emb`` (B, D) float on the bank's device (blended
+        in fp32); ``momentum`` in [0, 1). A repeated row takes its last occurrence. No host
+        sync: ``idx`` is range-checked on the CPU only, ``emb``'s values not at all. Returns
+        the bank.
         """
         require_int("idx", idx, 1)
         idx = as_index(idx)
@@ -334,9 +315,7 @@ class CentreBank(nn.Module):
         if idx.numel() == 0:
             return self
         idx = idx.to(self.centres.device)
-        # Every occurrence of a row writes its last occurrence's value, so the scatter's order
-        # does not matter: a stable sort groups equal rows, and a reverse running minimum over
-        # the groups' end positions picks each group's last.
+        # Every occurrence writes its row's last value, so the scatter order does not matter.
         rows, order = torch.sort(idx, stable=True)
         b = rows.shape[0]
         pos = torch.arange(b, device=rows.device)
@@ -357,8 +336,7 @@ class CentreBank(nn.Module):
                                "(rebuild_neighbours / set_neighbours / a Refresher)")
 
     def check_rows(self, idx: Tensor) -> None:
-        """Raise IndexError, naming ``idx``, where an entry of ``idx`` is not a bank row (reads
-        idx: one host sync for a CUDA tensor)."""
+        """IndexError naming ``idx`` where an entry is not a bank row (a sync for CUDA idx)."""
         if idx.numel():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.num_centres:
@@ -371,13 +349,10 @@ class CentreBank(nn.Module):
         require_int("idx", idx, 1)
         idx = as_index(idx)
         if self.neighbours.device.type == "cpu" and plain_eager(idx, self.neighbours):
-            # One pass of the compiled CPU library (gather, exclusion, range check); None
-            # leaves it to torch's ops below.
-            from ..cpu import gather_lists
+            from ..cpu import gather_lists  # None: not served, torch below
             nb = gather_lists(self.neighbours, idx, exclude_self)
             if nb is not None:
                 return nb
-        # Checked for CPU idx only (free); CUDA idx would cost a host sync per step.
         if idx.device.type == "cpu" and not compiling():
             self.check_rows(idx)
         idx = idx.to(self.neighbours.device)
@@ -386,28 +361,19 @@ class CentreBank(nn.Module):
             nb = nb.masked_fill(nb == idx[:, None], -1)
         return nb
 
-    # ---------------------------------------------------------------- centroid banks
     @classmethod
     def from_class_means(cls, emb, labels, per_class: int = 1, seed: int = 0) -> "CentreBank":
-        """A bank of class centroids (NCM for ``per_class=1``, NCMC above; see
-        :func:`nnkloss.bank.centroids.class_centroids`). emb (N, D) float, labels (N,) int >= 0,
-        tensors or numpy arrays; the bank lives on emb's device, without neighbour lists."""
+        """A bank of :func:`nnkloss.bank.centroids.class_centroids`, without lists."""
         centres, centre_labels = class_centroids(emb, labels, per_class=per_class, seed=seed)
         return cls(centres, centre_labels)
 
     @torch.no_grad()
     def add(self, centres: Tensor, centre_labels: Tensor, weights: Optional[Tensor] = None
             ) -> "CentreBank":
-        """Append centres (M, D) with their centre_labels (M,) >= 0 and optional weights (M,)
-        (None: weight 1) in place, without retraining; new classes take new label values.
-        Returns the bank.
-
-        Existing rows keep their lists; the new rows get all -1 (padding) lists, so rebuild
-        the lists to make them reachable. The classifier searches the bank itself and sees
-        them at once. Validated before anything changes; learned weights stay the same
-        ``log_weights`` parameter, resized (an optimiser's per-parameter state of the old size
-        must be padded, as the Trainer does), and the old rows' log-weights are kept bit for
-        bit (only the new rows' weights are logged).
+        """Append centres (M, D), centre_labels (M,) >= 0 and optional weights (M,) (None: 1)
+        in place; returns the bank. New rows get -1 lists (rebuild to reach them); old rows'
+        log-weights are kept bit for bit in the same, resized ``log_weights``. Validated before
+        anything changes.
         """
         m = require_labelled("centres", centres, "centre_labels", centre_labels)
         if self.num_centres and centres.shape[1] != self.dim:
@@ -434,8 +400,7 @@ class CentreBank(nn.Module):
         if self.num_centres:  # an empty bank takes the new centres' dimension
             new_c = torch.cat([self.centres, new_c])
         n_old = self.num_centres
-        # update_ pads the new rows' log-weights with 0 on the same Parameter; given weights
-        # then go into those rows (all validated above: nothing fails between the writes).
+        # update_ pads the new rows' log-weights with 0; given weights then fill them.
         self.update_(centres=new_c, centre_labels=torch.cat([self.centre_labels, labels]),
                      neighbours=new_nb)
         if new_lw is not None and m:
@@ -443,11 +408,9 @@ class CentreBank(nn.Module):
             self._uniform_weights = False
         return self
 
-    # ---------------------------------------------------------------- state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # The whole bank is validated before anything changes, as update_ would (a field the
-        # state dict lacks is checked as the bank holds it), naming the field.
+        # The whole bank is validated before anything changes (missing fields as held).
         version = local_metadata.get("version")
         old_key, new_key = prefix + "labels", prefix + "centre_labels"
         if (version is None or version < 2) and old_key in state_dict \
@@ -456,7 +419,7 @@ class CentreBank(nn.Module):
         names = ("centres", "centre_labels", "neighbours", "log_weights")
         given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
         if not all(isinstance(t, Tensor) for t in given.values()):
-            # Not a tensor: PyTorch's own load error names it.
+            # PyTorch's own error names the non-tensor.
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
         # Checked as they will be stored: the cast to the bank's dtypes can overflow.
@@ -466,8 +429,7 @@ class CentreBank(nn.Module):
                 given[name] = given[name].detach().to(dtype)
         validate_bank_tensors(given["centres"], given["centre_labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
-        # Banks change size: take the saved shapes. Labels take the width update_ gives them
-        # (int64 where int32 cannot hold a class id, which would wrap around silently).
+        # Take the saved shapes; labels the width update_ gives them.
         for name in ("centres", "centre_labels", "neighbours"):
             key = prefix + name
             if key in state_dict:
@@ -478,7 +440,6 @@ class CentreBank(nn.Module):
                     setattr(self, name, torch.empty(src.shape, dtype=dtype, device=cur.device))
         key = prefix + "log_weights"
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
-            # the same Parameter, resized: optimisers holding it stay valid
             self.log_weights.data = torch.empty(state_dict[key].shape,
                                                 dtype=self.log_weights.dtype,
                                                 device=self.log_weights.device)

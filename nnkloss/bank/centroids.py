@@ -1,11 +1,9 @@
 """Centroid banks: class means (NCM) and k-means centroids per class (NCMC).
 
-Mensink et al. (2013) classify with one mean per class (NCM) or a few k-means centroids per
-class (NCMC); new classes are added at near-zero cost by computing their means
-(:meth:`CentreBank.add`). With such a bank, Eq. 3 of Meyer et al. with ``K`` = all centres and
-``1/(2 sigma^2) = 1/2`` is exactly the NCM / NCMC posterior, so the loss and
-:class:`~nnkloss.NeighbourKernelClassifier` run on these banks unchanged
-(:meth:`CentreBank.from_class_means` wraps :func:`class_centroids`).
+(Mensink et al. 2013.) With such a bank, Eq. 3 with ``K`` = all centres and
+``1/(2 sigma^2) = 1/2`` is the NCM / NCMC posterior, so the loss and
+:class:`~nnkloss.NeighbourKernelClassifier` run on it unchanged; new classes join with
+:meth:`CentreBank.add`.
 """
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ def as_tensor(name: str, x) -> Tensor:
     """A detached tensor from a tensor or a numpy array (on the CPU), TypeError naming ``name``
     for anything else."""
     if isinstance(x, np.ndarray):
-        # torch.from_numpy refuses a non-native byte order and foreign dtypes naming nothing,
-        # and warns on a read-only array: those are converted or copied first.
+        # from_numpy refuses non-native byte orders and warns on read-only arrays.
         if not x.dtype.isnative:
             x = x.astype(x.dtype.newbyteorder("="))
         if not x.flags.writeable:
@@ -46,15 +43,13 @@ def as_tensor(name: str, x) -> Tensor:
 
 
 def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
-    """(N,) squared distances of the rows of ``x`` to ``c``, by direct differences: exact for
-    duplicates (distance 0), which k-means++ relies on never to pick a point twice."""
+    """(N,) squared distances of the rows of ``x`` to ``c`` (exactly 0 for duplicates)."""
     d = x - c
     return (d * d).sum(1)
 
 
 def _require_squarable(name: str, x: Tensor) -> None:
-    """ValueError naming ``name`` where squared distances between rows of ``x`` could
-    overflow its dtype (|a - b|^2 <= 4 max |row|^2): k-means++ would sample from NaN."""
+    """ValueError naming ``name`` where squared distances of rows of ``x`` could overflow."""
     if x.numel() and not bool(torch.isfinite(4 * (x * x).sum(1).amax())):
         raise ValueError(f"{name} holds rows too large to square in {x.dtype} (largest "
                          f"|value| {float(x.abs().max()):.3g}): k-means compares squared "
@@ -62,8 +57,7 @@ def _require_squarable(name: str, x: Tensor) -> None:
 
 
 def _require_seed(seed) -> None:
-    """ValueError naming ``seed`` unless it is an int torch's generator takes (a float was
-    truncated; one past 64 bits failed in manual_seed naming nothing)."""
+    """ValueError naming ``seed`` unless it is an int torch's generator takes."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
             or not -2 ** 63 <= seed < 2 ** 63:
         raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed!r}")
@@ -73,12 +67,10 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
            search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Lloyd's k-means with greedy k-means++ seeding (as scikit-learn seeds it).
 
-    ``x``: (N, D) float points (any device; math in fp32, fp64 for fp64 input);
-    ``n_clusters``: at most the distinct rows of ``x``; ``iters``: most Lloyd iterations;
-    ``seed``: of the k-means++ sampling (deterministic); ``tol``: stop when the inertia's
-    relative decrease falls below it; ``search_backend``: of the assignment step
-    (:func:`nnkloss.knn`). Returns centroids (n_clusters, D) in the compute dtype and the
-    assignment (N,) int64.
+    ``x``: (N, D) float (math in fp32, fp64 for fp64); ``n_clusters``: at most the distinct
+    rows; ``tol``: stop below this relative inertia decrease; ``search_backend``: of the
+    assignment (:func:`nnkloss.knn`). Returns centroids (n_clusters, D) and the assignment
+    (N,) int64.
     """
     require_float("x", x, 2)
     _require_seed(seed)
@@ -103,8 +95,7 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
     _require_squarable(name, x)
     gen = torch.Generator().manual_seed(int(seed))
 
-    # Greedy k-means++: sample a few candidates with probability proportional to D^2 and keep
-    # the one that lowers the potential most (more robust than plain k-means++).
+    # Greedy k-means++: of a few D^2-sampled candidates keep the one lowering the potential most.
     n_local = 2 + int(math.log(n_clusters))
     first = int(torch.randint(n, (1,), generator=gen))
     cents = [x[first]]
@@ -112,7 +103,6 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
     for _ in range(1, n_clusters):
         p = closest.double().cpu()
         if not bool(p.sum() > 0):
-            # distinct rows whose differences underflow when squared: nothing to sample
             raise ValueError(f"{name} has {n_distinct} distinct rows, but their differences "
                              f"underflow to 0 when squared in {cdt}: scale them up")
         cand = torch.multinomial(p / p.sum(), n_local, replacement=True, generator=gen)
@@ -151,14 +141,11 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
                     search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Centres for an NCM / NCMC bank: the class means, or k-means centroids in each class.
 
-    ``emb`` (N, D) float and ``labels`` (N,) int >= 0: tensors or numpy arrays.
-    ``per_class``: 1 gives the exact class means (accumulated in fp64); above, k-means runs
-    inside each class (a class with fewer distinct rows gets one centroid per distinct row),
-    seeded from ``(seed, its label)``: a class's centroids depend on the seed and its own rows
-    only. ``iters``, ``search_backend``: as in :func:`kmeans`.
-
-    Returns centres (M, D) in emb's dtype (fp32 for fp64, the bank's widest) on emb's device
-    and centre_labels (M,) int64, sorted by class, for the classes present in ``labels``.
+    ``emb`` (N, D) float and ``labels`` (N,) int >= 0, tensors or numpy arrays.
+    ``per_class``: 1 gives the class means (in fp64); above, k-means in each class (at most
+    one centroid per distinct row), seeded from ``(seed, label)`` only. ``iters``,
+    ``search_backend``: as in :func:`kmeans`. Returns centres (M, D) in emb's dtype (fp32 for
+    fp64) and centre_labels (M,) int64, sorted by class.
     """
     emb = as_tensor("emb", emb)
     labels = as_tensor("labels", labels).to(emb.device)
@@ -200,17 +187,14 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
 
 
 def _class_seed(seed: int, label: int) -> int:
-    """The k-means seed of class ``label`` for a call seeded with ``seed``: 64 bits of numpy's
-    SeedSequence over (seed, label), so no two (seed, class) pairs share a stream and a class's
-    centroids do not depend on the other classes of the call."""
+    """The k-means seed of class ``label``: 64 bits of a SeedSequence over (seed, label)."""
     words = np.random.SeedSequence([int(seed) & (2 ** 64 - 1), int(label)]).generate_state(
         2, np.uint32)
     return int(words[0]) | (int(words[1]) << 32)
 
 
 def _finite_centres(centres: Tensor, emb: Tensor) -> Tensor:
-    """``centres`` after the cast to their dtype, or ValueError naming ``emb`` where a centre
-    overflowed it (fp64 embeddings beyond fp32's range)."""
+    """``centres``, or ValueError naming ``emb`` where the cast overflowed."""
     if not all_finite(centres):
         raise ValueError(f"emb holds {emb.dtype} values whose centres overflow {centres.dtype} "
                          f"(largest |value| {float(emb.abs().max()):.3g}): the centres of "

@@ -1,11 +1,8 @@
 """Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
 
-A checkpoint holds the bank's ``state_dict()``, whether the weights are learned, a step counter
-and an optional ``extra`` dict (sigma, a schedule's ``state_dict()``, ...), written atomically
-behind a sha256 of its payload (:mod:`nnkloss.checksum`): a crash mid-write leaves the previous
-checkpoint intact, and a damaged file is refused on load. The bank read back is validated as
-:meth:`CentreBank.update_` validates writes before it is built. Format version 1 (or none)
-stored the centre labels as ``labels``, read as ``centre_labels``.
+A checkpoint holds the bank's ``state_dict()``, whether its weights are learned, a step and an
+optional ``extra`` dict, in a :mod:`nnkloss.checksum` file. The bank read back is validated as
+:meth:`CentreBank.update_` validates. Version 1 (or none) named ``centre_labels`` ``labels``.
 """
 from __future__ import annotations
 
@@ -23,16 +20,14 @@ __all__ = ["save_bank", "load_bank"]
 
 _FORMAT = "nnkloss.CentreBank"
 _VERSION = 2
-# Temporaries of interrupted save_bank calls are removed once untouched this long (another
-# process may be writing the same file right now: its temporary stays fresh).
+# Temporaries of interrupted save_bank calls are removed once untouched this long.
 STALE_TEMP_SECONDS = 3600.0
 # The tensors of a bank file: the keys of CentreBank.state_dict().
 _STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
 
 def _check_extra(value: Any, where: str = "extra") -> None:
-    """Refuse, at save time, what ``torch.load(weights_only=True)`` could not read back (the
-    first bad entry, in :func:`nnkloss.checksum.iter_contents` order)."""
+    """Refuse, at save time, the first entry a weights-only load could not read back."""
     for at, v in iter_contents(value, where):
         if v is None or isinstance(v, (bool, numbers.Integral, float, str, torch.Tensor, list,
                                        tuple)):
@@ -46,10 +41,9 @@ def _check_extra(value: Any, where: str = "extra") -> None:
 
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:
-    """Write ``bank`` (its tensors copied to the CPU), ``step`` (int >= 0) and ``extra`` (a
-    dict of tensors / numbers / strings / None / nested lists and dicts of those, e.g.
-    ``{"sigma": 10.0}``) to ``path`` atomically; its directory must exist. Temporaries that
-    interrupted writes of ``path`` left are removed first, once ``STALE_TEMP_SECONDS`` old.
+    """Write ``bank`` (on the CPU), ``step`` (int >= 0) and ``extra`` (tensors, numbers,
+    strings, None and containers of them, e.g. ``{"sigma": 10.0}``) to ``path`` atomically;
+    its directory must exist. Temporaries older than ``STALE_TEMP_SECONDS`` are removed first.
     """
     if not isinstance(bank, CentreBank):
         raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
@@ -58,8 +52,6 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
     _check_extra(extra)
-    # The bank's own state_dict is the payload: one description of its state for both ways
-    # of saving it (load_bank reads it back through load_state_dict).
     remove_stale_temps(path, older_than_s=STALE_TEMP_SECONDS)
     payload = {"format": _FORMAT, "version": _VERSION}
     payload.update((name, t.detach().cpu()) for name, t in bank.state_dict().items())
@@ -71,19 +63,15 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
               ) -> Tuple[CentreBank, int, Optional[dict]]:
     """Read a checkpoint written by :func:`save_bank`: returns ``(bank, step, extra)``.
 
-    The payload's sha256 is verified (a damaged file is a ValueError naming it), then read with
-    ``torch.load(weights_only=True)`` (no code runs from the file), and the bank is validated
-    like :meth:`CentreBank.update_` (errors naming the field, ``checkpoint neighbours``).
-    ``map_location`` as in ``torch.load`` (None: the CPU). ``allow_unchecked=True`` also reads
-    files written before checksums (weights-only and validated; damage goes undetected).
+    Checksum verified, weights-only load, bank validated (errors naming the field, e.g.
+    ``checkpoint neighbours``). ``map_location`` as in ``torch.load``. ``allow_unchecked=True``
+    also reads files written before checksums (damage then goes undetected).
     """
     path = os.fspath(path)
     try:
         state = load_checked(path, map_location, what="CentreBank checkpoint",
                              allow_unchecked=allow_unchecked)
     except UncheckedFileError as exc:
-        # Reading without the checksum is offered only for what an older nnkloss could have
-        # written (a torch.save archive), never for a file that is none.
         hint = ("; if it is a CentreBank checkpoint written before checksums, "
                 "allow_unchecked=True reads it" if exc.archive else "")
         raise ValueError(f"{exc}. It is not an nnkloss CentreBank checkpoint of this version"
@@ -101,7 +89,6 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     missing = [k for k in _STATE_KEYS + ("learn_weights", "step") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {', '.join(missing)}")
-    # A bool, as save_bank writes it (bool("False") is True).
     if not isinstance(state["learn_weights"], bool):
         raise ValueError(f"checkpoint learn_weights must be a bool, got "
                          f"{type(state['learn_weights']).__name__}")
@@ -116,7 +103,6 @@ def load_bank(path, map_location=None, allow_unchecked: bool = False
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
     bank = CentreBank(state["centres"], state["centre_labels"], neighbours=state["neighbours"])
-    # Through the bank's own load_state_dict: the log-weights come back exactly as saved.
     bank.load_state_dict({name: state[name] for name in _STATE_KEYS})
     bank.log_weights.requires_grad_(state["learn_weights"])
     return bank, int(step), extra

@@ -1,14 +1,8 @@
 """The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
 
-Called by :class:`nnkloss.bank.refresh.Refresher` when a process group is initialised.
-:func:`gather_bank_rows` exchanges the rows every rank embedded so that every rank holds the
-same complete bank, byte for byte; :func:`neighbour_lists` splits the queries of the
-single-process search across the ranks and gathers the lists.
-
-The exchange is collective: if one rank raises before reaching it, the others wait in it until
-the process group's timeout (``nnkloss.distributed.init_from_env(timeout_s=...)``). Errors
-found during the exchange (rows nobody embedded, NaN embeddings, conflicting labels, banks of
-different shapes) are raised on every rank.
+Used by :class:`nnkloss.bank.refresh.Refresher` under a process group: every rank ends with
+the same bank, byte for byte. The exchange is collective: a rank that raises before it leaves
+the others waiting until the group's timeout; errors found during it are raised on every rank.
 """
 from __future__ import annotations
 
@@ -29,12 +23,10 @@ from .search import (NeighbourLists, drop_self, knn, neighbour_lists as single_p
 __all__ = ["gather_bank_rows", "gather_batch_rows", "neighbour_lists", "check_async_refresh",
            "GATHER_CHUNK_BYTES"]
 
-# Bound on the per-rank send buffer of one all_gather round (the receive side is world_size
-# times this): the exchange of an (N, D) bank never needs a second (N, D) buffer.
+# Per-rank send buffer of one all_gather round: no second (N, D) buffer is ever needed.
 GATHER_CHUNK_BYTES = 64 * 2**20
 
 
-# ============================================================================ communication
 def _all_gather_same(t: Tensor, group) -> List[Tensor]:
     """all_gather of a tensor that has the same shape on every rank."""
     out = [torch.empty_like(t) for _ in range(world_size(group))]
@@ -45,14 +37,8 @@ def _all_gather_same(t: Tensor, group) -> List[Tensor]:
 def _all_gather_rows(local: Tensor, counts: Sequence[int],
                      place: Callable[[int, int, Tensor], None], group, comm: torch.device,
                      chunk_bytes: int = GATHER_CHUNK_BYTES) -> None:
-    """Gather a variable number of rows from every rank, in rounds of bounded size.
-
-    ``local``: (counts[rank], *row_shape), the same row shape and dtype on every rank.
-    ``counts``: rows per rank, known to every rank (the loop must be identical everywhere).
-    Each round pads this rank's next rows to the round's length, all_gathers, and calls
-    ``place(r, first, rows)`` with rank r's rows ``first .. first + len(rows)`` (valid rows
-    only, on ``comm``).
-    """
+    """Gather ``counts[r]`` rows of ``local`` from every rank r in padded rounds of bounded
+    size, calling ``place(r, first, rows)`` with each rank's valid rows (on ``comm``)."""
     w = len(counts)
     most = max(counts) if counts else 0
     if most == 0:
@@ -74,20 +60,16 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
 
 
 def _placer(out: Tensor, starts: Sequence[int]) -> Callable[[int, int, Tensor], None]:
-    """The ``place`` of :func:`_all_gather_rows` that writes rank r's rows into ``out`` from
-    row ``starts[r]`` on."""
+    """A ``place`` that writes rank r's rows into ``out`` from row ``starts[r]`` on."""
     def place(r: int, first: int, rows: Tensor) -> None:
         a = starts[r] + first
         out[a:a + rows.shape[0]] = rows.to(out.device, out.dtype)
     return place
 
 
-# ============================================================================ bank rows
 def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Tensor]:
-    """Every rank's batch rows ``(idx (B_r,), emb (B_r, D))``, concatenated in rank order, on
-    every rank (the Trainer's fresh-centre writes). idx (B_r,) integer and emb (B_r, D) float
-    are checked before any collective (the rows sent are counted from idx: a mismatch would
-    pad or drop rows silently); ranks whose emb differ in D or dtype raise on every rank."""
+    """Every rank's ``(idx (B_r,), emb (B_r, D))`` concatenated in rank order, on every rank.
+    Arguments are checked before any collective; ranks differing in D or dtype raise."""
     require_int("idx", idx, 1)
     require_float("emb", emb, 2)
     if emb.shape[0] != idx.shape[0]:
@@ -115,8 +97,7 @@ def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Ten
 
 
 def check_async_refresh() -> None:
-    """Refuse a background refresh under torch.distributed: its collectives would race DDP's
-    on a side thread, and each rank would swap the new bank in at another step."""
+    """Refuse a background refresh under torch.distributed."""
     if is_distributed():
         raise RuntimeError("asynchronous refresh is not supported under torch.distributed "
                            "(ranks would swap banks at different steps, and its collectives "
@@ -126,26 +107,17 @@ def check_async_refresh() -> None:
 @torch.no_grad()
 def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, group=None,
                      chunk_bytes: int = GATHER_CHUNK_BYTES) -> Tuple[Tensor, Tensor]:
-    """Complete a bank from every rank's share: afterwards all ranks hold identical tensors.
+    """Complete a bank from every rank's share, in place; all ranks end identical.
 
-    ``centres`` (N, D) float and ``centre_labels`` (N,) int hold this rank's rows where
-    ``written`` (N,) bool is set; they are filled in place with every rank's rows and
-    returned. ``chunk_bytes``: the per-rank send size of one all_gather round.
-
-    A row written by several ranks (DistributedSampler pads with repeats) is taken from the
-    LOWEST rank that wrote it, a rule every rank applies to the same gathered indices, so all
-    end with the same bytes even where two ranks' embeddings of a row differ in the last bits.
-
-    Raises before any exchange: TypeError / ValueError naming centre_labels or written where
-    they do not fit ``centres``. On every rank: ValueError where no rank wrote some rows, for
-    NaN/inf embeddings, where two ranks gave one row different labels, or where the ranks'
-    banks differ in N, D or dtype.
+    ``centres`` (N, D) and ``centre_labels`` (N,) hold this rank's rows where ``written``
+    (N,) bool is set. A row written by several ranks is taken from the lowest. Argument errors
+    are raised before any exchange; on every rank, ValueError for unwritten rows, NaN/inf
+    embeddings, conflicting labels or banks of different N, D or dtype.
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
     require_int("centre_labels", centre_labels, 1)
     labels = centre_labels
     n, d = centres.shape
-    # Checked before any collective: a caller's mistake is the same on every rank.
     if centre_labels.shape[0] != n:
         raise ValueError(f"centre_labels has length {centre_labels.shape[0]} but centres has "
                          f"{n} rows")
@@ -220,20 +192,9 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     return centres, labels
 
 
-# ============================================================================ neighbour lists
 def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
     """Rows [start, stop) of the N queries that rank r searches (sizes differ by at most 1)."""
     return r * n // w, (r + 1) * n // w
-
-
-def _search_excluding_self(centres: Tensor, start: int, stop: int, k: int, search_backend: str,
-                           knn_options: dict) -> Tuple[Tensor, Tensor]:
-    """The k nearest other centres of rows start..stop-1 against the full bank: k + 1
-    searched and the own row dropped (:func:`nnkloss.bank.search.drop_self`)."""
-    n = centres.shape[0]
-    dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), search_backend,
-                      **knn_options)
-    return drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
 
 
 @torch.no_grad()
@@ -242,11 +203,8 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
     """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
 
-    Every rank passes the same ``centres`` and ``centre_labels`` (as :func:`gather_bank_rows`
-    leaves them); rank r searches rows ``r*N//W .. (r+1)*N//W - 1`` against the full bank
-    (an approximate index is built on every rank, with the same seed) and every rank returns
-    the same gathered :class:`~nnkloss.bank.search.NeighbourLists` (``seconds`` covers the
-    exchange). In a single process this is :func:`nnkloss.bank.search.neighbour_lists`.
+    Every rank passes the same bank, searches its slice of the rows and returns the same
+    gathered lists (``seconds`` covers the exchange).
     """
     if not is_distributed(group):
         return single_process_lists(centres, centre_labels, k, search_backend,
@@ -265,7 +223,10 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     synchronize(dev)
     t0 = time.perf_counter()
     start, stop = _query_slice(n, me, w)
-    dist_, ids = _search_excluding_self(centres, start, stop, k, search_backend, knn_options)
+    # This rank's rows against the full bank, own rows dropped.
+    dist_, ids = knn(centres[start:stop], centres, min(k + 1, n), search_backend,
+                     **knn_options)
+    dist_, ids = drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
     nb_labels = labels[ids.clamp_min(0)]
     has_pos = ((nb_labels == labels[start:stop].unsqueeze(1)) & (ids >= 0)).any(1)
     patched = 0

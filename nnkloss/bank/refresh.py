@@ -1,9 +1,7 @@
 """Periodic centre refresh: re-embed the training set, rebuild the lists, swap the bank at once.
 
-The paper (Meyer et al. 2018, Sec. 2.3) keeps the kernel centres fixed between refreshes and
-recomputes centres and nearest-neighbour lists every "update interval" (1-10 epochs), with the
-stored centres computed without dropout. :class:`Refresher` does one such refresh, synchronously
-or in a background thread; :class:`RefreshSchedule` says when.
+Centres stay fixed between refreshes (Meyer et al. 2018, Sec. 2.3). :class:`Refresher` does one
+refresh, synchronously or in a background thread; :class:`RefreshSchedule` says when.
 """
 from __future__ import annotations
 
@@ -30,23 +28,18 @@ from . import exchange
 __all__ = ["Refresher", "RefreshSchedule", "RefreshStats", "recalibrate_batch_norms"]
 
 
-# ============================================================================ stats
 @dataclass
 class RefreshStats:
-    """What one refresh did and how the new embedding space looks (paper Fig. 4b/4c).
+    """What one refresh did (paper Fig. 4b/4c).
 
-    embed_seconds / search_seconds: wall time of embedding the set and of the kNN search.
+    embed_seconds, search_seconds, recalibrate_seconds: wall times of the passes.
     num_rows, k: bank size and list length.
-    mean_sq_distance: mean squared distance from each centre to its k listed neighbours.
-    mean_kernel: mean of exp(-d / (2 sigma^2)) over the same pairs; None without a sigma.
-    sigma: the sigma used for ``mean_kernel`` (None if none was given).
-    positive_share: share of rows whose list holds a centre of the row's own label.
+    mean_sq_distance: mean squared distance from each centre to its listed neighbours.
+    mean_kernel: mean of exp(-d / (2 sigma^2)) over the same pairs (None without ``sigma``).
+    positive_share: share of rows whose list holds a centre of their own label.
     num_patched: rows given a same-label entry by ``ensure_positive``.
-    overlap: mean over rows of |new list & old list| / (entries in the new list); None when the
-        bank had no lists of the same N before (how much the lists moved since last time).
-    search_backend: the search backend that ran.
-    asynchronous: computed by :meth:`Refresher.refresh_async`.
-    recalibrate_seconds: wall time of the BatchNorm recalibration pass (0 without one).
+    overlap: mean share of each new list the old list also held (None without old lists).
+    search_backend: the backend that ran; asynchronous: from :meth:`Refresher.refresh_async`.
     """
     embed_seconds: float
     search_seconds: float
@@ -64,13 +57,9 @@ class RefreshStats:
 
 
 def _list_overlap(new: Tensor, old: Tensor) -> float:
-    """Mean per-row fraction of the new list's entries that the old list also holds.
-
-    -1 padding never counts as shared. On CPU tensors the compiled library counts each row's
-    shared entries through a bitmap of the bank's rows (:func:`nnkloss.cpu.list_overlap`,
-    much faster: docs/PERFORMANCE.md); elsewhere row-wise membership by a batched searchsorted
-    into the sorted old lists. Both (N, K) work, never an N x N tensor, and the same counts.
-    """
+    """Mean per-row fraction of the new list's entries (-1 padding excluded) the old list also
+    holds: the compiled CPU library where it serves, else a searchsorted into the sorted old
+    lists; (N, K) work either way."""
     from .. import cpu
     old = old.to(new.device)
     both = cpu.list_overlap(new, old, new.shape[0])
@@ -84,15 +73,12 @@ def _list_overlap(new: Tensor, old: Tensor) -> float:
     return float((counts.float() / valid.clamp_min(1)).mean())
 
 
-# Rows of distances per step of the statistics on CPU tensors: ~1 MiB of fp32 at K 1000, so
-# that the step's passes (finite, masked, exp) run in the L2 cache, not in memory.
+# Elements per step of the statistics on CPU tensors, so that its passes stay in the cache.
 STATS_ELEMS = 1 << 18
 
 
 def _distance_means(d: Tensor, sigma) -> Tuple[float, Optional[float]]:
-    """The mean of the finite distances and, with sigma, of their kernel values
-    exp(-d / (2 sigma^2)) (non-finite entries: padding, left out of both), summed in fp64;
-    one host read."""
+    """Means of the finite distances and (with sigma) of their kernel values, in fp64."""
     rows = d.shape[0]
     step = max(1, STATS_ELEMS // max(1, d.shape[1])) if d.is_cpu else max(1, rows)
     acc = torch.zeros(3, dtype=torch.float64, device=d.device)  # count, sum d, sum kernel
@@ -123,14 +109,12 @@ def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], si
 
 
 def _check_sigma(sigma) -> Optional[float]:
-    """None, or sigma as a positive finite float (:func:`nnkloss.validation.require_sigma`)."""
     return None if sigma is None else require_sigma(sigma)
 
 
 def _sigma_source(sigma):
-    """What ``Refresher(sigma=...)`` keeps: None, a checked float, or something read again at
-    every refresh -- a loss with ``kernel_sigma()`` (its current, possibly learned, sigma), a
-    zero-argument callable, or a tensor (its value at refresh time)."""
+    """What ``Refresher(sigma=...)`` keeps: None, a checked float, or a source read again at
+    every refresh (a loss's ``kernel_sigma``, a callable, a tensor)."""
     if sigma is None:
         return None
     if hasattr(sigma, "kernel_sigma") and callable(sigma.kernel_sigma):
@@ -145,23 +129,11 @@ def _sigma_source(sigma):
     return _check_sigma(sigma)
 
 
-def _read_sigma(source) -> Optional[float]:
-    if source is None or isinstance(source, float):
-        return source
-    if isinstance(source, Tensor):
-        return _check_sigma(source)
-    return _check_sigma(source())
-
-
-# ============================================================================ schedule
 class RefreshSchedule:
     """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
 
-    Stateless: ``should_refresh(epoch=e)`` / ``should_refresh(step=s)`` with the epochs / steps
-    completed so far: True when a count is a positive multiple of its interval. Stateful:
-    ``step()`` after every optimiser step and ``epoch_end()`` after every epoch return whether a
-    refresh is due; ``state_dict()`` / ``load_state_dict()`` carry the counters. Plain integer
-    arithmetic (no host sync). The paper's update interval is 1-10 epochs (10 in its runs).
+    ``should_refresh(epoch=e, step=s)`` is stateless; ``step()`` and ``epoch_end()`` count and
+    return whether a refresh is due; ``state_dict()`` carries the counters. No host sync.
     """
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
@@ -208,15 +180,6 @@ class RefreshSchedule:
                 f", epoch={self.epoch}, global_step={self.global_step})")
 
 
-# ============================================================================ refresher
-def _module_device(model: nn.Module, fallback: torch.device) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return fallback
-
-
 def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
     """Whether every parameter and buffer of ``snap`` has the device and dtype of ``model``'s."""
     a, b = snap.state_dict(), model.state_dict()
@@ -226,11 +189,9 @@ def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
 
 def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.device,
                            batches: Optional[int] = None) -> int:
-    """Set the running statistics of ``model``'s BatchNorms in training mode (frozen ones are
-    left alone) to the average of their batch statistics over ``loader`` (its first
-    ``batches``): a no-grad forward, momentum None meanwhile. Returns how many were set. The
-    eval-mode network then normalises as the training one does, not with a new network's
-    identity statistics or a momentum average that lags the weights."""
+    """Set the running statistics of ``model``'s training-mode BatchNorms to the average of
+    their batch statistics over ``loader`` (its first ``batches``), so that eval mode
+    normalises as training does; returns how many were set."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
            and m.training and m.track_running_stats and m.running_mean is not None]
     if not bns:
@@ -258,21 +219,9 @@ class _Result:
         self.stream = stream
 
 
-# What knn_options may hold: knn's own options (the search's queries, base, k, backend and
-# self-exclusion are set by neighbour_lists).
+# knn's options that neighbour_lists does not set itself.
 _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
     "queries", "base", "k", "search_backend", "exclude_self"}
-
-
-def _check_search_options(search_backend, knn_options: dict) -> None:
-    # At construction: a misspelt backend or option, an option of another index kind, a bad
-    # value or a missing faiss would otherwise surface only after the first embedding pass.
-    unknown = set(knn_options) - _KNN_OPTIONS
-    if unknown:
-        raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
-                        f"{sorted(_KNN_OPTIONS)}")
-    check_search_arguments(search_backend, knn_options.get("approximate"), knn_options,
-                           "knn_options[{!r}]")
 
 
 class Refresher:
@@ -281,51 +230,29 @@ class Refresher:
     Args:
         bank: the :class:`CentreBank` to refresh; one row per training example.
         model: the embedding network, ``model(inputs) -> (B, D)``.
-        loader: iterable of ``(inputs, labels, idx)``: idx (B,) int are the bank rows of the
-            batch. Every row 0..N-1 must be yielded at least once (order free, e.g. shuffled);
-            a row yielded twice keeps its last embedding. Use a loader without augmentation.
+        loader: yields ``(inputs, labels, idx)``, idx the bank rows; every row at least once
+            (a repeat keeps its last embedding). Use one without augmentation.
         k: neighbour-list length (<= N - 1).
-        search_backend: "auto", "torch" or "faiss"; ``knn_options`` (e.g.
-            ``{"approximate": "ivf"}``) go to :func:`nnkloss.bank.search.knn`. Checked here,
-            not at the first refresh: an unknown backend or option, an index option the
-            chosen index does not use (``nprobe`` with "hnsw" or the exact search), and
-            "faiss" or an approximate index without faiss installed (ImportError).
-        ensure_positive: give rows without a same-label neighbour their nearest same-label
-            centre (see :func:`nnkloss.bank.search.neighbour_lists`).
-        device: where the model runs (default: the device of its first parameter/buffer, else
-            the bank's). Inputs are moved there; embeddings are stored on the bank's device in
-            the bank's dtype.
-        progress: show a tqdm bar while embedding (off by default: library calls are quiet;
-            scripts turn it on).
-        async_mode: :meth:`request` starts :meth:`refresh_async` instead of :meth:`refresh`,
-            and the model snapshot it needs is allocated now rather than at the first call.
-        sigma: kernel width for the ``mean_kernel`` statistic (optional; a ``sigma`` given
-            to a call wins). Give the loss itself (anything with ``kernel_sigma()``, e.g.
-            ``sigma=criterion``) or a zero-argument callable to have every refresh read the
-            loss's CURRENT sigma (a learned sigma moves); a 0-dim tensor is read at each
-            refresh too; a float is fixed.
-        recalibrate_bn: first set the BatchNorms' running statistics over the loader (the
-            live model's, or the async snapshot's: :func:`recalibrate_batch_norms`): True
-            (default) the whole loader, an int its first that many batches, False off.
+        search_backend: "auto", "torch" or "faiss"; ``knn_options`` go to
+            :func:`nnkloss.bank.search.knn`. Both are checked here (ImportError without faiss
+            where it is needed).
+        ensure_positive: see :func:`nnkloss.bank.search.neighbour_lists`.
+        device: where the model runs (default: its parameters', else the bank's). Embeddings
+            are stored on the bank's device in its dtype.
+        progress: a tqdm bar while embedding.
+        async_mode: :meth:`request` starts :meth:`refresh_async`; the snapshot is made now.
+        sigma: kernel width of the ``mean_kernel`` statistic (a call's ``sigma`` wins): a
+            float, or read at every refresh from a loss (``kernel_sigma()``), a zero-argument
+            callable or a 0-dim tensor.
+        recalibrate_bn: first :func:`recalibrate_batch_norms` over the whole loader (True), its
+            first that many batches (int), or not (False).
 
-    Synchronous use: ``stats = refresher.refresh()``. The model embeds in eval mode (no
-    dropout: the paper's stored centres have none) under ``torch.no_grad()``, its modes restored
-    after, also on error. The embeddings go into a NEW (N, D) tensor, and only with the lists
-    built ``bank.update_`` swaps centres, labels (the loader's) and lists in at once: training
-    never sees a half-written bank, and a failed refresh leaves the old one untouched.
-
-    Asynchronous use: ``refresher.refresh_async()`` then, from the training loop,
-    ``stats = refresher.poll()`` (None until ready; swaps and returns the stats when done) or
-    ``refresher.wait()``. The background thread embeds with a SNAPSHOT of the model's weights
-    taken at the call (so the optimiser may keep updating the live model) and, on CUDA, runs on
-    a side stream.
-
-    It costs a second copy of the model and a second (N, D) bank until the swap, and steps
-    slow down meanwhile (shared GPU or cores); the centres are as old as the snapshot. It saves
-    the stall of the refresh (an embedding pass and an N x k search).
-
-    The loader must not be iterated by the training loop at the same time from the same
-    iterator (separate ``iter(loader)`` calls are fine).
+    :meth:`refresh` embeds in eval mode under no_grad (modes restored, also on error) into a
+    new (N, D) tensor and swaps centres, labels and lists in at once with ``bank.update_``: a
+    failed refresh leaves the bank untouched. :meth:`refresh_async` does the same in a
+    background thread (a CUDA side stream) with a snapshot of the weights; :meth:`poll` or
+    :meth:`wait` swaps it in. It costs a second model and bank until the swap. The training
+    loop must not share an iterator with the loader.
     """
 
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
@@ -358,7 +285,13 @@ class Refresher:
         if not isinstance(recalibrate_bn, bool):
             recalibrate_bn = require_positive_int("recalibrate_bn", recalibrate_bn)
         self.recalibrate_bn = recalibrate_bn
-        _check_search_options(search_backend, self.knn_options)
+        # Search options are checked now, not after the first embedding pass.
+        unknown = set(self.knn_options) - _KNN_OPTIONS
+        if unknown:
+            raise TypeError(f"knn_options got unknown options {sorted(unknown)}; accepted: "
+                            f"{sorted(_KNN_OPTIONS)}")
+        check_search_arguments(search_backend, self.knn_options.get("approximate"),
+                               self.knn_options, "knn_options[{!r}]")
         self.last_stats: Optional[RefreshStats] = None
         self._snapshot: Optional[nn.Module] = None
         self._thread: Optional[threading.Thread] = None
@@ -367,7 +300,6 @@ class Refresher:
         if self.async_mode:
             self._snapshot = self._make_snapshot()
 
-    # ------------------------------------------------------------------ public
     @property
     def in_flight(self) -> bool:
         """A background refresh has been started and not yet swapped in (or failed)."""
@@ -390,14 +322,9 @@ class Refresher:
         return self._swap(result)
 
     def rebuild_neighbours(self, sigma=None) -> RefreshStats:
-        """Rebuild the neighbour lists from the bank's CURRENT centres, without re-embedding
-        (kNN-search cost only: for centres kept current by
-        :meth:`CentreBank.write_centres_`). Same k, search backend, ``ensure_positive`` and
-        knn options as :meth:`refresh`; the stats' ``embed_seconds`` is 0 and ``overlap``
-        compares with the lists replaced. A background refresh still in flight is not
-        touched: when it is swapped in, its lists (and centres) replace these.
-        Under torch.distributed every rank must call it at the same point (the search is
-        sharded), with identical banks."""
+        """Rebuild the lists from the bank's current centres, without re-embedding, as
+        :meth:`refresh` would (``embed_seconds`` 0). A refresh in flight is left alone. Under
+        torch.distributed every rank calls it at the same point, with identical banks."""
         sig = self._sigma(sigma)
         bank = self.bank
         old_lists = bank.neighbours if bank.has_neighbours else None
@@ -410,16 +337,13 @@ class Refresher:
         """Start computing the next bank in a background thread (snapshot of the weights now)."""
         if self.in_flight:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
-        exchange.check_async_refresh()  # torch.distributed: refused (see nnkloss.bank.exchange)
+        exchange.check_async_refresh()
         sig = self._sigma(sigma)
         if self._snapshot is None or not _same_placement(self._snapshot, self.model):
-            # Made at construction: a model moved or cast since (Trainer(device=...) moves a
-            # model built on the CPU) would be embedded by a copy left where it was.
-            self._snapshot = self._make_snapshot()
+            self._snapshot = self._make_snapshot()  # the model was moved or cast since
         snap = self._snapshot
         device = self._device()
-        # Copy the live weights on the caller's (training) stream: ordered after the steps
-        # already queued and before any later optimiser update, so the snapshot is consistent.
+        # On the training stream: after the queued steps, before any later update.
         with torch.no_grad():
             snap.load_state_dict(self.model.state_dict())
         for s_mod, m in zip(snap.modules(), self.model.modules()):  # which BatchNorms train
@@ -450,12 +374,13 @@ class Refresher:
             return None
         return self._finish()
 
-    # ------------------------------------------------------------------ internals
     @property
     def sigma(self) -> Optional[float]:
-        """The sigma the statistics use when a call gives none: read now from what
-        ``sigma=`` was (a loss's current sigma, a callable, a tensor, a float or None)."""
-        return _read_sigma(self._sigma_source)
+        """The statistics' default sigma, read now from what ``sigma=`` was."""
+        source = self._sigma_source
+        if source is None or isinstance(source, float):
+            return source
+        return _check_sigma(source if isinstance(source, Tensor) else source())
 
     def _sigma(self, sigma) -> Optional[float]:
         return self.sigma if sigma is None else _check_sigma(sigma)
@@ -463,7 +388,9 @@ class Refresher:
     def _device(self) -> torch.device:
         if self.device is not None:
             return self.device
-        return _module_device(self.model, self.bank.centres.device)
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            return t.device
+        return self.bank.centres.device
 
     def _make_snapshot(self) -> nn.Module:
         snap = copy.deepcopy(self.model)
@@ -499,8 +426,8 @@ class Refresher:
                     model, self.loader, device,
                     None if self.recalibrate_bn is True else self.recalibrate_bn):
                 recalibrate_s = time.perf_counter() - t0
-            if _dist.is_distributed():  # every rank embeds with rank 0's buffers (BatchNorm
-                _dist.broadcast_buffers(model)  # statistics, ...)
+            if _dist.is_distributed():  # every rank embeds with rank 0's buffers
+                _dist.broadcast_buffers(model)
             t0 = time.perf_counter()
             centres, centre_labels = self._embed(model, device, n, d)
             if centres.device.type == "cuda":  # this thread's stream only, not training's
@@ -512,8 +439,7 @@ class Refresher:
 
     def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float,
                      old_lists: Optional[Tensor], sigma, asynchronous: bool, recalibrate_s=0.0):
-        """The (N, k) lists of ``centres`` with this refresher's k / search backend /
-        ensure_positive / knn_options (sharded under torch.distributed), and their stats."""
+        """The lists of ``centres`` with this refresher's options, and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
         lists = search(centres, centre_labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
@@ -529,9 +455,7 @@ class Refresher:
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
-            # BatchNorms folded into the layers before them (a copy; the same embeddings up
-            # to rounding): nnkloss/inference.py.
-            net = inference_model(model)
+            net = inference_model(model)  # BatchNorms folded (nnkloss.inference)
             with torch.no_grad():
                 for batch in self._progress(self.loader):
                     if not isinstance(batch, (tuple, list)) or len(batch) != 3:
@@ -567,7 +491,7 @@ class Refresher:
                 m.training = was_training
         if bool(out_of_range):
             raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}")
-        if _dist.is_distributed():  # this rank's share only: exchange rows, check collectively
+        if _dist.is_distributed():  # this rank's share: exchange rows, check collectively
             return exchange.gather_bank_rows(centres, centre_labels, written)
         missing = n - int(written.sum())
         if missing:
@@ -592,13 +516,9 @@ class Refresher:
             raise RuntimeError(f"the bank changed size during the refresh ({result.centres.shape[0]}"
                                f" -> {bank.num_centres} rows); the new bank was discarded")
         if result.stream is not None:
-            # The side stream is on the model's device; the bank, and so these tensors, may be
-            # elsewhere (a CPU bank beside a CUDA model: asked for the CPU's current stream,
-            # torch refused and every background refresh failed here).
+            # The stream's device is the model's; the bank may be elsewhere (CPU).
             main = torch.cuda.current_stream(result.stream.device)
             main.wait_stream(result.stream)
-            # Made on the side stream, used and freed on this one: tell the caching allocator
-            # (only tensors of that device: a CPU copy waited for the stream when it was made).
             for t in (result.centres, result.centre_labels, result.lists.neighbours):
                 if t.device == main.device:
                     t.record_stream(main)

@@ -280,11 +280,11 @@ def _load(path: str):
 def _declare(lib):
     P, I, I64, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
     lib.nnk_forward.argtypes = [I, I, P, P, I, P, P, I, P, I, P, I, D, I64, I64, I64, I64, I,
-                                P, P, P, P, P, I]
+                                P, P, P, P, P, P, P, P, I]
     lib.nnk_forward.restype = I
     lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
     lib.nnk_centre_grad.restype = I
-    lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, I64, I64, P, I]
+    lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, P, I64, I64, P, I]
     lib.nnk_scale_rows.restype = I
     lib.nnk_entry_grads.argtypes = [I, P, P, I, P, I, P, I, P, I, P, P, P, I64, I64, I64, I64,
                                     D, P, P, P, I]

@@ -51,16 +51,22 @@ def _weights_arg(weights):
 
 
 def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
-            need_grad_x=True):
+            need_grad_x=True, mean=False):
     """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D)
     and dist (B, K); grad_x is (B, 0) when ``need_grad_x`` is False (the kernel's forward-only
     path: one pass over the gathered rows, no gradient terms), dist (B, 0) when ``store_dist``
-    is False; all in the compute dtype."""
+    is False; all in the compute dtype. With ``mean`` also counted (B,) bool, the rows a mean
+    counts, and their counted mean and its divisor (0-dim): the op's forward in one call."""
     lib = build.lib()
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
-        return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
-                                 sigma, store_dist=store_dist, need_grad_x=need_grad_x)
-    cdt = reference.compute_dtype(emb)
+        out = reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
+                                sigma, store_dist=store_dist, need_grad_x=need_grad_x)
+        if not mean:
+            return out
+        counted = reference.counted_rows(out[2])
+        return out + (counted,) + reference.counted_mean(out[0], counted)
+    f64 = emb.dtype == torch.float64
+    cdt = torch.float64 if f64 else torch.float32
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
@@ -76,24 +82,31 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     lab = labels
     if lab.dtype not in INDEX_TYPES:  # int32 / int64 are read as they are (no copy)
         lab = lab.to(torch.int64)
-    lab = lab.contiguous()
-    nb = neighbours.contiguous()
+    if not lab.is_contiguous():
+        lab = lab.contiguous()
+    nb = neighbours if neighbours.is_contiguous() else neighbours.contiguous()
     w, wtype = _weights_arg(weights)
-    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
-    loss, lse_all, lse_pos, grad_x, dist = reference.empty_outputs(emb, K, store_dist,
-                                                                   need_grad_x)
-    if B == 0:
-        return loss, lse_all, lse_pos, grad_x, dist
+    loss, lse_all, lse_pos = (torch.empty(B, dtype=cdt), torch.empty(B, dtype=cdt),
+                              torch.empty(B, dtype=cdt))
+    grad_x = torch.empty(B, D if need_grad_x else 0, dtype=cdt)
+    dist = torch.empty(B, K if store_dist else 0, dtype=cdt)
+    if mean:
+        counted, mean_, divisor = (torch.empty(B, dtype=torch.bool), torch.empty((), dtype=cdt),
+                                   torch.empty((), dtype=cdt))
+        extra = (counted.data_ptr(), mean_.data_ptr(), divisor.data_ptr())
+    else:
+        extra = (None, None, None)
     rc = lib.nnk_forward(
-        int(cdt == torch.float64), BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(),
-        int(lab.dtype == torch.int64),
-        centres.data_ptr(), centre_labels.data_ptr(), int(centre_labels.dtype == torch.int64),
-        nb.data_ptr(), int(nb.dtype == torch.int64), ptr(w), wtype, s, B, K, D, N,
-        int(bool(store_dist)), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
+        f64, BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(), lab.dtype == torch.int64,
+        centres.data_ptr(), centre_labels.data_ptr(), centre_labels.dtype == torch.int64,
+        nb.data_ptr(), nb.dtype == torch.int64, ptr(w), wtype, float(sigma), B, K, D, N,
+        bool(store_dist), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
         grad_x.data_ptr() if need_grad_x else None, dist.data_ptr() if store_dist else None,
-        build.threads(B * K * D))
+        *extra, build.threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")
+    if mean:
+        return loss, lse_all, lse_pos, grad_x, dist, counted, mean_, divisor
     return loss, lse_all, lse_pos, grad_x, dist
 
 
@@ -133,28 +146,38 @@ def centre_grad(emb, centres, neighbours, coef):
     return grad
 
 
-def scale_rows(grad_x, g, lse_pos=None):
+def scale_rows(grad_x, g, lse_pos=None, divisor=None):
     """``g[:, None] * grad_x`` (the backward's embedding gradient) in one pass on the kernel's
     threads. A row takes no gradient, and passes none on (NaN rows
     too), where ``g == 0`` or, when ``lse_pos`` (B,) is given, where ``lse_pos == -inf`` (no
     same-class neighbour): the kernel applies that rule itself, so the backward builds no mask.
-    ``g`` (B,) may be an expanded scalar (stride 0, as autograd passes a reduced loss's
-    gradient): it is read as it is. One call instead of torch's ne / where / mul chain."""
+    ``g`` (B,) may be a 0-dim or expanded scalar (stride 0, as autograd passes a reduced loss's
+    gradient): it is read as it is. With ``divisor`` (0-dim, a mean's) each row's g is
+    ``g / divisor``, divided in the same pass where g, divisor and grad_x share a dtype. One
+    call instead of torch's div / ne / where / mul chain."""
     lib = build.lib()
-    g = g.to(grad_x.dtype)
-    if lse_pos is not None:
-        lse_pos = lse_pos.to(grad_x.dtype).contiguous()
-    if (lib is None or grad_x.device.type != "cpu" or not grad_x.is_contiguous()
-            or grad_x.dtype not in (torch.float32, torch.float64)
-            or g.shape != grad_x.shape[:1]
-            or (lse_pos is not None and lse_pos.shape != grad_x.shape[:1])):
+    dt = grad_x.dtype
+    if divisor is not None and (g.dtype != dt or divisor.dtype != dt):
+        g, divisor = g / divisor, None  # torch's order: divided in g's dtype, then cast
+    if g.dtype != dt:
+        g = g.to(dt)
+    if lse_pos is not None and (lse_pos.dtype != dt or not lse_pos.is_contiguous()):
+        lse_pos = lse_pos.to(dt).contiguous()
+    B = grad_x.shape[0]
+    if (lib is None or not (grad_x.is_cpu and g.is_cpu) or not grad_x.is_contiguous()
+            or dt not in (torch.float32, torch.float64) or g.shape not in ((), (B,))
+            or (lse_pos is not None and lse_pos.shape != (B,))
+            or (divisor is not None and (divisor.shape != () or not divisor.is_cpu))):
+        if divisor is not None:
+            g = g / divisor
+        g = g.expand(B)
         takes = g != 0 if lse_pos is None else (g != 0) & (lse_pos != float("-inf"))
         return torch.where(takes[:, None], g[:, None] * grad_x, 0.0)
-    B, D = grad_x.shape
     out = torch.empty_like(grad_x)
     rc = lib.nnk_scale_rows(
-        int(grad_x.dtype == torch.float64), grad_x.data_ptr(), g.data_ptr(), g.stride(0),
-        ptr(lse_pos), B, D, out.data_ptr(), build.threads(B * D, SCALE_MIN_ELEMS))
+        int(dt == torch.float64), grad_x.data_ptr(), g.data_ptr(), g.stride(0) if g.dim() else 0,
+        ptr(divisor), ptr(lse_pos), B, grad_x.shape[1], out.data_ptr(),
+        build.threads(out.numel(), SCALE_MIN_ELEMS))
     if rc != 0:
         raise RuntimeError(f"nnk_scale_rows failed (code {rc})")
     return out
@@ -281,28 +304,28 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
     """:func:`batch_lists`'s ``(lists, counts)`` and the rows dropped as an int (the library's
     answer: no read of ``counts``), or None."""
     lib = build.lib()
-    if (lib is None or table.device.type != "cpu" or table.dtype not in INDEX_TYPES
-            or table.dim() != 2 or idx.dim() != 1
-            or any(t is not None and (t.device.type != "cpu" or t.is_floating_point()
-                                      or t.is_complex() or t.dtype == torch.bool)
-                   for t in (idx, labels, centre_labels))):
+    if (lib is None or not (table.is_cpu and idx.is_cpu) or table.dtype not in INDEX_TYPES
+            or table.dim() != 2 or idx.dim() != 1 or idx.dtype not in _INTEGER):
         return None
     N, K = table.shape
     B = idx.shape[0]
-    if labels is not None and (labels.shape != (B,) or centre_labels.shape != (N,)):
-        return None
-    table = table.contiguous()
-    idx = _index_tensor(idx)
-    out = torch.empty(B, K, dtype=table.dtype)
-    counts = torch.empty(2, dtype=torch.int64)
     lab = cl = None
     lab64 = cl64 = 0
     if labels is not None:
+        if not (labels.is_cpu and centre_labels.is_cpu and labels.dtype in _INTEGER
+                and centre_labels.dtype in _INTEGER and labels.shape == (B,)
+                and centre_labels.shape == (N,)):
+            return None
         lab, cl = _index_tensor(labels), _index_tensor(centre_labels)
         lab64, cl64 = INDEX_TYPES[lab.dtype], INDEX_TYPES[cl.dtype]
+    if not table.is_contiguous():
+        table = table.contiguous()
+    idx = _index_tensor(idx)
+    out = torch.empty(B, K, dtype=table.dtype)
+    counts = torch.empty(2, dtype=torch.int64)
     dropped = lib.nnk_batch_lists(
         table.data_ptr(), INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
-        INDEX_TYPES[idx.dtype], ptr(lab), lab64, ptr(cl), cl64, B, int(bool(exclude_self)),
+        INDEX_TYPES[idx.dtype], ptr(lab), lab64, ptr(cl), cl64, B, bool(exclude_self),
         out.data_ptr(), counts.data_ptr())
     return out, counts, dropped
 
@@ -312,11 +335,15 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
 batch_lists.host_counts = True
 
 
+_INTEGER = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                      torch.uint16, torch.uint32, torch.uint64))
+
+
 def _index_tensor(t):
     """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
     if t.dtype not in INDEX_TYPES:
         t = t.long()
-    return t.contiguous()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def gather_lists(table, idx, exclude_self: bool):

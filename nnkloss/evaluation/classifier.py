@@ -1,17 +1,9 @@
 """NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference, or the CCKNN rule (CCML Eq. 14).
 
-``rule="nngk"``: the k nearest centres of a query x (:func:`nnkloss.knn`, no self-exclusion)
-vote with their Gaussian kernel values,
-
-    Pr(class Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} w_j exp(-d_j / (2 sigma^2))
-
-``rule="ccknn"``: each class C contributes its *own* k nearest centres, and the predicted class
-is ``argmin_C sum_{j<=k} ||x - NN^C_j(x)||^2``.
-
-Both normalise with a max shift (log-sum-exp), so queries far from every centre give a proper
-distribution, never NaN. The search only selects neighbours: the distances entering the kernel
-are recomputed relative to each query's nearest centre (the shift cancels), in a form that
-keeps their differences precise however far the query is (:func:`_sq_dist_minus_ref`).
+``rule="nngk"``: the k nearest centres of x vote with their kernel values,
+``Pr(Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} (same)``.
+``rule="ccknn"``: the class minimising the summed distance to its own k nearest centres.
+Both normalise with a max shift relative to each query's nearest centre: never NaN.
 """
 from __future__ import annotations
 
@@ -38,32 +30,24 @@ _GATHER_ELEMS = 1 << 22
 
 def _fused_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Optional[Tensor]:
-    """:func:`_sq_dist_minus_ref` in one fused pass of the device's backend (the compiled CPU
-    library, or Triton on CUDA), or None where none runs."""
+    """:func:`_sq_dist_minus_ref` in one fused pass of the device's backend, or None."""
     impl = fused_pass(x.device)
     return None if impl is None else impl.rel_sqdist(x, centres, idx, ref, cdt)
 
 
 def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Tensor:
-    """(Q, k) ``||x_q - c_j||^2 - ||x_q - c_r||^2`` for j = idx[q, :], r = ref[q], in ``cdt``.
-
-    Written as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``: for a far query the two squared
-    distances are huge and nearly equal, and their difference would lose what decides the
-    vote; the product form keeps it to full relative precision. One fused pass where a backend
-    has one (no (rows, k, D) block), else the torch form in row chunks of ``_GATHER_ELEMS``.
+    """(Q, k) ``||x_q - c_j||^2 - ||x_q - c_r||^2`` for j = idx[q, :], r = ref[q], in ``cdt``,
+    as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``, precise however far the query; fused where a
+    backend runs, else torch in blocks of ``_GATHER_ELEMS``.
     """
-    if plain_eager(x, centres, idx, ref):
-        out = _fused_rel_sqdist(x, centres, idx, ref, cdt)
-        if out is not None:
-            return out
-    return _torch_rel_sqdist(x, centres, idx, ref, cdt)
+    out = _fused_rel_sqdist(x, centres, idx, ref, cdt) if plain_eager(x, centres, idx, ref) \
+        else None
+    return out if out is not None else _torch_rel_sqdist(x, centres, idx, ref, cdt)
 
 
 def _torch_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Tensor:
-    """:func:`_sq_dist_minus_ref` in torch: gathered (rows, k, D) blocks of at most
-    ``_GATHER_ELEMS`` elements."""
     q, k = idx.shape
     d = x.shape[1]
     out = torch.empty(q, k, dtype=cdt, device=x.device)
@@ -77,8 +61,7 @@ def _torch_rel_sqdist(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
 
 
 def _check_k(k: int, available: int, which: str = "") -> None:
-    """ValueError naming k where it exceeds the bank's ``available`` centres (``which``: the
-    kind counted), as :func:`nnkloss.knn` refuses more neighbours than candidates."""
+    """ValueError naming k where it exceeds the bank's ``available`` centres."""
     if k > available:
         raise ValueError(f"k={k} is larger than the bank's {available} centres{which}")
 
@@ -87,22 +70,18 @@ class NeighbourKernelClassifier(nn.Module):
     """Classify embeddings with a :class:`CentreBank` (training features, class means, ...).
 
     Args:
-        bank: the CentreBank (a submodule, read as it is at call time: grown banks at once).
+        bank: the CentreBank, read as it is at call time.
         k: neighbours per query, at most the bank's centres of weight > 0 (ValueError naming
-            k otherwise, here and at each call, as :func:`nnkloss.knn` raises);
-            ``k = bank.num_centres`` uses every centre (with a class-mean bank and
-            ``1/(2 sigma^2) = 1/2`` that is the NCM classifier of Mensink et al.). For
-            ``rule="ccknn"`` it is the number of neighbours taken from *each* class (a class
-            with fewer centres uses all of its own).
+            k); ``bank.num_centres`` uses all (with class means and sigma = 1: NCM). For
+            "ccknn", neighbours from *each* class (fewer where a class has fewer).
         sigma: kernel width (> 0).
         search_backend: "auto", "torch" or "faiss" (see :func:`nnkloss.knn`).
-        batch_size: query rows per search call (bounds the search and gather temporaries).
+        batch_size: query rows per search call.
         rule: "nngk" (Eq. 3, default) or "ccknn" (CCML Eq. 14).
 
-    Centres of weight 0 are left out of the search (``rule="ccknn"`` uses no other weight:
-    Eq. 14 has none). Methods take emb (B, D) float (tensor or numpy array) and run without
-    autograd; probabilities are fp32 (fp64 for fp64 emb), C = ``bank.num_classes`` columns,
-    0 for labels absent from the bank.
+    Centres of weight 0 are left out ("ccknn" uses no other weight). Methods take emb (B, D)
+    float (tensor or numpy) and run without autograd; probabilities are fp32 (fp64 for fp64
+    emb) over C = ``bank.num_classes`` columns.
     """
 
     def __init__(self, bank: CentreBank, k: int, sigma: float, search_backend: str = "auto",
@@ -124,15 +103,12 @@ class NeighbourKernelClassifier(nn.Module):
         self.batch_size = int(batch_size)
         self.rule = rule
 
-    # ---------------------------------------------------------------- public
     @torch.no_grad()
     def predict_proba(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
         """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1.
 
         ``neighbours``: optional (B, K >= k) bank rows of each query's nearest centres, nearest
-        first, from a search already made (``nnkloss.knn(emb, bank.centres, k).neighbours``):
-        the first k columns are used, without a search. Centres of weight 0 among them count
-        nothing. ``rule="nngk"`` only (CCKNN searches each class separately).
+        first (a search already made); the first k are used. ``rule="nngk"`` only.
         """
         x = self._check_emb(emb)
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -143,19 +119,16 @@ class NeighbourKernelClassifier(nn.Module):
             log_p = self._log_scores_ccknn(x, cdt)
         else:
             log_p = self._log_scores_nngk(x, cdt)
-        # Normalise with a max shift: rows whose every kernel value underflows stay finite.
         return torch.softmax(log_p, dim=1)
 
     @torch.no_grad()
     def predict(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
-        """(B,) int64 predicted class of each row of ``emb`` (B, D); ``neighbours`` as in
-        :meth:`predict_proba`."""
+        """(B,) int64 predicted classes; arguments as :meth:`predict_proba`."""
         return self.predict_proba(emb, neighbours).argmax(dim=1)
 
     def forward(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
         return self.predict_proba(emb, neighbours)
 
-    # ---------------------------------------------------------------- internals
     def _check_emb(self, emb) -> Tensor:
         emb = as_tensor("emb", emb)
         require_float("emb", emb, 2)
@@ -236,13 +209,8 @@ class NeighbourKernelClassifier(nn.Module):
         return out
 
     def _log_scores_ccknn(self, x: Tensor, cdt) -> Tensor:
-        """(B, C) class scores ``-(1/k) sum_{j<=k} ||x - NN^C_j(x)||^2 / (2 sigma^2)`` (up to a
-        per-row constant, which the softmax removes).
-
-        Their softmax is CCML Eq. 10 with distances scaled by ``1/(2 sigma^2)`` (exactly Eq. 10
-        at ``sigma = 1/sqrt 2``) and their argmax Eq. 14. A class with n_C < k centres uses the
-        mean over all n_C of them.
-        """
+        """(B, C) scores ``-(1/k) sum_{j<=k} ||x - NN^C_j(x)||^2 / (2 sigma^2)`` up to a per-row
+        constant: softmax CCML Eq. 10, argmax Eq. 14."""
         centres, centre_labels, _ = self._usable()
         num_classes = self.bank.num_classes
         inv = 0.5 / (self.sigma * self.sigma)
@@ -253,8 +221,7 @@ class NeighbourKernelClassifier(nn.Module):
                                                 return_counts=True)
         order = torch.argsort(inverse, stable=True)  # centre rows grouped by class
         starts = (torch.cumsum(counts, 0) - counts).tolist()
-        # One reference centre per query (its nearest), shared by all classes: it cancels in
-        # the softmax and keeps far queries precise (see _sq_dist_minus_ref).
+        # One reference centre per query, shared by all classes: it cancels in the softmax.
         ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1,
                              search_backend=self.search_backend).neighbours
                          for lo in range(0, x.shape[0], self.batch_size)])[:, 0]

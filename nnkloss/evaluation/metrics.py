@@ -1,19 +1,9 @@
 """Evaluation metrics for embeddings: Recall@K, MAP@R, R-precision, NMI, accuracy.
 
-Retrieval metrics follow the standard protocol: every embedding is a query against all the
-others, its own row excluded (by index: an exact duplicate is a neighbour at distance 0).
-:func:`evaluate` searches once, for the most neighbours any metric needs, and reduces each
-block of query rows as the search yields it: memory is the search's tile budget plus O(N),
-never N x N or N x K. :func:`recall_at_k` and :func:`map_at_r` are :func:`evaluate` asked for
-one metric.
-
-Neighbours are ranked by (distance, index), as faiss's flat index (and so pytorch-metric-
-learning's AccuracyCalculator) ranks them; the values are AccuracyCalculator's
-``precision_at_1``, ``mean_average_precision_at_r`` and ``r_precision`` wherever both compute
-the same fp32 distances, with one difference of protocol: a query whose class has no other
-member counts as a miss in Recall@K here, where AccuracyCalculator leaves it out.
-
-Inputs may be torch tensors (any device; the search runs there) or numpy arrays (CPU).
+Every embedding is a query against all the others, its own row excluded by index. Neighbours
+rank by (distance, index), as pytorch-metric-learning's AccuracyCalculator; its values agree
+where the fp32 distances do, except that a query alone in its class is a Recall@K miss here.
+Inputs may be tensors (the search runs on their device) or numpy arrays.
 """
 from __future__ import annotations
 
@@ -31,7 +21,7 @@ from ..validation import require_int, require_labelled, require_positive_int
 __all__ = ["evaluate", "recall_at_k", "map_at_r", "nmi", "accuracy", "KMEANS_BACKENDS"]
 
 KMEANS_BACKENDS = ("sklearn", "torch")
-# Default CPU search budget of an evaluation: larger blocks than a refresh's (it runs alone).
+# Default CPU search budget of an evaluation (larger than a refresh's: it runs alone).
 _EVAL_CPU_TILE_BYTES = 1 << 30
 
 
@@ -42,7 +32,7 @@ def _embeddings_and_labels(emb, labels) -> Tuple[Tensor, Tensor]:
     if emb.shape[0] < 2:
         raise ValueError(f"emb needs at least 2 rows (each query is searched against the "
                          f"others), got {emb.shape[0]}")
-    check_finite("emb", emb)  # named as the caller passed it (the search would say "queries")
+    check_finite("emb", emb)  # named as passed (the search would say "queries")
     return emb, labels.to(emb.device).long()
 
 
@@ -51,14 +41,6 @@ def _ks_list(ks) -> list:
         return list(ks)
     except TypeError:
         raise TypeError(f"ks must be an iterable of ints, e.g. (1, 2, 4, 8), got {ks!r}") from None
-
-
-def _check_ks(ks, n: int) -> list:
-    ks = _ks_list(ks)
-    for k in ks:
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
-            raise ValueError(f"every value of ks must be an int in 1..{n - 1} (N - 1), got {k!r}")
-    return [int(k) for k in ks]
 
 
 def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = True,
@@ -73,8 +55,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
         map_at_r: also compute MAP@R and R-precision (needs a class with two members).
         search_backend: "auto" (= "torch"), "torch" or "faiss" (see :func:`nnkloss.knn`).
         tile_bytes: the search's working-memory budget (default: 1 GiB on the CPU,
-            :func:`nnkloss.knn`'s default on CUDA); see :mod:`nnkloss.bank.search.torch_search`.
-        progress: show a progress bar over the query rows (tqdm).
+            :func:`nnkloss.knn`'s on CUDA).
+        progress: a tqdm bar over the query rows.
 
     Returns:
         ``{"recall@K": .. for K in ks, "map@r": .., "r_precision": ..}`` (floats in [0, 1]).
@@ -83,26 +65,26 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
 
     * Recall@K: 1 if a same-class item is among its K nearest, else 0; mean over all N queries
       (a query alone in its class counts as a miss).
-    * MAP@R (Musgrave et al., "A Metric Learning Reality Check", 2020): over its R nearest,
-      the sum of the precisions at the ranks holding a same-class item, divided by R;
-      R-precision: the share of same-class items among its R nearest. Both are means over the
-      queries with R >= 1 (the others have no defined value).
+    * MAP@R (Musgrave et al., 2020): over its R nearest, the sum of the precisions at the
+      ranks holding a same-class item, divided by R; R-precision: the share of same-class
+      items among its R nearest. Means over the queries with R >= 1.
 
-    One search for ``max(max(ks), largest R)`` neighbours feeds every metric. Memory: an fp32
-    copy of the embeddings with up to 8 extra columns, the search's working set (at most
-    ``tile_bytes``), per-block (rows, K) temporaries and O(N) results; never N x N (figures:
-    docs/PERFORMANCE.md, "Evaluation at scale").
+    One search feeds every metric, reduced block by block: memory is ``tile_bytes`` plus
+    O(N), never N x N.
     """
     emb, labels = _embeddings_and_labels(emb, labels)
     check_search_backend(search_backend)
     n = emb.shape[0]
-    ks = _check_ks(ks, n)
+    ks = _ks_list(ks)
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n - 1:
+            raise ValueError(f"every value of ks must be an int in 1..{n - 1} (N - 1), got {k!r}")
+    ks = [int(k) for k in ks]
     if not ks and not map_at_r:
         raise ValueError("nothing to evaluate: ks is empty and map_at_r is False")
     dev = emb.device
     _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
     r = counts[inverse] - 1  # other items of each query's class
-    # Each item's class in the smallest integer that holds it: the blocks' gathers read less.
     classes = inverse.to(torch.int16 if counts.numel() <= 2**15 else torch.int32)
     counted = r > 0
     if map_at_r and not bool(counted.any()):
@@ -124,15 +106,12 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
         for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
-            # torch.take: the gather of a flat table, faster than classes[idx]
             same = torch.take(classes, idx) == classes[rows, None]
             hit = same.any(dim=1)
             first_hit[rows] = torch.where(hit, same.to(torch.uint8).argmax(dim=1), kmax)
             if map_at_r:
                 rr = r[rows]
-                # AccuracyCalculator's mean_average_precision(at_r=True) and r_precision bit
-                # for bit: its precision (cumsum(correct) * correct / ranks in float64; the
-                # counts exact in int32 as in its int64) and its sums over the same rows.
+                # AccuracyCalculator's MAP@R and R-precision, bit for bit.
                 relevant = ranks[None, :] <= rr[:, None]
                 correct = same & relevant
                 cumulative = torch.cumsum(correct, dim=1, dtype=torch.int32)
@@ -155,9 +134,7 @@ def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8),
                 search_backend: str = "auto", **options) -> Dict[int, float]:
     """Recall@K: the share of queries with at least one same-class item among their K nearest.
 
-    Arguments as in :func:`evaluate` (``options``: ``tile_bytes``, ``progress``). Returns
-    {K: recall in [0, 1]} in the order of ``ks``; a query alone in its class is a miss. Ask
-    :func:`evaluate` for Recall@K and MAP@R together: one search for both.
+    Arguments as in :func:`evaluate`; returns {K: recall} in the order of ``ks``.
     """
     ks = _ks_list(ks)
     if not ks:
@@ -167,8 +144,7 @@ def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8),
 
 
 def map_at_r(emb, labels, search_backend: str = "auto", **options) -> float:
-    """MAP@R (Musgrave et al., "A Metric Learning Reality Check", 2020) as defined in
-    :func:`evaluate`. Raises ValueError when no class has two members."""
+    """MAP@R as defined in :func:`evaluate`; ValueError when no class has two members."""
     return evaluate(emb, labels, (), map_at_r=True, search_backend=search_backend,
                     **options)["map@r"]
 
@@ -176,11 +152,9 @@ def map_at_r(emb, labels, search_backend: str = "auto", **options) -> float:
 def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "sklearn") -> float:
     """Normalised mutual information between k-means clusters and the labels.
 
-    k-means with as many clusters as distinct labels runs ``n_init`` times (>= 1; default
-    10: one run varies by several NMI points from seed to seed) from different seeds
-    (deterministic for a given ``seed``); the lowest inertia's clustering is scored, with the
-    arithmetic mean of the two entropies (scikit-learn's default). ``kmeans_backend``:
-    "sklearn" (CPU, the usual protocol) or "torch" (:func:`nnkloss.bank.centroids.kmeans`).
+    k-means with one cluster per label runs ``n_init`` times from seeds derived from ``seed``;
+    the lowest inertia's clustering is scored (arithmetic-mean normalisation).
+    ``kmeans_backend``: "sklearn" or "torch" (:func:`nnkloss.bank.centroids.kmeans`).
     """
     from sklearn.metrics import normalized_mutual_info_score
 

@@ -1,18 +1,10 @@
-"""Keeping a bank loss's bank current during training: the Trainer's bank-maintenance state.
+"""The Trainer's bank maintenance: :class:`BankUpkeep` drives a Refresher for the loop.
 
-:class:`BankUpkeep` drives a Refresher (:mod:`nnkloss.bank.refresh`) for the training loop:
-
-* the initial bank before the first step (or the refresh a finished run skipped after its
-  last epoch, before a continuing run's first step);
-* the :class:`nnkloss.RefreshSchedule`'s refreshes, synchronous or in the background (polled
-  after every step without a sync, swapped in when ready, waited for before a checkpoint);
-* ``fresh_centres``, ``neighbours_every_steps`` and ``warm_start_steps`` (see
-  :class:`nnkloss.experiment.Trainer`).
-
-It owns the state a checkpoint carries for that (``bank_ready``, ``refresh_due``) and the
-epoch log's refresh columns, one set per moment so that none overwrites another:
-``start_refresh_*`` (before the epoch's first step), ``refresh_*`` (the last during its steps)
-and ``end_refresh_*`` (after its last step). Without a refresher every method is a no-op.
+It builds the initial bank, runs the schedule's refreshes (background ones polled without a
+sync), and the Trainer's ``fresh_centres``, ``neighbours_every_steps`` and
+``warm_start_steps``. It owns the checkpointed ``bank_ready`` and ``refresh_due`` and the
+epoch's log columns: ``start_refresh_*`` (before the first step), ``refresh_*`` (the last
+during the steps), ``end_refresh_*`` (after the last). Without a refresher it does nothing.
 """
 from __future__ import annotations
 
@@ -64,8 +56,7 @@ def check_bank_options(criterion, refresher, fresh_centres, neighbours_every_ste
 
 @torch.no_grad()
 def write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None:
-    """``bank.write_centres_`` with this step's rows; under torch.distributed with every
-    rank's rows, gathered in rank order, so that every rank's bank gets the same writes."""
+    """``bank.write_centres_`` with this step's rows (every rank's, under torch.distributed)."""
     idx = idx.to(bank.centres.device)
     emb = emb.to(bank.centres.device)
     if _dist.is_distributed():
@@ -74,8 +65,7 @@ def write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None
 
 
 def refresh_columns(stats, prefix: str = "refresh_") -> Dict[str, Any]:
-    """Numeric fields of whatever a Refresher's ``refresh()`` returns, as ``prefix*`` log
-    columns."""
+    """Numeric fields of a refresh's stats as ``prefix*`` log columns."""
     if stats is None:
         return {}
     if hasattr(stats, "_asdict"):
@@ -92,35 +82,13 @@ def refresh_columns(stats, prefix: str = "refresh_") -> Dict[str, Any]:
     return out
 
 
-def _neighbours_columns(log: Dict[str, Any]) -> Dict[str, Any]:
-    """The epoch log's ``neighbours_*`` columns from :meth:`BankUpkeep._rebuild_neighbours`' statistics."""
-    if not log:
-        return {}
-    row = {"neighbours_rebuilds": log["rebuilds"], "neighbours_time_s": log["time_s"],
-           "neighbours_positive_share": log["positive_share"]}
-    if log.get("overlaps"):
-        row["neighbours_overlap"] = float(np.mean(log["overlaps"]))
-    if log.get("mean_kernel") is not None:
-        row["neighbours_mean_kernel"] = log["mean_kernel"]
-    return row
-
-
 class BankUpkeep:
-    """The bank-maintenance state machine of one training run (see the module docstring).
+    """The bank maintenance of one training run.
 
-    Args:
-        criterion: the training criterion; its ``kernel_sigma()`` is the sigma of every refresh
-            and its ``bank`` gets the fresh centres.
-        model: the network the refresher embeds with (put back in train mode after a
-            synchronous refresh).
-        refresher: a :class:`nnkloss.Refresher` (or anything with ``refresh(sigma)``), or None.
-        schedule: the :class:`nnkloss.RefreshSchedule` of the run.
-        fresh_centres, neighbours_every_steps, warm_start_steps: checked by
-            :func:`check_bank_options` (as the Trainer documents them).
-
-    The loop calls :meth:`before_fit`, then per epoch :meth:`start_epoch`, :meth:`after_step`
-    after every optimiser step, :meth:`epoch_columns` and :meth:`end_epoch`, and
-    :meth:`finish_async` before a checkpoint.
+    ``criterion`` gives the sigma and the bank; ``refresher`` (or None) embeds with ``model``;
+    the options are the Trainer's. The loop calls :meth:`before_fit`, then per epoch
+    :meth:`start_epoch`, :meth:`after_step` per step, :meth:`epoch_columns`,
+    :meth:`end_epoch`, and :meth:`finish_async` before a checkpoint.
     """
 
     def __init__(self, criterion: nn.Module, model: nn.Module, refresher, schedule,
@@ -136,10 +104,8 @@ class BankUpkeep:
         self.model = model
         self.refresher = refresher
         self.schedule = schedule
-        #: the bank has been built (False until the first refresh; saved in checkpoints).
         self.bank_ready = False
-        #: the last epoch of a fit() skips its scheduled refresh (nothing would use it); a
-        #: later fit() that continues from there must do it first, as an uninterrupted run did.
+        #: a fit()'s last epoch skipped its refresh; a continuing fit() does it first.
         self.refresh_due = False
         self._pending: Dict[str, Any] = {}   # log of a refresh before the epoch's first step
         self._refreshes: Dict[str, Any] = {}  # the epoch's last refresh columns
@@ -149,13 +115,8 @@ class BankUpkeep:
     def is_async(self) -> bool:
         return bool(getattr(self.refresher, "async_mode", False))
 
-    # ------------------------------------------------------------------ refreshes
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """Re-embed the training set into the bank and rebuild the neighbour lists; returns
-        the ``refresh_*`` log columns (with ``refresh_time_s``).
-
-        With an asynchronous refresher and ``wait=False`` this only starts the background
-        refresh (returns {}); :meth:`after_step` swaps it in when it is ready."""
+        """As :meth:`nnkloss.experiment.Trainer.refresh` (with ``refresh_time_s``)."""
         sigma = self.criterion.kernel_sigma()
         if self.is_async and not wait:
             if not self.refresher.in_flight:
@@ -186,31 +147,27 @@ class BankUpkeep:
         return self.refresher is not None and not self.bank_ready
 
     def before_fit(self, more_epochs: bool) -> None:
-        """Before a fit's first step: the initial bank, or the refresh a finished run skipped
-        after its last epoch (only if this fit trains ``more_epochs``). Their log goes into the
-        next epoch's row (:meth:`take_pending`)."""
+        """Before a fit's first step: the initial bank, or the skipped refresh if this fit
+        trains ``more_epochs``; logged by :meth:`take_pending`."""
         if self.needs_initial_bank:
             self._pending = self.refresh()
         elif self.refresher is not None and self.refresh_due and more_epochs:
-            self._pending = self.refresh()  # skipped after the epoch we resume from
+            self._pending = self.refresh()
         if more_epochs:
             self.refresh_due = False
 
     def take_pending(self) -> Dict[str, Any]:
-        """The log of a refresh done before the epoch's first step (once, as
-        ``start_refresh_*``), else {}."""
+        """The log of a refresh before the epoch's first step, once, as ``start_refresh_*``."""
         out, self._pending = self._pending, {}
         return {f"start_{k}": v for k, v in out.items()}
 
-    # ------------------------------------------------------------------ per step / epoch
     def start_epoch(self) -> None:
         self._refreshes = {}
         self._lists = {}
 
     def after_step(self, step: int, idx: Tensor, emb: Tensor) -> None:
-        """After optimiser step number ``step`` (counted over the run) whose batch rows were
-        ``idx`` and embeddings (the loss's input) ``emb``: write the fresh centres, swap in a
-        finished background refresh, rebuild the lists and run a refresh when due."""
+        """After step ``step`` (rows ``idx``, embeddings ``emb``): fresh centres, a finished
+        background refresh, list rebuilds and due refreshes."""
         if self.fresh_centres is not None:
             write_fresh_centres(self.criterion.bank, idx, emb.detach(), self.fresh_centres)
         if self.refresher is not None and self.is_async and self.refresher.in_flight:
@@ -227,8 +184,7 @@ class BankUpkeep:
             self.model.train()
 
     def _rebuild_neighbours(self) -> None:
-        """Lists from the bank's current centres (``neighbours_every_steps``); accumulates the
-        epoch's statistics."""
+        """Rebuild the lists from the current centres, accumulating the epoch's statistics."""
         log = self._lists
         t0 = time.perf_counter()
         stats = self.refresher.rebuild_neighbours(self.criterion.kernel_sigma())
@@ -242,12 +198,18 @@ class BankUpkeep:
     def epoch_columns(self) -> Dict[str, Any]:
         """The epoch's refresh and ``neighbours_*`` log columns (after its last step)."""
         row = dict(self._refreshes)
-        row.update(_neighbours_columns(self._lists))
+        log = self._lists
+        if log:
+            row.update(neighbours_rebuilds=log["rebuilds"], neighbours_time_s=log["time_s"],
+                       neighbours_positive_share=log["positive_share"])
+            if log.get("overlaps"):
+                row["neighbours_overlap"] = float(np.mean(log["overlaps"]))
+            if log.get("mean_kernel") is not None:
+                row["neighbours_mean_kernel"] = log["mean_kernel"]
         return row
 
     def end_epoch(self, last: bool) -> Dict[str, Any]:
-        """After an epoch: the scheduled refresh (not after the ``last`` epoch of a fit:
-        nothing would use it; it is then due at the next fit's start). Returns its columns."""
+        """After an epoch: the scheduled refresh (after the ``last``, left due); its columns."""
         due = self.schedule.epoch_end() and self.refresher is not None
         out = self.refresh(wait=False) if due and not last else {}
         self.refresh_due = due and last

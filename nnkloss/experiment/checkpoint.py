@@ -1,18 +1,11 @@
-"""The Trainer's checkpoint file: its format, checksum, weights-only load, the check of a
-resumed run against its data, the checks of the parts that PyTorch's own loaders take as they
-come (optimiser buffers, the AMP scaler, the history, epoch and step), and the removal of
-temporary files of interrupted writes.
+"""The Trainer's checkpoint file: format, checksummed weights-only load, and the checks of
+what PyTorch's own loaders take as it comes (data record, optimiser state, AMP scaler,
+history, epoch and step).
 
-``checkpoint.pt`` is a :mod:`nnkloss.checksum` file (sha256 of the payload, verified before the
-payload is read with ``torch.load(weights_only=True)``): no code runs from it, and a damaged file
-is an error naming it. Everything in it is what the weights-only unpickler reads: tensors,
-numbers, strings, None, lists / tuples / dicts of them. The RNG states are stored in that form
-(:func:`rng_state`). The ``data`` record (:func:`data_fingerprint`) describes the training set
-the run was started on (its bank's N, embedding size and a sha256 of its centre labels); a
-resume on other data is refused, naming what differs.
-
-Files of formats 1 and 2 (pickled RNG states; centre labels named ``labels``) are refused
-with an error that says so: start the run again.
+``checkpoint.pt`` is a :mod:`nnkloss.checksum` file holding only what the weights-only
+unpickler reads (RNG states too: :func:`rng_state`). Its ``data`` record
+(:func:`data_fingerprint`) refuses a resume on other data, naming what differs. Formats 1 and
+2 are refused with an error that says so.
 """
 from __future__ import annotations
 
@@ -36,10 +29,8 @@ __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerp
 FORMAT = "nnkloss.trainer/3"
 
 
-# ---------------------------------------------------------------------------- RNG states
 def rng_state() -> Dict[str, Any]:
-    """Python's, NumPy's and torch's (CPU, all CUDA devices) global RNG states as tensors,
-    numbers and strings (what a weights-only load reads back)."""
+    """Python's, NumPy's and torch's (CPU, CUDA) RNG states in weights-only form."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": {"version": int(version),
@@ -66,19 +57,14 @@ def set_rng_state(state: Dict[str, Any]) -> None:
                          int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        # One state per GPU its writer saw; those of GPUs this machine lacks are left out
-        # (set_rng_state_all set device i for the i-th state: IndexError past the count, and
-        # a resume on a machine with fewer GPUs than the writer's was refused).
+        # States of GPUs this machine lacks are left out.
         for i, s in enumerate(list(state["cuda"])[:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s.cpu(), i)
 
 
-# ---------------------------------------------------------------------------- the data
 def data_fingerprint(criterion: nn.Module) -> Dict[str, Any]:
-    """What a resumed run must share with the run that wrote the checkpoint: for a loss over a
-    bank, its number of rows (training examples), its embedding size and a sha256 of its
-    centre labels (in row order, as the bank was given to the Trainer); {} for other criteria,
-    whose size checks are those of ``load_state_dict``."""
+    """What a resumed run must share with the checkpoint's: a bank loss's N, embedding size
+    and sha256 of its centre labels; {} for other criteria."""
     bank = getattr(criterion, "bank", None)
     if not isinstance(bank, CentreBank):
         return {}
@@ -89,8 +75,7 @@ def data_fingerprint(criterion: nn.Module) -> Dict[str, Any]:
 
 
 def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -> None:
-    """ValueError naming every difference between the checkpoint's ``data`` record and this
-    run's (:func:`data_fingerprint`); nothing is loaded from a checkpoint that fails."""
+    """ValueError naming every difference between the saved and current data records."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where} has no data record (N, centre labels, embedding size)")
     problems = []
@@ -110,17 +95,9 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer,
                           what: str = "the optimiser state") -> None:
-    """ValueError unless every tensor of every parameter's state in ``optimizer`` (as
-    ``load_state_dict`` left it) is a 0-dim tensor (a step count) or has its parameter's shape,
-    as the optimisers the Trainer builds keep them (momentum buffers, Adam's moments).
-    ``Optimizer.load_state_dict`` checks the parameter groups, not these: a buffer of another
-    shape loaded and then failed at the next step, mid-run.
-
-    Every hyperparameter of every group whose default (``optimizer.defaults``) is a number or
-    a tuple of numbers (lr, momentum, weight_decay, eps, betas) must be that too, finite and
-    >= 0, as the constructors take them: ``load_state_dict`` takes the groups' values as they
-    come, and a NaN lr, momentum or weight decay trained to NaN parameters without an error
-    (a string failed at the next step)."""
+    """ValueError unless every state tensor of ``optimizer`` is 0-dim or of its parameter's
+    shape, and every numeric hyperparameter (numbers or tuples of them by
+    ``optimizer.defaults``) is finite and >= 0: ``load_state_dict`` checks neither."""
     for g, group in enumerate(optimizer.param_groups):
         for key, default in optimizer.defaults.items():
             value = group.get(key)
@@ -150,8 +127,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _nonnegative_number(v: Any) -> bool:
-    """A finite number >= 0: a Python int or float, or a one-value float tensor (torch's
-    optimisers take a tensor lr)."""
+    """A finite number >= 0: an int, float or one-value float tensor."""
     if isinstance(v, torch.Tensor):
         return (v.numel() == 1 and v.is_floating_point() and bool(torch.isfinite(v).all())
                 and float(v) >= 0)
@@ -166,11 +142,8 @@ def count(value: Any) -> int:
 
 
 def check_scaler_state(state: Any, what: str = "scaler") -> None:
-    """ValueError unless ``state`` is an AMP GradScaler's state as its constructor allows it:
-    empty (a disabled scaler's) or a finite positive scale, a growth factor above 1, a backoff
-    factor in (0, 1), a positive growth interval and a tracker >= 0. GradScaler.load_state_dict
-    takes any numbers: a NaN scale made every later step overflow, be skipped and keep the NaN
-    (no training, no error)."""
+    """ValueError unless ``state`` is empty or a GradScaler state its constructor allows
+    (``GradScaler.load_state_dict`` takes any numbers, a NaN scale included)."""
     if not isinstance(state, dict):
         raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
     if not state:
@@ -191,24 +164,19 @@ def check_scaler_state(state: Any, what: str = "scaler") -> None:
             raise ValueError(f"{what}[{key!r}] must be {rule}, got {v}")
 
 
-#: The most values (containers and leaves, each counted as often as it is referenced) a loaded
-#: history may expand to when the logs write it (a real run's: tens per epoch).
+#: The most values a loaded history may expand to (shared containers counted each time).
 HISTORY_MAX_VALUES = 10_000_000
-#: The deepest nesting of a loaded history (json.dumps and the logs recurse through it).
+#: The deepest nesting of a loaded history.
 HISTORY_MAX_DEPTH = 32
 _HISTORY_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
 _JSON_KEYS = (type(None), bool, int, float, str)
 
 
 def check_history(history: Any, what: str = "history") -> None:
-    """ValueError unless ``history`` is what the logs can write: a list of per-epoch dicts with
-    str keys, holding numbers, strings, None, tensors and lists / tuples / dicts of them (keys
-    that JSON writes), without a cycle, at most HISTORY_MAX_DEPTH deep, expanding to at most
-    HISTORY_MAX_VALUES values. A weights-only load reads other things a pickle can describe:
-    bytes or a tuple key (the first write of log.json failed mid-run), a list holding itself
-    (the same), one list shared 2^28 times over (a write all but endless). A post-order walk
-    of its own (sizes and the path's containers), not :func:`nnkloss.checksum.iter_contents`,
-    which visits each container once and so sees neither the expansion nor the cycle."""
+    """ValueError unless ``history`` is what the logs can write: a list of dicts with str keys
+    holding numbers, strings, None, tensors and containers of them, acyclic, at most
+    HISTORY_MAX_DEPTH deep and HISTORY_MAX_VALUES values expanded. A post-order walk, which
+    sees expansion and cycles."""
     if not isinstance(history, list) or not all(
             isinstance(r, dict) and all(isinstance(k, str) for k in r) for r in history):
         raise ValueError(f"{what} must be a list of dicts with str keys (one per epoch)")
@@ -246,18 +214,14 @@ def check_history(history: Any, what: str = "history") -> None:
                                  "write")
 
 
-# ---------------------------------------------------------------------------- the file
 def save(path, state: Dict[str, Any]) -> str:
-    """Write the Trainer ``state`` atomically with its checksum; temporary files that earlier
-    interrupted writes of ``path`` left are removed first. Returns the path."""
+    """Write ``state`` atomically with its checksum (stale temporaries removed first)."""
     remove_stale_temps(path)
     return save_checked(state, path)
 
 
 def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
-    """Read a Trainer checkpoint: checksum verified, weights-only load, format checked. Temporary
-    files of interrupted writes of ``path`` are removed (a resumed run is the only writer of its
-    out_dir: the one that was interrupted is gone). Errors name the file."""
+    """Read a Trainer checkpoint (checksum, weights-only, format); errors name the file."""
     path = os.fspath(path)
     remove_stale_temps(path)
     try:

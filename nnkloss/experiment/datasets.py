@@ -1,34 +1,16 @@
 """Image datasets in their official on-disk layouts, for the papers' experiments.
 
-Every dataset here is a :class:`torch.utils.data.Dataset` whose items are
-``(image, label, idx)``:
+Items are ``(image, label, idx)``: ``transform`` of an RGB ``PIL.Image`` (read on access,
+nothing downloaded), a label in ``0 .. num_classes - 1`` and the item's position, its row in a
+:class:`nnkloss.CentreBank` over the dataset. Index files are checked when the dataset is
+built: a missing or malformed one, or an image path leaving the dataset folder, raises
+:class:`FileNotFoundError` / :class:`DatasetFormatError` naming the file (and line).
 
-    image: whatever ``transform`` makes of an RGB ``PIL.Image`` (the PIL image itself if
-        ``transform`` is None), e.g. a (3, H, W) float32 tensor;
-    label: int in ``0 .. num_classes - 1``;
-    idx: int, the item's position in the dataset. It is the item's row in a
-        :class:`nnkloss.CentreBank` built over this dataset.
-
-Images are read with PIL on access (nothing is cached or downloaded). Index files are read and
-checked when the dataset is built; a missing or malformed file raises
-:class:`FileNotFoundError` / :class:`DatasetFormatError` naming the file (and line). An image
-path an index file lists must stay inside the dataset folder: an absolute one or one with a
-``..`` component is a :class:`DatasetFormatError` naming the file, line and entry.
-
-Protocols (the ``protocol`` argument):
-
-* ``"metric"``: the metric-learning set-up of Song et al. (2016) used in the papers: the first
-  half of the classes (sorted by their official id) form ``split="train"``, the second half
-  ``split="test"``, all images of those classes.
-* ``"classification"``: the same classes for training and testing. ``split`` is one of
-  ``"train"``, ``"val"``, ``"trainval"`` (= train + val) and ``"test"``. Where a dataset has no
-  official validation set, a seeded, per-class stratified fraction of the official training
-  set is held out (the papers: 20% on CUB, 30% on Cars196; 50/20/30 of everything on Leafsnap
-  field).
-
-Labels are remapped to ``0 .. C-1`` over the classes of the protocol's split family (all
-classes for classification, so train/val/test share one mapping; each half for metric
-learning), in the order of the official class ids.
+Protocols: ``"metric"`` (Song et al. 2016): the first half of the classes, by official id,
+is ``split="train"``, the second ``"test"``. ``"classification"``: ``"train"``, ``"val"``,
+``"trainval"``, ``"test"`` over all classes; without an official validation set a seeded,
+stratified fraction of the training set is held out. Labels are remapped to ``0 .. C-1`` in
+official id order over the split family's classes.
 """
 from __future__ import annotations
 
@@ -94,16 +76,14 @@ def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: in
         fractions: part sizes, summing to 1 (e.g. (0.8, 0.2)).
         seed: the split depends only on ``seed`` and ``labels``.
     Returns:
-        one sorted int64 array of positions per part. Within each class the part boundaries
-        are ``round(cumulative fraction * n_class)`` (so the overall fractions hold up to
-        rounding), and the first part always gets at least one item of every class (a class
-        absent from training could never be predicted).
+        one sorted int64 array of positions per part; per class the boundaries are
+        ``round(cumulative fraction * n_class)``, and the first part gets at least one item
+        of every class.
     """
     fr = np.asarray(fractions, dtype=np.float64)
     if fr.ndim != 1 or (fr < 0).any() or abs(fr.sum() - 1.0) > 1e-6:
         raise ValueError(f"fractions must be non-negative and sum to 1, got {list(fractions)}")
     labels = np.asarray(labels)
-    # default_rng refuses a negative seed with an error naming nothing
     rng = np.random.default_rng(check_seed(seed))
     parts: List[List[np.ndarray]] = [[] for _ in fr]
     cum = np.cumsum(fr)
@@ -132,12 +112,9 @@ def _finite_float(text: str) -> float:
 
 
 def _inside_root(entry: str, where: str) -> str:
-    """``entry``, an image path read from an index file, if it stays inside the folder it is
-    joined to; else DatasetFormatError naming ``where`` (the file and line, or annotation) and
-    the entry. Index files come from disk and are not trusted: an absolute path (which
-    os.path.join takes over the root) or a ``..`` component read a file outside the dataset.
-    Both separators are checked, so a Windows-style entry is refused on any system. (A link
-    inside the tree that points out of it is the tree's owner's doing, not an entry's.)"""
+    """``entry``, an image path from an index file, if it stays inside the dataset folder
+    (neither absolute nor with a ``..`` component, either separator); else DatasetFormatError
+    naming ``where`` and the entry."""
     if not entry:
         raise DatasetFormatError(f"{where}: empty image path")
     if "\0" in entry:
@@ -160,9 +137,7 @@ def _remap(raw: Sequence, universe: Sequence) -> Tuple[np.ndarray, List]:
 
 
 def _text_lines(f, path: str):
-    """The lines of the text file ``f``: a byte that its encoding cannot decode is a
-    DatasetFormatError naming ``path`` (a bare UnicodeDecodeError named neither file nor
-    line). The file is decoded ahead of the lines read, so no line number is given."""
+    """The lines of ``f``; an undecodable byte is a DatasetFormatError naming ``path``."""
     try:
         yield from f
     except UnicodeDecodeError as e:
@@ -171,9 +146,8 @@ def _text_lines(f, path: str):
 
 def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable],
                 path_cols: Sequence[int] = ()) -> List[tuple]:
-    """Whitespace-separated lines with exactly ``ncols`` fields, converted with ``types``;
-    the fields at ``path_cols`` are image paths, checked to stay inside the dataset folder
-    (:func:`_inside_root`, naming the line)."""
+    """Whitespace-separated lines of ``ncols`` fields converted with ``types``; the fields at
+    ``path_cols`` are image paths (:func:`_inside_root`)."""
     _require_file(path, what)
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -195,17 +169,13 @@ def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable],
     return rows
 
 
-#: The most bytes the compressed elements of a MATLAB file may inflate to (:func:`_loadmat`).
-#: The annotation files read here inflate to a few MB (Cars196's cars_annos.mat: ~1 MB).
+#: The most bytes the compressed elements of a MATLAB file may inflate to.
 MAT_MAX_BYTES = 1 << 28
 
 
 def _check_mat_inflation(path: str, max_bytes: int) -> None:
-    """Refuse a MATLAB v5 file whose compressed elements (miCOMPRESSED, zlib) inflate to more
-    than ``max_bytes`` in all: scipy's loadmat inflates each element whole, to what its header
-    declares, so a file of a few MB could fill the memory. The elements are inflated here first
-    in bounded steps, counting the bytes and keeping none. Other files (v4, v7.3/HDF5, junk)
-    are left to scipy, whose own reading of them is bounded by the file."""
+    """Refuse a MATLAB v5 file whose compressed elements inflate to more than ``max_bytes``
+    (scipy would inflate each whole), counted in bounded steps; other files are left to scipy."""
     import struct
     import zlib
     with open(path, "rb") as f:
@@ -281,8 +251,7 @@ class ImageListDataset(Dataset):
             ``transform``.
         class_names: optional names of the C classes.
     Attributes:
-        paths, labels (int64 numpy array), targets (list of int, torchvision style),
-        num_classes, class_names.
+        paths, labels (int64 numpy), targets (list of int), num_classes, class_names.
     """
 
     def __init__(self, paths: Sequence[str], labels: Sequence[int], num_classes: int,
@@ -296,8 +265,6 @@ class ImageListDataset(Dataset):
             boxes = np.asarray(boxes, dtype=np.float64)
             if boxes.shape != (len(self.paths), 4):
                 raise ValueError(f"boxes must have shape ({len(self.paths)}, 4), got {boxes.shape}")
-            # Checked here, not at the crop: int(round(nan)) failed there, item by item, in a
-            # loader's worker.
             finite = np.isfinite(boxes).all(axis=1)
             if not finite.all():
                 bad = int(np.flatnonzero(~finite)[0])
@@ -316,10 +283,8 @@ class ImageListDataset(Dataset):
         return len(self.paths)
 
     def load_image(self, i: int):
-        """The RGB PIL image of item ``i``, box-cropped if boxes were given. An image of more
-        than PIL's ``Image.MAX_IMAGE_PIXELS`` (89.5M by default; PIL itself only warns up to
-        twice that) is refused from its header, before it is decoded: a small compressed
-        file can declare a picture of gigabytes, and a loader's batches hold many."""
+        """The RGB PIL image of item ``i``, box-cropped if boxes were given; more pixels than
+        ``Image.MAX_IMAGE_PIXELS`` is refused from the header, before decoding."""
         from PIL import Image
 
         path = self.paths[i]
@@ -374,11 +339,8 @@ class ImageListDataset(Dataset):
 def _select(protocol: str, split: str, cls: np.ndarray, is_train: Optional[np.ndarray],
             class_order: Sequence, val_fraction: float, seed: int,
             is_val: Optional[np.ndarray] = None) -> Tuple[np.ndarray, List]:
-    """Positions of the chosen split and the class universe its labels are mapped over.
-
-    ``cls``: official class of every item; ``is_train``: official train flag (classification);
-    ``is_val``: official validation flag if the dataset has one (then val_fraction is unused).
-    """
+    """Positions of the split and the classes its labels map over, from each item's official
+    class ``cls``, train flag ``is_train`` and validation flag ``is_val`` (if official)."""
     if protocol == "metric":
         half = len(class_order) // 2
         universe = list(class_order[:half]) if split == "train" else list(class_order[half:])
@@ -515,8 +477,7 @@ class Cars196(ImageListDataset):
         except (IndexError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
         cls = col["class"].astype(np.int64)
-        # Cars196 numbers its classes from 1 (class_names[c - 1] names class c): a class of 0
-        # or below named another class from the end of the list, a fraction was truncated.
+        # Classes are integers from 1 (class_names[c - 1] names class c).
         wrong = np.flatnonzero((cls < 1) | (cls != col["class"]))
         if len(wrong):
             bad = int(wrong[0])
@@ -734,10 +695,8 @@ IDX_SETS = {
 }
 
 
-#: The largest IDX payload :func:`read_idx` reads by default (bytes): 256 MiB, far above the
-#: MNIST family's tens of MB. A header declaring more is refused before anything is
-#: decompressed (a small gzip file could declare a payload that fills the memory); a payload
-#: of P bytes peaks near 6 P in IDXDataset (float32 images). Larger files: pass ``max_bytes``.
+#: The largest IDX payload :func:`read_idx` reads by default; a header declaring more is
+#: refused before anything is decompressed.
 IDX_MAX_BYTES = 1 << 28
 # How far past the declared payload read_idx counts a file's surplus bytes for its message.
 _IDX_SURPLUS_COUNTED = 1 << 24
@@ -746,14 +705,10 @@ _IDX_SURPLUS_COUNTED = 1 << 24
 def read_idx(path: str, hint: str = "", max_bytes: int = IDX_MAX_BYTES) -> np.ndarray:
     """Read one IDX file (gzipped if its name ends in ``.gz``) into a numpy array.
 
-    The header (magic ``0x00 0x00 TYPE NDIM``, then NDIM big-endian uint32 sizes) is checked
-    against the file: known element type, at least one dimension, a payload of at most
-    ``max_bytes`` (checked before the payload is read), and exactly ``prod(sizes) * itemsize``
-    bytes of it. Any mismatch, or a gzip stream that cannot be read, raises
-    :class:`DatasetFormatError` naming ``path`` (plus ``hint``, e.g. how to get a good copy).
-    The stream is read only as far as the header's payload (and a little past it, to report
-    surplus bytes), so memory stays bounded by the declared size. Returns an array of the sizes
-    in the header, native byte order.
+    The header is checked against the file (known type, >= 1 dimension, a payload of at most
+    ``max_bytes`` and exactly as declared), reading no further than the declared size; any
+    mismatch or unreadable gzip raises :class:`DatasetFormatError` naming ``path`` plus
+    ``hint``. Returns the array in native byte order.
     """
     import gzip
     import zlib
@@ -793,7 +748,6 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
         raise DatasetFormatError(f"{path}: header says {dims} items of {dtype.itemsize} byte(s) "
                                  f"= {expected} bytes of data, more than max_bytes = "
                                  f"{max_bytes} (not an IDX file of this family){hint}")
-    # In steps, so that memory follows the bytes the stream really holds, not what it declares.
     payload = bytearray()
     while len(payload) < expected:
         chunk = f.read(min(expected - len(payload), 1 << 24))
@@ -818,10 +772,8 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
 def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
     """The path of IDX file ``stem`` (raw, else ``stem.gz``) under ``root``.
 
-    Looked for in ``root`` itself (a flat folder such as Debian's
-    /usr/share/datasets/fashion-mnist or torchvision's ``raw`` folder), then in
-    ``root/raw`` and ``root/<folder>/raw`` (torchvision's layout, ``root`` being what was given
-    to torchvision). Raises FileNotFoundError listing the places looked in.
+    Looked for in ``root``, ``root/raw`` and ``root/<folder>/raw`` (torchvision's layout);
+    FileNotFoundError lists the places looked in.
     """
     dirs = [root, os.path.join(root, "raw"), os.path.join(root, folder, "raw")]
     tried = []
@@ -837,24 +789,20 @@ def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
 class IDXDataset(IndexedTensorDataset):
     """An MNIST-format data set (Fashion-MNIST, MNIST, KMNIST) read from its IDX files.
 
-    Items are ``(image, label, idx)``: image a (1, H, W) float32 tensor in [0, 1] (or what
-    ``transform`` makes of it), label an int64 0-dim tensor, idx the item's position.
+    Items are ``(image, label, idx)``: a (1, H, W) float32 image in [0, 1] (or ``transform``
+    of it), an int64 0-dim label and the position.
 
     Args:
-        root: a local folder holding the four official files, gzipped or not: flat (e.g.
-            /usr/share/datasets/fashion-mnist, from ``apt-get install dataset-fashion-mnist``)
-            or torchvision's layout (``root/FashionMNIST/raw/``). Nothing is downloaded.
-        split: "train" (the official 60,000 images) or "test" (the 10,000 "t10k" images).
-        classes: keep only these official classes (0..9), labelled 0..len(classes)-1 in the
-            order given; None keeps all ten with their official labels.
-        transform: applied to each (1, H, W) float32 image tensor (e.g. a random shift).
-        name: which data set ("fashion-mnist", "mnist", "kmnist"): its error messages and its
-            torchvision folder name.
+        root: a local folder with the four official files, gzipped or not, flat or in
+            torchvision's layout (:func:`find_idx_file`). Nothing is downloaded.
+        split: "train" or "test".
+        classes: keep only these official classes, labelled 0.. in the order given; None
+            keeps all ten.
+        transform: applied to each image tensor.
+        name: "fashion-mnist", "mnist" or "kmnist".
     Attributes:
-        inputs (N, 1, H, W) float32, labels (N,) int64, num_classes, classes (the official ids
-        kept, in label order), official_labels (N,) int64, files (the two paths read).
-    Missing files raise FileNotFoundError, malformed ones DatasetFormatError; both name the
-    file and say how to get the data set.
+        inputs, labels, num_classes, classes (official ids kept), official_labels, files.
+    Errors name the file and say how to get the data set.
     """
 
     NUM_CLASSES = 10

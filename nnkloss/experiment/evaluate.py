@@ -1,12 +1,5 @@
-"""Evaluation helpers shared by the reproduction scripts.
-
-* :func:`extract_embeddings`: embed a whole dataset (eval mode, no dropout), rows ordered by idx.
-* :func:`retrieval_metrics`: the metric-learning numbers of the papers' Tables 1-2
-  (Recall@1/2/4/8 and NMI), plus MAP@R and R-precision, on embeddings of held-out classes.
-* :func:`kernel_accuracy` / :func:`softmax_accuracy`: classification accuracy with the
-  nearest-neighbour Gaussian kernel classifier (Eq. 3 over a bank of training embeddings) or a
-  softmax head.
-"""
+"""Evaluation helpers of the reproduction scripts: embedding a data set, the papers' retrieval
+metrics, and classification accuracy with the kernel classifier or a softmax head."""
 from __future__ import annotations
 
 import warnings
@@ -33,12 +26,8 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
                        progress: bool = False, desc: str = "embed") -> Tuple[Tensor, Tensor]:
     """Embed every item of a loader yielding ``(inputs, labels, idx)`` with ``model.eval()``.
 
-    Returns:
-        emb: (N, D) float32 on CPU; row ``i`` is the item with ``idx == i`` (rows are placed
-            by idx, so the loader's order does not matter); N = number of items.
-        labels: (N,) int64 on CPU.
-    The model's train/eval mode is restored afterwards. ``amp`` (CUDA only) runs the network
-    under float16 autocast.
+    Returns ``(emb (N, D) float32, labels (N,) int64)`` on the CPU, row ``i`` the item with
+    ``idx == i``. The model's mode is restored; ``amp`` (CUDA only) runs float16 autocast.
     """
     from tqdm.auto import tqdm
 
@@ -50,7 +39,7 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
     use_amp = bool(amp) and device.type == "cuda"
     embs, labs, idxs = [], [], []
     try:
-        net = inference_model(model)  # BatchNorms folded (a copy): nnkloss/inference.py
+        net = inference_model(model)
         for x, y, idx in tqdm(loader, desc=desc, disable=not progress, leave=False):
             with torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
                 e = net(x.to(device, non_blocking=True))
@@ -74,17 +63,9 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
 
 def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend: str = "auto",
                       seed: int = 0) -> Dict[str, float]:
-    """``{"recall@1": .., "recall@2": .., "recall@4": .., "recall@8": .., "map@r": ..,
-    "r_precision": .., "nmi": ..}`` (all in [0, 1]) of embeddings emb (N, D) with labels (N,):
-    the papers' Tables 1-2 (Recall@K, NMI) and MAP@R / R-precision (Musgrave et al. 2020).
-
-    Recall@K, MAP@R and R-precision come from one exact search
-    (:func:`nnkloss.evaluation.metrics.evaluate`, ``search_backend`` as there); NMI from
-    k-means (:func:`nnkloss.evaluation.metrics.nmi`, seeded with ``seed``).
-
-    An evaluation set too small for some K (Recall@K needs K <= N - 1) never loses a finished
-    run: those entries are None, with a warning naming the Ks skipped; MAP@R and R-precision
-    are None, with a warning, when no class has two members; NMI is None below 2 items.
+    """``{"recall@K" for K in ks, "map@r", "r_precision", "nmi"}`` of emb (N, D) with labels
+    (N,), from :func:`nnkloss.evaluation.metrics.evaluate` and ``nmi`` (seeded with ``seed``).
+    Undefined entries (K > N - 1, no class of two, N < 2) are None, with a warning.
     """
     n = len(labels)
     usable = [k for k in ks if k <= n - 1]
@@ -109,8 +90,7 @@ def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend
 def kernel_accuracy(train_emb: Tensor, train_labels: Tensor, emb: Tensor, labels: Tensor,
                     k: int, sigma: float, weights: Tensor = None,
                     search_backend: str = "auto") -> float:
-    """Accuracy of Eq. 3 (:class:`NeighbourKernelClassifier`): the k nearest training
-    embeddings (N, D) of each query (B, D) vote with their (weighted) Gaussian kernel values."""
+    """Accuracy of :class:`NeighbourKernelClassifier` over a bank of the training embeddings."""
     bank = CentreBank(train_emb.float(), train_labels.long(),
                       weights=None if weights is None else weights.detach().float().cpu())
     clf = NeighbourKernelClassifier(bank, k=min(int(k), len(train_labels)), sigma=float(sigma),
@@ -139,11 +119,9 @@ def classification_metrics(model: nn.Module, criterion: nn.Module, train_loader:
                            progress: bool = False) -> Dict[str, float]:
     """``{"accuracy": .., "loss": ..}`` of a trained model on ``loader``'s items.
 
-    For a :class:`NeighbourKernelLoss` criterion the classifier is Eq. 3 over a bank of the
-    current training embeddings (``train_loader``: the training set without augmentation),
-    with the criterion's sigma and the learned per-centre weights, ``k`` neighbours per query.
-    For a softmax head, its logits. ``loss`` is the mean negative log-probability of the true
-    class (probabilities floored at 1e-12), the quantity the papers select hyper-parameters on.
+    A :class:`NeighbourKernelLoss` classifies with Eq. 3 over a bank of ``train_loader``'s
+    current embeddings (its sigma and weights, ``k`` neighbours); a softmax head with its
+    logits. ``loss``: the mean negative log-probability of the true class (floored at 1e-12).
     """
     if device is None:
         device = next(model.parameters()).device

@@ -1,9 +1,6 @@
 """The Trainer's per-epoch log files: ``log.json`` and ``log.csv`` in the run's ``out_dir``.
 
-One row per epoch (a dict); both files are rewritten whole, atomically (temporary file, then
-rename), after every epoch, so that an interrupted run leaves the log of its last finished
-epoch. Values are made JSON-safe first: tensors and NumPy scalars become Python numbers, and a
-non-finite float becomes ``null`` in JSON (an empty cell in CSV).
+One row per epoch; both files are rewritten whole and atomically after every epoch.
 """
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ LOG_JSON = "log.json"
 
 
 def json_safe(v):
-    """``v`` as a value ``json.dumps`` writes: a 1-element tensor or a NumPy scalar as a Python
-    number, a larger tensor as a list, a non-finite float as None, and so inside lists, tuples
-    and dicts (an eval_fn's nested metrics); anything else unchanged."""
+    """``v`` as ``json.dumps`` writes it: tensors and NumPy scalars as Python numbers or
+    lists, non-finite floats as None, recursively."""
     if isinstance(v, dict):
         return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -43,10 +39,8 @@ def json_safe(v):
 
 
 def write_logs(out_dir: str, history: Sequence[Dict[str, Any]]) -> None:
-    """(Re)write ``out_dir/log.json`` and ``out_dir/log.csv`` from ``history`` (one dict per
-    epoch), atomically. The CSV's columns are every key in order of first appearance; a row
-    without a column leaves its cell empty. Temporary files of interrupted writes of the two
-    logs are removed first (the run is the only writer of its out_dir, as for its checkpoint)."""
+    """(Re)write ``log.json`` and ``log.csv`` in ``out_dir`` from ``history``, atomically (stale
+    temporaries removed first); CSV columns in order of first appearance."""
     for name in (LOG_JSON, LOG_CSV):
         remove_stale_temps(os.path.join(out_dir, name))
     rows = [{k: json_safe(v) for k, v in r.items()} for r in history]

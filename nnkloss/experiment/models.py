@@ -1,12 +1,8 @@
 """Embedding networks for the papers' experiments and the digits demo, plus a softmax head.
 
-Every network here maps a batch of images to embeddings: ``forward(x) -> (B, D)`` float32. The
-embedding is what the :class:`nnkloss.CentreBank` stores and what the kernel loss and the
-metrics see. Dropout on the embedding is active in ``train()`` mode only, so the centres a
-Refresher computes (in ``eval()`` mode) have no dropout, as in the papers.
-
-The ImageNet-scale architectures come from torchvision with ``weights=None``; pretrained weights
-are read from a local file (``pretrained=PATH``), never downloaded.
+Every network maps images to ``(B, D)`` float32 embeddings; embedding dropout acts in
+``train()`` mode only, so a Refresher's centres (``eval()``) have none. The torchvision
+architectures start from ``weights=None``; pretrained weights come from a local file only.
 """
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ __all__ = [
     "MIN_IMAGE_SIZE",
 ]
 
-#: Smallest square input each architecture accepts (AlexNet's stride-4 stem and three
-#: stride-2 max-pools need it; the others end in adaptive pooling).
+#: Smallest square input each architecture accepts.
 MIN_IMAGE_SIZE = {"googlenet": 16, "alexnet": 63, "vgg16": 32, "resnet50": 16}
 ARCHITECTURES = tuple(MIN_IMAGE_SIZE)
 
@@ -42,9 +37,7 @@ class DigitsNet(nn.Module):
         dim: embedding size D.
         width: channels of the first conv layer (the second has twice as many).
         dropout: dropout on the hidden layer (training only).
-        embed_dropout: dropout on the embedding itself (training only; default 0: dropping
-            coordinates of an embedding moves it by about its norm, far more than the
-            neighbour distances a small sigma resolves).
+        embed_dropout: dropout on the embedding itself (training only).
     ``forward(x)``: x (B, 1, 8, 8) or (B, 64) float32 in roughly [0, 1] -> (B, D) float32.
     """
 
@@ -74,11 +67,9 @@ class EmbeddingNet(nn.Module):
     Args:
         backbone: module mapping images (B, 3, H, W) to (B, F).
         feature_dim: F.
-        dim: size of an extra final fully connected layer (the metric-learning set-up: "a final
-            FC of --dim"); None uses the backbone's features as the embedding (FC7 / pooling).
+        dim: size of an extra final FC layer; None embeds with the backbone's features.
         dropout: dropout on the embedding (training only).
-        relu: apply a ReLU to the embedding (the softmax baselines keep the standard ReLU
-            after FC7; the kernel loss uses FC7 without it).
+        relu: a ReLU on the embedding (the softmax baselines' FC7 keeps it).
     """
 
     def __init__(self, backbone: nn.Module, feature_dim: int, dim: Optional[int] = None,
@@ -102,9 +93,8 @@ class EmbeddingNet(nn.Module):
 class SoftmaxHead(nn.Module):
     """Linear classifier + cross-entropy, with the kernel loss's call signature.
 
-    ``forward(emb, labels, idx=None)`` -> 0-dim mean cross-entropy (``idx`` is ignored, so the
-    training loop can treat both losses alike). ``logits(emb)`` -> (B, C);
-    ``predict(emb)`` -> (B,) int64.
+    ``forward(emb, labels, idx=None)`` -> 0-dim mean cross-entropy (``idx`` ignored);
+    ``logits(emb)`` -> (B, C); ``predict(emb)`` -> (B,) int64.
     """
 
     def __init__(self, dim: int, num_classes: int):
@@ -122,23 +112,19 @@ class SoftmaxHead(nn.Module):
         return self.logits(emb).argmax(1)
 
     def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
-        """The head's parameters by role (as :meth:`nnkloss.losses.BankLoss.parameter_groups`):
-        all "other", trained like the network (its learning rate and weight decay)."""
+        """All parameters "other" (:meth:`nnkloss.losses.BankLoss.parameter_groups`)."""
         return {"sigma": [], "weights": [], "other": list(self.parameters())}
 
 
 def load_state_dict_file(path: str) -> dict:
-    """Read a state dict saved with ``torch.save`` (raw, or under "state_dict"/"model"),
-    weights-only and refusing records that would inflate beyond the file
-    (:func:`nnkloss.checksum.load_weights_only`); a file that cannot be read so is a
-    ValueError naming it."""
+    """A state dict saved with ``torch.save`` (raw, or under "state_dict"/"model"), read by
+    :func:`nnkloss.checksum.load_weights_only`; ValueError naming the file otherwise."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained weights file not found: {path}")
     obj = load_weights_only(path, "cpu", where=f"pretrained weights {path}")
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
-    # str keys too: a non-str key failed at the prefix test below with an AttributeError
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                             for k, v in obj.items()):
         raise ValueError(f"{path} does not hold a state dict of tensors (str keys)")
@@ -175,17 +161,14 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
     """A torchvision architecture as an embedding network.
 
     Args:
-        arch: "googlenet" (1024-d pooled features), "alexnet" / "vgg16" (FC7, 4096-d, taken
-            before its ReLU) or "resnet50" (2048-d final pooling).
-        dim: add a final FC to this size (the metric-learning set-up); None keeps the features.
-        dropout: dropout on the embedding (training only).
-        pretrained: path of a local torchvision-format state dict (e.g. ImageNet weights) for
-            the full torchvision model; its final classifier layer is ignored.
-        relu: ReLU on the embedding (standard softmax baselines keep FC7's ReLU).
-        transform_input: GoogLeNet only: torchvision's input re-normalisation, which its ported
-            ImageNet weights expect. Default: on iff ``pretrained`` is given.
+        arch: "googlenet" (1024-d), "alexnet" / "vgg16" (FC7 before its ReLU, 4096-d) or
+            "resnet50" (2048-d).
+        dim, dropout, relu: as :class:`EmbeddingNet`.
+        pretrained: a local torchvision-format state dict of the full model (its final
+            classifier layer is ignored).
+        transform_input: GoogLeNet only; default: on iff ``pretrained`` is given.
     Returns:
-        an :class:`EmbeddingNet` whose ``dim`` attribute is the embedding size.
+        an :class:`EmbeddingNet`; its ``dim`` is the embedding size.
     """
     try:
         from torchvision import models

@@ -1,8 +1,5 @@
-"""One-call PNG plots: a 2-D embedding map coloured by class, and Recall@K curves.
-
-matplotlib (Agg backend, no display needed) and scikit-learn are imported when a plot is made,
-so importing nnkloss does not pull them in.
-"""
+"""One-call PNG plots: embedding maps, Recall@K and training curves (matplotlib, Agg, and
+scikit-learn are imported only when a plot is made)."""
 from __future__ import annotations
 
 import os
@@ -41,8 +38,7 @@ def _to_numpy(name: str, x) -> np.ndarray:
 
 
 def _save(plt, fig, path: str, dpi: int = 120) -> str:
-    """Write ``fig`` to ``path`` atomically (a killed run leaves the old file or none, never a
-    torn one), in the format of its extension (matplotlib's default where it has none)."""
+    """Write ``fig`` to ``path`` atomically, in the format of its extension."""
     fig.tight_layout()
     fmt = os.path.splitext(path)[1][1:].lower() or None
     try:
@@ -55,12 +51,11 @@ def _save(plt, fig, path: str, dpi: int = 120) -> str:
 def _project(x: np.ndarray, method: str, seed: int, perplexity: float) -> np.ndarray:
     """(N, 2) coordinates of the (N, D) points."""
     if x.shape[1] <= 2:
-        return np.pad(x, ((0, 0), (0, 2 - x.shape[1])))  # already (at most) 2-D: plot as is
+        return np.pad(x, ((0, 0), (0, 2 - x.shape[1])))
     if method == "pca":
         from sklearn.decomposition import PCA
         return PCA(n_components=2, random_state=seed).fit_transform(x)
     from sklearn.manifold import TSNE
-    # perplexity must stay below the number of points.
     perp = min(float(perplexity), max(1.0, (x.shape[0] - 1) / 3.0))
     return TSNE(n_components=2, perplexity=perp, init="pca", random_state=seed).fit_transform(x)
 
@@ -74,13 +69,11 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
         emb: (N, D) float embeddings (tensor or numpy array).
         labels: (N,) integer labels (colours).
         path: output PNG path (its directory must exist).
-        method: "tsne" (sklearn TSNE) or "pca" (faster fallback, deterministic).
-        max_points: plot a random subset of this many points (t-SNE is O(N^2) in time);
-            None plots all.
+        method: "tsne" or "pca".
+        max_points: plot a random subset of this many points (None: all).
         seed: subset and projection seed.
-        perplexity: t-SNE perplexity (clamped below N/3 for small N).
-        title: figure title (default: the method name).
-        point_size: marker size.
+        perplexity: t-SNE perplexity (clamped below N/3).
+        title, point_size: figure title (default: the method) and marker size.
 
     Returns:
         ``path``.
@@ -99,7 +92,6 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if max_points is not None and (isinstance(max_points, bool) or int(max_points) < 2):
         raise ValueError(f"max_points must be an int >= 2 or None, got {max_points!r}")
-    # sklearn's random_state and default_rng refuse other seeds with errors naming nothing
     seed = check_seed(seed)
     path = require_parent_dir("path", path)
     if max_points is not None and x.shape[0] > max_points:
@@ -111,7 +103,6 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 7))
     classes = np.unique(y)
-    # A qualitative map for few classes; a continuous one cycles less visibly for many.
     cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20" if len(classes) <= 20
                         else "gist_ncar")
     colours = np.searchsorted(classes, y) / max(1, len(classes) - 1) \
@@ -136,10 +127,10 @@ def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
     """Save Recall@K curves of one or more named methods as a PNG.
 
     Args:
-        results: {method name: {K: recall in [0, 1]}}, e.g. ``{"nngk": recall_at_k(...)}``.
+        results: {method name: {K: recall in [0, 1]}}.
         path: output PNG path (its directory must exist).
         title: figure title.
-        log_x: K on a log2 axis (the usual 1, 2, 4, 8, ... spacing).
+        log_x: K on a log2 axis.
 
     Returns:
         ``path``.

@@ -1,9 +1,5 @@
-"""Writing results of the reproduction scripts: results.json and text/markdown tables, and the
-commit that every result of repro/ and benchmarks/ is labelled with.
-
-Numbers in results.json are fractions in [0, 1] (as the metric functions return them); tables
-show percentages with two decimals, the papers' format.
-"""
+"""Results of the reproduction scripts: results.json (fractions in [0, 1]), markdown tables
+(percentages, two decimals) and the commit every result is labelled with."""
 from __future__ import annotations
 
 import json
@@ -15,17 +11,13 @@ from ..atomic import atomic_write
 
 __all__ = ["write_json", "write_table", "markdown_table", "percent", "git_commit"]
 
-# Where the repository's runs write their results (CSV rows, logs, run folders): a change there
-# is not a change of the code measured, so it does not make a commit "-dirty".
+# Where runs write their results: changes there do not make a commit "-dirty".
 RESULTS_DIRS = ("benchmarks/results", "repro/results")
 
 
 def git_commit(cwd: str) -> Optional[str]:
-    """The short hash of HEAD of the checkout holding ``cwd``, with ``-dirty`` when a tracked
-    file outside RESULTS_DIRS differs from it (so a second run, which finds the rows the first
-    appended, is labelled with the code it measured); ``$NNKLOSS_COMMIT`` where set (the device
-    machine's copy of the tree has no .git: benchmarks/gpu_session.sh passes it in); None
-    outside a checkout or without git."""
+    """``$NNKLOSS_COMMIT`` where set, else the short hash of HEAD of the checkout holding
+    ``cwd`` (``-dirty`` when a tracked file outside RESULTS_DIRS differs); None without git."""
     if os.environ.get("NNKLOSS_COMMIT"):
         return os.environ["NNKLOSS_COMMIT"]
     try:

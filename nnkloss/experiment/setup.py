@@ -1,10 +1,5 @@
-"""Set-up shared by the reproduction scripts: devices, image transforms, loaders, and the
-kernel-loss / softmax training pieces wired together.
-
-The papers' image pipeline: resize to 256x256, random 224x224 crop and horizontal flip for
-training; the same resize and a centre crop for evaluation. ``image_size`` scales it
-(resize = image_size * 256 / 224), so tiny test runs use the same code path.
-"""
+"""Set-up shared by the reproduction scripts: devices, run settings, image transforms,
+loaders, and the kernel-loss / softmax criteria."""
 from __future__ import annotations
 
 import argparse
@@ -31,8 +26,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """The scripts' ``--help``: each default once (not where the help names it, nor None or
-    False, which say nothing)."""
+    """``--help`` with each default once (not where the help names it, nor None or False)."""
 
     def _get_help_string(self, action):
         if "default" in (action.help or "") or action.default is None or action.default is False:
@@ -41,10 +35,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def resolve_device(name: Optional[str] = None) -> torch.device:
-    """``None``/"auto": CUDA when available, else CPU. Otherwise the named device, checked:
-    ValueError naming ``--device`` for a name that is not a device ("gpu"), RuntimeError for a
-    CUDA device this machine does not have (no CUDA, or an index past its GPUs), before any
-    work starts (torch's own error came at the first tensor moved, after the data loaded)."""
+    """``None``/"auto": CUDA when available, else CPU; otherwise the named device, checked
+    before any work starts (ValueError / RuntimeError naming ``--device``)."""
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -62,36 +54,29 @@ def resolve_device(name: Optional[str] = None) -> torch.device:
 
 
 def start_run(device_name: Optional[str], out_dir: str) -> torch.device:
-    """What every reproduction script does first: resolve the device, join the
-    ``torch.distributed`` job when run under torchrun (one process per GPU, "cuda" is then this
-    rank's GPU; gloo for CPU runs), and create the output directory."""
+    """Resolve the device, join a torchrun job (gloo on the CPU), create ``out_dir``."""
     device = resolve_device(device_name)
     nkd.init_from_env(dist_backend="gloo" if device.type == "cpu" else None)
     os.makedirs(out_dir, exist_ok=True)
     return device
 
 
-#: options of the reproduction scripts that do not change what a run trains (where it runs,
-#: how often it is evaluated, where the files are); its epochs are checked apart.
+#: Script options that do not change what a run trains (epochs are checked apart).
 NOT_SETTINGS = ("out", "data_root", "device", "workers", "no_progress", "restart",
                 "embedding_plot", "eval_every", "epochs")
 
 
 def run_settings(args, **run) -> dict:
-    """What one run of a reproduction script trains with: its parsed ``args`` less
-    :data:`NOT_SETTINGS` and the names in ``run``, updated with ``run`` (that run's own values:
-    its embedding size, its loss, its effective sigma), as JSON."""
+    """A run's settings as JSON: ``args`` less :data:`NOT_SETTINGS`, updated with ``run``."""
     out = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS and k not in run}
     out.update(run)
     return json.loads(json.dumps(out))
 
 
 def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
-    """Refuse to resume a checkpoint in ``run_dir`` trained with other settings than these
-    (SystemExit naming them: its results would be reported under the new ones), then record
-    ``settings`` in ``run_dir/settings.json`` (rank 0). A checkpoint without a record (made
-    before records were kept) is resumed. With ``restart`` the old run's checkpoint is removed
-    first (rank 0), before the new settings are recorded."""
+    """SystemExit naming the differences where ``run_dir`` holds a checkpoint of other
+    settings; then record ``settings`` in ``settings.json`` (rank 0). ``restart`` removes the
+    old checkpoint first."""
     from .reporting import write_json
 
     path = os.path.join(run_dir, "settings.json")
@@ -115,9 +100,7 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
     if nkd.is_main_process():
         os.makedirs(run_dir, exist_ok=True)
         if restart:
-            # Removed before the new settings are written (both durable in this order), so
-            # that no moment shows them beside the old checkpoint, which a later invocation
-            # without --restart would resume as the new run.
+            # Before the new settings: they must never stand beside the old checkpoint.
             try:
                 os.remove(checkpoint)
             except FileNotFoundError:
@@ -126,8 +109,7 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
 
 
 def check_epochs(trainer, epochs: int) -> None:
-    """SystemExit when the Trainer's (resumed) run is past ``epochs``: its model is not the
-    ``epochs``-epoch one the results would be reported as."""
+    """SystemExit when the Trainer's (resumed) run is past ``epochs``."""
     if trainer.epoch > int(epochs):
         raise SystemExit(f"{trainer.out_dir} holds a checkpoint of {trainer.epoch} epochs, more "
                          f"than --epochs {epochs}: pass --restart to train it afresh, or "
@@ -137,8 +119,8 @@ def check_epochs(trainer, epochs: int) -> None:
 def image_transforms(image_size: int = 224, train: bool = True):
     """torchvision transform: PIL image -> (3, image_size, image_size) float32, normalised.
 
-    train: resize to a square of ``round(image_size * 256 / 224)``, random crop, random
-    horizontal flip. eval: the same resize, centre crop.
+    Resize to ``round(image_size * 256 / 224)`` square, then a random crop and flip (train) or
+    a centre crop (eval), as in the papers at 224.
     """
     from torchvision import transforms as T
 
@@ -156,11 +138,8 @@ def image_transforms(image_size: int = 224, train: bool = True):
 
 def make_loader(ds: Dataset, batch_size: int, shuffle: bool, workers: int = 0,
                 device: Optional[torch.device] = None, drop_last: bool = False) -> DataLoader:
-    """A DataLoader with pinned memory on CUDA and persistent workers when ``workers > 0``.
-
-    No ``generator`` is set, so shuffling follows torch's global RNG, which the Trainer
-    reseeds per epoch (repeatable runs and exact resume).
-    """
+    """A DataLoader, pinned on CUDA, persistent workers; no ``generator`` (the Trainer reseeds
+    the global RNG per epoch)."""
     pin = device is not None and torch.device(device).type == "cuda"
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
                       pin_memory=pin, drop_last=drop_last, persistent_workers=workers > 0)
@@ -175,19 +154,18 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
     """The kernel loss over a bank of the training set, and the Refresher that fills it.
 
     Args:
-        model: the embedding network (the Refresher embeds with it in eval mode).
-        ordered_loader: the training set WITHOUT augmentation, yielding (x, label, idx).
-        labels: (N,) int64 labels of the training set (bank row i = dataset item i).
+        model: the embedding network.
+        ordered_loader: the training set without augmentation, yielding (x, label, idx).
+        labels: (N,) labels of the training set (bank row i = item i).
         dim: embedding size D.
-        sigma, learn_sigma: as in :class:`NeighbourKernelLoss`.
-        learn_weights: as in :class:`CentreBank` (learned per-centre weights).
-        k: neighbour-list length; clamped to N - 1 (tiny sets).
-        device: where the bank lives (the model's device).
-        ensure_positive, search_backend, progress, async_mode, recalibrate_bn: passed to the
+        sigma, learn_sigma: as in :class:`NeighbourKernelLoss`; learn_weights: as in
+            :class:`CentreBank`.
+        k: neighbour-list length, clamped to N - 1.
+        device: where the bank lives.
+        ensure_positive, search_backend, progress, async_mode, recalibrate_bn: for the
             :class:`Refresher`.
     Returns:
-        (criterion, refresher). The bank starts as zeros: the Trainer refreshes it before the
-        first step.
+        (criterion, refresher); the bank starts as zeros until the first refresh.
     """
     device = torch.device(device)
     n = len(labels)
@@ -205,5 +183,5 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
 
 
 def softmax_criterion(dim: int, num_classes: int) -> SoftmaxHead:
-    """A linear classifier + cross-entropy on the embedding (the baseline)."""
+    """The softmax baseline: :class:`SoftmaxHead`."""
     return SoftmaxHead(dim, num_classes)

@@ -1,33 +1,18 @@
-"""Training-loop helpers shared by the reproduction scripts: :class:`Trainer` and :func:`fit`.
+"""The training loop of the reproduction scripts: :class:`Trainer` and :func:`fit`.
 
-One loop serves the kernel loss and the softmax baseline, because both criteria are called the
-same way, ``criterion(emb, labels, idx) -> 0-dim loss``:
+One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss``: a bank
+loss kept current by a :class:`nnkloss.Refresher`, or a softmax head. The loader yields
+``(inputs, labels, idx)``, ``idx`` the bank rows of the batch.
 
-* :class:`nnkloss.NeighbourKernelLoss` over a :class:`nnkloss.CentreBank` of the training set,
-  kept current by a Refresher (:mod:`nnkloss.bank.refresh`): the bank is built before the first
-  step and rebuilt every refresh interval (the papers' "update interval");
-* :class:`nnkloss.experiment.models.SoftmaxHead` (linear layer + cross-entropy).
+``out_dir`` receives, atomically: ``log.csv``/``log.json`` (one row per epoch) and
+``checkpoint.pt`` (the full training state, checksummed, read weights-only; see
+:mod:`nnkloss.experiment.checkpoint`). ``fit(..., resume=True)`` continues from it. Each epoch
+reseeds the RNGs from ``(seed, epoch)`` (and the rank), so an interrupted run repeats itself
+(leave the DataLoader's ``generator`` unset).
 
-The loader yields ``(inputs, labels, idx)`` with ``idx`` the bank rows of the batch (the
-datasets in :mod:`nnkloss.experiment.datasets` do).
-
-Outputs in ``out_dir`` (all written atomically: temporary file, then rename):
-
-* ``log.csv`` and ``log.json``: one row per epoch (loss, learning rate, sigma, timings,
-  refresh statistics, and whatever ``eval_fn`` returns);
-* ``checkpoint.pt``: model, criterion (with the bank: centres, centre_labels, neighbour lists,
-  weights, sigma), optimiser, AMP scaler, epoch, step, RNG states, the log so far and a record
-  of the training data; checksummed and read weights-only (:mod:`nnkloss.experiment.checkpoint`).
-
-``fit(..., resume=True)`` continues from ``checkpoint.pt`` (a checkpoint of other data is
-refused, naming what differs). Every epoch reseeds the RNGs from ``(seed, epoch)`` (and the
-rank) so that epoch e shuffles and drops out alike whether or not the run was interrupted
-(leave the DataLoader's ``generator`` unset: it then draws from torch's global RNG).
-
-Under torchrun (after :func:`nnkloss.distributed.init_from_env`) the same loop runs one process
-per GPU: give it loaders over each rank's share (:func:`nnkloss.distributed.shard_loader`); the
-network is wrapped in DDP, each step follows the mean over the global batch, sigma and the bank
-weights are averaged across ranks, the log shows the whole job and only rank 0 writes files.
+Under torchrun (:func:`nnkloss.distributed.init_from_env`, loaders from
+:func:`nnkloss.distributed.shard_loader`) the network runs in DDP, steps follow the global-batch
+mean, sigma and bank weights are averaged across ranks, and only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -50,23 +35,16 @@ from .. import distributed as _dist
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
-#: "adam" adds weight decay to the gradient (L2), which Adam then rescales: when the loss
-#: gradient is tiny (e.g. sigma much larger than the embedding distances) the decay alone is
-#: normalised to full-size steps and shrinks the network. "adamw" decays decoupled from it.
+#: "adam" decays through the gradient (L2), which Adam rescales; "adamw" decays decoupled.
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
-# ---------------------------------------------------------------------------- utilities
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
                   sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
-    """Network (+ softmax head) parameters decay; sigma and the bank weights get their own
-    learning rates and no weight decay (decay would pull log-sigma and log-weights to 0).
-
-    Which criterion parameter is which, the criterion says: its ``parameter_groups()``
-    (``{"sigma": [...], "weights": [...], "other": [...]}``, see
-    :meth:`nnkloss.losses.BankLoss.parameter_groups`); a criterion without one has only
-    "other" parameters, trained like the network. Only parameters that require grad are
-    trained; a parameter of both model and criterion is the network's."""
+    """Optimiser groups: network and "other" criterion parameters decay; "sigma" and "weights"
+    (:meth:`nnkloss.losses.BankLoss.parameter_groups`) get their own rates and no decay
+    (decay would pull their logs to 0). A parameter of both model and criterion is the
+    network's."""
     declared = getattr(criterion, "parameter_groups", None)
     declared = declared() if callable(declared) else {"other": list(criterion.parameters())}
     unknown = set(declared) - {"sigma", "weights", "other"}
@@ -102,80 +80,50 @@ def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_deca
     return groups
 
 
-# ---------------------------------------------------------------------------- trainer
 class Trainer:
     """Epochs over a loader with a kernel-loss or softmax criterion, logs and checkpoints.
 
     Args:
         model: maps a batch of inputs to (B, D) embeddings.
-        criterion: ``criterion(emb, labels, idx) -> 0-dim loss``: a bank loss
-            (:class:`nnkloss.losses.BankLoss`: NeighbourKernelLoss, ClassConditionalLoss, whose
-            ``last_num_counted``, ``kernel_sigma()`` and ``log_values()`` the loop uses) or any
-            other module (SoftmaxHead, ...). Its parameters (softmax head, sigma, bank weights)
-            are trained too, grouped by what its ``parameter_groups()`` declares
-            (:meth:`nnkloss.losses.BankLoss.parameter_groups`: "sigma", "weights", "other";
-            a module without one has only "other"), never by parameter name.
+        criterion: ``criterion(emb, labels, idx) -> 0-dim loss``: a
+            :class:`nnkloss.losses.BankLoss` or any module (SoftmaxHead, ...). Its parameters
+            are trained too, grouped by its ``parameter_groups()`` ("sigma", "weights",
+            "other"; without one, all "other"), never by name.
         train_loader: yields ``(inputs, labels, idx)``.
-        device: where the model and criterion live ("cpu", "cuda", ...).
-        optimizer: "sgd" (momentum ``momentum``), "adam" or "adamw" (decoupled decay).
+        device: where the model and criterion live.
+        optimizer: "sgd" (with ``momentum``), "adam" or "adamw".
         lr, weight_decay: for the network and the criterion's "other" parameters.
-        sigma_lr, weights_lr: learning rates of the criterion's "sigma" / "weights" parameters
-            (a learned sigma, learned bank weights; default: ``lr``); no weight decay on them.
-        refresher: object with ``refresh()`` that re-embeds the training set into the bank and
-            rebuilds the neighbour lists (:class:`nnkloss.bank.refresh.Refresher`). Required for
-            a NeighbourKernelLoss; it runs before the first step and then per ``schedule``.
-            With ``async_mode=True`` the scheduled refreshes run in the background and are
-            swapped in at the first step after they finish; one still in flight is waited for
-            before a checkpoint (so checkpoint less often than you refresh to keep the gain).
-        schedule: the :class:`nnkloss.RefreshSchedule` that drives the refreshes (its
-            ``step()`` after each optimiser step, ``epoch_end()`` after each epoch; its state is
-            saved in checkpoints); default: every 10 epochs (the papers).
-        amp: mixed precision (float16 autocast + GradScaler); used only on CUDA devices.
+        sigma_lr, weights_lr: rates of the "sigma" / "weights" groups (default ``lr``), no decay.
+        refresher: a :class:`nnkloss.Refresher`; required for a bank loss. It builds the bank
+            before the first step, then per ``schedule``; with ``async_mode=True`` refreshes run
+            in the background and are swapped in when done (waited for before a checkpoint).
+        schedule: a :class:`nnkloss.RefreshSchedule` (default: every 10 epochs); checkpointed.
+        amp: float16 autocast + GradScaler, on CUDA devices only.
         out_dir: where logs and checkpoints go (None: no files).
-        seed: base seed, an integer in [0, 2**32); epoch e runs with RNGs seeded from
-            (seed, e) (and the rank, under torch.distributed).
-        progress: tqdm progress bars.
-        eval_fn: ``eval_fn(model, criterion, epoch) -> dict`` of metrics, called in eval mode
-            under no_grad every ``eval_every`` epochs and after the last; logged with the epoch.
+        seed: base seed in [0, 2**32); epoch e seeds from (seed, e) (and the rank).
+        progress: one tqdm bar for the run.
+        eval_fn: ``eval_fn(model, criterion, epoch) -> dict``, run in eval mode under no_grad
+            every ``eval_every`` epochs and after the last; logged with the epoch.
         checkpoint_every: epochs between checkpoints (the last epoch always gets one).
-        log_every: steps between progress-bar updates (each reads the running loss: one sync).
-        grad_clip: clip the gradient norm of all trained parameters to this (None: off).
+        log_every: steps between progress-bar updates (each syncs once).
+        grad_clip: clip the gradient norm of all trained parameters (None: off).
+        fresh_centres: None or a momentum in [0, 1): after each step the step's embeddings are
+            written into the bank at ``idx`` (:meth:`nnkloss.CentreBank.write_centres_`); under
+            torch.distributed every rank writes every rank's rows, so banks stay identical.
+        neighbours_every_steps: None or N: every N steps (counted over the run) the lists are
+            rebuilt from the current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`),
+            unless a synchronous refresh does so at that step. Logs ``neighbours_rebuilds``,
+            ``neighbours_time_s``, ``neighbours_overlap``, ``neighbours_positive_share`` and
+            ``neighbours_mean_kernel``.
+        warm_start_steps: 0 or S: one extra full refresh after step S, so that training does
+            not spend a whole interval on centres of the random initialisation.
+        threads: None (torch's setting untouched) or the ``torch.set_num_threads`` count for
+            :meth:`fit` (initial bank included), restored when it returns.
 
-    Value checks (:func:`nnkloss.value_checks`) run as the caller set them in the first step of
-    every :meth:`fit` (a loader whose ``idx`` is not each example's bank row raises there) and
-    off afterwards (no host sync per step; the bank is validated whenever it is written). Rows
-    whose labels disagree with the bank's later are dropped by the loss and counted without a
-    sync; a non-zero count at the epoch's end raises ValueError before it is logged.
-
-    Keeping a bank loss current on a network that moves fast (training from scratch), where
-    the centres of a periodic refresh go stale within an epoch:
-
-        fresh_centres: None (off) or a momentum in [0, 1): after each optimiser step, the
-            step's embeddings (those the loss saw: train mode, augmented inputs, before the
-            update; under AMP the fp32 copy) are written into the bank at their ``idx``
-            (:meth:`nnkloss.CentreBank.write_centres_`: ``momentum * old + (1 - momentum) *
-            new``; a row twice in a batch keeps its last). Under torch.distributed every rank
-            writes every rank's rows in rank order (an all-gather per step): the banks stay
-            identical. A later refresh (a background one swapped in, a synchronous one at
-            the same step) replaces every centre, these included.
-        neighbours_every_steps: None (off) or N: every N optimiser steps (counted over the whole
-            run, so a resumed run rebuilds at the same steps) the neighbour lists are rebuilt
-            from the bank's current centres with the refresher's k, search backend,
-            ensure_positive and knn options (:meth:`nnkloss.Refresher.rebuild_neighbours`), with no
-            re-embedding pass. Skipped at a step whose scheduled synchronous refresh rebuilds
-            them anyway. The epoch log gets ``neighbours_rebuilds``, ``neighbours_time_s`` (total wall
-            time), ``neighbours_overlap`` (mean share of list entries kept per rebuild),
-            ``neighbours_positive_share`` and ``neighbours_mean_kernel`` (last rebuild of the epoch).
-        warm_start_steps: 0 (off) or S: one extra full refresh after the S-th optimiser step
-            (besides the initial bank built before step 1 and the ``schedule``'s), so that
-            the network does not train for a whole interval against centres of its random
-            initialisation. Runs the refresher's way (in the background with ``async_mode``).
-
-    Threads:
-
-        threads: None (default: torch's setting untouched) or an int, the count
-            (``torch.set_num_threads``) from the start of :meth:`fit`, the initial bank's
-            build included; torch's count is restored when :meth:`fit` returns.
+    Value checks (:func:`nnkloss.value_checks`) run as the caller set them in each :meth:`fit`'s
+    first step and off afterwards (no per-step sync). Later rows whose labels disagree with the
+    bank's are dropped by the loss and counted; a non-zero count raises ValueError at the
+    epoch's end.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -200,15 +148,12 @@ class Trainer:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.criterion = criterion.to(self.device)
-        # torch.distributed (torchrun): DDP around the network only, the criterion's parameters
-        # are averaged by sync_loss_parameters (see nnkloss.distributed). Else self.model.
+        # DDP wraps the network only; sync_loss_parameters averages the criterion's.
         self.net = _dist.wrap_model(self.model, self.device)
         self.loader = train_loader
         if isinstance(criterion, BankLoss) and refresher is None:
             raise ValueError(f"a {type(criterion).__name__} needs a refresher to build and "
                              "update its bank (nnkloss.Refresher)")
-        # The bank's maintenance (refreshes, fresh centres, list rebuilds) and its state.
-        # No refresher (a softmax head): nothing to refresh, whatever the schedule says.
         self.upkeep = BankUpkeep(self.criterion, self.model, refresher, schedule,
                                  fresh_centres, neighbours_every_steps, warm_start_steps)
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
@@ -243,8 +188,7 @@ class Trainer:
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
 
-    # ------------------------------------------------------------------ bank options
-    # Read-only views of what the BankUpkeep holds (the constructor's options).
+    # Read-only views of the BankUpkeep's options.
     @property
     def refresher(self):
         return self.upkeep.refresher
@@ -265,7 +209,6 @@ class Trainer:
     def warm_start_steps(self) -> int:
         return self.upkeep.warm_start_steps
 
-    # ------------------------------------------------------------------ paths & state
     @property
     def checkpoint_path(self) -> Optional[str]:
         return os.path.join(self.out_dir, CHECKPOINT_NAME) if self.out_dir else None
@@ -289,15 +232,10 @@ class Trainer:
         }
 
     def load_state_dict(self, state: Dict[str, Any], where: str = "checkpoint") -> None:
-        """Restore :meth:`state_dict`. The data record is checked first (N, centre labels, embedding
-        size; ValueError naming what differs), then the criterion (its bank validated as
-        ``CentreBank.update_`` validates), the model and the optimiser. All or nothing: when any
-        part is refused, every part already loaded is put back as it was (from a copy of the
-        current state on the CPU, taken before anything changes) and the error is raised.
-
-        A background refresh still in flight (a fit() that failed while one ran) is finished
-        first (its error, if it failed, is raised): it was computed for the state being
-        replaced, and swapped in later it would overwrite the loaded bank."""
+        """Restore :meth:`state_dict`, all or nothing: the data record is checked first
+        (ValueError naming what differs), then criterion (bank validated), model and optimiser;
+        a refused part puts back every part already loaded. A background refresh in flight is
+        finished first (its error raised), so that it cannot overwrite the loaded bank."""
         if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
             fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a Trainer checkpoint of format {_ckpt.FORMAT!r} "
@@ -327,8 +265,6 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         _ckpt.check_history(state.get("history"), f"{where}, history")
         self.history = list(state["history"])
-        # The remaining fields, each named in its error (a missing key or a value of another
-        # type raised a bare KeyError or int() message before).
         for name, load in (
                 ("epoch", lambda v: setattr(self, "epoch", _ckpt.count(v))),
                 ("step", lambda v: setattr(self, "step", _ckpt.count(v))),
@@ -339,8 +275,7 @@ class Trainer:
             except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
                     AttributeError) as exc:  # e.g. a list where set_rng_state wants a tensor
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
-        # Bools, as state_dict writes them (bool() of the string "False" is True: a bank never
-        # built taken as ready), each named in its error.
+        # Real bools only: bool("False") is True.
         for name in ("bank_ready", "refresh_due"):
             if not isinstance(state.get(name, False), bool):
                 raise ValueError(f"{where}, {name}: must be a bool, got "
@@ -370,20 +305,14 @@ class Trainer:
             return
         write_logs(self.out_dir, self.history)
 
-    # ------------------------------------------------------------------ refresh
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """Re-embed the training set into the bank and rebuild the neighbour lists; returns
-        the ``refresh_*`` log columns.
-
-        With an asynchronous refresher and ``wait=False`` this only starts the background
-        refresh (returns {}); the training loop swaps it in when it is ready (``poll()``)."""
+        """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
+        With an asynchronous refresher and ``wait=False`` it only starts one (returns {})."""
         return self.upkeep.refresh(wait)
 
-    # ------------------------------------------------------------------ loop
     def _fit_optimizer_state(self) -> None:
-        """A bank grown (or shrunk) between epochs resizes its learned ``log_weights`` in place
-        (same Parameter, still in the optimiser); resize the optimiser's per-parameter state of
-        the old shape to match: kept rows keep theirs, new rows start at zero."""
+        """Resize optimiser state to parameters resized in place (a grown or shrunk bank's
+        ``log_weights``): kept rows keep theirs, new rows start at zero."""
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 state = self.optimizer.state.get(p)
@@ -420,18 +349,13 @@ class Trainer:
             idx = torch.as_tensor(idx).to(dev, non_blocking=True)
             with torch.autocast("cuda", dtype=torch.float16, enabled=self.use_amp):
                 emb = self.net(x)
-            # The loss runs in fp32 outside autocast: its log-sum-exp and the squared
-            # distances are where half precision would hurt.
-            emb = emb.float()
-            # Value checks only in a fit()'s first step (see the class docstring): later steps
-            # do not sync for them; misaligned rows are dropped, counted, and raised below.
+            emb = emb.float()  # the loss runs in fp32: half precision hurts its log-sum-exp
             with value_checks(checks and self._check_next_step):
                 loss = self.criterion(emb, y, idx)
             self._check_next_step = False
             mismatched = getattr(self.criterion, "last_num_mismatched", None)
             if mismatched is not None:
                 mismatched_sum += mismatched
-            # Under DDP: gradients of the mean over the global batch (no-op in one process).
             counted = getattr(self.criterion, "last_num_counted", None)
             loss = _dist.global_mean(loss, len(y) if counted is None else counted)
             self.optimizer.zero_grad(set_to_none=True)
@@ -452,7 +376,6 @@ class Trainer:
                 bar.update(1)
                 if n_batches % self.log_every == 0:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
-            # Fresh centres, a finished background refresh, list rebuilds, due refreshes.
             upkeep.after_step(self.step, idx, emb)
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
@@ -462,7 +385,6 @@ class Trainer:
                 f"epoch {epoch}: labels disagreed with the bank's centre_labels at idx in "
                 f"{mismatched_sum} training rows (dropped from the loss; no checkpoint written "
                 "for this epoch): idx must give each example's own bank row")
-        # The log shows the whole job: global_mean's per-rank values average to the global loss.
         loss_sum, valid_sum = _dist.mean_over_ranks(loss_sum), _dist.sum_over_ranks(valid_sum)
         rows = _dist.sum_over_ranks(rows)
         row: Dict[str, Any] = {"epoch": epoch, "step": self.step,
@@ -482,23 +404,20 @@ class Trainer:
         """
         if resume and self.checkpoint_path and os.path.isfile(self.checkpoint_path):
             self.load_checkpoint()
-        # The run's thread count from here on, the initial bank's build included.
         saved_threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         self._bar = None
         try:
             if self.upkeep.needs_initial_bank:
-                # The initial bank: centres from the untrained model, before the first step.
                 seed_everything(self.seed)
-            self.model.train()  # the initial bank from the network in its training modes
+            self.model.train()
             self.upkeep.before_fit(more_epochs=self.epoch < int(epochs))
             self._check_next_step = True  # each fit()'s first step runs with value checks
             if self.progress and self.epoch < int(epochs) and _dist.is_main_process():
                 from tqdm.auto import tqdm
                 per_epoch = len(self.loader) if hasattr(self.loader, "__len__") else None
                 total = None if per_epoch is None else per_epoch * (int(epochs) - self.epoch)
-                # One bar for the whole run (not one per epoch): readable in logs and notebooks.
                 self._bar = tqdm(total=total, desc=self.desc, unit="step")
             self._run_epochs(int(epochs))
         finally:
@@ -510,10 +429,7 @@ class Trainer:
 
     def _run_epochs(self, epochs: int) -> None:
         for epoch in range(self.epoch + 1, int(epochs) + 1):
-            # Each rank its own stream (else row j of every rank's batch got the same dropout
-            # mask). Rank 0 (and a single process) keeps seed * 1_000_003 + epoch mod 2**32,
-            # the published runs' stream (no two seeds less than 4,295 apart share an epoch's
-            # stream within 100,000 epochs); other ranks take that of (seed, epoch, rank).
+            # Each rank its own stream; rank 0 keeps the published runs' stream.
             rank = _dist.rank()
             if rank == 0:
                 seed_everything((self.seed * 1_000_003 + epoch) % 2 ** 32)
@@ -522,7 +438,7 @@ class Trainer:
             _dist.set_sampler_epoch(self.loader, epoch)  # a DistributedSampler's shuffle
             t0 = time.perf_counter()
             row = self._train_epoch(epoch, int(epochs))
-            row.update(self.upkeep.take_pending())  # start_refresh_*: the initial bank's
+            row.update(self.upkeep.take_pending())  # the initial bank's start_refresh_*
             row["time_s"] = time.perf_counter() - t0
             last = epoch == int(epochs)
             if self.eval_fn is not None and (epoch % self.eval_every == 0 or last):
@@ -534,8 +450,7 @@ class Trainer:
                 self.criterion.train()
                 row.update({k: json_safe(v) for k, v in metrics.items()})
             self.epoch = epoch
-            # Refresh at the end of every interval (not after the last epoch: nothing would
-            # use it), before the checkpoint, so that a resumed run starts from this bank.
+            # Before the checkpoint, so that a resumed run starts from this bank.
             row.update(self.upkeep.end_epoch(last))
             if last or (self.out_dir and epoch % self.checkpoint_every == 0):
                 row.update(self.upkeep.finish_async())  # checkpoints hold a settled bank
@@ -544,17 +459,13 @@ class Trainer:
             if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
                 if _dist.is_main_process():  # every rank holds the same state
                     self.save_checkpoint()
-                # The other ranks wait for rank 0's write: else a fit() that follows reads the
-                # checkpoint before it (ranks resume from different epochs and hang) and its
-                # load removes the temporary file that rank 0 is still writing.
-                _dist.barrier()
+                _dist.barrier()  # no rank reads the checkpoint before rank 0 wrote it
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
 
 
 def _cpu_copy(obj):
-    """A copy of a (nested) state on the CPU: tensors detached and cloned, containers rebuilt,
-    anything else deep-copied."""
+    """A CPU copy of a nested state: tensors cloned, containers rebuilt, the rest deep-copied."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -569,8 +480,7 @@ def _cpu_copy(obj):
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,
         resume: bool = True, **kwargs) -> Trainer:
-    """Build a :class:`Trainer` (``kwargs`` are its options), train ``epochs`` epochs, and
-    return it (``.history`` holds the log)."""
+    """A :class:`Trainer` of ``kwargs``, trained ``epochs`` epochs (``.history``: the log)."""
     trainer = Trainer(model, criterion, train_loader, **kwargs)
     trainer.fit(epochs, resume=resume)
     return trainer

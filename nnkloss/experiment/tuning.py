@@ -1,14 +1,8 @@
 """Choosing the kernel width sigma before training, by validation loss.
 
-The kernel loss of a row is ``-log(sum_same p_j)`` with ``p_j`` the softmax over its neighbour
-list of ``log w_j - ||x - c_j||^2 / (2 sigma^2)``. Sigma sets how many neighbours a row
-listens to: as sigma -> 0 only the nearest one counts (the loss is ~0 when it has the row's
-class and grows like ``d / (2 sigma^2)`` when it has not), as sigma -> inf every listed
-neighbour counts alike (the loss tends to ``-log`` of the weighted share of same-class
-entries). On fixed embeddings the mean loss over held-out rows is therefore smallest at a
-sigma between the two, matched to the scale of the embedding distances: that is the sigma
-:func:`choose_sigma` returns, a hyperparameter set before training (a learned sigma,
-``NeighbourKernelLoss(learn_sigma=True)``, is the alternative).
+On fixed embeddings the mean kernel loss is smallest at a sigma matched to the scale of the
+distances (sigma -> 0 listens to the nearest neighbour only, sigma -> inf to all alike):
+:func:`choose_sigma` finds it (``NeighbourKernelLoss(learn_sigma=True)`` is the alternative).
 """
 from __future__ import annotations
 
@@ -29,9 +23,7 @@ def _candidates(candidates) -> list:
     if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
         raise TypeError(f"candidates must be an iterable of positive floats, got "
                         f"{type(candidates).__name__}")
-    out = []
-    for i, c in enumerate(candidates):
-        out.append(require_sigma(c, f"candidates[{i}]"))
+    out = [require_sigma(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
     if not out:
         raise ValueError("candidates is empty: give at least one sigma to try")
     return out
@@ -43,30 +35,21 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
     """Pick the kernel width with the lowest mean kernel loss on validation data, no training.
 
     Args:
-        model: the embedding network, ``model(inputs) -> (B, D)``; run once over ``loader`` in
-            eval mode under ``no_grad`` (every module's train/eval flag is restored after).
-        criterion: a kernel loss with a ``log_sigma`` parameter over a bank
-            (:class:`nnkloss.NeighbourKernelLoss`). Its bank must already hold the centres
-            and neighbour lists the loss should be judged against, with a row for every
-            ``idx`` the loader yields: typically a bank of the validation examples embedded
-            by the same model (a :class:`nnkloss.Refresher` over the validation loader), so
-            that, each row's own centre being excluded from its list, the loss measures how
-            well its neighbours predict its class -- as it will during training.
-        loader: yields ``(inputs, labels, idx)``: labels (B,) int, idx (B,) int bank rows.
+        model: the embedding network, run once over ``loader`` in eval mode (modes restored).
+        criterion: a :class:`nnkloss.NeighbourKernelLoss` whose bank already holds centres and
+            lists for every ``idx`` the loader yields (typically the validation set embedded
+            by a :class:`nnkloss.Refresher`).
+        loader: yields ``(inputs, labels, idx)``, idx the bank rows.
         candidates: the sigmas to try (positive finite floats; order breaks ties).
-        device: where ``inputs`` go for the model (the model must already be there); the
-            embeddings are then moved to the bank's device.
+        device: where ``inputs`` go for the model.
 
     Returns:
-        ``(best_sigma, {sigma: mean_loss})``: the mean is over all counted rows of the whole
-        loader (rows with a same-class neighbour; a non-finite row counts and makes its mean
-        NaN), not a mean of batch means. A NaN mean is never chosen. The criterion's sigma is
-        restored afterwards (also on error), its bank is not changed.
+        ``(best_sigma, {sigma: mean_loss})``, the mean over all counted rows of the loader; a
+        NaN mean is never chosen. The criterion's sigma is restored, its bank unchanged.
 
     Raises:
-        TypeError / ValueError naming the argument: a criterion without ``log_sigma`` or bank,
-        bad candidates, a loader that yields nothing or no row with a same-class neighbour,
-        or no candidate with a finite loss.
+        TypeError / ValueError naming the argument: a bad criterion or candidates, a loader
+        yielding nothing or no counted row, or no candidate with a finite loss.
     """
     if not isinstance(criterion, BankLoss) or not isinstance(getattr(criterion, "log_sigma", None),
                                                               Tensor):
@@ -86,7 +69,7 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        net = inference_model(model)  # BatchNorms folded (a copy): nnkloss/inference.py
+        net = inference_model(model)
         for batch in loader:
             if not isinstance(batch, (tuple, list)) or len(batch) != 3:
                 raise ValueError("loader must yield (inputs, labels, idx) triples")

@@ -11,18 +11,12 @@ The paper maximises the expected accuracy ``sum_i p_i`` (Eq. 11 with Eq. 15 in p
 Eq. 10): ``objective="accuracy"`` minimises ``1 - p``. ``objective="nll"`` minimises
 ``-log p = softplus(s (m_pos - m_neg))``, the form of the Eq. 3 loss.
 
-Rows with fewer than k same-class (other-class) entries use the mean over those they have; a
-row with none on either side has no defined p: it gets loss 0 and no gradient, and is left out
-of the mean (the same policy as the Eq. 3 loss). A row with a non-finite distance to a list
-entry (a squared distance beyond the compute dtype, or, with the value checks off, a NaN/inf
-embedding or centre) gets a NaN loss and is counted, so that the mean shows it (rule 6 of
-ops/CONTRACT.md); it passes no gradient on. Padding (-1) and centres of weight 0 are not
-entries. The nearest-entry selection is piecewise constant (no gradient through the choice, as
-in the paper); gradients flow to ``emb`` and, when they require grad, to ``centres``.
-
-Memory: the (B, K) distances that select the entries come from the Eq. 3 op's forward (one
-fused pass over the gathered rows), and so do the means m_pos, m_neg; the mean centres that the
-gradient needs are summed one selected column at a time: no (B, K, D) or (B, k, D) tensor.
+Rows with fewer than k entries on a side average those they have; a row with none on either
+side gets loss 0, no gradient, and is left out of the mean. A row with a non-finite distance to
+an entry gets a NaN loss and is counted (ops/CONTRACT.md rule 6). Padding (-1) and centres of
+weight 0 are not entries. No gradient flows through the choice of entries; gradients reach
+``emb`` and ``centres`` (when it requires grad). The distances come from the Eq. 3 op's fused
+forward; no (B, K, D) or (B, k, D) tensor is made.
 """
 from __future__ import annotations
 
@@ -48,11 +42,8 @@ OBJECTIVES = ("accuracy", "nll")
 
 @torch.no_grad()
 def _list_distances(emb, labels, centres, centre_labels, neighbours, weights) -> Tensor:
-    """(B, K) ``||x_b - c_j||^2`` of every list entry (0 for padding, NaN / inf where a value
-    is), in the compute dtype: the ``dist`` output of the Eq. 3 op's forward at sigma 1
-    (ops/CONTRACT.md rule 7), forward-only, through the op's custom op so that it traces too.
-    On CPU and CUDA tensors that is one fused pass over the gathered rows (the compiled
-    library, the Triton kernel) instead of (rows, K, D) blocks in torch."""
+    """(B, K) ``||x_b - c_j||^2`` of every list entry (0 for padding) in the compute dtype: the
+    Eq. 3 op's ``dist`` output (ops/CONTRACT.md rule 7), through its custom op."""
     one = torch.ones((), dtype=torch.float32, device=emb.device)
     out = torch.ops.nnkloss.nk_forward(
         emb.detach().contiguous(), labels.contiguous(), centres.detach().contiguous(),
@@ -65,11 +56,9 @@ def _list_distances(emb, labels, centres, centre_labels, neighbours, weights) ->
 @torch.no_grad()
 def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The k nearest same-class and other-class list entries of each row: ``(pos, pos_dist,
-    neg, neg_dist, bad)``, (B, min(k, K)) centre indices (-1 = none) and their
-    ``||x_b - c_j||^2`` in the compute dtype (0 where there is none), nearest first; ``bad``
-    (B,) bool marks the rows with a non-finite distance to a list entry (padding aside), which
-    the selection cannot rank (an inf reads as "no entry", a NaN sorts last)."""
+    """The k nearest same-class and other-class entries of each row, nearest first:
+    ``(pos, pos_dist, neg, neg_dist, bad)``, (B, min(k, K)) indices (-1 = none) and distances
+    (0 for none); ``bad`` (B,) marks rows with a non-finite distance, which cannot be ranked."""
     B, D = emb.shape
     K = neighbours.shape[1]
     kk = min(k, K)
@@ -102,14 +91,9 @@ def _select(emb, labels, centres, centre_labels, neighbours, weights, k: int
 
 
 class _MeanSqDist(torch.autograd.Function):
-    """m_b = mean over valid j of ||x_b - c_{sel[b, j]}||^2 (0 where a row has no valid entry),
-    from the selected entries' distances ``sel_dist`` (:func:`_select`: the Eq. 3 op's fused
-    forward), so the forward gathers no (rows, k, D) block.
-
-    The backward needs only the (B, D) means of the selected centres:
-    dm_b/dx_b = 2 (x_b - cbar_b) and dm_b/dc_j = -2 (x_b - c_j) / n_b for each selected j.
-    cbar is summed one selected column at a time ((B, D) gathers, k of them), never as a
-    (B, k, D) block.
+    """m_b = mean over valid j of ||x_b - c_{sel[b, j]}||^2 (0 without entries), from
+    ``sel_dist``. Backward: dm_b/dx_b = 2 (x_b - cbar_b), dm_b/dc_j = -2 (x_b - c_j) / n_b,
+    with cbar summed one selected column at a time.
     """
 
     @staticmethod
@@ -125,8 +109,7 @@ class _MeanSqDist(torch.autograd.Function):
         for t in range(sel.shape[1]):  # k <= K columns; no host sync to skip empty ones
             v = valid[:, t]
             rows = c.index_select(0, sel[:, t].clamp_min(0)).to(cdt)
-            # masked to 0, not multiplied by 0: the stand-in row 0 of a row without a t-th
-            # entry may hold a value no list gathers (never checked), NaN * 0 is NaN
+            # masked, not multiplied by 0: the stand-in row 0 may be NaN
             cbar += rows.masked_fill_(~v[:, None], 0) * inv_n[:, None]
         ctx.save_for_backward(emb, centres, sel, cbar, inv_n, count)
         return m
@@ -152,29 +135,20 @@ class _MeanSqDist(torch.autograd.Function):
 def class_conditional_loss_rows(emb, labels, centres, centre_labels, neighbours, k: int = 5,
                                 sigma=math.sqrt(0.5), weights: Optional[Tensor] = None,
                                 objective: str = "accuracy") -> Tuple[Tensor, Tensor]:
-    """Per-row CCML loss and the rows counted in the mean: ``(loss (B,), counted (B,) bool)``
-    (a row is counted when it has a same-class and an other-class entry); see
-    :func:`class_conditional_loss` for the arguments. Rows not counted have loss 0."""
+    """``(loss (B,), counted (B,) bool)``: per-row CCML loss (0 where not counted) and the
+    rows with entries on both sides; arguments as :func:`class_conditional_loss`."""
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, "none", "torch")
     k = require_positive_int("k", k)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     sigma_t = check_sigma(sigma, emb.device)
-    # The gathered centres are checked before the loss on every device (not deferred as the
-    # Eq. 3 op does on the CPU, from its NaN rows). A NaN/inf centre gives a NaN/inf distance
-    # that the nearest-entry selection can leave out (topk puts NaN last, and an inf distance
-    # reads as "no entry"); the rows that list one are made NaN below (``bad``), which is what
-    # shows it with the checks off.
+    # Not deferred: the selection could leave a non-finite centre out.
     check_values(emb, centres, neighbours, weights, sigma_t,
                  fused=backend("auto", emb.device, emb.dtype))
-    # as the Eq. 3 op reads them: int32 / int64 (torch does not compare uint32 with int64)
     labels, centre_labels = as_index(labels), as_index(centre_labels)
     pos, pos_dist, neg, neg_dist, bad = _select(emb, labels, centres, centre_labels,
                                                 neighbours, weights, k)
-    # A row with a non-finite distance (a squared distance beyond the compute dtype from finite
-    # values, or with the checks off a NaN/inf embedding or centre) is NaN and counted, as
-    # rule 6 of ops/CONTRACT.md has it for the Eq. 3 loss: the selection would have left the
-    # entry out, or the row out of the mean, silently.
+    # A row with a non-finite distance is NaN and counted (ops/CONTRACT.md rule 6).
     counted = ((pos[:, 0] >= 0) & (neg[:, 0] >= 0)) | bad
     m_pos = _MeanSqDist.apply(emb, centres, pos, pos_dist)
     m_neg = _MeanSqDist.apply(emb, centres, neg, neg_dist)
@@ -197,12 +171,10 @@ def class_conditional_loss(emb, labels, centres, centre_labels, neighbours, k: i
         labels: (B,) integer labels.
         centres: (N, D) float centres (may require grad).
         centre_labels: (N,) integer labels of the centres.
-        neighbours: (B, K) int32/int64 indices into centres, -1 = padding (the lists of the
-            Eq. 3 loss; with a bank, exclude each example's own centre first).
+        neighbours: (B, K) int32/int64 indices into centres, -1 = padding.
         k: same-class and other-class entries averaged per row (Eq. 15's k).
         sigma: the distances are scaled by ``1/(2 sigma^2)``; the default makes that 1.
-        weights: optional (N,) non-negative weights; only their zeros matter (a zero weight
-            removes a centre; Eq. 15 has no weights otherwise).
+        weights: optional (N,) non-negative weights; only zeros matter (they remove centres).
         objective: "accuracy" (1 - p, the paper's expected accuracy) or "nll" (-log p).
         reduction: "mean" (over rows that have both same- and other-class entries), "sum" or
             "none" ((B,), 0 for rows without both).
@@ -224,14 +196,11 @@ class ClassConditionalLoss(BankLoss):
         bank: the CentreBank whose neighbour lists and centres are used.
         k: entries per side (see :func:`class_conditional_loss`).
         sigma, objective, reduction: as in :func:`class_conditional_loss`.
-        learn_sigma: learn sigma (stored as ``log_sigma``, as in
-            :class:`nnkloss.NeighbourKernelLoss`; read it with :meth:`kernel_sigma` or
-            :meth:`sigma_tensor`).
+        learn_sigma: learn sigma (as ``log_sigma``; see :meth:`kernel_sigma`).
         exclude_self: drop each example's own centre from its list.
 
-    ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
-    batch. ``last_stats`` (:class:`nnkloss.LossOutput`) holds the rows of the last call and
-    which were counted (``last_valid`` is that mask).
+    ``forward(emb, labels, idx)``, idx the batch's bank rows. ``last_valid``: the rows the last
+    call counted.
     """
 
     def __init__(self, bank: CentreBank, k: int = 5, sigma: float = math.sqrt(0.5),

@@ -51,15 +51,12 @@ class TorchBackend:
 
     def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
                 store_dist=True, need_grad_x=True, mean=False):
-        out = self._forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                            store_dist=store_dist, need_grad_x=need_grad_x)
+        out = reference.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                                store_dist=store_dist, need_grad_x=need_grad_x)
         if not mean:
             return out
         counted = reference.counted_rows(out[2])
         return out + (counted,) + tuple(self.counted_mean(out[0], counted))
-
-    def _forward(self, *args, **kwargs):
-        return reference.forward(*args, **kwargs)
 
     counted_mean = staticmethod(reference.counted_mean)
     centre_grad = staticmethod(reference.centre_grad)
@@ -81,8 +78,10 @@ class CpuBackend(TorchBackend):
     def batch_lists(self):  # its counts are host memory (``host_counts``)
         return cpu.batch_lists
 
-    def _forward(self, *args, **kwargs):
-        return cpu.forward(*args, **kwargs)
+    def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                store_dist=True, need_grad_x=True, mean=False):
+        return cpu.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                           store_dist, need_grad_x, mean)
 
     def counted_mean(self, per_row, counted):
         out = cpu.counted_mean(per_row, counted) if plain_eager(per_row) else None
@@ -94,9 +93,8 @@ class CpuBackend(TorchBackend):
     def scale_rows(self, grad_x, g, lse_pos, out_dtype, divisor=None):
         if not _fused(grad_x, g):
             return reference.scale_rows(grad_x, g, lse_pos, out_dtype, divisor)
-        if divisor is not None:
-            g = g / divisor
-        return cpu.scale_rows(grad_x, g.expand(grad_x.shape[:1]), lse_pos).to(out_dtype)
+        out = cpu.scale_rows(grad_x, g, lse_pos, divisor)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def entry_grads(self, u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g,
                     sigma, need_c, need_w, need_s):

@@ -1,11 +1,8 @@
 """Self-exclusion: the one place where a query's own row leaves its neighbour list.
 
-Every search that excludes self asks for ``k + 1`` neighbours, own row included, and passes
-them through :func:`drop_self`. Searches return neighbours ordered by (distance, index), so
-this gives the ``k`` nearest *other* rows in that order: the own row is removed when it is
-among the ``k + 1``, the last entry otherwise (more than ``k`` exact duplicates tie ahead of
-it). The compiled CPU selection applies the same rule in its decode, sparing a pass over each
-block (tests/test_cpu_search.py checks its lists against :func:`drop_self`'s).
+Every search that excludes self asks for ``k + 1`` neighbours and drops the own row where it is
+among them, the last entry otherwise. The compiled CPU selection applies the same rule in its
+decode.
 """
 from __future__ import annotations
 
@@ -27,16 +24,14 @@ def drop_self(distances: Tensor, neighbours: Tensor, self_ids: Tensor, k: int
         self_ids: (Q,) int64, the base row of each query.
         k: the list length to return (``ids.shape[1] - 1``, or fewer columns).
 
-    The order is kept (no re-sort): entry j of a row is its entry j before the own index and
-    entry j + 1 from there on, one ``where`` of two shifted views (no boolean indexing).
+    The order is kept: one ``where`` of two shifted views.
     """
     dist, ids = distances, neighbours
     q, width = ids.shape
     if width == 0 or q == 0:
         return dist[:, :k].contiguous(), ids[:, :k].contiguous()
     hit = ids == self_ids.to(ids.device).unsqueeze(1)
-    # The own index's column; a row where it is absent drops its last entry instead (an index
-    # appears at most once in a row).
+    # The own index's column, else the last.
     pos = torch.where(hit.any(dim=1), hit.to(torch.uint8).argmax(dim=1), width - 1)
     after = torch.arange(k, device=ids.device) >= pos.unsqueeze(1)  # (Q, k)
     return (torch.where(after, dist[:, 1:k + 1], dist[:, :k]),

@@ -1,7 +1,6 @@
-"""FAISS indexes: exact ``IndexFlatL2`` (CPU, or GPU where faiss's GPU support works) and the
-approximate ``IndexIVFFlat`` / ``IndexHNSWFlat``. faiss is optional and imported lazily. It
-orders equal distances by index, as the torch search does; results are fp32 squared distances
-clamped at 0 and int64 indices (-1 at inf for "not found", approximate indexes only).
+"""FAISS indexes (optional, imported lazily): exact ``IndexFlatL2`` (GPU where faiss's GPU
+support works) and approximate ``IndexIVFFlat`` / ``IndexHNSWFlat``. Results as the torch
+search's: fp32 squared distances clamped at 0, int64 indices (-1 at inf: not found).
 """
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def faiss_available() -> bool:
 
 
 def require_faiss(asked: str = "search_backend='faiss' (and approximate search)"):
-    """The faiss module, or ImportError saying that ``asked`` (the argument that wants faiss,
-    as the caller spelt it, e.g. ``"approximate='ivf'"``) needs it and how to install it."""
+    """The faiss module, or ImportError saying that ``asked`` needs it and how to install it."""
     faiss = _faiss_module()
     if faiss is None:
         raise ImportError(f"{asked} needs the faiss package, which is not installed (or does "
@@ -55,10 +53,8 @@ INDEX_OPTIONS = {"ivf": ("nlist", "nprobe", "train_size", "seed"),
 
 
 def check_index_options(approximate: Optional[str], options: dict, arg: str = "{}") -> None:
-    """ValueError naming the option for an option in ``options`` (name -> value, None = not
-    given) that the index ``approximate`` (None: exact, "ivf", "hnsw") does not use (it would
-    be ignored without a word), or a bad value of one it does. ``arg`` spells an option's name
-    as the caller passed it."""
+    """ValueError naming an option given (not None) that the index ``approximate`` does not
+    use, or a bad value of one it does; ``arg`` spells the name as the caller passed it."""
     for kind, names in INDEX_OPTIONS.items():
         if kind == approximate:
             continue
@@ -98,10 +94,8 @@ def _gpu_flat(device_index: int, d: int):
 
 @functools.lru_cache(maxsize=None)
 def faiss_gpu_usable(device_index: int = 0) -> bool:
-    """True when faiss has GPU support that actually runs on CUDA device ``device_index``:
-    some faiss GPU wheels ship no code for some architectures and fail at the first search,
-    not at import, so a tiny search is tried once per device (cached); on failure a one-line
-    warning, and callers fall back to the CPU index."""
+    """True when faiss's GPU support runs on CUDA device ``device_index``: a tiny search is
+    tried once per device (some wheels fail only at the first search); else a warning."""
     faiss = _faiss_module()
     if faiss is None or not hasattr(faiss, "StandardGpuResources"):
         return False
@@ -155,20 +149,12 @@ def build_flat(base: Tensor, k: int):
     return index
 
 
-def _default_nlist(n: int) -> int:
-    # The usual rule of thumb (~4 sqrt(N) lists), limited so that each list keeps >= 39 training
-    # points (faiss warns below that) and at least one list.
-    return int(max(1, min(4 * math.isqrt(max(n, 1)), n // 39)))
-
-
 def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Optional[int],
                       hnsw_m: Optional[int], ef_construction: Optional[int],
                       ef_search: Optional[int], k: int, train_size: Optional[int],
                       seed: Optional[int]):
-    """An ``IndexIVFFlat`` (kind "ivf") or ``IndexHNSWFlat`` (kind "hnsw") holding ``base``.
-
-    Options of the other kind must be None (ValueError naming them); None picks the default
-    (hnsw_m 32, ef_construction 64, seed 0, the rest as :func:`~.knn.knn` says)."""
+    """An ``IndexIVFFlat`` ("ivf") or ``IndexHNSWFlat`` ("hnsw") holding ``base``; options as
+    :func:`~.knn.knn` (those of the other kind must be None)."""
     faiss = require_faiss(f"approximate={kind!r}")
     n, d = base.shape
     check_index_options(kind, {"nlist": nlist, "nprobe": nprobe, "train_size": train_size,
@@ -176,7 +162,9 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
                                "ef_construction": ef_construction, "ef_search": ef_search})
     seed = 0 if seed is None else int(seed)
     if kind == "ivf":
-        nlist = _default_nlist(n) if nlist is None else int(nlist)
+        # Default: ~4 sqrt(N) lists, each keeping >= 39 training points (faiss warns below).
+        nlist = (int(max(1, min(4 * math.isqrt(max(n, 1)), n // 39))) if nlist is None
+                 else int(nlist))
         if not 1 <= nlist <= n:
             raise ValueError(f"nlist must be in [1, N={n}], got {nlist}")
         quantizer = faiss.IndexFlatL2(d)
@@ -189,7 +177,6 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
         sample = torch.randperm(n, generator=g)[:train_n].sort().values
         index.train(_to_numpy_f32(base[sample.to(base.device)]))
         _add_in_chunks(index, base)
-        # Default probes: enough lists for high recall at moderate cost (~1/8 of the lists, >= 8).
         index.nprobe = min(nlist, max(8, nlist // 8)) if nprobe is None else int(nprobe)
         if use_faiss_gpu(base.device, k + 1) and index.nprobe <= FAISS_GPU_MAX_K:
             dev = _cuda_index(base.device)
@@ -205,15 +192,13 @@ def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Opt
 
 def iter_search_index(index, queries: Tensor, k: int, chunk_rows: int = 1 << 14
                       ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Yield ``(row0, distances (rows, k), indices (rows, k))`` on the queries' device for
-    consecutive chunks of query rows (faiss's temporaries stay bounded by the chunk)."""
+    """Yield ``(row0, distances, indices)`` on the queries' device per chunk of query rows."""
     q = queries.shape[0]
     for q0 in range(0, q, chunk_rows):
         dd, ii = index.search(_to_numpy_f32(queries[q0:q0 + chunk_rows]), k)
         dist, ids = torch.from_numpy(dd), torch.from_numpy(ii)
-        # faiss marks "not found" (approximate indexes only) by -1 with a huge distance.
-        dist.masked_fill_(ids < 0, math.inf)
-        dist.clamp_min_(0.0)  # the same clamp as the torch search: tiny negatives happen
+        dist.masked_fill_(ids < 0, math.inf)  # faiss: -1 with a huge distance
+        dist.clamp_min_(0.0)  # as the torch search
         yield q0, dist.to(queries.device), ids.to(queries.device)
 
 

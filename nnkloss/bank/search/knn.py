@@ -35,9 +35,7 @@ class SearchBlock(NamedTuple):
 
 
 def resolve_search_backend(search_backend: str, device: torch.device) -> str:
-    """The exact implementation a ``search_backend`` runs: "auto" is always "torch", so that
-    the neighbours never depend on whether faiss is installed (the torch search runs on every
-    device and is at least as fast on the CPU; faiss runs when asked for by name)."""
+    """The search a ``search_backend`` runs: "auto" is "torch" (never dependent on faiss)."""
     check_search_backend(search_backend)
     return "torch" if search_backend == "auto" else search_backend
 
@@ -45,10 +43,8 @@ def resolve_search_backend(search_backend: str, device: torch.device) -> str:
 def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
              exclude_self: bool = False, *, tile_bytes: Optional[int] = None
              ) -> Iterator[SearchBlock]:
-    """Exact search, yielded as :class:`SearchBlock` ``(row0, distances (rows, k), neighbours
-    (rows, k))`` for consecutive blocks of query rows; arguments and results as in :func:`knn`.
-    Memory: one block's working set (the tile budget), never the whole (Q, k) result."""
-    # Not a generator itself: bad arguments are reported by the call, not the first next().
+    """Exact search as :func:`knn`, yielded as :class:`SearchBlock` per block of query rows;
+    memory: one block's working set. Arguments are checked at the call."""
     check_search_backend(search_backend)
     k = validate(queries, base, k, exclude_self)
     return _iter_checked(queries, base, k, search_backend, exclude_self, tile_bytes)
@@ -65,7 +61,6 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
         kk = k + int(exclude_self)  # the own row is searched for, then dropped below
         blocks = iter_search_index(build_flat(base, kk), queries, kk)
     else:
-        # A search of one tensor against itself can compute each pair's distance once.
         blocks = iter_knn_torch(queries, base, k, tile_bytes,
                                 self_search=same_tensor(queries, base),
                                 exclude_self=exclude_self, out=out)
@@ -77,10 +72,8 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
 
 
 def check_search_arguments(search_backend, approximate, options: dict, arg: str = "{}") -> None:
-    """:func:`knn`'s checks of what it searches with, before any work on the inputs (the
-    Refresher makes them at construction): the backend, the index kind, its options (one of
-    another kind would be ignored: refused) and faiss where needed (ImportError). ``arg``
-    spells an option's name as the caller passed it (``"knn_options[{!r}]"``)."""
+    """:func:`knn`'s checks of backend, index kind, index options and faiss (ImportError),
+    before any work; ``arg`` spells an option's name as the caller passed it."""
     if approximate not in APPROXIMATE:
         raise ValueError(f"{arg.format('approximate')} must be one of {APPROXIMATE}, got "
                          f"{approximate!r}")
@@ -105,42 +98,35 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     Args:
         queries, base: (Q, D) and (N, D) float tensors on one device (distances in fp32).
         k: neighbours per query, ``1 <= k <= N`` (``<= N - 1`` with ``exclude_self``).
-        search_backend: "torch" (tiled GEMM, any device), "faiss" (exact ``IndexFlatL2``, on
-            the GPU for CUDA inputs where faiss's GPU support works) or "auto" (= "torch",
-            so that results never depend on whether faiss is installed).
-        exclude_self: the queries ARE the base rows (Q must equal N) and row i never returns i
-            (exact duplicates of it still do, at distance 0). Pass the same tensor as
-            ``queries`` and ``base`` for a self-search: on the CPU the "torch" backend can then
-            compute each pair's distance once (:mod:`.torch_search`).
+        search_backend: "torch" (tiled GEMM, any device), "faiss" (exact ``IndexFlatL2``) or
+            "auto" (= "torch").
+        exclude_self: the queries are the base rows (Q == N) and row i never returns i
+            (duplicates still do). Pass one tensor as both for the faster self-search.
         approximate: None (exact), "ivf" (faiss ``IndexIVFFlat``) or "hnsw" (faiss
             ``IndexHNSWFlat``, CPU), with ``search_backend`` "auto" or "faiss".
         tile_bytes: the torch search's working memory (default: 256 MiB on the CPU, a quarter
             of the free memory on CUDA, at most 4 GiB).
-        nlist, nprobe, train_size: IVF lists (default ~4 sqrt(N), >= 39 points per list),
-            lists probed per query (default max(8, nlist/8)), training sample (default
-            256 nlist) -- more probes: higher recall, slower.
-        hnsw_m, ef_construction, ef_search: HNSW graph degree (default 32), build beam
-            (default 64), search beam (default 64, raised to at least 2k + 2).
-        seed: seed of the IVF training sample and k-means (default 0).
-        An index option given for an index that does not use it is a ValueError naming it.
+        nlist, nprobe, train_size: IVF lists (default ~4 sqrt(N)), lists probed (default
+            max(8, nlist/8)), training sample (default 256 nlist).
+        hnsw_m, ef_construction, ef_search: HNSW degree, build and search beams (defaults
+            32, 64, 64; the search beam at least 2k + 2).
+        seed: of the IVF training sample and k-means (default 0).
+        An index option of another index is a ValueError naming it.
 
     Returns:
         :class:`SearchResult` ``(distances, neighbours)``, both (Q, k) on the queries' device:
-        fp32 squared L2 distances ascending, ties ordered by index, and int64 rows of ``base``
-        (-1 at inf where an approximate search finds fewer than k). On CUDA the "torch"
-        backend follows PyTorch's TF32 setting (off by default).
+        fp32 squared L2 distances ascending, ties by index, and int64 rows of ``base`` (-1 at
+        inf where an approximate search finds fewer than k). On CUDA "torch" follows PyTorch's
+        TF32 setting.
 
     Raises:
-        ValueError: k < 1 or more than the candidates (naming ``k``); empty base; NaN/inf in
-            ``queries`` or ``base``, or a row of norm above 2**62 (naming which); dimension or
-            device mismatch; exclude_self with Q != N; an unknown search_backend, approximate
-            or index option, or a non-positive one.
+        ValueError: bad k (naming it), empty base, NaN/inf or a row norm above 2**62 (naming
+            the input), dimension or device mismatch, exclude_self with Q != N, an unknown or
+            non-positive option.
         TypeError: non-tensor or non-float inputs, non-int k.
-        ImportError: search_backend="faiss" or an approximate index without faiss installed
-            (before any work on the inputs).
+        ImportError: faiss needed but not installed (before any work).
 
-    Empty queries give (0, k) results. The torch search never forms a Q x N matrix; faiss holds
-    an fp32 copy of the base in its index.
+    Empty queries give (0, k) results. The torch search never forms a Q x N matrix.
     """
     options = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "seed": seed,
                "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search}
@@ -162,8 +148,7 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
     q = queries.shape[0]
     out = (torch.empty(q, k, dtype=torch.float32, device=queries.device),
            torch.empty(q, k, dtype=torch.long, device=queries.device))
-    # The compiled selection decodes each block straight into these rows (no block buffer,
-    # no copy); blocks of the other paths are copied in.
+    # The compiled selection decodes straight into ``out``; other blocks are copied in.
     for q0, dist, idx in _iter_checked(queries, base, k, search_backend, exclude_self,
                                        tile_bytes, out):
         if not decoded_into(out, q0, dist, idx):

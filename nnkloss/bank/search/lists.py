@@ -38,8 +38,7 @@ class NeighbourLists:
 
 def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
     """(N,) bool: row i's list ``neighbours[i]`` (-1 = padding) holds a row of label
-    ``centre_labels[i]``. On the CPU one compiled pass that stops at the first such entry;
-    elsewhere the (N, K) gather of labels."""
+    ``centre_labels[i]`` (the compiled CPU pass where it serves)."""
     if plain_eager(neighbours, centre_labels):
         from ... import cpu
         out = cpu.has_same_label(neighbours, centre_labels)
@@ -59,9 +58,7 @@ def synchronize(device: torch.device) -> None:
 def patch_positives(centres: Tensor, centre_labels: Tensor, rows_offset: int,
                     distances: Tensor, neighbours: Tensor, has_positive: Tensor,
                     search_backend: str, knn_options: dict) -> int:
-    """``ensure_positive`` of :func:`neighbour_lists`, in place, on the slice of rows from bank
-    row ``rows_offset`` that ``distances``, ``neighbours`` and ``has_positive`` hold. Returns
-    the number of rows patched."""
+    """``ensure_positive`` in place on rows from ``rows_offset``; returns the number patched."""
     labels, dist_, ids, has_pos = centre_labels, distances, neighbours, has_positive
     approximate = knn_options.get("approximate")
     exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
@@ -93,10 +90,8 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     """The k nearest other centres of every centre (self excluded), optionally with a positive.
 
     ``centres`` (N, D) float, ``centre_labels`` (N,) int; ``k``: 1 <= k <= N - 1;
-    ``search_backend``, ``knn_options``: as in :func:`knn`. ``ensure_positive``: a row whose
-    list holds no centre of its own label (whose loss would have no same-class term) gets its
-    nearest same-label centre in its last slot, where one exists, found by one search per such
-    class among its members (never an N x N matrix).
+    ``search_backend``, ``knn_options``: as in :func:`knn`. ``ensure_positive``: a row without
+    a same-label entry gets its nearest same-label centre, where one exists, in its last slot.
     """
     require_labelled("centres", centres, "centre_labels", centre_labels)
     labels = centre_labels.to(centres.device).long()

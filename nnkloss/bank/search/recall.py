@@ -22,11 +22,9 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
                          exact_search_backend: str = "auto", **params) -> float:
     """Recall@k of an approximate index against exact search, on a random sample of queries.
 
-    The index is built over all of ``base`` as :func:`knn` builds it; ``min(sample, Q)`` random
-    query rows are searched with it and exactly, and the result is the mean over them of the
-    share of the k found that are as close as the exact k-th neighbour (by distance: ties are
-    not penalised), in [0, 1]. ``params``: :func:`knn`'s index options and ``tile_bytes``;
-    ``seed`` picks the sample and seeds IVF's training; ``exclude_self`` as in :func:`knn`.
+    The mean over ``min(sample, Q)`` random queries of the share of the k found that are as
+    close as the exact k-th neighbour (ties not penalised). ``params``: :func:`knn`'s index
+    options and ``tile_bytes``; ``seed`` picks the sample and seeds IVF's training.
     """
     if approximate not in ("ivf", "hnsw"):
         raise ValueError(f"approximate must be 'ivf' or 'hnsw', got {approximate!r}")
@@ -35,7 +33,6 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     if unknown:
         raise TypeError(f"recall_against_exact got unknown parameters {sorted(unknown)}; "
                         f"accepted: {sorted(_RECALL_PARAMS)}")
-    # before any work: an option of the other index kind would be ignored
     check_index_options(approximate, params)
     require_faiss(f"approximate={approximate!r}")
     k = validate(queries, base, k, exclude_self)
@@ -46,14 +43,11 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     rows = torch.randperm(q, generator=g)[:min(int(sample), q)].sort().values.to(queries.device)
     sub = queries[rows]
     kk = k + int(exclude_self)
-    # seed also picks the sample above, so it is given for either kind; only IVF's index
-    # uses it (build_approximate refuses an option of the other kind)
     index = build_approximate(base, approximate, params.get("nlist"), params.get("nprobe"),
                               params.get("hnsw_m"), params.get("ef_construction"),
                               params.get("ef_search"), k, params.get("train_size"),
                               seed if approximate == "ivf" else None)
     a_d, a_i = search_index(index, sub, min(kk, base.shape[0]))
-    # Exact: the sampled rows against the whole base, own row dropped the same way.
     e_d, e_i = knn(sub, base, kk, exact_search_backend, tile_bytes=params.get("tile_bytes"))
     if exclude_self:
         a_d, a_i = drop_self(a_d, a_i, rows, k)

@@ -2,25 +2,16 @@
 threshold selection in torch elsewhere.
 
 Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, one GEMM per tile of augmented rows
-(:func:`distance_tile`), clamped at 0. Every path ranks the same keys ``(float bits of the
-distance << 32) | base index``, so neighbours come out in (distance, index) order, as faiss's
-flat index orders them, and the paths agree wherever their GEMMs give the same distance bits
-(always with the compiled library's GEMM, whose bits depend on the pair alone).
+(:func:`distance_tile`), clamped at 0. Every path ranks the keys ``(distance bits << 32) |
+index``: (distance, index) order, as faiss's flat index.
 
-On the CPU with the compiled library, (tq, tb) distance tiles are folded, straight after their
-GEMM, into a per-row selection in C++ that keeps every candidate below a key known to be at or
-above the k-th smallest: exact by construction, in ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes
-within ``tile_bytes`` (:func:`cpu_tile_sizes`, ``cap = k + max(k, 64)``). A self-search (the
-queries the same tensor as the base) computes only the tiles on and above the diagonal, half
-the GEMM, when every point's state fits the budget and k is at most SYM_MAX_K_PER_WIDTH times
-the row width (:func:`symmetric_block`); a pair's distance is then computed once, so it can
-differ from the blockwise path's by a rounding error (lists agree up to such near-ties).
-
-Elsewhere (CUDA, or no library) the torch selection avoids a wide ``torch.topk``: per (rows, N)
-block, a threshold from a fixed random sample of columns that lies above the k-th smallest
-distance with probability ~1 - 3e-5 (rows where it does not are redone exactly, so the result
-never depends on the sample), one compare to keep the entries below it, one top-k over their
-keys. Base tiles with a running top-k where even 16 rows of N exceed the budget. Never (Q, N).
+CPU with the compiled library: each tile is folded straight after its GEMM into an exact
+per-row selection in C++ (:func:`cpu_tile_sizes`); a self-search computes only the tiles on and
+above the diagonal (:func:`symmetric_block`), so its distances may differ from the blockwise
+path's by a rounding (lists agree up to near-ties). Elsewhere: per (rows, N) block a threshold
+from a fixed random column sample (rows where it falls short are redone exactly), one compare,
+one top-k of the kept keys; base tiles with a running top-k when even 16 rows do not fit.
+Never (Q, N).
 """
 from __future__ import annotations
 
@@ -48,25 +39,20 @@ MIN_SAMPLE_COLUMNS = 256
 # Fewest query rows worth one (rows, N) block; below this the base is tiled too.
 _MIN_BLOCK_ROWS = 16
 _INT64_MAX = torch.iinfo(torch.int64).max
-# CPU distance tiles by the compiled library's GEMM where it has one (distance_tile); False:
-# torch.mm everywhere (for A/B timings and tests).
+# CPU tiles by the compiled library's GEMM where it has one; False: torch.mm (for tests).
 COMPILED_GEMM = True
-# Compiled CPU path: largest distance tile (32 MiB fp32, read from cache by the selection;
-# fewer, larger tiles mean fewer fork-joins, which degrade less on a loaded machine).
+# Compiled CPU path: the largest distance tile.
 QUERY_TILE = 2048
 BASE_TILE = 4096
-# Symmetric self-search: square blocks of this many points (a 16 MiB tile), shrunk (not below
-# SYM_MIN_BLOCK) until the state fits the budget (:func:`symmetric_block`).
+# Symmetric self-search: square blocks, halved down to SYM_MIN_BLOCK to fit the budget, for
+# k <= SYM_MAX_K_PER_WIDTH * width only (docs/PERFORMANCE.md).
 SYM_BLOCK = 2048
 SYM_MIN_BLOCK = 512
-# ... for k <= SYM_MAX_K_PER_WIDTH * width only: it saves GEMM work (growing with the width)
-# but adds selection work (growing with k); crossovers in docs/PERFORMANCE.md.
 SYM_MAX_K_PER_WIDTH = 3
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
     if tile_bytes is not None:
-        # not 0 or negative (it ran as 1-byte tiles: hours at N in the tens of thousands)
         if (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, numbers.Real)
                 or not tile_bytes >= 1):
             raise ValueError(f"tile_bytes must be a positive number of bytes (None: the "
@@ -93,10 +79,8 @@ def tile_sizes(q: int, n: int, d: int, k: int, budget: int) -> Tuple[int, int]:
 
 
 def distance_tile(qa: Tensor, ba: Tensor, out: Tensor) -> Tensor:
-    """``out`` = ``qa @ ba.T``, the squared distances of augmented rows, every path's one GEMM:
-    on the CPU the compiled library's where it has one and COMPILED_GEMM is set (each distance
-    one dot product in column order: the same bits whatever the tile, path or threads), else
-    ``torch.mm``."""
+    """``out`` = ``qa @ ba.T``: the compiled library's GEMM on the CPU (bits independent of
+    tile, path and threads) where COMPILED_GEMM allows, else ``torch.mm``."""
     if COMPILED_GEMM and out.is_cpu:
         from ... import cpu
         if cpu.gemm_nt(qa, ba, out):
@@ -106,7 +90,7 @@ def distance_tile(qa: Tensor, ba: Tensor, out: Tensor) -> Tensor:
 
 def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
     """Rows [x, ||x||^2, 1] (queries) or [-2x, 1, ||x||^2] (base), fp32, zero-padded to width:
-    their product IS ||q||^2 - 2 q.b + ||b||^2, with no further pass over the tile."""
+    their product is the squared distance."""
     x = x.float()
     out = x.new_zeros(x.shape[0], width)
     d = x.shape[1]
@@ -123,8 +107,7 @@ def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
 
 
 def _keys(dist: Tensor, ids: Tensor) -> Tensor:
-    """int64 keys ordered as (distance, index) (non-negative fp32 bits order as the float;
-    indices < 2**31). "+ 0.0" turns -0.0, which would order first, into +0.0."""
+    """int64 keys ordered as (distance, index); "+ 0.0" turns -0.0 into +0.0."""
     bits = dist.clamp_min(0.0).add_(0.0).view(torch.int32).long()
     return bits.bitwise_left_shift_(32).bitwise_or_(ids)
 
@@ -134,9 +117,8 @@ def _unkey(keys: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def _sample_rank(k: int, s: int, n: int) -> int:
-    """Rank in a random sample of s of the n columns whose value lies at or above the k-th
-    smallest of all n with probability ~1 - 3e-5 (the count of sampled columns below the k-th
-    is hypergeometric: mean k s / n, variance <= k s / n (1 - s / n))."""
+    """Rank in a sample of s of n columns at or above the k-th smallest of all n with
+    probability ~1 - 3e-5 (mean + 4 sd of the hypergeometric count)."""
     p = min(1.0, s / n)
     mean = k * p
     return int(min(s, math.ceil(mean + 4.0 * math.sqrt(mean * (1.0 - p)) + 1.0)))
@@ -146,7 +128,6 @@ def _select(block: Tensor, tau: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]
     """Flat positions (ascending) of the entries of the contiguous ``block`` (rows, n) at most
     ``tau`` (rows,), their rows, the count per row and where each row's entries start."""
     rows, n = block.shape
-    # One flat index per kept entry: cheaper to produce and to gather with than (row, col).
     flat = (block <= tau.unsqueeze(1)).view(-1).nonzero().squeeze(1)
     r = torch.div(flat, n, rounding_mode="floor")
     bounds = torch.searchsorted(r, torch.arange(rows + 1, device=r.device))
@@ -198,15 +179,11 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
                    out: Optional[Tuple[Tensor, Tensor]] = None
                    ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
-    blocks of query rows: the k nearest base rows of each, by (distance, index).
+    blocks of query rows, by (distance, index). Arguments are validated by the caller.
 
-    Arguments are assumed validated (:func:`..validation.validate`). ``self_search``: the
-    caller vouches that ``queries`` IS ``base`` (:func:`same_tensor`), which allows the
-    symmetric search. ``exclude_self``: query row i is base row i and leaves its own list
-    (k + 1 searched, the own index dropped by the rule of :func:`..exclusion.drop_self`, in
-    the compiled selection's decode where it runs). ``out``: the caller's whole (Q, k) fp32 and
-    int64 result; the compiled selection decodes each block into its rows and yields those
-    views, the other paths blocks of their own to copy in (:func:`decoded_into`).
+    ``self_search``: ``queries`` is ``base`` (allows the symmetric search). ``exclude_self``:
+    row i drops its own index (:func:`..exclusion.drop_self`). ``out``: the whole (Q, k)
+    result, which the compiled selection decodes into (:func:`decoded_into`).
     """
     q, d = queries.shape
     n = base.shape[0]
@@ -252,7 +229,7 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
     if tq >= min(q, _MIN_BLOCK_ROWS):
         ids = None
         if use_sample:
-            # base rows in a fixed random order: the first columns are a sample, ungathered
+            # a fixed random order of base rows: the first columns are the sample
             g = torch.Generator().manual_seed(0)
             ids = torch.randperm(n, generator=g).to(dev)
         ba = _augment(base if ids is None else base[ids], width, query_side=False)
@@ -268,8 +245,8 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
 
 
 def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
-    """(query rows, base rows, keys per row) of the compiled CPU path: QUERY_TILE x BASE_TILE,
-    halved (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
+    """(query rows, base rows, keys per row) of the compiled CPU path, halved from QUERY_TILE x
+    BASE_TILE (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
     cap = k + max(k, 64)
     tq = max(1, min(q, QUERY_TILE))
     tb = max(1, min(n, BASE_TILE))
@@ -281,10 +258,9 @@ def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
 
 
 def symmetric_block(n: int, k: int, budget: int) -> int:
-    """Points per square block S of the symmetric self-search, or 0 when it does not fit:
-    the state of ALL n points (``cap = k + max(k, 64)`` keys, a count and a worst key each),
-    one (S, S) fp32 tile and one block's (S, k) results, ``n * (cap * 8 + 16) + S * (S * 4 +
-    k * 12)`` bytes, kept within ``budget`` by halving S from SYM_BLOCK to SYM_MIN_BLOCK."""
+    """Points per square block S of the symmetric self-search, or 0 when
+    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` even at
+    SYM_MIN_BLOCK (``cap = k + max(k, 64)``)."""
     cap = k + max(k, 64)
     s = max(1, min(n, SYM_BLOCK))
     floor = min(s, SYM_MIN_BLOCK)
@@ -297,17 +273,10 @@ def symmetric_block(n: int, k: int, budget: int) -> int:
 def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self: bool,
                         out: Optional[Tuple[Tensor, Tensor]] = None
                         ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Self-search of the (N, D) points ``x`` (queries = base) with the compiled selection:
-    only the tiles (I, J), J >= I, of square blocks of ``s`` points get a GEMM. Tile (I, J)
-    feeds block I's rows (its columns are their candidates) and, off the diagonal, block J's
-    rows (read down each column in C++). Yields ``(row0, distances, indices)`` per block in
-    ascending row order, (rows, k - 1) without each own index with ``exclude_self``.
-
-    The selection's prefilter needs every point's candidates in ascending index order: with I
-    outer and J inner, a point of block P receives blocks 0 .. P-1 from the column sides of
-    tiles (I, P), then block P from the diagonal tile (its row side only: the square tile holds
-    both orders of each pair), then blocks P+1 .. from the row sides of (P, J). After outer
-    iteration P nothing more reaches block P: it is final.
+    """Self-search of ``x`` with the compiled selection: only tiles (I, J), J >= I, of blocks
+    of ``s`` points get a GEMM, feeding block I's rows and (off the diagonal) block J's.
+    I outer, J inner hands every point its candidates in ascending index order, as the
+    selection needs, and block I is final after outer iteration I; it is yielded then.
     """
     n = x.shape[0]
     ba = _augment(x, width, query_side=False)
@@ -327,14 +296,12 @@ def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self
 
 
 def _rows_of(out: Optional[Tuple[Tensor, Tensor]], row0: int, rows: int):
-    """Rows row0 .. row0 + rows - 1 of the caller's result ``out`` (None: no result given)."""
+    """Rows row0 .. row0 + rows - 1 of ``out`` (None without one)."""
     return None if out is None else (out[0][row0:row0 + rows], out[1][row0:row0 + rows])
 
 
 def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tensor) -> bool:
-    """Whether the block (row0, dist, idx) that :func:`iter_knn_torch` yielded is already
-    the rows of ``out`` (the compiled selection decoded it there) rather than a block of its
-    own to copy in."""
+    """Whether a block :func:`iter_knn_torch` yielded already lies in ``out``'s rows."""
     return (dist.data_ptr() == out[0][row0].data_ptr()
             and idx.data_ptr() == out[1][row0].data_ptr())
 
@@ -347,10 +314,7 @@ def _compiled_selection(rows: int, k: int, cap: int):
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
                        sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None
                        ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """CPU with the compiled library: (tq, tb) distance tiles, each folded into the per-row
-    selection in C++ (nnkloss/cpu/csrc/search.cpp) straight after its GEMM, while it is in
-    cache. Lists of k, or k - 1 without each query's own index with ``exclude_self`` (query
-    row i is base row i)."""
+    """(tq, tb) tiles, each folded into the C++ selection straight after its GEMM."""
     q = queries.shape[0]
     n = base.shape[0]
     ba = _augment(base, width, query_side=False)
@@ -370,8 +334,7 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
 
 def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: int
                     ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Base tiled too (huge N or a tiny budget): a running top-k over (distance, index) keys.
-    Exact: every member of the global top-k is in the top-k of its own tile."""
+    """Base tiled too: a running top-k of (distance, index) keys (exact)."""
     q = queries.shape[0]
     n = base.shape[0]
     dev = queries.device

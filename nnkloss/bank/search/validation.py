@@ -19,8 +19,7 @@ APPROXIMATE = (None, "ivf", "hnsw")
 
 
 def check_search_backend(search_backend) -> str:
-    """``search_backend`` if it names a backend that can run here ("faiss" without faiss is an
-    ImportError where it is given, not at the first search)."""
+    """``search_backend`` if it can run here (ImportError for "faiss" without faiss)."""
     if search_backend not in SEARCH_BACKENDS:
         raise ValueError(f"search_backend must be one of {SEARCH_BACKENDS}, "
                          f"got {search_backend!r}")
@@ -42,9 +41,8 @@ def check_k(k, available: int, exclude_self: bool) -> int:
     return k
 
 
-# Largest row norm a search accepts: distances are ||q||^2 - 2 q.b + ||b||^2 in fp32 (faiss's
-# too), and above it a partial sum can overflow to inf or NaN, ranking neighbours wrong without
-# a sign. At or below it every partial sum stays under (2 * 2**62)**2 = 2**126.
+# Largest row norm a search accepts: the fp32 partial sums of ||q||^2 - 2 q.b + ||b||^2 then
+# stay under 2**126.
 MAX_ROW_NORM = 2.0 ** 62
 
 
@@ -52,8 +50,7 @@ def check_finite(name: str, t: Tensor) -> None:
     """NaN / inf, or rows whose squared distances would overflow fp32 (norm > MAX_ROW_NORM)."""
     if t.numel() == 0:
         return
-    # One pass where all is well: every row norm is at most sqrt(D) max |value|, and aminmax
-    # propagates NaN (failing the comparison). Otherwise the exact tests say which.
+    # One pass where all is well (row norm <= sqrt(D) max |value|; NaN fails the test).
     lo, hi = torch.aminmax(t.detach())
     top = float(torch.maximum(-lo, hi))  # one read back, not two
     if top * math.sqrt(t.shape[1]) <= MAX_ROW_NORM:
@@ -61,7 +58,6 @@ def check_finite(name: str, t: Tensor) -> None:
     if not bool(torch.isfinite(t.detach()).all()):
         bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0, 0])
         raise ValueError(f"{name} contains NaN or inf (first bad row: {bad})")
-    # scaled by the largest value: fp64 rows near its own maximum would square to inf
     norms = torch.linalg.vector_norm(t.detach().double() / top, dim=1) * top
     if bool((norms > MAX_ROW_NORM).any()):
         bad = int((norms > MAX_ROW_NORM).nonzero()[0, 0])

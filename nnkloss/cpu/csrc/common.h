@@ -181,4 +181,27 @@ int with_bank_type(int btype, F&& f) {
     return 1;
 }
 
+// The losses' mean over their counted rows (ops/neighbour_kernel.reduce_rows, "mean"):
+// *mean = sum of the B per-row losses / *divisor, *divisor = max(count, 1), count the rows
+// whose flag is set; both in the rows' type T. The sum runs in double over eight lanes in a
+// fixed order (the same bits on every run), then is rounded to T and divided in T, as torch's
+// form divides its sum by the count. A NaN or inf row reaches the mean. One call in place of
+// torch's sum, count_nonzero, clamp_min and div.
+template <class T>
+void counted_mean_impl(const T* rows, const uint8_t* counted, int64_t B, T* mean,
+                       T* divisor) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t b = 0;
+    for (; b + 8 <= B; b += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += (double)rows[b + l];
+    for (int l = 0; b < B; ++b, ++l) lane[l] += (double)rows[b];
+    int64_t count = 0;
+    for (int64_t i = 0; i < B; ++i) count += counted[i] != 0;
+    const double total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                         ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    const T d = (T)(count > 0 ? count : 1);
+    *mean = (T)total / d;
+    *divisor = d;
+}
+
 }  // namespace

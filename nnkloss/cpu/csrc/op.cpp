@@ -1008,11 +1008,11 @@ void centre_grad_impl(const C* emb, const T* centres, const void* nbrs, int nb64
 // not), where g[b] == 0 or, when lse_pos is given, where lse_pos[b] == -inf (no same-class
 // neighbour): the backward's row rule in the same pass, with no (B,) mask built first.
 template <typename C>
-void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* lse_pos, int64_t B,
-                     int64_t D, C* out, int nthreads) {
+void scale_rows_impl(const C* grad_x, const C* g, int64_t gs, const C* divisor,
+                     const C* lse_pos, int64_t B, int64_t D, C* out, int nthreads) {
     auto row = [=](int64_t b) {
         const bool counted = !lse_pos || lse_pos[b] != -std::numeric_limits<C>::infinity();
-        const C a = counted ? g[b * gs] : C(0);
+        const C a = !counted ? C(0) : divisor ? g[b * gs] / *divisor : g[b * gs];
         const C* __restrict src = grad_x + b * D;
         C* __restrict dst = out + b * D;
         if (a == C(0)) {
@@ -1257,11 +1257,15 @@ int nnk_openmp() {
 
 // Every entry point returns 0 on success, 1 on an unknown type code. nnk_forward with
 // grad_x == NULL is the forward-only path: one pass over the gathered rows, no gradient terms.
+// With counted (B bytes) it also flags the rows a mean counts (lse_pos not -inf: NaN counts),
+// and with mean and divisor it writes their counted mean (counted_mean_impl): the op's whole
+// forward in one call.
 int nnk_forward(int ctype, int btype, const void* emb, const void* labels, int lab64,
                 const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
                 const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,
                 int64_t N, int store_dist, void* loss, void* lse_all, void* lse_pos,
-                void* grad_x, void* dist, int nthreads) {
+                void* grad_x, void* dist, void* counted, void* mean, void* divisor,
+                int nthreads) {
     int rc = 0;
     int known = with_compute_type(ctype, [&](auto c) {
         using C = decltype(c);
@@ -1272,6 +1276,11 @@ int nnk_forward(int ctype, int btype, const void* emb, const void* labels, int l
                                (C*)loss, (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist,
                                nthreads);
         });
+        if (rc) return;
+        uint8_t* flags = (uint8_t*)counted;  // null for B == 0 (an empty tensor's pointer)
+        for (int64_t b = 0; flags && b < B; ++b)
+            flags[b] = ((const C*)lse_pos)[b] != -std::numeric_limits<C>::infinity();
+        if (mean) counted_mean_impl<C>((const C*)loss, flags, B, (C*)mean, (C*)divisor);
     });
     return known | rc;
 }
@@ -1314,14 +1323,16 @@ int nnk_vexp(const float* x, float* out, int64_t n) {
     return 0;
 }
 
-// out[b, :] = g[b * gs] * grad_x[b, :], zero rows where that is 0 or lse_pos[b] is -inf
-// (lse_pos may be null: g alone decides)
+// out[b, :] = g[b * gs] * grad_x[b, :] (g[b * gs] / *divisor with a divisor: a mean's
+// gradient), zero rows where that is 0 or lse_pos[b] is -inf (lse_pos may be null: g alone
+// decides)
 int nnk_scale_rows(int ctype, const void* grad_x, const void* g, int64_t gs,
-                   const void* lse_pos, int64_t B, int64_t D, void* out, int nthreads) {
+                   const void* divisor, const void* lse_pos, int64_t B, int64_t D, void* out,
+                   int nthreads) {
     return with_compute_type(ctype, [&](auto c) {
         using C = decltype(c);
-        scale_rows_impl<C>((const C*)grad_x, (const C*)g, gs, (const C*)lse_pos, B, D, (C*)out,
-                           nthreads);
+        scale_rows_impl<C>((const C*)grad_x, (const C*)g, gs, (const C*)divisor,
+                           (const C*)lse_pos, B, D, (C*)out, nthreads);
     });
 }
 

@@ -308,11 +308,11 @@ def test_forward_only_build(cfg, store_dist):
     check(fwd[:3] + (ref[3].float(),) + fwd[4:], ref, store_dist)
 
 
-@pytest.mark.parametrize("B, cfg", [(7, dict(block_k=2, block_d=16)),
-                                    (7, dict(block_k=2, block_d=16, rows=4)),
-                                    (7, dict(block_k=4, block_d=4)),
-                                    (None, dict(block_k=16, block_d=16))])
-@pytest.mark.parametrize("need_grad_x", [True, False])
+@pytest.mark.parametrize("B, cfg, need_grad_x", [
+    (7, dict(block_k=2, block_d=16), g) for g in (True, False)] + [
+    (7, dict(block_k=2, block_d=16, rows=4), g) for g in (True, False)] + [
+    (7, dict(block_k=4, block_d=4), g) for g in (True, False)] + [
+    (None, dict(block_k=16, block_d=16), False)])
 def test_the_mean_on_every_path(B, cfg, need_grad_x):
     """mean=True (the MEAN build): the five outputs bit for bit the plain launch's, counted
     as the reference counts, the mean over them and its divisor; single pass and two-phase,

@@ -149,9 +149,22 @@ def nonnegative_finite(w) -> bool:
     return not bool(negative_or_nonfinite(w))
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def check_batch(emb, labels, idx, centres):
     """Check a bank loss's batch (emb (B, D) float on the centres' device, labels and idx
     (B,) int); returns labels (on emb's device) and idx through :func:`as_index`."""
+    # The common batch in a few reads (a training step's cost); any other takes the checks
+    # below, which name what is wrong.
+    if (isinstance(emb, torch.Tensor) and isinstance(labels, torch.Tensor)
+            and isinstance(idx, torch.Tensor) and emb.dim() == 2 and labels.dim() == 1
+            and idx.dim() == 1 and emb.dtype in FLOAT_DTYPES and labels.dtype in _INDEX_DTYPES
+            and idx.dtype in _INDEX_DTYPES and labels.shape[0] == emb.shape[0] == idx.shape[0]
+            and centres.shape[1] == emb.shape[1]):
+        device = emb.device
+        if device == centres.device == labels.device and device.type != "meta":
+            return labels, idx
     require_float("emb", emb, 2)
     require_int("labels", labels, 1)
     require_int("idx", idx, 1)

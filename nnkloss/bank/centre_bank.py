@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -214,9 +214,16 @@ class CentreBank(nn.Module):
 
     def weights_for_loss(self) -> Optional[Tensor]:
         """None when all weights are fixed at one (the kernel then skips the weight gather)."""
-        if self._uniform_weights and not self.learn_weights:
+        log_w = self._parameters["log_weights"]  # read every step: no nn.Module lookup
+        if self._uniform_weights and not log_w.requires_grad:
             return None
-        return self.weights
+        return log_w.exp()
+
+    def loss_tensors(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(centres, centre_labels, neighbours)``, which a loss reads every step, in one call
+        (each nn.Module attribute lookup costs a Python fallback)."""
+        buffers = self._buffers
+        return buffers["centres"], buffers["centre_labels"], buffers["neighbours"]
 
     @torch.no_grad()
     def update_(self, centres: Optional[Tensor] = None, centre_labels: Optional[Tensor] = None,

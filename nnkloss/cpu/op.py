@@ -79,35 +79,29 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     # Only pointers are passed, so nothing is detached (an autograd-free read); a tensor is
     # converted or copied only where its dtype or layout is not the library's.
     x = emb if emb.dtype == cdt and emb.is_contiguous() else emb.detach().to(cdt).contiguous()
-    lab = labels
-    if lab.dtype not in INDEX_TYPES:  # int32 / int64 are read as they are (no copy)
-        lab = lab.to(torch.int64)
+    lab = labels if labels.dtype in INDEX_TYPES else labels.to(torch.int64)  # int32/64 as is
     if not lab.is_contiguous():
         lab = lab.contiguous()
     nb = neighbours if neighbours.is_contiguous() else neighbours.contiguous()
     w, wtype = _weights_arg(weights)
-    loss, lse_all, lse_pos = (torch.empty(B, dtype=cdt), torch.empty(B, dtype=cdt),
-                              torch.empty(B, dtype=cdt))
-    grad_x = torch.empty(B, D if need_grad_x else 0, dtype=cdt)
-    dist = torch.empty(B, K if store_dist else 0, dtype=cdt)
-    if mean:
-        counted, mean_, divisor = (torch.empty(B, dtype=torch.bool), torch.empty((), dtype=cdt),
-                                   torch.empty((), dtype=cdt))
-        extra = (counted.data_ptr(), mean_.data_ptr(), divisor.data_ptr())
-    else:
-        extra = (None, None, None)
+    empty = torch.empty
+    out = (empty(B, dtype=cdt), empty(B, dtype=cdt), empty(B, dtype=cdt),
+           empty(B, D if need_grad_x else 0, dtype=cdt),
+           empty(B, K if store_dist else 0, dtype=cdt))
+    extra = (None, None, None)
+    if mean:  # counted, the mean and its divisor
+        out += (empty(B, dtype=torch.bool), empty((), dtype=cdt), empty((), dtype=cdt))
+        extra = (out[5].data_ptr(), out[6].data_ptr(), out[7].data_ptr())
     rc = lib.nnk_forward(
         f64, BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(), lab.dtype == torch.int64,
         centres.data_ptr(), centre_labels.data_ptr(), centre_labels.dtype == torch.int64,
         nb.data_ptr(), nb.dtype == torch.int64, ptr(w), wtype, float(sigma), B, K, D, N,
-        bool(store_dist), loss.data_ptr(), lse_all.data_ptr(), lse_pos.data_ptr(),
-        grad_x.data_ptr() if need_grad_x else None, dist.data_ptr() if store_dist else None,
+        store_dist, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+        out[3].data_ptr() if need_grad_x else None, out[4].data_ptr() if store_dist else None,
         *extra, build.threads(B * K * D))
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")
-    if mean:
-        return loss, lse_all, lse_pos, grad_x, dist, counted, mean_, divisor
-    return loss, lse_all, lse_pos, grad_x, dist
+    return out
 
 
 def _shape_error(emb, labels, centres, centre_labels, neighbours, weights) -> str:
@@ -165,9 +159,10 @@ def scale_rows(grad_x, g, lse_pos=None, divisor=None):
         lse_pos = lse_pos.to(dt).contiguous()
     B = grad_x.shape[0]
     if (lib is None or not (grad_x.is_cpu and g.is_cpu) or not grad_x.is_contiguous()
-            or dt not in (torch.float32, torch.float64) or g.shape not in ((), (B,))
-            or (lse_pos is not None and lse_pos.shape != (B,))
-            or (divisor is not None and (divisor.shape != () or not divisor.is_cpu))):
+            or dt not in (torch.float32, torch.float64) or g.dim() > 1
+            or (g.dim() and g.shape[0] != B)
+            or (lse_pos is not None and (lse_pos.dim() != 1 or lse_pos.shape[0] != B))
+            or (divisor is not None and (divisor.dim() or not divisor.is_cpu))):
         if divisor is not None:
             g = g / divisor
         g = g.expand(B)

@@ -80,8 +80,13 @@ class BankLossStats(LossOutput):
     def __new__(cls, loss: Tensor, per_row: Tensor, counted: Tensor,
                 num_mismatched: Optional[Tensor] = None):
         self = super().__new__(cls, loss, per_row, counted)
-        self.num_mismatched = num_mismatched
+        self._mismatched = num_mismatched  # or a batch_lists' counts (2,): read on demand
         return self
+
+    @property
+    def num_mismatched(self) -> Optional[Tensor]:
+        m = self._mismatched
+        return m if m is None or m.dim() == 0 else m[0]
 
 
 class BankLoss(nn.Module, abc.ABC):
@@ -108,7 +113,7 @@ class BankLoss(nn.Module, abc.ABC):
         self.bank = bank
         self.reduction = reduction
         self.exclude_self = bool(exclude_self)
-        self.last_stats: Optional[BankLossStats] = None
+        self.last_stats = None
 
     def _init_sigma(self, sigma, learn_sigma: bool) -> None:
         """Store ``sigma`` (checked) as the Parameter ``log_sigma`` on the bank's device."""
@@ -121,7 +126,7 @@ class BankLoss(nn.Module, abc.ABC):
         """Sigma as a 0-dim tensor on the loss's device, differentiable when learned (no host
         read: what the maths uses). A fixed sigma is computed once per value of
         ``log_sigma`` (its version counter and storage), not once per call."""
-        log_sigma = self.log_sigma
+        log_sigma = self._parameters["log_sigma"]
         if (log_sigma.requires_grad and torch.is_grad_enabled()) or compiling():
             return log_sigma.exp()
         key = (log_sigma._version, log_sigma.data_ptr(), log_sigma.device)
@@ -182,11 +187,12 @@ class BankLoss(nn.Module, abc.ABC):
         return reduce_rows(per_row, counted, self.reduction), per_row, counted
 
     def forward(self, emb: Tensor, labels: Tensor, idx: Tensor) -> Tensor:
-        bank = self.bank
-        labels, idx = check_batch(emb, labels, idx, bank.centres)
-        lists = self._lists_in_one_call(labels, idx)
+        bank = self._modules["bank"]  # no nn.Module lookup: a step's cost
+        centres, centre_labels, table = bank.loss_tensors()
+        labels, idx = check_batch(emb, labels, idx, centres)
+        lists = self._lists_in_one_call(bank, table, centre_labels, labels, idx)
         if lists is not None:
-            neighbours, num_mismatched = lists
+            neighbours, num_mismatched = lists  # the counts: the first is the stats' number
         else:
             neighbours = bank.neighbours_for(idx, self.exclude_self)
             mismatched = self._mismatched(labels, idx)
@@ -199,14 +205,25 @@ class BankLoss(nn.Module, abc.ABC):
                 neighbours = neighbours.masked_fill(mismatched[:, None], -1)
                 num_mismatched = mismatched.sum().to(emb.device)
         loss, per_row, counted = self.loss_rows(emb, labels, neighbours)
-        # a plain attribute (nn.Module's __setattr__ would look for a parameter of that name)
-        self.__dict__["last_stats"] = BankLossStats(loss.detach(), per_row.detach(), counted,
-                                                    num_mismatched)
+        # :attr:`last_stats` is built from these when read
+        self.__dict__["_last"] = (loss.detach(), per_row.detach(), counted, num_mismatched)
         return loss
 
-    def _lists_in_one_call(self, labels: Tensor, idx: Tensor
-                           ) -> Optional[Tuple[Tensor, Tensor]]:
-        """``(lists, num_mismatched)`` of the batch from the backend's one call (not traced,
+    @property
+    def last_stats(self) -> Optional[BankLossStats]:
+        """The :class:`BankLossStats` of the last call, None before the first."""
+        last = self.__dict__.get("_last")
+        if type(last) is tuple:
+            last = self.__dict__["_last"] = BankLossStats(*last)
+        return last
+
+    @last_stats.setter
+    def last_stats(self, stats: Optional[BankLossStats]) -> None:
+        self.__dict__["_last"] = stats
+
+    def _lists_in_one_call(self, bank: CentreBank, table: Tensor, centre_labels: Tensor,
+                           labels: Tensor, idx: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """``(lists, counts)`` of the batch from the backend's one call (not traced,
         no dispatch mode); None elsewhere, where :meth:`CentreBank.neighbours_for` and
         :meth:`_mismatched` do the same work in torch's ops.
 
@@ -217,16 +234,17 @@ class BankLoss(nn.Module, abc.ABC):
         and ``labels`` (checks on), an idx outside the bank IndexError naming ``idx``. On a
         GPU with the checks off nothing is read and such rows are dropped like misaligned
         ones, where torch's gather would stop the CUDA context with a device-side assert."""
-        bank = self.bank
-        table = bank.neighbours
+        device = table.device
         choice = getattr(self, "backend", "auto")  # the loss's op's, so one route on a device
-        launch = _lists_kernel(table.device, "auto" if choice == "torch" else choice)
-        if (launch is None or labels.device != table.device
+        launch = _lists_kernel(device, "auto" if choice == "torch" else choice)
+        if (launch is None or labels.device != device
                 or not plain_eager(table, idx, labels)):
             return None
-        bank.require_neighbours()
-        idx = idx.to(table.device)
-        out = launch(table, idx, labels, bank.centre_labels, self.exclude_self)
+        if not table.shape[1]:
+            bank.require_neighbours()
+        if idx.device != device:
+            idx = idx.to(device)
+        out = launch(table, idx, labels, centre_labels, self.exclude_self)
         if out is None:  # tensors it does not take
             return None
         lists, counts = out
@@ -238,9 +256,9 @@ class BankLoss(nn.Module, abc.ABC):
             if outside:
                 bank.check_rows(idx)
             if dropped and checks:
-                own = bank.centre_labels[idx]
+                own = centre_labels[idx]
                 _raise_misaligned(labels, idx, own, own != labels)
-        return lists, counts[0]
+        return lists, counts
 
     def _mismatched(self, labels: Tensor, idx: Tensor) -> Optional[Tensor]:
         """(B,) bool on labels' device: rows whose label is not their bank row's; None when it

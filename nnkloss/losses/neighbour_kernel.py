@@ -58,9 +58,10 @@ class NeighbourKernelLoss(BankLoss):
 
     def loss_rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor
                   ) -> Tuple[Tensor, Tensor, Tensor]:
-        bank = self.bank
+        bank = self._modules["bank"]
+        centres, centre_labels, _ = bank.loss_tensors()
         name = backend(self.backend, emb.device, emb.dtype).name
-        return loss_rows(emb, labels, bank.centres, bank.centre_labels, neighbours,
+        return loss_rows(emb, labels, centres, centre_labels, neighbours,
                          bank.weights_for_loss(), self.sigma_tensor(), name, self.reduction)
 
     def rows(self, emb: Tensor, labels: Tensor, neighbours: Tensor) -> Tuple[Tensor, Tensor]:

@@ -63,17 +63,19 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    emb, labels, centres, centre_labels, neighbours, weights, sigma, backend, *_ = inputs
-    mean = len(inputs) > 10 and inputs[10]  # the op's mean defaults to False
-    _, lse_all, lse_pos, grad_x, dist, _, _, divisor = output
+    emb = inputs[0]
     need = ctx.needs_input_grad
-    # The embedding gradient needs three tensors; the per-entry terms of the others, all.
-    terms = (emb, labels, centres, centre_labels, neighbours, weights, sigma, lse_all, dist)
-    ctx.save_for_backward(grad_x, lse_pos, divisor,
-                          *(terms if need[2] or need[5] or need[6] else ()))
+    # The embedding gradient needs grad_x, lse_pos, the divisor and emb (a recorded backward
+    # hangs its error on emb); the per-entry terms of the others also the op's other inputs,
+    # lse_all and the distances.
+    if need[2] or need[5] or need[6]:
+        ctx.save_for_backward(output[3], output[2], output[7], *inputs[:7], output[1], output[4])
+    else:
+        ctx.save_for_backward(output[3], output[2], output[7], emb)
     ctx.emb = (emb.dtype, emb.shape[1])
-    ctx.backend = backend
-    ctx.mean = mean  # without it the mean and divisor outputs are constant zeros
+    ctx.backend = inputs[7]
+    ctx.mean = len(inputs) > 10 and inputs[10]  # the op's mean defaults to False; without
+    # it the mean and divisor outputs are constant zeros.
     # Only the loss's and the mean's gradients are used: the others arrive as None instead of
     # zero tensors that autograd would fill.
     ctx.set_materialize_grads(False)
@@ -102,7 +104,7 @@ def _backward(ctx, g_loss, _g_lse_all, _g_lse_pos, _g_grad_x, _g_dist, _g_counte
         # One pass that applies the row rule too: rows with lse_pos -inf or g 0 take nothing.
         grad_emb = impl.scale_rows(grad_x, g, lse_pos, emb_dtype, div)
         if torch.is_grad_enabled():  # create_graph=True: a second derivative is an error
-            grad_emb = _FirstOrderOnly.apply(grad_emb)
+            grad_emb = _FirstOrderOnly.apply(grad_emb, terms[0])
     if need_c or need_w or need_s:
         emb, labels, centres, centre_labels, neighbours, weights, sigma, lse_all, u = terms
         g_rows = (g if div is None else g / div).expand(lse_pos.shape)
@@ -134,27 +136,31 @@ class _FirstOrderOnly(torch.autograd.Function):
     derivative (it would need grad_x's), so differentiating it is an error, never a zero."""
 
     @staticmethod
-    def forward(ctx, grad_emb):
+    def forward(ctx, grad_emb, emb):  # emb: the output takes emb's requires_grad
         return grad_emb.view_as(grad_emb)
 
     @staticmethod
-    def backward(ctx, _):
+    def backward(ctx, *_):
         raise RuntimeError("nnkloss::nk_forward has no double-backward formula for the "
                            "embeddings' gradient")
 
 
 class NeighbourKernelFunction(torch.autograd.Function):
-    """``nnkloss::nk_forward``'s definition for eager calls on plain tensors. ``forward``
-    takes ctx and calls setup_context itself: a separate setup_context staticmethod makes
-    torch bind the arguments through ``inspect.signature`` on every apply."""
+    """``nnkloss::nk_forward``'s definition for eager calls on plain tensors, returning only
+    what a caller reads: ``(per_row, counted, mean)`` (the others stay saved for backward).
+    ``forward`` takes ctx and calls setup_context itself: a separate setup_context
+    staticmethod makes torch bind the arguments through ``inspect.signature`` on every
+    apply."""
 
     @staticmethod
     def forward(ctx, *inputs):
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
-        return output
+        return output[0], output[5], output[6]
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, g_loss, _g_counted, g_mean):
+        return _backward(ctx, g_loss, None, None, None, None, None, g_mean, None)
 
 
 def loss_rows(emb, labels, centres, centre_labels, neighbours, weights, sigma: Tensor,
@@ -175,12 +181,12 @@ def loss_rows(emb, labels, centres, centre_labels, neighbours, weights, sigma: T
             need_grad_x, reduction == "mean")
     # Traced, under a dispatch mode, or a tensor subclass among the inputs: the custom op.
     if plain_eager(*(args[:7] if weights is not None else args[:5] + (sigma,))):
-        out = NeighbourKernelFunction.apply(*args)
+        per_row, counted, mean = NeighbourKernelFunction.apply(*args)
     else:
         out = torch.ops.nnkloss.nk_forward(*args)
-    per_row, counted = out[0], out[5]
+        per_row, counted, mean = out[0], out[5], out[6]
     if reduction == "mean":
-        return out[6], per_row, counted
+        return mean, per_row, counted
     return (per_row.sum() if reduction == "sum" else per_row), per_row, counted
 
 

@@ -1,37 +1,27 @@
 """The contract of a loss over a :class:`CentreBank` (the template every bank loss follows).
 
-Like pytorch-metric-learning's base loss, the template does what every such loss needs --
-argument checks, the move of labels to the embeddings' device, each row's neighbour list (its
-own centre excluded), the reduction, and the statistics of the last call -- so that a loss is
-only its maths: :meth:`BankLoss.rows`.
+Like pytorch-metric-learning's base loss, the template does what every such loss needs -- the
+argument checks, each row's neighbour list (its own centre excluded), the reduction and the
+statistics of the last call -- so that a loss is only its maths: :meth:`BankLoss.rows`.
 
-What a training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank`` (to refresh),
-``last_stats`` / ``last_num_counted`` (rows counted in the last mean, a 0-dim tensor: no sync),
-``last_num_mismatched`` (rows whose ``labels`` disagree with the bank's, a 0-dim tensor),
-:meth:`kernel_sigma` (for the refresh statistics), :meth:`log_values` (per-epoch log) and
-:meth:`parameter_groups` (which of its parameters are sigma, the bank's weights, or other).
+A training loop may rely on (``nnkloss.experiment.Trainer`` does): ``bank`` (to refresh),
+``last_stats``, ``last_num_counted`` and ``last_num_mismatched`` (0-dim tensors: no sync),
+:meth:`kernel_sigma`, :meth:`log_values` and :meth:`parameter_groups`.
 
-Sigma, in every loss that has one: stored as the Parameter ``log_sigma`` (0-dim fp32; it
-requires grad only when sigma is learned, and exp keeps a learned sigma positive); read as a
-float with :meth:`kernel_sigma` (logs, refresh statistics: one host read) and as a 0-dim tensor
-with :meth:`sigma_tensor` (the maths: differentiable, no host read).
+Sigma, in every loss that has one, is the Parameter ``log_sigma`` (0-dim fp32; it requires
+grad only when learned, and exp keeps it positive): a float from :meth:`kernel_sigma` (one
+host read), a 0-dim tensor from :meth:`sigma_tensor` (differentiable, no host read).
 
 Misaligned batches: ``idx`` must give each example's own bank row, so ``labels`` must equal
-``bank.centre_labels[idx]``. With value checks on (``nnkloss.value_checks``, the default) a
-disagreement raises, naming ``idx`` and ``labels`` (one host sync on GPU). With them off (hot
-loops) or under ``torch.compile``, such rows are **dropped**: zero loss, zero gradient, left out
-of the mean, and counted in ``last_stats.num_mismatched`` without a sync. Dropped rather than
-used, because a row's list and its own-centre exclusion come from the bank row ``idx`` names:
-for a misaligned row they belong to another example, so its loss would train on the wrong
-centres. The drop empties those rows' lists (all padding) before the maths: every loss gives a
-row without entries loss 0, no gradient and leaves it out of the mean (the contract of
-:meth:`BankLoss.rows`), so it adds nothing to the autograd graph.
+``bank.centre_labels[idx]``. With value checks on (the default) a disagreement raises, naming
+``idx`` and ``labels`` (one host sync on GPU). With them off, or under ``torch.compile``, such
+rows are **dropped** -- their lists emptied, so loss 0, no gradient, out of the mean -- and
+counted in ``last_stats.num_mismatched`` without a sync: their lists and own-centre exclusion
+belong to another example, so their loss would train on the wrong centres.
 
-In eager mode the batch's lists, the own-index exclusion, the drop and its count are one
-backend call (``batch_lists``: one launch on CUDA tensors, one call of the compiled library on
-CPU tensors). On CUDA an ``idx`` outside the bank raises IndexError with the checks on (the
-same host sync) and, with them off, is dropped and counted like a misaligned row; on CPU
-tensors it always raises (reading the counts there is no sync).
+In eager mode the lists, the exclusion, the drop and its count are one backend call
+(``batch_lists``). An ``idx`` outside the bank raises IndexError on CPU tensors, and on CUDA
+with the checks on; on CUDA with them off it is dropped and counted like a misaligned row.
 """
 from __future__ import annotations
 
@@ -223,17 +213,13 @@ class BankLoss(nn.Module, abc.ABC):
 
     def _lists_in_one_call(self, bank: CentreBank, table: Tensor, centre_labels: Tensor,
                            labels: Tensor, idx: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
-        """``(lists, counts)`` of the batch from the backend's one call (not traced,
-        no dispatch mode); None elsewhere, where :meth:`CentreBank.neighbours_for` and
-        :meth:`_mismatched` do the same work in torch's ops.
-
-        The call gathers the bank rows' lists, excludes each row's own index, empties the
-        lists of misaligned rows and of rows whose idx is outside the bank, and counts them.
-        The counts are read with value checks on (on a GPU the checks' one host sync) and
-        always on a CPU (no sync there): a misaligned batch raises ValueError naming ``idx``
-        and ``labels`` (checks on), an idx outside the bank IndexError naming ``idx``. On a
-        GPU with the checks off nothing is read and such rows are dropped like misaligned
-        ones, where torch's gather would stop the CUDA context with a device-side assert."""
+        """``(lists, counts)`` of the batch from the backend's one call (eager only); None
+        where :meth:`CentreBank.neighbours_for` and :meth:`_mismatched` do it in torch's ops.
+        The counts (rows dropped, rows outside the bank) are read with value checks on (a
+        GPU's one host sync) and always on a CPU (no sync): a misaligned batch raises
+        ValueError naming ``idx`` and ``labels``, an idx outside the bank IndexError naming
+        ``idx``. On a GPU with the checks off such rows are dropped, where torch's gather
+        would stop the CUDA context with a device-side assert."""
         device = table.device
         choice = getattr(self, "backend", "auto")  # the loss's op's, so one route on a device
         launch = _lists_kernel(device, "auto" if choice == "torch" else choice)
@@ -261,13 +247,10 @@ class BankLoss(nn.Module, abc.ABC):
         return lists, counts
 
     def _mismatched(self, labels: Tensor, idx: Tensor) -> Optional[Tensor]:
-        """(B,) bool on labels' device: rows whose label is not their bank row's; None when it
-        was read and no row disagrees (forward then fills no lists). Raises with value checks
-        on (one host sync on GPU; idx is in range: neighbours_for checked it on the CPU, and a
-        CUDA gather with a bad index fails by itself). Read with the checks on, not while
-        compiling; with them off nothing is read. The route of calls the one-call lists do not
-        take (:meth:`_lists_in_one_call`: traced, a dispatch mode, emb and bank on different
-        devices, the CPU library unavailable)."""
+        """(B,) bool on labels' device: rows whose label is not their bank row's; None when
+        read and none disagrees. Raises with value checks on (one host sync on GPU); reads
+        nothing with them off or while compiling. The route of calls the one-call lists do
+        not take (traced, a dispatch mode, emb and bank on different devices, no library)."""
         bank_labels = self.bank.centre_labels
         checks = value_checks_enabled() and not compiling()
         own = bank_labels[idx.to(bank_labels.device)].to(labels.device)

@@ -1,28 +1,20 @@
 """Where the op runs: one interface for its passes, one implementation per backend.
 
-Every backend offers the same passes (ops/CONTRACT.md):
+The passes (ops/CONTRACT.md): ``forward`` (the contract's five outputs, with ``mean`` also
+``counted``, the counted mean and its divisor); ``scale_rows`` (the embedding gradient);
+``entry_grads`` and ``centre_grad`` (the centre, weight and sigma gradients); ``batch_lists``
+(a batch's lists in one call, or None: the bank's torch route runs); ``counted_mean``;
+``gathered_rows_finite`` and ``value_flags`` (the value checks' reads, None: their torch form).
 
-- ``forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist,
-  need_grad_x, mean)``: the contract's five outputs, and with ``mean`` also ``counted``, the
-  counted mean and its divisor;
-- ``scale_rows``: the embedding gradient; ``entry_grads``: the per-entry terms of the centre,
-  weight and sigma gradients; ``centre_grad``: their scatter into the centres;
-- ``batch_lists``: a batch's lists from the bank's table in one call, or None where the
-  backend has none (the bank's torch route then runs);
-- ``counted_mean``; ``gathered_rows_finite`` and ``value_flags``: the value checks' reads
-  (None: the checks' torch form).
-
-The implementations: :class:`TorchBackend` (``"torch"``, :mod:`nnkloss.ops.reference`, any
-device, the fp64 oracle the others are tested against), :class:`TritonBackend` (``"triton"``,
-the kernels of ``kernels/``: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
-:class:`CpuBackend` (``"cpu"``, the compiled CPU library, which runs the torch path itself
-where it cannot). The fused passes fall back to the torch forms where a fused call cannot
-serve: traced (torch.compile fuses the torch form), under a dispatch mode, or a backward that
-is itself recorded (create_graph=True needs it differentiable).
+:class:`TorchBackend` (``"torch"``, :mod:`nnkloss.ops.reference`, any device: the fp64 oracle),
+:class:`TritonBackend` (``"triton"``, ``kernels/``: CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``) and :class:`CpuBackend` (``"cpu"``, the compiled CPU library). A fused
+pass falls back to the torch form where it cannot serve: traced (torch.compile fuses the torch
+form), under a dispatch mode, or a recorded backward (create_graph=True).
 
 :func:`backend` resolves a choice ("auto": Triton for CUDA tensors, the CPU library for CPU
-tensors, torch elsewhere) once per (device, dtype, choice); nothing is built or probed there,
-so it is the same inside torch.compile.
+tensors, torch elsewhere) once per (device, dtype, choice), building nothing, so it is the same
+inside torch.compile.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from ..validation import (all_finite, plain_eager, require_float, require_int,
                           require_positive_int, require_sigma)
 from ..bank.search import knn
 from ..ops.backends import fused_pass
-from ..bank.search.validation import check_search_backend
+from ..bank.search.knn import check_search_backend
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
 

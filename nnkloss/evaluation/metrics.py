@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..bank.centroids import as_tensor, kmeans
 from ..bank.search import iter_knn
-from ..bank.search.validation import check_finite, check_search_backend
+from ..bank.search.knn import check_finite, check_search_backend
 from ..validation import require_int, require_labelled, require_positive_int
 
 __all__ = ["evaluate", "recall_at_k", "map_at_r", "nmi", "accuracy", "KMEANS_BACKENDS"]

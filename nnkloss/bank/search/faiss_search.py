@@ -149,17 +149,14 @@ def build_flat(base: Tensor, k: int):
     return index
 
 
-def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Optional[int],
-                      hnsw_m: Optional[int], ef_construction: Optional[int],
-                      ef_search: Optional[int], k: int, train_size: Optional[int],
-                      seed: Optional[int]):
-    """An ``IndexIVFFlat`` ("ivf") or ``IndexHNSWFlat`` ("hnsw") holding ``base``; options as
-    :func:`~.knn.knn` (those of the other kind must be None)."""
+def build_approximate(base: Tensor, kind: str, k: int, nlist: Optional[int] = None,
+                      nprobe: Optional[int] = None, train_size: Optional[int] = None,
+                      seed: Optional[int] = None, hnsw_m: Optional[int] = None,
+                      ef_construction: Optional[int] = None, ef_search: Optional[int] = None):
+    """An ``IndexIVFFlat`` ("ivf") or ``IndexHNSWFlat`` ("hnsw") holding ``base``, for ``k``
+    results; options as :func:`~.knn.knn`, checked by the caller."""
     faiss = require_faiss(f"approximate={kind!r}")
     n, d = base.shape
-    check_index_options(kind, {"nlist": nlist, "nprobe": nprobe, "train_size": train_size,
-                               "seed": seed, "hnsw_m": hnsw_m,
-                               "ef_construction": ef_construction, "ef_search": ef_search})
     seed = 0 if seed is None else int(seed)
     if kind == "ivf":
         # Default: ~4 sqrt(N) lists, each keeping >= 39 training points (faiss warns below).

@@ -1,8 +1,7 @@
 """The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
 
-Used by :class:`nnkloss.bank.refresh.Refresher` under a process group: every rank ends with
-the same bank, byte for byte. The exchange is collective: a rank that raises before it leaves
-the others waiting until the group's timeout; errors found during it are raised on every rank.
+Every rank ends with the same bank, byte for byte. The exchange is collective: errors found
+during it are raised on every rank (a rank that raises before it leaves the others waiting).
 """
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from torch import Tensor
 from ..distributed import comm_device, is_distributed, rank, world_size
 from ..validation import FLOAT_DTYPES, require_float, require_int, require_labelled
 from .search import (NeighbourLists, drop_self, knn, neighbour_lists as single_process_lists,
-                     patch_positives, resolve_search_backend, synchronize)
+                     patch_positives, synchronize)
+from .search.lists import search_name
 
 __all__ = ["gather_bank_rows", "gather_batch_rows", "neighbour_lists", "check_async_refresh",
            "GATHER_CHUNK_BYTES"]
@@ -39,7 +39,6 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
                      chunk_bytes: int = GATHER_CHUNK_BYTES) -> None:
     """Gather ``counts[r]`` rows of ``local`` from every rank r in padded rounds of bounded
     size, calling ``place(r, first, rows)`` with each rank's valid rows (on ``comm``)."""
-    w = len(counts)
     most = max(counts) if counts else 0
     if most == 0:
         return
@@ -51,12 +50,10 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
         send = torch.zeros((m,) + row_shape, dtype=local.dtype, device=comm)
         mine = local[c0:c0 + m]
         send[:mine.shape[0]] = mine.to(comm)
-        bufs = [torch.empty_like(send) for _ in range(w)]
-        dist.all_gather(bufs, send, group=group)
-        for r in range(w):
+        for r, buf in enumerate(_all_gather_same(send, group)):
             got = min(m, max(0, counts[r] - c0))
             if got:
-                place(r, c0, bufs[r][:got])
+                place(r, c0, buf[:got])
 
 
 def _placer(out: Tensor, starts: Sequence[int]) -> Callable[[int, int, Tensor], None]:
@@ -110,9 +107,9 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     """Complete a bank from every rank's share, in place; all ranks end identical.
 
     ``centres`` (N, D) and ``centre_labels`` (N,) hold this rank's rows where ``written``
-    (N,) bool is set. A row written by several ranks is taken from the lowest. Argument errors
-    are raised before any exchange; on every rank, ValueError for unwritten rows, NaN/inf
-    embeddings, conflicting labels or banks of different N, D or dtype.
+    (N,) bool is set; a row written by several ranks is taken from the lowest. ValueError on
+    every rank for unwritten rows, NaN/inf embeddings, conflicting labels or banks of
+    different N, D or dtype.
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
     require_int("centre_labels", centre_labels, 1)
@@ -201,11 +198,8 @@ def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
 def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backend: str = "auto",
                     ensure_positive: bool = False, group=None,
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
-    """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
-
-    Every rank passes the same bank, searches its slice of the rows and returns the same
-    gathered lists (``seconds`` covers the exchange).
-    """
+    """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks: every
+    rank passes the same bank and returns the same lists (``seconds`` covers the exchange)."""
     if not is_distributed(group):
         return single_process_lists(centres, centre_labels, k, search_backend,
                                     ensure_positive=ensure_positive, **knn_options)
@@ -216,10 +210,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     dev = centres.device
     w, me = world_size(group), rank(group)
     comm = comm_device(group, dev)
-    approximate = knn_options.get("approximate")
-    used = (f"faiss-{approximate}" if approximate is not None
-            else resolve_search_backend(search_backend, dev))  # what knn resolves "auto" to
-
+    used = search_name(search_backend, knn_options, dev)
     synchronize(dev)
     t0 = time.perf_counter()
     start, stop = _query_slice(n, me, w)

@@ -1,17 +1,12 @@
-"""Exact k-nearest-neighbour search with torch GEMMs: a compiled selection on the CPU, a
-threshold selection in torch elsewhere.
+"""Exact k-nearest-neighbour search with torch GEMMs, never forming (Q, N).
 
-Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, one GEMM per tile of augmented rows
-(:func:`distance_tile`), clamped at 0. Every path ranks the keys ``(distance bits << 32) |
-index``: (distance, index) order, as faiss's flat index.
-
-CPU with the compiled library: each tile is folded straight after its GEMM into an exact
-per-row selection in C++ (:func:`cpu_tile_sizes`); a self-search computes only the tiles on and
-above the diagonal (:func:`symmetric_block`), so its distances may differ from the blockwise
-path's by a rounding (lists agree up to near-ties). Elsewhere: per (rows, N) block a threshold
-from a fixed random column sample (rows where it falls short are redone exactly), one compare,
-one top-k of the kept keys; base tiles with a running top-k when even 16 rows do not fit.
-Never (Q, N).
+Distances ``||q||^2 - 2 q.b + ||b||^2`` in fp32 come from one GEMM per tile of augmented rows
+(:func:`distance_tile`), clamped at 0; every path ranks ``(distance bits << 32) | index``
+keys: (distance, index) order, as faiss's flat index. On the CPU the compiled library selects
+each tile straight after its GEMM; a self-search computes only the tiles on and above the
+diagonal (distances may then differ from the blockwise path's by a rounding). Elsewhere, per
+(rows, N) block, a threshold from a fixed random column sample (short rows redone exactly),
+or base tiles with a running top-k when even 16 rows do not fit.
 """
 from __future__ import annotations
 
@@ -136,9 +131,9 @@ def _select(block: Tensor, tau: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]
 
 def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
                ids: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """The k smallest of each row of a (rows, n) distance block, by (distance, index).
-    ``sample_columns`` > 0: column j is base row ``ids[j]`` (a random permutation), so the
-    first columns are the threshold's sample; 0: exact threshold, column j is base row j."""
+    """The k smallest of each row of a (rows, n) distance block, by (distance, index). With
+    ``sample_columns`` > 0 column j is base row ``ids[j]`` (a random permutation) and the first
+    columns are the threshold's sample; else the threshold is exact."""
     rows, n = block.shape
     if sample_columns:
         tau = block[:, :sample_columns].topk(sample_k, dim=1, largest=False,
@@ -178,13 +173,9 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
                    self_search: bool = False, exclude_self: bool = False,
                    out: Optional[Tuple[Tensor, Tensor]] = None
                    ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
-    blocks of query rows, by (distance, index). Arguments are validated by the caller.
-
-    ``self_search``: ``queries`` is ``base`` (allows the symmetric search). ``exclude_self``:
-    row i drops its own index (:func:`..exclusion.drop_self`). ``out``: the whole (Q, k)
-    result, which the compiled selection decodes into (:func:`decoded_into`).
-    """
+    """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` per block of query
+    rows (arguments checked by the caller). ``self_search``: ``queries`` is ``base``;
+    ``out``: the whole (Q, k) result, which the compiled selection decodes into."""
     q, d = queries.shape
     n = base.shape[0]
     dev = queries.device
@@ -245,8 +236,8 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
 
 
 def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
-    """(query rows, base rows, keys per row) of the compiled CPU path, halved from QUERY_TILE x
-    BASE_TILE (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
+    """(query rows, base rows, keys per row) of the compiled CPU path: QUERY_TILE x BASE_TILE
+    halved (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
     cap = k + max(k, 64)
     tq = max(1, min(q, QUERY_TILE))
     tb = max(1, min(n, BASE_TILE))
@@ -259,8 +250,7 @@ def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
 
 def symmetric_block(n: int, k: int, budget: int) -> int:
     """Points per square block S of the symmetric self-search, or 0 when
-    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` even at
-    SYM_MIN_BLOCK (``cap = k + max(k, 64)``)."""
+    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` at SYM_MIN_BLOCK."""
     cap = k + max(k, 64)
     s = max(1, min(n, SYM_BLOCK))
     floor = min(s, SYM_MIN_BLOCK)
@@ -274,10 +264,8 @@ def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self
                         out: Optional[Tuple[Tensor, Tensor]] = None
                         ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Self-search of ``x`` with the compiled selection: only tiles (I, J), J >= I, of blocks
-    of ``s`` points get a GEMM, feeding block I's rows and (off the diagonal) block J's.
-    I outer, J inner hands every point its candidates in ascending index order, as the
-    selection needs, and block I is final after outer iteration I; it is yielded then.
-    """
+    of ``s`` points get a GEMM, feeding block I's rows and block J's. I outer, J inner hands
+    every point its candidates in ascending index order; block I is final after row I."""
     n = x.shape[0]
     ba = _augment(x, width, query_side=False)
     buf = torch.empty(s * s, dtype=torch.float32)

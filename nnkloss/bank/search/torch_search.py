@@ -184,20 +184,14 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
     kk = k + int(exclude_self)
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
-    if (dev.type == "cpu" and n < 2**31 and self_search
-            and kk <= SYM_MAX_K_PER_WIDTH * width):
-        s = symmetric_block(n, kk, budget)
-        if s:
-            sel = _compiled_selection(n, kk, kk + max(kk, 64))
-            if sel is not None:
-                yield from _iter_knn_symmetric(base, kk, width, s, sel, exclude_self, out)
-                return
     if dev.type == "cpu" and n < 2**31:
-        tq, tb, cap = cpu_tile_sizes(q, n, kk, budget)
-        sel = _compiled_selection(tq, kk, cap)
+        s = (symmetric_block(n, kk, budget)
+             if self_search and kk <= SYM_MAX_K_PER_WIDTH * width else 0)
+        tq, tb, cap = (s, s, kk + max(kk, 64)) if s else cpu_tile_sizes(q, n, kk, budget)
+        sel = _compiled_selection(n if s else tq, kk, cap)
         if sel is not None:
             yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self,
-                                          out)
+                                          out, symmetric=bool(s))
             return
     for q0, dist, idx in _iter_knn_threshold(queries, base, kk, budget, width):
         if exclude_self:
@@ -260,34 +254,6 @@ def symmetric_block(n: int, k: int, budget: int) -> int:
     return s if state + s * (s * 4 + k * 12) <= budget else 0
 
 
-def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self: bool,
-                        out: Optional[Tuple[Tensor, Tensor]] = None
-                        ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Self-search of ``x`` with the compiled selection: only tiles (I, J), J >= I, of blocks
-    of ``s`` points get a GEMM, feeding block I's rows and block J's. I outer, J inner hands
-    every point its candidates in ascending index order; block I is final after row I."""
-    n = x.shape[0]
-    ba = _augment(x, width, query_side=False)
-    buf = torch.empty(s * s, dtype=torch.float32)
-    sel.reset(n)
-    for i0 in range(0, n, s):
-        qa = _augment(x[i0:i0 + s], width, query_side=True)
-        rows = qa.shape[0]
-        for j0 in range(i0, n, s):
-            cols = min(s, n - j0)
-            tile = buf[:rows * cols].view(rows, cols)
-            distance_tile(qa, ba[j0:j0 + cols], tile)
-            sel.add_symmetric(tile, i0, j0)
-        dist, idx = sel.finish(i0, rows, self0=i0 if exclude_self else None,
-                               out=_rows_of(out, i0, rows))
-        yield i0, dist, idx
-
-
-def _rows_of(out: Optional[Tuple[Tensor, Tensor]], row0: int, rows: int):
-    """Rows row0 .. row0 + rows - 1 of ``out`` (None without one)."""
-    return None if out is None else (out[0][row0:row0 + rows], out[1][row0:row0 + rows])
-
-
 def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tensor) -> bool:
     """Whether a block :func:`iter_knn_torch` yielded already lies in ``out``'s rows."""
     return (dist.data_ptr() == out[0][row0].data_ptr()
@@ -300,23 +266,36 @@ def _compiled_selection(rows: int, k: int, cap: int):
 
 
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
-                       sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None
-                       ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """(tq, tb) tiles, each folded into the C++ selection straight after its GEMM."""
+                       sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None,
+                       symmetric: bool = False) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """(tq, tb) tiles, each folded into the C++ selection straight after its GEMM.
+
+    ``symmetric`` (``queries`` is ``base``, square tiles): only tiles (I, J), J >= I, get a
+    GEMM, feeding block I's rows and block J's. I outer, J inner hands every point its
+    candidates in ascending index order; block I is final after outer iteration I.
+    """
     q = queries.shape[0]
     n = base.shape[0]
     ba = _augment(base, width, query_side=False)
     buf = torch.empty(tq * tb, dtype=torch.float32)
+    if symmetric:
+        sel.reset(n)
     for q0 in range(0, q, tq):
         qa = _augment(queries[q0:q0 + tq], width, query_side=True)
         rows = qa.shape[0]
-        sel.reset(rows)
-        for b0 in range(0, n, tb):
+        if not symmetric:
+            sel.reset(rows)
+        for b0 in range(q0 if symmetric else 0, n, tb):
             cols = min(tb, n - b0)
             tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
             distance_tile(qa, ba[b0:b0 + cols], tile)
-            sel.add(tile, b0)
-        dist, idx = sel.finish(self0=q0 if exclude_self else None, out=_rows_of(out, q0, rows))
+            if symmetric:
+                sel.add_symmetric(tile, q0, b0)
+            else:
+                sel.add(tile, b0)
+        rows_out = None if out is None else (out[0][q0:q0 + rows], out[1][q0:q0 + rows])
+        dist, idx = sel.finish(q0 if symmetric else 0, rows,
+                               self0=q0 if exclude_self else None, out=rows_out)
         yield q0, dist, idx
 
 

@@ -7,6 +7,7 @@ tensors (searched on their device) or numpy arrays.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -93,11 +94,11 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     r_prec = torch.zeros(n, dtype=torch.float64, device=dev)
     ranks = torch.arange(1, kmax + 1, device=dev)
     ranks_f64 = ranks.to(torch.float64)
-    bar = None
+    bar = contextlib.nullcontext()
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=n, desc="evaluate", unit="query", leave=False)
-    try:
+    with bar:
         for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
@@ -113,11 +114,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
                 precision = (cumulative * correct).to(torch.float64).div_(ranks_f64)
                 ap[rows] = torch.sum(precision, dim=1) / rr
                 r_prec[rows] = torch.sum(correct, dim=1).type(torch.float64) / rr
-            if bar is not None:
+            if progress:
                 bar.update(idx.shape[0])
-    finally:
-        if bar is not None:
-            bar.close()
     out = {f"recall@{k}": float((first_hit < k).type(torch.float64).mean()) for k in ks}
     if map_at_r:
         out["map@r"] = float(torch.mean(ap[counted]))

@@ -89,15 +89,9 @@ def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
     x = x.float()
     out = x.new_zeros(x.shape[0], width)
     d = x.shape[1]
-    sq = x.pow(2).sum(1)
-    if query_side:
-        out[:, :d] = x
-        out[:, d] = sq
-        out[:, d + 1] = 1.0
-    else:
-        out[:, :d] = x * -2.0
-        out[:, d] = 1.0
-        out[:, d + 1] = sq
+    out[:, :d] = x if query_side else x * -2.0
+    out[:, d + int(not query_side)] = x.pow(2).sum(1)
+    out[:, d + int(query_side)] = 1.0
     return out
 
 

@@ -203,13 +203,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         inf where an approximate search finds fewer than k). On CUDA "torch" follows PyTorch's
         TF32 setting.
 
-    Raises:
-        ValueError: bad k (naming it), empty base, NaN/inf or a row norm above 2**62 (naming
-            the input), dimension or device mismatch, exclude_self with Q != N, an unknown or
-            non-positive option.
-        TypeError: non-tensor or non-float inputs, non-int k.
-        ImportError: faiss needed but not installed (before any work).
-
+    Raises ValueError / TypeError naming the argument at fault (NaN/inf or a row norm above
+    2**62 included), ImportError where faiss is needed but missing, all before any work.
     Empty queries give (0, k) results. The torch search never forms a Q x N matrix.
     """
     options = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "seed": seed,

@@ -5,6 +5,7 @@ during it are raised on every rank (a rank that raises before it leaves the othe
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import time
@@ -83,9 +84,7 @@ def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Ten
                                      for r, (b, d, t) in enumerate(heads))
                          + "; every rank must send embeddings of one size and dtype")
     counts = [b for b, _, _ in heads]
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
+    offsets = [0, *itertools.accumulate(counts)]
     all_idx = torch.empty(offsets[-1], dtype=torch.int64, device=emb.device)
     all_emb = torch.empty(offsets[-1], emb.shape[1], dtype=emb.dtype, device=emb.device)
     _all_gather_rows(idx.long(), counts, _placer(all_idx, offsets), group, comm)

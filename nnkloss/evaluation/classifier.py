@@ -108,14 +108,11 @@ class NeighbourKernelClassifier(nn.Module):
         already made (the first k are used; ``rule="nngk"`` only)."""
         x = self._check_emb(emb)
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if neighbours is not None:
+        if neighbours is not None:  # rule "nngk" only
             neighbours = self._check_neighbours(neighbours, x.shape[0])
-            log_p = self._log_scores_nngk(x, cdt, neighbours)
-        elif self.rule == "ccknn":
-            log_p = self._log_scores_ccknn(x, cdt)
-        else:
-            log_p = self._log_scores_nngk(x, cdt)
-        return torch.softmax(log_p, dim=1)
+        if self.rule == "ccknn":
+            return torch.softmax(self._log_scores_ccknn(x, cdt), dim=1)
+        return torch.softmax(self._log_scores_nngk(x, cdt, neighbours), dim=1)
 
     @torch.no_grad()
     def predict(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:

@@ -100,14 +100,11 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
             raise ValueError(f"{name} has {n_distinct} distinct rows, but their differences "
                              f"underflow to 0 when squared in {cdt}: scale them up")
         cand = torch.multinomial(p / p.sum(), n_local, replacement=True, generator=gen)
-        best_pot, best_d, best_i = None, None, None
-        for i in cand.tolist():
-            d = torch.minimum(closest, _sq_dist_to(x, x[i]))
-            pot = float(d.sum())
-            if best_pot is None or pot < best_pot:
-                best_pot, best_d, best_i = pot, d, i
-        cents.append(x[best_i])
-        closest = best_d
+        trials = [torch.minimum(closest, _sq_dist_to(x, x[i])) for i in cand.tolist()]
+        pots = [float(d.sum()) for d in trials]
+        best = pots.index(min(pots))  # the first of equal potentials
+        cents.append(x[int(cand[best])])
+        closest = trials[best]
     cents = torch.stack(cents)
 
     prev = float("inf")

@@ -224,19 +224,18 @@ class CentreBank(nn.Module):
         A new N without new lists clears the lists. Tensors move to the bank's device and
         dtype."""
         dev = self.centres.device
-        # Checked as given: the casts would hide integer centres.
+        new_c = self.centres
         if centres is not None:
-            require_float("centres", centres, 2)
-        if centre_labels is not None:
-            require_int("centre_labels", centre_labels, 1)
-        new_c = self.centres if centres is None else centres.detach().to(dev, self.centres.dtype)
-        n = new_c.shape[0]
-        if centres is not None:
+            require_float("centres", centres, 2)  # as given: the cast would hide integers
+            new_c = centres.detach().to(dev, self.centres.dtype)
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             _require_finite_cast(centres, new_c)
             _require_own_memory(new_c)
             _warn_if_strided(new_c)
+        n = new_c.shape[0]
+        if centre_labels is not None:
+            require_int("centre_labels", centre_labels, 1)
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
         if new_l.shape[0] != n:
             raise ValueError(f"centre_labels has length {new_l.shape[0]} but there are {n} "

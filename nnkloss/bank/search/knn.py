@@ -98,11 +98,8 @@ def validate(queries: Tensor, base: Tensor, k, exclude_self: bool) -> int:
 
 
 class SearchResult(NamedTuple):
-    """What :func:`knn` returns: ``(distances, neighbours)``, both (Q, k), nearest first.
-
-    distances: fp32 squared L2 distances, ascending (inf for a missing neighbour).
-    neighbours: int64 rows of the base (-1 for a missing neighbour, approximate search only).
-    """
+    """What :func:`knn` returns, both (Q, k) nearest first: fp32 squared L2 ``distances`` and
+    int64 base rows ``neighbours`` (inf / -1: a neighbour an approximate search missed)."""
     distances: Tensor
     neighbours: Tensor
 

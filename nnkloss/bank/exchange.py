@@ -9,7 +9,7 @@ import itertools
 import math
 import numbers
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -146,15 +146,10 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
 
     # 2. Every rank's (idx, label) pairs, then the owner of each row: the lowest rank with it.
     pairs = torch.stack([local_idx, labels[local_idx].long()], 1)
-    got: List[Optional[Tensor]] = [None] * w
-
-    def keep_pairs(r: int, first: int, rows: Tensor) -> None:
-        rows = rows.to(dev)
-        got[r] = rows if got[r] is None else torch.cat([got[r], rows])
-
-    _all_gather_rows(pairs, counts, keep_pairs, group, comm, chunk_bytes)
-    empty = torch.empty(0, 2, dtype=torch.long, device=dev)
-    got = [empty if g is None else g for g in got]
+    all_pairs = torch.empty(sum(counts), 2, dtype=torch.long, device=dev)
+    _all_gather_rows(pairs, counts, _placer(all_pairs, [0, *itertools.accumulate(counts)]),
+                     group, comm, chunk_bytes)
+    got = list(all_pairs.split(counts))
     if any(int(g[:, 0].min()) < 0 or int(g[:, 0].max()) >= n for g in got if g.numel()):
         raise ValueError(f"a rank wrote rows outside the bank's 0..{n - 1}")
     owner = torch.full((n,), w, dtype=torch.long, device=dev)

@@ -274,8 +274,8 @@ class CentreBank(nn.Module):
         """Replace the (N, K) neighbour lists (validated, -1 = padding)."""
         return self.update_(neighbours=neighbours)
 
-    def rebuild_neighbours(self, k: int, search_backend: str = "auto", ensure_positive: bool = False,
-                           **knn_options):
+    def rebuild_neighbours(self, k: int, search_backend: str = "auto",
+                           ensure_positive: bool = False, **knn_options):
         """Recompute and set the (N, k) lists from the current centres, 1 <= k <= N - 1; options
         as in :func:`nnkloss.bank.search.neighbour_lists`. Returns the NeighbourLists set."""
         lists = neighbour_lists(self.centres, self.centre_labels, k,

@@ -142,7 +142,7 @@ class RefreshSchedule:
         self.global_step = 0  # steps completed (counted by step)
 
     def should_refresh(self, epoch: Optional[int] = None, step: Optional[int] = None) -> bool:
-        """True when ``epoch`` (epochs completed) or ``step`` (steps completed) hits its interval."""
+        """True when ``epoch`` or ``step`` (those completed) hits its interval."""
         due = False
         if epoch is not None and self.every_epochs is not None:
             due |= epoch > 0 and epoch % self.every_epochs == 0
@@ -503,8 +503,9 @@ class Refresher:
     def _swap(self, result: _Result) -> RefreshStats:
         bank = self.bank
         if result.centres.shape[0] != bank.num_centres:
-            raise RuntimeError(f"the bank changed size during the refresh ({result.centres.shape[0]}"
-                               f" -> {bank.num_centres} rows); the new bank was discarded")
+            raise RuntimeError(f"the bank changed size during the refresh ("
+                               f"{result.centres.shape[0]} -> {bank.num_centres} rows); the new "
+                               "bank was discarded")
         if result.stream is not None:
             # The stream's device is the model's; the bank may be elsewhere (CPU).
             main = torch.cuda.current_stream(result.stream.device)

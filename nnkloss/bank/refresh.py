@@ -226,9 +226,7 @@ class Refresher:
         loader: yields ``(inputs, labels, idx)``, idx the bank rows; every row at least once
             (a repeat keeps its last embedding). Use one without augmentation.
         k: neighbour-list length (<= N - 1).
-        search_backend: "auto", "torch" or "faiss"; ``knn_options`` go to
-            :func:`nnkloss.bank.search.knn`. Both are checked here (ImportError without faiss
-            where it is needed).
+        search_backend, knn_options: as in :func:`nnkloss.knn`, checked here.
         ensure_positive: see :func:`nnkloss.bank.search.neighbour_lists`.
         device: where the model runs (default: its parameters', else the bank's). Embeddings
             are stored on the bank's device in its dtype.

@@ -240,8 +240,7 @@ def recall_against_exact(queries: Tensor, base: Tensor, k: int, approximate: str
     if unknown:
         raise TypeError(f"recall_against_exact got unknown parameters {sorted(unknown)}; "
                         f"accepted: {sorted(_RECALL_PARAMS)}")
-    check_index_options(approximate, params)
-    require_faiss(f"approximate={approximate!r}")
+    check_search_arguments("auto", approximate, params)
     k = validate(queries, base, k, exclude_self)
     q = queries.shape[0]
     if q == 0:

@@ -249,7 +249,7 @@ def test_missing_faiss_is_reported_by_the_call_naming_the_argument(monkeypatch):
     asked for: iter_knn returned a generator that failed only at its first next(), the
     classifier's constructor and evaluate accepted "faiss" and failed only at their search,
     and knn checked (a pass over) the inputs before saying that faiss was missing."""
-    from nnkloss.bank.search.validation import check_search_backend
+    from nnkloss.bank.search.knn import check_search_backend
     monkeypatch.setattr(FS, "_faiss_module", lambda: None)
     base = torch.randn(10, 3)
     install = r"needs the faiss package.*`pip install faiss-cpu`"
@@ -386,7 +386,7 @@ def test_index_options_of_the_chosen_index_are_used():
         dist, idx = knn(base, base, 5, approximate=kind, exclude_self=True, **opts)
         assert idx.shape == (400, 5) and bool((idx >= 0).all())
         assert recall_against_exact(base, base, 5, approximate=kind, sample=50, **opts) > 0.5
-    index = FS.build_approximate(base, "hnsw", None, None, None, None, None, 5, None, None)
+    index = FS.build_approximate(base, "hnsw", 5)
     assert index.hnsw.efConstruction == 64 and index.hnsw.efSearch == 64
     assert index.hnsw.nb_neighbors(1) == 32  # hnsw_m's default
 

@@ -43,10 +43,9 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
 
 
 def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
-    """Refuse centres whose elements share memory (an ``expand()``-ed view) when given, not at
-    the first in-place write: sorted by stride, each dimension must step past what the ones
-    before it span."""
-    span = 0  # elements past the first that the dimensions so far reach
+    """Refuse, when given, centres whose elements share memory (an ``expand()``-ed view): by
+    stride, each dimension must step past what the ones before it span."""
+    span = 0
     for stride, size in sorted((abs(st), s) for s, st in zip(centres.shape, centres.stride())
                                if s > 1):
         if stride <= span:
@@ -57,7 +56,7 @@ def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
 
 
 def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:
-    """Warn, when given, that strided centres cost every loss call a copy of the bank."""
+    """Warn that strided centres cost every loss call a copy of the bank."""
     if centres.numel() and not centres.is_contiguous():
         warnings.warn(f"{name} are not contiguous (strides {tuple(centres.stride())} for shape "
                       f"{tuple(centres.shape)}): every loss call will copy the whole bank to "
@@ -79,7 +78,7 @@ def _compact_labels(labels: Tensor) -> Tensor:
 
 def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
                           name: str = "log_weights") -> Tensor:
-    """:func:`_validate_weights` on log-weights (what checkpoints store)."""
+    """:func:`_validate_weights` on log-weights."""
     require_float(name, log_w, 1)
     if log_w.shape[0] != n:
         raise ValueError(f"{name} has length {log_w.shape[0]} but the bank has {n} centres")
@@ -97,7 +96,7 @@ def _validate_log_weights(log_w: Tensor, n: int, learned: bool,
 
 def _require_finite_cast(given: Tensor, cast: Tensor) -> None:
     """ValueError unless ``cast`` (``given`` in the bank's dtype) is finite, saying whether
-    ``given`` held NaN / inf or values beyond the bank's dtype (made inf by the cast)."""
+    ``given`` held NaN / inf or values the cast made inf."""
     if all_finite(cast):
         return
     if all_finite(given):
@@ -111,8 +110,7 @@ def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Te
     """:meth:`CentreBank.update_`'s checks for a whole bank read from disk; errors name the
     field as ``prefix`` + name."""
     for name, t in (("centres", centres), ("centre_labels", centre_labels),
-                    ("neighbours", neighbours),
-                    ("log_weights", log_weights)):
+                    ("neighbours", neighbours), ("log_weights", log_weights)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{prefix}{name} must be a tensor, got {type(t).__name__}")
     require_float(prefix + "centres", centres, 2)
@@ -139,7 +137,7 @@ class CentreBank(nn.Module):
             ``learn_weights=True``.
 
     :meth:`update_` validates everything, then swaps the tensors in together. State dict
-    version 1 (or none) named ``centre_labels`` ``labels``; it is read as such.
+    version 1 (or none) named ``centre_labels`` ``labels``.
     """
 
     _version = 2
@@ -230,22 +228,21 @@ class CentreBank(nn.Module):
                 neighbours: Optional[Tensor] = None, weights: Optional[Tensor] = None
                 ) -> "CentreBank":
         """Validate the new tensors, then swap them all in at once (nothing changes on error).
-        N may change; a new N without new lists clears the lists. Tensors move to the bank's
-        device and dtype."""
+        A new N without new lists clears the lists. Tensors move to the bank's device and
+        dtype."""
         dev = self.centres.device
-        # Checked as given: the casts would hide integer centres.
+        new_c = self.centres
         if centres is not None:
-            require_float("centres", centres, 2)
-        if centre_labels is not None:
-            require_int("centre_labels", centre_labels, 1)
-        new_c = self.centres if centres is None else centres.detach().to(dev, self.centres.dtype)
-        n = new_c.shape[0]
-        if centres is not None:
+            require_float("centres", centres, 2)  # as given: the cast would hide integers
+            new_c = centres.detach().to(dev, self.centres.dtype)
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             _require_finite_cast(centres, new_c)
             _require_own_memory(new_c)
             _warn_if_strided(new_c)
+        n = new_c.shape[0]
+        if centre_labels is not None:
+            require_int("centre_labels", centre_labels, 1)
         new_l = self.centre_labels if centre_labels is None else centre_labels.detach().to(dev)
         if new_l.shape[0] != n:
             raise ValueError(f"centre_labels has length {new_l.shape[0]} but there are {n} "
@@ -284,8 +281,8 @@ class CentreBank(nn.Module):
         """Replace the (N, K) neighbour lists (validated, -1 = padding)."""
         return self.update_(neighbours=neighbours)
 
-    def rebuild_neighbours(self, k: int, search_backend: str = "auto", ensure_positive: bool = False,
-                           **knn_options):
+    def rebuild_neighbours(self, k: int, search_backend: str = "auto",
+                           ensure_positive: bool = False, **knn_options):
         """Recompute and set the (N, k) lists from the current centres, 1 <= k <= N - 1; options
         as in :func:`nnkloss.bank.search.neighbour_lists`. Returns the NeighbourLists set."""
         lists = neighbour_lists(self.centres, self.centre_labels, k,
@@ -300,8 +297,7 @@ class CentreBank(nn.Module):
 
         ``idx`` (B,) int rows on any device; ``emb`` (B, D) float on the bank's device (blended
         in fp32); ``momentum`` in [0, 1). A repeated row takes its last occurrence. No host
-        sync: ``idx`` is range-checked on the CPU only, ``emb``'s values not at all. Returns
-        the bank.
+        sync: ``idx`` is range-checked on the CPU only, ``emb``'s values not at all.
         """
         require_int("idx", idx, 1)
         idx = as_index(idx)
@@ -378,10 +374,8 @@ class CentreBank(nn.Module):
     def add(self, centres: Tensor, centre_labels: Tensor, weights: Optional[Tensor] = None
             ) -> "CentreBank":
         """Append centres (M, D), centre_labels (M,) >= 0 and optional weights (M,) (None: 1)
-        in place; returns the bank. New rows get -1 lists (rebuild to reach them); old rows'
-        log-weights are kept bit for bit in the same, resized ``log_weights``. Validated before
-        anything changes.
-        """
+        in place, validated first. New rows get -1 lists; old rows' log-weights stay bit for
+        bit in the same, resized ``log_weights``."""
         m = require_labelled("centres", centres, "centre_labels", centre_labels)
         if self.num_centres and centres.shape[1] != self.dim:
             raise ValueError(f"centres have dimension {centres.shape[1]}, the bank has {self.dim}")

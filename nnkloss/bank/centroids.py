@@ -1,10 +1,6 @@
-"""Centroid banks: class means (NCM) and k-means centroids per class (NCMC).
-
-(Mensink et al. 2013.) With such a bank, Eq. 3 with ``K`` = all centres and
-``1/(2 sigma^2) = 1/2`` is the NCM / NCMC posterior, so the loss and
-:class:`~nnkloss.NeighbourKernelClassifier` run on it unchanged; new classes join with
-:meth:`CentreBank.add`.
-"""
+"""Centroid banks: class means (NCM) and k-means centroids per class (NCMC, Mensink et al.
+2013). With such a bank, Eq. 3 with ``K`` = all centres and sigma = 1 is the NCM / NCMC
+posterior, so the loss and the classifier run on it unchanged."""
 from __future__ import annotations
 
 import math
@@ -24,8 +20,7 @@ _BANK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def as_tensor(name: str, x) -> Tensor:
-    """A detached tensor from a tensor or a numpy array (on the CPU), TypeError naming ``name``
-    for anything else."""
+    """A detached tensor from a tensor or a numpy array, TypeError naming ``name`` otherwise."""
     if isinstance(x, np.ndarray):
         # from_numpy refuses non-native byte orders and warns on read-only arrays.
         if not x.dtype.isnative:
@@ -69,8 +64,7 @@ def kmeans(x: Tensor, n_clusters: int, iters: int = 50, seed: int = 0, tol: floa
 
     ``x``: (N, D) float (math in fp32, fp64 for fp64); ``n_clusters``: at most the distinct
     rows; ``tol``: stop below this relative inertia decrease; ``search_backend``: of the
-    assignment (:func:`nnkloss.knn`). Returns centroids (n_clusters, D) and the assignment
-    (N,) int64.
+    assignment. Returns centroids (n_clusters, D) and the assignment (N,) int64.
     """
     require_float("x", x, 2)
     _require_seed(seed)
@@ -106,14 +100,11 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
             raise ValueError(f"{name} has {n_distinct} distinct rows, but their differences "
                              f"underflow to 0 when squared in {cdt}: scale them up")
         cand = torch.multinomial(p / p.sum(), n_local, replacement=True, generator=gen)
-        best_pot, best_d, best_i = None, None, None
-        for i in cand.tolist():
-            d = torch.minimum(closest, _sq_dist_to(x, x[i]))
-            pot = float(d.sum())
-            if best_pot is None or pot < best_pot:
-                best_pot, best_d, best_i = pot, d, i
-        cents.append(x[best_i])
-        closest = best_d
+        trials = [torch.minimum(closest, _sq_dist_to(x, x[i])) for i in cand.tolist()]
+        pots = [float(d.sum()) for d in trials]
+        best = pots.index(min(pots))  # the first of equal potentials
+        cents.append(x[int(cand[best])])
+        closest = trials[best]
     cents = torch.stack(cents)
 
     prev = float("inf")
@@ -139,14 +130,11 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
 
 def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int = 50,
                     search_backend: str = "auto") -> Tuple[Tensor, Tensor]:
-    """Centres for an NCM / NCMC bank: the class means, or k-means centroids in each class.
-
-    ``emb`` (N, D) float and ``labels`` (N,) int >= 0, tensors or numpy arrays.
-    ``per_class``: 1 gives the class means (in fp64); above, k-means in each class (at most
-    one centroid per distinct row), seeded from ``(seed, label)`` only. ``iters``,
-    ``search_backend``: as in :func:`kmeans`. Returns centres (M, D) in emb's dtype (fp32 for
-    fp64) and centre_labels (M,) int64, sorted by class.
-    """
+    """Centres for an NCM / NCMC bank, from ``emb`` (N, D) float and ``labels`` (N,) int >= 0
+    (tensors or numpy arrays): the class means (fp64 sums) for ``per_class`` 1, else k-means
+    in each class (at most one centroid per distinct row) seeded from ``(seed, label)``.
+    Returns centres (M, D) in emb's dtype (fp32 for fp64) and centre_labels (M,) int64, by
+    class."""
     emb = as_tensor("emb", emb)
     labels = as_tensor("labels", labels).to(emb.device)
     require_labelled("emb", emb, "labels", labels)

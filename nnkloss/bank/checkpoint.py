@@ -1,8 +1,7 @@
 """Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
 
 A checkpoint holds the bank's ``state_dict()``, whether its weights are learned, a step and an
-optional ``extra`` dict, in a :mod:`nnkloss.checksum` file. The bank read back is validated as
-:meth:`CentreBank.update_` validates. Version 1 (or none) named ``centre_labels`` ``labels``.
+optional ``extra`` dict. Version 1 (or none) named ``centre_labels`` ``labels``.
 """
 from __future__ import annotations
 
@@ -42,9 +41,8 @@ def _check_extra(value: Any, where: str = "extra") -> None:
 
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:
     """Write ``bank`` (on the CPU), ``step`` (int >= 0) and ``extra`` (tensors, numbers,
-    strings, None and containers of them, e.g. ``{"sigma": 10.0}``) to ``path`` atomically;
-    its directory must exist. Temporaries older than ``STALE_TEMP_SECONDS`` are removed first.
-    """
+    strings, None and containers of them) to ``path`` atomically; its directory must exist.
+    Temporaries older than ``STALE_TEMP_SECONDS`` are removed first."""
     if not isinstance(bank, CentreBank):
         raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
@@ -61,12 +59,9 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
 
 def load_bank(path, map_location=None, allow_unchecked: bool = False
               ) -> Tuple[CentreBank, int, Optional[dict]]:
-    """Read a checkpoint written by :func:`save_bank`: returns ``(bank, step, extra)``.
-
-    Checksum verified, weights-only load, bank validated (errors naming the field, e.g.
-    ``checkpoint neighbours``). ``map_location`` as in ``torch.load``. ``allow_unchecked=True``
-    also reads files written before checksums (damage then goes undetected).
-    """
+    """``(bank, step, extra)`` from a :func:`save_bank` file: checksum verified, weights-only
+    load, bank validated (errors name the field, e.g. ``checkpoint neighbours``).
+    ``allow_unchecked=True`` also reads files written before checksums (undetected damage)."""
     path = os.fspath(path)
     try:
         state = load_checked(path, map_location, what="CentreBank checkpoint",

@@ -1,15 +1,15 @@
 """The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
 
-Used by :class:`nnkloss.bank.refresh.Refresher` under a process group: every rank ends with
-the same bank, byte for byte. The exchange is collective: a rank that raises before it leaves
-the others waiting until the group's timeout; errors found during it are raised on every rank.
+Every rank ends with the same bank, byte for byte. The exchange is collective: errors found
+during it are raised on every rank (a rank that raises before it leaves the others waiting).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,8 @@ from torch import Tensor
 from ..distributed import comm_device, is_distributed, rank, world_size
 from ..validation import FLOAT_DTYPES, require_float, require_int, require_labelled
 from .search import (NeighbourLists, drop_self, knn, neighbour_lists as single_process_lists,
-                     patch_positives, resolve_search_backend, synchronize)
+                     patch_positives, synchronize)
+from .search.lists import search_name
 
 __all__ = ["gather_bank_rows", "gather_batch_rows", "neighbour_lists", "check_async_refresh",
            "GATHER_CHUNK_BYTES"]
@@ -39,7 +40,6 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
                      chunk_bytes: int = GATHER_CHUNK_BYTES) -> None:
     """Gather ``counts[r]`` rows of ``local`` from every rank r in padded rounds of bounded
     size, calling ``place(r, first, rows)`` with each rank's valid rows (on ``comm``)."""
-    w = len(counts)
     most = max(counts) if counts else 0
     if most == 0:
         return
@@ -51,12 +51,10 @@ def _all_gather_rows(local: Tensor, counts: Sequence[int],
         send = torch.zeros((m,) + row_shape, dtype=local.dtype, device=comm)
         mine = local[c0:c0 + m]
         send[:mine.shape[0]] = mine.to(comm)
-        bufs = [torch.empty_like(send) for _ in range(w)]
-        dist.all_gather(bufs, send, group=group)
-        for r in range(w):
+        for r, buf in enumerate(_all_gather_same(send, group)):
             got = min(m, max(0, counts[r] - c0))
             if got:
-                place(r, c0, bufs[r][:got])
+                place(r, c0, buf[:got])
 
 
 def _placer(out: Tensor, starts: Sequence[int]) -> Callable[[int, int, Tensor], None]:
@@ -86,9 +84,7 @@ def gather_batch_rows(idx: Tensor, emb: Tensor, group=None) -> Tuple[Tensor, Ten
                                      for r, (b, d, t) in enumerate(heads))
                          + "; every rank must send embeddings of one size and dtype")
     counts = [b for b, _, _ in heads]
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
+    offsets = [0, *itertools.accumulate(counts)]
     all_idx = torch.empty(offsets[-1], dtype=torch.int64, device=emb.device)
     all_emb = torch.empty(offsets[-1], emb.shape[1], dtype=emb.dtype, device=emb.device)
     _all_gather_rows(idx.long(), counts, _placer(all_idx, offsets), group, comm)
@@ -110,9 +106,9 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     """Complete a bank from every rank's share, in place; all ranks end identical.
 
     ``centres`` (N, D) and ``centre_labels`` (N,) hold this rank's rows where ``written``
-    (N,) bool is set. A row written by several ranks is taken from the lowest. Argument errors
-    are raised before any exchange; on every rank, ValueError for unwritten rows, NaN/inf
-    embeddings, conflicting labels or banks of different N, D or dtype.
+    (N,) bool is set; a row written by several ranks is taken from the lowest. ValueError on
+    every rank for unwritten rows, NaN/inf embeddings, conflicting labels or banks of
+    different N, D or dtype.
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
     require_int("centre_labels", centre_labels, 1)
@@ -150,15 +146,10 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
 
     # 2. Every rank's (idx, label) pairs, then the owner of each row: the lowest rank with it.
     pairs = torch.stack([local_idx, labels[local_idx].long()], 1)
-    got: List[Optional[Tensor]] = [None] * w
-
-    def keep_pairs(r: int, first: int, rows: Tensor) -> None:
-        rows = rows.to(dev)
-        got[r] = rows if got[r] is None else torch.cat([got[r], rows])
-
-    _all_gather_rows(pairs, counts, keep_pairs, group, comm, chunk_bytes)
-    empty = torch.empty(0, 2, dtype=torch.long, device=dev)
-    got = [empty if g is None else g for g in got]
+    all_pairs = torch.empty(sum(counts), 2, dtype=torch.long, device=dev)
+    _all_gather_rows(pairs, counts, _placer(all_pairs, [0, *itertools.accumulate(counts)]),
+                     group, comm, chunk_bytes)
+    got = list(all_pairs.split(counts))
     if any(int(g[:, 0].min()) < 0 or int(g[:, 0].max()) >= n for g in got if g.numel()):
         raise ValueError(f"a rank wrote rows outside the bank's 0..{n - 1}")
     owner = torch.full((n,), w, dtype=torch.long, device=dev)
@@ -201,11 +192,8 @@ def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
 def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backend: str = "auto",
                     ensure_positive: bool = False, group=None,
                     chunk_bytes: int = GATHER_CHUNK_BYTES, **knn_options) -> NeighbourLists:
-    """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks.
-
-    Every rank passes the same bank, searches its slice of the rows and returns the same
-    gathered lists (``seconds`` covers the exchange).
-    """
+    """:func:`nnkloss.bank.search.neighbour_lists` with the queries split across ranks: every
+    rank passes the same bank and returns the same lists (``seconds`` covers the exchange)."""
     if not is_distributed(group):
         return single_process_lists(centres, centre_labels, k, search_backend,
                                     ensure_positive=ensure_positive, **knn_options)
@@ -216,10 +204,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     dev = centres.device
     w, me = world_size(group), rank(group)
     comm = comm_device(group, dev)
-    approximate = knn_options.get("approximate")
-    used = (f"faiss-{approximate}" if approximate is not None
-            else resolve_search_backend(search_backend, dev))  # what knn resolves "auto" to
-
+    used = search_name(search_backend, knn_options, dev)
     synchronize(dev)
     t0 = time.perf_counter()
     start, stop = _query_slice(n, me, w)

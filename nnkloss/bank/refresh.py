@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -33,13 +33,11 @@ class RefreshStats:
     """What one refresh did (paper Fig. 4b/4c).
 
     embed_seconds, search_seconds, recalibrate_seconds: wall times of the passes.
-    num_rows, k: bank size and list length.
-    mean_sq_distance: mean squared distance from each centre to its listed neighbours.
-    mean_kernel: mean of exp(-d / (2 sigma^2)) over the same pairs (None without ``sigma``).
+    mean_sq_distance, mean_kernel: means over the listed pairs of d and of
+    exp(-d / (2 sigma^2)) (None without ``sigma``).
     positive_share: share of rows whose list holds a centre of their own label.
     num_patched: rows given a same-label entry by ``ensure_positive``.
     overlap: mean share of each new list the old list also held (None without old lists).
-    search_backend: the backend that ran; asynchronous: from :meth:`Refresher.refresh_async`.
     """
     embed_seconds: float
     search_seconds: float
@@ -57,9 +55,8 @@ class RefreshStats:
 
 
 def _list_overlap(new: Tensor, old: Tensor) -> float:
-    """Mean per-row fraction of the new list's entries (-1 padding excluded) the old list also
-    holds: the compiled CPU library where it serves, else a searchsorted into the sorted old
-    lists; (N, K) work either way."""
+    """Mean per-row share of the new list's entries (-1 padding excluded) the old list also
+    holds: the compiled CPU library, else a searchsorted into the sorted old lists."""
     from .. import cpu
     old = old.to(new.device)
     both = cpu.list_overlap(new, old, new.shape[0])
@@ -113,27 +110,23 @@ def _check_sigma(sigma) -> Optional[float]:
 
 
 def _sigma_source(sigma):
-    """What ``Refresher(sigma=...)`` keeps: None, a checked float, or a source read again at
-    every refresh (a loss's ``kernel_sigma``, a callable, a tensor)."""
-    if sigma is None:
-        return None
+    """What ``Refresher(sigma=...)`` keeps: None, a float, or a source read at every refresh
+    (a loss's ``kernel_sigma``, a callable, a 0-dim tensor checked now)."""
     if hasattr(sigma, "kernel_sigma") and callable(sigma.kernel_sigma):
         return sigma.kernel_sigma
-    if isinstance(sigma, Tensor):
-        if sigma.numel() != 1:
-            raise ValueError(f"sigma must be a 0-dim tensor, got shape {tuple(sigma.shape)}")
-        _check_sigma(sigma)  # bad values fail now, not at the first refresh
-        return sigma
     if callable(sigma):
         return sigma
-    return _check_sigma(sigma)
+    if isinstance(sigma, Tensor) and sigma.numel() != 1:
+        raise ValueError(f"sigma must be a 0-dim tensor, got shape {tuple(sigma.shape)}")
+    checked = _check_sigma(sigma)  # bad values fail now, not at the first refresh
+    return sigma if isinstance(sigma, Tensor) else checked
 
 
 class RefreshSchedule:
     """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
 
-    ``should_refresh(epoch=e, step=s)`` is stateless; ``step()`` and ``epoch_end()`` count and
-    return whether a refresh is due; ``state_dict()`` carries the counters. No host sync.
+    ``should_refresh`` is stateless; ``step()`` and ``epoch_end()`` count and return whether a
+    refresh is due. No host sync.
     """
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
@@ -149,7 +142,7 @@ class RefreshSchedule:
         self.global_step = 0  # steps completed (counted by step)
 
     def should_refresh(self, epoch: Optional[int] = None, step: Optional[int] = None) -> bool:
-        """True when ``epoch`` (epochs completed) or ``step`` (steps completed) hits its interval."""
+        """True when ``epoch`` or ``step`` (those completed) hits its interval."""
         due = False
         if epoch is not None and self.every_epochs is not None:
             due |= epoch > 0 and epoch % self.every_epochs == 0
@@ -210,13 +203,13 @@ def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.de
     return len(bns)
 
 
-class _Result:
+class _Result(NamedTuple):
     """A refresh computed but not yet swapped in."""
-
-    def __init__(self, centres, centre_labels, lists, stats, stream):
-        self.centres, self.centre_labels = centres, centre_labels
-        self.lists, self.stats = lists, stats
-        self.stream = stream
+    centres: Tensor
+    centre_labels: Tensor
+    lists: NeighbourLists
+    stats: RefreshStats
+    stream: Optional[torch.cuda.Stream]
 
 
 # knn's options that neighbour_lists does not set itself.
@@ -233,9 +226,7 @@ class Refresher:
         loader: yields ``(inputs, labels, idx)``, idx the bank rows; every row at least once
             (a repeat keeps its last embedding). Use one without augmentation.
         k: neighbour-list length (<= N - 1).
-        search_backend: "auto", "torch" or "faiss"; ``knn_options`` go to
-            :func:`nnkloss.bank.search.knn`. Both are checked here (ImportError without faiss
-            where it is needed).
+        search_backend, knn_options: as in :func:`nnkloss.knn`, checked here.
         ensure_positive: see :func:`nnkloss.bank.search.neighbour_lists`.
         device: where the model runs (default: its parameters', else the bank's). Embeddings
             are stored on the bank's device in its dtype.
@@ -248,11 +239,10 @@ class Refresher:
             first that many batches (int), or not (False).
 
     :meth:`refresh` embeds in eval mode under no_grad (modes restored, also on error) into a
-    new (N, D) tensor and swaps centres, labels and lists in at once with ``bank.update_``: a
-    failed refresh leaves the bank untouched. :meth:`refresh_async` does the same in a
-    background thread (a CUDA side stream) with a snapshot of the weights; :meth:`poll` or
-    :meth:`wait` swaps it in. It costs a second model and bank until the swap. The training
-    loop must not share an iterator with the loader.
+    new (N, D) tensor and swaps centres, labels and lists in at once: a failed refresh leaves
+    the bank untouched. :meth:`refresh_async` does the same in a background thread (a CUDA
+    side stream) on a snapshot of the weights, at the cost of a second model and bank until
+    :meth:`poll` or :meth:`wait` swaps it in.
     """
 
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
@@ -322,9 +312,9 @@ class Refresher:
         return self._swap(result)
 
     def rebuild_neighbours(self, sigma=None) -> RefreshStats:
-        """Rebuild the lists from the bank's current centres, without re-embedding, as
-        :meth:`refresh` would (``embed_seconds`` 0). A refresh in flight is left alone. Under
-        torch.distributed every rank calls it at the same point, with identical banks."""
+        """Rebuild the lists from the bank's current centres, without re-embedding
+        (``embed_seconds`` 0); a refresh in flight is left alone. Under torch.distributed
+        every rank calls it at the same point, with identical banks."""
         sig = self._sigma(sigma)
         bank = self.bank
         old_lists = bank.neighbours if bank.has_neighbours else None
@@ -378,9 +368,7 @@ class Refresher:
     def sigma(self) -> Optional[float]:
         """The statistics' default sigma, read now from what ``sigma=`` was."""
         source = self._sigma_source
-        if source is None or isinstance(source, float):
-            return source
-        return _check_sigma(source if isinstance(source, Tensor) else source())
+        return _check_sigma(source() if callable(source) else source)
 
     def _sigma(self, sigma) -> Optional[float]:
         return self.sigma if sigma is None else _check_sigma(sigma)
@@ -513,8 +501,9 @@ class Refresher:
     def _swap(self, result: _Result) -> RefreshStats:
         bank = self.bank
         if result.centres.shape[0] != bank.num_centres:
-            raise RuntimeError(f"the bank changed size during the refresh ({result.centres.shape[0]}"
-                               f" -> {bank.num_centres} rows); the new bank was discarded")
+            raise RuntimeError(f"the bank changed size during the refresh ("
+                               f"{result.centres.shape[0]} -> {bank.num_centres} rows); the new "
+                               "bank was discarded")
         if result.stream is not None:
             # The stream's device is the model's; the bank may be elsewhere (CPU).
             main = torch.cuda.current_stream(result.stream.device)

@@ -1,9 +1,8 @@
 """NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference, or the CCKNN rule (CCML Eq. 14).
 
-``rule="nngk"``: the k nearest centres of x vote with their kernel values,
-``Pr(Q | x) = sum_{j in N, y_j = Q} w_j exp(-d_j / (2 sigma^2)) / sum_{j in N} (same)``.
-``rule="ccknn"``: the class minimising the summed distance to its own k nearest centres.
-Both normalise with a max shift relative to each query's nearest centre: never NaN.
+``rule="nngk"``: the k nearest centres of x vote with their weighted kernel values;
+``rule="ccknn"``: the class minimising the summed distance to its own k nearest centres. Both
+normalise with a max shift relative to each query's nearest centre: never NaN.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from ..validation import (all_finite, plain_eager, require_float, require_int,
                           require_positive_int, require_sigma)
 from ..bank.search import knn
 from ..ops.backends import fused_pass
-from ..bank.search.validation import check_search_backend
+from ..bank.search.knn import check_search_backend
 
 __all__ = ["NeighbourKernelClassifier", "RULES"]
 
@@ -39,8 +38,7 @@ def _sq_dist_minus_ref(x: Tensor, centres: Tensor, idx: Tensor, ref: Tensor,
                       cdt: torch.dtype) -> Tensor:
     """(Q, k) ``||x_q - c_j||^2 - ||x_q - c_r||^2`` for j = idx[q, :], r = ref[q], in ``cdt``,
     as ``(c_j - c_r) . (c_j + c_r - 2 x_q)``, precise however far the query; fused where a
-    backend runs, else torch in blocks of ``_GATHER_ELEMS``.
-    """
+    backend runs, else torch in blocks of ``_GATHER_ELEMS``."""
     out = _fused_rel_sqdist(x, centres, idx, ref, cdt) if plain_eager(x, centres, idx, ref) \
         else None
     return out if out is not None else _torch_rel_sqdist(x, centres, idx, ref, cdt)
@@ -80,8 +78,8 @@ class NeighbourKernelClassifier(nn.Module):
         rule: "nngk" (Eq. 3, default) or "ccknn" (CCML Eq. 14).
 
     Centres of weight 0 are left out ("ccknn" uses no other weight). Methods take emb (B, D)
-    float (tensor or numpy) and run without autograd; probabilities are fp32 (fp64 for fp64
-    emb) over C = ``bank.num_classes`` columns.
+    float (tensor or numpy), without autograd; probabilities are fp32 (fp64 for fp64 emb) over
+    C = ``bank.num_classes`` columns.
     """
 
     def __init__(self, bank: CentreBank, k: int, sigma: float, search_backend: str = "auto",
@@ -105,21 +103,16 @@ class NeighbourKernelClassifier(nn.Module):
 
     @torch.no_grad()
     def predict_proba(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
-        """(B, C) class probabilities of the rows of ``emb`` (B, D); each row sums to 1.
-
-        ``neighbours``: optional (B, K >= k) bank rows of each query's nearest centres, nearest
-        first (a search already made); the first k are used. ``rule="nngk"`` only.
-        """
+        """(B, C) class probabilities of the rows of ``emb`` (B, D). ``neighbours``: optional
+        (B, K >= k) bank rows of each query's nearest centres, nearest first, of a search
+        already made (the first k are used; ``rule="nngk"`` only)."""
         x = self._check_emb(emb)
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if neighbours is not None:
+        if neighbours is not None:  # rule "nngk" only
             neighbours = self._check_neighbours(neighbours, x.shape[0])
-            log_p = self._log_scores_nngk(x, cdt, neighbours)
-        elif self.rule == "ccknn":
-            log_p = self._log_scores_ccknn(x, cdt)
-        else:
-            log_p = self._log_scores_nngk(x, cdt)
-        return torch.softmax(log_p, dim=1)
+        if self.rule == "ccknn":
+            return torch.softmax(self._log_scores_ccknn(x, cdt), dim=1)
+        return torch.softmax(self._log_scores_nngk(x, cdt, neighbours), dim=1)
 
     @torch.no_grad()
     def predict(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:

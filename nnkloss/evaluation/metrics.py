@@ -1,12 +1,13 @@
 """Evaluation metrics for embeddings: Recall@K, MAP@R, R-precision, NMI, accuracy.
 
-Every embedding is a query against all the others, its own row excluded by index. Neighbours
-rank by (distance, index), as pytorch-metric-learning's AccuracyCalculator; its values agree
-where the fp32 distances do, except that a query alone in its class is a Recall@K miss here.
-Inputs may be tensors (the search runs on their device) or numpy arrays.
+Every embedding is a query against all the others (own row excluded), neighbours ranked by
+(distance, index) as in pytorch-metric-learning's AccuracyCalculator, whose values agree where
+the fp32 distances do (a query alone in its class is a Recall@K miss here). Inputs may be
+tensors (searched on their device) or numpy arrays.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from ..bank.centroids import as_tensor, kmeans
 from ..bank.search import iter_knn
-from ..bank.search.validation import check_finite, check_search_backend
+from ..bank.search.knn import check_finite, check_search_backend
 from ..validation import require_int, require_labelled, require_positive_int
 
 __all__ = ["evaluate", "recall_at_k", "map_at_r", "nmi", "accuracy", "KMEANS_BACKENDS"]
@@ -61,16 +62,11 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     Returns:
         ``{"recall@K": .. for K in ks, "map@r": .., "r_precision": ..}`` (floats in [0, 1]).
 
-    Definitions, for a query with R other items of its class:
-
-    * Recall@K: 1 if a same-class item is among its K nearest, else 0; mean over all N queries
-      (a query alone in its class counts as a miss).
-    * MAP@R (Musgrave et al., 2020): over its R nearest, the sum of the precisions at the
-      ranks holding a same-class item, divided by R; R-precision: the share of same-class
-      items among its R nearest. Means over the queries with R >= 1.
-
-    One search feeds every metric, reduced block by block: memory is ``tile_bytes`` plus
-    O(N), never N x N.
+    For a query with R other items of its class: Recall@K is 1 if a same-class item is among
+    its K nearest (a query alone in its class: a miss), mean over all queries; MAP@R (Musgrave
+    et al., 2020) the sum over its R nearest of the precisions at the ranks holding a
+    same-class item, divided by R; R-precision the share of same-class items among its R
+    nearest; both means over the queries with R >= 1. Memory: ``tile_bytes`` plus O(N).
     """
     emb, labels = _embeddings_and_labels(emb, labels)
     check_search_backend(search_backend)
@@ -98,11 +94,11 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     r_prec = torch.zeros(n, dtype=torch.float64, device=dev)
     ranks = torch.arange(1, kmax + 1, device=dev)
     ranks_f64 = ranks.to(torch.float64)
-    bar = None
+    bar = contextlib.nullcontext()
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=n, desc="evaluate", unit="query", leave=False)
-    try:
+    with bar:
         for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
@@ -118,11 +114,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
                 precision = (cumulative * correct).to(torch.float64).div_(ranks_f64)
                 ap[rows] = torch.sum(precision, dim=1) / rr
                 r_prec[rows] = torch.sum(correct, dim=1).type(torch.float64) / rr
-            if bar is not None:
+            if progress:
                 bar.update(idx.shape[0])
-    finally:
-        if bar is not None:
-            bar.close()
     out = {f"recall@{k}": float((first_hit < k).type(torch.float64).mean()) for k in ks}
     if map_at_r:
         out["map@r"] = float(torch.mean(ap[counted]))
@@ -132,10 +125,7 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
 
 def recall_at_k(emb, labels, ks: Iterable[int] = (1, 2, 4, 8),
                 search_backend: str = "auto", **options) -> Dict[int, float]:
-    """Recall@K: the share of queries with at least one same-class item among their K nearest.
-
-    Arguments as in :func:`evaluate`; returns {K: recall} in the order of ``ks``.
-    """
+    """Recall@K as in :func:`evaluate` (same arguments), as {K: recall} in the order of ``ks``."""
     ks = _ks_list(ks)
     if not ks:
         raise ValueError("ks is empty")
@@ -150,12 +140,9 @@ def map_at_r(emb, labels, search_backend: str = "auto", **options) -> float:
 
 
 def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "sklearn") -> float:
-    """Normalised mutual information between k-means clusters and the labels.
-
-    k-means with one cluster per label runs ``n_init`` times from seeds derived from ``seed``;
-    the lowest inertia's clustering is scored (arithmetic-mean normalisation).
-    ``kmeans_backend``: "sklearn" or "torch" (:func:`nnkloss.bank.centroids.kmeans`).
-    """
+    """Normalised mutual information (arithmetic mean) between the labels and the lowest-inertia
+    clustering of ``n_init`` k-means runs (one cluster per label, seeds from ``seed``);
+    ``kmeans_backend``: "sklearn" or "torch" (:func:`nnkloss.bank.centroids.kmeans`)."""
     from sklearn.metrics import normalized_mutual_info_score
 
     emb, labels = _embeddings_and_labels(emb, labels)

@@ -1,19 +1,17 @@
 """k-nearest-neighbour search: for the centres' neighbour lists, the classifier and the metrics.
 
-:mod:`.knn` holds the public :func:`knn` / :func:`iter_knn` and the backend choice;
-:mod:`.torch_search` the exact tiled GEMM search, :mod:`.faiss_search` faiss's indexes,
-:mod:`.lists` :func:`neighbour_lists`, :mod:`.exclusion` the one self-exclusion rule,
-:mod:`.recall` the recall of approximate indexes, :mod:`.validation` the shared checks. All
-results are ``(distances, neighbours)``: fp32 squared L2 distances ascending, ties ordered by
-index, and int64 base rows.
+:mod:`.knn` holds the public :func:`knn` / :func:`iter_knn`, their checks and the recall of
+approximate indexes; :mod:`.torch_search` the exact tiled GEMM search, :mod:`.faiss_search`
+faiss's indexes, :mod:`.lists` :func:`neighbour_lists`, :mod:`.exclusion` the one
+self-exclusion rule. All results are ``(distances, neighbours)``: fp32 squared L2 distances
+ascending, ties ordered by index, and int64 base rows.
 """
 from .exclusion import drop_self
 from .faiss_search import faiss_available, faiss_gpu_usable
-from .knn import SearchBlock, SearchResult, iter_knn, knn, resolve_search_backend
+from .knn import (APPROXIMATE, SEARCH_BACKENDS, SearchBlock, SearchResult, iter_knn, knn,
+                  recall_against_exact, resolve_search_backend)
 from .lists import (NeighbourLists, has_same_label, neighbour_lists, patch_positives,
                     synchronize)
-from .recall import recall_against_exact
-from .validation import APPROXIMATE, SEARCH_BACKENDS
 
 __all__ = ["knn", "iter_knn", "SearchResult", "SearchBlock", "recall_against_exact",
            "neighbour_lists", "NeighbourLists",

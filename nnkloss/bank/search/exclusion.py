@@ -1,9 +1,6 @@
-"""Self-exclusion: the one place where a query's own row leaves its neighbour list.
-
-Every search that excludes self asks for ``k + 1`` neighbours and drops the own row where it is
-among them, the last entry otherwise. The compiled CPU selection applies the same rule in its
-decode.
-"""
+"""Self-exclusion, the one rule: a search that excludes self asks for ``k + 1`` neighbours and
+drops the own row where it is among them, the last entry otherwise (the compiled CPU
+selection applies the same rule in its decode)."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -16,16 +13,8 @@ __all__ = ["drop_self"]
 
 def drop_self(distances: Tensor, neighbours: Tensor, self_ids: Tensor, k: int
               ) -> Tuple[Tensor, Tensor]:
-    """``(distances, neighbours)``, both (Q, k), without each row's own index.
-
-    Args:
-        distances, neighbours: (Q, k + 1) results of a search whose queries are base rows, in
-            ascending order (any dtype; padding -1 / inf, if any, at the end).
-        self_ids: (Q,) int64, the base row of each query.
-        k: the list length to return (``ids.shape[1] - 1``, or fewer columns).
-
-    The order is kept: one ``where`` of two shifted views.
-    """
+    """``(distances, neighbours)`` (Q, k) without each row's own index ``self_ids`` (Q,),
+    from (Q, k + 1) ascending results (padding -1 / inf at the end); order kept."""
     dist, ids = distances, neighbours
     q, width = ids.shape
     if width == 0 or q == 0:

@@ -94,8 +94,8 @@ def _gpu_flat(device_index: int, d: int):
 
 @functools.lru_cache(maxsize=None)
 def faiss_gpu_usable(device_index: int = 0) -> bool:
-    """True when faiss's GPU support runs on CUDA device ``device_index``: a tiny search is
-    tried once per device (some wheels fail only at the first search); else a warning."""
+    """True when faiss's GPU support runs on CUDA device ``device_index``: a tiny search, tried
+    once per device (some wheels fail only there); else a warning."""
     faiss = _faiss_module()
     if faiss is None or not hasattr(faiss, "StandardGpuResources"):
         return False
@@ -149,17 +149,14 @@ def build_flat(base: Tensor, k: int):
     return index
 
 
-def build_approximate(base: Tensor, kind: str, nlist: Optional[int], nprobe: Optional[int],
-                      hnsw_m: Optional[int], ef_construction: Optional[int],
-                      ef_search: Optional[int], k: int, train_size: Optional[int],
-                      seed: Optional[int]):
-    """An ``IndexIVFFlat`` ("ivf") or ``IndexHNSWFlat`` ("hnsw") holding ``base``; options as
-    :func:`~.knn.knn` (those of the other kind must be None)."""
+def build_approximate(base: Tensor, kind: str, k: int, nlist: Optional[int] = None,
+                      nprobe: Optional[int] = None, train_size: Optional[int] = None,
+                      seed: Optional[int] = None, hnsw_m: Optional[int] = None,
+                      ef_construction: Optional[int] = None, ef_search: Optional[int] = None):
+    """An ``IndexIVFFlat`` ("ivf") or ``IndexHNSWFlat`` ("hnsw") holding ``base``, for ``k``
+    results; options as :func:`~.knn.knn`, checked by the caller."""
     faiss = require_faiss(f"approximate={kind!r}")
     n, d = base.shape
-    check_index_options(kind, {"nlist": nlist, "nprobe": nprobe, "train_size": train_size,
-                               "seed": seed, "hnsw_m": hnsw_m,
-                               "ef_construction": ef_construction, "ef_search": ef_search})
     seed = 0 if seed is None else int(seed)
     if kind == "ivf":
         # Default: ~4 sqrt(N) lists, each keeping >= 39 training points (faiss warns below).
@@ -203,11 +200,6 @@ def iter_search_index(index, queries: Tensor, k: int, chunk_rows: int = 1 << 14
 
 
 def search_index(index, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """(Q, k) fp32 distances and int64 indices from a faiss index, on the queries' device."""
-    q = queries.shape[0]
-    out_d = torch.empty(q, k, dtype=torch.float32, device=queries.device)
-    out_i = torch.empty(q, k, dtype=torch.long, device=queries.device)
-    for q0, dist, ids in iter_search_index(index, queries, k):
-        out_d[q0:q0 + dist.shape[0]] = dist
-        out_i[q0:q0 + ids.shape[0]] = ids
-    return out_d, out_i
+    """(Q >= 1, k) fp32 distances and int64 indices from a faiss index, on the queries' device."""
+    blocks = list(iter_search_index(index, queries, k))
+    return torch.cat([b[1] for b in blocks]), torch.cat([b[2] for b in blocks])

@@ -18,15 +18,12 @@ __all__ = ["NeighbourLists", "neighbour_lists", "patch_positives", "has_same_lab
 
 @dataclass
 class NeighbourLists:
-    """What :func:`neighbour_lists` builds; the first two fields are :func:`~.knn.knn`'s.
+    """What :func:`neighbour_lists` builds; the first two fields are :func:`~.knn.knn`'s
+    (N, k) results, own row excluded (-1 / inf: padding, approximate search only).
 
-    distances: (N, k) fp32 squared distances (inf for padding).
-    neighbours: (N, k) int64 rows, own row excluded, nearest first (-1 = padding, approximate
-        search only): what ``bank.neighbours`` takes.
     has_positive: (N,) bool, the list holds a centre of the row's own label.
     num_patched: rows whose last entry became their nearest same-label centre.
-    seconds: wall time of the search (CUDA synchronised); search_backend: the search that ran
-        ("torch", "faiss", "faiss-ivf", "faiss-hnsw").
+    seconds: wall time of the search (CUDA synchronised); search_backend: the search that ran.
     """
     distances: Tensor
     neighbours: Tensor
@@ -47,6 +44,13 @@ def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
     present = neighbours >= 0
     nb_labels = centre_labels[neighbours.clamp_min(0)]
     return ((nb_labels == centre_labels.unsqueeze(1)) & present).any(dim=1)
+
+
+def search_name(search_backend: str, knn_options: dict, device: torch.device) -> str:
+    """The search that runs: "torch", "faiss", "faiss-ivf" or "faiss-hnsw"."""
+    approximate = knn_options.get("approximate")
+    return (f"faiss-{approximate}" if approximate is not None
+            else resolve_search_backend(search_backend, device))
 
 
 def synchronize(device: torch.device) -> None:
@@ -95,9 +99,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     """
     require_labelled("centres", centres, "centre_labels", centre_labels)
     labels = centre_labels.to(centres.device).long()
-    approximate = knn_options.get("approximate")
-    used = (f"faiss-{approximate}" if approximate is not None
-            else resolve_search_backend(search_backend, centres.device))
+    used = search_name(search_backend, knn_options, centres.device)
     synchronize(centres.device)
     t0 = time.perf_counter()
     dist, idx = knn(centres, centres, k, search_backend, exclude_self=True, **knn_options)

@@ -1,17 +1,12 @@
-"""Exact k-nearest-neighbour search with torch GEMMs: a compiled selection on the CPU, a
-threshold selection in torch elsewhere.
+"""Exact k-nearest-neighbour search with torch GEMMs, never forming (Q, N).
 
-Distances are ``||q||^2 - 2 q.b + ||b||^2`` in fp32, one GEMM per tile of augmented rows
-(:func:`distance_tile`), clamped at 0. Every path ranks the keys ``(distance bits << 32) |
-index``: (distance, index) order, as faiss's flat index.
-
-CPU with the compiled library: each tile is folded straight after its GEMM into an exact
-per-row selection in C++ (:func:`cpu_tile_sizes`); a self-search computes only the tiles on and
-above the diagonal (:func:`symmetric_block`), so its distances may differ from the blockwise
-path's by a rounding (lists agree up to near-ties). Elsewhere: per (rows, N) block a threshold
-from a fixed random column sample (rows where it falls short are redone exactly), one compare,
-one top-k of the kept keys; base tiles with a running top-k when even 16 rows do not fit.
-Never (Q, N).
+Distances ``||q||^2 - 2 q.b + ||b||^2`` in fp32 come from one GEMM per tile of augmented rows
+(:func:`distance_tile`), clamped at 0; every path ranks ``(distance bits << 32) | index``
+keys: (distance, index) order, as faiss's flat index. On the CPU the compiled library selects
+each tile straight after its GEMM; a self-search computes only the tiles on and above the
+diagonal (distances may then differ from the blockwise path's by a rounding). Elsewhere, per
+(rows, N) block, a threshold from a fixed random column sample (short rows redone exactly),
+or base tiles with a running top-k when even 16 rows do not fit.
 """
 from __future__ import annotations
 
@@ -94,15 +89,9 @@ def _augment(x: Tensor, width: int, query_side: bool) -> Tensor:
     x = x.float()
     out = x.new_zeros(x.shape[0], width)
     d = x.shape[1]
-    sq = x.pow(2).sum(1)
-    if query_side:
-        out[:, :d] = x
-        out[:, d] = sq
-        out[:, d + 1] = 1.0
-    else:
-        out[:, :d] = x * -2.0
-        out[:, d] = 1.0
-        out[:, d + 1] = sq
+    out[:, :d] = x if query_side else x * -2.0
+    out[:, d + int(not query_side)] = x.pow(2).sum(1)
+    out[:, d + int(query_side)] = 1.0
     return out
 
 
@@ -136,9 +125,9 @@ def _select(block: Tensor, tau: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]
 
 def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
                ids: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """The k smallest of each row of a (rows, n) distance block, by (distance, index).
-    ``sample_columns`` > 0: column j is base row ``ids[j]`` (a random permutation), so the
-    first columns are the threshold's sample; 0: exact threshold, column j is base row j."""
+    """The k smallest of each row of a (rows, n) distance block, by (distance, index). With
+    ``sample_columns`` > 0 column j is base row ``ids[j]`` (a random permutation) and the first
+    columns are the threshold's sample; else the threshold is exact."""
     rows, n = block.shape
     if sample_columns:
         tau = block[:, :sample_columns].topk(sample_k, dim=1, largest=False,
@@ -178,13 +167,9 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
                    self_search: bool = False, exclude_self: bool = False,
                    out: Optional[Tuple[Tensor, Tensor]] = None
                    ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` for consecutive
-    blocks of query rows, by (distance, index). Arguments are validated by the caller.
-
-    ``self_search``: ``queries`` is ``base`` (allows the symmetric search). ``exclude_self``:
-    row i drops its own index (:func:`..exclusion.drop_self`). ``out``: the whole (Q, k)
-    result, which the compiled selection decodes into (:func:`decoded_into`).
-    """
+    """Yield ``(row0, distances (rows, k) fp32, indices (rows, k) int64)`` per block of query
+    rows (arguments checked by the caller). ``self_search``: ``queries`` is ``base``;
+    ``out``: the whole (Q, k) result, which the compiled selection decodes into."""
     q, d = queries.shape
     n = base.shape[0]
     dev = queries.device
@@ -193,20 +178,14 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
     kk = k + int(exclude_self)
     budget = tile_budget(dev, tile_bytes)
     width = (d + 2 + 7) // 8 * 8  # GEMM-friendly inner dimension
-    if (dev.type == "cpu" and n < 2**31 and self_search
-            and kk <= SYM_MAX_K_PER_WIDTH * width):
-        s = symmetric_block(n, kk, budget)
-        if s:
-            sel = _compiled_selection(n, kk, kk + max(kk, 64))
-            if sel is not None:
-                yield from _iter_knn_symmetric(base, kk, width, s, sel, exclude_self, out)
-                return
     if dev.type == "cpu" and n < 2**31:
-        tq, tb, cap = cpu_tile_sizes(q, n, kk, budget)
-        sel = _compiled_selection(tq, kk, cap)
+        s = (symmetric_block(n, kk, budget)
+             if self_search and kk <= SYM_MAX_K_PER_WIDTH * width else 0)
+        tq, tb, cap = (s, s, kk + max(kk, 64)) if s else cpu_tile_sizes(q, n, kk, budget)
+        sel = _compiled_selection(n if s else tq, kk, cap)
         if sel is not None:
             yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self,
-                                          out)
+                                          out, symmetric=bool(s))
             return
     for q0, dist, idx in _iter_knn_threshold(queries, base, kk, budget, width):
         if exclude_self:
@@ -245,8 +224,8 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
 
 
 def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
-    """(query rows, base rows, keys per row) of the compiled CPU path, halved from QUERY_TILE x
-    BASE_TILE (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
+    """(query rows, base rows, keys per row) of the compiled CPU path: QUERY_TILE x BASE_TILE
+    halved (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
     cap = k + max(k, 64)
     tq = max(1, min(q, QUERY_TILE))
     tb = max(1, min(n, BASE_TILE))
@@ -259,8 +238,7 @@ def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
 
 def symmetric_block(n: int, k: int, budget: int) -> int:
     """Points per square block S of the symmetric self-search, or 0 when
-    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` even at
-    SYM_MIN_BLOCK (``cap = k + max(k, 64)``)."""
+    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` at SYM_MIN_BLOCK."""
     cap = k + max(k, 64)
     s = max(1, min(n, SYM_BLOCK))
     floor = min(s, SYM_MIN_BLOCK)
@@ -268,36 +246,6 @@ def symmetric_block(n: int, k: int, budget: int) -> int:
     while s > floor and state + s * (s * 4 + k * 12) > budget:
         s = max(floor, s // 2)
     return s if state + s * (s * 4 + k * 12) <= budget else 0
-
-
-def _iter_knn_symmetric(x: Tensor, k: int, width: int, s: int, sel, exclude_self: bool,
-                        out: Optional[Tuple[Tensor, Tensor]] = None
-                        ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """Self-search of ``x`` with the compiled selection: only tiles (I, J), J >= I, of blocks
-    of ``s`` points get a GEMM, feeding block I's rows and (off the diagonal) block J's.
-    I outer, J inner hands every point its candidates in ascending index order, as the
-    selection needs, and block I is final after outer iteration I; it is yielded then.
-    """
-    n = x.shape[0]
-    ba = _augment(x, width, query_side=False)
-    buf = torch.empty(s * s, dtype=torch.float32)
-    sel.reset(n)
-    for i0 in range(0, n, s):
-        qa = _augment(x[i0:i0 + s], width, query_side=True)
-        rows = qa.shape[0]
-        for j0 in range(i0, n, s):
-            cols = min(s, n - j0)
-            tile = buf[:rows * cols].view(rows, cols)
-            distance_tile(qa, ba[j0:j0 + cols], tile)
-            sel.add_symmetric(tile, i0, j0)
-        dist, idx = sel.finish(i0, rows, self0=i0 if exclude_self else None,
-                               out=_rows_of(out, i0, rows))
-        yield i0, dist, idx
-
-
-def _rows_of(out: Optional[Tuple[Tensor, Tensor]], row0: int, rows: int):
-    """Rows row0 .. row0 + rows - 1 of ``out`` (None without one)."""
-    return None if out is None else (out[0][row0:row0 + rows], out[1][row0:row0 + rows])
 
 
 def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tensor) -> bool:
@@ -312,23 +260,36 @@ def _compiled_selection(rows: int, k: int, cap: int):
 
 
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,
-                       sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None
-                       ) -> Iterator[Tuple[int, Tensor, Tensor]]:
-    """(tq, tb) tiles, each folded into the C++ selection straight after its GEMM."""
+                       sel, exclude_self: bool, out: Optional[Tuple[Tensor, Tensor]] = None,
+                       symmetric: bool = False) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    """(tq, tb) tiles, each folded into the C++ selection straight after its GEMM.
+
+    ``symmetric`` (``queries`` is ``base``, square tiles): only tiles (I, J), J >= I, get a
+    GEMM, feeding block I's rows and block J's. I outer, J inner hands every point its
+    candidates in ascending index order; block I is final after outer iteration I.
+    """
     q = queries.shape[0]
     n = base.shape[0]
     ba = _augment(base, width, query_side=False)
     buf = torch.empty(tq * tb, dtype=torch.float32)
+    if symmetric:
+        sel.reset(n)
     for q0 in range(0, q, tq):
         qa = _augment(queries[q0:q0 + tq], width, query_side=True)
         rows = qa.shape[0]
-        sel.reset(rows)
-        for b0 in range(0, n, tb):
+        if not symmetric:
+            sel.reset(rows)
+        for b0 in range(q0 if symmetric else 0, n, tb):
             cols = min(tb, n - b0)
             tile = buf[:rows * cols].view(rows, cols)  # contiguous whatever the tile's shape
             distance_tile(qa, ba[b0:b0 + cols], tile)
-            sel.add(tile, b0)
-        dist, idx = sel.finish(self0=q0 if exclude_self else None, out=_rows_of(out, q0, rows))
+            if symmetric:
+                sel.add_symmetric(tile, q0, b0)
+            else:
+                sel.add(tile, b0)
+        rows_out = None if out is None else (out[0][q0:q0 + rows], out[1][q0:q0 + rows])
+        dist, idx = sel.finish(q0 if symmetric else 0, rows,
+                               self0=q0 if exclude_self else None, out=rows_out)
         yield q0, dist, idx
 
 

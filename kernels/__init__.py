@@ -1,7 +1,5 @@
-"""Triton kernels of nnkloss (installed as ``nnkloss.kernels``; in a source tree
-``nnkloss/kernels`` links here).
-
-Plain tensors in, plain tensors out: no autograd, banks or training here.
+"""Triton kernels of nnkloss, installed as ``nnkloss.kernels`` (``nnkloss/kernels`` links
+here): plain tensors in, plain tensors out; no autograd, banks or training here.
 """
 from .neighbour_kernel import FwdConfig, centre_grad, default_config, neighbour_kernel_fwd
 from .batch_lists import batch_lists

@@ -150,7 +150,7 @@ def part_steps(inputs):
          lambda: _forward(*args, backend, False, True, False)),
         ("counted rows (lse_pos not -inf)", lambda: counted_rows(lse_pos)),
         ("counted rows, isneginf + logical_not_", lambda: lse_pos.isneginf().logical_not_()),
-        # on CUDA one launch of kernels/counted_mean.py, beside the four ops it replaced there
+        # the module's mean comes from the forward's launch (MEAN); these are the torch forms
         ("reduce_rows mean", lambda: reduce_rows(per_row, counted, "mean")),
         ("mean by torch's ops (sum, count_nonzero, clamp_min, div)",
          lambda: per_row.sum() / torch.count_nonzero(counted).clamp_min(1)),

@@ -65,8 +65,7 @@ class Build:
     (the backward's per-entry terms: ``bank`` is the compute dtype of the saved distances,
     every term asked for; D unused) or 'batch_lists' (a
     batch's lists from the bank's table, own index excluded: ``bank`` and ``idx`` are the
-    table's dtype, K its width; D unused) or 'counted_mean' (the losses' mean over their
-    counted rows: ``bank`` is the per-row losses' dtype; K and D unused)."""
+    table's dtype, K its width; D unused)."""
     kernel: str
     K: int
     D: int
@@ -101,8 +100,6 @@ class Build:
             return f"{self.kernel}-D{self.D}-{self.bank}-{self.emb}{'-mean' if self.mean else ''}"
         if self.kernel == "batch_lists":
             return f"{self.kernel}-K{self.K}-{self.idx}"
-        if self.kernel == "counted_mean":
-            return f"{self.kernel}-{self.bank}"
         if self.kernel == "entry_grads":
             return (f"{self.kernel}-K{self.K}-{self.bank}-{'w' if self.weights else 'now'}"
                     f"-{self.idx}")
@@ -241,9 +238,6 @@ def _covering_set() -> List[Build]:
     # Built with the exclusion (the module's default; without it, a where less).
     for K, idx in [(100, "int32"), (1000, "int64"), (7, "int32")]:
         out.append(Build("batch_lists", K, 1, idx, "fp32", idx=idx))
-    # The losses' mean: fp32 and fp64 rows (one program walks them).
-    for dtype in ("fp32", "fp64"):
-        out.append(Build("counted_mean", 1, 1, dtype, "fp32"))
     seen, uniq = set(), []
     for b in out:
         if b not in seen:
@@ -374,8 +368,6 @@ def bytes_per_row(b: Build, block_d: int = 0, single_pass: bool = True, tile_k: 
         return b.K * (b.D * e + i)
     if b.kernel == "scale_rows":  # grad_x read, the gradient written; g and lse_pos
         return b.D * (e + x) + 2 * e
-    if b.kernel == "counted_mean":  # a row's loss and its counted flag
-        return e + 1
     if b.kernel == "batch_lists":  # the table's row read and the list written; idx and label
         return 2 * b.K * i + 16 + i  # (int64 from a loader) and the bank row's label read
     if b.kernel == "entry_grads":  # two passes over the list's metadata; coef and q written
@@ -523,9 +515,9 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
     # kernels/ imported as the plain package it is (nothing of nnkloss is needed to compile);
     # its modules by name, since the package's own names are their functions.
     sys.path.insert(0, ROOT)
-    nk, rs, gf, sr, eg, bl, cm = (importlib.import_module(f"kernels.{m}") for m in (
+    nk, rs, gf, sr, eg, bl = (importlib.import_module(f"kernels.{m}") for m in (
         "neighbour_kernel", "relative_distances", "gathered_finite", "scale_rows", "entry_grads",
-        "batch_lists", "counted_mean"))
+        "batch_lists"))
     tdtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp64": torch.float64, "int32": torch.int32, "int64": torch.int64}
     tools = tool_dir()
@@ -600,14 +592,6 @@ def _child(archs: List[int], names: List[str], workdir: str) -> Dict:
                     bb, bk = bl.batch_lists_config(b.K)
                     entry.update(config=dict(block_k=bk, block_d=1, num_warps=4, num_stages=3,
                                              rows=bb), single_pass=bk >= b.K, tile_elems=bb * bk)
-                    entry["bytes_per_row"] = bytes_per_row(b)
-                elif b.kernel == "counted_mean":
-                    losses = torch.zeros(b.B, dtype=tdtypes[b.bank])
-                    cm.counted_mean(losses, losses > 0)
-                    block = cm.COUNTED_MEAN_BLOCK
-                    entry.update(config=dict(block_k=block, block_d=1, num_warps=4, num_stages=3,
-                                             rows=block), single_pass=b.B <= block,
-                                 tile_elems=block)
                     entry["bytes_per_row"] = bytes_per_row(b)
                 elif b.kernel == "rel_sqdist":
                     cdt = torch.float64 if b.emb == "fp64" else torch.float32

@@ -1,17 +1,10 @@
 """A batch's neighbour lists on the GPU: one Triton kernel and its launcher.
 
-A loss over a bank (``nnkloss.losses.BankLoss``) starts every call from the bank's (N, K)
-lists table: the batch's rows of it, each example's own index replaced by -1 (the papers'
-exclusion), and the lists of rows whose label disagrees with the bank's emptied (a misaligned
-row is dropped: loss 0, no gradient, out of the mean) and counted. In torch that is seven
-launches on a GPU (the list gather, compare and fill; the label gather, compare, fill of the
-dropped rows and their count), each a few microseconds of host time in a step the host
-bounds. Here it is one launch.
-
-Rows whose ``idx`` lies outside the bank read nothing: their lists are emptied and they are
-counted apart, so that a caller that reads the counts (value checks on) can name ``idx``,
-and one that does not (no host sync) drops them, where torch's gather would stop the CUDA
-context with a device-side assert.
+``nnkloss.losses.BankLoss`` starts every call from the bank's (N, K) lists table: the batch's
+rows, each example's own index replaced by -1, and the lists of rows whose label disagrees
+with the bank's emptied (dropped: loss 0, no gradient, out of the mean) and counted; seven
+torch launches, one here. Rows whose ``idx`` lies outside the bank read nothing and are
+counted apart (a caller with value checks on names ``idx``; torch's gather would assert).
 
 Memory traffic for a batch of B rows and lists of K entries of ``s`` bytes:
     reads   B x K x s           the batch's rows of the table (none for a dropped row)
@@ -62,10 +55,8 @@ def _batch_lists_kernel(
             nb = tl.where(nb == i[:, None], -1, nb)
         tl.store(out_ptr + rows[:, None] * K + kk[None, :], nb,
                  mask=rmask[:, None] & kmask[None, :])
-    # 4. The counts (dropped rows, and those of them outside the bank), added into the
-    #    ticket's two accumulators only by a program that drops a row; the last program to take
-    #    a ticket moves them to counts and leaves the accumulators and the ticket at 0, so the
-    #    counts need no cleared buffer (no other launch).
+    # 4. The counts (dropped rows, those outside the bank), added into the ticket's two
+    #    accumulators; the last program moves them to counts and leaves the ticket at 0.
     n_drop = tl.sum(drop.to(tl.int32), axis=0)
     if n_drop > 0:
         tl.atomic_add(ticket_ptr + 1, n_drop, sem="acq_rel")
@@ -78,8 +69,7 @@ def _batch_lists_kernel(
 
 
 def batch_lists_config(K: int) -> Tuple[int, int]:
-    """(block_b, block_k) of a launch: list chunks of up to BATCH_LISTS_MAX_BLOCK_K entries,
-    the rest of a BATCH_LISTS_TILE-entry tile over rows."""
+    """(block_b, block_k): list chunks of up to BATCH_LISTS_MAX_BLOCK_K, rows fill the tile."""
     block_k = min(pow2_ceil(K), BATCH_LISTS_MAX_BLOCK_K)
     return max(1, BATCH_LISTS_TILE // block_k), block_k
 
@@ -91,8 +81,7 @@ def batch_lists(table: torch.Tensor, idx: torch.Tensor, labels: torch.Tensor,
 
     Args:
         table: (N, K) int32/int64 lists of the bank (-1 = padding), unit column stride.
-        idx: (B,) integer bank rows of the batch.
-        labels: (B,) integer labels of the batch.
+        idx, labels: (B,) integer bank rows and labels of the batch.
         bank_labels: (N,) integer labels of the bank's rows.
         exclude_self: replace each row's own index in its list by -1.
 

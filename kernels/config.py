@@ -1,9 +1,8 @@
 """Launch rules of the fused forward and the centre-gradient scatter: tile, warps, rows.
 
-Plain Python, no Triton: the launchers call these on every launch, on the host. The figures
-behind each rule (GPU sweeps, the static build report) are in docs/PERFORMANCE.md,
-"The launch rule and its evidence"; the build gate (tests/test_kernels_build_gate.py) holds
-every default build spill-free with at least 16 resident warps per SM.
+Plain Python, run on the host at every launch. The evidence behind each rule is in
+docs/PERFORMANCE.md, "The launch rule and its evidence"; the build gate
+(tests/test_kernels_build_gate.py) holds every default build spill-free.
 """
 from __future__ import annotations
 
@@ -13,28 +12,24 @@ from typing import Optional
 
 import torch
 
-# Widest power-of-two D held in registers (the single-pass path); wider rows take the
-# two-phase path: distances first, then the weighted sums chunk by chunk over D.
+# Widest D held in registers (single pass); wider rows take the two-phase path.
 MAX_SINGLE_PASS_BLOCK_D = 4096
 # Bytes of the gathered centre tile each thread holds.
 BYTES_PER_THREAD = 64
 # Rows of a one-warp training tile (fp32 / 2-byte banks), at least this many elements a thread.
 TRAIN_ROWS = 2
 TRAIN_MIN_ELEMS_PER_THREAD = 8
-# Warps per SM below which a batch's tiles lengthen: by Little's law a GPU needs about 8
-# one-warp tiles of 2 KB per SM in flight to keep its memory busy.
+# Warps per SM below which a batch's tiles lengthen (Little's law: 8 one-warp tiles an SM).
 SMALL_BATCH_WARPS_PER_SM = 8
-# Elements a thread of such a batch's tiles (half for 8-byte elements; half again from
-# FEW_WARPS_PER_SM up). Below FEW_WARPS_PER_SM a row also takes up to 4 warps.
+# Elements a thread of such a batch's tiles (halved for 8-byte elements, and again from
+# FEW_WARPS_PER_SM up); below FEW_WARPS_PER_SM a row also takes up to 4 warps.
 SMALL_BATCH_ELEMS_PER_THREAD = 64
 FEW_WARPS_PER_SM = 2
-# Elements of one centre-gradient tile: each is an atomic add with its own 64-bit address,
-# so registers grow with the tile; 2048 keeps every build at 16 resident warps per SM.
+# Elements of one centre-gradient tile (each an atomic add with its own 64-bit address).
 CENTRE_GRAD_TILE = 2048
 
 
-# Triton's next_power_of_2 and cdiv are constexpr functions whose call wrapper costs
-# microseconds on the host; these are plain expressions.
+# Plain expressions: Triton's constexpr helpers cost microseconds a call on the host.
 def pow2_ceil(n: int) -> int:
     """The smallest power of two >= max(n, 1) (``triton.next_power_of_2(max(n, 1))``)."""
     return 1 << (max(n, 1) - 1).bit_length()
@@ -47,20 +42,14 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Launch configuration of the forward kernel.
-
-    block_k: neighbours per tile (power of two); block_d: columns per tile (power of two; the
-    single-pass path when it covers D); num_warps / num_stages: as for any Triton launch;
-    rows: query rows per program (for rows too small to fill a tile).
-    """
+    """Launch configuration of the forward kernel: block_k neighbours by block_d columns a
+    tile (powers of two; single pass when block_d covers D), ``rows`` query rows a program."""
     block_k: int
     block_d: int
     num_warps: int = 4
     num_stages: int = 2
     rows: int = 1
-    # Load the next tile's list entries during this one (the kernel's PREFETCH_INDEX): a tile
-    # then waits on one dependent load instead of two. The same outputs bit for bit; off until
-    # a GPU has timed it (benchmarks/tune_loss.py times the default with it).
+    # The kernel's PREFETCH_INDEX (the same outputs bit for bit); off until a GPU has timed it.
     prefetch_index: bool = False
 
     def single_pass(self, D: int) -> bool:
@@ -71,25 +60,16 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
                    elem_size: int = 4, grad_x: bool = True, B: Optional[int] = None,
                    sms: Optional[int] = None, compute_size: int = 4,
                    aligned: bool = True) -> FwdConfig:
-    """The forward's tile for lists of K entries of D columns, a bank of ``elem_size`` bytes.
+    """The forward's tile for lists of K entries of D columns, a bank of ``elem_size`` bytes
+    (fp64 computation sizes it as an fp64 bank, rows not 4-byte ``aligned`` as a 4-byte one).
 
-    1. The whole row in registers up to D = 4096, on the fewest warps whose threads hold at
-       most 16 of its elements (8 for 8-byte ones): warps split a row's columns, never the
-       list, since every tile reduces over the list six times and a reduction across warps
-       goes through shared memory between barriers.
-    2. block_k: the rows that give each thread BYTES_PER_THREAD of the bank; 4 rows a program
-       when one warp's tile holds the whole list. A one-warp training tile (grad_x: it also
-       holds two weighted sums of z) of a 4- or 2-byte bank takes TRAIN_ROWS rows instead.
-    3. Two-phase (D > 4096): at most 16 elements a thread, and a training row spreads over
-       16 warps (at 32 elements, or a training row at 8 warps, ptxas spills); its tiles never
-       lengthen.
-    4. A batch whose programs give an SM (``sms`` of them) under SMALL_BATCH_WARPS_PER_SM
-       warps lengthens its tiles: each program walks its list alone, and the time goes by
-       tiles, each waiting on its entries and then on their rows.
-
-    fp64 computation (``compute_size`` 8) sizes the tile as an fp64 bank does: registers hold
-    the gathered values in the compute dtype. Rows not ``aligned`` to 4 bytes (a 2-byte bank
-    at odd D: one load an element) size it as a 4-byte bank does.
+    1. The row in registers up to D = 4096, on the fewest warps whose threads hold at most 16
+       of its elements (8 of 8 bytes): warps split columns, never the list.
+    2. block_k: BYTES_PER_THREAD of the bank a thread; 4 rows a program when one warp holds
+       the whole list; a one-warp training tile of a 4- or 2-byte bank takes TRAIN_ROWS rows.
+    3. Two-phase (D > 4096): at most 16 elements a thread, a training row over up to 16 warps.
+    4. A batch giving the ``sms`` SMs under SMALL_BATCH_WARPS_PER_SM warps each lengthens its
+       tiles (each waits on its entries, then on their rows).
     """
     if compute_size > 4:
         elem_size = max(elem_size, compute_size)
@@ -128,15 +108,14 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
 
 def centre_grad_config(K: int, D: int):
     """(block_k, block_d) of the centre-gradient scatter: D blocks of up to 256 columns (a grid
-    dimension, so wide rows spread over programs), at most CENTRE_GRAD_TILE elements a tile."""
+    axis), at most CENTRE_GRAD_TILE elements a tile."""
     block_d = min(pow2_ceil(D), 256)
     block_k = max(1, min(pow2_ceil(K), CENTRE_GRAD_TILE // block_d, 64))
     return block_k, block_d
 
 
 def sm_count(device: torch.device) -> Optional[int]:
-    """Streaming multiprocessors of a CUDA device (None elsewhere: the interpreter), asked
-    once per device."""
+    """Streaming multiprocessors of a CUDA device, asked once (None elsewhere)."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -1,26 +1,17 @@
 """The backward's per-entry terms on the GPU: one Triton kernel and its launcher.
 
-When the centres, the weights or sigma take a gradient, the backward needs, for every list
-entry j of row b, dl_j = (p_j - p^R_j) g_b: the softmax of all the row's logits minus that of
-its same-class logits, times the gradient reaching the row's loss (docs/MATHS.md section 3).
-The logits come back from the distances the forward saved, u_j = ||c_j - x_b||^2 / sigma^2:
-l_j = log w_j - u_j / 2. From dl the kernel writes what each gradient asked for:
+For list entry j of row b, dl_j = (p_j - p^R_j) g_b (docs/MATHS.md section 3), with the logits
+l_j = log w_j - u_j / 2 from the distances the forward saved. The kernel writes:
 
-    coef[b, j] = dl_j / sigma^2            the centre gradient's coefficients (kernels'
-                                           centre_grad scatters coef_j (x_b - c_j))
-    q[b, j]    = dl_j / w_j                the weight gradient's terms (index_add into (N,));
-                                           for a zero weight the one-sided derivative
-                                           exp(-u_j/2 - lse_all) - [same class]
-                                           exp(-u_j/2 - lse_pos), its difference in one piece
-    srow[b]    = sum_j dl_j (u_j - u_ref)  sigma's gradient is sum_b srow[b] / sigma; u_ref is
-                                           the largest logit's distance (sum_j dl_j = 0, so the
-                                           shift changes nothing but the cancellation)
+    coef[b, j] = dl_j / sigma^2            the centre gradient's coefficients (centre_grad)
+    q[b, j]    = dl_j / w_j                the weight gradient's terms; at a zero weight the
+                                           one-sided exp(-u_j/2 - lse_all) - [same class]
+                                           exp(-u_j/2 - lse_pos), in one piece
+    srow[b]    = sum_j dl_j (u_j - u_ref)  sigma's gradient is sum_b srow[b] / sigma; u_ref, the
+                                           largest logit's distance, only eases cancellation
 
-In torch this is dozens of (B, K) launches (nnkloss/ops/neighbour_kernel.py, ``_backward``'s
-torch form, which stays for traced and recorded backwards); it is the twin of the CPU
-library's ``EntryGrads`` (:func:`nnkloss.cpu.entry_grads`), with the same row rules: a
-row without a same-class entry or whose incoming gradient is 0 gets zeros; a non-finite row
-(lse_pos NaN) that takes a gradient gets NaN (q only at its list entries).
+The twin of :func:`nnkloss.cpu.entry_grads`, with its row rules: a row without a same-class
+entry or with g 0 gets zeros; a non-finite row that takes a gradient gets NaN.
 
 Memory traffic per row (two passes over the list, the second from L2):
     reads   2 x K x (sizeof(u) + sizeof(idx) + sizeof(label) [+ 4 weight])
@@ -53,9 +44,7 @@ def _expm1(x):
 @triton.jit
 def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label,
                 HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
-    """One tile of the row's list: the forward's logits (-inf where not valid), the same-class
-    mask, and what the weight terms need (the distances, padding, in-bank entries, weights
-    and class)."""
+    """One tile of the row's list: its logits (-inf where not valid) and what the terms need."""
     kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
         nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
     u = tl.load(u_ptr + row * stride_u + kk, mask=kmask, other=0.0).to(COMPUTE)
@@ -127,8 +116,7 @@ def _entry_grads_kernel(
         if NEED_S:
             acc += tl.sum(tl.where(valid, dl * (u - u_ref), 0.0), axis=0)
         if NEED_Q:
-            # An entry past the bank reads no weight or label (CONTRACT.md 9; an empty bank
-            # has none to read): its row is NaN, and so is its q.
+            # An entry past the bank reads nothing (CONTRACT.md 9): its row and q are NaN.
             w = tl.load(w_ptr + safe, mask=inbank, other=1.0).to(COMPUTE)
             clab = tl.load(clab_ptr + safe, mask=inbank, other=0)
             at_zero_w = nonpad & (w == 0.0)
@@ -146,8 +134,7 @@ def _entry_grads_kernel(
 
 
 def entry_grads_config(K: int):
-    """(block_k, num_warps) of a launch: the list in tiles of up to ENTRY_GRADS_MAX_BLOCK_K
-    entries, and no idle warps on a short list."""
+    """(block_k, num_warps): tiles of up to ENTRY_GRADS_MAX_BLOCK_K, no idle warps."""
     block_k = min(pow2_ceil(K), ENTRY_GRADS_MAX_BLOCK_K)
     return block_k, max(1, min(4, block_k // 32))
 
@@ -157,8 +144,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
                 lse_pos: torch.Tensor, g: torch.Tensor, sigma: torch.Tensor, need_coef: bool,
                 need_q: bool, need_srow: bool):
     """``(coef, q, srow)``: coef and q (B, K), srow (B,), in u's dtype, each None unless asked
-    for (q also None without weights). Same arguments and results as
-    :func:`nnkloss.cpu.entry_grads`.
+    for (q also None without weights), as :func:`nnkloss.cpu.entry_grads`.
 
     Args:
         u: (B, K) fp32/fp64 scaled distances saved by the forward (0 at padding).
@@ -166,8 +152,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
         neighbours: (B, K) int32/int64, -1 = padding.
         weights: (N,) float or None.
         lse_all, lse_pos: (B,) the forward's log-sum-exps.
-        g: (B,) the gradient reaching each row's loss, any stride (an expanded scalar after a
-            mean is read as it is).
+        g: (B,) the gradient reaching each row's loss, any stride (an expanded scalar too).
         sigma: 0-dim float tensor on u's device (read on the device: no host sync).
     """
     B, K = u.shape
@@ -182,7 +167,6 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
     neighbours = neighbours.contiguous()
     lse_all = lse_all.to(cdt).contiguous()
     lse_pos = lse_pos.to(cdt).contiguous()
-    out_stride = K  # coef and q are (B, K) contiguous
     dummy = u  # a pointer for the outputs not asked for (their stores are compiled out)
     block_k, num_warps = entry_grads_config(K)
     _entry_grads_kernel[(B,)](
@@ -190,7 +174,7 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
         weights if weights is not None else u, lse_all, lse_pos, g, sigma,
         coef if coef is not None else dummy, q if q is not None else dummy,
         srow if srow is not None else dummy,
-        K, centre_labels.shape[0], u.stride(0), neighbours.stride(0), g.stride(0), out_stride,
+        K, centre_labels.shape[0], u.stride(0), neighbours.stride(0), g.stride(0), K,
         HAS_W=weights is not None, NEED_C=coef is not None, NEED_Q=q is not None,
         NEED_S=srow is not None, COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, num_warps=num_warps,
     )

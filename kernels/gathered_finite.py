@@ -1,11 +1,7 @@
 """The value check of the gathered centres on the GPU: one Triton kernel and its launcher.
 
 ``nnkloss.validation.check_values`` refuses a call whose lists gather a NaN or inf centre
-value, reading only the gathered rows. On CUDA tensors that check runs before the op, its
-answer joining the one host synchronisation of the checks; in torch it was a loop of 16-MiB
-(rows, D) gathers, each written, tested and reduced: several times the bytes the op itself
-reads, and a (B x K, D) intermediate in pieces. This kernel reads each listed row once and
-writes one flag.
+value. This kernel reads each listed row once and writes one flag (no (B x K, D) gather).
 
 Memory traffic for ``n`` list entries of a (N, D) bank:
     reads   n x D x sizeof(bank)    the listed rows (padding, and indices outside the bank,
@@ -34,8 +30,7 @@ def _gathered_finite_kernel(
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ROW_ALIGN: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    # 1. This program's list entries. Padding (-1) and indices outside the bank (which the
-    #    same check refuses on the host, naming them) are not rows: nothing is read for them.
+    # 1. This program's list entries; padding and entries outside the bank read nothing.
     e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < n
     idx = tl.load(idx_ptr + e, mask=emask, other=-1).to(tl.int64)
@@ -43,9 +38,8 @@ def _gathered_finite_kernel(
     safe = tl.where(listed, idx, 0)
     Dc = (D // ROW_ALIGN) * ROW_ALIGN  # masks constant over whole vectors: wide loads
     bad = tl.zeros([BLOCK_E], dtype=tl.int32)
-    # 2. Over D a chunk at a time: a value is non-finite when it is NaN (x != x) or
-    #    infinite (|x| = inf), tested in fp32 (a 2-byte inf or NaN widens to one), fp64 rows
-    #    in fp64 (a large finite double is no fp32 inf).
+    # 2. Over D a chunk at a time: NaN (x != x) or infinite, tested in fp32 (a 2-byte inf or
+    #    NaN widens to one), fp64 rows in fp64.
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         c = _gather_rows(cen_ptr, safe, listed, stride_cn, dd, dd < Dc, ROW_ALIGN, COMPUTE)
@@ -57,8 +51,7 @@ def _gathered_finite_kernel(
 
 
 def gathered_finite_config(D: int):
-    """(block_e, block_d) of a launch: D chunks of up to GATHERED_FINITE_MAX_BLOCK_D columns,
-    the rest of a GATHERED_FINITE_TILE-element tile over list entries."""
+    """(block_e, block_d): D chunks of up to GATHERED_FINITE_MAX_BLOCK_D, entries fill it."""
     block_d = min(pow2_ceil(D), GATHERED_FINITE_MAX_BLOCK_D)
     return max(1, GATHERED_FINITE_TILE // block_d), block_d
 
@@ -73,8 +66,7 @@ def gathered_rows_finite(centres: torch.Tensor, neighbours: torch.Tensor) -> tor
             rows >= N are the caller's to refuse: nothing is read for them here).
     """
     N, D = centres.shape
-    # The kernel reads the entries at unit stride; reshape gives a strided view where it can
-    # (a column slice such as table[:, :1] flattens to stride K): copied then, as on the CPU.
+    # The entries at unit stride (reshape of a column slice gives a strided view).
     flat = neighbours.reshape(-1).contiguous()
     flag = torch.zeros(1, dtype=torch.int32, device=centres.device)
     n = flat.numel()

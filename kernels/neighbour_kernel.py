@@ -1,8 +1,7 @@
-"""Fused nearest-neighbour Gaussian kernel loss: Triton kernels and their launchers.
+"""Fused nearest-neighbour Gaussian kernel loss: the forward and the centre-gradient scatter.
 
-This module knows nothing of banks, training or autograd: it takes plain tensors and returns
-plain tensors, following the forward contract (nnkloss/ops/CONTRACT.md). Per query row ``b`` (x = emb[b],
-label ``R``, neighbour list ``N_b``)::
+Plain tensors in and out, following the forward contract (nnkloss/ops/CONTRACT.md). Per query
+row ``b`` (x = emb[b], label ``R``, neighbour list ``N_b``)::
 
     z_j   = (c_j - x) / sigma                 scaled BEFORE squaring (no fp32 overflow of d_j)
     u_j   = ||z_j||^2                         (= ||x - c_j||^2 / sigma^2; this is ``dist``)
@@ -11,15 +10,10 @@ label ``R``, neighbour list ``N_b``)::
     loss  = S - S_R
     dL/dx = (1/sigma) * sum_j (p_j - p^R_j) z_j      p = e / s_all, p^R = e^R / s_pos
 
-The forward kernel streams the K neighbours of a row in tiles of ``[BLOCK_K, D]`` and keeps two
-online-softmax accumulators (all neighbours / same-class neighbours), each with its own running
-max so that neither sum underflows when positives are much farther than negatives. Every gathered
-centre row is read once from memory (twice on the two-phase path for D wider than the register
-tile). A row with a non-finite u_j (NaN/inf in x or a gathered centre, fp32 overflow) or a
-non-finite log-weight comes out NaN everywhere (a separate "bad" count, not NaN propagation
-through max, which the hardware does not guarantee); it never looks like "no positive".
-
-Launch configurations: kernels/config.py.
+The forward streams a row's list in [BLOCK_K, D] tiles through two online-softmax
+accumulators (all / same-class), each with its own running max so that neither underflows. A
+row with a non-finite u_j or log-weight comes out NaN everywhere (counted apart: max does not
+propagate NaN reliably), never as "no positive". Launch rules: kernels/config.py.
 """
 from __future__ import annotations
 
@@ -31,23 +25,14 @@ import triton.language as tl
 
 from .config import (MAX_SINGLE_PASS_BLOCK_D, FwdConfig, cdiv, centre_grad_config,  # noqa: F401
                      default_config, pow2_ceil, sm_count)
-# Partials the last program of a MEAN launch reads per step: 8 a thread of a one-warp program
-# (at 32, its sums and loads took more registers than the rest of the kernel).
+# Partials the last program of a MEAN launch reads per step (8 a thread of one warp).
 MEAN_BLOCK = tl.constexpr(256)
 
-# ----------------------------------------------------------------------------------------------
-# Helpers (inlined by Triton)
-# ----------------------------------------------------------------------------------------------
 
 @triton.jit
 def _aligned_row_offsets(idx, stride, ROW_ALIGN: tl.constexpr):
-    """idx * stride, written so that the compiler knows the result is a multiple of ROW_ALIGN.
-
-    The launcher has checked that ``stride`` (and the base pointer, in bytes) are multiples of
-    ROW_ALIGN elements; ``(stride // A) * A`` equals ``stride`` then, and Triton's alignment
-    analysis turns a product by the constant A into "divisible by A", which is what lets it emit
-    128-bit (or 64-bit) gathers for rows whose width is not a multiple of 16 elements.
-    """
+    """idx * stride, written so that Triton knows it is a multiple of ROW_ALIGN (the launcher
+    checked stride and base): what lets it emit 128-bit gathers at any row width."""
     return idx * (stride // ROW_ALIGN) * ROW_ALIGN
 
 
@@ -64,8 +49,7 @@ def _gather_rows(ptr, idx, row_mask, stride, dd, dmask, ROW_ALIGN: tl.constexpr,
 @triton.jit
 def _gather_scaled_diff(cen_ptr, idx, nonpad, stride_cn, x, inv_sigma, dd, dmask,
                         ROW_ALIGN: tl.constexpr, COMPUTE: tl.constexpr):
-    """z = (c_idx - x) * (1/sigma) on one [BLOCK_K, BLOCK_D] tile (0 for padding), and
-    u = sum_d z^2 of that tile: the difference is scaled before it is squared."""
+    """z = (c_idx - x) * (1/sigma) on one tile (0 for padding), and u = sum_d z^2 of it."""
     c = _gather_rows(cen_ptr, idx, nonpad, stride_cn, dd, dmask, ROW_ALIGN, COMPUTE)
     z = tl.where(nonpad[:, None], (c - x[None, :]) * inv_sigma, 0.0)
     return z, tl.sum(z * z, axis=1)
@@ -80,9 +64,8 @@ def _list_entries(nbr_ptr, row, stride_nb, kk, K):
 @triton.jit
 def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label,
                     HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
-    """Indices, padding/valid/same-class masks and log-weights of one tile of the list, and
-    ``past``: entries past the bank (>= N, possible only with the value checks off), which
-    read nothing (``safe`` is 0 for them) and make their row non-finite (CONTRACT.md 9)."""
+    """Indices, masks and log-weights of one tile of the list; ``past``: entries >= N (value
+    checks off), which read nothing and make their row non-finite (CONTRACT.md 9)."""
     return _entry_meta(_list_entries(nbr_ptr, row, stride_nb, kk, K), clab_ptr, w_ptr, kk, K,
                        N, label, HAS_W, COMPUTE)
 
@@ -120,8 +103,7 @@ def _count_bad(nonpad, valid, u, logw):
 def _online_update(m, s, logits):
     """One online-logsumexp step: returns (new max, rescale factor, exp weights, new sum)."""
     m_new = tl.maximum(m, tl.max(logits, axis=0))
-    # While nothing valid has been seen m_new is -inf; shift by 0 instead so that
-    # exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
+    # Nothing valid yet (m_new -inf): shift by 0, so that exp(-inf - 0) = 0, not nan.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(logits - m_safe)
@@ -133,10 +115,6 @@ def _online_update(m, s, logits):
 def _lse(m, s):
     return tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), float("-inf"))
 
-
-# ----------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------
 
 @triton.jit
 def _nk_fwd_kernel(
@@ -151,31 +129,22 @@ def _nk_fwd_kernel(
     ROWS: tl.constexpr, GRAD_X: tl.constexpr, PREFETCH_INDEX: tl.constexpr,
     MEAN: tl.constexpr,
 ):
-    """ROWS query rows per program (grid = cdiv(B, ROWS)). GRAD_X False is the forward-only
-    build: no weighted sums of z, no grad_x store, no second phase (gx_ptr is not touched).
-    PREFETCH_INDEX: step 1 loads the next tile's list entries while this tile's rows are
-    gathered (the same values, other load order; see FwdConfig.prefetch_index).
-    MEAN: also the counted rows (counted_ptr, bool) and their mean (mean_ptr: mean, divisor),
-    step 5: each program's partial sum and count, summed in a fixed order by the last program
-    to finish (a ticket that it resets), so the mean is deterministic and needs no other launch.
+    """ROWS query rows per program. GRAD_X False: the forward-only build (gx_ptr untouched).
+    PREFETCH_INDEX: load the next tile's list entries during this tile (the same values).
+    MEAN: also the counted rows and their mean and divisor (step 5, deterministic).
 
-    Memory traffic per row (the figure the kernel is measured against):
+    Memory traffic per row:
         reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
-                + D * sizeof(emb) + sizeof(label)
-                (+ K * D * sizeof(bank) again on the two-phase path, D > BLOCK_D)
-        writes  D * 4 (grad_x, only with GRAD_X) + 3 * 4 (loss, lse_all, lse_pos)
-                + K * 4 (dist) only when STORE_DIST (always on the two-phase path with
-                GRAD_X: scratch)
-        Forward-only (GRAD_X False): the centres are read once whatever D.
+                + D * sizeof(emb) + sizeof(label) (the centres again on the two-phase path)
+        writes  D * 4 (grad_x, with GRAD_X) + 3 * 4 (loss, lse_all, lse_pos)
+                + K * 4 (dist, with STORE_DIST: asked for, or the two-phase scratch)
     """
-    # Step 0: per-program constants. Rows past B repeat row B-1 (identical values stored twice),
-    # so no row mask is needed anywhere below.
+    # Step 0: per-program constants. Rows past B repeat row B-1: no row mask is needed.
     sigma = tl.load(sigma_ptr).to(COMPUTE)
     inv_sigma = 1.0 / sigma
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
-    # D as a multiple of ROW_ALIGN / EMB_ALIGN (checked by the launcher) so that the column
-    # masks are constant over whole vectors of centre / embedding elements.
+    # Column masks constant over whole vectors (row_align divides D): wide loads.
     Dc = (D // ROW_ALIGN) * ROW_ALIGN
     De = (D // EMB_ALIGN) * EMB_ALIGN
     for r in range(ROWS):
@@ -197,10 +166,7 @@ def _nk_fwd_kernel(
 
         # Step 1: stream the list in [BLOCK_K, D] tiles: gather, scaled distances, online
         # logsumexp of all / same-class logits (and, single pass, the weighted sums of z).
-        # Each tile's rows, labels and weights wait on its entries (a dependent load); with
-        # PREFETCH_INDEX the entries of tile t + 1 are loaded during tile t, so a tile waits on
-        # one round trip to memory instead of two (Triton does not pipeline this loop: its
-        # binary has no asynchronous copies, whatever num_stages).
+        # PREFETCH_INDEX: a tile then waits on one round trip to memory instead of two.
         if PREFETCH_INDEX:
             idx_next = _list_entries(nbr_ptr, row, stride_nb, offs_k, K)
         for k0 in range(0, K, BLOCK_K):
@@ -230,8 +196,8 @@ def _nk_fwd_kernel(
             u = tl.where(past, float("nan"), u)
             if STORE_DIST:
                 tl.store(dist_ptr + row * stride_db + kk, u, mask=kmask)
-            # Step 2: non-finite entries are counted, then neutralised so that the arithmetic
-            # below stays finite; the row's outputs are overwritten with NaN at the end.
+            # Step 2: non-finite entries are counted (the row's outputs become NaN), then
+            # neutralised so that the arithmetic below stays finite.
             n_bad += _count_bad(nonpad, valid, u, logw)
             fin = (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
             ok = valid & fin
@@ -267,9 +233,8 @@ def _nk_fwd_kernel(
             tl.store(gx_ptr + grow + offs_d, tl.where(is_bad, float("nan"), gx),
                      mask=offs_d < D)
         if GRAD_X and not SINGLE_PASS:
-            # Two-phase path for wide D: the final maxima and sums are known now, so the
-            # weighted sums need no rescaling. u is re-read from dist (written above by this
-            # program, scratch when the caller did not ask for it); make it visible first.
+            # Two-phase path for wide D: the final maxima and sums are known now; u is re-read
+            # from dist (this program's own stores, made visible first).
             tl.debug_barrier()
             m_all_s = tl.where(m_all == float("-inf"), 0.0, m_all)
             m_pos_s = tl.where(m_pos == float("-inf"), 0.0, m_pos)
@@ -297,10 +262,8 @@ def _nk_fwd_kernel(
                 g = g * inv_sigma
                 tl.store(gx_ptr + grow + dd, tl.where(is_bad, float("nan"), g), mask=dd < D)
 
-    # Step 5: the counted mean. Each program sums its own rows' losses and counted flags, read
-    # back (no running sums held through steps 1-4, whose registers they would add to); the
-    # last program to take a ticket sums every program's partial in program order (the acq_rel
-    # ticket makes their stores visible) and resets the ticket.
+    # Step 5: the counted mean. Each program sums its own rows' stored losses and flags; the
+    # last to take the ticket sums the partials in program order and resets the ticket.
     if MEAN:
         pid = tl.program_id(0)
         tl.debug_barrier()  # this program's stores of loss and counted, visible to its threads
@@ -327,10 +290,6 @@ def _nk_fwd_kernel(
             tl.atomic_xchg(ticket_ptr, 0)
 
 
-# ----------------------------------------------------------------------------------------------
-# Centre gradient (scatter)
-# ----------------------------------------------------------------------------------------------
-
 @triton.jit
 def _nk_centre_grad_kernel(
     emb_ptr, cen_ptr, nbr_ptr, coef_ptr, gcen_ptr,
@@ -339,13 +298,10 @@ def _nk_centre_grad_kernel(
     COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     ROW_ALIGN: tl.constexpr, EMB_ALIGN: tl.constexpr,
 ):
-    """grad_centres[j] += coef[b, k] * (x_b - c_j) for every (b, k) with neighbours[b, k] = j
-    in [0, N).
+    """grad_centres[j] += coef[b, k] * (x_b - c_j) for each neighbours[b, k] = j in [0, N).
 
     Program (b, d-block). Memory traffic per row: reads K * (D * sizeof(bank) + sizeof(nbr) + 4)
-    + D * sizeof(emb); atomic read-modify-writes K * D * sizeof(compute) (entries with coef 0
-    are skipped).
-    """
+    + D * sizeof(emb); atomic adds K * D * sizeof(compute) (coef 0 skipped)."""
     # Step 0: the row's embedding block.
     row = tl.program_id(0).to(tl.int64)
     dblock = tl.program_id(1)
@@ -370,10 +326,6 @@ def _nk_centre_grad_kernel(
                       mask=valid[:, None] & dm[None, :])
 
 
-# ----------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------
-
 def _compute_dtype(emb: torch.Tensor) -> torch.dtype:
     return torch.float64 if emb.dtype == torch.float64 else torch.float32
 
@@ -383,18 +335,13 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def unit_column_stride(*tensors: torch.Tensor):
-    """The 2-D ``tensors`` with their columns adjacent (stride(1) == 1), copied only where they
-    are not: the gathering kernels take a row stride and read each row at unit stride, and
-    some callers hand them views (CCML's backward: the caller's emb and centres, a transposed
-    one too)."""
+    """The 2-D ``tensors`` with unit column stride, copied only where they have another."""
     return tuple(t if t.stride(1) == 1 else t.contiguous() for t in tensors)
 
 
 def row_align(D: int, t: torch.Tensor) -> int:
-    """Largest alignment A (elements, a power of two, at most 16 bytes' worth) such that D, the
-    row stride of ``t`` and its base address (in bytes, A * element size) are multiples of it:
-    what the kernel may promise the compiler about every row start of ``t``. 1 = no promise
-    (the fallback build, scalar loads for odd D)."""
+    """Largest A (elements, a power of two, at most 16 bytes) dividing D, the row stride of
+    ``t`` and its base: what a kernel may promise about every row start (1: nothing)."""
     a = max(1, 16 // t.element_size())
     while a > 1:
         if (D % a == 0 and (t.stride(0) % a == 0 or t.shape[0] <= 1)
@@ -423,25 +370,21 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         centre_labels: (N,) int32/int64 (may differ from ``labels``' dtype).
         neighbours: (B, K) int32/int64, ``-1`` = padding, unit column stride.
         weights: (N,) float or None (all ones). sigma: 0-dim float tensor on the same device.
-        max_block_d: widest D block kept in registers (tests lower it to reach the two-phase path).
-        config: explicit launch configuration (benchmarks/tune_loss.py sweeps these); default
-            :func:`default_config`.
-        store_dist: write the (B, K) scaled distances (only the autograd backward for weights,
-            sigma or centres needs them); False returns an empty (B, 0) tensor. The two-phase
-            path (D wider than the register tile) re-reads u in its second phase, so there the
-            kernel always writes it, into a scratch buffer when store_dist is False: K * 4
-            bytes written and read per row against >= 2 * K * 4096 * sizeof(bank) bytes of
-            centre reads, under 0.1%, and simpler than recomputing K distances.
-        need_grad_x: compute grad_x; False launches the forward-only build (no gradient terms,
-            no second phase, no scratch) and returns an empty (B, 0) grad_x.
-        mean: also return ``counted`` (B,) bool (the rows with a same-class entry, and the
-            non-finite ones), and ``mean``, ``divisor``: 0-dim, the sum of the losses over
-            ``max(count, 1)``, computed by the same launch (deterministic: a fixed order).
+        max_block_d: widest D block in registers (tests lower it to reach the two-phase path).
+        config: explicit launch configuration; default :func:`default_config`.
+        store_dist: write the (B, K) scaled distances (the backward for weights, sigma or
+            centres needs them); False returns an empty (B, 0) tensor (the two-phase path then
+            writes them to scratch: under 0.1% of its centre reads).
+        need_grad_x: compute grad_x; False launches the forward-only build and returns an
+            empty (B, 0) grad_x.
+        mean: also return ``counted`` (B,) bool (rows with a same-class entry, and non-finite
+            ones), ``mean`` and ``divisor`` (0-dim: the losses' sum over ``max(count, 1)``).
 
     Returns:
         loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
-        dist (B, K) or (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32). Rows with no
-        same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite rows are NaN.
+        dist (B, K) or (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32).
+        Rows with no same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite
+        rows are NaN.
         ``dist`` holds u_j = ||c_j - x||^2 / sigma^2 of every non-padding entry (zero-weight
         ones too) and 0 for padding. With ``mean``: those five, then counted, mean, divisor.
     """
@@ -469,9 +412,8 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         out = out + (counted, torch.empty((), device=dev, dtype=cdt),
                      torch.empty((), device=dev, dtype=cdt))
     if B == 0 or K == 0:
-        # No entry: no neighbour, no positive; nothing to read. An empty bank (N 0) is
-        # launched: its entries are padding or, with the checks off, past the bank, whose rows
-        # are NaN (CONTRACT.md 9); the kernel reads nothing through either.
+        # No entry: no positive, nothing to read. An empty bank (N 0) is launched: its entries
+        # are padding or past the bank (NaN rows, CONTRACT.md 9).
         loss.zero_()
         lse_all.fill_(float("-inf"))
         lse_pos.fill_(float("-inf"))
@@ -509,9 +451,8 @@ _TICKETS: dict = {}
 
 
 def ticket(device: torch.device, slot: int = 0) -> torch.Tensor:
-    """A zeroed int32 counter on ``device``, one per ``slot`` (0: the forward's mean, 1: the
-    batch lists' counts), made once: a launch that takes tickets leaves it at 0 again, so no
-    launch clears it. Launches sharing a slot must not run concurrently (one stream)."""
+    """A zeroed int32 counter on ``device`` per ``slot`` (0: the forward's mean, 1: the batch
+    lists' counts), made once: launches leave it at 0. A slot's launches share one stream."""
     key = (device, slot)
     t = _TICKETS.get(key)
     if t is None:
@@ -520,15 +461,13 @@ def ticket(device: torch.device, slot: int = 0) -> torch.Tensor:
 
 
 def centre_grad(emb, centres, neighbours, coef):
-    """Scatter ``coef[b, k] * (emb[b] - centres[neighbours[b, k]])`` into an (N, D) gradient.
+    """Scatter ``coef[b, k] * (emb[b] - centres[neighbours[b, k]])`` into an (N, D) gradient
+    in the compute dtype (fp64 for fp64 ``emb``, else fp32).
 
     Args:
         emb: (B, D) float; centres: (N, D) float; neighbours: (B, K) int32/int64, -1 = padding
-            (any strides: the kernel reads rows at unit column stride, so others are copied);
+            (any strides: copied where the columns are not adjacent);
         coef: (B, K) float, contiguous (zero entries are skipped; already holds 1/sigma^2).
-
-    Returns:
-        (N, D) gradient in the compute dtype (fp64 for fp64 ``emb``, else fp32).
     """
     B, D = emb.shape
     N = centres.shape[0]

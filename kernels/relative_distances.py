@@ -5,22 +5,14 @@ r = ref[q] (the classifier's nearest centre)::
 
     rel[q, j] = ||x - c_i||^2 - ||x - c_r||^2 = (c_i - c_r) . (c_i + c_r - 2 x)
 
-The product form keeps the difference precise for a query far from every centre: at |x| = 1e4
-the two fp32 squared distances are ~1e8 with a spacing of 8, so subtracting them loses all of
-what decides the vote, while each factor of the product is a difference of nearby values (the
-reason is written out in nnkloss/evaluation/classifier.py, ``_sq_dist_minus_ref``; the CPU's
-compiled library computes the same form, ``nnk_rel_sqdist``). One pass over the gathered rows,
-accumulated over D in chunks, so the (Q, K, D) block that the torch form builds never exists.
+The product form stays precise for a query far from every centre, where the two squared
+distances would cancel (nnkloss/evaluation/classifier.py, ``_sq_dist_minus_ref``). Accumulated
+over D in chunks: no (Q, K, D) block. Indices must be bank rows in [0, N) (not checked here).
 
-Memory traffic per query row (what the kernel must move):
-    reads   K x D x sizeof(bank)      the gathered centre rows (all but a few bytes of it)
-            K x sizeof(idx)           the list
-            D x (sizeof(x) + sizeof(bank)) + sizeof(ref)
-                                      the query and its reference row, once per K tile
+Memory traffic per query row:
+    reads   K x (D x sizeof(bank) + sizeof(idx))    the list and its gathered centre rows
+            D x (sizeof(x) + sizeof(bank)) + sizeof(ref), once per K tile: query, reference
     writes  K x sizeof(compute)       rel
-
-Indices must be bank rows in [0, N): the classifier's come from its own search or are checked
-before they reach here (an index outside the bank would be read as memory, as in any gather).
 """
 from __future__ import annotations
 
@@ -31,15 +23,11 @@ import triton.language as tl
 from .neighbour_kernel import (_aligned_row_offsets, _gather_rows, _tl_dtype, cdiv,
                                pow2_ceil, row_align, unit_column_stride)
 
-# Elements of one gathered tile (block_k x block_d): 16 fp32 per thread at 4 warps, the
-# forward's 64 bytes per thread; the build gate holds every build at >= 16 warps per SM.
+# Elements of one gathered tile (block_k x block_d): 16 fp32 per thread at 4 warps.
 REL_SQDIST_TILE = 2048
 # Widest D chunk of a tile; wider rows are accumulated chunk by chunk.
 REL_SQDIST_MAX_BLOCK_D = 256
-# CUDA's grid limits: at most 2**31 - 1 programs along axis 0 and 65535 along axes 1 and 2.
-# The grid is (Q, list tiles): at D >= 256 a tile holds 8 entries, so a list longer than
-# 65535 * 8 = 524,280 entries would need more tiles than axis 1 allows and the launch would
-# fail; such a result is computed by several launches (rel_sqdist_launches).
+# CUDA's grid limits on the grid (Q, list tiles); a larger result takes several launches.
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 
@@ -61,12 +49,10 @@ def _rel_sqdist_kernel(
     x_row = x_ptr + _aligned_row_offsets(q, stride_x, X_ALIGN)
     r_row = cen_ptr + _aligned_row_offsets(r, stride_cn, ROW_ALIGN)
     acc = tl.zeros([BLOCK_K], dtype=COMPUTE)
-    # D as a multiple of ROW_ALIGN / X_ALIGN (row_align divides D) so that the column masks
-    # are constant over whole vectors: what lets the gathers be 128-bit loads.
+    # Column masks constant over whole vectors (row_align divides D): 128-bit gathers.
     Dc = (D // ROW_ALIGN) * ROW_ALIGN
     Dx = (D // X_ALIGN) * X_ALIGN
-    # 2. Over D, a chunk at a time: the gathered tile, the reference row and 2x; the product
-    #    form's partial dot products are summed into acc (no (K, D) values survive a chunk).
+    # 2. Over D, a chunk at a time: the product form's partial dot products, summed into acc.
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         dmask = dd < Dc
@@ -79,20 +65,16 @@ def _rel_sqdist_kernel(
 
 
 def rel_sqdist_config(K: int, D: int):
-    """(block_k, block_d) of a launch: D chunks of up to REL_SQDIST_MAX_BLOCK_D columns, the
-    rest of a REL_SQDIST_TILE-element tile along the list (at most the list's next power of
-    two)."""
+    """(block_k, block_d): D chunks of up to REL_SQDIST_MAX_BLOCK_D, list entries fill it."""
     block_d = min(pow2_ceil(D), REL_SQDIST_MAX_BLOCK_D)
     block_k = max(1, min(pow2_ceil(K), REL_SQDIST_TILE // block_d))
     return block_k, block_d
 
 
 def rel_sqdist_launches(Q: int, K: int, D: int):
-    """The launches of a (Q, K) result at width D: a list of ``(q0, q1, k0, k1, grid)``, each
-    computing rows [q0, q1) x list entries [k0, k1) with ``grid`` = (q1 - q0, list tiles)
-    within CUDA's limits (MAX_GRID_X, MAX_GRID_Y). One launch of grid (Q, cdiv(K, block_k))
-    unless Q or the tiles exceed them; every launch has the block sizes of the whole
-    (``rel_sqdist_config(K, D)``: one compiled kernel)."""
+    """The launches of a (Q, K) result at width D: ``(q0, q1, k0, k1, grid)`` for rows
+    [q0, q1) x entries [k0, k1), each grid within MAX_GRID_X x MAX_GRID_Y, all with the block
+    sizes of the whole (one compiled kernel)."""
     block_k, _ = rel_sqdist_config(K, D)
     rows, cols = MAX_GRID_X, MAX_GRID_Y * block_k
     out = []
@@ -125,8 +107,7 @@ def rel_sqdist(x: torch.Tensor, centres: torch.Tensor, idx: torch.Tensor, ref: t
         return out
     block_k, block_d = rel_sqdist_config(K, D)
     for q0, q1, k0, k1, grid in rel_sqdist_launches(Q, K, D):
-        # a part of the result: its rows' queries, references, lists and outputs, sliced (the
-        # row strides stay those of the whole; x's alignment is that of its first row here)
+        # a part of the result, sliced (x's alignment is that of its first row here)
         xs, ids, outs = x[q0:q1], idx[q0:q1, k0:k1], out[q0:q1, k0:k1]
         _rel_sqdist_kernel[grid](
             xs, centres, ids, ref[q0:q1], outs,

@@ -1,18 +1,13 @@
 """The backward's embedding gradient on the GPU: one Triton kernel and its launcher.
 
-The fused forward leaves grad_x[b] = dLoss_b/dx_b; the backward scales each row by the
-gradient that reaches its loss, g[b], under the op's row rule (nnkloss/ops/CONTRACT.md): a row
-without a same-class neighbour (lse_pos = -inf) or with g[b] = 0 takes no gradient and passes
-none on, even where grad_x is NaN (0 * NaN would be NaN: a caller may train on the finite rows
-of reduction="none"). In torch that is a chain of five launches (ne, where, ne, mul, where)
-plus a cast, each a host round trip; on a GPU the op's training step is bound by the host's
-time (docs/PERFORMANCE.md, "The GPU figures"), so this is one launch. It is the twin of the CPU
-library's ``nnk_scale_rows`` (:func:`nnkloss.cpu.scale_rows`), with the same arguments.
+The fused forward leaves grad_x[b] = dLoss_b/dx_b; the backward scales each row by g[b], the
+gradient reaching its loss, under the op's row rule (nnkloss/ops/CONTRACT.md): a row without a
+same-class neighbour or with g[b] = 0 passes no gradient on, even where grad_x is NaN. One
+launch for torch's six; the twin of :func:`nnkloss.cpu.scale_rows`.
 
 Memory traffic for a (B, D) grad_x:
     reads   B x D x sizeof(grad_x)    grad_x
-            B x (sizeof(g) + sizeof(lse_pos))   one factor and one flag per row (g may be an
-                                      expanded scalar: stride 0, one value)
+            B x (sizeof(g) + sizeof(lse_pos))   one factor and one flag per row
     writes  B x D x sizeof(out)       the embedding gradient, in the embeddings' dtype
 """
 from __future__ import annotations
@@ -44,8 +39,7 @@ def _scale_rows_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = rows < B
     mask = rmask[:, None] & (cols < D)[None, :]
-    # 2. Each row's factor and whether it takes a gradient at all (g read in grad_x's dtype,
-    #    as the torch form casts it).
+    # 2. Each row's factor (in grad_x's dtype, as torch casts it) and whether it takes one.
     g = tl.load(g_ptr + rows * stride_g, mask=rmask, other=0.0)
     if DIVIDE:  # a mean's gradient: g / divisor in the divisor's dtype, as torch divides it
         g = g / tl.load(divisor_ptr)
@@ -54,8 +48,7 @@ def _scale_rows_kernel(
     if HAS_LSE_POS:
         lse_pos = tl.load(lse_pos_ptr + rows, mask=rmask, other=float("-inf"))
         takes = takes & (lse_pos != float("-inf"))
-    # 3. Scale, or 0 for a row that takes nothing (whatever grad_x holds there), and write in
-    #    the output's dtype.
+    # 3. Scale, or 0 for a row that takes nothing (whatever grad_x holds there), and write.
     gx = tl.load(gx_ptr + rows[:, None] * stride_gx + cols[None, :], mask=mask, other=0.0)
     y = tl.where(takes[:, None], g[:, None] * gx, 0.0)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
@@ -63,8 +56,7 @@ def _scale_rows_kernel(
 
 
 def scale_rows_config(D: int):
-    """(block_r, block_d) of a launch: the row (up to SCALE_ROWS_MAX_BLOCK_D columns) and as
-    many rows as fill a SCALE_ROWS_TILE-element tile."""
+    """(block_r, block_d): up to SCALE_ROWS_MAX_BLOCK_D columns, rows fill the tile."""
     block_d = min(pow2_ceil(D), SCALE_ROWS_MAX_BLOCK_D)
     return max(1, SCALE_ROWS_TILE // block_d), block_d
 
@@ -72,19 +64,16 @@ def scale_rows_config(D: int):
 def scale_rows(grad_x: torch.Tensor, g: torch.Tensor, lse_pos: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None,
                divisor: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``g[:, None] * grad_x``, 0 in every row where ``g == 0`` or ``lse_pos == -inf``.
+    """``g[:, None] * grad_x`` in ``out_dtype``, 0 in every row where ``g == 0`` or
+    ``lse_pos == -inf``.
 
     Args:
         grad_x: (B, D) fp32/fp64, unit column stride.
-        g: (B,) float, any stride (an expanded scalar after a mean is read as it is), or a
-            0-dim tensor (every row's).
+        g: (B,) float, any stride (an expanded scalar too), or 0-dim (every row's).
         lse_pos: (B,) in grad_x's dtype, or None (then only ``g == 0`` rows are zeroed).
         out_dtype: the result's dtype (the embeddings'); default grad_x's.
-        divisor: a 0-dim tensor or None: with it every row's factor is ``g / divisor`` (the
-            gradient of a counted mean, without a launch for the division).
-
-    Returns:
-        (B, D) tensor of ``out_dtype`` on grad_x's device.
+        divisor: a 0-dim tensor or None: every row's factor is then ``g / divisor`` (a
+            counted mean's gradient).
     """
     B, D = grad_x.shape
     out = torch.empty(B, D, dtype=out_dtype or grad_x.dtype, device=grad_x.device)

@@ -1,8 +1,7 @@
 """The package's one atomic file writer: readers see the old file or the new one, never half.
 
-A temporary file beside the target is fsync'ed, renamed over it and the directory fsync'ed. A
-failure leaves the previous file and no temporary; a killed process's temporary is removed by
-:func:`remove_stale_temps`.
+A temporary beside the target is fsync'ed and renamed over it. A failure leaves the previous
+file; a killed process's temporary is removed by :func:`remove_stale_temps`.
 """
 from __future__ import annotations
 

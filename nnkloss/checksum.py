@@ -2,9 +2,8 @@
 error naming the file, never a silently different bank or model.
 
 Layout: ``nnkloss-sha256\\n``, the payload's sha256 in hex and a newline, then the
-``torch.save`` payload, written atomically. The checksum detects damage, not forgery.
-:func:`load_weights_only` also refuses compressed or oversized zip records before the load,
-and tensors whose elements lack bytes of their own after it.
+``torch.save`` payload. The checksum detects damage, not forgery. :func:`load_weights_only`
+also refuses compressed or oversized zip records, and tensors larger than their storage.
 """
 from __future__ import annotations
 
@@ -55,9 +54,8 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
                  allow_unchecked: bool = False, name: str = "path") -> Any:
     """Verify the checksum at ``path``, then load the payload weights-only. Failures are
     ValueErrors naming ``name``, the file and ``what`` (FileNotFoundError where it is missing).
-    ``allow_unchecked``: read a file without a checksum header as a plain ``torch.save`` file;
-    otherwise UncheckedFileError.
-    """
+    ``allow_unchecked``: read a file without a header as plain ``torch.save`` (otherwise
+    UncheckedFileError)."""
     path = os.fspath(path)
     where = f"{name} {path!r} ({what})"
     if not os.path.isfile(path):

@@ -1,12 +1,8 @@
 """The ``torch.distributed`` runtime: process group, sharded loaders, DDP helpers, reductions.
 
-One process per GPU, launched by torchrun. Without a process group, or in a world of one,
-everything here is a no-op (or returns its input). The bank's collectives are
-:mod:`nnkloss.bank.exchange`.
-
-:func:`global_mean` makes DDP's averaged gradient that of the mean over the global batch.
-The loss module is not wrapped in DDP (which would broadcast the bank every forward): the
-refresh keeps banks identical, and :func:`sync_loss_parameters` averages the loss's gradients.
+One process per GPU, launched by torchrun; without a process group, or in a world of one,
+everything here is a no-op. The loss module is not wrapped in DDP (which would broadcast the
+bank every forward): :func:`sync_loss_parameters` averages its gradients instead.
 """
 from __future__ import annotations
 
@@ -32,11 +28,8 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def init_from_env(dist_backend: Optional[str] = None, timeout_s: float = 1800.0) -> bool:
     """Initialise the default process group from torchrun's environment, if launched by it.
-
-    ``dist_backend``: default "nccl" with CUDA (current device set to ``cuda:LOCAL_RANK``),
-    else "gloo"; ``timeout_s``: a collective's wait. Returns :func:`is_distributed`; an
-    initialised group is kept.
-    """
+    ``dist_backend``: default "nccl" with CUDA (device ``cuda:LOCAL_RANK``), else "gloo";
+    ``timeout_s``: a collective's wait. Returns :func:`is_distributed`."""
     if not dist.is_available():
         return False
     if dist.is_initialized():
@@ -119,11 +112,8 @@ def distributed_sampler(dataset, shuffle: bool, seed: int = 0, drop_last: bool =
 def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = True,
                  seed: int = 0):
     """``loader`` (a DataLoader with ``batch_size`` over its whole dataset) over this rank's
-    DistributedSampler share, other settings kept; ``loader`` itself in one process.
-
-    ``shuffle``: default whether ``loader`` shuffled. ``split_batch``: divide ``batch_size`` by
-    the world size (training); False keeps it per rank (embedding passes).
-    """
+    DistributedSampler share, other settings kept. ``shuffle``: default the loader's.
+    ``split_batch``: divide ``batch_size`` by the world size (False: embedding passes)."""
     if not is_distributed():
         return loader
     from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
@@ -199,9 +189,7 @@ def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_op
 
 def global_mean(loss: Tensor, count, group=None) -> Tensor:
     """``loss * world_size * count / total_count`` for a rank's mean ``loss`` over ``count``
-    rows (tensor or int), so that DDP's gradient average is that of the global-batch mean.
-    One all-reduce, no host sync.
-    """
+    rows, so that DDP's gradient average is that of the global-batch mean (no host sync)."""
     if not is_distributed(group):
         return loss
     c = torch.as_tensor(count, device=loss.device).detach().to(torch.float64)
@@ -215,9 +203,7 @@ def global_mean(loss: Tensor, count, group=None) -> Tensor:
 @torch.no_grad()
 def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
     """Average ``loss_module``'s trainable gradients over the ranks, as DDP does (a rank's
-    None counts as zeros; None everywhere stays None). Call on every rank after ``backward()``,
-    before clipping and the step. One flat all-reduce.
-    """
+    None counts as zeros; None everywhere stays None), on every rank after ``backward()``."""
     if not is_distributed(group):
         return
     params = [p for p in loss_module.parameters() if p.requires_grad]

@@ -1,13 +1,8 @@
 """The network at inference (a refresh's or an evaluation's embedding pass), made cheaper
-without changing what it computes.
-
-:func:`inference_model` folds every eval-mode BatchNorm that directly follows a convolution or
-linear layer inside an ``nn.Sequential`` into that layer (``torch.nn.utils.fusion``), in a copy.
-A pair folds only where both are exactly torch's classes, the container's ``forward`` is
-``nn.Sequential``'s, neither has a hook and the BatchNorm tracks running statistics; a
-Linear's BatchNorm1d folds for 2-D inputs only. Models holding a data-parallel wrapper, a
-``torch.compile``'d module, non-plain parameters, or that cannot be deep-copied run as they
-are.
+without changing what it computes: :func:`inference_model` folds, in a copy, each eval-mode
+BatchNorm that directly follows a convolution or linear layer in an ``nn.Sequential`` (both
+exactly torch's classes, no hooks, running statistics tracked; a Linear's for 2-D inputs
+only). Wrapped, compiled or uncopyable models run as they are.
 """
 from __future__ import annotations
 
@@ -72,8 +67,7 @@ class _LinearBatchNorm(nn.Module):
 
 
 def _wrapped(model: nn.Module) -> bool:
-    """Whether the model holds a data-parallel wrapper, a compiled module or a parameter that
-    is not a plain ``nn.Parameter``."""
+    """Whether the model holds a data-parallel wrapper, a compiled module or an odd parameter."""
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     return (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
             or any(type(p) is not nn.Parameter for p in model.parameters()))

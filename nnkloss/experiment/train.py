@@ -1,18 +1,13 @@
 """The training loop of the reproduction scripts: :class:`Trainer` and :func:`fit`.
 
-One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss``: a bank
-loss kept current by a :class:`nnkloss.Refresher`, or a softmax head. The loader yields
-``(inputs, labels, idx)``, ``idx`` the bank rows of the batch.
-
-``out_dir`` receives, atomically: ``log.csv``/``log.json`` (one row per epoch) and
-``checkpoint.pt`` (the full training state, checksummed, read weights-only; see
-:mod:`nnkloss.experiment.checkpoint`). ``fit(..., resume=True)`` continues from it. Each epoch
-reseeds the RNGs from ``(seed, epoch)`` (and the rank), so an interrupted run repeats itself
-(leave the DataLoader's ``generator`` unset).
-
-Under torchrun (:func:`nnkloss.distributed.init_from_env`, loaders from
-:func:`nnkloss.distributed.shard_loader`) the network runs in DDP, steps follow the global-batch
-mean, sigma and bank weights are averaged across ranks, and only rank 0 writes files.
+One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss`` (a bank
+loss kept current by a :class:`nnkloss.Refresher`, or a softmax head), over a loader yielding
+``(inputs, labels, idx)``, ``idx`` the batch's bank rows. ``out_dir`` receives, atomically,
+``log.csv``/``log.json`` (one row per epoch) and ``checkpoint.pt`` (:mod:`.checkpoint`), from
+which ``fit(..., resume=True)`` continues. Each epoch reseeds the RNGs from ``(seed, epoch)``
+(and the rank), so an interrupted run repeats itself (leave the loader's ``generator`` unset).
+Under torchrun (:mod:`nnkloss.distributed`) the network runs in DDP, steps follow the
+global-batch mean, the loss's parameters are averaged across ranks and only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -94,27 +89,23 @@ class Trainer:
         optimizer: "sgd" (with ``momentum``), "adam" or "adamw".
         lr, weight_decay: for the network and the criterion's "other" parameters.
         sigma_lr, weights_lr: rates of the "sigma" / "weights" groups (default ``lr``), no decay.
-        refresher: a :class:`nnkloss.Refresher`; required for a bank loss. It builds the bank
-            before the first step, then per ``schedule``; with ``async_mode=True`` refreshes run
-            in the background and are swapped in when done (waited for before a checkpoint).
+        refresher: a :class:`nnkloss.Refresher`, required for a bank loss: it builds the bank
+            before the first step, then per ``schedule`` (in the background if asynchronous).
         schedule: a :class:`nnkloss.RefreshSchedule` (default: every 10 epochs); checkpointed.
         amp: float16 autocast + GradScaler, on CUDA devices only.
         out_dir: where logs and checkpoints go (None: no files).
         seed: base seed in [0, 2**32); epoch e seeds from (seed, e) (and the rank).
-        progress: one tqdm bar for the run.
+        progress, desc: one tqdm bar for the run, and its label.
         eval_fn: ``eval_fn(model, criterion, epoch) -> dict``, run in eval mode under no_grad
             every ``eval_every`` epochs and after the last; logged with the epoch.
         checkpoint_every: epochs between checkpoints (the last epoch always gets one).
         log_every: steps between progress-bar updates (each syncs once).
         grad_clip: clip the gradient norm of all trained parameters (None: off).
         fresh_centres: None or a momentum in [0, 1): after each step the step's embeddings are
-            written into the bank at ``idx`` (:meth:`nnkloss.CentreBank.write_centres_`); under
-            torch.distributed every rank writes every rank's rows, so banks stay identical.
-        neighbours_every_steps: None or N: every N steps (counted over the run) the lists are
-            rebuilt from the current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`),
-            unless a synchronous refresh does so at that step. Logs ``neighbours_rebuilds``,
-            ``neighbours_time_s``, ``neighbours_overlap``, ``neighbours_positive_share`` and
-            ``neighbours_mean_kernel``.
+            written into the bank at ``idx`` (:meth:`nnkloss.CentreBank.write_centres_`).
+        neighbours_every_steps: None or N: every N steps the lists are rebuilt from the
+            current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`), logged as
+            ``neighbours_*`` columns.
         warm_start_steps: 0 or S: one extra full refresh after step S, so that training does
             not spend a whole interval on centres of the random initialisation.
         threads: None (torch's setting untouched) or the ``torch.set_num_threads`` count for
@@ -159,10 +150,9 @@ class Trainer:
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
-        elif optimizer == "adam":
-            self.optimizer = torch.optim.Adam(groups, lr=lr)
         else:
-            self.optimizer = torch.optim.AdamW(groups, lr=lr)
+            self.optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
+                groups, lr=lr)
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir
@@ -188,7 +178,6 @@ class Trainer:
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
 
-    # Read-only views of the BankUpkeep's options.
     @property
     def refresher(self):
         return self.upkeep.refresher
@@ -196,18 +185,6 @@ class Trainer:
     @property
     def schedule(self):
         return self.upkeep.schedule
-
-    @property
-    def fresh_centres(self) -> Optional[float]:
-        return self.upkeep.fresh_centres
-
-    @property
-    def neighbours_every_steps(self) -> Optional[int]:
-        return self.upkeep.neighbours_every_steps
-
-    @property
-    def warm_start_steps(self) -> int:
-        return self.upkeep.warm_start_steps
 
     @property
     def checkpoint_path(self) -> Optional[str]:

@@ -704,14 +704,11 @@ def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
     Looked for in ``root``, ``root/raw`` and ``root/<folder>/raw`` (torchvision's layout);
     FileNotFoundError lists the places looked in.
     """
-    dirs = [root, os.path.join(root, "raw"), os.path.join(root, folder, "raw")]
-    tried = []
-    for d in dirs:
-        for name in (stem, stem + ".gz"):
-            p = os.path.join(d, name)
-            tried.append(p)
-            if os.path.isfile(p):
-                return p
+    dirs = (root, os.path.join(root, "raw"), os.path.join(root, folder, "raw"))
+    tried = [os.path.join(d, name) for d in dirs for name in (stem, stem + ".gz")]
+    for p in tried:
+        if os.path.isfile(p):
+            return p
     raise FileNotFoundError(f"{stem}[.gz] not found; looked for {', '.join(tried)}")
 
 
@@ -770,16 +767,12 @@ class IDXDataset(IndexedTensorDataset):
             bad = int(np.flatnonzero(labels >= self.NUM_CLASSES)[0])
             raise DatasetFormatError(f"{lab_path}: label {int(labels[bad])} at item {bad} is "
                                      f"outside 0..{self.NUM_CLASSES - 1}{hint}")
-        if classes is None:
-            keep = np.arange(len(labels))
-            order = list(range(self.NUM_CLASSES))
-        else:
-            order = [int(c) for c in classes]
-            if not order or len(set(order)) != len(order) or \
-                    any(not 0 <= c < self.NUM_CLASSES for c in order):
-                raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
-                                 f"got {list(classes)}")
-            keep = np.flatnonzero(np.isin(labels, order))
+        order = list(range(self.NUM_CLASSES)) if classes is None else [int(c) for c in classes]
+        if not order or len(set(order)) != len(order) or \
+                any(not 0 <= c < self.NUM_CLASSES for c in order):
+            raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
+                             f"got {list(classes)}")
+        keep = np.flatnonzero(np.isin(labels, order))
         official = labels[keep].astype(np.int64)
         lut = np.full(self.NUM_CLASSES, -1, dtype=np.int64)
         lut[order] = np.arange(len(order))

@@ -54,24 +54,18 @@ def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_deca
     seen = set()
 
     def take(params) -> List[Tensor]:
-        out = []
-        for p in params:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        out = {id(p): p for p in params if p.requires_grad and id(p) not in seen}
+        seen.update(out)
+        return list(out.values())
 
     net = take(model.parameters())
     net += take(declared.get("other", ()))
-    sig = take(declared.get("sigma", ()))
-    wts = take(declared.get("weights", ()))
     groups = [{"params": net, "lr": lr, "weight_decay": weight_decay, "name": "network"}]
-    if sig:
-        groups.append({"params": sig, "lr": lr if sigma_lr is None else sigma_lr,
-                       "weight_decay": 0.0, "name": "sigma"})
-    if wts:
-        groups.append({"params": wts, "lr": lr if weights_lr is None else weights_lr,
-                       "weight_decay": 0.0, "name": "weights"})
+    for name, rate in (("sigma", sigma_lr), ("weights", weights_lr)):
+        params = take(declared.get(name, ()))
+        if params:
+            groups.append({"params": params, "lr": lr if rate is None else rate,
+                           "weight_decay": 0.0, "name": name})
     return groups
 
 
@@ -278,9 +272,8 @@ class Trainer:
 
     def write_logs(self) -> None:
         """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""
-        if not self.out_dir or not _dist.is_main_process():
-            return
-        write_logs(self.out_dir, self.history)
+        if self.out_dir and _dist.is_main_process():
+            write_logs(self.out_dir, self.history)
 
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
         """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
@@ -290,18 +283,14 @@ class Trainer:
     def _fit_optimizer_state(self) -> None:
         """Resize optimiser state to parameters resized in place (a grown or shrunk bank's
         ``log_weights``): kept rows keep theirs, new rows start at zero."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p)
-                if not state:
-                    continue
-                for key, v in list(state.items()):
-                    if (isinstance(v, Tensor) and v.dim() == p.dim() and v.dim() > 0
-                            and v.shape != p.shape):
-                        fitted = torch.zeros_like(p, dtype=v.dtype)
-                        common = tuple(slice(0, min(a, b)) for a, b in zip(v.shape, p.shape))
-                        fitted[common] = v[common]
-                        state[key] = fitted
+        for p, state in self.optimizer.state.items():
+            for key, v in list(state.items()):
+                if (isinstance(v, Tensor) and v.dim() == p.dim() and v.dim() > 0
+                        and v.shape != p.shape):
+                    fitted = torch.zeros_like(p, dtype=v.dtype)
+                    common = tuple(slice(0, min(a, b)) for a, b in zip(v.shape, p.shape))
+                    fitted[common] = v[common]
+                    state[key] = fitted
 
     def _train_epoch(self, epoch: int, total_epochs: int) -> Dict[str, Any]:
         self._fit_optimizer_state()

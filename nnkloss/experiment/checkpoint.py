@@ -20,7 +20,8 @@ from ..bank.centre_bank import CentreBank
 from ..checksum import UncheckedFileError, load_checked, save_checked
 
 __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
-           "check_data", "check_optimizer_state", "check_history", "check_scaler_state"]
+           "check_format", "check_data", "check_optimizer_state", "check_history",
+           "check_scaler_state"]
 
 FORMAT = "nnkloss.trainer/3"
 
@@ -74,13 +75,10 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
     """ValueError naming every difference between the saved and current data records."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where} has no data record (N, centre labels, embedding size)")
-    problems = []
-    if saved.get("num_centres") != current.get("num_centres"):
-        problems.append(f"N (training examples, bank rows): {saved.get('num_centres')} in the "
-                        f"checkpoint, {current.get('num_centres')} now")
-    if saved.get("embedding_dim") != current.get("embedding_dim"):
-        problems.append(f"embedding size: {saved.get('embedding_dim')} in the checkpoint, "
-                        f"{current.get('embedding_dim')} now")
+    problems = [f"{what}: {saved.get(key)} in the checkpoint, {current.get(key)} now"
+                for key, what in (("num_centres", "N (training examples, bank rows)"),
+                                  ("embedding_dim", "embedding size"))
+                if saved.get(key) != current.get(key)]
     if saved.get("centre_labels_sha256") != current.get("centre_labels_sha256"):
         problems.append("centre_labels: the training labels (the bank's centre labels, in "
                         "row order) differ from those the checkpoint was trained on")
@@ -222,12 +220,17 @@ def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
         raise ValueError(f"{exc}. Trainer checkpoints of format 1 (before checksums) pickled "
                          "Python objects and cannot be read safely: start the run again"
                          ) from None
-    if isinstance(state, dict) and state.get("format") == "nnkloss.trainer/2":
-        raise ValueError(f"checkpoint {path!r} is a Trainer checkpoint of format "
-                         f"'nnkloss.trainer/2', which named the bank's centre labels 'labels'; "
-                         f"this nnkloss reads format {FORMAT!r} only: start the run again")
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"checkpoint {path!r} is not a Trainer checkpoint of format "
-                         f"{FORMAT!r} (found {fmt!r})")
+    check_format(state, f"checkpoint {path!r}")
     return state
+
+
+def check_format(state: Any, where: str = "checkpoint") -> None:
+    """ValueError naming ``where`` unless ``state`` is a Trainer state of :data:`FORMAT`."""
+    fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if fmt == "nnkloss.trainer/2":
+        raise ValueError(f"{where} is a Trainer checkpoint of format 'nnkloss.trainer/2', which "
+                         f"named the bank's centre labels 'labels'; this nnkloss reads format "
+                         f"{FORMAT!r} only: start the run again")
+    if fmt != FORMAT:
+        raise ValueError(f"{where} is not a Trainer checkpoint of format {FORMAT!r} (found "
+                         f"{fmt!r})")

@@ -207,10 +207,7 @@ class Trainer:
         (ValueError naming what differs), then criterion (bank validated), model and optimiser;
         a refused part puts back every part already loaded. A background refresh in flight is
         finished first (its error raised), so that it cannot overwrite the loaded bank."""
-        if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
-            fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a Trainer checkpoint of format {_ckpt.FORMAT!r} "
-                             f"(format {fmt!r})")
+        _ckpt.check_format(state, where)
         _ckpt.check_data(state.get("data"), self._data, where)
         self.upkeep.finish_async()
         before = _cpu_copy(self.state_dict())

@@ -610,17 +610,14 @@ IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 _IDXInfo = namedtuple("_IDXInfo", "name folder get")
 
 IDX_SETS = {
-    "fashion-mnist": _IDXInfo(
-        "Fashion-MNIST", "FashionMNIST",
-        "install it with `apt-get install dataset-fashion-mnist` (files in "
-        "/usr/share/datasets/fashion-mnist) or download the four official files from "
-        "https://github.com/zalandoresearch/fashion-mnist"),
-    "mnist": _IDXInfo(
-        "MNIST", "MNIST",
-        "download the four official files from http://yann.lecun.com/exdb/mnist/"),
-    "kmnist": _IDXInfo(
-        "KMNIST", "KMNIST",
-        "download the four official files from https://github.com/rois-codh/kmnist"),
+    "fashion-mnist": _IDXInfo("Fashion-MNIST", "FashionMNIST", "install it with `apt-get "
+                              "install dataset-fashion-mnist` (files in /usr/share/datasets/"
+                              "fashion-mnist) or download the four official files from "
+                              "https://github.com/zalandoresearch/fashion-mnist"),
+    "mnist": _IDXInfo("MNIST", "MNIST", "download the four official files from "
+                      "http://yann.lecun.com/exdb/mnist/"),
+    "kmnist": _IDXInfo("KMNIST", "KMNIST", "download the four official files from "
+                       "https://github.com/rois-codh/kmnist"),
 }
 
 

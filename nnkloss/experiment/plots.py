@@ -29,9 +29,7 @@ def _pyplot():
 def _to_numpy(name: str, x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        return x.numpy()
+        return (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).numpy()
     if isinstance(x, np.ndarray):
         return x
     raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")

@@ -106,7 +106,8 @@ def _inside_root(entry: str, where: str) -> None:
     if "\0" in entry:
         raise DatasetFormatError(f"{where}: image path {entry!r} holds a NUL byte")
     parts = entry.replace("\\", "/").split("/")
-    if os.path.isabs(entry) or entry[:1] in ("/", "\\") or (entry[:1].isalpha() and entry[1:2] == ":"):
+    if (os.path.isabs(entry) or entry[:1] in ("/", "\\")
+            or (entry[:1].isalpha() and entry[1:2] == ":")):
         raise DatasetFormatError(f"{where}: image path {entry!r} is absolute; entries must be "
                                  f"relative to the dataset folder")
     if ".." in parts:
@@ -569,13 +570,8 @@ def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
 
 
 class IndexedTensorDataset(Dataset):
-    """In-memory ``(transform(x[i]), y[i], i)`` items (the same triple as the image datasets).
-
-    Args:
-        inputs: (N, ...) tensor of inputs.
-        labels: (N,) integer labels in 0..C-1.
-        transform: optional function of one input tensor (e.g. a random shift).
-    """
+    """In-memory ``(transform(inputs[i]), labels[i], i)`` items: ``inputs`` (N, ...), integer
+    ``labels`` (N,) in 0..C-1, ``transform`` None or a function of one input tensor."""
 
     def __init__(self, inputs: torch.Tensor, labels: torch.Tensor,
                  transform: Optional[Callable] = None):
@@ -629,12 +625,11 @@ _IDX_SURPLUS_COUNTED = 1 << 24
 
 
 def read_idx(path: str, hint: str = "", max_bytes: int = IDX_MAX_BYTES) -> np.ndarray:
-    """Read one IDX file (gzipped if its name ends in ``.gz``) into a numpy array.
+    """One IDX file (gzipped if its name ends in ``.gz``) as a numpy array in native byte order.
 
     The header is checked against the file (known type, >= 1 dimension, a payload of at most
     ``max_bytes`` and exactly as declared), reading no further than the declared size; any
-    mismatch or unreadable gzip raises :class:`DatasetFormatError` naming ``path`` plus
-    ``hint``. Returns the array in native byte order.
+    mismatch or unreadable gzip raises :class:`DatasetFormatError` naming ``path``, + ``hint``.
     """
     import gzip
     import zlib
@@ -696,11 +691,8 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
 
 
 def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
-    """The path of IDX file ``stem`` (raw, else ``stem.gz``) under ``root``.
-
-    Looked for in ``root``, ``root/raw`` and ``root/<folder>/raw`` (torchvision's layout);
-    FileNotFoundError lists the places looked in.
-    """
+    """The path of IDX file ``stem`` (raw, else ``stem.gz``) in ``root``, ``root/raw`` or
+    ``root/<folder>/raw`` (torchvision's layout); FileNotFoundError lists the places."""
     dirs = (root, os.path.join(root, "raw"), os.path.join(root, folder, "raw"))
     tried = [os.path.join(d, name) for d in dirs for name in (stem, stem + ".gz")]
     for p in tried:
@@ -710,14 +702,13 @@ def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
 
 
 class IDXDataset(IndexedTensorDataset):
-    """An MNIST-format data set (Fashion-MNIST, MNIST, KMNIST) read from its IDX files.
-
-    Items are ``(image, label, idx)``: a (1, H, W) float32 image in [0, 1] (or ``transform``
-    of it), an int64 0-dim label and the position.
+    """An MNIST-format data set (Fashion-MNIST, MNIST, KMNIST) read from its IDX files; items
+    ``(image, label, idx)``: a (1, H, W) float32 image in [0, 1] (or ``transform`` of it), an
+    int64 0-dim label and the position. Errors name the file and say how to get the data set.
 
     Args:
-        root: a local folder with the four official files, gzipped or not, flat or in
-            torchvision's layout (:func:`find_idx_file`). Nothing is downloaded.
+        root: a folder with the four official files, gzipped or not, flat or in
+            torchvision's layout (:func:`find_idx_file`).
         split: "train" or "test".
         classes: keep only these official classes, labelled 0.. in the order given; None
             keeps all ten.
@@ -725,7 +716,6 @@ class IDXDataset(IndexedTensorDataset):
         name: "fashion-mnist", "mnist" or "kmnist".
     Attributes:
         inputs, labels, num_classes, classes (official ids kept), official_labels, files.
-    Errors name the file and say how to get the data set.
     """
 
     NUM_CLASSES = 10

@@ -75,9 +75,8 @@ class Trainer:
     Args:
         model: maps a batch of inputs to (B, D) embeddings.
         criterion: ``criterion(emb, labels, idx) -> 0-dim loss``: a
-            :class:`nnkloss.losses.BankLoss` or any module (SoftmaxHead, ...). Its parameters
-            are trained too, grouped by its ``parameter_groups()`` ("sigma", "weights",
-            "other"; without one, all "other"), never by name.
+            :class:`nnkloss.losses.BankLoss` or any module (SoftmaxHead, ...), trained too by
+            its ``parameter_groups()`` ("sigma", "weights", "other"; without one, all "other").
         train_loader: yields ``(inputs, labels, idx)``.
         device: where the model and criterion live.
         optimizer: "sgd" (with ``momentum``), "adam" or "adamw".
@@ -98,17 +97,15 @@ class Trainer:
         fresh_centres: None or a momentum in [0, 1): after each step the step's embeddings are
             written into the bank at ``idx`` (:meth:`nnkloss.CentreBank.write_centres_`).
         neighbours_every_steps: None or N: every N steps the lists are rebuilt from the
-            current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`), logged as
-            ``neighbours_*`` columns.
+            current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`).
         warm_start_steps: 0 or S: one extra full refresh after step S, so that training does
             not spend a whole interval on centres of the random initialisation.
         threads: None (torch's setting untouched) or the ``torch.set_num_threads`` count for
-            :meth:`fit` (initial bank included), restored when it returns.
+            :meth:`fit`, restored when it returns.
 
     Value checks (:func:`nnkloss.value_checks`) run as the caller set them in each :meth:`fit`'s
-    first step and off afterwards (no per-step sync). Later rows whose labels disagree with the
-    bank's are dropped by the loss and counted; a non-zero count raises ValueError at the
-    epoch's end.
+    first step only (no per-step sync). Rows whose labels disagree with the bank's are dropped
+    by the loss and counted; a non-zero count raises ValueError at the epoch's end.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -120,8 +117,9 @@ class Trainer:
                  eval_fn: Optional[Callable[[nn.Module, nn.Module, int], Dict[str, float]]] = None,
                  eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
                  grad_clip: Optional[float] = None, desc: str = "train",
-                 fresh_centres: Optional[float] = None, neighbours_every_steps: Optional[int] = None,
-                 warm_start_steps: int = 0, threads: Optional[int] = None):
+                 fresh_centres: Optional[float] = None,
+                 neighbours_every_steps: Optional[int] = None, warm_start_steps: int = 0,
+                 threads: Optional[int] = None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not lr > 0:
@@ -141,6 +139,7 @@ class Trainer:
                              "update its bank (nnkloss.Refresher)")
         self.upkeep = BankUpkeep(self.criterion, self.model, refresher, schedule,
                                  fresh_centres, neighbours_every_steps, warm_start_steps)
+        self.refresher, self.schedule = self.upkeep.refresher, self.upkeep.schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
@@ -150,6 +149,7 @@ class Trainer:
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir
+        self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME) if out_dir else None
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
         self.seed = check_seed(seed)  # -1 and 2**32 - 1 were one stream (mod 2**32)
@@ -171,18 +171,6 @@ class Trainer:
         self.threads = threads
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
-
-    @property
-    def refresher(self):
-        return self.upkeep.refresher
-
-    @property
-    def schedule(self):
-        return self.upkeep.schedule
-
-    @property
-    def checkpoint_path(self) -> Optional[str]:
-        return os.path.join(self.out_dir, CHECKPOINT_NAME) if self.out_dir else None
 
     def state_dict(self) -> Dict[str, Any]:
         """The full training state, in the form a weights-only load reads back."""

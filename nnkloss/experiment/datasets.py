@@ -570,8 +570,13 @@ def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
 
 
 class IndexedTensorDataset(Dataset):
-    """In-memory ``(transform(inputs[i]), labels[i], i)`` items: ``inputs`` (N, ...), integer
-    ``labels`` (N,) in 0..C-1, ``transform`` None or a function of one input tensor."""
+    """In-memory ``(transform(x[i]), y[i], i)`` items (the same triple as the image datasets).
+
+    Args:
+        inputs: (N, ...) tensor of inputs.
+        labels: (N,) integer labels in 0..C-1.
+        transform: optional function of one input tensor (e.g. a random shift).
+    """
 
     def __init__(self, inputs: torch.Tensor, labels: torch.Tensor,
                  transform: Optional[Callable] = None):

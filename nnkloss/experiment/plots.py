@@ -116,8 +116,13 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
 
 def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
                       title: str = "Recall@K", log_x: bool = True) -> str:
-    """Save the Recall@K curves ``results`` ({method name: {K: recall in [0, 1]}}) to ``path``
-    (its directory must exist), K on a log2 axis if ``log_x``; returns ``path``."""
+    """Save Recall@K curves of one or more named methods; returns ``path``.
+
+    Args:
+        results: {method name: {K: recall in [0, 1]}}.
+        path: output image path (its directory must exist).
+        title: figure title; log_x: K on a log2 axis.
+    """
     if not isinstance(results, Mapping) or not results:
         raise ValueError("results must be a non-empty {name: {k: recall}} mapping")
     curves: Dict[str, tuple] = {}
@@ -149,9 +154,14 @@ def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
 
 def plot_training_curves(histories: Mapping[str, List[Mapping]], path: str,
                          keys: Sequence[str] = ("loss",), title: str = "Training") -> str:
-    """Save one panel per key of ``keys`` (e.g. "loss", "recall@1"), one line per run of
-    ``histories`` ({run name: Trainer.history}) against the epoch, to ``path`` (its directory
-    must exist); a run lacking a key is left out of that panel. Returns ``path``."""
+    """One panel per key (e.g. "loss", "recall@1"), one line per run, against the epoch.
+
+    Args:
+        histories: {run name: Trainer.history (list of per-epoch dicts with "epoch")}.
+        path: output image path (its directory must exist); returned.
+        keys: which logged values to plot; runs lacking a key are skipped in that panel.
+        title: figure title.
+    """
     if not histories:
         raise ValueError("histories is empty")
     path = require_parent_dir("path", path)

@@ -24,7 +24,7 @@ from .bank_upkeep import BankUpkeep
 from .logs import json_safe, write_logs
 from .seeds import check_seed, seed_everything
 from ..losses.base import BankLoss
-from ..validation import value_checks, value_checks_enabled
+from ..validation import require_positive_int, value_checks, value_checks_enabled
 from .. import distributed as _dist
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
@@ -124,10 +124,10 @@ class Trainer:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")
-        for name, v in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
-                        ("log_every", log_every)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.eval_every = require_positive_int("eval_every", eval_every)
+        self.checkpoint_every = require_positive_int("checkpoint_every", checkpoint_every)
+        self.log_every = require_positive_int("log_every", log_every)
+        self.threads = None if threads is None else require_positive_int("threads", threads)
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.criterion = criterion.to(self.device)
@@ -155,9 +155,6 @@ class Trainer:
         self.seed = check_seed(seed)  # -1 and 2**32 - 1 were one stream (mod 2**32)
         self.progress = progress
         self.eval_fn = eval_fn
-        self.eval_every = int(eval_every)
-        self.checkpoint_every = int(checkpoint_every)
-        self.log_every = int(log_every)
         self.grad_clip = grad_clip
         self.desc = desc
         self.epoch = 0          # epochs completed
@@ -165,10 +162,6 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []
         self._bar = None
         self._check_next_step = True
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or threads < 1):
-            raise ValueError(f"threads must be None or a positive int, got {threads!r}")
-        self.threads = threads
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
 

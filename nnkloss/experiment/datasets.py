@@ -431,9 +431,7 @@ class Cars196(_OfficialImages):
                                      f"found {list(names)}")
         rel = [str(np.asarray(p).reshape(-1)[0]) if np.asarray(p).size else ""
                for p in ann["relative_im_path"]]
-        if any(not p for p in rel):
-            raise DatasetFormatError(f"{mat_path}: empty relative_im_path entries")
-        for i, p in enumerate(rel):
+        for i, p in enumerate(rel):  # an empty path is refused too, naming its annotation
             _inside_root(p, f"{mat_path}: annotation {i} (relative_im_path)")
         try:
             col = {f: np.array([np.asarray(v).reshape(-1)[0] for v in ann[f]], dtype=np.float64)

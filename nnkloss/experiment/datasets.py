@@ -314,12 +314,12 @@ class _OfficialImages(ImageListDataset):
 
     def _build(self, root: str, protocol: str, split: str, cls: np.ndarray, paths: List[str],
                parts: Callable[[], Dict[str, np.ndarray]], transform, check_files: bool,
-               boxes: Optional[Callable] = None, names: Optional[Dict] = None) -> None:
+               boxes=None, names: Optional[Dict] = None) -> None:
         """Keep ``split`` of the items whose official classes are ``cls`` and images ``paths``.
 
         ``parts()`` gives the classification protocol's "train", "val" and "test" positions;
-        ``boxes(pos)`` the crop boxes of the items at ``pos``; ``names`` maps an official
-        class to its name (None: no names; a class it lacks is named by its id).
+        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs;
+        ``names`` maps an official class to its name (None: no names; else by default its id).
         """
         order = sorted(set(cls.tolist()))
         if protocol == "metric":
@@ -330,9 +330,11 @@ class _OfficialImages(ImageListDataset):
             universe, p = order, parts()
             pos = np.sort(np.concatenate([p["train"], p["val"]]) if split == "trainval"
                           else p[split])
+        if boxes is not None:
+            boxes = boxes(pos) if callable(boxes) else boxes[pos]
         lut = {c: i for i, c in enumerate(universe)}
         super().__init__([paths[i] for i in pos], [lut[c] for c in cls[pos]], len(universe),
-                         transform, None if boxes is None else boxes(pos),
+                         transform, boxes,
                          None if names is None else [names.get(c, str(c)) for c in universe])
         self.root, self.protocol, self.split = root, protocol, split
         if check_files:
@@ -399,7 +401,7 @@ class CUB200(_OfficialImages):
         self._build(root, protocol, split, cls,
                     [os.path.join(root, "images", path_of[i]) for i in ids],
                     lambda: _held_out(cls, is_train, val_fraction, seed), transform,
-                    check_files, None if boxes is None else boxes.__getitem__,
+                    check_files, boxes,
                     dict(table("classes.txt", (int, str))) if has_names else {})
 
 

@@ -559,14 +559,15 @@ def test_index_entries_that_leave_the_dataset_folder_are_refused(trees, tmp_path
             CUB200(cub, "train", check_files=False)
 
     cars = _copy(trees["cars"], str(tmp_path / "cars"))
-    for entry in ("../outside.jpg", outside):
+    for entry in ("../outside.jpg", outside, ""):
         mat = scipy.io.loadmat(os.path.join(trees["cars"], "cars_annos.mat"))
         mat["annotations"][0, 2]["relative_im_path"] = np.array([entry])
         scipy.io.savemat(os.path.join(cars, "cars_annos.mat"),
                          {k: v for k, v in mat.items() if not k.startswith("__")})
         with pytest.raises(DatasetFormatError, match=r"cars_annos.mat: annotation 2 "
-                                                     r"\(relative_im_path\): image path "
-                                                     + re.escape(repr(entry))):
+                                                     r"\(relative_im_path\): "
+                                                     + (f"image path {re.escape(repr(entry))}"
+                                                        if entry else "empty image path")):
             Cars196(cars, "train", check_files=False)
 
     leaf = _copy(trees["leafsnap"], str(tmp_path / "leaf"))

@@ -106,8 +106,12 @@ def test_threads_set_torchs_count_for_the_run_and_restore_it():
                 threads=threads).fit(1)
         assert seen and set(seen) == {want} and torch.get_num_threads() == saved
     for bad in ("auto", 0, True, 1.5):
-        with pytest.raises(ValueError, match="threads must be None or a positive int"):
+        with pytest.raises(ValueError, match="threads must be a positive int"):
             Trainer(mlp(), SoftmaxHead(6, 4), DataLoader(ds), progress=False, threads=bad)
+    for name in ("eval_every", "checkpoint_every", "log_every"):  # ints, as for threads
+        for bad in (0, 2.0, True):
+            with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+                Trainer(mlp(), SoftmaxHead(6, 4), DataLoader(ds), progress=False, **{name: bad})
 
 
 def test_sigma_and_weight_groups():

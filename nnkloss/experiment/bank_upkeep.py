@@ -1,13 +1,14 @@
 """The Trainer's bank maintenance: :class:`BankUpkeep` drives a Refresher for the loop.
 
 It builds the initial bank, runs the schedule's refreshes (background ones polled without a
-sync), and the Trainer's ``fresh_centres``, ``neighbours_every_steps`` and
-``warm_start_steps``. It owns the checkpointed ``bank_ready`` and ``refresh_due`` and the
-epoch's log columns: ``start_refresh_*`` (before the first step), ``refresh_*`` (the last
-during the steps), ``end_refresh_*`` (after the last). Without a refresher it does nothing.
+sync) and the Trainer's ``fresh_centres``, ``neighbours_every_steps`` and ``warm_start_steps``,
+and owns the checkpointed ``bank_ready`` and ``refresh_due``. Its log columns per epoch:
+``start_refresh_*`` (before the first step), ``refresh_*`` (the last during the steps),
+``end_refresh_*`` (after the last) and ``neighbours_*`` (the list rebuilds).
 """
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -29,7 +30,7 @@ def check_bank_options(criterion, refresher, fresh_centres, neighbours_every_ste
                        warm_start_steps) -> Tuple[Optional[float], Optional[int], int]:
     """Validate the Trainer's bank options; returns them normalised."""
     if fresh_centres is not None:
-        if isinstance(fresh_centres, bool) or not isinstance(fresh_centres, (int, float, np.number)):
+        if isinstance(fresh_centres, bool) or not isinstance(fresh_centres, numbers.Real):
             raise TypeError(f"fresh_centres must be None or a momentum in [0, 1), got "
                             f"{type(fresh_centres).__name__}")
         fresh_centres = float(fresh_centres)
@@ -37,21 +38,22 @@ def check_bank_options(criterion, refresher, fresh_centres, neighbours_every_ste
             raise ValueError(f"fresh_centres must be None or a momentum in [0, 1), got "
                              f"{fresh_centres}")
     if neighbours_every_steps is not None:
-        neighbours_every_steps = require_positive_int("neighbours_every_steps", neighbours_every_steps)
-    if (isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, (int, np.integer))
+        neighbours_every_steps = require_positive_int("neighbours_every_steps",
+                                                      neighbours_every_steps)
+    if (isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, numbers.Integral)
             or warm_start_steps < 0):
         raise ValueError(f"warm_start_steps must be an int >= 0, got {warm_start_steps!r}")
-    warm_start_steps = int(warm_start_steps)
     wanted = [name for name, on in (("fresh_centres", fresh_centres is not None),
                                     ("neighbours_every_steps", neighbours_every_steps is not None),
                                     ("warm_start_steps", warm_start_steps > 0)) if on]
     if wanted and not isinstance(criterion, BankLoss):
         raise ValueError(f"{', '.join(wanted)} need a criterion with a bank (a "
                          f"nnkloss.losses.BankLoss), got {type(criterion).__name__}")
-    if neighbours_every_steps is not None and not callable(getattr(refresher, "rebuild_neighbours", None)):
+    if neighbours_every_steps is not None and not callable(getattr(refresher,
+                                                                   "rebuild_neighbours", None)):
         raise TypeError("neighbours_every_steps needs a refresher with rebuild_neighbours() "
                         "(nnkloss.Refresher)")
-    return fresh_centres, neighbours_every_steps, warm_start_steps
+    return fresh_centres, neighbours_every_steps, int(warm_start_steps)
 
 
 @torch.no_grad()
@@ -65,21 +67,13 @@ def write_fresh_centres(bank, idx: Tensor, emb: Tensor, momentum: float) -> None
 
 
 def refresh_columns(stats, prefix: str = "refresh_") -> Dict[str, Any]:
-    """Numeric fields of a refresh's stats as ``prefix*`` log columns."""
+    """The numeric fields of a refresh's stats (a dict or a dataclass, or None) as log
+    columns ``prefix<field>``."""
     if stats is None:
         return {}
-    if hasattr(stats, "_asdict"):
-        stats = stats._asdict()
-    elif not isinstance(stats, dict) and hasattr(stats, "__dict__"):
-        stats = vars(stats)
-    if not isinstance(stats, dict):
-        return {}
-    out = {}
-    for k, v in stats.items():
-        v = json_safe(v)
-        if isinstance(v, (int, float, bool)) and not isinstance(v, list):
-            out[f"{prefix}{k}"] = v
-    return out
+    fields = stats if isinstance(stats, dict) else vars(stats)
+    fields = {k: json_safe(v) for k, v in fields.items()}
+    return {f"{prefix}{k}": v for k, v in fields.items() if isinstance(v, (int, float, bool))}
 
 
 class BankUpkeep:
@@ -98,8 +92,9 @@ class BankUpkeep:
         elif not isinstance(schedule, RefreshSchedule):
             raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
                             f"{type(schedule).__name__}")
-        self.fresh_centres, self.neighbours_every_steps, self.warm_start_steps = check_bank_options(
-            criterion, refresher, fresh_centres, neighbours_every_steps, warm_start_steps)
+        options = check_bank_options(criterion, refresher, fresh_centres,
+                                     neighbours_every_steps, warm_start_steps)
+        self.fresh_centres, self.neighbours_every_steps, self.warm_start_steps = options
         self.criterion = criterion
         self.model = model
         self.refresher = refresher
@@ -149,9 +144,8 @@ class BankUpkeep:
     def before_fit(self, more_epochs: bool) -> None:
         """Before a fit's first step: the initial bank, or the skipped refresh if this fit
         trains ``more_epochs``; logged by :meth:`take_pending`."""
-        if self.needs_initial_bank:
-            self._pending = self.refresh()
-        elif self.refresher is not None and self.refresh_due and more_epochs:
+        if self.needs_initial_bank or (self.refresher is not None and self.refresh_due
+                                       and more_epochs):
             self._pending = self.refresh()
         if more_epochs:
             self.refresh_due = False

@@ -1,11 +1,7 @@
-"""The Trainer's checkpoint file: format, checksummed weights-only load, and the checks of
-what PyTorch's own loaders take as it comes (data record, optimiser state, AMP scaler,
-history, epoch and step).
-
-``checkpoint.pt`` is a :mod:`nnkloss.checksum` file holding only what the weights-only
-unpickler reads (RNG states too: :func:`rng_state`). Its ``data`` record
-(:func:`data_fingerprint`) refuses a resume on other data, naming what differs. Formats 1 and
-2 are refused with an error that says so.
+"""The Trainer's checkpoint file: its format, checksummed weights-only load, and checks of
+what PyTorch's own loaders take as it comes (data record, optimiser state, AMP scaler, history,
+epoch and step). The ``data`` record (:func:`data_fingerprint`) refuses a resume on other data,
+naming what differs; formats 1 and 2 are refused with an error that says so.
 """
 from __future__ import annotations
 
@@ -24,7 +20,8 @@ from ..bank.centre_bank import CentreBank
 from ..checksum import UncheckedFileError, load_checked, save_checked
 
 __all__ = ["FORMAT", "save", "load", "rng_state", "set_rng_state", "data_fingerprint",
-           "check_data", "check_optimizer_state", "check_history", "check_scaler_state"]
+           "check_format", "check_data", "check_optimizer_state", "check_history",
+           "check_scaler_state"]
 
 FORMAT = "nnkloss.trainer/3"
 
@@ -78,13 +75,10 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
     """ValueError naming every difference between the saved and current data records."""
     if not isinstance(saved, dict):
         raise ValueError(f"{where} has no data record (N, centre labels, embedding size)")
-    problems = []
-    if saved.get("num_centres") != current.get("num_centres"):
-        problems.append(f"N (training examples, bank rows): {saved.get('num_centres')} in the "
-                        f"checkpoint, {current.get('num_centres')} now")
-    if saved.get("embedding_dim") != current.get("embedding_dim"):
-        problems.append(f"embedding size: {saved.get('embedding_dim')} in the checkpoint, "
-                        f"{current.get('embedding_dim')} now")
+    problems = [f"{what}: {saved.get(key)} in the checkpoint, {current.get(key)} now"
+                for key, what in (("num_centres", "N (training examples, bank rows)"),
+                                  ("embedding_dim", "embedding size"))
+                if saved.get(key) != current.get(key)]
     if saved.get("centre_labels_sha256") != current.get("centre_labels_sha256"):
         problems.append("centre_labels: the training labels (the bank's centre labels, in "
                         "row order) differ from those the checkpoint was trained on")
@@ -148,20 +142,17 @@ def check_scaler_state(state: Any, what: str = "scaler") -> None:
         raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
     if not state:
         return
-    def num(key):
-        v = state.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{what}[{key!r}] must be a number, got {v!r}")
-        return float(v)
     checks = (("scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
               ("growth_factor", lambda v: math.isfinite(v) and v > 1, "finite and > 1"),
               ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)"),
               ("growth_interval", lambda v: v >= 1 and v == int(v), "an int >= 1"),
               ("_growth_tracker", lambda v: v >= 0 and v == int(v), "an int >= 0"))
     for key, ok, rule in checks:
-        v = num(key)
-        if not ok(v):
-            raise ValueError(f"{what}[{key!r}] must be {rule}, got {v}")
+        v = state.get(key)
+        if not _is_number(v):
+            raise ValueError(f"{what}[{key!r}] must be a number, got {v!r}")
+        if not ok(float(v)):
+            raise ValueError(f"{what}[{key!r}] must be {rule}, got {float(v)}")
 
 
 #: The most values a loaded history may expand to (shared containers counted each time).
@@ -175,43 +166,42 @@ _JSON_KEYS = (type(None), bool, int, float, str)
 def check_history(history: Any, what: str = "history") -> None:
     """ValueError unless ``history`` is what the logs can write: a list of dicts with str keys
     holding numbers, strings, None, tensors and containers of them, acyclic, at most
-    HISTORY_MAX_DEPTH deep and HISTORY_MAX_VALUES values expanded. A post-order walk, which
-    sees expansion and cycles."""
+    HISTORY_MAX_DEPTH deep and HISTORY_MAX_VALUES values with shared containers expanded."""
     if not isinstance(history, list) or not all(
             isinstance(r, dict) and all(isinstance(k, str) for k in r) for r in history):
         raise ValueError(f"{what} must be a list of dicts with str keys (one per epoch)")
-    size: Dict[int, int] = {}   # id -> expanded value count of a finished container
-    active = set()              # containers on the current path: meeting one again is a cycle
-    stack = [(history, False, 0)]
-    while stack:
-        o, done, depth = stack.pop()
-        kids = list(o.values()) if isinstance(o, dict) else o
-        if done:
-            active.discard(id(o))
-            total = 1 + sum(size.get(id(c), 1) for c in kids)
-            if total > HISTORY_MAX_VALUES:
-                raise ValueError(f"{what} expands to more than {HISTORY_MAX_VALUES} values "
-                                 "(containers shared many times over)")
-            size[id(o)] = total
-            continue
-        if id(o) in size:
-            continue
+    sizes: Dict[int, int] = {}  # id -> expanded value count of a checked container
+    active = set()              # the containers on the current path: meeting one is a cycle
+
+    def walk(o, depth: int) -> int:
+        if id(o) in sizes:
+            return sizes[id(o)]
         if id(o) in active:
             raise ValueError(f"{what} holds itself (a cycle): the logs cannot write it")
         if depth > HISTORY_MAX_DEPTH:
             raise ValueError(f"{what} nests deeper than {HISTORY_MAX_DEPTH} levels")
-        if isinstance(o, dict) and not all(isinstance(k, _JSON_KEYS) for k in o):
-            bad = next(k for k in o if not isinstance(k, _JSON_KEYS))
-            raise ValueError(f"{what} has a key of type {type(bad).__name__}, which the logs "
-                             "cannot write")
+        for k in o if isinstance(o, dict) else ():
+            if not isinstance(k, _JSON_KEYS):
+                raise ValueError(f"{what} has a key of type {type(k).__name__}, which the "
+                                 "logs cannot write")
         active.add(id(o))
-        stack.append((o, True, depth))
-        for c in kids:
+        total = 1
+        for c in o.values() if isinstance(o, dict) else o:
             if isinstance(c, (list, tuple, dict)):
-                stack.append((c, False, depth + 1))
-            elif not isinstance(c, _HISTORY_LEAVES):
+                total += walk(c, depth + 1)
+            elif isinstance(c, _HISTORY_LEAVES):
+                total += 1
+            else:
                 raise ValueError(f"{what} holds a {type(c).__name__}, which the logs cannot "
                                  "write")
+        if total > HISTORY_MAX_VALUES:
+            raise ValueError(f"{what} expands to more than {HISTORY_MAX_VALUES} values "
+                             "(containers shared many times over)")
+        active.discard(id(o))
+        sizes[id(o)] = total
+        return total
+
+    walk(history, 0)
 
 
 def save(path, state: Dict[str, Any]) -> str:
@@ -230,12 +220,17 @@ def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
         raise ValueError(f"{exc}. Trainer checkpoints of format 1 (before checksums) pickled "
                          "Python objects and cannot be read safely: start the run again"
                          ) from None
-    if isinstance(state, dict) and state.get("format") == "nnkloss.trainer/2":
-        raise ValueError(f"checkpoint {path!r} is a Trainer checkpoint of format "
-                         f"'nnkloss.trainer/2', which named the bank's centre labels 'labels'; "
-                         f"this nnkloss reads format {FORMAT!r} only: start the run again")
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"checkpoint {path!r} is not a Trainer checkpoint of format "
-                         f"{FORMAT!r} (found {fmt!r})")
+    check_format(state, f"checkpoint {path!r}")
     return state
+
+
+def check_format(state: Any, where: str = "checkpoint") -> None:
+    """ValueError naming ``where`` unless ``state`` is a Trainer state of :data:`FORMAT`."""
+    fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if fmt == "nnkloss.trainer/2":
+        raise ValueError(f"{where} is a Trainer checkpoint of format 'nnkloss.trainer/2', which "
+                         f"named the bank's centre labels 'labels'; this nnkloss reads format "
+                         f"{FORMAT!r} only: start the run again")
+    if fmt != FORMAT:
+        raise ValueError(f"{where} is not a Trainer checkpoint of format {FORMAT!r} (found "
+                         f"{fmt!r})")

@@ -1,22 +1,23 @@
-"""Image datasets in their official on-disk layouts, for the papers' experiments.
+"""Data sets of the experiments in their official on-disk layouts; nothing is downloaded.
 
-Items are ``(image, label, idx)``: ``transform`` of an RGB ``PIL.Image`` (read on access,
-nothing downloaded), a label in ``0 .. num_classes - 1`` and the item's position, its row in a
-:class:`nnkloss.CentreBank` over the dataset. Index files are checked when the dataset is
-built: a missing or malformed one, or an image path leaving the dataset folder, raises
-:class:`FileNotFoundError` / :class:`DatasetFormatError` naming the file (and line).
+Items are ``(input, label, idx)``: the input (an image's ``transform``), a label in
+``0 .. num_classes - 1`` and the item's position, its row in a :class:`nnkloss.CentreBank`
+over the data set. Files are checked when the data set is built: a missing or malformed one,
+or an image path leaving the data set's folder, raises :class:`FileNotFoundError` /
+:class:`DatasetFormatError` naming the file (and line).
 
-Protocols: ``"metric"`` (Song et al. 2016): the first half of the classes, by official id,
-is ``split="train"``, the second ``"test"``. ``"classification"``: ``"train"``, ``"val"``,
-``"trainval"``, ``"test"`` over all classes; without an official validation set a seeded,
-stratified fraction of the training set is held out. Labels are remapped to ``0 .. C-1`` in
-official id order over the split family's classes.
+Protocols of the image data sets: ``"metric"`` (Song et al. 2016): the first half of the
+classes, by official id, is ``split="train"``, the second ``"test"``. ``"classification"``:
+``"train"``, ``"val"``, ``"trainval"``, ``"test"`` over all classes; without an official
+validation set a seeded, stratified fraction of the training set is held out. Labels are
+``0 .. C-1`` in official id order over the split family's classes.
 """
 from __future__ import annotations
 
 import csv
 import math
 import os
+from collections import namedtuple
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,18 +26,10 @@ from torch.utils.data import Dataset
 
 from .seeds import check_seed
 
-__all__ = [
-    "DatasetFormatError",
-    "ImageListDataset",
-    "CUB200",
-    "Cars196",
-    "Flowers102",
-    "Leafsnap",
-    "stratified_split",
-    "as_tensor_labels",
-    "IndexedTensorDataset",
-    "DATASETS",
-]
+__all__ = ["DatasetFormatError", "ImageListDataset", "CUB200", "Cars196", "Flowers102",
+           "Leafsnap", "stratified_split", "as_tensor_labels", "IndexedTensorDataset",
+           "DATASETS", "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
+           "KMNIST", "IDX_SETS", "IDX_FILES"]
 
 PROTOCOLS = ("metric", "classification")
 METRIC_SPLITS = ("train", "test")
@@ -47,14 +40,8 @@ class DatasetFormatError(ValueError):
     """An index/annotation file exists but does not have the expected content."""
 
 
-def _require_file(path: str, what: str) -> str:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} not found: {path}")
-    return path
-
-
-def _require_dir(path: str, what: str) -> str:
-    if not os.path.isdir(path):
+def _require(path: str, what: str, exists: Callable[[str], bool] = os.path.isfile) -> str:
+    if not exists(path):
         raise FileNotFoundError(f"{what} not found: {path}")
     return path
 
@@ -111,29 +98,21 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _inside_root(entry: str, where: str) -> str:
-    """``entry``, an image path from an index file, if it stays inside the dataset folder
-    (neither absolute nor with a ``..`` component, either separator); else DatasetFormatError
-    naming ``where`` and the entry."""
+def _inside_root(entry: str, where: str) -> None:
+    """DatasetFormatError naming ``where`` unless ``entry``, an image path from an index file,
+    stays inside the dataset folder (neither absolute nor with a ``..`` component)."""
     if not entry:
         raise DatasetFormatError(f"{where}: empty image path")
     if "\0" in entry:
         raise DatasetFormatError(f"{where}: image path {entry!r} holds a NUL byte")
     parts = entry.replace("\\", "/").split("/")
-    if os.path.isabs(entry) or entry[:1] in ("/", "\\") or (entry[:1].isalpha() and entry[1:2] == ":"):
+    if (os.path.isabs(entry) or entry[:1] in ("/", "\\")
+            or (entry[:1].isalpha() and entry[1:2] == ":")):
         raise DatasetFormatError(f"{where}: image path {entry!r} is absolute; entries must be "
                                  f"relative to the dataset folder")
     if ".." in parts:
         raise DatasetFormatError(f"{where}: image path {entry!r} has a '..' component; entries "
                                  f"must stay inside the dataset folder")
-    return entry
-
-
-def _remap(raw: Sequence, universe: Sequence) -> Tuple[np.ndarray, List]:
-    """Labels as 0..C-1 in the order of ``universe`` (sorted official ids/names)."""
-    order = list(universe)
-    lut = {c: i for i, c in enumerate(order)}
-    return np.array([lut[c] for c in raw], dtype=np.int64), order
 
 
 def _text_lines(f, path: str):
@@ -144,11 +123,12 @@ def _text_lines(f, path: str):
         raise DatasetFormatError(f"{path}: not {f.encoding} text ({e})") from None
 
 
-def _read_table(path: str, ncols: int, what: str, types: Sequence[Callable],
+def _read_table(path: str, what: str, types: Sequence[Callable],
                 path_cols: Sequence[int] = ()) -> List[tuple]:
-    """Whitespace-separated lines of ``ncols`` fields converted with ``types``; the fields at
+    """Whitespace-separated lines of one field per type in ``types``, converted; the fields at
     ``path_cols`` are image paths (:func:`_inside_root`)."""
-    _require_file(path, what)
+    _require(path, what)
+    ncols = len(types)
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(_text_lines(f, path), 1):
@@ -213,7 +193,7 @@ def _check_mat_inflation(path: str, max_bytes: int) -> None:
 
 
 def _loadmat(path: str, what: str, keys: Sequence[str]) -> dict:
-    _require_file(path, what)
+    _require(path, what)
     _check_mat_inflation(path, MAT_MAX_BYTES)
     try:
         import scipy.io
@@ -317,13 +297,6 @@ class ImageListDataset(Dataset):
             img = self.transform(img)
         return img, int(self.labels[i]), i
 
-    def subset(self, positions: Sequence[int]) -> "ImageListDataset":
-        """A new dataset of the given items (indices restart at 0), same classes/transform."""
-        pos = np.asarray(positions, dtype=np.int64)
-        return ImageListDataset([self.paths[p] for p in pos], self.labels[pos], self.num_classes,
-                                self.transform, None if self.boxes is None else self.boxes[pos],
-                                self.class_names)
-
     def check_files(self) -> None:
         """Raise FileNotFoundError naming the first missing image (and how many are missing)."""
         missing = [p for p in self.paths if not os.path.isfile(p)]
@@ -336,33 +309,49 @@ class ImageListDataset(Dataset):
                 f"box_crop={self.boxes is not None})")
 
 
-def _select(protocol: str, split: str, cls: np.ndarray, is_train: Optional[np.ndarray],
-            class_order: Sequence, val_fraction: float, seed: int,
-            is_val: Optional[np.ndarray] = None) -> Tuple[np.ndarray, List]:
-    """Positions of the split and the classes its labels map over, from each item's official
-    class ``cls``, train flag ``is_train`` and validation flag ``is_val`` (if official)."""
-    if protocol == "metric":
-        half = len(class_order) // 2
-        universe = list(class_order[:half]) if split == "train" else list(class_order[half:])
-        chosen = set(universe)
-        return np.flatnonzero([c in chosen for c in cls]), universe
-    universe = list(class_order)
-    if split == "test":
-        return np.flatnonzero(~is_train & (True if is_val is None else ~is_val)), universe
-    if is_val is not None:
-        train_pos, val_pos = np.flatnonzero(is_train), np.flatnonzero(is_val)
-    else:
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        official = np.flatnonzero(is_train)
-        tr, va = stratified_split(cls[official], (1.0 - val_fraction, val_fraction), seed)
-        train_pos, val_pos = official[tr], official[va]
-    pos = {"train": train_pos, "val": val_pos,
-           "trainval": np.union1d(train_pos, val_pos)}[split]
-    return np.sort(pos), universe
+class _OfficialImages(ImageListDataset):
+    """An image data set read from its official index: the shared protocol and split logic."""
+
+    def _build(self, root: str, protocol: str, split: str, cls: np.ndarray, paths: List[str],
+               parts: Callable[[], Dict[str, np.ndarray]], transform, check_files: bool,
+               boxes=None, names: Optional[Dict] = None) -> None:
+        """Keep ``split`` of the items whose official classes are ``cls`` and images ``paths``.
+
+        ``parts()`` gives the classification protocol's "train", "val" and "test" positions;
+        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs;
+        ``names`` maps an official class to its name (None: no names; else by default its id).
+        """
+        order = sorted(set(cls.tolist()))
+        if protocol == "metric":
+            half = len(order) // 2
+            universe = order[:half] if split == "train" else order[half:]
+            pos = np.flatnonzero(np.isin(cls, universe))
+        else:
+            universe, p = order, parts()
+            pos = np.sort(np.concatenate([p["train"], p["val"]]) if split == "trainval"
+                          else p[split])
+        if boxes is not None:
+            boxes = boxes(pos) if callable(boxes) else boxes[pos]
+        lut = {c: i for i, c in enumerate(universe)}
+        super().__init__([paths[i] for i in pos], [lut[c] for c in cls[pos]], len(universe),
+                         transform, boxes,
+                         None if names is None else [names.get(c, str(c)) for c in universe])
+        self.root, self.protocol, self.split = root, protocol, split
+        if check_files:
+            self.check_files()
 
 
-class CUB200(ImageListDataset):
+def _held_out(cls: np.ndarray, is_train: np.ndarray, val_fraction: float, seed: int
+              ) -> Dict[str, np.ndarray]:
+    """The official test set, and the official training set less a stratified ``val``."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    official = np.flatnonzero(is_train)
+    tr, va = stratified_split(cls[official], (1.0 - val_fraction, val_fraction), seed)
+    return {"train": official[tr], "val": official[va], "test": np.flatnonzero(~is_train)}
+
+
+class CUB200(_OfficialImages):
     """Caltech-UCSD Birds-200-2011 (11,788 images, 200 species).
 
     Args:
@@ -384,61 +373,39 @@ class CUB200(ImageListDataset):
         _check_split(protocol, split)
         if os.path.isdir(os.path.join(root, "CUB_200_2011")):
             root = os.path.join(root, "CUB_200_2011")
-        _require_dir(root, "CUB_200_2011 folder")
-        self.root = root
-        images = _read_table(os.path.join(root, "images.txt"), 2, "CUB images.txt", (int, str),
-                             path_cols=(1,))
-        cls_rows = _read_table(os.path.join(root, "image_class_labels.txt"), 2,
-                               "CUB image_class_labels.txt", (int, int))
-        split_rows = _read_table(os.path.join(root, "train_test_split.txt"), 2,
-                                 "CUB train_test_split.txt", (int, int))
-        ids = [i for i, _ in images]
-        path_of = dict(images)
-        cls_of = self._by_id(cls_rows, ids, os.path.join(root, "image_class_labels.txt"))
-        train_of = self._by_id(split_rows, ids, os.path.join(root, "train_test_split.txt"))
-        box_of = None
+        _require(root, "CUB_200_2011 folder", os.path.isdir)
+
+        def table(name, types, path_cols=()):
+            return _read_table(os.path.join(root, name), f"CUB {name}", types, path_cols)
+
+        def by_id(name, types):
+            """The rows of ``name`` (less their image id) in the order of images.txt."""
+            rows = {r[0]: r[1] if len(r) == 2 else r[1:] for r in table(name, types)}
+            missing = [i for i in ids if i not in rows]
+            if missing:
+                raise DatasetFormatError(f"{os.path.join(root, name)} has no entry for image "
+                                         f"id {missing[0]} ({len(missing)} ids missing)")
+            return [rows[i] for i in ids]
+
+        images = table("images.txt", (int, str), path_cols=(1,))
+        ids, path_of = [i for i, _ in images], dict(images)
+        cls = np.array(by_id("image_class_labels.txt", (int, int)))
+        is_train = np.array([t == 1 for t in by_id("train_test_split.txt", (int, int))])
+        boxes = None
         if bbox_crop:
-            box_file = os.path.join(root, "bounding_boxes.txt")
-            boxes = _read_table(box_file, 5, "CUB bounding_boxes.txt",
-                                (int, _finite_float, _finite_float, _finite_float,
-                                 _finite_float))
-            box_of = self._by_id([(r[0], r[1:]) for r in boxes], ids, box_file)
-        cls = np.array([cls_of[i] for i in ids])
-        is_train = np.array([train_of[i] == 1 for i in ids])
-        class_order = sorted(set(cls.tolist()))
-        names = self._class_names(root, class_order)
-        pos, universe = _select(protocol, split, cls, is_train, class_order, val_fraction, seed)
-        labels, _ = _remap(cls[pos], universe)
-        paths = [os.path.join(root, "images", path_of[ids[p]]) for p in pos]
-        bxs = None
-        if box_of is not None:
             # CUB boxes are (x, y, width, height) in pixels.
-            bxs = np.array([[x, y, x + w, y + h] for x, y, w, h in (box_of[ids[p]] for p in pos)],
-                           dtype=np.float64).reshape(-1, 4)
-        super().__init__(paths, labels, len(universe), transform, bxs,
-                         [names.get(c, str(c)) for c in universe])
-        self.protocol, self.split = protocol, split
-        if check_files:
-            self.check_files()
-
-    @staticmethod
-    def _by_id(rows, ids, path) -> Dict:
-        table = dict(rows)
-        missing = [i for i in ids if i not in table]
-        if missing:
-            raise DatasetFormatError(f"{path} has no entry for image id {missing[0]} "
-                                     f"({len(missing)} ids missing)")
-        return table
-
-    @staticmethod
-    def _class_names(root: str, class_order) -> Dict[int, str]:
-        path = os.path.join(root, "classes.txt")
-        if not os.path.isfile(path):  # optional: only used for names
-            return {}
-        return {c: n for c, n in _read_table(path, 2, "CUB classes.txt", (int, str))}
+            boxes = np.array(by_id("bounding_boxes.txt", (int,) + (_finite_float,) * 4),
+                             dtype=np.float64).reshape(-1, 4)
+            boxes[:, 2:] += boxes[:, :2]
+        has_names = os.path.isfile(os.path.join(root, "classes.txt"))  # optional: names only
+        self._build(root, protocol, split, cls,
+                    [os.path.join(root, "images", path_of[i]) for i in ids],
+                    lambda: _held_out(cls, is_train, val_fraction, seed), transform,
+                    check_files, boxes,
+                    dict(table("classes.txt", (int, str))) if has_names else {})
 
 
-class Cars196(ImageListDataset):
+class Cars196(_OfficialImages):
     """Stanford Cars196 (16,185 images, 196 models), the all-in-one ``cars_annos.mat`` layout.
 
     Args:
@@ -455,8 +422,7 @@ class Cars196(ImageListDataset):
                  transform: Optional[Callable] = None, bbox_crop: bool = False,
                  val_fraction: float = 0.3, seed: int = 0, check_files: bool = True):
         _check_split(protocol, split)
-        _require_dir(root, "Cars196 root folder")
-        self.root = root
+        _require(root, "Cars196 root folder", os.path.isdir)
         mat_path = os.path.join(root, "cars_annos.mat")
         mat = _loadmat(mat_path, "Cars196 annotation file cars_annos.mat", ["annotations"])
         ann = np.atleast_1d(mat["annotations"])
@@ -467,9 +433,7 @@ class Cars196(ImageListDataset):
                                      f"found {list(names)}")
         rel = [str(np.asarray(p).reshape(-1)[0]) if np.asarray(p).size else ""
                for p in ann["relative_im_path"]]
-        if any(not p for p in rel):
-            raise DatasetFormatError(f"{mat_path}: empty relative_im_path entries")
-        for i, p in enumerate(rel):
+        for i, p in enumerate(rel):  # an empty path is refused too, naming its annotation
             _inside_root(p, f"{mat_path}: annotation {i} (relative_im_path)")
         try:
             col = {f: np.array([np.asarray(v).reshape(-1)[0] for v in ann[f]], dtype=np.float64)
@@ -484,82 +448,62 @@ class Cars196(ImageListDataset):
             raise DatasetFormatError(f"{mat_path}: annotation {bad} ({rel[bad]}) has class "
                                      f"{col['class'][bad]!r}; the classes are integers from 1")
         is_train = col["test"] == 0
-        class_order = sorted(set(cls.tolist()))
         class_names = None
         if "class_names" in mat:
             cn = np.atleast_1d(mat["class_names"])
-            if len(cn) >= max(class_order):
-                class_names = [str(cn[c - 1]) for c in class_order]
-        pos, universe = _select(protocol, split, cls, is_train, class_order, val_fraction, seed)
-        labels, _ = _remap(cls[pos], universe)
-        paths = [os.path.join(root, rel[p]) for p in pos]
-        bxs = None
-        if bbox_crop:
-            rows = np.flatnonzero(~np.isfinite(np.stack([col[f][pos] for f in
-                                                         self.FIELDS[1:5]], axis=1)).all(axis=1))
+            if len(cn) >= cls.max():
+                class_names = {c: str(cn[c - 1]) for c in set(cls.tolist())}
+
+        def boxes(pos):
+            xyxy = np.stack([col[f][pos] for f in self.FIELDS[1:5]], axis=1)
+            rows = np.flatnonzero(~np.isfinite(xyxy).all(axis=1))
             if len(rows):
                 bad = int(pos[rows[0]])
                 raise DatasetFormatError(f"{mat_path}: annotation {bad} ({rel[bad]}) has a "
-                                         f"non-finite bounding box "
-                                         f"{[float(col[f][bad]) for f in self.FIELDS[1:5]]}")
+                                         f"non-finite bounding box {xyxy[rows[0]].tolist()}")
             # 1-based inclusive MATLAB pixel coordinates -> PIL's (left, upper, right, lower).
-            bxs = np.stack([col["bbox_x1"][pos] - 1, col["bbox_y1"][pos] - 1,
-                            col["bbox_x2"][pos], col["bbox_y2"][pos]], axis=1)
-        names_u = None
-        if class_names is not None:
-            names_u = [class_names[class_order.index(c)] for c in universe]
-        super().__init__(paths, labels, len(universe), transform, bxs, names_u)
-        self.protocol, self.split = protocol, split
-        if check_files:
-            self.check_files()
+            return xyxy - [1, 1, 0, 0]
+
+        self._build(root, protocol, split, cls, [os.path.join(root, p) for p in rel],
+                    lambda: _held_out(cls, is_train, val_fraction, seed), transform,
+                    check_files, boxes if bbox_crop else None, class_names)
 
 
-class Flowers102(ImageListDataset):
+class Flowers102(_OfficialImages):
     """Oxford 102 Flowers (8,189 images) with its official train/val/test split.
 
     Args:
-        root: folder holding ``jpg/image_NNNNN.jpg`` (five digits), ``imagelabels.mat`` (``labels``, 1..102)
-            and ``setid.mat`` (``trnid``, ``valid``, ``tstid``: 1-based image numbers).
-        split: "train", "val", "trainval" or "test" (classification only; "metric" splits the
-            102 classes 51/51 like the other datasets).
+        root: folder holding ``jpg/image_NNNNN.jpg`` (five digits), ``imagelabels.mat``
+            (``labels``, 1..102) and ``setid.mat`` (``trnid``, ``valid``, ``tstid``: 1-based
+            image numbers).
+        split: "train", "val", "trainval" or "test" (classification; "metric" splits the 102
+            classes 51/51 like the other datasets).
         protocol, transform, check_files: as for :class:`CUB200`.
     """
 
     def __init__(self, root: str, split: str = "train", protocol: str = "classification",
                  transform: Optional[Callable] = None, check_files: bool = True):
         _check_split(protocol, split)
-        _require_dir(root, "Flowers102 root folder")
-        self.root = root
+        _require(root, "Flowers102 root folder", os.path.isdir)
         lab_path = os.path.join(root, "imagelabels.mat")
         set_path = os.path.join(root, "setid.mat")
-        labels_all = _int_vector(_loadmat(lab_path, "Flowers102 imagelabels.mat", ["labels"]),
-                                 "labels", lab_path)
+        labels = _int_vector(_loadmat(lab_path, "Flowers102 imagelabels.mat", ["labels"]),
+                             "labels", lab_path)
         sets = _loadmat(set_path, "Flowers102 setid.mat", ["trnid", "valid", "tstid"])
         ids = {k: _int_vector(sets, k, set_path) for k in ("trnid", "valid", "tstid")}
-        n = len(labels_all)
+        n = len(labels)
         for k, v in ids.items():
             if len(v) and (v.min() < 1 or v.max() > n):
                 raise DatasetFormatError(f"{set_path}: {k} holds image number "
                                          f"{v.min() if v.min() < 1 else v.max()} but "
                                          f"{lab_path} labels only {n} images")
-        class_order = sorted(set(labels_all.tolist()))
-        if protocol == "metric":
-            pos, universe = _select(protocol, split, labels_all, None, class_order, 0.0, 0)
-        else:
-            universe = class_order
-            pos = {"train": ids["trnid"] - 1, "val": ids["valid"] - 1, "test": ids["tstid"] - 1,
-                   "trainval": np.concatenate([ids["trnid"], ids["valid"]]) - 1}[split]
-            pos = np.sort(pos)
-        labels, _ = _remap(labels_all[pos], universe)
-        paths = [os.path.join(root, "jpg", f"image_{p + 1:05d}.jpg") for p in pos]
-        super().__init__(paths, labels, len(universe), transform, None,
-                         [str(c) for c in universe])
-        self.protocol, self.split = protocol, split
-        if check_files:
-            self.check_files()
+        self._build(root, protocol, split, labels,
+                    [os.path.join(root, "jpg", f"image_{p + 1:05d}.jpg") for p in range(n)],
+                    lambda: {"train": ids["trnid"] - 1, "val": ids["valid"] - 1,
+                             "test": ids["tstid"] - 1}, transform, check_files, names={})
 
 
-class Leafsnap(ImageListDataset):
+class Leafsnap(_OfficialImages):
     """Leafsnap (field images only by default: 185 species photographed outdoors).
 
     Args:
@@ -584,9 +528,8 @@ class Leafsnap(ImageListDataset):
         _check_split(protocol, split)
         if source not in ("field", "lab", "all"):
             raise ValueError(f"source must be 'field', 'lab' or 'all', got {source!r}")
-        _require_dir(root, "Leafsnap root folder")
-        self.root = root
-        index = _require_file(os.path.join(root, self.INDEX), "Leafsnap index file")
+        _require(root, "Leafsnap root folder", os.path.isdir)
+        index = _require(os.path.join(root, self.INDEX), "Leafsnap index file")
         rows = []
         with open(index, encoding="utf-8", newline="") as f:
             reader = csv.reader(_text_lines(f, index), delimiter="\t")
@@ -610,20 +553,11 @@ class Leafsnap(ImageListDataset):
         if not rows:
             raise DatasetFormatError(f"{index} lists no images with source == {source!r}")
         species = np.array([r[3] for r in rows])
-        class_order = sorted(set(species.tolist()))
-        if protocol == "metric":
-            pos, universe = _select(protocol, split, species, None, class_order, 0.0, 0)
-        else:
-            universe = class_order
-            tr, va, te = stratified_split(species, fractions, seed)
-            pos = {"train": tr, "val": va, "test": te,
-                   "trainval": np.union1d(tr, va)}[split]
-        labels, _ = _remap(species[pos], universe)
-        paths = [os.path.join(root, rows[p][1]) for p in pos]
-        super().__init__(paths, labels, len(universe), transform, None, universe)
-        self.protocol, self.split, self.source = protocol, split, source
-        if check_files:
-            self.check_files()
+        self._build(root, protocol, split, species, [os.path.join(root, r[1]) for r in rows],
+                    lambda: dict(zip(("train", "val", "test"),
+                                     stratified_split(species, fractions, seed))),
+                    transform, check_files, names={})
+        self.source = source
 
 
 #: name -> class, for command-line scripts.
@@ -673,25 +607,18 @@ IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
              "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 
-class _IDXInfo:
-    """How to get one MNIST-format data set (for error messages) and its torchvision folder."""
-
-    def __init__(self, name: str, folder: str, get: str):
-        self.name, self.folder, self.get = name, folder, get
-
+#: How to get one MNIST-format data set (for error messages) and its torchvision folder.
+_IDXInfo = namedtuple("_IDXInfo", "name folder get")
 
 IDX_SETS = {
-    "fashion-mnist": _IDXInfo(
-        "Fashion-MNIST", "FashionMNIST",
-        "install it with `apt-get install dataset-fashion-mnist` (files in "
-        "/usr/share/datasets/fashion-mnist) or download the four official files from "
-        "https://github.com/zalandoresearch/fashion-mnist"),
-    "mnist": _IDXInfo(
-        "MNIST", "MNIST",
-        "download the four official files from http://yann.lecun.com/exdb/mnist/"),
-    "kmnist": _IDXInfo(
-        "KMNIST", "KMNIST",
-        "download the four official files from https://github.com/rois-codh/kmnist"),
+    "fashion-mnist": _IDXInfo("Fashion-MNIST", "FashionMNIST", "install it with `apt-get "
+                              "install dataset-fashion-mnist` (files in /usr/share/datasets/"
+                              "fashion-mnist) or download the four official files from "
+                              "https://github.com/zalandoresearch/fashion-mnist"),
+    "mnist": _IDXInfo("MNIST", "MNIST", "download the four official files from "
+                      "http://yann.lecun.com/exdb/mnist/"),
+    "kmnist": _IDXInfo("KMNIST", "KMNIST", "download the four official files from "
+                       "https://github.com/rois-codh/kmnist"),
 }
 
 
@@ -703,17 +630,16 @@ _IDX_SURPLUS_COUNTED = 1 << 24
 
 
 def read_idx(path: str, hint: str = "", max_bytes: int = IDX_MAX_BYTES) -> np.ndarray:
-    """Read one IDX file (gzipped if its name ends in ``.gz``) into a numpy array.
+    """One IDX file (gzipped if its name ends in ``.gz``) as a numpy array in native byte order.
 
     The header is checked against the file (known type, >= 1 dimension, a payload of at most
     ``max_bytes`` and exactly as declared), reading no further than the declared size; any
-    mismatch or unreadable gzip raises :class:`DatasetFormatError` naming ``path`` plus
-    ``hint``. Returns the array in native byte order.
+    mismatch or unreadable gzip raises :class:`DatasetFormatError` naming ``path``, + ``hint``.
     """
     import gzip
     import zlib
 
-    _require_file(path, "IDX file")
+    _require(path, "IDX file")
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
             data = _read_idx_stream(f, path, hint, max_bytes)
@@ -770,31 +696,24 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
 
 
 def find_idx_file(root: str, stem: str, folder: str = "FashionMNIST") -> str:
-    """The path of IDX file ``stem`` (raw, else ``stem.gz``) under ``root``.
-
-    Looked for in ``root``, ``root/raw`` and ``root/<folder>/raw`` (torchvision's layout);
-    FileNotFoundError lists the places looked in.
-    """
-    dirs = [root, os.path.join(root, "raw"), os.path.join(root, folder, "raw")]
-    tried = []
-    for d in dirs:
-        for name in (stem, stem + ".gz"):
-            p = os.path.join(d, name)
-            tried.append(p)
-            if os.path.isfile(p):
-                return p
+    """The path of IDX file ``stem`` (raw, else ``stem.gz``) in ``root``, ``root/raw`` or
+    ``root/<folder>/raw`` (torchvision's layout); FileNotFoundError lists the places."""
+    dirs = (root, os.path.join(root, "raw"), os.path.join(root, folder, "raw"))
+    tried = [os.path.join(d, name) for d in dirs for name in (stem, stem + ".gz")]
+    for p in tried:
+        if os.path.isfile(p):
+            return p
     raise FileNotFoundError(f"{stem}[.gz] not found; looked for {', '.join(tried)}")
 
 
 class IDXDataset(IndexedTensorDataset):
-    """An MNIST-format data set (Fashion-MNIST, MNIST, KMNIST) read from its IDX files.
-
-    Items are ``(image, label, idx)``: a (1, H, W) float32 image in [0, 1] (or ``transform``
-    of it), an int64 0-dim label and the position.
+    """An MNIST-format data set (Fashion-MNIST, MNIST, KMNIST) read from its IDX files; items
+    ``(image, label, idx)``: a (1, H, W) float32 image in [0, 1] (or ``transform`` of it), an
+    int64 0-dim label and the position. Errors name the file and say how to get the data set.
 
     Args:
-        root: a local folder with the four official files, gzipped or not, flat or in
-            torchvision's layout (:func:`find_idx_file`). Nothing is downloaded.
+        root: a folder with the four official files, gzipped or not, flat or in
+            torchvision's layout (:func:`find_idx_file`).
         split: "train" or "test".
         classes: keep only these official classes, labelled 0.. in the order given; None
             keeps all ten.
@@ -802,7 +721,6 @@ class IDXDataset(IndexedTensorDataset):
         name: "fashion-mnist", "mnist" or "kmnist".
     Attributes:
         inputs, labels, num_classes, classes (official ids kept), official_labels, files.
-    Errors name the file and say how to get the data set.
     """
 
     NUM_CLASSES = 10
@@ -841,16 +759,12 @@ class IDXDataset(IndexedTensorDataset):
             bad = int(np.flatnonzero(labels >= self.NUM_CLASSES)[0])
             raise DatasetFormatError(f"{lab_path}: label {int(labels[bad])} at item {bad} is "
                                      f"outside 0..{self.NUM_CLASSES - 1}{hint}")
-        if classes is None:
-            keep = np.arange(len(labels))
-            order = list(range(self.NUM_CLASSES))
-        else:
-            order = [int(c) for c in classes]
-            if not order or len(set(order)) != len(order) or \
-                    any(not 0 <= c < self.NUM_CLASSES for c in order):
-                raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
-                                 f"got {list(classes)}")
-            keep = np.flatnonzero(np.isin(labels, order))
+        order = list(range(self.NUM_CLASSES)) if classes is None else [int(c) for c in classes]
+        if not order or len(set(order)) != len(order) or \
+                any(not 0 <= c < self.NUM_CLASSES for c in order):
+            raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
+                             f"got {list(classes)}")
+        keep = np.flatnonzero(np.isin(labels, order))
         official = labels[keep].astype(np.int64)
         lut = np.full(self.NUM_CLASSES, -1, dtype=np.int64)
         lut[order] = np.arange(len(order))
@@ -863,8 +777,8 @@ class IDXDataset(IndexedTensorDataset):
         self.split, self.name = split, name
 
     def __repr__(self) -> str:
-        return (f"IDXDataset({getattr(self, 'name', '?')}, split={getattr(self, 'split', '?')}, "
-                f"items={len(self)}, classes={getattr(self, 'classes', '?')})")
+        return (f"IDXDataset({self.name}, split={self.split}, items={len(self)}, "
+                f"classes={self.classes})")
 
 
 def FashionMNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
@@ -884,7 +798,3 @@ def KMNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = N
            transform: Optional[Callable] = None) -> IDXDataset:
     """Kuzushiji-MNIST, same format. See :class:`IDXDataset`."""
     return IDXDataset(root, split, classes, transform, name="kmnist")
-
-
-__all__ += ["read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST", "KMNIST",
-            "IDX_SETS", "IDX_FILES"]

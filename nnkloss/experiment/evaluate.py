@@ -55,10 +55,8 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
     if int(idx.min()) < 0 or int(idx.max()) != n - 1 or len(torch.unique(idx)) != n:
         raise ValueError(f"the loader's idx values must be 0..N-1, each once (got {n} items, "
                          f"idx range {int(idx.min())}..{int(idx.max())})")
-    out_e = torch.empty(n, emb.shape[1], dtype=torch.float32)
-    out_l = torch.empty(n, dtype=torch.int64)
-    out_e[idx], out_l[idx] = emb, lab
-    return out_e, out_l
+    order = torch.argsort(idx)  # row i: the item with idx == i
+    return emb[order], lab[order]
 
 
 def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend: str = "auto",
@@ -80,9 +78,7 @@ def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend
                       "are undefined; reported as None", stacklevel=2)
     res = (evaluate(emb, labels, usable, map_at_r=with_map, search_backend=search_backend)
            if usable or with_map else {})
-    out = {f"recall@{k}": res.get(f"recall@{k}") for k in ks}
-    out["map@r"] = res.get("map@r")
-    out["r_precision"] = res.get("r_precision")
+    out = {key: res.get(key) for key in [f"recall@{k}" for k in ks] + ["map@r", "r_precision"]}
     out["nmi"] = float(nmi(emb, labels, seed=seed)) if n >= 2 else None
     return out
 

@@ -7,7 +7,7 @@ architectures start from ``weights=None``; pretrained weights come from a local 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,15 +15,8 @@ from torch import Tensor, nn
 
 from ..checksum import load_weights_only
 
-__all__ = [
-    "DigitsNet",
-    "EmbeddingNet",
-    "SoftmaxHead",
-    "build_embedding_net",
-    "load_state_dict_file",
-    "ARCHITECTURES",
-    "MIN_IMAGE_SIZE",
-]
+__all__ = ["DigitsNet", "EmbeddingNet", "SoftmaxHead", "build_embedding_net",
+           "load_state_dict_file", "ARCHITECTURES", "MIN_IMAGE_SIZE"]
 
 #: Smallest square input each architecture accepts.
 MIN_IMAGE_SIZE = {"googlenet": 16, "alexnet": 63, "vgg16": 32, "resnet50": 16}
@@ -134,24 +127,20 @@ def load_state_dict_file(path: str) -> dict:
     return obj
 
 
-def _load_into(model: nn.Module, path: str, drop_prefixes: Sequence[str]) -> None:
+def _load_into(model: nn.Module, path: str, drop_prefixes: Tuple[str, ...]) -> None:
     """Load ``path`` into ``model``; the layers being replaced (``drop_prefixes``) may differ or
     be absent, everything else must match exactly."""
-    sd = {k: v for k, v in load_state_dict_file(path).items()
-          if not any(k.startswith(p) for p in drop_prefixes)}
-    own = {k: v for k, v in model.state_dict().items()
-           if not any(k.startswith(p) for p in drop_prefixes)}
-    missing = sorted(set(own) - set(sd))
-    unexpected = sorted(set(sd) - set(own))
-    mismatched = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
-    if missing or unexpected or mismatched:
-        def _few(keys):
-            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-        parts = [f"missing keys: {_few(missing)}" if missing else "",
-                 f"unexpected keys: {_few(unexpected)}" if unexpected else "",
-                 f"shape mismatch: {_few(mismatched)}" if mismatched else ""]
+    sd, own = ({k: v for k, v in d.items() if not k.startswith(drop_prefixes)}
+               for d in (load_state_dict_file(path), model.state_dict()))
+    problems = {"missing keys": sorted(set(own) - set(sd)),
+                "unexpected keys": sorted(set(sd) - set(own)),
+                "shape mismatch": sorted(k for k in set(own) & set(sd)
+                                         if own[k].shape != sd[k].shape)}
+    if any(problems.values()):
         raise ValueError(f"pretrained weights {path} do not fit {type(model).__name__}: "
-                         + "; ".join(p for p in parts if p))
+                         + "; ".join(f"{what}: {', '.join(keys[:5])}"
+                                     + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+                                     for what, keys in problems.items() if keys))
     model.load_state_dict(sd, strict=False)
 
 
@@ -173,7 +162,8 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
     try:
         from torchvision import models
     except ImportError as e:  # pragma: no cover - torchvision is in the "vision" extra
-        raise ImportError("the image architectures need torchvision (pip install torchvision)") from e
+        raise ImportError("the image architectures need torchvision (pip install "
+                          "torchvision)") from e
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
     if arch == "googlenet":

@@ -1,5 +1,5 @@
-"""One-call PNG plots: embedding maps, Recall@K and training curves (matplotlib, Agg, and
-scikit-learn are imported only when a plot is made)."""
+"""One-call plots: embedding maps, Recall@K and training curves, written atomically
+(matplotlib, Agg, and scikit-learn are imported only when a plot is made)."""
 from __future__ import annotations
 
 import os
@@ -29,9 +29,7 @@ def _pyplot():
 def _to_numpy(name: str, x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        return x.numpy()
+        return (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).numpy()
     if isinstance(x, np.ndarray):
         return x
     raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
@@ -63,20 +61,15 @@ def _project(x: np.ndarray, method: str, seed: int, perplexity: float) -> np.nda
 def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional[int] = 5000,
                    seed: int = 0, perplexity: float = 30.0, title: Optional[str] = None,
                    point_size: float = 6.0) -> str:
-    """Project embeddings to 2-D and save a scatter plot coloured by class as a PNG.
+    """Save a scatter plot of embeddings projected to 2-D, coloured by class; returns ``path``.
 
     Args:
-        emb: (N, D) float embeddings (tensor or numpy array).
-        labels: (N,) integer labels (colours).
-        path: output PNG path (its directory must exist).
+        emb: (N, D) float embeddings (tensor or numpy array); labels: (N,) integer labels.
+        path: output image path (its directory must exist; the format by its extension).
         method: "tsne" or "pca".
         max_points: plot a random subset of this many points (None: all).
-        seed: subset and projection seed.
-        perplexity: t-SNE perplexity (clamped below N/3).
+        seed: subset and projection seed; perplexity: t-SNE's (clamped below N/3).
         title, point_size: figure title (default: the method) and marker size.
-
-    Returns:
-        ``path``.
     """
     x = _to_numpy("emb", emb)
     y = _to_numpy("labels", labels)
@@ -103,15 +96,14 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 7))
     classes = np.unique(y)
-    cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20" if len(classes) <= 20
-                        else "gist_ncar")
-    colours = np.searchsorted(classes, y) / max(1, len(classes) - 1) \
-        if len(classes) > 20 else np.searchsorted(classes, y)
-    ax.scatter(xy[:, 0], xy[:, 1], c=cmap(colours), s=point_size, linewidths=0)
-    if len(classes) <= 20:  # beyond that a legend hides the picture
+    few = len(classes) <= 20  # beyond that a legend hides the picture
+    cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20" if few else "gist_ncar")
+    colours = np.searchsorted(classes, y)  # a listed map's index, else a place in [0, 1]
+    ax.scatter(xy[:, 0], xy[:, 1], c=cmap(colours if few else colours / (len(classes) - 1)),
+               s=point_size, linewidths=0)
+    if few:
         from matplotlib.lines import Line2D
-        handles = [Line2D([], [], marker="o", linestyle="", markersize=5,
-                          color=cmap(i),
+        handles = [Line2D([], [], marker="o", linestyle="", markersize=5, color=cmap(i),
                           label=str(c)) for i, c in enumerate(classes)]
         ax.legend(handles=handles, title="class", loc="best", fontsize=8, markerscale=1.2,
                   ncol=1 if len(classes) <= 10 else 2)
@@ -124,16 +116,12 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
 
 def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
                       title: str = "Recall@K", log_x: bool = True) -> str:
-    """Save Recall@K curves of one or more named methods as a PNG.
+    """Save Recall@K curves of one or more named methods; returns ``path``.
 
     Args:
         results: {method name: {K: recall in [0, 1]}}.
-        path: output PNG path (its directory must exist).
-        title: figure title.
-        log_x: K on a log2 axis.
-
-    Returns:
-        ``path``.
+        path: output image path (its directory must exist).
+        title: figure title; log_x: K on a log2 axis.
     """
     if not isinstance(results, Mapping) or not results:
         raise ValueError("results must be a non-empty {name: {k: recall}} mapping")
@@ -170,10 +158,9 @@ def plot_training_curves(histories: Mapping[str, List[Mapping]], path: str,
 
     Args:
         histories: {run name: Trainer.history (list of per-epoch dicts with "epoch")}.
-        path: PNG path (its directory must exist).
+        path: output image path (its directory must exist); returned.
         keys: which logged values to plot; runs lacking a key are skipped in that panel.
-    Returns:
-        ``path``.
+        title: figure title.
     """
     if not histories:
         raise ValueError("histories is empty")

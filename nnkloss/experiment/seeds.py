@@ -1,9 +1,6 @@
-"""Seeds: the range a user's seed must lie in, and the streams derived from it.
-
-Seeds lie in [0, 2**32), the range every global generator (Python, NumPy, scikit-learn,
-torch) takes unchanged, so that two seeds never name one stream. Streams of a seed and further
-numbers come from ``np.random.SeedSequence`` over the whole key: distinct keys, distinct
-streams.
+"""Seeds: integers in [0, 2**32), the range every global generator (Python, NumPy,
+scikit-learn, torch) takes unchanged, so that two seeds never name one stream; the streams of
+a seed and further numbers come from ``np.random.SeedSequence`` over the whole key.
 """
 from __future__ import annotations
 

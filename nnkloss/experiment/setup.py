@@ -3,6 +3,7 @@ loaders, and the kernel-loss / softmax criteria."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from typing import Iterable, Optional, Tuple
@@ -61,6 +62,7 @@ def start_run(device_name: Optional[str], out_dir: str) -> torch.device:
     return device
 
 
+_AGAIN = ": pass --restart to train it afresh, or another --out"
 #: Script options that do not change what a run trains (epochs are checked apart).
 NOT_SETTINGS = ("out", "data_root", "device", "workers", "no_progress", "restart",
                 "embedding_plot", "eval_every", "epochs")
@@ -86,25 +88,21 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
             with open(path, encoding="utf-8") as f:
                 old = json.load(f)
         except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-            raise SystemExit(f"{path} cannot be read as the run's settings ({exc}): pass "
-                             f"--restart to train it afresh, or another --out") from None
+            raise SystemExit(f"{path} cannot be read as the run's settings ({exc}){_AGAIN}"
+                             ) from None
         if not isinstance(old, dict):
-            raise SystemExit(f"{path} holds {type(old).__name__}, not the run's settings: pass "
-                             f"--restart to train it afresh, or another --out")
+            raise SystemExit(f"{path} holds {type(old).__name__}, not the run's settings{_AGAIN}")
         differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
         if differ:
             raise SystemExit(f"{run_dir} holds a checkpoint trained with other settings ("
                              + ", ".join(f"{k}: {old.get(k)!r}, now {settings.get(k)!r}"
-                                         for k in differ)
-                             + "): pass --restart to train it afresh, or another --out")
+                                         for k in differ) + f"){_AGAIN}")
     if nkd.is_main_process():
         os.makedirs(run_dir, exist_ok=True)
         if restart:
             # Before the new settings: they must never stand beside the old checkpoint.
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(checkpoint)
-            except FileNotFoundError:
-                pass
         write_json(path, settings)
 
 
@@ -112,8 +110,7 @@ def check_epochs(trainer, epochs: int) -> None:
     """SystemExit when the Trainer's (resumed) run is past ``epochs``."""
     if trainer.epoch > int(epochs):
         raise SystemExit(f"{trainer.out_dir} holds a checkpoint of {trainer.epoch} epochs, more "
-                         f"than --epochs {epochs}: pass --restart to train it afresh, or "
-                         f"another --out")
+                         f"than --epochs {epochs}{_AGAIN}")
 
 
 def image_transforms(image_size: int = 224, train: bool = True):
@@ -147,9 +144,7 @@ def make_loader(ds: Dataset, batch_size: int, shuffle: bool, workers: int = 0,
 
 def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.Tensor, dim: int,
                      sigma: float, k: int, device, learn_weights: bool = False,
-                     learn_sigma: bool = False, ensure_positive: bool = False,
-                     search_backend: str = "auto", progress: bool = True,
-                     async_mode: bool = False, recalibrate_bn=True
+                     learn_sigma: bool = False, progress: bool = True, **refresher_options
                      ) -> Tuple[NeighbourKernelLoss, Refresher]:
     """The kernel loss over a bank of the training set, and the Refresher that fills it.
 
@@ -157,13 +152,12 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
         model: the embedding network.
         ordered_loader: the training set without augmentation, yielding (x, label, idx).
         labels: (N,) labels of the training set (bank row i = item i).
-        dim: embedding size D.
+        dim: embedding size D; device: where the bank lives.
         sigma, learn_sigma: as in :class:`NeighbourKernelLoss`; learn_weights: as in
             :class:`CentreBank`.
         k: neighbour-list length, clamped to N - 1.
-        device: where the bank lives.
-        ensure_positive, search_backend, progress, async_mode, recalibrate_bn: for the
-            :class:`Refresher`.
+        progress, refresher_options: for the :class:`Refresher` (ensure_positive,
+            search_backend, async_mode, recalibrate_bn, ...).
     Returns:
         (criterion, refresher); the bank starts as zeros until the first refresh.
     """
@@ -171,14 +165,12 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
     n = len(labels)
     if n < 2:
         raise ValueError(f"the training set has {n} items; the kernel loss needs at least 2")
-    bank = CentreBank(torch.zeros(n, dim, device=device), torch.as_tensor(labels).long().to(device),
-                      learn_weights=learn_weights)
+    bank = CentreBank(torch.zeros(n, dim, device=device),
+                      torch.as_tensor(labels).long().to(device), learn_weights=learn_weights)
     criterion = NeighbourKernelLoss(bank, sigma=sigma, learn_sigma=learn_sigma)
-    refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1),
-                          search_backend=search_backend,
-                          ensure_positive=ensure_positive, device=device, progress=progress,
-                          async_mode=async_mode, sigma=criterion,  # its current sigma
-                          recalibrate_bn=recalibrate_bn)
+    refresher = Refresher(bank, model, ordered_loader, k=min(int(k), n - 1), device=device,
+                          progress=progress, sigma=criterion,  # its current sigma
+                          **refresher_options)
     return criterion, refresher
 
 

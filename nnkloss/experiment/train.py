@@ -1,18 +1,13 @@
 """The training loop of the reproduction scripts: :class:`Trainer` and :func:`fit`.
 
-One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss``: a bank
-loss kept current by a :class:`nnkloss.Refresher`, or a softmax head. The loader yields
-``(inputs, labels, idx)``, ``idx`` the bank rows of the batch.
-
-``out_dir`` receives, atomically: ``log.csv``/``log.json`` (one row per epoch) and
-``checkpoint.pt`` (the full training state, checksummed, read weights-only; see
-:mod:`nnkloss.experiment.checkpoint`). ``fit(..., resume=True)`` continues from it. Each epoch
-reseeds the RNGs from ``(seed, epoch)`` (and the rank), so an interrupted run repeats itself
-(leave the DataLoader's ``generator`` unset).
-
-Under torchrun (:func:`nnkloss.distributed.init_from_env`, loaders from
-:func:`nnkloss.distributed.shard_loader`) the network runs in DDP, steps follow the global-batch
-mean, sigma and bank weights are averaged across ranks, and only rank 0 writes files.
+One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss`` (a bank
+loss kept current by a :class:`nnkloss.Refresher`, or a softmax head), over a loader yielding
+``(inputs, labels, idx)``, ``idx`` the batch's bank rows. ``out_dir`` receives, atomically,
+``log.csv``/``log.json`` (one row per epoch) and ``checkpoint.pt`` (:mod:`.checkpoint`), from
+which ``fit(..., resume=True)`` continues. Each epoch reseeds the RNGs from ``(seed, epoch)``
+(and the rank), so an interrupted run repeats itself (leave the loader's ``generator`` unset).
+Under torchrun (:mod:`nnkloss.distributed`) the network runs in DDP, steps follow the
+global-batch mean, the loss's parameters are averaged across ranks and only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -29,7 +24,7 @@ from .bank_upkeep import BankUpkeep
 from .logs import json_safe, write_logs
 from .seeds import check_seed, seed_everything
 from ..losses.base import BankLoss
-from ..validation import value_checks, value_checks_enabled
+from ..validation import require_positive_int, value_checks, value_checks_enabled
 from .. import distributed as _dist
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
@@ -59,24 +54,18 @@ def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_deca
     seen = set()
 
     def take(params) -> List[Tensor]:
-        out = []
-        for p in params:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        out = {id(p): p for p in params if p.requires_grad and id(p) not in seen}
+        seen.update(out)
+        return list(out.values())
 
     net = take(model.parameters())
     net += take(declared.get("other", ()))
-    sig = take(declared.get("sigma", ()))
-    wts = take(declared.get("weights", ()))
     groups = [{"params": net, "lr": lr, "weight_decay": weight_decay, "name": "network"}]
-    if sig:
-        groups.append({"params": sig, "lr": lr if sigma_lr is None else sigma_lr,
-                       "weight_decay": 0.0, "name": "sigma"})
-    if wts:
-        groups.append({"params": wts, "lr": lr if weights_lr is None else weights_lr,
-                       "weight_decay": 0.0, "name": "weights"})
+    for name, rate in (("sigma", sigma_lr), ("weights", weights_lr)):
+        params = take(declared.get(name, ()))
+        if params:
+            groups.append({"params": params, "lr": lr if rate is None else rate,
+                           "weight_decay": 0.0, "name": name})
     return groups
 
 
@@ -86,44 +75,37 @@ class Trainer:
     Args:
         model: maps a batch of inputs to (B, D) embeddings.
         criterion: ``criterion(emb, labels, idx) -> 0-dim loss``: a
-            :class:`nnkloss.losses.BankLoss` or any module (SoftmaxHead, ...). Its parameters
-            are trained too, grouped by its ``parameter_groups()`` ("sigma", "weights",
-            "other"; without one, all "other"), never by name.
+            :class:`nnkloss.losses.BankLoss` or any module (SoftmaxHead, ...), trained too by
+            its ``parameter_groups()`` ("sigma", "weights", "other"; without one, all "other").
         train_loader: yields ``(inputs, labels, idx)``.
         device: where the model and criterion live.
         optimizer: "sgd" (with ``momentum``), "adam" or "adamw".
         lr, weight_decay: for the network and the criterion's "other" parameters.
         sigma_lr, weights_lr: rates of the "sigma" / "weights" groups (default ``lr``), no decay.
-        refresher: a :class:`nnkloss.Refresher`; required for a bank loss. It builds the bank
-            before the first step, then per ``schedule``; with ``async_mode=True`` refreshes run
-            in the background and are swapped in when done (waited for before a checkpoint).
+        refresher: a :class:`nnkloss.Refresher`, required for a bank loss: it builds the bank
+            before the first step, then per ``schedule`` (in the background if asynchronous).
         schedule: a :class:`nnkloss.RefreshSchedule` (default: every 10 epochs); checkpointed.
         amp: float16 autocast + GradScaler, on CUDA devices only.
         out_dir: where logs and checkpoints go (None: no files).
         seed: base seed in [0, 2**32); epoch e seeds from (seed, e) (and the rank).
-        progress: one tqdm bar for the run.
+        progress, desc: one tqdm bar for the run, and its label.
         eval_fn: ``eval_fn(model, criterion, epoch) -> dict``, run in eval mode under no_grad
             every ``eval_every`` epochs and after the last; logged with the epoch.
         checkpoint_every: epochs between checkpoints (the last epoch always gets one).
         log_every: steps between progress-bar updates (each syncs once).
         grad_clip: clip the gradient norm of all trained parameters (None: off).
         fresh_centres: None or a momentum in [0, 1): after each step the step's embeddings are
-            written into the bank at ``idx`` (:meth:`nnkloss.CentreBank.write_centres_`); under
-            torch.distributed every rank writes every rank's rows, so banks stay identical.
-        neighbours_every_steps: None or N: every N steps (counted over the run) the lists are
-            rebuilt from the current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`),
-            unless a synchronous refresh does so at that step. Logs ``neighbours_rebuilds``,
-            ``neighbours_time_s``, ``neighbours_overlap``, ``neighbours_positive_share`` and
-            ``neighbours_mean_kernel``.
+            written into the bank at ``idx`` (:meth:`nnkloss.CentreBank.write_centres_`).
+        neighbours_every_steps: None or N: every N steps the lists are rebuilt from the
+            current centres (:meth:`nnkloss.Refresher.rebuild_neighbours`).
         warm_start_steps: 0 or S: one extra full refresh after step S, so that training does
             not spend a whole interval on centres of the random initialisation.
         threads: None (torch's setting untouched) or the ``torch.set_num_threads`` count for
-            :meth:`fit` (initial bank included), restored when it returns.
+            :meth:`fit`, restored when it returns.
 
     Value checks (:func:`nnkloss.value_checks`) run as the caller set them in each :meth:`fit`'s
-    first step and off afterwards (no per-step sync). Later rows whose labels disagree with the
-    bank's are dropped by the loss and counted; a non-zero count raises ValueError at the
-    epoch's end.
+    first step only (no per-step sync). Rows whose labels disagree with the bank's are dropped
+    by the loss and counted; a non-zero count raises ValueError at the epoch's end.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, train_loader: Iterable, *,
@@ -135,16 +117,17 @@ class Trainer:
                  eval_fn: Optional[Callable[[nn.Module, nn.Module, int], Dict[str, float]]] = None,
                  eval_every: int = 1, checkpoint_every: int = 1, log_every: int = 10,
                  grad_clip: Optional[float] = None, desc: str = "train",
-                 fresh_centres: Optional[float] = None, neighbours_every_steps: Optional[int] = None,
-                 warm_start_steps: int = 0, threads: Optional[int] = None):
+                 fresh_centres: Optional[float] = None,
+                 neighbours_every_steps: Optional[int] = None, warm_start_steps: int = 0,
+                 threads: Optional[int] = None):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")
-        for name, v in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
-                        ("log_every", log_every)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.eval_every = require_positive_int("eval_every", eval_every)
+        self.checkpoint_every = require_positive_int("checkpoint_every", checkpoint_every)
+        self.log_every = require_positive_int("log_every", log_every)
+        self.threads = None if threads is None else require_positive_int("threads", threads)
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.criterion = criterion.to(self.device)
@@ -156,24 +139,22 @@ class Trainer:
                              "update its bank (nnkloss.Refresher)")
         self.upkeep = BankUpkeep(self.criterion, self.model, refresher, schedule,
                                  fresh_centres, neighbours_every_steps, warm_start_steps)
+        self.refresher, self.schedule = self.upkeep.refresher, self.upkeep.schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
-        elif optimizer == "adam":
-            self.optimizer = torch.optim.Adam(groups, lr=lr)
         else:
-            self.optimizer = torch.optim.AdamW(groups, lr=lr)
+            self.optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
+                groups, lr=lr)
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir
+        self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME) if out_dir else None
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
         self.seed = check_seed(seed)  # -1 and 2**32 - 1 were one stream (mod 2**32)
         self.progress = progress
         self.eval_fn = eval_fn
-        self.eval_every = int(eval_every)
-        self.checkpoint_every = int(checkpoint_every)
-        self.log_every = int(log_every)
         self.grad_clip = grad_clip
         self.desc = desc
         self.epoch = 0          # epochs completed
@@ -181,37 +162,8 @@ class Trainer:
         self.history: List[Dict[str, Any]] = []
         self._bar = None
         self._check_next_step = True
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or threads < 1):
-            raise ValueError(f"threads must be None or a positive int, got {threads!r}")
-        self.threads = threads
         # The training data as given (before any refresh): a checkpoint must match it.
         self._data = _ckpt.data_fingerprint(self.criterion)
-
-    # Read-only views of the BankUpkeep's options.
-    @property
-    def refresher(self):
-        return self.upkeep.refresher
-
-    @property
-    def schedule(self):
-        return self.upkeep.schedule
-
-    @property
-    def fresh_centres(self) -> Optional[float]:
-        return self.upkeep.fresh_centres
-
-    @property
-    def neighbours_every_steps(self) -> Optional[int]:
-        return self.upkeep.neighbours_every_steps
-
-    @property
-    def warm_start_steps(self) -> int:
-        return self.upkeep.warm_start_steps
-
-    @property
-    def checkpoint_path(self) -> Optional[str]:
-        return os.path.join(self.out_dir, CHECKPOINT_NAME) if self.out_dir else None
 
     def state_dict(self) -> Dict[str, Any]:
         """The full training state, in the form a weights-only load reads back."""
@@ -236,10 +188,7 @@ class Trainer:
         (ValueError naming what differs), then criterion (bank validated), model and optimiser;
         a refused part puts back every part already loaded. A background refresh in flight is
         finished first (its error raised), so that it cannot overwrite the loaded bank."""
-        if not isinstance(state, dict) or state.get("format") != _ckpt.FORMAT:
-            fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a Trainer checkpoint of format {_ckpt.FORMAT!r} "
-                             f"(format {fmt!r})")
+        _ckpt.check_format(state, where)
         _ckpt.check_data(state.get("data"), self._data, where)
         self.upkeep.finish_async()
         before = _cpu_copy(self.state_dict())
@@ -301,9 +250,8 @@ class Trainer:
 
     def write_logs(self) -> None:
         """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""
-        if not self.out_dir or not _dist.is_main_process():
-            return
-        write_logs(self.out_dir, self.history)
+        if self.out_dir and _dist.is_main_process():
+            write_logs(self.out_dir, self.history)
 
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
         """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
@@ -313,18 +261,14 @@ class Trainer:
     def _fit_optimizer_state(self) -> None:
         """Resize optimiser state to parameters resized in place (a grown or shrunk bank's
         ``log_weights``): kept rows keep theirs, new rows start at zero."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p)
-                if not state:
-                    continue
-                for key, v in list(state.items()):
-                    if (isinstance(v, Tensor) and v.dim() == p.dim() and v.dim() > 0
-                            and v.shape != p.shape):
-                        fitted = torch.zeros_like(p, dtype=v.dtype)
-                        common = tuple(slice(0, min(a, b)) for a, b in zip(v.shape, p.shape))
-                        fitted[common] = v[common]
-                        state[key] = fitted
+        for p, state in self.optimizer.state.items():
+            for key, v in list(state.items()):
+                if (isinstance(v, Tensor) and v.dim() == p.dim() and v.dim() > 0
+                        and v.shape != p.shape):
+                    fitted = torch.zeros_like(p, dtype=v.dtype)
+                    common = tuple(slice(0, min(a, b)) for a, b in zip(v.shape, p.shape))
+                    fitted[common] = v[common]
+                    state[key] = fitted
 
     def _train_epoch(self, epoch: int, total_epochs: int) -> Dict[str, Any]:
         self._fit_optimizer_state()

@@ -1,8 +1,6 @@
-"""Choosing the kernel width sigma before training, by validation loss.
-
-On fixed embeddings the mean kernel loss is smallest at a sigma matched to the scale of the
-distances (sigma -> 0 listens to the nearest neighbour only, sigma -> inf to all alike):
-:func:`choose_sigma` finds it (``NeighbourKernelLoss(learn_sigma=True)`` is the alternative).
+"""Choosing the kernel width sigma before training, by validation loss: on fixed embeddings
+the mean kernel loss is smallest at a sigma matched to the scale of the distances
+(``NeighbourKernelLoss(learn_sigma=True)`` is the alternative).
 """
 from __future__ import annotations
 
@@ -17,16 +15,6 @@ from ..losses.base import BankLoss
 from ..validation import require_sigma
 
 __all__ = ["choose_sigma"]
-
-
-def _candidates(candidates) -> list:
-    if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
-        raise TypeError(f"candidates must be an iterable of positive floats, got "
-                        f"{type(candidates).__name__}")
-    out = [require_sigma(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
-    if not out:
-        raise ValueError("candidates is empty: give at least one sigma to try")
-    return out
 
 
 @torch.no_grad()
@@ -46,10 +34,6 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
     Returns:
         ``(best_sigma, {sigma: mean_loss})``, the mean over all counted rows of the loader; a
         NaN mean is never chosen. The criterion's sigma is restored, its bank unchanged.
-
-    Raises:
-        TypeError / ValueError naming the argument: a bad criterion or candidates, a loader
-        yielding nothing or no counted row, or no candidate with a finite loss.
     """
     if not isinstance(criterion, BankLoss) or not isinstance(getattr(criterion, "log_sigma", None),
                                                               Tensor):
@@ -60,7 +44,12 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"loader must be an iterable of (inputs, labels, idx), got "
                         f"{type(loader).__name__}")
-    sigmas = _candidates(candidates)
+    if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__"):
+        raise TypeError(f"candidates must be an iterable of positive floats, got "
+                        f"{type(candidates).__name__}")
+    sigmas = [require_sigma(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
+    if not sigmas:
+        raise ValueError("candidates is empty: give at least one sigma to try")
     device = torch.device(device)
     bank_device = criterion.bank.centres.device
 

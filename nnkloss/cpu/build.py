@@ -293,8 +293,6 @@ def _declare(lib):
     lib.nnk_rel_sqdist.restype = I
     lib.nnk_batch_lists.argtypes = [P, I, I64, I64, P, I, P, I, P, I, I64, I, P, P]
     lib.nnk_batch_lists.restype = I64
-    lib.nnk_counted_mean.argtypes = [I, P, P, I64, P, P]
-    lib.nnk_counted_mean.restype = I
     lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
     lib.nnk_has_same_label.restype = I
     lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P, P]

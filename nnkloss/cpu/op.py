@@ -20,7 +20,7 @@ from .build import BANK_TYPES, INDEX_TYPES, ptr
 
 __all__ = ["forward", "centre_grad", "scale_rows", "entry_grads", "entry_grads_supported",
            "rel_sqdist", "batch_lists", "gather_lists", "gather_read", "value_flags",
-           "counted_mean", "gathered_rows_finite", "has_same_label", "forward_exp"]
+           "gathered_rows_finite", "has_same_label", "forward_exp"]
 
 
 def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
@@ -400,28 +400,6 @@ def value_flags(emb, neighbours, weights):
     if rc != 0:
         raise RuntimeError(f"nnk_check_values failed (code {rc})")
     return out[0], out[1], bool(out[2]), bool(out[3])
-
-
-def counted_mean(per_row, counted):
-    """``(mean, divisor)``: the sum of ``per_row`` divided by ``divisor = max(count, 1)``, the
-    number of True entries of ``counted``; 0-dim tensors of per_row's dtype (``nnk_counted_mean``:
-    one call in place of four torch ops). None where this is not done here: the library not
-    loaded (a mean never builds it), non-CPU tensors, per_row not (B,) fp32/fp64 or counted
-    not (B,) bool, either non-contiguous."""
-    lib = build._state["lib"]
-    if (lib is None or not (per_row.is_cpu and counted.is_cpu)
-            or per_row.dtype not in (torch.float32, torch.float64)
-            or counted.dtype != torch.bool or per_row.dim() != 1
-            or counted.shape != per_row.shape
-            or not (per_row.is_contiguous() and counted.is_contiguous())):
-        return None
-    mean, divisor = per_row.new_empty(()), per_row.new_empty(())
-    rc = lib.nnk_counted_mean(int(per_row.dtype == torch.float64), per_row.data_ptr(),
-                              counted.data_ptr(), per_row.shape[0], mean.data_ptr(),
-                              divisor.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"nnk_counted_mean failed (code {rc})")
-    return mean, divisor
 
 
 def gathered_rows_finite(centres, neighbours):

@@ -1,6 +1,5 @@
 // The batch's passes outside the op's kernels: its lists (batch_lists, the CPU twin of
-// kernels/batch_lists.py), the counted mean, the value checks' reads and the benchmarks'
-// gather limit.
+// kernels/batch_lists.py), the value checks' reads and the benchmarks' gather limit.
 #include "common.h"
 
 namespace {
@@ -237,16 +236,6 @@ int64_t nnk_batch_lists(const void* table, int tab64, int64_t N, int64_t K, cons
                                 cl64, B, exclude_self, (int64_t*)out, (int64_t*)counts);
     return batch_lists_impl((const int32_t*)table, N, K, idx, idx64, labels, lab64, clabels,
                             cl64, B, exclude_self, (int32_t*)out, (int64_t*)counts);
-}
-
-// counted_mean_impl: fp32 (0) / fp64 (1) rows, mean and divisor; bool (one byte) flags.
-int nnk_counted_mean(int ctype, const void* rows, const void* counted, int64_t B, void* mean,
-                     void* divisor) {
-    return with_compute_type(ctype, [&](auto c) {
-        using C = decltype(c);
-        counted_mean_impl<C>((const C*)rows, (const uint8_t*)counted, B, (C*)mean,
-                             (C*)divisor);
-    });
 }
 
 // has_same_label_impl: int32 (0) / int64 (1) lists and centre labels.

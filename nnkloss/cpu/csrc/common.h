@@ -181,12 +181,11 @@ int with_bank_type(int btype, F&& f) {
     return 1;
 }
 
-// The losses' mean over their counted rows (ops/neighbour_kernel.reduce_rows, "mean"):
+// The op's mean over its counted rows (nnk_forward with mean):
 // *mean = sum of the B per-row losses / *divisor, *divisor = max(count, 1), count the rows
 // whose flag is set; both in the rows' type T. The sum runs in double over eight lanes in a
 // fixed order (the same bits on every run), then is rounded to T and divided in T, as torch's
-// form divides its sum by the count. A NaN or inf row reaches the mean. One call in place of
-// torch's sum, count_nonzero, clamp_min and div.
+// form divides its sum by the count. A NaN or inf row reaches the mean.
 template <class T>
 void counted_mean_impl(const T* rows, const uint8_t* counted, int64_t B, T* mean,
                        T* divisor) {

@@ -510,106 +510,6 @@ def test_entry_grads_double_backward_runs_the_torch_form(monkeypatch):
     assert out[0][1].abs().sum() > 0
 
 
-def _torch_form(per_row, counted):
-    return per_row.sum() / torch.count_nonzero(counted).clamp_min(1)
-
-
-def _rows(B, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    counted = torch.rand(B, generator=gen) < 0.7
-    per_row = torch.where(counted, torch.rand(B, generator=gen, dtype=dtype) * 5, 0.0)
-    return per_row.to(device), counted.to(device)
-
-
-def mean_checks(counted_mean, device):
-    """``counted_mean`` against the torch form of reduce_rows."""
-    for dtype in (torch.float32, torch.float64):
-        # one row, ragged and exact blocks of 2048, several blocks, many rows
-        for B in (1, 7, 2048, 2049, 5000, 100_003):
-            per_row, counted = _rows(B, dtype, device, B)
-            mean, divisor = counted_mean(per_row, counted)
-            assert mean.shape == () and mean.dtype == dtype and divisor.dtype == dtype
-            assert divisor.item() == max(1, int(counted.sum()))
-            # the sum in another order than torch's: to its rounding, not bit for bit
-            torch.testing.assert_close(mean, _torch_form(per_row, counted),
-                                       rtol=1e-6 if dtype == torch.float32 else 1e-14, atol=0)
-    # No counted row: the mean is 0 and the divisor 1; no row at all, the same.
-    for B in (0, 9):
-        mean, divisor = counted_mean(torch.zeros(B, device=device),
-                                     torch.zeros(B, dtype=torch.bool, device=device))
-        assert mean.item() == 0.0 and divisor.item() == 1.0
-    # A NaN row is counted and reaches the mean; so does an inf.
-    per_row, counted = _rows(300, torch.float32, device, 1)
-    for bad in (float("nan"), float("inf")):
-        rows = per_row.clone()
-        rows[123], counted[123] = bad, True
-        mean = counted_mean(rows, counted)[0]
-        assert torch.equal(mean.isnan(), _torch_form(rows, counted).isnan())
-        assert not torch.isfinite(mean)
-    # The same bits on every call (a fixed order of summation).
-    per_row, counted = _rows(3001, torch.float32, device, 4)
-    assert torch.equal(counted_mean(per_row, counted)[0], counted_mean(per_row, counted)[0])
-
-
-class _MeanFromLaunch(torch.autograd.Function):
-    """A call's mean with the op's backward of it: every row's gradient g / divisor, from the
-    divisor the call wrote (nnkloss/ops/neighbour_kernel.py folds that division into its
-    embedding gradient)."""
-
-    @staticmethod
-    def forward(ctx, per_row, counted, counted_mean):
-        mean, divisor = counted_mean(per_row, counted)
-        ctx.save_for_backward(divisor)
-        ctx.rows = per_row.shape[0]
-        return mean
-
-    @staticmethod
-    def backward(ctx, g):
-        divisor, = ctx.saved_tensors
-        return (g / divisor).expand(ctx.rows), None, None
-
-
-def mean_gradient_checks(counted_mean, device):
-    """The divisor of the one-call mean gives every row's gradient g / max(count, 1), bit for
-    bit the torch form's (uncounted rows too: the op's backward zeroes them itself)."""
-    for B in (1, 37, 3000):
-        per_row, counted = _rows(B, torch.float32, device, B + 1)
-        got_x = per_row.clone().requires_grad_(True)
-        want_x = per_row.clone().requires_grad_(True)
-        got = _MeanFromLaunch.apply(got_x, counted, counted_mean)
-        want = _torch_form(want_x, counted)
-        (got * 3.0).backward()
-        (want * 3.0).backward()
-        assert torch.equal(got_x.grad, want_x.grad)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    # no counted row: the divisor is 1, as clamp_min(1) makes it
-    x = torch.zeros(4, device=device, requires_grad=True)
-    _MeanFromLaunch.apply(x, torch.zeros(4, dtype=torch.bool, device=device),
-                          counted_mean).backward()
-    assert torch.equal(x.grad, torch.ones(4, device=device))
-    per_row, counted = _rows(11, torch.float64, device, 5)
-    assert torch.autograd.gradcheck(lambda r: _MeanFromLaunch.apply(r, counted, counted_mean),
-                                    (per_row.requires_grad_(True),))
-
-
-@kernel
-def test_counted_mean_matches_the_torch_form_and_its_gradient():
-    """nnk_counted_mean: values against sum / count, NaN and inf rows, no counted row, the
-    same bits on every call, and the mean's gradient bit for bit the torch form's."""
-    mean_checks(cpu.counted_mean, "cpu")
-    mean_gradient_checks(cpu.counted_mean, "cpu")
-
-
-@kernel
-def test_counted_mean_declines_what_it_does_not_take():
-    rows, flags = torch.rand(9), torch.rand(9) > 0.5
-    assert cpu.counted_mean(rows, flags) is not None
-    for r, f in [(rows.half(), flags), (rows, flags.int()), (rows[:8], flags),
-                 (torch.rand(9, 2)[:, 0], flags), (rows[None], flags[None]),
-                 (rows.to("meta"), flags.to("meta"))]:
-        assert cpu.counted_mean(r, f) is None
-
-
 @kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scale_rows(dtype):
@@ -651,8 +551,8 @@ def test_scale_rows_applies_the_row_rule_of_lse_pos_and_reads_an_expanded_g(dtyp
 @pytest.mark.parametrize("emb_dtype", [torch.float32, torch.float64])
 def test_forward_with_mean_writes_counted_and_their_mean_in_the_same_call(emb_dtype, recorded):
     """``mean=True``: one nnk_forward call also gives counted (lse_pos not -inf: a NaN row
-    counts) and the counted mean and divisor, with the bits of the separate pass
-    (nnk_counted_mean) and within rounding of torch's sum / count; an empty batch: 0 and 1."""
+    counts) and the counted mean and divisor, within rounding of torch's sum / count (the same
+    bits on every call); an empty batch: 0 and 1."""
     from nnkloss.ops import reference as ops_ref
     emb, labels, centres, cl, nb, w, s = make(B=11, K=6, D=9, N=30, emb_dtype=emb_dtype,
                                               seed=21)
@@ -667,14 +567,14 @@ def test_forward_with_mean_writes_counted_and_their_mean_in_the_same_call(emb_dt
         counted, mean, divisor = out[5:]
         assert torch.equal(counted, ops_ref.counted_rows(out[2])) and counted[5]
         assert not counted[2]  # no positive
-        sep = cpu.counted_mean(out[0], counted)
-        assert torch.equal(divisor, sep[1]) and divisor.item() == counted.sum().item()
-        assert mean.isnan() and sep[0].isnan()
+        assert divisor.dtype == mean.dtype == out[0].dtype
+        assert divisor.item() == counted.sum().item() and mean.isnan()
     ok = torch.ones(11, dtype=torch.bool)
     ok[5] = False
     out = cpu.forward(emb[ok], labels[ok], centres, cl, nb[ok], w, s, mean=True)
     want = ops_ref.counted_mean(out[0].double(), out[5])[0]
-    assert torch.equal(out[6], cpu.counted_mean(out[0], out[5])[0])
+    again = cpu.forward(emb[ok], labels[ok], centres, cl, nb[ok], w, s, mean=True)
+    assert torch.equal(out[6], again[6]) and torch.equal(out[7], again[7])
     torch.testing.assert_close(out[6].double(), want, rtol=1e-6, atol=0)
     empty = cpu.forward(emb[:0], labels[:0], centres, cl, nb[:0], w, s, mean=True)
     assert empty[6].item() == 0 and empty[7].item() == 1 and empty[5].shape == (0,)

@@ -461,7 +461,7 @@ def test_selection_finish_refuses_rows_short_of_k_and_sorts_whole_buffers():
 @pytest.mark.parametrize("library", [True, False])
 def test_sort_rows_in_threads_is_numpy_sort(monkeypatch, threads, library):
     """The rows shared out to threads (down to one row each) sort as one numpy sort does, on
-    the library's threads (numpy called back) and on Python threads without the library."""
+    the library's threads (numpy called back), and without the library."""
     import numpy as np
     monkeypatch.setattr(cpu.search, "SORT_MIN_KEYS", 1)
     if not library:

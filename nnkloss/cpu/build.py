@@ -1,31 +1,16 @@
 """Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes.
 
-The sources are compiled once per machine with the system compiler into one library::
+The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a per-user cache
+directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else ``~/.cache/nnkloss``;
+if that is unusable, ``<tmp>/nnkloss-<uid>``), keyed by a hash of the sources, compiler, flags
+and CPU features, written atomically with its sha256 recorded beside it.
 
-    c++ -O3 -march=native -std=c++17 -fno-trapping-math -shared -fPIC -pthread -fopenmp \
-        csrc/op.cpp csrc/batch.cpp csrc/search.cpp -o <cache>/nnk_cpu_<hash>.so
-
-(``-fopenmp`` where torch's own pool is the libgomp loaded in the process, so that the library
-runs on torch's OpenMP team; ``-fopenmp-simd`` and the library's own std::threads otherwise;
-see OPENMP_FLAGS) into a per-user cache directory (``$NNKLOSS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/nnkloss``, else ``~/.cache/nnkloss``; if that is unusable,
-``<tmp>/nnkloss-<uid>``), keyed by a hash of the sources, the compiler's version, the flags and
-the CPU's feature flags, written to a temporary file, fsync'ed and renamed into place (two
-processes that race both produce a complete library; the last rename wins), its sha256 then
-recorded beside it (``<library>.sha256``, written the same way).
-
-Nothing found on disk is loaded unchecked. A cache directory is used only if it is owned by
-this user and not writable by group or others (a missing one is created with mode 0700). A
-library is loaded only if it is a regular file owned by this user, not writable by group or
-others, and its bytes match the recorded sha256; the check and the load use the same open file
-(``/proc/self/fd``), so the file cannot be swapped in between. A truncated, corrupt, foreign or
-unrecorded library is rebuilt, never loaded. Any failure (no compiler, a failed build, no
-private cache directory, a library that does not load or lacks a symbol, or
-``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: a one-line warning is issued once, and
-the op's passes run the plain torch path.
-
-Threads are torch's setting (``torch.get_num_threads()``); :func:`threads` keeps small calls on
-fewer of them.
+Nothing on disk is loaded unchecked: the directory and the library must be this user's and not
+writable by group or others, and the library's bytes must match the recorded sha256, checked
+on the descriptor that is then loaded (``/proc/self/fd``). Anything else is rebuilt. Any
+failure (or ``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and the op's
+passes run the plain torch path. Threads are torch's setting; :func:`threads` keeps small
+calls on fewer of them.
 """
 from __future__ import annotations
 
@@ -50,19 +35,13 @@ from ..atomic import atomic_write
 __all__ = ["available", "build_info", "library_path", "cache_dir", "threads"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-# One library from the translation units of each job; common.h is included by all three.
 SOURCES = [os.path.join(CSRC, f) for f in ("op.cpp", "batch.cpp", "search.cpp")]
-# -fno-trapping-math: the library never reads the floating-point exception flags, and without
-# it GCC keeps the row's exponentials (vexp) scalar on a CPU without AVX-512's masks; it changes
-# no result (no reassociation, no contraction beyond -O3's).
+# -fno-trapping-math: the library never reads the FP exception flags, and without it GCC keeps
+# the exponentials (vexp) scalar without AVX-512's masks; it changes no result.
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-trapping-math", "-shared", "-fPIC"]
-# Where torch's intra-op pool is libgomp (torch's parallel backend is OpenMP and a libgomp.so.1
-# is loaded, as with the Linux wheels), the parallel loops are `#pragma omp parallel` regions
-# on the libgomp torch already loaded (same soname): one pool for torch's ops and the library,
-# never two sets of threads spinning against each other.
+# Where torch's intra-op pool is libgomp, the library runs on that same pool (one set of
+# threads, never two spinning against each other); elsewhere on its own std::threads.
 OPENMP_FLAGS = ["-pthread", "-fopenmp"]
-# Elsewhere (another OpenMP runtime would be a second pool) the library's own claim-based
-# std::threads (run_items), OpenMP pragmas as simd hints only.
 THREAD_FLAGS = ["-pthread", "-fopenmp-simd"]
 PLAIN_FLAGS = ["-pthread"]  # a compiler without -fopenmp-simd: the loops still auto-vectorise
 
@@ -134,8 +113,7 @@ def _fallback_dir() -> str:
 
 def _private_dir(d: str) -> str:
     """``d`` if this user owns it and neither group nor others can write to it (created with mode
-    0700 when missing); otherwise OSError saying why. Another user who can write to the
-    directory could plant a library there (the cache key is computable by anyone)."""
+    0700 when missing; another user could plant a library there); otherwise OSError why."""
     try:
         os.makedirs(d, mode=0o700)
     except FileExistsError:
@@ -154,7 +132,7 @@ def _private_dir(d: str) -> str:
 
 def _usable_cache_dir() -> str:
     """The configured cache directory, else ``<tmp>/nnkloss-<uid>``, whichever is private first;
-    RuntimeError naming both and why when neither is (the plain path runs then)."""
+    RuntimeError naming both and why when neither is."""
     reasons = []
     for d in (cache_dir(), _fallback_dir()):
         try:
@@ -200,8 +178,7 @@ def _recorded_sha256(path: str) -> str:
 
 def _open_verified(path: str) -> int:
     """A file descriptor open on ``path`` once its owner, mode and sha256 have been checked on
-    that same descriptor (what gets loaded is what was checked); _Untrusted otherwise.
-    Reading, unlike mapping, a truncated file cannot raise SIGBUS."""
+    that same descriptor (what gets loaded is what was checked); _Untrusted otherwise."""
     expected = _recorded_sha256(path)
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -222,17 +199,14 @@ def _open_verified(path: str) -> int:
 
 
 def _first_error(stderr: str) -> str:
-    """The line of a compiler's stderr that says what failed: the first one with "error"
-    (GCC and Clang end a diagnostic with source and caret lines, which say nothing alone),
-    else the last line, else "?"."""
+    """The first line of a compiler's stderr with "error", else the last line, else "?"."""
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
     return next((line for line in lines if "error" in line), lines[-1] if lines else "?")
 
 
 def _compile(cxx: str, flags, out_dir: str) -> str:
     """Compile to a temporary file in ``out_dir``, fsync it, rename it to its keyed name and
-    record its sha256 beside it. A library already there is reused only if it verifies
-    (:func:`_open_verified`); a missing, truncated, modified or foreign one is rebuilt."""
+    record its sha256 beside it; a library already there is reused only if it verifies."""
     path = os.path.join(out_dir, f"nnk_cpu_{_cache_key(cxx, flags)}.so")
     try:
         os.close(_open_verified(path))
@@ -251,8 +225,7 @@ def _compile(cxx: str, flags, out_dir: str) -> str:
             os.fsync(f.fileno())  # the bytes reach the disk before the name does
             digest = _sha256_of(f)
         os.replace(tmp, path)  # atomic: a racing process sees the old name or the whole file
-        # Recorded after the rename: a reader that finds the new library with an older record
-        # (a racing build) refuses it and rebuilds; it never loads unrecorded bytes.
+        # After the rename: a racing reader with an older record rebuilds, never loads.
         atomic_write(path + ".sha256", digest.encode("ascii") + b"\n")
     finally:
         if os.path.exists(tmp):
@@ -279,46 +252,31 @@ def _load(path: str):
 
 def _declare(lib):
     P, I, I64, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
-    lib.nnk_forward.argtypes = [I, I, P, P, I, P, P, I, P, I, P, I, D, I64, I64, I64, I64, I,
-                                P, P, P, P, P, P, P, P, I]
-    lib.nnk_forward.restype = I
-    lib.nnk_centre_grad.argtypes = [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]
-    lib.nnk_centre_grad.restype = I
-    lib.nnk_scale_rows.argtypes = [I, P, P, I64, P, P, I64, I64, P, I]
-    lib.nnk_scale_rows.restype = I
-    lib.nnk_entry_grads.argtypes = [I, P, P, I, P, I, P, I, P, I, P, P, P, I64, I64, I64, I64,
-                                    D, P, P, P, I]
-    lib.nnk_entry_grads.restype = I
-    lib.nnk_rel_sqdist.argtypes = [I, I, P, P, I64, P, P, I64, I64, I64, P, I]
-    lib.nnk_rel_sqdist.restype = I
-    lib.nnk_batch_lists.argtypes = [P, I, I64, I64, P, I, P, I, P, I, I64, I, P, P]
-    lib.nnk_batch_lists.restype = I64
-    lib.nnk_counted_mean.argtypes = [I, P, P, I64, P, P]
-    lib.nnk_counted_mean.restype = I
-    lib.nnk_has_same_label.argtypes = [P, I, I64, I64, P, I, P]
-    lib.nnk_has_same_label.restype = I
-    lib.nnk_list_overlap.argtypes = [P, I, I64, P, I, I64, I64, I64, P, P]
-    lib.nnk_list_overlap.restype = I
-    lib.nnk_gathered_finite.argtypes = [P, I, I64, I64, P, I, I64, I]
-    lib.nnk_gathered_finite.restype = I
-    lib.nnk_gather_read.argtypes = [P, I64, I64, P, I, I64, I]
-    lib.nnk_gather_read.restype = ctypes.c_uint64
-    lib.nnk_check_values.argtypes = [P, I, I64, P, I, I64, P, I, I64, P]
-    lib.nnk_check_values.restype = I
-    lib.nnk_vexp.argtypes = [P, P, I64]
-    lib.nnk_vexp.restype = I
-    lib.nnk_knn_select.argtypes = [P, I64, I64, I64, I64, I64, I64, P, P, P, I]
-    lib.nnk_knn_select.restype = I
-    lib.nnk_knn_select_sym.argtypes = [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, I]
-    lib.nnk_knn_select_sym.restype = I
-    lib.nnk_knn_pad.argtypes = [I64, I64, I64, P, P, I]
-    lib.nnk_knn_pad.restype = I
-    lib.nnk_knn_unkey.argtypes = [I64, I64, I64, P, P, P, I64, I]
-    lib.nnk_knn_unkey.restype = I
-    lib.nnk_gemm_nt.argtypes = [P, I64, P, I64, P, I64, I64, I64, I64, I]
-    lib.nnk_gemm_nt.restype = I
-    lib.nnk_run_items.argtypes = [I64, I, ITEM_CALLBACK]
-    lib.nnk_run_items.restype = I
+    signatures = {  # name: (restype, argtypes)
+        "nnk_forward": (I, [I, I, P, P, I, P, P, I, P, I, P, I, D, I64, I64, I64, I64, I, P, P,
+                            P, P, P, P, P, P, I]),
+        "nnk_centre_grad": (I, [I, I, P, P, P, I, P, I64, I64, I64, I64, P, I]),
+        "nnk_scale_rows": (I, [I, P, P, I64, P, P, I64, I64, P, I]),
+        "nnk_entry_grads": (I, [I, P, P, I, P, I, P, I, P, I, P, P, P, I64, I64, I64, I64, D, P,
+                                P, P, I]),
+        "nnk_rel_sqdist": (I, [I, I, P, P, I64, P, P, I64, I64, I64, P, I]),
+        "nnk_batch_lists": (I64, [P, I, I64, I64, P, I, P, I, P, I, I64, I, P, P]),
+        "nnk_has_same_label": (I, [P, I, I64, I64, P, I, P]),
+        "nnk_list_overlap": (I, [P, I, I64, P, I, I64, I64, I64, P, P]),
+        "nnk_gathered_finite": (I, [P, I, I64, I64, P, I, I64, I]),
+        "nnk_gather_read": (ctypes.c_uint64, [P, I64, I64, P, I, I64, I]),
+        "nnk_check_values": (I, [P, I, I64, P, I, I64, P, I, I64, P]),
+        "nnk_vexp": (I, [P, P, I64]),
+        "nnk_knn_select": (I, [P, I64, I64, I64, I64, I64, I64, P, P, P, I]),
+        "nnk_knn_select_sym": (I, [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, I]),
+        "nnk_knn_pad": (I, [I64, I64, I64, P, P, I]),
+        "nnk_knn_unkey": (I, [I64, I64, I64, P, P, P, I64, I]),
+        "nnk_gemm_nt": (I, [P, I64, P, I64, P, I64, I64, I64, I64, I]),
+        "nnk_run_items": (I, [I64, I, ITEM_CALLBACK]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)  # AttributeError: a library without one of the symbols
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
@@ -362,11 +320,9 @@ def _loaded_libgomp() -> list:
 
 
 def torch_libgomp() -> Optional[str]:
-    """The libgomp torch's intra-op pool runs on, if torch's parallel backend is OpenMP: the
-    ``libgomp.so.1`` in torch's own lib directory (the wheels'), else the only libgomp loaded;
-    None otherwise (the kernel then uses its own threads). Other packages' renamed copies
-    (``libgomp-<hash>.so``, e.g. scikit-learn's) have other sonames: a -fopenmp library, which
-    asks for ``libgomp.so.1``, binds to torch's."""
+    """The libgomp torch's intra-op pool runs on, if its parallel backend is OpenMP: the
+    ``libgomp.so.1`` in torch's lib directory, else the only libgomp loaded; None otherwise.
+    Renamed copies (``libgomp-<hash>.so``) have other sonames, so -fopenmp binds to torch's."""
     if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
         return None
     found = _loaded_libgomp()
@@ -412,8 +368,7 @@ NOTICE_AFTER_S = 1.0
 
 
 def _build_notice():
-    """One line, once per process, when this process compiled the kernel (the first CPU call
-    waits for it, ~5 s); nothing when the cached library was loaded."""
+    """One line, once per process, when this process compiled (not loaded) the kernel."""
     spent = _state["compile_s"]
     if _state["lib"] is not None and spent is not None and spent >= NOTICE_AFTER_S:
         logging.getLogger("nnkloss").warning(
@@ -443,10 +398,7 @@ def _reset_for_tests():
                       warned=False, pool=None)
 
 
-
-
-# Each thread gets at least this many elements of work (the op's gathered B*K*D): a parallel
-# region costs microseconds, which smaller shares would not repay.
+# Each thread gets at least this many elements of work (the op's gathered B*K*D).
 PARALLEL_MIN_ELEMS = 1 << 16
 
 

@@ -1,11 +1,9 @@
 """The op's passes on the CPU library: the forward contract (nnkloss/ops/CONTRACT.md), the
 backward's terms, the batch's lists and the value checks' reads.
 
-Inputs the host converts cheaply are converted here (emb to the compute dtype, labels to
-int64, a half-precision weight vector to fp32); the bank (centres, centre_labels) is read as it
-is: fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and neighbours. Anything else
-(other dtypes, non-contiguous bank, non-CPU tensors) runs the plain torch path, or returns None
-where the caller has its own.
+The bank is read as it is (fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and lists);
+cheap inputs are converted. Anything else runs the plain torch path, or returns None where the
+caller has its own.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from .build import BANK_TYPES, INDEX_TYPES, ptr
 
 __all__ = ["forward", "centre_grad", "scale_rows", "entry_grads", "entry_grads_supported",
            "rel_sqdist", "batch_lists", "gather_lists", "gather_read", "value_flags",
-           "counted_mean", "gathered_rows_finite", "has_same_label", "forward_exp"]
+           "gathered_rows_finite", "has_same_label", "forward_exp"]
 
 
 def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
@@ -114,7 +112,7 @@ def _shape_error(emb, labels, centres, centre_labels, neighbours, weights) -> st
 
 def centre_grad(emb, centres, neighbours, coef):
     """(N, D) in the compute dtype: grad[j] += coef[b, k] * (emb[b] - centres[j]) for every
-    neighbours[b, k] = j >= 0 (coef already holds 1/sigma^2; zero entries are skipped)."""
+    neighbours[b, k] = j >= 0 (coef already holds 1/sigma^2)."""
     lib = build.lib()
     if lib is None or not _supported(emb, centres, neighbours, neighbours, None):
         return reference.centre_grad(emb, centres, neighbours, coef.contiguous())
@@ -180,8 +178,8 @@ def scale_rows(grad_x, g, lse_pos=None, divisor=None):
 
 def entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
                           g) -> bool:
-    """Whether :func:`entry_grads` runs here for these tensors (their dtypes, devices and
-    shapes only: it reads no data, so it answers for fake tensors too)."""
+    """Whether :func:`entry_grads` runs here for these tensors (metadata only: it answers for
+    fake tensors too)."""
     return (build.lib() is not None and u.dtype in (torch.float32, torch.float64)
             and all(t.device.type == "cpu" for t in (u, labels, centre_labels, neighbours,
                                                       lse_all, lse_pos, g))
@@ -197,16 +195,12 @@ def entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all
 
 def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,
                 need_coef: bool, need_q: bool, need_srow: bool):
-    """The backward's per-entry terms for the centre, weight and sigma gradients in one pass
-    (``EntryGrads`` in csrc/op.cpp: the torch form of ``_backward`` per entry, from the
-    forward's saved distances ``u`` (B, K) and log-sum-exps): ``(coef, q, srow)``, coef and q
-    (B, K) and srow (B,) in u's dtype, each None unless asked for (q also without weights).
-    coef = (p - p^R) g / sigma^2 (the centre gradient's coefficients), q = (p - p^R) g / w (a
-    zero weight's one-sided derivative there), srow = sum_j (p_j - p^R_j) g (u_j - u_ref),
-    whose sum over rows times 1 / sigma is sigma's gradient. ``g`` (B,) may be an expanded
-    scalar (read as it is). The row rules are the torch form's (rows with no same-class entry
-    or g == 0: zeros; non-finite rows that take a gradient: NaN). None where
-    :func:`entry_grads_supported` says no: the caller runs the torch form."""
+    """The backward's per-entry terms in one pass (``EntryGrads`` in csrc/op.cpp, the torch
+    form's rules), from the forward's distances ``u`` (B, K) and log-sum-exps: ``(coef, q,
+    srow)`` in u's dtype, each None unless asked for (q also without weights): coef =
+    (p - p^R) g / sigma^2, q = (p - p^R) g / w (a zero weight's one-sided derivative there),
+    srow = sum_j (p_j - p^R_j) g (u_j - u_ref). ``g`` (B,) may be an expanded scalar. None
+    where :func:`entry_grads_supported` says no."""
     if not entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all,
                                  lse_pos, g):
         return None
@@ -231,8 +225,7 @@ def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
         return (None if coef is None else coef.zero_(), None if q is None else q.zero_(),
                 None if srow is None else srow.zero_())
     inv = 1.0 / s
-    # An entry costs about what 16 gathered elements of the forward do (two exponentials, a
-    # few gathered loads): the same threshold for going parallel.
+    # An entry costs about what 16 gathered elements of the forward do.
     rc = lib.nnk_entry_grads(
         int(cdt == torch.float64), uc.data_ptr(), nb.data_ptr(), int(nb.dtype == torch.int64),
         lab.data_ptr(), int(lab.dtype == torch.int64), cl.data_ptr(),
@@ -246,13 +239,9 @@ def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
 
 def rel_sqdist(x, centres, idx, ref, cdt):
     """(Q, K) ``||x_q - c_i||^2 - ||x_q - c_r||^2`` for i = idx[q, :], r = ref[q], in ``cdt``
-    (fp32 / fp64), in the product form of the classifier
-    (:func:`nnkloss.evaluation.classifier._sq_dist_minus_ref`), one pass over the gathered
-    rows on the kernel's threads, without its (Q, K, D) blocks.
-    ``x`` (Q, D) float, ``centres`` (N, D) fp32 / fp64 / bf16 / fp16, ``idx`` (Q, K) and
-    ``ref`` (Q,) integer bank rows. None where this is not done here: the library
-    unavailable, non-CPU tensors, other dtypes, a non-contiguous bank. An index outside
-    [0, N) raises IndexError."""
+    (fp32 / fp64), in the classifier's product form (``_sq_dist_minus_ref``), one pass over the
+    gathered rows. None where this is not done here (no library, non-CPU tensors, other dtypes,
+    a non-contiguous bank); an index outside [0, N) raises IndexError."""
     lib = build.lib()
     if (lib is None or not (x.is_cpu and centres.is_cpu and idx.is_cpu and ref.is_cpu)
             or cdt not in (torch.float32, torch.float64) or centres.dtype not in BANK_TYPES
@@ -342,11 +331,9 @@ def _index_tensor(t):
 
 
 def gather_lists(table, idx, exclude_self: bool):
-    """The bank's lists of rows ``idx``: ``table[idx]`` (B, K) with each row's own index
-    replaced by -1 when ``exclude_self``, in one pass (:func:`batch_lists` without labels; one
-    call instead of torch's gather, compare and fill). ``table`` (N, K) and ``idx`` (B,) are
-    CPU int32/int64 tensors, ``table`` contiguous. None where this is not done here: the
-    library unavailable, other dtypes or devices, or an idx outside [0, N) (the caller's own check reports it)."""
+    """``table[idx]`` (B, K) with each row's own index replaced by -1 when ``exclude_self``, in
+    one pass (:func:`batch_lists` without labels). None where this is not done here: no
+    library, other dtypes, devices or layouts, or an idx outside [0, N) (the caller reports it)."""
     if (table.dtype not in INDEX_TYPES or idx.dtype not in INDEX_TYPES
             or not table.is_contiguous()):
         return None
@@ -357,12 +344,10 @@ def gather_lists(table, idx, exclude_self: bool):
 
 
 def gather_read(bank, neighbours, nthreads: Optional[int] = None) -> Optional[int]:
-    """The benchmarks' gather limit (``nnk_gather_read``): reads the rows of ``bank`` (N, D),
-    any dtype, that ``neighbours`` (int32 / int64, -1 = padding) names, in their order, as the
-    forward's first pass reads them, and nothing else; returns the XOR of the rows' 8-byte
-    words (0 for none), a number the reads cannot be skipped for. ``nthreads``: default
-    torch's count. None where the library is unavailable or the tensors are not contiguous CPU
-    tensors of those types; entries outside [-1, N) raise."""
+    """The benchmarks' gather limit: reads the rows of ``bank`` (N, D) that ``neighbours``
+    (-1 = padding) names as the forward's first pass does, and returns the XOR of their 8-byte
+    words (so the reads cannot be skipped). None where the library or the layout is missing;
+    entries outside [-1, N) raise."""
     lib = build.lib()
     if (lib is None or not bank.is_cpu or not neighbours.is_cpu or bank.dim() != 2
             or not bank.is_contiguous() or neighbours.dtype not in INDEX_TYPES):
@@ -379,11 +364,10 @@ def gather_read(bank, neighbours, nthreads: Optional[int] = None) -> Optional[in
 
 
 def value_flags(emb, neighbours, weights):
-    """The value checks' reads of CPU tensors in one call (``nnk_check_values``): ``(lo, hi,
-    emb_bad, weights_bad)``, the smallest and largest list entry (0, 0 when there is none),
-    whether emb holds a NaN or inf, whether weights (None: no weights) hold a negative value,
-    NaN or inf. None where this does not apply: the library not loaded yet (a check never
-    builds it), non-CPU or non-contiguous tensors, dtypes it does not read."""
+    """The value checks' reads in one call: ``(lo, hi, emb_bad, weights_bad)``, the smallest and
+    largest list entry (0, 0 for none), whether emb holds a NaN or inf, whether weights hold a
+    negative value, NaN or inf. None where the library is not loaded yet (a check never builds
+    it) or the tensors are not ones it reads."""
     lib = build._state["lib"]
     if (lib is None or not emb.is_cpu or not neighbours.is_cpu
             or emb.dtype not in BANK_TYPES or neighbours.dtype not in INDEX_TYPES
@@ -402,35 +386,11 @@ def value_flags(emb, neighbours, weights):
     return out[0], out[1], bool(out[2]), bool(out[3])
 
 
-def counted_mean(per_row, counted):
-    """``(mean, divisor)``: the sum of ``per_row`` divided by ``divisor = max(count, 1)``, the
-    number of True entries of ``counted``; 0-dim tensors of per_row's dtype (``nnk_counted_mean``:
-    one call in place of four torch ops). None where this is not done here: the library not
-    loaded (a mean never builds it), non-CPU tensors, per_row not (B,) fp32/fp64 or counted
-    not (B,) bool, either non-contiguous."""
-    lib = build._state["lib"]
-    if (lib is None or not (per_row.is_cpu and counted.is_cpu)
-            or per_row.dtype not in (torch.float32, torch.float64)
-            or counted.dtype != torch.bool or per_row.dim() != 1
-            or counted.shape != per_row.shape
-            or not (per_row.is_contiguous() and counted.is_contiguous())):
-        return None
-    mean, divisor = per_row.new_empty(()), per_row.new_empty(())
-    rc = lib.nnk_counted_mean(int(per_row.dtype == torch.float64), per_row.data_ptr(),
-                              counted.data_ptr(), per_row.shape[0], mean.data_ptr(),
-                              divisor.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"nnk_counted_mean failed (code {rc})")
-    return mean, divisor
-
-
 def gathered_rows_finite(centres, neighbours):
-    """0-dim bool: every row of ``centres`` (N, D) that ``neighbours`` (any shape, -1 =
-    padding) lists is finite, in one pass over the listed rows on the kernel's threads
-    (``nnk_gathered_finite``: no gathered copy). Entries outside [0, N) are not read (the value
-    checks report them, naming the index). None where this is not done here: the library not
-    loaded yet (a value check never builds it), non-CPU tensors, a bank dtype it does not read,
-    a non-contiguous bank."""
+    """0-dim bool: every row of ``centres`` (N, D) that ``neighbours`` (-1 = padding) lists is
+    finite, in one pass without a gathered copy; entries outside [0, N) are not read. None
+    where the library is not loaded yet (a value check never builds it) or the tensors are
+    not ones it reads."""
     lib = build._state["lib"]
     if (lib is None or not (centres.is_cpu and neighbours.is_cpu) or centres.dim() != 2
             or centres.dtype not in BANK_TYPES or neighbours.dtype not in INDEX_TYPES
@@ -451,10 +411,8 @@ def gathered_rows_finite(centres, neighbours):
 
 def has_same_label(neighbours, centre_labels):
     """(N,) bool: list i of ``neighbours`` (N, K), -1 = padding, holds a row of label
-    ``centre_labels[i]``, each row read up to its first such entry (``nnk_has_same_label``);
-    None where this is not done here: the library unavailable, non-CPU, non-contiguous or
-    non-int32/int64 tensors, a table whose rows are not the N centres. An entry read outside
-    [-1, N) raises IndexError."""
+    ``centre_labels[i]``. None where this is not done here (no library, tensors it does not
+    read); an entry read outside [-1, N) raises IndexError."""
     lib = build.lib()
     if (lib is None or not (neighbours.is_cpu and centre_labels.is_cpu)
             or neighbours.dtype not in INDEX_TYPES or centre_labels.dtype not in INDEX_TYPES
@@ -475,9 +433,8 @@ def has_same_label(neighbours, centre_labels):
 
 
 def forward_exp(x):
-    """The exponential the compiled forward uses for its softmax (``vexp`` in
-    csrc/op.cpp: vectorised, within ~1 ulp of exp), applied to an fp32 CPU tensor; for
-    tests. None when the library is unavailable."""
+    """The compiled forward's exponential (``vexp``) applied to an fp32 CPU tensor, for tests;
+    None when the library is unavailable."""
     lib = build.lib()
     if lib is None:
         return None

@@ -5,7 +5,6 @@ the refresh's list overlap.
 from __future__ import annotations
 
 import numbers
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -20,16 +19,10 @@ __all__ = ["KnnSelection", "knn_selection", "gemm_nt", "sort_rows", "list_overla
 def list_overlap(new, old, num_rows: int):
     """``(shared, listed)``, each (rows,) int64: how many entries of each list of ``new``
     (rows, K) its list in ``old`` (rows, K') also holds (-1 = padding, never shared; a repeated
-    new entry counted each time) and how many are not padding, by the compiled library
-    (``nnk_list_overlap``: a bitmap of the ``num_rows`` rows the lists index, O(K) a row);
-    None where this is not done here: the library unavailable, non-CPU,
-    non-contiguous or non-int32/int64 tensors, lists of different row counts, or an entry
-    outside [-1, num_rows).
-
-    ``num_rows`` must be an int >= 0 (TypeError / ValueError naming it): the library sizes its
-    bitmap by it, and a negative count became a size_t of 2**64 - n, which aborted the process
-    (std::length_error through the C interface); a bitmap too large to allocate is a
-    MemoryError naming it."""
+    new entry counted each time) and how many are not padding. None where this is not done
+    here: no library, tensors it does not read, lists of different row counts, or an entry
+    outside [-1, num_rows). ``num_rows`` (the bitmap's size) must be an int >= 0
+    (TypeError / ValueError naming it); a bitmap too large to allocate is a MemoryError."""
     num_rows = _index_arg("num_rows", num_rows)
     if (not (new.is_cpu and old.is_cpu) or new.dtype not in INDEX_TYPES
             or old.dtype not in INDEX_TYPES or new.dim() != 2 or old.dim() != 2
@@ -51,20 +44,16 @@ def list_overlap(new, old, num_rows: int):
 
 
 class KnnSelection:
-    """The exact search's selection state for ``rows`` query rows (nnkloss/bank/search/
-    torch_search.py): per row a buffer of ``cap`` uint64 keys ``(distance bits << 32) | index``,
-    its fill count and the worst key kept at the last compaction; see csrc/search.cpp.
-    For a symmetric self-search the rows are all N points of the set (:meth:`add_symmetric`).
-    """
+    """The exact search's selection state for ``rows`` query rows: per row a buffer of ``cap``
+    uint64 keys ``(distance bits << 32) | index``, its fill count and the worst key kept at the
+    last compaction (csrc/search.cpp). A symmetric self-search has a row per point."""
 
     def __init__(self, lib, rows: int, k: int, cap: int):
         self.lib, self.k, self.cap = lib, int(k), int(cap)
         self.keys = torch.empty(rows, self.cap, dtype=torch.int64)
         self.count = torch.empty(rows, dtype=torch.int64)
         self.worst = torch.empty(rows, dtype=torch.int64)
-        # No row is live before reset(): the buffers above are uninitialised, and an add()
-        # on them would write keys at the garbage counts' offsets.
-        self.rows = 0
+        self.rows = 0  # no row is live before reset(): the buffers are uninitialised
         self._col_end = 0
 
     def reset(self, rows: int) -> None:
@@ -82,16 +71,12 @@ class KnnSelection:
         """Fold a (rows, cols) fp32 CPU tile of distances to base rows col0.. in: ``rows`` the
         rows of the last :meth:`reset`, unit column stride (row stride >= cols), tiles in
         ascending, non-overlapping column order, col0 + cols <= 2**32 (a key's index)."""
-        # The library writes each tile row's keys into the state's row of that number and
-        # reads rows * row stride floats from dist's pointer: a tile of more rows than the
-        # state, of another dtype or device, or with strided columns would write past the
-        # state's buffers or read past (or around) the tile's.
+        # The library reads and writes through pointers: a tile it cannot read safely raises.
         _check_tile(dist, self.rows)
         rows, cols = dist.shape
         col0 = _index_arg("col0", col0)
         if col0 < self._col_end or col0 + cols > 1 << 32:
-            # earlier columns would break the prefilter's ascending-index rule (and repeat
-            # keys); indices past 2**32 do not fit a key's low half
+            # the prefilter needs ascending indices; a key holds a 32-bit index
             raise ValueError(f"col0 must be in [{self._col_end}, 2**32 - {cols}] (after the "
                              f"previous tile's columns; a key holds a 32-bit index), got {col0}")
         self._col_end = col0 + cols
@@ -103,11 +88,9 @@ class KnnSelection:
             raise RuntimeError(f"nnk_knn_select failed (code {rc})")
 
     def add_symmetric(self, dist, row0: int, col0: int) -> None:
-        """Fold the (rows, cols) fp32 CPU tile (row stride ``dist.stride(0)``, unit column
-        stride) of distances between points row0.. (query side) and col0.. (base side) of one
-        point set into the rows' selections and, unless it is a diagonal tile (row0 == col0,
-        rows == cols), into the columns' (``nnk_knn_select_sym``): the caller passes tiles so
-        that every point's candidates arrive in ascending index order."""
+        """Fold the (rows, cols) fp32 CPU tile of distances between points row0.. and col0.. of
+        one point set into the rows' selections and, off the diagonal, into the columns': the
+        caller passes tiles so that every point's candidates arrive in ascending index order."""
         _check_tile(dist)
         rows, cols = dist.shape
         row0, col0 = _index_arg("row0", row0), _index_arg("col0", col0)
@@ -126,21 +109,11 @@ class KnnSelection:
         """(rows, k) fp32 distances and int64 indices of state rows row0 .. row0 + rows - 1
         (default: all the rows of the last reset), ascending by (distance, index).
 
-        ``self0``: the rows are points ``self0 ..`` of a self-search (the state selected
-        ``k`` = the list length + 1): each row's own index leaves its list in the decode,
-        as :func:`nnkloss.bank.search.drop_self` would take it out (the same result), and the
-        lists are (rows, k - 1).
-
-        The rows' buffers are padded past their counts with the largest key
-        (``nnk_knn_pad``), sorted whole in place (:func:`sort_rows`: numpy's sort), and their
-        first k keys decoded (``nnk_knn_unkey``). Keys are unique, so any sort gives the same
-        lists; numpy's is SIMD on x86 (x86-simd-sort, AVX2 / AVX-512) and aarch64, several times
-        faster than a partial selection in C++ (docs/PERFORMANCE.md, "The CPU library's
-        build-time choices"). The state's rows are left sorted and padded: finish them once.
-
-        ``out``: a (distances, indices) pair of contiguous (rows, k) fp32 / int64 CPU tensors
-        (k - 1 columns with ``self0``) to decode into, e.g. rows of the caller's whole result:
-        no block of its own then, and no copy of it (returned as given)."""
+        ``self0``: the rows are points ``self0 ..`` of a self-search that selected k = the list
+        length + 1: each row's own index leaves its list (as ``drop_self`` would), giving
+        (rows, k - 1). ``out``: contiguous fp32 / int64 CPU tensors of that shape to decode into,
+        returned as given. The buffers are padded, sorted whole by numpy (:func:`sort_rows`)
+        and decoded, and left so: finish them once."""
         rows = self.rows - row0 if rows is None else int(rows)
         if row0 < 0 or rows < 0 or row0 + rows > self.rows:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
@@ -176,8 +149,8 @@ class KnnSelection:
 
 
 def _index_arg(name: str, v) -> int:
-    """``v`` as an int >= 0, or TypeError / ValueError naming ``name``: it becomes a pointer
-    offset in the library."""
+    """``v`` as an int >= 0 (a pointer offset in the library), else TypeError / ValueError
+    naming ``name``."""
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if v < 0:
@@ -186,9 +159,8 @@ def _index_arg(name: str, v) -> int:
 
 
 def _check_tile(dist, rows: Optional[int] = None) -> None:
-    """A distance tile the selection's library may read through its pointer: a 2-D fp32 CPU
-    tensor with unit column stride and a row stride of at least its columns (the library
-    reads row r at r * stride(0)), of ``rows`` rows where given."""
+    """A tile the library may read: a 2-D fp32 CPU tensor with unit column stride and a row
+    stride of at least its columns, of ``rows`` rows where given."""
     if not isinstance(dist, torch.Tensor):
         raise TypeError(f"dist must be a tensor, got {type(dist).__name__}")
     if dist.dim() != 2:
@@ -204,23 +176,17 @@ def _check_tile(dist, rows: Optional[int] = None) -> None:
 
 
 def sort_rows(a) -> None:
-    """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to torch's
-    thread count where each thread gets at least SORT_MIN_KEYS: numpy's sort (which releases
-    the GIL) called back from the library's threads (``nnk_run_items``, torch's OpenMP team),
-    or from Python threads where the library is unavailable. Python threads straight after one
-    of the team's parallel regions (the search's GEMM and selection) would share the cores with
-    its workers, which spin for milliseconds."""
+    """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to threads of
+    at least SORT_MIN_KEYS keys: numpy's sort (it releases the GIL) called back from the
+    library's threads (torch's team, whose workers would spin beside Python threads); one
+    numpy sort where the library is unavailable."""
     n_rows, width = a.shape
     n = min(build.threads(n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
-    if n == 1:
+    lib = build.lib()
+    if n == 1 or lib is None:
         a.sort(axis=1)
         return
     bounds = [n_rows * t // n for t in range(n + 1)]
-    lib = build.lib()
-    if lib is None:
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            list(pool.map(lambda t: a[bounds[t]:bounds[t + 1]].sort(axis=1), range(n)))
-        return
     errors = []
 
     def share(t):  # an exception cannot cross the C frames: kept, raised below
@@ -241,13 +207,11 @@ SORT_MIN_KEYS = 1 << 16
 
 
 def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
-    """``out = a @ b.T`` by the library's GEMM (``nnk_gemm_nt`` in csrc/search.cpp: each element
-    one fp32 dot product summed in column order with fused multiply-adds, the same bits whatever
-    the shapes and threads), for fp32 CPU matrices with unit column strides, ``out`` (m, n) not
-    overlapping the inputs. True when it ran; False where it cannot (the library unavailable or
-    built without AVX-512, or another dtype, device or layout): the caller then uses torch.mm.
-    Threads: :func:`nnkloss.cpu.build.threads`'s, or exactly ``nthreads``.
-    """
+    """``out = a @ b.T`` by the library's GEMM (each element one fp32 dot product in column
+    order, the same bits whatever the shapes and threads), for fp32 CPU matrices with unit
+    column strides, ``out`` not overlapping the inputs. False where it cannot run (no library
+    or no AVX-512, another dtype, device or layout): the caller then uses torch.mm. Threads:
+    :func:`nnkloss.cpu.build.threads`'s, or exactly ``nthreads``."""
     lib = build.lib()
     mats = (a, b, out)
     if (lib is None or any(t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2
@@ -273,8 +237,7 @@ def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
 
 
 def _row_stride(t) -> Optional[int]:
-    """The row stride of a 2-D tensor whose rows are unit-stride and do not overlap (what the
-    library's GEMM reads and writes), or None."""
+    """The row stride of a 2-D tensor whose rows are unit-stride and do not overlap, or None."""
     rows, cols = t.shape
     if cols > 1 and t.stride(1) != 1:
         return None
@@ -283,8 +246,7 @@ def _row_stride(t) -> Optional[int]:
     return t.stride(0) if t.stride(0) >= max(cols, 1) else None
 
 
-# A GEMM thread's least share of multiply-adds (microseconds of work), below which a parallel
-# region would not repay itself.
+# A GEMM thread's least share of multiply-adds.
 GEMM_MIN_MACS = 1 << 20
 
 

@@ -75,10 +75,6 @@ class CpuBackend(TorchBackend):
         return cpu.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                            store_dist, need_grad_x, mean)
 
-    def counted_mean(self, per_row, counted):
-        out = cpu.counted_mean(per_row, counted) if plain_eager(per_row) else None
-        return reference.counted_mean(per_row, counted) if out is None else out
-
     def centre_grad(self, emb, centres, neighbours, coef):
         return cpu.centre_grad(emb, centres, neighbours, coef)
 

@@ -1,18 +1,13 @@
 // The batch's passes outside the op's kernels: its lists (batch_lists, the CPU twin of
-// kernels/batch_lists.py), the counted mean, the value checks' reads and the benchmarks'
-// gather limit.
+// kernels/batch_lists.py), the value checks' reads and the benchmarks' gather limit.
 #include "common.h"
 
 namespace {
 
-// A batch's lists in one pass: the CPU twin of kernels/batch_lists.py, with its contract
-// (losses/base.BankLoss's lists of a batch; CentreBank.neighbours_for with labels null).
-// out[b, :] = table[idx[b], :], the entries equal to idx[b] (the row's own centre) set to -1
-// (padding) when exclude_self. A row whose idx is outside [0, N), or, labels given, whose label
-// is not its bank row's (clabels[idx[b]] != labels[b]), is dropped: its list all -1, nothing
-// of the table read for it. counts[0] = rows dropped, counts[1] = those of them outside
-// [0, N). I: the table's index type; idx, labels and clabels int32 or int64 (the *64 flags).
-// One pass in place of two, so that the CPU's lists take the GPU's route and contract.
+// A batch's lists in one pass, the contract of kernels/batch_lists.py: out[b, :] =
+// table[idx[b], :], entries equal to idx[b] set to -1 when exclude_self. A row whose idx is
+// outside [0, N), or (labels given) whose label is not clabels[idx[b]], is dropped: all -1.
+// counts[0] = rows dropped, counts[1] = those of them outside [0, N).
 template <typename I>
 int64_t batch_lists_impl(const I* table, int64_t N, int64_t K, const void* idx, int idx64,
                       const void* labels, int lab64, const void* clabels, int cl64, int64_t B,
@@ -43,34 +38,8 @@ int64_t batch_lists_impl(const I* table, int64_t N, int64_t K, const void* idx, 
     return dropped;
 }
 
-// Whether each of the N lists holds a centre of its own row's label (bank/search/lists.py,
-// has_same_label): out[i] = 1 when some entry j >= 0 of row i has clabels[j] == clabels[i].
-// A row is read only up to its first such entry, which in a list sorted nearest first is
-// usually the first: about N label reads instead of the N x K gather of torch's form. Every
-// entry read is checked: 3 when one is outside [-1, N).
-int has_same_label_impl(const void* nbrs, int nb64, int64_t N, int64_t K, const void* clabels,
-                        int cl64, uint8_t* out) {
-    for (int64_t i = 0; i < N; ++i) {
-        const int64_t own = load_index(clabels, cl64, i);
-        uint8_t found = 0;
-        for (int64_t k = 0; k < K; ++k) {
-            const int64_t j = load_index(nbrs, nb64, i * K + k);
-            if (j < -1 || j >= N) return 3;
-            if (j >= 0 && load_index(clabels, cl64, j) == own) {
-                found = 1;
-                break;
-            }
-        }
-        out[i] = found;
-    }
-    return 0;
-}
-
-// The op's value checks on CPU tensors (nnkloss/validation.check_values), each array read
-// once by one thread, in one call instead of a dozen torch reductions and comparisons (their
-// dispatch, not their reads, was most of a checked call's extra cost at B 1024, K 32, D 128).
-// Non-finite is an all-ones exponent, tested on the bits so that bf16 / fp16 need no
-// conversion; a weight is bad when it is negative, NaN or infinite.
+// The value checks (validation.check_values) in one call instead of a dozen torch reductions.
+// Non-finite is an all-ones exponent, tested on the bits (bf16 / fp16 need no conversion).
 template <typename I>
 void index_range(const I* __restrict p, int64_t n, int64_t* lo, int64_t* hi) {
     I a = std::numeric_limits<I>::max(), b = std::numeric_limits<I>::min();
@@ -116,8 +85,7 @@ int any_bad_value(const void* p, int64_t n, bool negative) {
     return bad;
 }
 
-// XOR of a row's bytes from `o` to its end (`e`), beyond its whole lines: its 8-byte words, then
-// its last bytes one at a time (rows whose size is not a multiple of 64).
+// XOR of a row's bytes from `o` to its end `e`: 8-byte words, then single bytes.
 inline uint64_t xor_rest(const char* r, int64_t o, int64_t e) {
     uint64_t x = 0;
     for (; o + 8 <= e; o += 8) {
@@ -129,13 +97,9 @@ inline uint64_t xor_rest(const char* r, int64_t o, int64_t e) {
     return x;
 }
 
-// The gather limit of a machine, for the benchmarks (benchmarks/common.gather_gbps): reads the
-// bank rows that n list entries name (-1: padding, skipped), in the lists' order, as the
-// forward's groups of four read them (scaled_sqdist4: four rows streamed at once, a line of each
-// of the four rows NNK_PREFETCH_BYTES ahead prefetched per line read), and computes nothing but
-// an XOR of the rows' 8-byte words (returned, so that the reads stay). Bytes read per second is
-// what the machine gives a random row gather of that shape, where the bank lives, without the
-// op's arithmetic. Entries are shared out in items of 512; the XOR does not depend on the
+// The machine's gather limit, for the benchmarks (benchmarks/common.gather_gbps): reads the
+// rows the n list entries name (-1: skipped) as the forward's groups of four do, prefetches
+// included, and returns only the XOR of their 8-byte words (so the reads stay), whatever the
 // thread count.
 template <typename I>
 uint64_t gather_read_items(const char* bank, int64_t n_rows, int64_t row_bytes, const I* nb,
@@ -189,12 +153,9 @@ uint64_t gather_read_items(const char* bank, int64_t n_rows, int64_t row_bytes, 
     return all;
 }
 
-// Whether every bank row that the n list entries name is finite (validation's read of the
-// gathered centres: the CCML loss's check before it, the op's explanation of a NaN row): each
-// listed row tested with any_bad_value, the rows pf entries ahead prefetched. Padding (-1)
-// and entries outside [0, N) are not rows: skipped, nothing is read through them (the value
-// checks refuse such an index themselves, naming it). 0: all finite, 1: a NaN or inf. Items
-// of 512 entries over the threads; one pass, no gathered copy.
+// Whether every bank row the n list entries name is finite (validation's read of the gathered
+// centres), in one pass without a gathered copy; entries outside [0, N) are skipped (the value
+// checks name them). 0: all finite, 1: a NaN or inf.
 template <typename T, typename I>
 int gathered_finite_items(const char* bank, int64_t N, int64_t D, const I* nb, int64_t n,
                           int nthreads) {
@@ -226,9 +187,7 @@ int gathered_finite_items(const char* bank, int64_t N, int64_t D, const I* nb, i
 
 extern "C" {
 
-// out (B, K) = the lists of bank rows idx (B,) from table (N, K) and counts (2,) int64
-// (batch_lists_impl; labels null: no label comparison); returns counts[0], the rows dropped.
-// tab64 / idx64 / lab64 / cl64: int64 (1) or int32 (0) elements.
+// batch_lists_impl (labels null: no label comparison); returns counts[0].
 int64_t nnk_batch_lists(const void* table, int tab64, int64_t N, int64_t K, const void* idx,
                     int idx64, const void* labels, int lab64, const void* clabels, int cl64,
                     int64_t B, int exclude_self, void* out, void* counts) {
@@ -239,20 +198,26 @@ int64_t nnk_batch_lists(const void* table, int tab64, int64_t N, int64_t K, cons
                             cl64, B, exclude_self, (int32_t*)out, (int64_t*)counts);
 }
 
-// counted_mean_impl: fp32 (0) / fp64 (1) rows, mean and divisor; bool (one byte) flags.
-int nnk_counted_mean(int ctype, const void* rows, const void* counted, int64_t B, void* mean,
-                     void* divisor) {
-    return with_compute_type(ctype, [&](auto c) {
-        using C = decltype(c);
-        counted_mean_impl<C>((const C*)rows, (const uint8_t*)counted, B, (C*)mean,
-                             (C*)divisor);
-    });
-}
-
-// has_same_label_impl: int32 (0) / int64 (1) lists and centre labels.
+// out[i] = 1 when some entry j >= 0 of list i has clabels[j] == clabels[i] (search/lists.py),
+// each row read up to its first such entry (in a nearest-first list usually the first).
+// 3 when an entry read is outside [-1, N).
 int nnk_has_same_label(const void* nbrs, int nb64, int64_t N, int64_t K, const void* clabels,
-                       int cl64, void* out) {
-    return has_same_label_impl(nbrs, nb64, N, K, clabels, cl64, (uint8_t*)out);
+                       int cl64, void* flags) {
+    uint8_t* const out = (uint8_t*)flags;
+    for (int64_t i = 0; i < N; ++i) {
+        const int64_t own = load_index(clabels, cl64, i);
+        uint8_t found = 0;
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t j = load_index(nbrs, nb64, i * K + k);
+            if (j < -1 || j >= N) return 3;
+            if (j >= 0 && load_index(clabels, cl64, j) == own) {
+                found = 1;
+                break;
+            }
+        }
+        out[i] = found;
+    }
+    return 0;
 }
 
 // gather_read_items: the benchmarks' gather limit (int32 (0) / int64 (1) list entries).
@@ -263,8 +228,7 @@ uint64_t nnk_gather_read(const void* bank, int64_t N, int64_t row_bytes, const v
                 : gather_read_items(b, N, row_bytes, (const int32_t*)nbrs, n, nthreads);
 }
 
-// gathered_finite_items: bank type codes as the forward's, int32 (0) / int64 (1) entries;
-// 2 for an unknown bank type.
+// gathered_finite_items; 2 for an unknown bank type.
 int nnk_gathered_finite(const void* bank, int btype, int64_t N, int64_t D, const void* nbrs,
                         int nb64, int64_t n, int nthreads) {
     const char* b = (const char*)bank;
@@ -278,10 +242,8 @@ int nnk_gathered_finite(const void* bank, int btype, int64_t N, int64_t D, const
     return rc;
 }
 
-// The value checks (validation.check_values): out[0] / out[1] the smallest / largest of the
-// n_idx list entries (unset when n_idx is 0), out[2] 1 when emb's n_emb values hold a NaN or
-// inf, out[3] 1 when the n_w weights hold a negative value, NaN or inf (0 when w is null).
-// Float type codes as the bank's (0 fp32, 1 fp64, 2 bf16, 3 fp16). 1 for an unknown code.
+// out[0] / out[1]: the smallest / largest list entry (unset when n_idx is 0); out[2]: emb holds
+// a NaN or inf; out[3]: the weights hold a negative value, NaN or inf. 1 for an unknown code.
 int nnk_check_values(const void* nbrs, int nb64, int64_t n_idx, const void* emb, int etype,
                      int64_t n_emb, const void* w, int wtype, int64_t n_w, int64_t* out) {
     if (n_idx > 0) {

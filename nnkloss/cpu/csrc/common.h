@@ -1,9 +1,7 @@
-// Shared by the library's translation units (op.cpp, batch.cpp, search.cpp): element types and
-// loads, the prefetch distance, the thread runner and the type-code dispatch. No torch headers:
-// nnkloss/cpu/build.py compiles the units into one library and loads it with ctypes; every
-// array is contiguous. C is the compute type (float, or double for fp64 embeddings), T the
-// bank element type (float, double, bf16 or fp16 stored as uint16_t bits); integer arrays are
-// int32 or int64, chosen at run time by a flag.
+// Shared by op.cpp, batch.cpp and search.cpp: element types and loads, the prefetch distance,
+// the thread runner and the type-code dispatch. No torch headers; every array is contiguous.
+// C is the compute type (float or double), T the bank element type (float, double, bf16 or
+// fp16 as uint16_t bits); integer arrays are int32 or int64, chosen at run time by a flag.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -22,11 +20,9 @@
 #include <immintrin.h>
 #endif
 
-// How many bytes of gathered rows pass 1 prefetches ahead of the rows it reads (0: none), 4 to
-// NNK_PREFETCH_MAX_ROWS rows: a random gather defeats the hardware prefetcher, so every line of
-// a row is requested. Locality 3 (prefetcht0): the non-temporal hint was a few percent faster
-// on one vendor and several times slower on another (docs/PERFORMANCE.md, "The CPU library's
-// build-time choices").
+// How many bytes of gathered rows are prefetched ahead (0: none): a random gather defeats the
+// hardware prefetcher. Locality 3 (prefetcht0): docs/PERFORMANCE.md, "The CPU library's
+// build-time choices".
 #ifndef NNK_PREFETCH_BYTES
 #define NNK_PREFETCH_BYTES 8192
 #endif
@@ -34,19 +30,13 @@
 #define NNK_PREFETCH_LOCALITY 3
 #endif
 
-#ifndef NNK_PREFETCH_MAX_ROWS
-#define NNK_PREFETCH_MAX_ROWS 16
-#endif
-
-// Pass 1 reads rows in groups of four, so the distance is rounded up to whole groups (at least
-// the next group).
+// The distance in rows: whole groups of four (pass 1's groups), 4 to 16.
 inline int64_t prefetch_rows(int64_t row_bytes) {
     if (NNK_PREFETCH_BYTES <= 0) return 0;
     int64_t rows = NNK_PREFETCH_BYTES / std::max<int64_t>(row_bytes, 1);
-    return std::max<int64_t>(4, std::min<int64_t>(NNK_PREFETCH_MAX_ROWS, (rows + 3) / 4 * 4));
+    return std::max<int64_t>(4, std::min<int64_t>(16, (rows + 3) / 4 * 4));
 }
-// Hot helpers are always inlined: as sets of native vectors the inliner's estimate of them
-// grew, and the distance became a call per gathered row.
+// Hot helpers are always inlined: otherwise the distance became a call per gathered row.
 #define NNK_INLINE inline __attribute__((always_inline))
 
 namespace {
@@ -60,8 +50,7 @@ inline float bits_to_float(uint32_t u) {
     return f;
 }
 
-// IEEE half -> float without relying on compiler support for _Float16 (exact for every input,
-// subnormals, inf and NaN included). Branch-free enough to vectorise.
+// IEEE half -> float without _Float16 (exact for every input), branch-free.
 inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -89,7 +78,7 @@ template <typename C> inline C load(const double* p, int64_t i) { return (C)p[i]
 template <typename C> inline C load(const bf16* p, int64_t i) {
     return (C)bits_to_float((uint32_t)p[i].bits << 16);
 }
-#if defined(__FLT16_MAX__) && !defined(NNK_NO_FLOAT16)
+#if defined(__FLT16_MAX__)
 template <typename C> inline C load(const fp16* p, int64_t i) {
     _Float16 h;
     std::memcpy(&h, &p[i].bits, sizeof h);
@@ -105,16 +94,11 @@ inline int64_t load_index(const void* p, int is64, int64_t i) {
     return is64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
 }
 
-
-// Runs work(i) for every i in [0, n) on up to `nthreads` threads, each claiming items from a
-// shared counter; each thread works on its own copy of `work` (its scratch buffers). Returns
-// once every item is done; nthreads <= 1 runs inline, no parallel region at all.
-//
-// Built with -fopenmp (where torch's intra-op pool is the libgomp loaded in the process) the
-// threads are an OpenMP team of that libgomp: torch's own workers, so torch's ops and the
-// library share one pool and never spin against each other. Otherwise the caller and
-// nthreads - 1 detached std::threads; the caller never waits for a helper that has not claimed
-// an item, and everything a late helper touches is kept alive by a shared_ptr.
+// Runs work(i) for every i in [0, n) on up to `nthreads` threads claiming items from a shared
+// counter, each with its own copy of `work` (its scratch); nthreads <= 1 runs inline. Built
+// with -fopenmp the threads are torch's own OpenMP team (one pool, never two spinning against
+// each other); otherwise the caller and detached std::threads, whose state a shared_ptr keeps
+// alive for a late helper.
 struct Progress {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
@@ -129,7 +113,7 @@ void run_items(int64_t n, int nthreads, const Work& work) {
         for (int64_t i = 0; i < n; ++i) w(i);
         return;
     }
-#if defined(_OPENMP) && !defined(NNK_OWN_THREADS)
+#if defined(_OPENMP)
     std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nthreads)
     {
@@ -158,9 +142,8 @@ void run_items(int64_t n, int nthreads, const Work& work) {
 #endif
 }
 
-// Type codes (the Python side uses the same). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32,
-// 1 fp64, 2 bf16, 3 fp16. f is called with a value of the type; 1 is returned for an unknown
-// code, 0 otherwise.
+// Type codes (build.py's). Compute: 0 fp32, 1 fp64. Bank element: 0 fp32, 1 fp64, 2 bf16,
+// 3 fp16. f is called with a value of the type; 1 for an unknown code.
 template <typename F>
 int with_compute_type(int ctype, F&& f) {
     switch (ctype) {
@@ -181,27 +164,14 @@ int with_bank_type(int btype, F&& f) {
     return 1;
 }
 
-// The losses' mean over their counted rows (ops/neighbour_kernel.reduce_rows, "mean"):
-// *mean = sum of the B per-row losses / *divisor, *divisor = max(count, 1), count the rows
-// whose flag is set; both in the rows' type T. The sum runs in double over eight lanes in a
-// fixed order (the same bits on every run), then is rounded to T and divided in T, as torch's
-// form divides its sum by the count. A NaN or inf row reaches the mean. One call in place of
-// torch's sum, count_nonzero, clamp_min and div.
-template <class T>
-void counted_mean_impl(const T* rows, const uint8_t* counted, int64_t B, T* mean,
-                       T* divisor) {
-    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t b = 0;
-    for (; b + 8 <= B; b += 8)
-        for (int l = 0; l < 8; ++l) lane[l] += (double)rows[b + l];
-    for (int l = 0; b < B; ++b, ++l) lane[l] += (double)rows[b];
-    int64_t count = 0;
-    for (int64_t i = 0; i < B; ++i) count += counted[i] != 0;
-    const double total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                         ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    const T d = (T)(count > 0 ? count : 1);
-    *mean = (T)total / d;
-    *divisor = d;
+// f(C{}, T{}) for compute code ctype and bank code btype; 1 for an unknown code.
+template <typename F>
+int with_types(int ctype, int btype, F&& f) {
+    int unknown = 0;
+    unknown |= with_compute_type(ctype, [&](auto c) {
+        unknown |= with_bank_type(btype, [&](auto t) { f(c, t); });
+    });
+    return unknown;
 }
 
 }  // namespace

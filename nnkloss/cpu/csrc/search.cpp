@@ -1,72 +1,17 @@
-// The exact search's compiled parts: the top-k selection folded into each distance tile, the
-// selection's finish, the refresh's list overlap and the tiles' GEMM.
+// The exact search's compiled parts (nnkloss/bank/search/torch_search.py: its docstring is the
+// spec): the top-k selection folded into each distance tile, the selection's finish, the
+// refresh's list overlap and the tiles' GEMM.
+//
+// Keys are uint64 (bits of the distance clamped at 0) << 32 | base index: they order as
+// (distance, index) and are unique. Per row a buffer of cap > k keys holds every candidate
+// below `worst`, a key with at least k held keys at or below it (UINT64_MAX before the first
+// compaction): such a key cannot be among the k smallest, so nothing the result needs is
+// dropped. Columns arrive in ascending index order, so the prefilter compares raw distances
+// with worst's. A self-search folds each tile into its rows' selections and, by a column scan,
+// into its columns'.
 #include "common.h"
 
-// Exact k-nearest-neighbour selection for nnkloss/bank/search/torch_search.py (its module
-// docstring is the spec). torch computes a (rows, cols) tile of fp32 squared distances by one
-// GEMM of augmented rows; nnk_knn_select folds the tile into a running per-row selection kept
-// across the base tiles, and its rows are sorted at the end (nnk_knn_pad, then numpy's sort in
-// KnnSelection.finish). Keys are uint64 (float bits of the clamped distance << 32) | base index: non-negative floats order as their
-// bits, so keys order as (distance, index) and are unique. Per row, a buffer of `cap` > k keys
-// holds every candidate below `worst`, a key that at least k held keys are at or below
-// (UINT64_MAX before the first compaction): when the buffer is full, KnnRow::compact drops the
-// keys above a new `worst` (a sampled pivot, else the k-th key by nth_element). A key >= worst
-// cannot be among the k smallest (k keys <= worst are already held), so nothing the exact
-// result needs is ever dropped. Base columns arrive in ascending index order, so a new key is
-// below worst iff its distance is below worst's distance: the prefilter compares 16 raw
-// distances at a time with that float and only chunks holding a candidate go on to the keys
-// (KnnRow::scan). A self-search (queries = base) can compute each pair once: nnk_knn_select_sym folds a tile into its rows' selections and, transposed
-// (a column scan, no copy), into its columns'.
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-// How many entries of each new list its old list also holds (bank/refresh.py, a refresh's
-// overlap statistic): out[i] = #{k : nw[i, k] >= 0 and nw[i, k] is some old[i, k']}, each
-// occurrence of a repeated new entry counted, and valid[i] = #{k : nw[i, k] >= 0} (the
-// statistic's denominator, in the same read). Per row, the old entries' bits are set in a
-// bitmap of M bits (M: the rows the lists index), the new entries tested, the bits cleared:
-// O(K) a row, where torch's form sorts every old list and binary-searches every new entry.
-// 3 when an entry is outside [-1, M),
-// 2 when M < 0, 4 when the bitmap cannot be allocated: an exception must not cross the C
-// interface (it would terminate the process; a negative M had cast to a huge size_t).
-int list_overlap_impl(const void* nw, int nw64, int64_t kn, const void* old, int old64,
-                      int64_t ko, int64_t rows, int64_t M, int64_t* out, int64_t* valid) {
-    if (M < 0) return 2;
-    std::vector<uint64_t> bits;
-    try {
-        bits.assign((size_t)(M / 64 + 1), 0);
-    } catch (const std::exception&) {
-        return 4;
-    }
-    uint64_t* const b = bits.data();
-    for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t k = 0; k < ko; ++k) {
-            const int64_t j = load_index(old, old64, i * ko + k);
-            if (j < -1 || j >= M) return 3;
-            if (j >= 0) b[j >> 6] |= (uint64_t)1 << (j & 63);
-        }
-        int64_t shared = 0, listed = 0;
-        for (int64_t k = 0; k < kn; ++k) {
-            const int64_t j = load_index(nw, nw64, i * kn + k);
-            if (j < -1 || j >= M) return 3;
-            if (j >= 0) {
-                shared += (int64_t)((b[j >> 6] >> (j & 63)) & 1);
-                ++listed;
-            }
-        }
-        out[i] = shared;
-        valid[i] = listed;
-        for (int64_t k = 0; k < ko; ++k) {
-            const int64_t j = load_index(old, old64, i * ko + k);
-            if (j >= 0) b[j >> 6] = 0;
-        }
-    }
-    return 0;
-}
-
 
 constexpr uint64_t kNoKey = ~(uint64_t)0;
 
@@ -93,10 +38,8 @@ struct KnnRow {
         if (*count == cap) compact();
     }
 
-    // The key of rank j (0-based) among the n distinct keys s[0..n) (a scratch array: other
-    // builds reorder it): the one with exactly j keys below it. With AVX-512 (n a multiple of
-    // 8) each key's rank is counted eight keys a step until the one sought, cheaper than
-    // nth_element over the sample of a compaction.
+    // The key of rank j among the n distinct keys s[0..n) (scratch: may be reordered). With
+    // AVX-512, ranks counted eight keys a step (cheaper than nth_element over a sample).
     static uint64_t key_of_rank(uint64_t* s, int64_t n, int64_t j) {
 #if defined(__AVX512F__)
         if (n % 8 == 0) {
@@ -127,10 +70,8 @@ struct KnnRow {
         return m;
     }
 
-    // Moves the full buffer's keys at or below piv to its front, in their order (the slots
-    // past them are left stale: the count says where the buffer ends). With AVX-512 eight
-    // keys at a time: compressed in a register and stored whole, the store ending at most
-    // where the keys just loaded end, so it never overwrites a key not yet read.
+    // Moves the full buffer's keys at or below piv to its front, in order. With AVX-512 eight
+    // at a time, compress-stored: the store never passes the keys just loaded.
     void keep_at_most(uint64_t piv) {
         int64_t i = 0, w = 0;
 #if defined(__AVX512F__)
@@ -157,18 +98,10 @@ struct KnnRow {
         thr = knn_key_dist(piv);
     }
 
-    // The buffer is full: drop every key above a new `worst` that at least k kept keys are at
-    // or below (a dropped key then has k smaller ones held: it cannot be among the k smallest,
-    // now or later). First try a pivot from a sample: the keys at kKnnSample evenly spaced
-    // positions, the one a little above rank k / cap (key_of_rank: no sort of the sample),
-    // then one counting pass and one partition that keep the keys at or below it (AVX-512:
-    // eight keys a step). That is several times cheaper than nth_element over the buffer: the
-    // k-th key is not needed, only a threshold with k keys under it. Where fewer than k keys
-    // are at or below the pivot (rare), once more with the sample's key 16 ranks higher;
-    // where that misleads too, or too few slots would be freed, nth_element. Buffers under
-    // 1,024 keys (k under 512) are too small for the sample: with AVX-512 the keys at 16
-    // spaced positions are each counted in the whole buffer instead, and the pivot is the one
-    // with the fewest keys at or below it, at least k (on average ~cap / 17 above k).
+    // The buffer is full: drop every key above a new worst with at least k keys at or below
+    // it. A pivot a little above rank k / cap in a sample, one count and one partition (far
+    // cheaper than nth_element); else 16 ranks higher; else nth_element. Small buffers with
+    // AVX-512: of 16 spaced keys, the one with the fewest (at least k) keys below.
     void compact() {
         constexpr int64_t kKnnSample = 128;
         if (cap >= 8 * kKnnSample) {
@@ -185,9 +118,6 @@ struct KnnRow {
         }
 #if defined(__AVX512F__)
         else {
-            // Smaller buffers: the keys at kKnnProbe evenly spaced positions, each counted in
-            // the whole buffer (eight keys a step); the pivot is the one with the fewest keys
-            // at or below it, at least k.
             constexpr int64_t kKnnProbe = 16;
             uint64_t piv = kNoKey;
             int64_t best = cap + 1;
@@ -208,10 +138,8 @@ struct KnnRow {
         thr = knn_key_dist(*worst);
     }
 
-    // The row's count, worst key and threshold live in locals for the scan, written back
-    // around each compaction and at the end: as members reached through pointers, every key
-    // stored could alias them (uint64_t / int64_t) as far as the compiler knows, and it reloaded
-    // them at each push.
+    // The count, worst key and threshold live in locals for the scan (through pointers every
+    // key stored could alias them, and the compiler reloaded them at each push).
     void scan(const float* __restrict d, int64_t cols, int64_t col0) {
         uint64_t* const kb = keys;
         const int64_t full = cap;
@@ -236,8 +164,7 @@ struct KnnRow {
         for (; j < cols && w == kNoKey; ++j) put(d[j], col0 + j);
 #if defined(__AVX512F__)
         const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-        // Eight candidates' keys at once: (clamped distance bits << 32) | index, those of the
-        // lanes in `pass` below the worst key compress-stored in column order at the count.
+        // Eight candidates' keys at once; those in `pass` below worst compress-stored in order.
         auto put8 = [&](__m256i bits, __mmask8 pass, int64_t index0)
                         __attribute__((always_inline)) {
             const __m512i key = _mm512_or_si512(
@@ -248,9 +175,8 @@ struct KnnRow {
             _mm512_storeu_si512(kb + n, _mm512_maskz_compress_epi64(keep, key));
             n += __builtin_popcount((unsigned)keep);
         };
-        // With room for all sixteen, the keys of a vector's candidates are built and stored as
-        // vectors whatever their number: one at a time only where the buffer may fill within
-        // the vector.
+        // As vectors while there is room for all sixteen; one at a time where the buffer may
+        // fill within the vector.
         for (; j + 16 <= cols; j += 16) {
             const __m512 v = _mm512_loadu_ps(d + j);
             __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_LT_OQ);
@@ -300,35 +226,21 @@ struct KnnRow {
 // Items of about this many distances (whole rows) are shared out to the threads.
 constexpr int64_t kKnnItemElems = 1 << 14;
 
-// Column side of a symmetric self-search tile (nnk_knn_select_sym): the tile's rows are
-// candidates for its columns' selections. Lanes per vector compare (16 with AVX-512, 8 with
-// AVX2, 16 scalar) and vectors per row: an item is kKnnColGroup contiguous columns, walked
-// down the tile's rows (each row a contiguous read of the group's floats, no transposed copy),
-// with a software prefetch NNK_KNN_COL_PREFETCH rows ahead: consecutive reads are a row stride
-// apart, a page or more for the search's tiles, which the hardware prefetchers do not follow;
-// 8 vectors a row make each prefetched line serve 8 lanes.
-#if defined(__AVX512F__)
-constexpr int kKnnLanes = 16;
-#elif defined(__AVX2__)
+// Column side of a symmetric tile: an item is kKnnColGroup contiguous columns walked down the
+// tile's rows (no transposed copy), prefetched kKnnColPrefetch rows ahead (a row stride apart,
+// which the hardware prefetchers do not follow).
+#if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kKnnLanes = 8;
 #else
 constexpr int kKnnLanes = 16;
 #endif
-#ifndef NNK_KNN_COL_VECTORS
-#define NNK_KNN_COL_VECTORS 8
-#endif
-constexpr int kKnnColVectors = NNK_KNN_COL_VECTORS;
-#ifndef NNK_KNN_COL_PREFETCH
-#define NNK_KNN_COL_PREFETCH 8
-#endif
+constexpr int kKnnColVectors = 8;
+constexpr int kKnnColPrefetch = 8;
 constexpr int kKnnColGroup = kKnnLanes * kKnnColVectors;
 
-// Columns c of `d` (rows x ncols, row stride ld; ncols <= kKnnColGroup) fold candidates
-// (d[r * ld + c], index row0 + r), r ascending, into lane[c]. A lane whose selection has not
-// compacted yet (worst = UINT64_MAX) takes every value, as KnnRow::scan does; afterwards only
-// distances below its threshold, the distance of its worst key, reach the key path: exact for
-// the same reason as the row side (the caller passes candidate indices above every index the
-// lane holds). The thresholds live in a small array, refreshed for the one lane that compacts.
+// Columns c of `d` (row stride ld; ncols <= kKnnColGroup) fold candidates (d[r * ld + c],
+// row0 + r), r ascending, into lane[c]: every value until the lane's first compaction (open),
+// then only distances below its threshold, as KnnRow::scan.
 void knn_scan_columns(const float* __restrict d, int64_t rows, int64_t ld, int64_t row0,
                       int ncols, KnnRow* lane) {
     alignas(64) float thr[kKnnColGroup];
@@ -357,11 +269,9 @@ void knn_scan_columns(const float* __restrict d, int64_t rows, int64_t ld, int64
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float* p = d + r * ld;
-#if NNK_KNN_COL_PREFETCH > 0
-        if (r + NNK_KNN_COL_PREFETCH < rows)
+        if (r + kKnnColPrefetch < rows)
             for (int v = 0; v < kKnnColVectors; ++v)
-                __builtin_prefetch(p + NNK_KNN_COL_PREFETCH * ld + v * kKnnLanes);
-#endif
+                __builtin_prefetch(p + kKnnColPrefetch * ld + v * kKnnLanes);
         for (int v = 0; v < kKnnColVectors; ++v) {
             const float* pv = p + v * kKnnLanes;
 #if defined(__AVX512F__)
@@ -373,7 +283,8 @@ void knn_scan_columns(const float* __restrict d, int64_t rows, int64_t ld, int64
                 _mm256_loadu_ps(pv), _mm256_load_ps(thr + v * kKnnLanes), _CMP_LT_OQ));
 #else
             uint32_t m = 0;
-            for (int t = 0; t < kKnnLanes; ++t) m |= (uint32_t)(pv[t] < thr[v * kKnnLanes + t]) << t;
+            for (int t = 0; t < kKnnLanes; ++t)
+                m |= (uint32_t)(pv[t] < thr[v * kKnnLanes + t]) << t;
 #endif
             m |= open[v];
             while (m) {
@@ -385,11 +296,9 @@ void knn_scan_columns(const float* __restrict d, int64_t rows, int64_t ld, int64
     }
 }
 
-// Rows a thread claims at a time in nnk_knn_pad and nnk_knn_unkey (64 rows of the evaluation's
-// 3,000-key buffers: 1.5 MB).
+// row(r) for every r in [0, rows), in chunks of kKnnFinishRows on up to nthreads threads.
 constexpr int64_t kKnnFinishRows = 64;
 
-// row(r) for every r in [0, rows), in chunks of kKnnFinishRows on up to nthreads threads.
 template <typename Row>
 void run_row_chunks(int64_t rows, int nthreads, const Row& row) {
     run_items((rows + kKnnFinishRows - 1) / kKnnFinishRows, nthreads, [=](int64_t i) {
@@ -402,10 +311,9 @@ void run_row_chunks(int64_t rows, int nthreads, const Row& row) {
 
 extern "C" {
 
-// Folds the (rows, cols) fp32 tile `dist` (row stride ld) of base columns col0 .. col0+cols-1
-// into the per-row selection state: keys (rows, cap), count (rows,), worst (rows,); a fresh
-// state has count 0 and worst UINT64_MAX. Tiles must come in ascending col0. 0 on success,
-// 2 on bad sizes (k < 1, cap <= k, or an index that does not fit 32 bits).
+// Folds the (rows, cols) tile `dist` (row stride ld) of base columns col0.. into the state:
+// keys (rows, cap), count (rows,), worst (rows,) (fresh: 0 and UINT64_MAX). Tiles in ascending
+// col0. 0 on success, 2 on bad sizes.
 int nnk_knn_select(const float* dist, int64_t rows, int64_t cols, int64_t ld, int64_t col0,
                    int64_t k, int64_t cap, uint64_t* keys, int64_t* count, uint64_t* worst,
                    int nthreads) {
@@ -423,19 +331,9 @@ int nnk_knn_select(const float* dist, int64_t rows, int64_t cols, int64_t ld, in
     return 0;
 }
 
-// Symmetric self-search (torch_search._iter_knn_symmetric): `dist` is the (rows, cols) tile
-// (row stride ld) of distances between points row0 .. row0+rows-1 (query side) and points
-// col0 .. col0+cols-1 (base side) of ONE point set, and the state (keys (N, cap), count (N,),
-// worst (N,)) has one row per point, indexed by the point. Row side: point row0 + r takes the
-// tile's row r as candidates col0 + c (KnnRow::scan, as nnk_knn_select). Column side, only off
-// the diagonal (col0 >= row0 + rows): point col0 + c takes the tile's column c as candidates
-// row0 + r, r ascending (knn_scan_columns; the distance of pair (col0+c, row0+r) is the one
-// computed with row0+r on the query side). A diagonal tile (row0 == col0, rows == cols) is
-// fed to its rows only: it holds both orders of each pair. The two sides touch disjoint state
-// rows, so their items run together. As for nnk_knn_select, every point must receive its
-// candidates in ascending index order across calls: tiles (I, J), J >= I, with I outer and J
-// inner give point p of block P the blocks 0 .. P-1 through column sides, P on the diagonal,
-// then P+1 .. through row sides. 0 on success, 2 on bad sizes or overlapping blocks.
+// Symmetric self-search (torch_search._iter_knn_symmetric), one state row per point: point
+// row0 + r takes tile row r and, unless the tile is diagonal (row0 == col0, rows == cols),
+// point col0 + c takes column c. 0 on success, 2 on bad sizes or overlapping blocks.
 int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld, int64_t row0,
                        int64_t col0, int64_t k, int64_t cap, uint64_t* keys, int64_t* count,
                        uint64_t* worst, int nthreads) {
@@ -470,10 +368,9 @@ int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld
     return 0;
 }
 
-// The end of a selection (KnnSelection.finish in nnkloss/cpu/search.py): every slot past a
-// row's count is set to kNoKey, so that a sort of the rows' whole buffers puts their k smallest
-// keys first (the sort is numpy's, SIMD where numpy has it). 0 on
-// success, 2 when a row holds fewer than k keys (nothing written). On up to nthreads threads.
+// The end of a selection (KnnSelection.finish): every slot past a row's count set to kNoKey,
+// so that a sort of the whole buffers puts the k smallest keys first. 2 when a row holds fewer
+// than k keys (nothing written).
 int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int64_t* count,
                 int nthreads) {
     for (int64_t r = 0; r < rows; ++r)
@@ -484,26 +381,19 @@ int nnk_knn_pad(int64_t rows, int64_t k, int64_t cap, uint64_t* keys, const int6
     return 0;
 }
 
-// Runs fn(i) for every i in [0, n) on the kernel's threads (run_items): for Python work that
-// releases the GIL, a ctypes callback (sort_rows in nnkloss/cpu/search.py: numpy's sort of a
-// share of the rows). Run by torch's OpenMP team rather than Python threads beside it, whose
-// workers spin for milliseconds after each parallel region (the search's GEMM and selection)
-// and would take the cores from the Python threads. 0 when every item ran.
+// fn(i) for every i in [0, n) on run_items' threads: a ctypes callback that releases the GIL
+// (search.sort_rows), run by torch's team rather than by Python threads beside its spinning
+// workers.
 int nnk_run_items(int64_t n, int nthreads, void (*fn)(int64_t)) {
     if (fn == nullptr) return 2;
     run_items(n, nthreads, [fn](int64_t i) { fn(i); });
     return 0;
 }
 
-// After the sort: the first k keys of each row (row stride cap) as out_dist (rows, k) fp32
-// distances (from the key bits) and out_index (rows, k) int64, written in place of the
-// (rows, k) temporaries that torch's shifts and masks would take. With self0 >= 0, row r is
-// point self0 + r of a self-search that selected k + 1 keys, and its own index leaves the list
-// here, as exclusion.py's drop_self takes it out afterwards elsewhere, with the same result:
-// the first k of its k + 1 keys that are not its own, or, where its own index is not among
-// them (more than k exact duplicates tie ahead of it), its first k. That spares drop_self's
-// compare over the (rows, k + 1) block, its argmax and its two wheres. On up to nthreads
-// threads. 0 on success, 2 on bad sizes.
+// After the sort: the first k keys of each row decoded into out_dist (rows, k) fp32 and
+// out_index (rows, k) int64. With self0 >= 0, row r is point self0 + r of a self-search that
+// selected k + 1 keys: its own index leaves the list, as drop_self would take it out (where it
+// is not among them, the first k). 0 on success, 2 on bad sizes.
 int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, float* out_dist,
                   int64_t* out_index, int64_t self0, int nthreads) {
     if (k < 0 || cap < k + (self0 >= 0 ? 1 : 0)) return 2;
@@ -521,40 +411,54 @@ int nnk_knn_unkey(int64_t rows, int64_t k, int64_t cap, const uint64_t* keys, fl
     return 0;
 }
 
-
-// list_overlap_impl: int32 (0) / int64 (1) lists, new (rows, kn) and old (rows, ko).
+// How many entries of each new list its old list also holds (bank/refresh.py): out[i] =
+// #{k : nw[i, k] >= 0 is some old[i, k']}, valid[i] = #{k : nw[i, k] >= 0}, by a bitmap of
+// the M rows the lists index (O(K) a row). 3 when an entry is outside [-1, M), 2 when M < 0,
+// 4 when the bitmap cannot be allocated (no exception may cross the C interface).
 int nnk_list_overlap(const void* nw, int nw64, int64_t kn, const void* old, int old64,
-                     int64_t ko, int64_t rows, int64_t M, void* out, void* valid) {
-    return list_overlap_impl(nw, nw64, kn, old, old64, ko, rows, M, (int64_t*)out,
-                             (int64_t*)valid);
+                     int64_t ko, int64_t rows, int64_t M, int64_t* out, int64_t* valid) {
+    if (M < 0) return 2;
+    std::vector<uint64_t> bits;
+    try {
+        bits.assign((size_t)(M / 64 + 1), 0);
+    } catch (const std::exception&) {
+        return 4;
+    }
+    uint64_t* const b = bits.data();
+    for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t k = 0; k < ko; ++k) {
+            const int64_t j = load_index(old, old64, i * ko + k);
+            if (j < -1 || j >= M) return 3;
+            if (j >= 0) b[j >> 6] |= (uint64_t)1 << (j & 63);
+        }
+        int64_t shared = 0, listed = 0;
+        for (int64_t k = 0; k < kn; ++k) {
+            const int64_t j = load_index(nw, nw64, i * kn + k);
+            if (j < -1 || j >= M) return 3;
+            if (j >= 0) {
+                shared += (int64_t)((b[j >> 6] >> (j & 63)) & 1);
+                ++listed;
+            }
+        }
+        out[i] = shared;
+        valid[i] = listed;
+        for (int64_t k = 0; k < ko; ++k) {
+            const int64_t j = load_index(old, old64, i * ko + k);
+            if (j >= 0) b[j >> 6] = 0;
+        }
+    }
+    return 0;
 }
 
 }  // extern "C"
 
-// ---------------------------------------------------------------------------------------------
-// The exact search's distance tiles (nnkloss/bank/search/torch_search.py, distance_tile):
-// C (m, n) = A (m, k) B (n, k)^T in fp32, A and B row-major (the augmented query and base
-// rows), every element ONE dot product of its two rows summed over p = 0 .. k-1 in that order
-// with fused multiply-adds from +0. So its bits depend on its two rows alone: not on the tile's
-// shape, the element's place in it or the thread count (a BLAS blocks and orders the sum as it
-// likes), and every path of the search that uses it computes the same distance for a pair.
-// AVX-512 builds only (nnk_gemm_nt returns 1 elsewhere and the search keeps torch.mm).
-//
-// Why: where torch.mm's BLAS runs narrower code than the CPU has (MKL's AVX2 path on AMD), this
-// AVX-512 loop is the faster, and the tiles' GEMM is most of the search's time at evaluation's
-// k (docs/PERFORMANCE.md, "The CPU library's build-time choices").
-//
-// How (the GotoBLAS layout, without k blocking: k is D + 2 rounded to 8, a few hundred):
-//   1. A is packed once into panels of GEMM_MR rows, element (row i, column p) of a panel at
-//      [p * GEMM_MR + i] (rows past m are zeros), so the micro-kernel broadcasts consecutive
-//      floats;
-//   2. each work item takes GEMM_GROUP panels of 32 B rows in turn, packs one ([p * 32 + j],
-//      rows past n zeros: 32 * k floats, in L1 at k <= 256) and runs the micro-kernel over
-//      every panel of A: GEMM_MR x 32 accumulators in 16 zmm registers, per p two loads of B,
-//      GEMM_MR broadcasts of A and 2 * GEMM_MR fused multiply-adds; the finished block is
-//      stored to C (the rows and columns that exist).
-// Memory traffic per call: A and B read once to pack; A's panels read again per 32 columns of
-// C (from L2 / L3: m * k * 4 bytes, 1.1 MB at m 2048, k 136); C written once (m * n * 4).
+// The search's distance tiles: C (m, n) = A (m, k) B (n, k)^T in fp32, every element one dot
+// product summed over p = 0 .. k-1 in order with fused multiply-adds, so its bits depend on its
+// two rows alone (not on shapes or threads, as a BLAS's would). AVX-512 builds only (1
+// elsewhere: the search keeps torch.mm); faster than narrower BLAS code (docs/PERFORMANCE.md).
+// GotoBLAS layout without k blocking: A packed once into panels of GEMM_MR rows; each work
+// item packs GEMM_GROUP panels of 32 B rows in turn and runs the GEMM_MR x 32 micro-kernel
+// (16 zmm accumulators) over every panel of A.
 #if defined(__AVX512F__)
 namespace {
 
@@ -574,7 +478,7 @@ void gemm_pack_b(const float* b, int64_t ldb, int64_t n, int64_t k, int64_t pane
                  float* __restrict out) {
     const int64_t j0 = panel * GEMM_NR;
     const int64_t nn = std::min<int64_t>(GEMM_NR, n - j0);
-    for (int64_t j = 0; j < GEMM_NR; ++j) {  // row by row (contiguous reads), scattered writes
+    for (int64_t j = 0; j < GEMM_NR; ++j) {  // contiguous reads, scattered writes
         if (j < nn) {
             const float* row = b + (j0 + j) * ldb;
             for (int64_t p = 0; p < k; ++p) out[p * GEMM_NR + j] = row[p];
@@ -584,8 +488,7 @@ void gemm_pack_b(const float* b, int64_t ldb, int64_t n, int64_t k, int64_t pane
     }
 }
 
-// The GEMM_MR x 32 block of C at (i0, j0) from a packed panel of A and one of B; mm x nn of it
-// exist.
+// The GEMM_MR x 32 block of C from packed panels of A and B; mm x nn of it exist.
 NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict bp, int64_t k,
                            float* c, int64_t ldc, int64_t mm, int64_t nn) {
     __m512 acc[GEMM_MR][2];
@@ -600,10 +503,8 @@ NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict b
             acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
         }
     }
-    // Stores at compile-time indices (unrolled; `i < mm` a test): a loop to mm would index acc
-    // at run time, and GCC then kept acc in memory, storing all 16 registers on every p.
-    // Whole blocks by plain stores (masked stores of every block were much slower); the last
-    // columns only by masked stores.
+    // Stores at compile-time indices (a loop to mm kept acc in memory); masked stores only for
+    // the last columns (masked stores everywhere were much slower).
     if (nn == GEMM_NR) {
 #pragma GCC unroll 8
         for (int i = 0; i < GEMM_MR; ++i) {
@@ -631,9 +532,8 @@ NNK_INLINE void gemm_block(const float* __restrict ap, const float* __restrict b
 
 extern "C" {
 
-// C (m, n) = A (m, k) B (n, k)^T, fp32, row strides lda, ldb, ldc (unit column strides); C
-// must not overlap A or B. 0 on success, 1 where this build has no AVX-512 (nothing written),
-// 2 on bad sizes.
+// Row strides lda, ldb, ldc; C must not overlap A or B. 0 on success, 1 without AVX-512
+// (nothing written), 2 on bad sizes.
 int nnk_gemm_nt(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                 int64_t m, int64_t n, int64_t k, int nthreads) {
 #if defined(__AVX512F__)

@@ -49,25 +49,19 @@ BANK_TYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float
 INDEX_TYPES = {torch.int32: 0, torch.int64: 1}
 
 _lock = threading.Lock()
-_state = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
+_FRESH = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
           "warned": False, "pool": None}
+_state = dict(_FRESH)
 
 
 def _compiler() -> Optional[str]:
-    for name in (os.environ.get("NNKLOSS_CXX"), os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name:
-            found = shutil.which(name)
-            if found:
-                return found
-    return None
+    names = (os.environ.get("NNKLOSS_CXX"), os.environ.get("CXX"), "c++", "g++", "clang++")
+    return next(filter(None, (shutil.which(name) for name in names if name)), None)
 
 
 def cache_dir() -> str:
-    d = os.environ.get("NNKLOSS_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "nnkloss")
-    return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("NNKLOSS_CACHE_DIR") or os.path.join(base, "nnkloss")
 
 
 def _cpu_flags() -> str:
@@ -107,10 +101,6 @@ class _Untrusted(Exception):
     """A cached library (or its recorded checksum) that must not be loaded: rebuild it."""
 
 
-def _fallback_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")
-
-
 def _private_dir(d: str) -> str:
     """``d`` if this user owns it and neither group nor others can write to it (created with mode
     0700 when missing; another user could plant a library there); otherwise OSError why."""
@@ -134,7 +124,7 @@ def _usable_cache_dir() -> str:
     """The configured cache directory, else ``<tmp>/nnkloss-<uid>``, whichever is private first;
     RuntimeError naming both and why when neither is."""
     reasons = []
-    for d in (cache_dir(), _fallback_dir()):
+    for d in (cache_dir(), os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")):
         try:
             return _private_dir(d)
         except OSError as exc:
@@ -187,7 +177,6 @@ def _open_verified(path: str) -> int:
     try:
         _check_owned_file(os.fstat(fd), path)
         with os.fdopen(os.dup(fd), "rb") as f:
-            f.seek(0)
             digest = _sha256_of(f)
         if digest != expected:
             raise _Untrusted(f"{path} does not match the sha256 recorded when it was built "
@@ -355,25 +344,16 @@ def lib():
             except Exception as exc:  # any failure: the plain torch path runs instead
                 _state["error"] = str(exc)
             _state["tried"] = True
-            _build_notice()
+            spent = _state["compile_s"]  # over a second: a compile, not a cached load
+            if _state["lib"] is not None and (spent or 0.0) >= 1.0:
+                logging.getLogger("nnkloss").warning(
+                    "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
+                    spent, os.path.dirname(_state["path"]))
     if _state["lib"] is None and not _state["warned"]:
         _state["warned"] = True
         warnings.warn(f"nnkloss: compiled CPU kernel unavailable ({_state['error']}); "
                       "using the plain PyTorch path", RuntimeWarning, stacklevel=3)
     return _state["lib"]
-
-
-# A build slower than this was a compile (loading a cached library takes milliseconds).
-NOTICE_AFTER_S = 1.0
-
-
-def _build_notice():
-    """One line, once per process, when this process compiled (not loaded) the kernel."""
-    spent = _state["compile_s"]
-    if _state["lib"] is not None and spent is not None and spent >= NOTICE_AFTER_S:
-        logging.getLogger("nnkloss").warning(
-            "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
-            spent, os.path.dirname(_state["path"]))
 
 
 def available() -> bool:
@@ -394,8 +374,7 @@ def library_path() -> Optional[str]:
 
 def _reset_for_tests():
     with _lock:
-        _state.update(lib=None, tried=False, error=None, path=None, compile_s=None,
-                      warned=False, pool=None)
+        _state.update(_FRESH)
 
 
 # Each thread gets at least this many elements of work (the op's gathered B*K*D).

@@ -112,8 +112,7 @@ class KnnSelection:
         ``self0``: the rows are points ``self0 ..`` of a self-search that selected k = the list
         length + 1: each row's own index leaves its list (as ``drop_self`` would), giving
         (rows, k - 1). ``out``: contiguous fp32 / int64 CPU tensors of that shape to decode into,
-        returned as given. The buffers are padded, sorted whole by numpy (:func:`sort_rows`)
-        and decoded, and left so: finish them once."""
+        returned as given. The buffers are left sorted and decoded: finish them once."""
         rows = self.rows - row0 if rows is None else int(rows)
         if row0 < 0 or rows < 0 or row0 + rows > self.rows:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
@@ -134,8 +133,7 @@ class KnnSelection:
         else:
             dist, idx = out
             for t, dt in ((dist, torch.float32), (idx, torch.int64)):
-                if (t.shape != (rows, k) or t.dtype != dt or t.device.type != "cpu"
-                        or not t.is_contiguous()):
+                if t.shape != (rows, k) or t.dtype != dt or not t.is_cpu or not t.is_contiguous():
                     raise ValueError(f"out must hold contiguous ({rows}, {k}) fp32 and int64 "
                                      f"CPU tensors, got {tuple(t.shape)} {t.dtype} on "
                                      f"{t.device}")
@@ -176,10 +174,9 @@ def _check_tile(dist, rows: Optional[int] = None) -> None:
 
 
 def sort_rows(a) -> None:
-    """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to threads of
-    at least SORT_MIN_KEYS keys: numpy's sort (it releases the GIL) called back from the
-    library's threads (torch's team, whose workers would spin beside Python threads); one
-    numpy sort where the library is unavailable."""
+    """Sort each row of the 2-D numpy array ``a`` in place: numpy's sort (it releases the GIL)
+    on shares of at least SORT_MIN_KEYS keys, called back from the library's threads (torch's
+    team, whose workers would spin beside Python threads)."""
     n_rows, width = a.shape
     n = min(build.threads(n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
     lib = build.lib()
@@ -223,12 +220,10 @@ def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
         return False
     m, k = a.shape
     n = b.shape[0]
-
-    def call(t):
-        return lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(),
-                               lds[2], m, n, k, t)
-    rc = call(max(1, int(nthreads)) if nthreads is not None
-              else build.threads(m * n * max(k, 1), GEMM_MIN_MACS))
+    t = (max(1, int(nthreads)) if nthreads is not None
+         else build.threads(m * n * max(k, 1), GEMM_MIN_MACS))
+    rc = lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(), lds[2],
+                         m, n, k, t)
     if rc == 1:
         return False
     if rc != 0:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .neighbour_kernel import _neighbour_meta, _online_update, _tl_dtype, pow2_ceil
+from .neighbour_kernel import _entry_meta, _list_entries, _online_update, _tl_dtype, pow2_ceil
 
 # List entries per tile: one program per row, two passes over its list.
 ENTRY_GRADS_MAX_BLOCK_K = 512
@@ -45,8 +45,9 @@ def _expm1(x):
 def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label,
                 HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
     """One tile of the row's list: its logits (-inf where not valid) and what the terms need."""
-    kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
-        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
+    kmask, nonpad, past, safe, valid, same, logw = _entry_meta(
+        _list_entries(nbr_ptr, row, stride_nb, kk, K), clab_ptr, w_ptr, kk, K, N, label, HAS_W,
+        COMPUTE)
     u = tl.load(u_ptr + row * stride_u + kk, mask=kmask, other=0.0).to(COMPUTE)
     logits = tl.where(valid, logw - 0.5 * u, float("-inf"))
     return kmask, nonpad, nonpad & ~past, safe, valid, same, u, logits

@@ -62,18 +62,10 @@ def _list_entries(nbr_ptr, row, stride_nb, kk, K):
 
 
 @triton.jit
-def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label,
-                    HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
-    """Indices, masks and log-weights of one tile of the list; ``past``: entries >= N (value
-    checks off), which read nothing and make their row non-finite (CONTRACT.md 9)."""
-    return _entry_meta(_list_entries(nbr_ptr, row, stride_nb, kk, K), clab_ptr, w_ptr, kk, K,
-                       N, label, HAS_W, COMPUTE)
-
-
-@triton.jit
 def _entry_meta(idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W: tl.constexpr,
                 COMPUTE: tl.constexpr):
-    """:func:`_neighbour_meta` of list entries already loaded (``_list_entries``)."""
+    """Masks and log-weights of one tile of list entries (``_list_entries``); ``past``: entries
+    >= N (value checks off), which read nothing and make their row non-finite (CONTRACT.md 9)."""
     kmask = kk < K
     nonpad = kmask & (idx >= 0)
     past = nonpad & (idx >= N)
@@ -247,9 +239,9 @@ def _nk_fwd_kernel(
                 g = tl.zeros([BLOCK_D], dtype=COMPUTE)
                 for k0 in range(0, K, BLOCK_K):
                     kk = k0 + offs_k
-                    kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
-                        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W,
-                        COMPUTE)
+                    idx = _list_entries(nbr_ptr, row, stride_nb, kk, K)
+                    kmask, nonpad, past, safe, valid, same, logw = _entry_meta(
+                        idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W, COMPUTE)
                     u = tl.load(dist_ptr + row * stride_db + kk, mask=kmask, other=0.0)
                     ok = valid & (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
                     logit = logw - 0.5 * tl.where(ok, u, 0.0)
@@ -373,8 +365,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         max_block_d: widest D block in registers (tests lower it to reach the two-phase path).
         config: explicit launch configuration; default :func:`default_config`.
         store_dist: write the (B, K) scaled distances (the backward for weights, sigma or
-            centres needs them); False returns an empty (B, 0) tensor (the two-phase path then
-            writes them to scratch: under 0.1% of its centre reads).
+            centres needs them); False returns an empty (B, 0) tensor.
         need_grad_x: compute grad_x; False launches the forward-only build and returns an
             empty (B, 0) grad_x.
         mean: also return ``counted`` (B,) bool (rows with a same-class entry, and non-finite

@@ -6,6 +6,7 @@ docs/PERFORMANCE.md, "The launch rule and its evidence"; the build gate
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -118,11 +119,9 @@ def sm_count(device: torch.device) -> Optional[int]:
     """Streaming multiprocessors of a CUDA device, asked once (None elsewhere)."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SMS.get(index)
-    if n is None:
-        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_SMS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

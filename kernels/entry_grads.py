@@ -168,13 +168,12 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
     neighbours = neighbours.contiguous()
     lse_all = lse_all.to(cdt).contiguous()
     lse_pos = lse_pos.to(cdt).contiguous()
-    dummy = u  # a pointer for the outputs not asked for (their stores are compiled out)
     block_k, num_warps = entry_grads_config(K)
-    _entry_grads_kernel[(B,)](
+    _entry_grads_kernel[(B,)](  # u: a pointer for what is not asked for (compiled out)
         u, neighbours, labels.contiguous(), centre_labels.contiguous(),
         weights if weights is not None else u, lse_all, lse_pos, g, sigma,
-        coef if coef is not None else dummy, q if q is not None else dummy,
-        srow if srow is not None else dummy,
+        coef if coef is not None else u, q if q is not None else u,
+        srow if srow is not None else u,
         K, centre_labels.shape[0], u.stride(0), neighbours.stride(0), g.stride(0), K,
         HAS_W=weights is not None, NEED_C=coef is not None, NEED_Q=q is not None,
         NEED_S=srow is not None, COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, num_warps=num_warps,

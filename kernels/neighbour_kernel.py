@@ -373,11 +373,9 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
 
     Returns:
         loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
-        dist (B, K) or (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32).
-        Rows with no same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite
-        rows are NaN.
-        ``dist`` holds u_j = ||c_j - x||^2 / sigma^2 of every non-padding entry (zero-weight
-        ones too) and 0 for padding. With ``mean``: those five, then counted, mean, divisor.
+        dist (B, K) (u_j of every non-padding entry, zero-weight ones too) or (B, 0); all in
+        the compute dtype (fp64 for fp64 ``emb``, else fp32), with the contract's row rules.
+        With ``mean``: those five, then counted, mean, divisor.
     """
     B, D = emb.shape
     K = neighbours.shape[1]
@@ -405,14 +403,11 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     if B == 0 or K == 0:
         # No entry: no positive, nothing to read. An empty bank (N 0) is launched: its entries
         # are padding or past the bank (NaN rows, CONTRACT.md 9).
-        loss.zero_()
+        for t in out:
+            t.zero_()
         lse_all.fill_(float("-inf"))
         lse_pos.fill_(float("-inf"))
-        grad_x.zero_()
-        dist.zero_()
         if mean:
-            counted.zero_()
-            out[6].zero_()
             out[7].fill_(1.0)
         return out
     single = cfg.single_pass(D)

@@ -1,13 +1,9 @@
 """Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes.
 
-The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a per-user cache
-directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else ``~/.cache/nnkloss``;
-if that is unusable, ``<tmp>/nnkloss-<uid>``), keyed by a hash of the sources, compiler, flags
-and CPU features, written atomically with its sha256 recorded beside it.
-
-Nothing on disk is loaded unchecked: the directory and the library must be this user's and not
-writable by group or others, and the library's bytes must match the recorded sha256, checked
-on the descriptor that is then loaded (``/proc/self/fd``). Anything else is rebuilt. Any
+The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a private
+per-user cache, keyed by the sources, compiler, flags and CPU, and written atomically with
+their sha256 beside them; nothing there is loaded unless it is this user's, private and matches
+that sha256 on the descriptor that is loaded (docs/SECURITY.md); anything else is rebuilt. Any
 failure (or ``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and the op's
 passes run the plain torch path. Threads are torch's setting; :func:`threads` keeps small
 calls on fewer of them.
@@ -316,11 +312,9 @@ def torch_libgomp() -> Optional[str]:
         return None
     found = _loaded_libgomp()
     torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
-    for path in found:
-        if (os.path.basename(path) == "libgomp.so.1"
-                and os.path.dirname(os.path.realpath(path)) == torch_lib):
-            return path
-    return found[0] if len(found) == 1 else None
+    return next((path for path in found if os.path.basename(path) == "libgomp.so.1"
+                 and os.path.dirname(os.path.realpath(path)) == torch_lib),
+                found[0] if len(found) == 1 else None)
 
 
 def flag_choices() -> list:

@@ -24,13 +24,11 @@ def list_overlap(new, old, num_rows: int):
     outside [-1, num_rows). ``num_rows`` (the bitmap's size) must be an int >= 0
     (TypeError / ValueError naming it); a bitmap too large to allocate is a MemoryError."""
     num_rows = _index_arg("num_rows", num_rows)
-    if (not (new.is_cpu and old.is_cpu) or new.dtype not in INDEX_TYPES
+    lib = build.lib()
+    if (lib is None or not (new.is_cpu and old.is_cpu) or new.dtype not in INDEX_TYPES
             or old.dtype not in INDEX_TYPES or new.dim() != 2 or old.dim() != 2
             or new.shape[0] != old.shape[0]
             or not (new.is_contiguous() and old.is_contiguous())):
-        return None
-    lib = build.lib()
-    if lib is None:
         return None
     rows = new.shape[0]
     out = torch.empty(2, rows, dtype=torch.int64)

@@ -183,12 +183,6 @@ def _open_verified(path: str) -> int:
     return fd
 
 
-def _first_error(stderr: str) -> str:
-    """The first line of a compiler's stderr with "error", else the last line, else "?"."""
-    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line), lines[-1] if lines else "?")
-
-
 def _compile(cxx: str, flags, out_dir: str) -> str:
     """Compile to a temporary file in ``out_dir``, fsync it, rename it to its keyed name and
     record its sha256 beside it; a library already there is reused only if it verifies."""
@@ -203,8 +197,10 @@ def _compile(cxx: str, flags, out_dir: str) -> str:
     try:
         proc = subprocess.run([cxx, *flags, *SOURCES, "-o", tmp], capture_output=True, text=True,
                               timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{os.path.basename(cxx)} failed: {_first_error(proc.stderr)}")
+        if proc.returncode != 0:  # the first line with "error", else the last, else "?"
+            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+            first = next((line for line in lines if "error" in line), lines[-1] if lines else "?")
+            raise RuntimeError(f"{os.path.basename(cxx)} failed: {first}")
         os.chmod(tmp, 0o755)  # whatever the umask: group/other-writable would be refused
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())  # the bytes reach the disk before the name does

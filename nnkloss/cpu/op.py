@@ -65,9 +65,8 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
-    # The library reads B labels and list rows, and N centre labels and weights, through bare
-    # pointers: shapes that disagree (a direct call of the custom op; the functional op checks
-    # them) would read past the tensors.
+    # Read through bare pointers: shapes that disagree (a direct call of the custom op; the
+    # functional op checks them) would read past the tensors.
     if (labels.shape != (B,) or neighbours.shape[0] != B or centre_labels.shape != (N,)
             or (weights is not None and weights.shape != (N,))):
         raise ValueError(_shape_error(emb, labels, centres, centre_labels, neighbours, weights))
@@ -151,11 +150,8 @@ def scale_rows(grad_x, g, lse_pos=None, divisor=None):
             or (g.dim() and g.shape[0] != B)
             or (lse_pos is not None and (lse_pos.dim() != 1 or lse_pos.shape[0] != B))
             or (divisor is not None and (divisor.dim() or not divisor.is_cpu))):
-        if divisor is not None:
-            g = g / divisor
-        g = g.expand(B)
-        takes = g != 0 if lse_pos is None else (g != 0) & (lse_pos != float("-inf"))
-        return torch.where(takes[:, None], g[:, None] * grad_x, 0.0)
+        return reference.scale_rows(grad_x, g, grad_x.new_zeros(()) if lse_pos is None
+                                    else lse_pos, dt, divisor)
     out = torch.empty_like(grad_x)
     rc = lib.nnk_scale_rows(
         int(dt == torch.float64), grad_x.data_ptr(), g.data_ptr(), g.stride(0) if g.dim() else 0,

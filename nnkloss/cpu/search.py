@@ -69,12 +69,10 @@ class KnnSelection:
         """Fold a (rows, cols) fp32 CPU tile of distances to base rows col0.. in: ``rows`` the
         rows of the last :meth:`reset`, unit column stride (row stride >= cols), tiles in
         ascending, non-overlapping column order, col0 + cols <= 2**32 (a key's index)."""
-        # The library reads and writes through pointers: a tile it cannot read safely raises.
         _check_tile(dist, self.rows)
         rows, cols = dist.shape
         col0 = _index_arg("col0", col0)
         if col0 < self._col_end or col0 + cols > 1 << 32:
-            # the prefilter needs ascending indices; a key holds a 32-bit index
             raise ValueError(f"col0 must be in [{self._col_end}, 2**32 - {cols}] (after the "
                              f"previous tile's columns; a key holds a 32-bit index), got {col0}")
         self._col_end = col0 + cols
@@ -126,15 +124,12 @@ class KnnSelection:
             raise RuntimeError(f"nnk_knn_pad failed (code {rc}): a row holds fewer than k "
                                "keys")
         if out is None:
-            dist = torch.empty(rows, k, dtype=torch.float32)
-            idx = torch.empty(rows, k, dtype=torch.int64)
-        else:
-            dist, idx = out
-            for t, dt in ((dist, torch.float32), (idx, torch.int64)):
-                if t.shape != (rows, k) or t.dtype != dt or not t.is_cpu or not t.is_contiguous():
-                    raise ValueError(f"out must hold contiguous ({rows}, {k}) fp32 and int64 "
-                                     f"CPU tensors, got {tuple(t.shape)} {t.dtype} on "
-                                     f"{t.device}")
+            out = torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.int64)
+        dist, idx = out
+        for t, dt in ((dist, torch.float32), (idx, torch.int64)):
+            if t.shape != (rows, k) or t.dtype != dt or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"out must hold contiguous ({rows}, {k}) fp32 and int64 CPU "
+                                 f"tensors, got {tuple(t.shape)} {t.dtype} on {t.device}")
         sort_rows(keys.numpy().view(np.uint64))
         rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
                                     idx.data_ptr(), -1 if self0 is None else int(self0),

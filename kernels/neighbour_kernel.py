@@ -85,13 +85,6 @@ def _entry_meta(idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W: tl.constexpr,
 
 
 @triton.jit
-def _count_bad(nonpad, valid, u, logw):
-    """Entries that make the row non-finite (contract item 6). |v| < inf is False for NaN."""
-    bad = (nonpad & ~(tl.abs(u) < float("inf"))) | (valid & ~(tl.abs(logw) < float("inf")))
-    return tl.sum(bad.to(tl.int32), axis=0)
-
-
-@triton.jit
 def _online_update(m, s, logits):
     """One online-logsumexp step: returns (new max, rescale factor, exp weights, new sum)."""
     m_new = tl.maximum(m, tl.max(logits, axis=0))
@@ -188,11 +181,12 @@ def _nk_fwd_kernel(
             u = tl.where(past, float("nan"), u)
             if STORE_DIST:
                 tl.store(dist_ptr + row * stride_db + kk, u, mask=kmask)
-            # Step 2: non-finite entries are counted (the row's outputs become NaN), then
-            # neutralised so that the arithmetic below stays finite.
-            n_bad += _count_bad(nonpad, valid, u, logw)
-            fin = (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
-            ok = valid & fin
+            # Step 2: non-finite entries are counted (the row's outputs become NaN, contract
+            # item 6), then neutralised so that the arithmetic below stays finite.
+            fin_u = tl.abs(u) < float("inf")  # False for NaN too
+            fin_w = tl.abs(logw) < float("inf")
+            n_bad += tl.sum(((nonpad & ~fin_u) | (valid & ~fin_w)).to(tl.int32), axis=0)
+            ok = valid & fin_u & fin_w
             logit = tl.where(ok, logw - 0.5 * tl.where(ok, u, 0.0), float("-inf"))
             logit_pos = tl.where(same, logit, float("-inf"))
             m_all, alpha_all, p_all, s_all = _online_update(m_all, s_all, logit)

@@ -303,9 +303,8 @@ def _index_tensor(t):
 
 
 def gather_lists(table, idx, exclude_self: bool):
-    """``table[idx]`` (B, K) with each row's own index replaced by -1 when ``exclude_self``, in
-    one pass (:func:`batch_lists` without labels). None where this is not done here: no
-    library, other dtypes, devices or layouts, or an idx outside [0, N) (the caller reports it)."""
+    """``table[idx]`` (B, K) in one pass (:func:`batch_lists` without labels); None where this is
+    not done here, or for an idx outside [0, N) (the caller reports it)."""
     if (table.dtype not in INDEX_TYPES or idx.dtype not in INDEX_TYPES
             or not table.is_contiguous()):
         return None

@@ -198,10 +198,9 @@ SORT_MIN_KEYS = 1 << 16
 
 def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
     """``out = a @ b.T`` by the library's GEMM (each element one fp32 dot product in column
-    order, the same bits whatever the shapes and threads), for fp32 CPU matrices with unit
-    column strides, ``out`` not overlapping the inputs. False where it cannot run (no library
-    or no AVX-512, another dtype, device or layout): the caller then uses torch.mm. Threads:
-    :func:`nnkloss.cpu.build.threads`'s, or exactly ``nthreads``."""
+    order: the same bits whatever the shapes and threads) for fp32 CPU matrices with unit
+    column strides, ``out`` not overlapping them; ``nthreads`` exactly, else build.threads'.
+    False where it cannot run (no library or AVX-512, another dtype, device or layout)."""
     lib = build.lib()
     mats = (a, b, out)
     if (lib is None or any(t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2

@@ -1,9 +1,6 @@
-"""The op's passes on the CPU library: the forward contract (nnkloss/ops/CONTRACT.md), the
-backward's terms, the batch's lists and the value checks' reads.
-
-The bank is read as it is (fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and lists);
-cheap inputs are converted. Anything else runs the plain torch path, or returns None where the
-caller has its own.
+"""The op's passes on the CPU library, twins of ``kernels/``'s: the bank is read as it is
+(fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and lists), cheap inputs converted;
+anything else runs the plain torch path, or returns None where the caller has its own.
 """
 from __future__ import annotations
 
@@ -200,13 +197,12 @@ def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
     gg = g.detach().to(cdt)
     if gg.stride(0) != 0:
         gg = gg.contiguous()
-    s = float(sigma)
     coef = torch.empty(B, K, dtype=cdt) if need_coef else None
     q = torch.empty(B, K, dtype=cdt) if need_q and w is not None else None
     srow = torch.empty(B, dtype=cdt) if need_srow else None
     if B * K == 0:
         return tuple(None if t is None else t.zero_() for t in (coef, q, srow))
-    inv = 1.0 / s
+    inv = 1.0 / float(sigma)
     # An entry costs about what 16 gathered elements of the forward do.
     rc = lib.nnk_entry_grads(
         int(cdt == torch.float64), uc.data_ptr(), nb.data_ptr(), int(nb.dtype == torch.int64),

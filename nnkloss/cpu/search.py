@@ -1,6 +1,5 @@
-"""The exact kNN search's compiled parts (nnkloss/bank/search/torch_search.py): the GEMM of its
-distance tiles, the top-k selection folded in straight after, the rows' sort and decode, and
-the refresh's list overlap.
+"""The exact kNN search's compiled parts (nnkloss/bank/search/torch_search.py): its tiles'
+GEMM, the top-k selection, the rows' sort and decode, and the refresh's list overlap.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ propagate NaN reliably), never as "no positive". Launch rules: kernels/config.py
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -406,8 +407,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         return out
     single = cfg.single_pass(D)
     write_dist = store_dist or (need_grad_x and not single)  # the two-phase scratch
-    dbuf = dist if store_dist else (torch.empty(B, K, device=dev, dtype=cdt) if write_dist
-                                    else dist)
+    dbuf = torch.empty(B, K, device=dev, dtype=cdt) if write_dist and not store_dist else dist
     w = weights if weights is not None else centres  # dummy pointer when HAS_W is False
     gx = grad_x if need_grad_x else loss  # dummy pointer, never written without GRAD_X
     _nk_fwd_kernel[(programs,)](
@@ -427,17 +427,11 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     return out
 
 
-_TICKETS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def ticket(device: torch.device, slot: int = 0) -> torch.Tensor:
     """A zeroed int32 counter on ``device`` per ``slot`` (0: the forward's mean, 1: the batch
     lists' counts), made once: launches leave it at 0. A slot's launches share one stream."""
-    key = (device, slot)
-    t = _TICKETS.get(key)
-    if t is None:
-        t = _TICKETS[key] = torch.zeros(4, dtype=torch.int32, device=device)
-    return t
+    return torch.zeros(4, dtype=torch.int32, device=device)
 
 
 def centre_grad(emb, centres, neighbours, coef):

@@ -117,8 +117,7 @@ def _private_dir(d: str) -> str:
 
 
 def _usable_cache_dir() -> str:
-    """The configured cache directory, else ``<tmp>/nnkloss-<uid>``, whichever is private first;
-    RuntimeError naming both and why when neither is."""
+    """The first private one of cache_dir() and ``<tmp>/nnkloss-<uid>``, else RuntimeError why."""
     reasons = []
     for d in (cache_dir(), os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")):
         try:
@@ -314,8 +313,7 @@ def torch_libgomp() -> Optional[str]:
 
 
 def flag_choices() -> list:
-    """The thread flags tried, in order (each after FLAGS): torch's OpenMP team where torch's
-    pool is libgomp, then own threads, then plain."""
+    """The thread flags tried in order, each after FLAGS (torch's OpenMP team first)."""
     return ([OPENMP_FLAGS] if torch_libgomp() else []) + [THREAD_FLAGS, PLAIN_FLAGS]
 
 

@@ -29,8 +29,7 @@ def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
             and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
 
 
-# scale_rows streams B*D elements once with one multiply each: a thread's share must be far
-# bigger than the gathering passes' to repay a parallel region.
+# scale_rows does one multiply an element: a thread needs a far larger share to pay its start.
 SCALE_MIN_ELEMS = 1 << 20
 
 

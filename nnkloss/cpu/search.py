@@ -149,8 +149,7 @@ def _index_arg(name: str, v) -> int:
 
 
 def _check_tile(dist, rows: Optional[int] = None) -> None:
-    """A tile the library may read: a 2-D fp32 CPU tensor with unit column stride and a row
-    stride of at least its columns, of ``rows`` rows where given."""
+    """Raise unless ``dist`` is a tile the library may read (of ``rows`` rows where given)."""
     if not isinstance(dist, torch.Tensor):
         raise TypeError(f"dist must be a tensor, got {type(dist).__name__}")
     if dist.dim() != 2:

@@ -72,7 +72,8 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     4. A batch giving the ``sms`` SMs under SMALL_BATCH_WARPS_PER_SM warps each lengthens its
        tiles (each waits on its entries, then on their rows).
     """
-    elem_size = max(elem_size, compute_size if compute_size > 4 else 1 if aligned else 4)
+    if compute_size > 4 or not aligned:
+        elem_size = max(elem_size, compute_size if compute_size > 4 else 4)
     block_d = min(pow2_ceil(D), max_block_d)
     kp2 = pow2_ceil(K)
     row_elems = 8 if elem_size > 4 else 16  # of one row, a thread

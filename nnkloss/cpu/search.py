@@ -236,7 +236,6 @@ GEMM_MIN_MACS = 1 << 20
 
 
 def knn_selection(rows: int, k: int, cap: int) -> Optional[KnnSelection]:
-    """A compiled selection state for ``rows`` query rows, or None when the library is
-    unavailable (the search then runs its plain torch selection)."""
+    """A compiled selection state, or None without the library (the search then runs torch's)."""
     lib = build.lib()
     return None if lib is None else KnnSelection(lib, rows, k, cap)

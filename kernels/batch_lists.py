@@ -2,9 +2,9 @@
 
 ``nnkloss.losses.BankLoss`` starts every call from the bank's (N, K) lists table: the batch's
 rows, each example's own index replaced by -1, and the lists of rows whose label disagrees
-with the bank's emptied (dropped: loss 0, no gradient, out of the mean) and counted; seven
-torch launches, one here. Rows whose ``idx`` lies outside the bank read nothing and are
-counted apart (a caller with value checks on names ``idx``; torch's gather would assert).
+with the bank's emptied (dropped: loss 0, no gradient, out of the mean) and counted, in one
+launch. Rows whose ``idx`` lies outside the bank read nothing and are counted apart, so that
+a caller can name ``idx`` (torch's gather would assert).
 
 Memory traffic for a batch of B rows and lists of K entries of ``s`` bytes:
     reads   B x K x s           the batch's rows of the table (none for a dropped row)

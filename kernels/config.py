@@ -6,6 +6,7 @@ docs/PERFORMANCE.md, "The launch rule and its evidence"; the build gate
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -71,10 +72,8 @@ def default_config(K: int, D: int, max_block_d: int = MAX_SINGLE_PASS_BLOCK_D,
     4. A batch giving the ``sms`` SMs under SMALL_BATCH_WARPS_PER_SM warps each lengthens its
        tiles (each waits on its entries, then on their rows).
     """
-    if compute_size > 4:
-        elem_size = max(elem_size, compute_size)
-    if not aligned:
-        elem_size = max(elem_size, 4)
+    if compute_size > 4 or not aligned:
+        elem_size = max(elem_size, compute_size if compute_size > 4 else 4)
     block_d = min(pow2_ceil(D), max_block_d)
     kp2 = pow2_ceil(K)
     row_elems = 8 if elem_size > 4 else 16  # of one row, a thread
@@ -118,11 +117,9 @@ def sm_count(device: torch.device) -> Optional[int]:
     """Streaming multiprocessors of a CUDA device, asked once (None elsewhere)."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SMS.get(index)
-    if n is None:
-        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_SMS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

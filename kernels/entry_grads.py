@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .neighbour_kernel import _neighbour_meta, _online_update, _tl_dtype, pow2_ceil
+from .neighbour_kernel import _entry_meta, _list_entries, _online_update, _tl_dtype, pow2_ceil
 
 # List entries per tile: one program per row, two passes over its list.
 ENTRY_GRADS_MAX_BLOCK_K = 512
@@ -45,8 +45,9 @@ def _expm1(x):
 def _row_logits(u_ptr, nbr_ptr, clab_ptr, w_ptr, row, stride_u, stride_nb, kk, K, N, label,
                 HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
     """One tile of the row's list: its logits (-inf where not valid) and what the terms need."""
-    kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
-        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W, COMPUTE)
+    kmask, nonpad, past, safe, valid, same, logw = _entry_meta(
+        _list_entries(nbr_ptr, row, stride_nb, kk, K), clab_ptr, w_ptr, kk, K, N, label, HAS_W,
+        COMPUTE)
     u = tl.load(u_ptr + row * stride_u + kk, mask=kmask, other=0.0).to(COMPUTE)
     logits = tl.where(valid, logw - 0.5 * u, float("-inf"))
     return kmask, nonpad, nonpad & ~past, safe, valid, same, u, logits
@@ -167,13 +168,12 @@ def entry_grads(u: torch.Tensor, labels: torch.Tensor, centre_labels: torch.Tens
     neighbours = neighbours.contiguous()
     lse_all = lse_all.to(cdt).contiguous()
     lse_pos = lse_pos.to(cdt).contiguous()
-    dummy = u  # a pointer for the outputs not asked for (their stores are compiled out)
     block_k, num_warps = entry_grads_config(K)
-    _entry_grads_kernel[(B,)](
+    _entry_grads_kernel[(B,)](  # u: a pointer for what is not asked for (compiled out)
         u, neighbours, labels.contiguous(), centre_labels.contiguous(),
         weights if weights is not None else u, lse_all, lse_pos, g, sigma,
-        coef if coef is not None else dummy, q if q is not None else dummy,
-        srow if srow is not None else dummy,
+        coef if coef is not None else u, q if q is not None else u,
+        srow if srow is not None else u,
         K, centre_labels.shape[0], u.stride(0), neighbours.stride(0), g.stride(0), K,
         HAS_W=weights is not None, NEED_C=coef is not None, NEED_Q=q is not None,
         NEED_S=srow is not None, COMPUTE=_tl_dtype(cdt), BLOCK_K=block_k, num_warps=num_warps,

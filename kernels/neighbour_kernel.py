@@ -17,6 +17,7 @@ propagate NaN reliably), never as "no positive". Launch rules: kernels/config.py
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -62,18 +63,10 @@ def _list_entries(nbr_ptr, row, stride_nb, kk, K):
 
 
 @triton.jit
-def _neighbour_meta(nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label,
-                    HAS_W: tl.constexpr, COMPUTE: tl.constexpr):
-    """Indices, masks and log-weights of one tile of the list; ``past``: entries >= N (value
-    checks off), which read nothing and make their row non-finite (CONTRACT.md 9)."""
-    return _entry_meta(_list_entries(nbr_ptr, row, stride_nb, kk, K), clab_ptr, w_ptr, kk, K,
-                       N, label, HAS_W, COMPUTE)
-
-
-@triton.jit
 def _entry_meta(idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W: tl.constexpr,
                 COMPUTE: tl.constexpr):
-    """:func:`_neighbour_meta` of list entries already loaded (``_list_entries``)."""
+    """Masks and log-weights of one tile of list entries (``_list_entries``); ``past``: entries
+    >= N (value checks off), which read nothing and make their row non-finite (CONTRACT.md 9)."""
     kmask = kk < K
     nonpad = kmask & (idx >= 0)
     past = nonpad & (idx >= N)
@@ -90,13 +83,6 @@ def _entry_meta(idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W: tl.constexpr,
         logw = tl.zeros_like(kk).to(COMPUTE)
     same = valid & (clab == label)
     return kmask, nonpad, past, safe, valid, same, logw
-
-
-@triton.jit
-def _count_bad(nonpad, valid, u, logw):
-    """Entries that make the row non-finite (contract item 6). |v| < inf is False for NaN."""
-    bad = (nonpad & ~(tl.abs(u) < float("inf"))) | (valid & ~(tl.abs(logw) < float("inf")))
-    return tl.sum(bad.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -196,11 +182,12 @@ def _nk_fwd_kernel(
             u = tl.where(past, float("nan"), u)
             if STORE_DIST:
                 tl.store(dist_ptr + row * stride_db + kk, u, mask=kmask)
-            # Step 2: non-finite entries are counted (the row's outputs become NaN), then
-            # neutralised so that the arithmetic below stays finite.
-            n_bad += _count_bad(nonpad, valid, u, logw)
-            fin = (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
-            ok = valid & fin
+            # Step 2: non-finite entries are counted (the row's outputs become NaN, contract
+            # item 6), then neutralised so that the arithmetic below stays finite.
+            fin_u = tl.abs(u) < float("inf")  # False for NaN too
+            fin_w = tl.abs(logw) < float("inf")
+            n_bad += tl.sum(((nonpad & ~fin_u) | (valid & ~fin_w)).to(tl.int32), axis=0)
+            ok = valid & fin_u & fin_w
             logit = tl.where(ok, logw - 0.5 * tl.where(ok, u, 0.0), float("-inf"))
             logit_pos = tl.where(same, logit, float("-inf"))
             m_all, alpha_all, p_all, s_all = _online_update(m_all, s_all, logit)
@@ -247,9 +234,9 @@ def _nk_fwd_kernel(
                 g = tl.zeros([BLOCK_D], dtype=COMPUTE)
                 for k0 in range(0, K, BLOCK_K):
                     kk = k0 + offs_k
-                    kmask, nonpad, past, safe, valid, same, logw = _neighbour_meta(
-                        nbr_ptr, clab_ptr, w_ptr, row, stride_nb, kk, K, N, label, HAS_W,
-                        COMPUTE)
+                    idx = _list_entries(nbr_ptr, row, stride_nb, kk, K)
+                    kmask, nonpad, past, safe, valid, same, logw = _entry_meta(
+                        idx, clab_ptr, w_ptr, kk, K, N, label, HAS_W, COMPUTE)
                     u = tl.load(dist_ptr + row * stride_db + kk, mask=kmask, other=0.0)
                     ok = valid & (tl.abs(u) < float("inf")) & (tl.abs(logw) < float("inf"))
                     logit = logw - 0.5 * tl.where(ok, u, 0.0)
@@ -373,8 +360,7 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
         max_block_d: widest D block in registers (tests lower it to reach the two-phase path).
         config: explicit launch configuration; default :func:`default_config`.
         store_dist: write the (B, K) scaled distances (the backward for weights, sigma or
-            centres needs them); False returns an empty (B, 0) tensor (the two-phase path then
-            writes them to scratch: under 0.1% of its centre reads).
+            centres needs them); False returns an empty (B, 0) tensor.
         need_grad_x: compute grad_x; False launches the forward-only build and returns an
             empty (B, 0) grad_x.
         mean: also return ``counted`` (B,) bool (rows with a same-class entry, and non-finite
@@ -382,11 +368,9 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
 
     Returns:
         loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
-        dist (B, K) or (B, 0); all in the compute dtype (fp64 for fp64 ``emb``, else fp32).
-        Rows with no same-class neighbour have loss 0, lse_pos -inf and grad_x 0; non-finite
-        rows are NaN.
-        ``dist`` holds u_j = ||c_j - x||^2 / sigma^2 of every non-padding entry (zero-weight
-        ones too) and 0 for padding. With ``mean``: those five, then counted, mean, divisor.
+        dist (B, K) (u_j of every non-padding entry, zero-weight ones too) or (B, 0); all in
+        the compute dtype (fp64 for fp64 ``emb``, else fp32), with the contract's row rules.
+        With ``mean``: those five, then counted, mean, divisor.
     """
     B, D = emb.shape
     K = neighbours.shape[1]
@@ -414,20 +398,16 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     if B == 0 or K == 0:
         # No entry: no positive, nothing to read. An empty bank (N 0) is launched: its entries
         # are padding or past the bank (NaN rows, CONTRACT.md 9).
-        loss.zero_()
+        for t in out:
+            t.zero_()
         lse_all.fill_(float("-inf"))
         lse_pos.fill_(float("-inf"))
-        grad_x.zero_()
-        dist.zero_()
         if mean:
-            counted.zero_()
-            out[6].zero_()
             out[7].fill_(1.0)
         return out
     single = cfg.single_pass(D)
     write_dist = store_dist or (need_grad_x and not single)  # the two-phase scratch
-    dbuf = dist if store_dist else (torch.empty(B, K, device=dev, dtype=cdt) if write_dist
-                                    else dist)
+    dbuf = torch.empty(B, K, device=dev, dtype=cdt) if write_dist and not store_dist else dist
     w = weights if weights is not None else centres  # dummy pointer when HAS_W is False
     gx = grad_x if need_grad_x else loss  # dummy pointer, never written without GRAD_X
     _nk_fwd_kernel[(programs,)](
@@ -447,17 +427,11 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
     return out
 
 
-_TICKETS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def ticket(device: torch.device, slot: int = 0) -> torch.Tensor:
     """A zeroed int32 counter on ``device`` per ``slot`` (0: the forward's mean, 1: the batch
     lists' counts), made once: launches leave it at 0. A slot's launches share one stream."""
-    key = (device, slot)
-    t = _TICKETS.get(key)
-    if t is None:
-        t = _TICKETS[key] = torch.zeros(4, dtype=torch.int32, device=device)
-    return t
+    return torch.zeros(4, dtype=torch.int32, device=device)
 
 
 def centre_grad(emb, centres, neighbours, coef):

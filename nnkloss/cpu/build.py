@@ -1,13 +1,9 @@
 """Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes.
 
-The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a per-user cache
-directory (``$NNKLOSS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnkloss``, else ``~/.cache/nnkloss``;
-if that is unusable, ``<tmp>/nnkloss-<uid>``), keyed by a hash of the sources, compiler, flags
-and CPU features, written atomically with its sha256 recorded beside it.
-
-Nothing on disk is loaded unchecked: the directory and the library must be this user's and not
-writable by group or others, and the library's bytes must match the recorded sha256, checked
-on the descriptor that is then loaded (``/proc/self/fd``). Anything else is rebuilt. Any
+The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a private
+per-user cache, keyed by the sources, compiler, flags and CPU, and written atomically with
+their sha256 beside them; nothing there is loaded unless it is this user's, private and matches
+that sha256 on the descriptor that is loaded (docs/SECURITY.md); anything else is rebuilt. Any
 failure (or ``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and the op's
 passes run the plain torch path. Threads are torch's setting; :func:`threads` keeps small
 calls on fewer of them.
@@ -49,25 +45,19 @@ BANK_TYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float
 INDEX_TYPES = {torch.int32: 0, torch.int64: 1}
 
 _lock = threading.Lock()
-_state = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
+_FRESH = {"lib": None, "tried": False, "error": None, "path": None, "compile_s": None,
           "warned": False, "pool": None}
+_state = dict(_FRESH)
 
 
 def _compiler() -> Optional[str]:
-    for name in (os.environ.get("NNKLOSS_CXX"), os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name:
-            found = shutil.which(name)
-            if found:
-                return found
-    return None
+    names = (os.environ.get("NNKLOSS_CXX"), os.environ.get("CXX"), "c++", "g++", "clang++")
+    return next(filter(None, (shutil.which(name) for name in names if name)), None)
 
 
 def cache_dir() -> str:
-    d = os.environ.get("NNKLOSS_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "nnkloss")
-    return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("NNKLOSS_CACHE_DIR") or os.path.join(base, "nnkloss")
 
 
 def _cpu_flags() -> str:
@@ -107,10 +97,6 @@ class _Untrusted(Exception):
     """A cached library (or its recorded checksum) that must not be loaded: rebuild it."""
 
 
-def _fallback_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")
-
-
 def _private_dir(d: str) -> str:
     """``d`` if this user owns it and neither group nor others can write to it (created with mode
     0700 when missing; another user could plant a library there); otherwise OSError why."""
@@ -131,10 +117,9 @@ def _private_dir(d: str) -> str:
 
 
 def _usable_cache_dir() -> str:
-    """The configured cache directory, else ``<tmp>/nnkloss-<uid>``, whichever is private first;
-    RuntimeError naming both and why when neither is."""
+    """The first private one of cache_dir() and ``<tmp>/nnkloss-<uid>``, else RuntimeError why."""
     reasons = []
-    for d in (cache_dir(), _fallback_dir()):
+    for d in (cache_dir(), os.path.join(tempfile.gettempdir(), f"nnkloss-{os.getuid()}")):
         try:
             return _private_dir(d)
         except OSError as exc:
@@ -187,7 +172,6 @@ def _open_verified(path: str) -> int:
     try:
         _check_owned_file(os.fstat(fd), path)
         with os.fdopen(os.dup(fd), "rb") as f:
-            f.seek(0)
             digest = _sha256_of(f)
         if digest != expected:
             raise _Untrusted(f"{path} does not match the sha256 recorded when it was built "
@@ -196,12 +180,6 @@ def _open_verified(path: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def _first_error(stderr: str) -> str:
-    """The first line of a compiler's stderr with "error", else the last line, else "?"."""
-    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line), lines[-1] if lines else "?")
 
 
 def _compile(cxx: str, flags, out_dir: str) -> str:
@@ -218,8 +196,10 @@ def _compile(cxx: str, flags, out_dir: str) -> str:
     try:
         proc = subprocess.run([cxx, *flags, *SOURCES, "-o", tmp], capture_output=True, text=True,
                               timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{os.path.basename(cxx)} failed: {_first_error(proc.stderr)}")
+        if proc.returncode != 0:  # the first line with "error", else the last, else "?"
+            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+            first = next((line for line in lines if "error" in line), lines[-1] if lines else "?")
+            raise RuntimeError(f"{os.path.basename(cxx)} failed: {first}")
         os.chmod(tmp, 0o755)  # whatever the umask: group/other-writable would be refused
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())  # the bytes reach the disk before the name does
@@ -327,16 +307,13 @@ def torch_libgomp() -> Optional[str]:
         return None
     found = _loaded_libgomp()
     torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
-    for path in found:
-        if (os.path.basename(path) == "libgomp.so.1"
-                and os.path.dirname(os.path.realpath(path)) == torch_lib):
-            return path
-    return found[0] if len(found) == 1 else None
+    return next((path for path in found if os.path.basename(path) == "libgomp.so.1"
+                 and os.path.dirname(os.path.realpath(path)) == torch_lib),
+                found[0] if len(found) == 1 else None)
 
 
 def flag_choices() -> list:
-    """The thread flags tried, in order (each after FLAGS): torch's OpenMP team where torch's
-    pool is libgomp, then own threads, then plain."""
+    """The thread flags tried in order, each after FLAGS (torch's OpenMP team first)."""
     return ([OPENMP_FLAGS] if torch_libgomp() else []) + [THREAD_FLAGS, PLAIN_FLAGS]
 
 
@@ -355,25 +332,16 @@ def lib():
             except Exception as exc:  # any failure: the plain torch path runs instead
                 _state["error"] = str(exc)
             _state["tried"] = True
-            _build_notice()
+            spent = _state["compile_s"]  # over a second: a compile, not a cached load
+            if _state["lib"] is not None and (spent or 0.0) >= 1.0:
+                logging.getLogger("nnkloss").warning(
+                    "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
+                    spent, os.path.dirname(_state["path"]))
     if _state["lib"] is None and not _state["warned"]:
         _state["warned"] = True
         warnings.warn(f"nnkloss: compiled CPU kernel unavailable ({_state['error']}); "
                       "using the plain PyTorch path", RuntimeWarning, stacklevel=3)
     return _state["lib"]
-
-
-# A build slower than this was a compile (loading a cached library takes milliseconds).
-NOTICE_AFTER_S = 1.0
-
-
-def _build_notice():
-    """One line, once per process, when this process compiled (not loaded) the kernel."""
-    spent = _state["compile_s"]
-    if _state["lib"] is not None and spent is not None and spent >= NOTICE_AFTER_S:
-        logging.getLogger("nnkloss").warning(
-            "nnkloss: compiled the CPU kernel in %.1f s (once per machine; cached in %s)",
-            spent, os.path.dirname(_state["path"]))
 
 
 def available() -> bool:
@@ -394,8 +362,7 @@ def library_path() -> Optional[str]:
 
 def _reset_for_tests():
     with _lock:
-        _state.update(lib=None, tried=False, error=None, path=None, compile_s=None,
-                      warned=False, pool=None)
+        _state.update(_FRESH)
 
 
 # Each thread gets at least this many elements of work (the op's gathered B*K*D).

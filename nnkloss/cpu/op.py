@@ -1,9 +1,6 @@
-"""The op's passes on the CPU library: the forward contract (nnkloss/ops/CONTRACT.md), the
-backward's terms, the batch's lists and the value checks' reads.
-
-The bank is read as it is (fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and lists);
-cheap inputs are converted. Anything else runs the plain torch path, or returns None where the
-caller has its own.
+"""The op's passes on the CPU library, twins of ``kernels/``'s: the bank is read as it is
+(fp32 / fp64 / bf16 / fp16 centres, int32 / int64 labels and lists), cheap inputs converted;
+anything else runs the plain torch path, or returns None where the caller has its own.
 """
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ def _supported(emb, centres, centre_labels, neighbours, weights) -> bool:
             and emb.dim() == 2 and centres.dim() == 2 and emb.shape[1] == centres.shape[1])
 
 
-# scale_rows streams B*D elements once with one multiply each: a thread's share must be far
-# bigger than the gathering passes' to repay a parallel region.
+# scale_rows does one multiply an element: a thread needs a far larger share to pay its start.
 SCALE_MIN_ELEMS = 1 << 20
 
 
@@ -50,11 +46,8 @@ def _weights_arg(weights):
 
 def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
             need_grad_x=True, mean=False):
-    """The fused forward (nnkloss/ops/CONTRACT.md): loss, lse_all, lse_pos (B,), grad_x (B, D)
-    and dist (B, K); grad_x is (B, 0) when ``need_grad_x`` is False (the kernel's forward-only
-    path: one pass over the gathered rows, no gradient terms), dist (B, 0) when ``store_dist``
-    is False; all in the compute dtype. With ``mean`` also counted (B,) bool, the rows a mean
-    counts, and their counted mean and its divisor (0-dim): the op's forward in one call."""
+    """The fused forward (nnkloss/ops/CONTRACT.md): the outputs of
+    :func:`kernels.neighbour_kernel_fwd` for the same arguments, in one call."""
     lib = build.lib()
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
         out = reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
@@ -68,14 +61,12 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
-    # The library reads B labels and list rows, and N centre labels and weights, through bare
-    # pointers: shapes that disagree (a direct call of the custom op; the functional op checks
-    # them) would read past the tensors.
+    # Read through bare pointers: shapes that disagree (a direct call of the custom op; the
+    # functional op checks them) would read past the tensors.
     if (labels.shape != (B,) or neighbours.shape[0] != B or centre_labels.shape != (N,)
             or (weights is not None and weights.shape != (N,))):
         raise ValueError(_shape_error(emb, labels, centres, centre_labels, neighbours, weights))
-    # Only pointers are passed, so nothing is detached (an autograd-free read); a tensor is
-    # converted or copied only where its dtype or layout is not the library's.
+    # Pointers only (nothing to detach); converted or copied only where the library needs it.
     x = emb if emb.dtype == cdt and emb.is_contiguous() else emb.detach().to(cdt).contiguous()
     lab = labels if labels.dtype in INDEX_TYPES else labels.to(torch.int64)  # int32/64 as is
     if not lab.is_contiguous():
@@ -139,14 +130,8 @@ def centre_grad(emb, centres, neighbours, coef):
 
 
 def scale_rows(grad_x, g, lse_pos=None, divisor=None):
-    """``g[:, None] * grad_x`` (the backward's embedding gradient) in one pass on the kernel's
-    threads. A row takes no gradient, and passes none on (NaN rows
-    too), where ``g == 0`` or, when ``lse_pos`` (B,) is given, where ``lse_pos == -inf`` (no
-    same-class neighbour): the kernel applies that rule itself, so the backward builds no mask.
-    ``g`` (B,) may be a 0-dim or expanded scalar (stride 0, as autograd passes a reduced loss's
-    gradient): it is read as it is. With ``divisor`` (0-dim, a mean's) each row's g is
-    ``g / divisor``, divided in the same pass where g, divisor and grad_x share a dtype. One
-    call instead of torch's div / ne / where / mul chain."""
+    """:func:`kernels.scale_rows` (its row rule and arguments) in grad_x's dtype, in one pass
+    on the kernel's threads; ``g`` may be a 0-dim or expanded scalar, read as it is."""
     lib = build.lib()
     dt = grad_x.dtype
     if divisor is not None and (g.dtype != dt or divisor.dtype != dt):
@@ -161,11 +146,8 @@ def scale_rows(grad_x, g, lse_pos=None, divisor=None):
             or (g.dim() and g.shape[0] != B)
             or (lse_pos is not None and (lse_pos.dim() != 1 or lse_pos.shape[0] != B))
             or (divisor is not None and (divisor.dim() or not divisor.is_cpu))):
-        if divisor is not None:
-            g = g / divisor
-        g = g.expand(B)
-        takes = g != 0 if lse_pos is None else (g != 0) & (lse_pos != float("-inf"))
-        return torch.where(takes[:, None], g[:, None] * grad_x, 0.0)
+        return reference.scale_rows(grad_x, g, grad_x.new_zeros(()) if lse_pos is None
+                                    else lse_pos, dt, divisor)
     out = torch.empty_like(grad_x)
     rc = lib.nnk_scale_rows(
         int(dt == torch.float64), grad_x.data_ptr(), g.data_ptr(), g.stride(0) if g.dim() else 0,
@@ -195,12 +177,9 @@ def entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all
 
 def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos, g, sigma,
                 need_coef: bool, need_q: bool, need_srow: bool):
-    """The backward's per-entry terms in one pass (``EntryGrads`` in csrc/op.cpp, the torch
-    form's rules), from the forward's distances ``u`` (B, K) and log-sum-exps: ``(coef, q,
-    srow)`` in u's dtype, each None unless asked for (q also without weights): coef =
-    (p - p^R) g / sigma^2, q = (p - p^R) g / w (a zero weight's one-sided derivative there),
-    srow = sum_j (p_j - p^R_j) g (u_j - u_ref). ``g`` (B,) may be an expanded scalar. None
-    where :func:`entry_grads_supported` says no."""
+    """The backward's per-entry terms ``(coef, q, srow)`` in one pass, as
+    :func:`kernels.entry_grads` defines them (``EntryGrads`` in csrc/op.cpp); None where
+    :func:`entry_grads_supported` says no."""
     if not entry_grads_supported(u, labels, centre_labels, neighbours, weights, lse_all,
                                  lse_pos, g):
         return None
@@ -217,14 +196,12 @@ def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
     gg = g.detach().to(cdt)
     if gg.stride(0) != 0:
         gg = gg.contiguous()
-    s = float(sigma.detach()) if isinstance(sigma, torch.Tensor) else float(sigma)
     coef = torch.empty(B, K, dtype=cdt) if need_coef else None
     q = torch.empty(B, K, dtype=cdt) if need_q and w is not None else None
     srow = torch.empty(B, dtype=cdt) if need_srow else None
     if B * K == 0:
-        return (None if coef is None else coef.zero_(), None if q is None else q.zero_(),
-                None if srow is None else srow.zero_())
-    inv = 1.0 / s
+        return tuple(None if t is None else t.zero_() for t in (coef, q, srow))
+    inv = 1.0 / float(sigma)
     # An entry costs about what 16 gathered elements of the forward do.
     rc = lib.nnk_entry_grads(
         int(cdt == torch.float64), uc.data_ptr(), nb.data_ptr(), int(nb.dtype == torch.int64),
@@ -238,10 +215,9 @@ def entry_grads(u, labels, centre_labels, neighbours, weights, lse_all, lse_pos,
 
 
 def rel_sqdist(x, centres, idx, ref, cdt):
-    """(Q, K) ``||x_q - c_i||^2 - ||x_q - c_r||^2`` for i = idx[q, :], r = ref[q], in ``cdt``
-    (fp32 / fp64), in the classifier's product form (``_sq_dist_minus_ref``), one pass over the
-    gathered rows. None where this is not done here (no library, non-CPU tensors, other dtypes,
-    a non-contiguous bank); an index outside [0, N) raises IndexError."""
+    """:func:`kernels.rel_sqdist` in one pass over the gathered rows. None where this is not
+    done here (no library, non-CPU tensors, other dtypes, a non-contiguous bank); an index
+    outside [0, N) raises IndexError."""
     lib = build.lib()
     if (lib is None or not (x.is_cpu and centres.is_cpu and idx.is_cpu and ref.is_cpu)
             or cdt not in (torch.float32, torch.float64) or centres.dtype not in BANK_TYPES
@@ -269,24 +245,15 @@ def rel_sqdist(x, centres, idx, ref, cdt):
 
 
 def batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
-    """``(lists, counts)`` of a batch in one call (``nnk_batch_lists``): the CPU twin of
-    ``kernels/batch_lists.py``, with its contract (see there). ``lists`` (B, K) in the table's
-    dtype: ``table[idx[b]]``, each row's own index -1 when ``exclude_self``, all -1 for a
-    dropped row (its label not ``centre_labels[idx[b]]``, or its idx outside [0, N)); ``counts``
-    (2,) int64: rows dropped, and those of them outside the bank. ``table`` (N, K) int32/int64,
-    ``idx``, ``labels`` (B,) and ``centre_labels`` (N,) of any integer dtype, all CPU tensors;
-    ``labels`` None: no label comparison (``counts[0]`` counts the rows outside the bank).
-    None where this is not done here: the library unavailable, other dtypes or devices.
-
-    One call where there were two (the lists, then the labels' count), with the GPU's
-    contract, so that both devices take one route (losses/base.BankLoss)."""
+    """:func:`kernels.batch_lists` (its arguments and ``(lists, counts)``) on CPU tensors, in
+    one call; ``labels`` None: no label comparison (``counts[0]`` counts the rows outside the
+    bank). None where this is not done here: the library unavailable, other dtypes or devices."""
     out = _batch_lists(table, idx, labels, centre_labels, exclude_self)
     return None if out is None else out[:2]
 
 
 def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
-    """:func:`batch_lists`'s ``(lists, counts)`` and the rows dropped as an int (the library's
-    answer: no read of ``counts``), or None."""
+    """:func:`batch_lists`'s answer and the rows dropped as an int (no read of ``counts``)."""
     lib = build.lib()
     if (lib is None or not (table.is_cpu and idx.is_cpu) or table.dtype not in INDEX_TYPES
             or table.dim() != 2 or idx.dim() != 1 or idx.dtype not in _INTEGER):
@@ -331,9 +298,8 @@ def _index_tensor(t):
 
 
 def gather_lists(table, idx, exclude_self: bool):
-    """``table[idx]`` (B, K) with each row's own index replaced by -1 when ``exclude_self``, in
-    one pass (:func:`batch_lists` without labels). None where this is not done here: no
-    library, other dtypes, devices or layouts, or an idx outside [0, N) (the caller reports it)."""
+    """``table[idx]`` (B, K) in one pass (:func:`batch_lists` without labels); None where this is
+    not done here, or for an idx outside [0, N) (the caller reports it)."""
     if (table.dtype not in INDEX_TYPES or idx.dtype not in INDEX_TYPES
             or not table.is_contiguous()):
         return None
@@ -387,10 +353,7 @@ def value_flags(emb, neighbours, weights):
 
 
 def gathered_rows_finite(centres, neighbours):
-    """0-dim bool: every row of ``centres`` (N, D) that ``neighbours`` (-1 = padding) lists is
-    finite, in one pass without a gathered copy; entries outside [0, N) are not read. None
-    where the library is not loaded yet (a value check never builds it) or the tensors are
-    not ones it reads."""
+    """:func:`kernels.gathered_rows_finite` in one pass; None as for :func:`value_flags`."""
     lib = build._state["lib"]
     if (lib is None or not (centres.is_cpu and neighbours.is_cpu) or centres.dim() != 2
             or centres.dtype not in BANK_TYPES or neighbours.dtype not in INDEX_TYPES

@@ -1,6 +1,5 @@
-"""The exact kNN search's compiled parts (nnkloss/bank/search/torch_search.py): the GEMM of its
-distance tiles, the top-k selection folded in straight after, the rows' sort and decode, and
-the refresh's list overlap.
+"""The exact kNN search's compiled parts (nnkloss/bank/search/torch_search.py): its tiles'
+GEMM, the top-k selection, the rows' sort and decode, and the refresh's list overlap.
 """
 from __future__ import annotations
 
@@ -24,13 +23,11 @@ def list_overlap(new, old, num_rows: int):
     outside [-1, num_rows). ``num_rows`` (the bitmap's size) must be an int >= 0
     (TypeError / ValueError naming it); a bitmap too large to allocate is a MemoryError."""
     num_rows = _index_arg("num_rows", num_rows)
-    if (not (new.is_cpu and old.is_cpu) or new.dtype not in INDEX_TYPES
+    lib = build.lib()
+    if (lib is None or not (new.is_cpu and old.is_cpu) or new.dtype not in INDEX_TYPES
             or old.dtype not in INDEX_TYPES or new.dim() != 2 or old.dim() != 2
             or new.shape[0] != old.shape[0]
             or not (new.is_contiguous() and old.is_contiguous())):
-        return None
-    lib = build.lib()
-    if lib is None:
         return None
     rows = new.shape[0]
     out = torch.empty(2, rows, dtype=torch.int64)
@@ -71,12 +68,10 @@ class KnnSelection:
         """Fold a (rows, cols) fp32 CPU tile of distances to base rows col0.. in: ``rows`` the
         rows of the last :meth:`reset`, unit column stride (row stride >= cols), tiles in
         ascending, non-overlapping column order, col0 + cols <= 2**32 (a key's index)."""
-        # The library reads and writes through pointers: a tile it cannot read safely raises.
         _check_tile(dist, self.rows)
         rows, cols = dist.shape
         col0 = _index_arg("col0", col0)
         if col0 < self._col_end or col0 + cols > 1 << 32:
-            # the prefilter needs ascending indices; a key holds a 32-bit index
             raise ValueError(f"col0 must be in [{self._col_end}, 2**32 - {cols}] (after the "
                              f"previous tile's columns; a key holds a 32-bit index), got {col0}")
         self._col_end = col0 + cols
@@ -112,8 +107,7 @@ class KnnSelection:
         ``self0``: the rows are points ``self0 ..`` of a self-search that selected k = the list
         length + 1: each row's own index leaves its list (as ``drop_self`` would), giving
         (rows, k - 1). ``out``: contiguous fp32 / int64 CPU tensors of that shape to decode into,
-        returned as given. The buffers are padded, sorted whole by numpy (:func:`sort_rows`)
-        and decoded, and left so: finish them once."""
+        returned as given. The buffers are left sorted and decoded: finish them once."""
         rows = self.rows - row0 if rows is None else int(rows)
         if row0 < 0 or rows < 0 or row0 + rows > self.rows:
             raise ValueError(f"rows {row0}..{row0 + rows} outside the state's {self.rows}")
@@ -129,16 +123,12 @@ class KnnSelection:
             raise RuntimeError(f"nnk_knn_pad failed (code {rc}): a row holds fewer than k "
                                "keys")
         if out is None:
-            dist = torch.empty(rows, k, dtype=torch.float32)
-            idx = torch.empty(rows, k, dtype=torch.int64)
-        else:
-            dist, idx = out
-            for t, dt in ((dist, torch.float32), (idx, torch.int64)):
-                if (t.shape != (rows, k) or t.dtype != dt or t.device.type != "cpu"
-                        or not t.is_contiguous()):
-                    raise ValueError(f"out must hold contiguous ({rows}, {k}) fp32 and int64 "
-                                     f"CPU tensors, got {tuple(t.shape)} {t.dtype} on "
-                                     f"{t.device}")
+            out = torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.int64)
+        dist, idx = out
+        for t, dt in ((dist, torch.float32), (idx, torch.int64)):
+            if t.shape != (rows, k) or t.dtype != dt or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"out must hold contiguous ({rows}, {k}) fp32 and int64 CPU "
+                                 f"tensors, got {tuple(t.shape)} {t.dtype} on {t.device}")
         sort_rows(keys.numpy().view(np.uint64))
         rc = self.lib.nnk_knn_unkey(rows, k, self.cap, keys.data_ptr(), dist.data_ptr(),
                                     idx.data_ptr(), -1 if self0 is None else int(self0),
@@ -159,8 +149,7 @@ def _index_arg(name: str, v) -> int:
 
 
 def _check_tile(dist, rows: Optional[int] = None) -> None:
-    """A tile the library may read: a 2-D fp32 CPU tensor with unit column stride and a row
-    stride of at least its columns, of ``rows`` rows where given."""
+    """Raise unless ``dist`` is a tile the library may read (of ``rows`` rows where given)."""
     if not isinstance(dist, torch.Tensor):
         raise TypeError(f"dist must be a tensor, got {type(dist).__name__}")
     if dist.dim() != 2:
@@ -176,10 +165,9 @@ def _check_tile(dist, rows: Optional[int] = None) -> None:
 
 
 def sort_rows(a) -> None:
-    """Sort each row of the 2-D numpy array ``a`` in place, the rows shared out to threads of
-    at least SORT_MIN_KEYS keys: numpy's sort (it releases the GIL) called back from the
-    library's threads (torch's team, whose workers would spin beside Python threads); one
-    numpy sort where the library is unavailable."""
+    """Sort each row of the 2-D numpy array ``a`` in place: numpy's sort (it releases the GIL)
+    on shares of at least SORT_MIN_KEYS keys, called back from the library's threads (torch's
+    team, whose workers would spin beside Python threads)."""
     n_rows, width = a.shape
     n = min(build.threads(n_rows * width, SORT_MIN_KEYS), max(n_rows, 1))
     lib = build.lib()
@@ -208,10 +196,9 @@ SORT_MIN_KEYS = 1 << 16
 
 def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
     """``out = a @ b.T`` by the library's GEMM (each element one fp32 dot product in column
-    order, the same bits whatever the shapes and threads), for fp32 CPU matrices with unit
-    column strides, ``out`` not overlapping the inputs. False where it cannot run (no library
-    or no AVX-512, another dtype, device or layout): the caller then uses torch.mm. Threads:
-    :func:`nnkloss.cpu.build.threads`'s, or exactly ``nthreads``."""
+    order: the same bits whatever the shapes and threads) for fp32 CPU matrices with unit
+    column strides, ``out`` not overlapping them; ``nthreads`` exactly, else build.threads'.
+    False where it cannot run (no library or AVX-512, another dtype, device or layout)."""
     lib = build.lib()
     mats = (a, b, out)
     if (lib is None or any(t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2
@@ -223,12 +210,10 @@ def gemm_nt(a, b, out, nthreads: Optional[int] = None) -> bool:
         return False
     m, k = a.shape
     n = b.shape[0]
-
-    def call(t):
-        return lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(),
-                               lds[2], m, n, k, t)
-    rc = call(max(1, int(nthreads)) if nthreads is not None
-              else build.threads(m * n * max(k, 1), GEMM_MIN_MACS))
+    t = (max(1, int(nthreads)) if nthreads is not None
+         else build.threads(m * n * max(k, 1), GEMM_MIN_MACS))
+    rc = lib.nnk_gemm_nt(a.data_ptr(), lds[0], b.data_ptr(), lds[1], out.data_ptr(), lds[2],
+                         m, n, k, t)
     if rc == 1:
         return False
     if rc != 0:
@@ -251,7 +236,6 @@ GEMM_MIN_MACS = 1 << 20
 
 
 def knn_selection(rows: int, k: int, cap: int) -> Optional[KnnSelection]:
-    """A compiled selection state for ``rows`` query rows, or None when the library is
-    unavailable (the search then runs its plain torch selection)."""
+    """A compiled selection state, or None without the library (the search then runs torch's)."""
     lib = build.lib()
     return None if lib is None else KnnSelection(lib, rows, k, cap)

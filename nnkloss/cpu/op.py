@@ -50,12 +50,8 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     :func:`kernels.neighbour_kernel_fwd` for the same arguments, in one call."""
     lib = build.lib()
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
-        out = reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
-                                sigma, store_dist=store_dist, need_grad_x=need_grad_x)
-        if not mean:
-            return out
-        counted = reference.counted_rows(out[2])
-        return out + (counted,) + reference.counted_mean(out[0], counted)
+        return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
+                                 sigma, store_dist, need_grad_x, mean)
     f64 = emb.dtype == torch.float64
     cdt = torch.float64 if f64 else torch.float32
     B, D = emb.shape

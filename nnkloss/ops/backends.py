@@ -43,12 +43,8 @@ class TorchBackend:
 
     def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
                 store_dist=True, need_grad_x=True, mean=False):
-        out = reference.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                                store_dist=store_dist, need_grad_x=need_grad_x)
-        if not mean:
-            return out
-        counted = reference.counted_rows(out[2])
-        return out + (counted,) + tuple(self.counted_mean(out[0], counted))
+        return reference.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
+                                 store_dist=store_dist, need_grad_x=need_grad_x, mean=mean)
 
     counted_mean = staticmethod(reference.counted_mean)
     centre_grad = staticmethod(reference.centre_grad)

@@ -234,11 +234,9 @@ def reduce_rows(per_row: Tensor, counted: Tensor, reduction: str) -> Tensor:
     (0 when none is counted). Shared by every loss of the package."""
     if reduction == "none":
         return per_row
-    total = per_row.sum()
     if reduction == "sum":
-        return total
-    # the count divides as total's dtype (int64 / float promotes)
-    return total / torch.count_nonzero(counted).clamp_min(1)
+        return per_row.sum()
+    return reference.counted_mean(per_row, counted)[0]
 
 
 def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighbours,

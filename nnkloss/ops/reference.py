@@ -105,9 +105,10 @@ def row_terms(neighbours: Tensor, u: Tensor, labels: Tensor, centre_labels: Tens
 
 
 def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
-            need_grad_x=True):
+            need_grad_x=True, mean=False):
     """Same contract as :func:`nnkloss.kernels.neighbour_kernel_fwd` (ops/CONTRACT.md);
-    without ``need_grad_x`` no gradient term is formed and grad_x is (B, 0)."""
+    without ``need_grad_x`` no gradient term is formed and grad_x is (B, 0); with ``mean``
+    also counted (B,) bool and the counted mean and its divisor."""
     B, D = emb.shape
     K = neighbours.shape[1]
     cdt = compute_dtype(emb)
@@ -140,7 +141,10 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
             grad_x[lo:hi] = torch.where(t.bad[:, None], float("nan"), gx)
         if store_dist:
             dist[lo:hi] = u
-    return loss, lse_all, lse_pos, grad_x, dist
+    if not mean:
+        return loss, lse_all, lse_pos, grad_x, dist
+    counted = counted_rows(lse_pos)
+    return (loss, lse_all, lse_pos, grad_x, dist, counted) + counted_mean(loss, counted)
 
 
 def centre_grad(emb, centres, neighbours, coef):

@@ -111,7 +111,8 @@ class BankUpkeep:
         return bool(getattr(self.refresher, "async_mode", False))
 
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """As :meth:`nnkloss.experiment.Trainer.refresh` (with ``refresh_time_s``)."""
+        """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
+        With an asynchronous refresher and ``wait=False`` it only starts one (returns {})."""
         sigma = self.criterion.kernel_sigma()
         if self.is_async and not wait:
             if not self.refresher.in_flight:

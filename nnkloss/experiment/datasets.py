@@ -28,7 +28,7 @@ from .seeds import check_seed
 
 __all__ = ["DatasetFormatError", "ImageListDataset", "CUB200", "Cars196", "Flowers102",
            "Leafsnap", "stratified_split", "as_tensor_labels", "IndexedTensorDataset",
-           "DATASETS", "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
+           "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
            "KMNIST", "IDX_SETS", "IDX_FILES"]
 
 PROTOCOLS = ("metric", "classification")
@@ -231,7 +231,7 @@ class ImageListDataset(Dataset):
             ``transform``.
         class_names: optional names of the C classes.
     Attributes:
-        paths, labels (int64 numpy), targets (list of int), num_classes, class_names.
+        paths, labels (int64 numpy), num_classes, class_names.
     """
 
     def __init__(self, paths: Sequence[str], labels: Sequence[int], num_classes: int,
@@ -254,10 +254,6 @@ class ImageListDataset(Dataset):
         self.num_classes = int(num_classes)
         self.class_names = list(class_names) if class_names is not None else None
         self.transform = transform
-
-    @property
-    def targets(self) -> List[int]:
-        return self.labels.tolist()
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -558,10 +554,6 @@ class Leafsnap(_OfficialImages):
                                      stratified_split(species, fractions, seed))),
                     transform, check_files, names={})
         self.source = source
-
-
-#: name -> class, for command-line scripts.
-DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": Leafsnap}
 
 
 def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:

@@ -253,11 +253,6 @@ class Trainer:
         if self.out_dir and _dist.is_main_process():
             write_logs(self.out_dir, self.history)
 
-    def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
-        With an asynchronous refresher and ``wait=False`` it only starts one (returns {})."""
-        return self.upkeep.refresh(wait)
-
     def _fit_optimizer_state(self) -> None:
         """Resize optimiser state to parameters resized in place (a grown or shrunk bank's
         ``log_weights``): kept rows keep theirs, new rows start at zero."""

@@ -18,7 +18,7 @@ import csv
 import math
 import os
 from collections import namedtuple
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -229,14 +229,12 @@ class ImageListDataset(Dataset):
         boxes: optional (N, 4) float boxes ``(left, upper, right, lower)`` in pixels (PIL's
             crop convention); the image is cropped to its box, clipped to the image, before
             ``transform``.
-        class_names: optional names of the C classes.
     Attributes:
-        paths, labels (int64 numpy), num_classes, class_names.
+        paths, labels (int64 numpy), num_classes.
     """
 
     def __init__(self, paths: Sequence[str], labels: Sequence[int], num_classes: int,
-                 transform: Optional[Callable] = None, boxes: Optional[np.ndarray] = None,
-                 class_names: Optional[Sequence[str]] = None):
+                 transform: Optional[Callable] = None, boxes: Optional[np.ndarray] = None):
         self.paths = list(paths)
         self.labels = np.asarray(labels, dtype=np.int64)
         if len(self.paths) != len(self.labels):
@@ -252,7 +250,6 @@ class ImageListDataset(Dataset):
                                  f"{boxes[bad].tolist()}")
         self.boxes = boxes
         self.num_classes = int(num_classes)
-        self.class_names = list(class_names) if class_names is not None else None
         self.transform = transform
 
     def __len__(self) -> int:
@@ -310,12 +307,11 @@ class _OfficialImages(ImageListDataset):
 
     def _build(self, root: str, protocol: str, split: str, cls: np.ndarray, paths: List[str],
                parts: Callable[[], Dict[str, np.ndarray]], transform, check_files: bool,
-               boxes=None, names: Optional[Dict] = None) -> None:
+               boxes=None) -> None:
         """Keep ``split`` of the items whose official classes are ``cls`` and images ``paths``.
 
         ``parts()`` gives the classification protocol's "train", "val" and "test" positions;
-        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs;
-        ``names`` maps an official class to its name (None: no names; else by default its id).
+        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs.
         """
         order = sorted(set(cls.tolist()))
         if protocol == "metric":
@@ -330,8 +326,7 @@ class _OfficialImages(ImageListDataset):
             boxes = boxes(pos) if callable(boxes) else boxes[pos]
         lut = {c: i for i, c in enumerate(universe)}
         super().__init__([paths[i] for i in pos], [lut[c] for c in cls[pos]], len(universe),
-                         transform, boxes,
-                         None if names is None else [names.get(c, str(c)) for c in universe])
+                         transform, boxes)
         self.root, self.protocol, self.split = root, protocol, split
         if check_files:
             self.check_files()
@@ -393,12 +388,10 @@ class CUB200(_OfficialImages):
             boxes = np.array(by_id("bounding_boxes.txt", (int,) + (_finite_float,) * 4),
                              dtype=np.float64).reshape(-1, 4)
             boxes[:, 2:] += boxes[:, :2]
-        has_names = os.path.isfile(os.path.join(root, "classes.txt"))  # optional: names only
         self._build(root, protocol, split, cls,
                     [os.path.join(root, "images", path_of[i]) for i in ids],
                     lambda: _held_out(cls, is_train, val_fraction, seed), transform,
-                    check_files, boxes,
-                    dict(table("classes.txt", (int, str))) if has_names else {})
+                    check_files, boxes)
 
 
 class Cars196(_OfficialImages):
@@ -437,18 +430,13 @@ class Cars196(_OfficialImages):
         except (IndexError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
         cls = col["class"].astype(np.int64)
-        # Classes are integers from 1 (class_names[c - 1] names class c).
+        # Classes are integers from 1.
         wrong = np.flatnonzero((cls < 1) | (cls != col["class"]))
         if len(wrong):
             bad = int(wrong[0])
             raise DatasetFormatError(f"{mat_path}: annotation {bad} ({rel[bad]}) has class "
                                      f"{col['class'][bad]!r}; the classes are integers from 1")
         is_train = col["test"] == 0
-        class_names = None
-        if "class_names" in mat:
-            cn = np.atleast_1d(mat["class_names"])
-            if len(cn) >= cls.max():
-                class_names = {c: str(cn[c - 1]) for c in set(cls.tolist())}
 
         def boxes(pos):
             xyxy = np.stack([col[f][pos] for f in self.FIELDS[1:5]], axis=1)
@@ -462,7 +450,7 @@ class Cars196(_OfficialImages):
 
         self._build(root, protocol, split, cls, [os.path.join(root, p) for p in rel],
                     lambda: _held_out(cls, is_train, val_fraction, seed), transform,
-                    check_files, boxes if bbox_crop else None, class_names)
+                    check_files, boxes if bbox_crop else None)
 
 
 class Flowers102(_OfficialImages):
@@ -496,11 +484,11 @@ class Flowers102(_OfficialImages):
         self._build(root, protocol, split, labels,
                     [os.path.join(root, "jpg", f"image_{p + 1:05d}.jpg") for p in range(n)],
                     lambda: {"train": ids["trnid"] - 1, "val": ids["valid"] - 1,
-                             "test": ids["tstid"] - 1}, transform, check_files, names={})
+                             "test": ids["tstid"] - 1}, transform, check_files)
 
 
 class Leafsnap(_OfficialImages):
-    """Leafsnap (field images only by default: 185 species photographed outdoors).
+    """Leafsnap's field images (185 species photographed outdoors).
 
     Args:
         root: the ``leafsnap-dataset`` folder holding ``leafsnap-dataset-images.txt`` (tab
@@ -509,21 +497,15 @@ class Leafsnap(_OfficialImages):
         split: "train", "val", "trainval" or "test" (classification; a seeded per-species
             50/20/30 split, as in the papers) or "train"/"test" (metric, species halves in
             sorted name order).
-        source: which images to use ("field", "lab", or "all").
         protocol, transform, seed, check_files: as for :class:`CUB200`.
-        fractions: train/val/test fractions of the classification split.
     """
 
     INDEX = "leafsnap-dataset-images.txt"
     COLUMNS = ("file_id", "image_path", "segmented_path", "species", "source")
 
     def __init__(self, root: str, split: str = "train", protocol: str = "classification",
-                 transform: Optional[Callable] = None, source: str = "field", seed: int = 0,
-                 fractions: Tuple[float, float, float] = (0.5, 0.2, 0.3),
-                 check_files: bool = True):
+                 transform: Optional[Callable] = None, seed: int = 0, check_files: bool = True):
         _check_split(protocol, split)
-        if source not in ("field", "lab", "all"):
-            raise ValueError(f"source must be 'field', 'lab' or 'all', got {source!r}")
         _require(root, "Leafsnap root folder", os.path.isdir)
         index = _require(os.path.join(root, self.INDEX), "Leafsnap index file")
         rows = []
@@ -545,15 +527,14 @@ class Leafsnap(_OfficialImages):
                     _inside_root(rows[-1][1], f"{index}, line {lineno} (image_path)")
             except csv.Error as e:  # e.g. a field beyond csv's field_size_limit
                 raise DatasetFormatError(f"{index}, line {reader.line_num}: {e}") from None
-        rows = [r for r in rows if source == "all" or r[4] == source]
+        rows = [r for r in rows if r[4] == "field"]
         if not rows:
-            raise DatasetFormatError(f"{index} lists no images with source == {source!r}")
+            raise DatasetFormatError(f"{index} lists no images with source == 'field'")
         species = np.array([r[3] for r in rows])
         self._build(root, protocol, split, species, [os.path.join(root, r[1]) for r in rows],
                     lambda: dict(zip(("train", "val", "test"),
-                                     stratified_split(species, fractions, seed))),
-                    transform, check_files, names={})
-        self.source = source
+                                     stratified_split(species, (0.5, 0.2, 0.3), seed))),
+                    transform, check_files)
 
 
 def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:

@@ -145,8 +145,7 @@ def _load_into(model: nn.Module, path: str, drop_prefixes: Tuple[str, ...]) -> N
 
 
 def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0.5,
-                        pretrained: Optional[str] = None, relu: bool = False,
-                        transform_input: Optional[bool] = None) -> EmbeddingNet:
+                        pretrained: Optional[str] = None, relu: bool = False) -> EmbeddingNet:
     """A torchvision architecture as an embedding network.
 
     Args:
@@ -154,8 +153,8 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
             "resnet50" (2048-d).
         dim, dropout, relu: as :class:`EmbeddingNet`.
         pretrained: a local torchvision-format state dict of the full model (its final
-            classifier layer is ignored).
-        transform_input: GoogLeNet only; default: on iff ``pretrained`` is given.
+            classifier layer is ignored); GoogLeNet then normalises its input as
+            torchvision's ImageNet weights expect (``transform_input``).
     Returns:
         an :class:`EmbeddingNet`; its ``dim`` is the embedding size.
     """
@@ -167,10 +166,8 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
     if arch == "googlenet":
-        if transform_input is None:
-            transform_input = pretrained is not None
         net = models.googlenet(weights=None, aux_logits=False, init_weights=True,
-                               transform_input=transform_input)
+                               transform_input=pretrained is not None)
         if pretrained:
             _load_into(net, pretrained, ("fc.", "aux1.", "aux2."))
         net.fc = nn.Identity()

@@ -647,14 +647,9 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
         raise DatasetFormatError(f"{path}: header says {dims} items of {dtype.itemsize} byte(s) "
                                  f"= {expected} bytes of data, more than max_bytes = "
                                  f"{max_bytes} (not an IDX file of this family){hint}")
-    payload = bytearray()
-    while len(payload) < expected:
-        chunk = f.read(min(expected - len(payload), 1 << 24))
-        if not chunk:
-            break
-        payload += chunk
+    payload = f.read(expected)  # at most max_bytes
     surplus = 0
-    while surplus <= _IDX_SURPLUS_COUNTED:
+    while surplus <= _IDX_SURPLUS_COUNTED:  # in bounded steps: a gzip stream may inflate far
         chunk = f.read(1 << 20)
         if not chunk:
             break

@@ -19,11 +19,7 @@ from .models import SoftmaxHead
 from ..bank.refresh import Refresher
 
 __all__ = ["HelpFormatter", "resolve_device", "image_transforms", "make_loader", "kernel_criterion",
-           "softmax_criterion", "run_settings", "check_resume", "check_epochs", "IMAGENET_MEAN",
-           "IMAGENET_STD"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+           "softmax_criterion", "run_settings", "check_resume", "check_epochs"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -129,7 +125,7 @@ def image_transforms(image_size: int = 224, train: bool = True):
         ops += [T.RandomCrop(image_size), T.RandomHorizontalFlip()]
     else:
         ops += [T.CenterCrop(image_size)]
-    ops += [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    ops += [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]  # ImageNet
     return T.Compose(ops)
 
 

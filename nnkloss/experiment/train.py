@@ -248,11 +248,6 @@ class Trainer:
         self.load_state_dict(_ckpt.load(path, map_location=self.device),
                              where=f"checkpoint {path!r}")
 
-    def write_logs(self) -> None:
-        """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""
-        if self.out_dir and _dist.is_main_process():
-            write_logs(self.out_dir, self.history)
-
     def _fit_optimizer_state(self) -> None:
         """Resize optimiser state to parameters resized in place (a grown or shrunk bank's
         ``log_weights``): kept rows keep theirs, new rows start at zero."""
@@ -394,7 +389,8 @@ class Trainer:
             if last or (self.out_dir and epoch % self.checkpoint_every == 0):
                 row.update(self.upkeep.finish_async())  # checkpoints hold a settled bank
             self.history.append(row)
-            self.write_logs()
+            if self.out_dir and _dist.is_main_process():
+                write_logs(self.out_dir, self.history)
             if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
                 if _dist.is_main_process():  # every rank holds the same state
                     self.save_checkpoint()

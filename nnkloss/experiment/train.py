@@ -141,11 +141,9 @@ class Trainer:
                                  fresh_centres, neighbours_every_steps, warm_start_steps)
         self.refresher, self.schedule = self.upkeep.refresher, self.upkeep.schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
-        if optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
-        else:
-            self.optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
-                groups, lr=lr)
+        extra = {"momentum": momentum} if optimizer == "sgd" else {}
+        self.optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                          "adamw": torch.optim.AdamW}[optimizer](groups, lr=lr, **extra)
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir

@@ -297,10 +297,6 @@ class ImageListDataset(Dataset):
             raise FileNotFoundError(f"image not found: {missing[0]} ({len(missing)} of "
                                     f"{len(self.paths)} images missing)")
 
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(items={len(self)}, classes={self.num_classes}, "
-                f"box_crop={self.boxes is not None})")
-
 
 class _OfficialImages(ImageListDataset):
     """An image data set read from its official index: the shared protocol and split logic."""
@@ -742,11 +738,6 @@ class IDXDataset(IndexedTensorDataset):
         self.classes = order
         self.official_labels = torch.from_numpy(official)
         self.files = (img_path, lab_path)
-        self.split, self.name = split, name
-
-    def __repr__(self) -> str:
-        return (f"IDXDataset({self.name}, split={self.split}, items={len(self)}, "
-                f"classes={self.classes})")
 
 
 def FashionMNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = None,

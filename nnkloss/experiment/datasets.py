@@ -684,7 +684,7 @@ class IDXDataset(IndexedTensorDataset):
         transform: applied to each image tensor.
         name: "fashion-mnist", "mnist" or "kmnist".
     Attributes:
-        inputs, labels, num_classes, classes (official ids kept), official_labels, files.
+        inputs, labels, num_classes, classes (official ids kept), files.
     """
 
     NUM_CLASSES = 10
@@ -729,14 +729,12 @@ class IDXDataset(IndexedTensorDataset):
             raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
                              f"got {list(classes)}")
         keep = np.flatnonzero(np.isin(labels, order))
-        official = labels[keep].astype(np.int64)
         lut = np.full(self.NUM_CLASSES, -1, dtype=np.int64)
         lut[order] = np.arange(len(order))
         x = torch.from_numpy(images[keep]).unsqueeze(1).float().div_(255.0)
-        super().__init__(x, torch.from_numpy(lut[official]), transform)
+        super().__init__(x, torch.from_numpy(lut[labels[keep]]), transform)
         self.num_classes = len(order)
         self.classes = order
-        self.official_labels = torch.from_numpy(official)
         self.files = (img_path, lab_path)
 
 

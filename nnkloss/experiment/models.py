@@ -21,6 +21,9 @@ __all__ = ["DigitsNet", "EmbeddingNet", "SoftmaxHead", "build_embedding_net",
 #: Smallest square input each architecture accepts.
 MIN_IMAGE_SIZE = {"googlenet": 16, "alexnet": 63, "vgg16": 32, "resnet50": 16}
 ARCHITECTURES = tuple(MIN_IMAGE_SIZE)
+# The layers a pretrained file may differ in (replaced here), and the feature size.
+_REPLACED = {"googlenet": (("fc.", "aux1.", "aux2."), 1024), "alexnet": (("classifier.6.",), 4096),
+             "vgg16": (("classifier.6.",), 4096), "resnet50": (("fc.",), 2048)}
 
 
 class DigitsNet(nn.Module):
@@ -168,22 +171,15 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
     if arch == "googlenet":
         net = models.googlenet(weights=None, aux_logits=False, init_weights=True,
                                transform_input=pretrained is not None)
-        if pretrained:
-            _load_into(net, pretrained, ("fc.", "aux1.", "aux2."))
-        net.fc = nn.Identity()
-        feat = 1024
-    elif arch in ("alexnet", "vgg16"):
+    else:
         net = getattr(models, arch)(weights=None)
-        if pretrained:
-            _load_into(net, pretrained, ("classifier.6.",))
+    replaced, feat = _REPLACED[arch]
+    if pretrained:
+        _load_into(net, pretrained, replaced)
+    if arch in ("alexnet", "vgg16"):
         # AlexNet: Dropout, FC6, ReLU, Dropout, FC7 | VGG16: FC6, ReLU, Dropout, FC7.
         keep = 5 if arch == "alexnet" else 4
         net.classifier = nn.Sequential(*list(net.classifier.children())[:keep])
-        feat = 4096
-    else:  # resnet50
-        net = models.resnet50(weights=None)
-        if pretrained:
-            _load_into(net, pretrained, ("fc.",))
+    else:
         net.fc = nn.Identity()
-        feat = 2048
     return EmbeddingNet(net, feat, dim, dropout, relu)

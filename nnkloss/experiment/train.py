@@ -222,13 +222,11 @@ class Trainer:
             except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
                     AttributeError) as exc:  # e.g. a list where set_rng_state wants a tensor
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
-        # Real bools only: bool("False") is True.
-        for name in ("bank_ready", "refresh_due"):
-            if not isinstance(state.get(name, False), bool):
-                raise ValueError(f"{where}, {name}: must be a bool, got "
-                                 f"{type(state[name]).__name__}")
-        self.upkeep.bank_ready = state.get("bank_ready", False)
-        self.upkeep.refresh_due = state.get("refresh_due", False)
+        for name in ("bank_ready", "refresh_due"):  # real bools only: bool("False") is True
+            value = state.get(name, False)
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}, {name}: must be a bool, got {type(value).__name__}")
+            setattr(self.upkeep, name, value)
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
         """Write the full training state atomically, with its checksum; returns the path."""

@@ -1,7 +1,6 @@
 """The Trainer's checkpoint file: its format, checksummed weights-only load, and checks of
 what PyTorch's own loaders take as it comes (data record, optimiser state, AMP scaler, history,
-epoch and step). The ``data`` record (:func:`data_fingerprint`) refuses a resume on other data,
-naming what differs; formats 1 and 2 are refused with an error that says so.
+epoch and step).
 """
 from __future__ import annotations
 

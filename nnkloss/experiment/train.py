@@ -1,13 +1,9 @@
 """The training loop of the reproduction scripts: :class:`Trainer` and :func:`fit`.
 
-One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss`` (a bank
-loss kept current by a :class:`nnkloss.Refresher`, or a softmax head), over a loader yielding
-``(inputs, labels, idx)``, ``idx`` the batch's bank rows. ``out_dir`` receives, atomically,
-``log.csv``/``log.json`` (one row per epoch) and ``checkpoint.pt`` (:mod:`.checkpoint`), from
-which ``fit(..., resume=True)`` continues. Each epoch reseeds the RNGs from ``(seed, epoch)``
-(and the rank), so an interrupted run repeats itself (leave the loader's ``generator`` unset).
-Under torchrun (:mod:`nnkloss.distributed`) the network runs in DDP, steps follow the
-global-batch mean, the loss's parameters are averaged across ranks and only rank 0 writes.
+Each epoch reseeds the RNGs from ``(seed, epoch)`` (and the rank), so an interrupted run
+repeats itself (leave the loader's ``generator`` unset). Under torchrun
+(:mod:`nnkloss.distributed`) the network runs in DDP, steps follow the global-batch mean, the
+loss's parameters are averaged across ranks and only rank 0 writes.
 """
 from __future__ import annotations
 

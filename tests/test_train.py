@@ -832,7 +832,6 @@ def test_optimiser_groups_of_fixed_sigma_softmax_and_plain_modules():
                  schedule=schedule, progress=False)
     assert [g["name"] for g in tr.optimizer.param_groups] == ["network"]  # nothing else trains
     head = SoftmaxHead(6, 4)
-    assert head.parameter_groups()["other"] == list(head.parameters())
     plain = nn.Linear(6, 4)  # no parameter_groups(): every parameter is a network parameter
     for crit in (head, plain):
         tr = Trainer(model, crit, DataLoader(ds, batch_size=16), progress=False)

@@ -7,7 +7,7 @@ architectures start from ``weights=None``; pretrained weights come from a local 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,8 @@ class SoftmaxHead(nn.Module):
     """Linear classifier + cross-entropy, with the kernel loss's call signature.
 
     ``forward(emb, labels, idx=None)`` -> 0-dim mean cross-entropy (``idx`` ignored);
-    ``logits(emb)`` -> (B, C); ``predict(emb)`` -> (B,) int64.
+    ``logits(emb)`` -> (B, C); ``predict(emb)`` -> (B,) int64. Its parameters train as the
+    network's (it declares no ``parameter_groups``).
     """
 
     def __init__(self, dim: int, num_classes: int):
@@ -106,10 +107,6 @@ class SoftmaxHead(nn.Module):
     @torch.no_grad()
     def predict(self, emb: Tensor) -> Tensor:
         return self.logits(emb).argmax(1)
-
-    def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
-        """All parameters "other" (:meth:`nnkloss.losses.BankLoss.parameter_groups`)."""
-        return {"sigma": [], "weights": [], "other": list(self.parameters())}
 
 
 def load_state_dict_file(path: str) -> dict:

@@ -290,13 +290,6 @@ class ImageListDataset(Dataset):
             img = self.transform(img)
         return img, int(self.labels[i]), i
 
-    def check_files(self) -> None:
-        """Raise FileNotFoundError naming the first missing image (and how many are missing)."""
-        missing = [p for p in self.paths if not os.path.isfile(p)]
-        if missing:
-            raise FileNotFoundError(f"image not found: {missing[0]} ({len(missing)} of "
-                                    f"{len(self.paths)} images missing)")
-
 
 class _OfficialImages(ImageListDataset):
     """An image data set read from its official index: the shared protocol and split logic."""
@@ -324,8 +317,10 @@ class _OfficialImages(ImageListDataset):
         super().__init__([paths[i] for i in pos], [lut[c] for c in cls[pos]], len(universe),
                          transform, boxes)
         self.root, self.protocol, self.split = root, protocol, split
-        if check_files:
-            self.check_files()
+        missing = [p for p in self.paths if not os.path.isfile(p)] if check_files else []
+        if missing:
+            raise FileNotFoundError(f"image not found: {missing[0]} ({len(missing)} of "
+                                    f"{len(self.paths)} images missing)")
 
 
 def _held_out(cls: np.ndarray, is_train: np.ndarray, val_fraction: float, seed: int

@@ -117,14 +117,10 @@ class BankUpkeep:
             if not self.refresher.in_flight:
                 self.refresher.refresh_async(sigma)
             return {}
-        was_training = self.model.training
-        t0 = time.perf_counter()
-        try:
-            if self.is_async and self.refresher.in_flight:
-                self.refresher.wait()  # finish the one in flight first, then a fresh one
-            stats = self.refresher.refresh(sigma)
-        finally:
-            self.model.train(was_training)
+        t0 = time.perf_counter()  # the Refresher restores the model's modes itself
+        if self.is_async and self.refresher.in_flight:
+            self.refresher.wait()  # finish the one in flight first, then a fresh one
+        stats = self.refresher.refresh(sigma)
         self.bank_ready = True
         out = refresh_columns(stats)
         out["refresh_time_s"] = time.perf_counter() - t0

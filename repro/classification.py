@@ -42,9 +42,8 @@ from nnkloss import distributed as nkd
 from nnkloss.experiment.datasets import CUB200, Cars196, Flowers102, Leafsnap, as_tensor_labels
 from nnkloss.experiment.evaluate import classification_metrics
 from nnkloss.experiment.setup import (HelpFormatter, check_epochs, check_resume, image_transforms,
-                                      kernel_criterion, make_loader, run_settings, start_run,
-                                      softmax_criterion)
-from nnkloss.experiment.models import MIN_IMAGE_SIZE, build_embedding_net
+                                      kernel_criterion, make_loader, run_settings, start_run)
+from nnkloss.experiment.models import MIN_IMAGE_SIZE, SoftmaxHead, build_embedding_net
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.plots import plot_training_curves
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
@@ -171,7 +170,7 @@ def run_one(args, loss: str, device: torch.device, splits) -> Dict:
         extra = dict(refresher=refresher, weights_lr=args.weights_lr, lr=args.lr,
                      schedule=RefreshSchedule(every_epochs=args.update_interval))
     else:
-        criterion = softmax_criterion(dim, train.num_classes)
+        criterion = SoftmaxHead(dim, train.num_classes)
         extra = dict(lr=args.softmax_lr)
 
     def validate(model, crit, epoch):

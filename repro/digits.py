@@ -51,9 +51,8 @@ from nnkloss.experiment.evaluate import (extract_embeddings, kernel_accuracy,
                                          nearest_neighbour_accuracy, retrieval_metrics,
                                          softmax_accuracy)
 from nnkloss.evaluation.metrics import recall_at_k
-from nnkloss.experiment.setup import (HelpFormatter, kernel_criterion, softmax_criterion,
-                                      start_run)
-from nnkloss.experiment.models import DigitsNet
+from nnkloss.experiment.setup import HelpFormatter, kernel_criterion, start_run
+from nnkloss.experiment.models import DigitsNet, SoftmaxHead
 from nnkloss.experiment.plots import plot_embedding, plot_recall_curve, plot_training_curves
 from nnkloss.bank.refresh import RefreshSchedule
 from nnkloss.experiment.reporting import markdown_table, percent, write_json, write_table
@@ -157,7 +156,7 @@ def train_run(name: str, loss: str, x: torch.Tensor, y: torch.Tensor, num_classe
                                                    every_steps=args.refresh_steps),
                           weights_lr=args.weights_lr, **kw)
     else:
-        trainer = Trainer(model, softmax_criterion(args.dim, num_classes), train_loader, **kw)
+        trainer = Trainer(model, SoftmaxHead(args.dim, num_classes), train_loader, **kw)
     # A fresh run each time (the demo is short; resume is for the long scripts).
     trainer.fit(args.epochs, resume=False)
     return model, trainer.criterion, trainer

@@ -46,8 +46,8 @@ def test_plot_recall_curve_writes_png(tmp_path):
     plots.plot_recall_curve(results, tmp_path / "r.png")
     assert_png(tmp_path / "r.png")
     emb, labels = blobs()
-    plots.plot_recall_curve({"one": nnkloss.evaluation.metrics.recall_at_k(emb, labels)}, tmp_path / "s.png",
-                            log_x=False)
+    plots.plot_recall_curve({"one": nnkloss.evaluation.metrics.recall_at_k(emb, labels)},
+                            tmp_path / "s.png")
     assert_png(tmp_path / "s.png")
 
 

@@ -832,7 +832,6 @@ def test_optimiser_groups_of_fixed_sigma_softmax_and_plain_modules():
                  schedule=schedule, progress=False)
     assert [g["name"] for g in tr.optimizer.param_groups] == ["network"]  # nothing else trains
     head = SoftmaxHead(6, 4)
-    assert head.parameter_groups()["other"] == list(head.parameters())
     plain = nn.Linear(6, 4)  # no parameter_groups(): every parameter is a network parameter
     for crit in (head, plain):
         tr = Trainer(model, crit, DataLoader(ds, batch_size=16), progress=False)
@@ -1137,7 +1136,7 @@ def test_loading_a_checkpoint_settles_a_background_refresh_still_in_flight(tmp_p
     with torch.no_grad():  # the failed run trained on: its refresh embeds other weights
         for p in tr.model.parameters():
             p.add_(0.5)
-    tr.refresh(wait=False)
+    tr.upkeep.refresh(wait=False)
     assert tr.refresher.in_flight
     tr.load_checkpoint()
     assert not tr.refresher.in_flight
@@ -1159,7 +1158,7 @@ def test_trainer_keeps_training_the_weights_of_a_grown_bank():
     bank.add(torch.zeros(len(y_new), 6), y_new)
     tr.refresher.loader = DataLoader(ds2, batch_size=32)
     tr.loader = DataLoader(ds2, batch_size=8, shuffle=True)
-    tr.refresh()  # embed the new rows and put them in the lists
+    tr.upkeep.refresh()  # embed the new rows and put them in the lists
     assert bank.num_centres == n_old + len(y_new)
     before = bank.log_weights.detach().clone()
     groups = {g["name"]: g for g in tr.optimizer.param_groups}

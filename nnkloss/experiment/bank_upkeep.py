@@ -23,12 +23,11 @@ from ..losses.base import BankLoss
 from ..validation import require_positive_int
 from .logs import json_safe
 
-__all__ = ["BankUpkeep", "check_bank_options", "write_fresh_centres"]
+__all__ = ["BankUpkeep", "write_fresh_centres"]
 
 
-def check_bank_options(criterion, refresher, fresh_centres, neighbours_every_steps,
-                       warm_start_steps) -> Tuple[Optional[float], Optional[int], int]:
-    """Validate the Trainer's bank options; returns them normalised."""
+def _check_options(criterion, refresher, fresh_centres, neighbours_every_steps,
+                   warm_start_steps) -> Tuple[Optional[float], Optional[int], int]:
     if fresh_centres is not None:
         if isinstance(fresh_centres, bool) or not isinstance(fresh_centres, numbers.Real):
             raise TypeError(f"fresh_centres must be None or a momentum in [0, 1), got "
@@ -92,9 +91,8 @@ class BankUpkeep:
         elif not isinstance(schedule, RefreshSchedule):
             raise TypeError(f"schedule must be a nnkloss.RefreshSchedule, got "
                             f"{type(schedule).__name__}")
-        options = check_bank_options(criterion, refresher, fresh_centres,
-                                     neighbours_every_steps, warm_start_steps)
-        self.fresh_centres, self.neighbours_every_steps, self.warm_start_steps = options
+        self.fresh_centres, self.neighbours_every_steps, self.warm_start_steps = _check_options(
+            criterion, refresher, fresh_centres, neighbours_every_steps, warm_start_steps)
         self.criterion = criterion
         self.model = model
         self.refresher = refresher
@@ -108,23 +106,21 @@ class BankUpkeep:
 
     @property
     def is_async(self) -> bool:
+        """The refresher runs in the background (False without one)."""
         return bool(getattr(self.refresher, "async_mode", False))
 
     def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """As :meth:`nnkloss.experiment.Trainer.refresh` (with ``refresh_time_s``)."""
+        """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
+        With an asynchronous refresher and ``wait=False`` it only starts one (returns {})."""
         sigma = self.criterion.kernel_sigma()
         if self.is_async and not wait:
             if not self.refresher.in_flight:
                 self.refresher.refresh_async(sigma)
             return {}
-        was_training = self.model.training
-        t0 = time.perf_counter()
-        try:
-            if self.is_async and self.refresher.in_flight:
-                self.refresher.wait()  # finish the one in flight first, then a fresh one
-            stats = self.refresher.refresh(sigma)
-        finally:
-            self.model.train(was_training)
+        t0 = time.perf_counter()  # the Refresher restores the model's modes itself
+        if self.is_async and self.refresher.in_flight:
+            self.refresher.wait()  # finish the one in flight first, then a fresh one
+        stats = self.refresher.refresh(sigma)
         self.bank_ready = True
         out = refresh_columns(stats)
         out["refresh_time_s"] = time.perf_counter() - t0
@@ -132,7 +128,7 @@ class BankUpkeep:
 
     def finish_async(self) -> Dict[str, Any]:
         """Swap in a background refresh still in flight (before checkpoints and at the end)."""
-        if self.refresher is not None and self.is_async and self.refresher.in_flight:
+        if self.is_async and self.refresher.in_flight:
             return refresh_columns(self.refresher.wait(), "end_refresh_")
         return {}
 
@@ -164,7 +160,7 @@ class BankUpkeep:
         background refresh, list rebuilds and due refreshes."""
         if self.fresh_centres is not None:
             write_fresh_centres(self.criterion.bank, idx, emb.detach(), self.fresh_centres)
-        if self.refresher is not None and self.is_async and self.refresher.in_flight:
+        if self.is_async and self.refresher.in_flight:
             done = self.refresher.poll()  # a thread liveness check: no sync
             if done is not None:
                 self._refreshes = refresh_columns(done)

@@ -1,7 +1,6 @@
 """The Trainer's checkpoint file: its format, checksummed weights-only load, and checks of
 what PyTorch's own loaders take as it comes (data record, optimiser state, AMP scaler, history,
-epoch and step). The ``data`` record (:func:`data_fingerprint`) refuses a resume on other data,
-naming what differs; formats 1 and 2 are refused with an error that says so.
+epoch and step).
 """
 from __future__ import annotations
 
@@ -106,14 +105,12 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
                 raise ValueError(f"{what}: parameter group {g}'s {key!r} must be "
                                  f"{'a number' if _is_number(default) else 'numbers'} finite "
                                  f"and >= 0 (default {default!r}), got {value!r}")
-    for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
                 if (isinstance(value, torch.Tensor) and value.dim() > 0
                         and value.shape != p.shape):
-                    raise ValueError(f"{what} {key!r} of parameter {i} "
-                                     f"of its group has shape {tuple(value.shape)}, the "
-                                     f"parameter {tuple(p.shape)}")
+                    raise ValueError(f"{what} {key!r} of parameter {i} of its group has shape "
+                                     f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
 
 
 def _is_number(v: Any) -> bool:

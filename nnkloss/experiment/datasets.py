@@ -18,7 +18,7 @@ import csv
 import math
 import os
 from collections import namedtuple
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from .seeds import check_seed
 
 __all__ = ["DatasetFormatError", "ImageListDataset", "CUB200", "Cars196", "Flowers102",
            "Leafsnap", "stratified_split", "as_tensor_labels", "IndexedTensorDataset",
-           "DATASETS", "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
+           "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
            "KMNIST", "IDX_SETS", "IDX_FILES"]
 
 PROTOCOLS = ("metric", "classification")
@@ -229,14 +229,12 @@ class ImageListDataset(Dataset):
         boxes: optional (N, 4) float boxes ``(left, upper, right, lower)`` in pixels (PIL's
             crop convention); the image is cropped to its box, clipped to the image, before
             ``transform``.
-        class_names: optional names of the C classes.
     Attributes:
-        paths, labels (int64 numpy), targets (list of int), num_classes, class_names.
+        paths, labels (int64 numpy), num_classes.
     """
 
     def __init__(self, paths: Sequence[str], labels: Sequence[int], num_classes: int,
-                 transform: Optional[Callable] = None, boxes: Optional[np.ndarray] = None,
-                 class_names: Optional[Sequence[str]] = None):
+                 transform: Optional[Callable] = None, boxes: Optional[np.ndarray] = None):
         self.paths = list(paths)
         self.labels = np.asarray(labels, dtype=np.int64)
         if len(self.paths) != len(self.labels):
@@ -252,12 +250,7 @@ class ImageListDataset(Dataset):
                                  f"{boxes[bad].tolist()}")
         self.boxes = boxes
         self.num_classes = int(num_classes)
-        self.class_names = list(class_names) if class_names is not None else None
         self.transform = transform
-
-    @property
-    def targets(self) -> List[int]:
-        return self.labels.tolist()
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -297,29 +290,17 @@ class ImageListDataset(Dataset):
             img = self.transform(img)
         return img, int(self.labels[i]), i
 
-    def check_files(self) -> None:
-        """Raise FileNotFoundError naming the first missing image (and how many are missing)."""
-        missing = [p for p in self.paths if not os.path.isfile(p)]
-        if missing:
-            raise FileNotFoundError(f"image not found: {missing[0]} ({len(missing)} of "
-                                    f"{len(self.paths)} images missing)")
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(items={len(self)}, classes={self.num_classes}, "
-                f"box_crop={self.boxes is not None})")
-
 
 class _OfficialImages(ImageListDataset):
     """An image data set read from its official index: the shared protocol and split logic."""
 
     def _build(self, root: str, protocol: str, split: str, cls: np.ndarray, paths: List[str],
                parts: Callable[[], Dict[str, np.ndarray]], transform, check_files: bool,
-               boxes=None, names: Optional[Dict] = None) -> None:
+               boxes=None) -> None:
         """Keep ``split`` of the items whose official classes are ``cls`` and images ``paths``.
 
         ``parts()`` gives the classification protocol's "train", "val" and "test" positions;
-        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs;
-        ``names`` maps an official class to its name (None: no names; else by default its id).
+        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs.
         """
         order = sorted(set(cls.tolist()))
         if protocol == "metric":
@@ -334,11 +315,12 @@ class _OfficialImages(ImageListDataset):
             boxes = boxes(pos) if callable(boxes) else boxes[pos]
         lut = {c: i for i, c in enumerate(universe)}
         super().__init__([paths[i] for i in pos], [lut[c] for c in cls[pos]], len(universe),
-                         transform, boxes,
-                         None if names is None else [names.get(c, str(c)) for c in universe])
+                         transform, boxes)
         self.root, self.protocol, self.split = root, protocol, split
-        if check_files:
-            self.check_files()
+        missing = [p for p in self.paths if not os.path.isfile(p)] if check_files else []
+        if missing:
+            raise FileNotFoundError(f"image not found: {missing[0]} ({len(missing)} of "
+                                    f"{len(self.paths)} images missing)")
 
 
 def _held_out(cls: np.ndarray, is_train: np.ndarray, val_fraction: float, seed: int
@@ -397,12 +379,10 @@ class CUB200(_OfficialImages):
             boxes = np.array(by_id("bounding_boxes.txt", (int,) + (_finite_float,) * 4),
                              dtype=np.float64).reshape(-1, 4)
             boxes[:, 2:] += boxes[:, :2]
-        has_names = os.path.isfile(os.path.join(root, "classes.txt"))  # optional: names only
         self._build(root, protocol, split, cls,
                     [os.path.join(root, "images", path_of[i]) for i in ids],
                     lambda: _held_out(cls, is_train, val_fraction, seed), transform,
-                    check_files, boxes,
-                    dict(table("classes.txt", (int, str))) if has_names else {})
+                    check_files, boxes)
 
 
 class Cars196(_OfficialImages):
@@ -441,18 +421,13 @@ class Cars196(_OfficialImages):
         except (IndexError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
         cls = col["class"].astype(np.int64)
-        # Classes are integers from 1 (class_names[c - 1] names class c).
+        # Classes are integers from 1.
         wrong = np.flatnonzero((cls < 1) | (cls != col["class"]))
         if len(wrong):
             bad = int(wrong[0])
             raise DatasetFormatError(f"{mat_path}: annotation {bad} ({rel[bad]}) has class "
                                      f"{col['class'][bad]!r}; the classes are integers from 1")
         is_train = col["test"] == 0
-        class_names = None
-        if "class_names" in mat:
-            cn = np.atleast_1d(mat["class_names"])
-            if len(cn) >= cls.max():
-                class_names = {c: str(cn[c - 1]) for c in set(cls.tolist())}
 
         def boxes(pos):
             xyxy = np.stack([col[f][pos] for f in self.FIELDS[1:5]], axis=1)
@@ -466,7 +441,7 @@ class Cars196(_OfficialImages):
 
         self._build(root, protocol, split, cls, [os.path.join(root, p) for p in rel],
                     lambda: _held_out(cls, is_train, val_fraction, seed), transform,
-                    check_files, boxes if bbox_crop else None, class_names)
+                    check_files, boxes if bbox_crop else None)
 
 
 class Flowers102(_OfficialImages):
@@ -500,11 +475,11 @@ class Flowers102(_OfficialImages):
         self._build(root, protocol, split, labels,
                     [os.path.join(root, "jpg", f"image_{p + 1:05d}.jpg") for p in range(n)],
                     lambda: {"train": ids["trnid"] - 1, "val": ids["valid"] - 1,
-                             "test": ids["tstid"] - 1}, transform, check_files, names={})
+                             "test": ids["tstid"] - 1}, transform, check_files)
 
 
 class Leafsnap(_OfficialImages):
-    """Leafsnap (field images only by default: 185 species photographed outdoors).
+    """Leafsnap's field images (185 species photographed outdoors).
 
     Args:
         root: the ``leafsnap-dataset`` folder holding ``leafsnap-dataset-images.txt`` (tab
@@ -513,21 +488,15 @@ class Leafsnap(_OfficialImages):
         split: "train", "val", "trainval" or "test" (classification; a seeded per-species
             50/20/30 split, as in the papers) or "train"/"test" (metric, species halves in
             sorted name order).
-        source: which images to use ("field", "lab", or "all").
         protocol, transform, seed, check_files: as for :class:`CUB200`.
-        fractions: train/val/test fractions of the classification split.
     """
 
     INDEX = "leafsnap-dataset-images.txt"
     COLUMNS = ("file_id", "image_path", "segmented_path", "species", "source")
 
     def __init__(self, root: str, split: str = "train", protocol: str = "classification",
-                 transform: Optional[Callable] = None, source: str = "field", seed: int = 0,
-                 fractions: Tuple[float, float, float] = (0.5, 0.2, 0.3),
-                 check_files: bool = True):
+                 transform: Optional[Callable] = None, seed: int = 0, check_files: bool = True):
         _check_split(protocol, split)
-        if source not in ("field", "lab", "all"):
-            raise ValueError(f"source must be 'field', 'lab' or 'all', got {source!r}")
         _require(root, "Leafsnap root folder", os.path.isdir)
         index = _require(os.path.join(root, self.INDEX), "Leafsnap index file")
         rows = []
@@ -549,19 +518,14 @@ class Leafsnap(_OfficialImages):
                     _inside_root(rows[-1][1], f"{index}, line {lineno} (image_path)")
             except csv.Error as e:  # e.g. a field beyond csv's field_size_limit
                 raise DatasetFormatError(f"{index}, line {reader.line_num}: {e}") from None
-        rows = [r for r in rows if source == "all" or r[4] == source]
+        rows = [r for r in rows if r[4] == "field"]
         if not rows:
-            raise DatasetFormatError(f"{index} lists no images with source == {source!r}")
+            raise DatasetFormatError(f"{index} lists no images with source == 'field'")
         species = np.array([r[3] for r in rows])
         self._build(root, protocol, split, species, [os.path.join(root, r[1]) for r in rows],
                     lambda: dict(zip(("train", "val", "test"),
-                                     stratified_split(species, fractions, seed))),
-                    transform, check_files, names={})
-        self.source = source
-
-
-#: name -> class, for command-line scripts.
-DATASETS = {"cub": CUB200, "cars": Cars196, "flowers": Flowers102, "leafsnap": Leafsnap}
+                                     stratified_split(species, (0.5, 0.2, 0.3), seed))),
+                    transform, check_files)
 
 
 def as_tensor_labels(ds: ImageListDataset) -> torch.Tensor:
@@ -674,14 +638,9 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
         raise DatasetFormatError(f"{path}: header says {dims} items of {dtype.itemsize} byte(s) "
                                  f"= {expected} bytes of data, more than max_bytes = "
                                  f"{max_bytes} (not an IDX file of this family){hint}")
-    payload = bytearray()
-    while len(payload) < expected:
-        chunk = f.read(min(expected - len(payload), 1 << 24))
-        if not chunk:
-            break
-        payload += chunk
+    payload = f.read(expected)  # at most max_bytes
     surplus = 0
-    while surplus <= _IDX_SURPLUS_COUNTED:
+    while surplus <= _IDX_SURPLUS_COUNTED:  # in bounded steps: a gzip stream may inflate far
         chunk = f.read(1 << 20)
         if not chunk:
             break
@@ -720,7 +679,7 @@ class IDXDataset(IndexedTensorDataset):
         transform: applied to each image tensor.
         name: "fashion-mnist", "mnist" or "kmnist".
     Attributes:
-        inputs, labels, num_classes, classes (official ids kept), official_labels, files.
+        inputs, labels, num_classes, classes (official ids kept), files.
     """
 
     NUM_CLASSES = 10
@@ -765,20 +724,13 @@ class IDXDataset(IndexedTensorDataset):
             raise ValueError(f"classes must be distinct ints in 0..{self.NUM_CLASSES - 1}, "
                              f"got {list(classes)}")
         keep = np.flatnonzero(np.isin(labels, order))
-        official = labels[keep].astype(np.int64)
         lut = np.full(self.NUM_CLASSES, -1, dtype=np.int64)
         lut[order] = np.arange(len(order))
         x = torch.from_numpy(images[keep]).unsqueeze(1).float().div_(255.0)
-        super().__init__(x, torch.from_numpy(lut[official]), transform)
+        super().__init__(x, torch.from_numpy(lut[labels[keep]]), transform)
         self.num_classes = len(order)
         self.classes = order
-        self.official_labels = torch.from_numpy(official)
         self.files = (img_path, lab_path)
-        self.split, self.name = split, name
-
-    def __repr__(self) -> str:
-        return (f"IDXDataset({self.name}, split={self.split}, items={len(self)}, "
-                f"classes={self.classes})")
 
 
 def FashionMNIST(root: str, split: str = "train", classes: Optional[Sequence[int]] = None,

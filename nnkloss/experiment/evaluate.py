@@ -84,13 +84,11 @@ def retrieval_metrics(emb, labels, ks: Sequence[int] = RECALL_KS, search_backend
 
 
 def kernel_accuracy(train_emb: Tensor, train_labels: Tensor, emb: Tensor, labels: Tensor,
-                    k: int, sigma: float, weights: Tensor = None,
-                    search_backend: str = "auto") -> float:
+                    k: int, sigma: float, weights: Tensor = None) -> float:
     """Accuracy of :class:`NeighbourKernelClassifier` over a bank of the training embeddings."""
     bank = CentreBank(train_emb.float(), train_labels.long(),
                       weights=None if weights is None else weights.detach().float().cpu())
-    clf = NeighbourKernelClassifier(bank, k=min(int(k), len(train_labels)), sigma=float(sigma),
-                                    search_backend=search_backend)
+    clf = NeighbourKernelClassifier(bank, k=min(int(k), len(train_labels)), sigma=float(sigma))
     return accuracy(clf.predict(emb.float()), labels)
 
 

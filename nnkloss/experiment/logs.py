@@ -1,7 +1,4 @@
-"""The Trainer's per-epoch log files: ``log.json`` and ``log.csv`` in the run's ``out_dir``.
-
-One row per epoch; both files are rewritten whole and atomically after every epoch.
-"""
+"""The Trainer's log files, ``log.json`` and ``log.csv``: one row per epoch, rewritten whole."""
 from __future__ import annotations
 
 import csv

@@ -7,7 +7,7 @@ architectures start from ``weights=None``; pretrained weights come from a local 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ __all__ = ["DigitsNet", "EmbeddingNet", "SoftmaxHead", "build_embedding_net",
 #: Smallest square input each architecture accepts.
 MIN_IMAGE_SIZE = {"googlenet": 16, "alexnet": 63, "vgg16": 32, "resnet50": 16}
 ARCHITECTURES = tuple(MIN_IMAGE_SIZE)
+# The layers a pretrained file may differ in (replaced here), and the feature size.
+_REPLACED = {"googlenet": (("fc.", "aux1.", "aux2."), 1024), "alexnet": (("classifier.6.",), 4096),
+             "vgg16": (("classifier.6.",), 4096), "resnet50": (("fc.",), 2048)}
 
 
 class DigitsNet(nn.Module):
@@ -87,7 +90,8 @@ class SoftmaxHead(nn.Module):
     """Linear classifier + cross-entropy, with the kernel loss's call signature.
 
     ``forward(emb, labels, idx=None)`` -> 0-dim mean cross-entropy (``idx`` ignored);
-    ``logits(emb)`` -> (B, C); ``predict(emb)`` -> (B,) int64.
+    ``logits(emb)`` -> (B, C); ``predict(emb)`` -> (B,) int64. Its parameters train as the
+    network's (it declares no ``parameter_groups``).
     """
 
     def __init__(self, dim: int, num_classes: int):
@@ -103,10 +107,6 @@ class SoftmaxHead(nn.Module):
     @torch.no_grad()
     def predict(self, emb: Tensor) -> Tensor:
         return self.logits(emb).argmax(1)
-
-    def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
-        """All parameters "other" (:meth:`nnkloss.losses.BankLoss.parameter_groups`)."""
-        return {"sigma": [], "weights": [], "other": list(self.parameters())}
 
 
 def load_state_dict_file(path: str) -> dict:
@@ -145,8 +145,7 @@ def _load_into(model: nn.Module, path: str, drop_prefixes: Tuple[str, ...]) -> N
 
 
 def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0.5,
-                        pretrained: Optional[str] = None, relu: bool = False,
-                        transform_input: Optional[bool] = None) -> EmbeddingNet:
+                        pretrained: Optional[str] = None, relu: bool = False) -> EmbeddingNet:
     """A torchvision architecture as an embedding network.
 
     Args:
@@ -154,8 +153,8 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
             "resnet50" (2048-d).
         dim, dropout, relu: as :class:`EmbeddingNet`.
         pretrained: a local torchvision-format state dict of the full model (its final
-            classifier layer is ignored).
-        transform_input: GoogLeNet only; default: on iff ``pretrained`` is given.
+            classifier layer is ignored); GoogLeNet then normalises its input as
+            torchvision's ImageNet weights expect (``transform_input``).
     Returns:
         an :class:`EmbeddingNet`; its ``dim`` is the embedding size.
     """
@@ -167,26 +166,17 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
     if arch == "googlenet":
-        if transform_input is None:
-            transform_input = pretrained is not None
         net = models.googlenet(weights=None, aux_logits=False, init_weights=True,
-                               transform_input=transform_input)
-        if pretrained:
-            _load_into(net, pretrained, ("fc.", "aux1.", "aux2."))
-        net.fc = nn.Identity()
-        feat = 1024
-    elif arch in ("alexnet", "vgg16"):
+                               transform_input=pretrained is not None)
+    else:
         net = getattr(models, arch)(weights=None)
-        if pretrained:
-            _load_into(net, pretrained, ("classifier.6.",))
+    replaced, feat = _REPLACED[arch]
+    if pretrained:
+        _load_into(net, pretrained, replaced)
+    if arch in ("alexnet", "vgg16"):
         # AlexNet: Dropout, FC6, ReLU, Dropout, FC7 | VGG16: FC6, ReLU, Dropout, FC7.
         keep = 5 if arch == "alexnet" else 4
         net.classifier = nn.Sequential(*list(net.classifier.children())[:keep])
-        feat = 4096
-    else:  # resnet50
-        net = models.resnet50(weights=None)
-        if pretrained:
-            _load_into(net, pretrained, ("fc.",))
+    else:
         net.fc = nn.Identity()
-        feat = 2048
     return EmbeddingNet(net, feat, dim, dropout, relu)

@@ -46,7 +46,7 @@ def _save(plt, fig, path: str, dpi: int = 120) -> str:
     return path
 
 
-def _project(x: np.ndarray, method: str, seed: int, perplexity: float) -> np.ndarray:
+def _project(x: np.ndarray, method: str, seed: int) -> np.ndarray:
     """(N, 2) coordinates of the (N, D) points."""
     if x.shape[1] <= 2:
         return np.pad(x, ((0, 0), (0, 2 - x.shape[1])))
@@ -54,13 +54,12 @@ def _project(x: np.ndarray, method: str, seed: int, perplexity: float) -> np.nda
         from sklearn.decomposition import PCA
         return PCA(n_components=2, random_state=seed).fit_transform(x)
     from sklearn.manifold import TSNE
-    perp = min(float(perplexity), max(1.0, (x.shape[0] - 1) / 3.0))
+    perp = min(30.0, max(1.0, (x.shape[0] - 1) / 3.0))  # below N / 3 for small sets
     return TSNE(n_components=2, perplexity=perp, init="pca", random_state=seed).fit_transform(x)
 
 
 def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional[int] = 5000,
-                   seed: int = 0, perplexity: float = 30.0, title: Optional[str] = None,
-                   point_size: float = 6.0) -> str:
+                   seed: int = 0, title: Optional[str] = None) -> str:
     """Save a scatter plot of embeddings projected to 2-D, coloured by class; returns ``path``.
 
     Args:
@@ -68,8 +67,8 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
         path: output image path (its directory must exist; the format by its extension).
         method: "tsne" or "pca".
         max_points: plot a random subset of this many points (None: all).
-        seed: subset and projection seed; perplexity: t-SNE's (clamped below N/3).
-        title, point_size: figure title (default: the method) and marker size.
+        seed: subset and projection seed.
+        title: figure title (default: the method).
     """
     x = _to_numpy("emb", emb)
     y = _to_numpy("labels", labels)
@@ -91,7 +90,7 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
         keep = np.sort(np.random.default_rng(seed).choice(x.shape[0], int(max_points),
                                                           replace=False))
         x, y = x[keep], y[keep]
-    xy = _project(x.astype(np.float64), method, seed, perplexity)
+    xy = _project(x.astype(np.float64), method, seed)
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 7))
@@ -100,7 +99,7 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
     cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20" if few else "gist_ncar")
     colours = np.searchsorted(classes, y)  # a listed map's index, else a place in [0, 1]
     ax.scatter(xy[:, 0], xy[:, 1], c=cmap(colours if few else colours / (len(classes) - 1)),
-               s=point_size, linewidths=0)
+               s=6.0, linewidths=0)
     if few:
         from matplotlib.lines import Line2D
         handles = [Line2D([], [], marker="o", linestyle="", markersize=5, color=cmap(i),
@@ -115,13 +114,13 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
 
 
 def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
-                      title: str = "Recall@K", log_x: bool = True) -> str:
+                      title: str = "Recall@K") -> str:
     """Save Recall@K curves of one or more named methods; returns ``path``.
 
     Args:
         results: {method name: {K: recall in [0, 1]}}.
         path: output image path (its directory must exist).
-        title: figure title; log_x: K on a log2 axis.
+        title: figure title (K on a log2 axis).
     """
     if not isinstance(results, Mapping) or not results:
         raise ValueError("results must be a non-empty {name: {k: recall}} mapping")
@@ -139,8 +138,7 @@ def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, (ks, vals) in curves.items():
         ax.plot(ks, [100.0 * v for v in vals], marker="o", label=name)
-    if log_x:
-        ax.set_xscale("log", base=2)
+    ax.set_xscale("log", base=2)
     all_ks = sorted({k for ks, _ in curves.values() for k in ks})
     ax.set_xticks(all_ks)
     ax.set_xticklabels([str(k) for k in all_ks])

@@ -1,7 +1,5 @@
 """Seeds: integers in [0, 2**32), the range every global generator (Python, NumPy,
-scikit-learn, torch) takes unchanged, so that two seeds never name one stream; the streams of
-a seed and further numbers come from ``np.random.SeedSequence`` over the whole key.
-"""
+scikit-learn, torch) takes unchanged, so that two seeds never name one stream."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,5 @@
 """Set-up shared by the reproduction scripts: devices, run settings, image transforms,
-loaders, and the kernel-loss / softmax criteria."""
+loaders, and the kernel-loss criterion (the softmax one is :class:`.models.SoftmaxHead`)."""
 from __future__ import annotations
 
 import argparse
@@ -15,15 +15,10 @@ from torch.utils.data import DataLoader, Dataset
 from .. import distributed as nkd
 from ..bank.centre_bank import CentreBank
 from ..losses.neighbour_kernel import NeighbourKernelLoss
-from .models import SoftmaxHead
 from ..bank.refresh import Refresher
 
 __all__ = ["HelpFormatter", "resolve_device", "image_transforms", "make_loader", "kernel_criterion",
-           "softmax_criterion", "run_settings", "check_resume", "check_epochs", "IMAGENET_MEAN",
-           "IMAGENET_STD"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+           "run_settings", "check_resume", "check_epochs"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -129,7 +124,7 @@ def image_transforms(image_size: int = 224, train: bool = True):
         ops += [T.RandomCrop(image_size), T.RandomHorizontalFlip()]
     else:
         ops += [T.CenterCrop(image_size)]
-    ops += [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    ops += [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]  # ImageNet
     return T.Compose(ops)
 
 
@@ -172,8 +167,3 @@ def kernel_criterion(model: nn.Module, ordered_loader: Iterable, labels: torch.T
                           progress=progress, sigma=criterion,  # its current sigma
                           **refresher_options)
     return criterion, refresher
-
-
-def softmax_criterion(dim: int, num_classes: int) -> SoftmaxHead:
-    """The softmax baseline: :class:`SoftmaxHead`."""
-    return SoftmaxHead(dim, num_classes)

@@ -1,13 +1,9 @@
 """The training loop of the reproduction scripts: :class:`Trainer` and :func:`fit`.
 
-One loop for every criterion called as ``criterion(emb, labels, idx) -> 0-dim loss`` (a bank
-loss kept current by a :class:`nnkloss.Refresher`, or a softmax head), over a loader yielding
-``(inputs, labels, idx)``, ``idx`` the batch's bank rows. ``out_dir`` receives, atomically,
-``log.csv``/``log.json`` (one row per epoch) and ``checkpoint.pt`` (:mod:`.checkpoint`), from
-which ``fit(..., resume=True)`` continues. Each epoch reseeds the RNGs from ``(seed, epoch)``
-(and the rank), so an interrupted run repeats itself (leave the loader's ``generator`` unset).
-Under torchrun (:mod:`nnkloss.distributed`) the network runs in DDP, steps follow the
-global-batch mean, the loss's parameters are averaged across ranks and only rank 0 writes.
+Each epoch reseeds the RNGs from ``(seed, epoch)`` (and the rank), so an interrupted run
+repeats itself (leave the loader's ``generator`` unset). Under torchrun
+(:mod:`nnkloss.distributed`) the network runs in DDP, steps follow the global-batch mean, the
+loss's parameters are averaged across ranks and only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -141,11 +137,9 @@ class Trainer:
                                  fresh_centres, neighbours_every_steps, warm_start_steps)
         self.refresher, self.schedule = self.upkeep.refresher, self.upkeep.schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
-        if optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum)
-        else:
-            self.optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
-                groups, lr=lr)
+        extra = {"momentum": momentum} if optimizer == "sgd" else {}
+        self.optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                          "adamw": torch.optim.AdamW}[optimizer](groups, lr=lr, **extra)
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir
@@ -224,13 +218,11 @@ class Trainer:
             except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
                     AttributeError) as exc:  # e.g. a list where set_rng_state wants a tensor
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
-        # Real bools only: bool("False") is True.
-        for name in ("bank_ready", "refresh_due"):
-            if not isinstance(state.get(name, False), bool):
-                raise ValueError(f"{where}, {name}: must be a bool, got "
-                                 f"{type(state[name]).__name__}")
-        self.upkeep.bank_ready = state.get("bank_ready", False)
-        self.upkeep.refresh_due = state.get("refresh_due", False)
+        for name in ("bank_ready", "refresh_due"):  # real bools only: bool("False") is True
+            value = state.get(name, False)
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}, {name}: must be a bool, got {type(value).__name__}")
+            setattr(self.upkeep, name, value)
 
     def save_checkpoint(self, path: Optional[str] = None) -> str:
         """Write the full training state atomically, with its checksum; returns the path."""
@@ -247,16 +239,6 @@ class Trainer:
             raise FileNotFoundError(f"checkpoint not found: {path}")
         self.load_state_dict(_ckpt.load(path, map_location=self.device),
                              where=f"checkpoint {path!r}")
-
-    def write_logs(self) -> None:
-        """(Re)write log.json and log.csv from ``history`` (atomically; rank 0 only)."""
-        if self.out_dir and _dist.is_main_process():
-            write_logs(self.out_dir, self.history)
-
-    def refresh(self, wait: bool = True) -> Dict[str, Any]:
-        """Re-embed the training set and rebuild the lists; returns the ``refresh_*`` columns.
-        With an asynchronous refresher and ``wait=False`` it only starts one (returns {})."""
-        return self.upkeep.refresh(wait)
 
     def _fit_optimizer_state(self) -> None:
         """Resize optimiser state to parameters resized in place (a grown or shrunk bank's
@@ -399,7 +381,8 @@ class Trainer:
             if last or (self.out_dir and epoch % self.checkpoint_every == 0):
                 row.update(self.upkeep.finish_async())  # checkpoints hold a settled bank
             self.history.append(row)
-            self.write_logs()
+            if self.out_dir and _dist.is_main_process():
+                write_logs(self.out_dir, self.history)
             if self.out_dir and (epoch % self.checkpoint_every == 0 or last):
                 if _dist.is_main_process():  # every rank holds the same state
                     self.save_checkpoint()

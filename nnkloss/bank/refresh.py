@@ -93,18 +93,6 @@ def _distance_means(d: Tensor, sigma) -> Tuple[float, Optional[float]]:
     return sum_d / n, (None if sigma is None else sum_k / n)
 
 
-def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], sigma,
-                asynchronous: bool, recalibrate_s: float = 0.0) -> RefreshStats:
-    d = lists.distances
-    mean_d, mean_kernel = _distance_means(d, sigma)
-    overlap = None
-    if old is not None and old.shape[0] == d.shape[0] and old.shape[1] > 0:
-        overlap = _list_overlap(lists.neighbours, old)
-    return RefreshStats(embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel,
-                        sigma, float(lists.has_positive.float().mean()), lists.num_patched,
-                        overlap, lists.search_backend, asynchronous, recalibrate_s)
-
-
 def _check_sigma(sigma) -> Optional[float]:
     return None if sigma is None else require_sigma(sigma)
 
@@ -130,25 +118,19 @@ class RefreshSchedule:
     """
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
-        for name, v in (("every_epochs", every_epochs), ("every_steps", every_steps)):
-            if v is not None:
-                require_positive_int(name, v)
+        self.every_epochs, self.every_steps = (
+            None if v is None else require_positive_int(name, v)
+            for name, v in (("every_epochs", every_epochs), ("every_steps", every_steps)))
         if every_epochs is None and every_steps is None:
             raise ValueError("give every_epochs and/or every_steps (a schedule that never fires "
                              "would leave the centres stale forever)")
-        self.every_epochs = None if every_epochs is None else int(every_epochs)
-        self.every_steps = None if every_steps is None else int(every_steps)
         self.epoch = 0  # epochs completed (counted by epoch_end)
         self.global_step = 0  # steps completed (counted by step)
 
     def should_refresh(self, epoch: Optional[int] = None, step: Optional[int] = None) -> bool:
         """True when ``epoch`` or ``step`` (those completed) hits its interval."""
-        due = False
-        if epoch is not None and self.every_epochs is not None:
-            due |= epoch > 0 and epoch % self.every_epochs == 0
-        if step is not None and self.every_steps is not None:
-            due |= step > 0 and step % self.every_steps == 0
-        return due
+        return any(count is not None and every is not None and count > 0 and count % every == 0
+                   for count, every in ((epoch, self.every_epochs), (step, self.every_steps)))
 
     def step(self) -> bool:
         """Count one completed optimiser step; True if a step-based refresh is due now."""
@@ -315,12 +297,9 @@ class Refresher:
         """Rebuild the lists from the bank's current centres, without re-embedding
         (``embed_seconds`` 0); a refresh in flight is left alone. Under torch.distributed
         every rank calls it at the same point, with identical banks."""
-        sig = self._sigma(sigma)
-        bank = self.bank
-        old_lists = bank.neighbours if bank.has_neighbours else None
-        lists, stats = self._build_lists(bank.centres, bank.centre_labels, 0.0, old_lists, sig,
-                                         False)
-        bank.update_(neighbours=lists.neighbours)
+        lists, stats = self._build_lists(self.bank.centres, self.bank.centre_labels, 0.0,
+                                         self._sigma(sigma), False)
+        self.bank.update_(neighbours=lists.neighbours)
         return stats
 
     def refresh_async(self, sigma=None) -> None:
@@ -350,9 +329,7 @@ class Refresher:
     def poll(self) -> Optional[RefreshStats]:
         """Swap in a finished background refresh and return its stats; None if not finished
         (or none started). Re-raises the background error, leaving the bank untouched."""
-        if self._thread is None or self._thread.is_alive():
-            return None
-        return self._finish()
+        return self.wait(0)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[RefreshStats]:
         """Block until the background refresh finishes, swap it in and return its stats.
@@ -404,11 +381,8 @@ class Refresher:
 
     def _compute(self, model: nn.Module, device: torch.device, sigma, stream,
                  asynchronous: bool) -> _Result:
-        bank = self.bank
-        n, d = bank.num_centres, bank.dim
-        old_lists = bank.neighbours if bank.has_neighbours else None
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        n, d = self.bank.num_centres, self.bank.dim
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             t0, recalibrate_s = time.perf_counter(), 0.0
             if self.recalibrate_bn and recalibrate_batch_norms(
                     model, self.loader, device,
@@ -421,17 +395,25 @@ class Refresher:
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
-            lists, stats = self._build_lists(centres, centre_labels, embed_s, old_lists, sigma,
-                                             asynchronous, recalibrate_s)
+            lists, stats = self._build_lists(centres, centre_labels, embed_s, sigma, asynchronous,
+                                             recalibrate_s)
         return _Result(centres, centre_labels, lists, stats, stream)
 
-    def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float,
-                     old_lists: Optional[Tensor], sigma, asynchronous: bool, recalibrate_s=0.0):
-        """The lists of ``centres`` with this refresher's options, and their stats."""
+    def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float, sigma,
+                     asynchronous: bool, recalibrate_s=0.0) -> Tuple[NeighbourLists, RefreshStats]:
+        """The lists of ``centres`` with this refresher's options, and their stats (the overlap
+        against the bank's lists of now)."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
         lists = search(centres, centre_labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
-        return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous, recalibrate_s)
+        d, old = lists.distances, self.bank.neighbours
+        mean_d, mean_kernel = _distance_means(d, sigma)
+        overlap = (_list_overlap(lists.neighbours, old)
+                   if old.shape[0] == d.shape[0] and old.shape[1] > 0 else None)
+        return lists, RefreshStats(
+            embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel, sigma,
+            float(lists.has_positive.float().mean()), lists.num_patched, overlap,
+            lists.search_backend, asynchronous, recalibrate_s)
 
     def _embed(self, model: nn.Module, device: torch.device, n: int, d: int):
         bank = self.bank

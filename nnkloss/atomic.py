@@ -1,8 +1,5 @@
-"""The package's one atomic file writer: readers see the old file or the new one, never half.
-
-A temporary beside the target is fsync'ed and renamed over it. A failure leaves the previous
-file; a killed process's temporary is removed by :func:`remove_stale_temps`.
-"""
+"""The package's one atomic file writer: a temporary beside the target, fsync'ed and renamed
+over it, so readers see the old file or the new one, never half."""
 from __future__ import annotations
 
 import os

@@ -1,9 +1,5 @@
-"""Checkpoint files with a checksum, verified before the weights-only load: damage is an
-error naming the file, never a silently different bank or model.
-
-Layout: ``nnkloss-sha256\\n``, the payload's sha256 in hex and a newline, then the
-``torch.save`` payload. The checksum detects damage, not forgery. :func:`load_weights_only`
-also refuses compressed or oversized zip records, and tensors larger than their storage.
+"""Checkpoint files with a sha256 verified before the weights-only load (it detects damage, not
+forgery). Layout: ``nnkloss-sha256\\n``, the hex digest and a newline, the ``torch.save`` payload.
 """
 from __future__ import annotations
 

@@ -30,15 +30,13 @@ def init_from_env(dist_backend: Optional[str] = None, timeout_s: float = 1800.0)
     """Initialise the default process group from torchrun's environment, if launched by it.
     ``dist_backend``: default "nccl" with CUDA (device ``cuda:LOCAL_RANK``), else "gloo";
     ``timeout_s``: a collective's wait. Returns :func:`is_distributed`."""
-    if not dist.is_available():
-        return False
-    if dist.is_initialized():
+    if not dist.is_available() or dist.is_initialized():
         return is_distributed()
     present = [v for v in _TORCHRUN_VARS if v in os.environ]
     if not present:
         return False
     if len(present) != len(_TORCHRUN_VARS):
-        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        missing = [v for v in _TORCHRUN_VARS if v not in present]
         raise RuntimeError(f"a partial torch.distributed environment: {present} are set but "
                            f"{missing} are not; launch with torchrun or set all of "
                            f"{list(_TORCHRUN_VARS)}")
@@ -217,16 +215,12 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
     flat = torch.cat(parts + [present])
     dist.all_reduce(flat, group=group)
     flat[:-len(params)] /= world_size(group)
-    flags = flat[-len(params):]
-    offset = 0
-    for i, p in enumerate(params):
-        g = flat[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
-        if p.grad is None:
-            if bool(flags[i] > 0):
-                p.grad = g.to(p.device, p.dtype).clone()
-        else:
-            p.grad.copy_(g)
+    grads = flat[:-len(params)].split([p.numel() for p in params])
+    for p, g, flag in zip(params, grads, flat[-len(params):].tolist()):
+        if p.grad is not None:
+            p.grad.copy_(g.view(p.shape))
+        elif flag > 0:
+            p.grad = g.view(p.shape).to(p.device, p.dtype).clone()
 
 
 @torch.no_grad()

@@ -1,9 +1,5 @@
-"""The network at inference (a refresh's or an evaluation's embedding pass), made cheaper
-without changing what it computes: :func:`inference_model` folds, in a copy, each eval-mode
-BatchNorm that directly follows a convolution or linear layer in an ``nn.Sequential`` (both
-exactly torch's classes, no hooks, running statistics tracked; a Linear's for 2-D inputs
-only). Wrapped, compiled or uncopyable models run as they are.
-"""
+"""The network at inference, made cheaper without changing what it computes: BatchNorms folded
+into the convolution or linear layer they follow (:func:`inference_model`)."""
 from __future__ import annotations
 
 import copy

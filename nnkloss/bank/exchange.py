@@ -219,17 +219,15 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
         patched = patch_positives(centres, labels, start, dist_, ids, has_pos, search_backend,
                                    knn_options)
 
-    slices = [_query_slice(n, r, w) for r in range(w)]
-    counts = [b - a for a, b in slices]
-    out_i = torch.empty(n, k, dtype=torch.long, device=dev)
-    out_d = torch.empty(n, k, dtype=torch.float32, device=dev)
-    out_p = torch.empty(n, dtype=torch.bool, device=dev)
-    starts = [a for a, _ in slices]
-    _all_gather_rows(ids, counts, _placer(out_i, starts), group, comm, chunk_bytes)
-    _all_gather_rows(dist_.float(), counts, _placer(out_d, starts), group, comm, chunk_bytes)
-    _all_gather_rows(has_pos.to(torch.uint8), counts, _placer(out_p, starts), group, comm,
-                     chunk_bytes)
+    starts, stops = zip(*(_query_slice(n, r, w) for r in range(w)))
+    counts = [b - a for a, b in zip(starts, stops)]
+    outs = []
+    for part, dtype in ((ids, torch.long), (dist_.float(), torch.float32),
+                        (has_pos.to(torch.uint8), torch.bool)):
+        outs.append(torch.empty((n,) + part.shape[1:], dtype=dtype, device=dev))
+        _all_gather_rows(part, counts, _placer(outs[-1], starts), group, comm, chunk_bytes)
     total = torch.tensor([patched], dtype=torch.long, device=comm)
     dist.all_reduce(total, group=group)
     synchronize(dev)
+    out_i, out_d, out_p = outs
     return NeighbourLists(out_d, out_i, out_p, int(total), time.perf_counter() - t0, used)

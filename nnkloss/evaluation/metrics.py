@@ -1,9 +1,8 @@
 """Evaluation metrics for embeddings: Recall@K, MAP@R, R-precision, NMI, accuracy.
 
-Every embedding is a query against all the others (own row excluded), neighbours ranked by
-(distance, index) as in pytorch-metric-learning's AccuracyCalculator, whose values agree where
-the fp32 distances do (a query alone in its class is a Recall@K miss here). Inputs may be
-tensors (searched on their device) or numpy arrays.
+Every embedding is a query against all the others, ranked by (distance, index) as in
+pytorch-metric-learning's AccuracyCalculator. Inputs: tensors (searched on their device) or
+numpy arrays.
 """
 from __future__ import annotations
 

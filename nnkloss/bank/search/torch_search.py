@@ -1,12 +1,9 @@
 """Exact k-nearest-neighbour search with torch GEMMs, never forming (Q, N).
 
-Distances ``||q||^2 - 2 q.b + ||b||^2`` in fp32 come from one GEMM per tile of augmented rows
-(:func:`distance_tile`), clamped at 0; every path ranks ``(distance bits << 32) | index``
-keys: (distance, index) order, as faiss's flat index. On the CPU the compiled library selects
-each tile straight after its GEMM; a self-search computes only the tiles on and above the
-diagonal (distances may then differ from the blockwise path's by a rounding). Elsewhere, per
-(rows, N) block, a threshold from a fixed random column sample (short rows redone exactly),
-or base tiles with a running top-k when even 16 rows do not fit.
+fp32 distances from one GEMM per tile of augmented rows, clamped at 0, ranked by
+``(distance bits << 32) | index`` keys, as faiss's flat index. On the CPU the compiled library
+selects each tile after its GEMM (a self-search only the tiles on and above the diagonal);
+elsewhere a sampled threshold per (rows, N) block, or base tiles with a running top-k.
 """
 from __future__ import annotations
 

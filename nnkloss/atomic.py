@@ -2,6 +2,7 @@
 over it, so readers see the old file or the new one, never half."""
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -15,16 +16,12 @@ __all__ = ["atomic_write", "remove_stale_temps"]
 
 def _fsync_dir(directory: str) -> None:
     # Makes the rename durable; best effort.
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: str = "path"
@@ -51,10 +48,8 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(directory)
     return path
@@ -62,13 +57,10 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
 
 def _umask() -> int:
     """The umask from /proc/self/status (os.umask reads it only by setting it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -96,12 +88,10 @@ def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
                 and all(c.isalnum() or c == "_" for c in middle)):
             continue
         tmp = os.path.join(directory, name)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             st = os.lstat(tmp)  # never follows a link
             if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
                     and now - st.st_mtime >= older_than_s):
                 os.unlink(tmp)
                 removed.append(tmp)
-        except FileNotFoundError:
-            pass
     return removed

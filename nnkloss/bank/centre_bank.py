@@ -42,25 +42,22 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     return weights
 
 
-def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
-    """Refuse, when given, centres whose elements share memory (an ``expand()``-ed view): by
-    stride, each dimension must step past what the ones before it span."""
+def _check_layout(centres: Tensor) -> None:
+    """Refuse centres whose elements share memory (an ``expand()``-ed view: by stride, each
+    dimension must step past what the ones before it span); warn that strided centres cost
+    every loss call a copy of the bank."""
     span = 0
     for stride, size in sorted((abs(st), s) for s, st in zip(centres.shape, centres.stride())
                                if s > 1):
         if stride <= span:
-            raise ValueError(f"{name} overlap in memory (strides {tuple(centres.stride())} "
+            raise ValueError(f"centres overlap in memory (strides {tuple(centres.stride())} "
                              f"for shape {tuple(centres.shape)}, e.g. an expand()-ed view): "
-                             f"the bank writes its centres in place; pass {name}.clone()")
+                             f"the bank writes its centres in place; pass centres.clone()")
         span += (size - 1) * stride
-
-
-def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:
-    """Warn that strided centres cost every loss call a copy of the bank."""
     if centres.numel() and not centres.is_contiguous():
-        warnings.warn(f"{name} are not contiguous (strides {tuple(centres.stride())} for shape "
+        warnings.warn(f"centres are not contiguous (strides {tuple(centres.stride())} for shape "
                       f"{tuple(centres.shape)}): every loss call will copy the whole bank to "
-                      f"read its rows; pass {name}.contiguous() (the bank keeps, and writes "
+                      f"read its rows; pass centres.contiguous() (the bank keeps, and writes "
                       "into, the tensor it is given)", stacklevel=3)
 
 
@@ -152,8 +149,7 @@ class CentreBank(nn.Module):
                              f"{centres.device}")
         if not all_finite(centres):
             raise ValueError("centres contain NaN or inf")
-        _require_own_memory(centres)
-        _warn_if_strided(centres)
+        _check_layout(centres)
         self.register_buffer("centres", centres.detach())
         self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
         if neighbours is None:
@@ -238,8 +234,7 @@ class CentreBank(nn.Module):
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             _require_finite_cast(centres, new_c)
-            _require_own_memory(new_c)
-            _warn_if_strided(new_c)
+            _check_layout(new_c)
         n = new_c.shape[0]
         if centre_labels is not None:
             require_int("centre_labels", centre_labels, 1)
@@ -438,12 +433,10 @@ class CentreBank(nn.Module):
                 cur = getattr(self, name)
                 dtype = _compact_labels(src).dtype if name == "centre_labels" else cur.dtype
                 if src.shape != cur.shape or dtype != cur.dtype:
-                    setattr(self, name, torch.empty(src.shape, dtype=dtype, device=cur.device))
+                    setattr(self, name, cur.new_empty(src.shape, dtype=dtype))
         key = prefix + "log_weights"
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
-            self.log_weights.data = torch.empty(state_dict[key].shape,
-                                                dtype=self.log_weights.dtype,
-                                                device=self.log_weights.device)
+            self.log_weights.data = self.log_weights.new_empty(state_dict[key].shape)
             self.log_weights.grad = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -24,15 +24,12 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: str = "path"
-                 ) -> str:
+def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]]) -> str:
     """Write ``data`` (bytes, or a function writing into a binary file) to ``path``
-    atomically; returns the path. ``name`` names ``path`` in errors. The target's mode is kept
-    (new: 0644 less the umask)."""
-    path = require_parent_dir(name, path)
+    atomically; returns the path. The target's mode is kept (new: 0644 less the umask)."""
+    path = require_parent_dir("path", path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp",
-                               dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=directory)
     try:
         try:
             mode = os.stat(path).st_mode & 0o777

@@ -1,9 +1,7 @@
-"""The ``torch.distributed`` runtime: process group, sharded loaders, DDP helpers, reductions.
-
-One process per GPU, launched by torchrun; without a process group, or in a world of one,
-everything here is a no-op. The loss module is not wrapped in DDP (which would broadcast the
-bank every forward): :func:`sync_loss_parameters` averages its gradients instead.
-"""
+"""The ``torch.distributed`` runtime (one process per GPU, launched by torchrun): process group,
+sharded loaders, DDP helpers, reductions; no-ops without a process group or in a world of one.
+The loss module is not wrapped in DDP (which would broadcast the bank every forward):
+:func:`sync_loss_parameters` averages its gradients instead."""
 from __future__ import annotations
 
 import datetime

@@ -1,8 +1,5 @@
-"""Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
-
-A checkpoint holds the bank's ``state_dict()``, whether its weights are learned, a step and an
-optional ``extra`` dict. Version 1 (or none) named ``centre_labels`` ``labels``.
-"""
+"""Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads. A
+file holds the bank's ``state_dict()``, ``learn_weights``, a step and an optional ``extra``."""
 from __future__ import annotations
 
 import numbers

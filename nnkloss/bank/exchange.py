@@ -1,8 +1,6 @@
 """The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
-
-Every rank ends with the same bank, byte for byte. The exchange is collective: errors found
-during it are raised on every rank (a rank that raises before it leaves the others waiting).
-"""
+Every rank ends with the same bank, byte for byte; errors found during a collective are raised
+on every rank (one rank raising alone would leave the others waiting)."""
 from __future__ import annotations
 
 import itertools

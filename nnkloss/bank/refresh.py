@@ -1,8 +1,6 @@
-"""Periodic centre refresh: re-embed the training set, rebuild the lists, swap the bank at once.
-
-Centres stay fixed between refreshes (Meyer et al. 2018, Sec. 2.3). :class:`Refresher` does one
-refresh, synchronously or in a background thread; :class:`RefreshSchedule` says when.
-"""
+"""Periodic centre refresh; centres stay fixed between refreshes (Meyer et al. 2018, Sec. 2.3).
+:class:`Refresher` does one, synchronously or in a background thread; :class:`RefreshSchedule`
+says when."""
 from __future__ import annotations
 
 import contextlib
@@ -220,11 +218,9 @@ class Refresher:
         recalibrate_bn: first :func:`recalibrate_batch_norms` over the whole loader (True), its
             first that many batches (int), or not (False).
 
-    :meth:`refresh` embeds in eval mode under no_grad (modes restored, also on error) into a
-    new (N, D) tensor and swaps centres, labels and lists in at once: a failed refresh leaves
-    the bank untouched. :meth:`refresh_async` does the same in a background thread (a CUDA
-    side stream) on a snapshot of the weights, at the cost of a second model and bank until
-    :meth:`poll` or :meth:`wait` swaps it in.
+    :meth:`refresh` embeds in eval mode into a new (N, D) tensor and swaps centres, labels and
+    lists in at once: a failed refresh leaves the bank untouched. :meth:`refresh_async` does it
+    in a background thread on a snapshot of the weights, until :meth:`poll` or :meth:`wait`.
     """
 
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,

@@ -78,14 +78,9 @@ def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:
     for name, seq in model.named_modules():
         if type(seq).forward is not nn.Sequential.forward or _hooked(seq):
             continue
-        children = list(seq._modules.values())
-        i = 0
-        while i + 1 < len(children):
-            if _folds(children[i], children[i + 1]):
-                pairs.append((name, i))
-                i += 2
-            else:
-                i += 1
+        children = list(seq._modules.values())  # a BatchNorm never starts a pair
+        pairs += [(name, i) for i in range(len(children) - 1)
+                  if _folds(children[i], children[i + 1])]
     return pairs
 
 

@@ -387,10 +387,8 @@ class CentreBank(nn.Module):
             w = weights.detach().to(dev, torch.float32)
             _validate_weights(w, m, positive=self.learn_weights)
             new_lw = torch.log(w)
-        new_nb = None
-        if self.has_neighbours:
-            pad = torch.full((m, self.k), -1, dtype=torch.long, device=dev)
-            new_nb = torch.cat([self.neighbours, pad])
+        new_nb = (torch.cat([self.neighbours, self.neighbours.new_full((m, self.k), -1)])
+                  if self.has_neighbours else None)
         new_c = centres.detach().to(dev, self.centres.dtype)
         _require_finite_cast(centres, new_c)  # before the concatenation hides which rows
         if self.num_centres:  # an empty bank takes the new centres' dimension

@@ -110,7 +110,6 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
     require_int("centre_labels", centre_labels, 1)
-    labels = centre_labels
     n, d = centres.shape
     if centre_labels.shape[0] != n:
         raise ValueError(f"centre_labels has length {centre_labels.shape[0]} but centres has "
@@ -143,7 +142,7 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     counts = [h[3] for h in headers]
 
     # 2. Every rank's (idx, label) pairs, then the owner of each row: the lowest rank with it.
-    pairs = torch.stack([local_idx, labels[local_idx].long()], 1)
+    pairs = torch.stack([local_idx, centre_labels[local_idx].long()], 1)
     all_pairs = torch.empty(sum(counts), 2, dtype=torch.long, device=dev)
     _all_gather_rows(pairs, counts, _placer(all_pairs, [0, *itertools.accumulate(counts)]),
                      group, comm, chunk_bytes)
@@ -177,8 +176,8 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
         centres[owned[r][first:first + rows.shape[0]]] = rows.to(dev)
 
     _all_gather_rows(mine, [o.numel() for o in owned], place_rows, group, comm, chunk_bytes)
-    labels.copy_(new_labels)
-    return centres, labels
+    centre_labels.copy_(new_labels)
+    return centres, centre_labels
 
 
 def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:

@@ -158,13 +158,9 @@ def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "skl
             x.numpy())
     else:
         x = emb.float()
-        best = None
-        for i in range(n_init):
-            cents, assign = kmeans(x, n_classes, seed=seed + i)
-            inertia = float((x - cents[assign]).pow(2).sum())
-            if best is None or inertia < best[0]:
-                best = (inertia, assign)
-        clusters = best[1].cpu().numpy()
+        runs = (kmeans(x, n_classes, seed=seed + i) for i in range(n_init))
+        _, assign = min(runs, key=lambda run: float((x - run[0][run[1]]).pow(2).sum()))
+        clusters = assign.cpu().numpy()
     return float(normalized_mutual_info_score(labels.cpu().numpy(), clusters,
                                               average_method="arithmetic"))
 

@@ -10,7 +10,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -183,15 +183,6 @@ def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.de
     return len(bns)
 
 
-class _Result(NamedTuple):
-    """A refresh computed but not yet swapped in."""
-    centres: Tensor
-    centre_labels: Tensor
-    lists: NeighbourLists
-    stats: RefreshStats
-    stream: Optional[torch.cuda.Stream]
-
-
 # knn's options that neighbour_lists does not set itself.
 _KNN_OPTIONS = frozenset(inspect.signature(knn).parameters) - {
     "queries", "base", "k", "search_backend", "exclude_self"}
@@ -263,7 +254,7 @@ class Refresher:
         self.last_stats: Optional[RefreshStats] = None
         self._snapshot: Optional[nn.Module] = None
         self._thread: Optional[threading.Thread] = None
-        self._result: Optional[_Result] = None
+        self._result: Optional[tuple] = None  # a refresh computed but not yet swapped in
         self._error: Optional[BaseException] = None
         if self.async_mode:
             self._snapshot = self._make_snapshot()
@@ -286,8 +277,7 @@ class Refresher:
         if self.in_flight:
             raise RuntimeError("a background refresh is in flight: call wait() (or poll()) first")
         sig = self._sigma(sigma)
-        result = self._compute(self.model, self._device(), sig, stream=None, asynchronous=False)
-        return self._swap(result)
+        return self._swap(*self._compute(self.model, self._device(), sig, None, False))
 
     def rebuild_neighbours(self, sigma=None) -> RefreshStats:
         """Rebuild the lists from the bank's current centres, without re-embedding
@@ -373,10 +363,10 @@ class Refresher:
         self._error = self._result = None
         if error is not None:
             raise RuntimeError("background refresh failed; the bank was left unchanged") from error
-        return self._swap(result)
+        return self._swap(*result)
 
     def _compute(self, model: nn.Module, device: torch.device, sigma, stream,
-                 asynchronous: bool) -> _Result:
+                 asynchronous: bool) -> tuple:
         n, d = self.bank.num_centres, self.bank.dim
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             t0, recalibrate_s = time.perf_counter(), 0.0
@@ -393,7 +383,7 @@ class Refresher:
             embed_s = time.perf_counter() - t0
             lists, stats = self._build_lists(centres, centre_labels, embed_s, sigma, asynchronous,
                                              recalibrate_s)
-        return _Result(centres, centre_labels, lists, stats, stream)
+        return centres, centre_labels, lists.neighbours, stats, stream
 
     def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float, sigma,
                      asynchronous: bool, recalibrate_s=0.0) -> Tuple[NeighbourLists, RefreshStats]:
@@ -476,20 +466,20 @@ class Refresher:
         total = len(loader) if hasattr(loader, "__len__") else None
         return tqdm(loader, total=total, desc="refresh: embedding", leave=False)
 
-    def _swap(self, result: _Result) -> RefreshStats:
+    def _swap(self, centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
+              stats: RefreshStats, stream: Optional[torch.cuda.Stream]) -> RefreshStats:
         bank = self.bank
-        if result.centres.shape[0] != bank.num_centres:
+        if centres.shape[0] != bank.num_centres:
             raise RuntimeError(f"the bank changed size during the refresh ("
-                               f"{result.centres.shape[0]} -> {bank.num_centres} rows); the new "
+                               f"{centres.shape[0]} -> {bank.num_centres} rows); the new "
                                "bank was discarded")
-        if result.stream is not None:
+        if stream is not None:
             # The stream's device is the model's; the bank may be elsewhere (CPU).
-            main = torch.cuda.current_stream(result.stream.device)
-            main.wait_stream(result.stream)
-            for t in (result.centres, result.centre_labels, result.lists.neighbours):
+            main = torch.cuda.current_stream(stream.device)
+            main.wait_stream(stream)
+            for t in (centres, centre_labels, neighbours):
                 if t.device == main.device:
                     t.record_stream(main)
-        bank.update_(centres=result.centres, centre_labels=result.centre_labels,
-                     neighbours=result.lists.neighbours)
-        self.last_stats = result.stats
-        return result.stats
+        bank.update_(centres=centres, centre_labels=centre_labels, neighbours=neighbours)
+        self.last_stats = stats
+        return stats

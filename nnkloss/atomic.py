@@ -14,16 +14,6 @@ from .validation import require_parent_dir
 __all__ = ["atomic_write", "remove_stale_temps"]
 
 
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename durable; best effort.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]]) -> str:
     """Write ``data`` (bytes, or a function writing into a binary file) to ``path``
     atomically; returns the path. The target's mode is kept (new: 0644 less the umask)."""
@@ -48,7 +38,12 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]]) -> str:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    with contextlib.suppress(OSError):  # makes the rename durable; best effort
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return path
 
 

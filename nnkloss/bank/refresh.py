@@ -153,13 +153,6 @@ class RefreshSchedule:
                 f", epoch={self.epoch}, global_step={self.global_step})")
 
 
-def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
-    """Whether every parameter and buffer of ``snap`` has the device and dtype of ``model``'s."""
-    a, b = snap.state_dict(), model.state_dict()
-    return a.keys() == b.keys() and all(
-        a[k].device == b[k].device and a[k].dtype == b[k].dtype for k in a)
-
-
 def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.device,
                            batches: Optional[int] = None) -> int:
     """Set the running statistics of ``model``'s training-mode BatchNorms to the average of
@@ -294,9 +287,10 @@ class Refresher:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
         exchange.check_async_refresh()
         sig = self._sigma(sigma)
-        if self._snapshot is None or not _same_placement(self._snapshot, self.model):
-            self._snapshot = self._make_snapshot()  # the model was moved or cast since
+        placed = {k: (t.device, t.dtype) for k, t in self.model.state_dict().items()}
         snap = self._snapshot
+        if snap is None or placed != {k: (t.device, t.dtype) for k, t in snap.state_dict().items()}:
+            snap = self._snapshot = self._make_snapshot()  # the model was moved or cast since
         device = self._device()
         # On the training stream: after the queued steps, before any later update.
         with torch.no_grad():

@@ -152,16 +152,11 @@ class CentreBank(nn.Module):
         _check_layout(centres)
         self.register_buffer("centres", centres.detach())
         self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
-        if neighbours is None:
-            neighbours = torch.empty(n, 0, dtype=_index_dtype(n), device=centres.device)
-        else:
-            _validate_neighbours(neighbours, n)
+        neighbours = (torch.empty(n, 0, device=centres.device) if neighbours is None
+                      else _validate_neighbours(neighbours, n))
         self.register_buffer("neighbours", neighbours.detach().to(_index_dtype(n)))
-        if weights is None:
-            log_w = torch.zeros(n, dtype=torch.float32, device=centres.device)
-        else:
-            _validate_weights(weights, n, positive=learn_weights)
-            log_w = torch.log(weights.detach().float())
+        log_w = (torch.zeros(n, dtype=torch.float32, device=centres.device) if weights is None
+                 else torch.log(_validate_weights(weights, n, learn_weights).detach().float()))
         self.log_weights = nn.Parameter(log_w, requires_grad=learn_weights)
         self._uniform_weights = weights is None
 
@@ -385,8 +380,7 @@ class CentreBank(nn.Module):
                 raise ValueError(f"weights has length {weights.shape[0]} but there are {m} new "
                                  "centres")
             w = weights.detach().to(dev, torch.float32)
-            _validate_weights(w, m, positive=self.learn_weights)
-            new_lw = torch.log(w)
+            new_lw = torch.log(_validate_weights(w, m, self.learn_weights))
         new_nb = (torch.cat([self.neighbours, self.neighbours.new_full((m, self.k), -1)])
                   if self.has_neighbours else None)
         new_c = centres.detach().to(dev, self.centres.dtype)

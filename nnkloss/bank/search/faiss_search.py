@@ -81,8 +81,7 @@ def check_index_options(approximate: Optional[str], options: dict, arg: str = "{
 
 @functools.lru_cache(maxsize=None)
 def _gpu_resources(device_index: int):
-    faiss = _faiss_module()
-    return faiss.StandardGpuResources()
+    return _faiss_module().StandardGpuResources()
 
 
 def _gpu_flat(device_index: int, d: int):

@@ -108,8 +108,7 @@ class SearchBlock(NamedTuple):
 
 def resolve_search_backend(search_backend: str, device: torch.device) -> str:
     """The search a ``search_backend`` runs: "auto" is "torch" (never dependent on faiss)."""
-    check_search_backend(search_backend)
-    return "torch" if search_backend == "auto" else search_backend
+    return "torch" if check_search_backend(search_backend) == "auto" else search_backend
 
 
 def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",

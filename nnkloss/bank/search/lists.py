@@ -59,11 +59,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def patch_positives(centres: Tensor, centre_labels: Tensor, rows_offset: int,
-                    distances: Tensor, neighbours: Tensor, has_positive: Tensor,
-                    search_backend: str, knn_options: dict) -> int:
-    """``ensure_positive`` in place on rows from ``rows_offset``; returns the number patched."""
-    labels, dist_, ids, has_pos = centre_labels, distances, neighbours, has_positive
+def patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
+                    ids: Tensor, has_pos: Tensor, search_backend: str, knn_options: dict) -> int:
+    """``ensure_positive`` in place on the lists ``(dist_, ids)`` and flags ``has_pos`` of rows
+    from ``rows_offset``; returns the number patched."""
     approximate = knn_options.get("approximate")
     exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
     missing = (~has_pos).nonzero().flatten()

@@ -6,7 +6,6 @@ numpy arrays.
 """
 from __future__ import annotations
 
-import contextlib
 import numbers
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -93,11 +92,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     r_prec = torch.zeros(n, dtype=torch.float64, device=dev)
     ranks = torch.arange(1, kmax + 1, device=dev)
     ranks_f64 = ranks.to(torch.float64)
-    bar = contextlib.nullcontext()
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=n, desc="evaluate", unit="query", leave=False)
-    with bar:
+    from tqdm.auto import tqdm
+    with tqdm(total=n, desc="evaluate", unit="query", leave=False, disable=not progress) as bar:
         for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
@@ -113,8 +109,7 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
                 precision = (cumulative * correct).to(torch.float64).div_(ranks_f64)
                 ap[rows] = torch.sum(precision, dim=1) / rr
                 r_prec[rows] = torch.sum(correct, dim=1).type(torch.float64) / rr
-            if progress:
-                bar.update(idx.shape[0])
+            bar.update(idx.shape[0])
     out = {f"recall@{k}": float((first_hit < k).type(torch.float64).mean()) for k in ks}
     if map_at_r:
         out["map@r"] = float(torch.mean(ap[counted]))

@@ -130,11 +130,9 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     batch = per_rank_batch_size(loader.batch_size) if split_batch else loader.batch_size
-    options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                   pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-                   timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                   multiprocessing_context=loader.multiprocessing_context,
-                   persistent_workers=loader.persistent_workers)
+    options = {name: getattr(loader, name) for name in (
+        "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+        "multiprocessing_context", "persistent_workers")}
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
     sampler = distributed_sampler(loader.dataset, shuffle=shuffle, seed=seed)

@@ -53,8 +53,7 @@ class RefreshStats:
 
 
 def _list_overlap(new: Tensor, old: Tensor) -> float:
-    """Mean per-row share of the new list's entries (-1 padding excluded) the old list also
-    holds: the compiled CPU library, else a searchsorted into the sorted old lists."""
+    """Mean per-row share of the new list's entries (-1 padding excluded) the old list holds."""
     from .. import cpu
     old = old.to(new.device)
     both = cpu.list_overlap(new, old, new.shape[0])
@@ -381,8 +380,7 @@ class Refresher:
 
     def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float, sigma,
                      asynchronous: bool, recalibrate_s=0.0) -> Tuple[NeighbourLists, RefreshStats]:
-        """The lists of ``centres`` with this refresher's options, and their stats (the overlap
-        against the bank's lists of now)."""
+        """The lists of ``centres`` with this refresher's options, and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
         lists = search(centres, centre_labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)

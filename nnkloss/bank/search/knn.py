@@ -189,10 +189,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         An index option of another index is a ValueError naming it.
 
     Returns:
-        :class:`SearchResult` ``(distances, neighbours)``, both (Q, k) on the queries' device:
-        fp32 squared L2 distances ascending, ties by index, and int64 rows of ``base`` (-1 at
-        inf where an approximate search finds fewer than k). On CUDA "torch" follows PyTorch's
-        TF32 setting.
+        :class:`SearchResult` on the queries' device, ties ordered by index (on CUDA "torch"
+        follows PyTorch's TF32 setting).
 
     Raises ValueError / TypeError naming the argument at fault (NaN/inf or a row norm above
     2**62 included), ImportError where faiss is needed but missing, all before any work.

@@ -221,8 +221,7 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
 
 
 def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
-    """(query rows, base rows, keys per row) of the compiled CPU path: QUERY_TILE x BASE_TILE
-    halved (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
+    """(query rows, base rows, keys per row) of the compiled CPU path within ``budget``."""
     cap = k + max(k, 64)
     tq = max(1, min(q, QUERY_TILE))
     tb = max(1, min(n, BASE_TILE))
@@ -234,8 +233,7 @@ def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
 
 
 def symmetric_block(n: int, k: int, budget: int) -> int:
-    """Points per square block S of the symmetric self-search, or 0 when
-    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` at SYM_MIN_BLOCK."""
+    """Points per square block of the symmetric self-search within ``budget``, else 0."""
     cap = k + max(k, 64)
     s = max(1, min(n, SYM_BLOCK))
     floor = min(s, SYM_MIN_BLOCK)

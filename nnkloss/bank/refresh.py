@@ -233,9 +233,8 @@ class Refresher:
         self.async_mode = bool(async_mode)
         self._sigma_source = _sigma_source(sigma)
         self.knn_options = dict(knn_options or {})
-        if not isinstance(recalibrate_bn, bool):
-            recalibrate_bn = require_positive_int("recalibrate_bn", recalibrate_bn)
-        self.recalibrate_bn = recalibrate_bn
+        self.recalibrate_bn = (recalibrate_bn if isinstance(recalibrate_bn, bool)
+                               else require_positive_int("recalibrate_bn", recalibrate_bn))
         # Search options are checked now, not after the first embedding pass.
         unknown = set(self.knn_options) - _KNN_OPTIONS
         if unknown:
@@ -244,12 +243,10 @@ class Refresher:
         check_search_arguments(search_backend, self.knn_options.get("approximate"),
                                self.knn_options, "knn_options[{!r}]")
         self.last_stats: Optional[RefreshStats] = None
-        self._snapshot: Optional[nn.Module] = None
+        self._snapshot = self._make_snapshot() if self.async_mode else None
         self._thread: Optional[threading.Thread] = None
         self._result: Optional[tuple] = None  # a refresh computed but not yet swapped in
         self._error: Optional[BaseException] = None
-        if self.async_mode:
-            self._snapshot = self._make_snapshot()
 
     @property
     def in_flight(self) -> bool:
@@ -316,9 +313,7 @@ class Refresher:
         if self._thread is None:
             return None
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            return None
-        return self._finish()
+        return None if self._thread.is_alive() else self._finish()
 
     @property
     def sigma(self) -> Optional[float]:

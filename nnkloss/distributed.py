@@ -235,9 +235,7 @@ def sum_over_ranks(value):
 
 def mean_over_ranks(value):
     """The mean of ``value`` (a number or a tensor) over all ranks (itself in one process)."""
-    if not is_distributed():
-        return value
-    return sum_over_ranks(value) / world_size()
+    return sum_over_ranks(value) / world_size() if is_distributed() else value
 
 
 @torch.no_grad()

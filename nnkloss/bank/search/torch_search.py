@@ -152,12 +152,10 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
 
 def same_tensor(a: Tensor, b: Tensor) -> bool:
     """True when ``a`` and ``b`` are views of the same memory with the same layout."""
-    if a is b:
-        return True
-    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+                      and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                      and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
 def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None,

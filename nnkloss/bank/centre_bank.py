@@ -399,10 +399,9 @@ class CentreBank(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # The whole bank is validated before anything changes (missing fields as held).
-        version = local_metadata.get("version")
         old_key, new_key = prefix + "labels", prefix + "centre_labels"
-        if (version is None or version < 2) and old_key in state_dict \
-                and new_key not in state_dict:
+        if ((local_metadata.get("version") or 1) < 2 and old_key in state_dict
+                and new_key not in state_dict):
             state_dict[new_key] = state_dict.pop(old_key)
         names = ("centres", "centre_labels", "neighbours", "log_weights")
         given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
@@ -411,10 +410,9 @@ class CentreBank(nn.Module):
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
         # Checked as they will be stored: the cast to the bank's dtypes can overflow.
-        for name, dtype in (("centres", self.centres.dtype),
-                            ("log_weights", self.log_weights.dtype)):
+        for name in ("centres", "log_weights"):
             if given[name].is_floating_point():
-                given[name] = given[name].detach().to(dtype)
+                given[name] = given[name].detach().to(getattr(self, name).dtype)
         validate_bank_tensors(given["centres"], given["centre_labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
         # Take the saved shapes; labels the width update_ gives them.

@@ -78,9 +78,8 @@ def is_main_process() -> bool:
 
 def local_device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+    return (torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+            if torch.cuda.is_available() else torch.device("cpu"))
 
 
 def barrier(group=None) -> None:

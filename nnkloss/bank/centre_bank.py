@@ -133,8 +133,7 @@ class CentreBank(nn.Module):
         log_weights: (N,) fp32, ``weights = exp(log_weights)``; requires grad only with
             ``learn_weights=True``.
 
-    :meth:`update_` validates everything, then swaps the tensors in together. State dict
-    version 1 (or none) named ``centre_labels`` ``labels``.
+    State dict version 1 (or none) named ``centre_labels`` ``labels``.
     """
 
     _version = 2

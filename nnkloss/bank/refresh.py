@@ -108,11 +108,8 @@ def _sigma_source(sigma):
 
 
 class RefreshSchedule:
-    """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
-
-    ``should_refresh`` is stateless; ``step()`` and ``epoch_end()`` count and return whether a
-    refresh is due. No host sync.
-    """
+    """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps
+    (:meth:`step` and :meth:`epoch_end` count them). No host sync."""
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
         self.every_epochs, self.every_steps = (
@@ -447,11 +444,9 @@ class Refresher:
         return centres, centre_labels
 
     def _progress(self, loader):
-        if not self.progress or not _dist.is_main_process():
-            return loader
-        from tqdm.auto import tqdm
-        total = len(loader) if hasattr(loader, "__len__") else None
-        return tqdm(loader, total=total, desc="refresh: embedding", leave=False)
+        from tqdm.auto import tqdm  # its total: the loader's len(), where it has one
+        return tqdm(loader, desc="refresh: embedding", leave=False,
+                    disable=not self.progress or not _dist.is_main_process())
 
     def _swap(self, centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
               stats: RefreshStats, stream: Optional[torch.cuda.Stream]) -> RefreshStats:

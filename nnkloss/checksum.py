@@ -68,13 +68,11 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
         source = io.BytesIO(payload)
     elif allow_unchecked:
         source = io.BytesIO(data)
-    elif data.startswith(ZIP_MAGIC):
-        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no "
-                                 "checksum (written before checksums, or not an nnkloss file)",
-                                 archive=True)
     else:
-        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no checksum "
-                                 "and is not a torch.save archive", archive=False)
+        archive = data.startswith(ZIP_MAGIC)
+        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no checksum " + (
+            "(written before checksums, or not an nnkloss file)" if archive
+            else "and is not a torch.save archive"), archive)
     return load_weights_only(source, map_location, where)
 
 

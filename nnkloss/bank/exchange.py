@@ -211,10 +211,8 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     dist_, ids = drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
     nb_labels = labels[ids.clamp_min(0)]
     has_pos = ((nb_labels == labels[start:stop].unsqueeze(1)) & (ids >= 0)).any(1)
-    patched = 0
-    if ensure_positive and not bool(has_pos.all()):
-        patched = patch_positives(centres, labels, start, dist_, ids, has_pos, search_backend,
-                                   knn_options)
+    patched = (patch_positives(centres, labels, start, dist_, ids, has_pos, search_backend,
+                               knn_options) if ensure_positive and not bool(has_pos.all()) else 0)
 
     starts, stops = zip(*(_query_slice(n, r, w) for r in range(w)))
     counts = [b - a for a, b in zip(starts, stops)]

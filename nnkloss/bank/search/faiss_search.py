@@ -189,8 +189,7 @@ def build_approximate(base: Tensor, kind: str, k: int, nlist: Optional[int] = No
 def iter_search_index(index, queries: Tensor, k: int, chunk_rows: int = 1 << 14
                       ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Yield ``(row0, distances, indices)`` on the queries' device per chunk of query rows."""
-    q = queries.shape[0]
-    for q0 in range(0, q, chunk_rows):
+    for q0 in range(0, queries.shape[0], chunk_rows):
         dd, ii = index.search(_to_numpy_f32(queries[q0:q0 + chunk_rows]), k)
         dist, ids = torch.from_numpy(dd), torch.from_numpy(ii)
         dist.masked_fill_(ids < 0, math.inf)  # faiss: -1 with a huge distance

@@ -103,9 +103,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     t0 = time.perf_counter()
     dist, idx = knn(centres, centres, k, search_backend, exclude_self=True, **knn_options)
     has_pos = has_same_label(idx, labels)
-    num_patched = 0
-    if ensure_positive:
-        num_patched = patch_positives(centres, labels, 0, dist, idx, has_pos, search_backend,
-                                      knn_options)
+    num_patched = (patch_positives(centres, labels, 0, dist, idx, has_pos, search_backend,
+                                   knn_options) if ensure_positive else 0)
     synchronize(centres.device)
     return NeighbourLists(dist, idx, has_pos, num_patched, time.perf_counter() - t0, used)

@@ -146,8 +146,7 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
     dest = torch.arange(flat.shape[0], device=block.device).add_(r * width - offsets[r])
     packed = torch.full((rows, width), _INT64_MAX, dtype=torch.int64, device=block.device)
     packed.view(-1)[dest] = keys
-    top = packed.topk(k, dim=1, largest=False, sorted=True).values
-    return _unkey(top)
+    return _unkey(packed.topk(k, dim=1, largest=False, sorted=True).values)
 
 
 def same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -212,8 +211,7 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
             qa = _augment(queries[q0:q0 + tq], width, query_side=True)
             block = buf[:qa.shape[0]]
             distance_tile(qa, ba, block)
-            dist, idx = _knn_block(block, k, s if use_sample else 0, sample_k, ids)
-            yield q0, dist, idx
+            yield (q0, *_knn_block(block, k, s if use_sample else 0, sample_k, ids))
         return
     yield from _iter_knn_tiled(queries, base, k, budget, width)
 
@@ -281,9 +279,8 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
             else:
                 sel.add(tile, b0)
         rows_out = None if out is None else (out[0][q0:q0 + rows], out[1][q0:q0 + rows])
-        dist, idx = sel.finish(q0 if symmetric else 0, rows,
-                               self0=q0 if exclude_self else None, out=rows_out)
-        yield q0, dist, idx
+        yield (q0, *sel.finish(q0 if symmetric else 0, rows, self0=q0 if exclude_self else None,
+                               out=rows_out))
 
 
 def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: int
@@ -310,7 +307,5 @@ def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: i
                 top = torch.cat([best, top], dim=1)
                 top = top.topk(min(k, top.shape[1]), dim=1, largest=False, sorted=False).values
             best = top
-        best = best.sort(dim=1).values
-        dist, idx = _unkey(best)
-        yield q0, dist, idx
+        yield (q0, *_unkey(best.sort(dim=1).values))
 

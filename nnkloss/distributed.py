@@ -158,9 +158,8 @@ def comm_device(group, data_device: torch.device) -> torch.device:
     """Where tensors must live for collectives on ``group``: the current CUDA device for NCCL,
     the CPU for gloo; a mixed group follows ``data_device``."""
     backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and ("gloo" not in backend or data_device.type == "cuda"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    nccl = "nccl" in backend and ("gloo" not in backend or data_device.type == "cuda")
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_options) -> nn.Module:

@@ -322,11 +322,8 @@ class Refresher:
         return self.sigma if sigma is None else _check_sigma(sigma)
 
     def _device(self) -> torch.device:
-        if self.device is not None:
-            return self.device
-        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
-            return t.device
-        return self.bank.centres.device
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        return self.device or (self.bank.centres.device if first is None else first.device)
 
     def _make_snapshot(self) -> nn.Module:
         snap = copy.deepcopy(self.model)

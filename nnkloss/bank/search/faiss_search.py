@@ -138,12 +138,9 @@ def _add_in_chunks(index, base: Tensor, chunk_rows: int = 1 << 18) -> None:
 
 def build_flat(base: Tensor, k: int):
     """Exact ``IndexFlatL2`` holding ``base`` (GPU index when usable for k results)."""
-    faiss = require_faiss()
     d = base.shape[1]
-    if use_faiss_gpu(base.device, k):
-        index = _gpu_flat(_cuda_index(base.device), d)
-    else:
-        index = faiss.IndexFlatL2(d)
+    index = (_gpu_flat(_cuda_index(base.device), d) if use_faiss_gpu(base.device, k)
+             else require_faiss().IndexFlatL2(d))
     _add_in_chunks(index, base)
     return index
 

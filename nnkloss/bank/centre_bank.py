@@ -251,8 +251,7 @@ class CentreBank(nn.Module):
             grow = n - self.log_weights.shape[0]
             if grow < 0:
                 raise ValueError("the bank shrank: pass weights for the new set of centres")
-            new_lw = torch.cat([self.log_weights.detach(),
-                                torch.zeros(grow, device=dev, dtype=torch.float32)])
+            new_lw = torch.cat([self.log_weights.detach(), self.log_weights.new_zeros(grow)])
         self.centres = new_c
         self.centre_labels = _compact_labels(new_l)
         self.neighbours = new_nb

@@ -383,8 +383,7 @@ class Refresher:
             lists.search_backend, asynchronous, recalibrate_s)
 
     def _embed(self, model: nn.Module, device: torch.device, n: int, d: int):
-        bank = self.bank
-        dev, dtype = bank.centres.device, bank.centres.dtype
+        dev, dtype = self.bank.centres.device, self.bank.centres.dtype
         centres = torch.empty(n, d, dtype=dtype, device=dev)
         centre_labels = torch.empty(n, dtype=torch.long, device=dev)
         written = torch.zeros(n, dtype=torch.bool, device=dev)

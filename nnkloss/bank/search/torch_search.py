@@ -200,11 +200,9 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
     per_row = n * 5 + width * 4 + 64 * max(k, 1)
     tq = min(q, 4096, max(1, (budget - n * width * 4) // per_row))
     if tq >= min(q, _MIN_BLOCK_ROWS):
-        ids = None
-        if use_sample:
-            # a fixed random order of base rows: the first columns are the sample
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randperm(n, generator=g).to(dev)
+        # a fixed random order of base rows: the first columns are the sample
+        ids = (torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(dev)
+               if use_sample else None)
         ba = _augment(base if ids is None else base[ids], width, query_side=False)
         buf = torch.empty(tq, n, dtype=torch.float32, device=dev)
         for q0 in range(0, q, tq):

@@ -40,8 +40,7 @@ def save_checked(obj: Any, path) -> str:
     digest = hashlib.sha256(payload).hexdigest().encode("ascii")
 
     def write(f):
-        f.write(MAGIC)
-        f.write(digest + b"\n")
+        f.write(MAGIC + digest + b"\n")
         f.write(payload)
     return atomic_write(path, write)
 

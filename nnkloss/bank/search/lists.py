@@ -41,9 +41,8 @@ def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
         out = cpu.has_same_label(neighbours, centre_labels)
         if out is not None:
             return out
-    present = neighbours >= 0
     nb_labels = centre_labels[neighbours.clamp_min(0)]
-    return ((nb_labels == centre_labels.unsqueeze(1)) & present).any(dim=1)
+    return ((nb_labels == centre_labels.unsqueeze(1)) & (neighbours >= 0)).any(dim=1)
 
 
 def search_name(search_backend: str, knn_options: dict, device: torch.device) -> str:

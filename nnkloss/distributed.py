@@ -242,8 +242,7 @@ def broadcast_buffers(module: nn.Module, src: int = 0, group=None) -> None:
     if not is_distributed(group):
         return
     for buf in module.buffers():
-        comm = comm_device(group, buf.device)
-        t = buf.to(comm)
+        t = buf.to(comm_device(group, buf.device))
         dist.broadcast(t, src=src, group=group)
         if t is not buf:
             buf.copy_(t)

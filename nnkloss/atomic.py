@@ -1,10 +1,8 @@
-"""The package's one atomic file writer: readers see the old file or the new one, never half.
-
-A temporary beside the target is fsync'ed and renamed over it. A failure leaves the previous
-file; a killed process's temporary is removed by :func:`remove_stale_temps`.
-"""
+"""The package's one atomic file writer: a temporary beside the target, fsync'ed and renamed
+over it, so readers see the old file or the new one, never half."""
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -16,29 +14,12 @@ from .validation import require_parent_dir
 __all__ = ["atomic_write", "remove_stale_temps"]
 
 
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename durable; best effort.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: str = "path"
-                 ) -> str:
+def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]]) -> str:
     """Write ``data`` (bytes, or a function writing into a binary file) to ``path``
-    atomically; returns the path. ``name`` names ``path`` in errors. The target's mode is kept
-    (new: 0644 less the umask)."""
-    path = require_parent_dir(name, path)
+    atomically; returns the path. The target's mode is kept (new: 0644 less the umask)."""
+    path = require_parent_dir("path", path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp",
-                               dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=directory)
     try:
         try:
             mode = os.stat(path).st_mode & 0o777
@@ -54,24 +35,24 @@ def atomic_write(path, data: Union[bytes, Callable[[IO[bytes]], None]], name: st
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
-    _fsync_dir(directory)
+    with contextlib.suppress(OSError):  # makes the rename durable; best effort
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return path
 
 
 def _umask() -> int:
     """The umask from /proc/self/status (os.umask reads it only by setting it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -99,12 +80,10 @@ def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
                 and all(c.isalnum() or c == "_" for c in middle)):
             continue
         tmp = os.path.join(directory, name)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             st = os.lstat(tmp)  # never follows a link
             if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
                     and now - st.st_mtime >= older_than_s):
                 os.unlink(tmp)
                 removed.append(tmp)
-        except FileNotFoundError:
-            pass
     return removed

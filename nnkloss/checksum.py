@@ -1,9 +1,5 @@
-"""Checkpoint files with a checksum, verified before the weights-only load: damage is an
-error naming the file, never a silently different bank or model.
-
-Layout: ``nnkloss-sha256\\n``, the payload's sha256 in hex and a newline, then the
-``torch.save`` payload. The checksum detects damage, not forgery. :func:`load_weights_only`
-also refuses compressed or oversized zip records, and tensors larger than their storage.
+"""Checkpoint files with a sha256 verified before the weights-only load (it detects damage, not
+forgery). Layout: ``nnkloss-sha256\\n``, the hex digest and a newline, the ``torch.save`` payload.
 """
 from __future__ import annotations
 
@@ -32,10 +28,10 @@ class UncheckedFileError(ValueError):
         self.archive = archive
 
 
-def save_checked(obj: Any, path, name: str = "path") -> str:
+def save_checked(obj: Any, path) -> str:
     """``torch.save(obj)`` behind its sha256, written atomically to ``path``; returns the path.
-    What :func:`load_checked` would refuse is refused first; ``name`` names ``path``."""
-    _check_tensors(obj, f"{name} {os.fspath(path)!r}",
+    What :func:`load_checked` would refuse is refused first."""
+    _check_tensors(obj, f"path {os.fspath(path)!r}",
                    failure="cannot be saved (load_checked would refuse it; save a contiguous "
                            "copy)")
     buf = io.BytesIO()
@@ -44,20 +40,19 @@ def save_checked(obj: Any, path, name: str = "path") -> str:
     digest = hashlib.sha256(payload).hexdigest().encode("ascii")
 
     def write(f):
-        f.write(MAGIC)
-        f.write(digest + b"\n")
+        f.write(MAGIC + digest + b"\n")
         f.write(payload)
-    return atomic_write(path, write, name=name)
+    return atomic_write(path, write)
 
 
 def load_checked(path, map_location=None, what: str = "checkpoint",
-                 allow_unchecked: bool = False, name: str = "path") -> Any:
+                 allow_unchecked: bool = False) -> Any:
     """Verify the checksum at ``path``, then load the payload weights-only. Failures are
-    ValueErrors naming ``name``, the file and ``what`` (FileNotFoundError where it is missing).
+    ValueErrors naming the file and ``what`` (FileNotFoundError where it is missing).
     ``allow_unchecked``: read a file without a header as plain ``torch.save`` (otherwise
     UncheckedFileError)."""
     path = os.fspath(path)
-    where = f"{name} {path!r} ({what})"
+    where = f"path {path!r} ({what})"
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{where} does not exist")
     with open(path, "rb") as f:
@@ -72,13 +67,11 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
         source = io.BytesIO(payload)
     elif allow_unchecked:
         source = io.BytesIO(data)
-    elif data.startswith(ZIP_MAGIC):
-        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no "
-                                 "checksum (written before checksums, or not an nnkloss file)",
-                                 archive=True)
     else:
-        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no checksum "
-                                 "and is not a torch.save archive", archive=False)
+        archive = data.startswith(ZIP_MAGIC)
+        raise UncheckedFileError(f"{where} is not a readable nnkloss file: it has no checksum " + (
+            "(written before checksums, or not an nnkloss file)" if archive
+            else "and is not a torch.save archive"), archive)
     return load_weights_only(source, map_location, where)
 
 
@@ -154,16 +147,14 @@ def _check_tensors(obj: Any, where: str, failure: str = "cannot be read safely")
     for at, o in iter_contents(obj):
         if not isinstance(o, torch.Tensor):
             continue
+        head = f"{where} {failure}: {at or 'its object'}"
         if o.layout != torch.strided:
-            raise ValueError(f"{where} {failure}: {at or 'its object'} is a "
-                             f"{o.layout} tensor; only strided tensors are read")
+            raise ValueError(f"{head} is a {o.layout} tensor; only strided tensors are read")
         if o.is_meta:
-            raise ValueError(f"{where} {failure}: {at or 'its object'} is a tensor on "
-                             "the meta device, which holds no values")
+            raise ValueError(f"{head} is a tensor on the meta device, which holds no values")
         need = o.numel() * o.element_size()
         have = o.untyped_storage().nbytes() - o.storage_offset() * o.element_size()
         if need > have:
-            raise ValueError(f"{where} {failure}: {at or 'its object'} of "
-                             f"shape {tuple(o.shape)} and strides {o.stride()} covers "
-                             f"{need} bytes, its storage holds {have}: a view whose "
-                             "first copy would grow beyond the file")
+            raise ValueError(f"{head} of shape {tuple(o.shape)} and strides {o.stride()} covers "
+                             f"{need} bytes, its storage holds {have}: a view whose first copy "
+                             "would grow beyond the file")

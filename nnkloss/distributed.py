@@ -1,9 +1,7 @@
-"""The ``torch.distributed`` runtime: process group, sharded loaders, DDP helpers, reductions.
-
-One process per GPU, launched by torchrun; without a process group, or in a world of one,
-everything here is a no-op. The loss module is not wrapped in DDP (which would broadcast the
-bank every forward): :func:`sync_loss_parameters` averages its gradients instead.
-"""
+"""The ``torch.distributed`` runtime (one process per GPU, launched by torchrun): process group,
+sharded loaders, DDP helpers, reductions; no-ops without a process group or in a world of one.
+The loss module is not wrapped in DDP (which would broadcast the bank every forward):
+:func:`sync_loss_parameters` averages its gradients instead."""
 from __future__ import annotations
 
 import datetime
@@ -30,15 +28,13 @@ def init_from_env(dist_backend: Optional[str] = None, timeout_s: float = 1800.0)
     """Initialise the default process group from torchrun's environment, if launched by it.
     ``dist_backend``: default "nccl" with CUDA (device ``cuda:LOCAL_RANK``), else "gloo";
     ``timeout_s``: a collective's wait. Returns :func:`is_distributed`."""
-    if not dist.is_available():
-        return False
-    if dist.is_initialized():
+    if not dist.is_available() or dist.is_initialized():
         return is_distributed()
     present = [v for v in _TORCHRUN_VARS if v in os.environ]
     if not present:
         return False
     if len(present) != len(_TORCHRUN_VARS):
-        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        missing = [v for v in _TORCHRUN_VARS if v not in present]
         raise RuntimeError(f"a partial torch.distributed environment: {present} are set but "
                            f"{missing} are not; launch with torchrun or set all of "
                            f"{list(_TORCHRUN_VARS)}")
@@ -82,9 +78,8 @@ def is_main_process() -> bool:
 
 def local_device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+    return (torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+            if torch.cuda.is_available() else torch.device("cpu"))
 
 
 def barrier(group=None) -> None:
@@ -134,11 +129,9 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     batch = per_rank_batch_size(loader.batch_size) if split_batch else loader.batch_size
-    options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                   pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-                   timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                   multiprocessing_context=loader.multiprocessing_context,
-                   persistent_workers=loader.persistent_workers)
+    options = {name: getattr(loader, name) for name in (
+        "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+        "multiprocessing_context", "persistent_workers")}
     if loader.num_workers > 0:
         options["prefetch_factor"] = loader.prefetch_factor
     sampler = distributed_sampler(loader.dataset, shuffle=shuffle, seed=seed)
@@ -165,9 +158,8 @@ def comm_device(group, data_device: torch.device) -> torch.device:
     """Where tensors must live for collectives on ``group``: the current CUDA device for NCCL,
     the CPU for gloo; a mixed group follows ``data_device``."""
     backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and ("gloo" not in backend or data_device.type == "cuda"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    nccl = "nccl" in backend and ("gloo" not in backend or data_device.type == "cuda")
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_options) -> nn.Module:
@@ -217,16 +209,12 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
     flat = torch.cat(parts + [present])
     dist.all_reduce(flat, group=group)
     flat[:-len(params)] /= world_size(group)
-    flags = flat[-len(params):]
-    offset = 0
-    for i, p in enumerate(params):
-        g = flat[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
-        if p.grad is None:
-            if bool(flags[i] > 0):
-                p.grad = g.to(p.device, p.dtype).clone()
-        else:
-            p.grad.copy_(g)
+    grads = flat[:-len(params)].split([p.numel() for p in params])
+    for p, g, flag in zip(params, grads, flat[-len(params):].tolist()):
+        if p.grad is not None:
+            p.grad.copy_(g.view(p.shape))
+        elif flag > 0:
+            p.grad = g.view(p.shape).to(p.device, p.dtype).clone()
 
 
 @torch.no_grad()
@@ -245,9 +233,7 @@ def sum_over_ranks(value):
 
 def mean_over_ranks(value):
     """The mean of ``value`` (a number or a tensor) over all ranks (itself in one process)."""
-    if not is_distributed():
-        return value
-    return sum_over_ranks(value) / world_size()
+    return sum_over_ranks(value) / world_size() if is_distributed() else value
 
 
 @torch.no_grad()
@@ -256,8 +242,7 @@ def broadcast_buffers(module: nn.Module, src: int = 0, group=None) -> None:
     if not is_distributed(group):
         return
     for buf in module.buffers():
-        comm = comm_device(group, buf.device)
-        t = buf.to(comm)
+        t = buf.to(comm_device(group, buf.device))
         dist.broadcast(t, src=src, group=group)
         if t is not buf:
             buf.copy_(t)

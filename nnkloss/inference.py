@@ -1,9 +1,5 @@
-"""The network at inference (a refresh's or an evaluation's embedding pass), made cheaper
-without changing what it computes: :func:`inference_model` folds, in a copy, each eval-mode
-BatchNorm that directly follows a convolution or linear layer in an ``nn.Sequential`` (both
-exactly torch's classes, no hooks, running statistics tracked; a Linear's for 2-D inputs
-only). Wrapped, compiled or uncopyable models run as they are.
-"""
+"""The network at inference, made cheaper without changing what it computes: BatchNorms folded
+into the convolution or linear layer they follow (:func:`inference_model`)."""
 from __future__ import annotations
 
 import copy
@@ -82,14 +78,9 @@ def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:
     for name, seq in model.named_modules():
         if type(seq).forward is not nn.Sequential.forward or _hooked(seq):
             continue
-        children = list(seq._modules.values())
-        i = 0
-        while i + 1 < len(children):
-            if _folds(children[i], children[i + 1]):
-                pairs.append((name, i))
-                i += 2
-            else:
-                i += 1
+        children = list(seq._modules.values())  # a BatchNorm never starts a pair
+        pairs += [(name, i) for i in range(len(children) - 1)
+                  if _folds(children[i], children[i + 1])]
     return pairs
 
 

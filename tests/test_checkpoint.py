@@ -307,7 +307,7 @@ from nnkloss.checksum import load_checked, save_checked  # noqa: E402
 
 def test_save_bank_refuses_unloadable_values_inside_lists(tmp_path):
     """extra is checked all the way down lists and tuples, and the error says where (kills
-    checkpoint._check_extra 5, 6, 7)."""
+    mutants of save_bank's extra check)."""
     with pytest.raises(TypeError, match=r"^extra\['runs'\]\[1\]\[0\] is a function"):
         nnkloss.save_bank(small_bank(), tmp_path / "b.pt",
                           extra={"runs": [1, (lambda: 0, 2)], "ok": (1.5, "x", None)})
@@ -316,8 +316,8 @@ def test_save_bank_refuses_unloadable_values_inside_lists(tmp_path):
 
 
 def test_extra_errors_say_what_a_checkpoint_holds(tmp_path):
-    """kills checkpoint._check_extra 11, 12 (key error text) and 19-21 (the list of what a
-    checkpoint may hold)."""
+    """Kills mutants of save_bank's extra check: the key error text and the list of what a
+    checkpoint may hold."""
     with pytest.raises(TypeError, match=r"^extra\['d'\] has a key of type tuple; use str or int$"):
         nnkloss.save_bank(small_bank(), tmp_path / "b.pt", extra={"d": {(1, 2): 0}})
     with pytest.raises(TypeError, match=r"is a set; checkpoints hold only tensors, numbers, "

@@ -42,25 +42,22 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     return weights
 
 
-def _require_own_memory(centres: Tensor, name: str = "centres") -> None:
-    """Refuse, when given, centres whose elements share memory (an ``expand()``-ed view): by
-    stride, each dimension must step past what the ones before it span."""
+def _check_layout(centres: Tensor) -> None:
+    """Refuse centres whose elements share memory (an ``expand()``-ed view: by stride, each
+    dimension must step past what the ones before it span); warn that strided centres cost
+    every loss call a copy of the bank."""
     span = 0
     for stride, size in sorted((abs(st), s) for s, st in zip(centres.shape, centres.stride())
                                if s > 1):
         if stride <= span:
-            raise ValueError(f"{name} overlap in memory (strides {tuple(centres.stride())} "
+            raise ValueError(f"centres overlap in memory (strides {tuple(centres.stride())} "
                              f"for shape {tuple(centres.shape)}, e.g. an expand()-ed view): "
-                             f"the bank writes its centres in place; pass {name}.clone()")
+                             f"the bank writes its centres in place; pass centres.clone()")
         span += (size - 1) * stride
-
-
-def _warn_if_strided(centres: Tensor, name: str = "centres") -> None:
-    """Warn that strided centres cost every loss call a copy of the bank."""
     if centres.numel() and not centres.is_contiguous():
-        warnings.warn(f"{name} are not contiguous (strides {tuple(centres.stride())} for shape "
+        warnings.warn(f"centres are not contiguous (strides {tuple(centres.stride())} for shape "
                       f"{tuple(centres.shape)}): every loss call will copy the whole bank to "
-                      f"read its rows; pass {name}.contiguous() (the bank keeps, and writes "
+                      f"read its rows; pass centres.contiguous() (the bank keeps, and writes "
                       "into, the tensor it is given)", stacklevel=3)
 
 
@@ -136,8 +133,7 @@ class CentreBank(nn.Module):
         log_weights: (N,) fp32, ``weights = exp(log_weights)``; requires grad only with
             ``learn_weights=True``.
 
-    :meth:`update_` validates everything, then swaps the tensors in together. State dict
-    version 1 (or none) named ``centre_labels`` ``labels``.
+    State dict version 1 (or none) named ``centre_labels`` ``labels``.
     """
 
     _version = 2
@@ -152,20 +148,14 @@ class CentreBank(nn.Module):
                              f"{centres.device}")
         if not all_finite(centres):
             raise ValueError("centres contain NaN or inf")
-        _require_own_memory(centres)
-        _warn_if_strided(centres)
+        _check_layout(centres)
         self.register_buffer("centres", centres.detach())
         self.register_buffer("centre_labels", _compact_labels(centre_labels.detach()))
-        if neighbours is None:
-            neighbours = torch.empty(n, 0, dtype=_index_dtype(n), device=centres.device)
-        else:
-            _validate_neighbours(neighbours, n)
+        neighbours = (torch.empty(n, 0, device=centres.device) if neighbours is None
+                      else _validate_neighbours(neighbours, n))
         self.register_buffer("neighbours", neighbours.detach().to(_index_dtype(n)))
-        if weights is None:
-            log_w = torch.zeros(n, dtype=torch.float32, device=centres.device)
-        else:
-            _validate_weights(weights, n, positive=learn_weights)
-            log_w = torch.log(weights.detach().float())
+        log_w = (torch.zeros(n, dtype=torch.float32, device=centres.device) if weights is None
+                 else torch.log(_validate_weights(weights, n, learn_weights).detach().float()))
         self.log_weights = nn.Parameter(log_w, requires_grad=learn_weights)
         self._uniform_weights = weights is None
 
@@ -238,8 +228,7 @@ class CentreBank(nn.Module):
             if new_c.shape[1] != self.dim and self.num_centres:
                 raise ValueError(f"centres have dimension {new_c.shape[1]}, bank has {self.dim}")
             _require_finite_cast(centres, new_c)
-            _require_own_memory(new_c)
-            _warn_if_strided(new_c)
+            _check_layout(new_c)
         n = new_c.shape[0]
         if centre_labels is not None:
             require_int("centre_labels", centre_labels, 1)
@@ -262,8 +251,7 @@ class CentreBank(nn.Module):
             grow = n - self.log_weights.shape[0]
             if grow < 0:
                 raise ValueError("the bank shrank: pass weights for the new set of centres")
-            new_lw = torch.cat([self.log_weights.detach(),
-                                torch.zeros(grow, device=dev, dtype=torch.float32)])
+            new_lw = torch.cat([self.log_weights.detach(), self.log_weights.new_zeros(grow)])
         self.centres = new_c
         self.centre_labels = _compact_labels(new_l)
         self.neighbours = new_nb
@@ -390,12 +378,9 @@ class CentreBank(nn.Module):
                 raise ValueError(f"weights has length {weights.shape[0]} but there are {m} new "
                                  "centres")
             w = weights.detach().to(dev, torch.float32)
-            _validate_weights(w, m, positive=self.learn_weights)
-            new_lw = torch.log(w)
-        new_nb = None
-        if self.has_neighbours:
-            pad = torch.full((m, self.k), -1, dtype=torch.long, device=dev)
-            new_nb = torch.cat([self.neighbours, pad])
+            new_lw = torch.log(_validate_weights(w, m, self.learn_weights))
+        new_nb = (torch.cat([self.neighbours, self.neighbours.new_full((m, self.k), -1)])
+                  if self.has_neighbours else None)
         new_c = centres.detach().to(dev, self.centres.dtype)
         _require_finite_cast(centres, new_c)  # before the concatenation hides which rows
         if self.num_centres:  # an empty bank takes the new centres' dimension
@@ -412,10 +397,9 @@ class CentreBank(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # The whole bank is validated before anything changes (missing fields as held).
-        version = local_metadata.get("version")
         old_key, new_key = prefix + "labels", prefix + "centre_labels"
-        if (version is None or version < 2) and old_key in state_dict \
-                and new_key not in state_dict:
+        if ((local_metadata.get("version") or 1) < 2 and old_key in state_dict
+                and new_key not in state_dict):
             state_dict[new_key] = state_dict.pop(old_key)
         names = ("centres", "centre_labels", "neighbours", "log_weights")
         given = {name: state_dict.get(prefix + name, getattr(self, name)) for name in names}
@@ -424,10 +408,9 @@ class CentreBank(nn.Module):
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                                  missing_keys, unexpected_keys, error_msgs)
         # Checked as they will be stored: the cast to the bank's dtypes can overflow.
-        for name, dtype in (("centres", self.centres.dtype),
-                            ("log_weights", self.log_weights.dtype)):
+        for name in ("centres", "log_weights"):
             if given[name].is_floating_point():
-                given[name] = given[name].detach().to(dtype)
+                given[name] = given[name].detach().to(getattr(self, name).dtype)
         validate_bank_tensors(given["centres"], given["centre_labels"], given["neighbours"],
                               given["log_weights"], learned=self.learn_weights, prefix=prefix)
         # Take the saved shapes; labels the width update_ gives them.
@@ -438,12 +421,10 @@ class CentreBank(nn.Module):
                 cur = getattr(self, name)
                 dtype = _compact_labels(src).dtype if name == "centre_labels" else cur.dtype
                 if src.shape != cur.shape or dtype != cur.dtype:
-                    setattr(self, name, torch.empty(src.shape, dtype=dtype, device=cur.device))
+                    setattr(self, name, cur.new_empty(src.shape, dtype=dtype))
         key = prefix + "log_weights"
         if key in state_dict and state_dict[key].shape != self.log_weights.shape:
-            self.log_weights.data = torch.empty(state_dict[key].shape,
-                                                dtype=self.log_weights.dtype,
-                                                device=self.log_weights.device)
+            self.log_weights.data = self.log_weights.new_empty(state_dict[key].shape)
             self.log_weights.grad = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

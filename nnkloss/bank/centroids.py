@@ -43,14 +43,6 @@ def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
     return (d * d).sum(1)
 
 
-def _require_squarable(name: str, x: Tensor) -> None:
-    """ValueError naming ``name`` where squared distances of rows of ``x`` could overflow."""
-    if x.numel() and not bool(torch.isfinite(4 * (x * x).sum(1).amax())):
-        raise ValueError(f"{name} holds rows too large to square in {x.dtype} (largest "
-                         f"|value| {float(x.abs().max()):.3g}): k-means compares squared "
-                         f"distances; scale them down")
-
-
 def _require_seed(seed) -> None:
     """ValueError naming ``seed`` unless it is an int torch's generator takes."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
@@ -86,7 +78,10 @@ def _kmeans(x: Tensor, n_clusters: int, iters: int, seed: int, tol: float, searc
     if n_clusters > n_distinct:
         raise ValueError(f"n_clusters={n_clusters} but {name} has only {n_distinct} distinct "
                          "rows")
-    _require_squarable(name, x)
+    if x.numel() and not bool(torch.isfinite(4 * (x * x).sum(1).amax())):  # squared distances
+        raise ValueError(f"{name} holds rows too large to square in {x.dtype} (largest "
+                         f"|value| {float(x.abs().max()):.3g}): k-means compares squared "
+                         f"distances; scale them down")
     gen = torch.Generator().manual_seed(int(seed))
 
     # Greedy k-means++: of a few D^2-sampled candidates keep the one lowering the potential most.
@@ -166,19 +161,14 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         if distinct.shape[0] <= per_class:
             cents = distinct
         else:
-            cents, _ = _kmeans(pts, per_class, iters, _class_seed(seed, int(classes[ci])),
-                               1e-7, search_backend,
+            # The class's seed: 64 bits of a SeedSequence over (seed, label).
+            words = np.random.SeedSequence([int(seed) & (2 ** 64 - 1), int(classes[ci])])
+            lo, hi = words.generate_state(2, np.uint32).tolist()
+            cents, _ = _kmeans(pts, per_class, iters, lo | (hi << 32), 1e-7, search_backend,
                                f"emb (the rows of class {int(classes[ci])})")
         centres.append(cents)
         centre_labels.append(classes[ci].expand(cents.shape[0]))
     return _finite_centres(torch.cat(centres).to(out_dtype), emb), torch.cat(centre_labels)
-
-
-def _class_seed(seed: int, label: int) -> int:
-    """The k-means seed of class ``label``: 64 bits of a SeedSequence over (seed, label)."""
-    words = np.random.SeedSequence([int(seed) & (2 ** 64 - 1), int(label)]).generate_state(
-        2, np.uint32)
-    return int(words[0]) | (int(words[1]) << 32)
 
 
 def _finite_centres(centres: Tensor, emb: Tensor) -> Tensor:

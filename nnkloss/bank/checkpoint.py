@@ -1,13 +1,10 @@
-"""Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads.
-
-A checkpoint holds the bank's ``state_dict()``, whether its weights are learned, a step and an
-optional ``extra`` dict. Version 1 (or none) named ``centre_labels`` ``labels``.
-"""
+"""Saving and loading a CentreBank: atomic writes, checksummed, safe (weights-only) loads. A
+file holds the bank's ``state_dict()``, ``learn_weights``, a step and an optional ``extra``."""
 from __future__ import annotations
 
 import numbers
 import os
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -25,20 +22,6 @@ STALE_TEMP_SECONDS = 3600.0
 _STATE_KEYS = ("centres", "centre_labels", "neighbours", "log_weights")
 
 
-def _check_extra(value: Any, where: str = "extra") -> None:
-    """Refuse, at save time, the first entry a weights-only load could not read back."""
-    for at, v in iter_contents(value, where):
-        if v is None or isinstance(v, (bool, numbers.Integral, float, str, torch.Tensor, list,
-                                       tuple)):
-            continue
-        if not isinstance(v, dict):
-            raise TypeError(f"{at} is a {type(v).__name__}; checkpoints hold only tensors, "
-                            "numbers, strings, None and lists/tuples/dicts of them")
-        for key in v:
-            if not isinstance(key, (str, numbers.Integral)):
-                raise TypeError(f"{at} has a key of type {type(key).__name__}; use str or int")
-
-
 def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = None) -> None:
     """Write ``bank`` (on the CPU), ``step`` (int >= 0) and ``extra`` (tensors, numbers,
     strings, None and containers of them) to ``path`` atomically; its directory must exist.
@@ -49,7 +32,16 @@ def save_bank(bank: CentreBank, path, step: int = 0, extra: Optional[dict] = Non
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-    _check_extra(extra)
+    for at, v in iter_contents(extra, "extra"):  # what a weights-only load could not read back
+        if v is None or isinstance(v, (bool, numbers.Integral, float, str, torch.Tensor, list,
+                                       tuple)):
+            continue
+        if not isinstance(v, dict):
+            raise TypeError(f"{at} is a {type(v).__name__}; checkpoints hold only tensors, "
+                            "numbers, strings, None and lists/tuples/dicts of them")
+        for key in v:
+            if not isinstance(key, (str, numbers.Integral)):
+                raise TypeError(f"{at} has a key of type {type(key).__name__}; use str or int")
     remove_stale_temps(path, older_than_s=STALE_TEMP_SECONDS)
     payload = {"format": _FORMAT, "version": _VERSION}
     payload.update((name, t.detach().cpu()) for name, t in bank.state_dict().items())

@@ -1,8 +1,6 @@
 """The bank under ``torch.distributed``: the row exchange and the sharded neighbour-list search.
-
-Every rank ends with the same bank, byte for byte. The exchange is collective: errors found
-during it are raised on every rank (a rank that raises before it leaves the others waiting).
-"""
+Every rank ends with the same bank, byte for byte; errors found during a collective are raised
+on every rank (one rank raising alone would leave the others waiting)."""
 from __future__ import annotations
 
 import itertools
@@ -112,7 +110,6 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     """
     require_float("centres", centres, 2, FLOAT_DTYPES)
     require_int("centre_labels", centre_labels, 1)
-    labels = centre_labels
     n, d = centres.shape
     if centre_labels.shape[0] != n:
         raise ValueError(f"centre_labels has length {centre_labels.shape[0]} but centres has "
@@ -145,7 +142,7 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
     counts = [h[3] for h in headers]
 
     # 2. Every rank's (idx, label) pairs, then the owner of each row: the lowest rank with it.
-    pairs = torch.stack([local_idx, labels[local_idx].long()], 1)
+    pairs = torch.stack([local_idx, centre_labels[local_idx].long()], 1)
     all_pairs = torch.empty(sum(counts), 2, dtype=torch.long, device=dev)
     _all_gather_rows(pairs, counts, _placer(all_pairs, [0, *itertools.accumulate(counts)]),
                      group, comm, chunk_bytes)
@@ -179,8 +176,8 @@ def gather_bank_rows(centres: Tensor, centre_labels: Tensor, written: Tensor, gr
         centres[owned[r][first:first + rows.shape[0]]] = rows.to(dev)
 
     _all_gather_rows(mine, [o.numel() for o in owned], place_rows, group, comm, chunk_bytes)
-    labels.copy_(new_labels)
-    return centres, labels
+    centre_labels.copy_(new_labels)
+    return centres, centre_labels
 
 
 def _query_slice(n: int, r: int, w: int) -> Tuple[int, int]:
@@ -214,22 +211,18 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     dist_, ids = drop_self(dist_, ids, torch.arange(start, stop, device=ids.device), k)
     nb_labels = labels[ids.clamp_min(0)]
     has_pos = ((nb_labels == labels[start:stop].unsqueeze(1)) & (ids >= 0)).any(1)
-    patched = 0
-    if ensure_positive and not bool(has_pos.all()):
-        patched = patch_positives(centres, labels, start, dist_, ids, has_pos, search_backend,
-                                   knn_options)
+    patched = (patch_positives(centres, labels, start, dist_, ids, has_pos, search_backend,
+                               knn_options) if ensure_positive and not bool(has_pos.all()) else 0)
 
-    slices = [_query_slice(n, r, w) for r in range(w)]
-    counts = [b - a for a, b in slices]
-    out_i = torch.empty(n, k, dtype=torch.long, device=dev)
-    out_d = torch.empty(n, k, dtype=torch.float32, device=dev)
-    out_p = torch.empty(n, dtype=torch.bool, device=dev)
-    starts = [a for a, _ in slices]
-    _all_gather_rows(ids, counts, _placer(out_i, starts), group, comm, chunk_bytes)
-    _all_gather_rows(dist_.float(), counts, _placer(out_d, starts), group, comm, chunk_bytes)
-    _all_gather_rows(has_pos.to(torch.uint8), counts, _placer(out_p, starts), group, comm,
-                     chunk_bytes)
+    starts, stops = zip(*(_query_slice(n, r, w) for r in range(w)))
+    counts = [b - a for a, b in zip(starts, stops)]
+    outs = []
+    for part, dtype in ((ids, torch.long), (dist_.float(), torch.float32),
+                        (has_pos.to(torch.uint8), torch.bool)):
+        outs.append(torch.empty((n,) + part.shape[1:], dtype=dtype, device=dev))
+        _all_gather_rows(part, counts, _placer(outs[-1], starts), group, comm, chunk_bytes)
     total = torch.tensor([patched], dtype=torch.long, device=comm)
     dist.all_reduce(total, group=group)
     synchronize(dev)
+    out_i, out_d, out_p = outs
     return NeighbourLists(out_d, out_i, out_p, int(total), time.perf_counter() - t0, used)

@@ -1,8 +1,6 @@
-"""Periodic centre refresh: re-embed the training set, rebuild the lists, swap the bank at once.
-
-Centres stay fixed between refreshes (Meyer et al. 2018, Sec. 2.3). :class:`Refresher` does one
-refresh, synchronously or in a background thread; :class:`RefreshSchedule` says when.
-"""
+"""Periodic centre refresh; centres stay fixed between refreshes (Meyer et al. 2018, Sec. 2.3).
+:class:`Refresher` does one, synchronously or in a background thread; :class:`RefreshSchedule`
+says when."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +10,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -55,8 +53,7 @@ class RefreshStats:
 
 
 def _list_overlap(new: Tensor, old: Tensor) -> float:
-    """Mean per-row share of the new list's entries (-1 padding excluded) the old list also
-    holds: the compiled CPU library, else a searchsorted into the sorted old lists."""
+    """Mean per-row share of the new list's entries (-1 padding excluded) the old list holds."""
     from .. import cpu
     old = old.to(new.device)
     both = cpu.list_overlap(new, old, new.shape[0])
@@ -93,18 +90,6 @@ def _distance_means(d: Tensor, sigma) -> Tuple[float, Optional[float]]:
     return sum_d / n, (None if sigma is None else sum_k / n)
 
 
-def _make_stats(lists: NeighbourLists, embed_s: float, old: Optional[Tensor], sigma,
-                asynchronous: bool, recalibrate_s: float = 0.0) -> RefreshStats:
-    d = lists.distances
-    mean_d, mean_kernel = _distance_means(d, sigma)
-    overlap = None
-    if old is not None and old.shape[0] == d.shape[0] and old.shape[1] > 0:
-        overlap = _list_overlap(lists.neighbours, old)
-    return RefreshStats(embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel,
-                        sigma, float(lists.has_positive.float().mean()), lists.num_patched,
-                        overlap, lists.search_backend, asynchronous, recalibrate_s)
-
-
 def _check_sigma(sigma) -> Optional[float]:
     return None if sigma is None else require_sigma(sigma)
 
@@ -123,32 +108,23 @@ def _sigma_source(sigma):
 
 
 class RefreshSchedule:
-    """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps.
-
-    ``should_refresh`` is stateless; ``step()`` and ``epoch_end()`` count and return whether a
-    refresh is due. No host sync.
-    """
+    """When to refresh: every ``every_epochs`` completed epochs and/or ``every_steps`` steps
+    (:meth:`step` and :meth:`epoch_end` count them). No host sync."""
 
     def __init__(self, every_epochs: Optional[int] = None, every_steps: Optional[int] = None):
-        for name, v in (("every_epochs", every_epochs), ("every_steps", every_steps)):
-            if v is not None:
-                require_positive_int(name, v)
+        self.every_epochs, self.every_steps = (
+            None if v is None else require_positive_int(name, v)
+            for name, v in (("every_epochs", every_epochs), ("every_steps", every_steps)))
         if every_epochs is None and every_steps is None:
             raise ValueError("give every_epochs and/or every_steps (a schedule that never fires "
                              "would leave the centres stale forever)")
-        self.every_epochs = None if every_epochs is None else int(every_epochs)
-        self.every_steps = None if every_steps is None else int(every_steps)
         self.epoch = 0  # epochs completed (counted by epoch_end)
         self.global_step = 0  # steps completed (counted by step)
 
     def should_refresh(self, epoch: Optional[int] = None, step: Optional[int] = None) -> bool:
         """True when ``epoch`` or ``step`` (those completed) hits its interval."""
-        due = False
-        if epoch is not None and self.every_epochs is not None:
-            due |= epoch > 0 and epoch % self.every_epochs == 0
-        if step is not None and self.every_steps is not None:
-            due |= step > 0 and step % self.every_steps == 0
-        return due
+        return any(count is not None and every is not None and count > 0 and count % every == 0
+                   for count, every in ((epoch, self.every_epochs), (step, self.every_steps)))
 
     def step(self) -> bool:
         """Count one completed optimiser step; True if a step-based refresh is due now."""
@@ -173,13 +149,6 @@ class RefreshSchedule:
                 f", epoch={self.epoch}, global_step={self.global_step})")
 
 
-def _same_placement(snap: nn.Module, model: nn.Module) -> bool:
-    """Whether every parameter and buffer of ``snap`` has the device and dtype of ``model``'s."""
-    a, b = snap.state_dict(), model.state_dict()
-    return a.keys() == b.keys() and all(
-        a[k].device == b[k].device and a[k].dtype == b[k].dtype for k in a)
-
-
 def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.device,
                            batches: Optional[int] = None) -> int:
     """Set the running statistics of ``model``'s training-mode BatchNorms to the average of
@@ -201,15 +170,6 @@ def recalibrate_batch_norms(model: nn.Module, loader: Iterable, device: torch.de
         for m, momentum in zip(bns, momenta):
             m.momentum = momentum
     return len(bns)
-
-
-class _Result(NamedTuple):
-    """A refresh computed but not yet swapped in."""
-    centres: Tensor
-    centre_labels: Tensor
-    lists: NeighbourLists
-    stats: RefreshStats
-    stream: Optional[torch.cuda.Stream]
 
 
 # knn's options that neighbour_lists does not set itself.
@@ -238,11 +198,9 @@ class Refresher:
         recalibrate_bn: first :func:`recalibrate_batch_norms` over the whole loader (True), its
             first that many batches (int), or not (False).
 
-    :meth:`refresh` embeds in eval mode under no_grad (modes restored, also on error) into a
-    new (N, D) tensor and swaps centres, labels and lists in at once: a failed refresh leaves
-    the bank untouched. :meth:`refresh_async` does the same in a background thread (a CUDA
-    side stream) on a snapshot of the weights, at the cost of a second model and bank until
-    :meth:`poll` or :meth:`wait` swaps it in.
+    :meth:`refresh` embeds in eval mode into a new (N, D) tensor and swaps centres, labels and
+    lists in at once: a failed refresh leaves the bank untouched. :meth:`refresh_async` does it
+    in a background thread on a snapshot of the weights, until :meth:`poll` or :meth:`wait`.
     """
 
     def __init__(self, bank: CentreBank, model: nn.Module, loader: Iterable, k: int,
@@ -272,9 +230,8 @@ class Refresher:
         self.async_mode = bool(async_mode)
         self._sigma_source = _sigma_source(sigma)
         self.knn_options = dict(knn_options or {})
-        if not isinstance(recalibrate_bn, bool):
-            recalibrate_bn = require_positive_int("recalibrate_bn", recalibrate_bn)
-        self.recalibrate_bn = recalibrate_bn
+        self.recalibrate_bn = (recalibrate_bn if isinstance(recalibrate_bn, bool)
+                               else require_positive_int("recalibrate_bn", recalibrate_bn))
         # Search options are checked now, not after the first embedding pass.
         unknown = set(self.knn_options) - _KNN_OPTIONS
         if unknown:
@@ -283,12 +240,10 @@ class Refresher:
         check_search_arguments(search_backend, self.knn_options.get("approximate"),
                                self.knn_options, "knn_options[{!r}]")
         self.last_stats: Optional[RefreshStats] = None
-        self._snapshot: Optional[nn.Module] = None
+        self._snapshot = self._make_snapshot() if self.async_mode else None
         self._thread: Optional[threading.Thread] = None
-        self._result: Optional[_Result] = None
+        self._result: Optional[tuple] = None  # a refresh computed but not yet swapped in
         self._error: Optional[BaseException] = None
-        if self.async_mode:
-            self._snapshot = self._make_snapshot()
 
     @property
     def in_flight(self) -> bool:
@@ -308,19 +263,15 @@ class Refresher:
         if self.in_flight:
             raise RuntimeError("a background refresh is in flight: call wait() (or poll()) first")
         sig = self._sigma(sigma)
-        result = self._compute(self.model, self._device(), sig, stream=None, asynchronous=False)
-        return self._swap(result)
+        return self._swap(*self._compute(self.model, self._device(), sig, None, False))
 
     def rebuild_neighbours(self, sigma=None) -> RefreshStats:
         """Rebuild the lists from the bank's current centres, without re-embedding
         (``embed_seconds`` 0); a refresh in flight is left alone. Under torch.distributed
         every rank calls it at the same point, with identical banks."""
-        sig = self._sigma(sigma)
-        bank = self.bank
-        old_lists = bank.neighbours if bank.has_neighbours else None
-        lists, stats = self._build_lists(bank.centres, bank.centre_labels, 0.0, old_lists, sig,
-                                         False)
-        bank.update_(neighbours=lists.neighbours)
+        lists, stats = self._build_lists(self.bank.centres, self.bank.centre_labels, 0.0,
+                                         self._sigma(sigma), False)
+        self.bank.update_(neighbours=lists.neighbours)
         return stats
 
     def refresh_async(self, sigma=None) -> None:
@@ -329,9 +280,10 @@ class Refresher:
             raise RuntimeError("a background refresh is already in flight: poll()/wait() first")
         exchange.check_async_refresh()
         sig = self._sigma(sigma)
-        if self._snapshot is None or not _same_placement(self._snapshot, self.model):
-            self._snapshot = self._make_snapshot()  # the model was moved or cast since
+        placed = {k: (t.device, t.dtype) for k, t in self.model.state_dict().items()}
         snap = self._snapshot
+        if snap is None or placed != {k: (t.device, t.dtype) for k, t in snap.state_dict().items()}:
+            snap = self._snapshot = self._make_snapshot()  # the model was moved or cast since
         device = self._device()
         # On the training stream: after the queued steps, before any later update.
         with torch.no_grad():
@@ -350,9 +302,7 @@ class Refresher:
     def poll(self) -> Optional[RefreshStats]:
         """Swap in a finished background refresh and return its stats; None if not finished
         (or none started). Re-raises the background error, leaving the bank untouched."""
-        if self._thread is None or self._thread.is_alive():
-            return None
-        return self._finish()
+        return self.wait(0)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[RefreshStats]:
         """Block until the background refresh finishes, swap it in and return its stats.
@@ -360,9 +310,7 @@ class Refresher:
         if self._thread is None:
             return None
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            return None
-        return self._finish()
+        return None if self._thread.is_alive() else self._finish()
 
     @property
     def sigma(self) -> Optional[float]:
@@ -374,11 +322,8 @@ class Refresher:
         return self.sigma if sigma is None else _check_sigma(sigma)
 
     def _device(self) -> torch.device:
-        if self.device is not None:
-            return self.device
-        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
-            return t.device
-        return self.bank.centres.device
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        return self.device or (self.bank.centres.device if first is None else first.device)
 
     def _make_snapshot(self) -> nn.Module:
         snap = copy.deepcopy(self.model)
@@ -400,15 +345,12 @@ class Refresher:
         self._error = self._result = None
         if error is not None:
             raise RuntimeError("background refresh failed; the bank was left unchanged") from error
-        return self._swap(result)
+        return self._swap(*result)
 
     def _compute(self, model: nn.Module, device: torch.device, sigma, stream,
-                 asynchronous: bool) -> _Result:
-        bank = self.bank
-        n, d = bank.num_centres, bank.dim
-        old_lists = bank.neighbours if bank.has_neighbours else None
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+                 asynchronous: bool) -> tuple:
+        n, d = self.bank.num_centres, self.bank.dim
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             t0, recalibrate_s = time.perf_counter(), 0.0
             if self.recalibrate_bn and recalibrate_batch_norms(
                     model, self.loader, device,
@@ -421,21 +363,27 @@ class Refresher:
             if centres.device.type == "cuda":  # this thread's stream only, not training's
                 torch.cuda.current_stream(centres.device).synchronize()
             embed_s = time.perf_counter() - t0
-            lists, stats = self._build_lists(centres, centre_labels, embed_s, old_lists, sigma,
-                                             asynchronous, recalibrate_s)
-        return _Result(centres, centre_labels, lists, stats, stream)
+            lists, stats = self._build_lists(centres, centre_labels, embed_s, sigma, asynchronous,
+                                             recalibrate_s)
+        return centres, centre_labels, lists.neighbours, stats, stream
 
-    def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float,
-                     old_lists: Optional[Tensor], sigma, asynchronous: bool, recalibrate_s=0.0):
+    def _build_lists(self, centres: Tensor, centre_labels: Tensor, embed_s: float, sigma,
+                     asynchronous: bool, recalibrate_s=0.0) -> Tuple[NeighbourLists, RefreshStats]:
         """The lists of ``centres`` with this refresher's options, and their stats."""
         search = exchange.neighbour_lists if _dist.is_distributed() else neighbour_lists
         lists = search(centres, centre_labels, self.k, search_backend=self.search_backend,
                        ensure_positive=self.ensure_positive, **self.knn_options)
-        return lists, _make_stats(lists, embed_s, old_lists, sigma, asynchronous, recalibrate_s)
+        d, old = lists.distances, self.bank.neighbours
+        mean_d, mean_kernel = _distance_means(d, sigma)
+        overlap = (_list_overlap(lists.neighbours, old)
+                   if old.shape[0] == d.shape[0] and old.shape[1] > 0 else None)
+        return lists, RefreshStats(
+            embed_s, lists.seconds, d.shape[0], d.shape[1], mean_d, mean_kernel, sigma,
+            float(lists.has_positive.float().mean()), lists.num_patched, overlap,
+            lists.search_backend, asynchronous, recalibrate_s)
 
     def _embed(self, model: nn.Module, device: torch.device, n: int, d: int):
-        bank = self.bank
-        dev, dtype = bank.centres.device, bank.centres.dtype
+        dev, dtype = self.bank.centres.device, self.bank.centres.dtype
         centres = torch.empty(n, d, dtype=dtype, device=dev)
         centre_labels = torch.empty(n, dtype=torch.long, device=dev)
         written = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -492,26 +440,24 @@ class Refresher:
         return centres, centre_labels
 
     def _progress(self, loader):
-        if not self.progress or not _dist.is_main_process():
-            return loader
-        from tqdm.auto import tqdm
-        total = len(loader) if hasattr(loader, "__len__") else None
-        return tqdm(loader, total=total, desc="refresh: embedding", leave=False)
+        from tqdm.auto import tqdm  # its total: the loader's len(), where it has one
+        return tqdm(loader, desc="refresh: embedding", leave=False,
+                    disable=not self.progress or not _dist.is_main_process())
 
-    def _swap(self, result: _Result) -> RefreshStats:
+    def _swap(self, centres: Tensor, centre_labels: Tensor, neighbours: Tensor,
+              stats: RefreshStats, stream: Optional[torch.cuda.Stream]) -> RefreshStats:
         bank = self.bank
-        if result.centres.shape[0] != bank.num_centres:
+        if centres.shape[0] != bank.num_centres:
             raise RuntimeError(f"the bank changed size during the refresh ("
-                               f"{result.centres.shape[0]} -> {bank.num_centres} rows); the new "
+                               f"{centres.shape[0]} -> {bank.num_centres} rows); the new "
                                "bank was discarded")
-        if result.stream is not None:
+        if stream is not None:
             # The stream's device is the model's; the bank may be elsewhere (CPU).
-            main = torch.cuda.current_stream(result.stream.device)
-            main.wait_stream(result.stream)
-            for t in (result.centres, result.centre_labels, result.lists.neighbours):
+            main = torch.cuda.current_stream(stream.device)
+            main.wait_stream(stream)
+            for t in (centres, centre_labels, neighbours):
                 if t.device == main.device:
                     t.record_stream(main)
-        bank.update_(centres=result.centres, centre_labels=result.centre_labels,
-                     neighbours=result.lists.neighbours)
-        self.last_stats = result.stats
-        return result.stats
+        bank.update_(centres=centres, centre_labels=centre_labels, neighbours=neighbours)
+        self.last_stats = stats
+        return stats

@@ -1,9 +1,7 @@
-"""NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference, or the CCKNN rule (CCML Eq. 14).
-
-``rule="nngk"``: the k nearest centres of x vote with their weighted kernel values;
-``rule="ccknn"``: the class minimising the summed distance to its own k nearest centres. Both
-normalise with a max shift relative to each query's nearest centre: never NaN.
-"""
+"""NeighbourKernelClassifier: Eq. 3 of Meyer et al. at inference (the k nearest centres vote
+with their weighted kernel values), or the CCKNN rule (CCML Eq. 14: the class nearest in summed
+distance to its own k nearest centres). Both normalise relative to each query's nearest centre:
+never NaN."""
 from __future__ import annotations
 
 from typing import Optional
@@ -110,9 +108,9 @@ class NeighbourKernelClassifier(nn.Module):
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         if neighbours is not None:  # rule "nngk" only
             neighbours = self._check_neighbours(neighbours, x.shape[0])
-        if self.rule == "ccknn":
-            return torch.softmax(self._log_scores_ccknn(x, cdt), dim=1)
-        return torch.softmax(self._log_scores_nngk(x, cdt, neighbours), dim=1)
+        scores = (self._log_scores_ccknn(x, cdt) if self.rule == "ccknn"
+                  else self._log_scores_nngk(x, cdt, neighbours))
+        return torch.softmax(scores, dim=1)
 
     @torch.no_grad()
     def predict(self, emb, neighbours: Optional[Tensor] = None) -> Tensor:
@@ -176,13 +174,10 @@ class NeighbourKernelClassifier(nn.Module):
 
     def _log_scores_nngk(self, x: Tensor, cdt, neighbours: Optional[Tensor] = None) -> Tensor:
         """(B, C) log of the unnormalised Eq. 3 class sums (``neighbours``: checked bank rows)."""
-        if neighbours is None:
-            centres, centre_labels, log_w = self._usable()
-        else:
-            bank = self.bank
-            centres, centre_labels, log_w = (bank.centres, bank.centre_labels,
-                                             bank.log_weights.detach())
-        num_classes = self.bank.num_classes
+        bank = self.bank
+        centres, centre_labels, log_w = (self._usable() if neighbours is None else (
+            bank.centres, bank.centre_labels, bank.log_weights.detach()))
+        num_classes = bank.num_classes
         k = self.k
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)

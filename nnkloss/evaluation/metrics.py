@@ -1,13 +1,11 @@
 """Evaluation metrics for embeddings: Recall@K, MAP@R, R-precision, NMI, accuracy.
 
-Every embedding is a query against all the others (own row excluded), neighbours ranked by
-(distance, index) as in pytorch-metric-learning's AccuracyCalculator, whose values agree where
-the fp32 distances do (a query alone in its class is a Recall@K miss here). Inputs may be
-tensors (searched on their device) or numpy arrays.
+Every embedding is a query against all the others, ranked by (distance, index) as in
+pytorch-metric-learning's AccuracyCalculator. Inputs: tensors (searched on their device) or
+numpy arrays.
 """
 from __future__ import annotations
 
-import contextlib
 import numbers
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -94,11 +92,8 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
     r_prec = torch.zeros(n, dtype=torch.float64, device=dev)
     ranks = torch.arange(1, kmax + 1, device=dev)
     ranks_f64 = ranks.to(torch.float64)
-    bar = contextlib.nullcontext()
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=n, desc="evaluate", unit="query", leave=False)
-    with bar:
+    from tqdm.auto import tqdm
+    with tqdm(total=n, desc="evaluate", unit="query", leave=False, disable=not progress) as bar:
         for q0, _, idx in iter_knn(emb, emb, kmax, search_backend, exclude_self=True,
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
@@ -114,8 +109,7 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
                 precision = (cumulative * correct).to(torch.float64).div_(ranks_f64)
                 ap[rows] = torch.sum(precision, dim=1) / rr
                 r_prec[rows] = torch.sum(correct, dim=1).type(torch.float64) / rr
-            if progress:
-                bar.update(idx.shape[0])
+            bar.update(idx.shape[0])
     out = {f"recall@{k}": float((first_hit < k).type(torch.float64).mean()) for k in ks}
     if map_at_r:
         out["map@r"] = float(torch.mean(ap[counted]))
@@ -159,13 +153,9 @@ def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "skl
             x.numpy())
     else:
         x = emb.float()
-        best = None
-        for i in range(n_init):
-            cents, assign = kmeans(x, n_classes, seed=seed + i)
-            inertia = float((x - cents[assign]).pow(2).sum())
-            if best is None or inertia < best[0]:
-                best = (inertia, assign)
-        clusters = best[1].cpu().numpy()
+        runs = (kmeans(x, n_classes, seed=seed + i) for i in range(n_init))
+        _, assign = min(runs, key=lambda run: float((x - run[0][run[1]]).pow(2).sum()))
+        clusters = assign.cpu().numpy()
     return float(normalized_mutual_info_score(labels.cpu().numpy(), clusters,
                                               average_method="arithmetic"))
 

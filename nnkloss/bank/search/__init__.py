@@ -1,11 +1,6 @@
-"""k-nearest-neighbour search: for the centres' neighbour lists, the classifier and the metrics.
-
-:mod:`.knn` holds the public :func:`knn` / :func:`iter_knn`, their checks and the recall of
-approximate indexes; :mod:`.torch_search` the exact tiled GEMM search, :mod:`.faiss_search`
-faiss's indexes, :mod:`.lists` :func:`neighbour_lists`, :mod:`.exclusion` the one
-self-exclusion rule. All results are ``(distances, neighbours)``: fp32 squared L2 distances
-ascending, ties ordered by index, and int64 base rows.
-"""
+"""k-nearest-neighbour search for the neighbour lists, the classifier and the metrics. All
+results are ``(distances, neighbours)``: fp32 squared L2 distances ascending, ties ordered by
+index, and int64 base rows."""
 from .exclusion import drop_self
 from .faiss_search import faiss_available, faiss_gpu_usable
 from .knn import (APPROXIMATE, SEARCH_BACKENDS, SearchBlock, SearchResult, iter_knn, knn,

@@ -81,8 +81,7 @@ def check_index_options(approximate: Optional[str], options: dict, arg: str = "{
 
 @functools.lru_cache(maxsize=None)
 def _gpu_resources(device_index: int):
-    faiss = _faiss_module()
-    return faiss.StandardGpuResources()
+    return _faiss_module().StandardGpuResources()
 
 
 def _gpu_flat(device_index: int, d: int):
@@ -139,12 +138,9 @@ def _add_in_chunks(index, base: Tensor, chunk_rows: int = 1 << 18) -> None:
 
 def build_flat(base: Tensor, k: int):
     """Exact ``IndexFlatL2`` holding ``base`` (GPU index when usable for k results)."""
-    faiss = require_faiss()
     d = base.shape[1]
-    if use_faiss_gpu(base.device, k):
-        index = _gpu_flat(_cuda_index(base.device), d)
-    else:
-        index = faiss.IndexFlatL2(d)
+    index = (_gpu_flat(_cuda_index(base.device), d) if use_faiss_gpu(base.device, k)
+             else require_faiss().IndexFlatL2(d))
     _add_in_chunks(index, base)
     return index
 
@@ -190,8 +186,7 @@ def build_approximate(base: Tensor, kind: str, k: int, nlist: Optional[int] = No
 def iter_search_index(index, queries: Tensor, k: int, chunk_rows: int = 1 << 14
                       ) -> Iterator[Tuple[int, Tensor, Tensor]]:
     """Yield ``(row0, distances, indices)`` on the queries' device per chunk of query rows."""
-    q = queries.shape[0]
-    for q0 in range(0, q, chunk_rows):
+    for q0 in range(0, queries.shape[0], chunk_rows):
         dd, ii = index.search(_to_numpy_f32(queries[q0:q0 + chunk_rows]), k)
         dist, ids = torch.from_numpy(dd), torch.from_numpy(ii)
         dist.masked_fill_(ids < 0, math.inf)  # faiss: -1 with a huge distance

@@ -35,19 +35,6 @@ def check_search_backend(search_backend) -> str:
     return search_backend
 
 
-def check_k(k, available: int, exclude_self: bool) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if k > available:
-        what = (f"the base has {available + 1} rows and exclude_self leaves {available} per query"
-                if exclude_self else f"the base has only {available} rows")
-        raise ValueError(f"k={k} is larger than the number of candidates: {what}")
-    return k
-
-
 # Largest row norm a search accepts: the fp32 partial sums of ||q||^2 - 2 q.b + ||b||^2 then
 # stay under 2**126.
 MAX_ROW_NORM = 2.0 ** 62
@@ -90,7 +77,15 @@ def validate(queries: Tensor, base: Tensor, k, exclude_self: bool) -> int:
     if exclude_self and queries.shape[0] != n:
         raise ValueError(f"exclude_self=True means the queries are the base rows, but queries "
                          f"has {queries.shape[0]} rows and base has {n}")
-    k = check_k(k, n - 1 if exclude_self else n, exclude_self)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > n - int(exclude_self):
+        what = (f"the base has {n} rows and exclude_self leaves {n - 1} per query"
+                if exclude_self else f"the base has only {n} rows")
+        raise ValueError(f"k={k} is larger than the number of candidates: {what}")
     check_finite("queries", queries)
     if base is not queries:
         check_finite("base", base)
@@ -113,8 +108,7 @@ class SearchBlock(NamedTuple):
 
 def resolve_search_backend(search_backend: str, device: torch.device) -> str:
     """The search a ``search_backend`` runs: "auto" is "torch" (never dependent on faiss)."""
-    check_search_backend(search_backend)
-    return "torch" if search_backend == "auto" else search_backend
+    return "torch" if check_search_backend(search_backend) == "auto" else search_backend
 
 
 def iter_knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
@@ -195,10 +189,8 @@ def knn(queries: Tensor, base: Tensor, k: int, search_backend: str = "auto",
         An index option of another index is a ValueError naming it.
 
     Returns:
-        :class:`SearchResult` ``(distances, neighbours)``, both (Q, k) on the queries' device:
-        fp32 squared L2 distances ascending, ties by index, and int64 rows of ``base`` (-1 at
-        inf where an approximate search finds fewer than k). On CUDA "torch" follows PyTorch's
-        TF32 setting.
+        :class:`SearchResult` on the queries' device, ties ordered by index (on CUDA "torch"
+        follows PyTorch's TF32 setting).
 
     Raises ValueError / TypeError naming the argument at fault (NaN/inf or a row norm above
     2**62 included), ImportError where faiss is needed but missing, all before any work.

@@ -41,9 +41,8 @@ def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
         out = cpu.has_same_label(neighbours, centre_labels)
         if out is not None:
             return out
-    present = neighbours >= 0
     nb_labels = centre_labels[neighbours.clamp_min(0)]
-    return ((nb_labels == centre_labels.unsqueeze(1)) & present).any(dim=1)
+    return ((nb_labels == centre_labels.unsqueeze(1)) & (neighbours >= 0)).any(dim=1)
 
 
 def search_name(search_backend: str, knn_options: dict, device: torch.device) -> str:
@@ -59,11 +58,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def patch_positives(centres: Tensor, centre_labels: Tensor, rows_offset: int,
-                    distances: Tensor, neighbours: Tensor, has_positive: Tensor,
-                    search_backend: str, knn_options: dict) -> int:
-    """``ensure_positive`` in place on rows from ``rows_offset``; returns the number patched."""
-    labels, dist_, ids, has_pos = centre_labels, distances, neighbours, has_positive
+def patch_positives(centres: Tensor, labels: Tensor, rows_offset: int, dist_: Tensor,
+                    ids: Tensor, has_pos: Tensor, search_backend: str, knn_options: dict) -> int:
+    """``ensure_positive`` in place on the lists ``(dist_, ids)`` and flags ``has_pos`` of rows
+    from ``rows_offset``; returns the number patched."""
     approximate = knn_options.get("approximate")
     exact = {key: v for key, v in knn_options.items() if key == "tile_bytes"}
     missing = (~has_pos).nonzero().flatten()
@@ -104,9 +102,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     t0 = time.perf_counter()
     dist, idx = knn(centres, centres, k, search_backend, exclude_self=True, **knn_options)
     has_pos = has_same_label(idx, labels)
-    num_patched = 0
-    if ensure_positive:
-        num_patched = patch_positives(centres, labels, 0, dist, idx, has_pos, search_backend,
-                                      knn_options)
+    num_patched = (patch_positives(centres, labels, 0, dist, idx, has_pos, search_backend,
+                                   knn_options) if ensure_positive else 0)
     synchronize(centres.device)
     return NeighbourLists(dist, idx, has_pos, num_patched, time.perf_counter() - t0, used)

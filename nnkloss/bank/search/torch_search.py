@@ -1,12 +1,9 @@
 """Exact k-nearest-neighbour search with torch GEMMs, never forming (Q, N).
 
-Distances ``||q||^2 - 2 q.b + ||b||^2`` in fp32 come from one GEMM per tile of augmented rows
-(:func:`distance_tile`), clamped at 0; every path ranks ``(distance bits << 32) | index``
-keys: (distance, index) order, as faiss's flat index. On the CPU the compiled library selects
-each tile straight after its GEMM; a self-search computes only the tiles on and above the
-diagonal (distances may then differ from the blockwise path's by a rounding). Elsewhere, per
-(rows, N) block, a threshold from a fixed random column sample (short rows redone exactly),
-or base tiles with a running top-k when even 16 rows do not fit.
+fp32 distances from one GEMM per tile of augmented rows, clamped at 0, ranked by
+``(distance bits << 32) | index`` keys, as faiss's flat index. On the CPU the compiled library
+selects each tile after its GEMM (a self-search only the tiles on and above the diagonal);
+elsewhere a sampled threshold per (rows, N) block, or base tiles with a running top-k.
 """
 from __future__ import annotations
 
@@ -149,18 +146,15 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
     dest = torch.arange(flat.shape[0], device=block.device).add_(r * width - offsets[r])
     packed = torch.full((rows, width), _INT64_MAX, dtype=torch.int64, device=block.device)
     packed.view(-1)[dest] = keys
-    top = packed.topk(k, dim=1, largest=False, sorted=True).values
-    return _unkey(top)
+    return _unkey(packed.topk(k, dim=1, largest=False, sorted=True).values)
 
 
 def same_tensor(a: Tensor, b: Tensor) -> bool:
     """True when ``a`` and ``b`` are views of the same memory with the same layout."""
-    if a is b:
-        return True
-    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+                      and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                      and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
 def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[int] = None,
@@ -206,26 +200,22 @@ def _iter_knn_threshold(queries: Tensor, base: Tensor, k: int, budget: int, widt
     per_row = n * 5 + width * 4 + 64 * max(k, 1)
     tq = min(q, 4096, max(1, (budget - n * width * 4) // per_row))
     if tq >= min(q, _MIN_BLOCK_ROWS):
-        ids = None
-        if use_sample:
-            # a fixed random order of base rows: the first columns are the sample
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randperm(n, generator=g).to(dev)
+        # a fixed random order of base rows: the first columns are the sample
+        ids = (torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(dev)
+               if use_sample else None)
         ba = _augment(base if ids is None else base[ids], width, query_side=False)
         buf = torch.empty(tq, n, dtype=torch.float32, device=dev)
         for q0 in range(0, q, tq):
             qa = _augment(queries[q0:q0 + tq], width, query_side=True)
             block = buf[:qa.shape[0]]
             distance_tile(qa, ba, block)
-            dist, idx = _knn_block(block, k, s if use_sample else 0, sample_k, ids)
-            yield q0, dist, idx
+            yield (q0, *_knn_block(block, k, s if use_sample else 0, sample_k, ids))
         return
     yield from _iter_knn_tiled(queries, base, k, budget, width)
 
 
 def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
-    """(query rows, base rows, keys per row) of the compiled CPU path: QUERY_TILE x BASE_TILE
-    halved (rows first) until ``tq * (tb * 4 + cap * 8 + k * 12)`` bytes fit ``budget``."""
+    """(query rows, base rows, keys per row) of the compiled CPU path within ``budget``."""
     cap = k + max(k, 64)
     tq = max(1, min(q, QUERY_TILE))
     tb = max(1, min(n, BASE_TILE))
@@ -237,8 +227,7 @@ def cpu_tile_sizes(q: int, n: int, k: int, budget: int) -> Tuple[int, int, int]:
 
 
 def symmetric_block(n: int, k: int, budget: int) -> int:
-    """Points per square block S of the symmetric self-search, or 0 when
-    ``n * (cap * 8 + 16) + S * (S * 4 + k * 12)`` bytes exceed ``budget`` at SYM_MIN_BLOCK."""
+    """Points per square block of the symmetric self-search within ``budget``, else 0."""
     cap = k + max(k, 64)
     s = max(1, min(n, SYM_BLOCK))
     floor = min(s, SYM_MIN_BLOCK)
@@ -288,9 +277,8 @@ def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: in
             else:
                 sel.add(tile, b0)
         rows_out = None if out is None else (out[0][q0:q0 + rows], out[1][q0:q0 + rows])
-        dist, idx = sel.finish(q0 if symmetric else 0, rows,
-                               self0=q0 if exclude_self else None, out=rows_out)
-        yield q0, dist, idx
+        yield (q0, *sel.finish(q0 if symmetric else 0, rows, self0=q0 if exclude_self else None,
+                               out=rows_out))
 
 
 def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: int
@@ -317,7 +305,5 @@ def _iter_knn_tiled(queries: Tensor, base: Tensor, k: int, budget: int, width: i
                 top = torch.cat([best, top], dim=1)
                 top = top.topk(min(k, top.shape[1]), dim=1, largest=False, sorted=False).values
             best = top
-        best = best.sort(dim=1).values
-        dist, idx = _unkey(best)
-        yield q0, dist, idx
+        yield (q0, *_unkey(best.sort(dim=1).values))
 

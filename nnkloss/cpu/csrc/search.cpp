@@ -331,9 +331,9 @@ int nnk_knn_select(const float* dist, int64_t rows, int64_t cols, int64_t ld, in
     return 0;
 }
 
-// Symmetric self-search (torch_search._iter_knn_compiled, symmetric), one state row per point: point
-// row0 + r takes tile row r and, unless the tile is diagonal (row0 == col0, rows == cols),
-// point col0 + c takes column c. 0 on success, 2 on bad sizes or overlapping blocks.
+// Symmetric self-search (torch_search._iter_knn_compiled, symmetric), one state row per
+// point: point row0 + r takes tile row r and, unless the tile is diagonal (row0 == col0,
+// rows == cols), point col0 + c takes column c. 0 on success, 2 on bad sizes or overlapping blocks.
 int nnk_knn_select_sym(const float* dist, int64_t rows, int64_t cols, int64_t ld, int64_t row0,
                        int64_t col0, int64_t k, int64_t cap, uint64_t* keys, int64_t* count,
                        uint64_t* worst, int nthreads) {

@@ -133,13 +133,11 @@ class BankLoss(nn.Module, abc.ABC):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # A loaded sigma is checked as the constructor checks its argument (require_sigma):
-        # exp(log_sigma) positive and finite. An inf log_sigma trained on a constant kernel
-        # (sigma inf) without an error; -inf (sigma 0) or NaN only as NaN losses later on.
+        # A loaded sigma is checked as the constructor's (require_sigma): an inf log_sigma
+        # would train a constant kernel silently, -inf or NaN give NaN losses later on.
+        # Integer values too: the load casts them into the parameter.
         key = prefix + "log_sigma"
         value = state_dict.get(key)
-        # Integer (and bool) values too: the load casts them into the parameter (an int64
-        # log_sigma 100 was loaded unchecked as sigma inf, -200 as sigma 0).
         if (isinstance(getattr(self, "log_sigma", None), nn.Parameter)
                 and isinstance(value, Tensor) and value.numel() == 1
                 and not value.dtype.is_complex):
@@ -150,11 +148,10 @@ class BankLoss(nn.Module, abc.ABC):
                                       unexpected_keys, error_msgs)
 
     def parameter_groups(self) -> Dict[str, List[nn.Parameter]]:
-        """The loss's parameters by role, for an optimiser: ``"sigma"`` (``log_sigma``),
-        ``"weights"`` (the bank's ``log_weights``) and ``"other"`` (any other parameter of a
-        subclass). Every parameter is listed once, trained or not (pick those that require
-        grad); a trainer gives sigma and weights their own learning rates and no weight
-        decay (decay would pull the logs to 0, i.e. sigma and weights to 1)."""
+        """The loss's parameters by role: ``"sigma"`` (``log_sigma``), ``"weights"`` (the
+        bank's ``log_weights``) and ``"other"``, each listed once, trained or not. A trainer
+        gives sigma and weights their own learning rates and no weight decay (which would pull
+        them to 1)."""
         sigma = [self.log_sigma] if isinstance(getattr(self, "log_sigma", None),
                                                nn.Parameter) else []
         weights = [self.bank.log_weights]
@@ -189,8 +186,7 @@ class BankLoss(nn.Module, abc.ABC):
             if mismatched is None:  # read, and none: nothing to drop
                 num_mismatched = torch.zeros((), dtype=torch.int64, device=emb.device)
             else:
-                # Misaligned rows lose their lists (see the module docstring); a no-op when
-                # there are none.
+                # misaligned rows lose their lists (see the module docstring)
                 mismatched = mismatched.to(neighbours.device)
                 neighbours = neighbours.masked_fill(mismatched[:, None], -1)
                 num_mismatched = mismatched.sum().to(emb.device)

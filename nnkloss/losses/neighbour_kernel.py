@@ -28,24 +28,15 @@ class NeighbourKernelLoss(BankLoss):
         exclude_self: drop each example's own centre from its list (the paper's rule).
 
     ``forward(emb, labels, idx)``: emb (B, D), labels (B,) int, idx (B,) int bank rows of the
-    batch examples. The per-centre weights are the bank's: learned when the bank's
-    ``learn_weights`` is True (``CentreBank(..., learn_weights=True)``; the paper learns them
-    for classification and fixes them for metric learning). After each call ``last_stats``
-    holds the :class:`LossOutput` (per-row losses, which rows are counted,
-    ``num_nonfinite``); ``last_num_counted`` is the count of counted rows as a 0-dim tensor.
+    batch examples. The per-centre weights are the bank's, learned when its ``learn_weights``
+    is True (the paper learns them for classification). After each call ``last_stats`` holds
+    the :class:`LossOutput` (per-row losses, counted rows, ``num_nonfinite``).
 
-    A NaN/inf embedding (or a distance beyond fp32) makes its row's loss NaN and so the mean
-    NaN, with value checks on too, where the functional op raises: the module's embeddings are
-    a model's outputs, and a diverging run must show as a NaN loss that the training loop
-    sees (``last_stats.num_nonfinite``), not as an exception halfway through a step; checking
-    them would also cost a host sync per step on a GPU. The bank's contents were checked when
-    written and sigma is exp(log_sigma) > 0. ``labels`` must equal ``bank.centre_labels[idx]``
-    (see :class:`BankLoss`): checked with value checks on (one host sync for CUDA tensors);
-    with ``nnkloss.value_checks(False)`` no host synchronisation happens in ``forward`` and
-    disagreeing rows are dropped and counted.
-
-    The call is: the batch's checks, its lists (one backend call), and one autograd Function
-    whose forward also gives the counted mean (:mod:`nnkloss.ops.neighbour_kernel`).
+    A NaN/inf embedding makes its row's loss, and the mean, NaN, with value checks on too
+    (where the functional op raises): a diverging model must show as a NaN loss the training
+    loop sees, not as an exception halfway through a step, and checking would cost a host sync
+    per step on a GPU. ``labels`` must equal ``bank.centre_labels[idx]`` (see
+    :class:`BankLoss`).
     """
 
     def __init__(self, bank: CentreBank, sigma: float = 1.0, learn_sigma: bool = False,

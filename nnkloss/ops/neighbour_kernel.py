@@ -1,12 +1,11 @@
 """The neighbour-kernel op: one autograd definition, its custom op, and the functional API.
 
-The op's forward is one backend call (:mod:`nnkloss.ops.backends`) that gives the contract's
-five outputs (ops/CONTRACT.md), the counted rows and, when asked, their mean; its backward is
-one backend call for the embedding gradient, plus, only where centres, weights or sigma take a
-gradient, the per-entry terms and the centre scatter. That definition (:func:`_forward`,
+Forward: one backend call (the contract's outputs, the counted rows, the mean). Backward: one
+call for the embedding gradient, plus the per-entry terms and the centre scatter where
+centres, weights or sigma take a gradient. The definition (:func:`_forward`,
 :func:`_setup_context`, :func:`_backward`) has two carriers: :class:`NeighbourKernelFunction`
-for eager calls on plain tensors (no dispatch cost), and the custom op ``nnkloss::nk_forward``
-(``torch.library``) where torch.compile, export or a dispatch mode must see an opaque call.
+for eager calls on plain tensors, the custom op ``nnkloss::nk_forward`` where torch.compile,
+export or a dispatch mode must see an opaque call.
 """
 from __future__ import annotations
 
@@ -65,19 +64,16 @@ def _nk_centre_grad_fake(emb, centres, neighbours, coef, backend):
 def _setup_context(ctx, inputs, output):
     emb = inputs[0]
     need = ctx.needs_input_grad
-    # The embedding gradient needs grad_x, lse_pos, the divisor and emb (a recorded backward
-    # hangs its error on emb); the per-entry terms of the others also the op's other inputs,
-    # lse_all and the distances.
+    # emb's gradient needs grad_x, lse_pos, the divisor and emb (which a recorded backward's
+    # error hangs on); the others' per-entry terms also the inputs, lse_all and distances.
     if need[2] or need[5] or need[6]:
         ctx.save_for_backward(output[3], output[2], output[7], *inputs[:7], output[1], output[4])
     else:
         ctx.save_for_backward(output[3], output[2], output[7], emb)
     ctx.emb = (emb.dtype, emb.shape[1])
     ctx.backend = inputs[7]
-    ctx.mean = len(inputs) > 10 and inputs[10]  # the op's mean defaults to False; without
-    # it the mean and divisor outputs are constant zeros.
-    # Only the loss's and the mean's gradients are used: the others arrive as None instead of
-    # zero tensors that autograd would fill.
+    ctx.mean = len(inputs) > 10 and inputs[10]  # without it the mean outputs are zeros
+    # Only the loss's and the mean's gradients are used: the others arrive as None.
     ctx.set_materialize_grads(False)
 
 
@@ -146,11 +142,9 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 class NeighbourKernelFunction(torch.autograd.Function):
-    """``nnkloss::nk_forward``'s definition for eager calls on plain tensors, returning only
-    what a caller reads: ``(per_row, counted, mean)`` (the others stay saved for backward).
-    ``forward`` takes ctx and calls setup_context itself: a separate setup_context
-    staticmethod makes torch bind the arguments through ``inspect.signature`` on every
-    apply."""
+    """``nnkloss::nk_forward``'s definition for eager calls: ``(per_row, counted, mean)``, the
+    rest saved for backward. ``forward`` calls setup_context itself (a separate one makes torch
+    bind the arguments through ``inspect.signature`` on every apply)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -165,13 +159,11 @@ class NeighbourKernelFunction(torch.autograd.Function):
 
 def loss_rows(emb, labels, centres, centre_labels, neighbours, weights, sigma: Tensor,
               backend: str, reduction: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """The op without checks: ``(loss, per_row (B,), counted (B,) bool)``. ``sigma`` a 0-dim
-    tensor on emb's device, ``backend`` a concrete name, labels already :func:`as_index`'d.
-    Counted rows have a same-class neighbour, or are non-finite (their NaN reaches the mean)."""
+    """The op without checks: ``(loss, per_row (B,), counted (B,) bool)``; ``sigma`` a 0-dim
+    tensor on emb's device, ``backend`` a concrete name, labels :func:`as_index`'d."""
     grad_mode = torch.is_grad_enabled()  # False under no_grad and inference_mode
-    # The (B, K) distances are stored only when a weight, sigma or centre gradient needs them,
-    # the (B, D) embedding gradient computed only when emb takes one: with neither the op is
-    # forward-only on every backend.
+    # Distances are stored only for a weight, sigma or centre gradient, grad_x computed only
+    # when emb takes one: with neither the op is forward-only.
     store_dist = grad_mode and (centres.requires_grad or sigma.requires_grad
                                 or (weights is not None and weights.requires_grad))
     need_grad_x = grad_mode and emb.requires_grad
@@ -247,9 +239,8 @@ def neighbour_kernel_loss_with_stats(emb, labels, centres, centre_labels, neighb
     check_inputs(emb, labels, centres, centre_labels, neighbours, weights, reduction, backend)
     sigma_t = check_sigma(sigma, emb.device)
     impl = resolve(backend, emb.device, emb.dtype)
-    # Every backend follows rule 6 of ops/CONTRACT.md (a row that gathers a non-finite centre
-    # value comes out NaN), so on CPU tensors the gathered centres are checked from the rows'
-    # losses after the op, not read (B x K x D values) before it.
+    # A row that gathers a non-finite centre comes out NaN (ops/CONTRACT.md rule 6): on CPU
+    # tensors the gathered centres are checked from the losses after the op.
     after = check_values(emb, centres, neighbours, weights, sigma_t, centres_after_op=True,
                          fused=impl)
     loss, per_row, counted = loss_rows(emb, as_index(labels), centres, centre_labels,

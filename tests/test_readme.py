@@ -99,24 +99,39 @@ def test_readme_speed_figures_are_those_of_the_results_files():
         assert [float(v) for v in r[mb].split("/")] == mem, r
 
 
-def test_readme_real_data_figures_are_those_of_the_published_runs():
-    import csv
+def test_readme_real_data_figures_are_those_of_the_benchmark_report():
+    """The real-data table is the Fashion-MNIST benchmark's pooled report: NNGK, the best
+    competitor on each metric, the paired differences with their verdicts, the control and
+    the pixels."""
+    import json
+    path = os.path.join(ROOT, "repro", "results", "fashion_mnist", "benchmark", "report.json")
+    with open(path, encoding="utf-8") as f:
+        pooled = json.load(f)["retrieval"]["pooled"]
+    methods, diffs = pooled["methods"], pooled["nngk_minus"]
+
+    def ci(d):
+        return f"{d['mean']:.2f} +- {d['ci']:.2f}"
     rows = readme_table("**Real data** (Fashion-MNIST")
-    summary = {}
-    for protocol in ("classification", "retrieval"):
-        path = os.path.join(ROOT, "repro", "results", "fashion_mnist", protocol, "summary.csv")
-        with open(path, newline="") as f:
-            summary[protocol] = {row["method"]: row for row in csv.DictReader(f)}
-
-    def pct(row, metric):
-        return f"{100 * float(row[metric + '_mean']):.2f} +- {100 * float(row[metric + '_std']):.2f}"
-
-    metric = {"accuracy": "accuracy", "R@1": "recall@1", "MAP@R": "map@r"}
+    assert [r["metric"] for r in rows] == ["R@1 %", "MAP@R %"]
+    for r, key in zip(rows, ("recall@1", "map@r")):
+        assert r["NNGK"] == ci(methods["nngk"][key]), r
+        rivals = [m for m in methods if m not in ("nngk", "nca-control", "pixels")]
+        best = max(rivals, key=lambda m: methods[m][key]["mean"])
+        assert r["best tuned competitor"] == f"{best} {ci(methods[best][key])}", r
+        assert r["NNGK - best"] == f"{ci(diffs[best][key])} {diffs[best][key]['verdict']}", r
+        assert r["in-batch NCA control"] == ci(methods["nca-control"][key]), r
+        control = diffs["nca-control"][key]
+        assert r["NNGK - control"] == f"{ci(control)} {control['verdict']}", r
+        assert r["raw pixels"] == f"{methods['pixels'][key]['mean']:.2f}", r
+    rows = readme_table("**Classification with learned per-centre weights**")
+    with open(path, encoding="utf-8") as f:
+        classification = json.load(f)["classification"]
+    assert [r["training images per class"] for r in rows] == ["100", "500", "full"]
     for r in rows:
-        protocol = r["protocol"].split(",")[0].split()[0]
-        key = next(v for k, v in metric.items() if k in r["protocol"])
-        table = summary[protocol]
-        assert r["NNGK"] == pct(table["nngk"], key), r
-        best, figure = r["best other"].split(" ", 1)
-        assert figure == pct(table[best.lower()], key), r
-        assert r["raw pixels"] == f"{100 * float(table['pixels'][key + '_mean']):.2f}", r
+        c = classification[r["training images per class"]]
+        acc = {m: v["accuracy"] for m, v in c["methods"].items()}
+        assert r["NNGK accuracy %"] == ci(acc["nngk"]), r
+        assert r["softmax accuracy %"] == ci(acc["softmax"]), r
+        diff = c["nngk_minus"]["softmax"]["accuracy"]
+        assert r["NNGK - softmax"] == f"{ci(diff)} {diff['verdict']}", r
+        assert r["1-NN on pixels %"] == f"{acc['pixels']['mean']:.2f}", r

@@ -242,14 +242,9 @@ def rel_sqdist(x, centres, idx, ref, cdt):
 
 def batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
     """:func:`kernels.batch_lists` (its arguments and ``(lists, counts)``) on CPU tensors, in
-    one call; ``labels`` None: no label comparison (``counts[0]`` counts the rows outside the
-    bank). None where this is not done here: the library unavailable, other dtypes or devices."""
-    out = _batch_lists(table, idx, labels, centre_labels, exclude_self)
-    return None if out is None else out[:2]
-
-
-def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
-    """:func:`batch_lists`'s answer and the rows dropped as an int (no read of ``counts``)."""
+    one call, its counts as host ints ``(dropped, outside)`` (read at no cost); ``labels``
+    None: no label comparison (the rows dropped are those outside the bank). None where this
+    is not done here: the library unavailable, other dtypes or devices."""
     lib = build.lib()
     if (lib is None or not (table.is_cpu and idx.is_cpu) or table.dtype not in INDEX_TYPES
             or table.dim() != 2 or idx.dim() != 1 or idx.dtype not in _INTEGER):
@@ -269,17 +264,12 @@ def _batch_lists(table, idx, labels, centre_labels, exclude_self: bool):
         table = table.contiguous()
     idx = _index_tensor(idx)
     out = torch.empty(B, K, dtype=table.dtype)
-    counts = torch.empty(2, dtype=torch.int64)
-    dropped = lib.nnk_batch_lists(
+    counts = (ctypes.c_int64 * 2)()
+    lib.nnk_batch_lists(
         table.data_ptr(), INDEX_TYPES[table.dtype], N, K, idx.data_ptr(),
         INDEX_TYPES[idx.dtype], ptr(lab), lab64, ptr(cl), cl64, B, bool(exclude_self),
-        out.data_ptr(), counts.data_ptr())
-    return out, counts, dropped
-
-
-# Its counts are host memory: a bank loss reads them on every call (no sync), where those of
-# the GPU's launcher are read only with the value checks on (losses/base.BankLoss).
-batch_lists.host_counts = True
+        out.data_ptr(), counts)
+    return out, (counts[0], counts[1])
 
 
 _INTEGER = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -299,8 +289,8 @@ def gather_lists(table, idx, exclude_self: bool):
     if (table.dtype not in INDEX_TYPES or idx.dtype not in INDEX_TYPES
             or not table.is_contiguous()):
         return None
-    out = _batch_lists(table, idx, None, None, exclude_self)
-    if out is None or out[2]:  # without labels, the rows dropped are those outside the bank
+    out = batch_lists(table, idx, None, None, exclude_self)
+    if out is None or out[1][0]:  # without labels, the rows dropped are those outside the bank
         return None
     return out[0]
 

@@ -70,12 +70,14 @@ class BankLossStats(LossOutput):
     def __new__(cls, loss: Tensor, per_row: Tensor, counted: Tensor,
                 num_mismatched: Optional[Tensor] = None):
         self = super().__new__(cls, loss, per_row, counted)
-        self._mismatched = num_mismatched  # or a batch_lists' counts (2,): read on demand
+        self._mismatched = num_mismatched  # or a batch_lists' counts: read on demand
         return self
 
     @property
     def num_mismatched(self) -> Optional[Tensor]:
         m = self._mismatched
+        if type(m) is tuple:  # the CPU library's host ints
+            m = self._mismatched = torch.tensor(m[0])
         return m if m is None or m.dim() == 0 else m[0]
 
 
@@ -231,10 +233,11 @@ class BankLoss(nn.Module, abc.ABC):
             return None
         lists, counts = out
         checks = value_checks_enabled()
-        # The CPU library's counts are host memory: read always (no sync); the GPU's with the
-        # checks on (their one host sync).
-        if checks or getattr(launch, "host_counts", False):
-            dropped, outside = counts.tolist()
+        # The CPU library's counts are host ints: read always (no sync); the GPU's tensor with
+        # the checks on (its one host sync).
+        host = type(counts) is tuple
+        if checks or host:
+            dropped, outside = counts if host else counts.tolist()
             if outside:
                 bank.check_rows(idx)
             if dropped and checks:

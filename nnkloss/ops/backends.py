@@ -63,7 +63,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     @property
-    def batch_lists(self):  # its counts are host memory (``host_counts``)
+    def batch_lists(self):  # its counts are host ints
         return cpu.batch_lists
 
     def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,

@@ -257,7 +257,7 @@ def test_selection_distances_are_the_fused_forwards(monkeypatch, dtype):
         bound.apply_defaults()
         calls.append((bound.arguments["store_dist"], bound.arguments["need_grad_x"]))
         return real(*a, **kw)
-    monkeypatch.setattr(cpu, "forward", spy)
+    monkeypatch.setattr(nnkloss.ops.neighbour_kernel.by_name("cpu"), "forward", spy)
     d = ccml._list_distances(emb, labels, centres, centre_labels, nb, None)
     assert calls == [(True, False)]
     want = ((centres[nb.clamp_min(0)].double() - emb[:, None, :].double()) ** 2).sum(-1)

@@ -52,8 +52,6 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
         return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
                                  sigma, store_dist, need_grad_x, mean)
-    f64 = emb.dtype == torch.float64
-    cdt = torch.float64 if f64 else torch.float32
     B, D = emb.shape
     K = neighbours.shape[1]
     N = centres.shape[0]
@@ -63,19 +61,18 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
             or (weights is not None and weights.shape != (N,))):
         raise ValueError(_shape_error(emb, labels, centres, centre_labels, neighbours, weights))
     # Pointers only (nothing to detach); converted or copied only where the library needs it.
+    f64 = emb.dtype == torch.float64
+    cdt = torch.float64 if f64 else torch.float32
     x = emb if emb.dtype == cdt and emb.is_contiguous() else emb.detach().to(cdt).contiguous()
-    lab = labels if labels.dtype in INDEX_TYPES else labels.to(torch.int64)  # int32/64 as is
-    if not lab.is_contiguous():
-        lab = lab.contiguous()
-    nb = neighbours if neighbours.is_contiguous() else neighbours.contiguous()
+    lab = (labels if labels.dtype in INDEX_TYPES else labels.long()).contiguous()
+    nb = neighbours.contiguous()
     w, wtype = _weights_arg(weights)
-    empty = torch.empty
-    out = (empty(B, dtype=cdt), empty(B, dtype=cdt), empty(B, dtype=cdt),
-           empty(B, D if need_grad_x else 0, dtype=cdt),
-           empty(B, K if store_dist else 0, dtype=cdt))
+    new = x.new_empty
+    out = (new(B), new(B), new(B), new(B, D if need_grad_x else 0),
+           new(B, K if store_dist else 0))
     extra = (None, None, None)
     if mean:  # counted, the mean and its divisor
-        out += (empty(B, dtype=torch.bool), empty((), dtype=cdt), empty((), dtype=cdt))
+        out += (new(B, dtype=torch.bool), new(()), new(()))
         extra = (out[5].data_ptr(), out[6].data_ptr(), out[7].data_ptr())
     rc = lib.nnk_forward(
         f64, BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(), lab.dtype == torch.int64,
@@ -278,9 +275,7 @@ _INTEGER = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 
 def _index_tensor(t):
     """An integer tensor as the library reads it: int32 / int64, contiguous (others as int64)."""
-    if t.dtype not in INDEX_TYPES:
-        t = t.long()
-    return t if t.is_contiguous() else t.contiguous()
+    return (t if t.dtype in INDEX_TYPES else t.long()).contiguous()
 
 
 def gather_lists(table, idx, exclude_self: bool):

@@ -221,8 +221,8 @@ class BankLoss(nn.Module, abc.ABC):
         device = table.device
         choice = getattr(self, "backend", "auto")  # the loss's op's, so one route on a device
         launch = _lists_kernel(device, "auto" if choice == "torch" else choice)
-        if (launch is None or labels.device != device
-                or not plain_eager(table, idx, labels)):
+        # labels are on the bank's device (check_batch)
+        if launch is None or not plain_eager(table, idx, labels):
             return None
         if not table.shape[1]:
             bank.require_neighbours()

@@ -66,13 +66,8 @@ class CpuBackend(TorchBackend):
     def batch_lists(self):  # its counts are host ints
         return cpu.batch_lists
 
-    def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                store_dist=True, need_grad_x=True, mean=False):
-        return cpu.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                           store_dist, need_grad_x, mean)
-
-    def centre_grad(self, emb, centres, neighbours, coef):
-        return cpu.centre_grad(emb, centres, neighbours, coef)
+    forward = staticmethod(cpu.forward)
+    centre_grad = staticmethod(cpu.centre_grad)
 
     def scale_rows(self, grad_x, g, lse_pos, out_dtype, divisor=None):
         if not _fused(grad_x, g):

@@ -45,9 +45,10 @@ def _weights_arg(weights):
 
 
 def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, store_dist=True,
-            need_grad_x=True, mean=False):
+            need_grad_x=True, mean=False, lean=False):
     """The fused forward (nnkloss/ops/CONTRACT.md): the outputs of
-    :func:`kernels.neighbour_kernel_fwd` for the same arguments, in one call."""
+    :func:`kernels.neighbour_kernel_fwd` for the same arguments, in one call; with ``lean``
+    and without ``store_dist``, lse_all and dist are None (nothing reads them then)."""
     lib = build.lib()
     if lib is None or not _supported(emb, centres, centre_labels, neighbours, weights):
         return reference.forward(emb, labels, centres, centre_labels, neighbours, weights,
@@ -68,8 +69,9 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     nb = neighbours.contiguous()
     w, wtype = _weights_arg(weights)
     new = x.new_empty
-    out = (new(B), new(B), new(B), new(B, D if need_grad_x else 0),
-           new(B, K if store_dist else 0))
+    lean = lean and not store_dist
+    out = (new(B), None if lean else new(B), new(B), new(B, D if need_grad_x else 0),
+           None if lean else new(B, K if store_dist else 0))
     extra = (None, None, None)
     if mean:  # counted, the mean and its divisor
         out += (new(B, dtype=torch.bool), new(()), new(()))
@@ -78,7 +80,7 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
         f64, BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(), lab.dtype == torch.int64,
         centres.data_ptr(), centre_labels.data_ptr(), centre_labels.dtype == torch.int64,
         nb.data_ptr(), nb.dtype == torch.int64, ptr(w), wtype, float(sigma), B, K, D, N,
-        store_dist, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+        store_dist, out[0].data_ptr(), ptr(out[1]), out[2].data_ptr(),
         out[3].data_ptr() if need_grad_x else None, out[4].data_ptr() if store_dist else None,
         *extra, build.threads(B * K * D))
     if rc != 0:

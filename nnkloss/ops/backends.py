@@ -1,7 +1,8 @@
 """Where the op runs: one interface for its passes, one implementation per backend.
 
 The passes (ops/CONTRACT.md): ``forward`` (the contract's five outputs, with ``mean`` also
-``counted``, the counted mean and its divisor); ``scale_rows`` (the embedding gradient);
+``counted``, the counted mean and its divisor; ``lean``: lse_all and dist may be None without
+``store_dist``, as the eager carrier reads neither then); ``scale_rows`` (the embedding gradient);
 ``entry_grads`` and ``centre_grad`` (the centre, weight and sigma gradients); ``batch_lists``
 (a batch's lists in one call, or None: the bank's torch route runs); ``counted_mean``;
 ``gathered_rows_finite`` and ``value_flags`` (the value checks' reads, None: their torch form).
@@ -42,7 +43,7 @@ class TorchBackend:
     batch_lists = None
 
     def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                store_dist=True, need_grad_x=True, mean=False):
+                store_dist=True, need_grad_x=True, mean=False, lean=False):
         return reference.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
                                  store_dist=store_dist, need_grad_x=need_grad_x, mean=mean)
 
@@ -105,7 +106,7 @@ class TritonBackend(TorchBackend):
         return self.k.batch_lists
 
     def forward(self, emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                store_dist=True, need_grad_x=True, mean=False):
+                store_dist=True, need_grad_x=True, mean=False, lean=False):
         return self.k.neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours,
                                            weights, sigma, store_dist=store_dist,
                                            need_grad_x=need_grad_x, mean=mean)

@@ -30,9 +30,16 @@ def _forward(emb: Tensor, labels: Tensor, centres: Tensor, centre_labels: Tensor
              store_dist: bool, need_grad_x: bool, mean: bool = False) -> Outputs:
     """loss, lse_all, lse_pos, grad_x, dist (the contract), counted (B,) bool, and the counted
     mean and its divisor (0-dim; zeros without ``mean``)."""
-    impl = by_name(backend)
-    out = impl.forward(emb, labels, centres, centre_labels, neighbours, weights, sigma,
-                       store_dist, need_grad_x, mean)
+    return _outputs(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend,
+                    store_dist, need_grad_x, mean)
+
+
+def _outputs(emb, labels, centres, centre_labels, neighbours, weights, sigma, backend,
+             store_dist, need_grad_x, mean=False, lean=False) -> Outputs:
+    """:func:`_forward`; with ``lean`` (the eager carrier) the backend may leave out what the
+    backward does not read."""
+    out = by_name(backend).forward(emb, labels, centres, centre_labels, neighbours, weights,
+                                   sigma, store_dist, need_grad_x, mean, lean)
     if mean:
         return out
     zero = out[0].new_zeros(())
@@ -148,7 +155,7 @@ class NeighbourKernelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward(*inputs)
+        output = _outputs(*inputs, lean=True)
         _setup_context(ctx, inputs, output)
         return output[0], output[5], output[6]
 

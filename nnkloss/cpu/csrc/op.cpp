@@ -1112,8 +1112,9 @@ int nnk_openmp() {
 }
 
 // Every entry point returns 0 on success, 1 on an unknown type code. grad_x == NULL: the
-// forward-only path. With counted (B bytes) it flags the rows a mean counts (lse_pos not -inf),
-// and with mean and divisor writes their counted mean: the op's whole forward in one call.
+// forward-only path; lse_all == NULL: not kept. With counted (B bytes) it flags the rows a
+// mean counts (lse_pos not -inf), and with mean and divisor writes their counted mean: the
+// op's whole forward in one call.
 int nnk_forward(int ctype, int btype, const void* emb, const void* labels, int lab64,
                 const void* centres, const void* clabels, int cl64, const void* nbrs, int nb64,
                 const void* weights, int wtype, double sigma, int64_t B, int64_t K, int64_t D,
@@ -1123,9 +1124,11 @@ int nnk_forward(int ctype, int btype, const void* emb, const void* labels, int l
     return with_types(ctype, btype, [&](auto c, auto t) {
         using C = decltype(c);
         using T = decltype(t);
+        std::vector<C> scratch(lse_all ? 0 : B);
         forward_impl<C, T>((const C*)emb, labels, lab64, (const T*)centres, clabels, cl64, nbrs,
                            nb64, weights, wtype, (C)sigma, B, K, D, N, store_dist, (C*)loss,
-                           (C*)lse_all, (C*)lse_pos, (C*)grad_x, (C*)dist, nthreads);
+                           lse_all ? (C*)lse_all : scratch.data(), (C*)lse_pos, (C*)grad_x,
+                           (C*)dist, nthreads);
         uint8_t* flags = (uint8_t*)counted;  // null for B == 0 (an empty tensor's pointer)
         for (int64_t b = 0; flags && b < B; ++b)
             flags[b] = ((const C*)lse_pos)[b] != -std::numeric_limits<C>::infinity();

@@ -160,10 +160,10 @@ def check_batch(emb, labels, idx, centres):
     if (isinstance(emb, torch.Tensor) and isinstance(labels, torch.Tensor)
             and isinstance(idx, torch.Tensor) and emb.dim() == 2 and labels.dim() == 1
             and idx.dim() == 1 and emb.dtype in FLOAT_DTYPES and labels.dtype in _INDEX_DTYPES
-            and idx.dtype in _INDEX_DTYPES and labels.shape[0] == emb.shape[0] == idx.shape[0]
-            and centres.shape[1] == emb.shape[1]):
-        device = emb.device
-        if device == centres.device == labels.device and device.type != "meta":
+            and idx.dtype in _INDEX_DTYPES and not emb.is_meta):
+        B, D = emb.shape
+        if (labels.shape[0] == B == idx.shape[0] and centres.shape[1] == D
+                and emb.device == centres.device == labels.device):
             return labels, idx
     require_float("emb", emb, 2)
     require_int("labels", labels, 1)

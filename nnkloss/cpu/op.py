@@ -73,8 +73,9 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     out = (new(B), None if lean else new(B), new(B), new(B, D if need_grad_x else 0),
            None if lean else new(B, K if store_dist else 0))
     extra = (None, None, None)
-    if mean:  # counted, the mean and its divisor
-        out += (new(B, dtype=torch.bool), new(()), new(()))
+    if mean:  # counted, the mean and its divisor (empty_like: no shape to parse)
+        scalar = _SCALARS[f64]
+        out += (new(B, dtype=torch.bool), torch.empty_like(scalar), torch.empty_like(scalar))
         extra = (out[5].data_ptr(), out[6].data_ptr(), out[7].data_ptr())
     rc = lib.nnk_forward(
         f64, BANK_TYPES[centres.dtype], x.data_ptr(), lab.data_ptr(), lab.dtype == torch.int64,
@@ -86,6 +87,9 @@ def forward(emb, labels, centres, centre_labels, neighbours, weights, sigma, sto
     if rc != 0:
         raise RuntimeError(f"nnk_forward failed (code {rc})")
     return out
+
+
+_SCALARS = (torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.float64))
 
 
 def _shape_error(emb, labels, centres, centre_labels, neighbours, weights) -> str:

@@ -1,12 +1,7 @@
-"""Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes.
-
-The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a private
-per-user cache, keyed by the sources, compiler, flags and CPU, and written atomically with
-their sha256 beside them; nothing there is loaded unless it is this user's, private and matches
-that sha256 on the descriptor that is loaded (docs/SECURITY.md); anything else is rebuilt. Any
-failure (or ``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and the op's
-passes run the plain torch path. Threads are torch's setting; :func:`threads` keeps small
-calls on fewer of them.
+"""Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes:
+compiled once per machine into a private per-user cache keyed by sources, compiler, flags and CPU,
+loaded only after its owner, mode and sha256 check out (docs/SECURITY.md). Any failure (or
+``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and callers run torch.
 """
 from __future__ import annotations
 
@@ -88,9 +83,8 @@ def _cache_key(cxx: str, flags) -> str:
 
 def _source_files() -> list:
     """SOURCES and the headers beside them: everything the library is built from."""
-    dirs = sorted({os.path.dirname(p) for p in SOURCES})
-    headers = [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".h")]
-    return list(SOURCES) + headers
+    d = os.path.dirname(SOURCES[0])  # one folder (a benchmark builds another revision's)
+    return SOURCES + sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".h"))
 
 
 class _Untrusted(Exception):

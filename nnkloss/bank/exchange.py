@@ -201,7 +201,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     dev = centres.device
     w, me = world_size(group), rank(group)
     comm = comm_device(group, dev)
-    used = search_name(search_backend, knn_options, dev)
+    used = search_name(search_backend, knn_options)
     synchronize(dev)
     t0 = time.perf_counter()
     start, stop = _query_slice(n, me, w)

@@ -19,11 +19,6 @@ from .exclusion import drop_self
 __all__ = ["iter_knn_torch", "tile_budget", "tile_sizes", "same_tensor",
            "symmetric_block"]
 
-# Working-memory budget on the CPU (distance block + mask + kept entries).
-_CPU_TILE_BYTES = 256 * 2**20
-# On CUDA the budget is this share of the free memory, capped (bigger tiles stop paying off).
-_CUDA_FREE_SHARE = 0.25
-_CUDA_TILE_BYTES_MAX = 4 * 2**30
 # Columns sampled per query row for the threshold: min(SAMPLE_COLUMNS, N / 4), and no sample
 # (exact threshold) below MIN_SAMPLE_COLUMNS.
 SAMPLE_COLUMNS = 4096
@@ -44,6 +39,8 @@ SYM_MAX_K_PER_WIDTH = 3
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
+    """Working memory (distance block, mask, kept entries): ``tile_bytes``, else 256 MiB on the
+    CPU; on CUDA a quarter of the free memory, at most 4 GiB (bigger tiles stop paying off)."""
     if tile_bytes is not None:
         if (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, numbers.Real)
                 or not tile_bytes >= 1):
@@ -52,8 +49,8 @@ def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
         return int(tile_bytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(min(max(free * _CUDA_FREE_SHARE, 32 * 2**20), _CUDA_TILE_BYTES_MAX))
-    return _CPU_TILE_BYTES
+        return int(min(max(free * 0.25, 32 * 2**20), 4 * 2**30))
+    return 256 * 2**20
 
 
 def tile_sizes(q: int, n: int, d: int, k: int, budget: int) -> Tuple[int, int]:

@@ -173,7 +173,8 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         s = (symmetric_block(n, kk, budget)
              if self_search and kk <= SYM_MAX_K_PER_WIDTH * width else 0)
         tq, tb, cap = (s, s, kk + max(kk, 64)) if s else cpu_tile_sizes(q, n, kk, budget)
-        sel = _compiled_selection(n if s else tq, kk, cap)
+        from ... import cpu  # the compiled selection (library built on first use) or None
+        sel = cpu.knn_selection(n if s else tq, kk, cap)
         if sel is not None:
             yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self,
                                           out, symmetric=bool(s))
@@ -238,11 +239,6 @@ def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tenso
     """Whether a block :func:`iter_knn_torch` yielded already lies in ``out``'s rows."""
     return (dist.data_ptr() == out[0][row0].data_ptr()
             and idx.data_ptr() == out[1][row0].data_ptr())
-
-
-def _compiled_selection(rows: int, k: int, cap: int):
-    from ... import cpu  # the compiled library (built on first use) or None
-    return cpu.knn_selection(rows, k, cap)
 
 
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,

@@ -118,12 +118,9 @@ def _nk_fwd_kernel(
     """ROWS query rows per program. GRAD_X False: the forward-only build (gx_ptr untouched).
     PREFETCH_INDEX: load the next tile's list entries during this tile (the same values).
     MEAN: also the counted rows and their mean and divisor (step 5, deterministic).
-
-    Memory traffic per row:
-        reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
-                + D * sizeof(emb) + sizeof(label) (the centres again on the two-phase path)
-        writes  D * 4 (grad_x, with GRAD_X) + 3 * 4 (loss, lse_all, lse_pos)
-                + K * 4 (dist, with STORE_DIST: asked for, or the two-phase scratch)
+    Memory traffic per row: reads K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4
+    weight]) and the row (the centres again on the two-phase path); writes loss, lse_all,
+    lse_pos, D * 4 of grad_x (GRAD_X) and K * 4 of dist (STORE_DIST, or the two-phase scratch).
     """
     # Step 0: per-program constants. Rows past B repeat row B-1: no row mask is needed.
     sigma = tl.load(sigma_ptr).to(COMPUTE)

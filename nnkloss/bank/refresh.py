@@ -404,15 +404,13 @@ class Refresher:
                         # centre_labels[idx] = y below would broadcast one label over the batch
                         raise ValueError(f"loader yielded {y.shape[0]} labels for "
                                          f"{idx.shape[0]} idx: one label per bank row")
-                    if idx.device.type == "cpu":
-                        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-                            raise IndexError(f"loader yielded idx outside the bank's rows "
-                                             f"0..{n - 1} (min {int(idx.min())}, max "
-                                             f"{int(idx.max())})")
-                    else:  # no per-batch sync for device idx: flag now, raise after the loop
+                    if idx.device.type != "cpu":  # no per-batch sync: flag now, raise later
                         idx = idx.to(dev)
                         out_of_range |= ((idx < 0) | (idx >= n)).any()
                         idx = idx.clamp(0, n - 1)
+                    elif idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                        raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}"
+                                         f" (min {int(idx.min())}, max {int(idx.max())})")
                     emb = net(to_device(inputs, device))
                     if not isinstance(emb, Tensor) or emb.shape != (idx.shape[0], d):
                         shape = tuple(emb.shape) if isinstance(emb, Tensor) else type(emb)

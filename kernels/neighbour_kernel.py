@@ -360,14 +360,11 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
             centres needs them); False returns an empty (B, 0) tensor.
         need_grad_x: compute grad_x; False launches the forward-only build and returns an
             empty (B, 0) grad_x.
-        mean: also return ``counted`` (B,) bool (rows with a same-class entry, and non-finite
-            ones), ``mean`` and ``divisor`` (0-dim: the losses' sum over ``max(count, 1)``).
+        mean: also return the contract's ``counted`` (B,) bool, ``mean`` and ``divisor``.
 
     Returns:
-        loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
-        dist (B, K) (u_j of every non-padding entry, zero-weight ones too) or (B, 0); all in
-        the compute dtype (fp64 for fp64 ``emb``, else fp32), with the contract's row rules.
-        With ``mean``: those five, then counted, mean, divisor.
+        The contract's loss, lse_all, lse_pos, grad_x (B, D) or (B, 0) and dist (B, K) or
+        (B, 0), in the compute dtype; with ``mean`` then counted, mean and divisor.
     """
     B, D = emb.shape
     K = neighbours.shape[1]

@@ -101,8 +101,6 @@ def _sigma_source(sigma):
         return sigma.kernel_sigma
     if callable(sigma):
         return sigma
-    if isinstance(sigma, Tensor) and sigma.numel() != 1:
-        raise ValueError(f"sigma must be a 0-dim tensor, got shape {tuple(sigma.shape)}")
     checked = _check_sigma(sigma)  # bad values fail now, not at the first refresh
     return sigma if isinstance(sigma, Tensor) else checked
 

@@ -1,19 +1,12 @@
 """Fused nearest-neighbour Gaussian kernel loss: the forward and the centre-gradient scatter.
 
-Plain tensors in and out, following the forward contract (nnkloss/ops/CONTRACT.md). Per query
-row ``b`` (x = emb[b], label ``R``, neighbour list ``N_b``)::
-
-    z_j   = (c_j - x) / sigma                 scaled BEFORE squaring (no fp32 overflow of d_j)
-    u_j   = ||z_j||^2                         (= ||x - c_j||^2 / sigma^2; this is ``dist``)
-    l_j   = log w_j - u_j / 2                 (valid entries: not padding, w_j != 0)
-    S     = logsumexp_{j in N_b} l_j          S_R = logsumexp_{j in N_b, y_j = R} l_j
-    loss  = S - S_R
-    dL/dx = (1/sigma) * sum_j (p_j - p^R_j) z_j      p = e / s_all, p^R = e^R / s_pos
-
-The forward streams a row's list in [BLOCK_K, D] tiles through two online-softmax
-accumulators (all / same-class), each with its own running max so that neither underflows. A
-row with a non-finite u_j or log-weight comes out NaN everywhere (counted apart: max does not
-propagate NaN reliably), never as "no positive". Launch rules: kernels/config.py.
+Plain tensors in and out, following the forward contract (nnkloss/ops/CONTRACT.md: its rules
+2-5 define z_j = (c_j - x) / sigma, scaled before squaring, u_j = ||z_j||^2, the logits and
+the loss; grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j). The forward streams a row's list in
+[BLOCK_K, D] tiles through two online-softmax accumulators (all / same-class), each with its
+own running max so that neither underflows. A row with a non-finite u_j or log-weight comes
+out NaN everywhere (counted apart: max does not propagate NaN reliably), never as "no
+positive". Launch rules: kernels/config.py.
 """
 from __future__ import annotations
 

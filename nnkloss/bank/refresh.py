@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .centre_bank import CentreBank
 from ..validation import all_finite, as_index, require_int, require_positive_int, require_sigma
-from .search import NeighbourLists, knn, neighbour_lists
+from .search import NeighbourLists, knn, neighbour_lists, synchronize
 from .search.knn import check_search_arguments
 from .. import distributed as _dist
 from ..inference import inference_model, to_device
@@ -358,8 +358,7 @@ class Refresher:
                 _dist.broadcast_buffers(model)
             t0 = time.perf_counter()
             centres, centre_labels = self._embed(model, device, n, d)
-            if centres.device.type == "cuda":  # this thread's stream only, not training's
-                torch.cuda.current_stream(centres.device).synchronize()
+            synchronize(centres.device)  # this thread's stream only, not training's
             embed_s = time.perf_counter() - t0
             lists, stats = self._build_lists(centres, centre_labels, embed_s, sigma, asynchronous,
                                              recalibrate_s)

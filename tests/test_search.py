@@ -397,6 +397,7 @@ def test_auto_backend_choice(monkeypatch):
     for dev in (torch.device("cpu"), torch.device("cuda", 0)):
         assert K.resolve_search_backend("auto", dev) == "torch"
     assert K.resolve_search_backend("faiss", torch.device("cpu")) == "faiss"
+    assert K.resolve_search_backend("auto") == "torch"  # the device is optional: never read
     with pytest.raises(ValueError, match="search_backend must be one of"):
         K.resolve_search_backend("annoy", torch.device("cpu"))
 

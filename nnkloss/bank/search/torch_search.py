@@ -123,11 +123,8 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
     ``sample_columns`` > 0 column j is base row ``ids[j]`` (a random permutation) and the first
     columns are the threshold's sample; else the threshold is exact."""
     rows, n = block.shape
-    if sample_columns:
-        tau = block[:, :sample_columns].topk(sample_k, dim=1, largest=False,
-                                             sorted=False).values.amax(dim=1)
-    else:
-        tau = block.topk(k, dim=1, largest=False, sorted=False).values.amax(dim=1)
+    cols, rank = (sample_columns, sample_k) if sample_columns else (n, k)
+    tau = block[:, :cols].topk(rank, dim=1, largest=False, sorted=False).values.amax(dim=1)
     # Clamped distances tie at 0: every entry <= 0 must be kept when tau is below 0.
     tau = tau.clamp_min(0.0)
     flat, r, counts, offsets = _select(block, tau)

@@ -6,11 +6,9 @@ with the bank's emptied (dropped: loss 0, no gradient, out of the mean) and coun
 launch. Rows whose ``idx`` lies outside the bank read nothing and are counted apart, so that
 a caller can name ``idx`` (torch's gather would assert).
 
-Memory traffic for a batch of B rows and lists of K entries of ``s`` bytes:
-    reads   B x K x s           the batch's rows of the table (none for a dropped row)
-            B x (idx + label)   and each row's bank label
-    writes  B x K x s           the lists
-            two int64 counts    only by programs that drop a row (usually none)
+Memory traffic for B rows of K entries of ``s`` bytes: reads B x K x s of the table (none for a
+dropped row), B x (idx + label) and each row's bank label; writes the B x K x s lists, and two
+int64 counts only from programs that drop a row (usually none).
 """
 from __future__ import annotations
 

@@ -13,10 +13,9 @@ l_j = log w_j - u_j / 2 from the distances the forward saved. The kernel writes:
 The twin of :func:`nnkloss.cpu.entry_grads`, with its row rules: a row without a same-class
 entry or with g 0 gets zeros; a non-finite row that takes a gradient gets NaN.
 
-Memory traffic per row (two passes over the list, the second from L2):
-    reads   2 x K x (sizeof(u) + sizeof(idx) + sizeof(label) [+ 4 weight])
-            + 3 x sizeof(compute) + sizeof(g) + sizeof(label)
-    writes  K x sizeof(compute) for coef and for q, each when asked; sizeof(compute) for srow
+Memory traffic per row: reads 2 x K x (sizeof(u) + sizeof(idx) + sizeof(label) [+ 4 weight]),
+two passes over the list (the second from L2), and a few scalars; writes K x sizeof(compute)
+for coef and for q, each when asked, and one value for srow.
 """
 from __future__ import annotations
 

@@ -3,11 +3,9 @@
 ``nnkloss.validation.check_values`` refuses a call whose lists gather a NaN or inf centre
 value. This kernel reads each listed row once and writes one flag (no (B x K, D) gather).
 
-Memory traffic for ``n`` list entries of a (N, D) bank:
-    reads   n x D x sizeof(bank)    the listed rows (padding, and indices outside the bank,
-                                    read nothing)
-            n x sizeof(idx)         the list entries
-    writes  one int32 per program that finds a non-finite value (usually none)
+Memory traffic for ``n`` list entries: reads n x D x sizeof(bank) of listed rows (padding and
+indices outside the bank read nothing) and the n entries; writes one int32 per program that
+finds a non-finite value (usually none).
 """
 from __future__ import annotations
 

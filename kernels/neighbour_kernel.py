@@ -1,19 +1,12 @@
 """Fused nearest-neighbour Gaussian kernel loss: the forward and the centre-gradient scatter.
 
-Plain tensors in and out, following the forward contract (nnkloss/ops/CONTRACT.md). Per query
-row ``b`` (x = emb[b], label ``R``, neighbour list ``N_b``)::
-
-    z_j   = (c_j - x) / sigma                 scaled BEFORE squaring (no fp32 overflow of d_j)
-    u_j   = ||z_j||^2                         (= ||x - c_j||^2 / sigma^2; this is ``dist``)
-    l_j   = log w_j - u_j / 2                 (valid entries: not padding, w_j != 0)
-    S     = logsumexp_{j in N_b} l_j          S_R = logsumexp_{j in N_b, y_j = R} l_j
-    loss  = S - S_R
-    dL/dx = (1/sigma) * sum_j (p_j - p^R_j) z_j      p = e / s_all, p^R = e^R / s_pos
-
-The forward streams a row's list in [BLOCK_K, D] tiles through two online-softmax
-accumulators (all / same-class), each with its own running max so that neither underflows. A
-row with a non-finite u_j or log-weight comes out NaN everywhere (counted apart: max does not
-propagate NaN reliably), never as "no positive". Launch rules: kernels/config.py.
+Plain tensors in and out, following the forward contract (nnkloss/ops/CONTRACT.md: its rules
+2-5 define z_j = (c_j - x) / sigma, scaled before squaring, u_j = ||z_j||^2, the logits and
+the loss; grad_x = (1/sigma) sum_j (p_j - p^R_j) z_j). The forward streams a row's list in
+[BLOCK_K, D] tiles through two online-softmax accumulators (all / same-class), each with its
+own running max so that neither underflows. A row with a non-finite u_j or log-weight comes
+out NaN everywhere (counted apart: max does not propagate NaN reliably), never as "no
+positive". Launch rules: kernels/config.py.
 """
 from __future__ import annotations
 
@@ -118,12 +111,9 @@ def _nk_fwd_kernel(
     """ROWS query rows per program. GRAD_X False: the forward-only build (gx_ptr untouched).
     PREFETCH_INDEX: load the next tile's list entries during this tile (the same values).
     MEAN: also the counted rows and their mean and divisor (step 5, deterministic).
-
-    Memory traffic per row:
-        reads   K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4 weight])
-                + D * sizeof(emb) + sizeof(label) (the centres again on the two-phase path)
-        writes  D * 4 (grad_x, with GRAD_X) + 3 * 4 (loss, lse_all, lse_pos)
-                + K * 4 (dist, with STORE_DIST: asked for, or the two-phase scratch)
+    Memory traffic per row: reads K * (D * sizeof(bank) + sizeof(nbr) + sizeof(label) [+ 4
+    weight]) and the row (the centres again on the two-phase path); writes loss, lse_all,
+    lse_pos, D * 4 of grad_x (GRAD_X) and K * 4 of dist (STORE_DIST, or the two-phase scratch).
     """
     # Step 0: per-program constants. Rows past B repeat row B-1: no row mask is needed.
     sigma = tl.load(sigma_ptr).to(COMPUTE)
@@ -363,14 +353,11 @@ def neighbour_kernel_fwd(emb, labels, centres, centre_labels, neighbours, weight
             centres needs them); False returns an empty (B, 0) tensor.
         need_grad_x: compute grad_x; False launches the forward-only build and returns an
             empty (B, 0) grad_x.
-        mean: also return ``counted`` (B,) bool (rows with a same-class entry, and non-finite
-            ones), ``mean`` and ``divisor`` (0-dim: the losses' sum over ``max(count, 1)``).
+        mean: also return the contract's ``counted`` (B,) bool, ``mean`` and ``divisor``.
 
     Returns:
-        loss (B,), lse_all (B,), lse_pos (B,), grad_x (B, D) = dLoss_b/dx_b or (B, 0),
-        dist (B, K) (u_j of every non-padding entry, zero-weight ones too) or (B, 0); all in
-        the compute dtype (fp64 for fp64 ``emb``, else fp32), with the contract's row rules.
-        With ``mean``: those five, then counted, mean, divisor.
+        The contract's loss, lse_all, lse_pos, grad_x (B, D) or (B, 0) and dist (B, K) or
+        (B, 0), in the compute dtype; with ``mean`` then counted, mean and divisor.
     """
     B, D = emb.shape
     K = neighbours.shape[1]

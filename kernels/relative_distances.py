@@ -9,10 +9,8 @@ The product form stays precise for a query far from every centre, where the two 
 distances would cancel (nnkloss/evaluation/classifier.py, ``_sq_dist_minus_ref``). Accumulated
 over D in chunks: no (Q, K, D) block. Indices must be bank rows in [0, N) (not checked here).
 
-Memory traffic per query row:
-    reads   K x (D x sizeof(bank) + sizeof(idx))    the list and its gathered centre rows
-            D x (sizeof(x) + sizeof(bank)) + sizeof(ref), once per K tile: query, reference
-    writes  K x sizeof(compute)       rel
+Memory traffic per query row: reads K x (D x sizeof(bank) + sizeof(idx)), the list and its
+centre rows, and once per K tile the query and reference rows; writes K x sizeof(compute).
 """
 from __future__ import annotations
 

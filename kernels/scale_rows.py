@@ -5,10 +5,8 @@ gradient reaching its loss, under the op's row rule (nnkloss/ops/CONTRACT.md): a
 same-class neighbour or with g[b] = 0 passes no gradient on, even where grad_x is NaN. One
 launch for torch's six; the twin of :func:`nnkloss.cpu.scale_rows`.
 
-Memory traffic for a (B, D) grad_x:
-    reads   B x D x sizeof(grad_x)    grad_x
-            B x (sizeof(g) + sizeof(lse_pos))   one factor and one flag per row
-    writes  B x D x sizeof(out)       the embedding gradient, in the embeddings' dtype
+Memory traffic for a (B, D) grad_x: reads it and B x (sizeof(g) + sizeof(lse_pos)), one factor
+and one flag a row; writes the B x D gradient in the embeddings' dtype.
 """
 from __future__ import annotations
 

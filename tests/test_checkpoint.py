@@ -372,7 +372,7 @@ def test_load_bank_reads_old_files_and_names_bad_log_weights(tmp_path):
     save_checked(old, tmp_path / "old.pt")
     assert nnkloss.load_bank(tmp_path / "old.pt")[0].num_centres == 12
     for value, exc, match in (([0.0] * 12, TypeError,
-                               r"^checkpoint log_weights must be a tensor, got list$"),
+                               r"^checkpoint log_weights must be a torch.Tensor, got list$"),
                               (torch.full((12,), float("nan")), ValueError,
                                r"^checkpoint log_weights contain NaN")):
         bad = dict(state, log_weights=value)

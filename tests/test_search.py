@@ -397,6 +397,7 @@ def test_auto_backend_choice(monkeypatch):
     for dev in (torch.device("cpu"), torch.device("cuda", 0)):
         assert K.resolve_search_backend("auto", dev) == "torch"
     assert K.resolve_search_backend("faiss", torch.device("cpu")) == "faiss"
+    assert K.resolve_search_backend("auto") == "torch"  # the device is optional: never read
     with pytest.raises(ValueError, match="search_backend must be one of"):
         K.resolve_search_backend("annoy", torch.device("cpu"))
 
@@ -467,7 +468,7 @@ def test_exact_backends_agree_on_ties():
 @pytest.fixture
 def torch_selection(monkeypatch):
     """The plain torch selection (the path for CUDA tensors and for a missing library)."""
-    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
+    monkeypatch.setattr(cpu, "knn_selection", lambda *a: None)
 
 
 @pytest.mark.parametrize("exclude_self", [False, True])
@@ -625,7 +626,7 @@ def both_paths(monkeypatch, *args, **kw):
     a = knn(*args, search_backend="torch", **kw)
     assert spy.tiles and not spy.sym, "the compiled blockwise selection did not run"
     with monkeypatch.context() as m:
-        m.setattr(TS, "_compiled_selection", lambda *a: None)
+        m.setattr(cpu, "knn_selection", lambda *a: None)
         n = len(spy.tiles)
         b = knn(*args, search_backend="torch", **kw)
         assert len(spy.tiles) == n and not spy.sym, "the fallback ran the compiled selection"
@@ -796,7 +797,7 @@ def test_fallback_when_the_kernel_is_switched_off(monkeypatch):
     try:
         with pytest.warns(RuntimeWarning, match="NNKLOSS_CPU_KERNEL=0"):
             dist, idx = knn(x, x, 30, "torch", exclude_self=True)
-        assert TS._compiled_selection(4, 30, 94) is None
+        assert cpu.knn_selection(4, 30, 94) is None
     finally:
         monkeypatch.delenv("NNKLOSS_CPU_KERNEL")
         cpu.build._reset_for_tests()
@@ -820,7 +821,7 @@ def test_compiled_paths_drop_the_own_row_in_their_decode(monkeypatch):
         dist, idx = knn(queries, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
         assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
     assert spy.sym and spy.tiles and not calls
-    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)  # the torch selection
+    monkeypatch.setattr(cpu, "knn_selection", lambda *a: None)  # the torch selection
     dist, idx = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
     assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0]) and calls
 
@@ -844,12 +845,12 @@ def test_compiled_paths_decode_into_knns_result(monkeypatch):
         dist, idx = knn(queries, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
         assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
         assert len(seen) == blocks and all(seen)
-    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)  # the torch selection
+    monkeypatch.setattr(cpu, "knn_selection", lambda *a: None)  # the torch selection
     seen.clear()
     dist, idx = knn(x, x, 20, "torch", exclude_self=True, tile_bytes=2**22)
     assert torch.equal(idx, ref[1]) and torch.equal(dist, ref[0])
     assert seen and not any(seen)
-    sel = cpu.knn_selection(4, 3, 70)
+    sel = cpu.search.knn_selection(4, 3, 70)  # the package name is patched
     sel.reset(4)
     sel.add(torch.rand(4, 10), 0)
     for bad in ((torch.empty(4, 2), torch.empty(4, 3, dtype=torch.long)),
@@ -1065,7 +1066,7 @@ def test_symmetric_blocks_stream_in_row_order(monkeypatch):
     assert [(q0, rows) for q0, rows, _ in seen] == [(0, 32), (32, 32), (64, 32), (96, 4)]
     for q0, _, row0s in seen:
         assert set(row0s) == set(range(0, q0 + 1, 32)), "a block yielded late or early"
-    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
+    monkeypatch.setattr(cpu, "knn_selection", lambda *a: None)
     n = len(spy.sym)
     assert torch.equal(knn(x, x, 8, "torch", exclude_self=True)[1],
                        ref_lists(x, x, 8, exclude_self=True)[1])
@@ -1122,7 +1123,7 @@ def test_every_cpu_path_is_exact_with_either_gemm(monkeypatch, compiled_gemm):
     ref = ref_lists(x, x, 25, exclude_self=True)
     sym = knn(x, x, 25, "torch", exclude_self=True)
     block = knn(x.clone(), x, 25, "torch", exclude_self=True)
-    monkeypatch.setattr(TS, "_compiled_selection", lambda *a: None)
+    monkeypatch.setattr(cpu, "knn_selection", lambda *a: None)
     fallback = knn(x.clone(), x, 25, "torch", exclude_self=True)
     for got in (sym, block, fallback):
         assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])

@@ -106,10 +106,6 @@ def validate_bank_tensors(centres: Tensor, centre_labels: Tensor, neighbours: Te
                           log_weights: Tensor, learned: bool, prefix: str = "") -> None:
     """:meth:`CentreBank.update_`'s checks for a whole bank read from disk; errors name the
     field as ``prefix`` + name."""
-    for name, t in (("centres", centres), ("centre_labels", centre_labels),
-                    ("neighbours", neighbours), ("log_weights", log_weights)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{prefix}{name} must be a tensor, got {type(t).__name__}")
     require_float(prefix + "centres", centres, 2)
     n = centres.shape[0]
     if not all_finite(centres):

@@ -152,11 +152,10 @@ def class_centroids(emb, labels, per_class: int = 1, seed: int = 0, iters: int =
         return _finite_centres(means.to(out_dtype), emb), classes
 
     order = torch.argsort(inverse, stable=True)  # rows grouped by class, one sort for all
-    starts = torch.cumsum(counts, 0) - counts
     cdt = torch.float64 if emb.dtype == torch.float64 else torch.float32
     centres, centre_labels = [], []
-    for ci, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):
-        pts = emb[order[s:s + c]].to(cdt)
+    for ci, rows in enumerate(order.split(counts.tolist())):
+        pts = emb[rows].to(cdt)
         distinct = torch.unique(pts, dim=0)
         if distinct.shape[0] <= per_class:
             cents = distinct

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .centre_bank import CentreBank
 from ..validation import all_finite, as_index, require_int, require_positive_int, require_sigma
-from .search import NeighbourLists, knn, neighbour_lists
+from .search import NeighbourLists, knn, neighbour_lists, synchronize
 from .search.knn import check_search_arguments
 from .. import distributed as _dist
 from ..inference import inference_model, to_device
@@ -101,8 +101,6 @@ def _sigma_source(sigma):
         return sigma.kernel_sigma
     if callable(sigma):
         return sigma
-    if isinstance(sigma, Tensor) and sigma.numel() != 1:
-        raise ValueError(f"sigma must be a 0-dim tensor, got shape {tuple(sigma.shape)}")
     checked = _check_sigma(sigma)  # bad values fail now, not at the first refresh
     return sigma if isinstance(sigma, Tensor) else checked
 
@@ -360,8 +358,7 @@ class Refresher:
                 _dist.broadcast_buffers(model)
             t0 = time.perf_counter()
             centres, centre_labels = self._embed(model, device, n, d)
-            if centres.device.type == "cuda":  # this thread's stream only, not training's
-                torch.cuda.current_stream(centres.device).synchronize()
+            synchronize(centres.device)  # this thread's stream only, not training's
             embed_s = time.perf_counter() - t0
             lists, stats = self._build_lists(centres, centre_labels, embed_s, sigma, asynchronous,
                                              recalibrate_s)
@@ -404,15 +401,13 @@ class Refresher:
                         # centre_labels[idx] = y below would broadcast one label over the batch
                         raise ValueError(f"loader yielded {y.shape[0]} labels for "
                                          f"{idx.shape[0]} idx: one label per bank row")
-                    if idx.device.type == "cpu":
-                        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-                            raise IndexError(f"loader yielded idx outside the bank's rows "
-                                             f"0..{n - 1} (min {int(idx.min())}, max "
-                                             f"{int(idx.max())})")
-                    else:  # no per-batch sync for device idx: flag now, raise after the loop
+                    if idx.device.type != "cpu":  # no per-batch sync: flag now, raise later
                         idx = idx.to(dev)
                         out_of_range |= ((idx < 0) | (idx >= n)).any()
                         idx = idx.clamp(0, n - 1)
+                    elif idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                        raise IndexError(f"loader yielded idx outside the bank's rows 0..{n - 1}"
+                                         f" (min {int(idx.min())}, max {int(idx.max())})")
                     emb = net(to_device(inputs, device))
                     if not isinstance(emb, Tensor) or emb.shape != (idx.shape[0], d):
                         shape = tuple(emb.shape) if isinstance(emb, Tensor) else type(emb)

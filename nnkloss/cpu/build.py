@@ -1,12 +1,7 @@
-"""Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes.
-
-The sources are compiled once per machine (``c++ -O3 -march=native ...``) into a private
-per-user cache, keyed by the sources, compiler, flags and CPU, and written atomically with
-their sha256 beside them; nothing there is loaded unless it is this user's, private and matches
-that sha256 on the descriptor that is loaded (docs/SECURITY.md); anything else is rebuilt. Any
-failure (or ``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and the op's
-passes run the plain torch path. Threads are torch's setting; :func:`threads` keeps small
-calls on fewer of them.
+"""Build, cache, verify and load the CPU library (``csrc/*.cpp``, no torch headers) with ctypes:
+compiled once per machine into a private per-user cache keyed by sources, compiler, flags and CPU,
+loaded only after its owner, mode and sha256 check out (docs/SECURITY.md). Any failure (or
+``NNKLOSS_CPU_KERNEL=0``) leaves ``available()`` False: one warning, and callers run torch.
 """
 from __future__ import annotations
 
@@ -88,9 +83,8 @@ def _cache_key(cxx: str, flags) -> str:
 
 def _source_files() -> list:
     """SOURCES and the headers beside them: everything the library is built from."""
-    dirs = sorted({os.path.dirname(p) for p in SOURCES})
-    headers = [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".h")]
-    return list(SOURCES) + headers
+    d = os.path.dirname(SOURCES[0])  # one folder (a benchmark builds another revision's)
+    return SOURCES + sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".h"))
 
 
 class _Untrusted(Exception):
@@ -127,15 +121,6 @@ def _usable_cache_dir() -> str:
     raise RuntimeError("no private cache directory (" + "; ".join(reasons) + ")")
 
 
-def _check_owned_file(st: os.stat_result, path: str) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise _Untrusted(f"{path} is not a regular file")
-    if st.st_uid != os.geteuid():
-        raise _Untrusted(f"{path} is owned by uid {st.st_uid}, not by this user")
-    if st.st_mode & 0o022:
-        raise _Untrusted(f"{path} is writable by group or others")
-
-
 def _sha256_of(f) -> str:
     h = hashlib.sha256()
     for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -146,18 +131,29 @@ def _sha256_of(f) -> str:
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+def _open_owned(path: str):
+    """``path`` open for reading (never through a symlink) once its descriptor shows a regular
+    file of this user's that group and others cannot write; _Untrusted otherwise."""
+    try:
+        f = os.fdopen(os.open(path, _OPEN_FLAGS), "rb")
+    except OSError as exc:
+        raise _Untrusted(f"{path}: {exc.strerror}") from None
+    st = os.fstat(f.fileno())
+    for bad, why in ((not stat.S_ISREG(st.st_mode), "is not a regular file"),
+                     (st.st_uid != os.geteuid(), f"is owned by uid {st.st_uid}, not by this user"),
+                     (st.st_mode & 0o022, "is writable by group or others")):
+        if bad:
+            f.close()
+            raise _Untrusted(f"{path} {why}")
+    return f
+
+
 def _recorded_sha256(path: str) -> str:
     """The sha256 written beside ``path`` at build time (the record passes the owner checks)."""
-    record = path + ".sha256"
-    try:
-        fd = os.open(record, _OPEN_FLAGS)
-    except OSError as exc:
-        raise _Untrusted(f"{record}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        _check_owned_file(os.fstat(f.fileno()), record)
+    with _open_owned(path + ".sha256") as f:
         text = f.read(100).decode("ascii", "replace").strip()
     if len(text) != 64 or text.strip("0123456789abcdef"):
-        raise _Untrusted(f"{record} does not hold a sha256")
+        raise _Untrusted(f"{path}.sha256 does not hold a sha256")
     return text
 
 
@@ -165,21 +161,11 @@ def _open_verified(path: str) -> int:
     """A file descriptor open on ``path`` once its owner, mode and sha256 have been checked on
     that same descriptor (what gets loaded is what was checked); _Untrusted otherwise."""
     expected = _recorded_sha256(path)
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError as exc:
-        raise _Untrusted(f"{path}: {exc.strerror}") from None
-    try:
-        _check_owned_file(os.fstat(fd), path)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            digest = _sha256_of(f)
-        if digest != expected:
+    with _open_owned(path) as f:
+        if _sha256_of(f) != expected:
             raise _Untrusted(f"{path} does not match the sha256 recorded when it was built "
                              "(truncated or modified)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return os.dup(f.fileno())  # the same open file, past the closing of f
 
 
 def _compile(cxx: str, flags, out_dir: str) -> str:

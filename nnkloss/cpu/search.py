@@ -18,10 +18,9 @@ __all__ = ["KnnSelection", "knn_selection", "gemm_nt", "sort_rows", "list_overla
 def list_overlap(new, old, num_rows: int):
     """``(shared, listed)``, each (rows,) int64: how many entries of each list of ``new``
     (rows, K) its list in ``old`` (rows, K') also holds (-1 = padding, never shared; a repeated
-    new entry counted each time) and how many are not padding. None where this is not done
-    here: no library, tensors it does not read, lists of different row counts, or an entry
-    outside [-1, num_rows). ``num_rows`` (the bitmap's size) must be an int >= 0
-    (TypeError / ValueError naming it); a bitmap too large to allocate is a MemoryError."""
+    new entry counted each time) and how many are not padding. None where the library does not
+    take the tensors or an entry is outside [-1, num_rows), ``num_rows`` an int >= 0 (a bitmap
+    too large to allocate: MemoryError)."""
     num_rows = _index_arg("num_rows", num_rows)
     lib = build.lib()
     if (lib is None or not (new.is_cpu and old.is_cpu) or new.dtype not in INDEX_TYPES

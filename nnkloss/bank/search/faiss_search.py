@@ -56,10 +56,8 @@ def check_index_options(approximate: Optional[str], options: dict, arg: str = "{
     """ValueError naming an option given (not None) that the index ``approximate`` does not
     use, or a bad value of one it does; ``arg`` spells the name as the caller passed it."""
     for kind, names in INDEX_OPTIONS.items():
-        if kind == approximate:
-            continue
         for name in names:
-            if options.get(name) is not None:
+            if kind != approximate and options.get(name) is not None:
                 used = ("the exact search (approximate=None)" if approximate is None
                         else f"approximate={approximate!r}")
                 raise ValueError(f"{arg.format(name)}={options[name]!r} is an option of "

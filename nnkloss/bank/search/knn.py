@@ -106,8 +106,9 @@ class SearchBlock(NamedTuple):
     neighbours: Tensor
 
 
-def resolve_search_backend(search_backend: str, device: torch.device) -> str:
-    """The search a ``search_backend`` runs: "auto" is "torch" (never dependent on faiss)."""
+def resolve_search_backend(search_backend: str, device: Optional[torch.device] = None) -> str:
+    """The search a ``search_backend`` runs on any ``device``: "auto" is "torch" (never
+    dependent on faiss)."""
     return "torch" if check_search_backend(search_backend) == "auto" else search_backend
 
 
@@ -131,7 +132,7 @@ def _iter_checked(queries: Tensor, base: Tensor, k: int, search_backend: str,
     if approximate is not None:
         blocks = iter_search_index(build_approximate(base, approximate, k, **index_options),
                                    queries, kk)
-    elif resolve_search_backend(search_backend, queries.device) == "faiss":
+    elif resolve_search_backend(search_backend) == "faiss":
         blocks = iter_search_index(build_flat(base, kk), queries, kk)
     else:
         for block in iter_knn_torch(queries, base, k, tile_bytes,

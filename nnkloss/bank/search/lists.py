@@ -45,11 +45,10 @@ def has_same_label(neighbours: Tensor, centre_labels: Tensor) -> Tensor:
     return ((nb_labels == centre_labels.unsqueeze(1)) & (neighbours >= 0)).any(dim=1)
 
 
-def search_name(search_backend: str, knn_options: dict, device: torch.device) -> str:
+def search_name(search_backend: str, knn_options: dict) -> str:
     """The search that runs: "torch", "faiss", "faiss-ivf" or "faiss-hnsw"."""
     approximate = knn_options.get("approximate")
-    return (f"faiss-{approximate}" if approximate is not None
-            else resolve_search_backend(search_backend, device))
+    return f"faiss-{approximate}" if approximate else resolve_search_backend(search_backend)
 
 
 def synchronize(device: torch.device) -> None:
@@ -97,7 +96,7 @@ def neighbour_lists(centres: Tensor, centre_labels: Tensor, k: int, search_backe
     """
     require_labelled("centres", centres, "centre_labels", centre_labels)
     labels = centre_labels.to(centres.device).long()
-    used = search_name(search_backend, knn_options, centres.device)
+    used = search_name(search_backend, knn_options)
     synchronize(centres.device)
     t0 = time.perf_counter()
     dist, idx = knn(centres, centres, k, search_backend, exclude_self=True, **knn_options)

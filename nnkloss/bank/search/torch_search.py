@@ -19,11 +19,6 @@ from .exclusion import drop_self
 __all__ = ["iter_knn_torch", "tile_budget", "tile_sizes", "same_tensor",
            "symmetric_block"]
 
-# Working-memory budget on the CPU (distance block + mask + kept entries).
-_CPU_TILE_BYTES = 256 * 2**20
-# On CUDA the budget is this share of the free memory, capped (bigger tiles stop paying off).
-_CUDA_FREE_SHARE = 0.25
-_CUDA_TILE_BYTES_MAX = 4 * 2**30
 # Columns sampled per query row for the threshold: min(SAMPLE_COLUMNS, N / 4), and no sample
 # (exact threshold) below MIN_SAMPLE_COLUMNS.
 SAMPLE_COLUMNS = 4096
@@ -44,6 +39,8 @@ SYM_MAX_K_PER_WIDTH = 3
 
 
 def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
+    """Working memory (distance block, mask, kept entries): ``tile_bytes``, else 256 MiB on the
+    CPU; on CUDA a quarter of the free memory, at most 4 GiB (bigger tiles stop paying off)."""
     if tile_bytes is not None:
         if (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, numbers.Real)
                 or not tile_bytes >= 1):
@@ -52,8 +49,8 @@ def tile_budget(device: torch.device, tile_bytes: Optional[int]) -> int:
         return int(tile_bytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(min(max(free * _CUDA_FREE_SHARE, 32 * 2**20), _CUDA_TILE_BYTES_MAX))
-    return _CPU_TILE_BYTES
+        return int(min(max(free * 0.25, 32 * 2**20), 4 * 2**30))
+    return 256 * 2**20
 
 
 def tile_sizes(q: int, n: int, d: int, k: int, budget: int) -> Tuple[int, int]:
@@ -126,11 +123,8 @@ def _knn_block(block: Tensor, k: int, sample_columns: int, sample_k: int,
     ``sample_columns`` > 0 column j is base row ``ids[j]`` (a random permutation) and the first
     columns are the threshold's sample; else the threshold is exact."""
     rows, n = block.shape
-    if sample_columns:
-        tau = block[:, :sample_columns].topk(sample_k, dim=1, largest=False,
-                                             sorted=False).values.amax(dim=1)
-    else:
-        tau = block.topk(k, dim=1, largest=False, sorted=False).values.amax(dim=1)
+    cols, rank = (sample_columns, sample_k) if sample_columns else (n, k)
+    tau = block[:, :cols].topk(rank, dim=1, largest=False, sorted=False).values.amax(dim=1)
     # Clamped distances tie at 0: every entry <= 0 must be kept when tau is below 0.
     tau = tau.clamp_min(0.0)
     flat, r, counts, offsets = _select(block, tau)
@@ -176,7 +170,8 @@ def iter_knn_torch(queries: Tensor, base: Tensor, k: int, tile_bytes: Optional[i
         s = (symmetric_block(n, kk, budget)
              if self_search and kk <= SYM_MAX_K_PER_WIDTH * width else 0)
         tq, tb, cap = (s, s, kk + max(kk, 64)) if s else cpu_tile_sizes(q, n, kk, budget)
-        sel = _compiled_selection(n if s else tq, kk, cap)
+        from ... import cpu  # the compiled selection (library built on first use) or None
+        sel = cpu.knn_selection(n if s else tq, kk, cap)
         if sel is not None:
             yield from _iter_knn_compiled(queries, base, kk, width, tq, tb, sel, exclude_self,
                                           out, symmetric=bool(s))
@@ -241,11 +236,6 @@ def decoded_into(out: Tuple[Tensor, Tensor], row0: int, dist: Tensor, idx: Tenso
     """Whether a block :func:`iter_knn_torch` yielded already lies in ``out``'s rows."""
     return (dist.data_ptr() == out[0][row0].data_ptr()
             and idx.data_ptr() == out[1][row0].data_ptr())
-
-
-def _compiled_selection(rows: int, k: int, cap: int):
-    from ... import cpu  # the compiled library (built on first use) or None
-    return cpu.knn_selection(rows, k, cap)
 
 
 def _iter_knn_compiled(queries: Tensor, base: Tensor, k: int, width: int, tq: int, tb: int,

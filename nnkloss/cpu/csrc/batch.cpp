@@ -53,23 +53,15 @@ void index_range(const I* __restrict p, int64_t n, int64_t* lo, int64_t* hi) {
 }
 
 // A float type's bits: the unsigned integer of its width, its sign bit and its exponent field.
+template <typename Uint, Uint Exponent> struct Bits {
+    typedef Uint U;
+    static constexpr U sign = (U)((U)1 << (8 * sizeof(U) - 1)), exponent = Exponent;
+};
 template <typename T> struct FloatBits;
-template <> struct FloatBits<float> {
-    typedef uint32_t U;
-    static constexpr U sign = 0x80000000u, exponent = 0x7f800000u;
-};
-template <> struct FloatBits<double> {
-    typedef uint64_t U;
-    static constexpr U sign = 0x8000000000000000ull, exponent = 0x7ff0000000000000ull;
-};
-template <> struct FloatBits<bf16> {
-    typedef uint16_t U;
-    static constexpr U sign = 0x8000u, exponent = 0x7f80u;
-};
-template <> struct FloatBits<fp16> {
-    typedef uint16_t U;
-    static constexpr U sign = 0x8000u, exponent = 0x7c00u;
-};
+template <> struct FloatBits<float> : Bits<uint32_t, 0x7f800000u> {};
+template <> struct FloatBits<double> : Bits<uint64_t, 0x7ff0000000000000ull> {};
+template <> struct FloatBits<bf16> : Bits<uint16_t, 0x7f80u> {};
+template <> struct FloatBits<fp16> : Bits<uint16_t, 0x7c00u> {};
 
 // 1 when one of the n values of type T is NaN or infinite (an all-ones exponent) or, with
 // `negative`, negative (a set sign on a nonzero value: -0.0 is a zero, allowed).

@@ -14,7 +14,6 @@ validation set a seeded, stratified fraction of the training set is held out. La
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections import namedtuple
@@ -103,16 +102,13 @@ def _inside_root(entry: str, where: str) -> None:
     stays inside the dataset folder (neither absolute nor with a ``..`` component)."""
     if not entry:
         raise DatasetFormatError(f"{where}: empty image path")
-    if "\0" in entry:
-        raise DatasetFormatError(f"{where}: image path {entry!r} holds a NUL byte")
-    parts = entry.replace("\\", "/").split("/")
-    if (os.path.isabs(entry) or entry[:1] in ("/", "\\")
-            or (entry[:1].isalpha() and entry[1:2] == ":")):
-        raise DatasetFormatError(f"{where}: image path {entry!r} is absolute; entries must be "
-                                 f"relative to the dataset folder")
-    if ".." in parts:
-        raise DatasetFormatError(f"{where}: image path {entry!r} has a '..' component; entries "
-                                 f"must stay inside the dataset folder")
+    absolute = (os.path.isabs(entry) or entry[0] in "/\\"
+                or (entry[0].isalpha() and entry[1:2] == ":"))
+    why = ("holds a NUL byte" if "\0" in entry else "is absolute" if absolute
+           else "has a '..' component" if ".." in entry.replace("\\", "/").split("/") else None)
+    if why:
+        raise DatasetFormatError(f"{where}: image path {entry!r} {why}; entries must stay "
+                                 "inside the dataset folder")
 
 
 def _text_lines(f, path: str):
@@ -123,23 +119,30 @@ def _text_lines(f, path: str):
         raise DatasetFormatError(f"{path}: not {f.encoding} text ({e})") from None
 
 
-def _read_table(path: str, what: str, types: Sequence[Callable],
-                path_cols: Sequence[int] = ()) -> List[tuple]:
-    """Whitespace-separated lines of one field per type in ``types``, converted; the fields at
-    ``path_cols`` are image paths (:func:`_inside_root`)."""
+def _read_table(path: str, what: str, types: Sequence[Callable], path_cols: Sequence[int] = (),
+                sep: Optional[str] = None, header: Sequence[str] = ()) -> List[tuple]:
+    """Lines of one field per type in ``types`` (split at ``sep``, default whitespace), converted,
+    after a first line of the column names ``header`` if given; the fields at ``path_cols`` are
+    image paths (:func:`_inside_root`)."""
     _require(path, what)
     ncols = len(types)
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(_text_lines(f, path), 1):
-            if not line.strip():
+            fields = [x.strip() for x in line.rstrip("\r\n").split(sep)]
+            if header and lineno == 1:
+                if fields != list(header):
+                    raise DatasetFormatError(f"{path}, line 1: expected the header "
+                                             f"{list(header)}, got {fields}")
                 continue
-            fields = line.split()
+            if not any(fields):
+                continue
             if len(fields) != ncols:
                 raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
                                          f"{len(fields)}: {line.strip()[:80]!r}")
             for col in path_cols:
-                _inside_root(fields[col], f"{path}, line {lineno}")
+                _inside_root(fields[col], f"{path}, line {lineno}"
+                             + (f" ({header[col]})" if header else ""))
             try:
                 rows.append(tuple(t(v) for t, v in zip(types, fields)))
             except ValueError as e:
@@ -498,27 +501,9 @@ class Leafsnap(_OfficialImages):
                  transform: Optional[Callable] = None, seed: int = 0, check_files: bool = True):
         _check_split(protocol, split)
         _require(root, "Leafsnap root folder", os.path.isdir)
-        index = _require(os.path.join(root, self.INDEX), "Leafsnap index file")
-        rows = []
-        with open(index, encoding="utf-8", newline="") as f:
-            reader = csv.reader(_text_lines(f, index), delimiter="\t")
-            try:
-                header = next(reader, None)
-                if header is None or [h.strip() for h in header] != list(self.COLUMNS):
-                    raise DatasetFormatError(f"{index}, line 1: expected the tab-separated "
-                                             f"header {list(self.COLUMNS)}, got {header}")
-                for lineno, r in enumerate(reader, 2):
-                    if not r or not any(x.strip() for x in r):
-                        continue
-                    if len(r) != len(self.COLUMNS):
-                        raise DatasetFormatError(f"{index}, line {lineno}: expected "
-                                                 f"{len(self.COLUMNS)} tab-separated fields, "
-                                                 f"got {len(r)}")
-                    rows.append([x.strip() for x in r])
-                    _inside_root(rows[-1][1], f"{index}, line {lineno} (image_path)")
-            except csv.Error as e:  # e.g. a field beyond csv's field_size_limit
-                raise DatasetFormatError(f"{index}, line {reader.line_num}: {e}") from None
-        rows = [r for r in rows if r[4] == "field"]
+        index = os.path.join(root, self.INDEX)
+        rows = [r for r in _read_table(index, "Leafsnap index file", (str,) * len(self.COLUMNS),
+                                       (1,), "\t", self.COLUMNS) if r[4] == "field"]
         if not rows:
             raise DatasetFormatError(f"{index} lists no images with source == 'field'")
         species = np.array([r[3] for r in rows])
@@ -606,10 +591,9 @@ def read_idx(path: str, hint: str = "", max_bytes: int = IDX_MAX_BYTES) -> np.nd
     _require(path, "IDX file")
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
-            data = _read_idx_stream(f, path, hint, max_bytes)
+            dims, dtype, payload = _read_idx_stream(f, path, hint, max_bytes)
     except (OSError, EOFError, zlib.error) as e:
         raise DatasetFormatError(f"{path}: cannot read ({e}){hint}") from None
-    dims, dtype, payload = data
     arr = np.frombuffer(payload, dtype=dtype).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
@@ -619,8 +603,8 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
     magic = f.read(4)
     if len(magic) < 4:
         raise DatasetFormatError(f"{path}: {len(magic)} bytes, too short for an IDX header{hint}")
-    zero0, zero1, code, ndim = magic[0], magic[1], magic[2], magic[3]
-    if zero0 != 0 or zero1 != 0 or code not in IDX_DTYPES:
+    code, ndim = magic[2], magic[3]
+    if magic[:2] != b"\0\0" or code not in IDX_DTYPES:
         raise DatasetFormatError(f"{path}: bad IDX magic number 0x{magic.hex()} (expected "
                                  f"0x0000 then a type byte in "
                                  f"{[hex(c) for c in IDX_DTYPES]} and the dimension count)"

@@ -424,7 +424,6 @@ class Cars196(_OfficialImages):
         except (IndexError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
         cls = col["class"].astype(np.int64)
-        # Classes are integers from 1.
         wrong = np.flatnonzero((cls < 1) | (cls != col["class"]))
         if len(wrong):
             bad = int(wrong[0])
@@ -678,13 +677,11 @@ class IDXDataset(IndexedTensorDataset):
         hint = f"; {info.get}"
         if not os.path.isdir(root):
             raise FileNotFoundError(f"{info.name} folder not found: {root}{hint}")
-        paths = []
-        for stem in IDX_FILES[split]:
-            try:
-                paths.append(find_idx_file(root, stem, info.folder))
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"{info.name} file {e}{hint}") from None
-        img_path, lab_path = paths
+        try:
+            img_path, lab_path = (find_idx_file(root, stem, info.folder)
+                                  for stem in IDX_FILES[split])
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{info.name} file {e}{hint}") from None
         images = read_idx(img_path, hint)
         labels = read_idx(lab_path, hint)
         if images.ndim != 3 or images.dtype != np.uint8:

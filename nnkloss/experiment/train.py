@@ -22,12 +22,15 @@ from .seeds import check_seed, seed_everything
 from ..losses.base import BankLoss
 from ..validation import require_positive_int, value_checks, value_checks_enabled
 from .. import distributed as _dist
+from ..checksum import iter_contents
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 #: "adam" decays through the gradient (L2), which Adam rescales; "adamw" decays decoupled.
 OPTIMIZERS = ("sgd", "adam", "adamw")
+# What loading a malformed part raises (AttributeError: a str where a loader wants a dict).
+_LOAD_ERRORS = (ValueError, IndexError, TypeError, KeyError, RuntimeError, AttributeError)
 
 
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
@@ -199,9 +202,7 @@ class Trainer:
                 target.load_state_dict(state[name])
                 if target is self.optimizer:
                     _ckpt.check_optimizer_state(target)
-            # AttributeError: a str or list where the loaders call a dict's methods
-            except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
-                    AttributeError) as exc:
+            except _LOAD_ERRORS as exc:
                 raise type(exc)(f"{where}, {name}: {exc}") from exc
         _ckpt.check_scaler_state(state.get("scaler", {}), f"{where}, scaler")
         if state.get("scaler"):
@@ -215,8 +216,7 @@ class Trainer:
                 ("rng", _ckpt.set_rng_state)):
             try:
                 load(state[name])
-            except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
-                    AttributeError) as exc:  # e.g. a list where set_rng_state wants a tensor
+            except _LOAD_ERRORS as exc:  # e.g. a list where set_rng_state wants a tensor
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
         for name in ("bank_ready", "refresh_due"):  # real bools only: bool("False") is True
             value = state.get(name, False)
@@ -392,17 +392,10 @@ class Trainer:
 
 
 def _cpu_copy(obj):
-    """A CPU copy of a nested state: tensors cloned, containers rebuilt, the rest deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # a module's state_dict: its per-module versions
-            out._metadata = copy.deepcopy(obj._metadata)
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
+    """A deep copy of a nested state with every tensor in its containers cloned to the CPU."""
+    cpu = {id(t): t.detach().to("cpu", copy=True) for _, t in iter_contents(obj)
+           if isinstance(t, Tensor)}
+    return copy.deepcopy(obj, cpu)  # the memo maps each tensor to its CPU clone
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

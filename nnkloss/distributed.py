@@ -168,10 +168,8 @@ def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_op
     if not is_distributed():
         return model
     from torch.nn.parallel import DistributedDataParallel
-    if device is None:
-        p = next(iter(model.parameters()), None)
-        device = p.device if p is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = (next(model.parameters(), torch.empty(0)).device if device is None
+              else torch.device(device))
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         ddp_options.setdefault("device_ids", [index])

@@ -86,8 +86,7 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
                          + "; ".join(problems))
 
 
-def check_optimizer_state(optimizer: torch.optim.Optimizer,
-                          what: str = "the optimiser state") -> None:
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """ValueError unless every state tensor of ``optimizer`` is 0-dim or of its parameter's
     shape, and every numeric hyperparameter (numbers or tuples of them by
     ``optimizer.defaults``) is finite and >= 0: ``load_state_dict`` checks neither."""
@@ -102,14 +101,14 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
             else:
                 continue
             if not ok:
-                raise ValueError(f"{what}: parameter group {g}'s {key!r} must be "
+                raise ValueError(f"the optimiser state: parameter group {g}'s {key!r} must be "
                                  f"{'a number' if _is_number(default) else 'numbers'} finite "
                                  f"and >= 0 (default {default!r}), got {value!r}")
         for i, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
                 if (isinstance(value, torch.Tensor) and value.dim() > 0
                         and value.shape != p.shape):
-                    raise ValueError(f"{what} {key!r} of parameter {i} of its group has shape "
+                    raise ValueError(f"the optimiser state {key!r} of parameter {i} of its group has shape "
                                      f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
 
 

@@ -26,11 +26,8 @@ def git_commit(cwd: str) -> Optional[str]:
     except (OSError, subprocess.CalledProcessError):
         return None
     exclude = [f":(top,exclude){d}" for d in RESULTS_DIRS]
-    try:
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":(top)", *exclude],
-                               cwd=cwd, capture_output=True).returncode == 1
-    except OSError:
-        dirty = False
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":(top)", *exclude],
+                           cwd=cwd, capture_output=True).returncode == 1
     return (head + ("-dirty" if dirty else "")) if head else None
 
 

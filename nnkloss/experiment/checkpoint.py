@@ -106,10 +106,10 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                  f"and >= 0 (default {default!r}), got {value!r}")
         for i, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
-                if (isinstance(value, torch.Tensor) and value.dim() > 0
-                        and value.shape != p.shape):
-                    raise ValueError(f"the optimiser state {key!r} of parameter {i} of its group has shape "
-                                     f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(f"the optimiser state {key!r} of parameter {i} of its group "
+                                     f"has shape {tuple(value.shape)}, the parameter "
+                                     f"{tuple(p.shape)}")
 
 
 def _is_number(v: Any) -> bool:

@@ -583,3 +583,15 @@ def test_index_entries_that_leave_the_dataset_folder_are_refused(trees, tmp_path
         row[1] = row[1].replace(".jpg", "..jpg")
         f.write("\n".join(lines[:2] + ["\t".join(row)] + lines[3:]) + "\n")
     Leafsnap(leaf, "train", check_files=False)
+
+
+def test_boxes_are_rounded_and_clipped_to_the_image(tmp_path):
+    """A box past the image's edges is clipped to them; one empty after clipping keeps the
+    whole image."""
+    from PIL import Image
+    from nnkloss.experiment.datasets import ImageListDataset
+    path = str(tmp_path / "a.png")
+    Image.new("RGB", (40, 30)).save(path)
+    boxes = [[-5, 2.6, 50, 20.4], [10, 5, 10, 20], [45, 0, 60, 30], [-9, -9, -1, 30]]
+    ds = ImageListDataset([path] * 4, [0] * 4, 1, boxes=boxes)
+    assert [ds.load_image(i).size for i in range(4)] == [(40, 17), (40, 30), (40, 30), (40, 30)]

@@ -277,12 +277,9 @@ class ImageListDataset(Dataset):
         except (OSError, Image.DecompressionBombError) as e:
             raise DatasetFormatError(f"cannot read image {path}: {e}") from None
         if self.boxes is not None:
-            left, upper, right, lower = self.boxes[i]
-            w, h = img.size
-            left, upper = max(0, int(round(left))), max(0, int(round(upper)))
-            right, lower = min(w, int(round(right))), min(h, int(round(lower)))
-            if right > left and lower > upper:  # a degenerate box keeps the whole image
-                img = img.crop((left, upper, right, lower))
+            box = np.clip(np.round(self.boxes[i]), 0, img.size * 2).astype(int)  # (w, h, w, h)
+            if box[2] > box[0] and box[3] > box[1]:  # a degenerate box keeps the whole image
+                img = img.crop(tuple(box.tolist()))
         return img
 
     def __getitem__(self, i: int):
@@ -300,11 +297,9 @@ class _OfficialImages(ImageListDataset):
     def _build(self, root: str, protocol: str, split: str, cls: np.ndarray, paths: List[str],
                parts: Callable[[], Dict[str, np.ndarray]], transform, check_files: bool,
                boxes=None) -> None:
-        """Keep ``split`` of the items whose official classes are ``cls`` and images ``paths``.
-
-        ``parts()`` gives the classification protocol's "train", "val" and "test" positions;
-        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs.
-        """
+        """Keep ``split`` of the items of official classes ``cls`` and images ``paths``; ``parts()``
+        gives the classification positions of "train", "val" and "test", ``boxes`` the (N, 4)
+        crop boxes or a function of the kept positions giving theirs."""
         order = sorted(set(cls.tolist()))
         if protocol == "metric":
             half = len(order) // 2

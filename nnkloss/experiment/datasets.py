@@ -6,11 +6,9 @@ over the data set. Files are checked when the data set is built: a missing or ma
 or an image path leaving the data set's folder, raises :class:`FileNotFoundError` /
 :class:`DatasetFormatError` naming the file (and line).
 
-Protocols of the image data sets: ``"metric"`` (Song et al. 2016): the first half of the
-classes, by official id, is ``split="train"``, the second ``"test"``. ``"classification"``:
-``"train"``, ``"val"``, ``"trainval"``, ``"test"`` over all classes; without an official
-validation set a seeded, stratified fraction of the training set is held out. Labels are
-``0 .. C-1`` in official id order over the split family's classes.
+Protocols of the image data sets: ``"metric"`` (Song et al. 2016) trains on the first half of
+the classes by official id and tests on the second; ``"classification"`` splits all classes
+(``"val"`` held out where no official one exists). Labels: ``0 .. C-1`` by official id.
 """
 from __future__ import annotations
 
@@ -162,9 +160,8 @@ def _check_mat_inflation(path: str, max_bytes: int) -> None:
     import struct
     import zlib
     with open(path, "rb") as f:
-        head = f.read(128)
-        order = {b"IM": "<", b"MI": ">"}.get(head[126:128]) if len(head) == 128 else None
-        if order is None:
+        order = {b"IM": "<", b"MI": ">"}.get(f.read(128)[126:128])
+        if order is None:  # not a MATLAB v5 file
             return
         total = 0
         while True:

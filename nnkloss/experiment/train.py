@@ -35,10 +35,8 @@ _LOAD_ERRORS = (ValueError, IndexError, TypeError, KeyError, RuntimeError, Attri
 
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
                   sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
-    """Optimiser groups: network and "other" criterion parameters decay; "sigma" and "weights"
-    (:meth:`nnkloss.losses.BankLoss.parameter_groups`) get their own rates and no decay
-    (decay would pull their logs to 0). A parameter of both model and criterion is the
-    network's."""
+    """The optimiser groups of :class:`Trainer`'s docstring; no decay for "sigma" and "weights"
+    (it would pull their logs to 0); a parameter of both model and criterion is the network's."""
     declared = getattr(criterion, "parameter_groups", None)
     declared = declared() if callable(declared) else {"other": list(criterion.parameters())}
     unknown = set(declared) - {"sigma", "weights", "other"}
@@ -333,7 +331,6 @@ class Trainer:
         saved_threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        self._bar = None
         try:
             if self.upkeep.needs_initial_bank:
                 seed_everything(self.seed)

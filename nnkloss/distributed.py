@@ -220,13 +220,12 @@ def sum_over_ranks(value):
     """The sum of ``value`` (number or tensor) over all ranks, of the same type."""
     if not is_distributed():
         return value
-    if isinstance(value, Tensor):
-        t = value.detach().to(comm_device(None, value.device), copy=True)
-        dist.all_reduce(t)
-        return t.to(value.device)
-    t = torch.tensor(value, dtype=torch.float64, device=comm_device(None, local_device()))
+    if not isinstance(value, Tensor):  # a number: summed as a float64 tensor
+        t = torch.tensor(value, dtype=torch.float64, device=local_device())
+        return type(value)(sum_over_ranks(t).item())
+    t = value.detach().to(comm_device(None, value.device), copy=True)
     dist.all_reduce(t)
-    return type(value)(t.item())
+    return t.to(value.device)
 
 
 def mean_over_ranks(value):

@@ -85,18 +85,14 @@ class NeighbourKernelClassifier(nn.Module):
         super().__init__()
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
-        k = require_positive_int("k", k)
-        sigma = require_sigma(sigma)  # raises on <= 0, inf, NaN, non-numbers
-        check_search_backend(search_backend)
-        batch_size = require_positive_int("batch_size", batch_size)
+        self.k = require_positive_int("k", k)
+        self.sigma = require_sigma(sigma)  # raises on <= 0, inf, NaN, non-numbers
+        self.search_backend = check_search_backend(search_backend)
+        self.batch_size = require_positive_int("batch_size", batch_size)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        _check_k(k, bank.num_centres)
+        _check_k(self.k, bank.num_centres)
         self.bank = bank
-        self.k = int(k)
-        self.sigma = float(sigma)
-        self.search_backend = search_backend
-        self.batch_size = int(batch_size)
         self.rule = rule
 
     @torch.no_grad()

@@ -661,10 +661,9 @@ class IDXDataset(IndexedTensorDataset):
 
     def __init__(self, root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
                  transform: Optional[Callable] = None, name: str = "fashion-mnist"):
-        if name not in IDX_SETS:
-            raise ValueError(f"name must be one of {tuple(IDX_SETS)}, got {name!r}")
-        if split not in IDX_FILES:
-            raise ValueError(f"split must be one of {tuple(IDX_FILES)}, got {split!r}")
+        for arg, value, allowed in (("name", name, IDX_SETS), ("split", split, IDX_FILES)):
+            if value not in allowed:
+                raise ValueError(f"{arg} must be one of {tuple(allowed)}, got {value!r}")
         info = IDX_SETS[name]
         hint = f"; {info.get}"
         if not os.path.isdir(root):

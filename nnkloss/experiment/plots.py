@@ -40,10 +40,9 @@ def _save(plt, fig, path: str, dpi: int = 120) -> str:
     fig.tight_layout()
     fmt = os.path.splitext(path)[1][1:].lower() or None
     try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
+        return atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
     finally:
         plt.close(fig)
-    return path
 
 
 def _project(x: np.ndarray, method: str, seed: int) -> np.ndarray:

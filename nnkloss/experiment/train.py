@@ -28,7 +28,7 @@ __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 #: "adam" decays through the gradient (L2), which Adam rescales; "adamw" decays decoupled.
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 # What loading a malformed part raises (AttributeError: a str where a loader wants a dict).
 _LOAD_ERRORS = (ValueError, IndexError, TypeError, KeyError, RuntimeError, AttributeError)
 
@@ -118,7 +118,7 @@ class Trainer:
                  neighbours_every_steps: Optional[int] = None, warm_start_steps: int = 0,
                  threads: Optional[int] = None):
         if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {optimizer!r}")
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")
         self.eval_every = require_positive_int("eval_every", eval_every)
@@ -139,8 +139,7 @@ class Trainer:
         self.refresher, self.schedule = self.upkeep.refresher, self.upkeep.schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         extra = {"momentum": momentum} if optimizer == "sgd" else {}
-        self.optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
-                          "adamw": torch.optim.AdamW}[optimizer](groups, lr=lr, **extra)
+        self.optimizer = OPTIMIZERS[optimizer](groups, lr=lr, **extra)
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir

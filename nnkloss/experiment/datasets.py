@@ -28,9 +28,8 @@ __all__ = ["DatasetFormatError", "ImageListDataset", "CUB200", "Cars196", "Flowe
            "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
            "KMNIST", "IDX_SETS", "IDX_FILES"]
 
-PROTOCOLS = ("metric", "classification")
-METRIC_SPLITS = ("train", "test")
-CLASSIFICATION_SPLITS = ("train", "val", "trainval", "test")
+#: The splits of each protocol of the image data sets.
+SPLITS = {"metric": ("train", "test"), "classification": ("train", "val", "trainval", "test")}
 
 
 class DatasetFormatError(ValueError):
@@ -44,11 +43,11 @@ def _require(path: str, what: str, exists: Callable[[str], bool] = os.path.isfil
 
 
 def _check_split(protocol: str, split: str) -> None:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    allowed = METRIC_SPLITS if protocol == "metric" else CLASSIFICATION_SPLITS
-    if split not in allowed:
-        raise ValueError(f"split must be one of {allowed} for protocol={protocol!r}, got {split!r}")
+    if protocol not in SPLITS:
+        raise ValueError(f"protocol must be one of {tuple(SPLITS)}, got {protocol!r}")
+    if split not in SPLITS[protocol]:
+        raise ValueError(f"split must be one of {SPLITS[protocol]} for protocol={protocol!r}, "
+                         f"got {split!r}")
 
 
 def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: int
@@ -78,11 +77,8 @@ def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: in
         bounds = np.round(cum * n).astype(int)
         bounds[-1] = n
         bounds[0] = max(bounds[0], min(1, n))  # never leave a class out of the first part
-        bounds = np.maximum.accumulate(bounds)
-        start = 0
-        for p, end in enumerate(bounds):
-            parts[p].append(members[start:end])
-            start = end
+        for p, chunk in enumerate(np.split(members, np.maximum.accumulate(bounds)[:-1])):
+            parts[p].append(chunk)
     return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64)
             for p in parts]
 

@@ -114,6 +114,4 @@ def inference_model(model: nn.Module) -> nn.Module:
                     memory_format=torch.channels_last)
         seq._modules[keys[i]] = fused
         seq._modules[keys[i + 1]] = nn.Identity()
-    for p in out.parameters():
-        p.requires_grad_(False)
-    return out
+    return out.requires_grad_(False)

@@ -129,11 +129,9 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     batch = per_rank_batch_size(loader.batch_size) if split_batch else loader.batch_size
-    options = {name: getattr(loader, name) for name in (
+    options = {name: getattr(loader, name) for name in (  # prefetch_factor: None w/o workers
         "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
-        "multiprocessing_context", "persistent_workers")}
-    if loader.num_workers > 0:
-        options["prefetch_factor"] = loader.prefetch_factor
+        "multiprocessing_context", "persistent_workers", "prefetch_factor")}
     sampler = distributed_sampler(loader.dataset, shuffle=shuffle, seed=seed)
     return DataLoader(loader.dataset, batch_size=batch, sampler=sampler, **options)
 

@@ -48,8 +48,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()),
                      py["gauss_next"]))
     npy = state["numpy"]
-    np.random.set_state((npy["bit_generator"],
-                         npy["keys"].cpu().numpy().astype(np.uint32),
+    np.random.set_state((npy["bit_generator"], npy["keys"].cpu().numpy().astype(np.uint32),
                          int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
@@ -66,8 +65,7 @@ def data_fingerprint(criterion: nn.Module) -> Dict[str, Any]:
         return {}
     centre_labels = bank.centre_labels.detach().to("cpu", torch.int64).contiguous()
     return {"num_centres": int(bank.num_centres), "embedding_dim": int(bank.dim),
-            "centre_labels_sha256":
-                hashlib.sha256(centre_labels.numpy().tobytes()).hexdigest()}
+            "centre_labels_sha256": hashlib.sha256(centre_labels.numpy().tobytes()).hexdigest()}
 
 
 def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -> None:
@@ -214,8 +212,7 @@ def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
         state = load_checked(path, map_location, what="Trainer checkpoint")
     except UncheckedFileError as exc:
         raise ValueError(f"{exc}. Trainer checkpoints of format 1 (before checksums) pickled "
-                         "Python objects and cannot be read safely: start the run again"
-                         ) from None
+                         "Python objects and cannot be read safely: start the run again") from None
     check_format(state, f"checkpoint {path!r}")
     return state
 

@@ -592,10 +592,9 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
         raise DatasetFormatError(f"{path}: {len(magic)} bytes, too short for an IDX header{hint}")
     code, ndim = magic[2], magic[3]
     if magic[:2] != b"\0\0" or code not in IDX_DTYPES:
-        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{magic.hex()} (expected "
-                                 f"0x0000 then a type byte in "
-                                 f"{[hex(c) for c in IDX_DTYPES]} and the dimension count)"
-                                 f"{hint}")
+        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{magic.hex()} (expected 0x0000 "
+                                 f"then a type byte in {[hex(c) for c in IDX_DTYPES]} and the "
+                                 f"dimension count){hint}")
     if ndim < 1:
         raise DatasetFormatError(f"{path}: IDX header gives {ndim} dimensions{hint}")
     sizes = f.read(4 * ndim)

@@ -174,13 +174,12 @@ class NeighbourKernelClassifier(nn.Module):
         centres, centre_labels, log_w = (self._usable() if neighbours is None else (
             bank.centres, bank.centre_labels, bank.log_weights.detach()))
         num_classes = bank.num_classes
-        k = self.k
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
         for lo in range(0, x.shape[0], self.batch_size):
             xb = x[lo:lo + self.batch_size]
             if neighbours is None:
-                idx = knn(xb, centres, k, search_backend=self.search_backend).neighbours
+                idx = knn(xb, centres, self.k, search_backend=self.search_backend).neighbours
             else:
                 idx = neighbours[lo:lo + self.batch_size]
             # Distances relative to the nearest centre: the shift cancels in the ratio.

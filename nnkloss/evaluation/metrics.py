@@ -98,8 +98,7 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
             same = torch.take(classes, idx) == classes[rows, None]
-            hit = same.any(dim=1)
-            first_hit[rows] = torch.where(hit, same.to(torch.uint8).argmax(dim=1), kmax)
+            first_hit[rows] = torch.where(same.any(dim=1), same.to(torch.uint8).argmax(dim=1), kmax)
             if map_at_r:
                 rr = r[rows]
                 # AccuracyCalculator's MAP@R and R-precision, bit for bit.

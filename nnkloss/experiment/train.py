@@ -260,13 +260,12 @@ class Trainer:
         checks = value_checks_enabled()  # as the caller set them around fit()
         rows = 0
         n_batches = 0
-        upkeep = self.upkeep
-        upkeep.start_epoch()
+        self.upkeep.start_epoch()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         bar = self._bar
         if bar is not None:
             bar.set_description(f"{self.desc} epoch {epoch}/{total_epochs}")
-        for x, y, idx in self.loader:
+        for n_batches, (x, y, idx) in enumerate(self.loader, 1):
             x = x.to(dev, non_blocking=True)
             y = torch.as_tensor(y).to(dev, non_blocking=True)
             idx = torch.as_tensor(idx).to(dev, non_blocking=True)
@@ -290,7 +289,6 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
-            n_batches += 1
             rows += len(y)
             loss_sum += loss.detach().double()
             if counted is not None:
@@ -299,7 +297,7 @@ class Trainer:
                 bar.update(1)
                 if n_batches % self.log_every == 0:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
-            upkeep.after_step(self.step, idx, emb)
+            self.upkeep.after_step(self.step, idx, emb)
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
         mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
@@ -316,7 +314,7 @@ class Trainer:
         if counted is not None:
             row["counted_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
-        row.update(upkeep.epoch_columns())
+        row.update(self.upkeep.epoch_columns())
         return row
 
     def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:

@@ -171,10 +171,7 @@ def _check_mat_inflation(path: str, max_bytes: int) -> None:
                 f.seek(nbytes, os.SEEK_CUR)
                 continue
             inflate, left = zlib.decompressobj(), nbytes
-            while left > 0:
-                data = f.read(min(left, 1 << 20))
-                if not data:
-                    break
+            while left > 0 and (data := f.read(min(left, 1 << 20))):
                 left -= len(data)
                 while data and total <= max_bytes:
                     try:
@@ -610,10 +607,8 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
                                  f"{max_bytes} (not an IDX file of this family){hint}")
     payload = f.read(expected)  # at most max_bytes
     surplus = 0
-    while surplus <= _IDX_SURPLUS_COUNTED:  # in bounded steps: a gzip stream may inflate far
-        chunk = f.read(1 << 20)
-        if not chunk:
-            break
+    # In bounded steps: a gzip stream may inflate far.
+    while surplus <= _IDX_SURPLUS_COUNTED and (chunk := f.read(1 << 20)):
         surplus += len(chunk)
     if len(payload) != expected or surplus:
         held = (f"{len(payload) + surplus}" if surplus <= _IDX_SURPLUS_COUNTED

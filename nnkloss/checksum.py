@@ -114,8 +114,7 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
     try:
         obj = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as exc:  # foreign objects (refused by the weights-only unpickler), junk
-        raise ValueError(f"{where} cannot be read safely "
-                         f"({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"{where} cannot be read safely ({type(exc).__name__}: {exc})") from exc
     _check_tensors(obj, where)
     return obj
 

@@ -110,8 +110,7 @@ def inference_model(model: nn.Module) -> nn.Module:
             fused = fuse_conv_bn_eval(layer, bn)
             if layer.weight.dim() == 4 and layer.weight.is_contiguous(
                     memory_format=torch.channels_last):
-                fused.weight.data = fused.weight.data.contiguous(
-                    memory_format=torch.channels_last)
+                fused.weight.data = fused.weight.data.contiguous(memory_format=torch.channels_last)
         seq._modules[keys[i]] = fused
         seq._modules[keys[i + 1]] = nn.Identity()
     return out.requires_grad_(False)

@@ -80,8 +80,7 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
         problems.append("centre_labels: the training labels (the bank's centre labels, in "
                         "row order) differ from those the checkpoint was trained on")
     if problems:
-        raise ValueError(f"{where} does not belong to this training data: "
-                         + "; ".join(problems))
+        raise ValueError(f"{where} does not belong to this training data: " + "; ".join(problems))
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -186,8 +185,7 @@ def check_history(history: Any, what: str = "history") -> None:
             elif isinstance(c, _HISTORY_LEAVES):
                 total += 1
             else:
-                raise ValueError(f"{what} holds a {type(c).__name__}, which the logs cannot "
-                                 "write")
+                raise ValueError(f"{what} holds a {type(c).__name__}, which the logs cannot write")
         if total > HISTORY_MAX_VALUES:
             raise ValueError(f"{what} expands to more than {HISTORY_MAX_VALUES} values "
                              "(containers shared many times over)")

@@ -105,42 +105,38 @@ def _inside_root(entry: str, where: str) -> None:
                                  "inside the dataset folder")
 
 
-def _text_lines(f, path: str):
-    """The lines of ``f``; an undecodable byte is a DatasetFormatError naming ``path``."""
-    try:
-        yield from f
-    except UnicodeDecodeError as e:
-        raise DatasetFormatError(f"{path}: not {f.encoding} text ({e})") from None
-
-
 def _read_table(path: str, what: str, types: Sequence[Callable], path_cols: Sequence[int] = (),
                 sep: Optional[str] = None, header: Sequence[str] = ()) -> List[tuple]:
     """Lines of one field per type in ``types`` (split at ``sep``, default whitespace), converted,
     after a first line of the column names ``header`` if given; the fields at ``path_cols`` are
     image paths (:func:`_inside_root`)."""
     _require(path, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise DatasetFormatError(f"{path}: not utf-8 text ({e})") from None
     ncols = len(types)
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(_text_lines(f, path), 1):
-            fields = [x.strip() for x in line.rstrip("\r\n").split(sep)]
-            if header and lineno == 1:
-                if fields != list(header):
-                    raise DatasetFormatError(f"{path}, line 1: expected the header "
-                                             f"{list(header)}, got {fields}")
-                continue
-            if not any(fields):
-                continue
-            if len(fields) != ncols:
-                raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
-                                         f"{len(fields)}: {line.strip()[:80]!r}")
-            for col in path_cols:
-                _inside_root(fields[col], f"{path}, line {lineno}"
-                             + (f" ({header[col]})" if header else ""))
-            try:
-                rows.append(tuple(t(v) for t, v in zip(types, fields)))
-            except ValueError as e:
-                raise DatasetFormatError(f"{path}, line {lineno}: {e}") from None
+    for lineno, line in enumerate(lines, 1):
+        fields = [x.strip() for x in line.rstrip("\r\n").split(sep)]
+        if header and lineno == 1:
+            if fields != list(header):
+                raise DatasetFormatError(f"{path}, line 1: expected the header "
+                                         f"{list(header)}, got {fields}")
+            continue
+        if not any(fields):
+            continue
+        if len(fields) != ncols:
+            raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
+                                     f"{len(fields)}: {line.strip()[:80]!r}")
+        for col in path_cols:
+            _inside_root(fields[col], f"{path}, line {lineno}"
+                         + (f" ({header[col]})" if header else ""))
+        try:
+            rows.append(tuple(t(v) for t, v in zip(types, fields)))
+        except ValueError as e:
+            raise DatasetFormatError(f"{path}, line {lineno}: {e}") from None
     if not rows:
         raise DatasetFormatError(f"{path} is empty")
     return rows

@@ -62,17 +62,12 @@ class _LinearBatchNorm(nn.Module):
                             False, 0.0, self.eps)
 
 
-def _wrapped(model: nn.Module) -> bool:
-    """Whether the model holds a data-parallel wrapper, a compiled module or an odd parameter."""
-    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-    return (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
-            or any(type(p) is not nn.Parameter for p in model.parameters()))
-
-
 def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:
     """``(name of the nn.Sequential, index of the layer)`` of every (layer, BatchNorm) pair
     that :func:`inference_model` folds, in module order (none in a wrapped model)."""
-    if _wrapped(model):
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)  # or compiled modules
+    if (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
+            or any(type(p) is not nn.Parameter for p in model.parameters())):  # odd parameters
         return []
     pairs = []
     for name, seq in model.named_modules():

@@ -185,7 +185,9 @@ class Trainer:
         _ckpt.check_format(state, where)
         _ckpt.check_data(state.get("data"), self._data, where)
         self.upkeep.finish_async()
-        before = _cpu_copy(self.state_dict())
+        now = self.state_dict()  # copied with its tensors cloned to the CPU: deepcopy's memo
+        before = copy.deepcopy(now, {id(t): t.detach().to("cpu", copy=True)
+                                     for _, t in iter_contents(now) if isinstance(t, Tensor)})
         try:
             self._load_parts(state, where)
         except BaseException:
@@ -383,13 +385,6 @@ class Trainer:
                 _dist.barrier()  # no rank reads the checkpoint before rank 0 wrote it
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
-
-
-def _cpu_copy(obj):
-    """A deep copy of a nested state with every tensor in its containers cloned to the CPU."""
-    cpu = {id(t): t.detach().to("cpu", copy=True) for _, t in iter_contents(obj)
-           if isinstance(t, Tensor)}
-    return copy.deepcopy(obj, cpu)  # the memo maps each tensor to its CPU clone
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

@@ -662,13 +662,11 @@ class IDXDataset(IndexedTensorDataset):
         images = read_idx(img_path, hint)
         labels = read_idx(lab_path, hint)
         if images.ndim != 3 or images.dtype != np.uint8:
-            raise DatasetFormatError(f"{img_path}: expected unsigned-byte images of 3 "
-                                     f"dimensions (N, H, W), got {images.dtype} of shape "
-                                     f"{images.shape}{hint}")
+            raise DatasetFormatError(f"{img_path}: expected unsigned-byte images of 3 dimensions "
+                                     f"(N, H, W), got {images.dtype} of shape {images.shape}{hint}")
         if labels.ndim != 1 or labels.dtype != np.uint8:
-            raise DatasetFormatError(f"{lab_path}: expected unsigned-byte labels of 1 "
-                                     f"dimension, got {labels.dtype} of shape {labels.shape}"
-                                     f"{hint}")
+            raise DatasetFormatError(f"{lab_path}: expected unsigned-byte labels of 1 dimension, "
+                                     f"got {labels.dtype} of shape {labels.shape}{hint}")
         if len(labels) != len(images):
             raise DatasetFormatError(f"{lab_path} holds {len(labels)} labels but {img_path} "
                                      f"holds {len(images)} images{hint}")

@@ -203,15 +203,13 @@ class NeighbourKernelClassifier(nn.Module):
         classes, inverse, counts = torch.unique(centre_labels, return_inverse=True,
                                                 return_counts=True)
         order = torch.argsort(inverse, stable=True)  # centre rows grouped by class
-        starts = (torch.cumsum(counts, 0) - counts).tolist()
         # One reference centre per query, shared by all classes: it cancels in the softmax.
         ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1,
                              search_backend=self.search_backend).neighbours
                          for lo in range(0, x.shape[0], self.batch_size)])[:, 0]
-        for c, s, n in zip(classes.tolist(), starts, counts.tolist()):
-            members = order[s:s + n]
+        for c, members in zip(classes.tolist(), order.split(counts.tolist())):
             base = centres[members]
-            kc = min(self.k, n)
+            kc = min(self.k, len(members))
             for lo in range(0, x.shape[0], self.batch_size):
                 xb = x[lo:lo + self.batch_size]
                 idx = knn(xb, base, kc, search_backend=self.search_backend).neighbours

@@ -105,9 +105,8 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
                           label=str(c)) for i, c in enumerate(classes)]
         ax.legend(handles=handles, title="class", loc="best", fontsize=8, markerscale=1.2,
                   ncol=1 if len(classes) <= 10 else 2)
-    ax.set_title(title if title is not None else f"{method.upper()} of {x.shape[0]} embeddings, "
-                 f"{len(classes)} classes")
-    ax.set(xticks=[], yticks=[])
+    ax.set(xticks=[], yticks=[], title=title if title is not None else
+           f"{method.upper()} of {x.shape[0]} embeddings, {len(classes)} classes")
     return _save(plt, fig, path)
 
 

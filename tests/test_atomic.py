@@ -77,8 +77,9 @@ def test_remove_stale_temps_removes_only_names_mkstemp_gives(tmp_path):
     """Only ``.NAME.<8 of mkstemp's characters>.tmp`` beside NAME goes; other names stay."""
     from nnkloss.atomic import remove_stale_temps
     gone = tmp_path / ".a.pt.ab_d1234.tmp"
-    kept = [tmp_path / n for n in (".a.pt.abcd123.tmp", ".a.pt.abcd12345.tmp", ".a.pt.ABCD1234.tmp",
-                                   ".a.pt.abcd1234.tmpx", ".b.pt.abcd1234.tmp", "a.pt.abcd1234.tmp")]
+    kept = [tmp_path / n for n in (".a.pt.abcd123.tmp", ".a.pt.abcd12345.tmp",
+                                   ".a.pt.ABCD1234.tmp", ".a.pt.abcd1234.tmpx",
+                                   ".b.pt.abcd1234.tmp", "a.pt.abcd1234.tmp")]
     for f in [gone] + kept:
         f.write_bytes(b"x")
     assert remove_stale_temps(tmp_path / "a.pt") == [str(gone)]

@@ -119,11 +119,9 @@ class BankUpkeep:
         t0 = time.perf_counter()  # the Refresher restores the model's modes itself
         if self.is_async and self.refresher.in_flight:
             self.refresher.wait()  # finish the one in flight first, then a fresh one
-        stats = self.refresher.refresh(sigma)
+        out = refresh_columns(self.refresher.refresh(sigma))
         self.bank_ready = True
-        out = refresh_columns(stats)
-        out["refresh_time_s"] = time.perf_counter() - t0
-        return out
+        return {**out, "refresh_time_s": time.perf_counter() - t0}
 
     def finish_async(self) -> Dict[str, Any]:
         """Swap in a background refresh still in flight (before checkpoints and at the end)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import tempfile
 import time
@@ -67,18 +68,15 @@ def remove_stale_temps(path, older_than_s: float = 0.0) -> List[str]:
     untouched for ``older_than_s`` seconds; returns the paths removed."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    prefix = _temp_prefix(path)
+    # mkstemp's names: the prefix, eight of its random characters, the suffix.
+    pattern = re.compile(re.escape(_temp_prefix(path)) + r"[a-z0-9_]{8}\.tmp")
     try:
         names = os.listdir(directory)
     except OSError:
         return []
     removed = []
     now = time.time()
-    for name in names:
-        middle = name[len(prefix):-len(".tmp")]
-        if not (name.startswith(prefix) and name.endswith(".tmp") and len(middle) == 8
-                and all(c.isalnum() or c == "_" for c in middle)):
-            continue
+    for name in filter(pattern.fullmatch, names):
         tmp = os.path.join(directory, name)
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(tmp)  # never follows a link

@@ -78,16 +78,13 @@ def load_checked(path, map_location=None, what: str = "checkpoint",
 def _check_archive(source, where: str) -> None:
     """Refuse a zip archive (path or seekable file, position kept) that would inflate beyond
     its size; non-zip files are left to torch.load."""
-    is_path = isinstance(source, (str, bytes, os.PathLike))
-    if is_path:
-        size = os.path.getsize(source)
+    if isinstance(source, (str, bytes, os.PathLike)):
         with open(source, "rb") as f:
-            head = f.read(len(ZIP_MAGIC))
-    else:
-        pos = source.tell()
-        head = source.read(len(ZIP_MAGIC))
-        size = source.seek(0, io.SEEK_END)
-        source.seek(pos)
+            return _check_archive(f, where)
+    pos = source.tell()
+    head = source.read(len(ZIP_MAGIC))
+    size = source.seek(0, io.SEEK_END)
+    source.seek(pos)
     if head != ZIP_MAGIC:
         return
     try:
@@ -97,8 +94,7 @@ def _check_archive(source, where: str) -> None:
         raise ValueError(f"{where} cannot be read safely (not a readable zip archive: "
                          f"{exc})") from None
     finally:
-        if not is_path:
-            source.seek(pos)
+        source.seek(pos)
     declared = 0
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
@@ -118,8 +114,7 @@ def load_weights_only(source, map_location=None, where: str = "file") -> Any:
     try:
         obj = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as exc:  # foreign objects (refused by the weights-only unpickler), junk
-        raise ValueError(f"{where} cannot be read safely "
-                         f"({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"{where} cannot be read safely ({type(exc).__name__}: {exc})") from exc
     _check_tensors(obj, where)
     return obj
 

@@ -129,11 +129,9 @@ def shard_loader(loader, shuffle: Optional[bool] = None, split_batch: bool = Tru
     if shuffle is None:
         shuffle = isinstance(loader.sampler, RandomSampler)
     batch = per_rank_batch_size(loader.batch_size) if split_batch else loader.batch_size
-    options = {name: getattr(loader, name) for name in (
+    options = {name: getattr(loader, name) for name in (  # prefetch_factor: None w/o workers
         "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
-        "multiprocessing_context", "persistent_workers")}
-    if loader.num_workers > 0:
-        options["prefetch_factor"] = loader.prefetch_factor
+        "multiprocessing_context", "persistent_workers", "prefetch_factor")}
     sampler = distributed_sampler(loader.dataset, shuffle=shuffle, seed=seed)
     return DataLoader(loader.dataset, batch_size=batch, sampler=sampler, **options)
 
@@ -168,10 +166,8 @@ def wrap_model(model: nn.Module, device: Optional[torch.device] = None, **ddp_op
     if not is_distributed():
         return model
     from torch.nn.parallel import DistributedDataParallel
-    if device is None:
-        p = next(iter(model.parameters()), None)
-        device = p.device if p is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = (next(model.parameters(), torch.empty(0)).device if device is None
+              else torch.device(device))
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         ddp_options.setdefault("device_ids", [index])
@@ -222,13 +218,12 @@ def sum_over_ranks(value):
     """The sum of ``value`` (number or tensor) over all ranks, of the same type."""
     if not is_distributed():
         return value
-    if isinstance(value, Tensor):
-        t = value.detach().to(comm_device(None, value.device), copy=True)
-        dist.all_reduce(t)
-        return t.to(value.device)
-    t = torch.tensor(value, dtype=torch.float64, device=comm_device(None, local_device()))
+    if not isinstance(value, Tensor):  # a number: summed as a float64 tensor
+        t = torch.tensor(value, dtype=torch.float64, device=local_device())
+        return type(value)(sum_over_ranks(t).item())
+    t = value.detach().to(comm_device(None, value.device), copy=True)
     dist.all_reduce(t)
-    return type(value)(t.item())
+    return t.to(value.device)
 
 
 def mean_over_ranks(value):

@@ -62,17 +62,12 @@ class _LinearBatchNorm(nn.Module):
                             False, 0.0, self.eps)
 
 
-def _wrapped(model: nn.Module) -> bool:
-    """Whether the model holds a data-parallel wrapper, a compiled module or an odd parameter."""
-    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-    return (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
-            or any(type(p) is not nn.Parameter for p in model.parameters()))
-
-
 def foldable_pairs(model: nn.Module) -> List[Tuple[str, int]]:
     """``(name of the nn.Sequential, index of the layer)`` of every (layer, BatchNorm) pair
     that :func:`inference_model` folds, in module order (none in a wrapped model)."""
-    if _wrapped(model):
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)  # or compiled modules
+    if (any(isinstance(m, wrappers) or hasattr(m, "_orig_mod") for m in model.modules())
+            or any(type(p) is not nn.Parameter for p in model.parameters())):  # odd parameters
         return []
     pairs = []
     for name, seq in model.named_modules():
@@ -110,10 +105,7 @@ def inference_model(model: nn.Module) -> nn.Module:
             fused = fuse_conv_bn_eval(layer, bn)
             if layer.weight.dim() == 4 and layer.weight.is_contiguous(
                     memory_format=torch.channels_last):
-                fused.weight.data = fused.weight.data.contiguous(
-                    memory_format=torch.channels_last)
+                fused.weight.data = fused.weight.data.contiguous(memory_format=torch.channels_last)
         seq._modules[keys[i]] = fused
         seq._modules[keys[i + 1]] = nn.Identity()
-    for p in out.parameters():
-        p.requires_grad_(False)
-    return out
+    return out.requires_grad_(False)

@@ -71,3 +71,16 @@ def test_atomic_write_gives_a_new_file_0644_less_the_umask(tmp_path):
     assert os.stat(tmp_path / "private.pt").st_mode & 0o7777 == 0o600
     assert os.stat(tmp_path / "usual.pt").st_mode & 0o7777 == 0o644
     assert os.stat(tmp_path / "group.pt").st_mode & 0o7777 == 0o644
+
+
+def test_remove_stale_temps_removes_only_names_mkstemp_gives(tmp_path):
+    """Only ``.NAME.<8 of mkstemp's characters>.tmp`` beside NAME goes; other names stay."""
+    from nnkloss.atomic import remove_stale_temps
+    gone = tmp_path / ".a.pt.ab_d1234.tmp"
+    kept = [tmp_path / n for n in (".a.pt.abcd123.tmp", ".a.pt.abcd12345.tmp",
+                                   ".a.pt.ABCD1234.tmp", ".a.pt.abcd1234.tmpx",
+                                   ".b.pt.abcd1234.tmp", "a.pt.abcd1234.tmp")]
+    for f in [gone] + kept:
+        f.write_bytes(b"x")
+    assert remove_stale_temps(tmp_path / "a.pt") == [str(gone)]
+    assert all(f.exists() for f in kept)

@@ -330,3 +330,17 @@ def test_init_from_env_hands_its_dist_backend_to_torch(monkeypatch):
     assert seen == ["gloo"]
     with pytest.raises(TypeError):
         nkd.init_from_env(backend="gloo")
+
+
+def test_shard_loader_keeps_every_loader_setting(monkeypatch):
+    """The sharded loader keeps the loader's settings, its workers' prefetch_factor included
+    (None without workers), and divides the batch by the world size."""
+    monkeypatch.setattr(nkd, "is_distributed", lambda group=None: True)
+    monkeypatch.setattr(nkd, "world_size", lambda group=None: 2)
+    monkeypatch.setattr(nkd, "rank", lambda group=None: 1)
+    for workers, prefetch in ((0, None), (2, 3)):
+        kw = {"prefetch_factor": prefetch} if workers else {}
+        out = nkd.shard_loader(DataLoader(list(range(8)), batch_size=4, num_workers=workers,
+                                          drop_last=True, **kw))
+        assert (out.num_workers, out.prefetch_factor, out.batch_size, out.drop_last) == (
+            workers, prefetch, 2, True)

@@ -85,18 +85,14 @@ class NeighbourKernelClassifier(nn.Module):
         super().__init__()
         if not isinstance(bank, CentreBank):
             raise TypeError(f"bank must be a CentreBank, got {type(bank).__name__}")
-        k = require_positive_int("k", k)
-        sigma = require_sigma(sigma)  # raises on <= 0, inf, NaN, non-numbers
-        check_search_backend(search_backend)
-        batch_size = require_positive_int("batch_size", batch_size)
+        self.k = require_positive_int("k", k)
+        self.sigma = require_sigma(sigma)  # raises on <= 0, inf, NaN, non-numbers
+        self.search_backend = check_search_backend(search_backend)
+        self.batch_size = require_positive_int("batch_size", batch_size)
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        _check_k(k, bank.num_centres)
+        _check_k(self.k, bank.num_centres)
         self.bank = bank
-        self.k = int(k)
-        self.sigma = float(sigma)
-        self.search_backend = search_backend
-        self.batch_size = int(batch_size)
         self.rule = rule
 
     @torch.no_grad()
@@ -178,13 +174,12 @@ class NeighbourKernelClassifier(nn.Module):
         centres, centre_labels, log_w = (self._usable() if neighbours is None else (
             bank.centres, bank.centre_labels, bank.log_weights.detach()))
         num_classes = bank.num_classes
-        k = self.k
         inv = 0.5 / (self.sigma * self.sigma)
         out = torch.full((x.shape[0], num_classes), float("-inf"), dtype=cdt, device=x.device)
         for lo in range(0, x.shape[0], self.batch_size):
             xb = x[lo:lo + self.batch_size]
             if neighbours is None:
-                idx = knn(xb, centres, k, search_backend=self.search_backend).neighbours
+                idx = knn(xb, centres, self.k, search_backend=self.search_backend).neighbours
             else:
                 idx = neighbours[lo:lo + self.batch_size]
             # Distances relative to the nearest centre: the shift cancels in the ratio.
@@ -208,15 +203,13 @@ class NeighbourKernelClassifier(nn.Module):
         classes, inverse, counts = torch.unique(centre_labels, return_inverse=True,
                                                 return_counts=True)
         order = torch.argsort(inverse, stable=True)  # centre rows grouped by class
-        starts = (torch.cumsum(counts, 0) - counts).tolist()
         # One reference centre per query, shared by all classes: it cancels in the softmax.
         ref = torch.cat([knn(x[lo:lo + self.batch_size], centres, 1,
                              search_backend=self.search_backend).neighbours
                          for lo in range(0, x.shape[0], self.batch_size)])[:, 0]
-        for c, s, n in zip(classes.tolist(), starts, counts.tolist()):
-            members = order[s:s + n]
+        for c, members in zip(classes.tolist(), order.split(counts.tolist())):
             base = centres[members]
-            kc = min(self.k, n)
+            kc = min(self.k, len(members))
             for lo in range(0, x.shape[0], self.batch_size):
                 xb = x[lo:lo + self.batch_size]
                 idx = knn(xb, base, kc, search_backend=self.search_backend).neighbours

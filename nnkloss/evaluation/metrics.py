@@ -98,8 +98,7 @@ def evaluate(emb, labels, ks: Iterable[int] = (1, 2, 4, 8), map_at_r: bool = Tru
                                    tile_bytes=tile_bytes):
             rows = slice(q0, q0 + idx.shape[0])
             same = torch.take(classes, idx) == classes[rows, None]
-            hit = same.any(dim=1)
-            first_hit[rows] = torch.where(hit, same.to(torch.uint8).argmax(dim=1), kmax)
+            first_hit[rows] = torch.where(same.any(dim=1), same.to(torch.uint8).argmax(dim=1), kmax)
             if map_at_r:
                 rr = r[rows]
                 # AccuracyCalculator's MAP@R and R-precision, bit for bit.
@@ -142,8 +141,7 @@ def nmi(emb, labels, seed: int = 0, n_init: int = 10, kmeans_backend: str = "skl
     emb, labels = _embeddings_and_labels(emb, labels)
     n_init = require_positive_int("n_init", n_init)
     if kmeans_backend not in KMEANS_BACKENDS:
-        raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, "
-                         f"got {kmeans_backend!r}")
+        raise ValueError(f"kmeans_backend must be one of {KMEANS_BACKENDS}, got {kmeans_backend!r}")
     n_classes = int(torch.unique(labels).numel())
     if kmeans_backend == "sklearn":
         from sklearn.cluster import KMeans
@@ -167,8 +165,7 @@ def accuracy(pred, labels) -> float:
     require_int("pred", pred, 1)
     require_int("labels", labels, 1)
     if pred.shape != labels.shape:
-        raise ValueError(f"pred has shape {tuple(pred.shape)} but labels has "
-                         f"{tuple(labels.shape)}")
+        raise ValueError(f"pred has shape {tuple(pred.shape)} but labels has {tuple(labels.shape)}")
     if pred.numel() == 0:
         raise ValueError("pred is empty: accuracy is undefined")
     return float((pred.to(labels.device).long() == labels.long()).double().mean())

@@ -1,10 +1,8 @@
 """The Trainer's bank maintenance: :class:`BankUpkeep` drives a Refresher for the loop.
 
-It builds the initial bank, runs the schedule's refreshes (background ones polled without a
-sync) and the Trainer's ``fresh_centres``, ``neighbours_every_steps`` and ``warm_start_steps``,
-and owns the checkpointed ``bank_ready`` and ``refresh_due``. Its log columns per epoch:
-``start_refresh_*`` (before the first step), ``refresh_*`` (the last during the steps),
-``end_refresh_*`` (after the last) and ``neighbours_*`` (the list rebuilds).
+Its log columns per epoch: ``start_refresh_*`` (before the first step), ``refresh_*`` (the
+last during the steps), ``end_refresh_*`` (after the last) and ``neighbours_*`` (the list
+rebuilds).
 """
 from __future__ import annotations
 
@@ -76,12 +74,13 @@ def refresh_columns(stats, prefix: str = "refresh_") -> Dict[str, Any]:
 
 
 class BankUpkeep:
-    """The bank maintenance of one training run.
+    """The bank maintenance of one training run: the initial bank, the scheduled refreshes,
+    the Trainer's ``fresh_centres``, ``neighbours_every_steps`` and ``warm_start_steps``, and the
+    checkpointed ``bank_ready`` and ``refresh_due``.
 
-    ``criterion`` gives the sigma and the bank; ``refresher`` (or None) embeds with ``model``;
-    the options are the Trainer's. The loop calls :meth:`before_fit`, then per epoch
-    :meth:`start_epoch`, :meth:`after_step` per step, :meth:`epoch_columns`,
-    :meth:`end_epoch`, and :meth:`finish_async` before a checkpoint.
+    ``criterion`` gives the sigma and the bank; ``refresher`` (or None) embeds with ``model``.
+    The loop calls :meth:`before_fit`, then per epoch :meth:`start_epoch`, :meth:`after_step`
+    per step, :meth:`epoch_columns`, :meth:`end_epoch`; :meth:`finish_async` before a checkpoint.
     """
 
     def __init__(self, criterion: nn.Module, model: nn.Module, refresher, schedule,
@@ -120,11 +119,9 @@ class BankUpkeep:
         t0 = time.perf_counter()  # the Refresher restores the model's modes itself
         if self.is_async and self.refresher.in_flight:
             self.refresher.wait()  # finish the one in flight first, then a fresh one
-        stats = self.refresher.refresh(sigma)
+        out = refresh_columns(self.refresher.refresh(sigma))
         self.bank_ready = True
-        out = refresh_columns(stats)
-        out["refresh_time_s"] = time.perf_counter() - t0
-        return out
+        return {**out, "refresh_time_s": time.perf_counter() - t0}
 
     def finish_async(self) -> Dict[str, Any]:
         """Swap in a background refresh still in flight (before checkpoints and at the end)."""

@@ -48,8 +48,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()),
                      py["gauss_next"]))
     npy = state["numpy"]
-    np.random.set_state((npy["bit_generator"],
-                         npy["keys"].cpu().numpy().astype(np.uint32),
+    np.random.set_state((npy["bit_generator"], npy["keys"].cpu().numpy().astype(np.uint32),
                          int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
@@ -66,8 +65,7 @@ def data_fingerprint(criterion: nn.Module) -> Dict[str, Any]:
         return {}
     centre_labels = bank.centre_labels.detach().to("cpu", torch.int64).contiguous()
     return {"num_centres": int(bank.num_centres), "embedding_dim": int(bank.dim),
-            "centre_labels_sha256":
-                hashlib.sha256(centre_labels.numpy().tobytes()).hexdigest()}
+            "centre_labels_sha256": hashlib.sha256(centre_labels.numpy().tobytes()).hexdigest()}
 
 
 def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -> None:
@@ -82,12 +80,10 @@ def check_data(saved: Any, current: Dict[str, Any], where: str = "checkpoint") -
         problems.append("centre_labels: the training labels (the bank's centre labels, in "
                         "row order) differ from those the checkpoint was trained on")
     if problems:
-        raise ValueError(f"{where} does not belong to this training data: "
-                         + "; ".join(problems))
+        raise ValueError(f"{where} does not belong to this training data: " + "; ".join(problems))
 
 
-def check_optimizer_state(optimizer: torch.optim.Optimizer,
-                          what: str = "the optimiser state") -> None:
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """ValueError unless every state tensor of ``optimizer`` is 0-dim or of its parameter's
     shape, and every numeric hyperparameter (numbers or tuples of them by
     ``optimizer.defaults``) is finite and >= 0: ``load_state_dict`` checks neither."""
@@ -102,15 +98,15 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer,
             else:
                 continue
             if not ok:
-                raise ValueError(f"{what}: parameter group {g}'s {key!r} must be "
+                raise ValueError(f"the optimiser state: parameter group {g}'s {key!r} must be "
                                  f"{'a number' if _is_number(default) else 'numbers'} finite "
                                  f"and >= 0 (default {default!r}), got {value!r}")
         for i, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
-                if (isinstance(value, torch.Tensor) and value.dim() > 0
-                        and value.shape != p.shape):
-                    raise ValueError(f"{what} {key!r} of parameter {i} of its group has shape "
-                                     f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(f"the optimiser state {key!r} of parameter {i} of its group "
+                                     f"has shape {tuple(value.shape)}, the parameter "
+                                     f"{tuple(p.shape)}")
 
 
 def _is_number(v: Any) -> bool:
@@ -189,8 +185,7 @@ def check_history(history: Any, what: str = "history") -> None:
             elif isinstance(c, _HISTORY_LEAVES):
                 total += 1
             else:
-                raise ValueError(f"{what} holds a {type(c).__name__}, which the logs cannot "
-                                 "write")
+                raise ValueError(f"{what} holds a {type(c).__name__}, which the logs cannot write")
         if total > HISTORY_MAX_VALUES:
             raise ValueError(f"{what} expands to more than {HISTORY_MAX_VALUES} values "
                              "(containers shared many times over)")
@@ -215,8 +210,7 @@ def load(path, map_location: Optional[torch.device] = None) -> Dict[str, Any]:
         state = load_checked(path, map_location, what="Trainer checkpoint")
     except UncheckedFileError as exc:
         raise ValueError(f"{exc}. Trainer checkpoints of format 1 (before checksums) pickled "
-                         "Python objects and cannot be read safely: start the run again"
-                         ) from None
+                         "Python objects and cannot be read safely: start the run again") from None
     check_format(state, f"checkpoint {path!r}")
     return state
 

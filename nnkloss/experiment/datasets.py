@@ -6,15 +6,12 @@ over the data set. Files are checked when the data set is built: a missing or ma
 or an image path leaving the data set's folder, raises :class:`FileNotFoundError` /
 :class:`DatasetFormatError` naming the file (and line).
 
-Protocols of the image data sets: ``"metric"`` (Song et al. 2016): the first half of the
-classes, by official id, is ``split="train"``, the second ``"test"``. ``"classification"``:
-``"train"``, ``"val"``, ``"trainval"``, ``"test"`` over all classes; without an official
-validation set a seeded, stratified fraction of the training set is held out. Labels are
-``0 .. C-1`` in official id order over the split family's classes.
+Protocols of the image data sets: ``"metric"`` (Song et al. 2016) trains on the first half of
+the classes by official id and tests on the second; ``"classification"`` splits all classes
+(``"val"`` held out where no official one exists). Labels: ``0 .. C-1`` by official id.
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections import namedtuple
@@ -31,9 +28,8 @@ __all__ = ["DatasetFormatError", "ImageListDataset", "CUB200", "Cars196", "Flowe
            "read_idx", "find_idx_file", "IDXDataset", "FashionMNIST", "MNIST",
            "KMNIST", "IDX_SETS", "IDX_FILES"]
 
-PROTOCOLS = ("metric", "classification")
-METRIC_SPLITS = ("train", "test")
-CLASSIFICATION_SPLITS = ("train", "val", "trainval", "test")
+#: The splits of each protocol of the image data sets.
+SPLITS = {"metric": ("train", "test"), "classification": ("train", "val", "trainval", "test")}
 
 
 class DatasetFormatError(ValueError):
@@ -47,11 +43,11 @@ def _require(path: str, what: str, exists: Callable[[str], bool] = os.path.isfil
 
 
 def _check_split(protocol: str, split: str) -> None:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    allowed = METRIC_SPLITS if protocol == "metric" else CLASSIFICATION_SPLITS
-    if split not in allowed:
-        raise ValueError(f"split must be one of {allowed} for protocol={protocol!r}, got {split!r}")
+    if protocol not in SPLITS:
+        raise ValueError(f"protocol must be one of {tuple(SPLITS)}, got {protocol!r}")
+    if split not in SPLITS[protocol]:
+        raise ValueError(f"split must be one of {SPLITS[protocol]} for protocol={protocol!r}, "
+                         f"got {split!r}")
 
 
 def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: int
@@ -81,11 +77,8 @@ def stratified_split(labels: Sequence[int], fractions: Sequence[float], seed: in
         bounds = np.round(cum * n).astype(int)
         bounds[-1] = n
         bounds[0] = max(bounds[0], min(1, n))  # never leave a class out of the first part
-        bounds = np.maximum.accumulate(bounds)
-        start = 0
-        for p, end in enumerate(bounds):
-            parts[p].append(members[start:end])
-            start = end
+        for p, chunk in enumerate(np.split(members, np.maximum.accumulate(bounds)[:-1])):
+            parts[p].append(chunk)
     return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64)
             for p in parts]
 
@@ -103,47 +96,47 @@ def _inside_root(entry: str, where: str) -> None:
     stays inside the dataset folder (neither absolute nor with a ``..`` component)."""
     if not entry:
         raise DatasetFormatError(f"{where}: empty image path")
-    if "\0" in entry:
-        raise DatasetFormatError(f"{where}: image path {entry!r} holds a NUL byte")
-    parts = entry.replace("\\", "/").split("/")
-    if (os.path.isabs(entry) or entry[:1] in ("/", "\\")
-            or (entry[:1].isalpha() and entry[1:2] == ":")):
-        raise DatasetFormatError(f"{where}: image path {entry!r} is absolute; entries must be "
-                                 f"relative to the dataset folder")
-    if ".." in parts:
-        raise DatasetFormatError(f"{where}: image path {entry!r} has a '..' component; entries "
-                                 f"must stay inside the dataset folder")
+    absolute = (os.path.isabs(entry) or entry[0] in "/\\"
+                or (entry[0].isalpha() and entry[1:2] == ":"))
+    why = ("holds a NUL byte" if "\0" in entry else "is absolute" if absolute
+           else "has a '..' component" if ".." in entry.replace("\\", "/").split("/") else None)
+    if why:
+        raise DatasetFormatError(f"{where}: image path {entry!r} {why}; entries must stay "
+                                 "inside the dataset folder")
 
 
-def _text_lines(f, path: str):
-    """The lines of ``f``; an undecodable byte is a DatasetFormatError naming ``path``."""
-    try:
-        yield from f
-    except UnicodeDecodeError as e:
-        raise DatasetFormatError(f"{path}: not {f.encoding} text ({e})") from None
-
-
-def _read_table(path: str, what: str, types: Sequence[Callable],
-                path_cols: Sequence[int] = ()) -> List[tuple]:
-    """Whitespace-separated lines of one field per type in ``types``, converted; the fields at
-    ``path_cols`` are image paths (:func:`_inside_root`)."""
+def _read_table(path: str, what: str, types: Sequence[Callable], path_cols: Sequence[int] = (),
+                sep: Optional[str] = None, header: Sequence[str] = ()) -> List[tuple]:
+    """Lines of one field per type in ``types`` (split at ``sep``, default whitespace), converted,
+    after a first line of the column names ``header`` if given; the fields at ``path_cols`` are
+    image paths (:func:`_inside_root`)."""
     _require(path, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise DatasetFormatError(f"{path}: not utf-8 text ({e})") from None
     ncols = len(types)
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(_text_lines(f, path), 1):
-            if not line.strip():
-                continue
-            fields = line.split()
-            if len(fields) != ncols:
-                raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
-                                         f"{len(fields)}: {line.strip()[:80]!r}")
-            for col in path_cols:
-                _inside_root(fields[col], f"{path}, line {lineno}")
-            try:
-                rows.append(tuple(t(v) for t, v in zip(types, fields)))
-            except ValueError as e:
-                raise DatasetFormatError(f"{path}, line {lineno}: {e}") from None
+    for lineno, line in enumerate(lines, 1):
+        fields = [x.strip() for x in line.rstrip("\r\n").split(sep)]
+        if header and lineno == 1:
+            if fields != list(header):
+                raise DatasetFormatError(f"{path}, line 1: expected the header "
+                                         f"{list(header)}, got {fields}")
+            continue
+        if not any(fields):
+            continue
+        if len(fields) != ncols:
+            raise DatasetFormatError(f"{path}, line {lineno}: expected {ncols} fields, got "
+                                     f"{len(fields)}: {line.strip()[:80]!r}")
+        for col in path_cols:
+            _inside_root(fields[col], f"{path}, line {lineno}"
+                         + (f" ({header[col]})" if header else ""))
+        try:
+            rows.append(tuple(t(v) for t, v in zip(types, fields)))
+        except ValueError as e:
+            raise DatasetFormatError(f"{path}, line {lineno}: {e}") from None
     if not rows:
         raise DatasetFormatError(f"{path} is empty")
     return rows
@@ -159,9 +152,8 @@ def _check_mat_inflation(path: str, max_bytes: int) -> None:
     import struct
     import zlib
     with open(path, "rb") as f:
-        head = f.read(128)
-        order = {b"IM": "<", b"MI": ">"}.get(head[126:128]) if len(head) == 128 else None
-        if order is None:
+        order = {b"IM": "<", b"MI": ">"}.get(f.read(128)[126:128])
+        if order is None:  # not a MATLAB v5 file
             return
         total = 0
         while True:
@@ -175,10 +167,7 @@ def _check_mat_inflation(path: str, max_bytes: int) -> None:
                 f.seek(nbytes, os.SEEK_CUR)
                 continue
             inflate, left = zlib.decompressobj(), nbytes
-            while left > 0:
-                data = f.read(min(left, 1 << 20))
-                if not data:
-                    break
+            while left > 0 and (data := f.read(min(left, 1 << 20))):
                 left -= len(data)
                 while data and total <= max_bytes:
                     try:
@@ -274,12 +263,9 @@ class ImageListDataset(Dataset):
         except (OSError, Image.DecompressionBombError) as e:
             raise DatasetFormatError(f"cannot read image {path}: {e}") from None
         if self.boxes is not None:
-            left, upper, right, lower = self.boxes[i]
-            w, h = img.size
-            left, upper = max(0, int(round(left))), max(0, int(round(upper)))
-            right, lower = min(w, int(round(right))), min(h, int(round(lower)))
-            if right > left and lower > upper:  # a degenerate box keeps the whole image
-                img = img.crop((left, upper, right, lower))
+            box = np.clip(np.round(self.boxes[i]), 0, img.size * 2).astype(int)  # (w, h, w, h)
+            if box[2] > box[0] and box[3] > box[1]:  # a degenerate box keeps the whole image
+                img = img.crop(tuple(box.tolist()))
         return img
 
     def __getitem__(self, i: int):
@@ -297,11 +283,9 @@ class _OfficialImages(ImageListDataset):
     def _build(self, root: str, protocol: str, split: str, cls: np.ndarray, paths: List[str],
                parts: Callable[[], Dict[str, np.ndarray]], transform, check_files: bool,
                boxes=None) -> None:
-        """Keep ``split`` of the items whose official classes are ``cls`` and images ``paths``.
-
-        ``parts()`` gives the classification protocol's "train", "val" and "test" positions;
-        ``boxes`` are the (N, 4) crop boxes, or a function of the kept positions giving theirs.
-        """
+        """Keep ``split`` of the items of official classes ``cls`` and images ``paths``; ``parts()``
+        gives the classification positions of "train", "val" and "test", ``boxes`` the (N, 4)
+        crop boxes or a function of the kept positions giving theirs."""
         order = sorted(set(cls.tolist()))
         if protocol == "metric":
             half = len(order) // 2
@@ -421,7 +405,6 @@ class Cars196(_OfficialImages):
         except (IndexError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{mat_path}: non-numeric annotation field: {e}") from None
         cls = col["class"].astype(np.int64)
-        # Classes are integers from 1.
         wrong = np.flatnonzero((cls < 1) | (cls != col["class"]))
         if len(wrong):
             bad = int(wrong[0])
@@ -498,27 +481,9 @@ class Leafsnap(_OfficialImages):
                  transform: Optional[Callable] = None, seed: int = 0, check_files: bool = True):
         _check_split(protocol, split)
         _require(root, "Leafsnap root folder", os.path.isdir)
-        index = _require(os.path.join(root, self.INDEX), "Leafsnap index file")
-        rows = []
-        with open(index, encoding="utf-8", newline="") as f:
-            reader = csv.reader(_text_lines(f, index), delimiter="\t")
-            try:
-                header = next(reader, None)
-                if header is None or [h.strip() for h in header] != list(self.COLUMNS):
-                    raise DatasetFormatError(f"{index}, line 1: expected the tab-separated "
-                                             f"header {list(self.COLUMNS)}, got {header}")
-                for lineno, r in enumerate(reader, 2):
-                    if not r or not any(x.strip() for x in r):
-                        continue
-                    if len(r) != len(self.COLUMNS):
-                        raise DatasetFormatError(f"{index}, line {lineno}: expected "
-                                                 f"{len(self.COLUMNS)} tab-separated fields, "
-                                                 f"got {len(r)}")
-                    rows.append([x.strip() for x in r])
-                    _inside_root(rows[-1][1], f"{index}, line {lineno} (image_path)")
-            except csv.Error as e:  # e.g. a field beyond csv's field_size_limit
-                raise DatasetFormatError(f"{index}, line {reader.line_num}: {e}") from None
-        rows = [r for r in rows if r[4] == "field"]
+        index = os.path.join(root, self.INDEX)
+        rows = [r for r in _read_table(index, "Leafsnap index file", (str,) * len(self.COLUMNS),
+                                       (1,), "\t", self.COLUMNS) if r[4] == "field"]
         if not rows:
             raise DatasetFormatError(f"{index} lists no images with source == 'field'")
         species = np.array([r[3] for r in rows])
@@ -606,10 +571,9 @@ def read_idx(path: str, hint: str = "", max_bytes: int = IDX_MAX_BYTES) -> np.nd
     _require(path, "IDX file")
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
-            data = _read_idx_stream(f, path, hint, max_bytes)
+            dims, dtype, payload = _read_idx_stream(f, path, hint, max_bytes)
     except (OSError, EOFError, zlib.error) as e:
         raise DatasetFormatError(f"{path}: cannot read ({e}){hint}") from None
-    dims, dtype, payload = data
     arr = np.frombuffer(payload, dtype=dtype).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
@@ -619,12 +583,11 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
     magic = f.read(4)
     if len(magic) < 4:
         raise DatasetFormatError(f"{path}: {len(magic)} bytes, too short for an IDX header{hint}")
-    zero0, zero1, code, ndim = magic[0], magic[1], magic[2], magic[3]
-    if zero0 != 0 or zero1 != 0 or code not in IDX_DTYPES:
-        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{magic.hex()} (expected "
-                                 f"0x0000 then a type byte in "
-                                 f"{[hex(c) for c in IDX_DTYPES]} and the dimension count)"
-                                 f"{hint}")
+    code, ndim = magic[2], magic[3]
+    if magic[:2] != b"\0\0" or code not in IDX_DTYPES:
+        raise DatasetFormatError(f"{path}: bad IDX magic number 0x{magic.hex()} (expected 0x0000 "
+                                 f"then a type byte in {[hex(c) for c in IDX_DTYPES]} and the "
+                                 f"dimension count){hint}")
     if ndim < 1:
         raise DatasetFormatError(f"{path}: IDX header gives {ndim} dimensions{hint}")
     sizes = f.read(4 * ndim)
@@ -640,10 +603,8 @@ def _read_idx_stream(f, path: str, hint: str, max_bytes: int):
                                  f"{max_bytes} (not an IDX file of this family){hint}")
     payload = f.read(expected)  # at most max_bytes
     surplus = 0
-    while surplus <= _IDX_SURPLUS_COUNTED:  # in bounded steps: a gzip stream may inflate far
-        chunk = f.read(1 << 20)
-        if not chunk:
-            break
+    # In bounded steps: a gzip stream may inflate far.
+    while surplus <= _IDX_SURPLUS_COUNTED and (chunk := f.read(1 << 20)):
         surplus += len(chunk)
     if len(payload) != expected or surplus:
         held = (f"{len(payload) + surplus}" if surplus <= _IDX_SURPLUS_COUNTED
@@ -686,31 +647,26 @@ class IDXDataset(IndexedTensorDataset):
 
     def __init__(self, root: str, split: str = "train", classes: Optional[Sequence[int]] = None,
                  transform: Optional[Callable] = None, name: str = "fashion-mnist"):
-        if name not in IDX_SETS:
-            raise ValueError(f"name must be one of {tuple(IDX_SETS)}, got {name!r}")
-        if split not in IDX_FILES:
-            raise ValueError(f"split must be one of {tuple(IDX_FILES)}, got {split!r}")
+        for arg, value, allowed in (("name", name, IDX_SETS), ("split", split, IDX_FILES)):
+            if value not in allowed:
+                raise ValueError(f"{arg} must be one of {tuple(allowed)}, got {value!r}")
         info = IDX_SETS[name]
         hint = f"; {info.get}"
         if not os.path.isdir(root):
             raise FileNotFoundError(f"{info.name} folder not found: {root}{hint}")
-        paths = []
-        for stem in IDX_FILES[split]:
-            try:
-                paths.append(find_idx_file(root, stem, info.folder))
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"{info.name} file {e}{hint}") from None
-        img_path, lab_path = paths
+        try:
+            img_path, lab_path = (find_idx_file(root, stem, info.folder)
+                                  for stem in IDX_FILES[split])
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{info.name} file {e}{hint}") from None
         images = read_idx(img_path, hint)
         labels = read_idx(lab_path, hint)
         if images.ndim != 3 or images.dtype != np.uint8:
-            raise DatasetFormatError(f"{img_path}: expected unsigned-byte images of 3 "
-                                     f"dimensions (N, H, W), got {images.dtype} of shape "
-                                     f"{images.shape}{hint}")
+            raise DatasetFormatError(f"{img_path}: expected unsigned-byte images of 3 dimensions "
+                                     f"(N, H, W), got {images.dtype} of shape {images.shape}{hint}")
         if labels.ndim != 1 or labels.dtype != np.uint8:
-            raise DatasetFormatError(f"{lab_path}: expected unsigned-byte labels of 1 "
-                                     f"dimension, got {labels.dtype} of shape {labels.shape}"
-                                     f"{hint}")
+            raise DatasetFormatError(f"{lab_path}: expected unsigned-byte labels of 1 dimension, "
+                                     f"got {labels.dtype} of shape {labels.shape}{hint}")
         if len(labels) != len(images):
             raise DatasetFormatError(f"{lab_path} holds {len(labels)} labels but {img_path} "
                                      f"holds {len(images)} images{hint}")

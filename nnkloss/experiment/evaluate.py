@@ -3,7 +3,6 @@ metrics, and classification accuracy with the kernel classifier or a softmax hea
 from __future__ import annotations
 
 import warnings
-
 from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
@@ -31,9 +30,7 @@ def extract_embeddings(model: nn.Module, loader: Iterable, device=None, amp: boo
     """
     from tqdm.auto import tqdm
 
-    if device is None:
-        device = next(model.parameters()).device
-    device = torch.device(device)
+    device = next(model.parameters()).device if device is None else torch.device(device)
     was_training = model.training
     model.eval()
     use_amp = bool(amp) and device.type == "cuda"
@@ -117,9 +114,7 @@ def classification_metrics(model: nn.Module, criterion: nn.Module, train_loader:
     current embeddings (its sigma and weights, ``k`` neighbours); a softmax head with its
     logits. ``loss``: the mean negative log-probability of the true class (floored at 1e-12).
     """
-    if device is None:
-        device = next(model.parameters()).device
-    device = torch.device(device)
+    device = next(model.parameters()).device if device is None else torch.device(device)
     emb, labels = extract_embeddings(model, loader, device, amp, progress, desc="embed eval")
     if isinstance(criterion, NeighbourKernelLoss):
         tr_emb, tr_lab = extract_embeddings(model, train_loader, device, amp, progress,

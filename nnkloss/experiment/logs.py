@@ -6,7 +6,7 @@ import io
 import json
 import math
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Sequence
 
 import numpy as np
 from torch import Tensor
@@ -42,9 +42,7 @@ def write_logs(out_dir: str, history: Sequence[Dict[str, Any]]) -> None:
         remove_stale_temps(os.path.join(out_dir, name))
     rows = [{k: json_safe(v) for k, v in r.items()} for r in history]
     atomic_write(os.path.join(out_dir, LOG_JSON), json.dumps(rows, indent=1).encode("utf-8"))
-    cols: List[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols]
+    cols = list(dict.fromkeys(k for r in rows for k in r))  # in order of first appearance
     sio = io.StringIO()
     w = csv.DictWriter(sio, fieldnames=cols, lineterminator="\n")
     w.writeheader()

@@ -175,8 +175,7 @@ def build_embedding_net(arch: str, dim: Optional[int] = None, dropout: float = 0
         _load_into(net, pretrained, replaced)
     if arch in ("alexnet", "vgg16"):
         # AlexNet: Dropout, FC6, ReLU, Dropout, FC7 | VGG16: FC6, ReLU, Dropout, FC7.
-        keep = 5 if arch == "alexnet" else 4
-        net.classifier = nn.Sequential(*list(net.classifier.children())[:keep])
+        net.classifier = net.classifier[:5 if arch == "alexnet" else 4]
     else:
         net.fc = nn.Identity()
     return EmbeddingNet(net, feat, dim, dropout, relu)

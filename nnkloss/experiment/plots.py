@@ -40,10 +40,9 @@ def _save(plt, fig, path: str, dpi: int = 120) -> str:
     fig.tight_layout()
     fmt = os.path.splitext(path)[1][1:].lower() or None
     try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
+        return atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
     finally:
         plt.close(fig)
-    return path
 
 
 def _project(x: np.ndarray, method: str, seed: int) -> np.ndarray:
@@ -106,10 +105,8 @@ def plot_embedding(emb, labels, path, method: str = "tsne", max_points: Optional
                           label=str(c)) for i, c in enumerate(classes)]
         ax.legend(handles=handles, title="class", loc="best", fontsize=8, markerscale=1.2,
                   ncol=1 if len(classes) <= 10 else 2)
-    ax.set_title(title if title is not None else f"{method.upper()} of {x.shape[0]} embeddings, "
-                 f"{len(classes)} classes")
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[], title=title if title is not None else
+           f"{method.upper()} of {x.shape[0]} embeddings, {len(classes)} classes")
     return _save(plt, fig, path)
 
 
@@ -140,11 +137,8 @@ def plot_recall_curve(results: Mapping[str, Mapping[int, float]], path,
         ax.plot(ks, [100.0 * v for v in vals], marker="o", label=name)
     ax.set_xscale("log", base=2)
     all_ks = sorted({k for ks, _ in curves.values() for k in ks})
-    ax.set_xticks(all_ks)
-    ax.set_xticklabels([str(k) for k in all_ks])
-    ax.set_xlabel("K")
-    ax.set_ylabel("Recall@K (%)")
-    ax.set_title(title)
+    ax.set_xticks(all_ks, [str(k) for k in all_ks])
+    ax.set(xlabel="K", ylabel="Recall@K (%)", title=title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     return _save(plt, fig, path)
@@ -170,8 +164,7 @@ def plot_training_curves(histories: Mapping[str, List[Mapping]], path: str,
             pts = [(r["epoch"], r[key]) for r in hist if r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker=".", label=name)
-        ax.set_xlabel("epoch")
-        ax.set_title(key)
+        ax.set(xlabel="epoch", title=key)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

@@ -26,18 +26,14 @@ def git_commit(cwd: str) -> Optional[str]:
     except (OSError, subprocess.CalledProcessError):
         return None
     exclude = [f":(top,exclude){d}" for d in RESULTS_DIRS]
-    try:
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":(top)", *exclude],
-                               cwd=cwd, capture_output=True).returncode == 1
-    except OSError:
-        dirty = False
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":(top)", *exclude],
+                           cwd=cwd, capture_output=True).returncode == 1
     return (head + ("-dirty" if dirty else "")) if head else None
 
 
 def write_json(path: str, obj) -> str:
     """Write ``obj`` as indented JSON, atomically. Returns ``path``."""
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
-    return path
+    return atomic_write(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
 
 def percent(v: Optional[float]) -> str:
@@ -61,7 +57,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence], title: str =
         return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
 
     out = [f"**{title}**", ""] if title else []
-    out.append(line(cells[0]))
-    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    out += [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out) + "\n"

@@ -16,6 +16,8 @@ from .. import distributed as nkd
 from ..bank.centre_bank import CentreBank
 from ..losses.neighbour_kernel import NeighbourKernelLoss
 from ..bank.refresh import Refresher
+from .reporting import write_json
+from .train import CHECKPOINT_NAME
 
 __all__ = ["HelpFormatter", "resolve_device", "image_transforms", "make_loader", "kernel_criterion",
            "run_settings", "check_resume", "check_epochs"]
@@ -74,10 +76,8 @@ def check_resume(run_dir: str, settings: dict, restart: bool) -> None:
     """SystemExit naming the differences where ``run_dir`` holds a checkpoint of other
     settings; then record ``settings`` in ``settings.json`` (rank 0). ``restart`` removes the
     old checkpoint first."""
-    from .reporting import write_json
-
     path = os.path.join(run_dir, "settings.json")
-    checkpoint = os.path.join(run_dir, "checkpoint.pt")
+    checkpoint = os.path.join(run_dir, CHECKPOINT_NAME)
     if not restart and os.path.isfile(checkpoint) and os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
@@ -119,13 +119,10 @@ def image_transforms(image_size: int = 224, train: bool = True):
     if image_size < 8:
         raise ValueError(f"image_size must be >= 8, got {image_size}")
     resize = int(round(image_size * 256 / 224))
-    ops = [T.Resize((resize, resize))]
-    if train:
-        ops += [T.RandomCrop(image_size), T.RandomHorizontalFlip()]
-    else:
-        ops += [T.CenterCrop(image_size)]
-    ops += [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]  # ImageNet
-    return T.Compose(ops)
+    crop = ([T.RandomCrop(image_size), T.RandomHorizontalFlip()] if train
+            else [T.CenterCrop(image_size)])
+    return T.Compose([T.Resize((resize, resize)), *crop, T.ToTensor(),
+                      T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])  # ImageNet
 
 
 def make_loader(ds: Dataset, batch_size: int, shuffle: bool, workers: int = 0,

@@ -22,20 +22,21 @@ from .seeds import check_seed, seed_everything
 from ..losses.base import BankLoss
 from ..validation import require_positive_int, value_checks, value_checks_enabled
 from .. import distributed as _dist
+from ..checksum import iter_contents
 
 __all__ = ["Trainer", "fit", "seed_everything", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 #: "adam" decays through the gradient (L2), which Adam rescales; "adamw" decays decoupled.
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+# What loading a malformed part raises (AttributeError: a str where a loader wants a dict).
+_LOAD_ERRORS = (ValueError, IndexError, TypeError, KeyError, RuntimeError, AttributeError)
 
 
 def _param_groups(model: nn.Module, criterion: nn.Module, lr: float, weight_decay: float,
                   sigma_lr: Optional[float], weights_lr: Optional[float]) -> List[dict]:
-    """Optimiser groups: network and "other" criterion parameters decay; "sigma" and "weights"
-    (:meth:`nnkloss.losses.BankLoss.parameter_groups`) get their own rates and no decay
-    (decay would pull their logs to 0). A parameter of both model and criterion is the
-    network's."""
+    """The optimiser groups of :class:`Trainer`'s docstring; no decay for "sigma" and "weights"
+    (it would pull their logs to 0); a parameter of both model and criterion is the network's."""
     declared = getattr(criterion, "parameter_groups", None)
     declared = declared() if callable(declared) else {"other": list(criterion.parameters())}
     unknown = set(declared) - {"sigma", "weights", "other"}
@@ -117,7 +118,7 @@ class Trainer:
                  neighbours_every_steps: Optional[int] = None, warm_start_steps: int = 0,
                  threads: Optional[int] = None):
         if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {optimizer!r}")
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}")
         self.eval_every = require_positive_int("eval_every", eval_every)
@@ -138,8 +139,7 @@ class Trainer:
         self.refresher, self.schedule = self.upkeep.refresher, self.upkeep.schedule
         groups = _param_groups(model, criterion, lr, weight_decay, sigma_lr, weights_lr)
         extra = {"momentum": momentum} if optimizer == "sgd" else {}
-        self.optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
-                          "adamw": torch.optim.AdamW}[optimizer](groups, lr=lr, **extra)
+        self.optimizer = OPTIMIZERS[optimizer](groups, lr=lr, **extra)
         self.use_amp = bool(amp) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.out_dir = out_dir
@@ -185,7 +185,9 @@ class Trainer:
         _ckpt.check_format(state, where)
         _ckpt.check_data(state.get("data"), self._data, where)
         self.upkeep.finish_async()
-        before = _cpu_copy(self.state_dict())
+        now = self.state_dict()  # copied with its tensors cloned to the CPU: deepcopy's memo
+        before = copy.deepcopy(now, {id(t): t.detach().to("cpu", copy=True)
+                                     for _, t in iter_contents(now) if isinstance(t, Tensor)})
         try:
             self._load_parts(state, where)
         except BaseException:
@@ -199,9 +201,7 @@ class Trainer:
                 target.load_state_dict(state[name])
                 if target is self.optimizer:
                     _ckpt.check_optimizer_state(target)
-            # AttributeError: a str or list where the loaders call a dict's methods
-            except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
-                    AttributeError) as exc:
+            except _LOAD_ERRORS as exc:
                 raise type(exc)(f"{where}, {name}: {exc}") from exc
         _ckpt.check_scaler_state(state.get("scaler", {}), f"{where}, scaler")
         if state.get("scaler"):
@@ -215,8 +215,7 @@ class Trainer:
                 ("rng", _ckpt.set_rng_state)):
             try:
                 load(state[name])
-            except (ValueError, IndexError, TypeError, KeyError, RuntimeError,
-                    AttributeError) as exc:  # e.g. a list where set_rng_state wants a tensor
+            except _LOAD_ERRORS as exc:  # e.g. a list where set_rng_state wants a tensor
                 raise ValueError(f"{where}, {name}: {exc!r}") from exc
         for name in ("bank_ready", "refresh_due"):  # real bools only: bool("False") is True
             value = state.get(name, False)
@@ -263,13 +262,12 @@ class Trainer:
         checks = value_checks_enabled()  # as the caller set them around fit()
         rows = 0
         n_batches = 0
-        upkeep = self.upkeep
-        upkeep.start_epoch()
+        self.upkeep.start_epoch()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         bar = self._bar
         if bar is not None:
             bar.set_description(f"{self.desc} epoch {epoch}/{total_epochs}")
-        for x, y, idx in self.loader:
+        for n_batches, (x, y, idx) in enumerate(self.loader, 1):
             x = x.to(dev, non_blocking=True)
             y = torch.as_tensor(y).to(dev, non_blocking=True)
             idx = torch.as_tensor(idx).to(dev, non_blocking=True)
@@ -293,7 +291,6 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
-            n_batches += 1
             rows += len(y)
             loss_sum += loss.detach().double()
             if counted is not None:
@@ -302,7 +299,7 @@ class Trainer:
                 bar.update(1)
                 if n_batches % self.log_every == 0:
                     bar.set_postfix(loss=f"{float(loss_sum) / n_batches:.4f}", refresh=False)
-            upkeep.after_step(self.step, idx, emb)
+            self.upkeep.after_step(self.step, idx, emb)
         if n_batches == 0:
             raise ValueError("the training loader yielded no batches")
         mismatched_sum = int(_dist.sum_over_ranks(mismatched_sum))  # one sync per epoch
@@ -319,7 +316,7 @@ class Trainer:
         if counted is not None:
             row["counted_frac"] = float(valid_sum) / max(rows, 1)
         row.update(getattr(self.criterion, "log_values", dict)())
-        row.update(upkeep.epoch_columns())
+        row.update(self.upkeep.epoch_columns())
         return row
 
     def fit(self, epochs: int, resume: bool = True) -> List[Dict[str, Any]]:
@@ -333,7 +330,6 @@ class Trainer:
         saved_threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        self._bar = None
         try:
             if self.upkeep.needs_initial_bank:
                 seed_everything(self.seed)
@@ -389,20 +385,6 @@ class Trainer:
                 _dist.barrier()  # no rank reads the checkpoint before rank 0 wrote it
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{row['loss']:.4f}")
-
-
-def _cpu_copy(obj):
-    """A CPU copy of a nested state: tensors cloned, containers rebuilt, the rest deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # a module's state_dict: its per-module versions
-            out._metadata = copy.deepcopy(obj._metadata)
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def fit(model: nn.Module, criterion: nn.Module, train_loader: Iterable, epochs: int,

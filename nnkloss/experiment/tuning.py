@@ -99,5 +99,4 @@ def choose_sigma(model: nn.Module, criterion: nn.Module, loader: Iterable, candi
     finite = [s for s in sigmas if math.isfinite(losses[s])]
     if not finite:
         raise ValueError(f"no candidate sigma gives a finite validation loss: {losses}")
-    best = min(finite, key=lambda s: losses[s])  # min keeps the first of equal losses
-    return best, losses
+    return min(finite, key=losses.__getitem__), losses  # min keeps the first of equal losses

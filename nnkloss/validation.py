@@ -41,15 +41,11 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = old
 
 
-# Looked up once: the op asks on every call (Dynamo knows the function by its object).
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+# True while torch.compile traces (data-dependent checks must be skipped then): torch's own
+# function, which Dynamo knows by its object; asked on every call, so not wrapped.
+compiling = torch.compiler.is_compiling
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)  # private: None = unknown
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def compiling() -> bool:
-    """True while torch.compile traces (data-dependent checks must be skipped then)."""
-    return _is_compiling is not None and bool(_is_compiling())
 
 
 def plain_eager(*tensors) -> bool:

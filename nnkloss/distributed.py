@@ -206,10 +206,12 @@ def sync_loss_parameters(loss_module: nn.Module, group=None) -> None:
     dist.all_reduce(flat, group=group)
     flat[:-len(params)] /= world_size(group)
     grads = flat[:-len(params)].split([p.numel() for p in params])
-    for p, g, flag in zip(params, grads, flat[-len(params):].tolist()):
+    # The presence flags are read (a host sync on a GPU) only where a local gradient is None.
+    flags = flat[-len(params):].tolist() if any(p.grad is None for p in params) else None
+    for i, (p, g) in enumerate(zip(params, grads)):
         if p.grad is not None:
             p.grad.copy_(g.view(p.shape))
-        elif flag > 0:
+        elif flags[i] > 0:
             p.grad = g.view(p.shape).to(p.device, p.dtype).clone()
 
 

@@ -99,6 +99,26 @@ def run_trainer(x, y, out_dir, **options):
 
 
 # ---------------------------------------------------------------------------- the children
+def sync_loss_parameters_cases(rank):
+    """(host reads, grad) of sync_loss_parameters: sigma's gradient present on both ranks (no
+    read of the presence flags: no host sync per step), on rank 0 only (rank 1's None counts as
+    zeros), on neither (stays None)."""
+    out = []
+    real = torch.Tensor.tolist
+    for present in ((0, 1), (0,), ()):
+        crit = NeighbourKernelLoss(fixed_bank(), sigma=0.8, learn_sigma=True)
+        crit.log_sigma.grad = torch.tensor(2.0 + rank) if rank in present else None
+        reads = []
+        torch.Tensor.tolist = lambda t: reads.append(1) or real(t)
+        try:
+            nkd.sync_loss_parameters(crit)
+        finally:
+            torch.Tensor.tolist = real
+        grad = crit.log_sigma.grad
+        out.append((len(reads), None if grad is None else float(grad)))
+    return out
+
+
 def worker(rank, port, out_dir):
     torch.set_num_threads(1)
     x, y = make_data()
@@ -119,6 +139,7 @@ def worker(rank, port, out_dir):
     from nnkloss.experiment.bank_upkeep import write_fresh_centres
     write_fresh_centres(bank, idx, torch.full((len(idx), D), float(rank + 1)), 0.0)
     results["uneven_write"] = bank.centres.clone()
+    results["sync"] = sync_loss_parameters_cases(rank)
     # A loader over part of its dataset (a sampler of its own): refused, not widened to all.
     results["sampler_errors"] = []
     for sampler in (torch.utils.data.SubsetRandomSampler(range(6)),
@@ -273,6 +294,13 @@ def test_fresh_centres_gather_uneven_batches_in_rank_order(results):
     expected[[3, 9]] = 2.0  # row 3 is in both ranks' batches: the higher rank wins
     for r in results:
         assert torch.equal(r["uneven_write"], expected)
+
+
+def test_sync_loss_parameters_reads_nothing_when_every_gradient_is_present(results):
+    # both present: mean of 2 and 3, no read; rank 0's only: (2 + 0) / 2, read where it is
+    # None (rank 1); none: None, read on both
+    for rank, r in enumerate(results):
+        assert r["sync"] == [(0, 2.5), (rank, 1.0), (1, None)], r["sync"]
 
 
 def test_shard_loader_refuses_a_loader_with_a_sampler_of_its_own(results):

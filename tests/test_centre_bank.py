@@ -577,6 +577,24 @@ def test_load_state_dict_checks_values_in_the_banks_dtypes():
     assert b.log_weights.dtype == torch.float32 and b.centre_labels.dtype == torch.int32
 
 
+def test_wide_weights_are_checked_as_the_bank_stores_them():
+    """fp64 weights are stored in fp32: one above fp32's range would be an infinite weight,
+    a learnable one below it a zero weight (log -inf); both are refused, naming weights."""
+    centres, labels = torch.zeros(4, 2), torch.tensor([0, 0, 1, 1])
+    big = torch.tensor([1.0, 1e39, 1.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^weights hold a value that overflows torch.float32 "
+                                         r"\(max 1e\+39\)"):
+        nnkloss.CentreBank(centres, labels, weights=big)
+    bank = nnkloss.CentreBank(centres, labels)
+    with pytest.raises(ValueError, match=r"^weights hold a value that overflows"):
+        bank.update_(weights=big)
+    tiny = torch.tensor([1.0, 1e-50, 1.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^learnable weights must start strictly positive"):
+        nnkloss.CentreBank(centres, labels, weights=tiny, learn_weights=True)
+    assert nnkloss.CentreBank(centres, labels, weights=tiny).weights[1] == 0  # fixed: allowed
+    assert torch.equal(bank.weights, torch.ones(4))
+
+
 def test_log_weights_whose_weight_overflows_are_refused():
     """A finite log-weight whose exp overflows is an infinite weight (audit A): a checkpoint
     with a log-weight of 1000 loaded into a bank whose weights were inf."""

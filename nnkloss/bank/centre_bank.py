@@ -36,7 +36,11 @@ def _validate_weights(weights: Tensor, n: int, positive: bool) -> Tensor:
     w = weights.detach()
     if not nonnegative_finite(w):
         raise ValueError("weights must be finite and non-negative")
-    if positive and (w <= 0).any():
+    w32 = w.float()  # the bank's dtype: a wider weight may overflow or vanish there
+    if w32 is not w and not bool(torch.isfinite(w32).all()):
+        raise ValueError(f"weights hold a value that overflows torch.float32 (max "
+                         f"{w.max().item()}): weights must be finite and non-negative")
+    if positive and (w32 <= 0).any():
         raise ValueError("learnable weights must start strictly positive (they are stored as "
                          "log-weights, which keeps them positive while training)")
     return weights

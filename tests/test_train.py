@@ -485,7 +485,9 @@ def test_an_amp_scaler_state_its_constructor_would_refuse_is_refused_on_load(tmp
                              ("growth_factor", 1.0, "finite and > 1"),
                              ("backoff_factor", 1.5, r"in \(0, 1\)"),
                              ("growth_interval", 0, "an int >= 1"),
+                             ("growth_interval", float("inf"), "an int >= 1, got inf"),
                              ("_growth_tracker", -1, "an int >= 0"),
+                             ("_growth_tracker", float("inf"), "an int >= 0, got inf"),
                              ("scale", "big", "a number")):
         save_checked(dict(good, scaler=dict(ok, **{key: value})), path)
         with pytest.raises(ValueError, match=rf"checkpoint.pt'?, scaler\['{key}'\] must be "

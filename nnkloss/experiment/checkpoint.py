@@ -138,8 +138,8 @@ def check_scaler_state(state: Any, what: str = "scaler") -> None:
     checks = (("scale", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
               ("growth_factor", lambda v: math.isfinite(v) and v > 1, "finite and > 1"),
               ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)"),
-              ("growth_interval", lambda v: v >= 1 and v == int(v), "an int >= 1"),
-              ("_growth_tracker", lambda v: v >= 0 and v == int(v), "an int >= 0"))
+              ("growth_interval", lambda v: v >= 1 and v.is_integer(), "an int >= 1"),
+              ("_growth_tracker", lambda v: v >= 0 and v.is_integer(), "an int >= 0"))
     for key, ok, rule in checks:
         v = state.get(key)
         if not _is_number(v):
